@@ -1,0 +1,49 @@
+"""python -m picockpt COMMAND [flags]   (python -m picockpt COMMAND --help for each)
+
+Each command lives in its own module with add_arguments(parser) and run(args); only the
+command asked for is imported.
+"""
+import argparse
+import importlib
+import sys
+
+COMMANDS = {  # name -> one-line help; the module picockpt/cli/<name>.py does the work
+    "reproduce": "run every lesson's experiment, regenerate figures/ and print the results table",
+    "train": "train on the synthetic task: loss, tokens/s and stored activation bytes per step",
+    "measure": "one step under a policy: peak bytes (logical, physical), FLOPs, time, exactness",
+    "compare": "picockpt's policies side by side with torch.utils.checkpoint on the same shape",
+    "inventory": "what one layer stores, by name, shape and bytes: closed form and measured",
+    "predict": "activation memory from the formulas (Korthikanti et al.; picockpt's exact one)",
+    "plan": "the optimal recomputation schedule for a memory budget (or a uniform chain)",
+}
+
+DESCRIPTION = """picockpt: activation recomputation (gradient checkpointing) written out by hand.
+A "checkpoint" here is a stored activation, never a saved model file.
+
+Policies (--policy): none | full | every:C | budget:SIZE, optionally +selective or +cheap.
+Devices (--device): auto (CUDA when present, else CPU) | cpu | cuda | cuda:N.
+
+commands:
+""" + "\n".join(f"  {name:<11}{text}" for name, text in COMMANDS.items())
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    top = argparse.ArgumentParser(prog="python -m picockpt", description=DESCRIPTION,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")
+    if not argv or argv[0].startswith("-"):  # no command: the overview (or --help)
+        top.parse_args(argv)
+        top.print_help()
+        return 2
+    top.parse_args(argv[:1])  # a clear error for an unknown command
+    name = argv[0]
+    parser = argparse.ArgumentParser(prog=f"python -m picockpt {name}", description=COMMANDS[name])
+    module = importlib.import_module(f"{__name__}.{name}")
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    try:
+        return module.run(args) or 0
+    except ValueError as error:  # a user mistake: say what and how to fix it, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2

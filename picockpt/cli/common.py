@@ -1,0 +1,68 @@
+"""What every command shares: the shape flags, the device flag, numbers with units."""
+from ..config import DTYPES, PRESETS, Config
+from ..device import resolve_device
+
+
+def add_shape_args(parser, preset="small", batch=4, seq=128):
+    group = parser.add_argument_group("model and batch shape")
+    group.add_argument("--preset", default=preset, choices=list(PRESETS),
+                       help=f"starting shape (default {preset}); the flags below override it")
+    group.add_argument("--layers", type=int, help="number of decoder layers L")
+    group.add_argument("--hidden", type=int, help="hidden size h")
+    group.add_argument("--heads", type=int, help="attention heads H")
+    group.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention when < heads)")
+    group.add_argument("--ffn", type=int, help="SwiGLU intermediate size")
+    group.add_argument("--vocab", type=int, help="vocabulary size")
+    group.add_argument("--max-seq", type=int, help="longest sequence the rotary table covers")
+    group.add_argument("--dropout", type=float, help="dropout on attention probabilities and residual branches")
+    group.add_argument("--dtype", choices=sorted(set(DTYPES)),
+                       help="activation dtype; bf16/fp16 keep fp32 master weights (default fp32)")
+    group.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
+    group.add_argument("--batch", type=int, default=batch, help=f"sequences per batch (default {batch})")
+    return group
+
+
+def add_run_args(parser):
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
+
+
+def config_from_args(args):
+    overrides = {name: getattr(args, name) for name in
+                 ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype")
+                 if getattr(args, name, None) is not None}
+    cfg = Config.from_preset(args.preset, **overrides)
+    if args.seq > cfg.max_seq and args.max_seq is None:
+        cfg = cfg.replace(max_seq=args.seq)  # a longer rotary table costs nothing
+    cfg.check_seq(args.seq)
+    if args.batch <= 0:
+        raise ValueError(f"batch={args.batch}: must be a positive integer")
+    return cfg
+
+
+def device_from_args(args):
+    return resolve_device(args.device)
+
+
+def fmt_bytes(n):
+    """Bytes with a binary unit: 1536 -> '1.50 KiB'."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def fmt_flops(n):
+    return "-" if n is None else f"{n / 1e9:.3f} GFLOP"
+
+
+def table(rows, columns):
+    """rows: list of dicts; columns: list of (header, function of row -> str)."""
+    cells = [[header for header, _ in columns]] + [[fn(row) for _, fn in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
+             for line in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""python -m picockpt compare: picockpt and torch.utils.checkpoint, side by side, one run."""
+import json
+
+from ..compare import compare
+from ..device import check_fits
+from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, table
+
+
+def add_arguments(parser):
+    add_shape_args(parser)
+    add_run_args(parser)
+    parser.add_argument("--segment", type=int, default=2, help="C for every:C and its peers (default 2)")
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved timed repeats (default 7)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def run(args):
+    cfg = config_from_args(args)
+    if not 1 <= args.segment <= cfg.layers:
+        raise ValueError(f"--segment={args.segment}: use 1 <= C <= layers={cfg.layers}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats={args.repeats}: must be at least 1")
+    device = device_from_args(args)
+    check_fits(cfg, device)
+    print(f"comparing on {device} ({cfg.dtype}): L={cfg.layers} h={cfg.hidden} H={cfg.heads} "
+          f"KV={cfg.kv_heads} f={cfg.ffn} V={cfg.vocab}, batch {args.batch} x {args.seq} tokens")
+    rows = compare(cfg, args.batch, args.seq, device, args.segment, args.repeats, args.seed)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    base = next(r for r in rows if r["name"] == "autograd")
+    ratio = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    print(table(rows, [
+        ("run", lambda r: r["name"]),
+        ("peak live", lambda r: fmt_bytes(r["peak_live_bytes"])),
+        ("recompute GFLOP", lambda r: f"{r['recompute_flops'] / 1e9:.3f}"),
+        ("step ms", lambda r: f"{r['step_seconds'] * 1e3:.1f}"),
+        ("time / autograd", lambda r: f"{r['step_seconds'] / base['step_seconds']:.2f}"),
+        ("vs equivalent: memory", lambda r: ratio(r["memory_vs_equivalent"])),
+        ("time", lambda r: ratio(r["time_vs_equivalent"])),
+        ("equivalent", lambda r: r["equivalent"] or "-"),
+    ]))
+    print("peak live = bytes of all tensors created during the step, weight gradients excluded. "
+          "torch checkpoint_sequential keeps its last segment stored (no recompute there).")

@@ -1,0 +1,39 @@
+"""python -m picockpt inventory: one layer's stored tensors, closed form beside measured."""
+from ..inventory import head_inventory, layer_inventory, predicted_peak_bytes, total
+from ..measure import measured_inventory
+from ..policy import parse_policy
+from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes
+
+
+def add_arguments(parser):
+    add_shape_args(parser, batch=2, seq=64)
+    add_run_args(parser)
+    parser.add_argument("--policy", default="none", help="op-level drops to apply (e.g. selective, cheap)")
+    parser.add_argument("--layer", type=int, default=0, help="which layer to measure (default 0)")
+
+
+def run(args):
+    cfg = config_from_args(args)
+    policy = parse_policy(args.policy, cfg)
+    if not 0 <= args.layer < cfg.layers:
+        raise ValueError(f"--layer={args.layer}: use 0 .. {cfg.layers - 1}")
+    B, T = args.batch, args.seq
+    closed = layer_inventory(cfg, B, T, policy.drop)
+    head = head_inventory(cfg, B, T, policy.drop)
+    measured = measured_inventory(cfg, B, T, _op_only(policy), device_from_args(args), args.seed)
+    print(f"one stored layer, B={B} T={T} h={cfg.hidden} H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} "
+          f"{cfg.dtype}, policy {policy.text} (op level: {policy.op_level or 'nothing dropped'})")
+    print(f"{'name':<20}{'shape':<22}{'dtype':<10}{'closed form':>14}{'measured':>14}")
+    for rows, layer in ((closed, args.layer), (head, None)):
+        for name, (shape, dtype, nbytes) in rows.items():
+            got = measured.get((layer, name))
+            flag = "" if got == nbytes else "   <- differs"
+            print(f"{name:<20}{str(shape):<22}{dtype:<10}{nbytes:>14,}{got if got is not None else '-':>14,}{flag}")
+        print(f"{'  total':<52}{total(rows):>14,}  ({fmt_bytes(total(rows))})")
+    print(f"peak of the store over a step under {policy.text}: "
+          f"{fmt_bytes(predicted_peak_bytes(cfg, B, T, policy))}")
+
+
+def _op_only(policy):
+    """The same op-level drops, every layer stored: what a stored layer holds."""
+    return parse_policy(policy.op_level or "none")

@@ -1,0 +1,59 @@
+"""python -m picockpt measure: one step under one policy, every number with its unit."""
+import json
+import sys
+
+from ..device import check_fits
+from ..measure import measure_policy
+from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops
+
+
+def add_arguments(parser):
+    add_shape_args(parser)
+    add_run_args(parser)
+    parser.add_argument("--policy", default="none", help="recomputation policy (default none)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps, median reported (default 3)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--trace", action="store_true", help="print the engine's events of one step")
+    parser.add_argument("--memory-snapshot", metavar="FILE",
+                        help="CUDA only: record the allocator history of one step to FILE (a pickle that "
+                             "https://pytorch.org/memory_viz opens)")
+
+
+def run(args):
+    cfg = config_from_args(args)
+    device = device_from_args(args)
+    check_fits(cfg, device)
+    if args.memory_snapshot:
+        from ..snapshot import record_snapshot
+        record_snapshot(args.memory_snapshot, cfg, args.policy, args.batch, args.seq, device, args.seed)
+    row = measure_policy(cfg, args.policy, args.batch, args.seq, device, args.seed, args.repeats,
+                         trace=(lambda line: print(line, file=sys.stderr)) if args.json and args.trace
+                         else args.trace)
+    if args.json:
+        print(json.dumps(row, indent=1))
+        return
+    print(f"policy {row['policy']} on {row['device']}, {row['dtype']}: L={cfg.layers} h={cfg.hidden} "
+          f"H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} V={cfg.vocab}, batch {args.batch} x {args.seq} tokens")
+    lines = [
+        ("peak stored activations (logical)", fmt_bytes(row["peak_activation_bytes"]),
+         f"{row['peak_activation_bytes']:,} bytes"),
+        ("predicted by the closed form", fmt_bytes(row["predicted_activation_bytes"]),
+         f"{row['predicted_activation_bytes']:,} bytes"),
+        ("peak live bytes (physical)", fmt_bytes(row["peak_live_bytes"]), "activations + working memory"),
+        ("forward FLOPs", fmt_flops(row["forward_flops"]), ""),
+        ("recompute FLOPs", fmt_flops(row["recompute_flops"]),
+         f"{row['recompute_flops'] / row['forward_flops']:.1%} of the forward"),
+        ("backward FLOPs", fmt_flops(row["backward_flops"]), ""),
+        ("step time", f"{row['step_seconds'] * 1e3:.1f} ms", f"median of {args.repeats}"),
+        ("loss", f"{row['loss']:.6f}", ""),
+        ("max |grad - grad(none)|", f"{row['grad_max_abs_diff_vs_none']:.3g}", "0 means bitwise equal"),
+    ]
+    if "cuda_peak_bytes" in row:
+        lines.append(("CUDA max_memory_allocated", fmt_bytes(row["cuda_peak_bytes"]), "step's increase"))
+    for name, value, note in lines:
+        print(f"  {name:<36}{value:>16}  {note}")
+    for phase, peaks in row["phase_peaks"].items():
+        if phase == "outside":
+            continue
+        print(f"  peak in {phase:<10} logical {fmt_bytes(peaks['logical']):>12}  "
+              f"physical {fmt_bytes(peaks['physical']):>12}")

@@ -1,0 +1,35 @@
+"""python -m picockpt train: the synthetic Markov task, step by step."""
+from ..device import check_fits
+from ..params import init_params
+from ..policy import parse_policy
+from ..train import MarkovTask, train
+from .common import add_run_args, add_shape_args, config_from_args, device_from_args
+
+
+def add_arguments(parser):
+    add_shape_args(parser, batch=8, seq=128)
+    add_run_args(parser)
+    parser.add_argument("--policy", default="none", help="recomputation policy (default none)")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--log-every", type=int, default=1, help="print every N steps (default 1)")
+
+
+def run(args):
+    cfg = config_from_args(args)
+    if cfg.dtype == "float16":
+        raise ValueError("--dtype fp16: training in fp16 needs loss scaling, which picockpt leaves out; "
+                         "use bf16 (same bytes, fp32's exponent range) or fp32")
+    if args.steps <= 0:
+        raise ValueError(f"--steps={args.steps}: must be a positive integer")
+    policy = parse_policy(args.policy, cfg)
+    device = device_from_args(args)
+    check_fits(cfg, device)
+    task = MarkovTask(cfg.vocab, seed=args.seed)
+    print(f"training {cfg.num_params():,} parameters on {device} ({cfg.dtype}), policy {policy.text}, "
+          f"batch {args.batch} x {args.seq} tokens; loss starts near ln(vocab) = "
+          f"{__import__('math').log(cfg.vocab):.3f}, the task's floor is ln({task.branching}) = {task.loss_floor:.3f}")
+    params = init_params(cfg, seed=args.seed, device=device)
+    losses = train(params, cfg, task, args.steps, args.batch, args.seq, policy, args.lr, device,
+                   every=args.log_every)
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")

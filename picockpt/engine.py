@@ -1,0 +1,134 @@
+"""One training step's forward and backward, with recomputation. No autograd.
+
+    forward : embed -> layers 0..L-1, each kept as the policy says -> final norm, head, loss
+    backward: loss -> head -> for i = L-1 .. 0:
+                  if layer i's activations are gone:
+                      j = nearest stored checkpoint (layer input) at or below i
+                      recompute layers j..i from it (restoring the RNG state it was stored with)
+                  backward of layer i (uses, then drops, its activations)
+              -> embedding
+
+    loss, grads = loss_and_grads(params, cfg, input_ids, targets, policy="every:2")
+"""
+import contextlib
+
+import torch
+
+from .head import head_backward, head_forward
+from .inventory import layer_inventory
+from .layer import layer_backward, layer_forward
+from .ops import embedding_backward, embedding_forward, rope_tables
+from .params import EMBED, HEAD, LAYER_NAMES, check_params, compute_weights, layer_weights
+from .policy import parse_policy
+from .store import ActivationStore
+
+
+class _NoTracker:  # what the engine talks to when nobody is measuring
+    def phase(self, name):
+        return contextlib.nullcontext()
+
+    def on_event(self, event):
+        pass
+
+    def mark(self, tensor, category):
+        pass
+
+
+def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None, trace=False):
+    """Mean next-token cross-entropy and the gradient of every parameter (same keys as params).
+    targets[b, t] is the token that should follow position t: no shifting happens here."""
+    policy = parse_policy(policy, cfg)
+    _check_batch(cfg, input_ids, targets)
+    check_params(params, cfg)
+    tracker = tracker or _NoTracker()
+    say = trace if callable(trace) else print  # where --trace lines go
+    B, T = input_ids.shape
+    L, drop = cfg.layers, policy.drop
+    schedule = policy.schedule(cfg, B, T)
+    store = ActivationStore(listener=tracker)
+    generator = _generator(input_ids.device)
+    rng_states = {}  # layer -> RNG state just before its forward, for every stored layer input
+    stored_names = list(layer_inventory(cfg, B, T))  # what a layer could keep (for --trace)
+
+    def run_layers(first, last, x, mode_of):
+        """Forward layers first..last from x, each stored as mode_of(k) says; returns the output."""
+        for k in range(first, last + 1):
+            mode = mode_of(k)
+            if mode != "none" and not store.has(k, "input"):
+                store.put(k, "input", x)  # a checkpoint: recomputation can start here
+                if cfg.dropout > 0:
+                    rng_states[k] = generator.get_state()
+            x = layer_forward(x, weights_of[k], cfg, rope, store if mode == "all" else None, k, drop)
+            if trace:
+                dropped = [name for name in stored_names if name not in store.names(k)]
+                say(f"forward layer {k} ({mode}): kept {store.names(k) or 'nothing'}, dropped {dropped or 'nothing'}")
+        return x
+
+    # ---- forward ----
+    with tracker.phase("forward"):
+        weights = compute_weights(params, cfg)  # 16-bit copies under mixed precision
+        for tensor in weights.values():
+            tracker.mark(tensor, "weights")
+        rope = rope_tables(cfg, T, input_ids.device, cfg.torch_dtype)  # (T, hd) cos, sin
+        weights_of = [layer_weights(weights, i) for i in range(L)]  # per layer, by role
+        x = embedding_forward(input_ids, weights[EMBED])  # (B, T, h)
+        x = run_layers(0, L - 1, x, lambda k: schedule.forward[k])  # (B, T, h)
+        loss = head_forward(x, weights, cfg, targets, store, drop)  # scalar
+        del x
+    if trace:
+        say(f"loss {loss.item():.4f}; stored {store.bytes:,} bytes")
+
+    # ---- backward ----
+    grads = {}
+    with tracker.phase("backward"):
+        dx, head_grads = head_backward(weights, cfg, targets, store)  # (B, T, h)
+        grads.update(head_grads)
+        for i in reversed(range(L)):
+            if not store.has(i, "attn_norm.rstd"):  # layer i's activations are gone (no policy drops rstd)
+                j = next(k for k in range(i, -1, -1) if store.has(k, "input"))  # nearest checkpoint
+                if trace:
+                    say(f"recompute segment [{j}..{i}] from the input of layer {j}")
+                with tracker.phase("recompute"), _replay_rng(generator, rng_states.get(j)):
+                    run_layers(j, i, store.get(j, "input"), lambda k: schedule.sweep(k, i))
+            dx, layer_grads = layer_backward(dx, weights_of[i], cfg, rope, store, i)  # (B, T, h)
+            rng_states.pop(i, None)
+            if trace:
+                say(f"backward layer {i}: dropped its activations; stored {store.bytes:,} bytes")
+            for role, grad in layer_grads._asdict().items():
+                grads[f"model.layers.{i}.{getattr(LAYER_NAMES, role)}"] = grad
+        grads[EMBED] = embedding_backward(dx, input_ids, weights[EMBED].shape)  # (V, h)
+        if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses
+            grads[EMBED] = grads[HEAD] = grads[EMBED] + grads[HEAD]  # (V, h)
+        grads = {name: grads[name].to(params[name].dtype) for name in params if name in grads}
+        for grad in grads.values():
+            tracker.mark(grad, "gradients")
+    assert store.bytes == 0, f"the store still holds {store.names(None)} after the backward"
+    return loss, grads
+
+
+@contextlib.contextmanager
+def _replay_rng(generator, state):
+    """Run the block with the generator set to `state`, then put the generator back:
+    recomputed dropout masks equal the first ones, and the rest of the step is unaffected."""
+    if state is None:
+        yield
+        return
+    saved = generator.get_state()
+    generator.set_state(state)
+    try:
+        yield
+    finally:
+        generator.set_state(saved)
+
+
+def _generator(device):
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    return torch.default_generator
+
+
+def _check_batch(cfg, input_ids, targets):
+    if input_ids.dim() != 2 or input_ids.shape != targets.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and targets {tuple(targets.shape)} must both "
+                         f"be (batch, seq) integer tensors of the same shape")
+    cfg.check_seq(input_ids.shape[1])

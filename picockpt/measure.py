@@ -1,0 +1,113 @@
+"""Measure one policy on one shape: bytes (logical and physical), FLOPs, time, exactness.
+
+    row = measure_policy(cfg, "every:2", batch=4, seq=128)
+    row["peak_activation_bytes"] == row["predicted_activation_bytes"]   # exact
+
+Time is measured on untracked steps (the tracker's op-by-op watching is slow); memory and
+FLOPs on one tracked step; gradients against policy "none" on the same seed and data.
+"""
+import contextlib
+import statistics
+import time
+
+import torch
+
+from .engine import loss_and_grads
+from .inventory import predicted_peak_bytes
+from .params import init_params
+from .policy import parse_policy
+from .tracker import Tracker
+from .train import MarkovTask, make_optimizer, train_step
+
+
+def make_batch(cfg, batch, seq, device, seed=0):
+    return MarkovTask(cfg.vocab, seed=seed).batch(batch, seq, device)
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step, device, repeats):
+    """Median wall seconds of `repeats` calls of step(), after one warm-up call."""
+    step()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, baseline=None, trace=False):
+    """One row of measurements. `baseline` (loss, grads) of policy none may be passed in
+    when several policies are measured on the same shape; otherwise it is computed."""
+    policy = parse_policy(policy, cfg)
+    cfg.check_seq(seq)
+    params = init_params(cfg, seed=seed, device=device)
+    input_ids, targets = make_batch(cfg, batch, seq, device, seed)
+
+    def grads_of(name, **kwargs):
+        torch.manual_seed(seed)  # the same dropout masks for every policy
+        return loss_and_grads(params, cfg, input_ids, targets, name, **kwargs)
+
+    if baseline is None:
+        baseline = grads_of("none")
+    loss, grads = grads_of(policy, trace=trace)
+    diff = max((grads[k].double() - baseline[1][k].double()).abs().max().item() for k in grads)
+
+    # one tracked training step (on a copy of the parameters: the optimizer changes them)
+    copy = {name: p.clone() for name, p in params.items()}
+    optimizer = make_optimizer(copy)
+    torch.manual_seed(seed)
+    with Tracker(device) as tracker:
+        train_step(copy, optimizer, cfg, input_ids, targets, policy, tracker)
+    del copy, optimizer
+
+    optimizer = make_optimizer(params)
+    seconds = time_steps(lambda: train_step(params, optimizer, cfg, input_ids, targets, policy), device, repeats)
+    row = {
+        "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "batch": batch, "seq": seq,
+        "layers": cfg.layers, "hidden": cfg.hidden,
+        "peak_activation_bytes": tracker.peak_logical,
+        "predicted_activation_bytes": predicted_peak_bytes(cfg, batch, seq, policy),
+        "peak_live_bytes": tracker.peak_physical,
+        "peak_tracked_bytes": max(p["total"] for p in tracker.peaks.values()),  # with weights, grads, optimizer
+        "forward_flops": tracker.flops["forward"], "recompute_flops": tracker.flops["recompute"],
+        "backward_flops": tracker.flops["backward"],
+        "step_seconds": seconds, "loss": loss.item(), "grad_max_abs_diff_vs_none": diff,
+        "phase_peaks": tracker.peaks,
+    }
+    if tracker.cuda:
+        row["cuda_peak_bytes"] = tracker.peak_cuda
+    return row
+
+
+class PutRecorder:
+    """A listener that remembers the bytes of every put: (layer, name) -> bytes."""
+
+    def __init__(self):
+        self.puts = {}
+
+    def on_event(self, event):
+        if event.kind == "put":
+            self.puts.setdefault((event.layer, event.name), event.bytes)
+
+    def phase(self, name):
+        return contextlib.nullcontext()
+
+    def mark(self, tensor, category):
+        pass
+
+
+def measured_inventory(cfg, batch, seq, policy="none", device="cpu", seed=0):
+    """(layer, name) -> bytes of every tensor the engine stored during one step."""
+    params = init_params(cfg, seed=seed, device=device)
+    input_ids, targets = make_batch(cfg, batch, seq, device, seed)
+    recorder = PutRecorder()
+    torch.manual_seed(seed)
+    loss_and_grads(params, cfg, input_ids, targets, policy, tracker=recorder)
+    return recorder.puts

@@ -1,0 +1,75 @@
+"""Parameters under Hugging Face LlamaForCausalLM state-dict names, and their shapes.
+
+    params = init_params(cfg, seed=0)   # {"model.embed_tokens.weight": (V, h), ...}
+
+A real LlamaForCausalLM.state_dict() is a valid params dict as it is.
+"""
+from collections import namedtuple
+
+import torch
+
+# the weights of one decoder layer, by role; values are tensors (weights or their gradients)
+LayerWeights = namedtuple("LayerWeights", "attn_norm q k v o mlp_norm gate up down")
+
+LAYER_NAMES = LayerWeights(  # role -> name inside "model.layers.{i}."
+    attn_norm="input_layernorm.weight", q="self_attn.q_proj.weight", k="self_attn.k_proj.weight",
+    v="self_attn.v_proj.weight", o="self_attn.o_proj.weight", mlp_norm="post_attention_layernorm.weight",
+    gate="mlp.gate_proj.weight", up="mlp.up_proj.weight", down="mlp.down_proj.weight")
+
+EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+def layer_key(i, role):
+    return f"model.layers.{i}.{getattr(LAYER_NAMES, role)}"
+
+
+def param_shapes(cfg):
+    """name -> shape, in state-dict order."""
+    h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_dim
+    shapes = {EMBED: (cfg.vocab, h)}
+    per_role = LayerWeights(attn_norm=(h,), q=(h, h), k=(kv, h), v=(kv, h), o=(h, h),
+                            mlp_norm=(h,), gate=(f, h), up=(f, h), down=(h, f))
+    for i in range(cfg.layers):
+        for role, shape in per_role._asdict().items():
+            shapes[layer_key(i, role)] = shape
+    shapes[FINAL_NORM] = (h,)
+    if not cfg.tie_embeddings:
+        shapes[HEAD] = (cfg.vocab, h)
+    return shapes
+
+
+def init_params(cfg, seed=0, device="cpu"):
+    """Normal(0, 0.02) matrices and unit norm weights, as Hugging Face initialises Llama.
+    Stored in cfg.param_dtype (fp32 master weights under 16-bit compute)."""
+    generator = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if len(shape) == 1:
+            tensor = torch.ones(shape, dtype=cfg.param_dtype)  # (h,) norm weight
+        else:
+            tensor = torch.randn(shape, generator=generator, dtype=torch.float32).to(cfg.param_dtype) * 0.02
+        params[name] = tensor.to(device)
+    return params
+
+
+def check_params(params, cfg):
+    """Every expected name with its shape; a clear error otherwise."""
+    for name, shape in param_shapes(cfg).items():
+        if name not in params:
+            raise ValueError(f"params is missing {name!r} (expected shape {shape}) for this Config")
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"params[{name!r}] has shape {tuple(params[name].shape)}, Config says {shape}")
+
+
+def compute_weights(params, cfg):
+    """The weights the step computes with: the master weights cast to the activation dtype
+    (a no-op in fp32/fp64; one 16-bit copy per step under mixed precision)."""
+    dtype = cfg.torch_dtype
+    weights = {name: params[name].to(dtype) for name in param_shapes(cfg)}
+    if cfg.tie_embeddings:
+        weights[HEAD] = weights[EMBED]
+    return weights
+
+
+def layer_weights(weights, i):
+    return LayerWeights(*(weights[f"model.layers.{i}.{name}"] for name in LAYER_NAMES))

@@ -1,0 +1,129 @@
+"""Recomputation policies: what the forward keeps, written as short strings.
+
+Layer level (at most one):
+    none          keep every layer's activations (the baseline)
+    full          keep only each layer's input; recompute a layer before its backward (= every:1)
+    every:C       keep only the input of every C-th layer (segments of C layers); the backward
+                  of a segment recomputes its C layers from that input, then drops them
+    budget:SIZE   the cheapest schedule whose stored bytes fit SIZE (e.g. 48MiB, 1.5GiB, 1000000),
+                  planned by picockpt/planner.py
+Op level (inside every layer that is kept; at most one):
+    selective     drop the attention probabilities (the T x T tensors); rebuild them from q, k
+    cheap         selective, and also the tensors rebuilt elementwise: norm outputs, the SwiGLU product
+Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective.
+
+A layer is forwarded in one of three modes:
+    "all"    store its input and its activations (minus the op-level drops)
+    "input"  store only its input: a checkpoint to recompute from
+    "none"   store nothing; its output only carries the residual stream forward
+"""
+import re
+from dataclasses import dataclass
+
+# op level: the names each choice drops (the layer's backward has a rebuild recipe for each)
+SELECTIVE = frozenset({"attn.probs", "attn.probs_dropped"})
+CHEAP = SELECTIVE | {"attn_norm.output", "mlp_norm.output", "mlp.act", "final_norm.output"}
+OP_LEVEL = {"selective": SELECTIVE, "cheap": CHEAP}
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+EXAMPLES = "none, full, every:4, selective, cheap, every:2+selective, budget:48MiB"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The layer modes of one step. forward[i]: mode in the first forward.
+    sweep(k, target): mode of layer k when a backward sweep recomputes up to `target`."""
+    forward: tuple
+    sweep_modes: dict = None      # target -> {k: mode}; None means "all" for every layer
+
+    def sweep(self, k, target):
+        return "all" if self.sweep_modes is None else self.sweep_modes[target][k]
+
+
+@dataclass(frozen=True)
+class Policy:
+    text: str                    # the canonical spelling, e.g. "every:2+selective"
+    segment: int = None          # C of every:C (full = 1); None keeps every layer
+    budget: int = None           # bytes, for budget:SIZE
+    op_level: str = None         # None, "selective" or "cheap"
+
+    @property
+    def drop(self):
+        return OP_LEVEL.get(self.op_level, frozenset())
+
+    def check(self, cfg):
+        if self.segment is not None and self.segment > cfg.layers:
+            raise ValueError(f"policy {self.text!r}: C={self.segment} is larger than the number of layers "
+                             f"L={cfg.layers}; use every:C with 1 <= C <= {cfg.layers}")
+        return self
+
+    def schedule(self, cfg, batch, seq):
+        L = cfg.layers
+        if self.budget is not None:
+            from .planner import plan_model  # the planner turns a byte budget into a schedule
+            return plan_model(cfg, batch, seq, self.budget, self.drop).schedule
+        if self.segment is None:
+            return Schedule(forward=("all",) * L)
+        C = self.segment
+        return Schedule(forward=tuple("input" if i % C == 0 else "none" for i in range(L)))
+
+
+def parse_size(text):
+    """'48MiB' -> 50331648, '1.5GiB', '2GB', '1000000' -> bytes (int)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in UNITS:
+        raise ValueError(f"size {text!r} is not understood: write a number with an optional unit "
+                         f"(B, KB, MB, GB, KiB, MiB, GiB), e.g. 48MiB or 1.5GiB")
+    value = float(match.group(1)) * UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return int(value)
+
+
+def parse_policy(text, cfg=None):
+    """Parse a policy string; with a Config, also check it fits the model."""
+    if isinstance(text, Policy):
+        return text.check(cfg) if cfg is not None else text
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"policy {text!r} is empty: use one of {EXAMPLES}")
+    segment = budget = op_level = None
+    layer_level = None
+    for part in text.strip().lower().split("+"):
+        part = part.strip()
+        if part in OP_LEVEL:
+            if op_level is not None:
+                raise ValueError(f"policy {text!r}: choose one of selective or cheap (cheap includes selective)")
+            op_level = part
+            continue
+        if layer_level is not None:
+            raise ValueError(f"policy {text!r}: '{layer_level}' and '{part}' are both layer-level choices; "
+                             f"combine one of none/full/every:C/budget:SIZE with selective or cheap")
+        layer_level = part
+        if part == "none":
+            continue
+        if part == "full":
+            segment = 1
+        elif part.startswith("every:"):
+            value = part[len("every:"):]
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"policy {text!r}: every:C needs a whole number of layers C >= 1 "
+                                 f"(every:1 is full recomputation), got {value!r}")
+            segment = int(value)
+        elif part.startswith("budget:"):
+            budget = parse_size(part[len("budget:"):])
+        else:
+            raise ValueError(f"policy {text!r}: unknown part {part!r}; use one of {EXAMPLES}")
+    canonical = "+".join(p for p in (_layer_text(segment, budget, layer_level), op_level) if p) or "none"
+    policy = Policy(text=canonical, segment=segment, budget=budget, op_level=op_level)
+    return policy.check(cfg) if cfg is not None else policy
+
+
+def _layer_text(segment, budget, layer_level):
+    if budget is not None:
+        return layer_level  # keep the user's spelling of the size
+    if segment is None:
+        return None if layer_level in (None, "none") else layer_level
+    return "full" if segment == 1 else f"every:{segment}"

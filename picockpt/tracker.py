@@ -1,0 +1,207 @@
+"""Memory and FLOPs of one training step, phase by phase, in two views.
+
+logical   the bytes held by the activation store (exact, the same on every device)
+physical  the bytes of every tensor storage created during the step and still alive:
+          the store's tensors plus all working memory (gradients of activations, the
+          transient products of each op, rebuilt tensors). Found by watching every op's
+          outputs through a TorchDispatchMode and a weakref.finalize on each new storage,
+          so the micro-spikes of recomputation show. Storages marked "weights",
+          "gradients" or "optimizer" are kept out of the physical activation count.
+cuda      on a CUDA device also torch.cuda.memory_allocated() at every store event and
+          max_memory_allocated() per phase, both relative to the start of the step.
+
+Phases: forward, recompute, backward, optimizer. FLOPs per phase come from
+torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each).
+
+    with Tracker(device) as tracker:
+        loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
+    tracker.peaks["backward"]["physical"], tracker.flops["recompute"], tracker.timeline
+
+The tracker holds no tensors: only integers, strings and weak references.
+"""
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+PHASES = ("forward", "recompute", "backward", "optimizer")
+OUTSIDE = "outside"  # before, between or after the phases above
+EXCLUDED = ("weights", "gradients", "optimizer")  # categories that are not activation memory
+
+
+class _StorageWatcher(TorchDispatchMode):
+    """Sees the outputs of every aten op; reports each new storage the first time it appears.
+    An output that shares a storage with an input (a view, an in-place op) is not new."""
+
+    def __init__(self, tracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in inputs:
+                self.tracker._seen(tensor)
+        return out
+
+
+class Tracker:
+    def __init__(self, device="cpu", physical=True, flops=True):
+        self.device = torch.device(device)
+        self.physical, self.count_flops = physical, flops
+        self.cuda = self.device.type == "cuda"
+        self.log = []            # raw records, replayed into timeline/peaks on exit
+        self.sizes = {}          # storage id (ours) -> bytes
+        self.categories = {}     # storage id -> excluded category
+        self._ids = {}           # id(python storage object) -> storage id, while alive
+        self._next = 0
+        self.phase_name = OUTSIDE
+        self.flops = dict.fromkeys(PHASES + (OUTSIDE,), 0)
+        self._counter = None
+        self.timeline, self.peaks = [], {}
+
+    # -- context -------------------------------------------------------------
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.cuda_base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.cuda_phase_peak = dict.fromkeys(PHASES + (OUTSIDE,), 0)
+        self._watcher = _StorageWatcher(self) if self.physical else None
+        if self._watcher:
+            self._watcher.__enter__()
+        self._start_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop_counter()
+        self._cuda_phase_end()
+        if self._watcher:
+            self._watcher.__exit__(*exc)
+        self._replay()
+        self._ids.clear()
+        return False
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        """Everything inside is counted under `name`; the previous phase resumes after."""
+        previous = self.phase_name
+        self._switch(name)
+        try:
+            yield
+        finally:
+            self._switch(previous)
+
+    # -- what the engine and store report -------------------------------------
+    def on_event(self, event):
+        cuda = torch.cuda.memory_allocated(self.device) - self.cuda_base if self.cuda else None
+        label = f"{event.kind} {event.name}" if event.layer is None else f"{event.kind} {event.layer}:{event.name}"
+        self.log.append(("event", label, event.live_bytes, cuda))
+
+    def mark(self, tensor, category):
+        """Put a tensor's storage in an excluded category (weights, gradients, optimizer)."""
+        sid = self._ids.get(id(tensor.untyped_storage()))
+        if sid is not None:
+            self.categories[sid] = category
+
+    # -- results ---------------------------------------------------------------
+    @property
+    def peak_logical(self):
+        return max((p["logical"] for p in self.peaks.values()), default=0)
+
+    @property
+    def peak_physical(self):
+        return max((p["physical"] for p in self.peaks.values()), default=0)
+
+    @property
+    def peak_cuda(self):
+        return max((p["cuda"] for p in self.peaks.values()), default=0) if self.cuda else None
+
+    def retained_bytes(self):
+        """Bytes created during the step and still alive now (outside the excluded categories)."""
+        alive = set(self._alive)
+        return sum(self.sizes[sid] for sid in alive if sid not in self.categories)
+
+    # -- internals -------------------------------------------------------------
+    def _seen(self, tensor):
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._ids or storage.nbytes() == 0:
+            return
+        sid, self._next = self._next, self._next + 1
+        self._ids[key] = sid
+        self.sizes[sid] = storage.nbytes()
+        self.log.append(("alloc", sid))
+        weakref.finalize(storage, self._freed, key, sid)
+
+    def _freed(self, key, sid):
+        if self._ids.get(key) == sid:
+            del self._ids[key]
+        self.log.append(("free", sid))
+
+    def _switch(self, name):
+        if name not in PHASES + (OUTSIDE,):
+            raise ValueError(f"phase {name!r}: use one of {PHASES}")
+        if name == self.phase_name:
+            return
+        self._stop_counter()
+        self._cuda_phase_end()
+        self.log.append(("phase", name))
+        self.phase_name = name
+        self._start_counter()
+
+    def _start_counter(self):
+        if self.count_flops:
+            self._counter = FlopCounterMode(display=False)
+            self._counter.__enter__()
+
+    def _stop_counter(self):
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.flops[self.phase_name] += self._counter.get_total_flops()
+            self._counter = None
+
+    def _cuda_phase_end(self):
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) - self.cuda_base
+            self.cuda_phase_peak[self.phase_name] = max(self.cuda_phase_peak[self.phase_name], peak)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _replay(self):
+        """Turn the raw log into the timeline and the per-phase peaks, now that every
+        storage's category is known."""
+        phase, logical, physical, total = OUTSIDE, 0, 0, 0
+        alive = set()
+        peaks = {name: {"logical": 0, "physical": 0, "total": 0} for name in PHASES + (OUTSIDE,)}
+        self.timeline = []
+        for record in self.log:
+            kind = record[0]
+            if kind == "phase":
+                phase = record[1]
+            elif kind in ("alloc", "free"):
+                sid = record[1]
+                sign = 1 if kind == "alloc" else -1
+                if kind == "free" and sid not in alive:
+                    continue
+                (alive.add if kind == "alloc" else alive.discard)(sid)
+                total += sign * self.sizes[sid]
+                if sid not in self.categories:
+                    physical += sign * self.sizes[sid]
+            else:  # a store event
+                logical = record[2]
+            if kind == "phase":
+                continue  # a phase's peak counts what happens inside it
+            peaks[phase]["logical"] = max(peaks[phase]["logical"], logical)
+            peaks[phase]["physical"] = max(peaks[phase]["physical"], physical)
+            peaks[phase]["total"] = max(peaks[phase]["total"], total)
+            self.timeline.append({"kind": kind, "label": record[1] if kind in ("event", "phase") else kind,
+                                  "phase": phase, "logical": logical, "physical": physical, "total": total,
+                                  "cuda": record[3] if kind == "event" else None})
+        for name in peaks:
+            peaks[name]["cuda"] = self.cuda_phase_peak[name] if self.cuda else None
+        self.peaks = {name: p for name, p in peaks.items() if any(p.values()) or name in ("forward", "backward")}
+        self._alive = alive

@@ -1,0 +1,65 @@
+"""The commands people type: JSON keys, tables, clear errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from picockpt import Config
+from picockpt.compare import compare
+
+
+def picockpt(*args, check=True):
+    return subprocess.run([sys.executable, "-m", "picockpt", *args], capture_output=True, text=True, check=check)
+
+
+def test_measure_json_has_the_documented_keys():
+    out = picockpt("measure", "--preset", "tiny", "--layers", "5", "--seq", "24", "--policy", "every:2+selective",
+                   "--device", "cpu", "--repeats", "1", "--json")
+    row = json.loads(out.stdout)
+    for key in ("policy", "peak_activation_bytes", "predicted_activation_bytes", "peak_live_bytes",
+                "forward_flops", "recompute_flops", "backward_flops", "step_seconds", "loss",
+                "grad_max_abs_diff_vs_none"):
+        assert key in row, key
+    assert row["policy"] == "every:2+selective"
+    assert row["peak_activation_bytes"] == row["predicted_activation_bytes"]
+    assert row["grad_max_abs_diff_vs_none"] == 0.0
+    assert row["peak_live_bytes"] >= row["peak_activation_bytes"]
+
+
+def test_measure_table_and_trace():
+    out = picockpt("measure", "--preset", "tiny", "--seq", "8", "--policy", "full", "--trace", "--repeats", "1")
+    assert "recompute segment [1..1] from the input of layer 1" in out.stdout
+    assert "peak stored activations (logical)" in out.stdout and "bytes" in out.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["measure", "--policy", "every:0"], "every:C needs a whole number"),
+    (["measure", "--preset", "tiny", "--policy", "every:3"], "larger than the number of layers"),
+    (["measure", "--hidden", "130"], "not divisible by heads"),
+    (["measure", "--batch", "0"], "batch=0"),
+    (["compare", "--preset", "tiny", "--segment", "5"], "--segment=5"),
+    (["inventory", "--preset", "tiny", "--layer", "9"], "--layer=9"),
+])
+def test_user_mistakes_are_one_line_errors(args, message):
+    out = picockpt(*args, "--device", "cpu", check=False)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_inventory_command_agrees_with_the_closed_form():
+    out = picockpt("inventory", "--preset", "tiny", "--dropout", "0.1", "--policy", "selective")
+    assert "differs" not in out.stdout and "attn.probs_mask" in out.stdout
+
+
+def test_compare_memory_against_pytorch():
+    rows = {r["name"]: r for r in compare(Config.from_preset("small", layers=4), 2, 64, segment=2, repeats=1,
+                                          log=None)}
+    losses = {round(r["loss"], 4) for r in rows.values()}
+    assert len(losses) == 1  # every contender computes the same loss
+    for name, row in rows.items():
+        if row["kind"] == "picockpt" and row["memory_vs_equivalent"] is not None:
+            assert row["memory_vs_equivalent"] <= 1.0, name
+    # the same recomputation as torch's: one extra forward of every layer (torch stops early, see lesson 07)
+    assert rows["picockpt full"]["recompute_flops"] == rows["bridge full"]["recompute_flops"]
+    assert rows["torch checkpoint per layer"]["recompute_flops"] < rows["picockpt full"]["recompute_flops"]
