@@ -19,7 +19,7 @@ from .inventory import layer_inventory
 from .layer import layer_backward, layer_forward
 from .ops import embedding_backward, embedding_forward, rope_tables
 from .params import EMBED, HEAD, LAYER_NAMES, check_params, compute_weights, layer_weights
-from .policy import parse_policy
+from .policy import OP_LEVEL, parse_policy
 from .store import ActivationStore
 
 
@@ -50,6 +50,9 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
     rng_states = {}  # layer -> RNG state just before its forward, for every stored layer input
     stored_names = list(layer_inventory(cfg, B, T))  # what a layer could keep (for --trace)
 
+    def layer_drop(mode):  # a schedule may give one layer its own op level: "all:selective"
+        return OP_LEVEL[mode.partition(":")[2]] if ":" in mode else drop
+
     def run_layers(first, last, x, mode_of):
         """Forward layers first..last from x, each stored as mode_of(k) says; returns the output."""
         for k in range(first, last + 1):
@@ -58,7 +61,8 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
                 store.put(k, "input", x)  # a checkpoint: recomputation can start here
                 if cfg.dropout > 0:
                     rng_states[k] = generator.get_state()
-            x = layer_forward(x, weights_of[k], cfg, rope, store if mode == "all" else None, k, drop)
+            keep = store if mode.startswith("all") else None  # "all" or "all:selective" / "all:cheap"
+            x = layer_forward(x, weights_of[k], cfg, rope, keep, k, layer_drop(mode))
             if trace:
                 dropped = [name for name in stored_names if name not in store.names(k)]
                 say(f"forward layer {k} ({mode}): kept {store.names(k) or 'nothing'}, dropped {dropped or 'nothing'}")

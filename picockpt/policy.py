@@ -13,7 +13,8 @@ Op level (inside every layer that is kept; at most one):
 Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective.
 
 A layer is forwarded in one of three modes:
-    "all"    store its input and its activations (minus the op-level drops)
+    "all"    store its input and its activations (minus the op-level drops); a schedule
+             may also say "all:selective" or "all:cheap" to give one layer its own op level
     "input"  store only its input: a checkpoint to recompute from
     "none"   store nothing; its output only carries the residual stream forward
 """
