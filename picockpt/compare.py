@@ -56,12 +56,16 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
             model.zero_grad(set_to_none=True)
             if kind == "bridge":
                 with _phase(tracker, "backward"):
-                    return segmented_backward(model.model.layers, model.embed(input_ids),
+                    _mark(tracker, model.cast_weights(), "weights")  # the bridge runs the model's parts itself
+                    loss = segmented_backward(model.model.layers, model.embed(input_ids),
                                               lambda y: model.head_loss(y, targets), how)
-            with _phase(tracker, "forward"):
-                loss = model(input_ids, targets, run_layers=how)
-            with _phase(tracker, "backward"):
-                loss.backward()
+            else:
+                with _phase(tracker, "forward"):
+                    loss = model(input_ids, targets, run_layers=how)
+                    _mark(tracker, model.casts.copies.values(), "weights")  # 16-bit copies, as picockpt marks its own
+                with _phase(tracker, "backward"):
+                    loss.backward()
+            model.release_weights()
             return loss.detach()
         return run
 
@@ -108,3 +112,8 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
 
 def _phase(tracker, name):
     return tracker.phase(name) if tracker is not None else contextlib.nullcontext()
+
+
+def _mark(tracker, tensors, category):
+    for tensor in tensors if tracker is not None else ():
+        tracker.mark(tensor, category)

@@ -18,7 +18,7 @@ from .head import head_backward, head_forward
 from .inventory import layer_inventory
 from .layer import layer_backward, layer_forward
 from .ops import embedding_backward, embedding_forward, rope_tables
-from .params import EMBED, HEAD, LAYER_NAMES, check_params, compute_weights, layer_weights
+from .params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_weights
 from .policy import OP_LEVEL, parse_policy
 from .store import ActivationStore
 
@@ -84,9 +84,15 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
 
     # ---- backward ----
     grads = {}
+
+    def keep_grad(name, grad):  # to the master weights' dtype at once (a no-op in fp32 and fp64)
+        grads[name] = grad.to(cfg.param_dtype)
+        tracker.mark(grads[name], "gradients")
+
     with tracker.phase("backward"):
         dx, head_grads = head_backward(weights, cfg, targets, store)  # (B, T, h)
-        grads.update(head_grads)
+        for name, grad in head_grads.items():
+            keep_grad(name, grad)
         for i in reversed(range(L)):
             if not store.has(i, "attn_norm.rstd"):  # layer i's activations are gone (no policy drops rstd)
                 j = next(k for k in range(i, -1, -1) if store.has(k, "input"))  # nearest checkpoint
@@ -99,13 +105,12 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
             if trace:
                 say(f"backward layer {i}: dropped its activations; stored {store.bytes:,} bytes")
             for role, grad in layer_grads._asdict().items():
-                grads[f"model.layers.{i}.{getattr(LAYER_NAMES, role)}"] = grad
-        grads[EMBED] = embedding_backward(dx, input_ids, weights[EMBED].shape)  # (V, h)
+                keep_grad(layer_key(i, role), grad)
+        keep_grad(EMBED, embedding_backward(dx, input_ids, weights[EMBED].shape))  # (V, h)
         if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses
-            grads[EMBED] = grads[HEAD] = grads[EMBED] + grads[HEAD]  # (V, h)
-        grads = {name: grads[name].to(params[name].dtype) for name in params if name in grads}
-        for grad in grads.values():
-            tracker.mark(grad, "gradients")
+            keep_grad(EMBED, grads[EMBED] + grads[HEAD])  # (V, h)
+            grads[HEAD] = grads[EMBED]
+    grads = {name: grads[name].to(params[name].dtype) for name in params if name in grads}  # as given
     assert store.bytes == 0, f"the store still holds {store.names(None)} after the backward"
     return loss, grads
 

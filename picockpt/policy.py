@@ -92,8 +92,9 @@ def parse_policy(text, cfg=None):
         raise ValueError(f"policy {text!r} is empty: use one of {EXAMPLES}")
     segment = budget = op_level = None
     layer_level = None
-    for part in text.strip().lower().split("+"):
-        part = part.strip()
+    for original in text.strip().split("+"):
+        original = original.strip()
+        part = original.lower()
         if part in OP_LEVEL:
             if op_level is not None:
                 raise ValueError(f"policy {text!r}: choose one of selective or cheap (cheap includes selective)")
@@ -114,7 +115,8 @@ def parse_policy(text, cfg=None):
                                  f"(every:1 is full recomputation), got {value!r}")
             segment = int(value)
         elif part.startswith("budget:"):
-            budget = parse_size(part[len("budget:"):])
+            budget = parse_size(original[len("budget:"):])
+            layer_level = "budget:" + original[len("budget:"):].strip()  # the size as the user wrote it
         else:
             raise ValueError(f"policy {text!r}: unknown part {part!r}; use one of {EXAMPLES}")
     canonical = "+".join(p for p in (_layer_text(segment, budget, layer_level), op_level) if p) or "none"

@@ -7,9 +7,16 @@ ReferenceLlama(cfg).load_state_dict(params) runs the very same weights. Dropout 
 come from the same helper and in the same order as in picockpt/layer.py, so with the
 same seed both draw the same masks.
 
+Mixed precision as torch.autocast does it: at the start of each forward every fp32 master
+weight is cast once to the activation dtype, and every use (a checkpoint's recomputation in
+the backward included) shares that copy, exactly as picockpt's params.compute_weights does.
+Cast at every use instead, autograd would save a fresh 16-bit copy of each weight per layer
+call, and a memory comparison would count those copies as activations.
+
     model = ReferenceLlama(cfg, params)
     loss = model(input_ids, targets)                      # plain autograd
     loss = model(input_ids, targets, run_layers=per_layer_checkpoint)
+    loss.backward(); model.release_weights()              # drop this step's 16-bit copies
 """
 import torch
 import torch.nn.functional as F
@@ -18,30 +25,52 @@ from torch import nn
 from .ops import dropout_mask, rope_tables
 
 
-def _cast(weight, cfg):
-    return weight.to(cfg.torch_dtype)  # 16-bit compute copy of an fp32 master weight (autograd casts back)
+class WeightCasts:
+    """The compute copies of one model's master weights, for the step under way.
+
+    make(weights) casts each weight to the activation dtype once (a copy with an autograd
+    edge back to the fp32 weight, so its gradient arrives in fp32); casts(weight) returns
+    that copy. In fp32 the "copy" is the weight itself. A weight used outside a step is
+    cast where it is used."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.copies = {}  # id(master weight) -> its compute copy
+
+    def make(self, weights):
+        self.copies = {}  # the previous step's copies go first: never two sets at once
+        with torch.enable_grad():  # a graph back to the fp32 weights, even if the caller runs no_grad
+            self.copies = {id(w): w.to(self.dtype) for w in weights}
+        return list(self.copies.values())
+
+    def __call__(self, weight):
+        copy = self.copies.get(id(weight))
+        return weight.to(self.dtype) if copy is None else copy
+
+    def release(self):
+        self.copies = {}
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, casts):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.casts = cfg, casts
         self.weight = nn.Parameter(torch.ones(cfg.hidden, dtype=cfg.param_dtype))
 
     def forward(self, x):
         xs = x.to(self.cfg.stat_dtype)  # (B, T, h)
         xs = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)  # (B, T, h)
-        return _cast(self.weight, self.cfg) * xs.to(x.dtype)  # (B, T, h)
+        return self.casts(self.weight) * xs.to(x.dtype)  # (B, T, h)
 
 
 class Linear(nn.Module):
-    def __init__(self, inp, out, cfg):
+    def __init__(self, inp, out, cfg, casts):
         super().__init__()
-        self.cfg = cfg
+        self.casts = casts
         self.weight = nn.Parameter(torch.zeros(out, inp, dtype=cfg.param_dtype))
 
     def forward(self, x):
-        return F.linear(x, _cast(self.weight, self.cfg))
+        return F.linear(x, self.casts(self.weight))  # (..., out)
 
 
 def _rotate_half(x):
@@ -49,12 +78,12 @@ def _rotate_half(x):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, casts):
         super().__init__()
         self.cfg = cfg
         h, kv = cfg.hidden, cfg.kv_dim
-        self.q_proj, self.k_proj = Linear(h, h, cfg), Linear(h, kv, cfg)
-        self.v_proj, self.o_proj = Linear(h, kv, cfg), Linear(h, h, cfg)
+        self.q_proj, self.k_proj = Linear(h, h, cfg, casts), Linear(h, kv, cfg, casts)
+        self.v_proj, self.o_proj = Linear(h, kv, cfg, casts), Linear(h, h, cfg, casts)
 
     def forward(self, x):
         cfg, (B, T, h) = self.cfg, x.shape
@@ -81,11 +110,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, casts):
         super().__init__()
         self.cfg = cfg
-        self.gate_proj, self.up_proj = Linear(cfg.hidden, cfg.ffn, cfg), Linear(cfg.hidden, cfg.ffn, cfg)
-        self.down_proj = Linear(cfg.ffn, cfg.hidden, cfg)
+        h, f = cfg.hidden, cfg.ffn
+        self.gate_proj, self.up_proj = Linear(h, f, cfg, casts), Linear(h, f, cfg, casts)
+        self.down_proj = Linear(f, h, cfg, casts)
 
     def forward(self, x):
         out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, h)
@@ -96,10 +126,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, casts):
         super().__init__()
-        self.input_layernorm, self.self_attn = RMSNorm(cfg), Attention(cfg)
-        self.post_attention_layernorm, self.mlp = RMSNorm(cfg), MLP(cfg)
+        self.input_layernorm, self.self_attn = RMSNorm(cfg, casts), Attention(cfg, casts)
+        self.post_attention_layernorm, self.mlp = RMSNorm(cfg, casts), MLP(cfg, casts)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -116,12 +146,13 @@ class ReferenceLlama(nn.Module):
     def __init__(self, cfg, params=None):
         super().__init__()
         self.cfg = cfg
+        self.casts = WeightCasts(cfg.torch_dtype)  # shared by every module below
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden, dtype=cfg.param_dtype)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
-        self.model.norm = RMSNorm(cfg)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, self.casts) for _ in range(cfg.layers))
+        self.model.norm = RMSNorm(cfg, self.casts)
         if not cfg.tie_embeddings:
-            self.lm_head = Linear(cfg.hidden, cfg.vocab, cfg)
+            self.lm_head = Linear(cfg.hidden, cfg.vocab, cfg, self.casts)
         if params is not None:
             self.load_state_dict({k: v for k, v in params.items() if k != "lm_head.weight"
                                   or not cfg.tie_embeddings})
@@ -131,14 +162,24 @@ class ReferenceLlama(nn.Module):
 
     def forward(self, input_ids, targets, run_layers=run_plain):
         """Mean cross-entropy; run_layers(layers, x) lets a peer wrap the layers in checkpoints."""
+        self.cast_weights()
         x = run_layers(self.model.layers, self.embed(input_ids))  # (B, T, h)
         return self.head_loss(x, targets)
 
+    def cast_weights(self):
+        """This step's compute copy of every weight (each cast once); returns the copies, which a
+        tracker marks "weights". forward() calls it; a caller that runs the parts itself does too."""
+        return self.casts.make(self.parameters())
+
+    def release_weights(self):
+        """Drop this step's compute copies (after the backward; the next forward makes new ones)."""
+        self.casts.release()
+
     def embed(self, input_ids):
-        return F.embedding(input_ids, _cast(self.model.embed_tokens.weight, self.cfg))  # (B, T, h)
+        return F.embedding(input_ids, self.casts(self.model.embed_tokens.weight))  # (B, T, h)
 
     def logits(self, x):
-        return F.linear(self.model.norm(x), _cast(self.head_weight(), self.cfg))  # (B, T, V)
+        return F.linear(self.model.norm(x), self.casts(self.head_weight()))  # (B, T, V)
 
     def head_loss(self, x, targets):
         logits = self.logits(x)  # (B, T, V)

@@ -1,0 +1,369 @@
+"""GPU benchmark: picockpt's policies beside torch.utils.checkpoint, a 1.1B-parameter model in bf16.
+
+    python lessons/gpu_benchmark.py           # a CUDA GPU: T = 1024, 2048, 4096; sized for < 5 min on an H200
+    python lessons/gpu_benchmark.py --tiny    # the same code on a tiny model, on the CPU, in seconds
+
+Every step holds --tokens tokens (8192: batch 8 x 1024, 4 x 2048, 2 x 4096). At each sequence
+length, for picockpt's none, full, every:4, selective, cheap (and budget:SIZE halfway between
+full's and none's stored bytes, when picockpt/planner.py is there) and PyTorch's recomputation on
+the autograd reference (picockpt/peers.py, paired as in `compare`), it measures
+
+    step time     median of interleaved untracked steps (each repeat runs every run once, so a slow
+                  moment hits all alike). A step is forward + backward: the optimizer is the same
+                  for every policy and is left out, which makes the time ratios the stricter.
+    tokens/s      B*T / step time
+    peak CUDA     max_memory_allocated during a step, minus what was allocated when it began
+    tracker peak  the tracker's "total" on one separate tracked step: every tensor the step made,
+                  activations, working memory, the 16-bit weight copies and the gradients alike
+    MFU, HFU      model FLOPs (forward + backward of none, inventory.step_flops) and executed FLOPs
+                  (recomputation included, counted by FlopCounterMode) per second over the GPU's
+                  dense bf16 peak (--peak-tflops: 989 for an H100/H200 SXM). The T x T matmuls count
+                  in full: this attention computes the whole square, then masks it.
+
+then prints PASS/FAIL per criterion (SKIP where CUDA is needed): tracker peak within 5% of
+max_memory_allocated for every run; tracker timeline within 5% (of the peak) of memory_allocated
+at every store event; full <= 1.40x and selective <= 1.10x the step time of none; every policy
+<= 1.10x the time of its torch equivalent; every policy's loss bitwise that of none and its stored
+bytes those of the closed form; and the MFU of none. Writes gpu_benchmark.json (or --out) and
+gpu_benchmark_{time_memory,timeline}.png to figures/ ($PICOCKPT_FIGURES); --tiny: gpu_benchmark_tiny_*.
+"""
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
+
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+
+from picockpt.cli.common import fmt_bytes
+from picockpt.compare import contenders
+from picockpt.config import Config
+from picockpt.device import check_fits, resolve_device
+from picockpt.engine import loss_and_grads
+from picockpt.inventory import predicted_peak_bytes, step_flops
+from picockpt.measure import make_batch
+from picockpt.params import init_params
+from picockpt.plotting import figures_dir, policy_color, save_figure
+from picockpt.reference import ReferenceLlama
+from picockpt.tracker import Tracker
+
+# Llama 3.2 1B's depth, width and MLP (L=16, h=2048, f=8192), the attention of the lessons' --large shape
+# (16 heads of 128 over 4 key/value heads) and Llama 2's 32000-token vocabulary: 1.10 B parameters. This attention
+# materialises the (B, H, T, T) probabilities: 16 heads, not 32, keep every run well inside an H200 at
+# T=4096 (the largest step, plain autograd's, tracks at 67 GiB on PyTorch's meta device, which allocates
+# nothing), and the smaller vocabulary keeps the (B, T, V) logits modest.
+ONE_B = dict(vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=4, ffn=8192, max_seq=4096, dtype="bf16")
+TINY = dict(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=80, max_seq=64, dtype="bf16")
+LIMITS = {"memory": 0.05, "full": 1.40, "selective": 1.10, "equivalent": 1.10}
+
+
+def benchmark(cfg, seqs, tokens, device, repeats=5, segment=4, peak_tflops=989.0, seed=0):
+    """Every run at every sequence length: the results dict that becomes the JSON."""
+    check_fits(cfg, device)
+    started = time.perf_counter()
+    params = init_params(cfg, seed=seed, device=device)
+    with torch.device(device):  # the autograd reference, built where it runs, with the same weights
+        model = ReferenceLlama(cfg, params)
+    rows = []
+    for seq in seqs:
+        rows += measure_seq(cfg, params, model, seq, tokens // seq, device, repeats, segment, seed, peak_tflops)
+        print(f"  ... {time.perf_counter() - started:.0f} s so far")
+    for row in rows:  # the timeline figure shows the longest sequence only
+        if row["seq"] != max(seqs):
+            row.pop("timeline", None)
+    results = dict(device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                   torch=torch.__version__, config={**dataclasses.asdict(cfg), "parameters": cfg.num_params()},
+                   tokens_per_step=tokens, seqs=list(seqs), repeats=repeats, peak_tflops=peak_tflops, runs=rows)
+    results["criteria"] = [dict(status=status, text=text) for status, text in criteria(rows, device.type == "cuda")]
+    results["seconds"] = time.perf_counter() - started
+    return results
+
+
+def measure_seq(cfg, params, model, seq, batch, device, repeats, segment, seed, peak_tflops):
+    """One sequence length, in rounds that each run every run in turn: a warm-up (which also checks
+    every policy against none), one tracked step (memory, FLOPs), then `repeats` timed steps."""
+    input_ids, targets = make_batch(cfg, batch, seq, device, seed)  # (B, T) each
+    runs = plan_runs(cfg, batch, seq, segment)
+    for run in runs:
+        run.update(seq=seq, batch=batch, error=None, times=[],
+                   step=make_step(run, cfg, params, model, input_ids, targets))
+    warm_up(runs)
+    for run in runs:
+        attempt(run, lambda: run.update(track(run, cfg, device)))
+    for _ in range(repeats):
+        for run in runs:
+            attempt(run, lambda: run["times"].append(timed_step(run["step"], device)))
+    model_flops = sum(step_flops(cfg, batch, seq, "none").values())
+    return [summary(run, model_flops, peak_tflops * 1e12) for run in runs]
+
+
+def warm_up(runs):
+    """One untimed step of every run; each picockpt policy's loss and gradients against none's."""
+    none = None  # picockpt none's (loss, grads), kept while the picockpt runs warm up (they come first)
+    for run in runs:
+        none = none if run["kind"] == "picockpt" else None
+        result = attempt(run, lambda: run["step"]())
+        if result is not None and run["kind"] == "picockpt":
+            none = none or result
+            run["loss_bitwise_equal_to_none"] = torch.equal(result[0], none[0])
+            run["grads_not_bitwise_equal_to_none"] = [k for k, g in result[1].items() if not torch.equal(g, none[1][k])]
+        del result
+
+
+def summary(run, model_flops, peak_flops):
+    """The JSON row of one run (and its line on the screen)."""
+    row = {key: value for key, value in run.items() if key not in ("step", "how", "times")}
+    if run["error"] is None:
+        seconds = statistics.median(t for t, _ in run["times"])
+        row.update(step_seconds=seconds, tokens_per_second=run["batch"] * run["seq"] / seconds,
+                   model_flops=model_flops, mfu=model_flops / seconds / peak_flops,
+                   hfu=row["executed_flops"] / seconds / peak_flops, peak_cuda_untracked_bytes=run["times"][-1][1])
+    print(f"  T={run['seq']:<5} B={run['batch']:<3} {row['name']:<37}" + (row["error"] or (
+          f"{row['step_seconds'] * 1e3:9.1f} ms {row['tokens_per_second']:11,.0f} tokens/s  MFU {row['mfu']:6.1%}  "
+          f"peak: tracker {fmt_bytes(row['tracker_peak_bytes'])}, CUDA {fmt_bytes(row['peak_cuda_bytes'])}")))
+    return row
+
+
+def plan_runs(cfg, batch, seq, segment):
+    """The runs at one shape, with compare.py's pairs of equivalents, and the planner's policy if it can."""
+    runs = [dict(name=name, kind=kind, how=how, equivalent=equivalent, policy=how if kind == "picockpt" else None)
+            for name, kind, how, equivalent in contenders(cfg, seq, segment) if kind != "bridge" and "+" not in name]
+    low, high = (predicted_peak_bytes(cfg, batch, seq, policy) for policy in ("full", "none"))
+    budget = f"budget:{(low + high) // 2}"
+    try:
+        predicted_peak_bytes(cfg, batch, seq, budget)  # imports picockpt/planner.py and plans
+        runs.insert(5, dict(name="picockpt budget", kind="picockpt", how=budget, equivalent=None, policy=budget))
+    except (ImportError, ValueError) as error:
+        print(f"  no budget policy at T={seq}: {error}")
+    return runs
+
+
+def make_step(run, cfg, params, model, input_ids, targets):
+    """step(tracker=None) -> (loss, grads): one forward + backward of `run`; nothing else outlives it."""
+    if run["kind"] == "picockpt":
+        return lambda tracker=None: loss_and_grads(params, cfg, input_ids, targets, run["how"], tracker=tracker)
+
+    def step(tracker=None):
+        phase = tracker.phase if tracker else lambda name: contextlib.nullcontext()
+        try:
+            with phase("forward"):
+                loss = model(input_ids, targets, run_layers=run["how"])  # scalar
+                mark(tracker, model.casts.copies.values(), "weights")  # 16-bit copies, as picockpt marks its own
+            with phase("backward"):
+                loss.backward()
+                grads = model.grads()  # name -> fp32 gradient
+                mark(tracker, grads.values(), "gradients")
+            return loss.detach(), grads
+        finally:  # also after running out of memory
+            model.release_weights()
+            model.zero_grad(set_to_none=True)  # the returned dict is now the gradients' only holder
+    return step
+
+
+def mark(tracker, tensors, category):
+    for tensor in tensors if tracker else ():
+        tracker.mark(tensor, category)
+
+
+def track(run, cfg, device):
+    """Memory and FLOPs of one tracked step; on CUDA, the tracker beside the allocator."""
+    with Tracker(device) as tracker:
+        loss, grads = run["step"](tracker)
+    del grads
+    row = dict(loss=loss.item(), executed_flops=sum(tracker.flops.values()), peak_cuda_bytes=tracker.peak_cuda,
+               tracker_peak_bytes=max(peak["total"] for peak in tracker.peaks.values()),
+               tracker_peak_activation_bytes=tracker.peak_physical)
+    if run["kind"] == "picockpt":
+        row.update(stored_peak_bytes=tracker.peak_logical,
+                   predicted_stored_peak_bytes=predicted_peak_bytes(cfg, run["batch"], run["seq"], run["how"]),
+                   timeline=[[e["total"], e["cuda"]] for e in tracker.timeline if e["kind"] == "event"])
+    if tracker.cuda:
+        row["tracker_vs_cuda"] = abs(row["tracker_peak_bytes"] - tracker.peak_cuda) / tracker.peak_cuda
+        if run["kind"] == "picockpt":  # at every store event, as a fraction of the step's peak
+            row["timeline_worst"] = max(abs(total - cuda) for total, cuda in row["timeline"]) / tracker.peak_cuda
+    return row
+
+
+def timed_step(step, device):
+    """(seconds, CUDA peak above the start, or None on the CPU) of one untracked step."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start_bytes = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    return seconds, (torch.cuda.max_memory_allocated(device) - start_bytes) if cuda else None
+
+
+def attempt(run, action):
+    """action(), unless the run already failed; a run out of memory is marked and left out after."""
+    if run["error"] is not None:
+        return None
+    try:
+        return action()
+    except torch.cuda.OutOfMemoryError:
+        run["error"] = "out of memory"
+    gc.collect()  # outside the except block: no traceback holds the step's tensors any more
+    torch.cuda.empty_cache()
+    return None
+
+
+def criteria(rows, on_cuda):
+    """[(PASS | FAIL | SKIP | INFO, text)], one per criterion, with its value at every sequence length."""
+    by, seqs = {(row["name"], row["seq"]): row for row in rows}, sorted({row["seq"] for row in rows})
+
+    def ratio(name, over, seq, key="step_seconds"):
+        top, bottom = by.get((name, seq), {}).get(key), by.get((over, seq), {}).get(key)
+        return None if top is None or bottom is None else top / bottom
+
+    def line(text, values, limit):  # values: [(where, number or None)]
+        passed = all(value is not None and value <= limit for _, value in values)
+        shown = ", ".join(f"{'not measured' if v is None else format(v, '.3f')} ({where})" for where, v in values)
+        return "PASS" if passed else "FAIL", f"{text} <= {limit:.2f}: {shown}"
+
+    def worst(text, kind, key):  # the largest relative difference over the runs of one kind
+        if not on_cuda:
+            return "SKIP", f"{text}: needs CUDA (torch.cuda.max_memory_allocated)"
+        values = [(f"{row['name']}, T={row['seq']}", row.get(key)) for row in rows if row["kind"] == kind]
+        status, _ = line(text, values, LIMITS["memory"])
+        where, top = max(((w, v) for w, v in values if v is not None), key=lambda wv: wv[1], default=("-", 0.0))
+        return status, f"{text} <= 5%: worst {top:.2%} ({where}); {sum(v is None for _, v in values)} not measured"
+
+    lines = [worst("tracker peak vs max_memory_allocated, every picockpt policy", "picockpt", "tracker_vs_cuda"),
+             worst("tracker peak vs max_memory_allocated, every torch run", "torch", "tracker_vs_cuda"),
+             worst("tracker timeline vs memory_allocated at every store event, of the peak", "picockpt",
+                   "timeline_worst")]
+    for policy in ("full", "selective"):
+        lines.append(line(f"step time of {policy} / none", [(f"T={s}", ratio(f"picockpt {policy}", "picockpt none", s))
+                                                           for s in seqs], LIMITS[policy]))
+    for row in rows:
+        if row["seq"] == seqs[0] and row["equivalent"]:
+            lines.append(line(f"step time of {row['name']} / {row['equivalent']}",
+                              [(f"T={s}", ratio(row["name"], row["equivalent"], s)) for s in seqs],
+                              LIMITS["equivalent"]))
+    ours = [row for row in rows if row["kind"] == "picockpt" and row["error"] is None]
+    differ = sorted({name for row in ours for name in row["grads_not_bitwise_equal_to_none"]})
+    lines.append(("PASS" if all(row["loss_bitwise_equal_to_none"] for row in ours) else "FAIL",
+                  f"every picockpt policy's loss bitwise equal to none's (gradients not bitwise equal: {differ})"))
+    lines.append(("PASS" if all(r["stored_peak_bytes"] == r["predicted_stored_peak_bytes"] for r in ours) else "FAIL",
+                  "every picockpt policy's stored bytes equal to the closed form's"))
+    mfu = [(s, by.get(("picockpt none", s), {}).get("mfu")) for s in seqs]
+    lines.append(("INFO", "MFU of none: " + ", ".join(f"{'not measured' if v is None else format(v, '.1%')} (T={s})"
+                                                      for s, v in mfu)
+                  + ("" if on_cuda else " (a CPU measured against a GPU's peak: no meaning)")))
+    return lines
+
+
+def plot(results, prefix):
+    """Two figures: every run's step time over none's and its peak memory (allocator bars, tracker
+    ticks); the tracker's and the allocator's timelines of none, full and selective at the longest T."""
+    rows, seqs, cuda = results["runs"], results["seqs"], results["device"].startswith("cuda")
+    names = list(dict.fromkeys(row["name"] for row in rows))
+    by, width = {(row["name"], row["seq"]): row for row in rows}, 0.8 / len(seqs)
+    unit, unit_name = (2**30, "GiB") if cuda else (2**20, "MiB")
+    title = (f"{results['gpu'] or 'CPU'}, {results['config']['parameters']:,} parameters in bf16, "
+             f"{results['tokens_per_step']:,} tokens per step")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(13, 8.5), sharex=True)
+    for k, seq in enumerate(seqs):
+        x = [i + (k - (len(seqs) - 1) / 2) * width for i in range(len(names))]
+        get = lambda name, key: by[(name, seq)].get(key) or float("nan")  # noqa: E731  (nan: not measured)
+        bars = dict(width=width, color=f"C{k}", label=f"T={seq}, batch {by[(names[0], seq)]['batch']}")
+        top.bar(x, [get(name, "step_seconds") / get("picockpt none", "step_seconds") for name in names], **bars)
+        bottom.bar(x, [get(name, "peak_cuda_bytes" if cuda else "tracker_peak_bytes") / unit for name in names], **bars)
+        bottom.plot(x, [get(name, "tracker_peak_bytes") / unit for name in names], "k_", ms=9, mew=2,
+                    label="tracker peak (total)" if k == 0 else None)
+    for limit in (LIMITS["selective"], LIMITS["full"]):
+        top.axhline(limit, color="0.4", lw=0.8, ls="--")
+    top.set(ylabel="step time / picockpt none's", title=f"{title}\nstep time (dashed: 1.10 and 1.40)")
+    bottom.set(ylabel=unit_name, title="peak above the step's start: bars " +
+               ("max_memory_allocated" if cuda else "the tracker's total (no CUDA here)") + ", ticks the tracker's")
+    bottom.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
+    for ax in (top, bottom):
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    paths = [save_figure(fig, f"{prefix}_time_memory")]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for row in rows:
+        if row.get("timeline") and row["policy"] in ("none", "full", "selective"):
+            color = policy_color(row["policy"])
+            ax.plot([total / unit for total, _ in row["timeline"]], color=color, lw=1.2,
+                    label=f"{row['name']}: tracker")
+            if cuda:
+                ax.plot([c / unit for _, c in row["timeline"]], ".", color=color, ms=2.5, label="  memory_allocated")
+    ax.set(xlabel=f"store event of the step (T={max(seqs)})", ylabel=f"{unit_name} above the step's start",
+           title=title + ": tracker (lines), allocator (dots)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    paths.append(save_figure(fig, f"{prefix}_timeline"))
+    plt.close("all")
+    return paths
+
+
+def main(argv=None):
+    doc_title, _, doc_rest = __doc__.partition("\n")
+    parser = argparse.ArgumentParser(description=doc_title, epilog=doc_rest,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU, in seconds (what CI runs)")
+    parser.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: auto; cpu with --tiny)")
+    parser.add_argument("--seqs", help="sequence lengths, comma-separated (default 1024,2048,4096; --tiny 16,32)")
+    parser.add_argument("--tokens", type=int, help="tokens per step, B*T (default 8192; --tiny 64)")
+    parser.add_argument("--repeats", type=int, help="timed steps of every run, median reported (default 5; --tiny 1)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (default 989)")
+    parser.add_argument("--out", help="where the JSON goes (default: beside the figures)")
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    try:
+        device = resolve_device(args.device or ("cpu" if args.tiny else "auto"))
+        if device.type != "cuda" and not args.tiny:
+            raise ValueError(f"--device={device}: the 1.1B-parameter benchmark needs a CUDA GPU; on the CPU add --tiny")
+        text = args.seqs or ("16,32" if args.tiny else "1024,2048,4096")
+        if not all(part.strip().isdigit() and int(part) > 0 for part in text.split(",")):
+            raise ValueError(f"--seqs={text!r}: write positive whole numbers separated by commas, e.g. 1024,4096")
+        seqs = [int(part) for part in text.split(",")]
+        shape = TINY if args.tiny else ONE_B
+        cfg = Config(**{**shape, "max_seq": max(shape["max_seq"], *seqs)})  # a longer rotary table costs nothing
+        tokens = args.tokens if args.tokens is not None else 64 if args.tiny else 8192
+        repeats = args.repeats if args.repeats is not None else 1 if args.tiny else 5
+        if repeats < 1:
+            raise ValueError(f"--repeats={repeats}: time at least one step of every run (e.g. --repeats 3)")
+        for seq in seqs:
+            cfg.check_seq(seq)
+            if tokens < seq or tokens % seq:
+                raise ValueError(f"--tokens={tokens} is not a multiple of the sequence length {seq}: "
+                                 f"use a multiple of every one of --seqs, e.g. --tokens {2 * max(seqs)}")
+        print(f"gpu benchmark on {device}: L={cfg.layers} h={cfg.hidden} H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} "
+              f"V={cfg.vocab} ({cfg.num_params() / 1e9:.2f} B parameters) in {cfg.dtype}, {tokens} tokens per step")
+        if args.tiny and device.type == "cpu":
+            torch.set_num_threads(1)  # ops this small run faster on one thread than on several sharing a CPU
+        results = benchmark(cfg, seqs, tokens, device, repeats, 2 if args.tiny else 4, args.peak_tflops)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(threads)
+    prefix = "gpu_benchmark_tiny" if args.tiny else "gpu_benchmark"
+    for criterion in results["criteria"]:
+        print(f"{criterion['status']:<5} {criterion['text']}")
+    out = pathlib.Path(args.out) if args.out else figures_dir() / f"{prefix}.json"
+    out.write_text(json.dumps(results, indent=1))
+    for path in plot(results, prefix) + [out]:
+        print(f"wrote {path}")
+    print(f"whole run: {results['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
