@@ -69,18 +69,25 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
             return loss.detach()
         return run
 
-    rows = []
-    for name, kind, how, equivalent in contenders(cfg, seq, segment):
+    def tracked(kind, how, **what):
         torch.manual_seed(seed)
-        with Tracker(device) as tracker:
+        with Tracker(device, **what) as tracker:
             loss = step_of(kind, how, tracker)()
             if kind != "picockpt":
                 for p in model.parameters():
                     tracker.mark(p.grad, "gradients")
-        rows.append({"name": name, "kind": kind, "equivalent": equivalent, "loss": loss.item(),
-                     "peak_live_bytes": tracker.peak_physical, "total_flops": sum(tracker.flops.values()),
-                     "recompute_flops": tracker.flops["recompute"], "times": []})
         model.zero_grad(set_to_none=True)
+        return loss, tracker
+
+    rows = []
+    for name, kind, how, equivalent in contenders(cfg, seq, segment):
+        # memory and FLOPs in two runs: FlopCounterMode hooks every module's outputs, which under
+        # torch.utils.checkpoint keeps recomputed graphs alive until the garbage collector runs
+        loss, memory = tracked(kind, how, flops=False)
+        _, flops = tracked(kind, how, physical=False)
+        rows.append({"name": name, "kind": kind, "equivalent": equivalent, "loss": loss.item(),
+                     "peak_live_bytes": memory.peak_physical, "total_flops": sum(flops.flops.values()),
+                     "recompute_flops": flops.flops["recompute"], "times": []})
         if log:
             log(f"  measured {name}")
     base = next(r for r in rows if r["name"] == "autograd")["total_flops"]

@@ -77,7 +77,7 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
         weights_of = [layer_weights(weights, i) for i in range(L)]  # per layer, by role
         x = embedding_forward(input_ids, weights[EMBED])  # (B, T, h)
         x = run_layers(0, L - 1, x, lambda k: schedule.forward[k])  # (B, T, h)
-        loss = head_forward(x, weights, cfg, targets, store, drop)  # scalar
+        loss = head_forward(x, weights, cfg, targets, store, layer_drop(schedule.head))  # scalar
         del x
     if trace:
         say(f"loss {loss.item():.4f}; stored {store.bytes:,} bytes")

@@ -94,7 +94,9 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset()):
 def layer_backward(dout, w, cfg, rope, store, i):
     """dout (B, T, h) -> dx (B, T, h) and the LayerWeights of weight gradients.
     Takes (pops) layer i's tensors out of the store as it last uses them; a dropped
-    one is rebuilt by the one-line recipe beside it, from tensors it already has."""
+    one is rebuilt by the one-line recipe beside it, from tensors it already has.
+    `del` marks each tensor's last use: a local name would otherwise keep it alive to
+    the end of the function, after the store has let go of it."""
     def take(name, rebuild=None):
         return store.pop(i, name, rebuild)
 
@@ -106,17 +108,26 @@ def layer_backward(dout, w, cfg, rope, store, i):
     gate, up = take("mlp.gate"), take("mlp.up")  # (B, T, f) each
     act = take("mlp.act", rebuild=lambda: swiglu_forward(gate, up))  # (B, T, f)
     dact, d_down = linear_backward(dm, act, w.down)  # (B, T, f), (h, f)
+    del dm, act
     dgate, dup = swiglu_backward(dact, gate, up)  # (B, T, f) each
+    del dact, gate, up
     h_mid, rstd2 = take("mlp_norm.input"), take("mlp_norm.rstd")  # (B, T, h), (B, T, 1)
     xn2 = take("mlp_norm.output", rebuild=lambda: rmsnorm_apply(h_mid, rstd2, w.mlp_norm))  # (B, T, h)
-    dxn2_gate, d_gate = linear_backward(dgate, xn2, w.gate)  # (B, T, h), (f, h)
+    dxn2, d_gate = linear_backward(dgate, xn2, w.gate)  # (B, T, h), (f, h)
+    del dgate
     dxn2_up, d_up = linear_backward(dup, xn2, w.up)  # (B, T, h), (f, h)
-    dh_norm, d_mlp_norm = rmsnorm_backward(dxn2_gate + dxn2_up, h_mid, rstd2, w.mlp_norm)  # (B, T, h), (h,)
-    dh = dout + dh_norm  # (B, T, h) both paths into h_mid: the residual and the norm
+    del dup, xn2
+    dxn2 += dxn2_up  # (B, T, h) xn2 feeds both projections: their gradients add
+    del dxn2_up
+    dh, d_mlp_norm = rmsnorm_backward(dxn2, h_mid, rstd2, w.mlp_norm)  # (B, T, h), (h,)
+    del dxn2, h_mid, rstd2
+    dh += dout  # (B, T, h) both paths into h_mid: the norm and the residual
     # ---- attention block: h_mid = x + dropout(o_proj(context)) ----
     da = dh if p == 0 else dropout_backward(dh, take("attn.dropout_mask"), p)  # (B, T, h)
     dcontext, d_o = linear_backward(da, take("attn.context"), w.o)  # (B, T, h), (h, h)
+    del da
     dout_heads = dcontext.view(B, T, H, hd).transpose(1, 2).contiguous()  # (B, H, T, hd)
+    del dcontext
     q, k, v = take("attn.q"), take("attn.k"), take("attn.v")  # (B, H, T, hd), (B, KV, T, hd) x2
     probs = take("attn.probs", rebuild=lambda: attention_probs(q, k, stat))  # (B, H, T, T)
     mask, dropped = None, probs
@@ -124,16 +135,25 @@ def layer_backward(dout, w, cfg, rope, store, i):
         mask = take("attn.probs_mask")  # (B, H, T, T) bool
         dropped = take("attn.probs_dropped", rebuild=lambda: dropout_forward(probs, mask, p))  # (B, H, T, T)
     dq, dk, dv = attention_backward(dout_heads, q, k, v, probs, dropped, stat, mask, p)
+    del dout_heads, q, k, v, probs, dropped, mask
     dq = rope_backward(dq.transpose(1, 2), cos, sin).reshape(B, T, H * hd)  # (B, T, h)
     dk = rope_backward(dk.transpose(1, 2), cos, sin).reshape(B, T, KV * hd)  # (B, T, KV*hd)
     dv = dv.transpose(1, 2).reshape(B, T, KV * hd)  # (B, T, KV*hd)
     x, rstd = take("input"), take("attn_norm.rstd")  # (B, T, h), (B, T, 1)
     xn = take("attn_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, w.attn_norm))  # (B, T, h)
-    dxn_q, d_q = linear_backward(dq, xn, w.q)  # (B, T, h), (h, h)
+    dxn, d_q = linear_backward(dq, xn, w.q)  # (B, T, h), (h, h)
+    del dq
     dxn_k, d_k = linear_backward(dk, xn, w.k)  # (B, T, h), (KV*hd, h)
+    del dk
+    dxn += dxn_k  # (B, T, h) xn feeds q, k and v: their gradients add
+    del dxn_k
     dxn_v, d_v = linear_backward(dv, xn, w.v)  # (B, T, h), (KV*hd, h)
-    dx_norm, d_attn_norm = rmsnorm_backward(dxn_q + dxn_k + dxn_v, x, rstd, w.attn_norm)  # (B, T, h), (h,)
-    dx = dh + dx_norm  # (B, T, h) the residual and the norm path into x
+    del dv, xn
+    dxn += dxn_v  # (B, T, h)
+    del dxn_v
+    dx, d_attn_norm = rmsnorm_backward(dxn, x, rstd, w.attn_norm)  # (B, T, h), (h,)
+    del dxn, x, rstd
+    dx += dh  # (B, T, h) the norm and the residual path into x
     grads = LayerWeights(attn_norm=d_attn_norm, q=d_q, k=d_k, v=d_v, o=d_o,
                          mlp_norm=d_mlp_norm, gate=d_gate, up=d_up, down=d_down)
     return dx, grads

@@ -38,6 +38,7 @@ class Schedule:
     sweep(k, target): mode of layer k when a backward sweep recomputes up to `target`."""
     forward: tuple
     sweep_modes: dict = None      # target -> {k: mode}; None means "all" for every layer
+    head: str = "all"             # the model head's op level: "all" (the policy's) or "all:cheap"
 
     def sweep(self, k, target):
         return "all" if self.sweep_modes is None else self.sweep_modes[target][k]

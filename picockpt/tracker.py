@@ -17,7 +17,10 @@ torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each).
         loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
     tracker.peaks["backward"]["physical"], tracker.flops["recompute"], tracker.timeline
 
-The tracker holds no tensors: only integers, strings and weak references.
+The tracker holds no tensors: only integers, strings and weak references. Measure the memory
+of nn.Module code with flops=False: FlopCounterMode hooks every module's outputs, and under
+torch.utils.checkpoint those hooks keep recomputed graphs alive until the garbage collector
+runs (picockpt's engine has no modules, so both at once are exact for it).
 """
 import contextlib
 import weakref

@@ -55,7 +55,11 @@ def attention_backward(dout, q, k, v, probs, dropped, stat_dtype, mask=None, p=0
     dv = _grouped(dropped, kv_heads).transpose(-1, -2) @ _grouped(dout, kv_heads)  # (B, KV, T, hd)
     dprobs = ddropped if mask is None else dropout_backward(ddropped, mask, p)  # (B, H, T, T)
     P, dP = probs.to(stat_dtype), dprobs.to(stat_dtype)  # (B, H, T, T) each, softmax statistics precision
-    dscores = (P * (dP - (dP * P).sum(-1, keepdim=True))).to(q.dtype) * hd ** -0.5  # (B, H, T, T)
+    del ddropped, dprobs  # (dP may still be the same tensor)
+    dscores = dP - (dP * P).sum(-1, keepdim=True)  # (B, H, T, T)
+    del dP
+    dscores = dscores.mul_(P).to(q.dtype).mul_(hd ** -0.5)  # (B, H, T, T) in place: P * (...) / sqrt(hd)
+    del P
     dq = (_grouped(dscores, kv_heads) @ k).view(B, H, T, hd)  # (B, H, T, hd)
     dk = _grouped(dscores, kv_heads).transpose(-1, -2) @ _grouped(q, kv_heads)  # (B, KV, T, hd)
     return dq, dk, dv

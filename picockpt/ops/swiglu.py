@@ -19,6 +19,7 @@ def swiglu_backward(dact, gate, up):
     dg = da * u * silu'(g),   silu'(g) = s + g * s * (1 - s) = s * (1 + g * (1 - s))
     """
     s = torch.sigmoid(gate)  # (B, T, f)
-    dup = dact * (gate * s)  # (B, T, f)
-    dgate = dact * up * (s * (1 + gate * (1 - s)))  # (B, T, f)
+    dup = dact * gate * s  # (B, T, f)
+    # dgate = (1 - s) * g + 1, times s * u * da, computed in place: one (B, T, f) buffer, no temporaries
+    dgate = (1 - s).mul_(gate).add_(1).mul_(s).mul_(up).mul_(dact)  # (B, T, f)
     return dgate, dup

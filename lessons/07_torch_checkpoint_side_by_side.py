@@ -1,0 +1,134 @@
+"""Lesson 07: the same choices through torch.utils.checkpoint, measured side by side.
+
+What most people use is PyTorch's own recomputation, wrapped around an ordinary autograd model.
+This script runs picockpt's policies beside their PyTorch equivalents on the same weights and
+batch (picockpt/compare.py; the PyTorch runs are in picockpt/peers.py), and beside the bridge
+(picockpt/bridge.py: picockpt's segment loop driving autograd, no torch.utils.checkpoint):
+
+    picockpt none        ~ plain autograd
+    picockpt full        ~ checkpoint(layer, x, use_reentrant=False) around every layer
+    picockpt every:C     ~ checkpoint_sequential(layers, L/C segments)
+    picockpt selective   ~ a selective checkpoint policy (create_selective_checkpoint_contexts)
+                           that recomputes only the ops making a T×T tensor
+    picockpt cheap       ~ the policy PyTorch's documentation shows: save the matmul outputs
+
+What to look at, and why the numbers differ where they do:
+  - recompute FLOPs: non-reentrant checkpoint stops recomputing a layer as soon as the last
+    tensor its backward needs is back, so it never reruns the layer's down projection: its
+    recompute is one forward minus L down projections (the script checks this to the FLOP).
+  - checkpoint_sequential does not checkpoint its last segment (its backward comes first), so
+    that segment is stored whole and never recomputed.
+  - selective checkpointing caches the output of every op its policy marks "save", needed by
+    the backward or not, so the literal "recompute only the T×T ops" policy holds more than
+    plain autograd.
+
+    python lessons/07_torch_checkpoint_side_by_side.py            # the CPU run (small preset), well under a minute
+    python lessons/07_torch_checkpoint_side_by_side.py --fast     # seconds: what the tests run
+    python lessons/07_torch_checkpoint_side_by_side.py --large --device cuda   # a bigger shape for a GPU
+"""
+import math
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
+
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from lessons._lesson import choose, device_name, large, parse_args, shape_line, small
+from picockpt.compare import compare
+from picockpt.inventory import step_flops
+from picockpt.plotting import mib, save_figure
+
+KIND_COLORS = {"picockpt": "#C44E52", "torch": "#4C72B0", "bridge": "#DD8452"}
+SEGMENT = 2  # C of every:C, and checkpoint_sequential(L / C)
+
+
+def shape(mode):
+    """(Config, batch, seq, timed repeats) of each run mode."""
+    return choose(mode, fast=(small(layers=4), 2, 32, 1), cpu=(small(), 4, 128, 7), large=(large(), 4, 1024, 5))
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv)
+    cfg, batch, seq, repeats = shape(args.mode)
+    print(f"lesson 07, beside torch.utils.checkpoint: {shape_line(cfg, batch, seq, args.device)}")
+    rows = compare(cfg, batch, seq, args.device, SEGMENT, repeats, args.seed, log=None)
+    by_name = {row["name"]: row for row in rows}
+    autograd = by_name["autograd"]
+
+    print(f"\n{'run':<34}{'peak live MiB':>14}{'recompute GFLOP':>17}{'ms':>8}{'time / autograd':>17}"
+          f"   equivalent (memory, time ratio)")
+    for row in rows:
+        pair = (f"   {row['equivalent']} ({row['memory_vs_equivalent']:.2f}, {row['time_vs_equivalent']:.2f})"
+                if row["equivalent"] else "")
+        print(f"{row['name']:<34}{mib(row['peak_live_bytes']):>14.2f}{row['recompute_flops'] / 1e9:>17.3f}"
+              f"{row['step_seconds'] * 1e3:>8.1f}{row['step_seconds'] / autograd['step_seconds']:>17.2f}{pair}")
+    print(f"(one forward + backward each; peak live = every tensor created during the step, weight gradients "
+          f"excluded; times: median of {repeats} interleaved repeats on {device_name(args.device)})")
+
+    one_forward = by_name["picockpt full"]["recompute_flops"]
+    down = cfg.layers * 2 * batch * seq * cfg.ffn * cfg.hidden  # the L down projections: 2·B·T·f·h each
+    torch_full = by_name["torch checkpoint per layer"]["recompute_flops"]
+    skips_down = one_forward - torch_full == down
+    print(f"\npicockpt full recomputes exactly one forward of the layers: {one_forward / 1e9:.3f} GFLOP "
+          f"(inventory.step_flops: {step_flops(cfg, batch, seq, 'full')['recompute'] / 1e9:.3f}); the bridge too "
+          f"({by_name['bridge full']['recompute_flops'] / 1e9:.3f}).")
+    print(f"torch checkpoint per layer recomputes {torch_full / 1e9:.3f} GFLOP: one forward minus the {cfg.layers} "
+          f"down projections ({down / 1e9:.3f} GFLOP) {'exactly' if skips_down else '- NOT exactly'}: it stops once "
+          f"the last tensor the backward needs is back.")
+    segments = math.ceil(cfg.layers / SEGMENT)
+    sequential = by_name[f"torch checkpoint_sequential({segments})"]["recompute_flops"]
+    layer = one_forward // cfg.layers  # one layer's forward FLOPs
+    expected = (segments - 1) * ((SEGMENT - 1) * layer + layer - down // cfg.layers)
+    print(f"checkpoint_sequential({segments}) recomputes {sequential / 1e9:.3f} GFLOP: its last segment is never "
+          f"checkpointed, so {segments - 1} of {segments} segments come back, each stopping before its last down "
+          f"projection ({expected / 1e9:.3f} GFLOP: {'exactly' if sequential == expected else 'DIFFERENT'}).")
+    selective = by_name["torch selective checkpoint"]
+    ratio = selective["peak_live_bytes"] / autograd["peak_live_bytes"]
+    print(f"torch selective checkpoint holds {mib(selective['peak_live_bytes']):.2f} MiB, {ratio:.2f}x plain autograd"
+          + (": it caches the output of every op marked 'save', needed by the backward or not" if ratio > 1 else "")
+          + f"; picockpt selective holds {mib(by_name['picockpt selective']['peak_live_bytes']):.2f} MiB.")
+    for row in rows:
+        if row["kind"] == "picockpt" and row["equivalent"]:
+            verdict = "less" if row["memory_vs_equivalent"] < 1 else "more"
+            print(f"  {row['name']:<20} {row['memory_vs_equivalent']:.2f}x the peak live bytes of "
+                  f"{row['equivalent']} ({verdict}), {row['time_vs_equivalent']:.2f}x its time")
+
+    names = [row["name"] for row in rows][::-1]  # top to bottom in table order
+    colors = [KIND_COLORS[by_name[n]["kind"]] for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 6), sharey=True)
+    panels = [("peak live (MiB)", lambda r: mib(r["peak_live_bytes"]), "{:.1f}"),
+              ("recompute GFLOP", lambda r: r["recompute_flops"] / 1e9, "{:.3f}"),
+              ("time / autograd (measured)", lambda r: r["step_seconds"] / autograd["step_seconds"], "{:.2f}")]
+    for ax, (title, value, fmt) in zip(axes, panels):
+        values = [value(by_name[n]) for n in names]
+        ax.barh(range(len(names)), values, color=colors)
+        for y, v in enumerate(values):
+            ax.annotate(fmt.format(v), (v, y), va="center", fontsize=7, xytext=(2, 0), textcoords="offset points")
+        ax.set_title(title)
+        ax.set_xlim(0, max(values) * 1.2 if max(values) > 0 else 1)
+        ax.grid(axis="x", alpha=0.3)
+    axes[2].axvline(1, color="0.4", lw=0.8)
+    axes[0].set_yticks(range(len(names)), names, fontsize=8)
+    for kind, color in KIND_COLORS.items():
+        axes[0].barh([], [], color=color, label=kind)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"picockpt beside torch.utils.checkpoint: L={cfg.layers}, h={cfg.hidden}, batch {batch} x {seq}, "
+                 f"{cfg.dtype}, on {device_name(args.device)}")
+    fig.tight_layout()
+    path = save_figure(fig, "07_torch_checkpoint_side_by_side")
+    print(f"wrote {path}")
+    return {"figures": [str(path)],
+            "summary": {"peak live MiB picockpt full / torch per layer":
+                        f"{mib(by_name['picockpt full']['peak_live_bytes']):.1f}/"
+                        f"{mib(by_name['torch checkpoint per layer']['peak_live_bytes']):.1f}",
+                        "time / autograd picockpt full / torch per layer":
+                        f"{by_name['picockpt full']['step_seconds'] / autograd['step_seconds']:.2f}/"
+                        f"{by_name['torch checkpoint per layer']['step_seconds'] / autograd['step_seconds']:.2f}",
+                        "torch skips the down projections": skips_down}}
+
+
+if __name__ == "__main__":
+    main()

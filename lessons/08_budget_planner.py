@@ -1,0 +1,288 @@
+"""Lesson 08: the memory-budget planner against every other way to fit.
+
+"I have this much memory: what is the cheapest way to fit?" For one model and batch, every
+policy is a point (recompute FLOPs, peak bytes): none, selective, cheap, full, every every:C and
+their combinations with selective and cheap; the planner (budget:SIZE, rotor's dynamic programme,
+Beaumont et al. 2019, in picockpt/planner.py): its whole frontier, every Pareto-optimal plan
+from the least feasible budget to storing everything, 20 of them run; and PyTorch's
+recomputation on the autograd reference: checkpoint per layer, checkpoint_sequential at every
+segment count, two selective-checkpoint policies, and the min-cut partitioner that torch.compile
+uses, under torch._functorch.config.activation_memory_budget.
+
+Left, the logical view: the activation store's peak, which a budget constrains. The line is the
+planner's exact frontier; the dots on it were run and measured, and every other policy's point
+lies on or above it: checked at each policy's own peak and printed. The planner picks the op
+level of each layer and of the model head (whose cheap variant drops the final norm's output),
+so plain budget:SIZE plans already include everything `selective` and `cheap` can do.
+
+Right, the physical view: every tensor alive (store plus working memory), the only view the
+PyTorch peers have. The planner does not model working memory, so there it can be beaten: for
+each rival the script runs the planner's least-store plan that recomputes no more, and prints
+any rival with fewer live bytes beside the planner's next point. Two causes: the working memory
+(live - stored, printed), which a budget does not limit, and PyTorch's non-reentrant checkpoint
+stopping its recompute at the last tensor a backward needs (it skips the down projection of a
+segment's last layer), a cost between two of picockpt's whole-layer steps. On the CPU shape no
+rival wins; on the --fast shape checkpoint_sequential(2) does, by the second cause (the planner's
+next point holds less for a little more recompute). The first shows at the low end: below about
+3.4 MiB of store (CPU shape) the live peak stays near 7 MiB, set by the working memory of a
+layer's backward, so more recompute buys a smaller store there but hardly any live memory.
+
+    python lessons/08_budget_planner.py            # the CPU run (small preset), well under a minute
+    python lessons/08_budget_planner.py --fast     # seconds: what the tests run
+    python lessons/08_budget_planner.py --large --device cuda   # a bigger shape for a GPU
+"""
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
+
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch._functorch.config as functorch_config
+from torch._functorch.aot_autograd import aot_module, make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition as min_cut_partition
+
+from lessons._lesson import choose, large, parse_args, shape_line, small
+from picockpt import init_params, loss_and_grads, parse_policy
+from picockpt.cli.plan import benchmark
+from picockpt.inventory import predicted_peak_bytes, step_flops
+from picockpt.measure import make_batch
+from picockpt.peers import per_layer, run_plain, save_matmuls, selective, sequential
+from picockpt.planner import frontier, model_chain
+from picockpt.plotting import mib, policy_color, save_figure
+from picockpt.reference import ReferenceLlama
+from picockpt.tracker import Tracker
+
+PLANNER_COLOR, TORCH_COLOR, MINCUT_COLOR = "#8172B3", "#7F7F7F", "#2CA02C"
+
+
+def shape(mode):
+    """(Config, batch, seq) of each run mode."""
+    return choose(mode, fast=(small(layers=4), 2, 32), cpu=(small(), 2, 128), large=(large(), 2, 1024))
+
+
+def extent(mode, cfg):
+    """What each run mode measures: planner points run, fixed policies, segment counts of
+    checkpoint_sequential, min-cut budgets, layers of the planning-time benchmark. --fast keeps
+    the tests quick: a few of each, no min-cut partitioner (tracing it alone takes ~10 s here)."""
+    layer_levels = ["none", "full"] + [f"every:{C}" for C in range(2, cfg.layers + 1)]
+    every = [parse_policy(level + op, cfg).text for level in layer_levels for op in ("", "+selective", "+cheap")]
+    some = [p for p in every if "+" not in p or p.split("+")[0] in ("full", "every:2", f"every:{cfg.layers // 2}")]
+    return choose(mode, fast=dict(dots=4, run=["none", "cheap", "full", "every:2"], segments=[2], peers=False,
+                                  min_cut=(), benchmark_layers=32),
+                  cpu=dict(dots=20, run=some, segments=range(2, cfg.layers + 1), peers=True, min_cut=(0.5, 0.1),
+                           benchmark_layers=128),
+                  large=dict(dots=20, run=every, segments=range(2, cfg.layers + 1), peers=True,
+                             min_cut=(0.8, 0.5, 0.3, 0.1, 0.0), benchmark_layers=128)) | {"every": every}
+
+
+def planner_frontier(cfg, batch, seq):
+    """(peak, recompute, policy) of every Pareto-optimal budget:SIZE plan, from storing everything
+    down to the least feasible budget (each layer's and the head's op level chosen by the planner)."""
+    return [(p.peak_bytes, p.recompute_flops, f"budget:{p.peak_bytes}")
+            for p in frontier(model_chain(cfg, batch, seq))]
+
+
+def measure_picockpt(cfg, params, ids, targets, policy, device, seed, flops=False):
+    """Store peak and live peak, measured. Recompute FLOPs measured with flops=True, otherwise from
+    the closed form (equal to the measurement: tests/test_policies.py and test_planner.py), because
+    counting FLOPs while watching every storage costs the tracker about three times as long."""
+    torch.manual_seed(seed)
+    with Tracker(device, flops=flops) as tracker:
+        loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
+    B, T = ids.shape
+    recompute = tracker.flops["recompute"] if flops else step_flops(cfg, B, T, policy)["recompute"]
+    return {"logical": tracker.peak_logical, "physical": tracker.peak_physical, "recompute": recompute}
+
+
+def measure_torch(model, ids, targets, forward, device, seed):
+    """Physical peak and total FLOPs of forward + backward; forward(ids, targets) -> loss."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with Tracker(device) as tracker:
+        with tracker.phase("forward"):
+            loss = forward(ids, targets)
+        with tracker.phase("backward"):
+            loss.backward()
+        for p in model.parameters():
+            tracker.mark(p.grad, "gradients")
+    return {"physical": tracker.peak_physical, "flops": sum(tracker.flops.values())}
+
+
+def min_cut(model, budget):
+    """The reference model through AOTAutograd with torch.compile's min-cut partitioner and an
+    activation memory budget (no Dynamo, no code generation: the graphs run op by op, so the
+    tracker sees them; torch.compile itself runs eagerly while a dispatch mode is active)."""
+    functorch_config.activation_memory_budget = budget
+    run_graph = lambda graph, _: make_boxed_func(graph.forward)  # noqa: E731  the graph as it is
+    return aot_module(model, fw_compiler=run_graph, bw_compiler=run_graph, partition_fn=min_cut_partition)
+
+
+def torch_peers(cfg, params, ids, targets, seq, todo, device, seed):
+    model = ReferenceLlama(cfg, params).to(device)
+    runs = {"autograd": run_plain, "torch checkpoint per layer": per_layer}
+    if todo["peers"]:
+        runs.update({"torch selective checkpoint": selective(seq),
+                     "torch checkpoint saving matmuls": save_matmuls(seq)})
+    runs.update({f"torch checkpoint_sequential({n})": sequential(n) for n in todo["segments"]})
+    rows = {name: measure_torch(model, ids, targets, lambda i, t, run=run: model(i, t, run_layers=run), device, seed)
+            for name, run in runs.items()}
+    default = functorch_config.activation_memory_budget
+    try:
+        for budget in todo["min_cut"]:
+            compiled = min_cut(model, budget)
+            model.zero_grad(set_to_none=True)
+            compiled(ids, targets).backward()  # trace and partition once, untracked
+            rows[f"min-cut partitioner, budget {budget}"] = measure_torch(model, ids, targets, compiled, device, seed)
+    finally:
+        functorch_config.activation_memory_budget = default
+    base = rows["autograd"]["flops"]
+    for row in rows.values():
+        row["recompute"] = row["flops"] - base
+    return rows
+
+
+def physical_view(plans, rivals, front, measure):
+    """The claim in live bytes. For every rival (measured), the planner's best chance is its plan of
+    least store among those recomputing no more than the rival: run it if it was not, and compare.
+    Returns the rivals that beat it (less live memory for no more recompute)."""
+    beaten = []
+    for name, rival in rivals.items():
+        index = min(range(len(front)), key=lambda i: (front[i][1] > rival["recompute"], front[i][0]))
+        policy = front[index][2]
+        if policy not in plans:
+            plans[policy] = measure(policy)
+        if plans[policy]["physical"] > rival["physical"]:
+            beaten.append(name)
+            after = front[min(index + 1, len(front) - 1)]  # the next point: less store, more recompute
+            if after[2] not in plans:
+                plans[after[2]] = measure(after[2])
+            print(f"physical view: {name} ({mib(rival['physical']):.2f} MiB live, {rival['recompute'] / 1e9:.4f} "
+                  f"GFLOP) beats {policy} ({mib(plans[policy]['physical']):.2f} MiB, {front[index][1] / 1e9:.4f} "
+                  f"GFLOP); the planner's next point: {mib(plans[after[2]]['physical']):.2f} MiB live for "
+                  f"{after[1] / 1e9:.4f} GFLOP")
+    working = [row["physical"] - row["logical"] for row in plans.values()]
+    print(f"rivals that beat the planner in the physical view: {beaten or 'none'} (of {len(rivals)}); "
+          f"{len(plans)} plans run in all")
+    print(f"working memory on top of the store (live - stored) at the planner's points: "
+          f"{mib(min(working)):.2f} .. {mib(max(working)):.2f} MiB: a budget limits the store, not this")
+    return beaten
+
+
+def plot(fixed, measured_plans, front, peers):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.6), sharex=True)
+    gflop = lambda flops: np.asarray(flops) / 1e9
+    for ax, view in ((left, "logical"), (right, "physical")):
+        for policy, row in fixed.items():
+            if row[view] is None:
+                continue
+            marker = "s" if policy.endswith("+cheap") or policy == "cheap" else "D" if "selective" in policy else "o"
+            ax.scatter(gflop(row["recompute"]), mib(row[view]), marker=marker, s=28, color=policy_color(policy),
+                       edgecolor="black", linewidth=0.4, zorder=3)
+        plans = list(measured_plans.values())
+        ax.scatter(gflop([r["recompute"] for r in plans]), mib([r[view] for r in plans]), s=22, zorder=4,
+                   color=PLANNER_COLOR, label="planner, measured (budget:SIZE or budget:SIZE+cheap)")
+    left.step(gflop([p[1] for p in front]), mib([p[0] for p in front]), where="post", color=PLANNER_COLOR, lw=1.2,
+              label="planner frontier (every Pareto-optimal plan)", zorder=2)
+    for name, row in peers.items():
+        color = MINCUT_COLOR if name.startswith("min-cut") else TORCH_COLOR
+        right.scatter(gflop(row["recompute"]), mib(row["physical"]), marker="^", s=40, color=color, zorder=3)
+        label = name.replace("torch checkpoint_sequential", "seq").replace("min-cut partitioner, budget ", "min-cut ")
+        right.annotate(label.replace("torch checkpoint ", "").replace("torch ", ""),
+                       (gflop(row["recompute"]), mib(row["physical"])), fontsize=6, xytext=(3, 3),
+                       textcoords="offset points", color=color)
+    for policy in ("none", "selective", "cheap", "full", "full+cheap", "every:2"):
+        if policy in fixed:
+            left.annotate(policy, (gflop(fixed[policy]["recompute"]), mib(fixed[policy]["logical"])), fontsize=7,
+                          xytext=(4, 2), textcoords="offset points")
+    for marker, text in (("o", "layer level only"), ("D", "+selective"), ("s", "+cheap / cheap")):
+        left.scatter([], [], marker=marker, color="white", edgecolor="black", label=f"fixed policy, {text}")
+    for policy, text in (("none", "none"), ("selective", "selective, cheap"), ("full", "full"), ("every:2", "every:C")):
+        left.scatter([], [], marker="o", color=policy_color(policy), label=f"colour: {text}")
+    right.scatter([], [], marker="^", color=TORCH_COLOR, label="PyTorch checkpointing (autograd reference)")
+    right.scatter([], [], marker="^", color=MINCUT_COLOR, label="min-cut partitioner, activation_memory_budget")
+    left.set_title("logical: the activation store's peak (what a budget limits)")
+    right.set_title("physical: every live tensor (store + working memory)")
+    for ax in (left, right):
+        ax.set_xlabel("recompute per step (GFLOP, matmuls)")
+        ax.set_ylabel("peak (MiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv)
+    cfg, batch, seq = shape(args.mode)
+    device, seed, todo = args.device, args.seed, extent(args.mode, cfg)
+    print(f"lesson 08, the budget planner: {shape_line(cfg, batch, seq, device)}")
+    params = init_params(cfg, seed=seed, device=device)
+    ids, targets = make_batch(cfg, batch, seq, device, seed)
+    forward_flops = step_flops(cfg, batch, seq)["forward"]
+
+    front = planner_frontier(cfg, batch, seq)
+    picks = np.unique(np.linspace(0, len(front) - 1, min(todo["dots"], len(front))).round().astype(int))
+    counted = set(picks[1::max(1, len(picks) // 3)][:3])  # a few with measured FLOPs too
+    measured_plans = {front[i][2]: measure_picockpt(cfg, params, ids, targets, front[i][2], device, seed,
+                                                    flops=i in counted) for i in picks}
+    print(f"\nplanner: {len(front)} Pareto-optimal plans from {mib(front[0][0]):.2f} MiB down to the least "
+          f"feasible {mib(front[-1][0]):.2f} MiB; {len(measured_plans)} of them run:")
+    print(f"{'policy':<28}{'store MiB':>11}{'predicted':>11}{'live MiB':>10}{'recompute GFLOP':>17}{'predicted':>11}")
+    exact = True
+    i_of = {front[i][2]: i for i in picks}
+    for (peak, flops, policy) in (front[i] for i in picks):
+        row = measured_plans[policy]
+        exact &= row["logical"] == peak and row["recompute"] == flops
+        note = "  (FLOPs measured)" if i_of[policy] in counted else ""
+        print(f"{policy:<28}{mib(row['logical']):>11.3f}{mib(peak):>11.3f}{mib(row['physical']):>10.2f}"
+              f"{row['recompute'] / 1e9:>17.4f}{flops / 1e9:>11.4f}{note}")
+    print(f"measured store peaks (all) and recompute FLOPs (where measured) equal the planner's: {exact}")
+
+    fixed = {p: {"logical": predicted_peak_bytes(cfg, batch, seq, p), "physical": None,
+                 "recompute": step_flops(cfg, batch, seq, p)["recompute"]} for p in todo["every"]}
+    for policy in todo["run"]:  # the store's peak is measured too, and must equal the closed form
+        row = measure_picockpt(cfg, params, ids, targets, policy, device, seed)
+        assert row["logical"] == fixed[policy]["logical"], policy
+        fixed[policy] = row
+    print(f"\n{'fixed policy':<22}{'store MiB':>11}{'live MiB':>10}{'recompute GFLOP':>17}"
+          f"{'planner at that budget':>24}")
+    beaten_logical = []
+    for policy, row in fixed.items():
+        best = min((p for p in front if p[0] <= row["logical"]), key=lambda p: p[1])  # the planner at that budget
+        if best[1] > row["recompute"]:
+            beaten_logical.append(policy)
+        live = f"{mib(row['physical']):>10.2f}" if row["physical"] else f"{'-':>10}"
+        print(f"{policy:<22}{mib(row['logical']):>11.3f}{live}{row['recompute'] / 1e9:>17.4f}"
+              f"{best[1] / 1e9:>17.4f}  {best[2]}")
+    print(f"fixed policies below the planner's frontier (logical): {beaten_logical or 'none'}")
+
+    peers = torch_peers(cfg, params, ids, targets, seq, todo, device, seed)
+    print(f"\n{'PyTorch peer':<40}{'live MiB':>10}{'recompute GFLOP':>17}")
+    for name, row in peers.items():
+        print(f"{name:<40}{mib(row['physical']):>10.2f}{row['recompute'] / 1e9:>17.4f}")
+
+    rivals = {**{p: r for p, r in fixed.items() if r["physical"]}, **peers}
+    beaten_physical = physical_view(measured_plans, rivals, front,
+                                    lambda policy: measure_picockpt(cfg, params, ids, targets, policy, device, seed))
+    timing = benchmark(cfg, batch, seq, seed, layers=todo["benchmark_layers"])
+    for name, row in timing.items():
+        print(f"planning time, {name}, {row['slots']} slots: {row['seconds'] * 1e3:.0f} ms")
+
+    fig = plot(fixed, measured_plans, front, peers)
+    fig.suptitle(f"Peak memory against recompute, one training step: {shape_line(cfg, batch, seq, device)}; "
+                 f"one forward = {forward_flops / 1e9:.2f} GFLOP", fontsize=9, y=1.03)
+    path = save_figure(fig, "08_budget_planner")
+    print(f"\nfigure: {path}")
+    return {"figures": [str(path)], "summary": {
+        "Pareto-optimal plans": len(front), "plans measured": len(measured_plans),
+        "measured == predicted": exact, "fixed policies beating the planner (logical)": len(beaten_logical),
+        "rivals beating the planner (physical)": f"{len(beaten_physical)} of {len(rivals)}",
+        **{f"planning ms, {name}": round(1e3 * row["seconds"]) for name, row in timing.items()}}}
+
+
+if __name__ == "__main__":
+    main()

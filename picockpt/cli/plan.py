@@ -1,0 +1,171 @@
+"""python -m picockpt plan: the recomputation schedule of least cost for a memory budget.
+
+    python -m picockpt plan --budget 24MiB                          # picockpt's model (shape flags apply)
+    python -m picockpt plan --budget 24MiB --measure                # ... and run it once, tracked
+    python -m picockpt plan --chain uniform --length 10 --slots 3   # binomial checkpointing (revolve)
+    python -m picockpt plan --benchmark                             # planning time, 128 layers
+"""
+import json
+import random
+import time
+
+from ..inventory import step_flops
+from ..planner import Stage, least_budget, model_chain, plan_chain, plan_model
+from ..planner_uniform import binomial_forward_steps, plan_uniform
+from ..policy import OP_LEVEL, parse_policy, parse_size
+from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops
+
+def add_arguments(parser):
+    parser.add_argument("--chain", choices=("model", "uniform"), default="model",
+                        help="model: picockpt's layers at the shape below (default); uniform: l equal steps "
+                             "counted in slots, as in Griewank & Walther's revolve")
+    parser.add_argument("--budget", help="bytes the activation store may hold, e.g. 24MiB, 1.5GiB, 3000000")
+    parser.add_argument("--op-level", choices=("none", "selective", "cheap"), default="none",
+                        help="the least every stored layer drops (the planner may drop more per layer)")
+    parser.add_argument("--length", type=int, help="uniform chain: number of steps l")
+    parser.add_argument("--slots", type=int, help="uniform chain: stored states s (x0 takes one)")
+    parser.add_argument("--measure", action="store_true", help="run one tracked step with the plan")
+    parser.add_argument("--benchmark", action="store_true", help="time the planner on 128-layer chains")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_shape_args(parser)
+    add_run_args(parser)
+
+
+def run(args):
+    if args.chain == "uniform":
+        return run_uniform(args)
+    if args.benchmark:
+        return run_benchmark(args)
+    if args.budget is None:
+        raise ValueError("--budget is required with --chain model: give a size such as --budget 24MiB")
+    cfg = config_from_args(args)
+    budget = parse_size(args.budget)
+    text = f"budget:{args.budget}" + ("" if args.op_level == "none" else f"+{args.op_level}")
+    policy = parse_policy(text, cfg)
+    drop = OP_LEVEL.get(args.op_level, frozenset())
+    start = time.perf_counter()
+    plan = plan_model(cfg, args.batch, args.seq, budget, drop)
+    seconds = time.perf_counter() - start
+    forward = step_flops(cfg, args.batch, args.seq, "none")["forward"]
+    row = {"policy": text, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
+           "recompute_flops": plan.recompute_flops, "forward_flops": forward,
+           "least_budget_bytes": least_budget(model_chain(cfg, args.batch, args.seq, drop)),
+           "slot_bytes": plan.slot_bytes, "exact_grid": plan.exact_grid, "planning_seconds": seconds,
+           "forward": list(plan.schedule.forward),
+           "sweeps": [{"target": target, "first": first, "modes": [modes[k] for k in range(first, target + 1)]}
+                      for target, first, modes in plan.sweeps]}
+    if args.measure:
+        row.update(measure(cfg, args, policy))
+    if args.json:
+        print(json.dumps(row, indent=1))
+        return
+    print(f"plan for {text}: L={cfg.layers} h={cfg.hidden} H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} "
+          f"V={cfg.vocab} {cfg.dtype}, batch {args.batch} x {args.seq} tokens")
+    lines = [("budget", fmt_bytes(budget), f"{budget:,} bytes"),
+             ("predicted peak of the store", fmt_bytes(plan.peak_bytes), f"{plan.peak_bytes:,} bytes"),
+             ("recompute", fmt_flops(plan.recompute_flops), f"{plan.recompute_flops / forward:.1%} of the forward"),
+             ("least feasible budget", fmt_bytes(row["least_budget_bytes"]), f"{row['least_budget_bytes']:,} bytes"),
+             ("memory grid", f"{plan.slot_bytes:,} B/slot", "exact" if plan.exact_grid else
+              "sizes rounded up to whole slots: within budget, perhaps not the very cheapest"),
+             ("planning time", f"{seconds * 1e3:.1f} ms", "")]
+    if args.measure:
+        lines += [("measured peak of the store", fmt_bytes(row["measured_peak_bytes"]),
+                   "equal" if row["measured_peak_bytes"] == plan.peak_bytes else "DIFFERS"),
+                  ("measured recompute", fmt_flops(row["measured_recompute_flops"]),
+                   "equal" if row["measured_recompute_flops"] == plan.recompute_flops else "DIFFERS"),
+                  ("measured peak live bytes", fmt_bytes(row["measured_peak_live_bytes"]),
+                   "store + working memory")]
+    for name, value, note in lines:
+        print(f"  {name:<30}{value:>16}  {note}")
+    print("\n" + "\n".join(schedule_table(plan)))
+
+
+def schedule_table(plan):
+    """One line per forward pass, in the order they run: which layers keep what."""
+    rows = [f"{'first forward':<32}{runs(dict(enumerate(plan.schedule.forward)))}"]
+    for target, first, modes in plan.sweeps:
+        rows.append(f"{f'before the backward of {target}:':<32}{runs(modes)}")
+    rows.append("(all: input and activations, minus the policy's op level; all:selective / all:cheap: "
+                "minus that level's drops; input: a checkpoint; none: nothing)")
+    return rows
+
+
+def runs(modes):
+    """{layer: mode} -> '0-6 input, 7 all:cheap' (consecutive layers with one mode grouped)."""
+    groups = []
+    for k in sorted(modes):
+        if groups and groups[-1][2] == modes[k] and groups[-1][1] == k - 1:
+            groups[-1][1] = k
+        else:
+            groups.append([k, k, modes[k]])
+    return ", ".join(f"{a}-{b} {mode}" if b > a else f"{a} {mode}" for a, b, mode in groups)
+
+
+def measure(cfg, args, policy):
+    import torch
+
+    from ..engine import loss_and_grads
+    from ..measure import make_batch
+    from ..params import init_params
+    from ..tracker import Tracker
+    device = device_from_args(args)
+    params = init_params(cfg, seed=args.seed, device=device)
+    input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
+    torch.manual_seed(args.seed)
+    with Tracker(device) as tracker:
+        loss_and_grads(params, cfg, input_ids, targets, policy, tracker=tracker)
+    return {"measured_peak_bytes": tracker.peak_logical, "measured_recompute_flops": tracker.flops["recompute"],
+            "measured_peak_live_bytes": tracker.peak_physical}
+
+
+def run_uniform(args):
+    if args.length is None or args.slots is None:
+        raise ValueError("--chain uniform needs --length L (steps) and --slots S (stored states), "
+                         "e.g. --length 10 --slots 3")
+    plan = plan_uniform(args.length, args.slots)
+    formula, t = binomial_forward_steps(args.length, args.slots)
+    if args.json:
+        print(json.dumps({"chain": "uniform", "length": plan.length, "slots": plan.slots,
+                          "forward_steps": plan.forward_steps, "binomial_formula": formula, "t": t,
+                          "actions": plan.lines(), "schedule": list(plan.actions)}, indent=1))
+        return
+    l, s = args.length, args.slots
+    print(f"uniform chain of {l} steps, {s} slot{'s' if s > 1 else ''} (x0 occupies one): "
+          f"{plan.forward_steps} forward steps, besides the one recording forward of each step")
+    print(f"binomial optimum t*l - C(s+t, t-1) with t = {t} (least t with C(s+t, s) >= l): {formula}")
+    for number, line in enumerate(plan.lines(), 1):
+        print(f"{number:>5}. {line}")
+
+
+def run_benchmark(args):
+    cfg = config_from_args(args)
+    results = benchmark(cfg, args.batch, args.seq, args.seed)
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return
+    print(f"planning time, 128 layers (h={cfg.hidden}, batch {args.batch} x {args.seq}), budget 1/5 of the "
+          f"way from the least to storing everything:")
+    for name, r in results.items():
+        slot = fmt_bytes(r['budget_bytes'] / r['slots'])
+        print(f"  {name:<30}{r['seconds']:>8.3f} s   {r['slots']} slots of {slot}, "
+              f"plan peak {fmt_bytes(r['peak_bytes'])}, recompute {fmt_flops(r['recompute_flops'])}")
+
+
+def benchmark(cfg, batch, seq, seed=0, layers=128, slots=1000):
+    """Planning time for `layers` layers on a grid of `slots` slots: picockpt's layers (all alike, so
+    equal sub-chains share one answer) and a chain of as many different layers (no sharing)."""
+    chain = model_chain(cfg.replace(layers=layers), batch, seq)
+    rng = random.Random(seed)
+    different = tuple(Stage(int(s.forward_flops * rng.uniform(0.5, 1.5)), s.input_bytes,
+                            tuple((m, int(a * rng.uniform(0.7, 1.3)), r) for m, a, r in s.variants))
+                      for s in chain[:-1]) + chain[-1:]
+    results = {}
+    for name, stages in ((f"{layers} equal layers (picockpt's)", chain), (f"{layers} different layers", different)):
+        least, most = least_budget(stages), sum(max(a for _, a, _ in s.variants) for s in stages)
+        budget = least + (most - least) // 5
+        start = time.perf_counter()
+        plan = plan_chain(stages, budget, max_slots=slots)
+        seconds = time.perf_counter() - start
+        results[name] = {"seconds": seconds, "budget_bytes": budget, "slots": budget // plan.slot_bytes,
+                         "peak_bytes": plan.peak_bytes, "recompute_flops": plan.recompute_flops}
+    return results

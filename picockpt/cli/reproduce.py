@@ -1,0 +1,24 @@
+"""python -m picockpt reproduce: every lesson's experiment, all of figures/, one results table."""
+from ..reproduce import discover, reproduce, select, title
+
+
+def add_arguments(parser):
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    parser.add_argument("--fast", action="store_true", help="the small shapes the tests use: seconds per lesson")
+    parser.add_argument("--only", metavar="NN[,NN]", help="run only these lessons, by number (e.g. 01,03)")
+    parser.add_argument("--list", action="store_true", help="list the lessons and exit")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads for torch (default 1: the CPU shapes are small, and one thread keeps "
+                             "timings steady on a busy machine)")
+    parser.add_argument("--verbose", action="store_true", help="show every lesson's own output (its full tables)")
+
+
+def run(args):
+    if args.threads < 1:
+        raise ValueError(f"--threads={args.threads}: use 1 or more")
+    if args.list:
+        for path in select(discover(), args.only):
+            print(f"{path.name:<42} {title(path)}")
+        return 0
+    results = reproduce(args.device, args.fast, args.only, args.threads, args.verbose)
+    return 1 if any(result["error"] for result in results) else 0
