@@ -16,16 +16,15 @@ level of each layer and of the model head (whose cheap variant drops the final n
 so plain budget:SIZE plans already include everything `selective` and `cheap` can do.
 
 Right, the physical view: every tensor alive (store plus working memory), the only view the
-PyTorch peers have. The planner does not model working memory, so there it can be beaten: for
+PyTorch peers have. The planner does not model working memory, so there it could be beaten: for
 each rival the script runs the planner's least-store plan that recomputes no more, and prints
-any rival with fewer live bytes beside the planner's next point. Two causes: the working memory
-(live - stored, printed), which a budget does not limit, and PyTorch's non-reentrant checkpoint
-stopping its recompute at the last tensor a backward needs (it skips the down projection of a
-segment's last layer), a cost between two of picockpt's whole-layer steps. On the CPU shape no
-rival wins; on the --fast shape checkpoint_sequential(2) does, by the second cause (the planner's
-next point holds less for a little more recompute). The first shows at the low end: below about
-3.4 MiB of store (CPU shape) the live peak stays near 7 MiB, set by the working memory of a
-layer's backward, so more recompute buys a smaller store there but hardly any live memory.
+any rival with fewer live bytes. Two things decide it. PyTorch's non-reentrant checkpoint stops
+recomputing at the last tensor a backward needs, so each recomputed segment skips its last
+layer's down projection; the planner's sweeps stop at the same place (the fixed policies full
+and every:C recompute whole layers, one extra forward exactly), or torch's per-layer checkpoint
+would land between two of the planner's whole-layer steps and win there. And the working memory
+(live - stored, printed), which a budget does not limit: picockpt's backward frees each tensor at
+its last use, which keeps it to a layer's transient products.
 
     python lessons/08_budget_planner.py            # the CPU run (small preset), well under a minute
     python lessons/08_budget_planner.py --fast     # seconds: what the tests run
@@ -99,17 +98,20 @@ def measure_picockpt(cfg, params, ids, targets, policy, device, seed, flops=Fals
 
 
 def measure_torch(model, ids, targets, forward, device, seed):
-    """Physical peak and total FLOPs of forward + backward; forward(ids, targets) -> loss."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    with Tracker(device) as tracker:
-        with tracker.phase("forward"):
-            loss = forward(ids, targets)
-        with tracker.phase("backward"):
-            loss.backward()
-        for p in model.parameters():
-            tracker.mark(p.grad, "gradients")
-    return {"physical": tracker.peak_physical, "flops": sum(tracker.flops.values())}
+    """Physical peak and total FLOPs of forward + backward; forward(ids, targets) -> loss.
+    Two runs: FlopCounterMode's module hooks would keep checkpointed graphs alive (tracker.py)."""
+    def run(**what):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with Tracker(device, **what) as tracker:
+            with tracker.phase("forward"):
+                loss = forward(ids, targets)
+            with tracker.phase("backward"):
+                loss.backward()
+            for p in model.parameters():
+                tracker.mark(p.grad, "gradients")
+        return tracker
+    return {"physical": run(flops=False).peak_physical, "flops": sum(run(physical=False).flops.values())}
 
 
 def min_cut(model, budget):
@@ -184,7 +186,7 @@ def plot(fixed, measured_plans, front, peers):
                        edgecolor="black", linewidth=0.4, zorder=3)
         plans = list(measured_plans.values())
         ax.scatter(gflop([r["recompute"] for r in plans]), mib([r[view] for r in plans]), s=22, zorder=4,
-                   color=PLANNER_COLOR, label="planner, measured (budget:SIZE or budget:SIZE+cheap)")
+                   color=PLANNER_COLOR, label="planner, measured (budget:SIZE)")
     left.step(gflop([p[1] for p in front]), mib([p[0] for p in front]), where="post", color=PLANNER_COLOR, lw=1.2,
               label="planner frontier (every Pareto-optimal plan)", zorder=2)
     for name, row in peers.items():

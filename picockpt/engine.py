@@ -53,8 +53,10 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
     def layer_drop(mode):  # a schedule may give one layer its own op level: "all:selective"
         return OP_LEVEL[mode.partition(":")[2]] if ":" in mode else drop
 
-    def run_layers(first, last, x, mode_of):
-        """Forward layers first..last from x, each stored as mode_of(k) says; returns the output."""
+    def run_layers(first, last, x, mode_of, stop_early=False):
+        """Forward layers first..last from x, each stored as mode_of(k) says; returns the output.
+        stop_early: the last layer's output is not needed (a recompute sweep ends where the
+        backward starts), so it stops at the last tensor its backward needs."""
         for k in range(first, last + 1):
             mode = mode_of(k)
             if mode != "none" and not store.has(k, "input"):
@@ -62,7 +64,8 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
                 if cfg.dropout > 0:
                     rng_states[k] = generator.get_state()
             keep = store if mode.startswith("all") else None  # "all" or "all:selective" / "all:cheap"
-            x = layer_forward(x, weights_of[k], cfg, rope, keep, k, layer_drop(mode))
+            whole = not (stop_early and k == last)
+            x = layer_forward(x, weights_of[k], cfg, rope, keep, k, layer_drop(mode), need_output=whole)
             if trace:
                 dropped = [name for name in stored_names if name not in store.names(k)]
                 say(f"forward layer {k} ({mode}): kept {store.names(k) or 'nothing'}, dropped {dropped or 'nothing'}")
@@ -99,7 +102,7 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
                 if trace:
                     say(f"recompute segment [{j}..{i}] from the input of layer {j}")
                 with tracker.phase("recompute"), _replay_rng(generator, rng_states.get(j)):
-                    run_layers(j, i, store.get(j, "input"), lambda k: schedule.sweep(k, i))
+                    run_layers(j, i, store.get(j, "input"), lambda k: schedule.sweep(k, i), schedule.stop_early)
             dx, layer_grads = layer_backward(dx, weights_of[i], cfg, rope, store, i)  # (B, T, h)
             rng_states.pop(i, None)
             if trace:

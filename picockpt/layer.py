@@ -36,10 +36,12 @@ from .ops import (attention_backward, attention_forward, attention_probs, dropou
 from .params import LayerWeights
 
 
-def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset()):
+def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_output=True):
     """x (B, T, h) -> out (B, T, h). Keeps its tensors in `store` under layer i, except
     the names in `drop`; with store=None keeps nothing (it only carries x forward).
-    The layer input itself is stored by the engine, which decides the checkpoints."""
+    The layer input itself is stored by the engine, which decides the checkpoints.
+    need_output=False stops once the last tensor the backward needs is kept (returns None):
+    the down projection and the residual add are skipped."""
     def keep(name, tensor):
         if store is not None and name not in drop:
             store.put(i, name, tensor)
@@ -83,6 +85,10 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset()):
     keep("mlp.up", up)
     act = swiglu_forward(gate, up)  # (B, T, f)
     keep("mlp.act", act)
+    if not need_output:
+        if p > 0:  # the same draw as below, so the RNG and the mask are as in the first forward
+            keep("mlp.dropout_mask", dropout_mask((B, T, h), p, x.device))  # (B, T, h) bool
+        return None
     m = linear_forward(act, w.down)  # (B, T, h)
     if p > 0:
         mask = dropout_mask((B, T, h), p, x.device)  # (B, T, h) bool

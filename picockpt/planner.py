@@ -22,15 +22,19 @@ do one of two things with stage s:
     store it whole, variant v, and go on:      R_s^v + C(s+1, t, m - A_s^v)     (s = t: R_t^v)
         stage s holds A_s^v bytes until its own backward, the last of the sub-chain.
     keep only its input and run on to j (s < j <= t) storing nothing, then split:
-        F_s + .. + F_{j-1}  +  C(j, t, m - X_s)  +  C(s, j-1, m)
+        F_s + .. + F_{j-1}  +  C(j, t, m - X_s)  +  C(s, j-1, m) - D_{j-1}
         x_s stays stored while stages j..t are done in the m - X_s bytes left; then the
         backward of j-1 finds x_s as its nearest checkpoint and forwards s..j-1 again, in m bytes.
+        That new sweep ends at j-1, whose output nobody needs any more: it stops before its
+        tail, D_{j-1} FLOPs (a layer's down projection), as PyTorch's non-reentrant checkpoint
+        stops at the last tensor a backward needs (Schedule.stop_early).
 
 C(s, t, m) is the least of these options; the answer is C(0, L, budget). The second option,
 applied inside itself, recomputes a layer more than once when memory is tight (multi-level).
 Each stage is forwarded whole exactly once, just before its backward or earlier; every other
 forward of it is an advance, and the engine counts every forward after a stage's first as
-recompute: the advances plus the rebuilds R are exactly the tracker's "recompute" FLOPs.
+recompute: the advances plus the rebuilds R, less the tails D skipped, are exactly the
+tracker's "recompute" FLOPs.
 
 The memory axis is a grid of slots. Sizes are whole multiples of their greatest common divisor,
 so when the budget is at most `max_slots` of those units the grid is exact, to the byte.
@@ -63,6 +67,7 @@ class Stage:
     forward_flops: int
     input_bytes: int
     variants: tuple          # ((mode, bytes stored whole incl. the input, rebuild FLOPs), ...)
+    tail_flops: int = 0      # what a sweep ending at this stage skips (its output is not needed)
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,9 @@ def model_chain(cfg, batch, seq, drop=frozenset()):
     levels = [("all", drop)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > drop]
     variants = tuple((mode, total(layer_inventory(cfg, batch, seq, names)),
                       scores if "attn.probs" in names else 0) for mode, names in levels)
-    layer = Stage(sum(layer_flops(cfg, batch, seq).values()), layer_inventory(cfg, batch, seq)["input"][2], variants)
+    down = 2 * batch * seq * cfg.ffn * cfg.hidden  # the down projection: a sweep's last layer skips it
+    layer = Stage(sum(layer_flops(cfg, batch, seq).values()), layer_inventory(cfg, batch, seq)["input"][2],
+                  variants, tail_flops=down)
     head_variants = {}  # bytes -> mode: only the op levels that change what the head keeps
     for mode, names in levels:
         head_variants.setdefault(total(head_inventory(cfg, batch, seq, names)), mode)
@@ -146,7 +153,7 @@ def _plan(chain, decide, m, budget, slot, exact):
     """Unroll the decisions from C(0, L, m) into a Plan; its bytes and FLOPs from the exact walk."""
     forward, sweeps = _unroll(chain, decide, m)
     L = len(chain) - 1
-    schedule = Schedule(forward=tuple(forward[k] for k in range(L)), head=forward[L],
+    schedule = Schedule(forward=tuple(forward[k] for k in range(L)), head=forward[L], stop_early=True,
                         sweep_modes={target: modes for target, _, modes in sweeps})
     peak, recompute = replay(chain, schedule)
     return Plan(schedule, peak, recompute, budget, slot, exact, tuple(sweeps))
@@ -161,6 +168,7 @@ def _solve(chain, slot, slots):
     """cost[t, s, m] = C(s, t, m) for every sub-chain s..t and m = 0..slots (inf: does not fit)."""
     n = len(chain)
     advanced = np.concatenate([[0.0], np.cumsum([stage.forward_flops for stage in chain])])  # (n+1,)
+    tail = [stage.tail_flops for stage in chain]  # a new sweep from s ends at j-1 and skips its tail
     cost = np.empty((n, n, slots + 1))  # (t, s, m); only s <= t is ever written or read
     stage_names, chain_names = {}, {}  # a number for each distinct stage, and for each distinct sub-chain
     stage_name = [stage_names.setdefault(stage, len(stage_names)) for stage in chain]
@@ -174,7 +182,7 @@ def _solve(chain, slot, slots):
             name[t, s] = chain_names.setdefault(key, len(chain_names))
             if name[t, s] in solved:  # the same stages as a sub-chain already solved: the same answer
                 best[:] = cost[solved[name[t, s]]]
-                lower[t - s] = best + (advanced[t + 1] - advanced[s])
+                lower[t - s] = best + (advanced[t + 1] - advanced[s] - tail[t])
                 continue
             solved[name[t, s]] = (t, s)
             best.fill(np.inf)
@@ -186,7 +194,7 @@ def _solve(chain, slot, slots):
                 upper = cost[t, s + 1: t + 1, : slots + 1 - x]  # (t - s, m - x) C(j, t, m - X_s)
                 split = (upper + lower[: t - s, x:]).min(axis=0)  # (m - x,) best j for each m
                 np.minimum(best[x:], split, out=best[x:])
-            lower[t - s] = best + (advanced[t + 1] - advanced[s])  # (m,) for the splits of longer t
+            lower[t - s] = best + (advanced[t + 1] - advanced[s] - tail[t])  # (m,) for the splits of longer t
     return cost
 
 
@@ -198,7 +206,8 @@ def _best_option(chain, slot, cost, s, t, m):
     advanced = 0.0
     for j in range(s + 1, t + 1) if x <= m else ():
         advanced += chain[j - 1].forward_flops
-        options.append((advanced + cost[t, j, m - x] + cost[j - 1, s, m], ("checkpoint", j, x)))
+        again = cost[j - 1, s, m] - chain[j - 1].tail_flops  # the new sweep stops before j-1's tail
+        options.append((advanced + cost[t, j, m - x] + again, ("checkpoint", j, x)))
     return min(options, key=lambda option: option[0])[1]  # the first of equal costs
 
 
@@ -208,13 +217,14 @@ def _unroll(chain, decide, m):
 
     def walk(s, t, m, modes):  # modes: the forward pass in progress, {layer: mode}
         kind, choice, held = decide(s, t, m)
+        rest = None if m is None else m - held  # None: decisions that do not depend on the room left
         if kind == "all":
             modes[s] = choice
             if s < t:
-                walk(s + 1, t, m - held, modes)
+                walk(s + 1, t, rest, modes)
             return
         modes.update({s: "input", **{k: "none" for k in range(s + 1, choice)}})
-        walk(choice, t, m - held, modes)
+        walk(choice, t, rest, modes)
         again = {}  # the backward of choice - 1 sweeps from x_s again
         sweeps.append((choice - 1, s, again))
         walk(s, choice - 1, m, again)
@@ -287,7 +297,8 @@ def replay(chain, schedule):
                 whole[k] = (a, r)
                 live += a - stage.input_bytes
             peak = max(peak, live)
-            recompute += stage.forward_flops if counted else 0
+            stops = counted and schedule.stop_early and k == last  # a sweep's last layer skips its tail
+            recompute += (stage.forward_flops - (stage.tail_flops if stops else 0)) if counted else 0
 
     run_layers(0, L - 1, lambda k: schedule.forward[k], counted=False)
     head = next(a for mode, a, _ in chain[L].variants if mode == schedule.head)

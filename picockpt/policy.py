@@ -39,6 +39,7 @@ class Schedule:
     forward: tuple
     sweep_modes: dict = None      # target -> {k: mode}; None means "all" for every layer
     head: str = "all"             # the model head's op level: "all" (the policy's) or "all:cheap"
+    stop_early: bool = False      # a recompute sweep skips its last layer's down projection
 
     def sweep(self, k, target):
         return "all" if self.sweep_modes is None else self.sweep_modes[target][k]
