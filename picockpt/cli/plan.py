@@ -82,11 +82,12 @@ def run(args):
 
 def schedule_table(plan):
     """One line per forward pass, in the order they run: which layers keep what."""
-    rows = [f"{'first forward':<32}{runs(dict(enumerate(plan.schedule.forward)))}"]
+    rows = [f"{'first forward':<32}{runs(dict(enumerate(plan.schedule.forward)))}, head {plan.schedule.head}"]
     for target, first, modes in plan.sweeps:
         rows.append(f"{f'before the backward of {target}:':<32}{runs(modes)}")
     rows.append("(all: input and activations, minus the policy's op level; all:selective / all:cheap: "
-                "minus that level's drops; input: a checkpoint; none: nothing)")
+                "minus that level's drops; input: a checkpoint; none: nothing. Each recompute sweep stops "
+                "before its last layer's down projection, whose output is not needed.)")
     return rows
 
 
