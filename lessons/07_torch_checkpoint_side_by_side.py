@@ -33,6 +33,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
 
 import matplotlib
+import matplotlib.patches
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
@@ -112,9 +113,8 @@ def main(argv=None):
         ax.grid(axis="x", alpha=0.3)
     axes[2].axvline(1, color="0.4", lw=0.8)
     axes[0].set_yticks(range(len(names)), names, fontsize=8)
-    for kind, color in KIND_COLORS.items():
-        axes[0].barh([], [], color=color, label=kind)
-    axes[0].legend(fontsize=8, loc="lower right")
+    handles = [matplotlib.patches.Patch(color=color, label=kind) for kind, color in KIND_COLORS.items()]
+    axes[0].legend(handles=handles, fontsize=8, loc="lower right")
     fig.suptitle(f"picockpt beside torch.utils.checkpoint: L={cfg.layers}, h={cfg.hidden}, batch {batch} x {seq}, "
                  f"{cfg.dtype}, on {device_name(args.device)}")
     fig.tight_layout()

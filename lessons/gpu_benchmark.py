@@ -175,11 +175,19 @@ def mark(tracker, tensors, category):
 
 
 def track(run, cfg, device):
-    """Memory and FLOPs of one tracked step; on CUDA, the tracker beside the allocator."""
-    with Tracker(device) as tracker:
+    """Memory and FLOPs of one tracked step; on CUDA, the tracker beside the allocator. The torch
+    runs count FLOPs in a second step: FlopCounterMode's module hooks keep checkpointed graphs
+    alive until the garbage collector runs (see picockpt/tracker.py), which would inflate memory."""
+    separate = run["kind"] != "picockpt"
+    with Tracker(device, flops=not separate) as tracker:
         loss, grads = run["step"](tracker)
     del grads
-    row = dict(loss=loss.item(), executed_flops=sum(tracker.flops.values()), peak_cuda_bytes=tracker.peak_cuda,
+    flops = tracker.flops
+    if separate:
+        with Tracker(device, physical=False) as counter:
+            run["step"](counter)  # its loss and gradients are dropped at once
+        flops = counter.flops
+    row = dict(loss=loss.item(), executed_flops=sum(flops.values()), peak_cuda_bytes=tracker.peak_cuda,
                tracker_peak_bytes=max(peak["total"] for peak in tracker.peaks.values()),
                tracker_peak_activation_bytes=tracker.peak_physical)
     if run["kind"] == "picockpt":
