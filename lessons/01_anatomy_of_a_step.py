@@ -15,6 +15,10 @@ backward shows a micro-spike per layer: the layer's activations come back (recom
 are used (backward, green) and leave. Both panels share the y axis. The peak of the store is
 checked against picockpt's exact formula, inventory.predicted_peak_bytes, to the byte.
 
+Each watched step is the first from fresh weights, after one untracked warm-up step on a copy of
+them: on a GPU the first step also allocates cuBLAS's workspace and fills the caching allocator,
+which is not the memory of a training step. With --fast the figure goes to out/figures/.
+
     python lessons/01_anatomy_of_a_step.py            # the CPU run (small preset), well under a minute
     python lessons/01_anatomy_of_a_step.py --fast     # seconds: what the tests run
     python lessons/01_anatomy_of_a_step.py --large --device cuda   # a bigger shape for a GPU
@@ -27,13 +31,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import torch
 
 from lessons._lesson import choose, large, parse_args, shape_line, small
 from picockpt import init_params
 from picockpt.inventory import predicted_peak_bytes
 from picockpt.measure import make_batch
 from picockpt.plotting import mib, phase_spans, save_figure, shade_phases
-from picockpt.tracker import Tracker
+from picockpt.tracker import PHASES, Tracker
 from picockpt.train import make_optimizer, train_step
 
 POLICIES = ("none", "full")
@@ -46,11 +51,16 @@ def shape(mode):
 
 
 def watch_step(cfg, batch, seq, policy, device, seed=0):
-    """One tracked training step (forward, backward, AdamW) from fresh weights; returns the Tracker."""
+    """One tracked training step (forward, backward, AdamW) from fresh weights; returns the Tracker.
+    An untracked warm-up step on a copy of the weights runs first (cuBLAS workspace, allocator)."""
     params = init_params(cfg, seed=seed, device=device)
     input_ids, targets = make_batch(cfg, batch, seq, device, seed)
+    copy = {name: p.clone() for name, p in params.items()}
+    train_step(copy, make_optimizer(copy), cfg, input_ids, targets, policy)  # warm-up, not tracked
+    del copy  # its weights, gradients and AdamW state go: the watched step creates its own
     optimizer = make_optimizer(params)
-    with Tracker(device) as tracker:
+    torch.manual_seed(seed)  # the dropout masks, if any
+    with Tracker(device, cuda_timeline=True) as tracker:  # on a GPU, memory_allocated at every store event
         train_step(params, optimizer, cfg, input_ids, targets, policy, tracker)
     return tracker
 
@@ -115,12 +125,17 @@ def main(argv=None):
         ax.set_ylabel("MiB")
         ax.set_xlim(0, len(timeline))
         ax.grid(alpha=0.3)
-    axes[0].legend(loc="upper right", fontsize=8, ncol=2)
+    legend = {}  # label -> handle over both panels: the recompute shading is only in the second
+    for ax in axes:
+        handles, labels = ax.get_legend_handles_labels()
+        legend.update({label: handle for handle, label in zip(handles, labels) if label not in legend})
+    labels = sorted(legend, key=lambda label: PHASES.index(label) if label in PHASES else len(PHASES))  # phases first
+    axes[0].legend([legend[label] for label in labels], labels, loc="upper left", fontsize=8, ncol=2)
     axes[1].set_xlabel("event of the step (each tensor created or freed, each store put or pop)")
     fig.suptitle(f"One training step, tensor by tensor: L={cfg.layers}, h={cfg.hidden}, "
                  f"batch {batch} x {seq} tokens, {cfg.dtype}")
     fig.tight_layout()
-    path = save_figure(fig, "01_anatomy_of_a_step")
+    path = save_figure(fig, "01_anatomy_of_a_step", fast=args.mode == "fast")
     print(f"wrote {path}")
     return {"figures": [str(path)],
             "summary": {"stored MiB none/full": f"{mib(none.peak_logical):.2f}/{mib(full.peak_logical):.2f}",

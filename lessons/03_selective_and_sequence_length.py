@@ -15,11 +15,17 @@ selective and full, and fits bytes = a + b·T + c·T² to what it measured, with
                     full: c = 1, the one layer being recomputed holds its T×T tensor again.
                     Every point equals the exact formula, predicted_peak_bytes.
     live (right)    the T² term does not vanish, it moves: the backward of one attention layer
-                    still holds about three more T×T tensors at once (the gradient of the
-                    probabilities dP, the product dP·P, the softmax's gradient dS) beside the
-                    probabilities it rebuilt. c drops from L + 3 to 1 + 3: the s² term goes from
-                    "times L, for the whole step" to "one layer, for the moment of its
-                    backward". (FlashAttention removes even that by never materialising T×T.)
+                    holds, beside the probabilities (stored, or rebuilt by selective), working
+                    T×T tensors (the gradient of the probabilities dP, the product dP·P, the
+                    softmax's gradient dS, each freed at its last use: two of them at once).
+                    The s² term goes from "times L, for the whole step" to "one layer, for the
+                    moment of its backward". (FlashAttention removes even that by never
+                    materialising T×T.) The live c are fits, not counts, and depend on the range
+                    of T: the live peak is the larger of that T² moment and other moments of
+                    the step whose working memory grows only with T, which win at short T. The
+                    CPU run (T = 64..512, L = 8) fits c = 9.75 (none), 3.29 (selective), 2.75 (full);
+                    over T = 384..768 the same fit gives 10.0, 3.0, 3.0, that is L + 2, 1 + 2
+                    and 1 + 2: the stored or rebuilt probabilities plus two working tensors.
 
     python lessons/03_selective_and_sequence_length.py            # the CPU run (small preset), well under a minute
     python lessons/03_selective_and_sequence_length.py --fast     # seconds: what the tests run
@@ -97,13 +103,19 @@ def main(argv=None):
                   f"{'yes' if stored == predicted[p, T] else 'NO':>7}{mib(live):>11.3f}{mib(element * T * T):>13.3f}")
     fits = {p: (square_term(seqs, [peaks[p, T][0] for T in seqs], element),
                 square_term(seqs, [peaks[p, T][1] for T in seqs], element)) for p in POLICIES}
-    print(f"\nT² coefficient of the fit, in T×T tensors (one layer's B·H·T² probabilities; L = {cfg.layers}):")
+    print(f"\nT² coefficient of the fit over T = {seqs[0]}..{seqs[-1]}, in T×T tensors (one layer's B·H·T² "
+          f"probabilities; L = {cfg.layers}):")
     for p, (stored_c, live_c) in fits.items():
         print(f"  {p:<10} stored {stored_c:6.2f}   live {live_c:6.2f}")
+    print("(stored: exact counts. live: a fit that depends on the range of T; at short T the live peak comes at a "
+          "moment that grows only with T, so the live c approach L + 2 / 1 + 2 / 1 + 2 only at long T)")
     flops = step_flops(cfg, batch, seqs[-1], "selective")
     rebuild = flops["recompute"] / (flops["forward"] + flops["backward"])
+    layers_forward = flops["forward"] - 2 * batch * seqs[-1] * cfg.hidden * cfg.vocab  # the forward minus the LM head
     print(f"selective's price at T={seqs[-1]}: {flops['recompute'] / 1e9:.3f} GFLOP of q·k^T rebuilt, "
-          f"{rebuild:.1%} of the step's FLOPs without recomputation")
+          f"{rebuild:.1%} of the step's FLOPs without recomputation, {flops['recompute'] / layers_forward:.1%} of the "
+          f"layers' forward (what full recomputation would rerun: the convention of Korthikanti et al.'s 2.7% for "
+          f"GPT-3)")
     per_element = korthikanti_check(cfg, batch, seqs[0])
     print(f"in 16-bit with dropout, one layer's T×T tensors take {per_element:g} bytes per B·H·T² element "
           f"(probabilities 2 + mask 1 + dropped 2): Korthikanti's 5·a·s²·b, exactly")

@@ -16,8 +16,10 @@ This script prints one layer's stored tensors by name under none / selective / c
 form, checked against what the engine stored), then measures the whole step's peak stored and
 live bytes, the recompute FLOPs and the time (interleaved repeats) under none, selective, cheap,
 full and full+cheap. What to look at in the figure: the bars that vanish from `selective` to
-`cheap` (the norm outputs and the SwiGLU product: 2·B·T·h + B·T·f elements per layer), and that
-the time barely moves.
+`cheap` (the norm outputs and the SwiGLU product: 2·B·T·h + B·T·f elements per layer), and how
+far the time moves: each time is the median [min..max] of interleaved repeats, and the script
+says whether the repeats agree that cheap is slower than selective (at --fast it says nothing:
+those steps take milliseconds).
 
     python lessons/04_cheap_ops.py            # the CPU run (small preset), well under a minute
     python lessons/04_cheap_ops.py --fast     # seconds: what the tests run
@@ -32,7 +34,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from lessons._lesson import choose, device_name, interleaved_seconds, large, parse_args, shape_line, small
+from lessons._lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, large, paired_ratios, parse_args,
+                             shape_line, small, timing_verdict)
 from picockpt import init_params, loss_and_grads
 from picockpt.inventory import layer_inventory, predicted_peak_bytes
 from picockpt.measure import make_batch, measured_inventory
@@ -61,7 +64,8 @@ def shape(mode):
 
 
 def measure(cfg, batch, seq, policies, device="cpu", seed=0, repeats=5):
-    """policy -> {stored, live (peak bytes), recompute_flops, seconds} of one forward + backward."""
+    """policy -> {stored, live (peak bytes), recompute_flops, timing (a Spread of seconds)} of one
+    forward + backward."""
     params = init_params(cfg, seed=seed, device=device)
     input_ids, targets = make_batch(cfg, batch, seq, device, seed)
     rows = {}
@@ -71,14 +75,15 @@ def measure(cfg, batch, seq, policies, device="cpu", seed=0, repeats=5):
         rows[policy] = {"stored": tracker.peak_logical, "live": tracker.peak_physical,
                         "recompute_flops": tracker.flops["recompute"]}
     steps = {p: (lambda p=p: loss_and_grads(params, cfg, input_ids, targets, p)) for p in policies}
-    for policy, seconds in interleaved_seconds(steps, device, repeats).items():
-        rows[policy]["seconds"] = seconds
+    for policy, timing in interleaved_seconds(steps, device, repeats).items():
+        rows[policy]["timing"] = timing
     return rows
 
 
 def main(argv=None):
     args = parse_args(__doc__, argv)
     cfg, batch, seq, repeats = shape(args.mode)
+    fast = args.mode == "fast"
     print(f"lesson 04, cheap ops: {shape_line(cfg, batch, seq, args.device)}")
 
     closed_form = {level: {name: nbytes for name, (_, _, nbytes) in
@@ -101,15 +106,17 @@ def main(argv=None):
 
     rows = measure(cfg, batch, seq, POLICIES, args.device, args.seed, repeats)
     predicted = {p: predicted_peak_bytes(cfg, batch, seq, p) for p in POLICIES}
-    base = rows["none"]["seconds"]
+    ratio = {p: paired_ratios(rows[p]["timing"], rows["none"]["timing"]) for p in POLICIES}  # time / none's
     print(f"\n{'policy':<12}{'stored MiB':>11}{'formula':>9}{'live MiB':>10}{'recompute GFLOP':>17}"
-          f"{'ms':>8}{'time / none':>13}")
+          f"{'ms':>22}{'time / none':>22}")
     for p, row in rows.items():
         print(f"{p:<12}{mib(row['stored']):>11.3f}{'equal' if row['stored'] == predicted[p] else 'DIFF':>9}"
-              f"{mib(row['live']):>10.3f}{row['recompute_flops'] / 1e9:>17.4f}{row['seconds'] * 1e3:>8.1f}"
-              f"{row['seconds'] / base:>13.3f}")
-    print(f"(times: median of {repeats} interleaved forward + backward steps; recompute FLOPs: matmuls only, "
-          f"so cheap's elementwise rebuilds add none)")
+              f"{mib(row['live']):>10.3f}{row['recompute_flops'] / 1e9:>17.4f}"
+              f"{row['timing'].text('{:.1f}', scale=1e3):>22}{ratio[p].text('{:.3f}'):>22}")
+    print(f"(times: median [min..max] of {repeats} interleaved forward + backward steps, time / none taken within "
+          f"each repeat; recompute FLOPs: matmuls only, so cheap's elementwise rebuilds add none)")
+    cheap_vs_selective = paired_ratios(rows["cheap"]["timing"], rows["selective"]["timing"])
+    print(timing_verdict(args.mode, cheap_vs_selective, "cheap against selective, time"))
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 1.3]})
     for x, level in enumerate(OP_LEVELS):
@@ -132,18 +139,22 @@ def main(argv=None):
     live = right.bar([x + width / 2 for x in xs], mib([rows[p]["live"] for p in POLICIES]), width,
                      color=[policy_color(p) for p in POLICIES], alpha=0.45, label="peak live")
     label_bars(right, stored, [f"{mib(rows[p]['stored']):.1f}" for p in POLICIES])
-    label_bars(right, live, [f"{rows[p]['seconds'] / base:.2f}× time" for p in POLICIES])
+    label_bars(right, live, ["time: --fast" if fast else f"{ratio[p].median:.2f}× time\n"
+                             f"[{ratio[p].low:.2f}..{ratio[p].high:.2f}]" for p in POLICIES], fontsize=7)
     right.set_xticks(list(xs), POLICIES)
+    right.set_ylim(0, mib(max(rows[p]["live"] for p in POLICIES)) * 1.22)  # room for the two-line time labels
     right.set_ylabel("MiB over one forward + backward")
-    right.set_title("the whole step: peak stored (solid) and live (light), time vs none")
+    right.set_title("the whole step: peak stored (solid) and live (light),\ntime vs none: median [min..max] of "
+                    f"{repeats} interleaved repeats")
     fig.suptitle(f"Cheap ops rebuilt elementwise (llm.c -r 2 style): L={cfg.layers}, h={cfg.hidden}, f={cfg.ffn}, "
-                 f"batch {batch} x {seq}, {cfg.dtype}, on {device_name(args.device)}")
+                 f"batch {batch} x {seq}, {cfg.dtype}, on {device_name(args.device)}"
+                 + (f" ({FAST_TIMING})" if fast else ""))
     fig.tight_layout()
     path = save_figure(fig, "04_cheap_ops")
     print(f"wrote {path}")
     return {"figures": [str(path)],
             "summary": {"MiB/layer none/selective/cheap": "/".join(f"{mib(per_layer[l]):.2f}" for l in OP_LEVELS),
-                        "time cheap/selective": round(rows["cheap"]["seconds"] / rows["selective"]["seconds"], 3),
+                        "time cheap/selective": FAST_TIMING if fast else cheap_vs_selective.text("{:.3f}"),
                         "stored = formula": all(rows[p]["stored"] == predicted[p] for p in POLICIES),
                         "inventory = engine": inventory_matches}}
 

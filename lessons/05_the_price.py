@@ -12,11 +12,14 @@ a little under 4/3 (the head, final norm + logits, is not recomputed). every:C c
 The script counts FLOPs with FlopCounterMode on one step of each policy (checked against
 inventory.step_flops), and times forward + backward of every policy in one run, interleaved.
 
-What to look at: the FLOP bars (exact) against the time bars (measured on this machine). On a
-CPU, time follows FLOPs only roughly: elementwise ops and Python overhead are not FLOPs.
-Published numbers: full recomputation cost +36-39% time in Korthikanti et al.'s GPT runs against
-2-7% for selective; Chen et al. report about +30%. The often quoted "15-20% more computation" has
-no source we know of: one extra forward is +33% of the model FLOPs.
+What to look at: the FLOP bars (exact) against the time bars (measured on this machine, each
+with its spread: median and [min..max] of the interleaved repeats, ratios taken repeat by
+repeat). On a CPU, time follows FLOPs only roughly: elementwise ops and Python overhead are not
+FLOPs, and on a shared machine one sample can be off by tens of percent, so no conclusion is
+drawn from a single one (and none at all from --fast, whose steps take milliseconds).
+Published numbers: one extra forward is +33% of the model FLOPs when the backward costs two
+forwards; Korthikanti et al. (2022) measured +36-39% time for full recomputation of their GPT
+models against 2-7% for selective; Chen et al. (2016) report about +30% for their sublinear plan.
 
     python lessons/05_the_price.py            # the CPU run (small preset), well under a minute
     python lessons/05_the_price.py --fast     # seconds: what the tests run
@@ -34,7 +37,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from lessons._lesson import choose, device_name, interleaved_seconds, large, parse_args, shape_line, small
+from lessons._lesson import (FAST_TIMING, Spread, choose, device_name, interleaved_seconds, large, paired_ratios,
+                             parse_args, shape_line, small, timing_verdict)
 from picockpt import init_params, loss_and_grads
 from picockpt.inventory import step_flops
 from picockpt.measure import make_batch
@@ -51,7 +55,8 @@ def shape(mode):
 
 
 def measure(cfg, batch, seq, policies, device="cpu", seed=0, repeats=5):
-    """policy -> {flops by phase, stored bytes, seconds} of one forward + backward."""
+    """policy -> {flops by phase, stored bytes, timing (a Spread of seconds) and its median seconds,
+    phase_seconds (median per phase) and phase_samples (one {phase: seconds} per traced repeat)}."""
     params = init_params(cfg, seed=seed, device=device)
     input_ids, targets = make_batch(cfg, batch, seq, device, seed)
     rows = {}
@@ -61,8 +66,8 @@ def measure(cfg, batch, seq, policies, device="cpu", seed=0, repeats=5):
         rows[policy] = {phase: tracker.flops[phase] for phase in PHASES}
         rows[policy]["stored"] = tracker.peak_logical
     steps = {p: (lambda p=p: loss_and_grads(params, cfg, input_ids, targets, p)) for p in policies}
-    for policy, seconds in interleaved_seconds(steps, device, repeats).items():
-        rows[policy]["seconds"] = seconds
+    for policy, timing in interleaved_seconds(steps, device, repeats).items():
+        rows[policy]["timing"], rows[policy]["seconds"] = timing, timing.median
     split, faults = {p: [] for p in policies}, {p: [] for p in policies}
     for _ in range(repeats):  # the same steps again, traced, to split their time by phase
         for p in policies:
@@ -73,6 +78,7 @@ def measure(cfg, batch, seq, policies, device="cpu", seed=0, repeats=5):
                 faults[p].append(minor_page_faults() - before)
     for p in policies:
         rows[p]["phase_seconds"] = {phase: statistics.median(s[phase] for s in split[p]) for phase in PHASES}
+        rows[p]["phase_samples"] = split[p]
         rows[p]["page_faults"] = statistics.median(faults[p]) if faults[p] else None
     return rows
 
@@ -116,10 +122,16 @@ def phase_seconds(step, device):
     return seconds
 
 
+def per_repeat(rows, policy, value):
+    """Spread of value(policy's traced split, none's traced split), one per interleaved repeat."""
+    return Spread(tuple(value(mine, plain) for mine, plain in zip(rows[policy]["phase_samples"],
+                                                                  rows["none"]["phase_samples"])))
+
+
 def main(argv=None):
     args = parse_args(__doc__, argv)
     cfg, batch, seq, repeats = shape(args.mode)
-    L = cfg.layers
+    L, fast = cfg.layers, args.mode == "fast"
     print(f"lesson 05, the price: {shape_line(cfg, batch, seq, args.device)}")
     rows = measure(cfg, batch, seq, POLICIES, args.device, args.seed, repeats)
     ideal = step_flops(cfg, batch, seq, "none")
@@ -127,58 +139,62 @@ def main(argv=None):
     for row in rows.values():
         row["hardware"] = sum(row[phase] for phase in PHASES)
     formula_ok = all(rows[p]["hardware"] == sum(step_flops(cfg, batch, seq, p).values()) for p in POLICIES)
-    base = rows["none"]["seconds"]
+    ratio = {p: paired_ratios(rows[p]["timing"], rows["none"]["timing"]) for p in POLICIES}  # time / none's
     full_expected = 1 + (ideal["forward"] - 2 * batch * seq * cfg.hidden * cfg.vocab) / model_flops
 
     print(f"\nmodel FLOPs of one step (forward + backward, no recomputation): {model_flops / 1e9:.3f} GFLOP")
-    print(f"{'policy':<16}{'stored MiB':>11}{'hardware GFLOP':>16}{'/ model':>9}{'ms':>8}{'time / none':>13}"
-          f"{'model GFLOP/s':>15}{'hardware GFLOP/s':>18}")
+    print(f"{'policy':<16}{'stored MiB':>11}{'hardware GFLOP':>16}{'/ model':>9}{'ms':>22}{'time / none':>22}"
+          f"{'hardware GFLOP/s':>18}")
     for p, row in rows.items():
         print(f"{p:<16}{mib(row['stored']):>11.2f}{row['hardware'] / 1e9:>16.3f}{row['hardware'] / model_flops:>9.3f}"
-              f"{row['seconds'] * 1e3:>8.1f}{row['seconds'] / base:>13.3f}{model_flops / row['seconds'] / 1e9:>15.2f}"
+              f"{row['timing'].text('{:.1f}', scale=1e3):>22}{ratio[p].text('{:.3f}'):>22}"
               f"{row['hardware'] / row['seconds'] / 1e9:>18.2f}")
     print(f"(FLOPs counted by FlopCounterMode, {'equal to' if formula_ok else 'DIFFERENT FROM'} inventory.step_flops; "
-          f"times: median of {repeats} interleaved forward + backward steps)")
-    print(f"\ntime by phase (ms, median of {repeats} traced steps; the trace's timestamps split the step):")
-    print(f"{'policy':<16}" + "".join(f"{phase:>11}" for phase in PHASES) + f"{'total':>9}")
+          f"times: median [min..max] of {repeats} interleaved forward + backward steps, time / none taken within "
+          f"each repeat)")
+    print(f"\ntime by phase (ms, median [min..max] of {repeats} traced steps; the trace's timestamps split the step):")
+    print(f"{'policy':<16}" + "".join(f"{phase:>22}" for phase in PHASES))
     for p, row in rows.items():
-        split = row["phase_seconds"]
-        print(f"{p:<16}" + "".join(f"{split[phase] * 1e3:>11.1f}" for phase in PHASES)
-              + f"{sum(split.values()) * 1e3:>9.1f}")
-    full, plain = rows["full"], rows["none"]["phase_seconds"]
-    backward_over_forward = plain["backward"] / plain["forward"]
-    extra_forward = full["phase_seconds"]["recompute"] / sum(plain.values())
-    own = full["phase_seconds"]["forward"] + full["phase_seconds"]["backward"]  # full's step without the recompute
-    rest = own / (plain["forward"] + plain["backward"])
+        print(f"{p:<16}" + "".join(f"{Spread(tuple(s[phase] for s in row['phase_samples'])).text('{:.1f}', 1e3):>22}"
+                                   for phase in PHASES))
+
+    full = rows["full"]
     print(f"\nfull recomputation: +{full['hardware'] / model_flops - 1:.1%} FLOPs "
-          f"(1 + F_layers/3F = {full_expected:.4f}: one extra forward of the {L} layers, not of the head), "
-          f"{full['seconds'] / base - 1:+.1%} time measured here.")
-    print(f"where the time goes: the recompute phase costs {extra_forward:.1%} of none's step; full's own forward "
-          f"and backward take {rest - 1:+.1%} against none's; none's backward takes {backward_over_forward:.2f}x its "
-          f"forward's time (2x in FLOPs).")
-    if args.device.type == "cpu" and full["page_faults"] is not None:
-        print(f"  one measurable part of that: full keeps fewer bytes live and touches less fresh memory, "
-              f"{full['page_faults']:,.0f} minor page faults per step against none's "
-              f"{rows['none']['page_faults']:,.0f} (each a 4 KiB page the OS maps and zeroes on first use; a GPU's "
-              f"caching allocator hides this cost). The rest is not pinned down here; a smaller working set in the "
-              f"CPU's caches is the likely reason.")
-    print(f"selective: +{rows['selective']['hardware'] / model_flops - 1:.1%} FLOPs, "
-          f"{rows['selective']['seconds'] / base - 1:+.1%} time. Korthikanti et al. measured +36-39% for full and "
-          f"2-7% for selective; Chen et al. about +30%.")
-    print(f"The seed's '15-20% more computation' is not what one extra forward costs: that is "
-          f"+{full['hardware'] / model_flops - 1:.1%} of the FLOPs here (+33% for a model without a head), and "
-          f"the published measurements are +30-39%. The time overhead measured here "
-          f"({full['seconds'] / base - 1:+.1%}) is a property of this machine and its kernels, not a constant of "
-          f"recomputation.")
+          f"(1 + F_layers/3F = {full_expected:.4f}: one extra forward of the {L} layers, not of the head).")
+    print(timing_verdict(args.mode, ratio["full"], "full recomputation, time measured here against none"))
+    extra_forward = per_repeat(rows, "full", lambda mine, plain: mine["recompute"] / sum(plain.values()))
+    rest = per_repeat(rows, "full", lambda mine, plain: (mine["forward"] + mine["backward"])
+                      / (plain["forward"] + plain["backward"]))
+    backward_over_forward = per_repeat(rows, "none", lambda mine, plain: mine["backward"] / mine["forward"])
+    if fast:
+        print(f"where the time goes: {FAST_TIMING}")
+    else:
+        print(f"where the time goes: the recompute phase costs {extra_forward.text('{:.1%}')} of none's step; "
+              f"full's own forward and backward take {rest.text('{:+.1%}', shift=-1)} against none's; none's backward "
+              f"takes {backward_over_forward.text('{:.2f}')}x its forward's time (2x in FLOPs).")
+    if args.device.type == "cpu" and full["page_faults"] is not None and not fast:
+        print(f"  minor page faults per step (each a 4 KiB page the OS maps and zeroes on first use; a GPU's caching "
+              f"allocator hides this cost): full {full['page_faults']:,.0f}, none {rows['none']['page_faults']:,.0f}"
+              + (". Full keeps fewer bytes live and touches less fresh memory: one measurable part of why its own "
+                 "forward and backward are faster in every repeat; a smaller working set in the CPU's caches is "
+                 "the likely rest (not pinned down here)." if rest.high < 1 else "."))
+    print(f"selective: +{rows['selective']['hardware'] / model_flops - 1:.1%} FLOPs.")
+    print(timing_verdict(args.mode, ratio["selective"], "selective, time measured here against none"))
+    print(f"Published: Korthikanti et al. measured +36-39% time for full and 2-7% for selective; Chen et al. about "
+          f"+30%. One extra forward is +{full['hardware'] / model_flops - 1:.1%} of the FLOPs here (+33% for a model "
+          f"without a head); a time overhead measured on one machine is a property of that machine and its "
+          f"kernels, not a constant of recomputation.")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [1, 1.5]})
-    for p in POLICIES:  # what the price buys: bytes against time
-        x, y = mib(rows[p]["stored"]), rows[p]["seconds"] / base
-        left.plot(x, y, "o", color=policy_color(p), ms=8)
-        left.annotate(f" {p}", (x, y), fontsize=8, va="center")
+    for p in POLICIES:  # what the price buys: bytes against time, with the spread of the repeats
+        x, y = mib(rows[p]["stored"]), ratio[p].median
+        left.errorbar(x, y, yerr=[[y - ratio[p].low], [ratio[p].high - y]], fmt="o", color=policy_color(p), ms=8,
+                      capsize=3)
+        left.annotate(f" {p}", (x, y), fontsize=8, va="center", xytext=(6, 0), textcoords="offset points")
     left.axhline(1, color="0.6", lw=0.8)
+    left.margins(x=0.15)  # room for the names right of the points
     left.set_xlabel("peak stored activations (MiB)")
-    left.set_ylabel("time / time of none (measured)")
+    left.set_ylabel(f"time / time of none (median, bars: min..max of {repeats})")
     left.set_title("what the price buys: memory against time")
     left.grid(alpha=0.3)
 
@@ -186,7 +202,7 @@ def main(argv=None):
     flop_bottom, time_bottom = [0.0] * len(POLICIES), [0.0] * len(POLICIES)
     for phase in PHASES:  # pairs of bars: FLOPs (light, left) and time (solid, right), both split by phase
         flops = [rows[p][phase] / model_flops for p in POLICIES]
-        share = [rows[p]["seconds"] / base * rows[p]["phase_seconds"][phase] / sum(rows[p]["phase_seconds"].values())
+        share = [ratio[p].median * rows[p]["phase_seconds"][phase] / sum(rows[p]["phase_seconds"].values())
                  for p in POLICIES]  # the measured time ratio, split in the proportions the trace saw
         right.bar([x - width / 2 for x in xs], flops, width, bottom=flop_bottom, color=PHASE_COLORS[phase],
                   alpha=0.35, hatch="//", edgecolor="white")
@@ -194,28 +210,35 @@ def main(argv=None):
                   label=phase)
         flop_bottom = [b + v for b, v in zip(flop_bottom, flops)]
         time_bottom = [b + v for b, v in zip(time_bottom, share)]
+    medians = [ratio[p].median for p in POLICIES]  # = the top of each time bar
+    right.errorbar([x + width / 2 for x in xs], medians, fmt="none", ecolor="black", capsize=3, lw=0.8,
+                   yerr=[[ratio[p].median - ratio[p].low for p in POLICIES],
+                         [ratio[p].high - ratio[p].median for p in POLICIES]])
     for x, p in zip(xs, POLICIES):
         right.annotate(f"{flop_bottom[x]:.2f}", (x - width / 2, flop_bottom[x]), ha="center", va="bottom", fontsize=7)
-        right.annotate(f"{time_bottom[x]:.2f}", (x + width / 2, time_bottom[x]), ha="center", va="bottom", fontsize=8,
-                       weight="bold")
+        right.annotate(f"{ratio[p].median:.2f}", (x + width / 2, ratio[p].high), ha="center", va="bottom", fontsize=8,
+                       weight="bold", xytext=(0, 2), textcoords="offset points")
     right.axhline(4 / 3, color="k", ls=":", lw=1, label="4/3: one extra forward")
     right.axhspan(1.36, 1.39, color="#C44E52", alpha=0.25, label="Korthikanti, full: +36-39%")
     right.axhspan(1.02, 1.07, color="#4C72B0", alpha=0.25, label="Korthikanti, selective: +2-7%")
-    right.set_ylim(0, max(1.75, max(time_bottom + flop_bottom) * 1.3))
+    right.set_ylim(0, max(1.75, max(flop_bottom + [ratio[p].high for p in POLICIES]) * 1.3))
     right.set_xticks(list(xs), POLICIES, rotation=20)
     right.set_ylabel("ratio to policy none")
-    right.set_title("each pair: FLOPs (hatched, counted) | time (solid, measured), split by phase")
+    right.set_title("each pair: FLOPs (hatched, counted) | time (solid, measured: median, bar min..max)")
     right.legend(fontsize=7, loc="upper left", ncol=3)
     fig.suptitle(f"The price of recomputation: L={L}, h={cfg.hidden}, batch {batch} x {seq}, {cfg.dtype}, "
-                 f"on {device_name(args.device)}")
+                 f"on {device_name(args.device)}" + (f" ({FAST_TIMING})" if fast else ""))
     fig.tight_layout()
     path = save_figure(fig, "05_the_price")
     print(f"wrote {path}")
+
+    def timed(spread):  # a time ratio for the results table
+        return FAST_TIMING if fast else spread.text("{:.3f}")
     return {"figures": [str(path)],
             "summary": {"full FLOPs / model": round(full["hardware"] / model_flops, 4),
-                        "full time / none": round(full["seconds"] / base, 3),
-                        "selective time / none": round(rows["selective"]["seconds"] / base, 3),
-                        "recompute phase / none's step": round(extra_forward, 3),
+                        "full time / none": timed(ratio["full"]),
+                        "selective time / none": timed(ratio["selective"]),
+                        "recompute phase / none's step": timed(extra_forward),
                         "FLOPs = formula": formula_ok}}
 
 

@@ -3,7 +3,9 @@
 What most people use is PyTorch's own recomputation, wrapped around an ordinary autograd model.
 This script runs picockpt's policies beside their PyTorch equivalents on the same weights and
 batch (picockpt/compare.py; the PyTorch runs are in picockpt/peers.py), and beside the bridge
-(picockpt/bridge.py: picockpt's segment loop driving autograd, no torch.utils.checkpoint):
+(picockpt/bridge.py: picockpt's segment loop driving autograd, no torch.utils.checkpoint) and,
+when transformers is installed, Hugging Face's LlamaForCausalLM with eager and sdpa attention,
+with and without its gradient checkpointing (picockpt/peers_hf.py):
 
     picockpt none        ~ plain autograd
     picockpt full        ~ checkpoint(layer, x, use_reentrant=False) around every layer
@@ -21,6 +23,9 @@ What to look at, and why the numbers differ where they do:
   - selective checkpointing caches the output of every op its policy marks "save", needed by
     the backward or not, so the literal "recompute only the T×T ops" policy holds more than
     plain autograd.
+  - time: every run is timed in interleaved repeats and shown as median [min..max], a run's time
+    against its equivalent's taken within each repeat; a ratio whose repeats straddle 1 is
+    reported as noise, and at --fast (steps of milliseconds) no time ratio is interpreted at all.
 
     python lessons/07_torch_checkpoint_side_by_side.py            # the CPU run (small preset), well under a minute
     python lessons/07_torch_checkpoint_side_by_side.py --fast     # seconds: what the tests run
@@ -37,12 +42,12 @@ import matplotlib.patches
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from lessons._lesson import choose, device_name, large, parse_args, shape_line, small
+from lessons._lesson import FAST_TIMING, choose, device_name, large, parse_args, shape_line, small
 from picockpt.compare import compare
 from picockpt.inventory import step_flops
 from picockpt.plotting import mib, save_figure
 
-KIND_COLORS = {"picockpt": "#C44E52", "torch": "#4C72B0", "bridge": "#DD8452"}
+KIND_COLORS = {"picockpt": "#C44E52", "torch": "#4C72B0", "bridge": "#DD8452", "hf": "#55A868"}
 SEGMENT = 2  # C of every:C, and checkpoint_sequential(L / C)
 
 
@@ -55,19 +60,27 @@ def main(argv=None):
     args = parse_args(__doc__, argv)
     cfg, batch, seq, repeats = shape(args.mode)
     print(f"lesson 07, beside torch.utils.checkpoint: {shape_line(cfg, batch, seq, args.device)}")
+    fast = args.mode == "fast"
     rows = compare(cfg, batch, seq, args.device, SEGMENT, repeats, args.seed, log=None)
     by_name = {row["name"]: row for row in rows}
-    autograd = by_name["autograd"]
 
-    print(f"\n{'run':<34}{'peak live MiB':>14}{'recompute GFLOP':>17}{'ms':>8}{'time / autograd':>17}"
-          f"   equivalent (memory, time ratio)")
+    def ms(row):  # a step's time: median [min..max] over the interleaved repeats
+        low, high = row["step_seconds_min_max"]
+        return f"{row['step_seconds'] * 1e3:.1f} [{low * 1e3:.1f}..{high * 1e3:.1f}]"
+
+    print(f"\n{'run':<34}{'peak live MiB':>14}{'recompute GFLOP':>17}{'ms':>22}"
+          f"   equivalent (memory ratio, time ratio)")
     for row in rows:
-        pair = (f"   {row['equivalent']} ({row['memory_vs_equivalent']:.2f}, {row['time_vs_equivalent']:.2f})"
-                if row["equivalent"] else "")
+        pair = ""
+        if row["equivalent"]:
+            low, high = row["time_vs_equivalent_min_max"]
+            pair = (f"   {row['equivalent']} ({row['memory_vs_equivalent']:.2f}, "
+                    f"{row['time_vs_equivalent']:.2f} [{low:.2f}..{high:.2f}])")
         print(f"{row['name']:<34}{mib(row['peak_live_bytes']):>14.2f}{row['recompute_flops'] / 1e9:>17.3f}"
-              f"{row['step_seconds'] * 1e3:>8.1f}{row['step_seconds'] / autograd['step_seconds']:>17.2f}{pair}")
+              f"{ms(row):>22}{pair}")
     print(f"(one forward + backward each; peak live = every tensor created during the step, weight gradients "
-          f"excluded; times: median of {repeats} interleaved repeats on {device_name(args.device)})")
+          f"excluded; times: median [min..max] of {repeats} interleaved repeats on {device_name(args.device)}, "
+          f"time ratios taken within each repeat)")
 
     one_forward = by_name["picockpt full"]["recompute_flops"]
     down = cfg.layers * 2 * batch * seq * cfg.ffn * cfg.hidden  # the L down projections: 2·B·T·f·h each
@@ -87,35 +100,49 @@ def main(argv=None):
           f"checkpointed, so {segments - 1} of {segments} segments come back, each stopping before its last down "
           f"projection ({expected / 1e9:.3f} GFLOP: {'exactly' if sequential == expected else 'DIFFERENT'}).")
     selective = by_name["torch selective checkpoint"]
-    ratio = selective["peak_live_bytes"] / autograd["peak_live_bytes"]
+    ratio = selective["peak_live_bytes"] / by_name["autograd"]["peak_live_bytes"]
     print(f"torch selective checkpoint holds {mib(selective['peak_live_bytes']):.2f} MiB, {ratio:.2f}x plain autograd"
           + (": it caches the output of every op marked 'save', needed by the backward or not" if ratio > 1 else "")
           + f"; picockpt selective holds {mib(by_name['picockpt selective']['peak_live_bytes']):.2f} MiB.")
     for row in rows:
         if row["kind"] == "picockpt" and row["equivalent"]:
             verdict = "less" if row["memory_vs_equivalent"] < 1 else "more"
+            low, high = row["time_vs_equivalent_min_max"]
+            time_text = (FAST_TIMING if fast else f"{row['time_vs_equivalent']:.2f}x [{low:.2f}..{high:.2f}] its time"
+                         + ("" if low > 1 or high < 1 else " (the repeats straddle 1: within the noise)"))
             print(f"  {row['name']:<20} {row['memory_vs_equivalent']:.2f}x the peak live bytes of "
-                  f"{row['equivalent']} ({verdict}), {row['time_vs_equivalent']:.2f}x its time")
+                  f"{row['equivalent']} ({verdict}); {time_text}")
 
     names = [row["name"] for row in rows][::-1]  # top to bottom in table order
     colors = [KIND_COLORS[by_name[n]["kind"]] for n in names]
     fig, axes = plt.subplots(1, 3, figsize=(15, 6), sharey=True)
     panels = [("peak live (MiB)", lambda r: mib(r["peak_live_bytes"]), "{:.1f}"),
               ("recompute GFLOP", lambda r: r["recompute_flops"] / 1e9, "{:.3f}"),
-              ("time / autograd (measured)", lambda r: r["step_seconds"] / autograd["step_seconds"], "{:.2f}")]
+              (f"step time (ms, measured: median, bar min..max of {repeats})" + (f"\n{FAST_TIMING}" if fast else ""),
+               lambda r: r["step_seconds"] * 1e3, "{:.1f}")]
     for ax, (title, value, fmt) in zip(axes, panels):
         values = [value(by_name[n]) for n in names]
         ax.barh(range(len(names)), values, color=colors)
-        for y, v in enumerate(values):
-            ax.annotate(fmt.format(v), (v, y), va="center", fontsize=7, xytext=(2, 0), textcoords="offset points")
-        ax.set_title(title)
-        ax.set_xlim(0, max(values) * 1.2 if max(values) > 0 else 1)
+        ends = values
+        if ax is axes[2]:  # the spread of each time over the repeats
+            spreads = [[1e3 * t for t in by_name[n]["step_seconds_min_max"]] for n in names]
+            ax.errorbar(values, range(len(names)), fmt="none", ecolor="black", capsize=2, lw=0.8,
+                        xerr=[[v - low for v, (low, _) in zip(values, spreads)],
+                              [high - v for v, (_, high) in zip(values, spreads)]])
+            ends = [high for _, high in spreads]
+        for y, (v, end) in enumerate(zip(values, ends)):
+            ax.annotate(fmt.format(v), (end, y), va="center", fontsize=7, xytext=(3, 0), textcoords="offset points")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlim(0, max(ends) * 1.2 if max(ends) > 0 else 1)
         ax.grid(axis="x", alpha=0.3)
-    axes[2].axvline(1, color="0.4", lw=0.8)
+    axes[2].axvline(by_name["autograd"]["step_seconds"] * 1e3, color="0.4", lw=0.8)  # plain autograd's median
     axes[0].set_yticks(range(len(names)), names, fontsize=8)
-    handles = [matplotlib.patches.Patch(color=color, label=kind) for kind, color in KIND_COLORS.items()]
+    kinds = {row["kind"] for row in rows}  # Hugging Face's rows only where transformers runs this shape
+    handles = [matplotlib.patches.Patch(color=color, label="Hugging Face" if kind == "hf" else kind)
+               for kind, color in KIND_COLORS.items() if kind in kinds]
     axes[0].legend(handles=handles, fontsize=8, loc="lower right")
-    fig.suptitle(f"picockpt beside torch.utils.checkpoint: L={cfg.layers}, h={cfg.hidden}, batch {batch} x {seq}, "
+    peers = "torch.utils.checkpoint" + (" and Hugging Face" if "hf" in kinds else "")
+    fig.suptitle(f"picockpt beside {peers}: L={cfg.layers}, h={cfg.hidden}, batch {batch} x {seq}, "
                  f"{cfg.dtype}, on {device_name(args.device)}")
     fig.tight_layout()
     path = save_figure(fig, "07_torch_checkpoint_side_by_side")
@@ -124,9 +151,10 @@ def main(argv=None):
             "summary": {"peak live MiB picockpt full / torch per layer":
                         f"{mib(by_name['picockpt full']['peak_live_bytes']):.1f}/"
                         f"{mib(by_name['torch checkpoint per layer']['peak_live_bytes']):.1f}",
-                        "time / autograd picockpt full / torch per layer":
-                        f"{by_name['picockpt full']['step_seconds'] / autograd['step_seconds']:.2f}/"
-                        f"{by_name['torch checkpoint per layer']['step_seconds'] / autograd['step_seconds']:.2f}",
+                        "time picockpt full / torch per layer": FAST_TIMING if fast else
+                        f"{by_name['picockpt full']['time_vs_equivalent']:.2f} "
+                        f"[{by_name['picockpt full']['time_vs_equivalent_min_max'][0]:.2f}.."
+                        f"{by_name['picockpt full']['time_vs_equivalent_min_max'][1]:.2f}]",
                         "torch skips the down projections": skips_down}}
 
 

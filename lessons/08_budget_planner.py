@@ -15,8 +15,10 @@ lies on or above it: checked at each policy's own peak and printed. The planner 
 level of each layer and of the model head (whose cheap variant drops the final norm's output),
 so plain budget:SIZE plans already include everything `selective` and `cheap` can do.
 
-Right, the physical view: every tensor alive (store plus working memory), the only view the
-PyTorch peers have. The planner does not model working memory, so there it could be beaten: for
+Middle and right, the physical view: every tensor alive (store plus working memory), the only
+view the PyTorch peers have; the middle panel puts picockpt's fixed policies beside the
+planner's measured plans, the right one PyTorch's (every point is named; crowded ones from a
+column of labels). The planner does not model working memory, so there it could be beaten: for
 each rival the script runs the planner's least-store plan that recomputes no more, and prints
 any rival with fewer live bytes. Two things decide it. PyTorch's non-reentrant checkpoint stops
 recomputing at the last tensor a backward needs, so each recomputed segment skips its last
@@ -24,7 +26,8 @@ layer's down projection; the planner's sweeps stop at the same place (the fixed 
 and every:C recompute whole layers, one extra forward exactly), or torch's per-layer checkpoint
 would land between two of the planner's whole-layer steps and win there. And the working memory
 (live - stored, printed), which a budget does not limit: picockpt's backward frees each tensor at
-its last use, which keeps it to a layer's transient products.
+its last use, which keeps it to a layer's transient products. Planning times are printed as
+median [min..max] of 3 runs (at --fast, not at all: those shapes say nothing about time).
 
     python lessons/08_budget_planner.py            # the CPU run (small preset), well under a minute
     python lessons/08_budget_planner.py --fast     # seconds: what the tests run
@@ -44,7 +47,7 @@ import torch._functorch.config as functorch_config
 from torch._functorch.aot_autograd import aot_module, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition as min_cut_partition
 
-from lessons._lesson import choose, large, parse_args, shape_line, small
+from lessons._lesson import FAST_TIMING, Spread, choose, large, parse_args, callouts, shape_line, small
 from picockpt import init_params, loss_and_grads, parse_policy
 from picockpt.cli.plan import benchmark
 from picockpt.inventory import predicted_peak_bytes, step_flops
@@ -65,17 +68,18 @@ def shape(mode):
 
 def extent(mode, cfg):
     """What each run mode measures: planner points run, fixed policies, segment counts of
-    checkpoint_sequential, min-cut budgets, layers of the planning-time benchmark. --fast keeps
+    checkpoint_sequential, min-cut budgets, layers and repeats of the planning-time benchmark. --fast keeps
     the tests quick: a few of each, no min-cut partitioner (tracing it alone takes ~10 s here)."""
     layer_levels = ["none", "full"] + [f"every:{C}" for C in range(2, cfg.layers + 1)]
     every = [parse_policy(level + op, cfg).text for level in layer_levels for op in ("", "+selective", "+cheap")]
     some = [p for p in every if "+" not in p or p.split("+")[0] in ("full", "every:2", f"every:{cfg.layers // 2}")]
     return choose(mode, fast=dict(dots=4, run=["none", "cheap", "full", "every:2"], segments=[2], peers=False,
-                                  min_cut=(), benchmark_layers=32),
+                                  min_cut=(), benchmark_layers=32, plan_repeats=1),
                   cpu=dict(dots=20, run=some, segments=range(2, cfg.layers + 1), peers=True, min_cut=(0.5, 0.1),
-                           benchmark_layers=128),
+                           benchmark_layers=128, plan_repeats=3),
                   large=dict(dots=20, run=every, segments=range(2, cfg.layers + 1), peers=True,
-                             min_cut=(0.8, 0.5, 0.3, 0.1, 0.0), benchmark_layers=128)) | {"every": every}
+                             min_cut=(0.8, 0.5, 0.3, 0.1, 0.0), benchmark_layers=128, plan_repeats=3)) \
+        | {"every": every}
 
 
 def planner_frontier(cfg, batch, seq):
@@ -175,45 +179,58 @@ def physical_view(plans, rivals, front, measure):
 
 
 def plot(fixed, measured_plans, front, peers):
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.6), sharex=True)
-    gflop = lambda flops: np.asarray(flops) / 1e9
-    for ax, view in ((left, "logical"), (right, "physical")):
+    """Three panels: the store's peak (what a budget limits), then live bytes beside picockpt's
+    fixed policies and beside PyTorch's checkpointing. Every point is named: the crowded ones from
+    a column of labels to their right, tied to them by thin lines."""
+    fig, (logical, mine, theirs) = plt.subplots(1, 3, figsize=(19, 6.6), sharex=True)
+    gflop = lambda flops: np.asarray(flops) / 1e9  # noqa: E731
+    plans, column = list(measured_plans.values()), {logical: [], mine: [], theirs: []}
+    for ax, view in ((logical, "logical"), (mine, "physical"), (theirs, "physical")):
+        ax.scatter(gflop([r["recompute"] for r in plans]), mib([r[view] for r in plans]), s=22, zorder=4,
+                   color=PLANNER_COLOR, label="planner, measured (budget:SIZE)")
+    logical.step(gflop([p[1] for p in front]), mib([p[0] for p in front]), where="post", color=PLANNER_COLOR,
+                 lw=1.2, label="planner frontier (every Pareto-optimal plan)", zorder=2)
+    for ax, view in ((logical, "logical"), (mine, "physical")):
         for policy, row in fixed.items():
             if row[view] is None:
                 continue
-            marker = "s" if policy.endswith("+cheap") or policy == "cheap" else "D" if "selective" in policy else "o"
-            ax.scatter(gflop(row["recompute"]), mib(row[view]), marker=marker, s=28, color=policy_color(policy),
-                       edgecolor="black", linewidth=0.4, zorder=3)
-        plans = list(measured_plans.values())
-        ax.scatter(gflop([r["recompute"] for r in plans]), mib([r[view] for r in plans]), s=22, zorder=4,
-                   color=PLANNER_COLOR, label="planner, measured (budget:SIZE)")
-    left.step(gflop([p[1] for p in front]), mib([p[0] for p in front]), where="post", color=PLANNER_COLOR, lw=1.2,
-              label="planner frontier (every Pareto-optimal plan)", zorder=2)
-    for name, row in peers.items():
-        color = MINCUT_COLOR if name.startswith("min-cut") else TORCH_COLOR
-        right.scatter(gflop(row["recompute"]), mib(row["physical"]), marker="^", s=40, color=color, zorder=3)
-        label = name.replace("torch checkpoint_sequential", "seq").replace("min-cut partitioner, budget ", "min-cut ")
-        right.annotate(label.replace("torch checkpoint ", "").replace("torch ", ""),
-                       (gflop(row["recompute"]), mib(row["physical"])), fontsize=6, xytext=(3, 3),
-                       textcoords="offset points", color=color)
-    for policy in ("none", "selective", "cheap", "full", "full+cheap", "every:2"):
-        if policy in fixed:
-            left.annotate(policy, (gflop(fixed[policy]["recompute"]), mib(fixed[policy]["logical"])), fontsize=7,
-                          xytext=(4, 2), textcoords="offset points")
-    for marker, text in (("o", "layer level only"), ("D", "+selective"), ("s", "+cheap / cheap")):
-        left.scatter([], [], marker=marker, color="white", edgecolor="black", label=f"fixed policy, {text}")
+            op = "cheap" if policy.endswith("+cheap") or policy == "cheap" else \
+                "selective" if "selective" in policy else None
+            x, y = float(gflop(row["recompute"])), mib(row[view])
+            ax.scatter(x, y, marker={"cheap": "s", "selective": "D", None: "o"}[op], s=28, zorder=3,
+                       color=policy_color(policy), edgecolor="black", linewidth=0.4)
+            if x < 0.2 * ax.get_xlim()[1] or op is None:  # apart from the others: named beside the point
+                left = op is None and x > 0.2 * ax.get_xlim()[1]  # every:C's circles: named on their left
+                ax.annotate(policy, (x, y), fontsize=6, va="center", ha="right" if left else "left",
+                            xytext=(-5 if left else 5, 0), textcoords="offset points")
+            else:  # a column of +selective / +cheap points at one recompute cost: named from the column
+                column[ax].append((policy.replace("+selective", "+sel"), (x, y), "black"))
+    for peer, row in peers.items():
+        color = MINCUT_COLOR if peer.startswith("min-cut") else TORCH_COLOR
+        x, y = float(gflop(row["recompute"])), mib(row["physical"])
+        theirs.scatter(x, y, marker="^", s=40, color=color, zorder=3)
+        column[theirs].append((peer.replace("torch checkpoint_sequential", "checkpoint_sequential")
+                               .replace("min-cut partitioner, budget", "min-cut, budget").replace("torch ", ""),
+                               (x, y), color))
+    for marker, text in (("o", "layer level only"), ("D", "+selective (+sel)"), ("s", "+cheap / cheap")):
+        for ax in (logical, mine):
+            ax.scatter([], [], marker=marker, color="white", edgecolor="black", label=f"fixed policy, {text}")
     for policy, text in (("none", "none"), ("selective", "selective, cheap"), ("full", "full"), ("every:2", "every:C")):
-        left.scatter([], [], marker="o", color=policy_color(policy), label=f"colour: {text}")
-    right.scatter([], [], marker="^", color=TORCH_COLOR, label="PyTorch checkpointing (autograd reference)")
-    right.scatter([], [], marker="^", color=MINCUT_COLOR, label="min-cut partitioner, activation_memory_budget")
-    left.set_title("logical: the activation store's peak (what a budget limits)")
-    right.set_title("physical: every live tensor (store + working memory)")
-    for ax in (left, right):
+        logical.scatter([], [], marker="o", color=policy_color(policy), label=f"colour: {text}")
+    theirs.scatter([], [], marker="^", color=TORCH_COLOR, label="PyTorch checkpointing (autograd reference)")
+    theirs.scatter([], [], marker="^", color=MINCUT_COLOR, label="min-cut partitioner, activation_memory_budget")
+    logical.set_title("logical: the activation store's peak\n(what a budget limits)")
+    mine.set_title("physical: every live tensor (store + working memory)\nbeside picockpt's fixed policies")
+    theirs.set_title("physical: every live tensor (store + working memory)\nbeside PyTorch's checkpointing")
+    for ax in (logical, mine, theirs):
         ax.set_xlabel("recompute per step (GFLOP, matmuls)")
         ax.set_ylabel("peak (MiB)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.tight_layout()
+    right = theirs.get_xlim()[1]
+    for ax, items in column.items():
+        callouts(ax, items, x=0.42 * right)
     return fig
 
 
@@ -221,6 +238,7 @@ def main(argv=None):
     args = parse_args(__doc__, argv)
     cfg, batch, seq = shape(args.mode)
     device, seed, todo = args.device, args.seed, extent(args.mode, cfg)
+    fast = args.mode == "fast"
     print(f"lesson 08, the budget planner: {shape_line(cfg, batch, seq, device)}")
     params = init_params(cfg, seed=seed, device=device)
     ids, targets = make_batch(cfg, batch, seq, device, seed)
@@ -270,9 +288,11 @@ def main(argv=None):
     rivals = {**{p: r for p, r in fixed.items() if r["physical"]}, **peers}
     beaten_physical = physical_view(measured_plans, rivals, front,
                                     lambda policy: measure_picockpt(cfg, params, ids, targets, policy, device, seed))
-    timing = benchmark(cfg, batch, seq, seed, layers=todo["benchmark_layers"])
-    for name, row in timing.items():
-        print(f"planning time, {name}, {row['slots']} slots: {row['seconds'] * 1e3:.0f} ms")
+    runs = [benchmark(cfg, batch, seq, seed, layers=todo["benchmark_layers"]) for _ in range(todo["plan_repeats"])]
+    timing = {name: Spread(tuple(run[name]["seconds"] for run in runs)) for name in runs[0]}
+    for name, spread in timing.items():
+        print(f"planning time, {name}, {runs[0][name]['slots']} slots: "
+              + (FAST_TIMING if fast else f"{spread.text('{:.0f}', scale=1e3)} ms (median [min..max] of {len(runs)})"))
 
     fig = plot(fixed, measured_plans, front, peers)
     fig.suptitle(f"Peak memory against recompute, one training step: {shape_line(cfg, batch, seq, device)}; "
@@ -283,7 +303,8 @@ def main(argv=None):
         "Pareto-optimal plans": len(front), "plans measured": len(measured_plans),
         "measured == predicted": exact, "fixed policies beating the planner (logical)": len(beaten_logical),
         "rivals beating the planner (physical)": f"{len(beaten_physical)} of {len(rivals)}",
-        **{f"planning ms, {name}": round(1e3 * row["seconds"]) for name, row in timing.items()}}}
+        **{f"planning ms, {name}": FAST_TIMING if fast else spread.text("{:.0f}", scale=1e3)
+           for name, spread in timing.items()}}}
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@ interleaved timing. Imported as `from lessons._lesson import ...` (each script f
 repository root on sys.path, so this works from `python lessons/NN_name.py` and from
 `python -m picockpt reproduce`, which imports the scripts by file path).
 
+Timings are Spreads (median [min..max] over interleaved repeats), never a single sample; at
+--fast the lessons print FAST_TIMING instead of any conclusion drawn from a time.
+
 Every lesson takes the same flags:
 
     (nothing)        the CPU run: the `small` preset or a shape of the same cost, under a minute
-    --fast           a few seconds: the shape the tests run
+    --fast           a few seconds: the shape the tests run (figures to out/figures/, not figures/)
     --large          a bigger shape for a GPU (use with --device cuda)
     --device auto    auto | cpu | cuda | cuda:N (auto takes CUDA when there is one)
     --seed 0         weights, data and dropout masks
@@ -16,13 +19,18 @@ Every lesson takes the same flags:
                      longer. --threads N asks for N.
 """
 import argparse
+import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from picockpt.config import Config
 from picockpt.device import resolve_device
+from picockpt.plotting import FAST_FIGURES
+
+FAST_TIMING = "timing not meaningful at --fast shapes"  # what lessons print instead of a --fast timing's verdict
 
 # the --large shape: a 1B-parameter-class Llama layer stack (h=2048, GQA 16/4, SwiGLU 5632), fp32
 LARGE = dict(vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=4, ffn=5632, max_seq=4096)
@@ -49,6 +57,9 @@ def parse_args(doc, argv=None):
     if args.device.type == "cpu":
         torch.set_num_threads(args.threads)
     args.mode = "large" if args.large else "fast" if args.fast else "cpu"
+    if args.fast and not os.environ.get("PICOCKPT_FIGURES"):  # small figures never replace the committed ones
+        os.environ["PICOCKPT_FIGURES"] = str(FAST_FIGURES)
+        print(f"--fast: figures go to {FAST_FIGURES}")
     return args
 
 
@@ -85,9 +96,9 @@ def _sync(device):
 
 
 def interleaved_seconds(steps, device, repeats):
-    """Median wall seconds of each step in {name: step()}, after one warm-up call of each.
-    Each repeat runs every step once, in turn, so a slow moment of a shared machine
-    slows them all alike and the ratios between them stay fair."""
+    """{name: Spread of wall seconds} of each step in {name: step()}, after one warm-up call of
+    each. Each repeat runs every step once, in turn, so a slow moment of a shared machine slows
+    them all alike; paired_ratios(a, b) divides them repeat by repeat."""
     for step in steps.values():
         step()
     times = {name: [] for name in steps}
@@ -98,4 +109,73 @@ def interleaved_seconds(steps, device, repeats):
             step()
             _sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: Spread(tuple(values)) for name, values in times.items()}
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Repeated measurements of one quantity (seconds, or a ratio of two). One timing on a shared
+    machine can be off by tens of percent, so every timing is shown as median [min..max]."""
+    samples: tuple
+
+    @property
+    def low(self):
+        return min(self.samples)
+
+    @property
+    def median(self):
+        return statistics.median(self.samples)
+
+    @property
+    def high(self):
+        return max(self.samples)
+
+    def text(self, spec="{:.3g}", scale=1.0, shift=0.0):
+        """'median [min..max]', each value v written as spec.format(v * scale + shift):
+        text("{:.1f}", scale=1e3) for milliseconds, text("{:+.1%}", shift=-1) for a ratio as a change."""
+        def show(value):
+            return spec.format(value * scale + shift)
+        return f"{show(self.median)} [{show(self.low)}..{show(self.high)}]"
+
+    def excludes(self, value):
+        """True when every sample lies on one side of `value` (e.g. 1 for a ratio: a difference
+        the repeats agree on); False when the spread straddles it."""
+        return self.low > value or self.high < value
+
+
+def paired_ratios(spread, base):
+    """Spread of spread.samples[i] / base.samples[i]: the ratio within each interleaved repeat."""
+    return Spread(tuple(a / b for a, b in zip(spread.samples, base.samples)))
+
+
+def timing_verdict(mode, ratio, what):
+    """One line on a measured time ratio: its spread, whether the repeats agree on its sign, or
+    that --fast shapes say nothing (milliseconds of Python overhead, one repeat)."""
+    if mode == "fast":
+        return f"{what}: {FAST_TIMING}"
+    agreed = "every repeat agrees on the sign" if ratio.excludes(1.0) else "the repeats straddle 0: within the noise"
+    return f"{what}: {ratio.text('{:+.1%}', shift=-1)} over {len(ratio.samples)} repeats ({agreed})"
+
+
+def callouts(ax, items, x, fontsize=6):
+    """Name crowded points from a column of labels at data abscissa x, each tied to its point by a
+    thin line: items are (text, (point x, point y), colour). Each label starts level with its point;
+    going up, a label that would touch the one below moves up just enough, and the column moves
+    down as a whole if it would leave the axes. Call once the axes have their final limits and
+    size (after tight_layout)."""
+    if not items:
+        return
+    to_display, gap = ax.transData.transform, fontsize * 1.35 * ax.figure.dpi / 72  # one line of text, pixels
+    items = sorted(items, key=lambda item: to_display(item[1])[1])
+    heights = []
+    for _, point, _ in items:
+        level = to_display(point)[1]
+        heights.append(max(level, heights[-1] + gap) if heights else level)
+    top = ax.get_window_extent().y1 - gap / 2
+    if heights[-1] > top:
+        heights = [height - (heights[-1] - top) for height in heights]
+    from_display = ax.transData.inverted().transform
+    for (text, point, color), height in zip(items, heights):
+        y = from_display((to_display((x, 0))[0], height))[1]
+        ax.annotate(text, point, xytext=(x, y), textcoords="data", fontsize=fontsize, color=color, va="center",
+                    arrowprops=dict(arrowstyle="-", lw=0.3, color="0.6", shrinkA=1, shrinkB=3))

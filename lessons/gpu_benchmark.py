@@ -4,9 +4,11 @@
     python lessons/gpu_benchmark.py --tiny    # the same code on a tiny model, on the CPU, in seconds
 
 Every step holds --tokens tokens (8192: batch 8 x 1024, 4 x 2048, 2 x 4096). At each sequence
-length, for picockpt's none, full, every:4, selective, cheap (and budget:SIZE halfway between
-full's and none's stored bytes, when picockpt/planner.py is there) and PyTorch's recomputation on
-the autograd reference (picockpt/peers.py, paired as in `compare`), it measures
+length it runs, first, the headline: picockpt with fused attention (torch's flash kernel: no T x T
+tensor stored or whole), none, full, every:4, cheap and budget:SIZE halfway between full's and
+none's stored bytes; then the lesson's rows with eager attention (the probabilities materialised):
+none, full, every:4, selective, cheap, budget, beside PyTorch's recomputation on the autograd
+reference (picockpt/peers.py, eager too, paired as in `compare`). For every run it measures
 
     step time     median of interleaved untracked steps (each repeat runs every run once, so a slow
                   moment hits all alike). A step is forward + backward: the optimizer is the same
@@ -20,12 +22,14 @@ the autograd reference (picockpt/peers.py, paired as in `compare`), it measures
                   dense bf16 peak (--peak-tflops: 989 for an H100/H200 SXM). The T x T matmuls count
                   in full: this attention computes the whole square, then masks it.
 
-then prints PASS/FAIL per criterion (SKIP where CUDA is needed): tracker peak within 5% of
-max_memory_allocated for every run; tracker timeline within 5% (of the peak) of memory_allocated
-at every store event; full <= 1.40x and selective <= 1.10x the step time of none; every policy
-<= 1.10x the time of its torch equivalent; every policy's loss bitwise that of none and its stored
-bytes those of the closed form; and the MFU of none. Writes gpu_benchmark.json (or --out) and
-gpu_benchmark_{time_memory,timeline}.png to figures/ ($PICOCKPT_FIGURES); --tiny: gpu_benchmark_tiny_*.
+then prints PASS/FAIL per criterion: tracker peak within 5% of max_memory_allocated for every
+run; tracker timeline within 5% (of the peak) of memory_allocated at every store event; fused full
+<= 1.40x fused none; eager full <= 1.40x and selective <= 1.10x the step time of none; every eager
+policy <= 1.10x the time of its torch equivalent; every policy's loss bitwise that of none (of its
+attention kind) and its stored bytes those of the closed form; and the MFU of both nones. The allocator, time and MFU criteria only mean something on a GPU (a tiny model
+on a CPU is timed by Python's overheads): off CUDA they print SKIP. The two exactness criteria are
+PASS/FAIL everywhere. Writes gpu_benchmark.json (or --out) and gpu_benchmark_{time_memory,timeline}.png
+to figures/ ($PICOCKPT_FIGURES); --tiny writes gpu_benchmark_tiny_* to out/figures/ instead.
 """
 import argparse
 import contextlib
@@ -49,6 +53,7 @@ from picockpt.compare import contenders
 from picockpt.config import Config
 from picockpt.device import check_fits, resolve_device
 from picockpt.engine import loss_and_grads
+from picockpt.ops.attention_fused import check_fused
 from picockpt.inventory import predicted_peak_bytes, step_flops
 from picockpt.measure import make_batch
 from picockpt.params import init_params
@@ -68,7 +73,10 @@ LIMITS = {"memory": 0.05, "full": 1.40, "selective": 1.10, "equivalent": 1.10}
 
 def benchmark(cfg, seqs, tokens, device, repeats=5, segment=4, peak_tflops=989.0, seed=0):
     """Every run at every sequence length: the results dict that becomes the JSON."""
-    check_fits(cfg, device)
+    for seq in seqs:  # picockpt none's step is the largest of picockpt's runs at each length
+        check_fits(cfg, device, tokens // seq, seq, "none", advice="use fewer --tokens or shorter --seqs",
+                   note=f" (the benchmark's step at T={seq})")
+        check_fused(device, cfg.torch_dtype)  # the headline runs take the flash kernel
     started = time.perf_counter()
     params = init_params(cfg, seed=seed, device=device)
     with torch.device(device):  # the autograd reference, built where it runs, with the same weights
@@ -107,16 +115,17 @@ def measure_seq(cfg, params, model, seq, batch, device, repeats, segment, seed, 
 
 
 def warm_up(runs):
-    """One untimed step of every run; each picockpt policy's loss and gradients against none's."""
-    none = None  # picockpt none's (loss, grads), kept while the picockpt runs warm up (they come first)
+    """One untimed step of every run; each picockpt policy's loss and gradients against none's of the same
+    attention kind (the first picockpt run of each kind is its none)."""
+    nones = {}  # attention kind -> picockpt none's (loss, grads)
     for run in runs:
-        none = none if run["kind"] == "picockpt" else None
         result = attempt(run, lambda: run["step"]())
         if result is not None and run["kind"] == "picockpt":
-            none = none or result
+            none = nones.setdefault(run["attention"], result)
             run["loss_bitwise_equal_to_none"] = torch.equal(result[0], none[0])
             run["grads_not_bitwise_equal_to_none"] = [k for k, g in result[1].items() if not torch.equal(g, none[1][k])]
         del result
+    nones.clear()
 
 
 def summary(run, model_flops, peak_flops):
@@ -134,23 +143,39 @@ def summary(run, model_flops, peak_flops):
 
 
 def plan_runs(cfg, batch, seq, segment):
-    """The runs at one shape, with compare.py's pairs of equivalents, and the planner's policy if it can."""
-    runs = [dict(name=name, kind=kind, how=how, equivalent=equivalent, policy=how if kind == "picockpt" else None)
-            for name, kind, how, equivalent in contenders(cfg, seq, segment) if kind != "bridge" and "+" not in name]
-    low, high = (predicted_peak_bytes(cfg, batch, seq, policy) for policy in ("full", "none"))
-    budget = f"budget:{(low + high) // 2}"
-    try:
-        predicted_peak_bytes(cfg, batch, seq, budget)  # imports picockpt/planner.py and plans
-        runs.insert(5, dict(name="picockpt budget", kind="picockpt", how=budget, equivalent=None, policy=budget))
-    except (ImportError, ValueError) as error:
-        print(f"  no budget policy at T={seq}: {error}")
+    """The runs at one shape. First the headline: picockpt with fused attention (the flash kernel, what a
+    GPU run should use), none / full / every:C / cheap and the planner's budget ("selective" is none
+    there: nothing to drop). Then the lesson's eager rows, each with its torch equivalent as compare.py
+    pairs them (the autograd reference materialises the probabilities too), and the torch runs."""
+    fused = cfg.replace(attention="fused")
+    runs = [dict(name=f"picockpt fused {policy}", kind="picockpt", how=policy, equivalent=None, policy=policy,
+                 attention="fused") for policy in ("none", "full", f"every:{segment}", "cheap")]
+    runs += [dict(name=name, kind=kind, how=how, equivalent=equivalent, policy=how if kind == "picockpt" else None,
+                  attention=cfg.attention if kind == "picockpt" else "eager")
+             for name, kind, how, equivalent in contenders(cfg, seq, segment) if kind not in ("bridge", "hf")
+             and "+" not in name]
+    for position, (label, shape) in ((4, ("picockpt fused budget", fused)), (10, ("picockpt budget", cfg))):
+        low, high = (predicted_peak_bytes(shape, batch, seq, policy) for policy in ("full", "none"))
+        budget = f"budget:{(low + high) // 2}"
+        try:
+            predicted_peak_bytes(shape, batch, seq, budget)  # plans (picockpt/planner.py)
+            runs.insert(position, dict(name=label, kind="picockpt", how=budget, equivalent=None, policy=budget,
+                                       attention=shape.attention))
+        except ValueError as error:
+            print(f"  no {label} at T={seq}: {error}")
     return runs
+
+
+def run_config(run, cfg):
+    """The Config a picockpt run computes with: the benchmark's, with the run's attention kind."""
+    return cfg.replace(attention=run["attention"])
 
 
 def make_step(run, cfg, params, model, input_ids, targets):
     """step(tracker=None) -> (loss, grads): one forward + backward of `run`; nothing else outlives it."""
     if run["kind"] == "picockpt":
-        return lambda tracker=None: loss_and_grads(params, cfg, input_ids, targets, run["how"], tracker=tracker)
+        shape = run_config(run, cfg)
+        return lambda tracker=None: loss_and_grads(params, shape, input_ids, targets, run["how"], tracker=tracker)
 
     def step(tracker=None):
         phase = tracker.phase if tracker else lambda name: contextlib.nullcontext()
@@ -179,7 +204,7 @@ def track(run, cfg, device):
     runs count FLOPs in a second step: FlopCounterMode's module hooks keep checkpointed graphs
     alive until the garbage collector runs (see picockpt/tracker.py), which would inflate memory."""
     separate = run["kind"] != "picockpt"
-    with Tracker(device, flops=not separate) as tracker:
+    with Tracker(device, flops=not separate, cuda_timeline=True) as tracker:
         loss, grads = run["step"](tracker)
     del grads
     flops = tracker.flops
@@ -192,7 +217,8 @@ def track(run, cfg, device):
                tracker_peak_activation_bytes=tracker.peak_physical)
     if run["kind"] == "picockpt":
         row.update(stored_peak_bytes=tracker.peak_logical,
-                   predicted_stored_peak_bytes=predicted_peak_bytes(cfg, run["batch"], run["seq"], run["how"]),
+                   predicted_stored_peak_bytes=predicted_peak_bytes(run_config(run, cfg), run["batch"], run["seq"],
+                                                                    run["how"]),
                    timeline=[[e["total"], e["cuda"]] for e in tracker.timeline if e["kind"] == "event"])
     if tracker.cuda:
         row["tracker_vs_cuda"] = abs(row["tracker_peak_bytes"] - tracker.peak_cuda) / tracker.peak_cuda
@@ -237,9 +263,11 @@ def criteria(rows, on_cuda):
         top, bottom = by.get((name, seq), {}).get(key), by.get((over, seq), {}).get(key)
         return None if top is None or bottom is None else top / bottom
 
-    def line(text, values, limit):  # values: [(where, number or None)]
+    def line(text, values, limit):  # values: [(where, number or None)]; a time limit: a GPU's
         passed = all(value is not None and value <= limit for _, value in values)
         shown = ", ".join(f"{'not measured' if v is None else format(v, '.3f')} ({where})" for where, v in values)
+        if not on_cuda:
+            return "SKIP", f"{text} <= {limit:.2f}: needs CUDA (measured here, not judged: {shown})"
         return "PASS" if passed else "FAIL", f"{text} <= {limit:.2f}: {shown}"
 
     def worst(text, kind, key):  # the largest relative difference over the runs of one kind
@@ -254,6 +282,9 @@ def criteria(rows, on_cuda):
              worst("tracker peak vs max_memory_allocated, every torch run", "torch", "tracker_vs_cuda"),
              worst("tracker timeline vs memory_allocated at every store event, of the peak", "picockpt",
                    "timeline_worst")]
+    lines.append(line("step time of fused full / fused none", [(f"T={s}", ratio("picockpt fused full",
+                                                                                 "picockpt fused none", s))
+                                                            for s in seqs], LIMITS["full"]))
     for policy in ("full", "selective"):
         lines.append(line(f"step time of {policy} / none", [(f"T={s}", ratio(f"picockpt {policy}", "picockpt none", s))
                                                            for s in seqs], LIMITS[policy]))
@@ -268,10 +299,11 @@ def criteria(rows, on_cuda):
                   f"every picockpt policy's loss bitwise equal to none's (gradients not bitwise equal: {differ})"))
     lines.append(("PASS" if all(r["stored_peak_bytes"] == r["predicted_stored_peak_bytes"] for r in ours) else "FAIL",
                   "every picockpt policy's stored bytes equal to the closed form's"))
-    mfu = [(s, by.get(("picockpt none", s), {}).get("mfu")) for s in seqs]
-    lines.append(("INFO", "MFU of none: " + ", ".join(f"{'not measured' if v is None else format(v, '.1%')} (T={s})"
-                                                      for s, v in mfu)
-                  + ("" if on_cuda else " (a CPU measured against a GPU's peak: no meaning)")))
+    for label, name in (("MFU of fused none", "picockpt fused none"), ("MFU of none", "picockpt none")):
+        mfu = [(s, by.get((name, s), {}).get("mfu")) for s in seqs]
+        lines.append(("INFO" if on_cuda else "SKIP", f"{label}: " + ", ".join(
+            f"{'not measured' if v is None else format(v, '.1%')} (T={s})" for s, v in mfu)
+            + ("" if on_cuda else " (needs CUDA: a CPU measured against a GPU's peak has no meaning)")))
     return lines
 
 
@@ -302,7 +334,8 @@ def plot(results, prefix):
     for ax in (top, bottom):
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    paths = [save_figure(fig, f"{prefix}_time_memory")]
+    fast = prefix.endswith("_tiny")  # the --tiny run: its figures never replace a GPU run's
+    paths = [save_figure(fig, f"{prefix}_time_memory", fast=fast)]
     fig, ax = plt.subplots(figsize=(11, 4.5))
     for row in rows:
         if row.get("timeline") and row["policy"] in ("none", "full", "selective"):
@@ -315,7 +348,7 @@ def plot(results, prefix):
            title=title + ": tracker (lines), allocator (dots)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    paths.append(save_figure(fig, f"{prefix}_timeline"))
+    paths.append(save_figure(fig, f"{prefix}_timeline", fast=fast))
     plt.close("all")
     return paths
 
@@ -324,7 +357,9 @@ def main(argv=None):
     doc_title, _, doc_rest = __doc__.partition("\n")
     parser = argparse.ArgumentParser(description=doc_title, epilog=doc_rest,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU, in seconds (what CI runs)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a tiny model on the CPU, in seconds (what CI runs); its files go to out/figures/ "
+                             "unless $PICOCKPT_FIGURES is set")
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: auto; cpu with --tiny)")
     parser.add_argument("--seqs", help="sequence lengths, comma-separated (default 1024,2048,4096; --tiny 16,32)")
     parser.add_argument("--tokens", type=int, help="tokens per step, B*T (default 8192; --tiny 64)")
@@ -365,7 +400,7 @@ def main(argv=None):
     prefix = "gpu_benchmark_tiny" if args.tiny else "gpu_benchmark"
     for criterion in results["criteria"]:
         print(f"{criterion['status']:<5} {criterion['text']}")
-    out = pathlib.Path(args.out) if args.out else figures_dir() / f"{prefix}.json"
+    out = pathlib.Path(args.out) if args.out else figures_dir(fast=args.tiny) / f"{prefix}.json"
     out.write_text(json.dumps(results, indent=1))
     for path in plot(results, prefix) + [out]:
         print(f"wrote {path}")

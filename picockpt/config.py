@@ -16,12 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .hf import check_rope_scaling, fields_from_hf
+
 DTYPES = {  # accepted spellings -> canonical name
     "float32": "float32", "fp32": "float32", "float": "float32",
     "float64": "float64", "fp64": "float64", "double": "float64",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
+
+ATTENTIONS = ("eager", "tiled", "fused")  # see picockpt/ops/attention*.py
 
 PRESETS = {
     # tiny: unit tests; every op and every policy in milliseconds.
@@ -52,6 +56,9 @@ class Config:
     dropout: float = 0.0        # on attention probabilities and on both residual branches
     dtype: str = "float32"      # activation/compute dtype; 16-bit dtypes keep fp32 master weights
     tie_embeddings: bool = False
+    attention: str = "eager"    # eager | tiled | fused: how attention is computed and what it stores
+    attention_tile: int = 128   # tiled: query and key rows per tile
+    loss_chunk: int = 0         # tokens per chunk of the LM head and loss; 0: all B*T at once
     rope_scaling: dict = field(default=None, compare=False, hash=False)  # None or Llama 3.1 "llama3"
 
     def __post_init__(self):
@@ -69,19 +76,34 @@ class Config:
         if self.head_dim % 2:
             raise ValueError(f"Config.hidden/heads = head_dim = {self.head_dim} is odd: rotary embeddings "
                              f"rotate pairs, so head_dim must be even (e.g. hidden={self.heads * (self.head_dim + 1)})")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+        for name in ("rope_theta", "norm_eps", "dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"Config.{name}={value!r}: must be a finite number")
+        if not self.rope_theta > 0:
             raise ValueError(f"Config.rope_theta={self.rope_theta!r}: must be a positive number (e.g. 10000.0)")
         if not (self.norm_eps > 0):
             raise ValueError(f"Config.norm_eps={self.norm_eps!r}: must be positive (e.g. 1e-6)")
         if not (0.0 <= self.dropout < 1.0):
             raise ValueError(f"Config.dropout={self.dropout!r}: must be in [0, 1)")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"Config.attention={self.attention!r}: use one of {', '.join(ATTENTIONS)} "
+                             f"(eager stores the T x T probabilities; tiled and fused recompute them)")
+        for name in ("attention_tile", "loss_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "attention_tile" else 0):
+                raise ValueError(f"Config.{name}={value!r}: must be a whole number"
+                                 + (" >= 1 (e.g. 128)" if name == "attention_tile" else " >= 0 (0: no chunking)"))
+        if self.attention == "fused" and self.dropout > 0:
+            raise ValueError(f"Config.attention='fused' with dropout={self.dropout}: torch's fused CPU kernel has "
+                             f"no dropout, and picockpt does not replay a CUDA kernel's own mask under recomputation; use "
+                             f"attention='tiled' (its masks are regenerated from a stored seed) or dropout=0")
         if self.dtype not in DTYPES:
             raise ValueError(f"Config.dtype={self.dtype!r}: use one of {sorted(set(DTYPES))}")
         object.__setattr__(self, "dtype", DTYPES[self.dtype])
-        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if kind not in ("default", "llama3"):
-            raise ValueError(f"Config.rope_scaling type {kind!r} is not implemented: "
-                             f"use None (plain RoPE) or a Llama 3.1 'llama3' scaling dict")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"Config.tie_embeddings={self.tie_embeddings!r}: must be True or False")
+        check_rope_scaling(self.rope_scaling)
 
     # -- derived sizes -----------------------------------------------------
     @property
@@ -129,32 +151,9 @@ class Config:
 
     @classmethod
     def from_hf(cls, d, **overrides):
-        """From a Hugging Face LlamaConfig.to_dict() (transformers 4.x or 5.x spelling)."""
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={d['hidden_act']!r}: picockpt's MLP is SwiGLU (silu)")
-        for flag in ("attention_bias", "mlp_bias"):
-            if d.get(flag):
-                raise ValueError(f"{flag}=True: picockpt's linears have no bias (Llama has none)")
-        heads = d["num_attention_heads"]
-        if d.get("head_dim") not in (None, d["hidden_size"] // heads):
-            raise ValueError(f"head_dim={d['head_dim']}: picockpt needs head_dim = hidden_size / "
-                             f"num_attention_heads = {d['hidden_size'] // heads}")
-        if d.get("attention_dropout", 0.0):
-            raise ValueError(f"attention_dropout={d['attention_dropout']}: picockpt's dropout also drops the "
-                             "residual branches; load with dropout 0 and set Config.dropout yourself")
-        rope = d.get("rope_parameters") or {}            # transformers 5.x
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or rope
-        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
-        dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
-        fields = dict(vocab=d["vocab_size"], hidden=d["hidden_size"], layers=d["num_hidden_layers"],
-                      heads=heads, kv_heads=d.get("num_key_value_heads") or heads,
-                      ffn=d["intermediate_size"], max_seq=d["max_position_embeddings"],
-                      rope_theta=float(theta), norm_eps=d["rms_norm_eps"],
-                      tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-                      dtype=str(dtype).replace("torch.", ""), rope_scaling=scaling)
-        return cls(**{**fields, **overrides})
+        """From a Hugging Face LlamaConfig.to_dict() (transformers 4.x or 5.x spelling); any other model
+        family, and any key that would change the computation, is refused (picockpt/hf.py)."""
+        return cls(**{**fields_from_hf(d), **overrides})
 
 
 def _divisors(n):

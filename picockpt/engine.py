@@ -18,6 +18,8 @@ from .head import head_backward, head_forward
 from .inventory import layer_inventory
 from .layer import layer_backward, layer_forward
 from .ops import embedding_backward, embedding_forward, rope_tables
+from .ops.attention_fused import check_fused
+from .ops.cross_entropy import IGNORE_INDEX
 from .params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_weights
 from .policy import OP_LEVEL, parse_policy
 from .store import ActivationStore
@@ -36,10 +38,18 @@ class _NoTracker:  # what the engine talks to when nobody is measuring
 
 def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None, trace=False):
     """Mean next-token cross-entropy and the gradient of every parameter (same keys as params).
-    targets[b, t] is the token that should follow position t: no shifting happens here."""
+    targets[b, t] is the token that should follow position t: no shifting happens here; a target
+    of -100 (IGNORE_INDEX) is left out of the mean, as in torch and Hugging Face.
+    Autograd is off for the whole step (torch.no_grad): params that require grad, as
+    LlamaForCausalLM.state_dict(keep_vars=True) gives them, build no graph beside the engine."""
     policy = parse_policy(policy, cfg)
-    _check_batch(cfg, input_ids, targets)
     check_params(params, cfg)
+    input_ids, targets = _check_batch(cfg, input_ids, targets, params)
+    with torch.no_grad():
+        return _step(params, cfg, input_ids, targets, policy, tracker, trace)
+
+
+def _step(params, cfg, input_ids, targets, policy, tracker, trace):
     tracker = tracker or _NoTracker()
     say = trace if callable(trace) else print  # where --trace lines go
     B, T = input_ids.shape
@@ -139,8 +149,36 @@ def _generator(device):
     return torch.default_generator
 
 
-def _check_batch(cfg, input_ids, targets):
+def _check_batch(cfg, input_ids, targets, params):
+    """Token ids and targets: (batch, seq) integer tensors on the parameters' device, ids in [0, vocab),
+    targets in [0, vocab) or IGNORE_INDEX, at least one target counted. Returns them as int64."""
+    for name, tensor in (("input_ids", input_ids), ("targets", targets)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype.is_floating_point or tensor.dtype == torch.bool \
+                or tensor.is_complex():
+            raise ValueError(f"{name} must be an integer tensor of token ids, got "
+                             f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
     if input_ids.dim() != 2 or input_ids.shape != targets.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and targets {tuple(targets.shape)} must both "
                          f"be (batch, seq) integer tensors of the same shape")
+    if input_ids.shape[0] < 1:
+        raise ValueError(f"input_ids has batch {input_ids.shape[0]}: a step needs at least one sequence")
     cfg.check_seq(input_ids.shape[1])
+    device = params[EMBED].device
+    if input_ids.device != device or targets.device != device:
+        raise ValueError(f"input_ids are on {input_ids.device} and targets on {targets.device}, the parameters on "
+                         f"{device}: move them with .to({str(device)!r})")
+    if cfg.attention == "fused":
+        check_fused(device, cfg.torch_dtype)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= cfg.vocab:
+        raise ValueError(f"input_ids hold token ids from {low} to {high}: they must lie in [0, vocab) = "
+                         f"[0, {cfg.vocab})")
+    counted = targets[targets != IGNORE_INDEX]
+    if counted.numel() == 0:
+        raise ValueError(f"every target is {IGNORE_INDEX} (ignored): the mean loss would be 0/0; "
+                         f"leave at least one target in [0, {cfg.vocab})")
+    low, high = int(counted.min()), int(counted.max())
+    if low < 0 or high >= cfg.vocab:
+        raise ValueError(f"targets hold token ids from {low} to {high}: they must lie in [0, vocab) = "
+                         f"[0, {cfg.vocab}), or be {IGNORE_INDEX} to leave a position out of the loss")
+    return input_ids.long(), targets.long()

@@ -2,15 +2,34 @@
 
     x0     = embed[ids]                          (B, T, h)   the input of layer 0
     logits = rmsnorm(x_L) @ lm_head.T            (B, T, V)
-    loss   = mean cross-entropy(logits, targets)
+    loss   = mean cross-entropy(logits, targets) over the targets that are not IGNORE_INDEX
 
 Stored at model level (layer None): final_norm.input (B,T,h), final_norm.rstd (B,T,1),
-final_norm.output (B,T,h, dropped by `cheap`), lm_head.logits (B,T,V). The token ids and
-targets are the batch, owned by the caller: they are not activations.
+final_norm.output (B,T,h, dropped by `cheap`), and then either
+
+    lm_head.logits (B,T,V)         Config.loss_chunk = 0: the logits, whole
+    lm_head.lse    (B,T) fp32      Config.loss_chunk = n: one log-sum-exp per token. The forward
+                                   computes the logits n tokens at a time and keeps none of them;
+                                   the backward recomputes each chunk's logits from final_norm.output
+                                   (counted as recompute), forms softmax - one-hot with the kept lse,
+                                   and drops them again. As Liger's fused linear cross-entropy and
+                                   Cut Cross-Entropy do: at a 128K vocabulary the logits are the
+                                   largest activation of a step, and they never exist whole.
+
+The token ids and targets are the batch, owned by the caller: they are not activations.
 """
+import torch
+
 from .ops import (cross_entropy_backward, cross_entropy_forward, linear_backward, linear_forward,
                   rmsnorm_apply, rmsnorm_backward, rmsnorm_forward)
+from .ops.cross_entropy import IGNORE_INDEX
 from .params import FINAL_NORM, HEAD
+
+
+def _chunks(n, chunk):
+    """[(start, end)] of rows 0..n-1, `chunk` at a time (0: all at once)."""
+    chunk = chunk or n
+    return [(start, min(start + chunk, n)) for start in range(0, n, chunk)]
 
 
 def head_forward(x, weights, cfg, targets, store, drop=frozenset()):
@@ -19,13 +38,27 @@ def head_forward(x, weights, cfg, targets, store, drop=frozenset()):
         if name not in drop:
             store.put(None, name, tensor)
 
+    B, T, h = x.shape
     keep("final_norm.input", x)
     xn, rstd = rmsnorm_forward(x, weights[FINAL_NORM], cfg.norm_eps, cfg.stat_dtype)  # (B, T, h), (B, T, 1)
     keep("final_norm.rstd", rstd)
     keep("final_norm.output", xn)
-    logits = linear_forward(xn, weights[HEAD])  # (B, T, V)
-    keep("lm_head.logits", logits)
-    return cross_entropy_forward(logits, targets, cfg.stat_dtype)  # scalar
+    rows, ys = xn.view(B * T, h), targets.reshape(B * T)  # (N, h), (N,)  N = B*T tokens
+    count = (ys != IGNORE_INDEX).sum()  # () the tokens the loss averages over
+    if cfg.loss_chunk == 0:
+        logits = linear_forward(rows, weights[HEAD])  # (N, V)
+        keep("lm_head.logits", logits.view(B, T, -1))
+        total, _ = cross_entropy_forward(logits, ys, cfg.stat_dtype)  # scalar
+        return total / count
+    lse = torch.empty(B * T, dtype=cfg.stat_dtype, device=x.device)  # (N,)
+    total = 0.0
+    for start, end in _chunks(B * T, cfg.loss_chunk):
+        logits = linear_forward(rows[start:end], weights[HEAD])  # (n, V) one chunk, dropped at once
+        part, lse[start:end] = cross_entropy_forward(logits, ys[start:end], cfg.stat_dtype)  # scalar, (n,)
+        total = total + part
+        del logits
+    keep("lm_head.lse", lse.view(B, T))
+    return total / count
 
 
 def head_backward(weights, cfg, targets, store):
@@ -33,9 +66,29 @@ def head_backward(weights, cfg, targets, store):
     def take(name, rebuild=None):
         return store.pop(None, name, rebuild)
 
-    dlogits = cross_entropy_backward(1.0, take("lm_head.logits"), targets, cfg.stat_dtype)  # (B, T, V)
     x, rstd = take("final_norm.input"), take("final_norm.rstd")  # (B, T, h), (B, T, 1)
     xn = take("final_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, weights[FINAL_NORM]))  # (B, T, h)
-    dxn, d_head = linear_backward(dlogits, xn, weights[HEAD])  # (B, T, h), (V, h)
-    dx, d_norm = rmsnorm_backward(dxn, x, rstd, weights[FINAL_NORM])  # (B, T, h), (h,)
+    B, T, h = x.shape
+    rows, ys, W = xn.view(B * T, h), targets.reshape(B * T), weights[HEAD]  # (N, h), (N,), (V, h)
+    scale = 1.0 / (ys != IGNORE_INDEX).sum().to(cfg.stat_dtype)  # () d loss / d (sum of the token losses)
+    if cfg.loss_chunk == 0:
+        logits = take("lm_head.logits").view(B * T, -1)  # (N, V)
+        dlogits = cross_entropy_backward(scale, logits, ys, cfg.stat_dtype)  # (N, V)
+        del logits
+        dxn, d_head = linear_backward(dlogits, rows, W)  # (N, h), (V, h)
+        del dlogits
+    else:
+        lse = take("lm_head.lse").view(B * T)  # (N,)
+        dxn = torch.empty_like(rows)  # (N, h)
+        d_head = torch.zeros(W.shape, dtype=cfg.param_dtype, device=W.device)  # (V, h) summed over chunks
+        for start, end in _chunks(B * T, cfg.loss_chunk):
+            chunk = rows[start:end]  # (n, h)
+            logits = store.rebuild(None, "lm_head.logits", lambda: linear_forward(chunk, W))  # (n, V) again
+            dlogits = cross_entropy_backward(scale, logits, ys[start:end], cfg.stat_dtype, lse[start:end])  # (n, V)
+            del logits
+            dxn[start:end], d_chunk = linear_backward(dlogits, chunk, W)  # (n, h), (V, h)
+            del dlogits
+            d_head += d_chunk  # (V, h)
+            del d_chunk
+    dx, d_norm = rmsnorm_backward(dxn.view(B, T, h), x, rstd, weights[FINAL_NORM])  # (B, T, h), (h,)
     return dx, {HEAD: d_head, FINAL_NORM: d_norm}

@@ -14,8 +14,9 @@ hd head_dim, f ffn, e bytes per activation element, s bytes per statistic):
     attn.q               (B, H, T, hd)    BTh e
     attn.k               (B, KV, T, hd)   BT KV hd e
     attn.v               (B, KV, T, hd)   BT KV hd e
-    attn.probs           (B, H, T, T)     BHT^2 e      selective, cheap
-    attn.context         (B, T, h)        BTh e
+    attn.probs           (B, H, T, T)     BHT^2 e      selective, cheap   (eager attention only)
+    attn.lse             (B, H, T)        BHT s                           (tiled, fused: instead of probs)
+    attn.context         (B, T, h)        BTh e        (also the attention output tiled/fused read back)
     mlp_norm.input       (B, T, h)        BTh e        (the residual stream after attention)
     mlp_norm.rstd        (B, T, 1)        BT s
     mlp_norm.output      (B, T, h)        BTh e        cheap
@@ -23,16 +24,20 @@ hd head_dim, f ffn, e bytes per activation element, s bytes per statistic):
     mlp.up               (B, T, f)        BTf e
     mlp.act              (B, T, f)        BTf e        cheap
   with dropout p > 0, also:
-    attn.probs_mask      (B, H, T, T)     BHT^2        (bool)
-    attn.probs_dropped   (B, H, T, T)     BHT^2 e      selective, cheap
+    attn.probs_mask      (B, H, T, T)     BHT^2        (bool; eager)
+    attn.probs_dropped   (B, H, T, T)     BHT^2 e      selective, cheap (eager)
+    attn.dropout_seed    ()               8            (int64; tiled: every tile's mask comes from it)
     attn.dropout_mask    (B, T, h)        BTh          (bool)
     mlp.dropout_mask     (B, T, h)        BTh          (bool)
 
+The attention core (picockpt/attention.py) keeps what its kind (Config.attention) needs:
+eager the probabilities, tiled and fused one log-sum-exp per row, recomputing the probabilities
+tile by tile in the backward (FlashAttention: selective recomputation inside the op).
 picockpt/inventory.py computes the same table in closed form.
 """
-from .ops import (attention_backward, attention_forward, attention_probs, dropout_backward, dropout_forward,
-                  dropout_mask, linear_backward, linear_forward, rmsnorm_apply, rmsnorm_backward,
-                  rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
+from .attention import attention_core_backward, attention_core_forward, needs_output
+from .ops import (dropout_backward, dropout_forward, dropout_mask, linear_backward, linear_forward, rmsnorm_apply,
+                  rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
 from .params import LayerWeights
 
 
@@ -47,49 +52,27 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_ou
             store.put(i, name, tensor)
 
     B, T, h = x.shape
-    H, KV, hd, p, stat = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dropout, cfg.stat_dtype
-    cos, sin = rope  # (T, hd) each
-    # ---- attention block ----
+    p, stat = cfg.dropout, cfg.stat_dtype
+    # ---- attention block: h_mid = x + dropout(o_proj(attention(q, k, v))), q, k, v of rmsnorm(x) ----
     xn, rstd = rmsnorm_forward(x, w.attn_norm, cfg.norm_eps, stat)  # (B, T, h), (B, T, 1)
     keep("attn_norm.rstd", rstd)
     keep("attn_norm.output", xn)
-    q = rope_forward(linear_forward(xn, w.q).view(B, T, H, hd), cos, sin)  # (B, T, H, hd)
-    k = rope_forward(linear_forward(xn, w.k).view(B, T, KV, hd), cos, sin)  # (B, T, KV, hd)
-    v = linear_forward(xn, w.v).view(B, T, KV, hd)  # (B, T, KV, hd)
-    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, H, T, hd), (B, KV, T, hd) x2
-    keep("attn.q", q)
-    keep("attn.k", k)
-    keep("attn.v", v)
-    mask = dropout_mask((B, H, T, T), p, x.device) if p > 0 else None  # (B, H, T, T) bool
-    out, probs, dropped = attention_forward(q, k, v, stat, mask, p)  # (B, H, T, hd), (B, H, T, T) x2
-    keep("attn.probs", probs)
-    if mask is not None:
-        keep("attn.probs_mask", mask)
-        keep("attn.probs_dropped", dropped)
-    context = out.transpose(1, 2).reshape(B, T, h)  # (B, T, h) heads side by side again
-    keep("attn.context", context)
-    a = linear_forward(context, w.o)  # (B, T, h)
+    a = attention_block_forward(xn, w, cfg, rope, keep)  # (B, T, h)
     if p > 0:
         mask = dropout_mask((B, T, h), p, x.device)  # (B, T, h) bool
         keep("attn.dropout_mask", mask)
         a = dropout_forward(a, mask, p)  # (B, T, h)
     h_mid = x + a  # (B, T, h) residual stream after attention
     keep("mlp_norm.input", h_mid)
-    # ---- MLP block ----
+    # ---- MLP block: out = h_mid + dropout(down(silu(gate) * up)), gate, up of rmsnorm(h_mid) ----
     xn2, rstd2 = rmsnorm_forward(h_mid, w.mlp_norm, cfg.norm_eps, stat)  # (B, T, h), (B, T, 1)
     keep("mlp_norm.rstd", rstd2)
     keep("mlp_norm.output", xn2)
-    gate = linear_forward(xn2, w.gate)  # (B, T, f)
-    up = linear_forward(xn2, w.up)  # (B, T, f)
-    keep("mlp.gate", gate)
-    keep("mlp.up", up)
-    act = swiglu_forward(gate, up)  # (B, T, f)
-    keep("mlp.act", act)
+    m = mlp_block_forward(xn2, w, keep, project=need_output)  # (B, T, h), or None
     if not need_output:
         if p > 0:  # the same draw as below, so the RNG and the mask are as in the first forward
             keep("mlp.dropout_mask", dropout_mask((B, T, h), p, x.device))  # (B, T, h) bool
         return None
-    m = linear_forward(act, w.down)  # (B, T, h)
     if p > 0:
         mask = dropout_mask((B, T, h), p, x.device)  # (B, T, h) bool
         keep("mlp.dropout_mask", mask)
@@ -106,47 +89,75 @@ def layer_backward(dout, w, cfg, rope, store, i):
     def take(name, rebuild=None):
         return store.pop(i, name, rebuild)
 
-    B, T, h = dout.shape
-    H, KV, hd, p, stat = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dropout, cfg.stat_dtype
-    cos, sin = rope  # (T, hd) each
+    p = cfg.dropout
     # ---- MLP block: out = h_mid + dropout(down(silu(gate) * up)) ----
-    dm = dout if p == 0 else dropout_backward(dout, take("mlp.dropout_mask"), p)  # (B, T, h)
-    gate, up = take("mlp.gate"), take("mlp.up")  # (B, T, f) each
-    act = take("mlp.act", rebuild=lambda: swiglu_forward(gate, up))  # (B, T, f)
-    dact, d_down = linear_backward(dm, act, w.down)  # (B, T, f), (h, f)
-    del dm, act
-    dgate, dup = swiglu_backward(dact, gate, up)  # (B, T, f) each
-    del dact, gate, up
+    # the block's incoming gradient and its input come as one-line recipes, run where the block first
+    # needs them, so that it holds each only from its first use to its last
+    dm = lambda: dout if p == 0 else dropout_backward(dout, take("mlp.dropout_mask"), p)  # noqa: E731 (B, T, h)
     h_mid, rstd2 = take("mlp_norm.input"), take("mlp_norm.rstd")  # (B, T, h), (B, T, 1)
-    xn2 = take("mlp_norm.output", rebuild=lambda: rmsnorm_apply(h_mid, rstd2, w.mlp_norm))  # (B, T, h)
-    dxn2, d_gate = linear_backward(dgate, xn2, w.gate)  # (B, T, h), (f, h)
-    del dgate
-    dxn2_up, d_up = linear_backward(dup, xn2, w.up)  # (B, T, h), (f, h)
-    del dup, xn2
-    dxn2 += dxn2_up  # (B, T, h) xn2 feeds both projections: their gradients add
-    del dxn2_up
+    normed = lambda: take("mlp_norm.output", rebuild=lambda: rmsnorm_apply(h_mid, rstd2, w.mlp_norm))  # noqa: E731
+    dxn2, (d_gate, d_up, d_down) = mlp_block_backward(dm, normed, w, take)  # (B, T, h)
     dh, d_mlp_norm = rmsnorm_backward(dxn2, h_mid, rstd2, w.mlp_norm)  # (B, T, h), (h,)
     del dxn2, h_mid, rstd2
     dh += dout  # (B, T, h) both paths into h_mid: the norm and the residual
-    # ---- attention block: h_mid = x + dropout(o_proj(context)) ----
-    da = dh if p == 0 else dropout_backward(dh, take("attn.dropout_mask"), p)  # (B, T, h)
-    dcontext, d_o = linear_backward(da, take("attn.context"), w.o)  # (B, T, h), (h, h)
-    del da
+    # ---- attention block: h_mid = x + dropout(o_proj(attention(q, k, v))) ----
+    da = lambda: dh if p == 0 else dropout_backward(dh, take("attn.dropout_mask"), p)  # noqa: E731 (B, T, h)
+    x, rstd = take("input"), take("attn_norm.rstd")  # (B, T, h), (B, T, 1)
+    normed = lambda: take("attn_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, w.attn_norm))  # noqa: E731
+    dxn, (d_q, d_k, d_v, d_o) = attention_block_backward(da, normed, w, cfg, rope, take, store.recomputing)
+    dx, d_attn_norm = rmsnorm_backward(dxn, x, rstd, w.attn_norm)  # (B, T, h), (h,)
+    del dxn, x, rstd
+    dx += dh  # (B, T, h) the norm and the residual path into x
+    grads = LayerWeights(attn_norm=d_attn_norm, q=d_q, k=d_k, v=d_v, o=d_o,
+                         mlp_norm=d_mlp_norm, gate=d_gate, up=d_up, down=d_down)
+    return dx, grads
+
+
+# ---- the two blocks, between a norm and the residual add ------------------------------------------
+# Head counts come from the weights (H = rows of q_proj / head_dim), so the same blocks run on a
+# tensor-parallel rank's share of the heads and of the MLP (picockpt/parallel/).
+
+def attention_block_forward(xn, w, cfg, rope, keep):
+    """xn (B, T, h) the normed input -> o_proj(attention(rope(q), rope(k), v)) (B, T, h)."""
+    B, T, _ = xn.shape
+    hd = cfg.head_dim
+    H, KV = w.q.shape[0] // hd, w.k.shape[0] // hd  # query and key/value heads held here
+    cos, sin = rope  # (T, hd) each
+    q = rope_forward(linear_forward(xn, w.q).view(B, T, H, hd), cos, sin)  # (B, T, H, hd)
+    k = rope_forward(linear_forward(xn, w.k).view(B, T, KV, hd), cos, sin)  # (B, T, KV, hd)
+    v = linear_forward(xn, w.v).view(B, T, KV, hd)  # (B, T, KV, hd)
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, H, T, hd), (B, KV, T, hd) x2
+    keep("attn.q", q)
+    keep("attn.k", k)
+    keep("attn.v", v)
+    out = attention_core_forward(q, k, v, cfg, keep)  # (B, H, T, hd) keeps what its kind needs (attention.py)
+    context = out.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, h) heads side by side again (fused: a view)
+    del out
+    keep("attn.context", context)
+    return linear_forward(context, w.o)  # (B, T, h)
+
+
+def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing):
+    """grad() -> da (B, T, h), the gradient of the block's output; returns dxn (B, T, h) and (d_q, d_k,
+    d_v, d_o). normed() gives xn, the block's input, when the projections need it (the layer takes it
+    from the store, or rebuilds it)."""
+    hd = cfg.head_dim
+    H, KV = w.q.shape[0] // hd, w.k.shape[0] // hd
+    cos, sin = rope  # (T, hd) each
+    context = take("attn.context")  # (B, T, h)
+    B, T, _ = context.shape
+    dcontext, d_o = linear_backward(grad(), context, w.o)  # (B, T, h), (h, h)
+    out = context.view(B, T, H, hd).transpose(1, 2) if needs_output(cfg) else None  # (B, H, T, hd) a view
+    del context
     dout_heads = dcontext.view(B, T, H, hd).transpose(1, 2).contiguous()  # (B, H, T, hd)
     del dcontext
     q, k, v = take("attn.q"), take("attn.k"), take("attn.v")  # (B, H, T, hd), (B, KV, T, hd) x2
-    probs = take("attn.probs", rebuild=lambda: attention_probs(q, k, stat))  # (B, H, T, T)
-    mask, dropped = None, probs
-    if p > 0:
-        mask = take("attn.probs_mask")  # (B, H, T, T) bool
-        dropped = take("attn.probs_dropped", rebuild=lambda: dropout_forward(probs, mask, p))  # (B, H, T, T)
-    dq, dk, dv = attention_backward(dout_heads, q, k, v, probs, dropped, stat, mask, p)
-    del dout_heads, q, k, v, probs, dropped, mask
+    dq, dk, dv = attention_core_backward(dout_heads, q, k, v, out, cfg, take, recomputing)  # as q, k, v
+    del dout_heads, q, k, v, out
     dq = rope_backward(dq.transpose(1, 2), cos, sin).reshape(B, T, H * hd)  # (B, T, h)
     dk = rope_backward(dk.transpose(1, 2), cos, sin).reshape(B, T, KV * hd)  # (B, T, KV*hd)
     dv = dv.transpose(1, 2).reshape(B, T, KV * hd)  # (B, T, KV*hd)
-    x, rstd = take("input"), take("attn_norm.rstd")  # (B, T, h), (B, T, 1)
-    xn = take("attn_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, w.attn_norm))  # (B, T, h)
+    xn = normed()  # (B, T, h)
     dxn, d_q = linear_backward(dq, xn, w.q)  # (B, T, h), (h, h)
     del dq
     dxn_k, d_k = linear_backward(dk, xn, w.k)  # (B, T, h), (KV*hd, h)
@@ -156,10 +167,34 @@ def layer_backward(dout, w, cfg, rope, store, i):
     dxn_v, d_v = linear_backward(dv, xn, w.v)  # (B, T, h), (KV*hd, h)
     del dv, xn
     dxn += dxn_v  # (B, T, h)
-    del dxn_v
-    dx, d_attn_norm = rmsnorm_backward(dxn, x, rstd, w.attn_norm)  # (B, T, h), (h,)
-    del dxn, x, rstd
-    dx += dh  # (B, T, h) the norm and the residual path into x
-    grads = LayerWeights(attn_norm=d_attn_norm, q=d_q, k=d_k, v=d_v, o=d_o,
-                         mlp_norm=d_mlp_norm, gate=d_gate, up=d_up, down=d_down)
-    return dx, grads
+    return dxn, (d_q, d_k, d_v, d_o)
+
+
+def mlp_block_forward(xn2, w, keep, project=True):
+    """xn2 (B, T, h) the normed input -> down(silu(gate) * up) (B, T, h); project=False stops after the
+    product (the down projection's input, the last tensor the backward needs) and returns None."""
+    gate = linear_forward(xn2, w.gate)  # (B, T, f)
+    up = linear_forward(xn2, w.up)  # (B, T, f)
+    keep("mlp.gate", gate)
+    keep("mlp.up", up)
+    act = swiglu_forward(gate, up)  # (B, T, f)
+    keep("mlp.act", act)
+    return linear_forward(act, w.down) if project else None  # (B, T, h)
+
+
+def mlp_block_backward(grad, normed, w, take):
+    """grad() -> dm (B, T, h), the gradient of the block's output; returns dxn2 (B, T, h) and
+    (d_gate, d_up, d_down). normed() gives xn2 when the projections need it."""
+    gate, up = take("mlp.gate"), take("mlp.up")  # (B, T, f) each
+    act = take("mlp.act", rebuild=lambda: swiglu_forward(gate, up))  # (B, T, f)
+    dact, d_down = linear_backward(grad(), act, w.down)  # (B, T, f), (h, f)
+    del act
+    dgate, dup = swiglu_backward(dact, gate, up)  # (B, T, f) each
+    del dact, gate, up
+    xn2 = normed()  # (B, T, h)
+    dxn2, d_gate = linear_backward(dgate, xn2, w.gate)  # (B, T, h), (f, h)
+    del dgate
+    dxn2_up, d_up = linear_backward(dup, xn2, w.up)  # (B, T, h), (f, h)
+    del dup, xn2
+    dxn2 += dxn2_up  # (B, T, h) xn2 feeds both projections: their gradients add
+    return dxn2, (d_gate, d_up, d_down)

@@ -71,7 +71,7 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
     seconds = time_steps(lambda: train_step(params, optimizer, cfg, input_ids, targets, policy), device, repeats)
     row = {
         "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "batch": batch, "seq": seq,
-        "layers": cfg.layers, "hidden": cfg.hidden,
+        "layers": cfg.layers, "hidden": cfg.hidden, "attention": cfg.attention, "loss_chunk": cfg.loss_chunk,
         "peak_activation_bytes": tracker.peak_logical,
         "predicted_activation_bytes": predicted_peak_bytes(cfg, batch, seq, policy),
         "peak_live_bytes": tracker.peak_physical,

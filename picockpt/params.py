@@ -53,10 +53,24 @@ def init_params(cfg, seed=0, device="cpu"):
 
 
 def check_params(params, cfg):
-    """Every expected name with its shape; a clear error otherwise."""
-    for name, shape in param_shapes(cfg).items():
+    """Every expected name with its shape, and nothing else; a clear error otherwise."""
+    if not isinstance(params, dict):
+        raise ValueError(f"params must be a dict of name -> tensor (e.g. init_params(cfg) or a "
+                         f"LlamaForCausalLM state_dict()), got {type(params).__name__}")
+    expected = param_shapes(cfg)
+    extra = sorted(set(params) - set(expected))
+    if cfg.tie_embeddings and HEAD in extra and torch.equal(params[HEAD], params.get(EMBED, params[HEAD])):
+        extra.remove(HEAD)  # a tied model's state_dict lists the shared matrix under both names
+    if extra:
+        raise ValueError(f"params has {len(extra)} name(s) this Config has no use for, e.g. {extra[0]!r}: picockpt "
+                         f"refuses them rather than ignore them (a bias or an extra layer would change the model); "
+                         f"check the Config (layers, tie_embeddings) or remove them")
+    for name, shape in expected.items():
         if name not in params:
             raise ValueError(f"params is missing {name!r} (expected shape {shape}) for this Config")
+        if not isinstance(params[name], torch.Tensor) or not params[name].is_floating_point():
+            raise ValueError(f"params[{name!r}] must be a floating-point tensor, got "
+                             f"{getattr(params[name], 'dtype', type(params[name]).__name__)}")
         if tuple(params[name].shape) != shape:
             raise ValueError(f"params[{name!r}] has shape {tuple(params[name].shape)}, Config says {shape}")
 

@@ -7,15 +7,21 @@ Each peer is a run_layers(layers, x) function for ReferenceLlama.forward:
     sequential(n)   checkpoint_sequential in n segments; note that it does *not* checkpoint
                     the last segment, whose backward comes first         (~ picockpt "every:C")
     selective(T)    checkpoint with a selective policy (create_selective_checkpoint_contexts)
-                    that recomputes only the ops making a (T, T) tensor: q k^T, its scaling and
-                    masking, the softmax                                  (~ picockpt "selective")
+                    that recomputes only the attention core, the ops making the (B, H, T, T)
+                    scores: q k^T, its scaling and masking, the softmax, the dropout on it
+                                                                          (~ picockpt "selective")
                     Every other op is MUST_SAVE, and selective checkpointing caches the output
                     of every MUST_SAVE op, needed by the backward or not: more than autograd keeps.
     save_matmuls(T) the policy PyTorch's documentation shows: keep the matmul outputs, recompute
                     everything else (norms, RoPE, softmax, SiLU) and q k^T    (~ picockpt "cheap")
-"""
-import functools
 
+Which ops are the attention core is decided by where they run in reference.Attention, not by
+their sizes: a size test such as "the last two dims are (T, T)" also takes every (B, T, h)
+tensor when T = h (the norms, the residual adds) and every (B, H, T, hd) one when T = hd.
+Attention runs exactly two batched matmuls per layer, q k^T and then P v (the projections are
+2-D matmuls), and every op between them makes or reads the scores; so the core is the ops from
+the first batched matmul up to, not including, the second.
+"""
 import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
                                     create_selective_checkpoint_contexts)
@@ -37,18 +43,31 @@ def sequential(segments):
     return run
 
 
-def _makes_square(seq, op, args):
-    """Does this op output a (.., T, T) tensor? Decided from its inputs, before it runs."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if not tensors or tensors[0].dim() < 2:
-        return False
-    if op in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):  # (n, T, k) @ (n, k, T)
-        return tensors[0].shape[-2] == seq and tensors[1].shape[-1] == seq
-    return tuple(tensors[0].shape[-2:]) == (seq, seq)  # elementwise, softmax, casts of scores
+def _attention_core(seq):
+    """A fresh inside(ctx, op, args) for one checkpointed layer: is this op in the attention core?
+    Counted apart in the forward and in the backward's recomputation, which replays the same ops."""
+    batched_matmuls = {False: 0, True: 0}  # ctx.is_recompute -> aten.bmm calls seen so far
+
+    def inside(ctx, op, args):
+        if op == torch.ops.aten.bmm.default:
+            batched_matmuls[ctx.is_recompute] += 1
+            if batched_matmuls[ctx.is_recompute] % 2 == 1:  # q k^T: (n, T, hd) @ (n, hd, T)
+                query, keys = args[0], args[1]
+                if query.shape[-2] != seq or keys.shape[-1] != seq:
+                    raise ValueError(f"peers.selective / save_matmuls(seq={seq}): a layer's first batched matmul "
+                                     f"is {tuple(query.shape)} @ {tuple(keys.shape)}, not q k^T making (.., {seq}, "
+                                     f"{seq}) scores; build the peer with the sequence length it runs on")
+        return batched_matmuls[ctx.is_recompute] % 2 == 1  # from q k^T up to P v, which is outside
+    return inside
 
 
-def _checkpoint_each(policy):
-    context = functools.partial(create_selective_checkpoint_contexts, policy)
+def _checkpoint_each(decide, seq):
+    """Checkpoint every layer with the selective policy decide(in_core, op): each layer gets its own
+    count of batched matmuls (context_fn runs once per checkpoint call)."""
+    def context():
+        inside = _attention_core(seq)
+        return create_selective_checkpoint_contexts(
+            lambda ctx, op, *args, **kwargs: decide(inside(ctx, op, args), op))
 
     def run(layers, x):
         for layer in layers:
@@ -58,16 +77,15 @@ def _checkpoint_each(policy):
 
 
 def selective(seq):
-    def policy(ctx, op, *args, **kwargs):
-        square = _makes_square(seq, op, args)
-        return CheckpointPolicy.PREFER_RECOMPUTE if square else CheckpointPolicy.MUST_SAVE
-    return _checkpoint_each(policy)
+    def decide(in_core, op):
+        return CheckpointPolicy.PREFER_RECOMPUTE if in_core else CheckpointPolicy.MUST_SAVE
+    return _checkpoint_each(decide, seq)
 
 
 def save_matmuls(seq):
     matmuls = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
 
-    def policy(ctx, op, *args, **kwargs):
-        keep = op in matmuls and not _makes_square(seq, op, args)  # projections and P v; not q k^T
+    def decide(in_core, op):
+        keep = op in matmuls and not in_core  # the projections and P v; not q k^T
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-    return _checkpoint_each(policy)
+    return _checkpoint_each(decide, seq)

@@ -12,7 +12,10 @@ or "all:cheap" without the final norm's output). Stage k has
     variants        (mode, A_k^v, R_k^v): the ways of storing it whole, input included. "all"
                     keeps everything (R = 0); "all:selective" / "all:cheap" drop what the backward
                     can rebuild, and the rebuild of the attention probabilities costs one q k^T,
-                    R = 2*B*H*T^2*hd FLOPs, counted as recompute.
+                    R = 2*B*H*T^2*hd FLOPs, counted as recompute (under tiled or fused attention
+                    there are no probabilities to drop: selective changes nothing and costs nothing).
+    inner_flops     what its backward recomputes inside an op whatever the schedule: tiled attention's
+                    q k^T, a chunked head's logits. A constant of every plan, added by replay().
 
 The recurrence. C(s, t, m) is the least recompute that runs the backward of stages t, t-1, .., s
 when x_s is stored (or is the state in hand, about to be), nothing of s+1..t is stored, and
@@ -58,7 +61,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inventory import head_inventory, layer_flops, layer_inventory, total
+from .inventory import head_inventory, inner_recompute_flops, layer_flops, layer_inventory, total
 from .policy import OP_LEVEL, Schedule
 
 
@@ -68,6 +71,7 @@ class Stage:
     input_bytes: int
     variants: tuple          # ((mode, bytes stored whole incl. the input, rebuild FLOPs), ...)
     tail_flops: int = 0      # what a sweep ending at this stage skips (its output is not needed)
+    inner_flops: int = 0     # recomputed inside its backward whatever the schedule (tiled attention, chunked logits)
 
 
 @dataclass(frozen=True)
@@ -87,17 +91,22 @@ def model_chain(cfg, batch, seq, drop=frozenset()):
     may drop more than `drop` (the policy's op level), never less."""
     drop = frozenset(drop)
     scores = layer_flops(cfg, batch, seq)["scores"]  # the q k^T a dropped attn.probs is rebuilt with
+    stored = layer_inventory(cfg, batch, seq)  # under tiled/fused there are no probabilities to drop
     levels = [("all", drop)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > drop]
-    variants = tuple((mode, total(layer_inventory(cfg, batch, seq, names)),
-                      scores if "attn.probs" in names else 0) for mode, names in levels)
+    variants = {}  # (bytes, rebuild FLOPs) -> the first mode that gives them
+    for mode, names in levels:
+        rebuild = scores if "attn.probs" in names and "attn.probs" in stored else 0
+        variants.setdefault((total(layer_inventory(cfg, batch, seq, names)), rebuild), mode)
     down = 2 * batch * seq * cfg.ffn * cfg.hidden  # the down projection: a sweep's last layer skips it
-    layer = Stage(sum(layer_flops(cfg, batch, seq).values()), layer_inventory(cfg, batch, seq)["input"][2],
-                  variants, tail_flops=down)
+    inner_layer, inner_head = inner_recompute_flops(cfg, batch, seq)
+    layer = Stage(sum(layer_flops(cfg, batch, seq).values()), stored["input"][2],
+                  tuple((mode, a, r) for (a, r), mode in variants.items()), tail_flops=down, inner_flops=inner_layer)
     head_variants = {}  # bytes -> mode: only the op levels that change what the head keeps
     for mode, names in levels:
         head_variants.setdefault(total(head_inventory(cfg, batch, seq, names)), mode)
     head = Stage(0, head_inventory(cfg, batch, seq)["final_norm.input"][2],
-                 tuple((mode, nbytes, 0) for nbytes, mode in head_variants.items()))  # rebuilds are elementwise
+                 tuple((mode, nbytes, 0) for nbytes, mode in head_variants.items()),  # rebuilds are elementwise
+                 inner_flops=inner_head)
     return (layer,) * cfg.layers + (head,)
 
 
@@ -303,6 +312,7 @@ def replay(chain, schedule):
     run_layers(0, L - 1, lambda k: schedule.forward[k], counted=False)
     head = next(a for mode, a, _ in chain[L].variants if mode == schedule.head)
     peak = max(peak, live + head)  # the head, popped again before layer L-1
+    recompute += chain[L].inner_flops
     for i in reversed(range(L)):
         if i not in whole:
             j = max(k for k in inputs if k <= i)  # the nearest checkpoint
@@ -310,6 +320,6 @@ def replay(chain, schedule):
         a, r = whole.pop(i)
         inputs.discard(i)
         live -= a
-        recompute += r
+        recompute += r + chain[i].inner_flops
     assert live == 0 and not inputs, "the schedule leaves tensors stored"
     return peak, recompute

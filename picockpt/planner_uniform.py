@@ -32,6 +32,9 @@ The same recurrence, with the bytes of each layer in place of one slot, is picoc
 planner (picockpt/planner.py).
 
     plan = plan_uniform(10, 3)        # plan.forward_steps == 15, plan.actions: what to do, in order
+
+The table costs about length^2 x slots operations (slots beyond length change nothing): past
+MAX_WORK, about a second, plan_uniform refuses and gives the closed form's count instead.
 """
 import functools
 import math
@@ -78,35 +81,41 @@ class UniformPlan:
 def plan_uniform(length, slots):
     """The optimal schedule for the uniform chain of `length` steps with `slots` slots."""
     _check(length, slots)
-    P = forward_steps_table(length, slots)
+    _check_size(length, slots)
+    P = forward_steps_table(length, min(slots, length))  # more slots than steps: the extra ones stay empty
     actions = [{"action": "store", "state": 0, "slot": 1}]
+    _unroll(P, length, min(slots, length), actions)
+    return UniformPlan(length, slots, int(P[length, min(slots, length)]), tuple(actions))
+
+
+def _unroll(P, length, slots, actions):
+    """Append the actions that reverse steps 0..length-1 from the stored x0, in the order they run.
+    Each task (first, n, m, in_hand) reverses steps first..first+n-1 from the stored x_first with m
+    slots; a stack of tasks, not recursion, so that long chains do not exhaust Python's stack."""
     used = {0: 1}  # state -> slot number
-    _unroll(P, 0, length, slots, actions, used, in_hand=0)
-    return UniformPlan(length, slots, int(P[length, slots]), tuple(actions))
-
-
-def _unroll(P, first, n, m, actions, used, in_hand):
-    """Actions that reverse steps first..first+n-1 from the stored x_first; returns the state in hand."""
-    if n == 1:
+    tasks = [(0, length, slots, 0)]  # the last one runs next
+    while tasks:
+        first, n, m, in_hand = tasks.pop()
         if in_hand != first:
             actions.append({"action": "restore", "state": first, "slot": used[first]})
-        actions.append({"action": "reverse", "step": first})
-        slot = used.pop(first, None)
-        if slot is not None:
-            actions[-1]["frees_slot"] = slot
-        return None
-    k = min(range(1, n), key=lambda k: k + (0 if n - k == 1 else P[n - k, m - 1] if m > 1 else np.inf) + P[k, m])
-    if in_hand != first:
-        actions.append({"action": "restore", "state": first, "slot": used[first]})
-    actions.append({"action": "advance", "from": first, "to": first + k})
-    if n - k == 1:  # the last step: reversed straight from the state in hand
-        actions.append({"action": "reverse", "step": first + k})
-    else:
-        slot = min(set(range(1, len(used) + 2)) - set(used.values()))
-        used[first + k] = slot
-        actions.append({"action": "store", "state": first + k, "slot": slot})
-        _unroll(P, first + k, n - k, m - 1, actions, used, in_hand=first + k)
-    return _unroll(P, first, k, m, actions, used, in_hand=None)
+        if n == 1:
+            actions.append({"action": "reverse", "step": first})
+            slot = used.pop(first, None)
+            if slot is not None:
+                actions[-1]["frees_slot"] = slot
+            continue
+        k = np.arange(1, n)  # (n-1,) the choices, as in forward_steps_table
+        upper = P[n - k, m - 1] if m > 1 else np.full(n - 1, np.inf)  # (n-1,)
+        k = int(np.argmin(k + np.where(n - k == 1, 0.0, upper) + P[k, m])) + 1  # the first cheapest
+        actions.append({"action": "advance", "from": first, "to": first + k})
+        tasks.append((first, k, m, None))  # then the lower k steps, from x_first again
+        if n - k == 1:  # the last step: reversed straight from the state in hand
+            actions.append({"action": "reverse", "step": first + k})
+        else:  # first the upper n - k steps, from x_{first+k} stored in a free slot
+            slot = min(set(range(1, len(used) + 2)) - set(used.values()))
+            used[first + k] = slot
+            actions.append({"action": "store", "state": first + k, "slot": slot})
+            tasks.append((first + k, n - k, m - 1, first + k))
 
 
 def describe(action):
@@ -120,6 +129,22 @@ def describe(action):
         return f"advance x{first} -> x{last} ({last - first} forward step{'s' if last - first > 1 else ''})"
     freed = f", slot {action['frees_slot']} is free" if "frees_slot" in action else ""
     return f"reverse step {action['step']} (record its forward from x{action['step']}, then backward){freed}"
+
+
+MAX_WORK = 4 * 10**8  # length**2 * slots: about a second to plan on one CPU core
+
+
+def _check_size(length, slots):
+    """The table has (length + 1) x (slots + 1) entries and each costs up to `length` operations:
+    refuse, with the closed form's answer, a chain that would take minutes to plan."""
+    work = length**2 * min(slots, length)
+    if work > MAX_WORK:
+        steps, t = binomial_forward_steps(length, slots)
+        raise ValueError(f"length={length}, slots={slots}: the optimal schedule comes from a table of every "
+                         f"sub-chain and slot count, length^2 x slots = {work:.2g} operations, and planning stops at "
+                         f"{MAX_WORK:.0e} (about a second; this one would take {work / MAX_WORK:.0f}x longer). "
+                         f"Use a shorter chain or fewer slots; the least number of forward steps, from the closed "
+                         f"form alone, is {steps:,} (t = {t})")
 
 
 def _check(length, slots):

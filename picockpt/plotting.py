@@ -2,8 +2,13 @@
 
 Figures land in figures/ at the top of the repository, or in $PICOCKPT_FIGURES when it is
 set (the tests point it at a temporary folder so that the committed PNGs stay untouched).
+A --fast run makes small, quick figures: they go to out/figures/ (ignored by git) instead,
+so they never replace the committed full-size ones; $PICOCKPT_FIGURES still wins.
+A figure is written to a temporary file beside its final name and then renamed over it, so
+an interrupted run leaves the previous PNG whole, never a truncated one.
 
     path = save_figure(fig, "01_anatomy_of_a_step")    # figures/01_anatomy_of_a_step.png
+    path = save_figure(fig, "01_anatomy_of_a_step", fast=True)   # out/figures/01_anatomy_of_a_step.png
     shade_phases(ax, tracker.timeline)                  # forward / recompute / backward / optimizer
     ax.plot(x, mib(bytes_list), color=policy_color("full"))
 
@@ -11,8 +16,10 @@ One colour per phase and one per policy, so that every figure reads the same way
 """
 import os
 import pathlib
+import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+FAST_FIGURES = REPO / "out" / "figures"  # where --fast runs write (out/ is in .gitignore)
 
 PHASE_COLORS = {"forward": "#4C72B0", "recompute": "#DD8452", "backward": "#55A868", "optimizer": "#8172B3"}
 
@@ -20,17 +27,46 @@ _POLICY_COLORS = {"none": "#333333", "selective": "#4C72B0", "cheap": "#64B5CD",
                   "every": "#DD8452", "budget": "#8172B3"}
 
 
-def figures_dir():
-    folder = pathlib.Path(os.environ.get("PICOCKPT_FIGURES", REPO / "figures"))
-    folder.mkdir(parents=True, exist_ok=True)
+def figures_dir(fast=False):
+    """$PICOCKPT_FIGURES if set, else out/figures/ for a fast run, else figures/ (created if missing)."""
+    folder = pathlib.Path(os.environ.get("PICOCKPT_FIGURES") or (FAST_FIGURES if fast else REPO / "figures"))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(_unwritable(folder, error)) from None
     return folder
 
 
-def save_figure(fig, name):
+def check_writable(folder):
+    """Raise ValueError, naming the folder and the reason, unless a file can be created in it."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(_unwritable(folder, error)) from None
+    return folder
+
+
+def _unwritable(folder, error):
+    where = "$PICOCKPT_FIGURES" if os.environ.get("PICOCKPT_FIGURES") else "the figures folder"
+    return (f"{where} {str(folder)!r} cannot be written ({error.strerror or error}): "
+            f"point $PICOCKPT_FIGURES at a folder you can write to")
+
+
+def save_figure(fig, name, fast=False):
     """Save a matplotlib figure as <figures>/<name>.png and return the path. The figure stays
-    open (a notebook still shows it); `reproduce` closes every figure after each lesson."""
-    path = figures_dir() / f"{name}.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    open (a notebook still shows it); `reproduce` closes every figure after each lesson.
+    Written to a temporary file in the same folder, then renamed over <name>.png in one step
+    (os.replace): whoever reads the PNG, even after an interrupt, finds a whole file."""
+    folder = figures_dir(fast)
+    path = folder / f"{name}.png"
+    temporary = folder / f".{name}.png.{os.getpid()}.partial"  # one per process: concurrent runs do not collide
+    try:
+        fig.savefig(temporary, format="png", dpi=120, bbox_inches="tight")
+        os.replace(temporary, path)
+    except BaseException:  # an error or an interrupt: the old figure stays, the partial file goes
+        temporary.unlink(missing_ok=True)
+        raise
     return path
 
 

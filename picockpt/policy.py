@@ -8,8 +8,11 @@ Layer level (at most one):
     budget:SIZE   the cheapest schedule whose stored bytes fit SIZE (e.g. 48MiB, 1.5GiB, 1000000),
                   planned by picockpt/planner.py
 Op level (inside every layer that is kept; at most one):
-    selective     drop the attention probabilities (the T x T tensors); rebuild them from q, k
+    selective     drop the attention probabilities (the T x T tensors); rebuild them from q, k.
+                  Under tiled or fused attention (Config.attention) nothing is left to drop: those
+                  never store the probabilities, they recompute them inside the op
     cheap         selective, and also the tensors rebuilt elementwise: norm outputs, the SwiGLU product
+                  (with tiled or fused attention, those alone)
 Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective.
 
 A layer is forwarded in one of three modes:
@@ -79,10 +82,12 @@ def parse_size(text):
     unit = match.group(2).lower() if match else None
     if not match or unit not in UNITS:
         raise ValueError(f"size {text!r} is not understood: write a number with an optional unit "
-                         f"(B, KB, MB, GB, KiB, MiB, GiB), e.g. 48MiB or 1.5GiB")
+                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 48MiB or 1.5GiB")
     value = float(match.group(1)) * UNITS[unit]
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
+    if not value < 2**63:  # also inf, from e.g. 1e999
+        raise ValueError(f"size {text!r} is too large to be a number of bytes (the limit is 2**63): give e.g. 1.5GiB or 2TiB")
     return int(value)
 
 

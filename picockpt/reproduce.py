@@ -13,22 +13,28 @@ the order of their names, so a new one is picked up by its file name alone.
     and device, so --fast and --device do not change them.
 
 Each lesson's own output is captured (shown with verbose=True, or when it fails); one line of
-progress per lesson, then the table of every summary.
+progress per lesson, then the table of every summary. A --fast run writes its figures to
+out/figures/ (plotting.FAST_FIGURES), never over the committed ones, unless $PICOCKPT_FIGURES
+says where. Ctrl-C stops the whole run (KeyboardInterrupt; the command exits with 130): in a
+notebook it interrupts the running cell, as Jupyter's stop button does.
 """
 import ast
+import asyncio
 import contextlib
 import importlib.util
 import io
 import json
+import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
 import traceback
 
 from .device import resolve_device
-from .plotting import REPO, figures_dir
+from .plotting import FAST_FIGURES, REPO, check_writable, figures_dir
 
 LESSONS = REPO / "lessons"
 
@@ -36,9 +42,9 @@ LESSONS = REPO / "lessons"
 CELL_TIMEOUT_S = 600  # a notebook cell that runs longer than this is stuck
 
 
-def discover(folder=LESSONS, kinds=(".py", ".ipynb")):
+def discover(folder=None, kinds=(".py", ".ipynb")):
     """The lessons, in reading order: lessons/[0-9][0-9]_*.py and *.ipynb, sorted by name."""
-    return sorted(path for path in pathlib.Path(folder).glob("[0-9][0-9]_*") if path.suffix in kinds)
+    return sorted(path for path in pathlib.Path(folder or LESSONS).glob("[0-9][0-9]_*") if path.suffix in kinds)
 
 
 def title(path):
@@ -60,14 +66,55 @@ def notebook_figures(path):
 
 
 def run_notebook(path, cell_timeout=CELL_TIMEOUT_S):
-    """Execute a notebook in lessons/ (not saved back); returns (figures it claims, code cells run)."""
+    """Execute a notebook in lessons/ (not saved back); returns (figures it claims, code cells run).
+    Ctrl-C raises KeyboardInterrupt here, once the running cell has stopped and the kernel is shut down."""
     import nbformat
-    from nbclient import NotebookClient
     notebook = nbformat.read(str(path), as_version=4)
-    client = NotebookClient(notebook, timeout=cell_timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(pathlib.Path(path).parent)}})
-    client.execute(stderr=subprocess.DEVNULL)  # the kernel's log lines; cell errors still raise here
+    client = _client_class()(notebook, timeout=cell_timeout, kernel_name="python3",
+                             resources={"metadata": {"path": str(pathlib.Path(path).parent)}})
+    try:
+        client.execute(stderr=subprocess.DEVNULL)  # the kernel's log lines; cell errors still raise here
+    except Exception as error:  # a cell's error arrives as CellExecutionError, with the kernel's ename
+        if client.interrupted or getattr(error, "ename", None) == "KeyboardInterrupt":
+            raise KeyboardInterrupt from None
+        raise
+    if client.interrupted:  # Ctrl-C while the last cell was finishing
+        raise KeyboardInterrupt
     return notebook_figures(path), sum(1 for cell in notebook.cells if cell.cell_type == "code")
+
+
+class _Interrupted(Exception):
+    """Raised inside nbclient to stop before the next cell; run_notebook turns it into KeyboardInterrupt."""
+
+
+def _client_class():
+    """nbclient's NotebookClient, with Ctrl-C handled as in Jupyter. nbclient's own SIGINT handler
+    shuts the kernel down under the running cell, and execute() then fails with an unrelated error
+    (an AssertionError in its clean-up), which a caller cannot tell from a broken notebook."""
+    from nbclient import NotebookClient
+    from nbclient.util import ensure_async
+
+    class InterruptibleClient(NotebookClient):
+        interrupted = False
+
+        async def async_start_new_kernel(self, **kwargs):
+            with contextlib.suppress(RuntimeError, NotImplementedError):  # not the main thread; no signals
+                asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._on_interrupt)  # replaces nbclient's
+            await super().async_start_new_kernel(**kwargs)
+
+        def _on_interrupt(self):
+            if self.interrupted:  # a second Ctrl-C: stop waiting for the kernel at once
+                raise KeyboardInterrupt
+            self.interrupted = True
+            if self.km is not None and self.km.has_kernel:  # the running cell raises KeyboardInterrupt
+                asyncio.ensure_future(ensure_async(self.km.interrupt_kernel()))
+
+        async def async_execute_cell(self, cell, *args, **kwargs):
+            if self.interrupted:  # between cells: run no further
+                raise _Interrupted
+            return await super().async_execute_cell(cell, *args, **kwargs)
+
+    return InterruptibleClient
 
 
 def load(path):
@@ -141,21 +188,42 @@ def reproduce(device="auto", fast=False, only=None, threads=None, verbose=False,
         (["--threads", str(threads)] if threads is not None else [])
     count = threads or 1  # the lessons' default on the CPU
     where = f"cpu, {count} thread{'s' if count > 1 else ''}" if device.type == "cpu" else str(device)
-    log(f"reproducing {len(paths)} lesson(s) on {where}{', fast shapes' if fast else ''}; "
-        f"figures go to {figures_dir()}")
-    results, start = [], time.perf_counter()
-    for index, path in enumerate(paths, 1):
-        log(f"[{index}/{len(paths)}] {path.name} ...")
-        result = run_lesson(path, argv, verbose)
-        status = "FAILED: " + result["error"] if result["error"] else f"{len(result['figures'])} figure(s)"
-        log(f"[{index}/{len(paths)}] {path.name}  {result['seconds']:.1f} s  {status}")
-        results.append(result)
+    with _fast_figures(fast):
+        folder = check_writable(figures_dir())  # once, before any lesson has run
+        log(f"reproducing {len(paths)} lesson(s) on {where}{', fast shapes' if fast else ''}; figures go to {folder}"
+            + (" (fast figures never replace the committed ones in figures/)" if fast else ""))
+        results, start = [], time.perf_counter()
+        for index, path in enumerate(paths, 1):
+            log(f"[{index}/{len(paths)}] {path.name} ...")
+            try:
+                result = run_lesson(path, argv, verbose)
+            except KeyboardInterrupt:
+                log(f"[{index}/{len(paths)}] {path.name}  interrupted; "
+                    f"{index - 1} of {len(paths)} lessons had finished")
+                raise
+            status = "FAILED: " + result["error"] if result["error"] else f"{len(result['figures'])} figure(s)"
+            log(f"[{index}/{len(paths)}] {path.name}  {result['seconds']:.1f} s  {status}")
+            results.append(result)
     log("")
     log(results_table(results))
     failed = sum(1 for r in results if r["error"])
     log(f"\n{len(results) - failed} of {len(results)} lessons done in {time.perf_counter() - start:.1f} s"
         + (f"; {failed} failed" if failed else ""))
     return results
+
+
+@contextlib.contextmanager
+def _fast_figures(fast):
+    """During a fast run, $PICOCKPT_FIGURES = out/figures/ unless it is set: the scripts run here and
+    the notebooks' kernels (which inherit the environment) then all write there."""
+    if not fast or os.environ.get("PICOCKPT_FIGURES"):
+        yield
+        return
+    os.environ["PICOCKPT_FIGURES"] = str(FAST_FIGURES)
+    try:
+        yield
+    finally:
+        del os.environ["PICOCKPT_FIGURES"]
 
 
 def results_table(results):

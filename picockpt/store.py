@@ -9,6 +9,7 @@ unique storages it holds (two views of one storage count once), and it records
 every put, get, pop and rebuild as an event. Listeners (the tracker) receive
 each event; the store itself holds tensors only while they are stored.
 """
+import contextlib
 from collections import namedtuple
 
 Event = namedtuple("Event", "kind layer name bytes live_bytes")  # no tensor inside: safe to keep
@@ -73,6 +74,11 @@ class ActivationStore:
                 tensor = recipe()
         self._event("rebuild", layer, name, tensor.nbytes)
         return tensor
+
+    def recomputing(self):
+        """A context for recomputation done inside an op (a tiled attention's tiles, a chunk of
+        logits): the listener counts it in the "recompute" phase."""
+        return contextlib.nullcontext() if self.listener is None else self.listener.phase("recompute")
 
     # -- questions -----------------------------------------------------------
     def has(self, layer, name):

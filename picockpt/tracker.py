@@ -7,8 +7,10 @@ physical  the bytes of every tensor storage created during the step and still al
           outputs through a TorchDispatchMode and a weakref.finalize on each new storage,
           so the micro-spikes of recomputation show. Storages marked "weights",
           "gradients" or "optimizer" are kept out of the physical activation count.
-cuda      on a CUDA device also torch.cuda.memory_allocated() at every store event and
-          max_memory_allocated() per phase, both relative to the start of the step.
+cuda      on a CUDA device max_memory_allocated() per phase, relative to the start of the step;
+          with cuda_timeline=True also torch.cuda.memory_allocated() at every store event (each
+          query costs about 0.2 ms, twice a small step's GPU time, so it is off unless a
+          timeline against the allocator is wanted: lesson 01's figure, the GPU benchmark).
 
 Phases: forward, recompute, backward, optimizer. FLOPs per phase come from
 torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each).
@@ -16,6 +18,7 @@ torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each).
     with Tracker(device) as tracker:
         loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
     tracker.peaks["backward"]["physical"], tracker.flops["recompute"], tracker.timeline
+    Tracker(device, cuda_timeline=True)   # timeline entries also carry "cuda": memory_allocated()
 
 The tracker holds no tensors: only integers, strings and weak references. Measure the memory
 of nn.Module code with flops=False: FlopCounterMode hooks every module's outputs, and under
@@ -53,10 +56,11 @@ class _StorageWatcher(TorchDispatchMode):
 
 
 class Tracker:
-    def __init__(self, device="cpu", physical=True, flops=True):
+    def __init__(self, device="cpu", physical=True, flops=True, cuda_timeline=False):
         self.device = torch.device(device)
         self.physical, self.count_flops = physical, flops
         self.cuda = self.device.type == "cuda"
+        self.cuda_timeline = self.cuda and cuda_timeline  # memory_allocated() at every store event
         self.log = []            # raw records, replayed into timeline/peaks on exit
         self.sizes = {}          # storage id (ours) -> bytes
         self.categories = {}     # storage id -> excluded category
@@ -101,7 +105,7 @@ class Tracker:
 
     # -- what the engine and store report -------------------------------------
     def on_event(self, event):
-        cuda = torch.cuda.memory_allocated(self.device) - self.cuda_base if self.cuda else None
+        cuda = torch.cuda.memory_allocated(self.device) - self.cuda_base if self.cuda_timeline else None
         label = f"{event.kind} {event.name}" if event.layer is None else f"{event.kind} {event.layer}:{event.name}"
         self.log.append(("event", label, event.live_bytes, cuda))
 

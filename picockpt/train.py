@@ -63,9 +63,14 @@ def train_step(params, optimizer, cfg, input_ids, targets, policy="none", tracke
     return loss.item()
 
 
-def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="cpu", log=print, every=1):
-    """Runs `steps` steps; logs loss, tokens/s and the peak of stored activation bytes."""
+def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="cpu", log=print, every=1, seed=None):
+    """Runs `steps` steps; logs loss, tokens/s and the peak of stored activation bytes.
+    With a seed, the dropout masks are drawn from it: the same seed gives the same losses, bitwise."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every={every!r}: log every N steps with N a whole number >= 1 (1 logs every step)")
     optimizer = make_optimizer(params, lr)
+    if seed is not None:
+        torch.manual_seed(seed)  # torch's default generators (CPU and every GPU), which draw the dropout masks
     losses = []
     for step in range(steps):
         input_ids, targets = task.batch(batch, seq, device)

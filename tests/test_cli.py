@@ -63,3 +63,28 @@ def test_compare_memory_against_pytorch():
     # the same recomputation as torch's: one extra forward of every layer (torch stops early, see lesson 07)
     assert rows["picockpt full"]["recompute_flops"] == rows["bridge full"]["recompute_flops"]
     assert rows["torch checkpoint per layer"]["recompute_flops"] < rows["picockpt full"]["recompute_flops"]
+
+
+@pytest.mark.parametrize("command,phrases", [
+    ("train", ["--log-every", "print every N steps, and the last", "seed for weights, data and dropout"]),
+    ("measure", ["median reported (default 3, at least 1)"]),
+    ("compare", ["interleaved timed repeats (default 7, at least 1)"]),
+    ("plan", ["an error with --chain uniform or --benchmark", "l^2 x s up to 4e8", "refused, with the numbers"]),
+    ("predict", ["none (default), selective or full (any case)", "sequence parallelism; needs --tp t > 1"]),
+    ("reproduce", ["Figures go to out/figures/ (or $PICOCKPT_FIGURES), never over the committed ones"]),
+])
+def test_help_explains_the_flags(command, phrases):
+    out = picockpt(command, "--help")
+    text = " ".join(out.stdout.split())  # argparse wraps lines
+    for phrase in phrases:
+        assert phrase in text, (command, phrase)
+
+
+def test_compare_json_is_json_alone_and_its_losses_follow_the_seed():
+    args = ("compare", "--preset", "tiny", "--seq", "8", "--dropout", "0.1", "--repeats", "1", "--device", "cpu",
+            "--json", "--seed")
+    first, second = (picockpt(*args, "2") for _ in range(2))
+    rows = json.loads(first.stdout)  # progress lines go to stderr
+    assert "comparing on cpu" in first.stderr
+    assert [row["loss"] for row in rows] == [row["loss"] for row in json.loads(second.stdout)]
+    assert {round(row["loss"], 5) for row in rows} == {round(rows[0]["loss"], 5)}  # every run, the same masks

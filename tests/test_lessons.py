@@ -120,6 +120,15 @@ def test_anatomy_peak_is_the_exact_formula(policy):
     assert len(recomputes) == (cfg.layers if policy == "full" else 0)  # one micro-spike per layer
 
 
+def test_lesson_01_legend_names_every_phase(figures):
+    result = lesson("01").main(["--fast", "--device", "cpu"])
+    assert result["figures"] == [str(figures / "01_anatomy_of_a_step.png")]
+    top = plt.gcf().axes[0]  # the legend sits in the first panel (none), which has no recompute phase itself
+    labels = [text.get_text() for text in top.get_legend().get_texts()]
+    assert {"forward", "recompute", "backward", "optimizer"} <= set(labels), labels
+    assert len(labels) == len(set(labels)) == 7  # four phases and three curves, each once
+
+
 @pytest.mark.parametrize("layers,hidden,ffn,seq", [(32, 32, 64, 16), (64, 32, 32, 8)])
 def test_u_curve_minimum_is_where_the_formula_puts_it(layers, hidden, ffn, seq):
     segments = lesson("02")

@@ -94,9 +94,17 @@ def test_attention(heads, kv_heads, p):
         assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_cross_entropy():
-    z, t = rand(2, 5, 11), torch.randint(0, 11, (2, 5))
-    loss = ops.cross_entropy_forward(z, t, D)
-    assert_close(loss, torch.nn.functional.cross_entropy(z.flatten(0, 1), t.flatten()))
-    (ez,) = autograd_grads(lambda z: ops.cross_entropy_forward(z, t, D), [z], torch.tensor(1.0, dtype=D))
-    assert_close(ops.cross_entropy_backward(1.0, z, t, D), ez, rtol=1e-12, atol=1e-14)
+def test_cross_entropy_with_ignored_targets():
+    z, t = rand(10, 11), torch.randint(0, 11, (10,))
+    t[[2, 7]] = -100  # ignored, as in torch and transformers: out of the sum and of the count
+    count = 8
+
+    def mean_loss(z):
+        return ops.cross_entropy_forward(z, t, D)[0] / count
+
+    assert_close(mean_loss(z), torch.nn.functional.cross_entropy(z, t), rtol=1e-12, atol=1e-14)
+    (ez,) = autograd_grads(mean_loss, [z], torch.tensor(1.0, dtype=D))
+    assert_close(ops.cross_entropy_backward(1.0 / count, z, t, D), ez, rtol=1e-12, atol=1e-14)
+    logz = ops.cross_entropy_forward(z, t, D)[1]  # what a chunked head keeps instead of the logits
+    assert_close(ops.cross_entropy_backward(1.0 / count, z, t, D, logz), ez, rtol=1e-12, atol=1e-14)
+    assert ez[[2, 7]].abs().max() == 0

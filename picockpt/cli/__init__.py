@@ -5,6 +5,7 @@ command asked for is imported.
 """
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {  # name -> one-line help; the module picockpt/cli/<name>.py does the work
@@ -47,3 +48,9 @@ def main(argv=None):
     except ValueError as error:  # a user mistake: say what and how to fix it, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: stop here, and say so; 130 = 128 + SIGINT, as shells report it
+        print(f"interrupted: python -m picockpt {name} stopped before it finished", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as shell tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141  # 128 + SIGPIPE

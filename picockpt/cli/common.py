@@ -1,5 +1,5 @@
 """What every command shares: the shape flags, the device flag, numbers with units."""
-from ..config import DTYPES, PRESETS, Config
+from ..config import ATTENTIONS, DTYPES, PRESETS, Config
 from ..device import resolve_device
 
 
@@ -17,6 +17,14 @@ def add_shape_args(parser, preset="small", batch=4, seq=128):
     group.add_argument("--dropout", type=float, help="dropout on attention probabilities and residual branches")
     group.add_argument("--dtype", choices=sorted(set(DTYPES)),
                        help="activation dtype; bf16/fp16 keep fp32 master weights (default fp32)")
+    group.add_argument("--attention", choices=ATTENTIONS,
+                       help="eager: materialise the T x T probabilities (default); tiled: FlashAttention-2 written "
+                            "out in PyTorch (stores one log-sum-exp per row, recomputes the probabilities tile by "
+                            "tile); fused: torch's own flash kernels. Under tiled/fused `selective` drops nothing.")
+    group.add_argument("--attention-tile", type=int, help="tiled: query/key rows per tile (default 128)")
+    group.add_argument("--loss-chunk", type=int,
+                       help="tokens per chunk of the LM head and loss; each chunk's logits are recomputed in the "
+                            "backward, so the (B*T, V) logits never exist whole (default 0: no chunking)")
     group.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
     group.add_argument("--batch", type=int, default=batch, help=f"sequences per batch (default {batch})")
     return group
@@ -29,7 +37,8 @@ def add_run_args(parser):
 
 def config_from_args(args):
     overrides = {name: getattr(args, name) for name in
-                 ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype")
+                 ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype",
+                  "attention", "attention_tile", "loss_chunk")
                  if getattr(args, name, None) is not None}
     cfg = Config.from_preset(args.preset, **overrides)
     if args.seq > cfg.max_seq and args.max_seq is None:
@@ -37,7 +46,16 @@ def config_from_args(args):
     cfg.check_seq(args.seq)
     if args.batch <= 0:
         raise ValueError(f"batch={args.batch}: must be a positive integer")
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed <= 2**63 - 2:  # torch seeds are 64-bit; the synthetic task also draws from seed + 1
+        raise ValueError(f"--seed={seed}: use a whole number from 0 to 2**63 - 2")
     return cfg
+
+
+def check_repeats(args):
+    """--repeats: how many timed steps a median is taken over; at least one."""
+    if args.repeats < 1:
+        raise ValueError(f"--repeats={args.repeats}: time at least one step (e.g. --repeats 3)")
 
 
 def device_from_args(args):

@@ -1,16 +1,18 @@
 """python -m picockpt compare: picockpt and torch.utils.checkpoint, side by side, one run."""
+import functools
 import json
+import sys
 
 from ..compare import compare
 from ..device import check_fits
-from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, table
+from .common import add_run_args, add_shape_args, check_repeats, config_from_args, device_from_args, fmt_bytes, table
 
 
 def add_arguments(parser):
     add_shape_args(parser)
     add_run_args(parser)
     parser.add_argument("--segment", type=int, default=2, help="C for every:C and its peers (default 2)")
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved timed repeats (default 7)")
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved timed repeats (default 7, at least 1)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
@@ -18,13 +20,14 @@ def run(args):
     cfg = config_from_args(args)
     if not 1 <= args.segment <= cfg.layers:
         raise ValueError(f"--segment={args.segment}: use 1 <= C <= layers={cfg.layers}")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats={args.repeats}: must be at least 1")
+    check_repeats(args)
     device = device_from_args(args)
-    check_fits(cfg, device)
-    print(f"comparing on {device} ({cfg.dtype}): L={cfg.layers} h={cfg.hidden} H={cfg.heads} "
-          f"KV={cfg.kv_heads} f={cfg.ffn} V={cfg.vocab}, batch {args.batch} x {args.seq} tokens")
-    rows = compare(cfg, args.batch, args.seq, device, args.segment, args.repeats, args.seed)
+    check_fits(cfg, device, args.batch, args.seq, "none", advice="use a smaller --batch or --seq",
+               note=" (compare runs every policy, none among them, and plain autograd)")
+    say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)  # --json: stdout is JSON alone
+    say(f"comparing on {device} ({cfg.dtype}): L={cfg.layers} h={cfg.hidden} H={cfg.heads} "
+        f"KV={cfg.kv_heads} f={cfg.ffn} V={cfg.vocab}, batch {args.batch} x {args.seq} tokens")
+    rows = compare(cfg, args.batch, args.seq, device, args.segment, args.repeats, args.seed, log=say)
     if args.json:
         print(json.dumps(rows, indent=1))
         return

@@ -1,4 +1,5 @@
 """python -m picockpt inventory: one layer's stored tensors, closed form beside measured."""
+from ..device import check_fits
 from ..inventory import head_inventory, layer_inventory, predicted_peak_bytes, total
 from ..measure import measured_inventory
 from ..policy import parse_policy
@@ -18,9 +19,12 @@ def run(args):
     if not 0 <= args.layer < cfg.layers:
         raise ValueError(f"--layer={args.layer}: use 0 .. {cfg.layers - 1}")
     B, T = args.batch, args.seq
+    device = device_from_args(args)
+    check_fits(cfg, device, B, T, _op_only(policy), advice="use a smaller --batch or --seq",
+               note=" (inventory runs one step that stores every layer, to measure what one layer keeps)")
     closed = layer_inventory(cfg, B, T, policy.drop)
     head = head_inventory(cfg, B, T, policy.drop)
-    measured = measured_inventory(cfg, B, T, _op_only(policy), device_from_args(args), args.seed)
+    measured = measured_inventory(cfg, B, T, _op_only(policy), device, args.seed)
     print(f"one stored layer, B={B} T={T} h={cfg.hidden} H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} "
           f"{cfg.dtype}, policy {policy.text} (op level: {policy.op_level or 'nothing dropped'})")
     print(f"{'name':<20}{'shape':<22}{'dtype':<10}{'closed form':>14}{'measured':>14}")

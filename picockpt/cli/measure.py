@@ -4,14 +4,16 @@ import sys
 
 from ..device import check_fits
 from ..measure import measure_policy
-from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops
+from ..policy import parse_policy
+from .common import (add_run_args, add_shape_args, check_repeats, config_from_args, device_from_args, fmt_bytes,
+                     fmt_flops)
 
 
 def add_arguments(parser):
     add_shape_args(parser)
     add_run_args(parser)
     parser.add_argument("--policy", default="none", help="recomputation policy (default none)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps, median reported (default 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps, median reported (default 3, at least 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--trace", action="store_true", help="print the engine's events of one step")
     parser.add_argument("--memory-snapshot", metavar="FILE",
@@ -21,8 +23,13 @@ def add_arguments(parser):
 
 def run(args):
     cfg = config_from_args(args)
+    check_repeats(args)
+    policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
-    check_fits(cfg, device)
+    check_fits(cfg, device, args.batch, args.seq, policy)
+    check_fits(cfg, device, args.batch, args.seq, "none", advice="use a smaller --batch or --seq",
+               note=" (measure also runs policy none once: its gradients are the baseline every policy is "
+                    "compared with)")
     if args.memory_snapshot:
         from ..snapshot import record_snapshot
         record_snapshot(args.memory_snapshot, cfg, args.policy, args.batch, args.seq, device, args.seed)

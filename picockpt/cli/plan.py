@@ -9,6 +9,7 @@ import json
 import random
 import time
 
+from ..device import check_fits
 from ..inventory import step_flops
 from ..planner import Stage, least_budget, model_chain, plan_chain, plan_model
 from ..planner_uniform import binomial_forward_steps, plan_uniform
@@ -19,12 +20,15 @@ def add_arguments(parser):
     parser.add_argument("--chain", choices=("model", "uniform"), default="model",
                         help="model: picockpt's layers at the shape below (default); uniform: l equal steps "
                              "counted in slots, as in Griewank & Walther's revolve")
-    parser.add_argument("--budget", help="bytes the activation store may hold, e.g. 24MiB, 1.5GiB, 3000000")
+    parser.add_argument("--budget", help="--chain model: bytes the activation store may hold, e.g. 24MiB, 1.5GiB, "
+                                         "3000000 (an error with --chain uniform or --benchmark, which ignore it)")
     parser.add_argument("--op-level", choices=("none", "selective", "cheap"), default="none",
                         help="the least every stored layer drops (the planner may drop more per layer)")
-    parser.add_argument("--length", type=int, help="uniform chain: number of steps l")
+    parser.add_argument("--length", type=int, help="uniform chain: number of steps l (l^2 x s up to 4e8: about a "
+                                                   "second of planning; beyond, the error gives the closed form)")
     parser.add_argument("--slots", type=int, help="uniform chain: stored states s (x0 takes one)")
-    parser.add_argument("--measure", action="store_true", help="run one tracked step with the plan")
+    parser.add_argument("--measure", action="store_true", help="--chain model: run one tracked step with the plan "
+                                                                "(refused, with the numbers, if it would not fit)")
     parser.add_argument("--benchmark", action="store_true", help="time the planner on 128-layer chains")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_shape_args(parser)
@@ -32,6 +36,7 @@ def add_arguments(parser):
 
 
 def run(args):
+    _check_flags(args)
     if args.chain == "uniform":
         return run_uniform(args)
     if args.benchmark:
@@ -80,6 +85,26 @@ def run(args):
     print("\n" + "\n".join(schedule_table(plan)))
 
 
+def _check_flags(args):
+    """Each mode reads only some flags: one given where it would be ignored is an error, not a surprise."""
+    if args.chain == "uniform":
+        mode, ignored = "--chain uniform (counted in slots, not bytes)", {
+            "--budget": args.budget is not None, "--measure": args.measure, "--benchmark": args.benchmark,
+            "--op-level": args.op_level != "none"}
+    elif args.benchmark:
+        mode, ignored = "--benchmark (its budgets are set per chain)", {
+            "--budget": args.budget is not None, "--measure": args.measure, "--op-level": args.op_level != "none",
+            "--length": args.length is not None, "--slots": args.slots is not None}
+    else:
+        mode, ignored = "--chain model (sized by the shape flags and --budget)", {
+            "--length": args.length is not None, "--slots": args.slots is not None}
+    given = [flag for flag, present in ignored.items() if present]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not used by {mode}; leave {'it' if len(given) == 1 else 'them'} out "
+                         f"(--length/--slots belong to --chain uniform, --budget/--measure/--op-level to "
+                         f"--chain model)")
+
+
 def schedule_table(plan):
     """One line per forward pass, in the order they run: which layers keep what."""
     rows = [f"{'first forward':<32}{runs(dict(enumerate(plan.schedule.forward)))}, head {plan.schedule.head}"]
@@ -110,6 +135,8 @@ def measure(cfg, args, policy):
     from ..params import init_params
     from ..tracker import Tracker
     device = device_from_args(args)
+    check_fits(cfg, device, args.batch, args.seq, policy,
+               advice="use a smaller --batch or --seq, or a smaller --budget")
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
     torch.manual_seed(args.seed)

@@ -27,21 +27,27 @@ def add_arguments(parser):
     parser.add_argument("--model", dest="preset", default=argparse.SUPPRESS,
                         help="the shape to start from: llama3-8b (default), llama3-70b, llama3-405b, "
                              "or a picockpt preset; the shape flags override it (same as --preset)")
-    parser.add_argument("--recompute", default="none", help="none (default), selective or full")
+    parser.add_argument("--recompute", default="none", help="none (default), selective or full (any case)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default 1)")
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism; needs --tp t > 1")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args):
     if args.preset not in PRESETS:
         raise ValueError(f"--model={args.preset!r} is unknown: use one of {', '.join(PRESETS)}")
-    if args.recompute not in RECOMPUTE:
+    recompute = args.recompute.strip().lower()  # any case, as --policy takes it
+    if recompute not in RECOMPUTE:
         raise ValueError(f"--recompute={args.recompute!r}: use one of {', '.join(RECOMPUTE)}")
     cfg = config_from_args(args)
     if args.dtype is None:
         cfg = cfg.replace(dtype="bfloat16")  # the published convention: 16-bit activations
     _check_tp(args.tp, cfg)
+    if args.sp and args.tp == 1:
+        raise ValueError("--sp with --tp 1: sequence parallelism splits the sequence over the tensor-parallel "
+                         "ranks (the tensors that tensor parallelism leaves whole), so it needs --tp t > 1, "
+                         "e.g. --tp 8 --sp; with one rank leave --sp out")
+    args.recompute = recompute
     row = predict(cfg, args.batch, args.seq, args.recompute, args.tp, args.sp)
     row["model"] = args.preset
     if args.json:

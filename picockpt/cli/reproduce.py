@@ -4,7 +4,9 @@ from ..reproduce import discover, reproduce, select, title
 
 def add_arguments(parser):
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    parser.add_argument("--fast", action="store_true", help="the small shapes the tests use: seconds per lesson")
+    parser.add_argument("--fast", action="store_true",
+                        help="the small shapes the tests use: seconds per lesson. Figures go to out/figures/ "
+                             "(or $PICOCKPT_FIGURES), never over the committed ones in figures/")
     parser.add_argument("--only", metavar="NN[,NN]", help="run only these lessons, by number (e.g. 01,03)")
     parser.add_argument("--list", action="store_true", help="list the lessons and exit")
     parser.add_argument("--threads", type=int, default=1,

@@ -1,4 +1,6 @@
 """python -m picockpt train: the synthetic Markov task, step by step."""
+import math
+
 from ..device import check_fits
 from ..params import init_params
 from ..policy import parse_policy
@@ -12,7 +14,7 @@ def add_arguments(parser):
     parser.add_argument("--policy", default="none", help="recomputation policy (default none)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--log-every", type=int, default=1, help="print every N steps (default 1)")
+    parser.add_argument("--log-every", type=int, default=1, help="print every N steps, and the last (default 1)")
 
 
 def run(args):
@@ -22,14 +24,19 @@ def run(args):
                          "use bf16 (same bytes, fp32's exponent range) or fp32")
     if args.steps <= 0:
         raise ValueError(f"--steps={args.steps}: must be a positive integer")
+    if args.log_every < 1:
+        raise ValueError(f"--log-every={args.log_every}: print every N steps with N >= 1 (the last step is "
+                         f"always printed; --log-every {args.steps} prints the first and the last)")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise ValueError(f"--lr={args.lr}: AdamW's learning rate must be a positive number, e.g. 3e-3")
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
-    check_fits(cfg, device)
+    check_fits(cfg, device, args.batch, args.seq, policy)
     task = MarkovTask(cfg.vocab, seed=args.seed)
     print(f"training {cfg.num_params():,} parameters on {device} ({cfg.dtype}), policy {policy.text}, "
           f"batch {args.batch} x {args.seq} tokens; loss starts near ln(vocab) = "
-          f"{__import__('math').log(cfg.vocab):.3f}, the task's floor is ln({task.branching}) = {task.loss_floor:.3f}")
+          f"{math.log(cfg.vocab):.3f}, the task's floor is ln({task.branching}) = {task.loss_floor:.3f}")
     params = init_params(cfg, seed=args.seed, device=device)
     losses = train(params, cfg, task, args.steps, args.batch, args.seq, policy, args.lr, device,
-                   every=args.log_every)
+                   every=args.log_every, seed=args.seed)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")

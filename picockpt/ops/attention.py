@@ -1,4 +1,4 @@
-"""Causal grouped-query attention that materialises the (T, T) probabilities.
+"""Causal grouped-query attention that materialises the (T, T) probabilities ("eager").
 
 Shapes: q (B, H, T, hd); k, v (B, KV, T, hd); query head j reads key/value head
 j // G where G = H / KV (Hugging Face's repeat_kv order). Instead of copying k and
@@ -54,12 +54,11 @@ def attention_backward(dout, q, k, v, probs, dropped, stat_dtype, mask=None, p=0
     ddropped = (_grouped(dout, kv_heads) @ v.transpose(-1, -2)).view(B, H, T, T)  # (B, H, T, T)
     dv = _grouped(dropped, kv_heads).transpose(-1, -2) @ _grouped(dout, kv_heads)  # (B, KV, T, hd)
     dprobs = ddropped if mask is None else dropout_backward(ddropped, mask, p)  # (B, H, T, T)
-    P, dP = probs.to(stat_dtype), dprobs.to(stat_dtype)  # (B, H, T, T) each, softmax statistics precision
-    del ddropped, dprobs  # (dP may still be the same tensor)
-    dscores = dP - (dP * P).sum(-1, keepdim=True)  # (B, H, T, T)
-    del dP
-    dscores = dscores.mul_(P).to(q.dtype).mul_(hd ** -0.5)  # (B, H, T, T) in place: P * (...) / sqrt(hd)
-    del P
+    # softmax backward, dS = P * (dP - rowsum(dP * P)), in statistics precision and in one pass over the
+    # T x T values: torch's fused softmax-backward kernel (the one autograd calls) instead of four passes
+    dscores = torch._softmax_backward_data(dprobs.to(stat_dtype), probs.to(stat_dtype), -1, stat_dtype)  # (B, H, T, T)
+    del ddropped, dprobs
+    dscores = dscores.to(q.dtype).mul_(hd ** -0.5)  # (B, H, T, T) in place when no cast: / sqrt(hd)
     dq = (_grouped(dscores, kv_heads) @ k).view(B, H, T, hd)  # (B, H, T, hd)
     dk = _grouped(dscores, kv_heads).transpose(-1, -2) @ _grouped(q, kv_heads)  # (B, KV, T, hd)
     return dq, dk, dv

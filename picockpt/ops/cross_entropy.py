@@ -1,25 +1,36 @@
-"""Cross-entropy of the next token, averaged over all B*T positions, in fp32 or wider.
+"""Cross-entropy of the next token, averaged over the counted positions, in fp32 or wider.
 
-loss = mean over (b, t) of [ logsumexp_v z[b, t, v] - z[b, t, target[b, t]] ]
+loss = (1/N) sum over counted n of [ logsumexp_v z[n, v] - z[n, y[n]] ]
+
+A target equal to IGNORE_INDEX (-100, as in torch's and Hugging Face's cross-entropy) is left
+out: it adds nothing to the sum, nothing to N, and gets a zero gradient. N counts the others.
+The pair works on any rows of logits: all B*T at once, or one chunk of them (picockpt/head.py).
 """
 import torch
 
+IGNORE_INDEX = -100
+
 
 def cross_entropy_forward(logits, targets, stat_dtype):
-    # logits (B, T, V), targets (B, T) int64
-    z = logits.to(stat_dtype)  # (B, T, V)
-    logz = torch.logsumexp(z, dim=-1)  # (B, T)
-    picked = z.gather(-1, targets[..., None])[..., 0]  # (B, T)
-    return (logz - picked).mean()  # scalar
+    """logits (n, V), targets (n,) int64 -> (sum of the counted rows' losses, logz (n,) in stat_dtype).
+    The caller divides the sum by N; logz = logsumexp_v z[n, v] is what a chunked head keeps."""
+    z = logits.to(stat_dtype)  # (n, V)
+    logz = torch.logsumexp(z, dim=-1)  # (n,)
+    counted = targets != IGNORE_INDEX  # (n,) bool
+    picked = z.gather(-1, targets.clamp(min=0)[:, None])[:, 0]  # (n,) z[n, y[n]] (row 0 for ignored rows)
+    return torch.where(counted, logz - picked, 0.0).sum(), logz  # scalar, (n,)
 
 
-def cross_entropy_backward(dloss, logits, targets, stat_dtype):
-    """Forward was loss = (1/N) sum_n [logsumexp(z_n) - z_n[y_n]], N = B*T.
+def cross_entropy_backward(scale, logits, targets, stat_dtype, logz=None):
+    """Forward was loss = (1/N) sum_n [logsumexp(z_n) - z_n[y_n]] over counted rows; scale = dloss / N.
 
-    d/dz_n[v] logsumexp(z_n) = softmax(z_n)[v];  d/dz_n[v] z_n[y_n] = 1 if v == y_n
-    dz_n = dloss / N * (softmax(z_n) - onehot(y_n))
+    d/dz_n[v] logsumexp(z_n) = softmax(z_n)[v] = exp(z_n[v] - logz_n);  d/dz_n[v] z_n[y_n] = 1 if v == y_n
+    dz_n = scale * (softmax(z_n) - onehot(y_n)) on counted rows, 0 on ignored ones.
+    With logz given (kept by the forward), softmax needs no reduction over V: one exp per element.
     """
-    N = targets.numel()
-    dz = torch.softmax(logits.to(stat_dtype), dim=-1)  # (B, T, V)
-    dz.scatter_add_(-1, targets[..., None], torch.full_like(dz[..., :1], -1.0))  # (B, T, V) subtract the one-hot
-    return (dz * (dloss / N)).to(logits.dtype)  # (B, T, V)
+    z = logits.to(stat_dtype)  # (n, V)
+    dz = torch.softmax(z, dim=-1) if logz is None else torch.exp(z - logz[:, None])  # (n, V)
+    counted = targets != IGNORE_INDEX  # (n,) bool
+    dz.scatter_add_(-1, targets.clamp(min=0)[:, None], torch.full_like(dz[:, :1], -1.0))  # (n, V) minus the one-hot
+    dz.mul_(torch.where(counted, scale, 0.0)[:, None])  # (n, V) ignored rows: 0
+    return dz.to(logits.dtype)  # (n, V)

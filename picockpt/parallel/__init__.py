@@ -1,0 +1,25 @@
+"""picockpt across processes, in the Picotron manner: every collective an explicit line.
+
+    from picockpt.parallel import run_ranks, gather_sequence_forward
+
+    def step(comm, shards):                  # at module level: spawned ranks import it by name
+        return gather_sequence_forward(shards[comm.rank], comm, dim=1)   # (B, T/2, h) -> (B, T, h)
+
+    results = run_ranks(step, 2, x.chunk(2, dim=1))   # spawned local ranks on gloo, or torchrun's
+
+launch.py  where the processes come from (torchrun, or spawned on 127.0.0.1), timeouts
+watch.py   the caller's side of spawned ranks: results, the first failure, stopping the rest
+comm.py    the Comm object, its log of bytes per phase, and the collectives as forward/backward pairs
+"""
+from .comm import (Comm, CommLog, all_reduce_grads, all_to_all_backward, all_to_all_forward,
+                   copy_to_parallel_backward, copy_to_parallel_forward, exchange_splits,
+                   gather_sequence_backward, gather_sequence_forward, reduce_from_parallel_backward,
+                   reduce_from_parallel_forward, scatter_sequence_backward, scatter_sequence_forward,
+                   split_sequence_backward, split_sequence_forward)
+from .launch import RankError, run_ranks, under_torchrun
+
+__all__ = ["run_ranks", "under_torchrun", "RankError", "Comm", "CommLog", "copy_to_parallel_forward",
+           "copy_to_parallel_backward", "reduce_from_parallel_forward", "reduce_from_parallel_backward",
+           "gather_sequence_forward", "gather_sequence_backward", "scatter_sequence_forward",
+           "scatter_sequence_backward", "split_sequence_forward", "split_sequence_backward",
+           "all_to_all_forward", "all_to_all_backward", "exchange_splits", "all_reduce_grads"]

@@ -1,0 +1,276 @@
+"""The collectives of tensor, sequence, data and expert parallelism, as forward/backward pairs.
+
+Like picockpt/ops/*, each pair is two plain functions side by side (no autograd): the layer calls
+the forward where its forward crosses ranks and the backward where its backward does, so every
+byte that moves is one visible line. As in Megatron-LM (Shoeybi et al. 2019, "f" and "g") and
+Korthikanti et al. 2022 (sec. 4.2.2, "g" and "g-bar"), each pair's backward is the adjoint of its
+forward:
+
+    pair                  forward                          backward
+    copy_to_parallel      identity                         all-reduce          entering a TP region
+    reduce_from_parallel  all-reduce                       identity            after a row-parallel linear
+    gather_sequence       all-gather along dim             reduce-scatter      entering a TP region (SP)
+    scatter_sequence      reduce-scatter along dim         all-gather          leaving it (SP)
+    split_sequence        take this rank's shard (no comm) all-gather
+    all_to_all            all-to-all, given split sizes    the inverse all-to-all  (expert dispatch;
+                          exchange_splits tells each rank its split sizes, an all-to-all of W int64)
+    all_reduce_grads      all-reduce of gradients (sum or mean), for data parallel and replicated weights
+
+Words: "replicated" = the same logical tensor on every rank (its gradient is the same on every rank
+too); "partial" = each rank holds a summand of the logical tensor; "sharded" = each rank holds one
+slice of it along dim.
+
+Bytes counted (Comm.log), per rank, one number per call: the size of the logical buffer of the
+collective (the size S of nccl-tests' doc/PERFORMANCE.md, whose algorithm bandwidth is S / time):
+    all-reduce      the tensor's bytes                               (= the output's)
+    all-gather      the bytes of the gathered output                 = world_size x the input's
+    reduce-scatter  the bytes of the full input                      = world_size x the output's
+    all-to-all      the bytes of this rank's input, i.e. all it sends, its own chunk included
+                    (that chunk never leaves the rank; the bytes sent away are the input's
+                    minus that chunk's)
+The bytes a rank puts on the wire with a ring algorithm are 2(n-1)/n of the all-reduce size and
+(n-1)/n of the all-gather and reduce-scatter sizes (n = world_size): nccl-tests' "bus bandwidth"
+factors. Calls that move
+nothing (the identities, split_sequence's forward) are not counted. Each call is booked under the
+phase of the tracker attached to the Comm (`comm.tracker`: picockpt.tracker.Tracker, or any
+object with a `phase_name` attribute): "forward", "recompute", "backward", ...; "outside" if none.
+
+gloo: torch 2.13's gloo has every collective used here (all_reduce, all_gather_single,
+reduce_scatter_single, all_to_all_single with uneven splits), so nothing is emulated here. The
+counts are those of the logical collective, whatever algorithm the backend runs on the wire.
+Both gloo and NCCL take the flat form of all-gather and reduce-scatter (shards one after another
+along dim 0), so a gather or scatter along another dim moves that dim to the front (one copy).
+
+In-place: an all-reduce reduces its (contiguous) argument in place and returns it, as
+torch.distributed does; callers pass a tensor they no longer need in its partial form.
+"""
+import torch
+import torch.distributed as dist
+
+OUTSIDE = "outside"  # the phase when no tracker is attached (as picockpt.tracker.OUTSIDE)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommLog:
+    """Bytes and calls per phase and per collective kind, for one rank."""
+
+    def __init__(self):
+        self.bytes = {}   # phase -> {kind -> bytes}
+        self.calls = {}   # phase -> {kind -> number of calls}
+
+    def record(self, phase, kind, nbytes):
+        per_kind = self.bytes.setdefault(phase, {})
+        per_kind[kind] = per_kind.get(kind, 0) + nbytes
+        calls = self.calls.setdefault(phase, {})
+        calls[kind] = calls.get(kind, 0) + 1
+
+    def total(self, phase=None, kind=None):
+        """Bytes, summed over every phase and kind unless one is named."""
+        return _sum(self.bytes, phase, kind)
+
+    def count(self, phase=None, kind=None):
+        """Number of calls, summed over every phase and kind unless one is named."""
+        return _sum(self.calls, phase, kind)
+
+
+def _sum(table, phase, kind):
+    return sum(n for p, per_kind in table.items() if phase in (None, p)
+               for k, n in per_kind.items() if kind in (None, k))
+
+
+class Comm:
+    """One process group as this rank sees it: its rank, its size, the device of its tensors, and
+    the log of what its collectives moved. group=None is every rank (torch's default group)."""
+
+    def __init__(self, group=None, device="cpu", tracker=None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)  # this process's rank inside the group
+        self.world_size = dist.get_world_size(self.group)
+        self.device = torch.device(device)
+        self.tracker = tracker  # read for its phase_name only
+        self.log = CommLog()
+
+    @property
+    def phase(self):
+        return getattr(self.tracker, "phase_name", OUTSIDE)
+
+    def __repr__(self):
+        return f"Comm(rank={self.rank}, world_size={self.world_size}, device={self.device})"
+
+
+# -- the collectives themselves, each counted once ------------------------------------------------
+def _all_reduce(x, comm):
+    x = x.contiguous()  # no copy when x is contiguous (the usual case); the reduction happens in place
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=comm.group)  # x (...) = sum over ranks, on every rank
+    comm.log.record(comm.phase, "all_reduce", x.nbytes)
+    return x
+
+
+def _all_gather(x, comm, dim):
+    dim = _check_dim(x, dim)
+    shard = x.contiguous()  # (..., n, ...) a copy only if x is a strided view: the collective sends a flat buffer
+    W = comm.world_size
+    flat = x.new_empty((W * shard.shape[0],) + tuple(shard.shape[1:]))  # (W*d0, ...)
+    _all_gather_flat(flat, shard, group=comm.group)  # the shards one after another, along dim 0
+    comm.log.record(comm.phase, "all_gather", flat.nbytes)
+    gathered = flat.unflatten(0, (W, shard.shape[0]))  # (W, ..., n, ...) a view: gathered[r] = rank r's shard
+    return gathered.movedim(0, dim).flatten(dim, dim + 1)  # (..., W*n, ...) a copy when dim > 0, a view for 0
+
+
+def _reduce_scatter(x, comm, dim):
+    dim = _check_divisible(x, comm, _check_dim(x, dim))
+    W, n = comm.world_size, x.shape[dim] // comm.world_size
+    chunks = x.unflatten(dim, (W, n)).movedim(dim, 0).contiguous()  # (W, ..., n, ...) a copy when dim > 0
+    shard = x.new_empty(chunks.shape[1:])  # (..., n, ...)
+    flat = chunks.flatten(0, 1)  # (W*d0, ...) a view: chunk r (for rank r) is the r-th block along dim 0
+    _reduce_scatter_flat(shard, flat, op=dist.ReduceOp.SUM, group=comm.group)  # shard = sum over ranks of chunk[rank]
+    comm.log.record(comm.phase, "reduce_scatter", chunks.nbytes)
+    return shard
+
+
+def _all_to_all(x, comm, send_splits, receive_splits):
+    _check_splits(x, comm, send_splits, receive_splits)
+    rows = x.contiguous()  # (N_send, ...) a copy only if x is a strided view
+    received = x.new_empty((sum(receive_splits),) + tuple(x.shape[1:]))  # (N_receive, ...)
+    dist.all_to_all_single(received, rows, output_split_sizes=list(receive_splits),
+                           input_split_sizes=list(send_splits), group=comm.group)  # rows for rank s -> rank s
+    comm.log.record(comm.phase, "all_to_all", rows.nbytes)
+    return received
+
+
+def _check_dim(x, dim):
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim}: a tensor of shape {tuple(x.shape)} has dims {-x.dim()}..{x.dim() - 1}")
+    return dim % x.dim()  # a negative dim counts from the end
+
+
+def _check_divisible(x, comm, dim):
+    if x.shape[dim] % comm.world_size:
+        raise ValueError(f"dim={dim}: size {x.shape[dim]} of a tensor of shape {tuple(x.shape)} is not divisible "
+                         f"by the {comm.world_size} ranks; use a length that is a multiple of {comm.world_size}")
+    return dim
+
+
+def _check_splits(x, comm, send_splits, receive_splits):
+    for name, splits in (("send_splits", send_splits), ("receive_splits", receive_splits)):
+        if len(splits) != comm.world_size or any(s < 0 for s in splits):
+            raise ValueError(f"{name}={list(splits)}: give {comm.world_size} row counts (one per rank), "
+                             f"none negative")
+    if sum(send_splits) != x.shape[0]:
+        raise ValueError(f"send_splits={list(send_splits)} sum to {sum(send_splits)}, but the tensor has "
+                         f"{x.shape[0]} rows (dim 0); they must add up to it")
+
+
+# -- tensor parallel: entering and leaving a region -----------------------------------------------
+def copy_to_parallel_forward(x, comm):
+    # x (...) replicated: every rank already holds all of it, so entering the region moves nothing
+    return x  # (...)
+
+
+def copy_to_parallel_backward(dy, comm):
+    """Forward was y_r = x on every rank r (one replicated x feeds W column-parallel branches).
+
+    x is used W times, once per rank's branch, so its gradient is the sum of the W uses':
+        dx = sum_r dy_r          -> all-reduce of dy (every rank needs dx: x is replicated)
+    """
+    return _all_reduce(dy, comm)  # (...) sum over ranks, in place
+
+
+def reduce_from_parallel_forward(x, comm):
+    # x (...) partial: this rank's summand (a row-parallel linear's x_r @ W_r.T)
+    return _all_reduce(x, comm)  # (...) y = sum_r x_r, replicated, in place
+
+
+def reduce_from_parallel_backward(dy, comm):
+    """Forward was y = sum_r x_r, then y is replicated.
+
+    dy/dx_r = identity, so dx_r = dy; and dy is already the same on every rank (what follows y is
+    computed redundantly on every rank), so nothing moves.
+    """
+    return dy  # (...)
+
+
+# -- sequence parallel: between sequence shards and the full sequence ------------------------------
+def gather_sequence_forward(x, comm, dim=1):
+    # x (B, T/W, h) this rank's shard of the sequence (along dim) -> the full, replicated sequence
+    return _all_gather(x, comm, dim)  # (B, T, h)
+
+
+def gather_sequence_backward(dy, comm, dim=1):
+    """Forward was y = cat(x_0, ..., x_{W-1}) along dim, the same y on every rank, each rank's
+    tensor-parallel branch using it.
+
+    Each rank's branch gives a partial gradient dy_r of the full y; the gradient of y is their sum,
+    and x_r is slice r of y:
+        dx_r = (sum_s dy_s)[slice r]     -> reduce-scatter of dy along dim
+    """
+    return _reduce_scatter(dy, comm, dim)  # (B, T/W, h)
+
+
+def scatter_sequence_forward(x, comm, dim=1):
+    # x (B, T, h) partial (a row-parallel linear's summand) -> this rank's shard of the sum
+    return _reduce_scatter(x, comm, dim)  # (B, T/W, h)
+
+
+def scatter_sequence_backward(dy, comm, dim=1):
+    """Forward was y_r = (sum_s x_s)[slice r]: rank r keeps slice r of the sum.
+
+    d y_r / d x_s is "take slice r" for every s, so x_s's gradient is every slice's gradient put
+    back in place, the same on every rank:
+        dx_s = cat(dy_0, ..., dy_{W-1}) along dim   -> all-gather of dy
+    """
+    return _all_gather(dy, comm, dim)  # (B, T, h)
+
+
+def split_sequence_forward(x, comm, dim=1):
+    # x (B, T, h) replicated: rank r keeps slice r; nothing moves
+    dim = _check_divisible(x, comm, _check_dim(x, dim))
+    return x.chunk(comm.world_size, dim)[comm.rank]  # (B, T/W, h) a view of x, no copy
+
+
+def split_sequence_backward(dy, comm, dim=1):
+    """Forward was y_r = x[slice r], one replicated x.
+
+    x's gradient holds every slice's gradient in its place, and every rank needs it (x is replicated):
+        dx = cat(dy_0, ..., dy_{W-1}) along dim     -> all-gather of dy
+    """
+    return _all_gather(dy, comm, dim)  # (B, T, h)
+
+
+# -- expert parallel: rows (tokens) to the rank that holds their expert ----------------------------
+def exchange_splits(send_splits, comm):
+    """How many rows each rank will send to this one, from how many this one sends to each: an
+    all-to-all of one int64 per rank (counted: 8 x world_size bytes)."""
+    sizes = torch.tensor(list(send_splits), dtype=torch.int64, device=comm.device)  # (W,)
+    return _all_to_all(sizes, comm, [1] * comm.world_size, [1] * comm.world_size).tolist()
+
+
+def all_to_all_forward(x, comm, send_splits, receive_splits):
+    # x (N_send, ...) rows grouped by destination: the first send_splits[0] go to rank 0, ...
+    return _all_to_all(x, comm, send_splits, receive_splits)  # (N_receive, ...) grouped by source rank
+
+
+def all_to_all_backward(dy, comm, send_splits, receive_splits):
+    """Forward was an all-to-all: block s of this rank's rows went to rank s, and block s of y came
+    from rank s (sizes send_splits and receive_splits).
+
+    It only moves rows, so each row's gradient goes back where the row came from: the inverse
+    all-to-all, with the two split lists swapped.
+    """
+    return _all_to_all(dy, comm, receive_splits, send_splits)  # (N_send, ...)
+
+
+# -- data parallel, and weights replicated across a tensor-parallel group --------------------------
+def all_reduce_grads(grads, comm, mean=False):
+    """Sum (mean=True: average) each gradient over the ranks, in place; returns grads.
+
+    grads: {name: tensor}. Data parallel: each rank's loss is the mean over its own micro-batch, so
+    the gradient of the mean over all ranks' batches is the mean of theirs (mean=True). Replicated
+    weights in a tensor-parallel group (norms under sequence parallelism) get a partial gradient on
+    each rank from its own tokens: their sum (mean=False). One all-reduce per tensor.
+    """
+    for name, grad in grads.items():
+        reduced = _all_reduce(grad, comm)  # (same shape) in place when grad is contiguous
+        grads[name] = reduced.div_(comm.world_size) if mean else reduced
+    return grads

@@ -1,0 +1,247 @@
+"""Running one function on every rank: spawned local processes, or the processes torchrun made.
+
+    results = run_ranks(fn, 4, x, timeout_s=60)   # fn(comm, x) runs on ranks 0..3
+    results[r]                                    # what rank r returned
+
+fn(comm, *args, **kwargs) gets a Comm (picockpt/parallel/comm.py: the process group, rank, world
+size, device and a log of communication bytes) and returns anything picklable (CPU tensors are fine).
+
+Where the processes come from
+  torchrun   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are in the environment:
+             this process is one rank. The rendezvous is used as it is (one node or many), fn runs
+             once here, and every rank gets the list of all ranks' results (all_gather_object).
+             A failing rank raises in its own process; torchrun then stops the others.
+  spawned    started plainly: world_size fresh local processes, each importing fn by name, so
+             fn must live at module level of an importable module (not a lambda, a local
+             function or an unguarded __main__). start_method="spawn" (the default) starts each
+             rank as a new interpreter (~0.9 s of CPU each, mostly `import torch`);
+             "forkserver" forks each rank from one helper interpreter that imported torch once
+             (~0.05 s a rank after the first call; the helper, like Python's resource tracker,
+             lives until this process exits). Neither forks this process: no inherited threads
+             or CUDA state. The ranks meet at a TCPStore that this process serves on 127.0.0.1 (a
+             free port, or `port`); gloo is bound to the loopback interface too: nothing listens
+             on another address. Each rank runs on one thread (torch.set_num_threads(1)), sees
+             this process's environment variables, and gets its own copy of args and kwargs
+             (pickled by value, never shared memory).
+Backend: gloo on CPU, NCCL for device="cuda" (rank r on cuda:LOCAL_RANK).
+Timeout: init_process_group(timeout=timedelta(seconds=timeout_s)): every collective of the run,
+and the rendezvous, raises instead of waiting longer than timeout_s.
+Failure: the first rank to fail or die ends the run. Its error comes back as a RuntimeError that
+names the rank, the exception type and message, and carries that rank's traceback; a ValueError
+(a user mistake) comes back as a ValueError naming the rank. The other ranks are terminated
+(SIGTERM, then SIGKILL): nothing waits for a collective timeout, and no process outlives
+run_ranks, KeyboardInterrupt included. A rank whose parent dies is killed by the kernel (Linux).
+"""
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .comm import Comm
+from .watch import STOP_GRACE_S, RankError, collect, stop
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LOCALHOST = "127.0.0.1"
+
+
+def under_torchrun():
+    """True when torchrun (torch.distributed.run) started this process as one rank."""
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, port=None, start_method="spawn",
+              **kwargs):
+    """fn(comm, *args, **kwargs) on every rank; returns [result of rank 0, result of rank 1, ...].
+
+    world_size  number of ranks (under torchrun: None, or the WORLD_SIZE torchrun was given)
+    backend     "gloo" or "nccl"; None picks NCCL for device="cuda", gloo otherwise
+    device      "cpu" or "cuda" (each rank takes cuda:LOCAL_RANK; an index given here is not used)
+    timeout_s   the limit on every collective and on the rendezvous, in seconds
+    port        spawned ranks only: the 127.0.0.1 port of the rendezvous (None: a free one)
+    start_method  spawned ranks only: "spawn" or "forkserver" (see the module docstring)
+    Every other keyword goes to fn.
+    """
+    device_type, backend = _check_arguments(fn, world_size, backend, device, timeout_s)
+    if under_torchrun():
+        if port is not None:
+            raise ValueError(f"port={port}: under torchrun the rendezvous is MASTER_ADDR:MASTER_PORT "
+                             f"({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}); leave port out")
+        return _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s)
+    if device_type == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(f"world_size={world_size}: spawned ranks take one GPU each and there are "
+                         f"{torch.cuda.device_count()}; use at most that many, or device='cpu'")
+    if start_method not in ("spawn", "forkserver") or start_method not in mp.get_all_start_methods():
+        raise ValueError(f"start_method={start_method!r}: use one of "
+                         f"{[m for m in ('spawn', 'forkserver') if m in mp.get_all_start_methods()]}")
+    return _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method)
+
+
+def _check_arguments(fn, world_size, backend, device, timeout_s):
+    if not callable(fn):
+        raise ValueError(f"fn={fn!r}: give a function fn(comm, *args, **kwargs)")
+    if world_size is None and not under_torchrun():
+        raise ValueError("world_size=None: give the number of ranks to spawn (None only under torchrun)")
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size={world_size!r}: use a whole number of ranks, 1 or more")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r}: use a positive number of seconds")
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, TypeError):
+        device_type = None
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA was asked for, but torch.cuda.is_available() is False; "
+                         f"use device='cpu' (gloo)")
+    backend = backend or ("nccl" if device_type == "cuda" else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use 'gloo' (CPU tensors) or 'nccl' (CUDA tensors)")
+    if backend == "nccl" and device_type != "cuda":
+        raise ValueError(f"backend='nccl' with device={device!r}: NCCL moves CUDA tensors only; "
+                         f"use device='cuda', or backend='gloo' for the CPU")
+    return device_type, backend
+
+
+# -- torchrun: this process is one rank ---------------------------------------------------------
+def _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s):
+    size = int(os.environ["WORLD_SIZE"])
+    if world_size is not None and world_size != size:
+        raise ValueError(f"world_size={world_size}: torchrun started WORLD_SIZE={size} ranks; "
+                         f"pass {size} or None")
+    device = _rank_device(device_type, int(os.environ["LOCAL_RANK"]))
+    owns_group = not dist.is_initialized()  # a second run_ranks in the same job reuses the group
+    if owns_group:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))  # env:// rendezvous
+    try:
+        result = fn(Comm(device=device), *args, **kwargs)
+        results = [None] * size
+        dist.all_gather_object(results, result)  # every rank gets every rank's result
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    return results
+
+
+def _rank_device(device_type, local_rank):
+    if device_type != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)  # NCCL's communicator and every new tensor land on this GPU
+    return device
+
+
+# -- spawned: this process is the parent, the ranks are its children -------------------------------
+def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method):
+    try:
+        payload = pickle.dumps((fn, args, kwargs, dict(os.environ)))  # by value: each rank its own copy
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise ValueError(f"fn={getattr(fn, '__qualname__', fn)!r} or its arguments cannot be sent to "
+                         f"spawned ranks ({error}); define fn at module level of an importable module "
+                         f"and pass picklable arguments") from error
+    store = _serve_rendezvous(port, world_size, timeout_s)  # bound here, before any rank starts
+    context = mp.get_context(start_method)
+    parent = os.getpid()
+    if start_method == "forkserver":
+        context.set_forkserver_preload([__name__])  # torch and this module, imported once by the helper
+        parent = None  # the ranks' parent is the helper, not this process
+    ranks, pipes, finished = [], [], False
+    try:
+        for rank in range(world_size):
+            reader, writer = context.Pipe(duplex=False)  # the rank's one message: its result or error
+            # not a daemon: a rank may start processes of its own (torch.compile's workers, say)
+            process = context.Process(target=_spawned_rank, name=f"picockpt-rank-{rank}",
+                                      args=(rank, world_size, store.port, backend, device_type,
+                                            timeout_s, payload, writer, parent))
+            process.start()
+            writer.close()  # the parent keeps only the reading end: EOF once the rank is gone
+            ranks.append(process)
+            pipes.append(reader)
+        results = collect(ranks, pipes)
+        finished = True
+        return results
+    finally:  # whatever happened (a failure, KeyboardInterrupt): no rank outlives this call
+        stop(ranks, grace_s=STOP_GRACE_S if finished else 0.0)
+        for reader in pipes:
+            reader.close()
+        del store  # closes the rendezvous port
+
+
+def _serve_rendezvous(port, world_size, timeout_s):
+    """A TCPStore served by this process on 127.0.0.1 only (TCPStore would listen on every address
+    if it bound the port itself, so it gets a socket bound here)."""
+    if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
+        raise ValueError(f"port={port!r}: use a TCP port number 1..65535, or leave port out for a free one")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((LOCALHOST, port or 0))  # port 0: the kernel picks a free one
+        listener.listen(max(world_size, 8))
+    except OSError as error:
+        listener.close()
+        raise ValueError(f"port={port}: cannot listen on {LOCALHOST}:{port} ({error.strerror}); another "
+                         f"process holds it. Leave port out to let run_ranks pick a free port") from None
+    chosen = listener.getsockname()[1]
+    return dist.TCPStore(LOCALHOST, chosen, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True)
+
+
+def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, payload, pipe, parent_pid):
+    """The body of one spawned rank: join the group, run fn, send back one message, leave."""
+    _die_with_parent(parent_pid)
+    torch.set_num_threads(1)  # ranks share the machine's cores: one thread each, no oversubscription
+    joined = False
+    try:
+        fn, args, kwargs, environment = pickle.loads(payload)
+        os.environ.clear()
+        os.environ.update(environment)  # the caller's variables now (a forkserver helper's may be older)
+        if backend == "gloo":
+            os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # gloo's own sockets on 127.0.0.1 only
+        device = _rank_device(device_type, rank)
+        store = dist.TCPStore(LOCALHOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        joined = True
+        dist.barrier()  # gloo's full-mesh connect can finish on one rank before another: a rank that
+        #                 left (returned, failed) that early would break its peers' connect
+        result = fn(Comm(device=device), *args, **kwargs)
+        message = pickle.dumps(("ok", result))  # by value; a CUDA tensor would come back on CUDA
+    except BaseException as error:  # noqa: BLE001 -- every failure, KeyboardInterrupt too, goes back
+        message = pickle.dumps(("error", time.monotonic(), type(error).__name__, str(error),
+                                traceback.format_exc(), isinstance(error, ValueError)))
+    try:
+        pipe.send_bytes(message)  # sent before leaving the group, so this rank's error is the first one
+        pipe.close()
+    except OSError:  # the caller has stopped listening (another rank failed first): nothing to tell
+        pass
+    if joined:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown (torch's takes ~0.5 s); everything was sent above
+
+
+def _die_with_parent(parent_pid):
+    """Linux: the kernel kills this rank if its parent (this process, or the forkserver helper,
+    which itself exits with this process) dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+
+def _loopback_interface():
+    names = [name for _, name in socket.if_nameindex()]
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise RuntimeError(f"no loopback network interface among {names}: spawned gloo ranks bind to it only")

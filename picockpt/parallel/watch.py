@@ -1,0 +1,114 @@
+"""The parent's side of spawned ranks: collect each rank's one message, find the first failure,
+stop the rest.
+
+Each rank sends exactly one message down its pipe: ("ok", result) or ("error", when, type name,
+message, traceback, is_value_error). A rank that dies without one (os._exit, a signal, the OOM
+killer) shows as EOF on its pipe and a fired sentinel. The first failure ends the wait; LINGER_S
+later the root cause is picked among all failures seen (see _error), the others are terminated
+(SIGTERM, which ends a Python process at once even inside a collective), then killed.
+"""
+import pickle
+import signal
+import time
+from multiprocessing.connection import wait
+
+LINGER_S = 0.3  # after a first failure, how long to listen for the others (to find the root cause)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "gloo/transport")  # gloo's words
+STOP_GRACE_S = 2.0  # how long a terminated rank may take before it is killed
+
+
+class RankError(RuntimeError):
+    """A rank failed; .rank, .type_name and .remote_traceback say where and how, .failed_at when
+    (time.monotonic(), the same clock in every process of this machine)."""
+
+    def __init__(self, message, rank=None, type_name=None, remote_traceback="", failed_at=None):
+        super().__init__(message)
+        self.rank, self.type_name, self.remote_traceback = rank, type_name, remote_traceback
+        self.failed_at = failed_at
+
+
+def collect(ranks, pipes):
+    """Each rank's result, by rank; the first failure (or death) raises at once."""
+    results, pending, failures = [None] * len(ranks), set(range(len(ranks))), {}
+    linger_until = None
+    while pending:
+        timeout = None if linger_until is None else max(0.0, linger_until - time.monotonic())
+        wait([pipes[r] for r in pending] + [ranks[r].sentinel for r in pending], timeout)
+        for r in sorted(pending):
+            if pipes[r].poll():  # a message, or EOF: a rank that exited sent everything it will send
+                try:
+                    message = pickle.loads(pipes[r].recv_bytes())
+                except EOFError:
+                    message = None
+                except Exception as error:  # noqa: BLE001 -- e.g. a result of a class this process cannot import
+                    message = ("error", time.monotonic(), type(error).__name__,
+                               f"its message could not be unpickled by the caller: {error}", "", False)
+            elif not ranks[r].is_alive():
+                message = None
+            else:
+                continue
+            pending.discard(r)
+            if message is not None and message[0] == "ok":
+                results[r] = message[1]
+            else:
+                failures[r] = message if message is not None else _death(ranks[r])
+        if failures and linger_until is None:
+            linger_until = time.monotonic() + LINGER_S
+        if failures and time.monotonic() >= linger_until:
+            break
+    if failures:
+        raise _error(failures, ranks, pending)
+    return results
+
+
+def _death(process):
+    process.join(1.0)  # its sentinel fired: reap it to read the exit code
+    code = process.exitcode
+    if code is not None and code < 0:
+        return ("died", time.monotonic(), f"was killed by {signal.Signals(-code).name}")
+    return ("died", time.monotonic(), f"exited with code {code}")
+
+
+def _error(failures, ranks, pending):
+    """The root cause: a rank's own exception before a death, a death before a communication error
+    (a rank whose peer is gone fails in its collective: a consequence, not the cause)."""
+    def order(item):
+        rank, failure = item
+        if failure[0] == "died":
+            return 1, failure[1], rank
+        victim = failure[2].startswith("Dist") or any(sign in failure[3] for sign in PEER_GONE)
+        return (2 if victim else 0), failure[1], rank
+    rank, failure = min(failures.items(), key=order)
+    world = len(ranks)
+    others = [f"rank {r} {f[2]}" if f[0] == "died" else f"rank {r} raised {f[2]}: {(f[3] or ' ').splitlines()[0]}"
+              for r, f in sorted(failures.items()) if r != rank]
+    others += [f"rank {r} was stopped" for r in sorted(pending)]
+    tail = ("\nthe other ranks: " + "; ".join(others)) if others else ""
+    if failure[0] == "died":
+        return RankError(f"rank {rank} of {world} {failure[2]} before returning a result{tail}", rank,
+                         failed_at=failure[1])
+    _, failed_at, type_name, text, remote_traceback, is_value_error = failure
+    cause = RankError(f"rank {rank} of {world} raised {type_name}: {text}\n\ntraceback of rank {rank}:\n"
+                      f"{remote_traceback}{tail}", rank, type_name, remote_traceback, failed_at)
+    if is_value_error:  # a user mistake: the same ValueError, with the rank named, traceback chained
+        error = ValueError(f"rank {rank} of {world}: {text}")
+        error.__cause__ = cause
+        return error
+    return cause
+
+
+def stop(ranks, grace_s):
+    """Reap every rank: those that reported success get grace_s to leave their group and exit;
+    then whatever still runs is terminated, and killed if it outlasts STOP_GRACE_S."""
+    deadline = time.monotonic() + grace_s
+    for process in ranks:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in ranks:
+        if process.is_alive():
+            process.terminate()  # SIGTERM: Python's default is to exit at once, even inside a collective
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in ranks:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()  # SIGKILL
+            process.join(STOP_GRACE_S)
