@@ -2,12 +2,15 @@
 
 A Config holds everything that decides how many bytes an activation takes:
 sizes (vocab, hidden, layers, heads, kv_heads, ffn), the longest sequence the
-rotary table allows, the dropout probability and the compute dtype. Every
-invalid value raises ValueError naming the field, the value and what would work.
+rotary table allows, the dropout probability and the compute dtype; for a mixture
+of experts (picockpt/moe.py) also the number of experts, the top-k, an optional
+shared expert's width and the router jitter. Every invalid value raises ValueError
+naming the field, the value and what would work.
 
     cfg = Config.from_preset("small")
     cfg = Config(vocab=256, hidden=48, layers=3, heads=6, kv_heads=2, ffn=96)
-    cfg = Config.from_hf(LlamaConfig(...).to_dict())
+    cfg = Config.from_hf(LlamaConfig(...).to_dict())      # or a MixtralConfig
+    cfg = Config.from_preset("tiny", experts=4, experts_per_token=2)   # Mixtral-style MoE layers
     cfg = cfg.replace(layers=12, dtype="bf16")
 """
 import dataclasses
@@ -39,6 +42,9 @@ PRESETS = {
                        max_seq=131072, rope_theta=500000.0, norm_eps=1e-5),
     "llama3-405b": dict(vocab=128256, hidden=16384, layers=126, heads=128, kv_heads=8, ffn=53248,
                         max_seq=131072, rope_theta=500000.0, norm_eps=1e-5),
+    # Mixtral 8x7B (Mistral AI's config.json): 8 experts of f=14336, top-2. Analytic use only.
+    "mixtral-8x7b": dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, experts=8,
+                         experts_per_token=2, max_seq=32768, rope_theta=1e6, norm_eps=1e-5),
 }
 
 
@@ -49,7 +55,7 @@ class Config:
     layers: int = 8             # L: number of decoder layers
     heads: int = 4              # H: query heads; head_dim = hidden / heads
     kv_heads: int = 2           # KV: key/value heads (grouped-query attention when < heads)
-    ffn: int = 448              # f: SwiGLU intermediate size
+    ffn: int = 448              # f: SwiGLU intermediate size (of each expert, with experts > 0)
     max_seq: int = 512          # longest sequence the rotary table covers
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6      # RMSNorm epsilon
@@ -60,6 +66,11 @@ class Config:
     attention_tile: int = 128   # tiled: query and key rows per tile
     loss_chunk: int = 0         # tokens per chunk of the LM head and loss; 0: all B*T at once
     rope_scaling: dict = field(default=None, compare=False, hash=False)  # None or Llama 3.1 "llama3"
+    # mixture of experts (picockpt/moe.py), as Hugging Face's Mixtral
+    experts: int = 0            # E: routed experts per layer (num_local_experts); 0: the dense MLP
+    experts_per_token: int = 2  # k: each token goes to its k most probable experts (num_experts_per_tok)
+    shared_expert_ffn: int = 0  # width of an always-on shared expert beside the routed ones; 0: none
+    router_jitter: float = 0.0  # j: the MoE input times U(1 - j, 1 + j) noise in training (router_jitter_noise)
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq"):
@@ -104,6 +115,27 @@ class Config:
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"Config.tie_embeddings={self.tie_embeddings!r}: must be True or False")
         check_rope_scaling(self.rope_scaling)
+        self._check_experts()
+
+    def _check_experts(self):
+        for name, least in (("experts", 0), ("experts_per_token", 1), ("shared_expert_ffn", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Config.{name}={value!r}: must be a whole number >= {least}")
+        jitter = self.router_jitter
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0.0 <= jitter < 1.0:
+            raise ValueError(f"Config.router_jitter={jitter!r}: must be a number in [0, 1) (the noise is "
+                             f"U(1 - j, 1 + j); Switch Transformer used 0.01)")
+        E, k = self.experts, self.experts_per_token
+        if E == 0:  # a dense model: the MoE fields must keep their defaults, not be ignored in silence
+            for name, default in (("experts_per_token", 2), ("shared_expert_ffn", 0), ("router_jitter", 0.0)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"Config.{name}={getattr(self, name)!r} with experts=0: it belongs to a mixture "
+                                     f"of experts and a dense MLP has none; set experts > 0 (e.g. experts=8) "
+                                     f"or leave {name} at {default!r}")
+        elif k > E:
+            raise ValueError(f"Config.experts_per_token={k} is larger than experts={E}: each token goes to k "
+                             f"different experts; use 1 <= experts_per_token <= {E}")
 
     # -- derived sizes -----------------------------------------------------
     @property
@@ -113,6 +145,10 @@ class Config:
     @property
     def kv_dim(self):                   # width of k and v: KV * hd
         return self.kv_heads * self.head_dim
+
+    @property
+    def draws_random(self):             # a step draws random numbers: dropout masks or router jitter
+        return self.dropout > 0 or self.router_jitter > 0
 
     @property
     def torch_dtype(self):              # dtype of activations and matmuls
@@ -138,8 +174,9 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     def num_params(self):
-        h, f, V = self.hidden, self.ffn, self.vocab
-        per_layer = h * (h + 2 * self.kv_dim + h) + 3 * h * f + 2 * h
+        h, f, V, E = self.hidden, self.ffn, self.vocab, self.experts
+        mlp = 3 * h * f if E == 0 else E * h + E * 3 * h * f + 3 * h * self.shared_expert_ffn  # router, experts
+        per_layer = h * (h + 2 * self.kv_dim + h) + mlp + 2 * h
         return V * h * (1 if self.tie_embeddings else 2) + self.layers * per_layer + h
 
     # -- constructors ------------------------------------------------------
@@ -151,8 +188,8 @@ class Config:
 
     @classmethod
     def from_hf(cls, d, **overrides):
-        """From a Hugging Face LlamaConfig.to_dict() (transformers 4.x or 5.x spelling); any other model
-        family, and any key that would change the computation, is refused (picockpt/hf.py)."""
+        """From a Hugging Face LlamaConfig or MixtralConfig .to_dict() (transformers 4.x or 5.x spelling);
+        any other model family, and any key that would change the computation, is refused (picockpt/hf.py)."""
         return cls(**{**fields_from_hf(d), **overrides})
 
 

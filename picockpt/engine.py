@@ -9,6 +9,13 @@
               -> embedding
 
     loss, grads = loss_and_grads(params, cfg, input_ids, targets, policy="every:2")
+
+The loop (Step) talks to the model through a few parts: embed, layer forward/backward, head
+forward/backward, embedding backward, and how a layer's input is kept and fetched back. Model
+below gives it picockpt's single-process model; picockpt/parallel/tp_model.py gives it one
+tensor-parallel rank's share of the same model (its parts cross ranks inside, the loop does not
+change). A pipeline stage would be a model of layers first..last whose embed() returns the
+activation it receives and whose head returns the gradient it receives.
 """
 import contextlib
 
@@ -44,94 +51,148 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
     LlamaForCausalLM.state_dict(keep_vars=True) gives them, build no graph beside the engine."""
     policy = parse_policy(policy, cfg)
     check_params(params, cfg)
-    input_ids, targets = _check_batch(cfg, input_ids, targets, params)
-    with torch.no_grad():
-        return _step(params, cfg, input_ids, targets, policy, tracker, trace)
-
-
-def _step(params, cfg, input_ids, targets, policy, tracker, trace):
-    tracker = tracker or _NoTracker()
-    say = trace if callable(trace) else print  # where --trace lines go
+    input_ids, targets = check_batch(cfg, input_ids, targets, params)
     B, T = input_ids.shape
-    L, drop = cfg.layers, policy.drop
-    schedule = policy.schedule(cfg, B, T)
-    store = ActivationStore(listener=tracker)
-    generator = _generator(input_ids.device)
-    rng_states = {}  # layer -> RNG state just before its forward, for every stored layer input
-    stored_names = list(layer_inventory(cfg, B, T))  # what a layer could keep (for --trace)
+    with torch.no_grad():
+        step = Step(Model(params, cfg, input_ids, targets), policy.schedule(cfg, B, T), policy.drop, tracker, trace)
+        loss = step.forward()
+        return loss, step.backward()
 
-    def layer_drop(mode):  # a schedule may give one layer its own op level: "all:selective"
-        return OP_LEVEL[mode.partition(":")[2]] if ":" in mode else drop
 
-    def run_layers(first, last, x, mode_of, stop_early=False):
+class Model:
+    """picockpt's model as the loop sees it, in one process: the embedding, L layers, the head.
+    What any model gives the loop: cfg, params, input_ids, layers (a range) and layer_names;
+    start(tracker), embed(), keep_input/load_input, layer_forward/layer_backward,
+    head_forward/head_backward and embed_backward."""
+
+    def __init__(self, params, cfg, input_ids, targets):
+        self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
+        self.layers = range(cfg.layers)  # the layers this model runs, in order
+        self.layer_names = list(layer_inventory(cfg, *input_ids.shape))  # what a layer could keep (--trace)
+
+    def start(self, tracker):  # first thing in the forward: the weights of this step, the rotary tables
+        cfg = self.cfg
+        self.weights = compute_weights(self.params, cfg)  # 16-bit copies under mixed precision
+        for tensor in self.weights.values():
+            tracker.mark(tensor, "weights")
+        self.rope = rope_tables(cfg, self.input_ids.shape[1], self.input_ids.device, cfg.torch_dtype)  # (T, hd) x2
+        self.weights_of = [layer_weights(self.weights, i) for i in self.layers]  # per layer, by role
+
+    def embed(self):
+        return embedding_forward(self.input_ids, self.weights[EMBED])  # (B, T, h)
+
+    def keep_input(self, store, k, x, whole):  # a checkpoint; whole: the layer's activations follow
+        store.put(k, "input", x)  # (B, T, h)
+
+    def load_input(self, store, k, whole):  # the input of layer k, to recompute from
+        return store.get(k, "input")  # (B, T, h)
+
+    def layer_forward(self, k, x, store, drop, need_output):
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, need_output)  # (B, T, h)
+
+    def layer_backward(self, k, dx, store):  # -> dx (B, T, h) and a LayerWeights of weight gradients
+        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k)
+
+    def head_forward(self, x, store, drop):
+        return head_forward(x, self.weights, self.cfg, self.targets, store, drop)  # scalar
+
+    def head_backward(self, store):
+        return head_backward(self.weights, self.cfg, self.targets, store)  # (B, T, h), {name: grad}
+
+    def embed_backward(self, dx):
+        return embedding_backward(dx, self.input_ids, self.weights[EMBED].shape)  # (V, h)
+
+
+class Step:
+    """One step through `model` under a Schedule (picockpt/policy.py): forward() then backward().
+    drop: the names the policy's op level drops; a schedule may give a layer its own."""
+
+    def __init__(self, model, schedule, drop=frozenset(), tracker=None, trace=False):
+        self.model, self.schedule, self.drop = model, schedule, drop
+        self.tracker = tracker or _NoTracker()
+        self.trace, self.say = trace, trace if callable(trace) else print  # where --trace lines go
+        self.store = ActivationStore(listener=self.tracker)
+        self.generator = _generator(model.input_ids.device)
+        self.rng_states = {}  # layer -> RNG state just before its forward, for every stored layer input
+
+    def layer_drop(self, mode):  # a schedule may give one layer its own op level: "all:selective"
+        return OP_LEVEL[mode.partition(":")[2]] if ":" in mode else self.drop
+
+    def run_layers(self, first, last, x, mode_of, stop_early=False):
         """Forward layers first..last from x, each stored as mode_of(k) says; returns the output.
         stop_early: the last layer's output is not needed (a recompute sweep ends where the
         backward starts), so it stops at the last tensor its backward needs."""
+        model, store = self.model, self.store
         for k in range(first, last + 1):
             mode = mode_of(k)
+            stored = mode.startswith("all")  # "all" or "all:selective" / "all:cheap": its activations too
             if mode != "none" and not store.has(k, "input"):
-                store.put(k, "input", x)  # a checkpoint: recomputation can start here
-                if cfg.dropout > 0:
-                    rng_states[k] = generator.get_state()
-            keep = store if mode.startswith("all") else None  # "all" or "all:selective" / "all:cheap"
-            whole = not (stop_early and k == last)
-            x = layer_forward(x, weights_of[k], cfg, rope, keep, k, layer_drop(mode), need_output=whole)
-            if trace:
-                dropped = [name for name in stored_names if name not in store.names(k)]
-                say(f"forward layer {k} ({mode}): kept {store.names(k) or 'nothing'}, dropped {dropped or 'nothing'}")
+                model.keep_input(store, k, x, whole=stored)  # a checkpoint: recomputation can start here
+                if model.cfg.draws_random:  # dropout masks or router jitter: replayed when recomputed
+                    self.rng_states[k] = self.generator.get_state()
+            keep = store if stored else None
+            need_output = not (stop_early and k == last)
+            x = model.layer_forward(k, x, keep, self.layer_drop(mode), need_output)
+            if self.trace:
+                dropped = [name for name in model.layer_names if name not in store.names(k)]
+                self.say(f"forward layer {k} ({mode}): kept {store.names(k) or 'nothing'}, "
+                         f"dropped {dropped or 'nothing'}")
         return x
 
-    # ---- forward ----
-    with tracker.phase("forward"):
-        weights = compute_weights(params, cfg)  # 16-bit copies under mixed precision
-        for tensor in weights.values():
-            tracker.mark(tensor, "weights")
-        rope = rope_tables(cfg, T, input_ids.device, cfg.torch_dtype)  # (T, hd) cos, sin
-        weights_of = [layer_weights(weights, i) for i in range(L)]  # per layer, by role
-        x = embedding_forward(input_ids, weights[EMBED])  # (B, T, h)
-        x = run_layers(0, L - 1, x, lambda k: schedule.forward[k])  # (B, T, h)
-        loss = head_forward(x, weights, cfg, targets, store, layer_drop(schedule.head))  # scalar
-        del x
-    if trace:
-        say(f"loss {loss.item():.4f}; stored {store.bytes:,} bytes")
+    def forward(self):
+        model, schedule, tracker = self.model, self.schedule, self.tracker
+        first, last = model.layers[0], model.layers[-1]
+        with tracker.phase("forward"):
+            model.start(tracker)
+            x = model.embed()  # (B, T, h)
+            x = self.run_layers(first, last, x, lambda k: schedule.forward[k])  # (B, T, h)
+            loss = model.head_forward(x, self.store, self.layer_drop(schedule.head))  # scalar
+            del x
+        if self.trace:
+            self.say(f"loss {loss.item():.4f}; stored {self.store.bytes:,} bytes")
+        return loss
 
-    # ---- backward ----
-    grads = {}
+    def backward(self):
+        model, schedule, store, tracker = self.model, self.schedule, self.store, self.tracker
+        cfg, grads = model.cfg, {}
 
-    def keep_grad(name, grad):  # to the master weights' dtype at once (a no-op in fp32 and fp64)
-        grads[name] = grad.to(cfg.param_dtype)
-        tracker.mark(grads[name], "gradients")
+        def keep_grad(name, grad):  # to the master weights' dtype at once (a no-op in fp32 and fp64)
+            grads[name] = grad.to(cfg.param_dtype)
+            tracker.mark(grads[name], "gradients")
 
-    with tracker.phase("backward"):
-        dx, head_grads = head_backward(weights, cfg, targets, store)  # (B, T, h)
-        for name, grad in head_grads.items():
-            keep_grad(name, grad)
-        for i in reversed(range(L)):
-            if not store.has(i, "attn_norm.rstd"):  # layer i's activations are gone (no policy drops rstd)
-                j = next(k for k in range(i, -1, -1) if store.has(k, "input"))  # nearest checkpoint
-                if trace:
-                    say(f"recompute segment [{j}..{i}] from the input of layer {j}")
-                with tracker.phase("recompute"), _replay_rng(generator, rng_states.get(j)):
-                    run_layers(j, i, store.get(j, "input"), lambda k: schedule.sweep(k, i), schedule.stop_early)
-            dx, layer_grads = layer_backward(dx, weights_of[i], cfg, rope, store, i)  # (B, T, h)
-            rng_states.pop(i, None)
-            if trace:
-                say(f"backward layer {i}: dropped its activations; stored {store.bytes:,} bytes")
-            for role, grad in layer_grads._asdict().items():
-                keep_grad(layer_key(i, role), grad)
-        keep_grad(EMBED, embedding_backward(dx, input_ids, weights[EMBED].shape))  # (V, h)
-        if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses
-            keep_grad(EMBED, grads[EMBED] + grads[HEAD])  # (V, h)
-            grads[HEAD] = grads[EMBED]
-    grads = {name: grads[name].to(params[name].dtype) for name in params if name in grads}  # as given
-    assert store.bytes == 0, f"the store still holds {store.names(None)} after the backward"
-    return loss, grads
+        with tracker.phase("backward"):
+            dx, head_grads = model.head_backward(store)  # (B, T, h)
+            for name, grad in head_grads.items():
+                keep_grad(name, grad)
+            for i in reversed(model.layers):
+                if not store.has(i, "attn_norm.rstd"):  # layer i's activations are gone (no policy drops rstd)
+                    j = next(k for k in range(i, model.layers[0] - 1, -1) if store.has(k, "input"))  # nearest one
+                    if self.trace:
+                        self.say(f"recompute segment [{j}..{i}] from the input of layer {j}")
+                    with tracker.phase("recompute"), _replay_rng(self.generator, self.rng_states.get(j)):
+                        x = model.load_input(store, j, whole=schedule.sweep(j, i).startswith("all"))  # (B, T, h)
+                        self.run_layers(j, i, x, lambda k: schedule.sweep(k, i), schedule.stop_early)
+                        del x
+                dx, layer_grads = model.layer_backward(i, dx, store)  # (B, T, h)
+                self.rng_states.pop(i, None)
+                if self.trace:
+                    self.say(f"backward layer {i}: dropped its activations; stored {store.bytes:,} bytes")
+                for role, grad in layer_grads._asdict().items():
+                    keep_grad(layer_key(i, role), grad)
+            keep_grad(EMBED, model.embed_backward(dx))  # (V, h)
+            if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses
+                keep_grad(EMBED, grads[EMBED] + grads[HEAD])  # (V, h)
+                grads[HEAD] = grads[EMBED]
+        params = model.params
+        grads = {name: grads[name].to(params[name].dtype) for name in params if name in grads}  # as given
+        assert store.bytes == 0, f"the store still holds {store.names(None)} after the backward"
+        return grads
 
 
 @contextlib.contextmanager
 def _replay_rng(generator, state):
-    """Run the block with the generator set to `state`, then put the generator back:
-    recomputed dropout masks equal the first ones, and the rest of the step is unaffected."""
+    """Run the block with the generator set to `state`, then put the generator back: recomputed
+    dropout masks and router jitter noise equal the first ones, and the rest of the step is unaffected."""
     if state is None:
         yield
         return
@@ -149,7 +210,7 @@ def _generator(device):
     return torch.default_generator
 
 
-def _check_batch(cfg, input_ids, targets, params):
+def check_batch(cfg, input_ids, targets, params):
     """Token ids and targets: (batch, seq) integer tensors on the parameters' device, ids in [0, vocab),
     targets in [0, vocab) or IGNORE_INDEX, at least one target counted. Returns them as int64."""
     for name, tensor in (("input_ids", input_ids), ("targets", targets)):

@@ -84,11 +84,14 @@ def head_backward(weights, cfg, targets, store):
         for start, end in _chunks(B * T, cfg.loss_chunk):
             chunk = rows[start:end]  # (n, h)
             logits = store.rebuild(None, "lm_head.logits", lambda: linear_forward(chunk, W))  # (n, V) again
-            dlogits = cross_entropy_backward(scale, logits, ys[start:end], cfg.stat_dtype, lse[start:end])  # (n, V)
+            dlogits = cross_entropy_backward(scale, logits, ys[start:end], cfg.stat_dtype, lse[start:end],
+                                             inplace=True)  # (n, V) in the logits' memory when it can
             del logits
-            dxn[start:end], d_chunk = linear_backward(dlogits, chunk, W)  # (n, h), (V, h)
+            dxn[start:end] = dlogits @ W  # (n, h) dx = dy W, as linear_backward
+            if d_head.dtype == dlogits.dtype:
+                torch.addmm(d_head, dlogits.T, chunk, out=d_head)  # (V, h) dW += dy^T x in place: no (V, h) temporary
+            else:  # mixed precision: the chunk's product in 16 bits, summed over chunks in fp32
+                d_head += dlogits.T @ chunk  # (V, h)
             del dlogits
-            d_head += d_chunk  # (V, h)
-            del d_chunk
     dx, d_norm = rmsnorm_backward(dxn.view(B, T, h), x, rstd, weights[FINAL_NORM])  # (B, T, h), (h,)
     return dx, {HEAD: d_head, FINAL_NORM: d_norm}

@@ -1,16 +1,27 @@
 """Reading a Hugging Face config: exactly the models picockpt computes, and nothing else.
 
     cfg = Config.from_hf(LlamaForCausalLM(...).config.to_dict())
+    cfg = Config.from_hf(MixtralForCausalLM(...).config.to_dict())
 
 A config dict is accepted only when picockpt would compute the very same model: model_type
-"llama" (or no model_type at all, for a dict written by hand), no biases, SiLU, plain or Llama 3.1
-RoPE, head_dim = hidden / heads. Every other key is either one picockpt reads, or metadata and
-generation settings that do not change a training step; anything else is refused by name, since
-picockpt cannot tell whether it changes the computation (a Qwen2 config's q/k/v biases, a Mistral
-config's sliding window, ...). Both transformers 4.x and 5.x spellings are read.
+"llama" (or no model_type at all, for a dict written by hand) or "mixtral", no biases, SiLU, plain
+or Llama 3.1 RoPE, head_dim = hidden / heads. Every other key is either one picockpt reads, or
+metadata and generation settings that do not change a training step; anything else is refused by
+name, since picockpt cannot tell whether it changes the computation (a Qwen2 config's q/k/v biases,
+a Mistral config's sliding window, ...). Both transformers 4.x and 5.x spellings are read.
+
+Mixtral (picockpt/moe.py): num_local_experts, num_experts_per_tok and router_jitter_noise become
+experts, experts_per_token and router_jitter (Hugging Face applies the jitter in training mode only;
+a picockpt step is always a training step). Two Mixtral features are refused rather than ignored:
+  - sliding_window set: picockpt's attention is full causal (Mixtral 8x7B's own config says null);
+  - output_router_logits true: that adds router_aux_loss_coef x the load-balancing loss (Switch
+    Transformer's) to the loss, which picockpt does not compute. router_aux_loss_coef alone is read
+    and has no effect, as in Hugging Face when output_router_logits is false.
 """
 
-SUPPORTED_TYPES = ("llama",)
+SUPPORTED_TYPES = ("llama", "mixtral")
+MIXTRAL = {"num_local_experts", "num_experts_per_tok", "router_jitter_noise", "output_router_logits",
+           "router_aux_loss_coef", "sliding_window"}  # keys a Mixtral config adds to Llama's
 
 # keys picockpt reads (4.x and 5.x spellings)
 READ = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -45,12 +56,14 @@ def fields_from_hf(d):
         raise ValueError(f"Config.from_hf takes a dict (config.to_dict()), got {type(d).__name__}")
     kind = d.get("model_type", "llama")
     if kind not in SUPPORTED_TYPES:
-        raise ValueError(f"model_type={kind!r}: picockpt implements {', '.join(SUPPORTED_TYPES)} only; a "
+        raise ValueError(f"model_type={kind!r}: picockpt implements {' and '.join(SUPPORTED_TYPES)} only; a "
                          f"{kind} model computes something else (biases, windows, other norms), so it is refused")
-    unknown = sorted(set(d) - READ - METADATA)
+    family = "Mixtral" if kind == "mixtral" else "Llama"
+    unknown = sorted(set(d) - READ - METADATA - (MIXTRAL if kind == "mixtral" else set()))
     if unknown:
-        raise ValueError(f"config key(s) {', '.join(map(repr, unknown))} are not part of a Llama config: picockpt "
+        raise ValueError(f"config key(s) {', '.join(map(repr, unknown))} are not part of a {family} config: picockpt "
                          f"cannot tell whether they change the computation; remove them if they do not")
+    moe = _mixtral_fields(d) if kind == "mixtral" else {}
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={d['hidden_act']!r}: picockpt's MLP is SwiGLU (silu)")
     for flag in ("attention_bias", "mlp_bias"):
@@ -81,7 +94,22 @@ def fields_from_hf(d):
                 kv_heads=d.get("num_key_value_heads") or heads, ffn=d["intermediate_size"],
                 max_seq=d["max_position_embeddings"], rope_theta=float(theta), norm_eps=d["rms_norm_eps"],
                 tie_embeddings=d.get("tie_word_embeddings", False), dtype=str(dtype).replace("torch.", ""),
-                rope_scaling=scaling)
+                rope_scaling=scaling, **moe)
+
+
+def _mixtral_fields(d):
+    """experts, experts_per_token and router_jitter of a MixtralConfig dict; its unimplemented features refused."""
+    if d.get("sliding_window") is not None:
+        raise ValueError(f"sliding_window={d['sliding_window']}: picockpt's attention is full causal, it has no "
+                         f"sliding window; set sliding_window=None (Mixtral 8x7B's config has null)")
+    if d.get("output_router_logits"):
+        raise ValueError("output_router_logits=True: Hugging Face then adds router_aux_loss_coef x the load-balancing "
+                         "loss to the loss, and picockpt computes no auxiliary loss; set output_router_logits=False")
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        if key not in d:
+            raise ValueError(f"the Mixtral config lacks {key}: give a complete MixtralConfig.to_dict()")
+    return dict(experts=d["num_local_experts"], experts_per_token=d["num_experts_per_tok"],
+                router_jitter=float(d.get("router_jitter_noise") or 0.0))
 
 
 def check_rope_scaling(scaling):

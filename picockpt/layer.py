@@ -33,12 +33,14 @@ hd head_dim, f ffn, e bytes per activation element, s bytes per statistic):
 The attention core (picockpt/attention.py) keeps what its kind (Config.attention) needs:
 eager the probabilities, tiled and fused one log-sum-exp per row, recomputing the probabilities
 tile by tile in the backward (FlashAttention: selective recomputation inside the op).
+With Config.experts > 0 a mixture of experts (picockpt/moe.py) takes the MLP's place, and keeps
+moe.* tensors instead of mlp.gate, mlp.up, mlp.act (one set per expert: moe.act[3] is expert 3's).
 picockpt/inventory.py computes the same table in closed form.
 """
 from .attention import attention_core_backward, attention_core_forward, needs_output
 from .ops import (dropout_backward, dropout_forward, dropout_mask, linear_backward, linear_forward, rmsnorm_apply,
                   rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
-from .params import LayerWeights
+from .moe import moe_block_backward, moe_block_forward
 
 
 def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_output=True):
@@ -47,8 +49,8 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_ou
     The layer input itself is stored by the engine, which decides the checkpoints.
     need_output=False stops once the last tensor the backward needs is kept (returns None):
     the down projection and the residual add are skipped."""
-    def keep(name, tensor):
-        if store is not None and name not in drop:
+    def keep(name, tensor):  # an expert's tensor, "moe.act[3]", is dropped with its kind, "moe.act"
+        if store is not None and name.partition("[")[0] not in drop:
             store.put(i, name, tensor)
 
     B, T, h = x.shape
@@ -68,7 +70,10 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_ou
     xn2, rstd2 = rmsnorm_forward(h_mid, w.mlp_norm, cfg.norm_eps, stat)  # (B, T, h), (B, T, 1)
     keep("mlp_norm.rstd", rstd2)
     keep("mlp_norm.output", xn2)
-    m = mlp_block_forward(xn2, w, keep, project=need_output)  # (B, T, h), or None
+    if cfg.experts:  # a mixture of experts in the MLP's place (picockpt/moe.py)
+        m = moe_block_forward(xn2, w, cfg, keep, project=need_output)  # (B, T, h), or None
+    else:
+        m = mlp_block_forward(xn2, w, keep, project=need_output)  # (B, T, h), or None
     if not need_output:
         if p > 0:  # the same draw as below, so the RNG and the mask are as in the first forward
             keep("mlp.dropout_mask", dropout_mask((B, T, h), p, x.device))  # (B, T, h) bool
@@ -81,7 +86,7 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_ou
 
 
 def layer_backward(dout, w, cfg, rope, store, i):
-    """dout (B, T, h) -> dx (B, T, h) and the LayerWeights of weight gradients.
+    """dout (B, T, h) -> dx (B, T, h) and the weight gradients, by role (the same namedtuple as w).
     Takes (pops) layer i's tensors out of the store as it last uses them; a dropped
     one is rebuilt by the one-line recipe beside it, from tensors it already has.
     `del` marks each tensor's last use: a local name would otherwise keep it alive to
@@ -96,7 +101,11 @@ def layer_backward(dout, w, cfg, rope, store, i):
     dm = lambda: dout if p == 0 else dropout_backward(dout, take("mlp.dropout_mask"), p)  # noqa: E731 (B, T, h)
     h_mid, rstd2 = take("mlp_norm.input"), take("mlp_norm.rstd")  # (B, T, h), (B, T, 1)
     normed = lambda: take("mlp_norm.output", rebuild=lambda: rmsnorm_apply(h_mid, rstd2, w.mlp_norm))  # noqa: E731
-    dxn2, (d_gate, d_up, d_down) = mlp_block_backward(dm, normed, w, take)  # (B, T, h)
+    if cfg.experts:  # the router's and experts' gradients, by role (picockpt/moe.py)
+        dxn2, mlp_grads = moe_block_backward(dm, normed, w, cfg, take)  # (B, T, h), {role: gradient}
+    else:
+        dxn2, (d_gate, d_up, d_down) = mlp_block_backward(dm, normed, w, take)  # (B, T, h)
+        mlp_grads = dict(gate=d_gate, up=d_up, down=d_down)
     dh, d_mlp_norm = rmsnorm_backward(dxn2, h_mid, rstd2, w.mlp_norm)  # (B, T, h), (h,)
     del dxn2, h_mid, rstd2
     dh += dout  # (B, T, h) both paths into h_mid: the norm and the residual
@@ -108,8 +117,7 @@ def layer_backward(dout, w, cfg, rope, store, i):
     dx, d_attn_norm = rmsnorm_backward(dxn, x, rstd, w.attn_norm)  # (B, T, h), (h,)
     del dxn, x, rstd
     dx += dh  # (B, T, h) the norm and the residual path into x
-    grads = LayerWeights(attn_norm=d_attn_norm, q=d_q, k=d_k, v=d_v, o=d_o,
-                         mlp_norm=d_mlp_norm, gate=d_gate, up=d_up, down=d_down)
+    grads = w._replace(attn_norm=d_attn_norm, q=d_q, k=d_k, v=d_v, o=d_o, mlp_norm=d_mlp_norm, **mlp_grads)
     return dx, grads
 
 

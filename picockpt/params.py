@@ -2,7 +2,16 @@
 
     params = init_params(cfg, seed=0)   # {"model.embed_tokens.weight": (V, h), ...}
 
-A real LlamaForCausalLM.state_dict() is a valid params dict as it is.
+A real LlamaForCausalLM.state_dict() is a valid params dict as it is. With Config.experts = E > 0
+the MLP of every layer is a mixture of experts (picockpt/moe.py) named as MixtralForCausalLM
+names it, so a Mixtral state_dict() is valid too:
+
+    model.layers.{i}.mlp.gate.weight              (E, h)       the router
+    model.layers.{i}.mlp.experts.gate_up_proj     (E, 2f, h)   rows 0..f-1 gate, f..2f-1 up, per expert
+    model.layers.{i}.mlp.experts.down_proj        (E, h, f)
+  with a shared expert (Config.shared_expert_ffn = fs > 0; Mixtral has none; named as DeepSeek-V2/V3
+  name their ungated shared experts):
+    model.layers.{i}.mlp.shared_experts.{gate_proj,up_proj}.weight (fs, h), .down_proj.weight (h, fs)
 """
 from collections import namedtuple
 
@@ -16,30 +25,48 @@ LAYER_NAMES = LayerWeights(  # role -> name inside "model.layers.{i}."
     v="self_attn.v_proj.weight", o="self_attn.o_proj.weight", mlp_norm="post_attention_layernorm.weight",
     gate="mlp.gate_proj.weight", up="mlp.up_proj.weight", down="mlp.down_proj.weight")
 
+# a mixture-of-experts layer: the same attention roles, then the router and the experts
+MoeLayerWeights = namedtuple("MoeLayerWeights", "attn_norm q k v o mlp_norm router experts_gate_up experts_down")
+SharedMoeLayerWeights = namedtuple("SharedMoeLayerWeights", MoeLayerWeights._fields + ("shared_gate", "shared_up",
+                                                                                       "shared_down"))
+ROLE_NAMES = {**LAYER_NAMES._asdict(), "router": "mlp.gate.weight", "experts_gate_up": "mlp.experts.gate_up_proj",
+              "experts_down": "mlp.experts.down_proj", "shared_gate": "mlp.shared_experts.gate_proj.weight",
+              "shared_up": "mlp.shared_experts.up_proj.weight", "shared_down": "mlp.shared_experts.down_proj.weight"}
+
 EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
 
 def layer_key(i, role):
-    return f"model.layers.{i}.{getattr(LAYER_NAMES, role)}"
+    return f"model.layers.{i}.{ROLE_NAMES[role]}"
+
+
+def layer_shapes(cfg):
+    """role -> shape of one layer's weights (the dense MLP's, or the router's and experts')."""
+    h, f, kv, E, fs = cfg.hidden, cfg.ffn, cfg.kv_dim, cfg.experts, cfg.shared_expert_ffn
+    shapes = dict(attn_norm=(h,), q=(h, h), k=(kv, h), v=(kv, h), o=(h, h), mlp_norm=(h,))
+    if E == 0:
+        return {**shapes, "gate": (f, h), "up": (f, h), "down": (h, f)}
+    shapes.update(router=(E, h), experts_gate_up=(E, 2 * f, h), experts_down=(E, h, f))
+    if fs:
+        shapes.update(shared_gate=(fs, h), shared_up=(fs, h), shared_down=(h, fs))
+    return shapes
 
 
 def param_shapes(cfg):
     """name -> shape, in state-dict order."""
-    h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_dim
-    shapes = {EMBED: (cfg.vocab, h)}
-    per_role = LayerWeights(attn_norm=(h,), q=(h, h), k=(kv, h), v=(kv, h), o=(h, h),
-                            mlp_norm=(h,), gate=(f, h), up=(f, h), down=(h, f))
+    shapes = {EMBED: (cfg.vocab, cfg.hidden)}
     for i in range(cfg.layers):
-        for role, shape in per_role._asdict().items():
+        for role, shape in layer_shapes(cfg).items():
             shapes[layer_key(i, role)] = shape
-    shapes[FINAL_NORM] = (h,)
+    shapes[FINAL_NORM] = (cfg.hidden,)
     if not cfg.tie_embeddings:
-        shapes[HEAD] = (cfg.vocab, h)
+        shapes[HEAD] = (cfg.vocab, cfg.hidden)
     return shapes
 
 
 def init_params(cfg, seed=0, device="cpu"):
-    """Normal(0, 0.02) matrices and unit norm weights, as Hugging Face initialises Llama.
+    """Normal(0, 0.02) matrices (router and expert tensors too) and unit norm weights, as Hugging Face
+    initialises Llama and Mixtral.
     Stored in cfg.param_dtype (fp32 master weights under 16-bit compute)."""
     generator = torch.Generator().manual_seed(seed)
     params = {}
@@ -86,4 +113,8 @@ def compute_weights(params, cfg):
 
 
 def layer_weights(weights, i):
-    return LayerWeights(*(weights[f"model.layers.{i}.{name}"] for name in LAYER_NAMES))
+    """Layer i's weights by role: a LayerWeights, or a (Shared)MoeLayerWeights when it has a router."""
+    kind = LayerWeights
+    if layer_key(i, "router") in weights:
+        kind = SharedMoeLayerWeights if layer_key(i, "shared_gate") in weights else MoeLayerWeights
+    return kind(*(weights[layer_key(i, role)] for role in kind._fields))

@@ -1,4 +1,5 @@
-"""Hugging Face transformers' LlamaForCausalLM with the same weights: the model people actually train.
+"""Hugging Face transformers' LlamaForCausalLM (MixtralForCausalLM for an MoE Config) with the same
+weights: the model people actually train.
 
     model = hf_llama(cfg, params, attention="sdpa", checkpointing=True)
     loss = hf_loss(model, input_ids, targets); loss.backward()
@@ -27,22 +28,33 @@ def check_supported(cfg):
     if cfg.dropout > 0:
         raise ValueError(f"dropout={cfg.dropout}: Hugging Face's Llama has no residual dropout, so it cannot run "
                          f"the same model; compare with dropout 0")
+    if cfg.experts and cfg.shared_expert_ffn:
+        raise ValueError(f"shared_expert_ffn={cfg.shared_expert_ffn}: Mixtral has no shared expert, so no Hugging Face "
+                         f"model computes this one; compare with shared_expert_ffn=0")
     if cfg.dtype not in ("float32", "float64"):
         raise ValueError(f"dtype={cfg.dtype}: the Hugging Face peers run in fp32/fp64 only (picockpt's mixed "
                          f"precision keeps fp32 master weights, which a plain .to(bf16) model would not)")
 
 
 def hf_llama(cfg, params, attention="sdpa", checkpointing=False, device="cpu"):
-    """A LlamaForCausalLM holding picockpt's params (same names), in training mode."""
+    """A LlamaForCausalLM (MixtralForCausalLM when cfg.experts) holding picockpt's params, in training mode."""
     import transformers
     check_supported(cfg)
-    config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_seq, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0)
+    shape = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
+                 num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                 max_position_embeddings=cfg.max_seq, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+                 tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0, rope_scaling=cfg.rope_scaling)
+    if cfg.experts:  # Mixtral: the same attention, a sparse MoE MLP
+        config = transformers.MixtralConfig(**shape, num_local_experts=cfg.experts,
+                                            num_experts_per_tok=cfg.experts_per_token,
+                                            router_jitter_noise=cfg.router_jitter, output_router_logits=False)
+        config._experts_implementation = "eager"  # each expert on its tokens, as picockpt's moe.py
+        family = transformers.MixtralForCausalLM
+    else:
+        config = transformers.LlamaConfig(**shape)
+        family = transformers.LlamaForCausalLM
     config._attn_implementation = attention
-    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=cfg.param_dtype)
+    model = family(config).to(device=device, dtype=cfg.param_dtype)
     model.load_state_dict(params, strict=not cfg.tie_embeddings)  # a tied model has no lm_head of its own
     model.config.use_cache = False
     if checkpointing:

@@ -13,7 +13,10 @@ or "all:cheap" without the final norm's output). Stage k has
                     keeps everything (R = 0); "all:selective" / "all:cheap" drop what the backward
                     can rebuild, and the rebuild of the attention probabilities costs one q k^T,
                     R = 2*B*H*T^2*hd FLOPs, counted as recompute (under tiled or fused attention
-                    there are no probabilities to drop: selective changes nothing and costs nothing).
+                    there are no probabilities to drop: selective changes nothing and costs nothing);
+                    with experts also "all:moe" and the like, R = the experts' gate/up projections.
+                    A mixture-of-experts layer's bytes and FLOPs do not depend on its routing
+                    (picockpt/inventory.py), so the chain needs no per-expert token counts.
     inner_flops     what its backward recomputes inside an op whatever the schedule: tiled attention's
                     q k^T, a chunked head's logits. A constant of every plan, added by replay().
 
@@ -61,7 +64,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inventory import head_inventory, inner_recompute_flops, layer_flops, layer_inventory, total
+from .inventory import (head_inventory, inner_recompute_flops, layer_flops, layer_inventory, rebuild_flops, tail_flops,
+                        total)
 from .policy import OP_LEVEL, Schedule
 
 
@@ -90,14 +94,13 @@ def model_chain(cfg, batch, seq, drop=frozenset()):
     """Stages 0..L-1 (the layers) and L (the head), from the closed forms of inventory.py. A layer
     may drop more than `drop` (the policy's op level), never less."""
     drop = frozenset(drop)
-    scores = layer_flops(cfg, batch, seq)["scores"]  # the q k^T a dropped attn.probs is rebuilt with
-    stored = layer_inventory(cfg, batch, seq)  # under tiled/fused there are no probabilities to drop
+    stored = layer_inventory(cfg, batch, seq)
     levels = [("all", drop)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > drop]
     variants = {}  # (bytes, rebuild FLOPs) -> the first mode that gives them
-    for mode, names in levels:
-        rebuild = scores if "attn.probs" in names and "attn.probs" in stored else 0
+    for mode, names in levels:  # rebuilds: the q k^T of dropped probabilities (eager), experts' projections
+        rebuild = rebuild_flops(cfg, batch, seq, names)
         variants.setdefault((total(layer_inventory(cfg, batch, seq, names)), rebuild), mode)
-    down = 2 * batch * seq * cfg.ffn * cfg.hidden  # the down projection: a sweep's last layer skips it
+    down = tail_flops(cfg, batch, seq)  # the down projection(s): a sweep's last layer skips them
     inner_layer, inner_head = inner_recompute_flops(cfg, batch, seq)
     layer = Stage(sum(layer_flops(cfg, batch, seq).values()), stored["input"][2],
                   tuple((mode, a, r) for (a, r), mode in variants.items()), tail_flops=down, inner_flops=inner_layer)

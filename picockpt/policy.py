@@ -7,13 +7,23 @@ Layer level (at most one):
                   of a segment recomputes its C layers from that input, then drops them
     budget:SIZE   the cheapest schedule whose stored bytes fit SIZE (e.g. 48MiB, 1.5GiB, 1000000),
                   planned by picockpt/planner.py
-Op level (inside every layer that is kept; at most one):
+Op level (inside every layer that is kept; at most one of each line):
     selective     drop the attention probabilities (the T x T tensors); rebuild them from q, k.
                   Under tiled or fused attention (Config.attention) nothing is left to drop: those
                   never store the probabilities, they recompute them inside the op
-    cheap         selective, and also the tensors rebuilt elementwise: norm outputs, the SwiGLU product
-                  (with tiled or fused attention, those alone)
-Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective.
+    cheap         selective, and also the tensors rebuilt elementwise: norm outputs, the SwiGLU
+                  products (the MLP's, or every expert's) (with tiled or fused attention, those alone)
+  mixture-of-experts layers only (Config.experts > 0; named after Megatron-LM's --recompute-modules):
+    moe_act       drop the experts' SwiGLU products; rebuild each from its kept gate and up projections
+    moe           drop all the experts keep (gate/up projections and products): keep only the router
+                  output and the routing decision, and run each expert's gate/up projection again
+  with a shared expert (Config.shared_expert_ffn > 0):
+    shared_experts  drop the shared expert's projections and product; project again in the backward
+Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective,  selective+moe,
+                   cheap+moe+shared_experts.
+No option drops the router's output: E probabilities per token (32 bytes for Mixtral's 8 in fp32)
+against k*3f activations per token (172,032 bytes for Mixtral 8x7B in bf16); rebuilt, it would also
+have to pick the very same experts again. The routing decision stays stored whatever the policy.
 
 A layer is forwarded in one of three modes:
     "all"    store its input and its activations (minus the op-level drops); a schedule
@@ -24,15 +34,35 @@ A layer is forwarded in one of three modes:
 import re
 from dataclasses import dataclass
 
-# op level: the names each choice drops (the layer's backward has a rebuild recipe for each)
+# op level: the names each choice drops (the layer's backward has a rebuild recipe for each). An
+# expert's tensor, "moe.act[3]", is dropped with its kind, "moe.act" (picockpt/moe.py).
 SELECTIVE = frozenset({"attn.probs", "attn.probs_dropped"})
-CHEAP = SELECTIVE | {"attn_norm.output", "mlp_norm.output", "mlp.act", "final_norm.output"}
-OP_LEVEL = {"selective": SELECTIVE, "cheap": CHEAP}
+CHEAP = SELECTIVE | {"attn_norm.output", "mlp_norm.output", "mlp.act", "final_norm.output", "moe.act",
+                     "moe.shared_act"}
+MOE_ACT = frozenset({"moe.act"})
+MOE = MOE_ACT | {"moe.gate_up"}
+SHARED_EXPERTS = frozenset({"moe.shared_gate", "moe.shared_up", "moe.shared_act"})
+CHOICES = ({"selective": SELECTIVE, "cheap": CHEAP},  # at most one of each group, in this order
+           {"moe_act": MOE_ACT, "moe": MOE},
+           {"shared_experts": SHARED_EXPERTS})
+MOE_CHOICES = ("moe_act", "moe", "shared_experts")  # only for mixture-of-experts layers
+
+
+def _combinations():
+    """Every op level a policy can name, e.g. "selective+moe", -> the union of the names it drops."""
+    levels = {(): frozenset()}
+    for group in CHOICES:
+        levels.update({key + (name,): drop | names for key, drop in list(levels.items())
+                       for name, names in group.items()})
+    return {"+".join(key): drop for key, drop in levels.items() if key}
+
+
+OP_LEVEL = _combinations()  # "selective", "cheap", "moe", "selective+moe_act", ... -> names dropped
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
-EXAMPLES = "none, full, every:4, selective, cheap, every:2+selective, budget:48MiB"
+EXAMPLES = "none, full, every:4, selective, cheap, every:2+selective, budget:48MiB, selective+moe (with experts)"
 
 
 @dataclass(frozen=True)
@@ -53,7 +83,7 @@ class Policy:
     text: str                    # the canonical spelling, e.g. "every:2+selective"
     segment: int = None          # C of every:C (full = 1); None keeps every layer
     budget: int = None           # bytes, for budget:SIZE
-    op_level: str = None         # None, "selective" or "cheap"
+    op_level: str = None         # None or a key of OP_LEVEL: "selective", "cheap", "moe", "cheap+moe_act" ...
 
     @property
     def drop(self):
@@ -63,6 +93,14 @@ class Policy:
         if self.segment is not None and self.segment > cfg.layers:
             raise ValueError(f"policy {self.text!r}: C={self.segment} is larger than the number of layers "
                              f"L={cfg.layers}; use every:C with 1 <= C <= {cfg.layers}")
+        chosen = (self.op_level or "").split("+")
+        for name in MOE_CHOICES:
+            if name in chosen and cfg.experts == 0:
+                raise ValueError(f"policy {self.text!r}: {name} recomputes parts of a mixture of experts, and this "
+                                 f"model's MLP is dense (Config.experts=0); use selective or cheap, or set experts > 0")
+        if "shared_experts" in chosen and cfg.shared_expert_ffn == 0:
+            raise ValueError(f"policy {self.text!r}: shared_experts, and the model has no shared expert "
+                             f"(Config.shared_expert_ffn=0); leave it out or set shared_expert_ffn > 0")
         return self
 
     def schedule(self, cfg, batch, seq):
@@ -97,15 +135,20 @@ def parse_policy(text, cfg=None):
         return text.check(cfg) if cfg is not None else text
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"policy {text!r} is empty: use one of {EXAMPLES}")
-    segment = budget = op_level = None
+    segment = budget = None
+    op_parts = [None] * len(CHOICES)  # the op-level choice of each group
     layer_level = None
     for original in text.strip().split("+"):
         original = original.strip()
         part = original.lower()
-        if part in OP_LEVEL:
-            if op_level is not None:
-                raise ValueError(f"policy {text!r}: choose one of selective or cheap (cheap includes selective)")
-            op_level = part
+        group = next((g for g, names in enumerate(CHOICES) if part in names), None)
+        if group is not None:
+            if op_parts[group] is not None:
+                if len(CHOICES[group]) == 1:
+                    raise ValueError(f"policy {text!r}: {part} is given twice; name it once")
+                first, second = CHOICES[group]
+                raise ValueError(f"policy {text!r}: choose one of {first} or {second} ({second} includes {first})")
+            op_parts[group] = part
             continue
         if layer_level is not None:
             raise ValueError(f"policy {text!r}: '{layer_level}' and '{part}' are both layer-level choices; "
@@ -126,6 +169,7 @@ def parse_policy(text, cfg=None):
             layer_level = "budget:" + original[len("budget:"):].strip()  # the size as the user wrote it
         else:
             raise ValueError(f"policy {text!r}: unknown part {part!r}; use one of {EXAMPLES}")
+    op_level = "+".join(p for p in op_parts if p) or None
     canonical = "+".join(p for p in (_layer_text(segment, budget, layer_level), op_level) if p) or "none"
     policy = Policy(text=canonical, segment=segment, budget=budget, op_level=op_level)
     return policy.check(cfg) if cfg is not None else policy

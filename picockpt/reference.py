@@ -5,7 +5,7 @@ Written independently of picockpt/ops (plain torch ops, Hugging Face's repeat_kv
 grouped-query attention), with the same parameter names, so
 ReferenceLlama(cfg).load_state_dict(params) runs the very same weights. Dropout masks
 come from the same helper and in the same order as in picockpt/layer.py, so with the
-same seed both draw the same masks.
+same seed both draw the same masks; the router jitter of a mixture of experts too.
 
 Mixed precision as torch.autocast does it: at the start of each forward every fp32 master
 weight is cast once to the activation dtype, and every use (a checkpoint's recomputation in
@@ -125,11 +125,68 @@ class MLP(nn.Module):
         return out
 
 
+class Experts(nn.Module):
+    """E SwiGLU experts as Hugging Face's MixtralExperts holds them: 3-d tensors, [gate; up] fused."""
+
+    def __init__(self, cfg, casts):
+        super().__init__()
+        self.casts, f, h, E = casts, cfg.ffn, cfg.hidden, cfg.experts
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * f, h, dtype=cfg.param_dtype))
+        self.down_proj = nn.Parameter(torch.zeros(E, h, f, dtype=cfg.param_dtype))
+
+    def forward(self, e, x):
+        gate, up = F.linear(x, self.casts(self.gate_up_proj)[e]).chunk(2, dim=-1)  # (n, f) each
+        return F.linear(F.silu(gate) * up, self.casts(self.down_proj)[e])  # (n, h)
+
+
+class SharedExpert(MLP):
+    """An always-on SwiGLU of its own width (DeepSeek's names: shared_experts.gate_proj ...)."""
+
+    def __init__(self, cfg, casts):
+        super().__init__(cfg.replace(ffn=cfg.shared_expert_ffn, dropout=0.0), casts)
+
+
+class MoE(nn.Module):
+    """Mixtral's sparse MoE block: jitter, router (fp32 softmax, top-k, renormalised), the experts on their
+    tokens, weighted sum (and a shared expert). Autograd differentiates through topk's values."""
+
+    def __init__(self, cfg, casts):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Linear(cfg.hidden, cfg.experts, cfg, casts)  # the router
+        self.experts = Experts(cfg, casts)
+        if cfg.shared_expert_ffn:
+            self.shared_experts = SharedExpert(cfg, casts)
+
+    def forward(self, x):
+        cfg, (B, T, h) = self.cfg, x.shape
+        j, p = cfg.router_jitter, cfg.dropout
+        if j > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - j, 1.0 + j)  # (B, T, h)
+        x = x.reshape(B * T, h)  # (N, h)
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=cfg.stat_dtype)  # (N, E)
+        top, index = probs.topk(cfg.experts_per_token, dim=-1)  # (N, k)
+        weights = top / top.sum(dim=-1, keepdim=True)  # (N, k)
+        out = torch.zeros_like(x)  # (N, h)
+        for e in range(cfg.experts):
+            tokens, slot = torch.where(index == e)  # (n_e,) each
+            if len(tokens):
+                y = self.experts(e, x[tokens])  # (n_e, h)
+                out = out.index_add(0, tokens, (y.to(weights.dtype) * weights[tokens, slot, None]).to(x.dtype))
+        if cfg.shared_expert_ffn:
+            out = out + self.shared_experts(x)  # (N, h)
+        out = out.view(B, T, h)
+        if p > 0:
+            out = out * dropout_mask(out.shape, p, out.device) / (1 - p)
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, casts):
         super().__init__()
         self.input_layernorm, self.self_attn = RMSNorm(cfg, casts), Attention(cfg, casts)
-        self.post_attention_layernorm, self.mlp = RMSNorm(cfg, casts), MLP(cfg, casts)
+        self.post_attention_layernorm = RMSNorm(cfg, casts)
+        self.mlp = MoE(cfg, casts) if cfg.experts else MLP(cfg, casts)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))

@@ -13,7 +13,8 @@ cuda      on a CUDA device max_memory_allocated() per phase, relative to the sta
           timeline against the allocator is wanted: lesson 01's figure, the GPU benchmark).
 
 Phases: forward, recompute, backward, optimizer. FLOPs per phase come from
-torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each).
+torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each); with times=True also the wall
+seconds spent in each phase (on CUDA the GPU is synchronised at every phase switch).
 
     with Tracker(device) as tracker:
         loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
@@ -26,6 +27,7 @@ torch.utils.checkpoint those hooks keep recomputed graphs alive until the garbag
 runs (picockpt's engine has no modules, so both at once are exact for it).
 """
 import contextlib
+import time
 import weakref
 
 import torch
@@ -56,7 +58,7 @@ class _StorageWatcher(TorchDispatchMode):
 
 
 class Tracker:
-    def __init__(self, device="cpu", physical=True, flops=True, cuda_timeline=False):
+    def __init__(self, device="cpu", physical=True, flops=True, cuda_timeline=False, times=False):
         self.device = torch.device(device)
         self.physical, self.count_flops = physical, flops
         self.cuda = self.device.type == "cuda"
@@ -68,6 +70,8 @@ class Tracker:
         self._next = 0
         self.phase_name = OUTSIDE
         self.flops = dict.fromkeys(PHASES + (OUTSIDE,), 0)
+        self.times = times       # wall seconds per phase (on CUDA a synchronize at every phase switch)
+        self.seconds = dict.fromkeys(PHASES + (OUTSIDE,), 0.0)
         self._counter = None
         self.timeline, self.peaks = [], {}
 
@@ -82,9 +86,11 @@ class Tracker:
         if self._watcher:
             self._watcher.__enter__()
         self._start_counter()
+        self._since = self._clock()
         return self
 
     def __exit__(self, *exc):
+        self._tick()
         self._stop_counter()
         self._cuda_phase_end()
         if self._watcher:
@@ -155,11 +161,24 @@ class Tracker:
             raise ValueError(f"phase {name!r}: use one of {PHASES}")
         if name == self.phase_name:
             return
+        self._tick()
         self._stop_counter()
         self._cuda_phase_end()
         self.log.append(("phase", name))
         self.phase_name = name
         self._start_counter()
+
+    def _clock(self):
+        if self.times and self.cuda:
+            torch.cuda.synchronize(self.device)  # the GPU's work so far belongs to the phase that queued it
+        return time.perf_counter()
+
+    def _tick(self):
+        """Book the wall time since the last switch to the phase now ending (times=True only)."""
+        if self.times:
+            now = self._clock()
+            self.seconds[self.phase_name] += now - self._since
+            self._since = now
 
     def _start_counter(self):
         if self.count_flops:

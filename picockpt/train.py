@@ -7,11 +7,13 @@ No downloads, the same batches for the same seed on every machine.
 """
 import contextlib
 import math
+import statistics
 import time
 
 import torch
 
 from .engine import loss_and_grads
+from .inventory import step_flops
 from .tracker import Tracker
 
 
@@ -63,24 +65,53 @@ def train_step(params, optimizer, cfg, input_ids, targets, policy="none", tracke
     return loss.item()
 
 
-def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="cpu", log=print, every=1, seed=None):
-    """Runs `steps` steps; logs loss, tokens/s and the peak of stored activation bytes.
+def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="cpu", log=print, every=1, seed=None,
+          watch_live=False, peak_tflops=None):
+    """Runs `steps` steps and returns their losses. Logs, per step and in a final summary, what the
+    recomputation costs and saves: loss, tokens/s, the stored peak (the activation store), the live peak
+    (CUDA: the allocator's max_memory_allocated above the step's start; CPU: only with watch_live, which
+    watches every tensor and is slow), the share of the step's FLOPs that is recomputation (the closed form
+    inventory.step_flops, what FlopCounterMode counts), the share of its time spent in the recompute phase,
+    and on CUDA the model- and hardware-FLOPs utilisation against peak_tflops (the GPU's dense peak).
     With a seed, the dropout masks are drawn from it: the same seed gives the same losses, bitwise."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every={every!r}: log every N steps with N a whole number >= 1 (1 logs every step)")
+    device = torch.device(device)
     optimizer = make_optimizer(params, lr)
     if seed is not None:
         torch.manual_seed(seed)  # torch's default generators (CPU and every GPU), which draw the dropout masks
-    losses = []
+    flops = step_flops(cfg, batch, seq, policy)  # forward, recompute, backward of one step
+    executed, model = sum(flops.values()), sum(step_flops(cfg, batch, seq, "none").values())
+    peak = peak_tflops * 1e12 if peak_tflops and device.type == "cuda" else None
+    losses, rows = [], []
     for step in range(steps):
         input_ids, targets = task.batch(batch, seq, device)
         start = time.perf_counter()
-        with Tracker(device, physical=False, flops=False) as tracker:  # only counts store events
+        with Tracker(device, physical=watch_live, flops=False, times=True) as tracker:
             loss = train_step(params, optimizer, cfg, input_ids, targets, policy, tracker)
         seconds = time.perf_counter() - start
         losses.append(loss)
+        live = tracker.peak_cuda if tracker.cuda else tracker.peak_physical if watch_live else None
+        rows.append(dict(tokens_per_second=batch * seq / seconds, stored=tracker.peak_logical, live=live,
+                         recompute_time=tracker.seconds["recompute"] / seconds,
+                         mfu=model / seconds / peak if peak else None, hfu=executed / seconds / peak if peak else None))
         if log and (step % every == 0 or step == steps - 1):
-            log(f"step {step:4d}  loss {loss:7.4f}  {batch * seq / seconds:10,.0f} tokens/s  "
-                f"stored activations {tracker.peak_logical / 2**20:9.3f} MiB")
+            log(f"step {step:4d}  loss {loss:7.4f}  " + _line(rows[-1], flops))
+    if log and steps > 1:  # the first step warms up (allocations, AdamW's state): the summary leaves it out
+        middle = {key: statistics.median(row[key] for row in rows[1:]) if rows[1][key] is not None else None
+                  for key in rows[1]}
+        middle.update(stored=max(row["stored"] for row in rows), live=rows[-1]["live"] and max(
+            row["live"] for row in rows[1:]))
+        log(f"summary over steps 1..{steps - 1} (medians; peaks: largest): " + _line(middle, flops))
     return losses
 
+
+def _line(row, flops):
+    """tokens/s, peaks, recompute shares and utilisation of one step (or of the summary)."""
+    share = flops["recompute"] / sum(flops.values())
+    text = (f"{row['tokens_per_second']:10,.0f} tokens/s  stored {row['stored'] / 2**20:8.3f} MiB  live "
+            + ("-" if row["live"] is None else f"{row['live'] / 2**20:8.3f} MiB")
+            + f"  recompute {share:5.1%} of FLOPs, {row['recompute_time']:5.1%} of time")
+    if row["mfu"] is not None:
+        text += f"  MFU {row['mfu']:5.1%}  HFU {row['hfu']:5.1%}"
+    return text

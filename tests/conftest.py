@@ -10,9 +10,28 @@ def _deterministic():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny shapes run as fast on one thread as on two, and steadily on a shared, busy CPU (torch's
+    worker threads otherwise wait on each other whenever a core is taken)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def setup(batch=2, seq=13, seed=0, preset="tiny", **overrides):
     """A config, its params and one batch of the synthetic task."""
     cfg = Config.from_preset(preset, **overrides)
     params = init_params(cfg, seed=seed)
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed)
     return cfg, params, input_ids, targets
+
+
+def random_norms(model):
+    """Give a Hugging Face model random norm weights (they start at 1), so a swapped norm would show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model

@@ -35,14 +35,7 @@ def lesson(number):
     return load(next(path for path in SCRIPTS if path.name.startswith(number)))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The fast shapes are tiny: one thread runs them as fast as two, and steadily on a shared,
-    busy CPU (torch's worker threads otherwise wait on each other whenever a core is taken)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from picockpt.parallel import RankError, run_ranks, under_torchrun
+from processes import child_pids, free_port, no_process_left_behind  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,31 +92,7 @@ def torchrun_rank(comm):
     return {"rank": comm.rank, "world_size": comm.world_size, "pid": os.getpid(), "torchrun": under_torchrun()}
 
 
-# -- no process outlives a test --------------------------------------------------------------------
-def child_pids():
-    """Live children of this process, without Python's own per-interpreter helpers (the resource
-    tracker that spawn starts, the forkserver helper): those are not ranks and exit with us."""
-    me = os.getpid()
-    pids = set()
-    for task in os.listdir(f"/proc/{me}/task"):
-        pids.update(int(p) for p in Path(f"/proc/{me}/task/{task}/children").read_text().split())
-    helpers = {getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),
-               getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)}
-    return sorted(pids - helpers)
-
-
-@pytest.fixture(autouse=True)
-def no_process_left_behind():
-    yield
-    assert multiprocessing.active_children() == []
-    if sys.platform.startswith("linux"):
-        assert child_pids() == []
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+pytestmark = pytest.mark.usefixtures("no_process_left_behind")  # no process outlives a test
 
 
 # -- tests -----------------------------------------------------------------------------------------

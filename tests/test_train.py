@@ -4,6 +4,7 @@ import sys
 import torch
 
 from picockpt import Config, init_params
+from picockpt.inventory import predicted_peak_bytes, step_flops
 from picockpt.train import MarkovTask, train
 
 
@@ -29,7 +30,26 @@ def test_batches_follow_the_chain():
 def test_train_command_runs():
     out = subprocess.run([sys.executable, "-m", "picockpt", "train", "--preset", "tiny", "--steps", "3",
                           "--policy", "every:2", "--device", "cpu"], capture_output=True, text=True, check=True)
-    assert "tokens/s" in out.stdout and "stored activations" in out.stdout
+    assert "tokens/s" in out.stdout and "stored" in out.stdout and "summary over steps 1..2" in out.stdout
+
+
+def test_train_reports_what_recomputation_costs():
+    """Per step and in the summary: stored and live peaks, the recompute share of FLOPs (the closed form)
+    and of time (the tracker's recompute phase)."""
+    cfg = Config.from_preset("tiny")
+    lines = []
+    train(init_params(cfg), cfg, MarkovTask(cfg.vocab), steps=3, batch=2, seq=16, policy="full", log=lines.append,
+          watch_live=True)
+    flops = step_flops(cfg, 2, 16, "full")
+    share = f"recompute {flops['recompute'] / sum(flops.values()):5.1%} of FLOPs"
+    assert len(lines) == 4 and all(share in line for line in lines), lines
+    stored = f"stored {predicted_peak_bytes(cfg, 2, 16, 'full') / 2**20:8.3f} MiB"
+    assert all(stored in line for line in lines)
+    for line in lines:
+        live = float(line.split(" live ")[1].split()[0])
+        time_share = float(line.split("of FLOPs, ")[1].split("%")[0])
+        assert live * 2**20 > predicted_peak_bytes(cfg, 2, 16, "full") and 0 < time_share < 100
+    assert lines[-1].startswith("summary over steps 1..2") and "MFU" not in lines[-1]  # no GPU, no utilisation
 
 
 def test_cuda_without_cuda_is_a_clear_error():

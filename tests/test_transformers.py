@@ -5,6 +5,7 @@ from torch.testing import assert_close
 
 from picockpt import Config, loss_and_grads
 from picockpt.reference import ReferenceLlama
+from conftest import random_norms
 
 transformers = pytest.importorskip("transformers")
 
@@ -17,11 +18,7 @@ def hf_model(**kw):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).float()
-    with torch.no_grad():  # random norm weights too, so a swapped norm would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return model
+    return random_norms(model)
 
 
 def hf_loss(model, ids, targets):

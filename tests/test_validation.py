@@ -28,7 +28,7 @@ def test_llama_configs_are_read_in_both_spellings():
 
 
 @pytest.mark.parametrize("family,kwargs,message", [
-    ("Qwen2Config", {}, "model_type='qwen2': picockpt implements llama only"),
+    ("Qwen2Config", {}, "model_type='qwen2': picockpt implements llama and mixtral only"),
     ("MistralConfig", {"sliding_window": 64}, "model_type='mistral'"),
     ("LlamaConfig", {"attention_bias": True}, "attention_bias=True: picockpt's linears have no bias"),
     ("LlamaConfig", {"mlp_bias": True}, "mlp_bias=True"),

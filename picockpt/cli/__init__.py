@@ -10,18 +10,22 @@ import sys
 
 COMMANDS = {  # name -> one-line help; the module picockpt/cli/<name>.py does the work
     "reproduce": "run every lesson's experiment, regenerate figures/ and print the results table",
-    "train": "train on the synthetic task: loss, tokens/s and stored activation bytes per step",
+    "train": "train on the synthetic task: loss, tokens/s, stored and live peaks, what recomputation costs",
     "measure": "one step under a policy: peak bytes (logical, physical), FLOPs, time, exactness",
-    "compare": "picockpt's policies side by side with torch.utils.checkpoint on the same shape",
+    "compare": "picockpt's policies beside torch.utils.checkpoint and Hugging Face on the same shape",
     "inventory": "what one layer stores, by name, shape and bytes: closed form and measured",
     "predict": "activation memory from the formulas (Korthikanti et al.; picockpt's exact one)",
     "plan": "the optimal recomputation schedule for a memory budget (or a uniform chain)",
+    "parallel": "one tensor (and sequence) parallel step: per-rank stored bytes, communication, FLOPs",
 }
 
 DESCRIPTION = """picockpt: activation recomputation (gradient checkpointing) written out by hand.
 A "checkpoint" here is a stored activation, never a saved model file.
 
 Policies (--policy): none | full | every:C | budget:SIZE, optionally +selective or +cheap.
+Attention (--attention): eager (stores the T x T probabilities) | tiled | fused (FlashAttention: store one
+log-sum-exp per row and recompute the probabilities inside the op; `selective` has nothing left to drop).
+Loss (--loss-chunk N): the LM head and loss N tokens at a time; the logits are recomputed in the backward.
 Devices (--device): auto (CUDA when present, else CPU) | cpu | cuda | cuda:N.
 
 commands:

@@ -25,6 +25,15 @@ def add_shape_args(parser, preset="small", batch=4, seq=128):
     group.add_argument("--loss-chunk", type=int,
                        help="tokens per chunk of the LM head and loss; each chunk's logits are recomputed in the "
                             "backward, so the (B*T, V) logits never exist whole (default 0: no chunking)")
+    group.add_argument("--experts", type=int,
+                       help="routed experts per layer: a Mixtral-style mixture of experts in place of the MLP "
+                            "(default 0: the dense MLP); --ffn is then each expert's width")
+    group.add_argument("--experts-per-token", type=int, help="top-k: experts each token is routed to (default 2)")
+    group.add_argument("--shared-expert-ffn", type=int,
+                       help="width of an always-on shared expert beside the routed ones (default 0: none)")
+    group.add_argument("--router-jitter", type=float,
+                       help="the MoE input times U(1 - j, 1 + j) noise in training, as Mixtral's router_jitter_noise "
+                            "(default 0)")
     group.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
     group.add_argument("--batch", type=int, default=batch, help=f"sequences per batch (default {batch})")
     return group
@@ -38,7 +47,8 @@ def add_run_args(parser):
 def config_from_args(args):
     overrides = {name: getattr(args, name) for name in
                  ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype",
-                  "attention", "attention_tile", "loss_chunk")
+                  "attention", "attention_tile", "loss_chunk", "experts", "experts_per_token", "shared_expert_ffn",
+                  "router_jitter")
                  if getattr(args, name, None) is not None}
     cfg = Config.from_preset(args.preset, **overrides)
     if args.seq > cfg.max_seq and args.max_seq is None:

@@ -1,7 +1,11 @@
 """python -m picockpt inventory: one layer's stored tensors, closed form beside measured."""
+import torch
+
 from ..device import check_fits
 from ..inventory import head_inventory, layer_inventory, predicted_peak_bytes, total
-from ..measure import measured_inventory
+from ..measure import make_batch, measured_inventory
+from ..moe import step_routing
+from ..params import init_params
 from ..policy import parse_policy
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes
 
@@ -22,11 +26,15 @@ def run(args):
     device = device_from_args(args)
     check_fits(cfg, device, B, T, _op_only(policy), advice="use a smaller --batch or --seq",
                note=" (inventory runs one step that stores every layer, to measure what one layer keeps)")
-    closed = layer_inventory(cfg, B, T, policy.drop)
+    counts = _routing(cfg, B, T, device, args.seed, args.layer) if cfg.experts else None
+    closed = layer_inventory(cfg, B, T, policy.drop, counts)
     head = head_inventory(cfg, B, T, policy.drop)
     measured = measured_inventory(cfg, B, T, _op_only(policy), device, args.seed)
     print(f"one stored layer, B={B} T={T} h={cfg.hidden} H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} "
           f"{cfg.dtype}, policy {policy.text} (op level: {policy.op_level or 'nothing dropped'})")
+    if counts is not None:
+        print(f"tokens routed to each expert in layer {args.layer} (this step's routing; the closed form takes it): "
+              f"{counts}")
     print(f"{'name':<20}{'shape':<22}{'dtype':<10}{'closed form':>14}{'measured':>14}")
     for rows, layer in ((closed, args.layer), (head, None)):
         for name, (shape, dtype, nbytes) in rows.items():
@@ -36,6 +44,13 @@ def run(args):
         print(f"{'  total':<52}{total(rows):>14,}  ({fmt_bytes(total(rows))})")
     print(f"peak of the store over a step under {policy.text}: "
           f"{fmt_bytes(predicted_peak_bytes(cfg, B, T, policy))}")
+
+
+def _routing(cfg, batch, seq, device, seed, layer):
+    """Tokens per expert of one layer in the step measured_inventory runs (same weights, batch and seed)."""
+    torch.manual_seed(seed)  # as measured_inventory does: router jitter draws alike
+    input_ids = make_batch(cfg, batch, seq, device, seed)[0]  # (B, T)
+    return step_routing(init_params(cfg, seed=seed, device=device), cfg, input_ids)[layer]
 
 
 def _op_only(policy):

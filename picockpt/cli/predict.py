@@ -16,8 +16,10 @@ import json
 from ..config import PRESETS
 from ..formulas import GIB, RECOMPUTE, korthikanti_flops, korthikanti_layer_bytes, playbook_activation_bytes
 from ..inventory import chain_sizes, layer_inventory, predicted_peak_bytes, step_flops, total
+from ..parallel.inventory import rank_comm_bytes, rank_flops, rank_peak_bytes, rank_sizes, replicated_and_split
+from ..parallel.shard import check_tensor_parallel
 from ..policy import SELECTIVE
-from .common import add_shape_args, config_from_args
+from .common import add_shape_args, config_from_args, fmt_bytes
 
 POLICY_OF = {"none": "none", "selective": "selective", "full": "full"}  # --recompute -> picockpt policy
 
@@ -30,6 +32,9 @@ def add_arguments(parser):
     parser.add_argument("--recompute", default="none", help="none (default), selective or full (any case)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default 1)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism; needs --tp t > 1")
+    parser.add_argument("--distribute-saved", action="store_true",
+                        help="picockpt's per-rank figures with distributed saved activations (without --sp: each "
+                             "rank keeps 1/t of every checkpoint, as Megatron's --distribute-saved-activations)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -47,8 +52,12 @@ def run(args):
         raise ValueError("--sp with --tp 1: sequence parallelism splits the sequence over the tensor-parallel "
                          "ranks (the tensors that tensor parallelism leaves whole), so it needs --tp t > 1, "
                          "e.g. --tp 8 --sp; with one rank leave --sp out")
+    if args.distribute_saved and args.sp:
+        raise ValueError("--distribute-saved with --sp: under sequence parallelism the checkpoints are already split "
+                         "over the ranks; use one or the other")
     args.recompute = recompute
     row = predict(cfg, args.batch, args.seq, args.recompute, args.tp, args.sp)
+    row.update(per_rank(cfg, args.batch, args.seq, args.recompute, args.tp, args.sp, args.distribute_saved))
     row["model"] = args.preset
     if args.json:
         print(json.dumps(row, indent=1))
@@ -81,6 +90,71 @@ def predict(cfg, batch, seq, recompute="none", tp=1, sp=False):
         "picockpt_peak_bytes": own_peak, "picockpt_peak_gib": own_peak / GIB,
         "published_flops": published_flops, "picockpt_flops": own_flops,
     }
+
+
+TABLE2 = (  # (row, recompute, tensor parallel?, sp, distributed saved): Korthikanti et al. 2022, Table 2
+    ("no parallelism", "none", False, False, False),
+    ("tensor parallel", "none", True, False, False),
+    ("tensor + sequence parallel", "none", True, True, False),
+    ("tensor parallel + selective", "selective", True, False, False),
+    ("tensor + sequence parallel + selective", "selective", True, True, False),
+    ("full recomputation", "full", True, False, False),
+    ("full, sequence parallel", "full", True, True, False),
+    ("full, distributed saved activations", "full", True, False, True),
+)
+
+
+def per_rank(cfg, batch, seq, recompute="none", tp=1, sp=False, distribute_saved=False):
+    """Table 2's rows at t = tp, term by term, beside picockpt's exact bytes on one rank of tp; and
+    picockpt's per-rank peak, communication and FLOPs for (recompute, tp, sp, distribute_saved)."""
+    s, b, h, a = seq, batch, cfg.hidden, cfg.heads
+    rows = []
+    for name, kind, parallel, row_sp, distributed in TABLE2:
+        t = tp if parallel else 1
+        if kind == "full":  # the layer input: 2sbh, over t with sp (or when each rank keeps 1/t of it)
+            terms = {"input": 2 * s * b * h / (t if row_sp or distributed else 1)}
+        else:
+            terms = {"replicated": 0 if row_sp else 10 * s * b * h, "split": (34 if row_sp else 24) * s * b * h / t}
+            if kind == "none":
+                terms["attention core"] = 5 * a * s * s * b / t
+        published = sum(terms.values())
+        if not distributed:
+            assert published == korthikanti_layer_bytes(s, b, h, a, t, row_sp, kind)
+        rows.append({"row": name, "recompute": kind, "t": t, "sp": row_sp, "distribute_saved": distributed,
+                     "formula": _row_formula(kind, t, row_sp, distributed), "published_terms": terms,
+                     "published_bytes": published, **_own_row(cfg, batch, seq, kind, t, row_sp, distributed)})
+    out = {"table2": rows}
+    try:
+        check_tensor_parallel(cfg, tp, sp, seq, distribute_saved)
+    except ValueError as error:
+        return {**out, "picockpt_rank_note": str(error)}
+    layout = (tp, sp, distribute_saved)
+    return {**out, "picockpt_rank_peak_bytes": rank_peak_bytes(cfg, batch, seq, POLICY_OF[recompute], *layout),
+            "picockpt_rank_comm_bytes": rank_comm_bytes(cfg, batch, seq, POLICY_OF[recompute], *layout),
+            "picockpt_rank_flops": rank_flops(cfg, batch, seq, POLICY_OF[recompute], *layout)}
+
+
+def _own_row(cfg, batch, seq, kind, t, sp, distributed):
+    """picockpt's exact bytes of one layer on one rank for a Table 2 row (None where t cannot split it)."""
+    try:
+        check_tensor_parallel(cfg, t, sp, seq, distributed)
+    except ValueError as error:
+        return {"picockpt_bytes": None, "picockpt_note": str(error)}
+    drop = SELECTIVE if kind == "selective" else frozenset()
+    if kind == "full":
+        X, Xc, _, _ = rank_sizes(cfg, batch, seq, t, sp, distributed)
+        return {"picockpt_bytes": Xc, "picockpt_replicated_bytes": 0 if sp or distributed else Xc}
+    whole, split = replicated_and_split(cfg, batch, seq, t, sp, drop)
+    return {"picockpt_bytes": whole + split, "picockpt_replicated_bytes": whole}
+
+
+def _row_formula(kind, t, sp, distributed):
+    if kind == "full":
+        return "2sbh/t" if sp or distributed else "2sbh"
+    if t == 1 and not sp:
+        return "sbh(34 + 5as/h)" if kind == "none" else "sbh(34)"
+    core = " + 5as/(ht)" if kind == "none" else ""
+    return f"sbh(34/t{core})" if sp else f"sbh(10 + 24/t{core})"
 
 
 def _formula_text(recompute, tp, sp):
@@ -122,8 +196,31 @@ def _print_table(row):
     print(f"  peak of the store    {row['picockpt_peak_bytes']:>22,}  {_gib(row['picockpt_peak_bytes']):>14}   "
           f"with final norm and logits ({_gib(row['picockpt_head_bytes'])})"
           + (" and one recomputed layer" if row["recompute"] == "full" else ""))
+    _print_table2(row)
     own, published = row["picockpt_flops"], row["published_flops"]
     print(f"FLOPs per step: picockpt forward {own['forward']:.3e}, backward {own['backward']:.3e}, "
           f"recompute {own['recompute']:.3e} (+{own['recompute'] / (own['forward'] + own['backward']):.1%}); "
           f"GPT-shape formula (f = 4h, no GQA) recompute +"
           f"{published['recompute'] / (published['forward'] + published['backward']):.1%}")
+
+
+def _print_table2(row):
+    t = row["tp"]
+    print(f"Table 2's rows at t={t}, bytes of one layer per device, term by term, beside picockpt's exact bytes "
+          f"on one of {t} ranks (picockpt/parallel/inventory.py):")
+    print(f"  {'row':<40}{'formula':<27}{'terms: replicated + split by t (+ attention core)':<60}"
+          f"{'published':>12}{'picockpt per rank':>19}")
+    for entry in row["table2"]:
+        terms = " + ".join(f"{name} {fmt_bytes(value)}" for name, value in entry["published_terms"].items())
+        own = "-" if entry["picockpt_bytes"] is None else fmt_bytes(entry["picockpt_bytes"])
+        print(f"  {entry['row']:<40}{entry['formula']:<27}{terms:<60}{fmt_bytes(entry['published_bytes']):>12}"
+              f"{own:>19}")
+    if "picockpt_rank_note" in row:
+        print(f"picockpt per rank: not at t={t} ({row['picockpt_rank_note']})")
+        return
+    layout = f"t={t}" + (", sequence parallel" if row["sp"] else "") + \
+        (", distributed saved activations" if row.get("distribute_saved") else "")
+    comm = row["picockpt_rank_comm_bytes"]
+    print(f"picockpt per rank ({layout}, recompute {row['recompute']}): store peak "
+          f"{_gib(row['picockpt_rank_peak_bytes'])}; communication forward {fmt_bytes(comm['forward'])}, "
+          f"recompute {fmt_bytes(comm['recompute'])}, backward {fmt_bytes(comm['backward'])}")

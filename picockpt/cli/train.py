@@ -15,6 +15,12 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--log-every", type=int, default=1, help="print every N steps, and the last (default 1)")
+    parser.add_argument("--watch-live", action="store_true",
+                        help="CPU: also measure the live peak (every tensor of the step, not only the stored ones) "
+                             "at every step; slow. On CUDA the live peak comes from the allocator, always")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="CUDA: the GPU's dense peak in TFLOP/s for MFU and HFU (default 989: an H100/H200 "
+                             "in bf16; an A100 is 312)")
 
 
 def run(args):
@@ -27,6 +33,9 @@ def run(args):
     if args.log_every < 1:
         raise ValueError(f"--log-every={args.log_every}: print every N steps with N >= 1 (the last step is "
                          f"always printed; --log-every {args.steps} prints the first and the last)")
+    if not math.isfinite(args.peak_tflops) or args.peak_tflops <= 0:
+        raise ValueError(f"--peak-tflops={args.peak_tflops}: give the GPU's dense peak, a positive number (989 for "
+                         f"an H100/H200 in bf16)")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise ValueError(f"--lr={args.lr}: AdamW's learning rate must be a positive number, e.g. 3e-3")
     policy = parse_policy(args.policy, cfg)
@@ -38,5 +47,5 @@ def run(args):
           f"{math.log(cfg.vocab):.3f}, the task's floor is ln({task.branching}) = {task.loss_floor:.3f}")
     params = init_params(cfg, seed=args.seed, device=device)
     losses = train(params, cfg, task, args.steps, args.batch, args.seq, policy, args.lr, device,
-                   every=args.log_every, seed=args.seed)
+                   every=args.log_every, seed=args.seed, watch_live=args.watch_live, peak_tflops=args.peak_tflops)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")

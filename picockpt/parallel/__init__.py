@@ -1,5 +1,8 @@
 """picockpt across processes, in the Picotron manner: every collective an explicit line.
 
+    from picockpt import parallel
+    loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, policy="selective", tp=2, sp=True)
+
     from picockpt.parallel import run_ranks, gather_sequence_forward
 
     def step(comm, shards):                  # at module level: spawned ranks import it by name
@@ -7,19 +10,28 @@
 
     results = run_ranks(step, 2, x.chunk(2, dim=1))   # spawned local ranks on gloo, or torchrun's
 
-launch.py  where the processes come from (torchrun, or spawned on 127.0.0.1), timeouts
-watch.py   the caller's side of spawned ranks: results, the first failure, stopping the rest
-comm.py    the Comm object, its log of bytes per phase, and the collectives as forward/backward pairs
+launch.py     where the processes come from (torchrun, or spawned on 127.0.0.1), timeouts
+watch.py      the caller's side of spawned ranks: results, the first failure, stopping the rest
+comm.py       the Comm object, its log of bytes per phase, and the collectives as forward/backward pairs
+shard.py      which slice of each weight a tensor-parallel rank holds; the checks; gradients put back together
+rng.py        dropout masks equal to the single process's: drawn whole, sliced
+tp_layer.py   a decoder layer on one tensor-parallel rank, with or without sequence parallelism
+vocab.py      the vocabulary-parallel embedding, LM head and cross-entropy
+tp_model.py   one rank's model for the engine's loop; distributed saved activations
+inventory.py  per-rank closed forms: stored bytes, communication bytes per phase, FLOPs
+step.py       loss_and_grads / run_steps: full params in, full gradients and per-rank reports out
 """
-from .comm import (Comm, CommLog, all_reduce_grads, all_to_all_backward, all_to_all_forward,
+from .comm import (Comm, CommLog, all_reduce_grads, all_reduce_max, all_to_all_backward, all_to_all_forward,
                    copy_to_parallel_backward, copy_to_parallel_forward, exchange_splits,
                    gather_sequence_backward, gather_sequence_forward, reduce_from_parallel_backward,
                    reduce_from_parallel_forward, scatter_sequence_backward, scatter_sequence_forward,
                    split_sequence_backward, split_sequence_forward)
 from .launch import RankError, run_ranks, under_torchrun
+from .step import Job, loss_and_grads, run_steps
 
 __all__ = ["run_ranks", "under_torchrun", "RankError", "Comm", "CommLog", "copy_to_parallel_forward",
            "copy_to_parallel_backward", "reduce_from_parallel_forward", "reduce_from_parallel_backward",
            "gather_sequence_forward", "gather_sequence_backward", "scatter_sequence_forward",
            "scatter_sequence_backward", "split_sequence_forward", "split_sequence_backward",
-           "all_to_all_forward", "all_to_all_backward", "exchange_splits", "all_reduce_grads"]
+           "all_to_all_forward", "all_to_all_backward", "exchange_splits", "all_reduce_grads", "all_reduce_max",
+           "loss_and_grads", "run_steps", "Job"]

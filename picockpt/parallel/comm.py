@@ -15,6 +15,7 @@ forward:
     all_to_all            all-to-all, given split sizes    the inverse all-to-all  (expert dispatch;
                           exchange_splits tells each rank its split sizes, an all-to-all of W int64)
     all_reduce_grads      all-reduce of gradients (sum or mean), for data parallel and replicated weights
+    all_reduce_max        all-reduce (max), no backward: a softmax's shift, a constant of its gradient
 
 Words: "replicated" = the same logical tensor on every rank (its gradient is the same on every rank
 too); "partial" = each rank holds a summand of the logical tensor; "sharded" = each rank holds one
@@ -107,6 +108,13 @@ def _all_reduce(x, comm):
     return x
 
 
+def _all_reduce_max(x, comm):
+    x = x.contiguous()  # as _all_reduce: no copy when x is contiguous; reduced in place
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=comm.group)  # x (...) = elementwise max over ranks
+    comm.log.record(comm.phase, "all_reduce", x.nbytes)
+    return x
+
+
 def _all_gather(x, comm, dim):
     dim = _check_dim(x, dim)
     shard = x.contiguous()  # (..., n, ...) a copy only if x is a strided view: the collective sends a flat buffer
@@ -189,6 +197,13 @@ def reduce_from_parallel_backward(dy, comm):
     computed redundantly on every rank), so nothing moves.
     """
     return dy  # (...)
+
+
+def all_reduce_max(x, comm):
+    """The elementwise max over ranks, in place (an all-reduce, counted as one). No backward pair:
+    it serves where its result is a constant of the gradient, as the shift that keeps a softmax's
+    exponentials finite (the vocabulary-parallel cross-entropy, picockpt/parallel/vocab.py)."""
+    return _all_reduce_max(x, comm)  # (...) max over ranks, replicated
 
 
 # -- sequence parallel: between sequence shards and the full sequence ------------------------------

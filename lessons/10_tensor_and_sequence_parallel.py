@@ -1,0 +1,278 @@
+"""Lesson 10: tensor and sequence parallelism with recomputation, measured rank by rank.
+
+Korthikanti et al. (2022), Table 2, gives the bytes one transformer layer keeps on each of t
+tensor-parallel devices: sbh(10 + 24/t + 5as/(ht)) with tensor parallelism alone, sbh(34/t + 5as/(ht))
+with sequence parallelism too, each without its attention core (5as/(ht)) under selective
+recomputation, and 2sbh for full recomputation. Tensor parallelism (Megatron) splits the heads and
+the MLP's width over the ranks, so every tensor inside the attention and the MLP divides by t (the 24
+and the attention core); the 10sbh outside them (the norms' inputs and outputs, the residual
+dropout masks) stays whole on every rank. Sequence parallelism splits those along the sequence,
+so all 34 divide by t, at no extra communication: the all-reduce at the end of each block becomes
+a reduce-scatter, and the identity at its start an all-gather.
+
+Here those rows are per-rank measurements: picockpt's own layer (GQA, SwiGLU, RMSNorm, dropout)
+runs on t = 1, 2 and 4 gloo ranks through the engine's own loop, and every rank's tracker counts
+its stored bytes and the bytes its collectives move, per phase. What to look at:
+
+    left      one layer's stored bytes per rank against t: the measured points sit on the lines
+              whole + split/t of picockpt's closed form (picockpt/parallel/inventory.py), to the
+              byte. Without sp the lines flatten at the replicated part; with sp they fall as 1/t.
+              Full recomputation keeps one layer input, whole on every rank, unless sp splits it or
+              each rank keeps 1/t of it (distributed saved activations, Megatron's option).
+    middle    the whole step's peak per rank, measured against the closed form.
+    right     Table 2's rows for a 70B Llama shape at t = 8 (s = 8192, b = 1), the published
+              convention (16-bit, 1-byte masks) beside picockpt's exact bytes per rank (bf16, no
+              dropout, GQA): predicted, not run.
+    second    communication per rank and phase: recomputation runs each recomputed layer's
+    figure    collectives again (its all-reduces, or under sp its all-gathers and reduce-scatters),
+              so full recomputation adds about the forward's communication again; selective adds
+              none; distributed saved activations add one all-gather per checkpoint.
+
+    python lessons/10_tensor_and_sequence_parallel.py            # the CPU run: 1, 2 and 4 gloo ranks, under a minute
+    python lessons/10_tensor_and_sequence_parallel.py --fast     # seconds: what the tests run
+    python lessons/10_tensor_and_sequence_parallel.py --large --device cuda   # NCCL, one GPU per rank
+"""
+import multiprocessing
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
+
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.ticker import FuncFormatter, LogLocator
+
+from lessons._lesson import choose, large, shape_line, parse_args
+from picockpt import Config, init_params
+from picockpt.formulas import GIB, korthikanti_layer_bytes
+from picockpt.measure import make_batch
+from picockpt.parallel import Job, run_steps
+from picockpt.parallel.inventory import rank_layer_inventory, replicated_and_split
+from picockpt.plotting import PHASE_COLORS, mib, policy_color, save_figure
+from picockpt.policy import SELECTIVE
+
+ROWS = (  # (label, policy, sp, distributed saved activations): Table 2's rows, and Megatron's option
+    ("no recompute", "none", False, False),
+    ("no recompute, sp", "none", True, False),
+    ("selective", "selective", False, False),
+    ("selective, sp", "selective", True, False),
+    ("full", "full", False, False),
+    ("full, sp", "full", True, False),
+    ("full, distributed saved", "full", False, True),
+)
+PHASES = ("forward", "recompute", "backward")
+
+
+def shape(mode):
+    """(Config, batch, seq) of each run mode: heads, kv heads, ffn, vocab and seq divisible by 4."""
+    return choose(mode,
+                  fast=(Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=4, ffn=64, max_seq=64, dropout=0.1),
+                        1, 16),
+                  cpu=(Config(vocab=256, hidden=128, layers=4, heads=8, kv_heads=4, ffn=448, max_seq=256,
+                              dropout=0.1), 2, 128),
+                  large=(large(layers=4, dropout=0.1), 1, 1024))
+
+
+def sizes(mode, device):
+    ts = (1, 2, 4)
+    if device.type == "cuda":
+        ts = tuple(t for t in ts if t <= torch.cuda.device_count())  # NCCL: one GPU per rank
+    return ts
+
+
+def measure(cfg, batch, seq, ts, device):
+    """{(row label, t): rank 0's report}, every row run on t ranks, one launch per t."""
+    params = init_params(cfg, seed=0, device=device)
+    input_ids, targets = make_batch(cfg, batch, seq, device, seed=0)
+    torch.manual_seed(0)
+    state = torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+    start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    reports = {}
+    for t in ts:
+        jobs = [Job(params, cfg, input_ids, targets, policy, sp, distributed, state)
+                for _, policy, sp, distributed in ROWS]
+        for (label, *_), (_, _, ranks) in zip(ROWS, run_steps(jobs, t, device.type, start_method=start)):
+            same = ("peak_activation_bytes", "layer_stored_bytes", "comm_bytes", "flops")
+            for report in ranks:  # every rank stores and moves the same bytes (its live peak may differ a little)
+                assert [report[key] for key in same] == [ranks[0][key] for key in same], (label, t)
+            reports[label, t] = ranks[0]
+    return reports
+
+
+def layer_line(cfg, batch, seq, policy, sp, distributed, t):
+    """picockpt's closed form for one stored layer on one rank, at any t: whole + split / t."""
+    if policy == "full":
+        X = rank_layer_inventory(cfg, batch, seq)["input"][2]  # the layer input, on one rank of 1
+        return X / t if sp or distributed else X
+    whole, split = replicated_and_split(cfg, batch, seq, 1, sp, SELECTIVE if policy == "selective" else frozenset())
+    return whole + split / t
+
+
+def table2_70b(t=8, seq=8192, batch=1):
+    """Table 2's rows for a Llama 3 70B shape at t: (label, published bytes, picockpt's per rank)."""
+    from picockpt.parallel.inventory import rank_sizes
+    cfg = Config.from_preset("llama3-70b", dtype="bf16")
+    s, b, h, a = seq, batch, cfg.hidden, cfg.heads
+    rows = []
+    for label, policy, sp, distributed in ROWS:
+        if policy == "full":
+            published = 2 * s * b * h / (t if sp or distributed else 1)
+            own = rank_sizes(cfg, b, s, t, sp, distributed)[1]
+        else:
+            published = korthikanti_layer_bytes(s, b, h, a, t, sp, policy)
+            drop = SELECTIVE if policy == "selective" else frozenset()
+            own = sum(v[2] for v in rank_layer_inventory(cfg, b, s, t, sp, drop).values())
+        rows.append((label, published, own))
+    return cfg, rows
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv)
+    cfg, batch, seq = shape(args.mode)
+    ts = sizes(args.mode, args.device)
+    print(f"lesson 10, tensor-parallel sizes t = {', '.join(map(str, ts))}: {shape_line(cfg, batch, seq, args.device)}")
+    reports = measure(cfg, batch, seq, ts, args.device)
+
+    print("\none layer's stored bytes and the step's store peak, per rank (measured | closed form):")
+    print(f"{'row':<26}{'t':>3}{'layer measured':>16}{'closed form':>13}{'peak measured':>15}{'closed form':>13}"
+          f"{'  comm forward':>15}{'recompute':>11}{'backward':>11}")
+    exact_layer = exact_peak = exact_comm = True
+    for label, policy, sp, distributed in ROWS:
+        for t in ts:
+            r = reports[label, t]
+            exact_layer &= r["layer_stored_bytes"] == r["predicted_layer_stored_bytes"]
+            exact_layer &= r["layer_stored_bytes"] == layer_line(cfg, batch, seq, policy, sp, distributed, t)
+            exact_peak &= r["peak_activation_bytes"] == r["predicted_activation_bytes"]
+            exact_comm &= r["comm_bytes"] == r["predicted_comm_bytes"]
+            comm = r["comm_bytes"]
+            print(f"{label:<26}{t:>3}{r['layer_stored_bytes']:>16,}{r['predicted_layer_stored_bytes']:>13,}"
+                  f"{r['peak_activation_bytes']:>15,}{r['predicted_activation_bytes']:>13,}"
+                  f"{comm['forward']:>15,}{comm['recompute']:>11,}{comm['backward']:>11,}")
+    print(f"every measured byte equals its closed form: layers {exact_layer}, peaks {exact_peak}, "
+          f"communication {exact_comm}")
+
+    top = ts[-1]
+    full, full_sp = reports["full", top]["comm_bytes"], reports["full, sp", top]["comm_bytes"]
+    distributed = reports["full, distributed saved", top]["comm_bytes"]
+    print(f"\nat t={top}: full recomputation moves {full['recompute'] / full['forward']:.0%} of the forward's bytes "
+          f"again ({full_sp['recompute'] / full_sp['forward']:.0%} with sp): every recomputed layer's collectives, "
+          f"not the embedding's or the loss's; selective moves "
+          f"{reports['selective', top]['comm_bytes']['recompute']} B again. Distributed saved activations add one "
+          f"all-gather per checkpoint: {distributed['recompute'] - full['recompute']:,} B more.")
+    print("(bytes as nccl-tests count them: an all-reduce of S bytes counts S, an all-gather or reduce-scatter of a "
+          "whole S-byte tensor S too; on a ring a rank sends 2(t-1)/t S for the first and (t-1)/t S for the others, "
+          "so sp's two collectives put the same bytes on the wire as the all-reduce they replace)")
+
+    cfg70, rows70 = table2_70b()
+    print("\nTable 2 for a Llama 3 70B shape at t=8, s=8192, b=1, one layer per device (predicted): published "
+          "(16-bit, 1-byte masks, MHA, f = 4h) | picockpt per rank (bf16, GQA 64/8, SwiGLU, no dropout):")
+    for label, published, own in rows70:
+        print(f"  {label:<26}{published / GIB:>9.3f} GiB{own / GIB:>9.3f} GiB   x {cfg70.layers} layers: "
+              f"{cfg70.layers * published / GIB:7.1f} | {cfg70.layers * own / GIB:7.1f} GiB")
+
+    paths = [plot_memory(cfg, batch, seq, ts, reports, rows70), plot_communication(cfg, batch, seq, top, reports)]
+    for path in paths:
+        print(f"wrote {path}")
+    sp_selective = dict((label, own) for label, _, own in rows70)["selective, sp"]
+    return {"figures": [str(p) for p in paths],
+            "summary": {"stored per layer = closed form (every row, every t)": bool(exact_layer),
+                        "store peak = closed form": bool(exact_peak),
+                        "communication per phase = closed form": bool(exact_comm),
+                        f"full recompute / forward communication at t={top}": round(full["recompute"] /
+                                                                                   full["forward"], 3),
+                        "70B t=8 sp+selective GiB per layer per rank": round(sp_selective / GIB, 3)}}
+
+
+def plot_memory(cfg, batch, seq, ts, reports, rows70):
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 5.2), gridspec_kw=dict(width_ratios=(1.1, 1, 1.2)))
+    grid = np.linspace(1, ts[-1], 60)
+    for label, policy, sp, distributed in ROWS:
+        color = policy_color(policy)
+        style = ":" if distributed else "--" if sp else "-"
+        marker = "s" if distributed else "^" if sp else "o"
+        left.plot(grid, mib([layer_line(cfg, batch, seq, policy, sp, distributed, t) for t in grid]), style,
+                  color=color, lw=1.2, alpha=0.8)
+        left.plot(ts, mib([reports[label, t]["layer_stored_bytes"] for t in ts]), marker, color=color, label=label)
+        middle.plot(ts, mib([reports[label, t]["predicted_activation_bytes"] for t in ts]), style, color=color, lw=1.2)
+        middle.plot(ts, mib([reports[label, t]["peak_activation_bytes"] for t in ts]), marker, color=color,
+                    label=label)
+    for ax, title in ((left, "one layer's stored bytes per rank\n(lines: whole + split/t, points: measured)"),
+                      (middle, "the step's store peak per rank\n(lines: closed form, points: measured)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ts, [str(t) for t in ts])
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
+        ax.set_xlabel("tensor-parallel size t")
+        ax.set_ylabel("MiB")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+    left.legend(fontsize=7, loc="center left")
+    full_sp = reports["full, sp", ts[-1]]["layer_stored_bytes"]
+    left.annotate("full, sp = full, distributed saved", (ts[-1], mib(full_sp)), fontsize=7, ha="right",
+                  xytext=(-8, -10), textcoords="offset points", color=policy_color("full"))
+    labels = [label for label, _, _ in rows70]
+    y = np.arange(len(labels))
+    right.barh(y - 0.2, [published / GIB for _, published, _ in rows70], 0.4, color="#999999",
+               label="Table 2 (16-bit, 1-byte masks)")
+    right.barh(y + 0.2, [own / GIB for _, _, own in rows70], 0.4, color=[policy_color(p) for _, p, _, _ in ROWS],
+               label="picockpt per rank (bf16, GQA)")
+    for yi, (_, published, own) in zip(y, rows70):
+        right.annotate(f"{published / GIB:.2f} | {own / GIB:.2f} GiB", (max(published, own) / GIB, yi), fontsize=7,
+                       xytext=(3, -3), textcoords="offset points")
+    right.set_yticks(y, labels, fontsize=8)
+    right.invert_yaxis()
+    right.set_xscale("log")
+    right.set_xlabel("one layer, per device (GiB)")
+    right.set_title("Llama 3 70B shape at t=8, s=8192, b=1 (predicted)", fontsize=10)
+    right.legend(fontsize=7, loc="lower right")
+    right.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"Korthikanti et al.'s Table 2 per rank: L={cfg.layers}, h={cfg.hidden}, H={cfg.heads}, "
+                 f"KV={cfg.kv_heads}, f={cfg.ffn}, dropout {cfg.dropout}, batch {batch} x {seq}, {cfg.dtype}")
+    fig.tight_layout()
+    return save_figure(fig, "10_activation_memory_per_rank")
+
+
+def wire_bytes(by_kind, t):
+    """What one rank sends with ring algorithms (nccl-tests' bus bytes): 2(t-1)/t of an all-reduce's
+    size, (t-1)/t of an all-gather's or a reduce-scatter's."""
+    factor = {"all_reduce": 2 * (t - 1) / t, "all_gather": (t - 1) / t, "reduce_scatter": (t - 1) / t}
+    return sum(factor[kind] * nbytes for phase in by_kind.values() for kind, nbytes in phase.items())
+
+
+def plot_communication(cfg, batch, seq, t, reports):
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    labels = [label for label, *_ in ROWS]
+    x = np.arange(len(labels))
+    bottom = np.zeros(len(labels))
+    for phase in PHASES:
+        values = np.array([mib(reports[label, t]["comm_bytes"][phase]) for label in labels])
+        ax.bar(x, values, 0.6, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
+        bottom += values
+    predicted = [mib(sum(reports[label, t]["predicted_comm_bytes"].values())) for label in labels]
+    ax.plot(x, predicted, "_", color="black", markersize=28, mew=2, label="closed form (total)")
+    wire = [mib(wire_bytes(reports[label, t]["comm_bytes_by_kind"], t)) for label in labels]
+    ax.plot(x, wire, "D", color="black", markersize=5, label="sent on a ring by one rank (all phases)")
+    for xi, label in zip(x, labels):
+        comm = reports[label, t]["comm_bytes"]
+        ax.annotate(f"recompute +{comm['recompute'] / comm['forward']:.0%}\nof the forward", (xi, bottom[xi]),
+                    ha="center", va="bottom", fontsize=7, xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("bytes moved by one rank's collectives (MiB)")
+    ax.set_ylim(0, bottom.max() * 1.2)
+    ax.set_title(f"communication per rank and phase at t={t}: recomputation repeats each recomputed layer's "
+                 f"collectives", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"L={cfg.layers}, h={cfg.hidden}, batch {batch} x {seq}, {cfg.dtype}; bytes counted as nccl-tests' "
+                 f"buffer size S", fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, "10_communication_per_phase")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""A Mixtral-style mixture of experts in place of a layer's MLP: its forward, which keeps tensors in
+the store, and its hand-written backward (picockpt/layer.py calls them when Config.experts > 0).
+
+    x       = xn * noise                 noise ~ U(1 - j, 1 + j) (B, T, h), only with router_jitter j > 0
+    probs   = softmax(x Wr^T)            (N, E) N = B*T tokens, E experts; fp32 (the statistics dtype)
+    idx, w  = top-k of probs, renormalised                               (N, k) each (ops/router.py)
+    out[n]  = sum_j w[n, j] * expert_{idx[n, j]}(x[n])  (+ shared(x[n]))
+    expert_e(x) = silu(x G_e^T) * (x U_e^T)  then  @ D_e^T      G_e, U_e: rows 0..f-1, f..2f-1 of gate_up_proj[e]
+
+As Hugging Face's MixtralSparseMoeBlock: the jitter multiplies the block's input (router and
+experts see the same noisy x), the softmax is taken in fp32, and each expert runs only on the n_e
+tokens routed to it (gathered, projected, weighted, scatter-added back): no dense compute over
+all experts. An optional shared expert (Config.shared_expert_ffn) is a SwiGLU MLP every token goes
+through, added to the routed experts' sum (an ungated shared expert, as in DeepSeek-V2/V3).
+
+What the block keeps, by name (n_e: tokens routed to expert e, sum_e n_e = N k; e, s: bytes per
+activation element and per statistic; fs: the shared expert's width):
+
+    name                 shape          bytes         dropped by
+    moe.jitter           (B, T, h)      BTh e         (router_jitter > 0 only: the noise itself)
+    moe.router_probs     (N, E)         N E s         (the router output)
+    moe.expert_index     (N, k)         8 N k         (int64: the routing decision, never recomputed)
+    moe.gate_up[e]       (n_e, 2f)      2 n_e f e     moe
+    moe.act[e]           (n_e, f)       n_e f e       moe_act, moe, cheap
+    moe.shared_gate      (N, fs)        N fs e        shared_experts
+    moe.shared_up        (N, fs)        N fs e        shared_experts
+    moe.shared_act       (N, fs)        N fs e        shared_experts, cheap
+
+An expert without tokens keeps nothing. Every token is kept k times whichever experts it goes to,
+so a layer's total does not depend on the routing, only how it splits among the experts (what an
+expert-parallel rank holding expert e would keep). The backward reuses the stored routing: a
+dropped gate_up[e] is projected again from the same tokens, never routed again. A layer that is
+recomputed whole (full, every:C) runs its router again on the same input; with jitter the same
+noise needs the generator state of the first forward, which the engine replays.
+"""
+import torch
+
+from .ops import linear_backward, linear_forward, swiglu_backward, swiglu_forward
+from .ops.router import combine_weights, expert_groups, router_backward, router_forward
+
+
+def moe_block_forward(xn, w, cfg, keep, project=True):
+    """xn (B, T, h) the normed input -> the weighted sum of its experts' outputs (B, T, h); keeps what the
+    backward needs through keep(name, tensor). project=False stops after the last tensor the backward
+    needs (every expert's SwiGLU product) and returns None: the down projections are skipped.
+    E and f come from the weights (router rows, down_proj columns); k from cfg."""
+    B, T, h = xn.shape
+    E, f, k, stat = w.router.shape[0], w.experts_down.shape[-1], cfg.experts_per_token, cfg.stat_dtype
+    if cfg.router_jitter > 0:  # drawn from the default generator, as Hugging Face draws it
+        noise = torch.empty_like(xn).uniform_(1.0 - cfg.router_jitter, 1.0 + cfg.router_jitter)  # (B, T, h)
+        keep("moe.jitter", noise)
+        xn = xn * noise  # (B, T, h) router and experts see the same noisy input
+        del noise
+    x = xn.reshape(B * T, h)  # (N, h) one row per token
+    del xn
+    probs, index, weights = router_forward(linear_forward(x, w.router), k, stat)  # (N, E), (N, k), (N, k)
+    keep("moe.router_probs", probs)
+    keep("moe.expert_index", index)
+    del probs
+    weights = weights.flatten()  # (N k,) one weight per (token, slot) pair
+    out = torch.zeros_like(x) if project else None  # (N, h)
+    for e, positions, tokens in expert_groups(index, E):  # only the experts that got tokens
+        gate_up = linear_forward(x[tokens], w.experts_gate_up[e])  # (n_e, 2f) on its n_e tokens
+        keep(f"moe.gate_up[{e}]", gate_up)
+        act = swiglu_forward(gate_up[:, :f], gate_up[:, f:])  # (n_e, f)
+        keep(f"moe.act[{e}]", act)
+        del gate_up
+        if project:
+            y = linear_forward(act, w.experts_down[e])  # (n_e, h)
+            out.index_add_(0, tokens, (y.to(stat) * weights[positions, None]).to(x.dtype))  # (N, h) w * y back
+            del y
+        del act
+    if getattr(w, "shared_gate", None) is not None:  # the shared expert: a SwiGLU MLP on every token
+        gate = linear_forward(x, w.shared_gate)  # (N, fs)
+        up = linear_forward(x, w.shared_up)  # (N, fs)
+        keep("moe.shared_gate", gate)
+        keep("moe.shared_up", up)
+        act = swiglu_forward(gate, up)  # (N, fs)
+        keep("moe.shared_act", act)
+        del gate, up
+        if project:
+            out += linear_forward(act, w.shared_down)  # (N, h)
+    return out.view(B, T, h) if project else None
+
+
+def moe_block_backward(grad, normed, w, cfg, take):
+    """grad() -> dm (B, T, h), the gradient of the block's output; returns dxn (B, T, h) and {role:
+    gradient} of the router, the experts (and the shared expert). normed() gives xn, the block's input.
+
+    Forward, per expert e and its tokens n (slot j): y_n = act_n D_e^T, out_n += w_nj y_n, with
+    act = silu(g) * u and [g, u] = x_n [G_e; U_e]^T. With m_n = d out_n (the block's output gradient):
+      u_n     = m_n D_e                   (f,)   the gradient w y_n would pass down, without the weight
+      d w_nj  = m_n . y_n = u_n . act_n          no stored y: (m D_e) . act = m . (act D_e^T)
+      d act_n = w_nj u_n                         d D_e = sum_n (w_nj m_n)^T act_n
+      then SwiGLU's backward, and [G_e; U_e]'s linear backward on the gathered x_n, scatter-added
+    The router gets d w (ops/router.py); the jitter passes d x times the same noise back to xn."""
+    E, f, stat = w.router.shape[0], w.experts_down.shape[-1], cfg.stat_dtype
+    probs, index = take("moe.router_probs"), take("moe.expert_index")  # (N, E), (N, k)
+    weights = combine_weights(probs, index).flatten()  # (N k,) the forward's weights, bitwise
+    noise = take("moe.jitter") if cfg.router_jitter > 0 else None  # (B, T, h)
+    dm = grad()  # (B, T, h)
+    B, T, h = dm.shape
+    dm = dm.reshape(B * T, h)  # (N, h)
+    xn = normed()  # (B, T, h)
+    x = (xn if noise is None else xn * noise).reshape(B * T, h)  # (N, h) the input the experts saw
+    del xn
+    dx = torch.zeros_like(x)  # (N, h) summed over the experts of each token
+    dweights = torch.zeros_like(weights)  # (N k,)
+    d_gate_up = torch.zeros_like(w.experts_gate_up)  # (E, 2f, h) an expert without tokens gets zeros
+    d_down = torch.zeros_like(w.experts_down)  # (E, h, f)
+    for e, positions, tokens in expert_groups(index, E):  # the same groups as the forward: the stored routing
+        gate_up = take(f"moe.gate_up[{e}]",  # (n_e, 2f); dropped (moe): its tokens projected again
+                       rebuild=lambda: linear_forward(x[tokens], w.experts_gate_up[e]))  # noqa: B023
+        gate, up = gate_up[:, :f], gate_up[:, f:]  # (n_e, f) each, views
+        act = take(f"moe.act[{e}]", rebuild=lambda: swiglu_forward(gate, up))  # noqa: B023 (n_e, f)
+        m = dm[tokens]  # (n_e, h) the output gradient of its tokens
+        we = weights[positions, None]  # (n_e, 1)
+        u = m @ w.experts_down[e]  # (n_e, f)
+        dweights[positions] = (u.to(stat) * act.to(stat)).sum(dim=-1)  # (n_e,) d w = u . act
+        d_down[e] = (m.to(stat) * we).to(m.dtype).T @ act  # (h, f) d D_e = (w m)^T act
+        del m, act
+        dact = (u.to(stat) * we).to(u.dtype)  # (n_e, f)
+        del u
+        dgate, dup = swiglu_backward(dact, gate, up)  # (n_e, f) each
+        del dact, gate, up, gate_up
+        dgate_up = torch.cat([dgate, dup], dim=1)  # (n_e, 2f)
+        del dgate, dup
+        xe = x[tokens]  # (n_e, h)
+        dxe, d_gate_up[e] = linear_backward(dgate_up, xe, w.experts_gate_up[e])  # (n_e, h), (2f, h)
+        del dgate_up, xe
+        dx.index_add_(0, tokens, dxe)  # (N, h) back to the tokens' rows
+        del dxe
+    grads = {}
+    if getattr(w, "shared_gate", None) is not None:  # the shared expert, as the dense MLP's backward
+        gate = take("moe.shared_gate", rebuild=lambda: linear_forward(x, w.shared_gate))  # (N, fs)
+        up = take("moe.shared_up", rebuild=lambda: linear_forward(x, w.shared_up))  # (N, fs)
+        act = take("moe.shared_act", rebuild=lambda: swiglu_forward(gate, up))  # (N, fs)
+        dact, grads["shared_down"] = linear_backward(dm, act, w.shared_down)  # (N, fs), (h, fs)
+        del act
+        dgate, dup = swiglu_backward(dact, gate, up)  # (N, fs) each
+        del dact, gate, up
+        dx_gate, grads["shared_gate"] = linear_backward(dgate, x, w.shared_gate)  # (N, h), (fs, h)
+        dx += dx_gate
+        del dgate, dx_gate
+        dx_up, grads["shared_up"] = linear_backward(dup, x, w.shared_up)  # (N, h), (fs, h)
+        dx += dx_up
+        del dup, dx_up
+    del dm
+    dlogits = router_backward(dweights.view(index.shape), probs, index).to(x.dtype)  # (N, E)
+    del dweights, probs, index
+    dx_router, d_router = linear_backward(dlogits, x, w.router)  # (N, h), (E, h)
+    del dlogits, x
+    dx += dx_router  # (N, h) x feeds the router and the experts: their gradients add
+    del dx_router
+    dxn = dx.view(B, T, h) if noise is None else dx.view(B, T, h) * noise  # (B, T, h) x = xn * noise
+    return dxn, {"router": d_router, "experts_gate_up": d_gate_up, "experts_down": d_down, **grads}
+
+
+def step_routing(params, cfg, input_ids):
+    """The per-expert token counts of every layer in a forward of input_ids: a list of L lists of E ints.
+    Runs the first forward as the engine does (each layer's tensors seen, then let go): with router
+    jitter, seed the generator the same way before this and before the step, and both route alike."""
+    from .layer import layer_forward  # here, not above: layer.py imports this file
+    from .ops import embedding_forward, rope_tables
+    from .params import EMBED, compute_weights, layer_weights
+
+    class Counter:  # a store that keeps nothing: it reads the routing decision as the layer keeps it
+        def put(self, layer, name, tensor):
+            if name == "moe.expert_index":
+                counts[layer] = torch.bincount(tensor.flatten(), minlength=cfg.experts).tolist()
+
+    counts = {}
+    with torch.no_grad():
+        weights = compute_weights(params, cfg)
+        rope = rope_tables(cfg, input_ids.shape[1], input_ids.device, cfg.torch_dtype)  # (T, hd) x2
+        x = embedding_forward(input_ids, weights[EMBED])  # (B, T, h)
+        for i in range(cfg.layers):
+            x = layer_forward(x, layer_weights(weights, i), cfg, rope, Counter(), i)  # (B, T, h)
+    return [counts[i] for i in range(cfg.layers)]
+
+
+def route_by_token(params, cfg, strength=20.0):
+    """A copy of params whose routers send token id v to experts c, c+1, .., c+k-1 (mod E), c = v mod E,
+    in every layer: routing set by the weights, so a batch's token ids alone decide each expert's count
+    (balanced, skewed, all to one; token_counts). The embedding writes `strength` on coordinate c of
+    token v, which then dominates the normed residual stream (about sqrt(h) there, small elsewhere); router
+    row e reads coordinate c with weight 2^-j when e = c + j, j < k, and nothing else: expert c + j
+    scores sqrt(h) 2^-j, the others about 0. Needs hidden >= experts."""
+    from .params import EMBED, layer_key
+    E, k, V = cfg.experts, cfg.experts_per_token, cfg.vocab
+    if not E or cfg.hidden < E:
+        raise ValueError(f"route_by_token needs a mixture of experts with hidden >= experts, got experts={E}, "
+                         f"hidden={cfg.hidden}")
+    params = dict(params)
+    embed = params[EMBED].clone()  # (V, h)
+    embed[torch.arange(V), torch.arange(V) % E] += strength
+    params[EMBED] = embed
+    router = torch.zeros(E, cfg.hidden, dtype=params[EMBED].dtype)  # (E, h)
+    for j in range(k):
+        router[(torch.arange(E) + j) % E, torch.arange(E)] = 2.0 ** -j  # expert c + j reads coordinate c
+    for i in range(cfg.layers):
+        params[layer_key(i, "router")] = router.clone()
+    return params
+
+
+def token_counts(cfg, input_ids):
+    """The per-expert token counts route_by_token's routers give input_ids: E ints."""
+    E, k = cfg.experts, cfg.experts_per_token
+    classes = torch.bincount(input_ids.flatten() % E, minlength=E)  # (E,) tokens of each class c
+    return [sum(int(classes[(e - j) % E]) for j in range(k)) for e in range(E)]

@@ -1,0 +1,236 @@
+"""Closed forms per tensor-parallel rank: the bytes it stores and the bytes its collectives move.
+
+The same exactness as picockpt/inventory.py (the tracker equals these to the byte), for one rank of
+t, with sequence parallelism (sp) or without, and with Megatron's distributed saved activations:
+
+    rank_layer_inventory(cfg, B, T, t, sp, drop)      name -> (shape, dtype, bytes) of one stored layer
+    rank_head_inventory(cfg, B, T, t, sp, drop)       the final norm, the logits' columns, their lse
+    rank_peak_bytes(cfg, B, T, policy, t, sp, dist)   the rank's activation store's peak in one step
+    rank_comm_bytes(cfg, B, T, policy, t, sp, dist)   bytes its collectives move, per phase
+    rank_flops(cfg, B, T, policy, t, sp, dist)        matmul FLOPs per phase (1/t of the single process's)
+    rank_schedule(policy, cfg, B, T, t, sp, dist)     the layer modes the step runs (budget:SIZE per rank)
+    rank_layer_stored_bytes, rank_head_stored_bytes   what layer 0 and the head hold after the forward
+    replicated_and_split(cfg, B, T, t, sp, drop)      one layer's bytes kept whole on every rank | split by t
+
+n = T/t tokens with sp, else T; H, KV, f and V are split by t (picockpt/parallel/shard.py):
+
+    name               shape              split by t       name               shape            split by t
+    input              (B, n, h)          with sp          attn.context       (B, T, h/t)      yes
+    attn_norm.rstd     (B, n, 1)          with sp          attn.dropout_mask  (B, n, h)        with sp
+    attn_norm.output   (B, n, h)          with sp          mlp_norm.input     (B, n, h)        with sp
+    attn.q             (B, H/t, T, hd)    yes              mlp_norm.rstd      (B, n, 1)        with sp
+    attn.k, attn.v     (B, KV/t, T, hd)   yes              mlp_norm.output    (B, n, h)        with sp
+    attn.probs (eager) (B, H/t, T, T)     yes              mlp.gate/up/act    (B, T, f/t)      yes
+    attn.lse (tiled, fused) (B, H/t, T)   yes              mlp.dropout_mask   (B, n, h)        with sp
+
+These are Korthikanti et al.'s terms (sec. 4.2): without sp the 10sbh of norm inputs, norm outputs
+and dropout masks stay whole on every rank, and the rest divides by t; with sp everything does.
+The peak follows picockpt/inventory.py's forms with X (a layer input), A (a layer stored whole)
+and F (the head) per rank, and Xc, the bytes of a stored checkpoint: X, or X/t with distributed
+saved activations (a checkpoint-only layer input split flat over the ranks; a recompute sweep
+all-gathers it, and keeps it whole when the sweep stores that layer whole):
+
+    none / op level      L*A + F
+    every:C              max(n_seg*Xc + F, max_k (k*Xc + n_k*A))
+    budget:SIZE          the planner's optimum on this rank's chain (SIZE is per rank)
+
+Communication, per rank, each collective counted as picockpt/parallel/comm.py counts it (the size
+of its logical buffer), S = B*T*h*e the bytes of one whole activation, N = B*T:
+
+    forward    embedding S; per layer 2S (two all-reduces) | 4S with sp (two all-gathers, two
+               reduce-scatters); head: S with sp (all-gather), and the loss's 3 all-reduces of N
+               statistics
+    backward   per layer 2S | 6S + 2h master bytes with sp (LEAVE's all-gathers, the norm outputs
+               all-gathered again, ENTER's reduce-scatters, the two norm weights' all-reduces);
+               head S | 2S + h master bytes; embedding 0 | S
+    recompute  the forward's collectives of every layer a sweep recomputes (a sweep that stops
+               early skips its last layer's LEAVE after the MLP: S less), plus one all-gather of
+               S per sweep with distributed saved activations. Selective, cheap and the other
+               rebuilds inside a layer's backward (tiled attention, chunked logits) move nothing.
+"""
+import math
+
+from ..inventory import layer_flops
+from ..planner import Stage, plan_chain
+from ..policy import OP_LEVEL, parse_policy
+
+_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "bool": 1, "int64": 8}
+
+
+def _dtype_names(cfg):
+    return cfg.dtype, str(cfg.stat_dtype).replace("torch.", ""), str(cfg.param_dtype).replace("torch.", "")
+
+
+def rank_layer_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
+    """What one fully stored layer keeps on one rank (its input included)."""
+    B, T, h, hd = batch, seq, cfg.hidden, cfg.head_dim
+    n = T // t if sp else T
+    H, KV, f = cfg.heads // t, cfg.kv_heads // t, cfg.ffn // t
+    act, stat, _ = _dtype_names(cfg)
+    rows = [("input", (B, n, h), act), ("attn_norm.rstd", (B, n, 1), stat), ("attn_norm.output", (B, n, h), act),
+            ("attn.q", (B, H, T, hd), act), ("attn.k", (B, KV, T, hd), act), ("attn.v", (B, KV, T, hd), act)]
+    if cfg.attention == "eager":
+        rows += [("attn.probs", (B, H, T, T), act)]
+        if cfg.dropout > 0:
+            rows += [("attn.probs_mask", (B, H, T, T), "bool"), ("attn.probs_dropped", (B, H, T, T), act)]
+    else:
+        rows += [("attn.lse", (B, H, T), stat)]
+        if cfg.dropout > 0:  # tiled, t = 1 only (shard.py)
+            rows += [("attn.dropout_seed", (), "int64")]
+    rows += [("attn.context", (B, T, H * hd), act)]
+    if cfg.dropout > 0:
+        rows += [("attn.dropout_mask", (B, n, h), "bool")]
+    rows += [("mlp_norm.input", (B, n, h), act), ("mlp_norm.rstd", (B, n, 1), stat),
+             ("mlp_norm.output", (B, n, h), act), ("mlp.gate", (B, T, f), act), ("mlp.up", (B, T, f), act),
+             ("mlp.act", (B, T, f), act)]
+    if cfg.dropout > 0:
+        rows += [("mlp.dropout_mask", (B, n, h), "bool")]
+    return {name: (shape, dtype, math.prod(shape) * _BYTES[dtype]) for name, shape, dtype in rows
+            if name not in drop}
+
+
+def rank_head_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
+    """What the head keeps on one rank: the final norm on its tokens, its columns of the logits, the lse."""
+    B, T, h = batch, seq, cfg.hidden
+    n = T // t if sp else T
+    act, stat, _ = _dtype_names(cfg)
+    rows = [("final_norm.input", (B, n, h), act), ("final_norm.rstd", (B, n, 1), stat),
+            ("final_norm.output", (B, n, h), act)]
+    if cfg.loss_chunk == 0:
+        rows += [("lm_head.logits", (B, T, cfg.vocab // t), act)]
+    rows += [("lm_head.lse", (B, T), stat)]
+    return {name: (shape, dtype, math.prod(shape) * _BYTES[dtype]) for name, shape, dtype in rows
+            if name not in drop}
+
+
+def _total(inventory):
+    return sum(nbytes for _, _, nbytes in inventory.values())
+
+
+def rank_sizes(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=frozenset()):
+    """(X, Xc, A, F): a layer input, a stored checkpoint, a layer stored whole, the head, in bytes per rank."""
+    layer = rank_layer_inventory(cfg, batch, seq, t, sp, drop)
+    X = layer["input"][2]
+    return X, (X // t if distribute_saved else X), _total(layer), _total(rank_head_inventory(cfg, batch, seq, t, sp,
+                                                                                             drop))
+
+
+def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=frozenset()):
+    """The planner's chain (picockpt/planner.py: Stage) of one rank: its own bytes and FLOPs."""
+    drop = frozenset(drop)
+    parts = layer_flops(cfg, batch, seq)
+    stored = rank_layer_inventory(cfg, batch, seq, t, sp)
+    levels = [("all", drop)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > drop]
+    variants = {}
+    for mode, names in levels:
+        rebuild = parts["scores"] // t if "attn.probs" in names and "attn.probs" in stored else 0
+        variants.setdefault((_total(rank_layer_inventory(cfg, batch, seq, t, sp, names)), rebuild), mode)
+    X, Xc, _, _ = rank_sizes(cfg, batch, seq, t, sp, distribute_saved)
+    inner = parts["scores"] // t if cfg.attention == "tiled" else 0
+    layer = Stage(sum(parts.values()) // t, Xc, tuple((mode, a, r) for (a, r), mode in variants.items()),
+                  tail_flops=2 * batch * seq * cfg.hidden * cfg.ffn // t, inner_flops=inner)
+    head_variants = {}
+    for mode, names in levels:
+        head_variants.setdefault(_total(rank_head_inventory(cfg, batch, seq, t, sp, names)), mode)
+    head = Stage(0, rank_head_inventory(cfg, batch, seq, t, sp)["final_norm.input"][2],
+                 tuple((mode, nbytes, 0) for nbytes, mode in head_variants.items()),
+                 inner_flops=2 * batch * seq * cfg.hidden * cfg.vocab // t if cfg.loss_chunk else 0)
+    return (layer,) * cfg.layers + (head,)
+
+
+def rank_plan(policy, cfg, batch, seq, t=1, sp=False, distribute_saved=False):
+    """The budget planner's Plan for one rank (budget:SIZE is this rank's budget)."""
+    return plan_chain(rank_chain(cfg, batch, seq, t, sp, distribute_saved, policy.drop), policy.budget)
+
+
+def rank_schedule(policy, cfg, batch, seq, t=1, sp=False, distribute_saved=False):
+    """The Schedule a rank's step runs (the same on every rank: their sizes are equal)."""
+    policy = parse_policy(policy, cfg)
+    if policy.budget is not None:
+        return rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).schedule
+    return policy.schedule(cfg, batch, seq)
+
+
+def rank_peak_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
+    """The exact peak of one rank's activation store over one step."""
+    policy = parse_policy(policy, cfg)
+    if policy.budget is not None:
+        return rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).peak_bytes
+    X, Xc, A, F = rank_sizes(cfg, batch, seq, t, sp, distribute_saved, policy.drop)
+    L = cfg.layers
+    if policy.segment is None:
+        return L * A + F
+    C = policy.segment
+    sizes = [min(C, L - start) for start in range(0, L, C)]  # layers per segment
+    return max(len(sizes) * Xc + F, max(k * Xc + n_k * A for k, n_k in enumerate(sizes)))
+
+
+def rank_layer_stored_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False, layer=0):
+    """What one layer holds on one rank at the end of the forward: stored whole (its op level's
+    inventory), its input only (Xc), or nothing; Table 2's per-layer figure, per rank."""
+    policy = parse_policy(policy, cfg)
+    mode = rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved).forward[layer]
+    if mode.startswith("all"):
+        drop = OP_LEVEL[mode.partition(":")[2]] if ":" in mode else policy.drop
+        return _total(rank_layer_inventory(cfg, batch, seq, t, sp, drop))
+    return rank_sizes(cfg, batch, seq, t, sp, distribute_saved)[1] if mode == "input" else 0
+
+
+def rank_head_stored_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
+    """What the head holds on one rank at the end of the forward."""
+    policy = parse_policy(policy, cfg)
+    mode = rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved).head
+    drop = OP_LEVEL[mode.partition(":")[2]] if ":" in mode else policy.drop
+    return _total(rank_head_inventory(cfg, batch, seq, t, sp, drop))
+
+
+def _sweeps(policy, cfg, batch, seq, t, sp, distribute_saved):
+    """[(first layer, last layer, stops early)] of every recompute sweep the step runs."""
+    if policy.budget is not None:
+        plan = rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved)
+        return [(first, target, plan.schedule.stop_early) for target, first, _ in plan.sweeps]
+    if policy.segment is None:
+        return []
+    C, L = policy.segment, cfg.layers
+    return [(start, min(start + C, L) - 1, False) for start in range(0, L, C)]
+
+
+def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
+    """{"forward", "recompute", "backward"}: bytes one rank's collectives move in one step."""
+    policy = parse_policy(policy, cfg)
+    act, stat, master = (_BYTES[name] for name in _dtype_names(cfg))
+    S, N, h, L = batch * seq * cfg.hidden * act, batch * seq, cfg.hidden, cfg.layers
+    layer_forward = 4 * S if sp else 2 * S  # ENTER and LEAVE of both blocks (ENTER moves nothing without sp)
+    layer_backward = 6 * S + 2 * h * master if sp else 2 * S
+    loss = 3 * N * stat  # the row max, the sum of exponentials, the target's logit
+    forward = S + L * layer_forward + (S if sp else 0) + loss
+    backward = (2 * S + h * master if sp else S) + L * layer_backward + (S if sp else 0)
+    recompute = 0
+    for first, last, stops in _sweeps(policy, cfg, batch, seq, t, sp, distribute_saved):
+        recompute += (last - first + 1) * layer_forward - (S if stops else 0)  # a stopped sweep skips one LEAVE
+        recompute += S if distribute_saved else 0  # the checkpoint's all-gather
+    return {"forward": forward, "recompute": recompute, "backward": backward}
+
+
+def rank_flops(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
+    """{"forward", "recompute", "backward"}: one rank's matmul FLOPs: every matmul of the single
+    process's step, on H/t heads, f/t and V/t columns, so 1/t of picockpt.inventory.step_flops;
+    a budget's recompute is this rank's own plan's."""
+    from ..inventory import step_flops
+    policy = parse_policy(policy, cfg)
+    flops = {phase: count // t for phase, count in step_flops(cfg, batch, seq, "none").items()}
+    if policy.budget is not None:
+        flops["recompute"] = rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).recompute_flops
+    else:
+        flops["recompute"] = step_flops(cfg, batch, seq, policy)["recompute"] // t
+    return flops
+
+
+def replicated_and_split(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
+    """(bytes of one stored layer that every rank holds whole, bytes split by t): Korthikanti's
+    10sbh and 24sbh/t + 5as^2b/t, for picockpt's own layer, on one rank."""
+    split = {"attn.q", "attn.k", "attn.v", "attn.probs", "attn.probs_mask", "attn.probs_dropped", "attn.lse",
+             "attn.context", "mlp.gate", "mlp.up", "mlp.act"}
+    inventory = rank_layer_inventory(cfg, batch, seq, t, sp, drop)
+    whole = sum(b for name, (_, _, b) in inventory.items() if name not in split and not sp)
+    return whole, _total(inventory) - whole

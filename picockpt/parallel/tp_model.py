@@ -1,0 +1,83 @@
+"""One tensor-parallel rank's model, as the engine's loop sees it (picockpt/engine.py: Step).
+
+The loop is the single process's, line for line: forward storing per policy, backward finding the
+nearest checkpoint, recomputing (and so running the recomputed layers' collectives again), using,
+dropping. Only the parts differ: the embedding and head are vocabulary-parallel
+(picockpt/parallel/vocab.py), the layers are tp_layer.py's, and a checkpoint may be kept as this
+rank's 1/t of it.
+
+Distributed saved activations (Megatron-LM's --distribute-saved-activations; Korthikanti et al.
+sec. 5): without sequence parallelism every rank would keep the same whole layer input as its
+checkpoint, t copies of one tensor. With distribute_saved=True each rank keeps 1/t of it instead
+(the flat tensor split in t equal parts, as Megatron's split_tensor_into_1d_equal_chunks), and a
+recompute sweep all-gathers it before running the layer again (gather_split_1d_tensor): memory
+for communication, counted in the "recompute" phase. Only checkpoint-only inputs are split: a
+layer stored whole keeps its whole input, which its own backward reads.
+"""
+from ..ops import rope_tables
+from ..params import EMBED, compute_weights, layer_weights
+from .comm import gather_sequence_forward
+from .inventory import rank_layer_inventory
+from .tp_layer import tp_layer_backward, tp_layer_forward
+from .vocab import embedding_backward_parallel, embedding_forward_parallel, head_backward_parallel
+from .vocab import head_forward_parallel
+
+
+class TensorParallelModel:
+    """params: this rank's slices (picockpt/parallel/shard.py), under the full model's names;
+    input_ids, targets: the whole batch (B, T), on every rank."""
+
+    def __init__(self, params, cfg, input_ids, targets, comm, sp=False, distribute_saved=False):
+        self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
+        self.comm, self.sp, self.distribute_saved = comm, sp, distribute_saved
+        self.layers = range(cfg.layers)
+        B, T = input_ids.shape
+        self.layer_names = list(rank_layer_inventory(cfg, B, T, comm.world_size, sp))  # for --trace
+        self.split = set()  # layers whose stored input is this rank's 1/t of it (distribute_saved)
+
+    def start(self, tracker):  # as Model.start: this step's weights (this rank's slices), the rotary tables
+        cfg = self.cfg
+        self.weights = compute_weights(self.params, cfg)
+        for tensor in self.weights.values():
+            tracker.mark(tensor, "weights")
+        self.rope = rope_tables(cfg, self.input_ids.shape[1], self.input_ids.device, cfg.torch_dtype)  # (T, hd) x2
+        self.weights_of = [layer_weights(self.weights, i) for i in self.layers]
+
+    def embed(self):
+        return embedding_forward_parallel(self.input_ids, self.weights[EMBED], self.comm, self.sp)  # (B, n, h)
+
+    def keep_input(self, store, k, x, whole):
+        if self.distribute_saved and not whole:  # a checkpoint only: keep this rank's 1/t of it
+            self.shape = x.shape  # (B, T, h)
+            x = x.reshape(-1).chunk(self.comm.world_size)[self.comm.rank].clone()  # (B*T*h/t,) a copy of its own
+            self.split.add(k)
+        store.put(k, "input", x)  # (B, n, h), or (B*T*h/t,)
+
+    def load_input(self, store, k, whole):
+        """The input of layer k, whole, for a recompute sweep from it. A split one is all-gathered; when the
+        sweep stores layer k whole, the whole input replaces the split one (layer k's backward reads it)."""
+        if k not in self.split:
+            return store.get(k, "input")  # (B, n, h)
+        part = store.pop(k, "input") if whole else store.get(k, "input")  # (B*T*h/t,)
+        x = gather_sequence_forward(part, self.comm, dim=0).view(self.shape)  # (B, T, h) all-gather: whole again
+        if whole:
+            self.split.discard(k)
+            store.put(k, "input", x)
+        return x
+
+    def layer_forward(self, k, x, store, drop, need_output):
+        return tp_layer_forward(x, self.weights_of[k], self.cfg, self.rope, self.comm, self.sp, store, k, drop,
+                                need_output)  # (B, n, h)
+
+    def layer_backward(self, k, dx, store):  # -> dx (B, n, h) and this rank's LayerWeights of gradients
+        return tp_layer_backward(dx, self.weights_of[k], self.cfg, self.rope, self.comm, self.sp, store, k)
+
+    def head_forward(self, x, store, drop):
+        return head_forward_parallel(x, self.weights, self.cfg, self.targets, store, self.comm, self.sp, drop)
+
+    def head_backward(self, store):
+        return head_backward_parallel(self.weights, self.cfg, self.targets, store, self.comm, self.sp)
+
+    def embed_backward(self, dx):
+        shape = self.weights[EMBED].shape  # (V/t, h)
+        return embedding_backward_parallel(dx, self.input_ids, shape, self.comm, self.sp)  # (V/t, h)

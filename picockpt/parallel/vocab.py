@@ -1,0 +1,177 @@
+"""The model around the layers on one tensor-parallel rank: a vocabulary-parallel embedding, and the
+final norm, vocabulary-parallel LM head and parallel cross-entropy (Megatron-LM's
+VocabParallelEmbedding and vocab_parallel_cross_entropy), as picockpt/head.py is for one process.
+
+Rank r holds the rows V_r = [r*V/t, (r+1)*V/t) of the embedding and of the LM head.
+
+    embedding   x_r = embed_r[ids] where the id is in V_r, else 0     (B, T, h) partial: one rank's is
+                x   = all-reduce(x_r)   (sp: reduce-scatter)           not 0, so the sum is exact
+    LM head     xn  = rmsnorm(x_L)                                     (B, n, h)   n = T/t with sp
+                xn  = ENTER(xn): identity | all-gather (sp)            (B, T, h)
+                z_r = xn @ lm_head_r.T                                 (B, T, V/t) this rank's columns
+    loss        m   = all-reduce-max(max_v z_r)                        (N,) the row max over all V
+                s   = all-reduce(sum_v exp(z_r - m))                   (N,)
+                lse = m + log s                                        (N,) log-sum-exp over all V
+                zy  = all-reduce(z_r[target] where target is in V_r, else 0)   (N,)
+                loss = mean over counted rows of (lse - zy)
+
+No rank ever holds the (N, V) logits: only its (N, V/t) columns and three numbers per row move.
+Stored per rank: final_norm.input (B, n, h), final_norm.rstd (B, n, 1), final_norm.output
+(B, n, h), and either lm_head.logits (B, T, V/t) and lm_head.lse (B, T), or, chunked
+(Config.loss_chunk), lm_head.lse alone, the logits being recomputed chunk by chunk in the
+backward. The log-sum-exp is kept in both cases: the softmax's denominator spans every rank's
+columns, so rebuilding it in the backward would cost two more all-reduces; with it the backward
+of the loss needs no communication at all:
+
+    dz_r = scale * (exp(z_r - lse) - onehot_r(target))    onehot_r: 1 only where the target is in V_r
+
+The LM head's input gradient is then partial (this rank's columns' share): ENTER's backward,
+all-reduce (reduce-scatter with sp), sums it. The three per-row all-reduces run in the statistics
+dtype (fp32 or wider), each N = B*T numbers, per chunk when chunked.
+"""
+import torch
+
+from ..head import _chunks
+from ..ops import embedding_backward, embedding_forward, linear_backward, linear_forward, rmsnorm_apply
+from ..ops import rmsnorm_backward, rmsnorm_forward
+from ..ops.cross_entropy import IGNORE_INDEX
+from ..params import FINAL_NORM, HEAD
+from .comm import (all_reduce_grads, all_reduce_max, copy_to_parallel_backward, copy_to_parallel_forward,
+                   gather_sequence_backward, gather_sequence_forward, reduce_from_parallel_backward,
+                   reduce_from_parallel_forward, scatter_sequence_backward, scatter_sequence_forward)
+
+
+def vocab_slice(vocab, comm):
+    """(first id, number of ids) of this rank's rows of the embedding and LM head."""
+    size = vocab // comm.world_size
+    return comm.rank * size, size
+
+
+# ---- the embedding -----------------------------------------------------------------------------
+def embedding_forward_parallel(ids, weight, comm, sp):
+    """ids (B, T) -> the input of layer 0: (B, T, h), or this rank's tokens (B, T/t, h) with sp."""
+    size = weight.shape[0]  # V/t
+    start = comm.rank * size  # this rank's first token id
+    mine = (ids >= start) & (ids < start + size)  # (B, T) bool: tokens whose row this rank holds
+    x = embedding_forward((ids - start) * mine, weight)  # (B, T, h) the rows of this rank's ids (row 0 for others)
+    x[~mine] = 0  # (B, T, h) partial: every other rank's tokens are 0 here
+    # reduce-scatter: each rank keeps its tokens of the sum (sp) | all-reduce: the whole sum on every rank
+    return scatter_sequence_forward(x, comm) if sp else reduce_from_parallel_forward(x, comm)  # (B, n, h)
+
+
+def embedding_backward_parallel(dx, ids, weight_shape, comm, sp):
+    """Forward was x = sum over ranks of x_r, x_r[b, t] = W_r[ids[b, t] - start] for this rank's ids.
+    dx (B, n, h) -> the gradient of this rank's rows (V/t, h): the rows its own ids read."""
+    # the sum's backward: all-gather every rank's tokens' gradients (sp) | identity (dx is the same everywhere)
+    dx = scatter_sequence_backward(dx, comm) if sp else reduce_from_parallel_backward(dx, comm)  # (B, T, h)
+    size = weight_shape[0]  # V/t
+    start = comm.rank * size
+    mine = (ids >= start) & (ids < start + size)  # (B, T) bool
+    if not mine.any():  # no token of the batch has its row here
+        return torch.zeros(weight_shape, dtype=torch.promote_types(dx.dtype, torch.float32), device=dx.device)
+    return embedding_backward(dx[mine], ids[mine] - start, weight_shape)  # (V/t, h) the same sums as one process
+
+
+# ---- the loss ----------------------------------------------------------------------------------
+def parallel_cross_entropy_forward(logits, targets, start, comm, stat_dtype):
+    """logits (n, V/t): this rank's columns start..start+V/t-1 of n rows; targets (n,).
+    -> (sum of the counted rows' losses, lse (n,)), the same on every rank."""
+    z = logits.to(stat_dtype)  # (n, V/t)
+    top = all_reduce_max(z.amax(-1), comm)  # (n,) all-reduce (max): each row's largest logit over all V
+    total = reduce_from_parallel_forward(torch.exp(z - top[:, None]).sum(-1), comm)  # (n,) all-reduce: sum exp
+    lse = top + torch.log(total)  # (n,) logsumexp over the whole vocabulary
+    del total
+    mine = (targets >= start) & (targets < start + z.shape[1])  # (n,) the targets in this rank's columns
+    picked = z.gather(-1, ((targets - start) * mine)[:, None])[:, 0] * mine  # (n,) z[n, y[n]] here, else 0
+    picked = reduce_from_parallel_forward(picked, comm)  # (n,) all-reduce: z[n, y[n]] from the rank that has it
+    counted = targets != IGNORE_INDEX  # (n,) bool (an ignored target is in no rank's columns)
+    return torch.where(counted, lse - picked, 0.0).sum(), lse  # scalar, (n,)
+
+
+def parallel_cross_entropy_backward(scale, logits, targets, start, lse, stat_dtype):
+    """Forward was loss = (1/N) sum_n [lse_n - z_n[y_n]], lse over every rank's columns; scale = dloss / N.
+    dz_n[v] = scale * (exp(z_n[v] - lse_n) - [v == y_n]) for this rank's columns v: no communication."""
+    z = logits.to(stat_dtype)  # (n, V/t)
+    dz = torch.exp(z - lse[:, None])  # (n, V/t) softmax over the whole vocabulary, this rank's columns
+    mine = (targets >= start) & (targets < start + z.shape[1])  # (n,) bool
+    minus_one = torch.where(mine, -1.0, 0.0).to(dz.dtype)[:, None]  # (n, 1): the one-hot only where it is here
+    dz.scatter_add_(-1, ((targets - start) * mine)[:, None], minus_one)  # (n, V/t)
+    dz.mul_(torch.where(targets != IGNORE_INDEX, scale, 0.0)[:, None])  # (n, V/t) ignored rows: 0
+    return dz.to(logits.dtype)  # (n, V/t)
+
+
+# ---- final norm + LM head + loss -----------------------------------------------------------------
+def head_forward_parallel(x, weights, cfg, targets, store, comm, sp, drop=frozenset()):
+    """x (B, n, h): the last layer's output on this rank -> scalar loss, the same on every rank."""
+    def keep(name, tensor):
+        if name not in drop:
+            store.put(None, name, tensor)
+
+    keep("final_norm.input", x)
+    xn, rstd = rmsnorm_forward(x, weights[FINAL_NORM], cfg.norm_eps, cfg.stat_dtype)  # (B, n, h), (B, n, 1)
+    keep("final_norm.rstd", rstd)
+    keep("final_norm.output", xn)
+    # ENTER: all-gather the tokens (sp) | identity (its backward all-reduces)
+    xn = gather_sequence_forward(xn, comm) if sp else copy_to_parallel_forward(xn, comm)  # (B, T, h)
+    B, T, h = xn.shape
+    rows, ys, W = xn.view(B * T, h), targets.reshape(B * T), weights[HEAD]  # (N, h), (N,), (V/t, h)
+    start, _ = vocab_slice(cfg.vocab, comm)
+    count = (ys != IGNORE_INDEX).sum()  # () the tokens the loss averages over
+    if cfg.loss_chunk == 0:
+        logits = linear_forward(rows, W)  # (N, V/t) this rank's columns
+        keep("lm_head.logits", logits.view(B, T, -1))
+        total, lse = parallel_cross_entropy_forward(logits, ys, start, comm, cfg.stat_dtype)  # scalar, (N,)
+        keep("lm_head.lse", lse.view(B, T))
+        return total / count
+    lse = torch.empty(B * T, dtype=cfg.stat_dtype, device=x.device)  # (N,)
+    total = 0.0
+    for first, end in _chunks(B * T, cfg.loss_chunk):
+        logits = linear_forward(rows[first:end], W)  # (c, V/t) one chunk's columns, dropped at once
+        part, lse[first:end] = parallel_cross_entropy_forward(logits, ys[first:end], start, comm, cfg.stat_dtype)
+        total = total + part
+        del logits
+    keep("lm_head.lse", lse.view(B, T))
+    return total / count
+
+
+def head_backward_parallel(weights, cfg, targets, store, comm, sp):
+    """-> d loss / d x_L (B, n, h) on this rank, and {name: gradient}: this rank's rows of the LM
+    head, the whole final norm weight's."""
+    def take(name, rebuild=None):
+        return store.pop(None, name, rebuild)
+
+    x, rstd = take("final_norm.input"), take("final_norm.rstd")  # (B, n, h), (B, n, 1)
+    xn = take("final_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, weights[FINAL_NORM]))  # (B, n, h)
+    xn = gather_sequence_forward(xn, comm) if sp else xn  # (B, T, h) all-gather again (sp): it is kept as a shard
+    B, T, h = xn.shape
+    rows, ys, W = xn.view(B * T, h), targets.reshape(B * T), weights[HEAD]  # (N, h), (N,), (V/t, h)
+    start, _ = vocab_slice(cfg.vocab, comm)
+    scale = 1.0 / (ys != IGNORE_INDEX).sum().to(cfg.stat_dtype)  # () d loss / d (sum of the token losses)
+    lse = take("lm_head.lse").view(B * T)  # (N,)
+    if cfg.loss_chunk == 0:
+        logits = take("lm_head.logits").view(B * T, -1)  # (N, V/t)
+        dlogits = parallel_cross_entropy_backward(scale, logits, ys, start, lse, cfg.stat_dtype)  # (N, V/t)
+        del logits
+        dxn, d_head = linear_backward(dlogits, rows, W)  # (N, h) partial: this rank's columns, (V/t, h)
+        del dlogits
+    else:
+        dxn = torch.empty_like(rows)  # (N, h) partial
+        d_head = torch.zeros(W.shape, dtype=cfg.param_dtype, device=W.device)  # (V/t, h) summed over chunks
+        for first, end in _chunks(B * T, cfg.loss_chunk):
+            chunk = rows[first:end]  # (c, h)
+            logits = store.rebuild(None, "lm_head.logits", lambda: linear_forward(chunk, W))  # (c, V/t) again
+            dlogits = parallel_cross_entropy_backward(scale, logits, ys[first:end], start, lse[first:end],
+                                                      cfg.stat_dtype)  # (c, V/t)
+            del logits
+            dxn[first:end], d_chunk = linear_backward(dlogits, chunk, W)  # (c, h), (V/t, h)
+            del dlogits
+            d_head += d_chunk  # (V/t, h)
+            del d_chunk
+    del xn, rows, lse
+    # ENTER's backward: reduce-scatter the ranks' partial gradients (sp) | all-reduce them
+    dxn = dxn.view(B, T, h)  # (B, T, h)
+    dxn = gather_sequence_backward(dxn, comm) if sp else copy_to_parallel_backward(dxn, comm)  # (B, n, h)
+    dx, d_norm = rmsnorm_backward(dxn, x, rstd, weights[FINAL_NORM])  # (B, n, h), (h,)
+    if sp:  # each rank's norm gradient sums over its own tokens only: all-reduce it (in the master dtype)
+        d_norm = all_reduce_grads({FINAL_NORM: d_norm.to(cfg.param_dtype)}, comm)[FINAL_NORM]  # (h,)
+    return dx, {HEAD: d_head, FINAL_NORM: d_norm}

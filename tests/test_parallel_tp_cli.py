@@ -1,0 +1,160 @@
+"""Tensor parallelism from the outside: loss_and_grads' clear errors, a failing rank that leaves no
+process behind, `python -m picockpt parallel` (spawned and under torchrun) and `predict --tp --sp`."""
+import json
+import multiprocessing
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from picockpt import Config, init_params
+from picockpt.cli import main
+from picockpt.formulas import korthikanti_layer_bytes
+from picockpt.measure import make_batch
+from picockpt.parallel import Job, RankError, loss_and_grads, run_ranks, run_steps
+from picockpt.parallel.inventory import rank_comm_bytes, rank_layer_inventory, rank_peak_bytes
+from picockpt.parallel.step import _on_cpu, _rank_step
+
+from processes import child_pids, free_port, no_process_left_behind  # noqa: F401 (a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+pytestmark = pytest.mark.usefixtures("no_process_left_behind")
+
+
+def tiny(batch=2, seq=8, **fields):
+    cfg = Config.from_preset("tiny", **fields)  # heads 4, kv_heads 2, ffn 80, vocab 64
+    return cfg, init_params(cfg, seed=0), *make_batch(cfg, batch, seq, "cpu", seed=0)
+
+
+# ---- clear errors, before any rank starts ----------------------------------------------------------
+@pytest.mark.parametrize("fields,seq,kwargs,message", [
+    (dict(hidden=48, heads=6, kv_heads=6, ffn=96), 8, dict(tp=4, sp=False),
+     r"^tp=4 must divide both heads=6 and kv_heads=6 \(each rank computes whole query heads and the key/value "
+     r"heads they read\); use tp in \[1, 2\]$"),
+    (dict(), 8, dict(tp=4), r"^tp=4 is larger than allowed: at most kv_heads=2 ranks \(heads=4\), since every rank "
+                            r"computes whole key/value heads; use tp in \[1, 2\]$"),
+    (dict(), 7, dict(tp=2, sp=True), r"^seq=7 is not divisible by tp=2: sequence parallelism gives each rank seq/tp "
+                                     r"tokens; use a seq that is a multiple of 2, or sp=False$"),
+    (dict(ffn=81), 8, dict(tp=2), r"^tp=2 does not divide ffn=81: the MLP is split in t equal parts; use tp in \[1\], "
+                                  r"or ffn a multiple of 2$"),
+    (dict(), 8, dict(tp=2, sp=True, distribute_saved=True), r"^distribute_saved=True with sp=True: under sequence "
+                                                            r"parallelism every layer input is already split"),
+    (dict(attention="tiled", dropout=0.1), 8, dict(tp=2, sp=False), r"^attention='tiled' with dropout=0.1 and tp=2: "
+                                                                    r"each tile's mask comes from a generator"),
+    (dict(), 8, dict(tp=0), r"^tp=0: use a whole number of tensor-parallel ranks, 1 or more$"),
+    (dict(), 8, dict(tp=2, policy="budget:1KiB"), r"^budget=1,024 bytes \(0\.00 MiB\) is below the least feasible"),
+])
+def test_user_mistakes_are_value_errors_naming_the_values(fields, seq, kwargs, message):
+    cfg, params, input_ids, targets = tiny(seq=seq, **fields)
+    with pytest.raises(ValueError, match=message):
+        loss_and_grads(params, cfg, input_ids, targets, **kwargs)
+
+
+def test_a_port_already_taken_is_a_value_error_naming_it():
+    cfg, params, input_ids, targets = tiny()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"^port={port}: cannot listen on 127\.0\.0\.1:{port} "):
+            loss_and_grads(params, cfg, input_ids, targets, tp=2, port=port)
+
+
+# ---- a failing rank ends the run at once, and no process outlives it ---------------------------------
+def fail_while_the_other_rank_waits(comm, job):
+    if comm.rank == 1:
+        raise ValueError("rank 1 stops before its first collective")
+    return _rank_step(comm, job)  # rank 0 waits in the embedding's all-reduce for a rank that never comes
+
+
+def test_a_rank_failing_mid_step_stops_the_others_at_once():
+    cfg, params, input_ids, targets = tiny()
+    job = _on_cpu(Job(params, cfg, input_ids, targets, "full", True, False, torch.get_rng_state()))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"^rank 1 of 2: rank 1 stops before its first collective$"):
+        run_ranks(fail_while_the_other_rank_waits, 2, job, timeout_s=60, start_method=START)
+    assert time.monotonic() - start < 30  # not the 60 s collective timeout
+
+
+def test_an_error_inside_every_rank_comes_back_with_its_rank():
+    cfg, params, input_ids, targets = tiny()
+    broken = torch.zeros(3, dtype=torch.uint8)  # not a generator state: each rank fails to set it
+    with pytest.raises(RankError, match=r"^rank [01] of 2 raised RuntimeError: .*RNG state") as caught:
+        run_steps([Job(params, cfg, input_ids, targets, "full", True, False, broken)], tp=2, start_method=START)
+    assert "generator.set_state(job.rng_state)" in caught.value.remote_traceback  # where, in the rank
+
+
+# ---- python -m picockpt parallel -------------------------------------------------------------------
+def test_parallel_command_prints_every_rank_against_its_closed_forms(capsys):
+    args = ["parallel", "--tp", "2", "--sp", "--policy", "selective", "--preset", "tiny", "--seq", "8", "--batch",
+            "2", "--dropout", "0.1", "--device", "cpu"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    cfg = Config.from_preset("tiny", dropout=0.1)
+    peak = rank_peak_bytes(cfg, 2, 8, "selective", 2, True)
+    assert out.startswith("tensor parallel t=2, sequence parallel, policy selective on cpu, float32: L=2 h=32 H=4")
+    for rank in (0, 1):  # measured and predicted, to the byte
+        assert re.search(rf"^{rank} +{peak:,} B +{peak:,} B ", out, re.MULTILINE), out
+    assert "stored peaks and communication bytes equal their closed forms (picockpt/parallel/inventory.py): yes" in out
+    assert "recomputation moves nothing between ranks under this policy" in out
+    difference = float(out.rsplit("max relative difference ", 1)[1])
+    assert difference <= 1e-5
+
+
+def test_parallel_command_refuses_a_split_that_cannot_be(capsys):
+    assert main(["parallel", "--tp", "3", "--preset", "tiny", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: tp=3 is larger than allowed: at most kv_heads=2 ranks (heads=4), since every rank computes " \
+                  "whole key/value heads; use tp in [1, 2]\n"
+
+
+def test_parallel_command_under_torchrun_gives_the_same_json():
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    environment["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "picockpt", "parallel",
+               "--tp", "2", "--policy", "full", "--distribute-saved", "--preset", "tiny", "--seq", "8", "--batch", "2",
+               "--device", "cpu", "--json"]
+    done = subprocess.run(command, env=environment, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)  # printed once, by the process of RANK 0
+    cfg = Config.from_preset("tiny")
+    assert [r["rank"] for r in row["ranks"]] == [0, 1]
+    for r in row["ranks"]:
+        assert r["peak_activation_bytes"] == r["predicted_activation_bytes"] == rank_peak_bytes(cfg, 2, 8, "full", 2,
+                                                                                                False, True)
+        assert r["peak_live_bytes"] >= r["peak_activation_bytes"]
+        assert r["comm_bytes"] == rank_comm_bytes(cfg, 2, 8, "full", 2, False, True)
+    assert row["grad_max_rel_diff_vs_single"] <= 1e-5
+    assert row["loss"] == pytest.approx(row["single_process_loss"], rel=1e-6)
+
+
+# ---- python -m picockpt predict --tp --sp ----------------------------------------------------------
+def test_predict_prints_table_2_beside_picockpt_per_rank(capsys):
+    assert main(["predict", "--model", "llama3-70b", "--seq", "8192", "--tp", "8", "--sp", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    rows = {entry["row"]: entry for entry in row["table2"]}
+    s, b, h, a = 8192, 1, 8192, 64
+    tp = rows["tensor parallel"]
+    assert tp["published_terms"] == {"replicated": 10 * s * b * h, "split": 24 * s * b * h / 8,
+                                     "attention core": 5 * a * s * s * b / 8}
+    assert tp["published_bytes"] == korthikanti_layer_bytes(s, b, h, a, 8, False)
+    cfg = Config.from_preset("llama3-70b", dtype="bf16")
+    inventory = rank_layer_inventory(cfg, b, s, 8, True)
+    assert rows["tensor + sequence parallel"]["picockpt_bytes"] == sum(v[2] for v in inventory.values())
+    assert rows["full, distributed saved activations"]["picockpt_bytes"] == 2 * s * b * h // 8
+    assert row["picockpt_rank_peak_bytes"] == rank_peak_bytes(cfg, b, s, "none", 8, True)
+    assert row["picockpt_rank_comm_bytes"]["forward"] == (2 + 4 * 80) * s * b * h * 2 + 3 * s * b * 4
+    assert main(["predict", "--model", "llama3-70b", "--seq", "8192", "--tp", "8", "--sp"]) == 0
+    out = capsys.readouterr().out
+    assert "Table 2's rows at t=8, bytes of one layer per device, term by term" in out
+    assert "tensor + sequence parallel + selective  sbh(34/t)" in out
