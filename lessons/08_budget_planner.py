@@ -1,45 +1,29 @@
-"""Lesson 08: the memory-budget planner against every other way to fit.
+# %% [markdown]
+# # Lesson 08: the memory-budget planner against every other way to fit
+#
+# "I have this much memory: what is the cheapest way to fit?" For one model and batch, every policy is
+# a point (recompute FLOPs, peak bytes): `none`, `selective`, `cheap`, `full`, every `every:C` and their
+# combinations with `selective` and `cheap`; the planner (`budget:SIZE`, rotor's dynamic programme,
+# Beaumont et al. 2019, in `picockpt/planner.py`): its whole frontier, every Pareto-optimal plan from the
+# least feasible budget to storing everything; and PyTorch's recomputation on the autograd reference:
+# checkpoint per layer, `checkpoint_sequential` at every segment count, two selective-checkpoint
+# policies, and the min-cut partitioner that `torch.compile` uses, under
+# `torch._functorch.config.activation_memory_budget`.
+#
+# Two views. The **logical** view is the activation store's peak, which a budget constrains: the
+# planner's frontier there is exact, and every other policy's point must lie on or above it. The
+# planner picks the op level of each layer and of the model head (whose cheap variant drops the final
+# norm's output), so plain `budget:SIZE` plans already include everything `selective` and `cheap` can do.
+# The **physical** view is every tensor alive (store plus working memory), the only view the PyTorch
+# peers have; the planner does not model working memory, so there it could be beaten, and the lesson
+# checks whether it is.
+#
+# **Run it** as a script, `python lessons/08_budget_planner.py` (the CPU run, well under a minute;
+# `--fast` for seconds, `--large --device cuda` for a bigger shape on a GPU), or step through this
+# notebook, where the same flags come from the environment variable `PICOCKPT_LESSON_ARGS` (unset: the
+# CPU run). Notebook 08 (`08_beyond_sqrt_L`) derives the planner's special case of equal layers.
 
-"I have this much memory: what is the cheapest way to fit?" For one model and batch, every
-policy is a point (recompute FLOPs, peak bytes): none, selective, cheap, full, every every:C and
-their combinations with selective and cheap; the planner (budget:SIZE, rotor's dynamic programme,
-Beaumont et al. 2019, in picockpt/planner.py): its whole frontier, every Pareto-optimal plan
-from the least feasible budget to storing everything, 20 of them run; and PyTorch's
-recomputation on the autograd reference: checkpoint per layer, checkpoint_sequential at every
-segment count, two selective-checkpoint policies, and the min-cut partitioner that torch.compile
-uses, under torch._functorch.config.activation_memory_budget.
-
-Left, the logical view: the activation store's peak, which a budget constrains. The line is the
-planner's exact frontier; the dots on it were run and measured, and every other policy's point
-lies on or above it: checked at each policy's own peak and printed. The planner picks the op
-level of each layer and of the model head (whose cheap variant drops the final norm's output),
-so plain budget:SIZE plans already include everything `selective` and `cheap` can do.
-
-Middle and right, the physical view: every tensor alive (store plus working memory), the only
-view the PyTorch peers have; the middle panel puts picockpt's fixed policies beside the
-planner's measured plans, the right one PyTorch's (every point is named; crowded ones from a
-column of labels). The planner does not model working memory, so there it could be beaten: for
-each rival the script runs the planner's least-store plan that recomputes no more, and prints
-any rival with fewer live bytes. Two things decide it. PyTorch's non-reentrant checkpoint stops
-recomputing at the last tensor a backward needs, so each recomputed segment skips its last
-layer's down projection; the planner's sweeps stop at the same place (the fixed policies full
-and every:C recompute whole layers, one extra forward exactly), or torch's per-layer checkpoint
-would land between two of the planner's whole-layer steps and win there. And the working memory
-(live - stored, printed), which a budget does not limit: picockpt's backward frees each tensor at
-its last use, which keeps it to a layer's transient products. Planning times are printed as
-median [min..max] of 3 runs (at --fast, not at all: those shapes say nothing about time).
-
-    python lessons/08_budget_planner.py            # the CPU run (small preset), well under a minute
-    python lessons/08_budget_planner.py --fast     # seconds: what the tests run
-    python lessons/08_budget_planner.py --large --device cuda   # a bigger shape for a GPU
-"""
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
-
-import matplotlib
-matplotlib.use("Agg")
+# %%
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -47,20 +31,29 @@ import torch._functorch.config as functorch_config
 from torch._functorch.aot_autograd import aot_module, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition as min_cut_partition
 
-from lessons._lesson import FAST_TIMING, Spread, choose, large, parse_args, callouts, shape_line, small
+from _check import check
+from _lesson import FAST_TIMING, Spread, callouts, choose, large, lesson_args, shape_line, small, wrote
 from picockpt import init_params, loss_and_grads, parse_policy
 from picockpt.cli.plan import benchmark
-from picockpt.inventory import predicted_peak_bytes, step_flops
+from picockpt.inventory import chain_sizes, predicted_peak_bytes, step_flops
 from picockpt.measure import make_batch
 from picockpt.peers import per_layer, run_plain, save_matmuls, selective, sequential
-from picockpt.planner import frontier, model_chain
+from picockpt.planner import frontier, least_budget, model_chain, plan_model
 from picockpt.plotting import mib, policy_color, save_figure
+from picockpt.policy import OP_LEVEL
 from picockpt.reference import ReferenceLlama
 from picockpt.tracker import Tracker
 
 PLANNER_COLOR, TORCH_COLOR, MINCUT_COLOR = "#8172B3", "#7F7F7F", "#2CA02C"
 
+# %% [markdown]
+# ## What each run mode measures
+#
+# `--fast` keeps the tests quick: a few planner points, a few fixed policies, no min-cut partitioner
+# (tracing it alone takes about 10 s here). The CPU run measures 20 planner points, the fixed policies
+# in full, every segment count of `checkpoint_sequential` and two min-cut budgets.
 
+# %%
 def shape(mode):
     """(Config, batch, seq) of each run mode."""
     return choose(mode, fast=(small(layers=4), 2, 32), cpu=(small(), 2, 128), large=(large(), 2, 1024))
@@ -82,6 +75,17 @@ def extent(mode, cfg):
         | {"every": every}
 
 
+# %% [markdown]
+# ## Measuring picockpt and PyTorch
+#
+# `measure_picockpt` runs one step under a tracker (store peak and live peak; recompute FLOPs measured
+# or taken from the closed form, which the tests hold equal to the measurement). `measure_torch` does
+# the same for an autograd run, in two passes, since `FlopCounterMode`'s module hooks would keep
+# checkpointed graphs alive. `min_cut` puts the reference model through AOTAutograd with
+# `torch.compile`'s min-cut partitioner and an activation memory budget, without code generation, so
+# the tracker sees every op.
+
+# %%
 def planner_frontier(cfg, batch, seq):
     """(peak, recompute, policy) of every Pareto-optimal budget:SIZE plan, from storing everything
     down to the least feasible budget (each layer's and the head's op level chosen by the planner)."""
@@ -151,6 +155,77 @@ def torch_peers(cfg, params, ids, targets, seq, todo, device, seed):
     return rows
 
 
+# %%
+args = lesson_args()
+cfg, batch, seq = shape(args.mode)
+device, seed, todo = args.device, args.seed, extent(args.mode, cfg)
+fast = args.mode == "fast"
+print(f"lesson 08, the budget planner: {shape_line(cfg, batch, seq, device)}")
+params = init_params(cfg, seed=seed, device=device)
+ids, targets = make_batch(cfg, batch, seq, device, seed)
+forward_flops = step_flops(cfg, batch, seq)["forward"]
+
+front = planner_frontier(cfg, batch, seq)
+picks = np.unique(np.linspace(0, len(front) - 1, min(todo["dots"], len(front))).round().astype(int))
+counted = set(picks[1::max(1, len(picks) // 3)][:3])  # a few with measured FLOPs too
+measured_plans = {front[i][2]: measure_picockpt(cfg, params, ids, targets, front[i][2], device, seed,
+                                                flops=i in counted) for i in picks}
+print(f"\nplanner: {len(front)} Pareto-optimal plans from {mib(front[0][0]):.2f} MiB down to the least "
+      f"feasible {mib(front[-1][0]):.2f} MiB; {len(measured_plans)} of them run:")
+print(f"{'policy':<28}{'store MiB':>11}{'predicted':>11}{'live MiB':>10}{'recompute GFLOP':>17}{'predicted':>11}")
+exact = True
+i_of = {front[i][2]: i for i in picks}
+for (peak, flops, policy) in (front[i] for i in picks):
+    row = measured_plans[policy]
+    exact &= row["logical"] == peak and row["recompute"] == flops
+    note = "  (FLOPs measured)" if i_of[policy] in counted else ""
+    print(f"{policy:<28}{mib(row['logical']):>11.3f}{mib(peak):>11.3f}{mib(row['physical']):>10.2f}"
+          f"{row['recompute'] / 1e9:>17.4f}{flops / 1e9:>11.4f}{note}")
+print(f"measured store peaks (all) and recompute FLOPs (where measured) equal the planner's: {exact}")
+
+# %% [markdown]
+# Every measured store peak equals the planner's prediction, and so does every measured recompute
+# count. Next, every fixed policy against the planner at that policy's own peak: the planner may never
+# need more recompute there.
+
+# %%
+fixed = {p: {"logical": predicted_peak_bytes(cfg, batch, seq, p), "physical": None,
+             "recompute": step_flops(cfg, batch, seq, p)["recompute"]} for p in todo["every"]}
+for policy in todo["run"]:  # the store's peak is measured too, and must equal the closed form
+    row = measure_picockpt(cfg, params, ids, targets, policy, device, seed)
+    assert row["logical"] == fixed[policy]["logical"], policy
+    fixed[policy] = row
+print(f"\n{'fixed policy':<22}{'store MiB':>11}{'live MiB':>10}{'recompute GFLOP':>17}"
+      f"{'planner at that budget':>24}")
+beaten_logical = []
+for policy, row in fixed.items():
+    best = min((p for p in front if p[0] <= row["logical"]), key=lambda p: p[1])  # the planner at that budget
+    if best[1] > row["recompute"]:
+        beaten_logical.append(policy)
+    live = f"{mib(row['physical']):>10.2f}" if row["physical"] else f"{'-':>10}"
+    print(f"{policy:<22}{mib(row['logical']):>11.3f}{live}{row['recompute'] / 1e9:>17.4f}"
+          f"{best[1] / 1e9:>17.4f}  {best[2]}")
+print(f"fixed policies below the planner's frontier (logical): {beaten_logical or 'none'}")
+
+# %% [markdown]
+# ## PyTorch's recomputation, and the physical view
+#
+# The PyTorch peers have no store: only their live bytes can be compared. For each rival, the
+# planner's best chance is its plan of least store among those recomputing no more than the rival;
+# `physical_view` runs it and prints any rival with fewer live bytes. Two things decide it. PyTorch's
+# non-reentrant checkpoint stops recomputing at the last tensor a backward needs, so each recomputed
+# segment skips its last layer's down projection; the planner's sweeps stop at the same place (the fixed
+# policies `full` and `every:C` recompute whole layers, one extra forward exactly). And the working
+# memory (live - stored), which a budget does not limit: picockpt's backward frees each tensor at its
+# last use, which keeps it to a layer's transient products.
+
+# %%
+peers = torch_peers(cfg, params, ids, targets, seq, todo, device, seed)
+print(f"\n{'PyTorch peer':<40}{'live MiB':>10}{'recompute GFLOP':>17}")
+for name, row in peers.items():
+    print(f"{name:<40}{mib(row['physical']):>10.2f}{row['recompute'] / 1e9:>17.4f}")
+
+# %%
 def physical_view(plans, rivals, front, measure):
     """The claim in live bytes. For every rival (measured), the planner's best chance is its plan of
     least store among those recomputing no more than the rival: run it if it was not, and compare.
@@ -178,6 +253,24 @@ def physical_view(plans, rivals, front, measure):
     return beaten
 
 
+rivals = {**{p: r for p, r in fixed.items() if r["physical"]}, **peers}
+beaten_physical = physical_view(measured_plans, rivals, front,
+                                lambda policy: measure_picockpt(cfg, params, ids, targets, policy, device, seed))
+runs = [benchmark(cfg, batch, seq, seed, layers=todo["benchmark_layers"]) for _ in range(todo["plan_repeats"])]
+timing = {name: Spread(tuple(run[name]["seconds"] for run in runs)) for name in runs[0]}
+for name, spread in timing.items():
+    print(f"planning time, {name}, {runs[0][name]['slots']} slots: "
+          + (FAST_TIMING if fast else f"{spread.text('{:.0f}', scale=1e3)} ms (median [min..max] of {len(runs)})"))
+
+# %% [markdown]
+# ## The figure
+#
+# Left, the logical view: the planner's exact frontier (the line), its measured points, and every fixed
+# policy (circles: layer level only, diamonds: `+selective`, squares: `+cheap`). Middle and right, the
+# physical view beside picockpt's fixed policies and beside PyTorch's checkpointing; crowded points are
+# named from a column of labels.
+
+# %%
 def plot(fixed, measured_plans, front, peers):
     """Three panels: the store's peak (what a budget limits), then live bytes beside picockpt's
     fixed policies and beside PyTorch's checkpointing. Every point is named: the crowded ones from
@@ -234,78 +327,60 @@ def plot(fixed, measured_plans, front, peers):
     return fig
 
 
-def main(argv=None):
-    args = parse_args(__doc__, argv)
-    cfg, batch, seq = shape(args.mode)
-    device, seed, todo = args.device, args.seed, extent(args.mode, cfg)
-    fast = args.mode == "fast"
-    print(f"lesson 08, the budget planner: {shape_line(cfg, batch, seq, device)}")
-    params = init_params(cfg, seed=seed, device=device)
-    ids, targets = make_batch(cfg, batch, seq, device, seed)
-    forward_flops = step_flops(cfg, batch, seq)["forward"]
+fig = plot(fixed, measured_plans, front, peers)
+fig.suptitle(f"Peak memory against recompute, one training step: {shape_line(cfg, batch, seq, device)}; "
+             f"one forward = {forward_flops / 1e9:.2f} GFLOP", fontsize=9, y=1.03)
+path = save_figure(fig, "08_budget_planner")
+wrote(path)
 
-    front = planner_frontier(cfg, batch, seq)
-    picks = np.unique(np.linspace(0, len(front) - 1, min(todo["dots"], len(front))).round().astype(int))
-    counted = set(picks[1::max(1, len(picks) // 3)][:3])  # a few with measured FLOPs too
-    measured_plans = {front[i][2]: measure_picockpt(cfg, params, ids, targets, front[i][2], device, seed,
-                                                    flops=i in counted) for i in picks}
-    print(f"\nplanner: {len(front)} Pareto-optimal plans from {mib(front[0][0]):.2f} MiB down to the least "
-          f"feasible {mib(front[-1][0]):.2f} MiB; {len(measured_plans)} of them run:")
-    print(f"{'policy':<28}{'store MiB':>11}{'predicted':>11}{'live MiB':>10}{'recompute GFLOP':>17}{'predicted':>11}")
-    exact = True
-    i_of = {front[i][2]: i for i in picks}
-    for (peak, flops, policy) in (front[i] for i in picks):
-        row = measured_plans[policy]
-        exact &= row["logical"] == peak and row["recompute"] == flops
-        note = "  (FLOPs measured)" if i_of[policy] in counted else ""
-        print(f"{policy:<28}{mib(row['logical']):>11.3f}{mib(peak):>11.3f}{mib(row['physical']):>10.2f}"
-              f"{row['recompute'] / 1e9:>17.4f}{flops / 1e9:>11.4f}{note}")
-    print(f"measured store peaks (all) and recompute FLOPs (where measured) equal the planner's: {exact}")
+# %% [markdown]
+# ## Exercises
+#
+# Both for the `small` model at batch 2 × 128 tokens, fp32.
+#
+# **1.** The least feasible budget. Whatever the schedule, each layer's backward needs that layer whole
+# in the store, and the first layer's input $x_0$ stays stored until the very end (nothing can rebuild
+# it). With the sizes printed below, what is the least budget, in bytes, that any schedule fits in?
 
-    fixed = {p: {"logical": predicted_peak_bytes(cfg, batch, seq, p), "physical": None,
-                 "recompute": step_flops(cfg, batch, seq, p)["recompute"]} for p in todo["every"]}
-    for policy in todo["run"]:  # the store's peak is measured too, and must equal the closed form
-        row = measure_picockpt(cfg, params, ids, targets, policy, device, seed)
-        assert row["logical"] == fixed[policy]["logical"], policy
-        fixed[policy] = row
-    print(f"\n{'fixed policy':<22}{'store MiB':>11}{'live MiB':>10}{'recompute GFLOP':>17}"
-          f"{'planner at that budget':>24}")
-    beaten_logical = []
-    for policy, row in fixed.items():
-        best = min((p for p in front if p[0] <= row["logical"]), key=lambda p: p[1])  # the planner at that budget
-        if best[1] > row["recompute"]:
-            beaten_logical.append(policy)
-        live = f"{mib(row['physical']):>10.2f}" if row["physical"] else f"{'-':>10}"
-        print(f"{policy:<22}{mib(row['logical']):>11.3f}{live}{row['recompute'] / 1e9:>17.4f}"
-              f"{best[1] / 1e9:>17.4f}  {best[2]}")
-    print(f"fixed policies below the planner's frontier (logical): {beaten_logical or 'none'}")
+# %%
+exercise = small()
+X8, _, _ = chain_sizes(exercise, 2, 128)
+layer_bytes = {level: chain_sizes(exercise, 2, 128, OP_LEVEL.get(level, frozenset()))[1]
+               for level in ("none", "selective", "cheap")}
+print(f"X = {X8:,} bytes; one layer stored whole (input included): " +
+      ", ".join(f"{level} {nbytes:,}" for level, nbytes in layer_bytes.items()) + " bytes")
 
-    peers = torch_peers(cfg, params, ids, targets, seq, todo, device, seed)
-    print(f"\n{'PyTorch peer':<40}{'live MiB':>10}{'recompute GFLOP':>17}")
-    for name, row in peers.items():
-        print(f"{name:<40}{mib(row['physical']):>10.2f}{row['recompute'] / 1e9:>17.4f}")
+# %%
+answer = 1_705_984  # bytes
 
-    rivals = {**{p: r for p, r in fixed.items() if r["physical"]}, **peers}
-    beaten_physical = physical_view(measured_plans, rivals, front,
-                                    lambda policy: measure_picockpt(cfg, params, ids, targets, policy, device, seed))
-    runs = [benchmark(cfg, batch, seq, seed, layers=todo["benchmark_layers"]) for _ in range(todo["plan_repeats"])]
-    timing = {name: Spread(tuple(run[name]["seconds"] for run in runs)) for name in runs[0]}
-    for name, spread in timing.items():
-        print(f"planning time, {name}, {runs[0][name]['slots']} slots: "
-              + (FAST_TIMING if fast else f"{spread.text('{:.0f}', scale=1e3)} ms (median [min..max] of {len(runs)})"))
+# %%
+least = least_budget(model_chain(exercise, 2, 128))
+check("the least feasible budget (small, 2 x 128), in bytes", answer, least, rel=0,
+      why=f"x0 ({X8:,}) beside a later layer stored whole at the cheapest op level, all:cheap "
+          f"({layer_bytes['cheap']:,}, its own input included): {X8 + layer_bytes['cheap']:,}; "
+          f"planner.least_budget says {least:,}")
 
-    fig = plot(fixed, measured_plans, front, peers)
-    fig.suptitle(f"Peak memory against recompute, one training step: {shape_line(cfg, batch, seq, device)}; "
-                 f"one forward = {forward_flops / 1e9:.2f} GFLOP", fontsize=9, y=1.03)
-    path = save_figure(fig, "08_budget_planner")
-    print(f"\nfigure: {path}")
-    return {"figures": [str(path)], "summary": {
-        "Pareto-optimal plans": len(front), "plans measured": len(measured_plans),
-        "measured == predicted": exact, "fixed policies beating the planner (logical)": len(beaten_logical),
-        "rivals beating the planner (physical)": f"{len(beaten_physical)} of {len(rivals)}",
-        **{f"planning ms, {name}": FAST_TIMING if fast else spread.text("{:.0f}", scale=1e3)
-           for name, spread in timing.items()}}}
+# %% [markdown]
+# **2.** Give the planner exactly what `full` needs. How many GFLOP of recompute does its plan save
+# against `full`'s one extra forward?
 
+# %%
+answer = 0.327  # GFLOP
 
-if __name__ == "__main__":
-    main()
+# %%
+full_budget = predicted_peak_bytes(exercise, 2, 128, "full")
+plan = plan_model(exercise, 2, 128, full_budget)
+full_recompute = step_flops(exercise, 2, 128, "full")["recompute"]
+check("GFLOP the planner saves against full at full's budget (small, 2 x 128)", answer,
+      (full_recompute - plan.recompute_flops) / 1e9, rel=0.01,
+      why=f"full recomputes {full_recompute / 1e9:.3f} GFLOP; the plan {plan.recompute_flops / 1e9:.3f}: it keeps "
+          f"the last layer whole ({plan.schedule.forward[-1]}), since full's peak comes in the backward and leaves "
+          f"room at the end of the forward, and each sweep stops before the down projection nobody needs")
+
+# %%
+RESULT = {"figures": [str(path)], "summary": {
+    "Pareto-optimal plans": len(front), "plans measured": len(measured_plans),
+    "measured == predicted": exact, "fixed policies beating the planner (logical)": len(beaten_logical),
+    "rivals beating the planner (physical)": f"{len(beaten_physical)} of {len(rivals)}",
+    **{f"planning ms, {name}": FAST_TIMING if fast else spread.text("{:.0f}", scale=1e3)
+       for name, spread in timing.items()}}}

@@ -1,76 +1,47 @@
-"""Lesson 09: FlashAttention and chunked cross-entropy are recomputation.
+# %% [markdown]
+# # Lesson 09: FlashAttention and chunked cross-entropy are recomputation
+#
+# Two activations of a step grow faster than the rest: each layer's attention probabilities,
+# $(B, H, T, T)$, and the logits, $(B, T, V)$, once per step. Both feed a reduction over one row. The
+# attention output $O = P V$ needs $P$, and its backward $dS = P \odot (dP - \mathrm{rowsum}(dP \odot P))$
+# needs $P$ again; the loss needs the logits for a log-sum-exp, and its backward for softmax minus
+# one-hot. Keep the one number per row the reduction produced, the log-sum-exp (lse), and both can be
+# thrown away in the forward and rebuilt from their inputs in the backward: that is recomputation.
+#
+# * **FlashAttention** (Dao et al. 2022; FlashAttention-2, Dao 2023) keeps $O$ and the lse ($B \cdot H \cdot T$
+#   numbers) and in the backward recomputes each tile of $S = q k^\top/\sqrt{d}$ and $P = \exp(S - \text{lse})$:
+#   the selective recomputation of Korthikanti et al. (2022), done inside the op, one tile at a time, so the
+#   T×T tensors never exist whole, not even as working memory. Megatron's documentation says the same
+#   from the other side: its selective recomputation is `recompute_modules = ["core_attn"]` by default,
+#   and NVIDIA's Megatron Bridge guide ("Activation Recomputation") advises, with flash or Transformer
+#   Engine fused attention, comparing `core_attn` against recomputing nothing, because those backends
+#   already rematerialise the attention internals.
+# * **A chunked LM head + loss** (Liger Kernel's fused linear cross-entropy, Hsu et al. 2024; Cut
+#   Cross-Entropy, Wijmans et al. 2024) keeps one lse per token and recomputes each chunk's logits
+#   $x W^\top$ in the backward: at Llama 3's 128256-token vocabulary the bf16 logits of one 8192-token
+#   sequence take 1.96 GiB, about as much as the 32 layer checkpoints of full recomputation (2 GiB); the
+#   lse takes 32 KiB.
+#
+# picockpt has both (`Config.attention = eager | tiled | fused`, `Config.loss_chunk`). This lesson
+# measures, in six parts: stored and live bytes against $T$ for each attention kind; FLOPs by phase;
+# time; the logits against the vocabulary; the best $C$ of `every:C` once the $T^2$ term and the whole
+# logits are gone; and a block of pass/fail criteria.
+#
+# **Run it** as a script, `python lessons/09_flash_attention_and_chunked_loss.py` (the CPU run, about a
+# minute; `--fast` for seconds, `--large --device cuda` for a bigger shape on a GPU), or step through
+# this notebook, where the same flags come from the environment variable `PICOCKPT_LESSON_ARGS` (unset:
+# the CPU run).
 
-Two activations of a step grow faster than the rest: each layer's attention probabilities,
-(B, H, T, T), and the logits, (B, T, V), once per step. Both feed a reduction over one row. The
-attention output O = P·V needs P, and its backward dS = P·(dP - rowsum(dP·P)) needs P again; the
-loss needs the logits for a log-sum-exp, and its backward for softmax - one-hot. Keep the one
-number per row the reduction produced, the log-sum-exp (lse), and both can be thrown away in the
-forward and rebuilt from their inputs in the backward: that is recomputation.
-
-    FlashAttention (Dao et al. 2022; FlashAttention-2, Dao 2023) keeps O and lse (B·H·T numbers)
-    and in the backward recomputes each tile of S = q·k^T/sqrt(hd) and P = exp(S - lse): the
-    selective recomputation of Korthikanti et al. (2022), done inside the op, one tile at a time,
-    so the T×T tensors never exist whole, not even as working memory. Megatron's docs say the same
-    from the other side: selective recomputation there is recompute_modules = ["core_attn"] by
-    default, and NVIDIA's Megatron Bridge guide ("Activation Recomputation") advises, with flash or
-    Transformer Engine fused attention, comparing core_attn against recomputing nothing, because
-    those backends already rematerialise the attention internals.
-    A chunked LM head + loss (Liger Kernel's fused linear cross-entropy, Hsu et al. 2024; Cut
-    Cross-Entropy, Wijmans et al. 2024) keeps one lse per token and recomputes each chunk's
-    logits x·W^T in the backward: at Llama 3's 128256-token vocabulary the bf16 logits of one
-    8192-token sequence take 1.96 GiB, about as much as the 32 layer checkpoints of full
-    recomputation (2 GiB); the lse takes 32 KiB.
-
-picockpt has both (Config.attention = eager | tiled | fused, Config.loss_chunk). This script:
-
-    1  stored and live peak bytes against T for eager, eager + selective, tiled (FlashAttention-2
-       written out, picockpt/ops/attention_tiled.py) and fused (torch's flash kernels), under none
-       and full. Stored = predicted_peak_bytes at every point. Live: eager keeps a T² term (its
-       backward holds P, dP and dS of one layer at once), and so does eager + selective (it rebuilds
-       P one layer at a time); tiled and fused grow linearly in T, working memory included.
-    2  FLOPs by phase = step_flops: selective rebuilds q·k^T in every layer; tiled rebuilds the
-       same product (its tiles on or below the diagonal) and counts it as recompute; fused
-       rebuilds it inside one aten op, the kernel's backward, which FlopCounterMode sees whole:
-       there it counts as backward, exactly L·q·k^T more than eager's.
-    3  the time of one step of each kind (interleaved repeats, median [min..max]). tiled is a
-       Python loop over tiles, there to be read, not to be fast.
-    4  the logits against the vocabulary: a Llama 3 8B step by the closed form (head_inventory),
-       and a small model measured at a few vocabularies, with and without loss_chunk.
-    5  Chen's O(L/C + C) optimum again, for Llama 3 8B/70B/405B, when the layers have no T² term
-       and the head is chunked: which C of every:C wins, and why (X, A, F: the checkpoint, the
-       stored layer, the head), checked on a deep small model measured at C = 1..4.
-    6  a benchmark block of criteria, each printed with PASS/FAIL (timing ones not at --fast).
-
-What the CPU run (small preset, B=1, T = 128..1024, fp32) finds: every stored peak equals the
-closed form and every FLOP count step_flops. The T² term of the live peak, fitted over T, is 10.1
-T×T tensors for eager under none (L + 2), 3.1 for eager+selective (1 + 2) and 0 for tiled and
-fused, whose live peak doubles exactly from T=512 to 1024. At T=1024 fused's live peak is 149 MiB
-below eager's under none (76 against 225 MiB) and 37 MiB under full (18 against 55 MiB), and
-fused was faster than eager in every repeat. With whole logits the head's live peak is two fp32
-(B·T, V) tensors (logits, softmax gradient); chunked, one chunk: n rows of V. For Llama 3 in bf16, taking the
-T² term out moves the best C of every:C from 1 to 2 for 70B and from 1 or 2 to 3 for 405B; for
-8B it gives C=2 while the whole logits make the end of the forward the peak, and C=1 again once
-the head is chunked (1.50 GiB at s=4096, against 2.50 with eager attention).
-
-    python lessons/09_flash_attention_and_chunked_loss.py            # the CPU run (small preset), about a minute
-    python lessons/09_flash_attention_and_chunked_loss.py --fast     # seconds: what the tests run
-    python lessons/09_flash_attention_and_chunked_loss.py --large --device cuda   # a bigger shape for a GPU
-"""
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
-
-import matplotlib
-matplotlib.use("Agg")
+# %%
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
-import numpy as np
 
-from lessons._lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, large, paired_ratios, parse_args,
-                             shape_line, small)
+from _check import check
+from _lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, large, lesson_args, paired_ratios,
+                     shape_line, small, wrote)
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.formulas import chen_optimum, exact_segment_curve
 from picockpt.inventory import attention_matmul_flops, chain_sizes, head_inventory, predicted_peak_bytes, step_flops
@@ -92,7 +63,16 @@ VARIANTS = {"eager": dict(attention="eager"), "fused": dict(attention="fused"),
             "fused+chunked": dict(attention="fused", loss_chunk=HEAD_CHUNK)}
 VARIANT_COLORS = {"eager": COLORS["eager"], "fused": "#8FD19E", "fused+chunked": COLORS["fused"]}
 
+# %% [markdown]
+# ## The shapes, and the kinds compared
+#
+# Four kinds of attention, each under `none` and `full`: `eager` (stores the probabilities), `eager`
+# with `selective` (drops them, rebuilds them one layer at a time), `tiled` (FlashAttention-2 written out
+# in PyTorch, `picockpt/ops/attention_tiled.py`) and `fused` (torch's flash kernels, called as an explicit
+# forward/backward pair). At `--fast`, $h = 32$, so that $T^2$ dominates at $T = 512$ as it does at
+# $T = 1024$ in the CPU run.
 
+# %%
 def shape(mode):
     """What each run mode measures: the T sweep (Config, batch, T values, timed repeats), the vocabulary
     sweep (Config, tokens, vocabularies, tokens per chunk) and the deep model of part 5 (Config, T, C values).
@@ -124,6 +104,14 @@ def square_bytes(cfg, batch, seq):
     return batch * cfg.heads * seq * seq * cfg.torch_dtype.itemsize
 
 
+def yes(ok):
+    return "yes" if ok else "NO"
+
+
+def timed(spread, fast):
+    return FAST_TIMING if fast else spread.text("{:.3f}")
+
+
 def tracked_step(cfg, batch, seq, policy, device="cpu", seed=0, params=None, **watch):
     """The Tracker of one forward + backward (watch: Tracker's physical= and flops= switches)."""
     params = params if params is not None else init_params(cfg, seed=seed, device=device)
@@ -150,6 +138,111 @@ def measure_kinds(cfg, batch, seqs, device="cpu", seed=0):
     return rows
 
 
+# %%
+args = lesson_args()
+plan = shape(args.mode)
+cfg, batch, seqs, fast = plan["cfg"], plan["batch"], plan["seqs"], args.mode == "fast"
+cfg = cfg.replace(max_seq=max(cfg.max_seq, max(seqs)))
+T, half, device, seed = seqs[-1], seqs[-1] // 2, args.device, args.seed
+print(f"lesson 09, sequence lengths {seqs}: {shape_line(cfg, batch, 'T', device)}")
+
+# %% [markdown]
+# ## 1. Stored and live bytes against T
+#
+# Stored equals `predicted_peak_bytes` at every point. Live: `eager` and `eager+selective` keep a $T^2$
+# term (the backward of one layer's attention holds $P$, $dP$ and $dS$ at once; selective rebuilds $P$
+# one layer at a time); `tiled` and `fused` grow linearly in $T$, working memory included.
+
+# %%
+rows = measure_kinds(cfg, batch, seqs, device, seed)
+predicted = {key: predicted_peak_bytes(config_of(cfg, key[0]), batch, key[2], policy_of(key[0], key[1]))
+             for key in rows}
+stored_ok = all(rows[key]["stored"] == predicted[key] for key in rows)
+unit = square_bytes(cfg, batch, T)  # one T×T tensor at the longest T, bytes
+
+def fit(kind, level, what):  # T² coefficient of a least-squares fit a + b·T + c·T², in T×T tensors
+    c = np.polyfit(np.array(seqs, float), np.array([rows[kind, level, t][what] for t in seqs], float), 2)[0]
+    return round(float(c) * T**2 / unit, 2) + 0.0  # + 0.0: no "-0.00"
+
+print(f"\n1. peak bytes of one step (MiB), and the T² term of a fit a + b·T + c·T², in T×T tensors (one "
+      f"layer's B·H·T² probabilities: {mib(unit):.1f} MiB at T={T}; L = {cfg.layers})")
+print(f"{'kind':<16}{'policy':<15}{'':<7}" + "".join(f"{'T=' + str(t):>9}" for t in seqs) + f"{'T² term':>10}")
+for kind, level, what in ((k, l, w) for k in KINDS for l in LEVELS for w in ("stored", "live")):
+    name = f"{kind:<16}{policy_of(kind, level):<15}" if what == "stored" else " " * 31
+    print(f"{name}{what:<7}" + "".join(f"{mib(rows[kind, level, t][what]):>9.2f}" for t in seqs)
+          + f"{fit(kind, level, what):>10.2f}")
+print(f"stored = predicted_peak_bytes at every point: {yes(stored_ok)}. eager stores L T×T tensors under none, "
+      f"1 under full (the layer being recomputed); eager+selective, tiled and fused store none (they differ by "
+      f"lse, B·H·T numbers per layer). Live: eager and eager+selective keep a T² term (the backward of one "
+      f"layer's attention); tiled and fused have none left.")
+for kind in ("eager", "fused"):
+    row = rows[kind, "none", T]
+    print(f"{kind}'s live peak at T={T} (none) comes after '{row['where']}': {mib(row['above']):.2f} MiB above "
+          f"the store = {row['above'] / unit:.2f} T×T tensors")
+print("(eager: in the last layer's attention backward, P just taken from the store, dP and dS alive at once: 3 "
+      "T×T tensors beside (B, T, ·) ones. fused has no T×T tensor anywhere: its peak is wherever (B, T, ·) "
+      "working memory is largest)")
+
+# %% [markdown]
+# ## 2. FLOPs by phase
+#
+# All equal `step_flops`. `selective` rebuilds $q k^\top$ in every layer; `tiled` rebuilds the same
+# product (its tiles on or below the diagonal) and counts it as recompute; `fused` rebuilds it inside one
+# aten op, the kernel's backward, which `FlopCounterMode` sees whole: there it counts as backward,
+# exactly $L \cdot q k^\top$ more than eager's.
+
+# %%
+flops_ok = all(rows[key]["flops"] == step_flops(config_of(cfg, key[0]), batch, T, policy_of(key[0], key[1]))
+               for key in rows if key[2] == T)
+qk = cfg.layers * attention_matmul_flops(config_of(cfg, "eager"), batch, T)  # L·q·k^T, the whole square
+selective = rows["eager+selective", "none", T]["flops"]["recompute"]
+fused_extra = rows["fused", "none", T]["flops"]["backward"] - rows["eager", "none", T]["flops"]["backward"]
+tiled = rows["tiled", "none", T]["flops"]["recompute"]
+one_tile = tracked_step(cfg.replace(attention="tiled", attention_tile=T), batch, T, "none", device, seed,
+                        physical=False).flops["recompute"]
+print(f"\n2. FLOPs of one step at T={T} (GFLOP), counted by FlopCounterMode:")
+print(f"{'kind':<16}{'policy':<15}" + "".join(f"{phase:>11}" for phase in PHASES) + f"{'total':>11}")
+for kind, level in ((k, l) for k in KINDS for l in LEVELS):
+    flops = rows[kind, level, T]["flops"]
+    print(f"{kind:<16}{policy_of(kind, level):<15}" + "".join(f"{flops[p] / 1e9:>11.4f}" for p in PHASES)
+          + f"{sum(flops.values()) / 1e9:>11.4f}")
+print(f"counted = step_flops for every kind and policy: {yes(flops_ok)}")
+print(f"selective rebuilds q·k^T in every layer: {selective / 1e9:.4f} GFLOP "
+      f"({'=' if selective == qk else '!='} L·2·B·H·hd·T²)")
+print(f"fused rebuilds it inside the kernel's backward, one aten op, which FlopCounterMode counts whole in one "
+      f"phase: backward. fused backward - eager backward = {fused_extra / 1e9:.4f} GFLOP "
+      f"({'=' if fused_extra == qk else '!='} selective's recompute)")
+print(f"tiled rebuilds it tile by tile, counted as recompute: {tiled / 1e9:.4f} GFLOP with "
+      f"{cfg.attention_tile}-row tiles ({tiled / qk:.1%} of the square: tiles above the diagonal are skipped); "
+      f"with one T-row tile {one_tile / 1e9:.4f} GFLOP ({'=' if one_tile == qk else '!='} selective's)")
+
+# %% [markdown]
+# ## 3. Time
+#
+# One step of each kind under `none`, interleaved repeats, median [min..max]. `tiled` is a Python loop
+# over tiles, there to be read, not to be fast.
+
+# %%
+params = init_params(cfg, seed=seed, device=device)
+ids, targets = make_batch(cfg, batch, T, device, seed)
+steps = {kind: (lambda model=config_of(cfg, kind), policy=policy_of(kind, "none"):
+                loss_and_grads(params, model, ids, targets, policy)) for kind in KINDS}
+timing = interleaved_seconds(steps, device, plan["repeats"])
+ratio = {kind: paired_ratios(timing[kind], timing["eager"]) for kind in KINDS}
+print(f"\n3. one step under none at T={T} on {device_name(device)}, {plan['repeats']} interleaved repeats:")
+for kind in KINDS:
+    against = "" if kind == "eager" else f"   time / eager: {timed(ratio[kind], fast)}"
+    print(f"  {kind:<16}{timing[kind].text('{:.1f}', scale=1e3):>26} ms{against}")
+print("  (tiled is a Python loop over tiles: for reading. torch's fused kernel is the one meant to be fast.)")
+
+# %% [markdown]
+# ## 4. The logits against the vocabulary
+#
+# A Llama 3 8B step by the closed form (`head_inventory`), and a small model measured at a few
+# vocabularies, with and without `loss_chunk`. With whole logits the head's live peak is two fp32
+# $(B T, V)$ tensors (the logits and the softmax gradient); chunked, one chunk: $n$ rows of $V$.
+
+# %%
 def measure_vocab(cfg, seq, vocabs, chunk, device="cpu", seed=0):
     """(V, loss_chunk) -> (stored, live) peak bytes of one step under full, batch 1."""
     trackers = {(V, n): tracked_step(cfg.replace(vocab=V, loss_chunk=n), 1, seq, "full", device, seed, flops=False)
@@ -157,6 +250,47 @@ def measure_vocab(cfg, seq, vocabs, chunk, device="cpu", seed=0):
     return {key: (tracker.peak_logical, tracker.peak_physical) for key, tracker in trackers.items()}
 
 
+vocab_cfg, vocab_T, vocabs, chunk = plan["vocab"]
+# fp32, and tiled attention (no T² term, any device and dtype): the head decides the live peak
+vocab_cfg = vocab_cfg.replace(max_seq=max(vocab_cfg.max_seq, vocab_T), dtype="float32", attention="tiled")
+head = measure_vocab(vocab_cfg, vocab_T, vocabs, chunk, device, seed)
+head_ok = all(stored == predicted_peak_bytes(vocab_cfg.replace(vocab=V, loss_chunk=n), 1, vocab_T, "full")
+              for (V, n), (stored, _) in head.items())
+big, bigger = vocabs[-2], vocabs[-1]
+slope = {n: (head[bigger, n][1] - head[big, n][1]) / (bigger - big) / 4 for n in (0, chunk)}  # fp32 rows of V
+expect = {0: 2 * vocab_T, chunk: chunk}
+slope_ok = all(slope[n] == expect[n] for n in expect)
+llama = Config.from_preset("llama3-8b", dtype="bfloat16", attention="fused")
+X8, A8, _ = chain_sizes(llama, 1, 8192)
+print("\n4. the logits of Llama 3 8B, bf16, B=1 (closed form, head_inventory):")
+for s, V in ((s, V) for s in LLAMA_SEQS for V in (32000, 128256)):
+    logits = head_inventory(llama.replace(vocab=V), 1, s)["lm_head.logits"][2]
+    lse = head_inventory(llama.replace(vocab=V, loss_chunk=HEAD_CHUNK), 1, s)["lm_head.lse"][2]
+    print(f"  s={s}, V={V:>6}: logits {logits / GIB:.3f} GiB; chunked, lse {lse / 2**10:.0f} KiB")
+print(f"  beside them at s=8192: one fused layer stores {A8 / GIB:.3f} GiB, full's {llama.layers} checkpoints "
+      f"{llama.layers * X8 / GIB:.3f} GiB")
+print(f"measured: L={vocab_cfg.layers} h={vocab_cfg.hidden} fp32, batch 1 x {vocab_T} tokens, policy full, chunks "
+      f"of {chunk} tokens (MiB):\n{'V':>8}{'stored':>10}{'live':>10}{'chunked stored':>16}{'chunked live':>14}")
+for V in vocabs:
+    print(f"{V:>8}{mib(head[V, 0][0]):>10.2f}{mib(head[V, 0][1]):>10.2f}{mib(head[V, chunk][0]):>16.2f}"
+          f"{mib(head[V, chunk][1]):>14.2f}")
+print(f"stored = predicted_peak_bytes: {yes(head_ok)}. From V={big} to {bigger} the live peak grows by "
+      f"{slope[0]:g} x 4 bytes per vocabulary entry with whole logits (2·N = {expect[0]}: the N = {vocab_T} "
+      f"tokens' logits and their softmax gradient) and by {slope[chunk]:g} x 4 bytes chunked (n = "
+      f"{expect[chunk]}: one chunk's logits; the backward turns the recomputed chunk into its own gradient in "
+      f"place, exp(z - lse), and adds the chunk's share of the weight gradient in place too): "
+      f"{'as counted' if slope_ok else 'NOT as counted'}")
+
+# %% [markdown]
+# ## 5. O(L/C + C) again
+#
+# Chen's optimum for Llama 3 8B/70B/405B when the layers have no $T^2$ term and the head is chunked:
+# which $C$ of `every:C` wins, and why ($X$, $A$, $F$: the checkpoint, the stored layer, the head),
+# checked on a deep small model measured at $C = 1..4$. Taking the $T^2$ term out moves the best $C$ from
+# 1 to 2 for 70B and from 1 or 2 to 3 for 405B; for 8B it gives $C = 2$ while the whole logits make the
+# end of the forward the peak, and $C = 1$ again once the head is chunked.
+
+# %%
 def deep_variants(cfg, chunk):
     """The two models of the deep check: eager with whole logits, fused with a chunked head."""
     return {"eager": cfg.replace(attention="eager", loss_chunk=0),
@@ -202,198 +336,74 @@ def fused_layers_are_linear():
     return all(stored_layer(name, 2 * s) == 2 * stored_layer(name, s) for name in LLAMAS for s in LLAMA_SEQS)
 
 
-def yes(ok):
-    return "yes" if ok else "NO"
+table, linear = llama_table(), fused_layers_are_linear()
+print("\n5. every:C for Llama 3, bf16, B=1 (exact closed form; X = one layer input, A = one stored layer, F = the "
+      "head; peak = max(n·X + F, max_k k·X + n_k·A)):")
+print(f"{'model':<13}{'s':>6}  {'variant':<15}{'A/X':>7}{'F/X':>7}{'sqrt(LX/A)':>11}{'best C':>8}{'GiB':>8}"
+      f"{'C=1 GiB':>9}  at C=1 the peak is")
+for (name, s, variant), row in table.items():
+    print(f"{name:<13}{s:>6}  {variant:<15}{row['A'] / row['X']:>7.2f}{row['F'] / row['X']:>7.2f}"
+          f"{row['chen']:>11.2f}{row['best']:>8}{row['peak'] / GIB:>8.2f}{row['full'] / GIB:>9.2f}  {row['why']}")
+print(f"fused: A(2s) = 2·A(s) for every model ({yes(linear)}): no T² term, so A/X is a constant of the shape and "
+      f"Chen's sqrt(L·X/A) grows with L alone. eager's A/X grows with s (H·s/h more per layer), which keeps C at "
+      f"1 or 2. C > 1 pays where A/X is small against L, or where a big F (whole logits) makes the end of the "
+      f"forward, L·X + F, the peak at C=1: fewer checkpoints lower it. Chunking shrinks F to 2 layer inputs, and "
+      f"the segment term decides.")
+deep_cfg, deep_T, segments = plan["deep"]
+deep_cfg = deep_cfg.replace(max_seq=max(deep_cfg.max_seq, deep_T))
+deep = measure_segments(deep_cfg, deep_T, segments, DEEP_CHUNK, device, seed)
+deep_ok = all(measured == formula for measured, formula in deep.values())
+print(f"measured on L={deep_cfg.layers} h={deep_cfg.hidden} V={deep_cfg.vocab} {deep_cfg.dtype}, batch 1 x "
+      f"{deep_T}, chunks of {DEEP_CHUNK} tokens (stored MiB; = closed form: {yes(deep_ok)}):")
+for variant, model in deep_variants(deep_cfg, DEEP_CHUNK).items():
+    curve, measured = exact_segment_curve(model, 1, deep_T), {C: deep[variant, C][0] for C in segments}
+    print(f"  {variant:<15}" + "".join(f"  C={C}: {mib(measured[C]):7.2f}" for C in segments)
+          + f"   best measured C={min(measured, key=measured.get)}, closed form over C=1..{deep_cfg.layers}: "
+            f"C={min(curve, key=curve.get)}")
 
+# %% [markdown]
+# ## 6. The benchmark
+#
+# Each criterion printed with PASS or FAIL; the timing ones are not judged at `--fast`. What the CPU
+# run (small preset, $B = 1$, $T$ = 128..1024, fp32) finds: the $T^2$ term of the live peak is 10.1
+# T×T tensors for eager under `none` ($L + 2$), 3.1 for eager+selective ($1 + 2$) and 0 for tiled and
+# fused, whose live peak doubles exactly from $T = 512$ to 1024.
 
-def timed(spread, fast):
-    return FAST_TIMING if fast else spread.text("{:.3f}")
+# %%
+print(f"\n6. benchmark at T={T}, batch {batch}, {cfg.dtype} (one T×T tensor = {mib(unit):.2f} MiB):")
+results, gaps = [], {}
+for level in LEVELS:
+    gap = rows["eager", level, T]["live"] - rows["fused", level, T]["live"]
+    gaps[level] = gap, predicted["eager", level, T] - predicted["fused", level, T] + unit
+    results.append(gap >= gaps[level][1])
+    print(f"  [{'PASS' if results[-1] else 'FAIL'}] fused's live peak under {level} is {mib(gap):.2f} MiB "
+          f"({gap / unit:.2f} T×T) below eager's; at least the stored T² difference (closed form) plus one "
+          f"working T×T (dP, beside P): {mib(gaps[level][1]):.2f} MiB")
+growth = {(kind, level): rows[kind, level, T]["live"] / rows[kind, level, half]["live"]
+          for kind in ("eager", "tiled", "fused") for level in LEVELS}
+for kind in ("tiled", "fused", "eager"):
+    results.append(all((growth[kind, level] > 2.2) == (kind == "eager") for level in LEVELS))
+    print(f"  [{'PASS' if results[-1] else 'FAIL'}] {kind}: live peak T={T} / T={half}: "
+          + ", ".join(f"{growth[kind, level]:.2f} ({level})" for level in LEVELS)
+          + (" > 2.2: quadratic (4 for a pure T² term)" if kind == "eager" else " < 2.2: linear"))
+for kind, limit, what in (("fused", 1, "fused step time <= eager's"), ("tiled", 4, "tiled within 4x of eager")):
+    if fast:
+        print(f"  [--] {what}: {FAST_TIMING}")
+        continue
+    results.append(ratio[kind].median <= limit)
+    print(f"  [{'PASS' if results[-1] else 'FAIL'}] {what}: time / eager {ratio[kind].text('{:.3f}')} (median "
+          f"of paired repeats <= {limit})")
+print(f"  {sum(results)} of {len(results)} criteria pass" + (" (timing not judged at --fast)" if fast else ""))
 
+# %% [markdown]
+# ## The figures
+#
+# The first: stored and live bytes against $T$ (log scale), FLOPs by phase at the longest $T$ (the
+# hatched part of fused's backward is the $q k^\top$ its kernel rebuilds inside), and the time of one step.
+# The second: the logits against the vocabulary (Llama 3 8B by the closed form, the small model
+# measured), and the best $C$ of `every:C` for each Llama.
 
-def main(argv=None):
-    args = parse_args(__doc__, argv)
-    plan = shape(args.mode)
-    cfg, batch, seqs, fast = plan["cfg"], plan["batch"], plan["seqs"], args.mode == "fast"
-    cfg = cfg.replace(max_seq=max(cfg.max_seq, max(seqs)))
-    T, half, device, seed = seqs[-1], seqs[-1] // 2, args.device, args.seed
-    print(f"lesson 09, sequence lengths {seqs}: {shape_line(cfg, batch, 'T', device)}")
-
-    # ---- 1. stored and live bytes against T ----
-    rows = measure_kinds(cfg, batch, seqs, device, seed)
-    predicted = {key: predicted_peak_bytes(config_of(cfg, key[0]), batch, key[2], policy_of(key[0], key[1]))
-                 for key in rows}
-    stored_ok = all(rows[key]["stored"] == predicted[key] for key in rows)
-    unit = square_bytes(cfg, batch, T)  # one T×T tensor at the longest T, bytes
-
-    def fit(kind, level, what):  # T² coefficient of a least-squares fit a + b·T + c·T², in T×T tensors
-        c = np.polyfit(np.array(seqs, float), np.array([rows[kind, level, t][what] for t in seqs], float), 2)[0]
-        return round(float(c) * T**2 / unit, 2) + 0.0  # + 0.0: no "-0.00"
-
-    print(f"\n1. peak bytes of one step (MiB), and the T² term of a fit a + b·T + c·T², in T×T tensors (one "
-          f"layer's B·H·T² probabilities: {mib(unit):.1f} MiB at T={T}; L = {cfg.layers})")
-    print(f"{'kind':<16}{'policy':<15}{'':<7}" + "".join(f"{'T=' + str(t):>9}" for t in seqs) + f"{'T² term':>10}")
-    for kind, level, what in ((k, l, w) for k in KINDS for l in LEVELS for w in ("stored", "live")):
-        name = f"{kind:<16}{policy_of(kind, level):<15}" if what == "stored" else " " * 31
-        print(f"{name}{what:<7}" + "".join(f"{mib(rows[kind, level, t][what]):>9.2f}" for t in seqs)
-              + f"{fit(kind, level, what):>10.2f}")
-    print(f"stored = predicted_peak_bytes at every point: {yes(stored_ok)}. eager stores L T×T tensors under none, "
-          f"1 under full (the layer being recomputed); eager+selective, tiled and fused store none (they differ by "
-          f"lse, B·H·T numbers per layer). Live: eager and eager+selective keep a T² term (the backward of one "
-          f"layer's attention); tiled and fused have none left.")
-    for kind in ("eager", "fused"):
-        row = rows[kind, "none", T]
-        print(f"{kind}'s live peak at T={T} (none) comes after '{row['where']}': {mib(row['above']):.2f} MiB above "
-              f"the store = {row['above'] / unit:.2f} T×T tensors")
-    print("(eager: in the last layer's attention backward, P just taken from the store, dP and dS alive at once: 3 "
-          "T×T tensors beside (B, T, ·) ones. fused has no T×T tensor anywhere: its peak is wherever (B, T, ·) "
-          "working memory is largest)")
-
-    # ---- 2. FLOPs by phase ----
-    flops_ok = all(rows[key]["flops"] == step_flops(config_of(cfg, key[0]), batch, T, policy_of(key[0], key[1]))
-                   for key in rows if key[2] == T)
-    qk = cfg.layers * attention_matmul_flops(config_of(cfg, "eager"), batch, T)  # L·q·k^T, the whole square
-    selective = rows["eager+selective", "none", T]["flops"]["recompute"]
-    fused_extra = rows["fused", "none", T]["flops"]["backward"] - rows["eager", "none", T]["flops"]["backward"]
-    tiled = rows["tiled", "none", T]["flops"]["recompute"]
-    one_tile = tracked_step(cfg.replace(attention="tiled", attention_tile=T), batch, T, "none", device, seed,
-                            physical=False).flops["recompute"]
-    print(f"\n2. FLOPs of one step at T={T} (GFLOP), counted by FlopCounterMode:")
-    print(f"{'kind':<16}{'policy':<15}" + "".join(f"{phase:>11}" for phase in PHASES) + f"{'total':>11}")
-    for kind, level in ((k, l) for k in KINDS for l in LEVELS):
-        flops = rows[kind, level, T]["flops"]
-        print(f"{kind:<16}{policy_of(kind, level):<15}" + "".join(f"{flops[p] / 1e9:>11.4f}" for p in PHASES)
-              + f"{sum(flops.values()) / 1e9:>11.4f}")
-    print(f"counted = step_flops for every kind and policy: {yes(flops_ok)}")
-    print(f"selective rebuilds q·k^T in every layer: {selective / 1e9:.4f} GFLOP "
-          f"({'=' if selective == qk else '!='} L·2·B·H·hd·T²)")
-    print(f"fused rebuilds it inside the kernel's backward, one aten op, which FlopCounterMode counts whole in one "
-          f"phase: backward. fused backward - eager backward = {fused_extra / 1e9:.4f} GFLOP "
-          f"({'=' if fused_extra == qk else '!='} selective's recompute)")
-    print(f"tiled rebuilds it tile by tile, counted as recompute: {tiled / 1e9:.4f} GFLOP with "
-          f"{cfg.attention_tile}-row tiles ({tiled / qk:.1%} of the square: tiles above the diagonal are skipped); "
-          f"with one T-row tile {one_tile / 1e9:.4f} GFLOP ({'=' if one_tile == qk else '!='} selective's)")
-
-    # ---- 3. time ----
-    params = init_params(cfg, seed=seed, device=device)
-    ids, targets = make_batch(cfg, batch, T, device, seed)
-    steps = {kind: (lambda model=config_of(cfg, kind), policy=policy_of(kind, "none"):
-                    loss_and_grads(params, model, ids, targets, policy)) for kind in KINDS}
-    timing = interleaved_seconds(steps, device, plan["repeats"])
-    ratio = {kind: paired_ratios(timing[kind], timing["eager"]) for kind in KINDS}
-    print(f"\n3. one step under none at T={T} on {device_name(device)}, {plan['repeats']} interleaved repeats:")
-    for kind in KINDS:
-        against = "" if kind == "eager" else f"   time / eager: {timed(ratio[kind], fast)}"
-        print(f"  {kind:<16}{timing[kind].text('{:.1f}', scale=1e3):>26} ms{against}")
-    print("  (tiled is a Python loop over tiles: for reading. torch's fused kernel is the one meant to be fast.)")
-
-    # ---- 4. logits against the vocabulary ----
-    vocab_cfg, vocab_T, vocabs, chunk = plan["vocab"]
-    # fp32, and tiled attention (no T² term, any device and dtype): the head decides the live peak
-    vocab_cfg = vocab_cfg.replace(max_seq=max(vocab_cfg.max_seq, vocab_T), dtype="float32", attention="tiled")
-    head = measure_vocab(vocab_cfg, vocab_T, vocabs, chunk, device, seed)
-    head_ok = all(stored == predicted_peak_bytes(vocab_cfg.replace(vocab=V, loss_chunk=n), 1, vocab_T, "full")
-                  for (V, n), (stored, _) in head.items())
-    big, bigger = vocabs[-2], vocabs[-1]
-    slope = {n: (head[bigger, n][1] - head[big, n][1]) / (bigger - big) / 4 for n in (0, chunk)}  # fp32 rows of V
-    expect = {0: 2 * vocab_T, chunk: chunk}
-    slope_ok = all(slope[n] == expect[n] for n in expect)
-    llama = Config.from_preset("llama3-8b", dtype="bfloat16", attention="fused")
-    X8, A8, _ = chain_sizes(llama, 1, 8192)
-    print("\n4. the logits of Llama 3 8B, bf16, B=1 (closed form, head_inventory):")
-    for s, V in ((s, V) for s in LLAMA_SEQS for V in (32000, 128256)):
-        logits = head_inventory(llama.replace(vocab=V), 1, s)["lm_head.logits"][2]
-        lse = head_inventory(llama.replace(vocab=V, loss_chunk=HEAD_CHUNK), 1, s)["lm_head.lse"][2]
-        print(f"  s={s}, V={V:>6}: logits {logits / GIB:.3f} GiB; chunked, lse {lse / 2**10:.0f} KiB")
-    print(f"  beside them at s=8192: one fused layer stores {A8 / GIB:.3f} GiB, full's {llama.layers} checkpoints "
-          f"{llama.layers * X8 / GIB:.3f} GiB")
-    print(f"measured: L={vocab_cfg.layers} h={vocab_cfg.hidden} fp32, batch 1 x {vocab_T} tokens, policy full, chunks "
-          f"of {chunk} tokens (MiB):\n{'V':>8}{'stored':>10}{'live':>10}{'chunked stored':>16}{'chunked live':>14}")
-    for V in vocabs:
-        print(f"{V:>8}{mib(head[V, 0][0]):>10.2f}{mib(head[V, 0][1]):>10.2f}{mib(head[V, chunk][0]):>16.2f}"
-              f"{mib(head[V, chunk][1]):>14.2f}")
-    print(f"stored = predicted_peak_bytes: {yes(head_ok)}. From V={big} to {bigger} the live peak grows by "
-          f"{slope[0]:g} x 4 bytes per vocabulary entry with whole logits (2·N = {expect[0]}: the N = {vocab_T} "
-          f"tokens' logits and their softmax gradient) and by {slope[chunk]:g} x 4 bytes chunked (n = "
-          f"{expect[chunk]}: one chunk's logits; the backward turns the recomputed chunk into its own gradient in "
-          f"place, exp(z - lse), and adds the chunk's share of the weight gradient in place too): "
-          f"{'as counted' if slope_ok else 'NOT as counted'}")
-
-    # ---- 5. O(L/C + C) again ----
-    table, linear = llama_table(), fused_layers_are_linear()
-    print("\n5. every:C for Llama 3, bf16, B=1 (exact closed form; X = one layer input, A = one stored layer, F = the "
-          "head; peak = max(n·X + F, max_k k·X + n_k·A)):")
-    print(f"{'model':<13}{'s':>6}  {'variant':<15}{'A/X':>7}{'F/X':>7}{'sqrt(LX/A)':>11}{'best C':>8}{'GiB':>8}"
-          f"{'C=1 GiB':>9}  at C=1 the peak is")
-    for (name, s, variant), row in table.items():
-        print(f"{name:<13}{s:>6}  {variant:<15}{row['A'] / row['X']:>7.2f}{row['F'] / row['X']:>7.2f}"
-              f"{row['chen']:>11.2f}{row['best']:>8}{row['peak'] / GIB:>8.2f}{row['full'] / GIB:>9.2f}  {row['why']}")
-    print(f"fused: A(2s) = 2·A(s) for every model ({yes(linear)}): no T² term, so A/X is a constant of the shape and "
-          f"Chen's sqrt(L·X/A) grows with L alone. eager's A/X grows with s (H·s/h more per layer), which keeps C at "
-          f"1 or 2. C > 1 pays where A/X is small against L, or where a big F (whole logits) makes the end of the "
-          f"forward, L·X + F, the peak at C=1: fewer checkpoints lower it. Chunking shrinks F to 2 layer inputs, and "
-          f"the segment term decides.")
-    deep_cfg, deep_T, segments = plan["deep"]
-    deep_cfg = deep_cfg.replace(max_seq=max(deep_cfg.max_seq, deep_T))
-    deep = measure_segments(deep_cfg, deep_T, segments, DEEP_CHUNK, device, seed)
-    deep_ok = all(measured == formula for measured, formula in deep.values())
-    print(f"measured on L={deep_cfg.layers} h={deep_cfg.hidden} V={deep_cfg.vocab} {deep_cfg.dtype}, batch 1 x "
-          f"{deep_T}, chunks of {DEEP_CHUNK} tokens (stored MiB; = closed form: {yes(deep_ok)}):")
-    for variant, model in deep_variants(deep_cfg, DEEP_CHUNK).items():
-        curve, measured = exact_segment_curve(model, 1, deep_T), {C: deep[variant, C][0] for C in segments}
-        print(f"  {variant:<15}" + "".join(f"  C={C}: {mib(measured[C]):7.2f}" for C in segments)
-              + f"   best measured C={min(measured, key=measured.get)}, closed form over C=1..{deep_cfg.layers}: "
-                f"C={min(curve, key=curve.get)}")
-
-    # ---- 6. benchmark ----
-    print(f"\n6. benchmark at T={T}, batch {batch}, {cfg.dtype} (one T×T tensor = {mib(unit):.2f} MiB):")
-    results, gaps = [], {}
-    for level in LEVELS:
-        gap = rows["eager", level, T]["live"] - rows["fused", level, T]["live"]
-        gaps[level] = gap, predicted["eager", level, T] - predicted["fused", level, T] + unit
-        results.append(gap >= gaps[level][1])
-        print(f"  [{'PASS' if results[-1] else 'FAIL'}] fused's live peak under {level} is {mib(gap):.2f} MiB "
-              f"({gap / unit:.2f} T×T) below eager's; at least the stored T² difference (closed form) plus one "
-              f"working T×T (dP, beside P): {mib(gaps[level][1]):.2f} MiB")
-    growth = {(kind, level): rows[kind, level, T]["live"] / rows[kind, level, half]["live"]
-              for kind in ("eager", "tiled", "fused") for level in LEVELS}
-    for kind in ("tiled", "fused", "eager"):
-        results.append(all((growth[kind, level] > 2.2) == (kind == "eager") for level in LEVELS))
-        print(f"  [{'PASS' if results[-1] else 'FAIL'}] {kind}: live peak T={T} / T={half}: "
-              + ", ".join(f"{growth[kind, level]:.2f} ({level})" for level in LEVELS)
-              + (" > 2.2: quadratic (4 for a pure T² term)" if kind == "eager" else " < 2.2: linear"))
-    for kind, limit, what in (("fused", 1, "fused step time <= eager's"), ("tiled", 4, "tiled within 4x of eager")):
-        if fast:
-            print(f"  [--] {what}: {FAST_TIMING}")
-            continue
-        results.append(ratio[kind].median <= limit)
-        print(f"  [{'PASS' if results[-1] else 'FAIL'}] {what}: time / eager {ratio[kind].text('{:.3f}')} (median "
-              f"of paired repeats <= {limit})")
-    print(f"  {sum(results)} of {len(results)} criteria pass" + (" (timing not judged at --fast)" if fast else ""))
-
-    paths = [plot_attention(cfg, batch, seqs, rows, predicted, timing, device, fast),
-             plot_head(vocab_cfg, vocab_T, vocabs, chunk, head, table)]
-    print("\n".join(f"wrote {path}" for path in paths))
-    return {"figures": [str(path) for path in paths],
-            "summary": {f"live MiB eager/eager+selective/tiled/fused at T={T}":
-                        "/".join(f"{mib(rows[kind, 'none', T]['live']):.1f}" for kind in KINDS),
-                        "live gap fused vs eager none/full, MiB (bound)":
-                        "/".join(f"{mib(gaps[level][0]):.1f} ({mib(gaps[level][1]):.1f})" for level in LEVELS),
-                        f"live T={T}/T={half} eager/tiled/fused (none)":
-                        "/".join(f"{growth[kind, 'none']:.2f}" for kind in ("eager", "tiled", "fused")),
-                        "fused time / eager": timed(ratio["fused"], fast),
-                        "tiled time / eager": timed(ratio["tiled"], fast),
-                        "best C eager/fused/fused+chunked at s=8192, 8B, 70B, 405B":
-                        ", ".join("/".join(str(table[n, 8192, v]["best"]) for v in VARIANTS) for n in LLAMAS),
-                        "benchmark criteria passed": f"{sum(results)}/{len(results)}",
-                        "stored = formula": stored_ok and head_ok and deep_ok,
-                        "FLOPs = formula": flops_ok,
-                        "fused extra backward = selective recompute": fused_extra == qk == selective,
-                        "tiled recompute with one tile = selective's": one_tile == qk,
-                        "head live slope = 2N, n": slope_ok,
-                        "fused layer bytes A(2s) = 2 A(s)": linear}}
-
-
-
+# %%
 def plot_attention(cfg, batch, seqs, rows, predicted, timing, device, fast):
     """Stored and live bytes against T, FLOPs by phase and time at the longest T."""
     fig, axes = plt.subplots(2, 2, figsize=(14, 10))
@@ -524,5 +534,71 @@ def plot_head(vocab_cfg, vocab_T, vocabs, chunk, head_peaks, table):
     return save_figure(fig, "09_chunked_loss")
 
 
-if __name__ == "__main__":
-    main()
+paths = [plot_attention(cfg, batch, seqs, rows, predicted, timing, device, fast),
+         plot_head(vocab_cfg, vocab_T, vocabs, chunk, head, table)]
+for path in paths:
+    wrote(path)
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** The logits of one sequence of 8192 tokens for Llama 3 8B ($V = 128256$) in bf16: how many GiB?
+
+# %%
+answer = 1.96  # GiB
+
+# %%
+llama8 = Config.from_preset("llama3-8b", dtype="bf16")
+logits = head_inventory(llama8, 1, 8192)["lm_head.logits"]
+check("GiB of Llama 3 8B's bf16 logits for 8192 tokens", answer, logits[2] / GIB,
+      why=f"lm_head.logits {logits[0]} in bf16: 8192·128256·2 = {logits[2]:,} bytes")
+
+# %% [markdown]
+# **2.** With a chunked head, the loss keeps one log-sum-exp per token instead, in fp32. How many KiB
+# for the same 8192 tokens?
+
+# %%
+answer = 32  # KiB
+
+# %%
+lse = head_inventory(llama8.replace(loss_chunk=HEAD_CHUNK), 1, 8192)["lm_head.lse"]
+check("KiB of the chunked head's lse for 8192 tokens", answer, lse[2] / 2**10,
+      why=f"lm_head.lse {lse[0]} in {lse[1]}: 8192·4 = {lse[2]:,} bytes, {logits[2] // lse[2]:,} times less than "
+          f"the logits")
+
+# %% [markdown]
+# **3.** Llama 3 70B at one sequence of 8192 tokens, bf16, with fused attention and a chunked head:
+# which $C$ of `every:C` gives the least peak? (The closed form `exact_segment_curve` answers it; or use
+# the criterion of lesson 02 with $A/X$ and $F/X$ from `chain_sizes`.)
+
+# %%
+answer = 2
+
+# %%
+seventy = Config.from_preset("llama3-70b", dtype="bf16", attention="fused", loss_chunk=HEAD_CHUNK)
+curve = exact_segment_curve(seventy, 1, 8192)
+X70, A70, F70 = chain_sizes(seventy, 1, 8192)
+check("the best C of every:C for Llama 3 70B, fused and chunked, s = 8192", answer, min(curve, key=curve.get),
+      rel=0, why=f"with no T² term A/X = {A70 / X70:.2f}, below L/C for C = 2 and 4 (lesson 02's criterion), and "
+                 f"Chen's sqrt(L·X/A) = {chen_optimum(seventy.layers, X70, A70):.2f}; the exact peaks: "
+                 f"{curve[1] / GIB:.2f} GiB at C = 1, {curve[2] / GIB:.2f} at C = 2, {curve[3] / GIB:.2f} at C = 3")
+
+# %%
+RESULT = {"figures": [str(path) for path in paths],
+          "summary": {f"live MiB eager/eager+selective/tiled/fused at T={T}":
+                      "/".join(f"{mib(rows[kind, 'none', T]['live']):.1f}" for kind in KINDS),
+                      "live gap fused vs eager none/full, MiB (bound)":
+                      "/".join(f"{mib(gaps[level][0]):.1f} ({mib(gaps[level][1]):.1f})" for level in LEVELS),
+                      f"live T={T}/T={half} eager/tiled/fused (none)":
+                      "/".join(f"{growth[kind, 'none']:.2f}" for kind in ("eager", "tiled", "fused")),
+                      "fused time / eager": timed(ratio["fused"], fast),
+                      "tiled time / eager": timed(ratio["tiled"], fast),
+                      "best C eager/fused/fused+chunked at s=8192, 8B, 70B, 405B":
+                      ", ".join("/".join(str(table[n, 8192, v]["best"]) for v in VARIANTS) for n in LLAMAS),
+                      "benchmark criteria passed": f"{sum(results)}/{len(results)}",
+                      "stored = formula": stored_ok and head_ok and deep_ok,
+                      "FLOPs = formula": flops_ok,
+                      "fused extra backward = selective recompute": fused_extra == qk == selective,
+                      "tiled recompute with one tile = selective's": one_tile == qk,
+                      "head live slope = 2N, n": slope_ok,
+                      "fused layer bytes A(2s) = 2 A(s)": linear}}

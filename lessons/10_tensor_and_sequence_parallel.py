@@ -1,56 +1,46 @@
-"""Lesson 10: tensor and sequence parallelism with recomputation, measured rank by rank.
+# %% [markdown]
+# # Lesson 10: tensor and sequence parallelism with recomputation, measured rank by rank
+#
+# Korthikanti et al. (2022), Table 2, gives the bytes one transformer layer keeps on each of $t$
+# tensor-parallel devices:
+#
+# | | no recomputation | selective |
+# |---|---|---|
+# | tensor parallel | $s b h\,(10 + 24/t + 5 a s/(h t))$ | $s b h\,(10 + 24/t)$ |
+# | tensor + sequence parallel | $s b h\,(34/t + 5 a s/(h t))$ | $s b h \cdot 34/t$ |
+# | full recomputation | $2 s b h$ | |
+#
+# Tensor parallelism (Megatron) splits the heads and the MLP's width over the ranks, so every tensor
+# inside the attention and the MLP divides by $t$ (the 24 and the attention core); the $10 s b h$ outside
+# them (the norms' inputs and outputs, the residual dropout masks) stays whole on every rank. Sequence
+# parallelism splits those along the sequence, so all 34 divide by $t$, at no extra communication: the
+# all-reduce at the end of each block becomes a reduce-scatter, and the identity at its start an
+# all-gather.
+#
+# Here those rows are per-rank measurements: picockpt's own layer (GQA, SwiGLU, RMSNorm, dropout) runs
+# on $t$ = 1, 2 and 4 gloo ranks through the engine's own loop, and every rank's tracker counts its
+# stored bytes and the bytes its collectives move, per phase.
+#
+# **Run it** as a script, `python lessons/10_tensor_and_sequence_parallel.py` (the CPU run: 1, 2 and 4
+# gloo ranks, under a minute; `--fast` for seconds, `--large --device cuda` for NCCL with one GPU per
+# rank), or step through this notebook, where the same flags come from the environment variable
+# `PICOCKPT_LESSON_ARGS` (unset: the CPU run).
 
-Korthikanti et al. (2022), Table 2, gives the bytes one transformer layer keeps on each of t
-tensor-parallel devices: sbh(10 + 24/t + 5as/(ht)) with tensor parallelism alone, sbh(34/t + 5as/(ht))
-with sequence parallelism too, each without its attention core (5as/(ht)) under selective
-recomputation, and 2sbh for full recomputation. Tensor parallelism (Megatron) splits the heads and
-the MLP's width over the ranks, so every tensor inside the attention and the MLP divides by t (the 24
-and the attention core); the 10sbh outside them (the norms' inputs and outputs, the residual
-dropout masks) stays whole on every rank. Sequence parallelism splits those along the sequence,
-so all 34 divide by t, at no extra communication: the all-reduce at the end of each block becomes
-a reduce-scatter, and the identity at its start an all-gather.
-
-Here those rows are per-rank measurements: picockpt's own layer (GQA, SwiGLU, RMSNorm, dropout)
-runs on t = 1, 2 and 4 gloo ranks through the engine's own loop, and every rank's tracker counts
-its stored bytes and the bytes its collectives move, per phase. What to look at:
-
-    left      one layer's stored bytes per rank against t: the measured points sit on the lines
-              whole + split/t of picockpt's closed form (picockpt/parallel/inventory.py), to the
-              byte. Without sp the lines flatten at the replicated part; with sp they fall as 1/t.
-              Full recomputation keeps one layer input, whole on every rank, unless sp splits it or
-              each rank keeps 1/t of it (distributed saved activations, Megatron's option).
-    middle    the whole step's peak per rank, measured against the closed form.
-    right     Table 2's rows for a 70B Llama shape at t = 8 (s = 8192, b = 1), the published
-              convention (16-bit, 1-byte masks) beside picockpt's exact bytes per rank (bf16, no
-              dropout, GQA): predicted, not run.
-    second    communication per rank and phase: recomputation runs each recomputed layer's
-    figure    collectives again (its all-reduces, or under sp its all-gathers and reduce-scatters),
-              so full recomputation adds about the forward's communication again; selective adds
-              none; distributed saved activations add one all-gather per checkpoint.
-
-    python lessons/10_tensor_and_sequence_parallel.py            # the CPU run: 1, 2 and 4 gloo ranks, under a minute
-    python lessons/10_tensor_and_sequence_parallel.py --fast     # seconds: what the tests run
-    python lessons/10_tensor_and_sequence_parallel.py --large --device cuda   # NCCL, one GPU per rank
-"""
+# %%
 import multiprocessing
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
-
-import matplotlib
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.ticker import FuncFormatter, LogLocator
 
-from lessons._lesson import choose, large, shape_line, parse_args
+from _check import check
+from _lesson import choose, large, lesson_args, shape_line, spawning_ranks, wrote
 from picockpt import Config, init_params
 from picockpt.formulas import GIB, korthikanti_layer_bytes
 from picockpt.measure import make_batch
 from picockpt.parallel import Job, run_steps
-from picockpt.parallel.inventory import rank_layer_inventory, replicated_and_split
+from picockpt.parallel.inventory import rank_comm_bytes, rank_layer_inventory, replicated_and_split
 from picockpt.plotting import PHASE_COLORS, mib, policy_color, save_figure
 from picockpt.policy import SELECTIVE
 
@@ -65,7 +55,16 @@ ROWS = (  # (label, policy, sp, distributed saved activations): Table 2's rows, 
 )
 PHASES = ("forward", "recompute", "backward")
 
+# %% [markdown]
+# ## Ranks, and the closed forms per rank
+#
+# The rows above are Table 2's, plus Megatron's `--distribute-saved-activations` (each rank keeps $1/t$
+# of every full-recompute checkpoint). `measure` launches $t$ ranks once per $t$ and runs every row;
+# every rank must store and move the same bytes. `layer_line` is picockpt's closed form for one stored
+# layer on one rank, at any $t$: the part kept whole plus the part split by $t$
+# (`picockpt/parallel/inventory.py`).
 
+# %%
 def shape(mode):
     """(Config, batch, seq) of each run mode: heads, kv heads, ffn, vocab and seq divisible by 4."""
     return choose(mode,
@@ -94,7 +93,9 @@ def measure(cfg, batch, seq, ts, device):
     for t in ts:
         jobs = [Job(params, cfg, input_ids, targets, policy, sp, distributed, state)
                 for _, policy, sp, distributed in ROWS]
-        for (label, *_), (_, _, ranks) in zip(ROWS, run_steps(jobs, t, device.type, start_method=start)):
+        with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
+            results = run_steps(jobs, t, device.type, start_method=start)
+        for (label, *_), (_, _, ranks) in zip(ROWS, results):
             same = ("peak_activation_bytes", "layer_stored_bytes", "comm_bytes", "flops")
             for report in ranks:  # every rank stores and moves the same bytes (its live peak may differ a little)
                 assert [report[key] for key in same] == [ranks[0][key] for key in same], (label, t)
@@ -129,63 +130,77 @@ def table2_70b(t=8, seq=8192, batch=1):
     return cfg, rows
 
 
-def main(argv=None):
-    args = parse_args(__doc__, argv)
-    cfg, batch, seq = shape(args.mode)
-    ts = sizes(args.mode, args.device)
-    print(f"lesson 10, tensor-parallel sizes t = {', '.join(map(str, ts))}: {shape_line(cfg, batch, seq, args.device)}")
-    reports = measure(cfg, batch, seq, ts, args.device)
+# %%
+args = lesson_args()
+cfg, batch, seq = shape(args.mode)
+ts = sizes(args.mode, args.device)
+print(f"lesson 10, tensor-parallel sizes t = {', '.join(map(str, ts))}: {shape_line(cfg, batch, seq, args.device)}")
+reports = measure(cfg, batch, seq, ts, args.device)
 
-    print("\none layer's stored bytes and the step's store peak, per rank (measured | closed form):")
-    print(f"{'row':<26}{'t':>3}{'layer measured':>16}{'closed form':>13}{'peak measured':>15}{'closed form':>13}"
-          f"{'  comm forward':>15}{'recompute':>11}{'backward':>11}")
-    exact_layer = exact_peak = exact_comm = True
-    for label, policy, sp, distributed in ROWS:
-        for t in ts:
-            r = reports[label, t]
-            exact_layer &= r["layer_stored_bytes"] == r["predicted_layer_stored_bytes"]
-            exact_layer &= r["layer_stored_bytes"] == layer_line(cfg, batch, seq, policy, sp, distributed, t)
-            exact_peak &= r["peak_activation_bytes"] == r["predicted_activation_bytes"]
-            exact_comm &= r["comm_bytes"] == r["predicted_comm_bytes"]
-            comm = r["comm_bytes"]
-            print(f"{label:<26}{t:>3}{r['layer_stored_bytes']:>16,}{r['predicted_layer_stored_bytes']:>13,}"
-                  f"{r['peak_activation_bytes']:>15,}{r['predicted_activation_bytes']:>13,}"
-                  f"{comm['forward']:>15,}{comm['recompute']:>11,}{comm['backward']:>11,}")
-    print(f"every measured byte equals its closed form: layers {exact_layer}, peaks {exact_peak}, "
-          f"communication {exact_comm}")
+print("\none layer's stored bytes and the step's store peak, per rank (measured | closed form):")
+print(f"{'row':<26}{'t':>3}{'layer measured':>16}{'closed form':>13}{'peak measured':>15}{'closed form':>13}"
+      f"{'  comm forward':>15}{'recompute':>11}{'backward':>11}")
+exact_layer = exact_peak = exact_comm = True
+for label, policy, sp, distributed in ROWS:
+    for t in ts:
+        r = reports[label, t]
+        exact_layer &= r["layer_stored_bytes"] == r["predicted_layer_stored_bytes"]
+        exact_layer &= r["layer_stored_bytes"] == layer_line(cfg, batch, seq, policy, sp, distributed, t)
+        exact_peak &= r["peak_activation_bytes"] == r["predicted_activation_bytes"]
+        exact_comm &= r["comm_bytes"] == r["predicted_comm_bytes"]
+        comm = r["comm_bytes"]
+        print(f"{label:<26}{t:>3}{r['layer_stored_bytes']:>16,}{r['predicted_layer_stored_bytes']:>13,}"
+              f"{r['peak_activation_bytes']:>15,}{r['predicted_activation_bytes']:>13,}"
+              f"{comm['forward']:>15,}{comm['recompute']:>11,}{comm['backward']:>11,}")
+print(f"every measured byte equals its closed form: layers {exact_layer}, peaks {exact_peak}, "
+      f"communication {exact_comm}")
 
-    top = ts[-1]
-    full, full_sp = reports["full", top]["comm_bytes"], reports["full, sp", top]["comm_bytes"]
-    distributed = reports["full, distributed saved", top]["comm_bytes"]
-    print(f"\nat t={top}: full recomputation moves {full['recompute'] / full['forward']:.0%} of the forward's bytes "
-          f"again ({full_sp['recompute'] / full_sp['forward']:.0%} with sp): every recomputed layer's collectives, "
-          f"not the embedding's or the loss's; selective moves "
-          f"{reports['selective', top]['comm_bytes']['recompute']} B again. Distributed saved activations add one "
-          f"all-gather per checkpoint: {distributed['recompute'] - full['recompute']:,} B more.")
-    print("(bytes as nccl-tests count them: an all-reduce of S bytes counts S, an all-gather or reduce-scatter of a "
-          "whole S-byte tensor S too; on a ring a rank sends 2(t-1)/t S for the first and (t-1)/t S for the others, "
-          "so sp's two collectives put the same bytes on the wire as the all-reduce they replace)")
+# %% [markdown]
+# Every measured byte equals its closed form: each layer's stored bytes, each rank's store peak, and
+# each phase's communication.
+#
+# ## Communication: recomputation repeats it
+#
+# Recomputation runs each recomputed layer's collectives again (its all-reduces, or under sp its
+# all-gathers and reduce-scatters), so full recomputation adds about the forward's communication again;
+# selective adds none; distributed saved activations add one all-gather per checkpoint.
 
-    cfg70, rows70 = table2_70b()
-    print("\nTable 2 for a Llama 3 70B shape at t=8, s=8192, b=1, one layer per device (predicted): published "
-          "(16-bit, 1-byte masks, MHA, f = 4h) | picockpt per rank (bf16, GQA 64/8, SwiGLU, no dropout):")
-    for label, published, own in rows70:
-        print(f"  {label:<26}{published / GIB:>9.3f} GiB{own / GIB:>9.3f} GiB   x {cfg70.layers} layers: "
-              f"{cfg70.layers * published / GIB:7.1f} | {cfg70.layers * own / GIB:7.1f} GiB")
+# %%
+top = ts[-1]
+full, full_sp = reports["full", top]["comm_bytes"], reports["full, sp", top]["comm_bytes"]
+distributed = reports["full, distributed saved", top]["comm_bytes"]
+print(f"\nat t={top}: full recomputation moves {full['recompute'] / full['forward']:.0%} of the forward's bytes "
+      f"again ({full_sp['recompute'] / full_sp['forward']:.0%} with sp): every recomputed layer's collectives, "
+      f"not the embedding's or the loss's; selective moves "
+      f"{reports['selective', top]['comm_bytes']['recompute']} B again. Distributed saved activations add one "
+      f"all-gather per checkpoint: {distributed['recompute'] - full['recompute']:,} B more.")
+print("(bytes as nccl-tests count them: an all-reduce of S bytes counts S, an all-gather or reduce-scatter of a "
+      "whole S-byte tensor S too; on a ring a rank sends 2(t-1)/t S for the first and (t-1)/t S for the others, "
+      "so sp's two collectives put the same bytes on the wire as the all-reduce they replace)")
 
-    paths = [plot_memory(cfg, batch, seq, ts, reports, rows70), plot_communication(cfg, batch, seq, top, reports)]
-    for path in paths:
-        print(f"wrote {path}")
-    sp_selective = dict((label, own) for label, _, own in rows70)["selective, sp"]
-    return {"figures": [str(p) for p in paths],
-            "summary": {"stored per layer = closed form (every row, every t)": bool(exact_layer),
-                        "store peak = closed form": bool(exact_peak),
-                        "communication per phase = closed form": bool(exact_comm),
-                        f"full recompute / forward communication at t={top}": round(full["recompute"] /
-                                                                                   full["forward"], 3),
-                        "70B t=8 sp+selective GiB per layer per rank": round(sp_selective / GIB, 3)}}
+# %% [markdown]
+# ## Table 2 for a 70B shape
+#
+# The published convention (16-bit activations, 1-byte masks, multi-head attention, $f = 4h$) beside
+# picockpt's exact bytes per rank (bf16, GQA 64/8, SwiGLU, no dropout): predicted, not run.
 
+# %%
+cfg70, rows70 = table2_70b()
+print("\nTable 2 for a Llama 3 70B shape at t=8, s=8192, b=1, one layer per device (predicted): published "
+      "(16-bit, 1-byte masks, MHA, f = 4h) | picockpt per rank (bf16, GQA 64/8, SwiGLU, no dropout):")
+for label, published, own in rows70:
+    print(f"  {label:<26}{published / GIB:>9.3f} GiB{own / GIB:>9.3f} GiB   x {cfg70.layers} layers: "
+          f"{cfg70.layers * published / GIB:7.1f} | {cfg70.layers * own / GIB:7.1f} GiB")
 
+# %% [markdown]
+# ## The figures
+#
+# The first: left, one layer's stored bytes per rank against $t$, measured points on the lines
+# "whole + split/t" of the closed form (without sp the lines flatten at the replicated part; with sp they
+# fall as $1/t$); middle, the whole step's store peak per rank; right, Table 2's rows for the 70B shape.
+# The second: the bytes each rank's collectives move, by phase, at the largest $t$.
+
+# %%
 def plot_memory(cfg, batch, seq, ts, reports, rows70):
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 5.2), gridspec_kw=dict(width_ratios=(1.1, 1, 1.2)))
     grid = np.linspace(1, ts[-1], 60)
@@ -274,5 +289,60 @@ def plot_communication(cfg, batch, seq, t, reports):
     return save_figure(fig, "10_communication_per_phase")
 
 
-if __name__ == "__main__":
-    main()
+paths = [plot_memory(cfg, batch, seq, ts, reports, rows70), plot_communication(cfg, batch, seq, top, reports)]
+for path in paths:
+    wrote(path)
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** Table 2 for the 70B shape ($h = 8192$, $a = 64$) at $s = 8192$, $b = 1$, now with $t = 4$,
+# sequence parallelism and selective recomputation: how many GiB does one layer keep on each rank, by
+# the published formula?
+
+# %%
+answer = 0.531  # GiB
+
+# %%
+check("GiB per layer per rank, t = 4, sp, selective (Table 2, 70B shape)", answer,
+      korthikanti_layer_bytes(8192, 1, 8192, 64, 4, True, "selective") / GIB,
+      why="sbh·34/t = 8192·1·8192·34/4 bytes: with sp every one of the 34 sbh terms divides by t")
+
+# %% [markdown]
+# **2.** The same without sequence parallelism: which part stays whole on every rank, and how many GiB
+# per layer per rank is it now?
+
+# %%
+answer = 1.0  # GiB
+
+# %%
+check("GiB per layer per rank, t = 4, no sp, selective (Table 2, 70B shape)", answer,
+      korthikanti_layer_bytes(8192, 1, 8192, 64, 4, False, "selective") / GIB,
+      why="sbh·(10 + 24/t) = sbh·16 bytes: the 10 sbh of norm inputs, block inputs and masks are replicated")
+
+# %% [markdown]
+# **3.** Full recomputation without sp, for this lesson's CPU shape at $t = 4$: a rank's recompute
+# phase moves how many bytes per layer, in units of $S$ = one whole activation, $B \cdot T \cdot h$ numbers?
+# (Count the collectives of one layer's forward.)
+
+# %%
+answer = 2  # S per layer
+
+# %%
+lesson_shape = shape("cpu")[0]
+S = 2 * 128 * lesson_shape.hidden * 4  # batch 2 x 128 tokens, fp32
+moved = rank_comm_bytes(lesson_shape, 2, 128, "full", 4)["recompute"]
+check("bytes one rank's recompute moves per layer, in S (full, no sp, t = 4)", answer,
+      moved / (lesson_shape.layers * S), rel=0,
+      why=f"each layer's forward all-reduces twice (after the attention and after the MLP), S bytes each; "
+          f"recomputing L = {lesson_shape.layers} layers moves {moved:,} bytes = {moved // S} S")
+
+# %%
+sp_selective = dict((label, own) for label, _, own in rows70)["selective, sp"]
+RESULT = {"figures": [str(p) for p in paths],
+          "summary": {"stored per layer = closed form (every row, every t)": bool(exact_layer),
+                      "store peak = closed form": bool(exact_peak),
+                      "communication per phase = closed form": bool(exact_comm),
+                      f"full recompute / forward communication at t={top}": round(full["recompute"] /
+                                                                                 full["forward"], 3),
+                      "70B t=8 sp+selective GiB per layer per rank": round(sp_selective / GIB, 3)}}

@@ -1,42 +1,40 @@
-"""Lesson 11: mixture-of-experts layers: activation memory by routing and top-k, what to recompute, routing replay.
+# %% [markdown]
+# # Lesson 11: mixture-of-experts layers: activation memory by routing and top-k, what to recompute, routing replay
+#
+# A Mixtral-style layer (`picockpt/moe.py`) sends each token to $k$ of its $E$ experts. What it stores
+# is one set of tensors per expert, sized by the tokens the router sent there: data-dependent. Three
+# questions, each answered by a measurement held to the closed form (`picockpt/inventory.py`):
+#
+# 1. **Routing imbalance and top-k.** Routers set by the weights (`moe.route_by_token`) give balanced,
+#    skewed and all-to-one routing. The store holds every token $k$ times whichever experts it goes to:
+#    the layer's total is the same for all three, only its split among the experts moves (what an
+#    expert-parallel rank holding one expert would keep: up to $E/k$ times the balanced share). The
+#    working memory of the backward is not the same: it runs one expert's tokens at a time, so it grows
+#    with the largest group. Top-k multiplies the experts' part: stored bytes are linear in $k$.
+# 2. **Which op-level choice saves the most bytes per extra FLOP:** `selective` (attention
+#    probabilities), `moe_act` (the experts' SwiGLU products, elementwise), `cheap`, `moe` (whole experts:
+#    only the router output and the routing decision stay), `full` (the whole layer). Predicted for a
+#    Mixtral 8x7B layer ($h = 4096$, $f = 14336$, $E = 8$, $k = 2$, 32 heads, 8 kv heads, bf16, 4096
+#    tokens) with eager and with fused attention; measured on a small one.
+# 3. **Routing replay.** With router jitter (0.01 as in Switch Transformer, and 0.1), a layer recomputed
+#    without restoring the random generator draws other noise, and some tokens go to other experts: the
+#    backward differentiates a different network (lesson 06 shows the same for dropout masks).
+#    Recomputing only inside the layer (`moe`) reuses the stored routing and draws nothing: exact.
+#
+# **Run it** as a script, `python lessons/11_mixture_of_experts.py` (the CPU run, the `small` preset with
+# 8 experts; `--fast` for seconds, `--large --device cuda` for a bigger shape on a GPU), or step through
+# this notebook, where the same flags come from the environment variable `PICOCKPT_LESSON_ARGS` (unset:
+# the CPU run).
 
-A Mixtral-style layer (picockpt/moe.py) sends each token to k of its E experts. What it stores
-is one set of tensors per expert, sized by the tokens the router sent there: data-dependent. Three
-questions, each answered by a measurement held to the closed form (picockpt/inventory.py):
-
-1. Routing imbalance and top-k. Routers set by the weights (moe.route_by_token) give balanced,
-   skewed and all-to-one routing. The store holds every token k times whichever experts it goes to:
-   the layer's total is the same for all three, only its split among the experts moves (what an
-   expert-parallel rank holding one expert would keep: up to E/k times the balanced share). The
-   working memory of the backward is not the same: it runs one expert's tokens at a time, so it
-   grows with the largest group. Top-k multiplies the experts' part: stored bytes are linear in k.
-2. Which op-level choice saves the most bytes per extra FLOP: selective (attention probabilities),
-   moe_act (the experts' SwiGLU products, elementwise), cheap, moe (whole experts: only the router
-   output and the routing decision stay), full (the whole layer). Predicted for a Mixtral 8x7B
-   layer (h=4096, f=14336, E=8, k=2, 32 heads, 8 kv heads, bf16, 4096 tokens) with eager and with
-   fused attention; measured on a small one.
-3. Routing replay. With router jitter (0.01 as in Switch Transformer, and 0.1), a layer recomputed
-   without restoring the random generator draws other noise, and some tokens go to other experts:
-   the backward differentiates a different network (lesson 06 shows the same for dropout masks).
-   Recomputing only inside the layer (moe) reuses the stored routing and draws nothing: exact.
-
-    python lessons/11_mixture_of_experts.py            # the CPU run (small preset with 8 experts)
-    python lessons/11_mixture_of_experts.py --fast     # seconds: what the tests run
-    python lessons/11_mixture_of_experts.py --large --device cuda   # a bigger shape for a GPU
-"""
+# %%
 import contextlib
-import pathlib
-import sys
 from unittest import mock
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
-
-import matplotlib
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from lessons._lesson import choose, large, parse_args, shape_line, small
+from _check import check
+from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import Config, engine, init_params, loss_and_grads, moe
 from picockpt.inventory import expert_bytes, layer_flops, layer_inventory, predicted_peak_bytes, rebuild_flops, total
 from picockpt.measure import PutRecorder, make_batch
@@ -50,7 +48,14 @@ CHOICES = ("selective", "moe_act", "cheap", "moe", "cheap+moe", "full")
 JITTERS = (0.01, 0.1)  # Switch Transformer's router jitter, and ten times it
 TOP_KS = (1, 2, 3, 4)
 
+# %% [markdown]
+# ## Routing and top-k
+#
+# `token_ids` makes batches whose tokens the weights route in a chosen way (balanced, half to one expert,
+# all to one); `by_routing` measures one step of each and compares every stored name of every layer with
+# the closed form; `by_top_k` measures one stored layer at $k$ = 1..4.
 
+# %%
 def shape(mode):
     """(Config, batch, seq) of each run mode: 8 experts, top-2."""
     moe_fields = dict(experts=8, experts_per_token=2)
@@ -112,6 +117,15 @@ def by_top_k(cfg, batch, seq, device, seed):
     return rows
 
 
+# %% [markdown]
+# ## Op-level choices, and routing replay
+#
+# `predicted_choices` takes the bytes a choice saves and the matmul FLOPs it adds from the closed forms;
+# `measured_choices` measures the same with the store's puts of the first forward and the tracker's
+# recompute FLOPs. `replay_experiment` runs `full` with and without the generator replayed, and `moe`
+# without it, recording which experts each token goes to in the first forward and in the recomputation.
+
+# %%
 def predicted_choices(cfg, batch, seq):
     """choice -> (bytes one layer saves, matmul FLOPs it adds), from the closed forms."""
     whole = layer_inventory(cfg, batch, seq)
@@ -200,87 +214,81 @@ def replay_run(cfg, batch, seq, device, seed, policy, replay):
     return error, relative, rerouted
 
 
-def main(argv=None):
-    args = parse_args(__doc__, argv)
-    cfg, batch, seq = shape(args.mode)
-    print(f"lesson 11, E={cfg.experts} experts, top-{cfg.experts_per_token}: "
-          f"{shape_line(cfg, batch, seq, args.device)}")
-    routing = by_routing(cfg, batch, seq, args.device, args.seed)
-    top_k = by_top_k(cfg, batch, seq, args.device, args.seed)
-    mixtral = {attention: predicted_choices(mixtral_layer(attention), 1, 4096) for attention in ("eager", "fused")}
-    small_predicted = predicted_choices(cfg, batch, seq)
-    small_measured = measured_choices(cfg, batch, seq, args.device, args.seed)
-    replay = replay_experiment(cfg, batch, seq, args.device, args.seed)
+# %%
+args = lesson_args()
+cfg, batch, seq = shape(args.mode)
+print(f"lesson 11, E={cfg.experts} experts, top-{cfg.experts_per_token}: "
+      f"{shape_line(cfg, batch, seq, args.device)}")
+routing = by_routing(cfg, batch, seq, args.device, args.seed)
+top_k = by_top_k(cfg, batch, seq, args.device, args.seed)
+mixtral = {attention: predicted_choices(mixtral_layer(attention), 1, 4096) for attention in ("eager", "fused")}
+small_predicted = predicted_choices(cfg, batch, seq)
+small_measured = measured_choices(cfg, batch, seq, args.device, args.seed)
+replay = replay_experiment(cfg, batch, seq, args.device, args.seed)
 
-    print("\n1. routing (set by the weights), policy none:")
-    print(f"{'routing':<12}{'tokens per expert (layer 0)':<34}{'stored':>12}{'largest expert':>16}{'live peak':>12}")
-    for name, row in routing.items():
-        print(f"{name:<12}{str(row['counts']):<34}{mib(row['stored']):>8.2f} MiB{mib(max(row['experts'])):>12.2f} MiB"
-              f"{mib(row['live']):>8.2f} MiB")
-    stored_same = len({row["stored"] for row in routing.values()}) == 1
-    growth = routing["all to one"]["live"] - routing["balanced"]["live"]
-    print(f"stored: the same for every routing ({stored_same}); the largest expert's share grows "
-          f"{max(routing['all to one']['experts']) / max(routing['balanced']['experts']):.1f}x from balanced to all to "
-          f"one; the live peak by {mib(growth):.2f} MiB (the backward works through one expert's tokens at a time)")
-    print("\ntop-k, one stored layer: " + ", ".join(f"k={k}: {mib(m):.2f} MiB (closed form {mib(c):.2f})"
-                                                     for k, (m, c, _) in top_k.items()))
+# %%
+print("\n1. routing (set by the weights), policy none:")
+print(f"{'routing':<12}{'tokens per expert (layer 0)':<34}{'stored':>12}{'largest expert':>16}{'live peak':>12}")
+for name, row in routing.items():
+    print(f"{name:<12}{str(row['counts']):<34}{mib(row['stored']):>8.2f} MiB{mib(max(row['experts'])):>12.2f} MiB"
+          f"{mib(row['live']):>8.2f} MiB")
+stored_same = len({row["stored"] for row in routing.values()}) == 1
+growth = routing["all to one"]["live"] - routing["balanced"]["live"]
+print(f"stored: the same for every routing ({stored_same}); the largest expert's share grows "
+      f"{max(routing['all to one']['experts']) / max(routing['balanced']['experts']):.1f}x from balanced to all to "
+      f"one; the live peak by {mib(growth):.2f} MiB (the backward works through one expert's tokens at a time)")
+print("\ntop-k, one stored layer: " + ", ".join(f"k={k}: {mib(m):.2f} MiB (closed form {mib(c):.2f})"
+                                                 for k, (m, c, _) in top_k.items()))
 
-    print("\n2. op-level choices, bytes saved per layer and matmul FLOPs added per layer:")
-    for title, rows, (unit, scale) in [(f"Mixtral 8x7B layer, {a} attention, bf16, 1 x 4096 tokens (predicted)",
-                                         mixtral[a], ("GFLOP", 1e9)) for a in ("eager", "fused")] + \
-                                       [("this model (measured)", small_measured, ("MFLOP", 1e6))]:
-        print(f"  {title}")
-        for choice, (saved, flops) in rows.items():
-            rate = ("nothing to drop" if saved == 0 else "free in matmul FLOPs (rebuilt elementwise)") if flops == 0 \
-                else f"{mib(saved) / (flops / 1e9):.3g} MiB per GFLOP"
-            print(f"    {choice:<10}{mib(saved):>10.3f} MiB{flops / scale:>10.1f} {unit}   {rate}")
-    measured_exact = small_measured == small_predicted
-    ranking = {name: sorted((c for c in CHOICES if rows[c][1]), key=lambda c: -rows[c][0] / rows[c][1])
-               for name, rows in (("Mixtral, eager", mixtral["eager"]), ("Mixtral, fused", mixtral["fused"]),
-                                  ("this model", small_measured))}
-    for name, order in ranking.items():
-        print(f"  bytes per matmul FLOP, best first ({name}): {' > '.join(order)}")
+# %% [markdown]
+# The store is blind to routing: the same total for every routing, one token stored $k$ times whichever
+# experts it goes to. The split among experts moves, and so does the live peak: the backward works
+# through one expert's tokens at a time.
 
-    print("\n3. router jitter, recomputation with and without the generator replayed:")
-    for (jitter, policy, replayed), (error, relative, rerouted) in replay.items():
-        print(f"  jitter {jitter:<5} {policy:<5} {'replay' if replayed else 'no replay':<10} "
-              f"max |g - g_none| {error:.3g}"
-              f" (relative {relative:.2g}); tokens routed to other experts when recomputed, by layer: "
-              f"{', '.join(f'{r:.1%}' for r in rerouted)}")
-    bitwise = all(error == 0.0 for (_, _, replayed), (error, _, _) in replay.items() if replayed)
-    if not bitwise:
-        print("  the replayed run is not exact: the engine must save the generator state with each checkpoint "
-              "whenever a step draws random numbers (Config.draws_random), router jitter alone included")
+# %%
+print("\n2. op-level choices, bytes saved per layer and matmul FLOPs added per layer:")
+for title, rows, (unit, scale) in [(f"Mixtral 8x7B layer, {a} attention, bf16, 1 x 4096 tokens (predicted)",
+                                     mixtral[a], ("GFLOP", 1e9)) for a in ("eager", "fused")] + \
+                                   [("this model (measured)", small_measured, ("MFLOP", 1e6))]:
+    print(f"  {title}")
+    for choice, (saved, flops) in rows.items():
+        rate = ("nothing to drop" if saved == 0 else "free in matmul FLOPs (rebuilt elementwise)") if flops == 0 \
+            else f"{mib(saved) / (flops / 1e9):.3g} MiB per GFLOP"
+        print(f"    {choice:<10}{mib(saved):>10.3f} MiB{flops / scale:>10.1f} {unit}   {rate}")
+measured_exact = small_measured == small_predicted
+ranking = {name: sorted((c for c in CHOICES if rows[c][1]), key=lambda c: -rows[c][0] / rows[c][1])
+           for name, rows in (("Mixtral, eager", mixtral["eager"]), ("Mixtral, fused", mixtral["fused"]),
+                              ("this model", small_measured))}
+for name, order in ranking.items():
+    print(f"  bytes per matmul FLOP, best first ({name}): {' > '.join(order)}")
 
-    fig = plt.figure(figsize=(15, 9.5))
-    axes = [fig.add_subplot(2, 3, i + 1) for i in range(6)]
-    plot_routing(axes[0], axes[1], routing, cfg)
-    plot_top_k(axes[2], top_k)
-    plot_choices(axes[3], mixtral["eager"], "Mixtral 8x7B layer, bf16, 1 x 4096 tokens (predicted)\n"
-                 "circles: eager attention, squares: fused", ("GiB", 2**30), ("TFLOP", 1e12))
-    plot_choices(axes[3], mixtral["fused"], None, ("GiB", 2**30), ("TFLOP", 1e12), marker="s")
-    plot_choices(axes[4], small_measured, f"this model, measured (= closed form: {measured_exact})",
-                 ("MiB", 2**20), ("MFLOP", 1e6))
-    plot_replay(axes[5], replay, cfg)
-    fig.suptitle(f"Mixture of experts: E={cfg.experts}, top-{cfg.experts_per_token}, L={cfg.layers}, h={cfg.hidden}, "
-                 f"f={cfg.ffn}, batch {batch} x {seq}, {cfg.dtype}")
-    fig.tight_layout()
-    path = save_figure(fig, "11_mixture_of_experts")
-    print(f"wrote {path}")
-    return {"figures": [str(path)],
-            "summary": {"stored = closed form, 3 routings": all(r["exact"] for r in routing.values()),
-                        "stored per layer = closed form, every top-k": all(m == c for m, c, _ in top_k.values()),
-                        "stored, balanced = skewed = all to one": stored_same,
-                        "measured choices = closed form": measured_exact,
-                        "with RNG replay, gradients = none's (bitwise)": bitwise,
-                        "live peak growth, balanced -> all to one (MiB)": round(mib(growth), 2),
-                        "Mixtral, most bytes per matmul FLOP (eager / fused)":
-                            f"{ranking['Mixtral, eager'][0]} / {ranking['Mixtral, fused'][0]}",
-                        "moe without replay, gradients = none's (bitwise)": replay[JITTERS[-1], "moe", False][0] == 0,
-                        "tokens rerouted without replay, full, jitter 0.01 / 0.1":
-                            " / ".join(f"{max(replay[j, 'full', False][2]):.1%}" for j in JITTERS)}}
+# %% [markdown]
+# With eager attention the $T \times T$ probabilities are the best buy (`selective`, `cheap`); with fused
+# attention there is nothing to drop there, and `moe_act` and `cheap` are free in matmul FLOPs (rebuilt
+# elementwise). Among choices that cost matmuls, recomputing the experts' projections (`moe`) buys fewer
+# bytes per FLOP than the attention core, but more than recomputing the whole layer.
 
+# %%
+print("\n3. router jitter, recomputation with and without the generator replayed:")
+for (jitter, policy, replayed), (error, relative, rerouted) in replay.items():
+    print(f"  jitter {jitter:<5} {policy:<5} {'replay' if replayed else 'no replay':<10} "
+          f"max |g - g_none| {error:.3g}"
+          f" (relative {relative:.2g}); tokens routed to other experts when recomputed, by layer: "
+          f"{', '.join(f'{r:.1%}' for r in rerouted)}")
+bitwise = all(error == 0.0 for (_, _, replayed), (error, _, _) in replay.items() if replayed)
+if not bitwise:
+    print("  the replayed run is not exact: the engine must save the generator state with each checkpoint "
+          "whenever a step draws random numbers (Config.draws_random), router jitter alone included")
 
+# %% [markdown]
+# ## The figure
+#
+# Top: the experts' share of one layer by routing (the same total, split differently); stored and
+# working memory by routing; top-k. Bottom: bytes saved against matmul FLOPs added per layer, for Mixtral
+# (predicted) and for this model (measured); and the share of tokens routed to other experts when a layer
+# is recomputed without the generator replayed.
+
+# %%
 def plot_routing(left, middle, routing, cfg):
     names = list(routing)
     bottom = [0.0] * len(names)
@@ -359,5 +367,76 @@ def plot_replay(ax, replay, cfg):
     ax.legend(fontsize=6.5, title="relative gradient error vs none", title_fontsize=7, loc="upper left")
 
 
-if __name__ == "__main__":
-    main()
+fig = plt.figure(figsize=(15, 9.5))
+axes = [fig.add_subplot(2, 3, i + 1) for i in range(6)]
+plot_routing(axes[0], axes[1], routing, cfg)
+plot_top_k(axes[2], top_k)
+plot_choices(axes[3], mixtral["eager"], "Mixtral 8x7B layer, bf16, 1 x 4096 tokens (predicted)\n"
+             "circles: eager attention, squares: fused", ("GiB", 2**30), ("TFLOP", 1e12))
+plot_choices(axes[3], mixtral["fused"], None, ("GiB", 2**30), ("TFLOP", 1e12), marker="s")
+plot_choices(axes[4], small_measured, f"this model, measured (= closed form: {measured_exact})",
+             ("MiB", 2**20), ("MFLOP", 1e6))
+plot_replay(axes[5], replay, cfg)
+fig.suptitle(f"Mixture of experts: E={cfg.experts}, top-{cfg.experts_per_token}, L={cfg.layers}, h={cfg.hidden}, "
+             f"f={cfg.ffn}, batch {batch} x {seq}, {cfg.dtype}")
+fig.tight_layout()
+path = save_figure(fig, "11_mixture_of_experts")
+wrote(path)
+
+# %% [markdown]
+# ## Exercises
+#
+# All three for a Mixtral 8x7B layer ($h = 4096$, $f = 14336$, $E = 8$, $k = 2$) in bf16.
+#
+# **1.** The experts' tensors keep, for every (token, expert) pair, the gate and up projections and their
+# SwiGLU product, each $f$ wide. How many bytes per token is that?
+
+# %%
+answer = 172_032  # bytes per token
+
+# %%
+mixtral = mixtral_layer("fused")
+experts_total = sum(expert_bytes(mixtral, 1, 4096))
+check("bytes per token of a Mixtral 8x7B layer's experts, bf16", answer, experts_total / 4096, rel=0,
+      why=f"k·3·f·2 = 2·3·{mixtral.ffn}·2 bytes: every token is stored once per expert it goes to "
+          f"(expert_bytes: {experts_total:,} bytes for 4096 tokens, whatever the routing)")
+
+# %% [markdown]
+# **2.** `moe_act` drops the experts' SwiGLU products and rebuilds them elementwise. How many MiB per layer
+# does it save at 4096 tokens?
+
+# %%
+answer = 224  # MiB
+
+# %%
+saved_moe_act = predicted_choices(mixtral, 1, 4096)["moe_act"][0]
+check("MiB per layer that moe_act saves (Mixtral 8x7B, 4096 tokens)", answer, saved_moe_act / 2**20, rel=0,
+      why=f"4096 tokens · k = 2 experts · f = {mixtral.ffn} · 2 bytes = {saved_moe_act:,} bytes, for no matmul")
+
+# %% [markdown]
+# **3.** With router jitter and no replay of the generator, which policy measured above still gives the
+# gradients of `none` exactly: `full` or `moe`?
+
+# %%
+answer = "moe"
+
+# %%
+exact = [policy for (jitter, policy, replayed), (error, _, _) in replay.items() if not replayed and error == 0.0]
+check("the policy exact without replay under router jitter", answer, ", ".join(sorted(set(exact))),
+      why="moe recomputes inside the layer from the stored routing decision: no new draw. full reruns the "
+          "router with fresh noise: " + ", ".join(f"jitter {j}: {max(r for r in replay[j, 'full', False][2]):.1%} "
+                                                  f"of tokens rerouted" for j in JITTERS))
+
+# %%
+RESULT = {"figures": [str(path)],
+          "summary": {"stored = closed form, 3 routings": all(r["exact"] for r in routing.values()),
+                      "stored per layer = closed form, every top-k": all(m == c for m, c, _ in top_k.values()),
+                      "stored, balanced = skewed = all to one": stored_same,
+                      "measured choices = closed form": measured_exact,
+                      "with RNG replay, gradients = none's (bitwise)": bitwise,
+                      "live peak growth, balanced -> all to one (MiB)": round(mib(growth), 2),
+                      "Mixtral, most bytes per matmul FLOP (eager / fused)":
+                          f"{ranking['Mixtral, eager'][0]} / {ranking['Mixtral, fused'][0]}",
+                      "moe without replay, gradients = none's (bitwise)": replay[JITTERS[-1], "moe", False][0] == 0,
+                      "tokens rerouted without replay, full, jitter 0.01 / 0.1":
+                          " / ".join(f"{max(replay[j, 'full', False][2]):.1%}" for j in JITTERS)}}

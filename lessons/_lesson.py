@@ -1,10 +1,22 @@
-"""What the numbered lesson scripts share: their flags, the shape each run mode uses, and
-interleaved timing. Imported as `from lessons._lesson import ...` (each script first puts the
-repository root on sys.path, so this works from `python lessons/NN_name.py` and from
-`python -m picockpt reproduce`, which imports the scripts by file path).
+"""What the numbered lessons share: their flags, the shape each run mode uses, and interleaved timing.
 
-Timings are Spreads (median [min..max] over interleaved repeats), never a single sample; at
---fast the lessons print FAST_TIMING instead of any conclusion drawn from a time.
+A lesson is one file, lessons/NN_name.py, in the percent format (picockpt/notebooks.py): `# %%` starts
+a code cell, `# %% [markdown]` a markdown cell whose lines are comments. The same file runs three ways:
+
+    python lessons/05_the_price.py --fast          a script: the flags from its command line
+    python -m picockpt reproduce --only 05         the same, run in this process (runpy) for every lesson
+    lessons/05_the_price.ipynb in Jupyter          a notebook made from it (python -m picockpt notebooks):
+                                                   the flags from $PICOCKPT_LESSON_ARGS, e.g. "--fast"
+
+Its first code cell imports from this module by its bare name (lessons/ is the script's folder, and
+a notebook kernel's working directory), which also puts the repository root on sys.path and, outside
+a notebook, selects matplotlib's file-only backend:
+
+    from _lesson import lesson_args, choose, small
+    args = lesson_args()                 # args.mode is "fast", "cpu" or "large"; args.device a torch.device
+
+and its last cell defines RESULT = {"figures": [paths], "summary": {short key: value}}, which
+`reproduce` collects. Exercises call lessons/_check.py's check().
 
 Every lesson takes the same flags:
 
@@ -17,17 +29,55 @@ Every lesson takes the same flags:
                      more threads gain little, and on a busy machine torch's worker threads wait
                      on each other whenever another program holds a core: a step can take 10x
                      longer. --threads N asks for N.
+
+Timings are Spreads (median [min..max] over interleaved repeats), never a single sample; at
+--fast the lessons print FAST_TIMING instead of any conclusion drawn from a time.
+
+Turning a lesson written in the older script format (a docstring and main(argv) returning
+{"figures", "summary"}) into this one takes the same steps for every lesson:
+
+  1. The module docstring becomes the first cell, `# %% [markdown]`, every line prefixed with '# ':
+     its first line as a heading, `# # Lesson NN: ...`; the usage lines go under "Run it". Prose
+     that main() prints without any measured number moves into markdown cells too.
+  2. The imports become the first code cell, `# %%`: `from lessons._lesson import ...` becomes
+     `from _lesson import ...`, listed before any other picockpt import; the sys.path line and
+     matplotlib.use("Agg") go (_lesson does both).
+  3. Constants and functions stay as they are, one or a few per code cell, each under a markdown
+     cell that says what it is for. Tests keep calling them: picockpt.reproduce.load(path) runs only
+     a lesson's imports, definitions and UPPER_CASE constants.
+  4. main()'s body becomes top-level cells, in order: `args = parse_args(__doc__, argv)` becomes
+     `args = lesson_args()`; each measurement with the table it prints in one cell; each figure in
+     its own cell (it shows in the notebook; save_figure still writes it); `return {...}` becomes
+     the last cell, `RESULT = {...}`. The `if __name__ == "__main__": main()` lines go.
+     A lesson that starts processes (spawn or forkserver: ranks) starts them inside
+     `with spawning_ranks():`, or each new process would run the lesson's cells again.
+  5. Add two or three exercises before RESULT: a markdown cell with the question, a code cell
+     `answer = ...` the learner fills in, and check(question, answer, expected, why) with the
+     expected value computed by picockpt's code on a shape that does not depend on --fast.
+  6. `python -m picockpt notebooks --only NN` writes the executed notebook beside it.
+
+A script still in the older format runs as before (reproduce calls its main(argv)); parse_args
+and the helpers below serve both.
 """
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root: picockpt, no install
+
 import argparse
+import contextlib
 import os
+import shlex
 import statistics
 import time
 from dataclasses import dataclass
 
+import matplotlib
 import torch
 
 from picockpt.config import Config
 from picockpt.device import resolve_device
+from picockpt.notebooks import ARGS_VARIABLE, cells
 from picockpt.plotting import FAST_FIGURES
 
 FAST_TIMING = "timing not meaningful at --fast shapes"  # what lessons print instead of a --fast timing's verdict
@@ -36,11 +86,74 @@ FAST_TIMING = "timing not meaningful at --fast shapes"  # what lessons print ins
 LARGE = dict(vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=4, ffn=5632, max_seq=4096)
 
 
-def parse_args(doc, argv=None):
+def in_notebook():
+    """True inside a Jupyter kernel, whose sys.argv is the kernel's own, not the lesson's flags."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None
+
+
+if not in_notebook():
+    matplotlib.use("Agg")  # a script or reproduce: figures are files (a notebook shows them inline)
+
+
+def lesson_args():
+    """The lesson flags (parse_args): from the command line when the lesson runs as a script (or
+    from reproduce), from $PICOCKPT_LESSON_ARGS in a notebook kernel (none: the CPU run)."""
+    if in_notebook():
+        words = os.environ.get(ARGS_VARIABLE, "")
+        return parse_args(f"a picockpt lesson (${ARGS_VARIABLE}={words!r})", shlex.split(words), notebook=True)
+    path = pathlib.Path(sys.argv[0])
+    usage = "\n".join(f"    python lessons/{path.name}{flags:<24}{what}" for flags, what in (
+        ("", "the CPU run"), (" --fast", "seconds: what the tests run"),
+        (" --large --device cuda", "a bigger shape for a GPU")))
+    return parse_args(f"{lesson_title(path)}\n\n{usage}", sys.argv[1:])
+
+
+def wrote(path):
+    """Say where a figure went: the full path from a script, the path in the repository in a notebook."""
+    path = pathlib.Path(path)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    shown = path.relative_to(root) if in_notebook() and path.is_relative_to(root) else path
+    print(f"wrote {shown}")
+
+
+@contextlib.contextmanager
+def spawning_ranks():
+    """Start processes (spawn or forkserver) from a lesson inside this. Such a process first imports the
+    parent's __main__ again from its file, which for a lesson run as a script would run the whole lesson
+    again; ranks need only picockpt's functions, so the file is hidden from them while they start. (An
+    older script kept main() under `if __name__ == "__main__"`; a lesson's cells cannot.)"""
+    main = sys.modules["__main__"]
+    path = main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        if path is not None:
+            main.__file__ = path
+
+
+def lesson_title(path):
+    """The first line of a lesson's first markdown cell, without its '#' marks."""
+    try:
+        text = next(cell.source for cell in cells(path) if cell.kind == "markdown")
+    except (OSError, ValueError, StopIteration):
+        return f"picockpt lesson {pathlib.Path(path).name}"
+    return text.strip().split("\n", 1)[0].lstrip("# ")
+
+
+class _NotebookParser(argparse.ArgumentParser):
+    """In a notebook a bad flag is a ValueError naming the variable, not an exit of the kernel."""
+
+    def error(self, message):
+        raise ValueError(f"${ARGS_VARIABLE}: {message} (the flags are --fast, --large, --device, --seed, --threads)")
+
+
+def parse_args(doc, argv=None, notebook=False):
     """The lesson flags. args.mode is "fast", "cpu" or "large"; args.device a torch.device."""
     title, _, usage = doc.partition("\n")
-    parser = argparse.ArgumentParser(description=title, epilog=usage,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = (_NotebookParser if notebook else argparse.ArgumentParser)(
+        description=title, epilog=usage, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--fast", action="store_true", help="a small shape that runs in seconds (what the tests run)")
     size.add_argument("--large", action="store_true", help="a bigger shape, meant for a GPU")

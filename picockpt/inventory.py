@@ -156,8 +156,10 @@ def predicted_peak_bytes(cfg, batch, seq, policy, routing=None):
         return plan_model(cfg, batch, seq, policy.budget, policy.drop).peak_bytes
     X, _, F = chain_sizes(cfg, batch, seq, policy.drop)
     L = cfg.layers
-    A = [total(layer_inventory(cfg, batch, seq, policy.drop, None if routing is None else routing[i]))
-         for i in range(L)]  # each fully stored layer, input included
+    if routing is None:  # every layer alike: one inventory
+        A = [total(layer_inventory(cfg, batch, seq, policy.drop))] * L  # each fully stored layer, input included
+    else:
+        A = [total(layer_inventory(cfg, batch, seq, policy.drop, counts)) for counts in routing]
     if policy.segment is None:
         return sum(A) + F
     C = policy.segment

@@ -45,56 +45,28 @@ def moe_block_forward(xn, w, cfg, keep, project=True):
     needs (every expert's SwiGLU product) and returns None: the down projections are skipped.
     E and f come from the weights (router rows, down_proj columns); k from cfg."""
     B, T, h = xn.shape
-    E, f, k, stat = w.router.shape[0], w.experts_down.shape[-1], cfg.experts_per_token, cfg.stat_dtype
-    if cfg.router_jitter > 0:  # drawn from the default generator, as Hugging Face draws it
-        noise = torch.empty_like(xn).uniform_(1.0 - cfg.router_jitter, 1.0 + cfg.router_jitter)  # (B, T, h)
-        keep("moe.jitter", noise)
-        xn = xn * noise  # (B, T, h) router and experts see the same noisy input
-        del noise
-    x = xn.reshape(B * T, h)  # (N, h) one row per token
+    E, stat = w.router.shape[0], cfg.stat_dtype
+    x, index, weights = route(xn, w, cfg, keep)  # (N, h), (N, k), (N, k)
     del xn
-    probs, index, weights = router_forward(linear_forward(x, w.router), k, stat)  # (N, E), (N, k), (N, k)
-    keep("moe.router_probs", probs)
-    keep("moe.expert_index", index)
-    del probs
     weights = weights.flatten()  # (N k,) one weight per (token, slot) pair
     out = torch.zeros_like(x) if project else None  # (N, h)
     for e, positions, tokens in expert_groups(index, E):  # only the experts that got tokens
-        gate_up = linear_forward(x[tokens], w.experts_gate_up[e])  # (n_e, 2f) on its n_e tokens
-        keep(f"moe.gate_up[{e}]", gate_up)
-        act = swiglu_forward(gate_up[:, :f], gate_up[:, f:])  # (n_e, f)
-        keep(f"moe.act[{e}]", act)
-        del gate_up
+        y = expert_forward(lambda: x[tokens], w.experts_gate_up[e], w.experts_down[e], keep, e, project)  # noqa: B023
         if project:
-            y = linear_forward(act, w.experts_down[e])  # (n_e, h)
-            out.index_add_(0, tokens, (y.to(stat) * weights[positions, None]).to(x.dtype))  # (N, h) w * y back
-            del y
-        del act
+            out.index_add_(0, tokens, weigh(y, weights, positions, stat))  # (N, h) w * y back to the tokens' rows
+        del y
     if getattr(w, "shared_gate", None) is not None:  # the shared expert: a SwiGLU MLP on every token
-        gate = linear_forward(x, w.shared_gate)  # (N, fs)
-        up = linear_forward(x, w.shared_up)  # (N, fs)
-        keep("moe.shared_gate", gate)
-        keep("moe.shared_up", up)
-        act = swiglu_forward(gate, up)  # (N, fs)
-        keep("moe.shared_act", act)
-        del gate, up
+        shared = shared_expert_forward(x, w, keep, project)  # (N, h), or None
         if project:
-            out += linear_forward(act, w.shared_down)  # (N, h)
+            out += shared  # (N, h)
     return out.view(B, T, h) if project else None
 
 
 def moe_block_backward(grad, normed, w, cfg, take):
     """grad() -> dm (B, T, h), the gradient of the block's output; returns dxn (B, T, h) and {role:
     gradient} of the router, the experts (and the shared expert). normed() gives xn, the block's input.
-
-    Forward, per expert e and its tokens n (slot j): y_n = act_n D_e^T, out_n += w_nj y_n, with
-    act = silu(g) * u and [g, u] = x_n [G_e; U_e]^T. With m_n = d out_n (the block's output gradient):
-      u_n     = m_n D_e                   (f,)   the gradient w y_n would pass down, without the weight
-      d w_nj  = m_n . y_n = u_n . act_n          no stored y: (m D_e) . act = m . (act D_e^T)
-      d act_n = w_nj u_n                         d D_e = sum_n (w_nj m_n)^T act_n
-      then SwiGLU's backward, and [G_e; U_e]'s linear backward on the gathered x_n, scatter-added
-    The router gets d w (ops/router.py); the jitter passes d x times the same noise back to xn."""
-    E, f, stat = w.router.shape[0], w.experts_down.shape[-1], cfg.stat_dtype
+    Each expert's part is expert_backward's; the router's and the jitter's, input_backward's."""
+    E, stat = w.router.shape[0], cfg.stat_dtype
     probs, index = take("moe.router_probs"), take("moe.expert_index")  # (N, E), (N, k)
     weights = combine_weights(probs, index).flatten()  # (N k,) the forward's weights, bitwise
     noise = take("moe.jitter") if cfg.router_jitter > 0 else None  # (B, T, h)
@@ -109,51 +81,142 @@ def moe_block_backward(grad, normed, w, cfg, take):
     d_gate_up = torch.zeros_like(w.experts_gate_up)  # (E, 2f, h) an expert without tokens gets zeros
     d_down = torch.zeros_like(w.experts_down)  # (E, h, f)
     for e, positions, tokens in expert_groups(index, E):  # the same groups as the forward: the stored routing
-        gate_up = take(f"moe.gate_up[{e}]",  # (n_e, 2f); dropped (moe): its tokens projected again
-                       rebuild=lambda: linear_forward(x[tokens], w.experts_gate_up[e]))  # noqa: B023
-        gate, up = gate_up[:, :f], gate_up[:, f:]  # (n_e, f) each, views
-        act = take(f"moe.act[{e}]", rebuild=lambda: swiglu_forward(gate, up))  # noqa: B023 (n_e, f)
-        m = dm[tokens]  # (n_e, h) the output gradient of its tokens
-        we = weights[positions, None]  # (n_e, 1)
-        u = m @ w.experts_down[e]  # (n_e, f)
-        dweights[positions] = (u.to(stat) * act.to(stat)).sum(dim=-1)  # (n_e,) d w = u . act
-        d_down[e] = (m.to(stat) * we).to(m.dtype).T @ act  # (h, f) d D_e = (w m)^T act
-        del m, act
-        dact = (u.to(stat) * we).to(u.dtype)  # (n_e, f)
-        del u
-        dgate, dup = swiglu_backward(dact, gate, up)  # (n_e, f) each
-        del dact, gate, up, gate_up
-        dgate_up = torch.cat([dgate, dup], dim=1)  # (n_e, 2f)
-        del dgate, dup
-        xe = x[tokens]  # (n_e, h)
-        dxe, d_gate_up[e] = linear_backward(dgate_up, xe, w.experts_gate_up[e])  # (n_e, h), (2f, h)
-        del dgate_up, xe
+        dxe = expert_backward(lambda: dm[tokens], weights, positions, lambda: x[tokens],  # noqa: B023 (n_e, h)
+                              w.experts_gate_up[e], w.experts_down[e], stat, take, e,
+                              dweights=dweights, d_gate_up=d_gate_up[e], d_down=d_down[e])  # written in place
         dx.index_add_(0, tokens, dxe)  # (N, h) back to the tokens' rows
         del dxe
     grads = {}
     if getattr(w, "shared_gate", None) is not None:  # the shared expert, as the dense MLP's backward
-        gate = take("moe.shared_gate", rebuild=lambda: linear_forward(x, w.shared_gate))  # (N, fs)
-        up = take("moe.shared_up", rebuild=lambda: linear_forward(x, w.shared_up))  # (N, fs)
-        act = take("moe.shared_act", rebuild=lambda: swiglu_forward(gate, up))  # (N, fs)
-        dact, grads["shared_down"] = linear_backward(dm, act, w.shared_down)  # (N, fs), (h, fs)
-        del act
-        dgate, dup = swiglu_backward(dact, gate, up)  # (N, fs) each
-        del dact, gate, up
-        dx_gate, grads["shared_gate"] = linear_backward(dgate, x, w.shared_gate)  # (N, h), (fs, h)
-        dx += dx_gate
-        del dgate, dx_gate
-        dx_up, grads["shared_up"] = linear_backward(dup, x, w.shared_up)  # (N, h), (fs, h)
-        dx += dx_up
-        del dup, dx_up
+        grads = shared_expert_backward(dm, x, w, take, dx)  # {role: gradient}; its share added to dx
     del dm
-    dlogits = router_backward(dweights.view(index.shape), probs, index).to(x.dtype)  # (N, E)
-    del dweights, probs, index
-    dx_router, d_router = linear_backward(dlogits, x, w.router)  # (N, h), (E, h)
-    del dlogits, x
-    dx += dx_router  # (N, h) x feeds the router and the experts: their gradients add
-    del dx_router
+    dx, d_router = input_backward(dx, dweights.view(index.shape), probs, index, x, w)  # (N, h), (E, h)
+    del dweights, probs, index, x
     dxn = dx.view(B, T, h) if noise is None else dx.view(B, T, h) * noise  # (B, T, h) x = xn * noise
     return dxn, {"router": d_router, "experts_gate_up": d_gate_up, "experts_down": d_down, **grads}
+
+
+# ---- the block's pieces: the router, one expert, the weighting, the shared expert --------------------
+# Written once, used by the block above and by the expert-parallel block (picockpt/parallel/ep_layer.py),
+# which runs the same pieces with the tokens moved between ranks in between.
+
+def route(xn, w, cfg, keep, index=None):
+    """xn (B, T, h) -> x (N, h) the experts' input (xn times the jitter noise), index (N, k) the chosen
+    experts, weights (N, k) their renormalised probabilities. Keeps moe.jitter, moe.router_probs and
+    moe.expert_index. index: a routing decision kept from an earlier forward of the same input, used
+    instead of choosing again (and not kept again); the weights come from it, the very same numbers."""
+    B, T, h = xn.shape
+    if cfg.router_jitter > 0:  # drawn from the default generator, as Hugging Face draws it
+        noise = torch.empty_like(xn).uniform_(1.0 - cfg.router_jitter, 1.0 + cfg.router_jitter)  # (B, T, h)
+        keep("moe.jitter", noise)
+        xn = xn * noise  # (B, T, h) router and experts see the same noisy input
+        del noise
+    x = xn.reshape(B * T, h)  # (N, h) one row per token
+    del xn
+    probs, chosen, weights = router_forward(linear_forward(x, w.router), cfg.experts_per_token,
+                                            cfg.stat_dtype)  # (N, E), (N, k), (N, k)
+    keep("moe.router_probs", probs)
+    if index is None:
+        index = chosen
+        keep("moe.expert_index", index)
+    else:  # the kept decision: the weights of its experts, from this forward's probabilities
+        weights = combine_weights(probs, index)  # (N, k)
+    return x, index, weights
+
+
+def expert_forward(inputs, gate_up_weight, down_weight, keep, e, project=True):
+    """One expert's SwiGLU MLP on the n_e rows routed to it: inputs() gives them, x (n_e, h) (gathered
+    where it is used, and let go at once) -> y (n_e, h), unweighted. Keeps moe.gate_up[e] and
+    moe.act[e]; project=False stops after the product and returns None."""
+    f = down_weight.shape[-1]
+    gate_up = linear_forward(inputs(), gate_up_weight)  # (n_e, 2f) on its n_e tokens
+    keep(f"moe.gate_up[{e}]", gate_up)
+    act = swiglu_forward(gate_up[:, :f], gate_up[:, f:])  # (n_e, f)
+    keep(f"moe.act[{e}]", act)
+    del gate_up
+    return linear_forward(act, down_weight) if project else None  # (n_e, h)
+
+
+def weigh(y, weights, positions, stat):
+    """y (n, h) expert outputs times their weights, weights[positions] (n,), in the statistics dtype,
+    back to y's dtype."""
+    return (y.to(stat) * weights[positions, None]).to(y.dtype)  # (n, h)
+
+
+def expert_backward(grad, weights, positions, inputs, gate_up_weight, down_weight, stat, take, e, *, dweights,
+                    d_gate_up, d_down):
+    """One expert's backward on its n_e rows: grad() gives m (n_e, h), the gradient of the block's output
+    at those rows; weights[positions] (n_e,) are theirs; inputs() gives the rows x it saw (n_e, h).
+    Writes d w into dweights[positions] and its weight gradients into d_gate_up (2f, h) and d_down
+    (h, f) (the layer's, in place); returns dx (n_e, h).
+
+    Forward, per row n (a token and one of its slots): y_n = act_n D^T, out += w_n y_n, with
+    act = silu(g) * u and [g, u] = x_n [G; U]^T. With m_n = d out at the row's token:
+      u_n     = m_n D                     (f,)   the gradient w y_n would pass down, without the weight
+      d w_n   = m_n . y_n = u_n . act_n          no stored y: (m D) . act = m . (act D^T)
+      d act_n = w_n u_n                          d D = sum_n (w_n m_n)^T act_n
+      then SwiGLU's backward, and [G; U]'s linear backward on the rows x_n."""
+    f = down_weight.shape[-1]
+    gate_up = take(f"moe.gate_up[{e}]",  # (n_e, 2f); dropped (moe): its rows projected again
+                   rebuild=lambda: linear_forward(inputs(), gate_up_weight))
+    gate, up = gate_up[:, :f], gate_up[:, f:]  # (n_e, f) each, views
+    act = take(f"moe.act[{e}]", rebuild=lambda: swiglu_forward(gate, up))  # (n_e, f)
+    m = grad()  # (n_e, h) the output gradient of its rows
+    we = weights[positions, None]  # (n_e, 1)
+    u = m @ down_weight  # (n_e, f)
+    dweights[positions] = (u.to(stat) * act.to(stat)).sum(dim=-1)  # (n_e,) d w = u . act
+    d_down[...] = (m.to(stat) * we).to(m.dtype).T @ act  # (h, f) d D = (w m)^T act
+    del m, act
+    dact = (u.to(stat) * we).to(u.dtype)  # (n_e, f)
+    del u
+    dgate, dup = swiglu_backward(dact, gate, up)  # (n_e, f) each
+    del dact, gate, up, gate_up
+    dgate_up = torch.cat([dgate, dup], dim=1)  # (n_e, 2f)
+    del dgate, dup
+    dx, d_gate_up[...] = linear_backward(dgate_up, inputs(), gate_up_weight)  # (n_e, h), (2f, h)
+    return dx
+
+
+def shared_expert_forward(x, w, keep, project=True):
+    """The shared expert, a SwiGLU MLP on every token: x (N, h) -> (N, h), or None (project=False)."""
+    gate = linear_forward(x, w.shared_gate)  # (N, fs)
+    up = linear_forward(x, w.shared_up)  # (N, fs)
+    keep("moe.shared_gate", gate)
+    keep("moe.shared_up", up)
+    act = swiglu_forward(gate, up)  # (N, fs)
+    keep("moe.shared_act", act)
+    del gate, up
+    return linear_forward(act, w.shared_down) if project else None  # (N, h)
+
+
+def shared_expert_backward(dm, x, w, take, dx):
+    """dm (N, h) -> {role: gradient} of the shared expert, as the dense MLP's backward; adds its gradient
+    of x to dx (N, h) in place (x feeds the routed experts and the shared one: their gradients add)."""
+    grads = {}
+    gate = take("moe.shared_gate", rebuild=lambda: linear_forward(x, w.shared_gate))  # (N, fs)
+    up = take("moe.shared_up", rebuild=lambda: linear_forward(x, w.shared_up))  # (N, fs)
+    act = take("moe.shared_act", rebuild=lambda: swiglu_forward(gate, up))  # (N, fs)
+    dact, grads["shared_down"] = linear_backward(dm, act, w.shared_down)  # (N, fs), (h, fs)
+    del act
+    dgate, dup = swiglu_backward(dact, gate, up)  # (N, fs) each
+    del dact, gate, up
+    dx_gate, grads["shared_gate"] = linear_backward(dgate, x, w.shared_gate)  # (N, h), (fs, h)
+    dx += dx_gate
+    del dgate, dx_gate
+    dx_up, grads["shared_up"] = linear_backward(dup, x, w.shared_up)  # (N, h), (fs, h)
+    dx += dx_up
+    del dup, dx_up
+    return grads
+
+
+def input_backward(dx, dweights, probs, index, x, w):
+    """The router's part: dx (N, h) the experts' gradient of x, dweights (N, k) -> dx (N, h) with the
+    router's share added (x feeds the router and the experts: their gradients add), d router (E, h)."""
+    dlogits = router_backward(dweights, probs, index).to(x.dtype)  # (N, E)
+    dx_router, d_router = linear_backward(dlogits, x, w.router)  # (N, h), (E, h)
+    del dlogits
+    dx += dx_router  # (N, h)
+    return dx, d_router
 
 
 def step_routing(params, cfg, input_ids):

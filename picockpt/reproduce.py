@@ -2,24 +2,31 @@
 
     results = reproduce(device="auto", fast=False, only=None)    # python -m picockpt reproduce
 
-Lessons are the files lessons/NN_name.py and lessons/NN_name.ipynb (NN: two digits), run in
-the order of their names, so a new one is picked up by its file name alone.
+Lessons are the files lessons/NN_name.py (NN: two digits), run in the order of their names, so a
+new one is picked up by its file name alone. Three kinds run side by side:
 
-  - a script has main(argv): it takes the lesson flags (--fast, --large, --device, --seed,
-    --threads), writes its figures with plotting.save_figure and returns
-    {"figures": [paths], "summary": {short key: value}}. It is imported by file path.
-  - a notebook is executed top to bottom (nbclient), in lessons/ as its working directory; its
-    figures are the names it passes to save_figure. Notebooks choose their own (small) shapes
-    and device, so --fast and --device do not change them.
+  - a percent-format lesson (picockpt/notebooks.py; lessons/_lesson.py says how one is written):
+    its cells run top to bottom in this process (runpy), with the lesson flags (--fast, --large,
+    --device, --seed, --threads) as its command line; its last cell defines
+    RESULT = {"figures": [paths], "summary": {short key: value}}. lessons/NN_name.ipynb beside it
+    is the notebook made from it (`python -m picockpt notebooks`), not a lesson of its own.
+  - a script in the older format has main(argv), which takes the same flags and returns the same
+    dict. It is imported by file path.
+  - a notebook with no source beside it is executed top to bottom (nbclient), in lessons/ as its
+    working directory; its figures are the names it passes to save_figure.
 
 Each lesson's own output is captured (shown with verbose=True, or when it fails); one line of
-progress per lesson, then the table of every summary. A --fast run writes its figures to
-out/figures/ (plotting.FAST_FIGURES), never over the committed ones, unless $PICOCKPT_FIGURES
-says where. Ctrl-C stops the whole run (KeyboardInterrupt; the command exits with 130): in a
-notebook it interrupts the running cell, as Jupyter's stop button does.
+progress per lesson, then the table of every summary, with how many of its exercises the answers
+in the lesson get right. A --fast run writes its figures to out/figures/ (plotting.FAST_FIGURES),
+never over the committed ones, unless $PICOCKPT_FIGURES says where. Ctrl-C stops the whole run
+(KeyboardInterrupt; the command exits with 130): in a notebook it interrupts the running cell, as
+Jupyter's stop button does.
+
+load(path) gives a lesson's functions and constants without running its experiment (the tests
+call them): a script in the older format is imported; of a percent-format lesson only the
+imports, the def and class statements and the UPPER_CASE assignments run.
 """
 import ast
-import asyncio
 import contextlib
 import importlib.util
 import io
@@ -27,105 +34,100 @@ import json
 import os
 import pathlib
 import re
-import signal
-import subprocess
+import runpy
 import sys
 import time
 import traceback
+import types
 
 from .device import resolve_device
+from .notebooks import cells, is_percent, notebook_cells, run_notebook
 from .plotting import FAST_FIGURES, REPO, check_writable, figures_dir
 
 LESSONS = REPO / "lessons"
 
 
-CELL_TIMEOUT_S = 600  # a notebook cell that runs longer than this is stuck
-
-
 def discover(folder=None, kinds=(".py", ".ipynb")):
-    """The lessons, in reading order: lessons/[0-9][0-9]_*.py and *.ipynb, sorted by name."""
-    return sorted(path for path in pathlib.Path(folder or LESSONS).glob("[0-9][0-9]_*") if path.suffix in kinds)
+    """The lessons, in reading order: lessons/[0-9][0-9]_*.py, and *.ipynb without a .py source
+    beside them, sorted by name."""
+    paths = sorted(pathlib.Path(folder or LESSONS).glob("[0-9][0-9]_*"))
+    return [path for path in paths if path.suffix in kinds
+            and not (path.suffix == ".ipynb" and path.with_suffix(".py").is_file())]
+
+
+def kind(path):
+    """"percent" (cells, RESULT), "script" (main(argv)) or "notebook" (an .ipynb alone)."""
+    path = pathlib.Path(path)
+    return "notebook" if path.suffix == ".ipynb" else "percent" if is_percent(path) else "script"
 
 
 def title(path):
-    """A lesson's first line: the script's docstring or the notebook's first heading."""
+    """A lesson's first line: its first markdown heading, or the script's docstring."""
     path = pathlib.Path(path)
-    if path.suffix == ".ipynb":
-        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-        text = next(("".join(c["source"]) for c in cells if c["cell_type"] == "markdown"), "")
-        return text.strip().split("\n", 1)[0].lstrip("# ")
-    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
-    return doc.split("\n", 1)[0]
+    if kind(path) == "script":
+        return (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "").split("\n", 1)[0]
+    found = cells(path) if kind(path) == "percent" else notebook_cells(path)
+    text = next((cell.source for cell in found if cell.kind == "markdown"), "")
+    return text.strip().split("\n", 1)[0].lstrip("# ")
 
 
 def notebook_figures(path):
     """The figure names a notebook passes to save_figure(fig, "name"), as paths in figures_dir()."""
-    cells = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))["cells"]
-    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    book = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))["cells"]
+    code = "\n".join("".join(c["source"]) for c in book if c["cell_type"] == "code")
     return [figures_dir() / f"{name}.png" for name in re.findall(r"save_figure\([^,]+,\s*[\"']([^\"']+)[\"']", code)]
 
 
-def run_notebook(path, cell_timeout=CELL_TIMEOUT_S):
-    """Execute a notebook in lessons/ (not saved back); returns (figures it claims, code cells run).
-    Ctrl-C raises KeyboardInterrupt here, once the running cell has stopped and the kernel is shut down."""
-    import nbformat
-    notebook = nbformat.read(str(path), as_version=4)
-    client = _client_class()(notebook, timeout=cell_timeout, kernel_name="python3",
-                             resources={"metadata": {"path": str(pathlib.Path(path).parent)}})
+@contextlib.contextmanager
+def _as_a_script(path, argv):
+    """sys.argv = [path, *argv] and the lesson's folder first on sys.path (where its _lesson.py is), as
+    `python lessons/NN_name.py ...` would have them; both put back afterwards."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv[:] = [str(path), *argv]
+    sys.path.insert(0, str(pathlib.Path(path).parent))
     try:
-        client.execute(stderr=subprocess.DEVNULL)  # the kernel's log lines; cell errors still raise here
-    except Exception as error:  # a cell's error arrives as CellExecutionError, with the kernel's ename
-        if client.interrupted or getattr(error, "ename", None) == "KeyboardInterrupt":
-            raise KeyboardInterrupt from None
-        raise
-    if client.interrupted:  # Ctrl-C while the last cell was finishing
-        raise KeyboardInterrupt
-    return notebook_figures(path), sum(1 for cell in notebook.cells if cell.cell_type == "code")
+        yield
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
 
 
-class _Interrupted(Exception):
-    """Raised inside nbclient to stop before the next cell; run_notebook turns it into KeyboardInterrupt."""
-
-
-def _client_class():
-    """nbclient's NotebookClient, with Ctrl-C handled as in Jupyter. nbclient's own SIGINT handler
-    shuts the kernel down under the running cell, and execute() then fails with an unrelated error
-    (an AssertionError in its clean-up), which a caller cannot tell from a broken notebook."""
-    from nbclient import NotebookClient
-    from nbclient.util import ensure_async
-
-    class InterruptibleClient(NotebookClient):
-        interrupted = False
-
-        async def async_start_new_kernel(self, **kwargs):
-            with contextlib.suppress(RuntimeError, NotImplementedError):  # not the main thread; no signals
-                asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._on_interrupt)  # replaces nbclient's
-            await super().async_start_new_kernel(**kwargs)
-
-        def _on_interrupt(self):
-            if self.interrupted:  # a second Ctrl-C: stop waiting for the kernel at once
-                raise KeyboardInterrupt
-            self.interrupted = True
-            if self.km is not None and self.km.has_kernel:  # the running cell raises KeyboardInterrupt
-                asyncio.ensure_future(ensure_async(self.km.interrupt_kernel()))
-
-        async def async_execute_cell(self, cell, *args, **kwargs):
-            if self.interrupted:  # between cells: run no further
-                raise _Interrupted
-            return await super().async_execute_cell(cell, *args, **kwargs)
-
-    return InterruptibleClient
+def run_percent(path, argv):
+    """Run a percent-format lesson as a script, in this process; returns the namespace its cells left."""
+    with _as_a_script(path, argv):
+        return runpy.run_path(str(path), run_name="__main__")
 
 
 def load(path):
-    """Import a lesson script by its path (lessons/ is not a package; names start with digits)."""
+    """A lesson's functions and constants, without its experiment (see the top of this file)."""
     path = pathlib.Path(path)
     name = f"lesson_{path.stem}"
+    if kind(path) == "percent":
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        tree.body = [node for node in tree.body if _is_definition(node)]
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        sys.modules[name] = module
+        with _as_a_script(path, []):
+            exec(compile(tree, str(path), "exec"), module.__dict__)
+        return module
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _is_definition(node):
+    """An import, a def or class, or a constant: NAME = ... (or A_NAME, B_NAME = ...) for UPPER_CASE names
+    of two letters or more (one capital letter, X, A, F or X24, is a lessons' variable), but RESULT, which
+    the experiment makes."""
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return True
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+        else []
+    names = [name for target in targets for name in (target.elts if isinstance(target, ast.Tuple) else [target])]
+    return bool(names) and all(isinstance(name, ast.Name) and sum(map(str.isalpha, name.id)) > 1
+                               and name.id.isupper() and name.id != "RESULT" for name in names)
 
 
 def select(paths, only):
@@ -142,25 +144,42 @@ def select(paths, only):
     return [path for path in paths if path.name[:2] in wanted]
 
 
+def checks():
+    """Every exercise checked in this process so far (lessons/_check.py's CHECKS; [] before any)."""
+    module = sys.modules.get("_check")
+    return list(getattr(module, "CHECKS", []))
+
+
 def run_lesson(path, argv, verbose=False):
-    """Run one lesson (a script's main(argv), or a notebook); returns a result dict with its
-    time, figures and summary."""
+    """Run one lesson (its cells, a script's main(argv), or a notebook); returns a result dict with its
+    time, figures, summary and exercises (the checks it made: question -> right)."""
     import matplotlib
     matplotlib.use("Agg")  # before any lesson imports pyplot: no window, only files
     import matplotlib.pyplot as plt
+    path = pathlib.Path(path)
     output = io.StringIO()
     sink = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(output)
-    start, started_at = time.perf_counter(), time.time()
-    result = {"lesson": path.name, "figures": [], "summary": {}, "error": None}
+    start, started_at, checked = time.perf_counter(), time.time(), len(checks())
+    result = {"lesson": path.name, "figures": [], "summary": {}, "exercises": {}, "error": None}
     try:
         with sink:
-            if path.suffix == ".ipynb":
-                figures, cells = run_notebook(path)
-                returned = {"figures": figures, "summary": {"code cells run": cells}}
+            if kind(path) == "notebook":
+                cells_run = sum(1 for cell in run_notebook(path).cells if cell.cell_type == "code")
+                returned = {"figures": notebook_figures(path), "summary": {"code cells run": cells_run}}
+            elif kind(path) == "percent":
+                namespace = run_percent(path, argv)
+                if not isinstance(namespace.get("RESULT"), dict):
+                    raise ValueError(f"{path.name} defines no RESULT dict: its last cell should be "
+                                     f"RESULT = {{'figures': [...], 'summary': {{...}}}}")
+                returned = namespace["RESULT"]
             else:
                 returned = load(path).main(list(argv)) or {}
         result["figures"] = [str(p) for p in returned.get("figures", [])]
         result["summary"] = dict(returned.get("summary", {}))
+        result["exercises"] = {c.question: c.right for c in checks()[checked:]}
+        if result["exercises"]:
+            right = sum(result["exercises"].values())
+            result["summary"]["exercises right"] = f"{right} of {len(result['exercises'])}"
         stale = [p for p in result["figures"] if not _written_since(p, started_at)]
         if stale:
             result["error"] = f"figure(s) not written by this run: {', '.join(stale)}"
@@ -183,7 +202,7 @@ def reproduce(device="auto", fast=False, only=None, threads=None, verbose=False,
     device = resolve_device(device)
     paths = select(discover(), only)
     if not paths:
-        raise ValueError(f"no lesson scripts found in {LESSONS} (expected files named NN_name.py)")
+        raise ValueError(f"no lessons found in {LESSONS} (expected files named NN_name.py)")
     argv = ["--device", str(device)] + (["--fast"] if fast else []) + \
         (["--threads", str(threads)] if threads is not None else [])
     count = threads or 1  # the lessons' default on the CPU

@@ -1,38 +1,39 @@
-"""The lessons run, write the figures they claim, and their measurements equal the formulas.
+"""The lessons run, write the figures they claim, answer their exercises right, and their
+measurements equal the formulas.
 
-Every notebook in lessons/ is executed (lessons/ as its working directory, a time limit per cell
-and for the whole notebook); every lesson script runs with --fast; `python -m picockpt reproduce`
-runs once through the command line. Figures go to a temporary folder ($PICOCKPT_FIGURES), so
-the committed PNGs in figures/ stay untouched. New lessons are picked up by their file names.
+Every lesson runs with --fast as a script runs it (in this process, as `python -m picockpt reproduce`
+does): a percent-format lesson's cells through runpy, a script in the older format through its
+main(argv). tests/test_notebooks.py executes the same lessons as notebooks, in a Jupyter kernel.
+Figures go to a temporary folder ($PICOCKPT_FIGURES), so the committed PNGs in figures/ stay
+untouched. New lessons are picked up by their file names.
 """
 import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
-import torch
 
 from picockpt import init_params
 from picockpt.inventory import chain_sizes, predicted_peak_bytes, step_flops
 from picockpt.measure import make_batch
 from picockpt.plotting import phase_spans
-from picockpt.reproduce import LESSONS, discover, load, run_notebook
+from picockpt.reproduce import LESSONS, checks, discover, kind, load, run_lesson, run_percent
 
 SCRIPTS = discover(kinds=(".py",))
-NOTEBOOKS = discover(kinds=(".ipynb",))
-CELL_TIMEOUT_S = 120        # one notebook cell
-NOTEBOOK_BUDGET_S = 90      # one whole notebook (each runs in about 5-20 s on 2 CPU cores)
+PERCENT = [path for path in SCRIPTS if kind(path) == "percent"]
 PNG = b"\x89PNG\r\n\x1a\n"
+FAST = ["--fast", "--device", "cpu"]
 
 
-def lesson(number):
-    """The lesson script module whose file name starts with `number`."""
-    return load(next(path for path in SCRIPTS if path.name.startswith(number)))
+def lesson(prefix):
+    """The functions and constants of the one lesson whose file name starts with `prefix` (its experiment
+    does not run: reproduce.load)."""
+    [path] = [path for path in SCRIPTS if path.name.startswith(prefix)]
+    return load(path)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -52,34 +53,39 @@ def assert_png(path, folder):
     assert path.read_bytes()[:8] == PNG and path.stat().st_size > 5000, f"{path} is not a real PNG figure"
 
 
+def run_fast(path):
+    """(RESULT, the lesson's namespace or None, the exercises it checked) of one --fast run, as a script."""
+    before = len(checks())
+    if kind(path) == "percent":
+        namespace = run_percent(path, FAST)
+        return namespace["RESULT"], namespace, checks()[before:]
+    return load(path).main(FAST), None, checks()[before:]
+
+
 # ---- every lesson, as a learner or `reproduce` runs it ---------------------------------------
 
 def test_lessons_are_found():
-    assert len(SCRIPTS) >= 7, [p.name for p in SCRIPTS]
-    assert [p.name[:2] for p in SCRIPTS] == sorted(p.name[:2] for p in SCRIPTS)
+    names = [path.name for path in SCRIPTS]
+    assert len(PERCENT) >= 16, names  # 00 x2, 01-11 and the three derivation notebooks
+    assert names == sorted(names)
+    assert {"00_start_here.py", "00_memory_explorer.py", "02_deriving_L_over_C_plus_C.py"} <= set(names)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_lesson_script_fast(script, figures):
-    result = load(script).main(["--fast", "--device", "cpu"])
-    assert result["figures"], f"{script.name} claims no figure"
+def test_lesson_runs_as_a_script(script, figures):
+    result, _, exercises = run_fast(script)
+    if script.name != "00_start_here.py":  # the orientation notebook draws nothing
+        assert result["figures"], f"{script.name} claims no figure"
     for path in result["figures"]:
         assert_png(path, figures)
     assert isinstance(result["summary"], dict) and result["summary"]
     for key, value in result["summary"].items():  # "stored = formula: True" and the like
-        if isinstance(value, bool) and ("=" in key):
+        if isinstance(value, bool) and ("=" in key or "exists" in key):
             assert value, f"{script.name}: {key} is False"
-
-
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes(notebook, figures):
-    start = time.perf_counter()
-    claimed, cells = run_notebook(notebook, cell_timeout=CELL_TIMEOUT_S)
-    seconds = time.perf_counter() - start
-    assert cells > 0
-    assert seconds < NOTEBOOK_BUDGET_S, f"{notebook.name} took {seconds:.0f} s (budget {NOTEBOOK_BUDGET_S} s)"
-    for path in claimed:
-        assert_png(path, figures)
+    if kind(script) == "percent":  # two or three exercises, every committed answer right by the code
+        assert 2 <= len(exercises) <= 3, [e.question for e in exercises]
+        wrong = [f"{e.question}: answer {e.answer!r}, the code says {e.expected!r}" for e in exercises if not e.right]
+        assert not wrong, wrong
 
 
 def test_reproduce_command(tmp_path):
@@ -90,6 +96,7 @@ def test_reproduce_command(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[1/1] 01_anatomy_of_a_step.py" in out.stdout
     assert "stored = formula: True" in out.stdout  # the results table
+    assert "exercises right: 3 of 3" in out.stdout
     assert_png(tmp_path / "01_anatomy_of_a_step.png", tmp_path)
 
 
@@ -99,11 +106,53 @@ def test_reproduce_rejects_an_unknown_lesson():
     assert out.returncode == 2 and "there is no lesson 99" in out.stderr and "Traceback" not in out.stderr
 
 
+OLD_SCRIPT = '''"""Lesson 01: a script in the older format."""
+def main(argv):
+    return {"figures": [], "summary": {"argv": " ".join(argv)}}
+'''
+PERCENT_LESSON = '''# %% [markdown]
+# # Lesson 02: a lesson in cells
+
+# %%
+import sys
+FLAGS = " ".join(sys.argv[1:])
+
+# %%
+RESULT = {"figures": [], "summary": {"argv": FLAGS}}
+'''
+
+
+def test_reproduce_runs_both_formats_and_skips_the_notebooks_of_sources(tmp_path):
+    (tmp_path / "01_old.py").write_text(OLD_SCRIPT)
+    (tmp_path / "02_cells.py").write_text(PERCENT_LESSON)
+    (tmp_path / "02_cells.ipynb").write_text("{}")  # made from 02_cells.py: not a lesson of its own
+    (tmp_path / "03_alone.ipynb").write_text("{}")  # a notebook with no source: a lesson
+    (tmp_path / "04_empty.py").write_text(PERCENT_LESSON.replace("RESULT = ", "OUTCOME = "))
+    assert [path.name for path in discover(tmp_path)] == ["01_old.py", "02_cells.py", "03_alone.ipynb",
+                                                          "04_empty.py"]
+    assert [kind(path) for path in discover(tmp_path)] == ["script", "percent", "notebook", "percent"]
+    for name in ("01_old.py", "02_cells.py"):
+        result = run_lesson(tmp_path / name, ["--fast", "--device", "cpu"])
+        assert result["error"] is None and result["summary"] == {"argv": "--fast --device cpu"}, result
+    result = run_lesson(tmp_path / "04_empty.py", ["--fast"])
+    assert result["error"] == ("ValueError: 04_empty.py defines no RESULT dict: its last cell should be "
+                               "RESULT = {'figures': [...], 'summary': {...}}")
+
+
+def test_load_runs_definitions_only(tmp_path):
+    (tmp_path / "05_defs.py").write_text(PERCENT_LESSON.replace("# %%\nRESULT", "# %%\nX, A = 1, 2\n"
+                                                                "TABLE = {'a': 1}\nraise SystemExit('ran')\n"
+                                                                "def twice(x):\n    return 2 * x\n\n# %%\nRESULT"))
+    module = load(tmp_path / "05_defs.py")
+    assert module.twice(21) == 42 and module.TABLE == {"a": 1} and module.FLAGS == ""
+    assert not hasattr(module, "X") and not hasattr(module, "RESULT")
+
+
 # ---- the measurements the lessons plot, held to the formulas ----------------------------------
 
 @pytest.mark.parametrize("policy", ["none", "full"])
 def test_anatomy_peak_is_the_exact_formula(policy):
-    anatomy = lesson("01")
+    anatomy = lesson("01_anatomy")
     cfg, batch, seq = anatomy.shape("fast")
     tracker = anatomy.watch_step(cfg, batch, seq, policy, "cpu")
     assert tracker.peak_logical == predicted_peak_bytes(cfg, batch, seq, policy)
@@ -114,9 +163,9 @@ def test_anatomy_peak_is_the_exact_formula(policy):
 
 
 def test_lesson_01_legend_names_every_phase(figures):
-    result = lesson("01").main(["--fast", "--device", "cpu"])
-    assert result["figures"] == [str(figures / "01_anatomy_of_a_step.png")]
-    top = plt.gcf().axes[0]  # the legend sits in the first panel (none), which has no recompute phase itself
+    namespace = run_percent(next(p for p in SCRIPTS if p.name.startswith("01")), FAST)
+    assert namespace["RESULT"]["figures"] == [str(figures / "01_anatomy_of_a_step.png")]
+    top = namespace["fig"].axes[0]  # the legend sits in the first panel (none), which has no recompute phase itself
     labels = [text.get_text() for text in top.get_legend().get_texts()]
     assert {"forward", "recompute", "backward", "optimizer"} <= set(labels), labels
     assert len(labels) == len(set(labels)) == 7  # four phases and three curves, each once
@@ -124,7 +173,7 @@ def test_lesson_01_legend_names_every_phase(figures):
 
 @pytest.mark.parametrize("layers,hidden,ffn,seq", [(32, 32, 64, 16), (64, 32, 32, 8)])
 def test_u_curve_minimum_is_where_the_formula_puts_it(layers, hidden, ffn, seq):
-    segments = lesson("02")
+    segments = lesson("02_segments")
     cfg, batch = segments.deep(layers, hidden=hidden, ffn=ffn), 2
     every_c = range(1, layers + 1)
     measured = segments.measure_peaks(cfg, batch, seq, every_c)
@@ -138,7 +187,7 @@ def test_u_curve_minimum_is_where_the_formula_puts_it(layers, hidden, ffn, seq):
 
 
 def test_selective_removes_exactly_the_square_term():
-    sequence = lesson("03")
+    sequence = lesson("03_selective")
     cfg, batch, seqs = sequence.shape("fast")
     cfg = cfg.replace(max_seq=max(seqs))
     peaks = sequence.measure(cfg, batch, seqs, ("none", "selective"))
@@ -152,7 +201,7 @@ def test_selective_removes_exactly_the_square_term():
 
 
 def test_dropout_needs_the_rng_replay():
-    rng = lesson("06")
+    rng = lesson("06_rng")
     cfg, batch, seq = rng.shape("fast")
     params = init_params(cfg, seed=0)
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", 0)
@@ -165,7 +214,7 @@ def test_dropout_needs_the_rng_replay():
 
 
 def test_the_price_in_flops_is_exact():
-    price = lesson("05")
+    price = lesson("05_the_price")
     cfg, batch, seq, _ = price.shape("fast")
     rows = price.measure(cfg, batch, seq, ("none", "full"), repeats=1)
     for policy, row in rows.items():

@@ -10,13 +10,14 @@ import sys
 
 COMMANDS = {  # name -> one-line help; the module picockpt/cli/<name>.py does the work
     "reproduce": "run every lesson's experiment, regenerate figures/ and print the results table",
+    "notebooks": "make each lesson's notebook from its source and execute it (--check: do they match?)",
     "train": "train on the synthetic task: loss, tokens/s, stored and live peaks, what recomputation costs",
     "measure": "one step under a policy: peak bytes (logical, physical), FLOPs, time, exactness",
     "compare": "picockpt's policies beside torch.utils.checkpoint and Hugging Face on the same shape",
     "inventory": "what one layer stores, by name, shape and bytes: closed form and measured",
     "predict": "activation memory from the formulas (Korthikanti et al.; picockpt's exact one)",
     "plan": "the optimal recomputation schedule for a memory budget (or a uniform chain)",
-    "parallel": "one tensor (and sequence) parallel step: per-rank stored bytes, communication, FLOPs",
+    "parallel": "one step over tensor/sequence, pipeline, data or expert parallel ranks: bytes, comm, FLOPs",
 }
 
 DESCRIPTION = """picockpt: activation recomputation (gradient checkpointing) written out by hand.

@@ -8,6 +8,7 @@ its FLOPs by phase; then the loss, and how far the gradients are from the single
     python -m picockpt parallel --tp 2 --sp --policy selective
     python -m picockpt parallel --tp 2 --policy full --distribute-saved --json
     torchrun --nproc-per-node 2 -m picockpt parallel --tp 2
+    python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched   # expert parallel
 """
 import json
 import os
@@ -20,6 +21,7 @@ from ..params import init_params
 from ..parallel import loss_and_grads, under_torchrun
 from ..policy import parse_policy
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops, table
+from .parallel_ep import run_expert
 
 PHASES = ("forward", "recompute", "backward")
 
@@ -27,8 +29,8 @@ PHASES = ("forward", "recompute", "backward")
 def add_arguments(parser):
     add_shape_args(parser)
     add_run_args(parser)
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks t (default 2); t must divide the "
-                        "heads, the kv heads, the ffn and the vocabulary")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks t (default 2 alone, 1 with --pp, "
+                        "--dp or --microbatches); t must divide the heads, the kv heads, the ffn and the vocabulary")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism: norms, residual adds and dropout "
                         "on T/t tokens per rank (--seq must be a multiple of --tp)")
     parser.add_argument("--policy", default="full", help="recomputation policy, as everywhere (default full); "
@@ -39,9 +41,30 @@ def add_arguments(parser):
     parser.add_argument("--port", type=int, help="spawned ranks: the 127.0.0.1 port to meet on (default: a free one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--trace", action="store_true", help="print every rank's engine events, prefixed by rank")
+    pipeline = parser.add_argument_group("pipeline and data parallelism (dp x pp x tp ranks)")
+    pipeline.add_argument("--pp", type=int, default=1, help="pipeline stages P (default 1); layers split over them")
+    pipeline.add_argument("--microbatches", type=int, default=1, help="micro-batches M per step (default 1); "
+                          "--batch must be a multiple of dp x M")
+    pipeline.add_argument("--schedule", default="1f1b", choices=("afab", "1f1b"), help="all forwards then all "
+                          "backwards, or one forward one backward (default 1f1b)")
+    pipeline.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    pipeline.add_argument("--recompute-early", action="store_true", help="a stage waiting for a gradient "
+                          "recomputes that micro-batch's top segment meanwhile")
+    pipeline.add_argument("--no-overlap", action="store_true", help="data parallel: all-reduce the gradients after "
+                          "the backward instead of each layer's as soon as it is final")
+    experts = parser.add_argument_group("expert parallelism (picockpt/parallel/ep_step.py; needs --experts)")
+    experts.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1: none); each holds "
+                         "experts/ep experts and batch/ep sequences")
+    experts.add_argument("--keep-dispatched", action="store_true", help="keep the rows each rank's experts "
+                         "received: recomputing a layer reads them instead of dispatching them again")
 
 
 def run(args):
+    if args.ep != 1 or args.keep_dispatched:
+        return run_expert(args)  # picockpt/cli/parallel_ep.py
+    if (args.pp, args.microbatches, args.dp) != (1, 1, 1):
+        return run_pipeline(args)
+    args.tp = 2 if args.tp is None else args.tp
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
@@ -96,5 +119,69 @@ def _print_table(row):
     print(f"recomputation moves {fmt_bytes(added)} per rank again "
           f"({added / first['comm_bytes']['forward']:.0%} of the forward's communication)" if added else
           "recomputation moves nothing between ranks under this policy")
+    print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
+          f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")
+
+
+# ---- pipeline and data parallelism -----------------------------------------------------------------
+def run_pipeline(args):
+    """--pp, --microbatches, --dp: one step of dp x pp x tp ranks, per rank: its stage, micro-batches in flight,
+    stored peak against its closed form, and where its time went."""
+    cfg = config_from_args(args)
+    policy = parse_policy(args.policy, cfg)
+    device = device_from_args(args)
+    tp = 1 if args.tp is None else args.tp
+    params = init_params(cfg, seed=args.seed, device=device)
+    input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
+    torch.manual_seed(args.seed)  # the dropout masks: the same state for both runs
+    loss, grads, ranks = loss_and_grads(params, cfg, input_ids, targets, policy.text, tp, args.sp,
+                                        args.distribute_saved, device=device.type, timeout_s=args.timeout,
+                                        port=args.port, trace=args.trace, pp=args.pp, microbatches=args.microbatches,
+                                        schedule=args.schedule, dp=args.dp, recompute_early=args.recompute_early,
+                                        overlap=not args.no_overlap)
+    torch.manual_seed(args.seed)
+    single_loss, single_grads = single_loss_and_grads(params, cfg, input_ids, targets, "none")  # every policy's
+    worst = max(_relative(grads[name], single_grads[name]) for name in single_grads)
+    if under_torchrun() and os.environ.get("RANK") != "0":
+        return
+    shown = [{key: value for key, value in r.items() if key not in ("timeline", "dp_buckets", "timeline_start")}
+             for r in ranks]
+    row = {"pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule, "dp": args.dp, "tp": tp,
+           "sp": args.sp and tp > 1, "recompute_early": args.recompute_early, "overlap": not args.no_overlap,
+           "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "layers": cfg.layers,
+           "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab,
+           "batch": args.batch, "seq": args.seq, "loss": loss.item(), "single_process_loss": single_loss.item(),
+           "grad_max_rel_diff_vs_single": worst, "ranks": shown}
+    if args.json:
+        print(json.dumps(row, indent=1))
+        return
+    _print_pipeline(row)
+
+
+def _print_pipeline(row):
+    print(f"pipeline P={row['pp']}, M={row['microbatches']} micro-batches, {row['schedule']}, dp={row['dp']}, "
+          f"tp={row['tp']}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
+          f"h={row['hidden']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
+    columns = [("rank", lambda r: str(r["rank"])), ("stage", lambda r: str(r["stage"])),
+               ("layers", lambda r: f"{r['layers'][0]}..{r['layers'][1]}"),
+               ("in flight", lambda r: str(r["microbatches_in_flight"])),
+               ("stored peak", lambda r: f"{r['peak_activation_bytes']:,} B"),
+               ("predicted", lambda r: f"{r['predicted_activation_bytes']:,} B"),
+               ("live peak", lambda r: fmt_bytes(r["peak_live_bytes"])),
+               ("recompute", lambda r: fmt_flops(r["flops"]["recompute"]))]
+    columns += [(kind, lambda r, kind=kind: f"{r['timeline_seconds'][kind] * 1e3:.1f} ms")
+                for kind in ("forward", "recompute", "backward", "wait", "idle")]
+    columns += [("bubble", lambda r: f"{r['bubble']:.0%}")]
+    print(table(row["ranks"], columns))
+    exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] for r in row["ranks"])
+    print(f"stored peaks equal their closed forms, (in flight - 1) x stored per micro-batch + one micro-batch's "
+          f"peak (picockpt/parallel/pp_inventory.py): {'yes' if exact else 'NO'}")
+    bubbles = [r["bubble"] for r in row["ranks"]]
+    print(f"bubble (1 - computing / step time) per rank: {', '.join(f'{b:.0%}' for b in bubbles)}; "
+          f"(P - 1) / (M + P - 1) = {row['ranks'][0]['predicted_bubble']:.0%} for equal stages")
+    if row["dp"] > 1:
+        exposed = max(r["timeline_seconds"]["reduce"] for r in row["ranks"])
+        print(f"data-parallel all-reduce left exposed at the end of the step: {exposed * 1e3:.1f} ms "
+              f"({'overlapped with the backward' if row['overlap'] else 'after the backward, not overlapped'})")
     print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
           f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")

@@ -79,6 +79,7 @@ def predict(cfg, batch, seq, recompute="none", tp=1, sp=False):
     own_flops = step_flops(cfg, batch, seq, policy)
     return {
         "layers": L, "hidden": h, "heads": a, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab,
+        "experts": cfg.experts, "experts_per_token": cfg.experts_per_token,
         "seq": s, "batch": b, "recompute": recompute, "tp": tp, "sp": sp,
         "formula": _formula_text(recompute, tp, sp),
         "per_layer_bytes": per_layer, "per_layer_gib": per_layer / GIB,
@@ -183,6 +184,9 @@ def _print_table(row):
           f"f={row['ffn']} V={row['vocab']}; s={row['seq']} b={row['batch']}; recompute {row['recompute']}; "
           f"{parallel}")
     print("Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks), per device:")
+    if row.get("experts"):
+        print(f"  (a dense GPT layer's formula, MLP 4h wide: it knows nothing of the {row['experts']} experts, each "
+              f"token's activations stored top-k = {row['experts_per_token']} times; picockpt's rows below count them)")
     print(f"  per_layer_bytes      {row['per_layer_bytes']:>22,.0f}  {_gib(row['per_layer_bytes']):>14}   "
           f"{row['formula']}")
     print(f"  activation_bytes     {row['activation_bytes']:>22,.0f}  {_gib(row['activation_bytes']):>14}   "

@@ -64,7 +64,8 @@ def check_tensor_parallel(cfg, tp, sp=False, seq=None, distribute_saved=False):
         raise ValueError(f"tp={tp!r}: use a whole number of tensor-parallel ranks, 1 or more")
     if getattr(cfg, "experts", 0):
         raise ValueError(f"Config.experts={cfg.experts}: tensor parallelism here splits the dense MLP; a mixture "
-                         f"of experts is not split over tensor-parallel ranks (use experts=0)")
+                         f"of experts is not split over tensor-parallel ranks: split its experts over ranks with "
+                         f"expert parallelism (ep=N, --ep N), or use experts=0")
     H, KV = cfg.heads, cfg.kv_heads
     fits = [t for t in range(1, KV + 1) if H % t == 0 and KV % t == 0 and cfg.ffn % t == 0 and cfg.vocab % t == 0]
     if tp > KV:

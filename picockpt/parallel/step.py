@@ -55,14 +55,29 @@ class Job:
     rng_state: torch.Tensor = None  # the generator state to start from; None: the caller's now
 
 
-def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=2, sp=True, distribute_saved=False,
-                   device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False):
+def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=True, distribute_saved=False,
+                   device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False, pp=1, microbatches=1,
+                   schedule="1f1b", dp=1, recompute_early=False, overlap=True, ep=1, keep_dispatched=False):
     """Mean next-token cross-entropy, the gradient of every parameter (full shapes, params' names) and
     [one report per rank], computed by tp tensor-parallel ranks (sequence parallel when sp) under
     `policy` (every policy of picockpt.loss_and_grads; budget:SIZE is per rank).
     distribute_saved: without sp, each rank keeps 1/t of every checkpoint-only layer input.
     device "cpu" (gloo) or "cuda" (NCCL, one GPU per rank); timeout_s bounds every collective;
-    trace=True prints each rank's engine trace lines, prefixed with the rank."""
+    trace=True prints each rank's engine trace lines, prefixed with the rank.
+    pp, microbatches, schedule, dp, recompute_early, overlap: pipeline stages and data-parallel replicas
+    (picockpt/parallel/pipeline_job.py), dp x pp x tp ranks in all. tp=None: 2 alone, 1 beside pp or dp.
+    ep, keep_dispatched: expert parallelism over ep ranks (picockpt/parallel/ep_step.py), on its own."""
+    if ep != 1 or keep_dispatched:
+        from .ep_step import ep_loss_and_grads  # it imports this module
+        return ep_loss_and_grads(params, cfg, input_ids, targets, policy, ep, keep_dispatched, device, timeout_s, port,
+                                 start_method, trace, beside=dict(tp=tp, pp=pp, microbatches=microbatches, dp=dp,
+                                                                  distribute_saved=distribute_saved))
+    if (pp, microbatches, dp) != (1, 1, 1):
+        from .pipeline_job import loss_and_grads as pipeline_loss_and_grads  # it imports this module
+        return pipeline_loss_and_grads(params, cfg, input_ids, targets, policy, pp, microbatches, schedule, dp,
+                                       1 if tp is None else tp, sp, distribute_saved, recompute_early, overlap,
+                                       device, timeout_s, port, start_method, trace)
+    tp = 2 if tp is None else tp
     job = Job(params, cfg, input_ids, targets, policy, sp, distribute_saved)
     return run_steps([job], tp, device, timeout_s, port, start_method, trace)[0]
 

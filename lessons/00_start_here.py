@@ -1,0 +1,204 @@
+# %% [markdown]
+# # Start here: how to read picockpt, its words, and its policies in other frameworks
+#
+# picockpt is activation recomputation (gradient checkpointing) written out by hand for a Llama-like
+# model: the forward pass puts every tensor its backward will need into an activation store by name,
+# the backward pass is hand-written and recomputes what the store no longer holds from the nearest
+# stored checkpoint, and a tracker measures, to the byte, what that saves and what it costs. In
+# picockpt a **checkpoint** is always a stored activation, never a saved model file.
+#
+# This notebook is the map: the lessons and how to run them, a reading order for the code, a glossary,
+# and a table of picockpt's policies beside the flags that do the same in Megatron-LM, torchtitan,
+# DeepSpeed, Hugging Face `transformers`, `torch.utils.checkpoint` and `torch.compile`.
+#
+# ## The lessons
+#
+# Every lesson is one file, `lessons/NN_name.py`, written as cells (`# %%`), and its notebook
+# `lessons/NN_name.ipynb` is made from it, committed with its outputs. Three ways to run one:
+#
+# * **as a notebook**: open the `.ipynb` in Jupyter and run the cells; the flags come from the
+#   environment variable `PICOCKPT_LESSON_ARGS` (unset: the CPU run; `PICOCKPT_LESSON_ARGS="--fast"` for
+#   seconds);
+# * **as a script**: `python lessons/05_the_price.py` (add `--fast`, or `--large --device cuda` on a GPU);
+# * **all of them**: `python -m picockpt reproduce` runs every lesson and prints a table of results;
+#   `python -m picockpt notebooks` remakes every notebook from its source and executes it.
+#
+# Each lesson ends with exercises: a question, an `answer = ...` cell to fill in, and a `check(...)`
+# that says whether the answer is right and why, from picockpt's own code. The list, from the files:
+
+# %%
+from _check import check
+from _lesson import lesson_args
+from picockpt import Config, parse_policy
+from picockpt.inventory import chain_sizes
+from picockpt.reproduce import LESSONS, discover, title
+
+args = lesson_args()  # nothing here depends on the flags
+lessons = discover()
+for path in lessons:
+    print(f"{path.name:<42} {title(path)}")
+
+# %% [markdown]
+# A suggested path: lesson 01 (one step, tensor by tensor), 02 and its derivation notebook (where to
+# put checkpoints), 03 and its inventory notebook (what a layer stores, and the $s^2$ term), 04 (cheap
+# ops), 05 (the price), 06 (random numbers), 07 (the same through `torch.utils.checkpoint`), 08 and its
+# notebook (the planner, beyond $\sqrt L$), 09 (FlashAttention and chunked loss as recomputation), 10
+# (tensor and sequence parallelism), 11 (mixture of experts), 12 (pipeline parallelism: micro-batches in
+# flight per stage, a budget per stage, the bubble, and data parallelism's overlapped all-reduces), 13
+# (expert parallelism: what recomputing an expert layer costs in all-to-all bytes). The memory explorer
+# (`00_memory_explorer`) answers "what fits on my GPU?" for the real model sizes at any point.
+#
+# ## Reading the code
+#
+# One file at a time, in this order; each adds one idea to the ones before it. Every tensor line has a
+# shape comment, and every backward function restates its forward and derives each term.
+#
+# | # | file | what it adds |
+# |---|---|---|
+# | 1 | `picockpt/config.py` | `Config`: every number that decides how many bytes an activation takes (sizes, dtype, dropout, attention kind, loss chunking, experts), the presets (`tiny`, `small`, Llama 3 8B/70B/405B, Mixtral 8x7B), and the checks that name the bad field |
+# | 2 | `picockpt/params.py` | the parameters under Hugging Face `LlamaForCausalLM` names, so real weights load as they are |
+# | 3 | `picockpt/ops/` | every op as a forward/backward pair of plain functions: linear, embedding, RMSNorm, RoPE, attention, SwiGLU, dropout, cross-entropy; the forward returns what its backward needs |
+# | 4 | `picockpt/layer.py` | one decoder layer: its forward `keep`s tensors in the store by name (`attn.probs`, `mlp.gate`, ...); its backward `take`s them back, or rebuilds a dropped one with a one-line recipe |
+# | 5 | `picockpt/store.py` | the activation store: bytes counted by unique storage (a view is not counted twice), every put and pop an event |
+# | 6 | `picockpt/policy.py` | policy strings (`none`, `full`, `every:C`, `selective`, `cheap`, `budget:SIZE`, and the MoE ones) turned into what each layer keeps |
+# | 7 | `picockpt/engine.py` | the step: forward keeping what the policy says, then for each layer from the last, "nearest checkpoint, recompute, use, drop", with the random generator replayed; no autograd |
+# | 8 | `picockpt/tracker.py` | the two views of memory (logical: the store; physical: every live tensor) at every event, peaks and FLOPs per phase |
+# | 9 | `picockpt/inventory.py` | the closed forms the tests hold the tracker to, to the byte: a layer's inventory, $X$, $A$, $F$, `predicted_peak_bytes`, `step_flops` |
+# | 10 | `picockpt/formulas.py` | the published formulas (Korthikanti et al.'s Table 2, the Ultra-Scale Playbook's charts and widget, Chen's optimum) for comparison |
+# | 11 | `picockpt/planner_uniform.py`, `picockpt/planner.py` | binomial checkpointing (revolve) on equal steps; then rotor's dynamic programme on picockpt's own layers: the least recompute under a byte budget |
+# | 12 | `picockpt/attention.py`, `picockpt/ops/attention_tiled.py`, `picockpt/ops/attention_fused.py` | the attention kinds: eager (stores the probabilities), tiled (FlashAttention-2 written out), fused (torch's kernels); what each stores |
+# | 13 | `picockpt/head.py` | the final norm, the LM head and the loss; chunked, the logits are recomputed in the backward |
+# | 14 | `picockpt/moe.py`, `picockpt/ops/router.py` | Mixtral-style experts: routing, per-expert stored tensors, what MoE recomputation keeps |
+# | 15 | `picockpt/reference.py`, `picockpt/peers.py`, `picockpt/peers_hf.py`, `picockpt/bridge.py` | the same model in autograd (the oracle for gradients), `torch.utils.checkpoint` and Hugging Face peers, and picockpt's segment loop driving autograd |
+# | 16 | `picockpt/parallel/` | processes and collectives as forward/backward pairs (`comm.py`), each rank's slice of the weights (`shard.py`), dropout masks equal to the single process's (`rng.py`), a tensor and sequence parallel layer (`tp_layer.py`, `vocab.py`, `tp_model.py`), its per-rank closed forms (`inventory.py`), the step across ranks (`step.py`, `launch.py`, `watch.py`) |
+# | 17 | `picockpt/parallel/layout.py`, `schedules.py`, `p2p.py`, `stage_model.py`, `timeline.py`, `dp.py`, `pp_inventory.py`, `pipeline.py`, `pipeline_job.py` | pipeline and data parallelism: which rank is which in dp x pp x tp, and their groups (`layout.py`); each stage's layers, the AFAB and 1F1B orders and the micro-batches in flight (`schedules.py`); sends and receives between stages as forward/backward pairs (`p2p.py`); one stage's micro-batch for the engine's loop (`stage_model.py`); what each rank did when, and all its micro-batches' stores counted as one (`timeline.py`); gradient buckets all-reduced as soon as they are final (`dp.py`); per-stage closed forms and a budget per stage (`pp_inventory.py`); one rank's step and the caller's side (`pipeline.py`, `pipeline_job.py`) |
+# | 18 | `picockpt/parallel/ep_moe.py`, `ep_layer.py`, `ep_model.py`, `ep_inventory.py`, `ep_step.py` | expert parallelism: the dispatch and combine all-to-alls written where they happen, forward and backward (`ep_moe.py`); a decoder layer and a model on one rank, and which experts it holds (`ep_layer.py`, `ep_model.py`); per-rank closed forms of the bytes stored and moved (`ep_inventory.py`); the step (`ep_step.py`) |
+# | 19 | `picockpt/measure.py`, `picockpt/compare.py`, `picockpt/train.py`, `picockpt/cli/` | what the commands run: one measured step, the side-by-side comparison, a training loop |
+# | 20 | `picockpt/device.py`, `picockpt/hf.py`, `picockpt/snapshot.py`, `picockpt/plotting.py`, `picockpt/reproduce.py`, `picockpt/notebooks.py` | the rest: choosing a device and refusing a step that cannot fit, reading a Hugging Face config, a CUDA allocator snapshot, the figures' helpers, and the tooling that runs the lessons and makes their notebooks |
+#
+# The cell below checks that every file of the table exists, and lists the modules the table does not
+# name yet (the code grows faster than a table).
+
+# %%
+READING_ORDER = [
+    "config.py", "params.py", "ops/", "layer.py", "store.py", "policy.py", "engine.py", "tracker.py",
+    "inventory.py", "formulas.py", "planner_uniform.py", "planner.py", "attention.py", "ops/attention_tiled.py",
+    "ops/attention_fused.py", "head.py", "moe.py", "ops/router.py", "reference.py", "peers.py", "peers_hf.py",
+    "bridge.py", "parallel/comm.py", "parallel/shard.py", "parallel/tp_layer.py", "parallel/vocab.py",
+    "parallel/tp_model.py", "parallel/inventory.py", "parallel/step.py", "parallel/launch.py", "parallel/rng.py",
+    "parallel/watch.py", "parallel/layout.py", "parallel/schedules.py", "parallel/p2p.py", "parallel/stage_model.py",
+    "parallel/timeline.py", "parallel/dp.py", "parallel/pp_inventory.py", "parallel/pipeline.py",
+    "parallel/pipeline_job.py", "parallel/ep_moe.py", "parallel/ep_layer.py", "parallel/ep_model.py",
+    "parallel/ep_inventory.py", "parallel/ep_step.py", "measure.py", "compare.py", "train.py", "cli/", "device.py",
+    "hf.py", "snapshot.py", "plotting.py", "reproduce.py", "notebooks.py",
+]
+package = LESSONS.parent / "picockpt"
+missing = [name for name in READING_ORDER if not (package / name).exists()]
+named = {path for name in READING_ORDER for path in ((package / name).glob("*.py") if name.endswith("/")
+                                                      else [package / name])}
+lines = sum(len(path.read_text(encoding="utf-8").splitlines()) for path in named if path.exists())
+others = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                if path not in named and path.name not in ("__init__.py", "__main__.py") and "__pycache__" not in path.parts)
+print(f"{len(READING_ORDER)} entries, {len(named)} files, {lines:,} lines; missing: {missing or 'none'}")
+print(f"modules not in the table: {', '.join(others) or 'none'}")
+
+# %% [markdown]
+# ## Glossary
+#
+# | word | meaning here |
+# |---|---|
+# | **activation** | a tensor the forward computes that the backward needs: a layer input, a norm output, $q$, the attention probabilities, a SwiGLU product |
+# | **stored** (logical) | the bytes held by the activation store: what the backward will need, the same on every device; `Tracker.peak_logical`, equal to `predicted_peak_bytes` |
+# | **live** (physical) | the bytes of every tensor alive during the step: the store plus working memory; `Tracker.peak_physical` (on CUDA also `torch.cuda.memory_allocated`) |
+# | **working memory** | live minus stored: gradients of activations, each op's transient outputs, a recomputed layer's tensors while its backward runs |
+# | **checkpoint** | a stored layer input that recomputation can start from; never a saved model file |
+# | **segment** | the layers between two checkpoints; under `every:C`, $C$ layers, recomputed together just before their backward |
+# | **layer level / op level** | which layers keep their activations (`none`, `full`, `every:C`, `budget:SIZE`) / which tensors inside a kept layer are dropped and rebuilt (`selective`, `cheap`, `moe_act`, ...); combined with `+` |
+# | **selective** | drop the $T \times T$ attention probabilities and rebuild them from $q$ and $k$ (Korthikanti et al.'s selective recomputation) |
+# | **$X$, $A$, $F$** | one layer input (a checkpoint), one layer stored whole (input included), the head (final norm and logits): `inventory.chain_sizes` |
+# | **$P(C)$** | the store's peak under `every:C`, $\max(nX + F,\ \max_k kX + n_kA)$; Chen's $(L/C)X + CA$ less one checkpoint |
+# | **slot, advance** | in revolve's accounting (`planner_uniform.py`): a slot holds one state of the chain; an advance is one forward step taken again |
+# | **frontier** | every plan that no other beats in both bytes and recompute (Pareto-optimal), as `planner.frontier` lists them |
+# | **model FLOPs / hardware FLOPs** | what a step needs without recomputation (forward + backward) / what was executed (plus recompute) |
+# | **MFU / HFU** | model / hardware FLOPs per second over the GPU's peak: model FLOPs utilization counts only useful work, hardware FLOPs utilization counts recomputation too |
+# | **lse** | log-sum-exp of a row: the one number FlashAttention and a chunked loss keep so that the probabilities or logits can be rebuilt |
+# | **RNG replay** | restoring the random generator's state before a recomputation, so that dropout masks (or router noise) come out the same |
+# | **micro-batch** | the batch one forward and backward processes; activations grow linearly with it |
+# | **in-flight micro-batches** | with pipeline parallelism, micro-batches whose forward has run on a stage and whose backward has not: each holds its stored activations (1F1B: up to $p$ on the first stage) |
+# | **AFAB / 1F1B** | pipeline schedules: all forwards, then all backwards (GPipe), every stage holding all $M$ micro-batches / one forward, one backward (PipeDream-Flush), stage $s$ holding $\min(P - s, M)$ |
+# | **bubble** | the share of a pipeline step a stage spends not computing; $(P - 1)/(M + P - 1)$ when the stages take equal times |
+# | **dispatch, combine** | expert parallelism's two all-to-alls: each (token, expert) pair's row to the rank that holds the expert, and the expert's weighted output back |
+# | **rank, $t$, sp** | one process of a parallel group; the tensor-parallel size; sequence parallelism (the tensors tensor parallelism leaves whole are split along the sequence) |
+#
+# ## picockpt's policies in other frameworks
+#
+# The same choices under other names. "~" marks an equivalent that differs in a detail said beside it;
+# an empty cell means the framework has no such setting.
+#
+# | picockpt | Megatron-LM | torchtitan | DeepSpeed | Hugging Face | `torch.utils.checkpoint` | `torch.compile` |
+# |---|---|---|---|---|---|---|
+# | `none` | no `--recompute-granularity` | `[activation_checkpoint] mode = "none"` | no `deepspeed.checkpointing.checkpoint` calls | the default | plain autograd | `activation_memory_budget = 1.0` (the default; the partitioner may still recompute cheap fused ops) |
+# | `full` (every layer's input) | `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1` | `mode = "full"` | `deepspeed.checkpointing.checkpoint` around each layer | `model.activation_checkpointing_enable()` (4.x: `gradient_checkpointing_enable()`), `TrainingArguments(activation_checkpointing=True)` | `checkpoint(layer, x, use_reentrant=False)` around each layer | ~ `activation_memory_budget = 0.0` (recompute the whole compiled region) |
+# | `every:C` | `--recompute-granularity full --recompute-method uniform --recompute-num-layers C` | | | | `checkpoint_sequential(layers, L/C)` (~: its last segment stays stored) | |
+# | some layers whole, others checkpointed: `budget:SIZE` chooses which | `--recompute-method block --recompute-num-layers N` (the first $N$ layers of each pipeline stage recomputed) | `mode = "selective"`, `selective_ac_option = "N"` (every $N$-th layer checkpointed) | | `activation_checkpointing_enable(every_n_layers=N)` | `checkpoint` around the chosen layers | |
+# | `selective` | `--recompute-granularity selective` (`--recompute-modules core_attn`, the default) | | | ~ `attn_implementation="sdpa"` or flash attention: the probabilities are never stored | `create_selective_checkpoint_contexts` with the $T \times T$ ops `PREFER_RECOMPUTE` (lesson 07) | |
+# | `cheap` | `--recompute-granularity selective --recompute-modules core_attn layernorm` (+ `moe_act`) | ~ `selective_ac_option = "op"` (saves matmul and attention outputs, but only every other matmul, and recomputes the rest) | | | `create_selective_checkpoint_contexts` saving the matmul outputs (the policy PyTorch's documentation shows) | |
+# | `moe_act`, `moe` | `--recompute-modules moe_act`, `moe` | | | | | |
+# | `full` with $t$ ranks, each keeping $1/t$ of every checkpoint | `--distribute-saved-activations` | | `"activation_checkpointing": {"partition_activations": true}` | | | |
+# | checkpoints kept off the GPU | | | `"cpu_checkpointing": true` | `activation_checkpointing_enable(offload=True)` | | |
+# | `budget:SIZE` (bytes; rotor's dynamic programme over layers) | | | | | | ~ `torch._functorch.config.activation_memory_budget = f` (a fraction between 0 and 1; a knapsack over the compiled graph's ops) |
+#
+# DeepSpeed's `number_checkpoints` sizes the buffers of `contiguous_memory_optimization` (one per
+# checkpoint); where the checkpoints go is the model's own code, as in Megatron-DeepSpeed. Where a
+# framework recomputes with FlashAttention, `selective` has nothing left to drop (lesson 09):
+# Megatron's documentation advises comparing `core_attn` against recomputing nothing with fused attention.
+#
+# Sources, each checked for the names above: Megatron-LM, `megatron/training/arguments.py`
+# (`--recompute-granularity`, `--recompute-method`, `--recompute-num-layers`, `--recompute-modules` with
+# its choices `core_attn`, `moe_act`, `layernorm`, `mla_up_proj`, `mlp`, `moe`, and
+# `--distribute-saved-activations`) and NVIDIA's Megatron Bridge guide, "Activation Recomputation"
+# (docs.nvidia.com/nemo/megatron-bridge/latest/training/activation-recomputation.html); torchtitan,
+# `torchtitan/config/job_config.py`, class `ActivationCheckpoint` (`mode`: `"none"`, `"full"`,
+# `"selective"`; `selective_ac_option`: an integer for every $N$-th layer, or `"op"`); DeepSpeed,
+# `deepspeed/runtime/activation_checkpointing/config.py` (`partition_activations`, `number_checkpoints`,
+# `contiguous_memory_optimization`, `synchronize_checkpoint_boundary`, `profile`, `cpu_checkpointing`)
+# and its configuration reference (deepspeed.ai/docs/config-json); Hugging Face `transformers`,
+# `PreTrainedModel.activation_checkpointing_enable(activation_checkpointing_kwargs=None, every_n_layers=1,
+# offload=False)` and `TrainingArguments.activation_checkpointing` in the 5.x release this repository
+# installs (in 4.x, `gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)` and
+# `TrainingArguments.gradient_checkpointing`); PyTorch, `torch.utils.checkpoint`
+# (docs.pytorch.org/docs/stable/checkpoint.html: `checkpoint`, `checkpoint_sequential`,
+# `create_selective_checkpoint_contexts`, `CheckpointPolicy`) and `torch/_functorch/config.py`
+# (`activation_memory_budget`: 0.0 is activation checkpointing of the whole compiled region, 1.0 the
+# default runtime-optimized strategy).
+#
+# ## Exercises
+#
+# **1.** Write the picockpt policy that keeps the input of every 4th layer and, inside the layers it
+# recomputes, drops the attention probabilities too.
+
+# %%
+answer = "every:4+selective"
+
+# %%
+check("the policy string", answer, "every:4+selective",
+      same=lambda a, b: isinstance(a, str) and parse_policy(a).text == parse_policy(b).text,
+      why=f"a layer level and an op level joined by '+', in either order: parse_policy reads a segment of "
+          f"C = {parse_policy(answer).segment} layers and the op level {parse_policy(answer).op_level!r}")
+
+# %% [markdown]
+# **2.** One checkpoint of Llama 3 8B ($h = 4096$) in bf16, for one sequence of 8192 tokens: how many MiB?
+
+# %%
+answer = 64  # MiB
+
+# %%
+X8, _, _ = chain_sizes(Config.from_preset("llama3-8b", dtype="bf16"), 1, 8192)
+check("MiB of one Llama 3 8B checkpoint at s = 8192, bf16", answer, X8 / 2**20, rel=0,
+      why=f"a layer input is s·b·h numbers of 2 bytes: 8192·1·4096·2 = {X8:,} bytes; full recomputation keeps "
+          f"32 of them, {32 * X8 / 2**30:.0f} GiB")
+
+# %%
+RESULT = {"figures": [],
+          "summary": {"lessons": len(lessons), "files in the reading order": len(named),
+                      "every file of the reading order exists": not missing}}

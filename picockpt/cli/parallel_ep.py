@@ -1,0 +1,104 @@
+"""python -m picockpt parallel --ep N: one expert-parallel step, measured per rank.
+
+Spawns --ep ranks on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per rank), or runs as one of
+torchrun's processes; rank r holds experts r*E/N .. and sequences r*B/N .. (picockpt/parallel/ep_model.py).
+Prints per rank: the experts it holds, the rows they received, the activation store's peak and its
+closed form, the peak of live bytes, the bytes its collectives moved in each phase (with their closed
+form) and its FLOPs; then what the other recompute choice would cost on the same routing (predicted),
+the loss, and how far the gradients are from the single-process engine's.
+
+    python -m picockpt parallel --ep 2 --experts 4 --policy full
+    python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched --json
+"""
+import json
+import os
+
+import torch
+
+from ..engine import loss_and_grads as single_loss_and_grads
+from ..measure import make_batch
+from ..moe import step_routing
+from ..params import init_params
+from ..parallel import loss_and_grads, under_torchrun
+from ..parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
+from ..policy import parse_policy
+from .common import config_from_args, device_from_args, fmt_bytes, fmt_flops, table
+
+PHASES = ("forward", "recompute", "backward")
+
+
+def run_expert(args):
+    """--ep N (and --keep-dispatched): the expert-parallel step and its report."""
+    if args.sp:
+        raise ValueError(f"--sp with --ep {args.ep}: sequence parallelism splits a tensor-parallel rank's tokens, and "
+                         f"expert parallelism here has no tensor parallelism; leave --sp out")
+    cfg = config_from_args(args)
+    policy = parse_policy(args.policy, cfg)
+    device = device_from_args(args)
+    params = init_params(cfg, seed=args.seed, device=device)
+    input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
+    torch.manual_seed(args.seed)  # the dropout masks and the router jitter: the same state for every run
+    loss, grads, ranks = loss_and_grads(params, cfg, input_ids, targets, policy.text, args.tp, False,
+                                        args.distribute_saved, device=device.type, timeout_s=args.timeout,
+                                        port=args.port, trace=args.trace, pp=args.pp, microbatches=args.microbatches,
+                                        dp=args.dp, ep=args.ep, keep_dispatched=args.keep_dispatched)
+    torch.manual_seed(args.seed)
+    single_loss, single_grads = single_loss_and_grads(params, cfg, input_ids, targets, policy.text)
+    worst = max(_relative(grads[name], single_grads[name]) for name in single_grads)
+    torch.manual_seed(args.seed)
+    routing = step_routing(params, cfg, input_ids)  # the single process's, as the closed forms take it
+    if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process ran it; one prints
+        return
+    other = not args.keep_dispatched
+    shape = (cfg, args.batch, args.seq, policy.text, args.ep)
+    row = {"ep": args.ep, "keep_dispatched": args.keep_dispatched, "policy": policy.text, "device": str(device),
+           "dtype": cfg.dtype, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
+           "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab, "experts": cfg.experts,
+           "experts_per_token": cfg.experts_per_token, "batch": args.batch, "seq": args.seq, "routing": routing,
+           "loss": loss.item(), "single_process_loss": single_loss.item(), "grad_max_rel_diff_vs_single": worst,
+           "ranks": ranks,
+           "other_choice": {"keep_dispatched": other,  # predicted on the same routing
+                            "ranks": [{"rank": r,
+                                       "predicted_activation_bytes": ep_peak_bytes(*shape, r, routing, other),
+                                       "predicted_comm_bytes": ep_comm_bytes(*shape, r, routing, other)}
+                                      for r in range(args.ep)]}}
+    if args.json:
+        print(json.dumps(row, indent=1))
+        return
+    _print_table(row)
+
+
+def _relative(value, reference):
+    """max |value - reference| / max |reference| over one tensor (0 when both are 0)."""
+    scale = reference.double().abs().max().item()
+    diff = (value.double() - reference.double()).abs().max().item()
+    return diff / scale if scale else diff
+
+
+def _print_table(row):
+    choice = "keeping the dispatched rows" if row["keep_dispatched"] else "dispatching again to recompute"
+    print(f"expert parallel ep={row['ep']}, {choice}, policy {row['policy']} on {row['device']}, {row['dtype']}: "
+          f"L={row['layers']} h={row['hidden']} E={row['experts']} k={row['experts_per_token']} f={row['ffn']} "
+          f"V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
+    columns = [("rank", lambda r: str(r["rank"])),
+               ("experts", lambda r: f"{r['experts'][0]}..{r['experts'][-1]}"),
+               ("rows in (per layer)", lambda r: " ".join(map(str, r["received_rows"]))),
+               ("stored peak", lambda r: f"{r['peak_activation_bytes']:,} B"),
+               ("predicted", lambda r: f"{r['predicted_activation_bytes']:,} B"),
+               ("live peak", lambda r: fmt_bytes(r["peak_live_bytes"]))]
+    columns += [(f"comm {phase}", lambda r, phase=phase: fmt_bytes(r["comm_bytes"][phase])) for phase in PHASES]
+    columns += [(f"{phase}", lambda r, phase=phase: fmt_flops(r["flops"][phase])) for phase in PHASES]
+    print(table(row["ranks"], columns))
+    exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
+                r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]
+                for r in row["ranks"])
+    print(f"stored peaks, communication bytes per phase and FLOPs equal their closed forms "
+          f"(picockpt/parallel/ep_inventory.py): {'yes' if exact else 'NO'}")
+    for r, o in zip(row["ranks"], row["other_choice"]["ranks"]):
+        added, forward = r["comm_bytes"]["recompute"], r["comm_bytes"]["forward"]
+        flag = "with" if row["other_choice"]["keep_dispatched"] else "without"
+        print(f"rank {r['rank']}: recomputation moves {fmt_bytes(added)} again ({added / forward:.0%} of the "
+              f"forward's); {flag} --keep-dispatched it would move {fmt_bytes(o['predicted_comm_bytes']['recompute'])} "
+              f"and store {fmt_bytes(o['predicted_activation_bytes'])} at its peak (predicted, same routing)")
+    print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
+          f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")

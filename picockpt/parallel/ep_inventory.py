@@ -1,0 +1,191 @@
+"""Closed forms per expert-parallel rank: the bytes it stores and the bytes its all-to-alls move.
+
+Exact, as picockpt/inventory.py is (the tracker equals these to the byte), for rank r of W. What a
+rank holds depends on the tokens its experts receive, so, as the single-process inventory, these
+take the step's routing: `routing`, L lists of E per-expert token counts over the whole batch
+(picockpt.moe.step_routing on the whole batch, from the step's generator state). Rank r receives
+M_l = the counts of its experts r*E/W .. (r+1)*E/W - 1 in layer l; it sends P = (B/W) T k pairs.
+
+    ep_layer_inventory(cfg, B, T, W, r, counts, drop, keep)   name -> (shape, dtype, bytes), one layer
+    ep_peak_bytes(cfg, B, T, policy, W, r, routing, keep)     the rank's activation store's peak
+    ep_comm_bytes(...)                                        bytes its collectives move, per phase
+    ep_layer_comm_bytes(cfg, B, T, policy, W, r, counts, keep) one layer's all-to-all bytes, per phase
+    ep_flops(...)                                             its matmul FLOPs, per phase
+    ep_layer_stored_bytes, ep_head_stored_bytes               what layer 0 and the head hold after the forward
+
+One stored layer on rank r (A_l) is picockpt/inventory.py's at batch B/W, but its experts' rows
+are those of its own experts, sized by every rank's tokens (n_e), and it also holds (ep_moe.py):
+moe.received_counts (W, E/W) int64, moe.dispatched (M_l, h) and moe.dispatched_weights (M_l,)
+(not under moe, unless keep_dispatched). Every layer's first forward keeps, whatever its mode,
+R_l = moe.expert_index (8 B T k / W) + moe.received_counts (8 E), and with keep_dispatched the
+dispatched rows and weights too. With X = (B/W) T h e a layer input and F the head's bytes:
+
+    none / op level      sum_l A_l + F
+    every:C              max( n X + sum_l R_l + F,                         end of the forward
+                              max_k (k X + sum_{l < start_k} R_l + sum_{l in segment k} A_l) )
+
+Communication, per rank and layer, each all-to-all counted as picockpt/parallel/comm.py counts it
+(the bytes of this rank's input), with e, s the bytes of an activation and of a statistic:
+
+    forward    8E (counts) + D + M_l h e     D = P h e + P s: the dispatch, tokens and weights;
+                                             M_l h e: the combine
+    backward   P h e + M_l s + M_l h e       the combine's, the weights' and the dispatch's backward;
+               plus, once, the all-reduce of the replicated weights' gradients (master bytes)
+    recompute  every:C: each layer's forward again, without the counts (the routing is kept) and,
+               with keep_dispatched, without D: M_l h e (+ D when repeated); and D again in the
+               backward of a layer whose dispatched rows are dropped (moe, without keep_dispatched)
+"""
+import math
+
+from ..inventory import head_inventory, layer_inventory, step_flops, total
+from ..params import param_shapes
+from ..policy import parse_policy
+from .ep_layer import ep_drop
+from .ep_model import is_expert
+from .ep_moe import DISPATCHED, ROUTING
+
+_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "bool": 1, "int64": 8}
+
+
+def _names(cfg):
+    return cfg.dtype, str(cfg.stat_dtype).replace("torch.", ""), str(cfg.param_dtype).replace("torch.", "")
+
+
+def ep_layer_names(cfg, ep, rank):
+    """What an expert-parallel layer could keep on rank r (for --trace): its experts' names, its own."""
+    plain = [name for name in layer_inventory(cfg, 1, 1) if not name.startswith(("moe.gate_up[", "moe.act["))]
+    local = range(rank * cfg.experts // ep, (rank + 1) * cfg.experts // ep)
+    return plain + [f"moe.{kind}[{e}]" for e in local for kind in ("gate_up", "act")] + [*ROUTING[1:], *DISPATCHED]
+
+
+def received_rows(cfg, counts, ep, rank):
+    """M: the rows rank r's experts receive in a layer whose per-expert counts (whole batch) are `counts`."""
+    local = cfg.experts // ep
+    return sum(counts[rank * local:(rank + 1) * local])
+
+
+def _check(cfg, batch, seq, policy, ep, rank, routing):
+    policy = parse_policy(policy, cfg)
+    if policy.budget is not None:
+        raise ValueError(f"policy {policy.text!r}: expert parallelism has no per-rank budget planner; use none, "
+                         f"full or every:C with op-level options")
+    if routing is None or len(routing) != cfg.layers or any(sum(c) != batch * seq * cfg.experts_per_token
+                                                            for c in routing):
+        raise ValueError(f"routing: give one list of E={cfg.experts} per-expert token counts per layer "
+                         f"(L={cfg.layers}) over the whole batch, each summing to B*T*k (picockpt.moe.step_routing)")
+    if not 0 <= rank < ep:
+        raise ValueError(f"rank={rank}: use 0 <= rank < ep={ep}")
+    return policy
+
+
+def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep_dispatched=False):
+    """What one layer stored whole keeps on rank `rank` of ep, its input included: name -> (shape, dtype,
+    bytes). batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints."""
+    act, stat, _ = _names(cfg)
+    drop = ep_drop(frozenset(drop))
+    local, f, h = cfg.experts // ep, cfg.ffn, cfg.hidden
+    plain = layer_inventory(cfg, batch // ep, seq, drop)  # its own sequences; the experts' rows replaced below
+    rows = [(name, shape, dtype) for name, (shape, dtype, _) in plain.items()
+            if not name.startswith(("moe.gate_up[", "moe.act["))]
+    for e in range(rank * local, (rank + 1) * local):  # its experts, on their rows from every rank
+        if counts[e]:
+            rows += [(f"moe.gate_up[{e}]", (counts[e], 2 * f), act), (f"moe.act[{e}]", (counts[e], f), act)]
+    rows += [("moe.received_counts", (ep, local), "int64")]
+    M = received_rows(cfg, counts, ep, rank)
+    rows += [("moe.dispatched", (M, h), act), ("moe.dispatched_weights", (M,), stat)]
+    kept = {"moe.received_counts"} | (set(DISPATCHED) if keep_dispatched else set())  # whatever the op level
+    return {name: (shape, dtype, math.prod(shape) * _BYTES[dtype]) for name, shape, dtype in rows
+            if name in kept or name.partition("[")[0] not in drop}
+
+
+def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
+    """R: what a layer's first forward keeps whatever its mode: the routing decision, its counts, and
+    with keep_dispatched the dispatched rows and their weights."""
+    act, stat, _ = _names(cfg)
+    M = received_rows(cfg, counts, ep, rank)
+    routing = 8 * (batch // ep) * seq * cfg.experts_per_token + 8 * cfg.experts
+    return routing + (M * (cfg.hidden * _BYTES[act] + _BYTES[stat]) if keep_dispatched else 0)
+
+
+def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):
+    """The exact peak of rank r's activation store over one step."""
+    policy = _check(cfg, batch, seq, policy, ep, rank, routing)
+    A = [total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched))
+         for counts in routing]
+    F = total(head_inventory(cfg, batch // ep, seq, policy.drop))
+    if policy.segment is None:
+        return sum(A) + F
+    X = (batch // ep) * seq * cfg.hidden * _BYTES[cfg.dtype]
+    R = [always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched) for counts in routing]
+    starts = range(0, cfg.layers, policy.segment)
+    C = policy.segment
+    return max(len(starts) * X + sum(R) + F,
+               max(k * X + sum(R[:start]) + sum(A[start:start + C]) for k, start in enumerate(starts)))
+
+
+def ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, layer=0):
+    """What one layer holds on rank r at the end of the forward: stored whole, or its checkpoint (its input,
+    under every:C the first layer of a segment) and what every first forward keeps."""
+    policy = _check(cfg, batch, seq, policy, ep, rank, routing)
+    counts = routing[layer]
+    if policy.segment is None:
+        return total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched))
+    X = (batch // ep) * seq * cfg.hidden * _BYTES[cfg.dtype] if layer % policy.segment == 0 else 0
+    return X + always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched)
+
+
+def ep_head_stored_bytes(cfg, batch, seq, policy, ep):
+    """What the head holds on a rank after the forward: picockpt's head on its batch/ep sequences."""
+    policy = parse_policy(policy, cfg)
+    return total(head_inventory(cfg, batch // ep, seq, policy.drop))
+
+
+def replicated_grad_bytes(cfg):
+    """Bytes of the gradients summed over the ranks at the end of the step: every weight but the experts',
+    in the master dtype (one all-reduce each; a tied embedding and LM head are one matrix)."""
+    master = _BYTES[_names(cfg)[2]]
+    return sum(math.prod(shape) * master for name, shape in param_shapes(cfg).items() if not is_expert(name))
+
+
+def ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched=False):
+    """{"forward", "recompute", "backward"}: bytes one layer's all-to-alls move on rank r in one step."""
+    policy = parse_policy(policy, cfg)
+    act, stat, _ = (_BYTES[name] for name in _names(cfg))
+    h, P, M = cfg.hidden, (batch // ep) * seq * cfg.experts_per_token, received_rows(cfg, counts, ep, rank)
+    dispatch = P * h * act + P * stat  # the tokens and their weights, to the experts' ranks
+    combine = M * h * act  # the weighted rows, back to their tokens' ranks
+    recompute = 0
+    if policy.segment is not None:  # the layer's forward once more (every:C), the routing and its counts kept
+        recompute += (0 if keep_dispatched else dispatch) + combine
+    if "moe.gate_up" in policy.drop and not keep_dispatched:  # the backward sends the dropped rows again
+        recompute += dispatch
+    return {"forward": 8 * cfg.experts + dispatch + combine, "recompute": recompute,
+            "backward": P * h * act + M * stat + M * h * act}
+
+
+def ep_comm_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):
+    """{"forward", "recompute", "backward"}: bytes rank r's collectives move in one step: every layer's
+    all-to-alls, and the all-reduce of the replicated weights' gradients (backward)."""
+    policy = _check(cfg, batch, seq, policy, ep, rank, routing)
+    comm = {"forward": 0, "recompute": 0, "backward": replicated_grad_bytes(cfg)}
+    for counts in routing:
+        for phase, nbytes in ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched).items():
+            comm[phase] += nbytes
+    return comm
+
+
+def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):
+    """{"forward", "recompute", "backward"}: rank r's matmul FLOPs: the single process's step at batch/ep
+    (picockpt.inventory.step_flops), with its experts on the M_l rows they receive instead of the P pairs
+    it sends (each row 2h*3f forward, twice that backward, 2h*2f when moe rebuilds the projections)."""
+    policy = _check(cfg, batch, seq, policy, ep, rank, routing)
+    flops = step_flops(cfg, batch // ep, seq, policy)
+    h, f, P = cfg.hidden, cfg.ffn, (batch // ep) * seq * cfg.experts_per_token
+    extra = [received_rows(cfg, counts, ep, rank) - P for counts in routing]  # rows beyond its own pairs
+    forward = sum(2 * n * h * 3 * f for n in extra)
+    flops["forward"] += forward
+    flops["backward"] += 2 * forward
+    flops["recompute"] += forward if policy.segment is not None else 0
+    if "moe.gate_up" in policy.drop:
+        flops["recompute"] += sum(2 * n * h * 2 * f for n in extra)
+    return flops

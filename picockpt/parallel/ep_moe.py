@@ -1,0 +1,183 @@
+"""A mixture of experts over ep ranks (expert parallelism): the tokens go to the rank that holds
+their expert and come back, with every all-to-all written where it happens.
+
+Rank r of W holds experts r*E/W .. (r+1)*E/W - 1 (E_l = E/W of them, picockpt/parallel/ep_model.py)
+and its own B/W sequences, N_r = B*T/W tokens. The block is picockpt/moe.py's, piece by piece
+(route, expert_forward, weigh, expert_backward, shared_expert_*, input_backward), with the rows
+moved between ranks in between. A (token, slot) pair is one row: a token routed to two experts of
+one rank is sent twice, as in DeepSpeed-MoE and Megatron-LM's all-to-all token dispatcher.
+
+    forward (this rank)                                        bytes counted (comm.py: the input's)
+    x, index, w  = route(xn)                  own tokens
+    counts       = all-to-all of E int64     first forward only  8 E
+    rows         = all-to-all of x[pairs]     dispatch (P -> M)   P h e      P = N_r k pairs sent
+    row_w        = all-to-all of w[pairs]     their weights       P s        M = rows received here
+    y            = expert(rows) * row_w       E_l experts, each on its rows from every rank
+    back         = all-to-all of y            combine (M -> P)    M h e
+    out[token]  += back                       as moe.py's index_add
+
+    backward: each all-to-all's adjoint, the inverse all-to-all (comm.py's all_to_all_backward)
+    grads        = all-to-all of dm[pairs]    the combine's       P h e
+    (expert_backward: d w and dx of every row, d gate_up_proj and d down_proj of the experts)
+    d w[pairs]   = all-to-all of d row_w      the weights'        M s
+    dx[pairs]    = all-to-all of d rows       the dispatch's      M h e
+
+The weights travel with the tokens (Megatron-LM's permuted probs): the expert's rank weighs its
+outputs, and the backward finds there what moe.py's expert_backward needs, u . act for d w.
+
+What the block keeps on this rank, beyond moe.py's router rows (for its own N_r tokens) and its
+experts' moe.gate_up[e], moe.act[e] (e the global expert id, n_e its rows from every rank):
+
+    name                   shape       bytes    kept
+    moe.expert_index       (N_r, k)    8 N_r k  by every layer's first forward, whatever its mode
+    moe.received_counts    (W, E_l)    8 E      by every layer's first forward, whatever its mode
+    moe.dispatched         (M, h)      M h e    with the layer's activations; dropped by moe
+    moe.dispatched_weights (M,)        M s      with moe.dispatched
+
+The routing decision is chosen once: a recomputed layer reads it (and its counts) instead of
+choosing again, so no jitter noise or rounding can send a token elsewhere. The dispatched rows
+are the experts' input, kept as autograd would keep them. Without them (recomputation: full,
+every:C, or moe) the rows come back by repeating the dispatch, two all-to-alls, unless
+keep_dispatched: then every layer's first forward keeps them, whatever its mode, and a
+recomputation reads them (more memory, fewer bytes moved). The combine runs again whenever a
+recomputed layer's output is computed again.
+"""
+from collections import namedtuple
+
+import torch
+
+from ..moe import expert_backward, expert_forward, input_backward, route, shared_expert_backward
+from ..moe import shared_expert_forward, weigh
+from ..ops.router import combine_weights, expert_counts, expert_groups
+from .comm import all_to_all_backward, all_to_all_forward
+
+ROUTING = ("moe.expert_index", "moe.received_counts")  # kept by every layer's first forward
+DISPATCHED = ("moe.dispatched", "moe.dispatched_weights")  # the rows an expert's rank received
+
+Plan = namedtuple("Plan", "order tokens send receive")
+
+
+def dispatch_plan(index, received, comm):
+    """Where this rank's (token, slot) pairs go: order (P,) the pairs sorted by expert (so by rank),
+    tokens (P,) their token rows, send (W ints) how many go to each rank; receive (W ints) how many
+    rows each rank sends here, from received (W, E_l): the counts exchanged in the first forward."""
+    W, k = comm.world_size, index.shape[1]
+    E_l = received.shape[1]
+    per_expert = expert_counts(index, W * E_l)  # E ints: this rank's pairs per expert
+    order = index.flatten().argsort(stable=True)  # (P,) as expert_groups sorts them: expert by expert
+    send = [sum(per_expert[s * E_l:(s + 1) * E_l]) for s in range(W)]  # pairs for rank s's experts
+    return Plan(order, order // k, send, received.sum(dim=1).tolist())
+
+
+def local_groups(received):
+    """(e_local, rows) of every local expert with rows: the received rows come grouped by source
+    rank, and within each by expert; rows lists expert e_local's, source by source (so in the
+    single process's token order: rank 0 holds the first sequences)."""
+    W, E_l = received.shape
+    expert_of_row = torch.arange(E_l, device=received.device).repeat(W).repeat_interleave(received.flatten())  # (M,)
+    for e, rows, _ in expert_groups(expert_of_row[:, None], E_l):
+        yield e, rows
+
+
+def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, project=True):
+    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None (project=False).
+    keep(name, tensor): the layer's keep (the policy's: stored whole or not); kept: the layer's
+    KeptRouting (ep_layer.py), which holds what every first forward keeps and a recompute reads.
+    w holds this rank's experts (E_l of them, first_expert the global id of the first)."""
+    B, T, h = xn.shape
+    W, E, stat = comm.world_size, cfg.experts, cfg.stat_dtype
+    routed = kept.has("moe.expert_index")  # a recomputation: the first forward chose the routing
+    x, index, weights = route(xn, w, cfg, kept.keep_routing(keep),
+                              kept.get("moe.expert_index") if routed else None)  # (N_r, h), (N_r, k), (N_r, k)
+    del xn
+    if routed:
+        received = kept.get("moe.received_counts")  # (W, E_l)
+    else:  # each rank tells each other rank how many of its pairs go to each of that rank's experts
+        counts = torch.tensor(expert_counts(index, E), dtype=torch.int64, device=x.device)  # (E,)
+        received = all_to_all_forward(counts, comm, [E // W] * W, [E // W] * W).view(W, E // W)  # (W, E_l)
+        kept.put("moe.received_counts", received)
+    plan = dispatch_plan(index, received, comm)
+    if kept.has("moe.dispatched"):  # kept by the first forward (keep_dispatched): nothing moves
+        rows, row_weights = kept.get("moe.dispatched"), kept.get("moe.dispatched_weights")  # (M, h), (M,)
+    else:
+        # dispatch: each pair's token row to the rank of its expert (all-to-all, P rows out, M in)
+        rows = all_to_all_forward(x[plan.tokens], comm, plan.send, plan.receive)  # (M, h)
+        # and its weight with it (all-to-all, P values out, M in)
+        row_weights = all_to_all_forward(weights.flatten()[plan.order], comm, plan.send, plan.receive)  # (M,)
+        store_rows = kept.put if keep_dispatched else keep  # every first forward's, or the layer's own
+        store_rows("moe.dispatched", rows)
+        store_rows("moe.dispatched_weights", row_weights)
+    del index, weights
+    out_rows = torch.empty_like(rows) if project else None  # (M, h) every row is one local expert's
+    for e, rows_e in local_groups(received):
+        y = expert_forward(lambda: rows[rows_e], w.experts_gate_up[e], w.experts_down[e], keep,  # noqa: B023
+                           first_expert + e, project)  # (n_e, h) on its rows from every rank
+        if project:
+            out_rows[rows_e] = weigh(y, row_weights, rows_e, stat)  # (n_e, h) w * y, weighed where y is
+        del y
+    del rows, row_weights
+    out = None
+    if project:
+        # combine: the inverse all-to-all, each weighted row back to its token's rank (M rows out, P in)
+        back = all_to_all_forward(out_rows, comm, plan.receive, plan.send)  # (P, h) in this rank's pair order
+        del out_rows
+        out = torch.zeros_like(x).index_add_(0, plan.tokens, back)  # (N_r, h) summed over each token's slots
+        del back
+    if getattr(w, "shared_gate", None) is not None:  # the shared expert: replicated, on this rank's tokens
+        shared = shared_expert_forward(x, w, keep, project)  # (N_r, h), or None
+        if project:
+            out += shared  # (N_r, h)
+    return out.view(B, T, h) if project else None
+
+
+def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
+    """grad() -> dm (B_r, T, h); returns dxn (B_r, T, h) and {role: gradient}: the router's and the
+    shared expert's for this rank's tokens (summed over ranks later: they are replicated), and this
+    rank's experts' (E_l, ...), from every rank's rows. normed() gives xn, the block's input."""
+    stat = cfg.stat_dtype
+    probs, index = take("moe.router_probs"), take("moe.expert_index")  # (N_r, E), (N_r, k)
+    received = take("moe.received_counts")  # (W, E_l)
+    weights = combine_weights(probs, index).flatten()  # (N_r k,) the forward's weights, bitwise
+    noise = take("moe.jitter") if cfg.router_jitter > 0 else None  # (B_r, T, h)
+    plan = dispatch_plan(index, received, comm)
+    dm = grad()  # (B_r, T, h)
+    B, T, h = dm.shape
+    dm = dm.reshape(B * T, h)  # (N_r, h)
+    xn = normed()  # (B_r, T, h)
+    x = (xn if noise is None else xn * noise).reshape(B * T, h)  # (N_r, h) the input the experts saw
+    del xn
+    # the combine's backward: out[token] += back[pair], so d back[pair] = dm[token]; the inverse
+    # all-to-all takes each pair's row to the rank whose expert made it (P rows out, M in)
+    grads_rows = all_to_all_backward(dm[plan.tokens], comm, plan.receive, plan.send)  # (M, h)
+    # the experts' input: kept, or dispatched again (a rebuild: counted as recompute)
+    rows = take("moe.dispatched", rebuild=lambda: all_to_all_forward(x[plan.tokens], comm, plan.send,
+                                                                     plan.receive))  # (M, h)
+    row_weights = take("moe.dispatched_weights", rebuild=lambda: all_to_all_forward(
+        weights[plan.order], comm, plan.send, plan.receive))  # (M,)
+    d_rows = torch.empty_like(rows)  # (M, h) every row is one local expert's: all written below
+    d_row_weights = torch.empty_like(row_weights)  # (M,)
+    d_gate_up = torch.zeros_like(w.experts_gate_up)  # (E_l, 2f, h) an expert without rows gets zeros
+    d_down = torch.zeros_like(w.experts_down)  # (E_l, h, f)
+    for e, rows_e in local_groups(received):
+        d_rows[rows_e] = expert_backward(lambda: grads_rows[rows_e], row_weights, rows_e,  # noqa: B023 (n_e, h)
+                                         lambda: rows[rows_e], w.experts_gate_up[e], w.experts_down[e],  # noqa: B023
+                                         stat, take, first_expert + e, dweights=d_row_weights,
+                                         d_gate_up=d_gate_up[e], d_down=d_down[e])
+    del grads_rows, rows, row_weights
+    # the weights' dispatch backward: each row's d w back to its token's rank (M values out, P in)
+    dweights = torch.empty_like(weights)  # (N_r k,)
+    dweights[plan.order] = all_to_all_backward(d_row_weights, comm, plan.send, plan.receive)  # (P,) by pair
+    del d_row_weights
+    # the dispatch's backward: each row's dx back to its token's rank (M rows out, P in)
+    dx_pairs = all_to_all_backward(d_rows, comm, plan.send, plan.receive)  # (P, h)
+    del d_rows
+    dx = torch.zeros_like(x).index_add_(0, plan.tokens, dx_pairs)  # (N_r, h) summed over each token's slots
+    del dx_pairs
+    grads = {}
+    if getattr(w, "shared_gate", None) is not None:  # the shared expert, on this rank's tokens
+        grads = shared_expert_backward(dm, x, w, take, dx)  # {role: gradient}; its share added to dx
+    del dm
+    dx, d_router = input_backward(dx, dweights.view(index.shape), probs, index, x, w)  # (N_r, h), (E, h)
+    del dweights, probs, index, x
+    dxn = dx.view(B, T, h) if noise is None else dx.view(B, T, h) * noise  # (B_r, T, h) x = xn * noise
+    return dxn, {"router": d_router, "experts_gate_up": d_gate_up, "experts_down": d_down, **grads}

@@ -1,0 +1,187 @@
+"""Closed forms per pipeline stage: the bytes it stores with its micro-batches in flight, the bytes it
+sends and receives, its FLOPs, and the schedule each micro-batch runs (stage-aware budgets).
+
+A stage's micro-batch of b = B / (dp * M) sequences runs the engine's loop over the stage's layers
+(and the head, on the last stage) under a Schedule of its own: the policy applied to the stage's
+layers alone, so every:C starts its segments at the stage's first layer, whose input (received, or
+the embedding's output) is always a checkpoint. Per micro-batch, from the planner's chain
+(picockpt/planner.py: one Stage per layer, then the head, or a head of nothing before the last stage):
+
+    E     end_of_forward_bytes: what its first forward leaves stored
+    peak  replay: its own peak during its step (E at the end of the forward, or a recompute sweep's)
+
+With w micro-batches in flight (picockpt/parallel/schedules.py: AFAB w = M; 1F1B w = min(P - s, M)),
+every backward runs while w - 1 others hold E each, so the stage's store peaks at
+
+    stage peak = (w - 1) * E + peak
+
+on the last stage too: it holds the head's final norm and logits among E, w = 1 under 1F1B (each
+micro-batch's forward is followed at once by its backward) and M under AFAB. The tracker measures it
+to the byte (tests/test_parallel_pp.py).
+
+budget:SIZE under a pipeline is per stage: each stage plans its micro-batch with its own w
+(planner.plan_in_flight) so that (w - 1) * E + peak <= SIZE with the least recomputation, among the
+planner's frontier and the uniform schedules (every layer kept, or every:C, at each op level).
+Stage 0 of 1F1B holds P micro-batches and recomputes the most; the last stage may keep everything.
+"""
+import functools
+import math
+
+from ..inventory import layer_flops
+from ..planner import Stage, end_of_forward_bytes, model_chain, plan_in_flight, replay
+from ..policy import Schedule, parse_policy
+from .inventory import rank_chain
+from .schedules import in_flight, stage_layers
+
+NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothing stored after the layers
+_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def stage_chain(cfg, batch, seq, layers, last, t=1, sp=False, distribute_saved=False, drop=frozenset()):
+    """The chain of one micro-batch of `batch` sequences on a stage of `layers` layers (the head if last)."""
+    whole = model_chain(cfg, batch, seq, drop) if t == 1 else rank_chain(cfg, batch, seq, t, sp, distribute_saved,
+                                                                           drop)
+    return whole[:layers] + ((whole[-1],) if last else (NO_HEAD,))
+
+
+def uniform_schedules(chain):
+    """(name, Schedule) of every uniform policy on this chain, named as the policy: each layer kept whole at one
+    op level ("none", "selective", ...), or checkpoints every C layers with sweeps at one op level ("full",
+    "every:2+selective", ...)."""
+    layers, head_modes = len(chain) - 1, {mode for mode, _, _ in chain[-1].variants}
+    out = []
+    for mode, _, _ in chain[0].variants:
+        level = mode.partition(":")[2]
+        head = mode if mode in head_modes else "all"
+        suffix = f"+{level}" if level else ""
+        out.append((level or "none", Schedule(forward=(mode,) * layers, head=head)))
+        for C in range(1, layers + 1):
+            forward = tuple("input" if k % C == 0 else "none" for k in range(layers))
+            starts = [k for k in range(layers) if k % C == 0]
+            sweeps = {target: {k: mode for k in range(max(s for s in starts if s <= target), target + 1)}
+                      for target in range(layers)}
+            out.append((f"{'full' if C == 1 else f'every:{C}'}{suffix}", Schedule(forward=forward, sweep_modes=sweeps)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=False, distribute_saved=False):
+    """(Schedule of one micro-batch in the stage's own layer numbers 0.., its stage peak, E, its own
+    peak, its recompute FLOPs, where the schedule came from)."""
+    policy = parse_policy(policy, cfg)
+    chain = stage_chain(cfg, batch, seq, layers, last, t, sp, distribute_saved, policy.drop)
+    if policy.budget is not None:
+        plan = plan_in_flight(chain, policy.budget, in_flight_count, uniform_schedules(chain))
+        schedule, source = plan.schedule, plan.source
+    else:
+        schedule, source = policy.schedule(cfg.replace(layers=layers), batch, seq), policy.text
+    peak, recompute = replay(chain, schedule)
+    held = end_of_forward_bytes(chain, schedule)
+    return schedule, (in_flight_count - 1) * held + peak, held, peak, recompute, source
+
+
+def shifted(schedule, first, total_layers):
+    """The stage's schedule in the model's layer numbers (first.. first + n - 1), as the engine indexes it."""
+    forward = ["none"] * total_layers
+    for k, mode in enumerate(schedule.forward):
+        forward[first + k] = mode
+    sweeps = None if schedule.sweep_modes is None else {first + target: {first + k: mode for k, mode in modes.items()}
+                                                        for target, modes in schedule.sweep_modes.items()}
+    return Schedule(tuple(forward), sweeps, schedule.head, schedule.stop_early)
+
+
+def stage_sweeps(chain, schedule):
+    """[(first, last)] of every recompute sweep one micro-batch runs (the engine's walk, as planner.replay)."""
+    L = len(chain) - 1
+    inputs = {k for k in range(L) if schedule.forward[k] != "none"}
+    whole = {k for k in range(L) if schedule.forward[k].startswith("all")}
+    out = []
+    for i in reversed(range(L)):
+        if i not in whole:
+            j = max(k for k in inputs if k <= i)
+            out.append((j, i))
+            for k in range(j, i + 1):
+                if schedule.sweep(k, i) != "none":
+                    inputs.add(k)
+                if schedule.sweep(k, i).startswith("all"):
+                    whole.add(k)
+        whole.discard(i)
+        inputs.discard(i)
+    return out
+
+
+class StageForms:
+    """Every closed form of one rank of a pipeline job (batch, seq: the whole step's batch)."""
+
+    def __init__(self, cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp=1, t=1, sp=False,
+                 distribute_saved=False):
+        self.cfg, self.stage, self.t = cfg, stage, t
+        self.sp, self.distribute_saved = sp and t > 1, distribute_saved and t > 1
+        self.layers = stage_layers(cfg.layers, pp)[stage]
+        self.first, self.last = stage == 0, stage == pp - 1
+        self.b, self.seq, self.M = batch // (dp * microbatches), seq, microbatches
+        self.in_flight = in_flight(schedule, pp, microbatches, stage)
+        self.policy = parse_policy(policy, cfg)
+        args = (self.policy.text, cfg, self.b, seq, len(self.layers), self.last, self.in_flight, t, self.sp,
+                self.distribute_saved)
+        local, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes, recompute, self.source = \
+            stage_plan(*args)
+        self.local_schedule = local
+        self.schedule = shifted(local, self.layers[0], cfg.layers)
+        self.chain = stage_chain(cfg, self.b, seq, len(self.layers), self.last, t, self.sp, self.distribute_saved,
+                                 self.policy.drop)
+        self.recompute_flops = recompute
+
+    def activation_shape(self):
+        """(b, n, h): what crosses from one stage to the next, per rank (n = T/t under sequence parallelism)."""
+        return (self.b, self.seq // self.t if self.sp else self.seq, self.cfg.hidden)
+
+    def flops(self):
+        """{"forward", "recompute", "backward"}: this rank's matmul FLOPs over its M micro-batches."""
+        cfg, b, T, t = self.cfg, self.b, self.seq, self.t
+        parts = layer_flops(cfg, b, T)
+        forward = len(self.layers) * sum(parts.values()) // t + (2 * b * T * cfg.hidden * cfg.vocab // t if self.last
+                                                                   else 0)
+        backward = 2 * forward + (len(self.layers) * parts["scores"] // t if cfg.attention == "fused" else 0)
+        return {"forward": self.M * forward, "recompute": self.M * self.recompute_flops, "backward": self.M * backward}
+
+    def p2p_bytes(self, state_bytes=0):
+        """{"forward": {kind: bytes}, "backward": {kind: bytes}} of this rank's sends and receives.
+        state_bytes: the generator state the first micro-batch carries (when the model draws random numbers)."""
+        S = math.prod(self.activation_shape()) * _BYTES[self.cfg.dtype]  # one micro-batch's activation
+        forward, backward = {}, {}
+        if not self.first:
+            forward["receive"], backward["send"] = self.M * S, self.M * S
+            if state_bytes:
+                forward["rng_state"] = state_bytes
+        if not self.last:
+            forward["send"], backward["receive"] = self.M * S, self.M * S
+            if state_bytes:
+                forward["rng_state"] = forward.get("rng_state", 0) + state_bytes
+        return {"forward": forward, "backward": backward}
+
+    def gradient_bytes(self, param_bytes):
+        """The bytes one data-parallel all-reduce of this stage's gradients moves: all of them, once."""
+        return param_bytes
+
+    def tp_comm_bytes(self):
+        """{"forward", "recompute", "backward"}: this rank's tensor-parallel collectives over its M micro-batches
+        (picockpt/parallel/inventory.py's rank_comm_bytes, with the embedding on the first stage only, the
+        head on the last only and this stage's own recompute sweeps)."""
+        if self.t == 1:
+            return {"forward": 0, "recompute": 0, "backward": 0}
+        cfg, sp = self.cfg, self.sp
+        act, stat, master = _BYTES[cfg.dtype], 8 if cfg.dtype == "float64" else 4, 8 if cfg.dtype == "float64" else 4
+        S, N, h, L = self.b * self.seq * cfg.hidden * act, self.b * self.seq, cfg.hidden, len(self.layers)
+        layer_forward = 4 * S if sp else 2 * S
+        layer_backward = 6 * S + 2 * h * master if sp else 2 * S
+        forward = L * layer_forward + (S if self.first else 0) + ((S if sp else 0) + 3 * N * stat if self.last else 0)
+        backward = L * layer_backward + ((S if sp else 0) if self.first else 0) + (
+            (2 * S + h * master if sp else S) if self.last else 0)
+        recompute = 0
+        stops = self.local_schedule.stop_early
+        for first, last in stage_sweeps(self.chain, self.local_schedule):
+            recompute += (last - first + 1) * layer_forward - (S if stops else 0)
+            recompute += S if self.distribute_saved else 0  # the checkpoint's all-gather
+        return {phase: self.M * n for phase, n in
+                (("forward", forward), ("recompute", recompute), ("backward", backward))}

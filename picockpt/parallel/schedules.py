@@ -1,0 +1,94 @@
+"""Pipeline schedules: which layers each stage runs, and the order of its micro-batches' forwards
+and backwards.
+
+    stage_layers(L=8, P=3)            [range(0, 3), range(3, 6), range(6, 8)]
+    actions("1f1b", P=4, M=6, stage=1)   [F0, F1, F2, B0, F3, B1, F4, B2, F5, B3, B4, B5]
+    in_flight("1f1b", P=4, M=6, stage=1) 3
+
+The layers are split as evenly as they go, the first L mod P stages taking one more (as Picotron
+does); the embedding runs on the first stage, the final norm, LM head and loss on the last.
+
+AFAB ("all forward, all backward", GPipe: Huang et al. 2019): every stage runs the M forwards,
+then the M backwards in the same order (micro-batch 0 first, as Picotron's train_step_pipeline_afab).
+Every micro-batch's activations are stored at once: M in flight on every stage.
+
+1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM and Picotron's train_step_pipeline_1f1b):
+stage s runs min(P - s - 1, M) warm-up forwards, then alternates one forward and one backward
+until the forwards run out, then the remaining backwards (the cool-down). A micro-batch's backward
+starts as soon as its gradient can come back, so stage s holds at most
+
+    min(P - s, M) micro-batches in flight         (its warm-up ones, plus the one just forwarded)
+
+stage 0 the most (P: about the activations of L layers whatever P is, Korthikanti et al. 2022,
+sec. 4.2.3), the last stage one at a time: its forward and backward of a micro-batch follow each
+other, head and loss included.
+
+Both schedules have the same bubble when the stages take equal times: each stage waits P - 1
+forward and P - 1 backward slots of the (M + P - 1) slots of each kind, the fraction
+(P - 1) / (M + P - 1) of the step (Narayanan et al. 2021, sec. 2.2). 1F1B trades nothing for its
+smaller memory; AFAB is the simpler to read.
+"""
+from collections import namedtuple
+
+SCHEDULES = ("afab", "1f1b")
+
+Action = namedtuple("Action", "kind microbatch")  # kind "F" (forward) or "B" (backward)
+
+
+def check_schedule(schedule):
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(repr(s) for s in SCHEDULES)} "
+                         f"(all forward then all backward, or one forward one backward)")
+    return schedule
+
+
+def stage_layers(layers, stages):
+    """The range of layers each of P stages runs: L // P each, one more for the first L mod P."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pp={stages!r}: use a whole number of pipeline stages, 1 or more")
+    if stages > layers:
+        raise ValueError(f"pp={stages} is larger than the number of layers L={layers}: every stage needs at least "
+                         f"one layer; use pp <= {layers}")
+    sizes = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def actions(schedule, stages, microbatches, stage):
+    """The forwards (F) and backwards (B) stage `stage` runs, in order, one Action each."""
+    check_schedule(schedule)
+    M = microbatches
+    if schedule == "afab":
+        return [Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
+    warmup = min(stages - stage - 1, M)
+    order = [Action("F", m) for m in range(warmup)]
+    for m in range(M - warmup):  # steady state: the next forward, then the oldest backward
+        order += [Action("F", warmup + m), Action("B", m)]
+    return order + [Action("B", m) for m in range(M - warmup, M)]  # cool-down
+
+
+def in_flight(schedule, stages, microbatches, stage):
+    """The most micro-batches whose activations stage `stage` stores at once (read off its actions)."""
+    held = most = 0
+    for action in actions(schedule, stages, microbatches, stage):
+        held += 1 if action.kind == "F" else -1
+        most = max(most, held)
+    return most
+
+
+def before_backward(schedule, stages, microbatches, stage):
+    """How many micro-batches are still stored, besides the one whose backward runs, at each of the
+    stage's backwards: [(micro-batch, others held)]. The peak is reached in one of these."""
+    held, out = set(), []
+    for action in actions(schedule, stages, microbatches, stage):
+        if action.kind == "F":
+            held.add(action.microbatch)
+        else:
+            out.append((action.microbatch, len(held) - 1))
+            held.discard(action.microbatch)
+    return out
+
+
+def bubble_fraction(stages, microbatches):
+    """Narayanan et al.'s (P - 1) / (M + P - 1): the idle share of each stage with equal stage times."""
+    return (stages - 1) / (microbatches + stages - 1)

@@ -1,0 +1,191 @@
+"""One pipeline stage, and one micro-batch of it as the engine's loop sees it (picockpt/engine.py: Step).
+
+The loop runs unchanged inside each micro-batch: forward storing per the stage's schedule, backward
+finding the nearest checkpoint, recomputing, using, dropping. Only the model's parts differ, as the
+engine's docstring says a stage's would:
+
+    embed()          first stage: the embedding; later stages: the activation received from the
+                     previous stage (from_previous_stage_forward), stored as the first layer's checkpoint
+    head_forward     last stage: final norm, LM head, loss; earlier stages: send the output on (to_next_stage)
+    head_backward    last stage: the loss's gradient; earlier stages: the gradient received from the next
+                     stage (recompute-early: the top segment is recomputed while it travels)
+    embed_backward   first stage: the embedding's gradient; later stages: send dx back to the previous stage
+    layer_forward/backward, keep_input/load_input   the inner model's: picockpt's own layers (tp = 1)
+                     or a tensor-parallel rank's (picockpt/parallel/tp_model.py)
+
+The mean over all tokens. The single process's loss is (sum of the counted tokens' losses) / N, N the
+counted (not IGNORE_INDEX) targets of the whole batch. A micro-batch's head computes the mean over its
+own n_m counted targets, so its loss and its gradients are multiplied by n_m / N: the micro-batches'
+(and the data-parallel replicas') contributions then add up to the whole batch's mean, whatever share
+of ignored targets each holds. A micro-batch with no counted target contributes 0 (its head's 0 / 0 loss
+is not used; its gradients are already 0: every row is ignored).
+
+Dropout: the same masks as the single process. The single process draws each layer's masks for the
+whole batch at once, layer after layer, from one generator. Here every micro-batch's forward starts
+from the generator state the single process has at the stage's first layer and draws the *whole
+batch's* masks, keeping its own rows (picockpt/parallel/rng.py's full-size draws, along the batch
+dim: rank d*M + m of dp*M); so its masks are rows of the single process's, and the engine's own replay
+of the checkpoint's state redraws them in a recomputation. The price is M*dp times the random numbers
+a micro-batch keeps (cheap next to its matmuls). The state at the first layer of stage s > 0 is what
+stage s-1's generator holds after its first micro-batch's forward: it travels with that activation
+(p2p.send_rng_state, 5 KB on the CPU). Comparing with a single process that accumulates over the same
+micro-batches would have been simpler, but it would not be the step a user runs without a pipeline.
+"""
+from ..engine import _generator, _replay_rng
+from ..params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
+from ..ops import rope_tables
+from .p2p import (from_previous_stage_backward, from_previous_stage_forward, receive_rng_state, send_rng_state,
+                  to_next_stage_backward, to_next_stage_forward)
+from .rng import full_size_draws
+
+
+class _Rows:
+    """A micro-batch's rows of the whole batch, as full_size_draws reads a group: part `rank` of `world_size`."""
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+
+class PipelineStage:
+    """What one rank's micro-batches share: the stage's layers and weights, its neighbours (a Pipe), its
+    gradient buckets (picockpt/parallel/dp.py), the counted targets of the whole batch, the RNG states."""
+
+    def __init__(self, cfg, params, layers, first, last, pipe, buckets, counted, microbatches, dp_rank, dp,
+                 activation_shape, make_inner, recompute_early=False):
+        self.cfg, self.params, self.layers, self.first, self.last = cfg, params, layers, first, last
+        self.step_cfg = cfg.replace(tie_embeddings=False)  # a tied matrix's two uses are summed by the caller
+        self.pipe, self.buckets, self.counted = pipe, buckets, counted
+        self.M, self.dp_rank, self.dp = microbatches, dp_rank, dp
+        self.activation_shape, self.make_inner = activation_shape, make_inner
+        self.recompute_early = recompute_early
+        self.rng_start = self.rng_end = None  # the generator at the stage's first layer / after its last
+
+    def start(self, tracker, device, seq):
+        """The stage's weights for every micro-batch (16-bit copies under mixed precision), once."""
+        dtype = self.cfg.torch_dtype
+        self.weights = {name: tensor.to(dtype) for name, tensor in self.params.items()}
+        for tensor in self.weights.values():
+            tracker.mark(tensor, "weights")
+        self.rope = rope_tables(self.cfg, seq, device, dtype)  # (T, hd) x2
+        self.weights_of = {k: layer_weights(self.weights, k) for k in self.layers}
+
+    def microbatch(self, m, input_ids, targets):
+        return StageModel(self, m, self.make_inner(input_ids, targets))
+
+
+class StageModel:
+    """Micro-batch m of a PipelineStage; `step` is set to the Step that runs it (recompute-early uses its loop)."""
+
+    def __init__(self, stage, m, inner):
+        self.stage, self.m, self.inner = stage, m, inner
+        self.cfg, self.params, self.layers = stage.step_cfg, stage.params, stage.layers
+        self.input_ids, self.targets = inner.input_ids, inner.targets
+        self.layer_names = inner.layer_names
+        counted = int((inner.targets != -100).sum())
+        self.share = counted / stage.counted  # n_m / N
+        self.step = None
+        self.rows = _Rows(stage.dp_rank * stage.M + m, stage.dp * stage.M)  # its rows of the whole batch
+        self.generator = _generator(inner.input_ids.device)
+
+    def start(self, tracker):  # the inner model reads the stage's weights (picockpt/engine.py: Model.start)
+        inner, stage = self.inner, self.stage
+        inner.weights, inner.rope, inner.weights_of = stage.weights, stage.rope, stage.weights_of
+
+    def embed(self):
+        stage, draws = self.stage, self.cfg.draws_random
+        if stage.first:
+            x = self.inner.embed()  # (b, n, h); the stage starts from the caller's state (rng_start)
+        else:
+            if draws and self.m == 0:  # the state the single process has at this stage's first layer
+                stage.rng_start = receive_rng_state(stage.pipe, self.generator.get_state())
+            x = from_previous_stage_forward(stage.pipe, stage.activation_shape, self.cfg.torch_dtype)  # (b, n, h)
+        if draws:
+            self.generator.set_state(stage.rng_start)  # every micro-batch draws the whole batch's masks again
+        return x
+
+    def keep_input(self, store, k, x, whole):
+        self.inner.keep_input(store, k, x, whole)
+
+    def load_input(self, store, k, whole):
+        return self.inner.load_input(store, k, whole)
+
+    def layer_forward(self, k, x, store, drop, need_output):
+        with full_size_draws(self.rows, dim=0, dropout=1.0 if self.cfg.draws_random else 0):  # its rows of each mask
+            return self.inner.layer_forward(k, x, store, drop, need_output)  # (b, n, h)
+
+    def layer_backward(self, k, dx, store):
+        dx, grads = self.inner.layer_backward(k, dx, store)  # (b, n, h), LayerWeights
+        for role, grad in grads._asdict().items():
+            self.stage.buckets.add(layer_key(k, role), grad)
+        if self.m == self.stage.M - 1:  # the last micro-batch's backward: layer k's gradients are final
+            self.stage.buckets.ready(k)
+        return dx, grads
+
+    def head_forward(self, x, store, drop):
+        stage = self.stage
+        if not stage.last:
+            if self.cfg.draws_random and self.m == 0:
+                send_rng_state(self.generator.get_state(), stage.pipe)  # the next stage's first layer starts here
+            to_next_stage_forward(x, stage.pipe)
+            return x.new_zeros(())  # no loss on this stage
+        if self.cfg.draws_random and self.m == 0:
+            stage.rng_end = self.generator.get_state()  # where the single process's step leaves the generator
+        loss = self.inner.head_forward(x, store, drop)  # the mean over this micro-batch's counted targets
+        return loss * self.share if self.share else loss.new_zeros(())  # its share of the whole batch's mean
+
+    def head_backward(self, store):
+        stage = self.stage
+        if not stage.last:
+            receive = to_next_stage_backward(stage.pipe, stage.activation_shape, self.cfg.torch_dtype)  # started
+            if stage.recompute_early:
+                self.recompute_top(store)  # while the gradient travels
+            return receive.wait(), {}  # (b, n, h)
+        dx, grads = self.inner.head_backward(store)  # (b, n, h) for this micro-batch's mean
+        dx = dx.mul_(self.share)  # (b, n, h) for the whole batch's
+        grads = {name: grad.mul_(self.share) for name, grad in grads.items()}
+        for name, grad in grads.items():
+            stage.buckets.add(name, grad)
+        if self.m == stage.M - 1:
+            stage.buckets.ready("head")
+        return dx, grads
+
+    def embed_backward(self, dx):
+        stage = self.stage
+        if not stage.first:
+            from_previous_stage_backward(dx, stage.pipe)
+            return dx.new_zeros(())  # no embedding on this stage
+        grad = self.inner.embed_backward(dx)  # (V, h), or (V/t, h)
+        stage.buckets.add(EMBED, grad)
+        if self.m == stage.M - 1:
+            stage.buckets.ready("embedding")
+        return grad
+
+    def recompute_top(self, store):
+        """Recompute-early: what the engine's loop does first in this micro-batch's backward, done now.
+        The top layer's activations come back from the nearest checkpoint before the gradient arrives;
+        the loop then finds them stored and goes straight to the backward. Same store contents, same
+        peak; they are held for the rest of the wait (picockpt/parallel/pipeline.py measures it)."""
+        step, schedule, i = self.step, self.step.schedule, self.layers[-1]
+        if store.has(i, "attn_norm.rstd"):
+            return  # stored whole in the forward: nothing to recompute
+        j = next(k for k in range(i, self.layers[0] - 1, -1) if store.has(k, "input"))  # the nearest checkpoint
+        with step.tracker.phase("recompute"), _replay_rng(step.generator, step.rng_states.get(j)):
+            x = self.load_input(store, j, whole=schedule.sweep(j, i).startswith("all"))  # (b, n, h)
+            step.run_layers(j, i, x, lambda k: schedule.sweep(k, i), schedule.stop_early)
+            del x
+
+
+GRADIENT_BUCKETS = ("head", "embedding")  # besides one bucket per layer (its index)
+
+
+def bucket_names(cfg, params, layers, first, last):
+    """{bucket: [parameter names]} of a stage, in the order its gradients become final in a backward:
+    the head's, then each layer's from the top, then the embedding's."""
+    buckets = {}
+    if last:
+        buckets["head"] = [name for name in (FINAL_NORM, HEAD) if name in params]
+    for k in reversed(layers):
+        buckets[k] = [name for name in params if name.startswith(f"model.layers.{k}.")]
+    if first:
+        buckets["embedding"] = [EMBED]
+    return buckets

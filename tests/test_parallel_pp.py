@@ -1,0 +1,252 @@
+"""Pipeline and data parallelism with recomputation, on 2 and 4 gloo ranks against the single-process
+engine: the same loss and gradients (fp64 rel <= 1e-10, fp32 rel <= 1e-5) for P = 2 and 4, M in
+{1, P, 2P+1}, both schedules, every policy, with dropout and ignored targets, combined with dp = 2 and
+tp = 2; every stage's stored peak, stored bytes per micro-batch, FLOPs and point-to-point, tensor- and
+data-parallel bytes equal their closed forms (picockpt/parallel/pp_inventory.py); the stage-aware budget
+fits every stage and recomputes no more than the best uniform policy that fits.
+
+Each world size is one launch whose ranks run every job in turn (run_pipeline_steps); each job may
+have its own layout (dp x pp x tp). Relative error of a gradient: max |g - g_single| / max |g_single|.
+"""
+import multiprocessing
+
+import pytest
+import torch
+
+from picockpt import Config, init_params, loss_and_grads
+from picockpt.inventory import chain_sizes
+from picockpt.measure import make_batch
+from picockpt.parallel import PipelineJob, run_pipeline_steps
+from picockpt.parallel.pp_inventory import StageForms, stage_chain, uniform_schedules
+from picockpt.parallel.schedules import stage_layers
+from picockpt.planner import end_of_forward_bytes, replay
+
+from processes import no_process_left_behind  # noqa: F401 (a fixture)
+
+START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+SEQ = 8
+MODELS = {  # L=4 for two stages, L=5 (split 2, 1, 1, 1) for four
+    "fp64 dropout": dict(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, max_seq=64, dtype="float64",
+                         dropout=0.1),
+    "fp32 tied chunked": dict(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, max_seq=64, dtype="float32",
+                              dropout=0.1, tie_embeddings=True, loss_chunk=5),
+    "fp64 five layers": dict(vocab=64, hidden=32, layers=5, heads=4, kv_heads=2, ffn=64, max_seq=64, dtype="float64",
+                             dropout=0.1),
+}
+POLICIES = ["none", "full", "every:2", "selective", "cheap", "every:2+selective", "budget"]
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+
+pytestmark = pytest.mark.usefixtures("no_process_left_behind")
+
+
+def model(name, batch):
+    """A config, params and a batch whose targets leave some positions out of the loss (IGNORE_INDEX)."""
+    cfg = Config(**MODELS[name])
+    params = init_params(cfg, seed=1)
+    input_ids, targets = make_batch(cfg, batch, SEQ, "cpu", seed=batch)
+    targets = targets.clone()
+    targets[0, :3] = -100
+    if batch > 2:
+        targets[1, :] = -100  # a sequence (a micro-batch, when b = 1) with no counted target
+    return cfg, params, input_ids, targets
+
+
+def budget(cfg, batch, pp, microbatches, schedule, dp=1):
+    """budget:SIZE that every stage can meet but not by keeping everything: the largest stage's peak under
+    'every:2', the uniform policy a user would try first."""
+    B, peaks = batch, []
+    for stage in range(pp):
+        peaks.append(StageForms(cfg, B, SEQ, "every:2", pp, microbatches, schedule, stage, dp).peak_bytes)
+    return f"budget:{max(peaks)}"
+
+
+def relative(value, reference):
+    return ((value.double() - reference.double()).abs().max() / reference.double().abs().max()).item()
+
+
+def jobs_for(world):
+    """(label, PipelineJob, single-process (loss, grads, generator state after)) of every job of one launch."""
+    out, single = [], {}
+
+    def add(name, batch, policy, **layout):
+        cfg, params, input_ids, targets = model(name, batch)
+        torch.manual_seed(7)
+        state = torch.get_rng_state()
+        if (name, batch) not in single:
+            loss, grads = loss_and_grads(params, cfg, input_ids, targets, "none")
+            single[name, batch] = (loss, grads, torch.get_rng_state())
+        if policy == "budget":
+            policy = budget(cfg, batch, layout.get("pp", 1), layout["microbatches"], layout.get("schedule", "1f1b"),
+                            layout.get("dp", 1))
+        job = PipelineJob(params, cfg, input_ids, targets, policy, rng_state=state, **{"pp": 1, **layout})
+        out.append((name, job, single[name, batch]))
+
+    if world == 2:
+        for name in ("fp64 dropout", "fp32 tied chunked"):
+            for M in (1, 2, 5):
+                for schedule in ("afab", "1f1b"):
+                    for policy in POLICIES:
+                        add(name, 10, policy, pp=2, microbatches=M, schedule=schedule)
+        for M in (1, 5):  # data parallel alone, with and without overlap
+            for policy, overlap in (("full", True), ("every:2+selective", False), ("budget", True)):
+                add("fp64 dropout", 10, policy, dp=2, microbatches=M, overlap=overlap)
+        add("fp64 dropout", 10, "full", pp=2, microbatches=5, recompute_early=True)
+        add("fp64 dropout", 10, "every:2", pp=2, microbatches=2, schedule="afab", recompute_early=True)
+        add("fp64 dropout", 10, "full", tp=2, microbatches=2)  # gradient accumulation under tensor parallelism
+        for name, policy in (("fp64 dropout", "full"), ("fp64 dropout", "every:2")):  # the budget's uniform rivals
+            for rival in ("none", "selective", "cheap", "full+selective", "every:2+cheap", "full+cheap"):
+                add(name, 10, rival, pp=2, microbatches=5)
+            add(name, 10, "budget", pp=2, microbatches=5)
+    else:
+        for M in (1, 4, 9):
+            for schedule in ("afab", "1f1b"):
+                for policy in (POLICIES if M == 9 else ["none", "full", "every:2+selective", "budget"]):
+                    add("fp64 five layers", M, policy, pp=4, microbatches=M, schedule=schedule)
+        add("fp64 five layers", 9, "full", pp=4, microbatches=9, recompute_early=True)
+        for M in (1, 2, 5):
+            for policy in ("full", "every:2+selective", "budget"):
+                add("fp64 dropout", 2 * M, policy, pp=2, dp=2, microbatches=M, schedule="1f1b" if M != 2 else "afab")
+        add("fp32 tied chunked", 10, "full", pp=2, dp=2, microbatches=5, overlap=False)
+        add("fp64 dropout", 4, "every:2", pp=2, tp=2, sp=True, microbatches=2)
+        add("fp64 dropout", 4, "full", pp=2, tp=2, sp=False, microbatches=4, schedule="afab")
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def launch(request):
+    world = request.param
+    jobs = jobs_for(world)
+    results = run_pipeline_steps([job for _, job, _ in jobs], world, start_method=START, timeout_s=120)
+    runs = [(name, job, single, *result) for (name, job, single), result in zip(jobs, results)]
+    return world, runs, torch.get_rng_state()
+
+
+def where(job, report=None):
+    return (job.cfg.dtype, job.policy, f"pp={job.pp} M={job.microbatches} {job.schedule} dp={job.dp} tp={job.tp}",
+            None if report is None else f"rank {report['rank']} stage {report['stage']}")
+
+
+def test_gradients_and_loss_equal_the_single_process_engine(launch):
+    _, runs, _ = launch
+    for name, job, (loss0, grads0, _), loss, grads, _ in runs:
+        tolerance = TOLERANCE[job.cfg.dtype]
+        assert abs(loss.item() - loss0.item()) <= tolerance * abs(loss0.item()), where(job)
+        assert list(grads) == list(grads0)
+        for key in grads0:
+            assert grads[key].shape == grads0[key].shape and grads[key].dtype == grads0[key].dtype
+            assert relative(grads[key], grads0[key]) <= tolerance, (where(job), key, relative(grads[key], grads0[key]))
+
+
+def test_the_generator_is_left_where_the_single_process_leaves_it(launch):
+    """The caller's generator after the launch is where the single process's step of its last job leaves it
+    (dropout: the last stage's generator after its layers' masks)."""
+    _, runs, after_launch = launch
+    name, job, (_, _, after), *_ = runs[-1]
+    assert job.cfg.dropout > 0 and not torch.equal(job.rng_state, after)  # the step drew masks
+    assert torch.equal(after_launch, after), where(job)
+
+
+def test_every_stage_stores_exactly_its_closed_form(launch):
+    _, runs, _ = launch
+    for _, job, _, _, _, reports in runs:
+        assert sorted(r["rank"] for r in reports) == list(range(job.dp * job.pp * job.tp))
+        for r in reports:
+            assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where(job, r)
+            assert r["microbatch_stored_bytes"] == r["predicted_microbatch_stored_bytes"], where(job, r)
+            assert r["flops"] == r["predicted_flops"], where(job, r)
+            assert r["peak_live_bytes"] >= r["peak_activation_bytes"], where(job, r)
+
+
+def test_the_closed_form_is_in_flight_copies_of_the_layer_inventory(launch):
+    """Written from picockpt/inventory.py, not pp_inventory.py: under 'none' a micro-batch of b sequences
+    stores n A (+ F on the last stage), and a stage holds w of them, w = M (AFAB) or min(P - s, M) (1F1B)."""
+    _, runs, _ = launch
+    for _, job, _, _, _, reports in runs:
+        if job.policy != "none" or job.tp > 1:
+            continue
+        b = job.input_ids.shape[0] // (job.dp * job.microbatches)
+        _, A, F = chain_sizes(job.cfg, b, SEQ)
+        for r in reports:
+            n = r["layers"][1] - r["layers"][0] + 1
+            w = job.microbatches if job.schedule == "afab" else min(job.pp - r["stage"], job.microbatches)
+            assert r["microbatches_in_flight"] == w, where(job, r)
+            held = n * A + (F if r["stage"] == job.pp - 1 else 0)
+            assert (r["microbatch_stored_bytes"], r["peak_activation_bytes"]) == (held, w * held), where(job, r)
+
+
+def test_point_to_point_and_collective_bytes_equal_their_closed_forms(launch):
+    _, runs, _ = launch
+    for _, job, _, _, _, reports in runs:
+        for r in reports:
+            assert r["p2p_bytes"] == r["predicted_p2p_bytes"], where(job, r)
+            assert r["comm_bytes"] == r["predicted_comm_bytes"], where(job, r)
+            assert r["dp_bytes"] == r["predicted_dp_bytes"], where(job, r)
+            if job.pp > 1 and r["stage"] > 0:  # one micro-batch's activation per receive, M of them
+                S = job.input_ids.shape[0] // (job.dp * job.microbatches) * SEQ * job.cfg.hidden // (
+                    job.tp if job.sp and job.tp > 1 else 1) * torch.empty((), dtype=job.cfg.torch_dtype).element_size()
+                assert r["p2p_bytes"]["forward"]["receive"] == job.microbatches * S, where(job, r)
+
+
+def test_recompute_early_changes_neither_results_nor_the_stored_peak(launch):
+    _, runs, _ = launch
+    plain = {(name, job.policy, job.pp, job.microbatches, job.schedule): (grads, reports)
+             for name, job, _, _, grads, reports in runs if not job.recompute_early and job.dp == job.tp == 1}
+    early = [(name, job, grads, reports) for name, job, _, _, grads, reports in runs if job.recompute_early]
+    assert early
+    for name, job, grads, reports in early:
+        grads0, reports0 = plain[name, job.policy, job.pp, job.microbatches, job.schedule]
+        for key in grads0:
+            assert torch.equal(grads[key], grads0[key]), (where(job), key)
+        for r, r0 in zip(sorted(reports, key=lambda r: r["rank"]), sorted(reports0, key=lambda r: r["rank"])):
+            assert r["peak_activation_bytes"] == r0["peak_activation_bytes"], where(job, r)
+            assert r["flops"] == r0["flops"], where(job, r)  # the same recomputation, done earlier
+
+
+def test_timeline_totals_add_up_and_every_micro_batch_runs_each_phase(launch):
+    _, runs, _ = launch
+    for _, job, _, _, _, reports in runs:
+        for r in reports:
+            seconds = r["timeline_seconds"]
+            kinds = ("forward", "recompute", "backward", "wait", "send", "reduce", "idle")
+            parts = sum(seconds[kind] for kind in kinds)
+            assert parts == pytest.approx(seconds["total"], rel=1e-9), where(job, r)
+            forwards = {m for kind, m, _, _ in r["timeline"] if kind == "forward"}
+            backwards = {m for kind, m, _, _ in r["timeline"] if kind == "backward"}
+            assert forwards == backwards == set(range(job.microbatches)), where(job, r)
+            assert 0 <= r["bubble"] < 1 and r["predicted_bubble"] == (job.pp - 1) / (job.microbatches + job.pp - 1)
+
+
+def test_stage_aware_budget_fits_every_stage_and_recomputes_no_more_than_the_best_uniform_policy(launch):
+    world, runs, _ = launch
+    if world != 2:
+        pytest.skip("the rivals run on two ranks")
+    rivals = {}
+    for name, job, _, _, _, reports in runs:
+        if job.pp == 2 and job.microbatches == 5 and job.schedule == "1f1b" and name == "fp64 dropout" \
+                and not job.recompute_early:
+            rivals[job.policy] = reports
+    budgets = [policy for policy in rivals if policy.startswith("budget:")]
+    assert budgets
+    for policy in budgets:
+        size = int(policy.split(":")[1])
+        planned = rivals[policy]
+        assert all(r["peak_activation_bytes"] <= size for r in planned), [r["peak_activation_bytes"] for r in planned]
+        fitting = [sum(r["flops"]["recompute"] for r in reports) for name, reports in rivals.items()
+                   if not name.startswith("budget:") and all(r["peak_activation_bytes"] <= size for r in reports)]
+        assert fitting, policy
+        assert sum(r["flops"]["recompute"] for r in planned) <= min(fitting), (policy, fitting)
+
+
+def test_uniform_schedules_are_what_the_policies_run():
+    """The budget planner's uniform rivals (pp_inventory.uniform_schedules) have the bytes and FLOPs of the
+    policies of the same names on the same stage."""
+    cfg = Config(**MODELS["fp64 dropout"])
+    chain = stage_chain(cfg, 2, SEQ, 2, True)
+    named = dict(uniform_schedules(chain))
+    for policy in ("none", "selective", "cheap", "full", "every:2", "full+selective"):
+        forms = StageForms(cfg, 2, SEQ, policy, 2, 1, "1f1b", 1)
+        rival_chain = stage_chain(cfg, 2, SEQ, 2, True, drop=forms.policy.drop)
+        expected = (end_of_forward_bytes(rival_chain, forms.local_schedule), *replay(rival_chain, forms.local_schedule))
+        mine = named[policy]
+        assert (end_of_forward_bytes(chain, mine), *replay(chain, mine)) == expected, policy
+    assert [len(layers) for layers in stage_layers(5, 4)] == [2, 1, 1, 1]
