@@ -94,3 +94,10 @@ def table(rows, columns):
              for line in cells]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def max_relative_diff(value, reference):
+    """max |value - reference| / max |reference| over one tensor (0 when both are 0)."""
+    scale = reference.double().abs().max().item()
+    diff = (value.double() - reference.double()).abs().max().item()
+    return diff / scale if scale else diff

@@ -20,7 +20,8 @@ from ..measure import make_batch
 from ..params import init_params
 from ..parallel import loss_and_grads, under_torchrun
 from ..policy import parse_policy
-from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops, table
+from .common import (add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops,
+                     max_relative_diff, table)
 from .parallel_ep import run_expert
 
 PHASES = ("forward", "recompute", "backward")
@@ -76,7 +77,7 @@ def run(args):
                                         port=args.port, trace=args.trace)
     torch.manual_seed(args.seed)
     single_loss, single_grads = single_loss_and_grads(params, cfg, input_ids, targets, policy.text)
-    worst = max(_relative(grads[name], single_grads[name]) for name in single_grads)
+    worst = max(max_relative_diff(grads[name], single_grads[name]) for name in single_grads)
     if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process ran it; one prints
         return
     row = {"tp": args.tp, "sp": args.sp, "distribute_saved": args.distribute_saved, "policy": policy.text,
@@ -88,13 +89,6 @@ def run(args):
         print(json.dumps(row, indent=1))
         return
     _print_table(row)
-
-
-def _relative(value, reference):
-    """max |value - reference| / max |reference| over one tensor (0 when both are 0)."""
-    scale = reference.double().abs().max().item()
-    diff = (value.double() - reference.double()).abs().max().item()
-    return diff / scale if scale else diff
 
 
 def _print_table(row):
@@ -141,7 +135,7 @@ def run_pipeline(args):
                                         overlap=not args.no_overlap)
     torch.manual_seed(args.seed)
     single_loss, single_grads = single_loss_and_grads(params, cfg, input_ids, targets, "none")  # every policy's
-    worst = max(_relative(grads[name], single_grads[name]) for name in single_grads)
+    worst = max(max_relative_diff(grads[name], single_grads[name]) for name in single_grads)
     if under_torchrun() and os.environ.get("RANK") != "0":
         return
     shown = [{key: value for key, value in r.items() if key not in ("timeline", "dp_buckets", "timeline_start")}

@@ -22,7 +22,7 @@ from ..params import init_params
 from ..parallel import loss_and_grads, under_torchrun
 from ..parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
 from ..policy import parse_policy
-from .common import config_from_args, device_from_args, fmt_bytes, fmt_flops, table
+from .common import config_from_args, device_from_args, fmt_bytes, fmt_flops, max_relative_diff, table
 
 PHASES = ("forward", "recompute", "backward")
 
@@ -44,7 +44,7 @@ def run_expert(args):
                                         dp=args.dp, ep=args.ep, keep_dispatched=args.keep_dispatched)
     torch.manual_seed(args.seed)
     single_loss, single_grads = single_loss_and_grads(params, cfg, input_ids, targets, policy.text)
-    worst = max(_relative(grads[name], single_grads[name]) for name in single_grads)
+    worst = max(max_relative_diff(grads[name], single_grads[name]) for name in single_grads)
     torch.manual_seed(args.seed)
     routing = step_routing(params, cfg, input_ids)  # the single process's, as the closed forms take it
     if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process ran it; one prints
@@ -66,13 +66,6 @@ def run_expert(args):
         print(json.dumps(row, indent=1))
         return
     _print_table(row)
-
-
-def _relative(value, reference):
-    """max |value - reference| / max |reference| over one tensor (0 when both are 0)."""
-    scale = reference.double().abs().max().item()
-    diff = (value.double() - reference.double()).abs().max().item()
-    return diff / scale if scale else diff
 
 
 def _print_table(row):

@@ -74,6 +74,12 @@ class CommLog:
         """Number of calls, summed over every phase and kind unless one is named."""
         return _sum(self.calls, phase, kind)
 
+    def report(self, phases):
+        """What a rank's report says of its communication: bytes and calls per phase, bytes by kind."""
+        return {"comm_bytes": {phase: self.total(phase) for phase in phases},
+                "comm_calls": {phase: self.count(phase) for phase in phases},
+                "comm_bytes_by_kind": {phase: dict(self.bytes.get(phase, {})) for phase in phases}}
+
 
 def _sum(table, phase, kind):
     return sum(n for p, per_kind in table.items() if phase in (None, p)

@@ -21,10 +21,11 @@ the head is scaled alike (by 1/2 on two ranks with equal counts: exact in floati
 """
 import torch
 
+from ..engine import Model
 from ..head import head_backward, head_forward
-from ..ops import embedding_backward, embedding_forward, rope_tables
+from ..ops import embedding_backward, embedding_forward
 from ..ops.cross_entropy import IGNORE_INDEX
-from ..params import EMBED, compute_weights, layer_weights
+from ..params import EMBED
 from .ep_layer import KeptRouting, ep_layer_backward, ep_layer_forward
 
 EXPERT_ROLES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # split along dim 0 (the expert)
@@ -51,7 +52,7 @@ def gather_expert_grads(per_rank, params):
             for name in params}
 
 
-class ExpertParallelModel:
+class ExpertParallelModel(Model):  # Model.start: this step's weights (this rank's), rotary tables
     """params: this rank's (shard_experts); input_ids, targets: this rank's sequences (B/W, T);
     counted: the whole batch's number of counted targets. After building the Step, give the model its
     store (model.store = step.store): every layer keeps its routing there, whatever its mode."""
@@ -67,14 +68,6 @@ class ExpertParallelModel:
         self.share = here / counted  # n_r / n: this rank's share of the whole batch's mean
         self.store = None
         self.received_rows = {}  # layer -> rows its experts received (the routing, as measured here)
-
-    def start(self, tracker):  # as Model.start: this step's weights (this rank's experts), the rotary tables
-        cfg = self.cfg
-        self.weights = compute_weights(self.params, cfg)
-        for tensor in self.weights.values():
-            tracker.mark(tensor, "weights")
-        self.rope = rope_tables(cfg, self.input_ids.shape[1], self.input_ids.device, cfg.torch_dtype)  # (T, hd) x2
-        self.weights_of = [layer_weights(self.weights, i) for i in self.layers]
 
     def embed(self):
         return embedding_forward(self.input_ids, self.weights[EMBED])  # (B_r, T, h)

@@ -208,9 +208,7 @@ def _rank_step(comm, job, trace=False):
         "sequences": list(range(mine.start, mine.stop)),
         "peak_activation_bytes": tracker.peak_logical, "peak_live_bytes": tracker.peak_physical,
         "received_rows": [model.received_rows[i] for i in model.layers],
-        "comm_bytes": {phase: comm.log.total(phase) for phase in PHASES},
-        "comm_calls": {phase: comm.log.count(phase) for phase in PHASES},
-        "comm_bytes_by_kind": {phase: dict(comm.log.bytes.get(phase, {})) for phase in PHASES},
+        **comm.log.report(PHASES),  # bytes and calls per phase, bytes by kind
         "flops": {phase: tracker.flops[phase] for phase in PHASES},
         **held,  # what layer 0 and the head hold at the end of the forward
     }

@@ -166,9 +166,7 @@ def _rank_step(comm, job, trace=False):
     report = {
         "rank": comm.rank, "tp": t, "sp": job.sp, "distribute_saved": job.distribute_saved, "policy": policy.text,
         "peak_activation_bytes": tracker.peak_logical, "peak_live_bytes": tracker.peak_physical,
-        "comm_bytes": {phase: comm.log.total(phase) for phase in PHASES},
-        "comm_calls": {phase: comm.log.count(phase) for phase in PHASES},
-        "comm_bytes_by_kind": {phase: dict(comm.log.bytes.get(phase, {})) for phase in PHASES},
+        **comm.log.report(PHASES),  # bytes and calls per phase, bytes by kind
         "flops": {phase: tracker.flops[phase] for phase in PHASES},
         **held,  # what layer 0 and the head hold at the end of the forward
     }

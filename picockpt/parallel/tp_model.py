@@ -14,8 +14,8 @@ recompute sweep all-gathers it before running the layer again (gather_split_1d_t
 for communication, counted in the "recompute" phase. Only checkpoint-only inputs are split: a
 layer stored whole keeps its whole input, which its own backward reads.
 """
-from ..ops import rope_tables
-from ..params import EMBED, compute_weights, layer_weights
+from ..engine import Model
+from ..params import EMBED
 from .comm import gather_sequence_forward
 from .inventory import rank_layer_inventory
 from .tp_layer import tp_layer_backward, tp_layer_forward
@@ -23,7 +23,7 @@ from .vocab import embedding_backward_parallel, embedding_forward_parallel, head
 from .vocab import head_forward_parallel
 
 
-class TensorParallelModel:
+class TensorParallelModel(Model):  # Model.start: this step's weights (this rank's), rotary tables
     """params: this rank's slices (picockpt/parallel/shard.py), under the full model's names;
     input_ids, targets: the whole batch (B, T), on every rank."""
 
@@ -34,14 +34,6 @@ class TensorParallelModel:
         B, T = input_ids.shape
         self.layer_names = list(rank_layer_inventory(cfg, B, T, comm.world_size, sp))  # for --trace
         self.split = set()  # layers whose stored input is this rank's 1/t of it (distribute_saved)
-
-    def start(self, tracker):  # as Model.start: this step's weights (this rank's slices), the rotary tables
-        cfg = self.cfg
-        self.weights = compute_weights(self.params, cfg)
-        for tensor in self.weights.values():
-            tracker.mark(tensor, "weights")
-        self.rope = rope_tables(cfg, self.input_ids.shape[1], self.input_ids.device, cfg.torch_dtype)  # (T, hd) x2
-        self.weights_of = [layer_weights(self.weights, i) for i in self.layers]
 
     def embed(self):
         return embedding_forward_parallel(self.input_ids, self.weights[EMBED], self.comm, self.sp)  # (B, n, h)
