@@ -33,15 +33,18 @@ def run(args):
         return
     base = next(r for r in rows if r["name"] == "autograd")
     ratio = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    spread = lambda v, lo_hi, scale=1.0, f="{:.2f}": "-" if v is None else \
+        f"{f.format(v * scale)} [{f.format(lo_hi[0] * scale)}..{f.format(lo_hi[1] * scale)}]"  # noqa: E731
     print(table(rows, [
         ("run", lambda r: r["name"]),
         ("peak live", lambda r: fmt_bytes(r["peak_live_bytes"])),
         ("recompute GFLOP", lambda r: f"{r['recompute_flops'] / 1e9:.3f}"),
-        ("step ms", lambda r: f"{r['step_seconds'] * 1e3:.1f}"),
+        ("step ms [min..max]", lambda r: spread(r["step_seconds"], r["step_seconds_min_max"], 1e3, "{:.0f}")),
         ("time / autograd", lambda r: f"{r['step_seconds'] / base['step_seconds']:.2f}"),
         ("vs equivalent: memory", lambda r: ratio(r["memory_vs_equivalent"])),
-        ("time", lambda r: ratio(r["time_vs_equivalent"])),
+        ("time [min..max]", lambda r: spread(r["time_vs_equivalent"], r["time_vs_equivalent_min_max"])),
         ("equivalent", lambda r: r["equivalent"] or "-"),
     ]))
-    print("peak live = bytes of all tensors created during the step, weight gradients excluded. "
-          "torch checkpoint_sequential keeps its last segment stored (no recompute there).")
+    print(f"step ms: median of {args.repeats} interleaved repeats [fastest..slowest]; time vs equivalent: the median "
+          f"of the repeat-by-repeat ratios [smallest..largest]. peak live = bytes of all tensors created during the "
+          f"step, weight gradients excluded. torch checkpoint_sequential keeps its last segment stored.")
