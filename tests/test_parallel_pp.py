@@ -18,7 +18,7 @@ from picockpt.inventory import chain_sizes
 from picockpt.measure import make_batch
 from picockpt.parallel import PipelineJob, run_pipeline_steps
 from picockpt.parallel.pp_inventory import StageForms, stage_chain, uniform_schedules
-from picockpt.parallel.schedules import stage_layers
+from picockpt.parallel.schedules import bubble_fraction, stage_layers, unequal_bubble
 from picockpt.planner import end_of_forward_bytes, replay
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -250,3 +250,12 @@ def test_uniform_schedules_are_what_the_policies_run():
         mine = named[policy]
         assert (end_of_forward_bytes(chain, mine), *replay(chain, mine)) == expected, policy
     assert [len(layers) for layers in stage_layers(5, 4)] == [2, 1, 1, 1]
+
+
+def test_the_paced_bubble_is_narayanans_with_equal_stages_and_the_slowest_stage_sets_the_pace():
+    for stages, microbatches in ((2, 1), (2, 4), (4, 8), (8, 3)):
+        for bubble in unequal_bubble([3.0] * stages, microbatches):
+            assert bubble == pytest.approx(bubble_fraction(stages, microbatches), abs=1e-12)
+    # P = 2, M = 4, stage 1 twice as slow per micro-batch (1 s vs 2 s): the step is 1 + 2 + 3 * 2 = 9 s,
+    # stage 0 computes 4 of them, stage 1 computes 8, and the slow stage idles less than the formula says
+    assert unequal_bubble([4.0, 8.0], 4) == pytest.approx([5 / 9, 1 / 9], abs=1e-12)

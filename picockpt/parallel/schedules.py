@@ -92,3 +92,14 @@ def before_backward(schedule, stages, microbatches, stage):
 def bubble_fraction(stages, microbatches):
     """Narayanan et al.'s (P - 1) / (M + P - 1): the idle share of each stage with equal stage times."""
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def unequal_bubble(compute_seconds, microbatches):
+    """Each stage's idle share when the stages take unequal times: compute_seconds[s] is stage s's
+    computing over its M micro-batches, t_s = compute_seconds[s] / M per micro-batch. The slowest
+    stage k sets the pace: the step lasts about sum(t_s) + (M - 1) * t_k (one micro-batch through
+    every stage, the other M - 1 at the slowest stage's rate; sends and the schedule's own Python are
+    not counted), and stage s computes M * t_s of it. With equal t_s this is (P - 1) / (M + P - 1)."""
+    per_microbatch = [seconds / microbatches for seconds in compute_seconds]
+    step = sum(per_microbatch) + (microbatches - 1) * max(per_microbatch)
+    return [1.0 - microbatches * t / step for t in per_microbatch]
