@@ -104,8 +104,8 @@ for p, (stored_c, live_c) in fits.items():
 #   and every point equals the exact formula, `predicted_peak_bytes`.
 # * **live**: the $T^2$ term does not vanish, it moves. The backward of one attention layer holds,
 #   beside the probabilities (stored, or rebuilt by selective), working T×T tensors: the gradient of
-#   the probabilities $dP$, the product $dP \cdot P$, the softmax's gradient $dS$, each freed at its last
-#   use, two of them at once. The $s^2$ term goes from "times $L$, for the whole step" to "one layer, for
+#   the probabilities $dP$ and the softmax's gradient $dS = P \circ (dP - \mathrm{rowsum}(dP \circ P))$
+#   (one fused kernel, as autograd's: no other T×T temporary), two of them at once. The $s^2$ term goes from "times $L$, for the whole step" to "one layer, for
 #   the moment of its backward". (FlashAttention removes even that by never materialising T×T: lesson
 #   09.) The live $c$ are fits, not counts, and depend on the range of $T$: the live peak is the larger
 #   of that $T^2$ moment and other moments of the step whose working memory grows only with $T$, which

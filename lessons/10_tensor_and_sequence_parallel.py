@@ -13,9 +13,12 @@
 # Tensor parallelism (Megatron) splits the heads and the MLP's width over the ranks, so every tensor
 # inside the attention and the MLP divides by $t$ (the 24 and the attention core); the $10 s b h$ outside
 # them (the norms' inputs and outputs, the residual dropout masks) stays whole on every rank. Sequence
-# parallelism splits those along the sequence, so all 34 divide by $t$, at no extra communication: the
-# all-reduce at the end of each block becomes a reduce-scatter, and the identity at its start an
-# all-gather.
+# parallelism splits those along the sequence, so all 34 divide by $t$. Its forward moves no more than
+# plain tensor parallelism: the all-reduce at the end of each block becomes a reduce-scatter and the
+# identity at its start an all-gather, the same bytes on a ring. Its backward moves more: a rank keeps
+# only its shard of each norm output, so the projections' weight gradients need it all-gathered again
+# (as Megatron-LM does, rather than keeping the gathered copy), and the norms' weight gradients are
+# all-reduced: about 1.5 times the plain backward's bytes on the wire (the table below shows it).
 #
 # Here those rows are per-rank measurements: picockpt's own layer (GQA, SwiGLU, RMSNorm, dropout) runs
 # on $t$ = 1, 2 and 4 gloo ranks through the engine's own loop, and every rank's tracker counts its
@@ -176,7 +179,8 @@ print(f"\nat t={top}: full recomputation moves {full['recompute'] / full['forwar
       f"all-gather per checkpoint: {distributed['recompute'] - full['recompute']:,} B more.")
 print("(bytes as nccl-tests count them: an all-reduce of S bytes counts S, an all-gather or reduce-scatter of a "
       "whole S-byte tensor S too; on a ring a rank sends 2(t-1)/t S for the first and (t-1)/t S for the others, "
-      "so sp's two collectives put the same bytes on the wire as the all-reduce they replace)")
+      "so in the forward sp's two collectives put the same bytes on the wire as the all-reduce they replace; "
+      "its backward adds one all-gather of each norm output per block)")
 
 # %% [markdown]
 # ## Table 2 for a 70B shape

@@ -44,7 +44,7 @@ from picockpt.policy import parse_policy
 from picockpt.tracker import Tracker
 
 ROUTINGS = ("balanced", "skewed", "all to one")
-CHOICES = ("selective", "moe_act", "cheap", "moe", "cheap+moe", "full")
+CHOICES = ("selective", "moe_act", "cheap", "router", "moe", "cheap+moe", "full")
 JITTERS = (0.01, 0.1)  # Switch Transformer's router jitter, and ten times it
 TOP_KS = (1, 2, 3, 4)
 
@@ -266,7 +266,12 @@ for name, order in ranking.items():
 # With eager attention the $T \times T$ probabilities are the best buy (`selective`, `cheap`); with fused
 # attention there is nothing to drop there, and `moe_act` and `cheap` are free in matmul FLOPs (rebuilt
 # elementwise). Among choices that cost matmuls, recomputing the experts' projections (`moe`) buys fewer
-# bytes per FLOP than the attention core, but more than recomputing the whole layer.
+# bytes per FLOP than the attention core; against recomputing the whole layer it depends on the
+# attention: with eager attention `full` buys more per FLOP (it also drops the $T \times T$
+# probabilities), with fused attention, or on the small model, `moe` does. Read the three rankings.
+# `router` is small at both ends: it drops E probabilities per token (0.125 MiB for the Mixtral layer)
+# for one $h \to E$ linear; nobody would recompute it alone, but a budget planner takes it where those
+# few bytes tip a layer under the budget (`tests/test_moe_inventory.py` shows the planner doing so).
 
 # %%
 print("\n3. router jitter, recomputation with and without the generator replayed:")

@@ -22,7 +22,7 @@ import torch
 from . import peers, peers_hf
 from .bridge import segmented_backward
 from .engine import loss_and_grads
-from .measure import _sync, make_batch
+from .measure import _sync, make_batch, max_relative_diff
 from .params import init_params
 from .reference import ReferenceLlama
 from .tracker import Tracker
@@ -120,16 +120,32 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
                 owner.zero_grad(set_to_none=True)
         return loss, tracker
 
+    def grads_of(kind, how):
+        """{name: gradient} of one untracked step, under the params' names."""
+        torch.manual_seed(seed)  # the same dropout masks as every other run
+        if kind == "picockpt":
+            return loss_and_grads(params, cfg, input_ids, targets, how)[1]
+        step_of(kind, how)()
+        owner = hf_models.get(how) if kind == "hf" else model
+        grads = peers_hf.hf_grads(owner, cfg.tie_embeddings) if kind == "hf" else model.grads()
+        grads = {name: grad.detach().clone() for name, grad in grads.items()}
+        owner.zero_grad(set_to_none=True)
+        return grads
+
     for _, kind, how, _ in contenders(cfg, seq, segment):
         if kind == "hf":  # built before any tracking: their weights are not the step's memory
             hf_models[how] = peers_hf.hf_llama(cfg, params, *how, device=device)
     rows = []
+    reference = grads_of("picockpt", "none")  # every contender's gradients, against picockpt's under none
     for name, kind, how, equivalent in contenders(cfg, seq, segment):
         # memory and FLOPs in two runs: FlopCounterMode hooks every module's outputs, which under
         # torch.utils.checkpoint keeps recomputed graphs alive until the garbage collector runs
         loss, memory = tracked(kind, how, flops=False)
         _, flops = tracked(kind, how, physical=False)
+        grads = grads_of(kind, how)
+        worst = max(max_relative_diff(grads[n], reference[n]) for n in reference)
         rows.append({"name": name, "kind": kind, "equivalent": equivalent, "loss": loss.item(),
+                     "grad_max_rel_diff": worst,
                      "peak_live_bytes": memory.peak_physical, "total_flops": sum(flops.flops.values()),
                      "recompute_flops": flops.flops["recompute"], "times": []})
         if log:

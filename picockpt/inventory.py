@@ -206,13 +206,16 @@ def tail_flops(cfg, batch, seq):
 def rebuild_flops(cfg, batch, seq, drop):
     """Matmul FLOPs one layer's backward spends rebuilding what `drop` dropped: the q k^T of the
     attention probabilities (eager), the experts' gate/up projections (moe: B*T*k rows of h -> 2f), the
-    shared expert's (shared_experts). Norm outputs and SwiGLU products are rebuilt elementwise: 0."""
+    shared expert's (shared_experts), the router's linear (router: B*T rows of h -> E). Norm outputs
+    and SwiGLU products are rebuilt elementwise: 0."""
     BT, h, parts = batch * seq, cfg.hidden, layer_flops(cfg, batch, seq)
     flops = parts["scores"] if "attn.probs" in drop and cfg.attention == "eager" else 0
     if cfg.experts and "moe.gate_up" in drop:
         flops += 2 * BT * cfg.experts_per_token * h * 2 * cfg.ffn
     if cfg.experts and "moe.shared_gate" in drop:
         flops += 2 * BT * h * 2 * cfg.shared_expert_ffn
+    if cfg.experts and "moe.router_probs" in drop:  # router: the router's linear again, h -> E
+        flops += 2 * BT * h * cfg.experts
     return flops
 
 

@@ -30,7 +30,7 @@ def _sync(device):
 
 
 def time_steps(step, device, repeats):
-    """Median wall seconds of `repeats` calls of step(), after one warm-up call."""
+    """Wall seconds of `repeats` calls of step(), after one warm-up call: [seconds of each call]."""
     step()
     times = []
     for _ in range(repeats):
@@ -39,7 +39,7 @@ def time_steps(step, device, repeats):
         step()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, baseline=None, trace=False):
@@ -68,7 +68,7 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
     del copy, optimizer
 
     optimizer = make_optimizer(params)
-    seconds = time_steps(lambda: train_step(params, optimizer, cfg, input_ids, targets, policy), device, repeats)
+    times = time_steps(lambda: train_step(params, optimizer, cfg, input_ids, targets, policy), device, repeats)
     row = {
         "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "batch": batch, "seq": seq,
         "layers": cfg.layers, "hidden": cfg.hidden, "attention": cfg.attention, "loss_chunk": cfg.loss_chunk,
@@ -78,7 +78,7 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
         "peak_tracked_bytes": max(p["total"] for p in tracker.peaks.values()),  # with weights, grads, optimizer
         "forward_flops": tracker.flops["forward"], "recompute_flops": tracker.flops["recompute"],
         "backward_flops": tracker.flops["backward"],
-        "step_seconds": seconds, "loss": loss.item(), "grad_max_abs_diff_vs_none": diff,
+        "step_seconds": statistics.median(times), "step_seconds_min_max": [min(times), max(times)], "loss": loss.item(), "grad_max_abs_diff_vs_none": diff,
         "phase_peaks": tracker.peaks,
     }
     if tracker.cuda:
@@ -111,3 +111,10 @@ def measured_inventory(cfg, batch, seq, policy="none", device="cpu", seed=0):
     torch.manual_seed(seed)
     loss_and_grads(params, cfg, input_ids, targets, policy, tracker=recorder)
     return recorder.puts
+
+
+def max_relative_diff(value, reference):
+    """max |value - reference| / max |reference| over one tensor (0 when both are 0)."""
+    scale = reference.double().abs().max().item()
+    diff = (value.double() - reference.double()).abs().max().item()
+    return diff / scale if scale else diff

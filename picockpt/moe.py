@@ -18,7 +18,7 @@ activation element and per statistic; fs: the shared expert's width):
 
     name                 shape          bytes         dropped by
     moe.jitter           (B, T, h)      BTh e         (router_jitter > 0 only: the noise itself)
-    moe.router_probs     (N, E)         N E s         (the router output)
+    moe.router_probs     (N, E)         N E s         router (the router output: its linear run again)
     moe.expert_index     (N, k)         8 N k         (int64: the routing decision, never recomputed)
     moe.gate_up[e]       (n_e, 2f)      2 n_e f e     moe
     moe.act[e]           (n_e, f)       n_e f e       moe_act, moe, cheap
@@ -67,8 +67,7 @@ def moe_block_backward(grad, normed, w, cfg, take):
     gradient} of the router, the experts (and the shared expert). normed() gives xn, the block's input.
     Each expert's part is expert_backward's; the router's and the jitter's, input_backward's."""
     E, stat = w.router.shape[0], cfg.stat_dtype
-    probs, index = take("moe.router_probs"), take("moe.expert_index")  # (N, E), (N, k)
-    weights = combine_weights(probs, index).flatten()  # (N k,) the forward's weights, bitwise
+    index = take("moe.expert_index")  # (N, k) the routing decision, always kept
     noise = take("moe.jitter") if cfg.router_jitter > 0 else None  # (B, T, h)
     dm = grad()  # (B, T, h)
     B, T, h = dm.shape
@@ -76,6 +75,8 @@ def moe_block_backward(grad, normed, w, cfg, take):
     xn = normed()  # (B, T, h)
     x = (xn if noise is None else xn * noise).reshape(B * T, h)  # (N, h) the input the experts saw
     del xn
+    probs = take("moe.router_probs", rebuild=lambda: router_probs(x, w, cfg))  # (N, E); dropped (router): again
+    weights = combine_weights(probs, index).flatten()  # (N k,) the forward's weights, bitwise
     dx = torch.zeros_like(x)  # (N, h) summed over the experts of each token
     dweights = torch.zeros_like(weights)  # (N k,)
     d_gate_up = torch.zeros_like(w.experts_gate_up)  # (E, 2f, h) an expert without tokens gets zeros
@@ -122,6 +123,12 @@ def route(xn, w, cfg, keep, index=None):
     else:  # the kept decision: the weights of its experts, from this forward's probabilities
         weights = combine_weights(probs, index)  # (N, k)
     return x, index, weights
+
+
+def router_probs(x, w, cfg):
+    """x (N, h), the experts' input -> probs (N, E): the router's linear and softmax again, by the
+    forward's own function (the same ops on the same input: the same numbers). The rebuild of `router`."""
+    return router_forward(linear_forward(x, w.router), cfg.experts_per_token, cfg.stat_dtype)[0]  # (N, E)
 
 
 def expert_forward(inputs, gate_up_weight, down_weight, keep, e, project=True):

@@ -122,13 +122,14 @@ def plan_model(cfg, batch, seq, budget_bytes, drop=frozenset(), max_slots=None):
 # ---- the dynamic programme -----------------------------------------------------------------
 def plan_chain(chain, budget, max_slots=None):
     """The least-recompute Plan for a chain of Stages (the last one is the head) within `budget` bytes."""
+    slot, slots, exact = _grid(chain, budget, max_slots)
+    extra = 0 if exact else len(chain)  # rounding up adds less than one slot per stage held at once
+    _check_table_fits(len(chain), slots + extra)
     least = least_budget(chain)
     if budget < least:
         raise ValueError(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below the least feasible "
                          f"budget for this model and batch, {least:,} bytes ({least / 2**20:.2f} MiB): "
                          f"use budget:{math.ceil(least / 2**20 * 100) / 100}MiB or more")
-    slot, slots, exact = _grid(chain, budget, max_slots)
-    extra = 0 if exact else len(chain)  # rounding up adds less than one slot per stage held at once
     cost = _solve(chain, slot, slots + extra)
     whole = cost[len(chain) - 1, 0]  # (m,) C(0, L, m): the whole chain in m slots
 
@@ -148,6 +149,18 @@ def plan_chain(chain, budget, max_slots=None):
         else:
             hi = mid - 1
     return best
+
+
+def _check_table_fits(n, slots):
+    """ValueError, before any work, when _solve's table of n x n x (slots + 1) float64 costs would take
+    more than half the RAM available (a chain of thousands of layers)."""
+    from .device import available_bytes
+    need, (have, where) = n * n * (slots + 1) * 8, available_bytes("cpu")
+    if need > have // 2:
+        most = math.isqrt(have // 2 // ((slots + 1) * 8))
+        raise ValueError(f"layers: a chain of {n} stages needs the planner's table of {n}^2 x {slots + 1} costs, "
+                         f"{need / 2**30:.1f} GiB, more than half the {have / 2**30:.1f} GiB of {where}; plan at most "
+                         f"about {most - 1} layers, or a uniform chain (--chain uniform --length {n - 1})")
 
 
 def _grid(chain, budget, max_slots):

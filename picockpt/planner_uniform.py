@@ -141,8 +141,9 @@ def _check_size(length, slots):
     if work > MAX_WORK:
         steps, t = binomial_forward_steps(length, slots)
         raise ValueError(f"length={length}, slots={slots}: the optimal schedule comes from a table of every "
-                         f"sub-chain and slot count, length^2 x slots = {work:.2g} operations, and planning stops at "
-                         f"{MAX_WORK:.0e} (about a second; this one would take {work / MAX_WORK:.0f}x longer). "
+                         f"sub-chain and slot count, length^2 x slots = {work:,} operations, more than the "
+                         f"{MAX_WORK:,} planned here (about a second; this one would take {work / MAX_WORK:,.2f}x as "
+                         f"long). "
                          f"Use a shorter chain or fewer slots; the least number of forward steps, from the closed "
                          f"form alone, is {steps:,} (t = {t})")
 

@@ -17,13 +17,16 @@ Op level (inside every layer that is kept; at most one of each line):
     moe_act       drop the experts' SwiGLU products; rebuild each from its kept gate and up projections
     moe           drop all the experts keep (gate/up projections and products): keep only the router
                   output and the routing decision, and run each expert's gate/up projection again
+    router        drop the router's output, the E probabilities of every token; run the router's
+                  linear and softmax again in the backward. Small either way: 32 bytes a token for
+                  Mixtral's 8 experts in fp32, for 2hE FLOPs (against k*3f activations a token,
+                  172,032 bytes for Mixtral 8x7B in bf16, that moe_act and moe act on)
   with a shared expert (Config.shared_expert_ffn > 0):
     shared_experts  drop the shared expert's projections and product; project again in the backward
 Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective,  selective+moe,
-                   cheap+moe+shared_experts.
-No option drops the router's output: E probabilities per token (32 bytes for Mixtral's 8 in fp32)
-against k*3f activations per token (172,032 bytes for Mixtral 8x7B in bf16); rebuilt, it would also
-have to pick the very same experts again. The routing decision stays stored whatever the policy.
+                   cheap+moe+shared_experts+router.
+The routing decision (which experts each token went to) stays stored whatever the policy: a
+recomputation reuses it, never routes again (with router jitter it could choose other experts).
 
 A layer is forwarded in one of three modes:
     "all"    store its input and its activations (minus the op-level drops); a schedule
@@ -42,10 +45,12 @@ CHEAP = SELECTIVE | {"attn_norm.output", "mlp_norm.output", "mlp.act", "final_no
 MOE_ACT = frozenset({"moe.act"})
 MOE = MOE_ACT | {"moe.gate_up"}
 SHARED_EXPERTS = frozenset({"moe.shared_gate", "moe.shared_up", "moe.shared_act"})
+ROUTER = frozenset({"moe.router_probs"})
 CHOICES = ({"selective": SELECTIVE, "cheap": CHEAP},  # at most one of each group, in this order
            {"moe_act": MOE_ACT, "moe": MOE},
-           {"shared_experts": SHARED_EXPERTS})
-MOE_CHOICES = ("moe_act", "moe", "shared_experts")  # only for mixture-of-experts layers
+           {"shared_experts": SHARED_EXPERTS},
+           {"router": ROUTER})
+MOE_CHOICES = ("moe_act", "moe", "shared_experts", "router")  # only for mixture-of-experts layers
 
 
 def _combinations():

@@ -1,7 +1,6 @@
 """Attention kinds (eager / tiled / fused) and the chunked head: the same numbers, the bytes of the closed form."""
 import pytest
 import torch
-from torch.testing import assert_close
 
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import layer_inventory, predicted_peak_bytes, step_flops
@@ -68,6 +67,8 @@ def test_fused_matches_eager(dtype, limit, heads, T):
         assert got.shape == want.shape
         if want.abs().max() > 0:
             assert rel(got, want) <= limit
+        else:  # T = 1: dq and dk are 0 (one key, softmax = 1), up to rounding in the kernel's P (dP - D)
+            assert got.abs().max() <= limit * dout.abs().max()
 
 
 def test_tiled_skips_the_tiles_above_the_diagonal():

@@ -15,13 +15,14 @@ def picockpt(*args, check=True):
 
 def test_measure_json_has_the_documented_keys():
     out = picockpt("measure", "--preset", "tiny", "--layers", "5", "--seq", "24", "--policy", "every:2+selective",
-                   "--device", "cpu", "--repeats", "1", "--json")
+                   "--device", "cpu", "--repeats", "1", "--attention", "tiled", "--loss-chunk", "7", "--json")
     row = json.loads(out.stdout)
     for key in ("policy", "peak_activation_bytes", "predicted_activation_bytes", "peak_live_bytes",
                 "forward_flops", "recompute_flops", "backward_flops", "step_seconds", "loss",
-                "grad_max_abs_diff_vs_none"):
+                "grad_max_abs_diff_vs_none", "attention", "loss_chunk"):
         assert key in row, key
     assert row["policy"] == "every:2+selective"
+    assert (row["attention"], row["loss_chunk"]) == ("tiled", 7)
     assert row["peak_activation_bytes"] == row["predicted_activation_bytes"]
     assert row["grad_max_abs_diff_vs_none"] == 0.0
     assert row["peak_live_bytes"] >= row["peak_activation_bytes"]
@@ -57,12 +58,23 @@ def test_compare_memory_against_pytorch():
                                           log=None)}
     losses = {round(r["loss"], 4) for r in rows.values()}
     assert len(losses) == 1  # every contender computes the same loss
+    for name, row in rows.items():  # and the same gradients (fp32: summation orders differ)
+        assert row["grad_max_rel_diff"] <= 1e-5, (name, row["grad_max_rel_diff"])
+    assert rows["picockpt full"]["grad_max_rel_diff"] == 0  # recomputation is bitwise
     for name, row in rows.items():
         if row["kind"] == "picockpt" and row["memory_vs_equivalent"] is not None:
             assert row["memory_vs_equivalent"] <= 1.0, name
     # the same recomputation as torch's: one extra forward of every layer (torch stops early, see lesson 07)
     assert rows["picockpt full"]["recompute_flops"] == rows["bridge full"]["recompute_flops"]
     assert rows["torch checkpoint per layer"]["recompute_flops"] < rows["picockpt full"]["recompute_flops"]
+
+
+def test_compare_checks_the_hugging_face_contenders_gradients_under_fused_attention():
+    rows = {r["name"]: r for r in compare(Config.from_preset("tiny", attention="fused"), 2, 16, repeats=1, log=None)}
+    assert {"HF eager", "HF eager + checkpointing", "HF sdpa", "HF sdpa + checkpointing"} <= set(rows)
+    for name, row in rows.items():
+        assert row["grad_max_rel_diff"] <= 1e-5, (name, row["grad_max_rel_diff"])
+    assert rows["picockpt full"]["equivalent"] == "HF sdpa + checkpointing"
 
 
 @pytest.mark.parametrize("command,phrases", [

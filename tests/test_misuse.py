@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, peers
+from picockpt.cli import main
 from picockpt.device import WORKING_COPIES, check_fits, step_bytes
 from picockpt.inventory import layer_flops, predicted_peak_bytes
 from picockpt.measure import make_batch
@@ -145,7 +146,7 @@ def test_a_peer_built_for_another_length_says_so():
     (["train", "--preset", "tiny", "--lr", "-1"], "--lr=-1.0: AdamW's learning rate must be a positive number"),
     (["train", "--preset", "tiny", "--seed", "-1"], "--seed=-1: use a whole number from 0 to 2**63 - 2"),
     (["plan", "--chain", "uniform", "--length", "100000", "--slots", "3"],
-     "length^2 x slots = 3e+10 operations, and planning stops at 4e+08"),
+     "length^2 x slots = 30,000,000,000 operations, more than the 400,000,000 planned here"),
     (["plan", "--chain", "uniform", "--length", "10", "--slots", "3", "--budget", "1MiB"],
      "--budget: not used by --chain uniform"),
     (["plan", "--benchmark", "--budget", "1MiB"], "--budget: not used by --benchmark"),
@@ -155,6 +156,36 @@ def test_a_peer_built_for_another_length_says_so():
 def test_misuse_is_a_one_line_error(args, message):
     one_line_error(picockpt(*args, *(["--device", "cpu"] if args[0] in ("measure", "compare", "train") else [])),
                    message)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["parallel", "--recompute-early"], "--recompute-early without --pp P (P > 1): it changes a pipeline stage's waits"),
+    (["parallel", "--no-overlap"], "--no-overlap without --dp D (D > 1)"),
+    (["parallel", "--schedule", "afab"], "--schedule without --pp P or --microbatches M (> 1)"),
+    (["parallel", "--keep-dispatched"], "--keep-dispatched without --ep: it keeps the rows"),
+    (["parallel", "--batch", "8", "--seq", "65536", "--max-seq", "65536"],
+     "(this command also runs the whole step in one process, to check the ranks' gradients). To fit, use a smaller"),
+    (["predict", "--distribute-saved"], "--distribute-saved with --tp 1: it splits each checkpoint over the"),
+    (["plan", "--layers", "3000", "--budget", "100MiB"], "layers: a chain of 3001 stages needs the planner's table"),
+    (["plan", "--chain", "uniform", "--length", "10", "--slots", "2", "--hidden", "64"],
+     "--hidden: not used by --chain uniform (counted in slots, not bytes); leave it out"),
+    (["predict", "--seq", "1000000000000", "--max-seq", "1000000000000", "--json"], None),  # closed forms only: fine
+])
+def test_flags_of_a_layout_not_asked_for_are_one_line_errors(args, message, capsys):
+    code = main([*args, "--preset", "tiny"] + (["--device", "cpu"] if args[0] == "parallel" else []))
+    err = capsys.readouterr().err
+    if message is None:
+        assert code in (0, None) and err == ""
+        return
+    assert code == 2 and err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_flags_argparse_refuses_are_one_line_errors_too(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["measure", "--batch", "abc"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err == ("error: argument --batch: invalid int value: 'abc' "
+                                               "(`python -m picockpt measure --help` explains every flag)\n")
 
 
 def test_the_uniform_chain_error_gives_the_closed_form_answer():

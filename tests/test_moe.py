@@ -96,8 +96,9 @@ def test_gradients_equal_the_autograd_reference_fp64(fields):
 
 # ---- every recomputation choice: bitwise the gradients of storing everything --------------------------
 
-POLICIES = ["full", "every:2", "every:3", "selective", "cheap", "moe_act", "moe", "shared_experts",
-            "selective+moe", "cheap+moe+shared_experts", "full+moe", "every:2+moe_act", "every:2+cheap+moe",
+POLICIES = ["full", "every:2", "every:3", "selective", "cheap", "moe_act", "moe", "shared_experts", "router",
+            "selective+moe", "cheap+moe+shared_experts+router", "full+moe", "every:2+moe_act", "every:2+cheap+moe",
+            "full+router", "budget:60KiB+router",
             "budget:60KiB", "budget:60KiB+moe_act", "budget:36KiB"]
 
 
@@ -140,12 +141,13 @@ def test_op_level_choices_store_and_recompute_what_they_say():
     cfg = Config.from_preset("tiny", experts=4, shared_expert_ffn=24)
     B, T = 2, 13
     names = {policy: set(layer_inventory(cfg, B, T, parse_policy(policy).drop)) for policy in
-             ("none", "moe_act", "moe", "shared_experts", "cheap")}
+             ("none", "moe_act", "moe", "shared_experts", "cheap", "router")}
     experts = {f"moe.{kind}[{e}]" for kind in ("gate_up", "act") for e in range(4)}
     assert experts | {"moe.router_probs", "moe.expert_index"} <= names["none"]
     assert names["none"] - names["moe_act"] == {f"moe.act[{e}]" for e in range(4)}
     assert names["none"] - names["moe"] == experts  # only the router output and the routing decision stay
     assert names["none"] - names["shared_experts"] == {"moe.shared_gate", "moe.shared_up", "moe.shared_act"}
+    assert names["none"] - names["router"] == {"moe.router_probs"}  # the routing decision stays
     assert {f"moe.act[{e}]" for e in range(4)} | {"moe.shared_act"} <= names["none"] - names["cheap"]
 
 

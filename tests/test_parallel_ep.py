@@ -31,7 +31,7 @@ MODELS = {  # name -> Config fields
     "fused E8 top-3": dict(attention="fused", experts=8, experts_per_token=3),
     "jitter dropout": dict(router_jitter=0.1, dropout=0.1),  # last: the generator it leaves is checked
 }
-POLICIES = ["none", "cheap+moe_act", "full", "moe", "every:2+moe"]
+POLICIES = ["none", "cheap+moe_act", "full", "moe", "every:2+moe", "moe+router"]
 CHOICES = {"full", "moe", "every:2+moe", "full+moe+shared_experts"}  # also run with keep_dispatched=True
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 

@@ -8,6 +8,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from picockpt.parallel import RankError, run_ranks, under_torchrun
-from processes import child_pids, free_port, no_process_left_behind  # noqa: F401 (a fixture)
+from picockpt.parallel.layout import Layout, build_groups
+from processes import free_port, no_process_left_behind  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,6 +99,18 @@ pytestmark = pytest.mark.usefixtures("no_process_left_behind")  # no process out
 
 # -- tests -----------------------------------------------------------------------------------------
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def sub_group_all_reduce_with_a_sleeping_peer(comm):
+    groups = build_groups(Layout(dp=2), comm.rank, comm.device, timeout=comm.timeout)
+    if comm.rank == 1:
+        time.sleep(300)  # never joins the all-reduce; stopped by the caller once rank 0 has failed
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4), group=groups.dp_comm.group)
+    except Exception as error:  # noqa: BLE001 -- the timeout's own error type differs between backends
+        raise ValueError(f"the sub-group all-reduce gave up after {time.monotonic() - start:.1f} s") from error
+    return "returned"
+
+
 def test_results_by_rank_on_one_thread_each_and_only_loopback():
     tensor = torch.arange(3.0)
     results = run_ranks(rank_info, 2, tensor, scale=2, port=free_port())
@@ -129,6 +143,15 @@ def test_a_rank_hanging_in_a_collective_is_stopped_when_another_fails():
     assert message.startswith("rank 1 of 3 raised KeyError: 'missing'\n\ntraceback of rank 1:\nTraceback")
     assert 'raise KeyError("missing")' in message
     assert message.endswith("the other ranks: rank 0 was stopped; rank 2 was stopped")
+
+
+def test_collectives_in_sub_groups_wait_no_longer_than_the_jobs_timeout():
+    """Groups made by new_group do not inherit init_process_group's timeout: build_groups passes it on
+    (without it this all-reduce waits torch's default 30 minutes)."""
+    with pytest.raises(ValueError, match=r"the sub-group all-reduce gave up after (\d+\.\d) s") as caught:
+        run_ranks(sub_group_all_reduce_with_a_sleeping_peer, 2, timeout_s=6)
+    waited = float(re.search(r"after (\d+\.\d) s", str(caught.value)).group(1))
+    assert 5.5 <= waited < 20, waited
 
 
 def test_a_rank_that_exits_abruptly_is_named_with_its_exit_code():

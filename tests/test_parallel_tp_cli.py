@@ -21,7 +21,7 @@ from picockpt.parallel import Job, RankError, loss_and_grads, run_ranks, run_ste
 from picockpt.parallel.inventory import rank_comm_bytes, rank_layer_inventory, rank_peak_bytes
 from picockpt.parallel.step import _on_cpu, _rank_step
 
-from processes import child_pids, free_port, no_process_left_behind  # noqa: F401 (a fixture)
+from processes import free_port, no_process_left_behind  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
@@ -57,6 +57,21 @@ def test_user_mistakes_are_value_errors_naming_the_values(fields, seq, kwargs, m
     cfg, params, input_ids, targets = tiny(seq=seq, **fields)
     with pytest.raises(ValueError, match=message):
         loss_and_grads(params, cfg, input_ids, targets, **kwargs)
+
+
+def test_more_ranks_than_torchrun_started_is_an_error_naming_tp_or_ep(monkeypatch, capsys):
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(name, value)  # as torchrun --nproc-per-node 2 leaves them; nothing connects
+    cfg, params, input_ids, targets = tiny(kv_heads=4)
+    with pytest.raises(ValueError, match=r"^tp=4: torchrun started 2 processes, one per rank; pass tp=2, or start "
+                                         r"torchrun with --nproc-per-node 4$"):
+        loss_and_grads(params, cfg, input_ids, targets, tp=4)
+    assert main(["parallel", "--preset", "tiny", "--kv-heads", "4", "--tp", "4", "--seq", "8", "--batch", "2",
+                 "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: tp=4: torchrun started 2 processes")
+    moe_cfg, moe_params, moe_ids, moe_targets = tiny(batch=4, experts=4)
+    with pytest.raises(ValueError, match=r"^ep=4: torchrun started 2 processes"):
+        loss_and_grads(moe_params, moe_cfg, moe_ids, moe_targets, ep=4)
 
 
 def test_a_port_already_taken_is_a_value_error_naming_it():

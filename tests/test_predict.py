@@ -7,7 +7,7 @@ import pytest
 
 from picockpt import Config
 from picockpt.cli import main
-from picockpt.formulas import GIB, korthikanti_layer_bytes
+from picockpt.formulas import korthikanti_layer_bytes
 from picockpt.inventory import predicted_peak_bytes
 
 KEYS = ("model", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "recompute", "tp", "sp", "formula",

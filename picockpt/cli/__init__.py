@@ -33,10 +33,17 @@ commands:
 """ + "\n".join(f"  {name:<11}{text}" for name, text in COMMANDS.items())
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (as every other user mistake here), not the whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (`{self.prog} --help` explains every flag)\n")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    top = argparse.ArgumentParser(prog="python -m picockpt", description=DESCRIPTION,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = Parser(prog="python -m picockpt", description=DESCRIPTION,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")
     if not argv or argv[0].startswith("-"):  # no command: the overview (or --help)
         top.parse_args(argv)
@@ -44,7 +51,7 @@ def main(argv=None):
         return 2
     top.parse_args(argv[:1])  # a clear error for an unknown command
     name = argv[0]
-    parser = argparse.ArgumentParser(prog=f"python -m picockpt {name}", description=COMMANDS[name])
+    parser = Parser(prog=f"python -m picockpt {name}", description=COMMANDS[name])
     module = importlib.import_module(f"{__name__}.{name}")
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])

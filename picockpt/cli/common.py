@@ -1,6 +1,7 @@
 """What every command shares: the shape flags, the device flag, numbers with units."""
 from ..config import ATTENTIONS, DTYPES, PRESETS, Config
 from ..device import resolve_device
+from ..measure import max_relative_diff  # noqa: F401 (the commands import it from here)
 
 
 def add_shape_args(parser, preset="small", batch=4, seq=128):
@@ -94,10 +95,3 @@ def table(rows, columns):
              for line in cells]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
-
-
-def max_relative_diff(value, reference):
-    """max |value - reference| / max |reference| over one tensor (0 when both are 0)."""
-    scale = reference.double().abs().max().item()
-    diff = (value.double() - reference.double()).abs().max().item()
-    return diff / scale if scale else diff

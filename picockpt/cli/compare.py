@@ -48,3 +48,6 @@ def run(args):
     print(f"step ms: median of {args.repeats} interleaved repeats [fastest..slowest]; time vs equivalent: the median "
           f"of the repeat-by-repeat ratios [smallest..largest]. peak live = bytes of all tensors created during the "
           f"step, weight gradients excluded. torch checkpoint_sequential keeps its last segment stored.")
+    worst = max(rows, key=lambda r: r["grad_max_rel_diff"])
+    print(f"gradients: every run's within {worst['grad_max_rel_diff']:.1e} (max relative difference, worst: "
+          f"{worst['name']}) of picockpt none's, same weights and batch")

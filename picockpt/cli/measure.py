@@ -51,7 +51,8 @@ def run(args):
         ("recompute FLOPs", fmt_flops(row["recompute_flops"]),
          f"{row['recompute_flops'] / row['forward_flops']:.1%} of the forward"),
         ("backward FLOPs", fmt_flops(row["backward_flops"]), ""),
-        ("step time", f"{row['step_seconds'] * 1e3:.1f} ms", f"median of {args.repeats}"),
+        ("step time", f"{row['step_seconds'] * 1e3:.1f} ms", f"median of {args.repeats} "
+         f"[{row['step_seconds_min_max'][0] * 1e3:.1f}..{row['step_seconds_min_max'][1] * 1e3:.1f}]"),
         ("loss", f"{row['loss']:.6f}", ""),
         ("max |grad - grad(none)|", f"{row['grad_max_abs_diff_vs_none']:.3g}", "0 means bitwise equal"),
     ]

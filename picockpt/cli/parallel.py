@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ..device import check_fits
 from ..engine import loss_and_grads as single_loss_and_grads
 from ..measure import make_batch
 from ..params import init_params
@@ -46,8 +47,8 @@ def add_arguments(parser):
     pipeline.add_argument("--pp", type=int, default=1, help="pipeline stages P (default 1); layers split over them")
     pipeline.add_argument("--microbatches", type=int, default=1, help="micro-batches M per step (default 1); "
                           "--batch must be a multiple of dp x M")
-    pipeline.add_argument("--schedule", default="1f1b", choices=("afab", "1f1b"), help="all forwards then all "
-                          "backwards, or one forward one backward (default 1f1b)")
+    pipeline.add_argument("--schedule", default=None, choices=("afab", "1f1b"), help="all forwards then all "
+                          "backwards, or one forward one backward (default 1f1b; needs --pp)")
     pipeline.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     pipeline.add_argument("--recompute-early", action="store_true", help="a stage waiting for a gradient "
                           "recomputes that micro-batch's top segment meanwhile")
@@ -60,7 +61,31 @@ def add_arguments(parser):
                          "received: recomputing a layer reads them instead of dispatching them again")
 
 
+def check_flags(args):
+    """A flag that belongs to a layout not asked for is an error, never silently ignored."""
+    if args.keep_dispatched and args.ep == 1:
+        raise ValueError("--keep-dispatched without --ep: it keeps the rows an expert-parallel layer dispatched to "
+                         "other ranks' experts; add --ep N (N > 1, dividing --experts), or leave it out")
+    for flag, given, needs, wanted, what in (
+            ("--schedule", args.schedule is not None, args.pp > 1 or args.microbatches > 1,
+             "--pp P or --microbatches M (> 1)", "the order of micro-batches' forwards and backwards"),
+            ("--recompute-early", args.recompute_early, args.pp > 1, "--pp P (P > 1)", "a pipeline stage's waits"),
+            ("--no-overlap", args.no_overlap, args.dp > 1, "--dp D (D > 1)", "a data-parallel all-reduce")):
+        if given and not needs:
+            raise ValueError(f"{flag} without {wanted}: it changes {what}, and there is none here; add {wanted}, "
+                             f"or leave {flag} out")
+    args.schedule = args.schedule or "1f1b"
+
+
+def check_memory(args, cfg, policy, device):
+    """The command runs the whole step in one process too (the gradients' reference): refuse, with the
+    numbers, a step that cannot fit before any rank starts."""
+    check_fits(cfg, device, args.batch, args.seq, policy,
+               note=" (this command also runs the whole step in one process, to check the ranks' gradients)")
+
+
 def run(args):
+    check_flags(args)
     if args.ep != 1 or args.keep_dispatched:
         return run_expert(args)  # picockpt/cli/parallel_ep.py
     if (args.pp, args.microbatches, args.dp) != (1, 1, 1):
@@ -69,6 +94,7 @@ def run(args):
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
+    check_memory(args, cfg, policy, device)
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
     torch.manual_seed(args.seed)  # the dropout masks: the same state for both runs
@@ -124,6 +150,7 @@ def run_pipeline(args):
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
+    check_memory(args, cfg, policy, device)
     tp = 1 if args.tp is None else args.tp
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)

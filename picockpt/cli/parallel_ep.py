@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ..device import check_fits
 from ..engine import loss_and_grads as single_loss_and_grads
 from ..measure import make_batch
 from ..moe import step_routing
@@ -35,6 +36,8 @@ def run_expert(args):
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
+    check_fits(cfg, device, args.batch, args.seq, policy,
+               note=" (this command also runs the whole step in one process, to check the ranks' gradients)")
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
     torch.manual_seed(args.seed)  # the dropout masks and the router jitter: the same state for every run

@@ -7,6 +7,7 @@
 """
 import json
 import random
+import statistics
 import time
 
 from ..device import check_fits
@@ -72,7 +73,7 @@ def run(args):
              ("least feasible budget", fmt_bytes(row["least_budget_bytes"]), f"{row['least_budget_bytes']:,} bytes"),
              ("memory grid", f"{plan.slot_bytes:,} B/slot", "exact" if plan.exact_grid else
               "sizes rounded up to whole slots: within budget, perhaps not the very cheapest"),
-             ("planning time", f"{seconds * 1e3:.1f} ms", "")]
+             ("planning time", f"{seconds * 1e3:.1f} ms", "one run, not a benchmark (plan --benchmark)")]
     if args.measure:
         lines += [("measured peak of the store", fmt_bytes(row["measured_peak_bytes"]),
                    "equal" if row["measured_peak_bytes"] == plan.peak_bytes else "DIFFERS"),
@@ -91,6 +92,9 @@ def _check_flags(args):
         mode, ignored = "--chain uniform (counted in slots, not bytes)", {
             "--budget": args.budget is not None, "--measure": args.measure, "--benchmark": args.benchmark,
             "--op-level": args.op_level != "none"}
+        ignored.update({"--" + name.replace("_", "-"): getattr(args, name, None) is not None for name in (
+            "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype", "attention",
+            "attention_tile", "loss_chunk", "experts", "experts_per_token", "shared_expert_ffn", "router_jitter")})
     elif args.benchmark:
         mode, ignored = "--benchmark (its budgets are set per chain)", {
             "--budget": args.budget is not None, "--measure": args.measure, "--op-level": args.op_level != "none",
@@ -101,8 +105,8 @@ def _check_flags(args):
     given = [flag for flag, present in ignored.items() if present]
     if given:
         raise ValueError(f"{', '.join(given)}: not used by {mode}; leave {'it' if len(given) == 1 else 'them'} out "
-                         f"(--length/--slots belong to --chain uniform, --budget/--measure/--op-level to "
-                         f"--chain model)")
+                         f"(--length/--slots belong to --chain uniform, --budget/--measure/--op-level and the "
+                         f"shape flags to --chain model)")
 
 
 def schedule_table(plan):
@@ -167,21 +171,23 @@ def run_uniform(args):
 
 def run_benchmark(args):
     cfg = config_from_args(args)
-    results = benchmark(cfg, args.batch, args.seq, args.seed)
+    results = benchmark(cfg, args.batch, args.seq, args.seed, repeats=3)
     if args.json:
         print(json.dumps(results, indent=1))
         return
     print(f"planning time, 128 layers (h={cfg.hidden}, batch {args.batch} x {args.seq}), budget 1/5 of the "
-          f"way from the least to storing everything:")
+          f"way from the least to storing everything; median of 3 runs [fastest..slowest]:")
     for name, r in results.items():
         slot = fmt_bytes(r['budget_bytes'] / r['slots'])
-        print(f"  {name:<30}{r['seconds']:>8.3f} s   {r['slots']} slots of {slot}, "
+        low, high = r["seconds_min_max"]
+        print(f"  {name:<30}{r['seconds']:>8.3f} s [{low:.3f}..{high:.3f}]   {r['slots']} slots of {slot}, "
               f"plan peak {fmt_bytes(r['peak_bytes'])}, recompute {fmt_flops(r['recompute_flops'])}")
 
 
-def benchmark(cfg, batch, seq, seed=0, layers=128, slots=1000):
+def benchmark(cfg, batch, seq, seed=0, layers=128, slots=1000, repeats=1):
     """Planning time for `layers` layers on a grid of `slots` slots: picockpt's layers (all alike, so
-    equal sub-chains share one answer) and a chain of as many different layers (no sharing)."""
+    equal sub-chains share one answer) and a chain of as many different layers (no sharing); the
+    median of `repeats` runs and their spread."""
     chain = model_chain(cfg.replace(layers=layers), batch, seq)
     rng = random.Random(seed)
     different = tuple(Stage(int(s.forward_flops * rng.uniform(0.5, 1.5)), s.input_bytes,
@@ -191,9 +197,12 @@ def benchmark(cfg, batch, seq, seed=0, layers=128, slots=1000):
     for name, stages in ((f"{layers} equal layers (picockpt's)", chain), (f"{layers} different layers", different)):
         least, most = least_budget(stages), sum(max(a for _, a, _ in s.variants) for s in stages)
         budget = least + (most - least) // 5
-        start = time.perf_counter()
-        plan = plan_chain(stages, budget, max_slots=slots)
-        seconds = time.perf_counter() - start
-        results[name] = {"seconds": seconds, "budget_bytes": budget, "slots": budget // plan.slot_bytes,
+        times = []
+        for _ in range(repeats):  # the same plan each time; a shared machine's timing varies
+            start = time.perf_counter()
+            plan = plan_chain(stages, budget, max_slots=slots)
+            times.append(time.perf_counter() - start)
+        results[name] = {"seconds": statistics.median(times), "seconds_min_max": [min(times), max(times)],
+                         "budget_bytes": budget, "slots": budget // plan.slot_bytes,
                          "peak_bytes": plan.peak_bytes, "recompute_flops": plan.recompute_flops}
     return results

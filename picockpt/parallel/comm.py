@@ -88,10 +88,12 @@ def _sum(table, phase, kind):
 
 class Comm:
     """One process group as this rank sees it: its rank, its size, the device of its tensors, and
-    the log of what its collectives moved. group=None is every rank (torch's default group)."""
+    the log of what its collectives moved, and the timeout its job runs under. group=None is every rank
+    (torch's default group)."""
 
-    def __init__(self, group=None, device="cpu", tracker=None):
+    def __init__(self, group=None, device="cpu", tracker=None, timeout=None):
         self.group = group if group is not None else dist.group.WORLD
+        self.timeout = timeout  # a timedelta: what a group made from this one must wait at most (new_group's timeout)
         self.rank = dist.get_rank(self.group)  # this process's rank inside the group
         self.world_size = dist.get_world_size(self.group)
         self.device = torch.device(device)
@@ -108,6 +110,8 @@ class Comm:
 
 # -- the collectives themselves, each counted once ------------------------------------------------
 def _all_reduce(x, comm):
+    if comm.world_size == 1:  # a group of one: the sum is x itself, and nothing moves (as Megatron returns early)
+        return x
     x = x.contiguous()  # no copy when x is contiguous (the usual case); the reduction happens in place
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=comm.group)  # x (...) = sum over ranks, on every rank
     comm.log.record(comm.phase, "all_reduce", x.nbytes)
@@ -115,6 +119,8 @@ def _all_reduce(x, comm):
 
 
 def _all_reduce_max(x, comm):
+    if comm.world_size == 1:
+        return x
     x = x.contiguous()  # as _all_reduce: no copy when x is contiguous; reduced in place
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=comm.group)  # x (...) = elementwise max over ranks
     comm.log.record(comm.phase, "all_reduce", x.nbytes)
@@ -123,6 +129,8 @@ def _all_reduce_max(x, comm):
 
 def _all_gather(x, comm, dim):
     dim = _check_dim(x, dim)
+    if comm.world_size == 1:  # the one shard is the whole
+        return x
     shard = x.contiguous()  # (..., n, ...) a copy only if x is a strided view: the collective sends a flat buffer
     W = comm.world_size
     flat = x.new_empty((W * shard.shape[0],) + tuple(shard.shape[1:]))  # (W*d0, ...)
@@ -134,6 +142,8 @@ def _all_gather(x, comm, dim):
 
 def _reduce_scatter(x, comm, dim):
     dim = _check_divisible(x, comm, _check_dim(x, dim))
+    if comm.world_size == 1:  # the one chunk, summed over one rank
+        return x
     W, n = comm.world_size, x.shape[dim] // comm.world_size
     chunks = x.unflatten(dim, (W, n)).movedim(dim, 0).contiguous()  # (W, ..., n, ...) a copy when dim > 0
     shard = x.new_empty(chunks.shape[1:])  # (..., n, ...)
@@ -145,6 +155,8 @@ def _reduce_scatter(x, comm, dim):
 
 def _all_to_all(x, comm, send_splits, receive_splits):
     _check_splits(x, comm, send_splits, receive_splits)
+    if comm.world_size == 1:  # every row stays
+        return x
     rows = x.contiguous()  # (N_send, ...) a copy only if x is a strided view
     received = x.new_empty((sum(receive_splits),) + tuple(x.shape[1:]))  # (N_receive, ...)
     dist.all_to_all_single(received, rows, output_split_sizes=list(receive_splits),

@@ -47,7 +47,7 @@ from collections import namedtuple
 import torch
 
 from ..moe import expert_backward, expert_forward, input_backward, route, shared_expert_backward
-from ..moe import shared_expert_forward, weigh
+from ..moe import router_probs, shared_expert_forward, weigh
 from ..ops.router import combine_weights, expert_counts, expert_groups
 from .comm import all_to_all_backward, all_to_all_forward
 
@@ -135,9 +135,8 @@ def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
     shared expert's for this rank's tokens (summed over ranks later: they are replicated), and this
     rank's experts' (E_l, ...), from every rank's rows. normed() gives xn, the block's input."""
     stat = cfg.stat_dtype
-    probs, index = take("moe.router_probs"), take("moe.expert_index")  # (N_r, E), (N_r, k)
+    index = take("moe.expert_index")  # (N_r, k) the routing decision, always kept
     received = take("moe.received_counts")  # (W, E_l)
-    weights = combine_weights(probs, index).flatten()  # (N_r k,) the forward's weights, bitwise
     noise = take("moe.jitter") if cfg.router_jitter > 0 else None  # (B_r, T, h)
     plan = dispatch_plan(index, received, comm)
     dm = grad()  # (B_r, T, h)
@@ -146,6 +145,8 @@ def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
     xn = normed()  # (B_r, T, h)
     x = (xn if noise is None else xn * noise).reshape(B * T, h)  # (N_r, h) the input the experts saw
     del xn
+    probs = take("moe.router_probs", rebuild=lambda: router_probs(x, w, cfg))  # (N_r, E); dropped (router): again
+    weights = combine_weights(probs, index).flatten()  # (N_r k,) the forward's weights, bitwise
     # the combine's backward: out[token] += back[pair], so d back[pair] = dm[token]; the inverse
     # all-to-all takes each pair's row to the rank whose expert made it (P rows out, M in)
     grads_rows = all_to_all_backward(dm[plan.tokens], comm, plan.receive, plan.send)  # (M, h)

@@ -39,7 +39,7 @@ from .comm import CommLog, all_reduce_grads
 from .ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes, ep_peak_bytes,
                            received_rows)
 from .ep_model import ExpertParallelModel, gather_expert_grads, is_expert, shard_experts
-from .launch import run_ranks
+from .launch import check_rank_count, run_ranks
 from .step import PHASES, _held_bytes, _ranks_generator, _write
 
 
@@ -139,6 +139,7 @@ def _checked(job, ep, device):
     check_params(job.params, job.cfg)
     input_ids, targets = check_batch(job.cfg, job.input_ids, job.targets, job.params)
     check_expert_parallel(job.cfg, ep, input_ids.shape[0], policy, job.keep_dispatched)
+    check_rank_count("ep", ep, device)
     state = job.rng_state if job.rng_state is not None else _ranks_generator(device).get_state()
     return ExpertJob(job.params, job.cfg, input_ids, targets, policy.text, job.keep_dispatched, state)
 

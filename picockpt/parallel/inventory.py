@@ -196,8 +196,11 @@ def _sweeps(policy, cfg, batch, seq, t, sp, distribute_saved):
 
 
 def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
-    """{"forward", "recompute", "backward"}: bytes one rank's collectives move in one step."""
+    """{"forward", "recompute", "backward"}: bytes one rank's collectives move in one step (none at t = 1:
+    a group of one moves nothing)."""
     policy = parse_policy(policy, cfg)
+    if t == 1:
+        return {"forward": 0, "recompute": 0, "backward": 0}
     act, stat, master = (_BYTES[name] for name in _dtype_names(cfg))
     S, N, h, L = batch * seq * cfg.hidden * act, batch * seq, cfg.hidden, cfg.layers
     layer_forward = 4 * S if sp else 2 * S  # ENTER and LEAVE of both blocks (ENTER moves nothing without sp)

@@ -25,7 +25,9 @@ Where the processes come from
              (pickled by value, never shared memory).
 Backend: gloo on CPU, NCCL for device="cuda" (rank r on cuda:LOCAL_RANK).
 Timeout: init_process_group(timeout=timedelta(seconds=timeout_s)): every collective of the run,
-and the rendezvous, raises instead of waiting longer than timeout_s.
+and the rendezvous, raises instead of waiting longer than timeout_s. Comm.timeout carries it to the
+sub-groups (parallel/layout.py passes it to every new_group: a group made without one waits for
+torch's default, 30 minutes).
 Failure: the first rank to fail or die ends the run. Its error comes back as a RuntimeError that
 names the rank, the exception type and message, and carries that rank's traceback; a ValueError
 (a user mistake) comes back as a ValueError naming the rank. The other ranks are terminated
@@ -45,7 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .comm import Comm
-from .watch import STOP_GRACE_S, RankError, collect, stop
+from .watch import STOP_GRACE_S, RankError, collect, stop  # noqa: F401 (RankError: raised from here, by collect)
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LOCALHOST = "127.0.0.1"
@@ -54,6 +56,20 @@ LOCALHOST = "127.0.0.1"
 def under_torchrun():
     """True when torchrun (torch.distributed.run) started this process as one rank."""
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def check_rank_count(name, count, device="cpu"):
+    """ValueError naming `name` (tp, ep: the size that sets the number of ranks) when `count` ranks cannot
+    run here: under torchrun the processes are already started (WORLD_SIZE of them), and spawned ranks on
+    CUDA take one GPU each. On the CPU any count spawns (ranks beyond the cores share them, slowly)."""
+    if under_torchrun():
+        size = int(os.environ["WORLD_SIZE"])
+        if count != size:
+            raise ValueError(f"{name}={count}: torchrun started {size} processes, one per rank; pass {name}={size}, "
+                             f"or start torchrun with --nproc-per-node {count}")
+    elif torch.device(device).type == "cuda" and count > torch.cuda.device_count():
+        raise ValueError(f"{name}={count}: spawned ranks take one GPU each and this machine has "
+                         f"{torch.cuda.device_count()}; use at most that many, or device='cpu'")
 
 
 def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, port=None, start_method="spawn",
@@ -121,7 +137,7 @@ def _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s):
     if owns_group:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))  # env:// rendezvous
     try:
-        result = fn(Comm(device=device), *args, **kwargs)
+        result = fn(Comm(device=device, timeout=timedelta(seconds=timeout_s)), *args, **kwargs)
         results = [None] * size
         dist.all_gather_object(results, result)  # every rank gets every rank's result
     finally:
@@ -186,7 +202,7 @@ def _serve_rendezvous(port, world_size, timeout_s):
     except OSError as error:
         listener.close()
         raise ValueError(f"port={port}: cannot listen on {LOCALHOST}:{port} ({error.strerror}); another "
-                         f"process holds it. Leave port out to let run_ranks pick a free port") from None
+                         f"process holds it. Leave port out (on the command line: no --port) and a free one is picked") from None
     chosen = listener.getsockname()[1]
     return dist.TCPStore(LOCALHOST, chosen, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True)
@@ -210,7 +226,7 @@ def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, paylo
         joined = True
         dist.barrier()  # gloo's full-mesh connect can finish on one rank before another: a rank that
         #                 left (returned, failed) that early would break its peers' connect
-        result = fn(Comm(device=device), *args, **kwargs)
+        result = fn(Comm(device=device, timeout=timedelta(seconds=timeout_s)), *args, **kwargs)
         message = pickle.dumps(("ok", result))  # by value; a CUDA tensor would come back on CUDA
     except BaseException as error:  # noqa: BLE001 -- every failure, KeyboardInterrupt too, goes back
         message = pickle.dumps(("error", time.monotonic(), type(error).__name__, str(error),

@@ -84,27 +84,28 @@ class RankGroups:
     next: int = None
 
 
-def build_groups(layout, rank, device, made=None):
+def build_groups(layout, rank, device, made=None, timeout=None):
     """This rank's RankGroups. Every rank must call it with the same layout at the same point.
-    made: a dict kept across calls, so a layout's groups are made once per launch."""
+    made: a dict kept across calls, so a layout's groups are made once per launch. timeout: the
+    job's (a timedelta), for every collective in these groups too."""
     made = {} if made is None else made
     if layout not in made:
         tp_groups, dp_groups = {}, {}
         for stage in range(layout.pp):  # every rank makes every group, in this order
             for d in range(layout.dp):
                 if layout.tp > 1:
-                    tp_groups[stage, d] = dist.new_group(layout.tp_group(stage, d))
+                    tp_groups[stage, d] = dist.new_group(layout.tp_group(stage, d), timeout=timeout)
             for t in range(layout.tp):
                 if layout.dp > 1:
-                    dp_groups[stage, t] = dist.new_group(layout.dp_group(stage, t))
+                    dp_groups[stage, t] = dist.new_group(layout.dp_group(stage, t), timeout=timeout)
         made[layout] = (tp_groups, dp_groups)
     tp_groups, dp_groups = made[layout]
     stage, d, t = layout.coordinates(rank)
     groups = RankGroups(layout, rank, stage, d, t)
     if (stage, d) in tp_groups:
-        groups.tp_comm = Comm(tp_groups[stage, d], device)
+        groups.tp_comm = Comm(tp_groups[stage, d], device, timeout=timeout)
     if (stage, t) in dp_groups:
-        groups.dp_comm = Comm(dp_groups[stage, t], device)
+        groups.dp_comm = Comm(dp_groups[stage, t], device, timeout=timeout)
     if stage > 0:
         groups.previous = layout.rank_of(stage - 1, d, t)
     if stage < layout.pp - 1:

@@ -62,7 +62,7 @@ def rank_steps(comm, jobs, trace=False):
 def rank_step(comm, job, made, trace=False):
     """One job on this rank; returns CPU tensors and plain numbers only."""
     layout = Layout(job.dp, job.pp, job.tp)
-    groups = build_groups(layout, comm.rank, comm.device, made)
+    groups = build_groups(layout, comm.rank, comm.device, made, comm.timeout)
     cfg, device = job.cfg, comm.device
     B, T = job.input_ids.shape
     forms = StageForms(cfg, B, T, job.policy, job.pp, job.microbatches, job.schedule, groups.stage, job.dp, job.tp,

@@ -35,7 +35,7 @@ from ..tracker import Tracker
 from .comm import CommLog
 from .inventory import (rank_comm_bytes, rank_flops, rank_head_stored_bytes, rank_layer_stored_bytes, rank_peak_bytes,
                         rank_schedule)
-from .launch import run_ranks
+from .launch import check_rank_count, run_ranks
 from .shard import check_tensor_parallel, gather_grads, shard_params
 from .tp_model import TensorParallelModel
 
@@ -107,6 +107,7 @@ def _checked(job, tp, device):
     check_params(job.params, job.cfg)
     input_ids, targets = check_batch(job.cfg, job.input_ids, job.targets, job.params)
     check_tensor_parallel(job.cfg, tp, job.sp, input_ids.shape[1], job.distribute_saved)
+    check_rank_count("tp", tp, device)
     rank_schedule(policy, job.cfg, *input_ids.shape, tp, job.sp, job.distribute_saved)  # an impossible budget says so
     if job.rng_state is not None:
         state = job.rng_state
