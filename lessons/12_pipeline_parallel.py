@@ -387,7 +387,7 @@ def legend_kinds(ax, kinds):
     ax.legend(fontsize=7, ncol=len(kinds), loc="lower right", bbox_to_anchor=(1.0, 1.06), frameon=False)
 
 
-def plot_gantt(runs, Ms, bubbles):
+def plot_gantt(runs, Ms, bubbles, paced):
     M = Ms[-1] if len(Ms) < 3 else Ms[-2]
     fig, axes = plt.subplots(3, 1, figsize=(12, 7.5), gridspec_kw=dict(height_ratios=(1, 1, 1.3)))
     for ax, early in zip(axes[:2], (False, True)):
@@ -408,6 +408,8 @@ def plot_gantt(runs, Ms, bubbles):
                [bubbles[m, early].high - bubbles[m, early].median for m in Ms]]
         ax.errorbar(np.array(Ms) + (0.08 if early else -0.08), med, yerr=err, fmt="o", color=color, capsize=3,
                     label="measured" + (", recompute-early" if early else ""))
+    ax.plot(Ms, [paced[m].median for m in Ms], "x", color="black", ms=8,
+            label="paced by the stages' measured times (unequal_bubble)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(Ms, [str(m) for m in Ms])
     ax.set_xlabel("micro-batches M")
@@ -418,7 +420,7 @@ def plot_gantt(runs, Ms, bubbles):
     return save_figure(fig, "12_pipeline_gantt")
 
 
-paths.append(plot_gantt(runs, Ms, bubbles))
+paths.append(plot_gantt(runs, Ms, bubbles, paced))
 wrote(paths[-1])
 
 # %% [markdown]
