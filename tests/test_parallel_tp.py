@@ -35,7 +35,7 @@ MODELS = {  # name -> Config fields; every t below divides their heads, kv heads
 }
 POLICIES = ["none", "full", "every:2", "selective", "cheap", "every:2+selective", "budget"]
 DISTRIBUTED = ["full", "every:2", "budget"]  # with distribute_saved (sp=False only)
-PER_T = {1: ["mha", "gqa dropout"], 2: list(MODELS), 4: ["mha", "gqa", "gqa dropout"]}
+PER_T = {1: ["mha", "gqa dropout"], 2: list(MODELS), 4: ["mha", "gqa", "gqa dropout", "gqa fp32"]}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
