@@ -148,7 +148,7 @@ print(f"every stage's stored peak equals (in flight - 1) x E + one micro-batch's
 # ## A budget per stage
 #
 # `budget:SIZE` plans each stage's micro-batch for its own in-flight count $w$: the least recomputation
-# such that $(w - 1)\,E + \text{peak} \le \text{SIZE}$ (`planner.plan_in_flight`). A uniform policy has to
+# such that $(w - 1)\,E + \text{peak} \le \text{SIZE}$ (`plan_in_flight` in `picockpt/parallel/pp_plan.py`). A uniform policy has to
 # fit the first stage, and so over-recomputes on the others.
 
 # %%

@@ -72,10 +72,7 @@ def moe_block_backward(grad, normed, w, cfg, take):
     dm = grad()  # (B, T, h)
     B, T, h = dm.shape
     dm = dm.reshape(B * T, h)  # (N, h)
-    xn = normed()  # (B, T, h)
-    x = (xn if noise is None else xn * noise).reshape(B * T, h)  # (N, h) the input the experts saw
-    del xn
-    probs = take("moe.router_probs", rebuild=lambda: router_probs(x, w, cfg))  # (N, E); dropped (router): again
+    x, probs = routed_input(normed, noise, w, cfg, take)  # (N, h) the input the experts saw, (N, E)
     weights = combine_weights(probs, index).flatten()  # (N k,) the forward's weights, bitwise
     dx = torch.zeros_like(x)  # (N, h) summed over the experts of each token
     dweights = torch.zeros_like(weights)  # (N k,)
@@ -123,6 +120,15 @@ def route(xn, w, cfg, keep, index=None):
     else:  # the kept decision: the weights of its experts, from this forward's probabilities
         weights = combine_weights(probs, index)  # (N, k)
     return x, index, weights
+
+
+def routed_input(normed, noise, w, cfg, take):
+    """The backward's x (N, h), the experts' input again (the block's input times the kept jitter noise),
+    and probs (N, E), the router's output: kept, or (router) the router run again on that x."""
+    xn = normed()  # (B, T, h)
+    x = (xn if noise is None else xn * noise).flatten(0, 1)  # (N, h) as route() made it
+    del xn
+    return x, take("moe.router_probs", rebuild=lambda: router_probs(x, w, cfg))  # (N, h), (N, E)
 
 
 def router_probs(x, w, cfg):

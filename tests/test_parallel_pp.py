@@ -19,7 +19,8 @@ from picockpt.measure import make_batch
 from picockpt.parallel import PipelineJob, run_pipeline_steps
 from picockpt.parallel.pp_inventory import StageForms, stage_chain, uniform_schedules
 from picockpt.parallel.schedules import bubble_fraction, stage_layers, unequal_bubble
-from picockpt.planner import end_of_forward_bytes, replay
+from picockpt.parallel.pp_plan import end_of_forward_bytes
+from picockpt.planner import replay
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 

@@ -95,3 +95,25 @@ def table(rows, columns):
              for line in cells]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+PHASES = ("forward", "recompute", "backward")
+
+
+def rank_columns(*first):
+    """The per-rank table's columns for the parallel commands: `first` (name, value of a rank report),
+    then the stored peak and its closed form, the live peak, communication and FLOPs by phase."""
+    columns = [("rank", lambda r: str(r["rank"])), *first,
+               ("stored peak", lambda r: f"{r['peak_activation_bytes']:,} B"),
+               ("predicted", lambda r: f"{r['predicted_activation_bytes']:,} B"),
+               ("live peak", lambda r: fmt_bytes(r["peak_live_bytes"]))]
+    columns += [(f"comm {phase}", lambda r, phase=phase: fmt_bytes(r["comm_bytes"][phase])) for phase in PHASES]
+    return columns + [(phase, lambda r, phase=phase: fmt_flops(r["flops"][phase])) for phase in PHASES]
+
+
+def check_parallel_fits(args, cfg, policy, device):
+    """The parallel commands also run the whole step in one process (the gradients' reference): refuse,
+    with the numbers, a step that cannot fit before any rank starts."""
+    from ..device import check_fits
+    check_fits(cfg, device, args.batch, args.seq, policy,
+               note=" (this command also runs the whole step in one process, to check the ranks' gradients)")

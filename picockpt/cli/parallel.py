@@ -15,18 +15,14 @@ import os
 
 import torch
 
-from ..device import check_fits
 from ..engine import loss_and_grads as single_loss_and_grads
 from ..measure import make_batch
 from ..params import init_params
 from ..parallel import loss_and_grads, under_torchrun
 from ..policy import parse_policy
-from .common import (add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops,
-                     max_relative_diff, table)
+from .common import (add_run_args, add_shape_args, check_parallel_fits, config_from_args, device_from_args, fmt_bytes,
+                     fmt_flops, max_relative_diff, rank_columns, table)
 from .parallel_ep import run_expert
-
-PHASES = ("forward", "recompute", "backward")
-
 
 def add_arguments(parser):
     add_shape_args(parser)
@@ -77,13 +73,6 @@ def check_flags(args):
     args.schedule = args.schedule or "1f1b"
 
 
-def check_memory(args, cfg, policy, device):
-    """The command runs the whole step in one process too (the gradients' reference): refuse, with the
-    numbers, a step that cannot fit before any rank starts."""
-    check_fits(cfg, device, args.batch, args.seq, policy,
-               note=" (this command also runs the whole step in one process, to check the ranks' gradients)")
-
-
 def run(args):
     check_flags(args)
     if args.ep != 1 or args.keep_dispatched:
@@ -94,7 +83,7 @@ def run(args):
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
-    check_memory(args, cfg, policy, device)
+    check_parallel_fits(args, cfg, policy, device)
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
     torch.manual_seed(args.seed)  # the dropout masks: the same state for both runs
@@ -123,13 +112,7 @@ def _print_table(row):
     print(f"tensor parallel {layout}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
           f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} f={row['ffn']} V={row['vocab']}, "
           f"batch {row['batch']} x {row['seq']} tokens")
-    columns = [("rank", lambda r: str(r["rank"])),
-               ("stored peak", lambda r: f"{r['peak_activation_bytes']:,} B"),
-               ("predicted", lambda r: f"{r['predicted_activation_bytes']:,} B"),
-               ("live peak", lambda r: fmt_bytes(r["peak_live_bytes"]))]
-    columns += [(f"comm {phase}", lambda r, phase=phase: fmt_bytes(r["comm_bytes"][phase])) for phase in PHASES]
-    columns += [(f"{phase}", lambda r, phase=phase: fmt_flops(r["flops"][phase])) for phase in PHASES]
-    print(table(row["ranks"], columns))
+    print(table(row["ranks"], rank_columns()))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] for r in row["ranks"])
     print(f"stored peaks and communication bytes equal their closed forms (picockpt/parallel/inventory.py): "
@@ -150,7 +133,7 @@ def run_pipeline(args):
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
-    check_memory(args, cfg, policy, device)
+    check_parallel_fits(args, cfg, policy, device)
     tp = 1 if args.tp is None else args.tp
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)

@@ -15,7 +15,6 @@ import os
 
 import torch
 
-from ..device import check_fits
 from ..engine import loss_and_grads as single_loss_and_grads
 from ..measure import make_batch
 from ..moe import step_routing
@@ -23,10 +22,8 @@ from ..params import init_params
 from ..parallel import loss_and_grads, under_torchrun
 from ..parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
 from ..policy import parse_policy
-from .common import config_from_args, device_from_args, fmt_bytes, fmt_flops, max_relative_diff, table
-
-PHASES = ("forward", "recompute", "backward")
-
+from .common import (check_parallel_fits, config_from_args, device_from_args, fmt_bytes, max_relative_diff,
+                     rank_columns, table)
 
 def run_expert(args):
     """--ep N (and --keep-dispatched): the expert-parallel step and its report."""
@@ -36,8 +33,7 @@ def run_expert(args):
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
-    check_fits(cfg, device, args.batch, args.seq, policy,
-               note=" (this command also runs the whole step in one process, to check the ranks' gradients)")
+    check_parallel_fits(args, cfg, policy, device)
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
     torch.manual_seed(args.seed)  # the dropout masks and the router jitter: the same state for every run
@@ -76,15 +72,8 @@ def _print_table(row):
     print(f"expert parallel ep={row['ep']}, {choice}, policy {row['policy']} on {row['device']}, {row['dtype']}: "
           f"L={row['layers']} h={row['hidden']} E={row['experts']} k={row['experts_per_token']} f={row['ffn']} "
           f"V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
-    columns = [("rank", lambda r: str(r["rank"])),
-               ("experts", lambda r: f"{r['experts'][0]}..{r['experts'][-1]}"),
-               ("rows in (per layer)", lambda r: " ".join(map(str, r["received_rows"]))),
-               ("stored peak", lambda r: f"{r['peak_activation_bytes']:,} B"),
-               ("predicted", lambda r: f"{r['predicted_activation_bytes']:,} B"),
-               ("live peak", lambda r: fmt_bytes(r["peak_live_bytes"]))]
-    columns += [(f"comm {phase}", lambda r, phase=phase: fmt_bytes(r["comm_bytes"][phase])) for phase in PHASES]
-    columns += [(f"{phase}", lambda r, phase=phase: fmt_flops(r["flops"][phase])) for phase in PHASES]
-    print(table(row["ranks"], columns))
+    print(table(row["ranks"], rank_columns(("experts", lambda r: f"{r['experts'][0]}..{r['experts'][-1]}"),
+                                           ("rows in (per layer)", lambda r: " ".join(map(str, r["received_rows"]))))))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]
                 for r in row["ranks"])

@@ -47,7 +47,7 @@ from collections import namedtuple
 import torch
 
 from ..moe import expert_backward, expert_forward, input_backward, route, shared_expert_backward
-from ..moe import router_probs, shared_expert_forward, weigh
+from ..moe import routed_input, shared_expert_forward, weigh
 from ..ops.router import combine_weights, expert_counts, expert_groups
 from .comm import all_to_all_backward, all_to_all_forward
 
@@ -142,10 +142,7 @@ def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
     dm = grad()  # (B_r, T, h)
     B, T, h = dm.shape
     dm = dm.reshape(B * T, h)  # (N_r, h)
-    xn = normed()  # (B_r, T, h)
-    x = (xn if noise is None else xn * noise).reshape(B * T, h)  # (N_r, h) the input the experts saw
-    del xn
-    probs = take("moe.router_probs", rebuild=lambda: router_probs(x, w, cfg))  # (N_r, E); dropped (router): again
+    x, probs = routed_input(normed, noise, w, cfg, take)  # (N_r, h) the input the experts saw, (N_r, E)
     weights = combine_weights(probs, index).flatten()  # (N_r k,) the forward's weights, bitwise
     # the combine's backward: out[token] += back[pair], so d back[pair] = dm[token]; the inverse
     # all-to-all takes each pair's row to the rank whose expert made it (P rows out, M in)

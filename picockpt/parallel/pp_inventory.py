@@ -20,7 +20,7 @@ micro-batch's forward is followed at once by its backward) and M under AFAB. The
 to the byte (tests/test_parallel_pp.py).
 
 budget:SIZE under a pipeline is per stage: each stage plans its micro-batch with its own w
-(planner.plan_in_flight) so that (w - 1) * E + peak <= SIZE with the least recomputation, among the
+(pp_plan.plan_in_flight) so that (w - 1) * E + peak <= SIZE with the least recomputation, among the
 planner's frontier and the uniform schedules (every layer kept, or every:C, at each op level).
 Stage 0 of 1F1B holds P micro-batches and recomputes the most; the last stage may keep everything.
 """
@@ -28,7 +28,8 @@ import functools
 import math
 
 from ..inventory import layer_flops
-from ..planner import Stage, end_of_forward_bytes, model_chain, plan_in_flight, replay
+from ..planner import Stage, model_chain, replay
+from .pp_plan import end_of_forward_bytes, plan_in_flight
 from ..policy import Schedule, parse_policy
 from .inventory import rank_chain
 from .schedules import in_flight, stage_layers

@@ -1,0 +1,76 @@
+"""A pipeline stage's plan: the least-recompute schedule for one micro-batch when the stage holds
+several micro-batches at once.
+
+Under pipeline parallelism (picockpt/parallel/schedules.py) a stage holds w micro-batches at once:
+while one runs its backward, each of the w - 1 others holds what its first forward stored, E bytes.
+The stage's peak is then (w - 1) * E + the micro-batch's own peak, so the plan that fits a budget
+alone may not fit it w times over, and what the first forward keeps costs w times what a recompute
+sweep keeps (sweeps run one micro-batch at a time). The single-process planner (picockpt/planner.py)
+supplies the candidates: its Pareto front, walked down from the budget.
+"""
+import math
+from dataclasses import dataclass
+
+from ..planner import least_budget, least_plan, plan_chain, replay
+from ..policy import Schedule
+
+
+def end_of_forward_bytes(chain, schedule):
+    """E: the bytes a schedule's first forward leaves stored (checkpoints, layers kept whole, the head)."""
+    L = len(chain) - 1
+    held = 0
+    for k in range(L):
+        mode, stage = schedule.forward[k], chain[k]
+        if mode == "input":
+            held += stage.input_bytes
+        elif mode.startswith("all"):
+            held += next(a for name, a, _ in stage.variants if name == mode)
+    return held + next(a for name, a, _ in chain[L].variants if name == schedule.head)
+
+
+@dataclass(frozen=True)
+class InFlightPlan:
+    schedule: Schedule       # one micro-batch's schedule
+    peak_bytes: int          # the stage's peak: (in_flight - 1) * end_of_forward + microbatch_peak
+    microbatch_peak: int     # one micro-batch's own peak (replay)
+    end_of_forward: int      # E
+    recompute_flops: int     # per micro-batch
+    in_flight: int
+    budget: int
+    source: str              # "planner" (a plan of the frontier) or the name of a given schedule
+
+
+def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None):
+    """The least-recompute schedule for one micro-batch of a stage holding `in_flight` micro-batches,
+    whose stage peak (in_flight - 1) * E + peak fits `budget`. It looks at the planner's frontier from
+    `budget` down (the least recompute for each single-micro-batch budget: the first one that fits is
+    the cheapest of them) and at `candidates`, ((name, Schedule), ...) such as the uniform policies:
+    a frontier plan may keep more in its first forward than a uniform one of the same peak."""
+    options, least_seen = [], None
+
+    def consider(schedule, source):
+        nonlocal least_seen
+        peak, recompute = replay(chain, schedule)
+        held = end_of_forward_bytes(chain, schedule)
+        plan = InFlightPlan(schedule, (in_flight - 1) * held + peak, peak, held, recompute, in_flight, budget, source)
+        least_seen = plan.peak_bytes if least_seen is None else min(least_seen, plan.peak_bytes)
+        if plan.peak_bytes <= budget:
+            options.append(plan)
+        return plan
+
+    for name, schedule in candidates:
+        consider(schedule, name)
+    least = least_budget(chain)
+    consider(least_plan(chain).schedule, "planner")
+    room = min(budget, sum(max(a for _, a, _ in stage.variants) for stage in chain))
+    while room >= least:  # down the frontier: recompute only grows, so the first plan that fits is its cheapest
+        plan = consider(plan_chain(chain, room, max_slots).schedule, "planner")
+        if plan.peak_bytes <= budget:
+            break
+        room = plan.microbatch_peak - 1
+    if not options:
+        raise ValueError(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what this stage needs with "
+                         f"{in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight: the least found is "
+                         f"{least_seen:,} bytes; use budget:{math.ceil(least_seen / 2**20 * 100) / 100}MiB or more, "
+                         f"or fewer micro-batches in flight")
+    return min(options, key=lambda plan: (plan.recompute_flops, plan.peak_bytes))
