@@ -19,13 +19,17 @@
 #   the optimizer state by $d$ (stage 1), the gradients too (stage 2) and the weights too (stage 3, as
 #   FSDP). Data parallelism does not divide the activations.
 # * **working memory**: `picockpt.device.step_bytes`'s estimate, four fp32 copies of the step's largest
-#   transient tensor (the logits or a chunk of them, the $T \times T$ scores, the MLP's product); it errs
-#   high (lesson 01 measures what the backward really holds).
-# * **pipeline stages and micro-batches in flight** are a plain multiplier for now: a stage holds
-#   $\lceil L/p \rceil$ layers (the embedding and the head counted on it too, which errs high), and the
-#   micro-batches in flight multiply its stored activations (with 1F1B the first stage holds $p$ of them:
-#   Korthikanti et al. 2022, sec. 4.2.3). A schedule-level count replaces this multiplier once picockpt
-#   runs pipeline stages itself.
+#   transient tensor (the logits or a chunk of them, the $T \times T$ scores, the MLP's product): the one
+#   part that is not exact, drawn hatched. Its margin depends on the dtype: where the $T \times T$ scores
+#   are the largest, it counts 16 bytes per $B \cdot H \cdot T^2$ element, and the engine's working memory
+#   measures 12 in fp32 and 10.5 in bf16 on a CPU (lesson 01 and `tests/test_explorer.py` measure it):
+#   a third too high in fp32, half in bf16. The legend says the margin of the setup drawn.
+# * **pipeline stages**: with $p > 1$ the explorer shows the first stage of 1F1B, the one that must fit:
+#   $\lceil L/p \rceil$ layers and the embedding (the head is on the last stage), holding $w$
+#   micro-batches at once ("in flight"; 1F1B: $w = p$, Korthikanti et al. 2022, sec. 4.2.3). As lesson 12
+#   measures, each backward runs while the $w - 1$ others hold what their forwards stored, $E$ each:
+#   stored $= (w - 1)\,E + $ one micro-batch's own peak, to the byte of
+#   `parallel/pipeline_parallel/pp_inventory.py`'s `StageForms`.
 #
 # **Run it** in Jupyter (the controls need a live kernel), or as a script,
 # `python lessons/00_memory_explorer.py`, which draws the static figures below.
@@ -36,8 +40,8 @@ import matplotlib.pyplot as plt
 from IPython.display import display
 
 from _check import check
-from _explorer import (CAPACITIES, GIB, MODELS, PARTS, Setup, cheapest_fit, describe_plan, draw, gib, headline,
-                       memory_parts, segment_curve, shape_of)
+from _explorer import (CAPACITIES, ESTIMATED, GIB, MODELS, PARTS, Setup, cheapest_fit, describe_plan, draw, gib,
+                       headline, memory_parts, segment_curve, shape_of, stored_bytes)
 from _lesson import in_notebook, lesson_args, wrote
 from picockpt.plotting import save_figure
 
@@ -73,7 +77,7 @@ controls = {
     "zero": widgets.Dropdown(options=[0, 1, 2, 3], value=3, description="ZeRO stage"),
     "stages": widgets.IntSlider(value=1, min=1, max=32, description="pipeline stages"),
     "in_flight": widgets.IntSlider(value=1, min=1, max=32, description="in flight"),
-    "gpu": widgets.Dropdown(options=list(CAPACITIES) + ["custom"], value="80 GB (A100, H100)", description="GPU"),
+    "gpu": widgets.Dropdown(options=list(CAPACITIES) + ["custom"], value="80 GiB (A100, H100)", description="GPU"),
     "custom_gib": widgets.FloatText(value=48.0, description="custom GiB", disabled=True),
 }
 for control in controls.values():
@@ -95,24 +99,25 @@ def table(setup):
     """The numbers behind the panels, as an HTML table."""
     parts, fit = memory_parts(setup), cheapest_fit(setup)
     total = sum(parts.values())
-    rows = "".join(f"<tr><td>{part}</td><td style='text-align:right'>{gib(parts[part])}</td></tr>" for part in PARTS)
+    rows = "".join(f"<tr><td>{part}{' (estimate)' if part in ESTIMATED else ''}</td>"
+                   f"<td style='text-align:right'>{gib(parts[part])}</td></tr>" for part in PARTS)
     verdict = "fits" if total <= setup.capacity else "does not fit"
     curve = segment_curve(setup)
     best = min(curve, key=curve.get)
     named = fit["named"]
-    named_text = (f"<b>{named}</b>: {gib(fit['named_rows'][named][0] * setup.in_flight)} stored, recompute "
+    named_text = (f"<b>{named}</b>: {gib(fit['named_rows'][named][0])} stored, recompute "
                   f"{fit['named_rows'][named][1] / fit['model_flops']:.1%} of a step's FLOPs") if named else \
         "none of the fixed policies fits"
     plan = fit["plan"]
-    plan_text = (f"<b>budget:{plan.peak_bytes}</b> ({gib(plan.peak_bytes * setup.in_flight)} stored): recompute "
+    plan_text = (f"<b>budget:{plan.peak_bytes}</b> ({gib(plan.peak_bytes)} stored): recompute "
                  f"{plan.recompute_flops / fit['model_flops']:.1%} of a step's FLOPs; {describe_plan(plan)}") if plan \
-        else (f"nothing fits: even the least feasible schedule stores {gib(fit['least'] * setup.in_flight)}; "
+        else (f"nothing fits: even the least feasible schedule stores {gib(fit['least'])}; "
               f"lower the micro-batch or the sequence, or split the model further")
     return (f"<table><tr><th style='text-align:left'>{headline(setup)}, policy {setup.policy if setup.layer_level != 'budget' else 'budget'}"
             f"</th><th></th></tr>{rows}<tr><td><b>total</b></td><td style='text-align:right'><b>{gib(total)}</b></td></tr>"
             f"<tr><td>GPU</td><td style='text-align:right'>{gib(setup.capacity)}: {verdict}</td></tr></table>"
             f"<p>P(C) of every:C is least at <b>C = {best}</b>: {gib(curve[best])} stored.<br>"
-            f"Room for stored activations on this GPU: {gib(max(fit['room'], 0) * setup.in_flight)}.<br>"
+            f"Room for stored activations on this GPU: {gib(max(fit['room'], 0))}.<br>"
             f"The cheapest fixed policy that fits: {named_text}.<br>"
             f"The planner's optimum for that room: {plan_text}.</p>")
 
@@ -177,7 +182,7 @@ else:
 # %% [markdown]
 # ## Static figures, for reading without a kernel
 #
-# Two setups drawn by the same functions as the explorer, each against an 80 GB GPU. Top: Llama 3 8B at
+# Two setups drawn by the same functions as the explorer, each against an 80 GiB GPU. Top: Llama 3 8B at
 # one sequence of 8192 tokens in bf16, eager attention, ZeRO-3 over 8 data-parallel GPUs. Storing
 # everything needs 213 GiB, most of it the $T \times T$ probabilities; `selective` drops them and still
 # misses by 5 GiB, `cheap` fits for the same few percent of recompute (its extra rebuilds are
@@ -187,9 +192,9 @@ else:
 
 # %%
 STATIC = {
-    "llama3-8b": Setup(model="llama3-8b", seq=8192, dp=8, zero=3, capacity=CAPACITIES["80 GB (A100, H100)"]),
+    "llama3-8b": Setup(model="llama3-8b", seq=8192, dp=8, zero=3, capacity=CAPACITIES["80 GiB (A100, H100)"]),
     "llama3-70b": Setup(model="llama3-70b", **shape_of("llama3-70b"), seq=8192, tp=8, sp=True, dp=8, zero=3,
-                        capacity=CAPACITIES["80 GB (A100, H100)"]),
+                        capacity=CAPACITIES["80 GiB (A100, H100)"]),
 }
 fig, axes = plt.subplots(2, 2, figsize=(14, 9.5), gridspec_kw={"width_ratios": [1.3, 1]})
 fits = {name: draw(setup, bars_ax, curve_ax) for (name, setup), (bars_ax, curve_ax) in zip(STATIC.items(), axes)}
@@ -208,7 +213,7 @@ for name, setup in STATIC.items():
 #
 # Use the explorer (or the functions of `lessons/_explorer.py`) to answer these.
 #
-# **1.** Llama 3 8B, one sequence of 8192 tokens, bf16, eager attention, ZeRO-3 over 8 GPUs of 80 GB:
+# **1.** Llama 3 8B, one sequence of 8192 tokens, bf16, eager attention, ZeRO-3 over 8 GPUs of 80 GiB:
 # which fixed policy (`none`, `selective`, `cheap`, `full`, `full+selective`, `full+cheap`, `every:2..4`)
 # fits with the least recompute?
 
@@ -218,7 +223,7 @@ answer = "cheap"
 # %%
 eight = STATIC["llama3-8b"]
 fit = cheapest_fit(eight)
-check("the cheapest fixed policy that fits (Llama 3 8B, s = 8192, ZeRO-3 over 8, 80 GB)", answer, fit["named"],
+check("the cheapest fixed policy that fits (Llama 3 8B, s = 8192, ZeRO-3 over 8, 80 GiB)", answer, fit["named"],
       why=f"room {gib(fit['room'])} for stored activations; "
           + ", ".join(f"{policy} {gib(stored)}" for policy, (stored, _) in fit["named_rows"].items()
                       if policy in ("none", "selective", "cheap", "full"))
@@ -231,7 +236,7 @@ check("the cheapest fixed policy that fits (Llama 3 8B, s = 8192, ZeRO-3 over 8,
 answer = 3.6  # percent
 
 # %%
-check("the planner's recompute, % of a step (Llama 3 8B, s = 8192, ZeRO-3 over 8, 80 GB)", answer,
+check("the planner's recompute, % of a step (Llama 3 8B, s = 8192, ZeRO-3 over 8, 80 GiB)", answer,
       100 * fit["plan"].recompute_flops / fit["model_flops"], rel=0.02,
       why=f"budget:{fit['plan'].peak_bytes}: {describe_plan(fit['plan'])}; a q·k^T per layer stored without "
           f"its probabilities, where full recomputation would cost "
@@ -239,23 +244,27 @@ check("the planner's recompute, % of a step (Llama 3 8B, s = 8192, ZeRO-3 over 8
 
 # %% [markdown]
 # **3.** Llama 3 70B at 8192 tokens, tensor parallel over 8 with sequence parallelism, ZeRO-3 over 8, on
-# an 80 GB GPU, policy `full+selective`: how many micro-batches can be in flight on one pipeline stage
-# holding all 80 layers before the GPU is full?
+# an 80 GiB GPU, policy `full+selective`, 1F1B over $p = 8$ pipeline stages of 10 layers: stage 0 holds
+# $w = 8$ micro-batches at once. How many GiB of activations does it store at its peak (lesson 12's
+# $(w - 1)\,E$ + one micro-batch's own peak)?
 
 # %%
-answer = 35  # micro-batches
+answer = 1.50  # GiB
 
 # %%
 seventy = Setup(model="llama3-70b", **shape_of("llama3-70b"), seq=8192, tp=8, sp=True, dp=8, zero=3,
-                layer_level="full", op_level="selective", capacity=CAPACITIES["80 GB (A100, H100)"])
-one = memory_parts(seventy)
-stored_one = sum(one[part] for part in PARTS[3:7])
-states = sum(one[part] for part in ("weights", "gradients", "optimizer state", "working memory"))
-in_flight = max(m for m in range(1, 200) if sum(memory_parts(seventy.replace(in_flight=m)).values()) <= seventy.capacity)
-check("micro-batches in flight that fit (Llama 3 70B, tp 8 + sp, ZeRO-3 over 8, full+selective, 80 GB)", answer,
-      in_flight, rel=0,
-      why=f"({gib(seventy.capacity)} - {gib(states)} of model states and working memory) / {gib(stored_one)} "
-          f"stored per micro-batch = {(seventy.capacity - states) / stored_one:.1f}")
+                layer_level="full", op_level="selective", stages=8, in_flight=8,
+                capacity=CAPACITIES["80 GiB (A100, H100)"])
+staged = memory_parts(seventy)
+own = staged["stored checkpoints"] + staged["segment being recomputed"]
+across = {p: stored_bytes(memory_parts(seventy.replace(stages=p, in_flight=p))) for p in (2, 4, 16)}
+check("GiB stage 0 stores at its peak (Llama 3 70B, tp 8 + sp, full+selective, 1F1B, p = 8)", answer,
+      stored_bytes(staged) / GIB,
+      why=f"(w - 1)·E = 7 micro-batches x 10 checkpoints = {gib(staged['other micro-batches in flight'])}, plus one "
+          f"micro-batch's own peak while it recomputes its top layer, 9 checkpoints and one selective layer = "
+          f"{gib(own)}; at p = 2, 4, 16 (w = p, L/p layers) "
+          + ", ".join(gib(v) for v in across.values()) + ": 1F1B's first stage holds about L layers' worth "
+          "whatever p is")
 
 # %%
 RESULT = {"figures": [str(path)],

@@ -58,38 +58,36 @@ for path in lessons:
 # | 1 | `picockpt/config.py` | `Config`: every number that decides how many bytes an activation takes (sizes, dtype, dropout, attention kind, loss chunking, experts), the presets (`tiny`, `small`, Llama 3 8B/70B/405B, Mixtral 8x7B), and the checks that name the bad field |
 # | 2 | `picockpt/params.py` | the parameters under Hugging Face `LlamaForCausalLM` names, so real weights load as they are |
 # | 3 | `picockpt/ops/` | every op as a forward/backward pair of plain functions: linear, embedding, RMSNorm, RoPE, attention, SwiGLU, dropout, cross-entropy; the forward returns what its backward needs |
-# | 4 | `picockpt/layer.py` | one decoder layer: its forward `keep`s tensors in the store by name (`attn.probs`, `mlp.gate`, ...); its backward `take`s them back, or rebuilds a dropped one with a one-line recipe |
+# | 4 | `picockpt/layer.py` | one decoder layer: its forward `keep`s tensors in the store by name (`attn.probs`, `mlp.gate`, ...); its backward `take`s them back, or rebuilds a dropped one with a one-line recipe; the named points (`Crossings`) where a parallel rank crosses to the others, the identity here |
 # | 5 | `picockpt/store.py` | the activation store: bytes counted by unique storage (a view is not counted twice), every put and pop an event |
-# | 6 | `picockpt/policy.py` | policy strings (`none`, `full`, `every:C`, `selective`, `cheap`, `budget:SIZE`, and the MoE ones) turned into what each layer keeps |
+# | 6 | `picockpt/policy.py`, `picockpt/schedule.py` | policy strings (`none`, `full`, `every:C`, `selective`, `cheap`, `budget:SIZE`, and the MoE ones) turned into a `Schedule`: each layer's mode (`all`, `input`, `none`), parsed once, and the walk of recompute sweeps it implies |
 # | 7 | `picockpt/engine.py` | the step: forward keeping what the policy says, then for each layer from the last, "nearest checkpoint, recompute, use, drop", with the random generator replayed; no autograd |
 # | 8 | `picockpt/tracker.py` | the two views of memory (logical: the store; physical: every live tensor) at every event, peaks and FLOPs per phase |
-# | 9 | `picockpt/inventory.py` | the closed forms the tests hold the tracker to, to the byte: a layer's inventory, $X$, $A$, $F$, `predicted_peak_bytes`, `step_flops` |
+# | 9 | `picockpt/closed_forms.py`, `picockpt/inventory.py` | the closed forms the tests hold the tracker to, to the byte: a layer's inventory, $X$, $A$, $F$, the one every:C peak formula; then the step's `predicted_peak_bytes`, `step_flops` |
 # | 10 | `picockpt/formulas.py` | the published formulas (Korthikanti et al.'s Table 2, the Ultra-Scale Playbook's charts and widget, Chen's optimum) for comparison |
 # | 11 | `picockpt/planner_uniform.py`, `picockpt/planner.py` | binomial checkpointing (revolve) on equal steps; then rotor's dynamic programme on picockpt's own layers: the least recompute under a byte budget |
 # | 12 | `picockpt/attention.py`, `picockpt/ops/attention_tiled.py`, `picockpt/ops/attention_fused.py` | the attention kinds: eager (stores the probabilities), tiled (FlashAttention-2 written out), fused (torch's kernels); what each stores |
 # | 13 | `picockpt/head.py` | the final norm, the LM head and the loss; chunked, the logits are recomputed in the backward |
-# | 14 | `picockpt/moe.py`, `picockpt/ops/router.py` | Mixtral-style experts: routing, per-expert stored tensors, what MoE recomputation keeps |
+# | 14 | `picockpt/moe.py`, `picockpt/ops/router.py`, `picockpt/routing.py` | Mixtral-style experts: routing, per-expert stored tensors, what MoE recomputation keeps |
 # | 15 | `picockpt/reference.py`, `picockpt/peers.py`, `picockpt/peers_hf.py`, `picockpt/bridge.py` | the same model in autograd (the oracle for gradients), `torch.utils.checkpoint` and Hugging Face peers, and picockpt's segment loop driving autograd |
-# | 16 | `picockpt/parallel/` | processes and collectives as forward/backward pairs (`comm.py`), each rank's slice of the weights (`shard.py`), dropout masks equal to the single process's (`rng.py`), a tensor and sequence parallel layer (`tp_layer.py`, `vocab.py`, `tp_model.py`), its per-rank closed forms (`inventory.py`), the step across ranks (`step.py`, `launch.py`, `watch.py`) |
-# | 17 | `picockpt/parallel/layout.py`, `schedules.py`, `p2p.py`, `stage_model.py`, `timeline.py`, `dp.py`, `pp_inventory.py`, `pipeline.py`, `pipeline_job.py` | pipeline and data parallelism: which rank is which in dp x pp x tp, and their groups (`layout.py`); each stage's layers, the AFAB and 1F1B orders and the micro-batches in flight (`schedules.py`); sends and receives between stages as forward/backward pairs (`p2p.py`); one stage's micro-batch for the engine's loop (`stage_model.py`); what each rank did when, and all its micro-batches' stores counted as one (`timeline.py`); gradient buckets all-reduced as soon as they are final (`dp.py`); per-stage closed forms and a budget per stage (`pp_inventory.py`); one rank's step and the caller's side (`pipeline.py`, `pipeline_job.py`) |
-# | 18 | `picockpt/parallel/ep_moe.py`, `ep_layer.py`, `ep_model.py`, `ep_inventory.py`, `ep_step.py` | expert parallelism: the dispatch and combine all-to-alls written where they happen, forward and backward (`ep_moe.py`); a decoder layer and a model on one rank, and which experts it holds (`ep_layer.py`, `ep_model.py`); per-rank closed forms of the bytes stored and moved (`ep_inventory.py`); the step (`ep_step.py`) |
+# | 16 | `picockpt/parallel/step.py`, `layout.py`, `comm.py`, `job.py`, `rng.py`, `launch.py`, `watch.py`, `timeline.py` | what every parallelism shares: which layout runs which step (`step.py`), the rank grid and its groups, the counted collectives, the caller's side (checks, what the ranks are sent, their generator), random draws equal to the single process's, where the processes come from and how a failing one ends the run, each rank's timeline |
+# | 17 | `picockpt/parallel/tensor_parallel/` | tensor and sequence parallelism: the layer's crossings (`tp_layer.py`), the collectives as forward/backward pairs (`tp_comm.py`), each rank's slice of the weights (`tp_shard.py`), the vocabulary-parallel head (`vocab.py`), one rank's model (`tp_model.py`), per-rank closed forms split from the single process's (`tp_inventory.py`), the caller's side (`tp_step.py`) |
+# | 18 | `picockpt/parallel/pipeline_parallel/`, `data_parallel/`, `expert_parallel/` | pipeline stages (AFAB and 1F1B as data in `pp_schedules.py`, sends and receives paired as NCCL needs them in `pp_comm.py`, a stage's micro-batch in `pp_stage.py`, one rank's step in `pp_rank.py`, per-stage closed forms and budgets); gradient buckets all-reduced as soon as they are final (`dp_comm.py`); experts over ranks (the all-to-alls in `ep_moe.py`, the layer's crossings in `ep_layer.py`, per-rank closed forms) |
 # | 19 | `picockpt/measure.py`, `picockpt/compare.py`, `picockpt/train.py`, `picockpt/cli/` | what the commands run: one measured step, the side-by-side comparison, a training loop |
-# | 20 | `picockpt/device.py`, `picockpt/hf.py`, `picockpt/snapshot.py`, `picockpt/plotting.py`, `picockpt/reproduce.py`, `picockpt/notebooks.py` | the rest: choosing a device and refusing a step that cannot fit, reading a Hugging Face config, a CUDA allocator snapshot, the figures' helpers, and the tooling that runs the lessons and makes their notebooks |
+# | 20 | `picockpt/device.py`, `picockpt/fit.py`, `picockpt/batch.py`, `picockpt/hf.py`, `picockpt/snapshot.py`, `picockpt/plotting.py`, `picockpt/reproduce.py`, `picockpt/notebooks.py` | the rest: choosing a device and refusing a step that cannot fit, reading a Hugging Face config, a CUDA allocator snapshot, the figures' helpers, and the tooling that runs the lessons and makes their notebooks |
 #
 # The cell below checks that every file of the table exists, and lists the modules the table does not
 # name yet (the code grows faster than a table).
 
 # %%
 READING_ORDER = [
-    "config.py", "params.py", "ops/", "layer.py", "store.py", "policy.py", "engine.py", "tracker.py",
-    "inventory.py", "formulas.py", "planner_uniform.py", "planner.py", "attention.py", "ops/attention_tiled.py",
-    "ops/attention_fused.py", "head.py", "moe.py", "ops/router.py", "reference.py", "peers.py", "peers_hf.py",
-    "bridge.py", "parallel/comm.py", "parallel/shard.py", "parallel/tp_layer.py", "parallel/vocab.py",
-    "parallel/tp_model.py", "parallel/inventory.py", "parallel/step.py", "parallel/launch.py", "parallel/rng.py",
-    "parallel/watch.py", "parallel/layout.py", "parallel/schedules.py", "parallel/p2p.py", "parallel/stage_model.py",
-    "parallel/timeline.py", "parallel/dp.py", "parallel/pp_inventory.py", "parallel/pipeline.py",
-    "parallel/pipeline_job.py", "parallel/ep_moe.py", "parallel/ep_layer.py", "parallel/ep_model.py",
-    "parallel/ep_inventory.py", "parallel/ep_step.py", "measure.py", "compare.py", "train.py", "cli/", "device.py",
+    "config.py", "params.py", "ops/", "layer.py", "store.py", "schedule.py", "policy.py", "engine.py", "tracker.py",
+    "closed_forms.py", "inventory.py", "formulas.py", "planner_uniform.py", "planner.py", "attention.py",
+    "ops/attention_tiled.py", "ops/attention_fused.py", "head.py", "moe.py", "ops/router.py", "routing.py",
+    "reference.py", "peers.py", "peers_hf.py", "bridge.py", "parallel/step.py", "parallel/layout.py",
+    "parallel/comm.py", "parallel/job.py", "parallel/rng.py", "parallel/launch.py", "parallel/watch.py",
+    "parallel/timeline.py", "parallel/tensor_parallel/", "parallel/pipeline_parallel/", "parallel/data_parallel/",
+    "parallel/expert_parallel/", "measure.py", "compare.py", "train.py", "cli/", "device.py", "fit.py", "batch.py",
     "hf.py", "snapshot.py", "plotting.py", "reproduce.py", "notebooks.py",
 ]
 package = LESSONS.parent / "picockpt"
@@ -122,11 +120,12 @@ print(f"modules not in the table: {', '.join(others) or 'none'}")
 # | **model FLOPs / hardware FLOPs** | what a step needs without recomputation (forward + backward) / what was executed (plus recompute) |
 # | **MFU / HFU** | model / hardware FLOPs per second over the GPU's peak: model FLOPs utilization counts only useful work, hardware FLOPs utilization counts recomputation too |
 # | **lse** | log-sum-exp of a row: the one number FlashAttention and a chunked loss keep so that the probabilities or logits can be rebuilt |
-# | **RNG replay** | restoring the random generator's state before a recomputation, so that dropout masks (or router noise) come out the same |
+# | **RNG replay** | restoring the random generator's state before a recomputation, so that dropout masks (or router noise) come out the same; picockpt's engine does it for every checkpoint (lesson 06) |
+# | **routing replay** | Megatron-LM's `moe_enable_routing_replay` (`megatron/core/transformer/moe/router_replay.py`): the router's top-k indices are recorded in the forward and reused when the layer is recomputed, so the same experts run whatever the kernels compute (bf16 near-ties included); 8·N·k bytes a layer (int64). Not RNG replay: picockpt's single-process `full` reruns its router with the generator replayed, its expert-parallel `full` keeps the indices and never routes again (lessons 11, 13) |
 # | **micro-batch** | the batch one forward and backward processes; activations grow linearly with it |
 # | **in-flight micro-batches** | with pipeline parallelism, micro-batches whose forward has run on a stage and whose backward has not: each holds its stored activations (1F1B: up to $p$ on the first stage) |
 # | **AFAB / 1F1B** | pipeline schedules: all forwards, then all backwards (GPipe), every stage holding all $M$ micro-batches / one forward, one backward (PipeDream-Flush), stage $s$ holding $\min(P - s, M)$ |
-# | **bubble** | the share of a pipeline step a stage spends not computing; $(P - 1)/(M + P - 1)$ when the stages take equal times |
+# | **bubble** | a pipeline stage's time not computing, in two conventions (lesson 12): Narayanan et al. 2021 (sec. 2.2.1) and the Ultra-Scale Playbook divide the bubble time by the ideal compute time, $(p - 1)/m$, and $(p - 1)/(v\,m)$ with $v$ interleaved model chunks per stage; as a share of the whole step it is $(p - 1)/(m + p - 1)$, which `bubble_fraction` returns and lesson 12 measures. One converts to the other: share $= b/(1 + b)$ for $b = (p - 1)/m$ |
 # | **dispatch, combine** | expert parallelism's two all-to-alls: each (token, expert) pair's row to the rank that holds the expert, and the expert's weighted output back |
 # | **rank, $t$, sp** | one process of a parallel group; the tensor-parallel size; sequence parallelism (the tensors tensor parallelism leaves whole are split along the sequence) |
 #
@@ -141,9 +140,13 @@ print(f"modules not in the table: {', '.join(others) or 'none'}")
 # | `full` (every layer's input) | `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1` | `mode = "full"` | `deepspeed.checkpointing.checkpoint` around each layer | `model.activation_checkpointing_enable()` (4.x: `gradient_checkpointing_enable()`), `TrainingArguments(activation_checkpointing=True)` | `checkpoint(layer, x, use_reentrant=False)` around each layer | ~ `activation_memory_budget = 0.0` (recompute the whole compiled region) |
 # | `every:C` | `--recompute-granularity full --recompute-method uniform --recompute-num-layers C` | | | | `checkpoint_sequential(layers, L/C)` (~: its last segment stays stored) | |
 # | some layers whole, others checkpointed: `budget:SIZE` chooses which | `--recompute-method block --recompute-num-layers N` (the first $N$ layers of each pipeline stage recomputed) | `mode = "selective"`, `selective_ac_option = "N"` (every $N$-th layer checkpointed) | | `activation_checkpointing_enable(every_n_layers=N)` | `checkpoint` around the chosen layers | |
-# | `selective` | `--recompute-granularity selective` (`--recompute-modules core_attn`, the default) | | | ~ `attn_implementation="sdpa"` or flash attention: the probabilities are never stored | `create_selective_checkpoint_contexts` with the $T \times T$ ops `PREFER_RECOMPUTE` (lesson 07) | |
-# | `cheap` | `--recompute-granularity selective --recompute-modules core_attn layernorm` (+ `moe_act`) | ~ `selective_ac_option = "op"` (saves matmul and attention outputs, but only every other matmul, and recomputes the rest) | | | `create_selective_checkpoint_contexts` saving the matmul outputs (the policy PyTorch's documentation shows) | |
-# | `moe_act`, `moe` | `--recompute-modules moe_act`, `moe` | | | | | |
+# | `selective` | ~ `--recompute-granularity selective` (`--recompute-modules core_attn`, the default): it checkpoints the whole core attention, $q k^\top$, softmax, dropout and $P V$, so it recomputes $4 b s^2 h$ FLOPs a layer where picockpt keeps the context and rebuilds $P$ alone from $q$, $k$: $2 b s^2 h$ | | | ~ `attn_implementation="sdpa"` or flash attention: the probabilities are never stored | `create_selective_checkpoint_contexts` with the $T \times T$ ops `PREFER_RECOMPUTE` (lesson 07) | |
+# | `cheap` | ~ `--recompute-granularity selective --recompute-modules core_attn layernorm` (+ `moe_act` for the experts): the norm outputs alike, but no Megatron option rebuilds only the dense MLP's SwiGLU product (`mlp` recomputes the whole MLP, its matmuls included; `moe_act` only the experts' activation), and `core_attn` as in the row above | ~ `selective_ac_option = "op"` (saves matmul and attention outputs, but only every other matmul, and recomputes the rest) | | | `create_selective_checkpoint_contexts` saving the matmul outputs (the policy PyTorch's documentation shows) | |
+# | `moe_act` | `--recompute-modules moe_act` (the experts' activation, output-discarding checkpointing) | | | | | |
+# | `moe` | ~ `--recompute-modules moe`: Megatron checkpoints the whole MoE layer, its router, the dispatch and combine all-to-alls, the experts and the shared experts; picockpt's `moe` keeps the router output and the routing and projects only the experts' gate and up again (under expert parallelism it dispatches their rows again, lesson 13) | | | | | |
+# | `shared_experts` | `--recompute-modules shared_experts` | | | | | |
+# | `router` (the router's probabilities, rebuilt by its linear and softmax) | | | | | | |
+# | `full` on an MoE layer, routing kept | ~ `full` with `moe_enable_routing_replay` (the top-k indices recorded and reused; picockpt's expert-parallel `full` keeps them, its single-process `full` reruns the router with the generator replayed) | | | | | |
 # | `full` with $t$ ranks, each keeping $1/t$ of every checkpoint | `--distribute-saved-activations` | | `"activation_checkpointing": {"partition_activations": true}` | | | |
 # | checkpoints kept off the GPU | | | `"cpu_checkpointing": true` | `activation_checkpointing_enable(offload=True)` | | |
 # | `budget:SIZE` (bytes; rotor's dynamic programme over layers) | | | | | | ~ `torch._functorch.config.activation_memory_budget = f` (a fraction between 0 and 1; a knapsack over the compiled graph's ops) |
@@ -154,9 +157,14 @@ print(f"modules not in the table: {', '.join(others) or 'none'}")
 # Megatron's documentation advises comparing `core_attn` against recomputing nothing with fused attention.
 #
 # Sources, each checked for the names above: Megatron-LM, `megatron/training/arguments.py`
-# (`--recompute-granularity`, `--recompute-method`, `--recompute-num-layers`, `--recompute-modules` with
-# its choices `core_attn`, `moe_act`, `layernorm`, `mla_up_proj`, `mlp`, `moe`, and
-# `--distribute-saved-activations`) and NVIDIA's Megatron Bridge guide, "Activation Recomputation"
+# (`--recompute-granularity`, `--recompute-method`, `--recompute-num-layers`, `--recompute-modules`,
+# `--distribute-saved-activations`), `megatron/core/transformer/transformer_config.py` (`recompute_modules`:
+# `core_attn`, `moe_act`, `layernorm`, `mla_up_proj`, `mlp`, `moe`, `shared_experts`; no `router`, which
+# only some derived forks add), `megatron/core/transformer/attention.py` (`_checkpointed_attention_forward`
+# wraps the whole `core_attention` call), `megatron/core/transformer/moe/moe_layer.py` (`moe` checkpoints
+# the layer's `custom_forward`: shared experts, router, dispatch, experts, combine) and
+# `megatron/core/transformer/moe/router_replay.py` (`RouterReplay`: record, replay forward, replay backward),
+# and NVIDIA's Megatron Bridge guide, "Activation Recomputation"
 # (docs.nvidia.com/nemo/megatron-bridge/latest/training/activation-recomputation.html); torchtitan,
 # `torchtitan/config/job_config.py`, class `ActivationCheckpoint` (`mode`: `"none"`, `"full"`,
 # `"selective"`; `selective_ac_option`: an integer for every $N$-th layer, or `"op"`); DeepSpeed,

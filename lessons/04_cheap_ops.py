@@ -212,17 +212,26 @@ check("the share of a selective Llama 3 8B layer that cheap drops", answer, 1 - 
           f"34h + 8 = {34 * llama8.hidden + 8:,}: selective keeps {kept['selective']:,} bytes, cheap {kept['cheap']:,}")
 
 # %% [markdown]
-# **3.** How many more recompute GFLOP (matmul FLOPs) does `cheap` cost than `selective`, for the same
-# `small` shape?
+# **3.** `cheap`'s rebuilds add no matmul (step_flops finds the same recompute FLOPs as `selective`), but
+# they are not free: each reads its inputs and writes its output once more, so they cost memory traffic,
+# the limit of any elementwise op. For the same `small` shape, one layer, fp32: how many bytes do the three
+# rebuilds of `picockpt/layer.py` read and write at least (`rmsnorm_apply(x, rstd, w)` twice, each over
+# $B T \times h$ with one statistic per token and $h$ weights; `swiglu_forward(gate, up)` over $B T \times f$)?
 
 # %%
-answer = 0
+answer = 3_806_208  # bytes per layer
 
 # %%
+N, h, f, e = 4 * 128, exercise.hidden, exercise.ffn, 4
+norm_traffic = N * h * e + N * 4 + h * e + N * h * e  # read x, rstd, w; write the output
+swiglu_traffic = 2 * N * f * e + N * f * e  # read gate and up; write the product
 more = step_flops(exercise, 4, 128, "cheap")["recompute"] - step_flops(exercise, 4, 128, "selective")["recompute"]
-check("extra recompute GFLOP of cheap over selective", answer, more / 1e9, rel=0,
-      why="its rebuilds (w·x·rstd, silu(gate)·up) are elementwise: step_flops counts matmuls, and finds "
-          f"{more:,} more")
+check("bytes the cheap rebuilds read and write per layer (small, 4 x 128, fp32)", answer,
+      2 * norm_traffic + swiglu_traffic, rel=0,
+      why=f"two norms, (2·N·h + N + h)·4 = {norm_traffic:,} each, and the SwiGLU product, 3·N·f·4 = "
+          f"{swiglu_traffic:,}: {(2 * norm_traffic + swiglu_traffic) / saved:.1f} bytes moved per byte it saves "
+          f"({saved:,}), for {more} more matmul FLOPs; divide by the device's memory bandwidth for the least "
+          f"time they take (the time ratio above measures what they cost here)")
 
 # %%
 RESULT = {"figures": [str(path)],

@@ -8,10 +8,10 @@
 # that produced the loss, and the gradients are wrong, silently (the loss itself is unchanged).
 #
 # picockpt stores the generator's state beside every checkpoint and replays it around each
-# recomputation (`engine._replay_rng`; `torch.utils.checkpoint` does the same with
+# recomputation (`engine.replay_rng`; `torch.utils.checkpoint` does the same with
 # `preserve_rng_state=True`, its default). This lesson measures the gradients of `full`, `every:2` and
 # `selective` against those of `none` (the same seed, weights and batch), once as the engine is, once
-# with `_replay_rng` replaced by a do-nothing context.
+# with `replay_rng` replaced by a do-nothing context.
 #
 # **Run it** as a script, `python lessons/06_rng_and_dropout.py` (the CPU run, well under a minute;
 # `--fast` for seconds, `--large --device cuda` for a bigger shape on a GPU), or step through this
@@ -53,7 +53,7 @@ def shape(mode):
 def without_replay():
     """A context in which recomputation does not restore the generator: each recomputed layer
     draws fresh masks from wherever the generator happens to be."""
-    return mock.patch.object(engine, "_replay_rng", lambda generator, state: contextlib.nullcontext())
+    return mock.patch.object(engine, "replay_rng", lambda generator, state: contextlib.nullcontext())
 
 
 def gradients(cfg, params, input_ids, targets, policy, seed, replay=True):

@@ -7,8 +7,8 @@
 # Beaumont et al. 2019, in `picockpt/planner.py`): its whole frontier, every Pareto-optimal plan from the
 # least feasible budget to storing everything; and PyTorch's recomputation on the autograd reference:
 # checkpoint per layer, `checkpoint_sequential` at every segment count, two selective-checkpoint
-# policies, and the min-cut partitioner that `torch.compile` uses, under
-# `torch._functorch.config.activation_memory_budget`.
+# policies, and the min-cut partitioner that `torch.compile` uses, swept over its whole range of
+# `torch._functorch.config.activation_memory_budget` (from 1, save what it likes, to 0, save only the inputs).
 #
 # Two views. The **logical** view is the activation store's peak, which a budget constrains: the
 # planner's frontier there is exact, and every other policy's point must lie on or above it. The
@@ -18,7 +18,8 @@
 # peers have; the planner does not model working memory, so there it could be beaten, and the lesson
 # checks whether it is.
 #
-# **Run it** as a script, `python lessons/08_budget_planner.py` (the CPU run, well under a minute;
+# **Run it** as a script, `python lessons/08_budget_planner.py` (the CPU run, about two minutes, most of it
+# tracing the partitioner's graphs;
 # `--fast` for seconds, `--large --device cuda` for a bigger shape on a GPU), or step through this
 # notebook, where the same flags come from the environment variable `PICOCKPT_LESSON_ARGS` (unset: the
 # CPU run). Notebook 08 (`08_beyond_sqrt_L`) derives the planner's special case of equal layers.
@@ -27,9 +28,6 @@
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import torch._functorch.config as functorch_config
-from torch._functorch.aot_autograd import aot_module, make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition as min_cut_partition
 
 from _check import check
 from _lesson import FAST_TIMING, Spread, callouts, choose, large, lesson_args, shape_line, small, wrote
@@ -37,7 +35,7 @@ from picockpt import init_params, loss_and_grads, parse_policy
 from picockpt.cli.plan import benchmark
 from picockpt.inventory import chain_sizes, predicted_peak_bytes, step_flops
 from picockpt.measure import make_batch
-from picockpt.peers import per_layer, run_plain, save_matmuls, selective, sequential
+from picockpt.peers import min_cut, per_layer, run_plain, save_matmuls, selective, sequential
 from picockpt.planner import frontier, least_budget, model_chain, plan_model
 from picockpt.plotting import mib, policy_color, save_figure
 from picockpt.policy import OP_LEVEL
@@ -49,29 +47,31 @@ PLANNER_COLOR, TORCH_COLOR, MINCUT_COLOR = "#8172B3", "#7F7F7F", "#2CA02C"
 # %% [markdown]
 # ## What each run mode measures
 #
-# `--fast` keeps the tests quick: a few planner points, a few fixed policies, no min-cut partitioner
-# (tracing it alone takes about 10 s here). The CPU run measures 20 planner points, the fixed policies
-# in full, every segment count of `checkpoint_sequential` and two min-cut budgets.
+# `--fast` keeps the tests quick: a few planner points, a few fixed policies, one min-cut budget (0) at a
+# four-layer shape. The CPU run (the `small` preset at batch 4 x 128) measures 20 planner points, the
+# fixed policies in full, every segment count of `checkpoint_sequential` and eight min-cut budgets from 1
+# to 0 (tracing and partitioning the graphs takes 5-8 s per budget here: the run's longest part).
 
 # %%
 def shape(mode):
     """(Config, batch, seq) of each run mode."""
-    return choose(mode, fast=(small(layers=4), 2, 32), cpu=(small(), 2, 128), large=(large(), 2, 1024))
+    return choose(mode, fast=(small(layers=4), 2, 32), cpu=(small(), 4, 128), large=(large(), 2, 1024))
 
 
 def extent(mode, cfg):
     """What each run mode measures: planner points run, fixed policies, segment counts of
     checkpoint_sequential, min-cut budgets, layers and repeats of the planning-time benchmark. --fast keeps
-    the tests quick: a few of each, no min-cut partitioner (tracing it alone takes ~10 s here)."""
+    the tests quick: a few of each."""
     layer_levels = ["none", "full"] + [f"every:{C}" for C in range(2, cfg.layers + 1)]
     every = [parse_policy(level + op, cfg).text for level in layer_levels for op in ("", "+selective", "+cheap")]
     some = [p for p in every if "+" not in p or p.split("+")[0] in ("full", "every:2", f"every:{cfg.layers // 2}")]
     return choose(mode, fast=dict(dots=4, run=["none", "cheap", "full", "every:2"], segments=[2], peers=False,
-                                  min_cut=(), benchmark_layers=32, plan_repeats=1),
-                  cpu=dict(dots=20, run=some, segments=range(2, cfg.layers + 1), peers=True, min_cut=(0.5, 0.1),
-                           benchmark_layers=128, plan_repeats=3),
+                                  min_cut=(0.0,), benchmark_layers=32, plan_repeats=1),
+                  cpu=dict(dots=20, run=some, segments=range(2, cfg.layers + 1), peers=True,
+                           min_cut=(1.0, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0), benchmark_layers=128, plan_repeats=3),
                   large=dict(dots=20, run=every, segments=range(2, cfg.layers + 1), peers=True,
-                             min_cut=(0.8, 0.5, 0.3, 0.1, 0.0), benchmark_layers=128, plan_repeats=3)) \
+                             min_cut=(1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0), benchmark_layers=128,
+                             plan_repeats=3)) \
         | {"every": every}
 
 
@@ -81,9 +81,10 @@ def extent(mode, cfg):
 # `measure_picockpt` runs one step under a tracker (store peak and live peak; recompute FLOPs measured
 # or taken from the closed form, which the tests hold equal to the measurement). `measure_torch` does
 # the same for an autograd run, in two passes, since `FlopCounterMode`'s module hooks would keep
-# checkpointed graphs alive. `min_cut` puts the reference model through AOTAutograd with
-# `torch.compile`'s min-cut partitioner and an activation memory budget, without code generation, so
-# the tracker sees every op.
+# checkpointed graphs alive, and also keeps the bytes alive at the end of the forward: what the run saved
+# for its backward. `peers.min_cut` puts the reference model through AOTAutograd with `torch.compile`'s
+# min-cut partitioner and an activation memory budget, without Dynamo and without code generation, so the
+# tracker sees every op of both graphs.
 
 # %%
 def planner_frontier(cfg, batch, seq):
@@ -106,8 +107,9 @@ def measure_picockpt(cfg, params, ids, targets, policy, device, seed, flops=Fals
 
 
 def measure_torch(model, ids, targets, forward, device, seed):
-    """Physical peak and total FLOPs of forward + backward; forward(ids, targets) -> loss.
-    Two runs: FlopCounterMode's module hooks would keep checkpointed graphs alive (tracker.py)."""
+    """Physical peak, bytes saved for the backward (live at the end of the forward) and total FLOPs of
+    forward + backward; forward(ids, targets) -> loss. Two runs: FlopCounterMode's module hooks would
+    keep checkpointed graphs alive (tracker.py)."""
     def run(**what):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
@@ -119,16 +121,21 @@ def measure_torch(model, ids, targets, forward, device, seed):
             for p in model.parameters():
                 tracker.mark(p.grad, "gradients")
         return tracker
-    return {"physical": run(flops=False).peak_physical, "flops": sum(run(physical=False).flops.values())}
+    memory = run(flops=False)
+    saved = [entry["physical"] for entry in memory.timeline if entry["phase"] == "forward"][-1]
+    return {"physical": memory.peak_physical, "saved": saved, "flops": sum(run(physical=False).flops.values())}
 
 
-def min_cut(model, budget):
-    """The reference model through AOTAutograd with torch.compile's min-cut partitioner and an
-    activation memory budget (no Dynamo, no code generation: the graphs run op by op, so the
-    tracker sees them; torch.compile itself runs eagerly while a dispatch mode is active)."""
-    functorch_config.activation_memory_budget = budget
-    run_graph = lambda graph, _: make_boxed_func(graph.forward)  # noqa: E731  the graph as it is
-    return aot_module(model, fw_compiler=run_graph, bw_compiler=run_graph, partition_fn=min_cut_partition)
+def backward_order(graphs):
+    """Where the partitioned backward graph recomputes: its recomputed matmuls (forward nodes, which keep
+    their names in both graphs) and how many of them run in the graph's first tenth, long before the
+    layer backwards that use them; and whether it rebuilds x0 (recomputes the embedding lookup)."""
+    forward = {node.name for node in graphs["forward"].nodes if node.op == "call_function"}
+    nodes = [node for node in graphs["backward"].nodes if node.op == "call_function"]
+    matmuls = [i for i, node in enumerate(nodes) if node.name in forward
+               and node.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
+    return {"recomputed_matmuls": len(matmuls), "early": sum(i < len(nodes) / 10 for i in matmuls),
+            "from_x0": any(node.target == torch.ops.aten.embedding.default for node in nodes)}
 
 
 def torch_peers(cfg, params, ids, targets, seq, todo, device, seed):
@@ -140,15 +147,15 @@ def torch_peers(cfg, params, ids, targets, seq, todo, device, seed):
     runs.update({f"torch checkpoint_sequential({n})": sequential(n) for n in todo["segments"]})
     rows = {name: measure_torch(model, ids, targets, lambda i, t, run=run: model(i, t, run_layers=run), device, seed)
             for name, run in runs.items()}
-    default = functorch_config.activation_memory_budget
-    try:
-        for budget in todo["min_cut"]:
-            compiled = min_cut(model, budget)
-            model.zero_grad(set_to_none=True)
-            compiled(ids, targets).backward()  # trace and partition once, untracked
-            rows[f"min-cut partitioner, budget {budget}"] = measure_torch(model, ids, targets, compiled, device, seed)
-    finally:
-        functorch_config.activation_memory_budget = default
+    for budget in todo["min_cut"]:
+        graphs = {}
+        compiled = min_cut(model, budget, graphs)
+        model.zero_grad(set_to_none=True)
+        compiled(ids, targets).backward()  # trace and partition once, untracked
+        row = measure_torch(model, ids, targets, compiled, device, seed)
+        model.zero_grad(set_to_none=True)
+        row.update(budget=budget, **backward_order(graphs))
+        rows[f"min-cut partitioner, budget {budget}"] = row
     base = rows["autograd"]["flops"]
     for row in rows.values():
         row["recompute"] = row["flops"] - base
@@ -221,8 +228,10 @@ print(f"fixed policies below the planner's frontier (logical): {beaten_logical o
 
 # %%
 peers = torch_peers(cfg, params, ids, targets, seq, todo, device, seed)
+sweep = {name: row for name, row in peers.items() if "budget" in row}  # the min-cut partitioner: a section below
+checkpointing = {name: row for name, row in peers.items() if name not in sweep}
 print(f"\n{'PyTorch peer':<40}{'live MiB':>10}{'recompute GFLOP':>17}")
-for name, row in peers.items():
+for name, row in checkpointing.items():
     print(f"{name:<40}{mib(row['physical']):>10.2f}{row['recompute'] / 1e9:>17.4f}")
 
 # %%
@@ -267,8 +276,8 @@ for name, spread in timing.items():
 #
 # Left, the logical view: the planner's exact frontier (the line), its measured points, and every fixed
 # policy (circles: layer level only, diamonds: `+selective`, squares: `+cheap`). Middle and right, the
-# physical view beside picockpt's fixed policies and beside PyTorch's checkpointing; crowded points are
-# named from a column of labels.
+# physical view beside picockpt's fixed policies and beside PyTorch's checkpointing (the min-cut
+# partitioner has its own figure, next); crowded points are named from a column of labels.
 
 # %%
 def plot(fixed, measured_plans, front, peers):
@@ -299,19 +308,16 @@ def plot(fixed, measured_plans, front, peers):
             else:  # a column of +selective / +cheap points at one recompute cost: named from the column
                 column[ax].append((policy.replace("+selective", "+sel"), (x, y), "black"))
     for peer, row in peers.items():
-        color = MINCUT_COLOR if peer.startswith("min-cut") else TORCH_COLOR
         x, y = float(gflop(row["recompute"])), mib(row["physical"])
-        theirs.scatter(x, y, marker="^", s=40, color=color, zorder=3)
+        theirs.scatter(x, y, marker="^", s=40, color=TORCH_COLOR, zorder=3)
         column[theirs].append((peer.replace("torch checkpoint_sequential", "checkpoint_sequential")
-                               .replace("min-cut partitioner, budget", "min-cut, budget").replace("torch ", ""),
-                               (x, y), color))
+                               .replace("torch ", ""), (x, y), TORCH_COLOR))
     for marker, text in (("o", "layer level only"), ("D", "+selective (+sel)"), ("s", "+cheap / cheap")):
         for ax in (logical, mine):
             ax.scatter([], [], marker=marker, color="white", edgecolor="black", label=f"fixed policy, {text}")
     for policy, text in (("none", "none"), ("selective", "selective, cheap"), ("full", "full"), ("every:2", "every:C")):
         logical.scatter([], [], marker="o", color=policy_color(policy), label=f"colour: {text}")
     theirs.scatter([], [], marker="^", color=TORCH_COLOR, label="PyTorch checkpointing (autograd reference)")
-    theirs.scatter([], [], marker="^", color=MINCUT_COLOR, label="min-cut partitioner, activation_memory_budget")
     logical.set_title("logical: the activation store's peak\n(what a budget limits)")
     mine.set_title("physical: every live tensor (store + working memory)\nbeside picockpt's fixed policies")
     theirs.set_title("physical: every live tensor (store + working memory)\nbeside PyTorch's checkpointing")
@@ -327,35 +333,143 @@ def plot(fixed, measured_plans, front, peers):
     return fig
 
 
-fig = plot(fixed, measured_plans, front, peers)
+fig = plot(fixed, measured_plans, front, checkpointing)
 fig.suptitle(f"Peak memory against recompute, one training step: {shape_line(cfg, batch, seq, device)}; "
              f"one forward = {forward_flops / 1e9:.2f} GFLOP", fontsize=9, y=1.03)
 path = save_figure(fig, "08_budget_planner")
 wrote(path)
 
 # %% [markdown]
+# ## The min-cut partitioner over its whole budget range
+#
+# `torch.compile` traces forward and backward into one joint graph and cuts it in two: what crosses
+# the cut is saved, everything else the backward graph recomputes
+# (`torch._functorch.partitioners.min_cut_rematerialization_partition`). Below budget 1 it picks the
+# saved set by a knapsack over the graph's tensors: the lower the budget, the fewer bytes it may save.
+# The table sweeps that budget from 1 to 0 on this lesson's shape; **saved** is what is alive at the end
+# of the forward (what the backward graph receives), **live** the peak of every tensor of the step.
+#
+# The budget limits what is saved, not what is alive. The backward graph is one graph: what it
+# recomputes is not rebuilt segment by segment, one layer's worth just before that layer's backward (as
+# a checkpoint per layer or picockpt's sweeps do), but wherever the graph's order puts it, and every
+# recomputed tensor then stays alive until its last use. **above saved** is the live peak less the saved
+# bytes: what the backward holds on top of what it was given (recomputed tensors, gradients in flight;
+# autograd's is about 1 MiB). **early** counts the recomputed matmuls that run in the backward graph's
+# first tenth, long before the layer backwards that use them. Where many do, the live peak climbs back
+# towards autograd's while the saved bytes keep falling; at budget 0 the backward graph recomputes the
+# whole forward, the head included, and holds nearly all of it at once. So the live peak is not monotone
+# in the budget. Every budget below 1 also recomputes the embedding lookup: the partitioner rebuilds
+# $x_0$ from the ids, which picockpt's planner (whose chain starts at $x_0$) never does.
+
+# %%
+def sweep_table(sweep, autograd):
+    print(f"\n{'activation_memory_budget':<26}{'saved MiB':>11}{'live MiB':>10}{'above saved':>13}"
+          f"{'recompute GFLOP':>17}{'forwards':>10}{'early':>12}  rebuilds x0")
+    for row in sweep.values():
+        print(f"{row['budget']:<26}{mib(row['saved']):>11.2f}{mib(row['physical']):>10.2f}"
+              f"{mib(row['physical'] - row['saved']):>13.2f}{row['recompute'] / 1e9:>17.3f}"
+              f"{row['recompute'] / forward_flops:>10.2f}{row['early']:>6} of {row['recomputed_matmuls']:<3}  "
+              f"{'yes' if row['from_x0'] else 'no'}")
+    print(f"{'autograd (no recomputation)':<26}{mib(autograd['saved']):>11.2f}{mib(autograd['physical']):>10.2f}"
+          f"{mib(autograd['physical'] - autograd['saved']):>13.2f}{0:>17.3f}")
+    lives = [row["physical"] for row in sweep.values()]  # budgets in decreasing order
+    falls = all(a >= b for a, b in zip(lives, lives[1:]))
+    print(f"live peak falls with every lower budget: {falls}; saved bytes fall with every lower budget: "
+          f"{all(a['saved'] >= b['saved'] for a, b in zip(sweep.values(), list(sweep.values())[1:]))}")
+
+
+def against_planner(best, plans, front):
+    """The planner's answer to the partitioner's best budget, both ways, among the plans run."""
+    run = [(front_row, plans[front_row[2]]) for front_row in front if front_row[2] in plans]
+    reach = [(f, r) for f, r in run if r["physical"] <= best["physical"]]
+    within = [(f, r) for f, r in run if f[1] <= best["recompute"]]
+    if reach:
+        f, r = min(reach, key=lambda fr: fr[0][1])
+        print(f"the planner reaches the partitioner's best live peak ({mib(best['physical']):.2f} MiB, budget "
+              f"{best['budget']}, {best['recompute'] / 1e9:.3f} GFLOP recomputed) at {mib(r['physical']):.2f} MiB live "
+              f"for {f[1] / 1e9:.3f} GFLOP ({f[2]}; least recompute of the {len(run)} plans run)")
+    else:
+        print(f"none of the {len(run)} planner plans run reaches {mib(best['physical']):.2f} MiB live")
+    f, r = min(within, key=lambda fr: fr[1]["physical"])
+    print(f"within the partitioner's {best['recompute'] / 1e9:.3f} GFLOP the planner's least live peak is "
+          f"{mib(r['physical']):.2f} MiB ({f[2]}, {f[1] / 1e9:.3f} GFLOP)")
+
+
+best_cut = min(sweep.values(), key=lambda row: row["physical"])
+sweep_table(sweep, peers["autograd"])
+against_planner(best_cut, measured_plans, front)
+
+# %%
+def plot_sweep(sweep, autograd, plans, front):
+    """Left: saved and live bytes against the budget; right: live bytes against recompute, the
+    partitioner's sweep beside the planner's measured plans."""
+    fig, (by_budget, by_flops) = plt.subplots(1, 2, figsize=(13, 5))
+    budgets = [row["budget"] for row in sweep.values()]
+    by_budget.plot(budgets, mib([row["physical"] for row in sweep.values()]), "^-", color=MINCUT_COLOR,
+                   label="min-cut: live peak (every tensor)")
+    by_budget.plot(budgets, mib([row["saved"] for row in sweep.values()]), "s--", color=MINCUT_COLOR, alpha=0.6,
+                   label="min-cut: saved for the backward (live at the forward's end)")
+    by_budget.axhline(mib(autograd["physical"]), color=TORCH_COLOR, ls=":", label="autograd: live peak")
+    least = min(plans.values(), key=lambda row: row["physical"])
+    by_budget.axhline(mib(least["physical"]), color=PLANNER_COLOR, ls="-.",
+                      label="picockpt planner: least live peak of its plans run")
+    by_budget.set_xlabel("torch._functorch.config.activation_memory_budget")
+    by_budget.invert_xaxis()
+    by_budget.set_title("the budget limits what is saved, not what is alive")
+    run = [(f, plans[f[2]]) for f in front if f[2] in plans]
+    by_flops.plot([f[1] / 1e9 for f, _ in run], mib([r["physical"] for _, r in run]), "o", ms=4,
+                  color=PLANNER_COLOR, label="picockpt planner (budget:SIZE), measured")
+    x = [row["recompute"] / 1e9 for row in sweep.values()]
+    by_flops.plot(x, mib([row["physical"] for row in sweep.values()]), "^-", color=MINCUT_COLOR, lw=0.8,
+                  label="min-cut partitioner, in budget order")
+    for row, gflop in zip(sweep.values(), x):
+        by_flops.annotate(f"{row['budget']:g}", (gflop, mib(row["physical"])), fontsize=7, xytext=(4, 3),
+                          textcoords="offset points", color=MINCUT_COLOR)
+    by_flops.plot([0], [mib(autograd["physical"])], "^", color=TORCH_COLOR, label="autograd")
+    by_flops.set_xlabel("recompute per step (GFLOP, matmuls)")
+    by_flops.set_title("live peak against recompute")
+    for ax in (by_budget, by_flops):
+        ax.set_ylabel("peak (MiB)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left" if ax is by_budget else "upper right")
+    fig.suptitle(f"torch.compile's min-cut partitioner over its budget range: {shape_line(cfg, batch, seq, device)}",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+sweep_path = save_figure(plot_sweep(sweep, peers["autograd"], measured_plans, front), "08_min_cut_budget_sweep")
+wrote(sweep_path)
+
+# %% [markdown]
 # ## Exercises
 #
-# Both for the `small` model at batch 2 × 128 tokens, fp32.
+# Both for the `small` model at batch 4 × 128 tokens, fp32.
 #
-# **1.** The least feasible budget. Whatever the schedule, each layer's backward needs that layer whole
-# in the store, and the first layer's input $x_0$ stays stored until the very end (nothing can rebuild
-# it). With the sizes printed below, what is the least budget, in bytes, that any schedule fits in?
+# **1.** The least feasible budget of the planner's chain. The planner's unit is the layer: a layer's
+# backward runs with that layer stored whole (its input and every tensor its op level keeps), and the
+# chain starts at the first layer's input $x_0$, which the planner keeps until the very end. Both are
+# properties of that granularity, not laws: $x_0$ is an embedding lookup that the ids and the embedding
+# weight could rebuild (the min-cut partitioner's backward graph does, above), and a checkpoint around
+# each block inside a layer (attention, MLP) would need less than a whole layer at once. Within the
+# planner's chain, with the sizes printed below, what is the least budget, in bytes, that any of its
+# schedules fits in?
 
 # %%
 exercise = small()
-X8, _, _ = chain_sizes(exercise, 2, 128)
-layer_bytes = {level: chain_sizes(exercise, 2, 128, OP_LEVEL.get(level, frozenset()))[1]
+X8, _, _ = chain_sizes(exercise, 4, 128)
+layer_bytes = {level: chain_sizes(exercise, 4, 128, OP_LEVEL.get(level, frozenset()))[1]
                for level in ("none", "selective", "cheap")}
 print(f"X = {X8:,} bytes; one layer stored whole (input included): " +
       ", ".join(f"{level} {nbytes:,}" for level, nbytes in layer_bytes.items()) + " bytes")
 
 # %%
-answer = 1_705_984  # bytes
+answer = 3_411_968  # bytes
 
 # %%
-least = least_budget(model_chain(exercise, 2, 128))
-check("the least feasible budget (small, 2 x 128), in bytes", answer, least, rel=0,
+least = least_budget(model_chain(exercise, 4, 128))
+check("the least feasible budget of the planner's chain (small, 4 x 128), in bytes", answer, least, rel=0,
       why=f"x0 ({X8:,}) beside a later layer stored whole at the cheapest op level, all:cheap "
           f"({layer_bytes['cheap']:,}, its own input included): {X8 + layer_bytes['cheap']:,}; "
           f"planner.least_budget says {least:,}")
@@ -365,22 +479,23 @@ check("the least feasible budget (small, 2 x 128), in bytes", answer, least, rel
 # against `full`'s one extra forward?
 
 # %%
-answer = 0.327  # GFLOP
+answer = 0.654  # GFLOP
 
 # %%
-full_budget = predicted_peak_bytes(exercise, 2, 128, "full")
-plan = plan_model(exercise, 2, 128, full_budget)
-full_recompute = step_flops(exercise, 2, 128, "full")["recompute"]
-check("GFLOP the planner saves against full at full's budget (small, 2 x 128)", answer,
+full_budget = predicted_peak_bytes(exercise, 4, 128, "full")
+plan = plan_model(exercise, 4, 128, full_budget)
+full_recompute = step_flops(exercise, 4, 128, "full")["recompute"]
+check("GFLOP the planner saves against full at full's budget (small, 4 x 128)", answer,
       (full_recompute - plan.recompute_flops) / 1e9, rel=0.01,
       why=f"full recomputes {full_recompute / 1e9:.3f} GFLOP; the plan {plan.recompute_flops / 1e9:.3f}: it keeps "
           f"the last layer whole ({plan.schedule.forward[-1]}), since full's peak comes in the backward and leaves "
           f"room at the end of the forward, and each sweep stops before the down projection nobody needs")
 
 # %%
-RESULT = {"figures": [str(path)], "summary": {
+RESULT = {"figures": [str(path), str(sweep_path)], "summary": {
     "Pareto-optimal plans": len(front), "plans measured": len(measured_plans),
     "measured == predicted": exact, "fixed policies beating the planner (logical)": len(beaten_logical),
     "rivals beating the planner (physical)": f"{len(beaten_physical)} of {len(rivals)}",
+    "min-cut best budget": best_cut["budget"], "min-cut best live MiB": round(mib(best_cut["physical"]), 2),
     **{f"planning ms, {name}": FAST_TIMING if fast else spread.text("{:.0f}", scale=1e3)
        for name, spread in timing.items()}}}

@@ -8,19 +8,29 @@
 # one-hot. Keep the one number per row the reduction produced, the log-sum-exp (lse), and both can be
 # thrown away in the forward and rebuilt from their inputs in the backward: that is recomputation.
 #
-# * **FlashAttention** (Dao et al. 2022; FlashAttention-2, Dao 2023) keeps $O$ and the lse ($B \cdot H \cdot T$
-#   numbers) and in the backward recomputes each tile of $S = q k^\top/\sqrt{d}$ and $P = \exp(S - \text{lse})$:
+# * **FlashAttention** keeps $O$ and per-row statistics, and in the backward recomputes each tile of
+#   $S = q k^\top/\sqrt{d}$ and $P$ from them. FlashAttention-1 (Dao et al. 2022) keeps two per row, the
+#   running maximum $m$ and the sum $\ell$ of exponentials ($P = \exp(S - m)/\ell$); FlashAttention-2
+#   (Dao 2023) keeps their one combination, $\text{lse} = m + \log \ell$ ($B \cdot H \cdot T$ numbers,
+#   $P = \exp(S - \text{lse})$), which is what picockpt's `tiled` attention keeps:
 #   the selective recomputation of Korthikanti et al. (2022), done inside the op, one tile at a time, so the
 #   T×T tensors never exist whole, not even as working memory. Megatron's documentation says the same
 #   from the other side: its selective recomputation is `recompute_modules = ["core_attn"]` by default,
 #   and NVIDIA's Megatron Bridge guide ("Activation Recomputation") advises, with flash or Transformer
 #   Engine fused attention, comparing `core_attn` against recomputing nothing, because those backends
 #   already rematerialise the attention internals.
-# * **A chunked LM head + loss** (Liger Kernel's fused linear cross-entropy, Hsu et al. 2024; Cut
-#   Cross-Entropy, Wijmans et al. 2024) keeps one lse per token and recomputes each chunk's logits
-#   $x W^\top$ in the backward: at Llama 3's 128256-token vocabulary the bf16 logits of one 8192-token
-#   sequence take 1.96 GiB, about as much as the 32 layer checkpoints of full recomputation (2 GiB); the
-#   lse takes 32 KiB.
+# * **A chunked LM head + loss** never holds the whole $(B T, V)$ logits: at Llama 3's 128256-token
+#   vocabulary the bf16 logits of one 8192-token sequence take 1.96 GiB, about as much as the 32 layer
+#   checkpoints of full recomputation (2 GiB). Two published schemes do it differently. Cut
+#   Cross-Entropy (Wijmans et al. 2024, `apple/ml-cross-entropy`, `cut_cross_entropy/cce.py`) keeps the
+#   head's input, the weight and one lse per token (32 KiB here), and its backward recomputes the logits
+#   block by block: recomputation, as FlashAttention's. Liger Kernel's fused linear cross-entropy (Hsu et
+#   al. 2024, `linkedin/Liger-Kernel`, `src/liger_kernel/ops/fused_linear_cross_entropy.py`) recomputes
+#   nothing: for the mean and sum reductions its forward already computes, chunk by chunk, the gradient of
+#   the input $(B T, h)$ and of the weight $(V, h)$, holds them until the backward, and the backward only
+#   scales them by the incoming gradient (for `reduction="none"` it defers to the backward and
+#   recomputes the logits there). picockpt's `Config.loss_chunk` is the Cut Cross-Entropy kind, one
+#   chunk of rows at a time (CCE tiles the vocabulary too, inside one kernel); part 4 measures both.
 #
 # picockpt has both (`Config.attention = eager | tiled | fused`, `Config.loss_chunk`). This lesson
 # measures, in six parts: stored and live bytes against $T$ for each attention kind; FLOPs by phase;
@@ -35,6 +45,7 @@
 # %%
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
@@ -44,9 +55,15 @@ from _lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, larg
                      shape_line, small, wrote)
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.formulas import chen_optimum, exact_segment_curve
+from picockpt.head import head_backward, head_forward
 from picockpt.inventory import attention_matmul_flops, chain_sizes, head_inventory, predicted_peak_bytes, step_flops
 from picockpt.measure import make_batch
+from picockpt.ops import (cross_entropy_backward, cross_entropy_forward, linear_forward, rmsnorm_backward,
+                          rmsnorm_forward)
+from picockpt.ops.cross_entropy import IGNORE_INDEX
+from picockpt.params import FINAL_NORM, HEAD, compute_weights
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
+from picockpt.store import ActivationStore
 from picockpt.tracker import Tracker
 
 GIB = 2**30
@@ -186,8 +203,11 @@ print("(eager: in the last layer's attention backward, P just taken from the sto
 # %% [markdown]
 # ## 2. FLOPs by phase
 #
-# All equal `step_flops`. `selective` rebuilds $q k^\top$ in every layer; `tiled` rebuilds the same
-# product (its tiles on or below the diagonal) and counts it as recompute; `fused` rebuilds it inside one
+# All equal `step_flops`. The counts are not alike over the causal square: eager, selective and fused
+# count the whole $T \times T$ product $q k^\top$ (their kernels compute every entry and mask the upper
+# half), tiled only its tiles on or below the diagonal (a causal kernel's saving). `selective` rebuilds
+# $q k^\top$ in every layer; `tiled` rebuilds the same product (its tiles on or below the diagonal) and
+# counts it as recompute; `fused` rebuilds it inside one
 # aten op, the kernel's backward, which `FlopCounterMode` sees whole: there it counts as backward,
 # exactly $L \cdot q k^\top$ more than eager's.
 
@@ -280,6 +300,105 @@ print(f"stored = predicted_peak_bytes: {yes(head_ok)}. From V={big} to {bigger} 
       f"{expect[chunk]}: one chunk's logits; the backward turns the recomputed chunk into its own gradient in "
       f"place, exp(z - lse), and adds the chunk's share of the weight gradient in place too): "
       f"{'as counted' if slope_ok else 'NOT as counted'}")
+
+# %% [markdown]
+# ### Liger's scheme against Cut Cross-Entropy's, measured
+#
+# picockpt's chunked head (`head_forward`, `head_backward`) is the Cut Cross-Entropy kind. Liger's is
+# written out below in a few lines with the same ops: the forward computes each chunk's logits, turns them
+# into their own gradient at once (softmax minus one-hot, scaled by $1/N$), and adds the chunk's share of
+# the input gradient and of the weight gradient; it holds those two until the backward, which only runs
+# the final norm's backward. (Liger sizes its chunks so that one holds about $B T \cdot h$ numbers; here
+# both use the same chunk, to compare like with like.) Measured on one head step of the vocabulary
+# sweep's model at its largest $V$: the bytes held between the forward and the backward (closed form,
+# beside the head's input and the norm's fp32 statistic $4N$ that both keep: Cut Cross-Entropy keeps the
+# norm's output and the lse, $N h e + 4 N$; Liger the input gradient and the weight gradient,
+# $N h e + V h e$), the live peak of the step, and the matmul FLOPs of each phase.
+
+# %%
+def liger_head_forward(x, weights, cfg, targets, chunk):
+    """Liger's fused linear cross-entropy (mean reduction) -> (loss, what it holds for the backward)."""
+    B, T, h = x.shape
+    xn, rstd = rmsnorm_forward(x, weights[FINAL_NORM], cfg.norm_eps, cfg.stat_dtype)  # (B, T, h), (B, T, 1)
+    rows, ys, W = xn.view(B * T, h), targets.reshape(B * T), weights[HEAD]  # (N, h), (N,), (V, h)
+    scale = 1.0 / (ys != IGNORE_INDEX).sum().to(cfg.stat_dtype)  # () Liger counts the targets first
+    d_rows = torch.empty_like(rows)  # (N, h) the input's gradient, made in the forward
+    d_head = torch.zeros(W.shape, dtype=W.dtype, device=W.device)  # (V, h) the weight's gradient, likewise
+    total = 0.0
+    for start in range(0, B * T, chunk):
+        end = min(start + chunk, B * T)
+        logits = linear_forward(rows[start:end], W)  # (n, V) one chunk
+        part, lse = cross_entropy_forward(logits, ys[start:end], cfg.stat_dtype)  # scalar, (n,)
+        total = total + part
+        dlogits = cross_entropy_backward(scale, logits, ys[start:end], cfg.stat_dtype, lse, inplace=True)  # (n, V)
+        del logits
+        d_rows[start:end] = dlogits @ W  # (n, h)
+        torch.addmm(d_head, dlogits.T, rows[start:end], out=d_head)  # (V, h) += dy^T x
+        del dlogits
+    return total * scale, (x, rstd, d_rows.view(B, T, h), d_head)  # the norm's output is not kept
+
+
+def liger_head_backward(held, weights):
+    """The backward: the loss is the last op (d loss = 1), so nothing to scale; the final norm's backward."""
+    x, rstd, d_xn, d_head = held
+    dx, d_norm = rmsnorm_backward(d_xn, x, rstd, weights[FINAL_NORM])  # (B, T, h), (h,)
+    return dx, {HEAD: d_head, FINAL_NORM: d_norm}
+
+
+def unique_bytes(tensors):
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def head_schemes(cfg, seq, chunk, device="cpu", seed=0):
+    """scheme -> {held: bytes between forward and backward, live: the step's live peak (the head's input and
+    the weights excluded), flops by phase, loss, grads}, for Cut Cross-Entropy's (picockpt's) and Liger's."""
+    model = cfg.replace(loss_chunk=chunk)
+    weights = compute_weights(init_params(model, seed=seed, device=device), model)
+    x = torch.randn(1, seq, cfg.hidden, device=device, dtype=model.torch_dtype)  # (1, T, h) the last layer's output
+    _, targets = make_batch(model, 1, seq, device, seed)
+    rows = {}
+    for scheme in ("cut cross-entropy", "liger"):
+        store, held = ActivationStore(), None
+        with Tracker(device) as tracker:
+            with tracker.phase("forward"):
+                if scheme == "liger":
+                    loss, held = liger_head_forward(x, weights, model, targets, chunk)
+                    held_bytes = unique_bytes(held[1:])  # x is the caller's, in both
+                else:
+                    loss = head_forward(x, weights, model, targets, store)
+                    held_bytes = store.bytes - x.untyped_storage().nbytes()
+            store.listener = tracker
+            with tracker.phase("backward"):
+                dx, grads = liger_head_backward(held, weights) if scheme == "liger" else \
+                    head_backward(weights, model, targets, store)
+        rows[scheme] = dict(held=held_bytes, live=tracker.peak_physical, flops=dict(tracker.flops), loss=loss.item(),
+                            grads=(dx, grads[HEAD]))
+        del held, dx, grads
+    return rows
+
+
+liger_cfg = vocab_cfg.replace(vocab=vocabs[-1])
+schemes = head_schemes(liger_cfg, vocab_T, chunk, device, seed)
+N, hh, V, e = vocab_T, liger_cfg.hidden, liger_cfg.vocab, 4  # fp32
+held_form = {"cut cross-entropy": N * hh * e + 4 * N + 4 * N, "liger": N * hh * e + V * hh * e + 4 * N}  # + rstd
+same_grads = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(schemes["liger"]["grads"],
+                                                                            schemes["cut cross-entropy"]["grads"]))
+print(f"\nthe head of L={liger_cfg.layers} h={hh} V={V} fp32, 1 x {N} tokens, chunks of {chunk} tokens, two schemes:")
+print(f"{'scheme':<20}{'held fwd->bwd':>15}{'closed form':>13}{'live peak':>12}{'GFLOP fwd':>11}{'recompute':>11}"
+      f"{'backward':>10}")
+for scheme, row in schemes.items():
+    flops = row["flops"]
+    print(f"{scheme:<20}{mib(row['held']):>11.2f} MiB{mib(held_form[scheme]):>9.2f} MiB{mib(row['live']):>8.2f} MiB"
+          f"{flops['forward'] / 1e9:>11.3f}{flops['recompute'] / 1e9:>11.3f}{flops['backward'] / 1e9:>10.3f}")
+held_ok = all(schemes[k]["held"] == held_form[k] for k in schemes)
+print(f"held = closed form: {yes(held_ok)}; the same loss ({schemes['liger']['loss']:.6f} and "
+      f"{schemes['cut cross-entropy']['loss']:.6f}) and gradients (allclose: {yes(same_grads)}). Liger holds the "
+      f"weight-sized gradient, {mib(V * hh * e):.0f} MiB, from the head's forward on, beside every stored "
+      f"checkpoint, and runs one matmul fewer (2·N·h·V = {2 * N * hh * V / 1e9:.3f} GFLOP): Cut Cross-Entropy "
+      f"and picockpt hold {4 * N:,} B of lse instead and compute the logits twice. The head's live peak: "
+      f"{mib(schemes['liger']['live']):.2f} MiB against {mib(schemes['cut cross-entropy']['live']):.2f} (the same "
+      f"two gradients exist at the peak in both; Liger makes them before the backward starts, so in a whole step "
+      f"they sit beside the stored checkpoints at the end of the forward)")
 
 # %% [markdown]
 # ## 5. O(L/C + C) again
@@ -450,7 +569,9 @@ def plot_attention(cfg, batch, seqs, rows, predicted, timing, device, fast):
                           fontsize=9, weight="bold")
     flops_ax.axvline(len(KINDS) - 0.5, color="0.5", lw=0.8)
     flops_ax.set_ylabel("GFLOP of one step (FlopCounterMode)")
-    flops_ax.set_title(f"FLOPs by phase at T={T}, each = step_flops", fontsize=10)
+    flops_ax.set_title(f"FLOPs by phase at T={T}, each = step_flops; q·k^T counted as the whole T×T square\n"
+                       f"(eager, selective, fused: their kernels compute it; tiled skips the tiles above the "
+                       f"diagonal)", fontsize=9)
     inside = Patch(facecolor=PHASE_COLORS["backward"], edgecolor="white", hatch="///",
                    label="of which q·k^T rebuilt inside\nfused's backward op")
     flops_ax.legend(handles=flops_ax.get_legend_handles_labels()[0] + [inside], fontsize=8, loc="upper center", ncol=2)
@@ -554,20 +675,7 @@ check("GiB of Llama 3 8B's bf16 logits for 8192 tokens", answer, logits[2] / GIB
       why=f"lm_head.logits {logits[0]} in bf16: 8192·128256·2 = {logits[2]:,} bytes")
 
 # %% [markdown]
-# **2.** With a chunked head, the loss keeps one log-sum-exp per token instead, in fp32. How many KiB
-# for the same 8192 tokens?
-
-# %%
-answer = 32  # KiB
-
-# %%
-lse = head_inventory(llama8.replace(loss_chunk=HEAD_CHUNK), 1, 8192)["lm_head.lse"]
-check("KiB of the chunked head's lse for 8192 tokens", answer, lse[2] / 2**10,
-      why=f"lm_head.lse {lse[0]} in {lse[1]}: 8192·4 = {lse[2]:,} bytes, {logits[2] // lse[2]:,} times less than "
-          f"the logits")
-
-# %% [markdown]
-# **3.** Llama 3 70B at one sequence of 8192 tokens, bf16, with fused attention and a chunked head:
+# **2.** Llama 3 70B at one sequence of 8192 tokens, bf16, with fused attention and a chunked head:
 # which $C$ of `every:C` gives the least peak? (The closed form `exact_segment_curve` answers it; or use
 # the criterion of lesson 02 with $A/X$ and $F/X$ from `chain_sizes`.)
 
@@ -582,6 +690,24 @@ check("the best C of every:C for Llama 3 70B, fused and chunked, s = 8192", answ
       rel=0, why=f"with no T² term A/X = {A70 / X70:.2f}, below L/C for C = 2 and 4 (lesson 02's criterion), and "
                  f"Chen's sqrt(L·X/A) = {chen_optimum(seventy.layers, X70, A70):.2f}; the exact peaks: "
                  f"{curve[1] / GIB:.2f} GiB at C = 1, {curve[2] / GIB:.2f} at C = 2, {curve[3] / GIB:.2f} at C = 3")
+
+# %% [markdown]
+# **3.** Liger's fused linear cross-entropy holds the input gradient and the weight gradient from the
+# head's forward to its backward. For Llama 3 8B ($h = 4096$, $V = 128256$) at 8192 tokens in bf16
+# (weights in bf16 too), how many GiB is that? (Cut Cross-Entropy, and picockpt's chunked head, hold the
+# head's input and one fp32 lse per token instead.)
+
+# %%
+answer = 1.04  # GiB
+
+# %%
+liger_held = 8192 * llama8.hidden * 2 + llama8.vocab * llama8.hidden * 2
+lse_bytes = head_inventory(llama8.replace(loss_chunk=HEAD_CHUNK), 1, 8192)["lm_head.lse"][2]
+check("GiB Liger holds between the head's forward and backward (Llama 3 8B, 8192 tokens, bf16)", answer,
+      liger_held / GIB, why=f"N·h·2 + V·h·2 = {8192 * llama8.hidden * 2:,} + {llama8.vocab * llama8.hidden * 2:,} "
+                           f"bytes: the weight gradient is the big part; the liger_head_forward above holds the "
+                           f"same two tensors, measured equal to this closed form ({yes(held_ok)}); the lse of Cut "
+                           f"Cross-Entropy takes {lse_bytes:,} bytes")
 
 # %%
 RESULT = {"figures": [str(path) for path in paths],
@@ -601,4 +727,6 @@ RESULT = {"figures": [str(path) for path in paths],
                       "fused extra backward = selective recompute": fused_extra == qk == selective,
                       "tiled recompute with one tile = selective's": one_tile == qk,
                       "head live slope = 2N, n": slope_ok,
+                      "head held forward -> backward = closed form (Liger, Cut Cross-Entropy)": held_ok,
+                      "Liger's gradients = Cut Cross-Entropy's": same_grads,
                       "fused layer bytes A(2s) = 2 A(s)": linear}}

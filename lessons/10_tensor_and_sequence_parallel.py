@@ -18,7 +18,12 @@
 # identity at its start an all-gather, the same bytes on a ring. Its backward moves more: a rank keeps
 # only its shard of each norm output, so the projections' weight gradients need it all-gathered again
 # (as Megatron-LM does, rather than keeping the gathered copy), and the norms' weight gradients are
-# all-reduced: about 1.5 times the plain backward's bytes on the wire (the table below shows it).
+# all-reduced. How much more depends on how bytes are counted. By buffer size (nccl-tests' convention,
+# the table below: an all-reduce, all-gather or reduce-scatter of an $S$-byte tensor counts $S$), three
+# times the plain backward's. On the wire, where a ring all-gather or reduce-scatter sends $(t-1)/t$ of
+# its buffer and a ring all-reduce $2(t-1)/t$, half as many bytes count per collective: 1.5 times the plain
+# backward's, about 1.25 times over the whole step, whose forwards send the same. Both are printed below
+# from the measured collectives, and the figure plots the wire bytes with the buffer sizes beside them.
 #
 # Here those rows are per-rank measurements: picockpt's own layer (GQA, SwiGLU, RMSNorm, dropout) runs
 # on $t$ = 1, 2 and 4 gloo ranks through the engine's own loop, and every rank's tracker counts its
@@ -35,15 +40,16 @@ import multiprocessing
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator
 
 from _check import check
-from _lesson import choose, large, lesson_args, shape_line, spawning_ranks, wrote
+from _lesson import choose, large, lesson_args, ranks_device, shape_line, spawning_ranks, wrote
 from picockpt import Config, init_params
 from picockpt.formulas import GIB, korthikanti_layer_bytes
 from picockpt.measure import make_batch
 from picockpt.parallel import Job, run_steps
-from picockpt.parallel.inventory import rank_comm_bytes, rank_layer_inventory, replicated_and_split
+from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, replicated_and_split
 from picockpt.plotting import PHASE_COLORS, mib, policy_color, save_figure
 from picockpt.policy import SELECTIVE
 
@@ -65,7 +71,7 @@ PHASES = ("forward", "recompute", "backward")
 # of every full-recompute checkpoint). `measure` launches $t$ ranks once per $t$ and runs every row;
 # every rank must store and move the same bytes. `layer_line` is picockpt's closed form for one stored
 # layer on one rank, at any $t$: the part kept whole plus the part split by $t$
-# (`picockpt/parallel/inventory.py`).
+# (`picockpt/parallel/tensor_parallel/tp_inventory.py`).
 
 # %%
 def shape(mode):
@@ -79,10 +85,7 @@ def shape(mode):
 
 
 def sizes(mode, device):
-    ts = (1, 2, 4)
-    if device.type == "cuda":
-        ts = tuple(t for t in ts if t <= torch.cuda.device_count())  # NCCL: one GPU per rank
-    return ts
+    return (1, 2, 4)  # with fewer GPUs than 4, ranks_device runs them on the CPU over gloo, and says so
 
 
 def measure(cfg, batch, seq, ts, device):
@@ -117,7 +120,7 @@ def layer_line(cfg, batch, seq, policy, sp, distributed, t):
 
 def table2_70b(t=8, seq=8192, batch=1):
     """Table 2's rows for a Llama 3 70B shape at t: (label, published bytes, picockpt's per rank)."""
-    from picockpt.parallel.inventory import rank_sizes
+    from picockpt.parallel.tensor_parallel.tp_inventory import rank_sizes
     cfg = Config.from_preset("llama3-70b", dtype="bf16")
     s, b, h, a = seq, batch, cfg.hidden, cfg.heads
     rows = []
@@ -133,12 +136,24 @@ def table2_70b(t=8, seq=8192, batch=1):
     return cfg, rows
 
 
+def wire_bytes(by_kind, t):
+    """What one rank sends with ring algorithms (nccl-tests' bus bytes): 2(t-1)/t of an all-reduce's
+    size, (t-1)/t of an all-gather's or a reduce-scatter's."""
+    factor = {"all_reduce": 2 * (t - 1) / t, "all_gather": (t - 1) / t, "reduce_scatter": (t - 1) / t}
+    return sum(factor[kind] * nbytes for phase in by_kind.values() for kind, nbytes in phase.items())
+
+
+def phase_wire_bytes(by_kind, t, phase):
+    """wire_bytes of one phase."""
+    return wire_bytes({phase: by_kind.get(phase, {})}, t)
+
+
 # %%
 args = lesson_args()
 cfg, batch, seq = shape(args.mode)
 ts = sizes(args.mode, args.device)
 print(f"lesson 10, tensor-parallel sizes t = {', '.join(map(str, ts))}: {shape_line(cfg, batch, seq, args.device)}")
-reports = measure(cfg, batch, seq, ts, args.device)
+reports = measure(cfg, batch, seq, ts, ranks_device(args.device, max(ts)))
 
 print("\none layer's stored bytes and the step's store peak, per rank (measured | closed form):")
 print(f"{'row':<26}{'t':>3}{'layer measured':>16}{'closed form':>13}{'peak measured':>15}{'closed form':>13}"
@@ -167,6 +182,12 @@ print(f"every measured byte equals its closed form: layers {exact_layer}, peaks 
 # Recomputation runs each recomputed layer's collectives again (its all-reduces, or under sp its
 # all-gathers and reduce-scatters), so full recomputation adds about the forward's communication again;
 # selective adds none; distributed saved activations add one all-gather per checkpoint.
+# That is what Megatron-LM's full recomputation does too (its checkpointed forward runs whole), and it
+# is not a lower bound: a recomputed layer's output is the next layer's stored input, so the sweep's
+# last collective (LEAVE after the MLP) need not run again, just as a non-reentrant
+# `torch.utils.checkpoint` stops early before the last down projection. picockpt's budget planner
+# plans its sweeps that way (they skip one LEAVE, $S$ bytes, each: `rank_comm_bytes`); the uniform
+# `full` and `every:C` schedules measured here run the whole layer.
 
 # %%
 top = ts[-1]
@@ -181,6 +202,13 @@ print("(bytes as nccl-tests count them: an all-reduce of S bytes counts S, an al
       "whole S-byte tensor S too; on a ring a rank sends 2(t-1)/t S for the first and (t-1)/t S for the others, "
       "so in the forward sp's two collectives put the same bytes on the wire as the all-reduce they replace; "
       "its backward adds one all-gather of each norm output per block)")
+plain, with_sp = reports["no recompute", top], reports["no recompute, sp", top]
+buffer_ratio = with_sp["comm_bytes"]["backward"] / plain["comm_bytes"]["backward"]
+wire_ratio = (phase_wire_bytes(with_sp["comm_bytes_by_kind"], top, "backward") /
+              phase_wire_bytes(plain["comm_bytes_by_kind"], top, "backward"))
+step_ratio = wire_bytes(with_sp["comm_bytes_by_kind"], top) / wire_bytes(plain["comm_bytes_by_kind"], top)
+print(f"sp's backward against the plain one at t={top} (no recompute): {buffer_ratio:.2f}x by buffer size, "
+      f"{wire_ratio:.2f}x on the wire; the whole step {step_ratio:.2f}x on the wire")
 
 # %% [markdown]
 # ## Table 2 for a 70B shape
@@ -202,7 +230,8 @@ for label, published, own in rows70:
 # The first: left, one layer's stored bytes per rank against $t$, measured points on the lines
 # "whole + split/t" of the closed form (without sp the lines flatten at the replicated part; with sp they
 # fall as $1/t$); middle, the whole step's store peak per rank; right, Table 2's rows for the 70B shape.
-# The second: the bytes each rank's collectives move, by phase, at the largest $t$.
+# The second: what each rank's collectives send on a ring, by phase, at the largest $t$ (bars), with
+# their buffer sizes, the count of the table above (markers).
 
 # %%
 def plot_memory(cfg, batch, seq, ts, reports, rows70):
@@ -230,7 +259,12 @@ def plot_memory(cfg, batch, seq, ts, reports, rows70):
         ax.set_ylabel("MiB")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, which="both")
-    left.legend(fontsize=7, loc="center left")
+    handles = [Line2D([], [], color=policy_color(policy), ls=":" if distributed else "--" if sp else "-",
+                      marker="s" if distributed else "^" if sp else "o", label=label)
+               for label, policy, sp, distributed in ROWS]
+    handles.append(Line2D([], [], color="0.4", lw=1.2, label="lines: closed form; markers: measured"))
+    left.legend(handles=handles, fontsize=7, loc="center left")
+    middle.legend(handles=handles, fontsize=7, loc="upper right")
     full_sp = reports["full, sp", ts[-1]]["layer_stored_bytes"]
     left.annotate("full, sp = full, distributed saved", (ts[-1], mib(full_sp)), fontsize=7, ha="right",
                   xytext=(-8, -10), textcoords="offset points", color=policy_color("full"))
@@ -256,39 +290,36 @@ def plot_memory(cfg, batch, seq, ts, reports, rows70):
     return save_figure(fig, "10_activation_memory_per_rank")
 
 
-def wire_bytes(by_kind, t):
-    """What one rank sends with ring algorithms (nccl-tests' bus bytes): 2(t-1)/t of an all-reduce's
-    size, (t-1)/t of an all-gather's or a reduce-scatter's."""
-    factor = {"all_reduce": 2 * (t - 1) / t, "all_gather": (t - 1) / t, "reduce_scatter": (t - 1) / t}
-    return sum(factor[kind] * nbytes for phase in by_kind.values() for kind, nbytes in phase.items())
-
-
 def plot_communication(cfg, batch, seq, t, reports):
+    """Bars: the bytes one rank sends on a ring, by phase; markers: the collectives' buffer sizes S (nccl-tests'
+    count), measured and closed form. The two conventions differ by 2(t-1)/t and (t-1)/t per collective."""
     fig, ax = plt.subplots(figsize=(11, 4.8))
     labels = [label for label, *_ in ROWS]
     x = np.arange(len(labels))
     bottom = np.zeros(len(labels))
     for phase in PHASES:
-        values = np.array([mib(reports[label, t]["comm_bytes"][phase]) for label in labels])
-        ax.bar(x, values, 0.6, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
+        values = np.array([mib(phase_wire_bytes(reports[label, t]["comm_bytes_by_kind"], t, phase))
+                           for label in labels])
+        ax.bar(x, values, 0.6, bottom=bottom, color=PHASE_COLORS[phase], label=f"{phase}: sent on a ring")
         bottom += values
+    buffer = [mib(sum(reports[label, t]["comm_bytes"].values())) for label in labels]
     predicted = [mib(sum(reports[label, t]["predicted_comm_bytes"].values())) for label in labels]
-    ax.plot(x, predicted, "_", color="black", markersize=28, mew=2, label="closed form (total)")
-    wire = [mib(wire_bytes(reports[label, t]["comm_bytes_by_kind"], t)) for label in labels]
-    ax.plot(x, wire, "D", color="black", markersize=5, label="sent on a ring by one rank (all phases)")
+    ax.plot(x, buffer, "D", color="black", markersize=5, label="buffer sizes S, all phases (measured)")
+    ax.plot(x, predicted, "_", color="black", markersize=28, mew=2, label="buffer sizes S, closed form")
     for xi, label in zip(x, labels):
-        comm = reports[label, t]["comm_bytes"]
-        ax.annotate(f"recompute +{comm['recompute'] / comm['forward']:.0%}\nof the forward", (xi, bottom[xi]),
-                    ha="center", va="bottom", fontsize=7, xytext=(0, 3), textcoords="offset points")
+        by_kind = reports[label, t]["comm_bytes_by_kind"]
+        forward, recompute = (phase_wire_bytes(by_kind, t, phase) for phase in ("forward", "recompute"))
+        ax.annotate(f"recompute +{recompute / forward:.0%}\nof the forward", (xi, max(bottom[xi], buffer[xi])),
+                    ha="center", va="bottom", fontsize=7, xytext=(0, 6), textcoords="offset points")
     ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylabel("bytes moved by one rank's collectives (MiB)")
-    ax.set_ylim(0, bottom.max() * 1.2)
+    ax.set_ylabel("MiB per rank: sent on a ring (bars),\nbuffer sizes (markers)")
+    ax.set_ylim(0, max(bottom.max(), max(buffer)) * 1.25)
     ax.set_title(f"communication per rank and phase at t={t}: recomputation repeats each recomputed layer's "
                  f"collectives", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"L={cfg.layers}, h={cfg.hidden}, batch {batch} x {seq}, {cfg.dtype}; bytes counted as nccl-tests' "
-                 f"buffer size S", fontsize=9)
+    fig.suptitle(f"L={cfg.layers}, h={cfg.hidden}, batch {batch} x {seq}, {cfg.dtype}; on a ring one rank sends "
+                 f"2(t-1)/t S of an all-reduce, (t-1)/t S of an all-gather or reduce-scatter", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, "10_communication_per_phase")
 
@@ -322,7 +353,9 @@ answer = 1.0  # GiB
 # %%
 check("GiB per layer per rank, t = 4, no sp, selective (Table 2, 70B shape)", answer,
       korthikanti_layer_bytes(8192, 1, 8192, 64, 4, False, "selective") / GIB,
-      why="sbh·(10 + 24/t) = sbh·16 bytes: the 10 sbh of norm inputs, block inputs and masks are replicated")
+      why="sbh·(10 + 24/t) = sbh·16 bytes: the 10 sbh outside the attention and the MLP are replicated: the two "
+          "norms' inputs (4 sbh, the block inputs), their outputs (4 sbh, the inputs of the QKV and first MLP "
+          "projections) and the two residual dropout masks (2 sbh)")
 
 # %% [markdown]
 # **3.** Full recomputation without sp, for this lesson's CPU shape at $t = 4$: a rank's recompute

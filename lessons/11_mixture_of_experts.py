@@ -1,11 +1,11 @@
 # %% [markdown]
-# # Lesson 11: mixture-of-experts layers: activation memory by routing and top-k, what to recompute, routing replay
+# # Lesson 11: mixture-of-experts layers: memory by routing and top-k, what to recompute, RNG and routing replay
 #
 # A Mixtral-style layer (`picockpt/moe.py`) sends each token to $k$ of its $E$ experts. What it stores
 # is one set of tensors per expert, sized by the tokens the router sent there: data-dependent. Three
 # questions, each answered by a measurement held to the closed form (`picockpt/inventory.py`):
 #
-# 1. **Routing imbalance and top-k.** Routers set by the weights (`moe.route_by_token`) give balanced,
+# 1. **Routing imbalance and top-k.** Routers set by the weights (`routing.route_by_token`) give balanced,
 #    skewed and all-to-one routing. The store holds every token $k$ times whichever experts it goes to:
 #    the layer's total is the same for all three, only its split among the experts moves (what an
 #    expert-parallel rank holding one expert would keep: up to $E/k$ times the balanced share). The
@@ -13,13 +13,27 @@
 #    with the largest group. Top-k multiplies the experts' part: stored bytes are linear in $k$.
 # 2. **Which op-level choice saves the most bytes per extra FLOP:** `selective` (attention
 #    probabilities), `moe_act` (the experts' SwiGLU products, elementwise), `cheap`, `moe` (whole experts:
-#    only the router output and the routing decision stay), `full` (the whole layer). Predicted for a
+#    only the router output and the routing decision stay), `full` (the whole layer). picockpt's `moe` is
+#    not Megatron-LM's `--recompute-modules moe`, which checkpoints the whole MoE layer and so runs the
+#    router, the dispatch and combine all-to-alls and the shared experts again
+#    (`megatron/core/transformer/moe/moe_layer.py`, `MoELayer.forward`); picockpt's keeps the router's
+#    output and the routing and recomputes the experts alone. Predicted for a
 #    Mixtral 8x7B layer ($h = 4096$, $f = 14336$, $E = 8$, $k = 2$, 32 heads, 8 kv heads, bf16, 4096
 #    tokens) with eager and with fused attention; measured on a small one.
-# 3. **Routing replay.** With router jitter (0.01 as in Switch Transformer, and 0.1), a layer recomputed
-#    without restoring the random generator draws other noise, and some tokens go to other experts: the
-#    backward differentiates a different network (lesson 06 shows the same for dropout masks).
-#    Recomputing only inside the layer (`moe`) reuses the stored routing and draws nothing: exact.
+# 3. **RNG replay and routing replay.** With router jitter (0.01 as in Switch Transformer, and 0.1), a
+#    layer recomputed whole (`full` here, in one process) runs its router again. Without restoring the
+#    random generator it draws other noise, and some tokens go to other experts: the backward
+#    differentiates a different network (lesson 06 shows the same for dropout masks). picockpt's engine
+#    replays the generator (RNG replay): the same noise, the same logits, the same experts, bitwise on
+#    this CPU. That holds only while the router's kernels give the same bits twice; a kernel that does
+#    not (a different reduction order), with two experts' bf16 scores a rounding apart, can send a token
+#    elsewhere even with the noise replayed. Megatron-LM's routing replay (`moe_enable_routing_replay`,
+#    `megatron/core/transformer/moe/router_replay.py`) records the top-k indices in the forward and reuses
+#    them in the recomputation, gathering the recomputed scores at the recorded indices: $8 N k$ bytes a
+#    layer (int64, $N$ tokens), exact under any kernel. picockpt's expert-parallel `full` (lesson 13) does
+#    the same, keeping `moe.expert_index` and never routing again; its single-process `full` reroutes with
+#    the generator replayed. Recomputing only inside the layer (`moe`) reuses the stored routing and draws
+#    nothing: exact with or without RNG replay.
 #
 # **Run it** as a script, `python lessons/11_mixture_of_experts.py` (the CPU run, the `small` preset with
 # 8 experts; `--fast` for seconds, `--large --device cuda` for a bigger shape on a GPU), or step through
@@ -38,7 +52,7 @@ from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import Config, engine, init_params, loss_and_grads, moe
 from picockpt.inventory import expert_bytes, layer_flops, layer_inventory, predicted_peak_bytes, rebuild_flops, total
 from picockpt.measure import PutRecorder, make_batch
-from picockpt.moe import route_by_token, step_routing
+from picockpt.routing import route_by_token, step_routing
 from picockpt.plotting import mib, save_figure
 from picockpt.policy import parse_policy
 from picockpt.tracker import Tracker
@@ -118,7 +132,7 @@ def by_top_k(cfg, batch, seq, device, seed):
 
 
 # %% [markdown]
-# ## Op-level choices, and routing replay
+# ## Op-level choices, and RNG replay
 #
 # `predicted_choices` takes the bytes a choice saves and the matmul FLOPs it adds from the closed forms;
 # `measured_choices` measures the same with the store's puts of the first forward and the tracker's
@@ -201,7 +215,7 @@ def replay_run(cfg, batch, seq, device, seed, policy, replay):
     torch.manual_seed(seed)
     _, reference = loss_and_grads(params, cfg, ids, targets, "none")
     calls, recording = recorded_routing()
-    no_replay = mock.patch.object(engine, "_replay_rng", lambda generator, state: contextlib.nullcontext())
+    no_replay = mock.patch.object(engine, "replay_rng", lambda generator, state: contextlib.nullcontext())
     torch.manual_seed(seed)  # the same first forward as the reference
     with recording, (contextlib.nullcontext() if replay else no_replay):
         _, grads = loss_and_grads(params, cfg, ids, targets, policy)
@@ -284,6 +298,12 @@ bitwise = all(error == 0.0 for (_, _, replayed), (error, _, _) in replay.items()
 if not bitwise:
     print("  the replayed run is not exact: the engine must save the generator state with each checkpoint "
           "whenever a step draws random numbers (Config.draws_random), router jitter alone included")
+index_bytes = layer_inventory(mixtral_layer("fused"), 1, 4096)["moe.expert_index"][2]
+input_bytes = layer_inventory(mixtral_layer("fused"), 1, 4096)["input"][2]
+print(f"  routing replay (Megatron's moe_enable_routing_replay) would keep the top-k indices instead: a Mixtral "
+      f"8x7B layer at 4096 tokens, 8·N·k = {index_bytes:,} B, {index_bytes / input_bytes:.2%} of the layer input "
+      f"that full keeps ({input_bytes / 2**20:.0f} MiB): the routing of the recomputation is then the first "
+      f"forward's whatever the kernels compute")
 
 # %% [markdown]
 # ## The figure
@@ -294,14 +314,25 @@ if not bitwise:
 # is recomputed without the generator replayed.
 
 # %%
+def routing_label(name, cfg):
+    """'all to one' sends every token's first choice to expert 0: with k > 1 its other choices go to the next
+    experts, so the bars show k of them."""
+    k = cfg.experts_per_token
+    if name != "all to one" or k == 1:
+        return name
+    return f"all to one first choice\n(k={k}: experts 0..{k - 1})"
+
+
 def plot_routing(left, middle, routing, cfg):
     names = list(routing)
     bottom = [0.0] * len(names)
     colors = plt.cm.viridis([e / max(1, cfg.experts - 1) for e in range(cfg.experts)])
     for e in range(cfg.experts):
         values = [mib(routing[n]["experts"][e]) for n in names]
-        left.bar(names, values, bottom=bottom, color=colors[e], label=f"expert {e}", edgecolor="white", lw=0.5)
+        left.bar(range(len(names)), values, bottom=bottom, color=colors[e], label=f"expert {e}", edgecolor="white",
+                 lw=0.5)
         bottom = [b + v for b, v in zip(bottom, values)]
+    left.set_xticks(range(len(names)), [routing_label(n, cfg) for n in names], fontsize=8)
     left.set_ylim(0, max(bottom) * 1.35)
     left.set_ylabel("MiB in one stored layer (the experts' tensors)")
     left.set_title("the experts' share of one layer, by routing:\nthe same total, split differently")
@@ -314,7 +345,8 @@ def plot_routing(left, middle, routing, cfg):
                       color="#C44E52")
     for bar, s, w in zip(bars, stored, working):
         middle.annotate(f"{s:.2f} + {w:.2f} MiB", (bar.get_x() + 0.3, s + w), ha="center", va="bottom", fontsize=8)
-    middle.set_xticks(x, [f"{n}\nlargest expert: {max(routing[n]['counts'])}" for n in names], fontsize=8)
+    middle.set_xticks(x, [f"{routing_label(n, cfg)}\nlargest expert: {max(routing[n]['counts'])} rows" for n in names],
+                      fontsize=7)
     middle.set_ylim(0, max(s + w for s, w in zip(stored, working)) * 1.25)
     middle.set_ylabel("MiB, one step, policy none")
     middle.set_title("the store is blind to routing;\nthe backward's working memory is not")
@@ -322,26 +354,40 @@ def plot_routing(left, middle, routing, cfg):
 
 
 def plot_top_k(ax, top_k):
+    """One stored layer (left axis) and the whole step's live peak (right axis): two quantities, two axes."""
     ks = list(top_k)
-    ax.plot(ks, [mib(c) for _, c, _ in top_k.values()], "-", color="0.5", label="closed form (one layer)")
-    ax.plot(ks, [mib(m) for m, _, _ in top_k.values()], "o", color="#4C72B0", label="stored, measured (one layer)")
-    ax.plot(ks, [mib(v) for _, _, v in top_k.values()], "s--", color="#C44E52", label="live peak of the step")
+    ax.plot(ks, [mib(c) for _, c, _ in top_k.values()], "-", color="0.5", label="one layer stored: closed form")
+    ax.plot(ks, [mib(m) for m, _, _ in top_k.values()], "o", color="#4C72B0", label="one layer stored: measured")
+    step = ax.twinx()
+    step.plot(ks, [mib(v) for _, _, v in top_k.values()], "s--", color="#C44E52", label="live peak of one step")
     ax.set_xticks(ks)
     ax.set_xlabel("experts per token k")
-    ax.set_ylabel("MiB")
+    ax.set_ylabel("MiB stored in one layer", color="#4C72B0")
+    step.set_ylabel("MiB, live peak of the whole step (right axis)", color="#C44E52")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)
+    step.set_ylim(0, step.get_ylim()[1] * 1.3)
     ax.set_title("top-k: every token stored k times\n(linear in k)")
-    ax.legend(fontsize=8)
+    handles = ax.get_legend_handles_labels()[0] + step.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
 
 
 def plot_choices(ax, rows, title, size, work, marker="o"):
     """Bytes saved (y) against matmul FLOPs added (x) per layer, one point per choice."""
     (size_unit, size_scale), (work_unit, work_scale) = size, work
-    for choice, (saved, flops) in rows.items():
-        ax.plot(flops / work_scale, saved / size_scale, marker, color="#C44E52" if choice == "full" else "#4C72B0",
-                fillstyle="full" if marker == "o" else "none")
-        ax.annotate(choice, (flops / work_scale, saved / size_scale), fontsize=7,
-                    ha="left" if marker == "o" else "right",
+    points = {choice: (flops / work_scale, saved / size_scale) for choice, (saved, flops) in rows.items()}
+    span = [max(abs(v[i]) for v in points.values()) or 1.0 for i in (0, 1)]
+    groups = []  # choices whose points lie within 6% of the axes of each other share one label
+    for choice, (x, y) in points.items():
+        near = next((g for g in groups if abs(points[g[0]][0] - x) <= 0.06 * span[0]
+                     and abs(points[g[0]][1] - y) <= 0.06 * span[1]), None)
+        near.append(choice) if near else groups.append([choice])
+    for group in groups:
+        for choice in group:
+            ax.plot(*points[choice], marker, color="#C44E52" if choice == "full" else "#4C72B0",
+                    fillstyle="full" if marker == "o" else "none")
+        ax.annotate(" = ".join(group) if len(group) > 1 and all(points[c] == points[group[0]] for c in group)
+                    else ", ".join(group), points[group[0]], fontsize=7, ha="left" if marker == "o" else "right",
                     xytext=(5, 3) if marker == "o" else (-5, -9), textcoords="offset points")
     ax.margins(x=0.15, y=0.1)
     ax.set_xlabel(f"matmul {work_unit} added per layer (0: rebuilt elementwise)")
@@ -391,7 +437,7 @@ wrote(path)
 # %% [markdown]
 # ## Exercises
 #
-# All three for a Mixtral 8x7B layer ($h = 4096$, $f = 14336$, $E = 8$, $k = 2$) in bf16.
+# Exercises 1 and 3 are for a Mixtral 8x7B layer ($h = 4096$, $f = 14336$, $E = 8$, $k = 2$) in bf16.
 #
 # **1.** The experts' tensors keep, for every (token, expert) pair, the gate and up projections and their
 # SwiGLU product, each $f$ wide. How many bytes per token is that?
@@ -407,19 +453,7 @@ check("bytes per token of a Mixtral 8x7B layer's experts, bf16", answer, experts
           f"(expert_bytes: {experts_total:,} bytes for 4096 tokens, whatever the routing)")
 
 # %% [markdown]
-# **2.** `moe_act` drops the experts' SwiGLU products and rebuilds them elementwise. How many MiB per layer
-# does it save at 4096 tokens?
-
-# %%
-answer = 224  # MiB
-
-# %%
-saved_moe_act = predicted_choices(mixtral, 1, 4096)["moe_act"][0]
-check("MiB per layer that moe_act saves (Mixtral 8x7B, 4096 tokens)", answer, saved_moe_act / 2**20, rel=0,
-      why=f"4096 tokens · k = 2 experts · f = {mixtral.ffn} · 2 bytes = {saved_moe_act:,} bytes, for no matmul")
-
-# %% [markdown]
-# **3.** With router jitter and no replay of the generator, which policy measured above still gives the
+# **2.** With router jitter and no replay of the generator, which policy measured above still gives the
 # gradients of `none` exactly: `full` or `moe`?
 
 # %%
@@ -431,6 +465,21 @@ check("the policy exact without replay under router jitter", answer, ", ".join(s
       why="moe recomputes inside the layer from the stored routing decision: no new draw. full reruns the "
           "router with fresh noise: " + ", ".join(f"jitter {j}: {max(r for r in replay[j, 'full', False][2]):.1%} "
                                                   f"of tokens rerouted" for j in JITTERS))
+
+# %% [markdown]
+# **3.** Megatron-LM's routing replay keeps each layer's top-k indices (int64) so that a recomputed layer runs
+# the same experts under any kernel. How many bytes per layer is that for a Mixtral layer at 4096 tokens?
+# (picockpt keeps the same tensor, `moe.expert_index`, under every policy that stores the layer.)
+
+# %%
+answer = 65_536  # bytes per layer
+
+# %%
+index = layer_inventory(mixtral, 1, 4096)["moe.expert_index"]
+check("bytes per layer of the recorded top-k indices (Mixtral 8x7B, 4096 tokens)", answer, index[2], rel=0,
+      why=f"8·N·k = 8·4096·2 = {index[2]:,} bytes (moe.expert_index {index[0]}, {index[1]}): against "
+          f"{layer_inventory(mixtral, 1, 4096)['input'][2]:,} for the layer input full keeps, the price of a "
+          f"recomputation that routes exactly as the first forward did")
 
 # %%
 RESULT = {"figures": [str(path)],

@@ -14,7 +14,7 @@
 # $$\text{stage peak} = (w - 1)\,E + \text{one micro-batch's own peak}$$
 #
 # with $E$ what one micro-batch's forward leaves stored. Here it is measured to the byte, for every
-# policy, against the closed forms of `picockpt/parallel/pp_inventory.py`. What to look at:
+# policy, against the closed forms of `picockpt/parallel/pipeline_parallel/pp_inventory.py`. What to look at:
 #
 # * **stage memory**: per stage, AFAB against 1F1B under each policy, the points (measured) on the lines
 #   (the closed form). Under 1F1B the first stage is the one that must fit.
@@ -23,11 +23,14 @@
 #   same SIZE: the same or a lower peak, and less recomputation.
 # * **Gantt**: every rank's forward, recompute, backward and waits, with and without recompute-early (a
 #   stage waiting for a gradient recomputes that micro-batch's top segment meanwhile), and the measured
-#   bubble against $(P - 1)/(M + P - 1)$.
+#   bubble against $(P - 1)/(M + P - 1)$, the idle share of the step. Narayanan et al. (2021, sec. 2.2.1)
+#   and the Ultra-Scale Playbook state the bubble in another convention, bubble time over ideal
+#   compute time, $(P - 1)/M$; both are below, with the conversion.
 # * **data parallel**: gradients all-reduced per layer as soon as they are final, overlapping the rest of
 #   the backward, against all-reducing them after it: the exposed time.
 # * **Llama 3 70B**: predicted only: $p = 8$ stages, the first holding about $L$ layers' worth;
-#   interleaving multiplies that by $1 + (p - 1)/(p m)$ ($m$ model chunks per stage).
+#   interleaving multiplies that by $1 + (p - 1)/(p v)$ ($v$ model chunks per stage; Korthikanti et al.
+#   write $m$ for it, here the number of micro-batches).
 #
 # **Run it** as a script, `python lessons/12_pipeline_parallel.py` (the CPU run: 4 and 2 gloo ranks,
 # about a minute; `--fast` for seconds, what the tests run), or step through this notebook, where the
@@ -41,14 +44,14 @@ import numpy as np
 import torch
 
 from _check import check
-from _lesson import FAST_TIMING, Spread, choose, large, lesson_args, shape_line, spawning_ranks, wrote
+from _lesson import FAST_TIMING, Spread, choose, large, lesson_args, ranks_device, shape_line, spawning_ranks, wrote
 from picockpt import Config, init_params
 from picockpt.formulas import GIB
 from picockpt.measure import make_batch
 from picockpt.parallel import PipelineJob, run_pipeline_steps
-from picockpt.parallel.inventory import rank_layer_inventory
-from picockpt.parallel.pp_inventory import StageForms
-from picockpt.parallel.schedules import actions, bubble_fraction, in_flight, unequal_bubble
+from picockpt.parallel.tensor_parallel.tp_inventory import rank_layer_inventory
+from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+from picockpt.parallel.pipeline_parallel.pp_schedules import actions, bubble_fraction, in_flight, unequal_bubble
 from picockpt.plotting import PHASE_COLORS, mib, policy_color, save_figure
 from picockpt.policy import SELECTIVE
 
@@ -130,7 +133,7 @@ args = lesson_args()
 plans = shapes(args.mode)
 cfg, batch, seq, pp, M = plans["memory"]
 print(f"lesson 12, pipeline P={pp}, M={M}: {shape_line(cfg, batch, seq, args.device)}")
-reports, size, best_uniform = measure_memory(plans["memory"], args.device)
+reports, size, best_uniform = measure_memory(plans["memory"], ranks_device(args.device, pp))
 
 print("\nstored peak per stage, measured | closed form (bytes), and micro-batches in flight:")
 exact = True
@@ -148,7 +151,7 @@ print(f"every stage's stored peak equals (in flight - 1) x E + one micro-batch's
 # ## A budget per stage
 #
 # `budget:SIZE` plans each stage's micro-batch for its own in-flight count $w$: the least recomputation
-# such that $(w - 1)\,E + \text{peak} \le \text{SIZE}$ (`plan_in_flight` in `picockpt/parallel/pp_plan.py`). A uniform policy has to
+# such that $(w - 1)\,E + \text{peak} \le \text{SIZE}$ (`plan_in_flight` in `picockpt/parallel/pipeline_parallel/pp_plan.py`). A uniform policy has to
 # fit the first stage, and so over-recomputes on the others.
 
 # %%
@@ -234,7 +237,7 @@ def in_flight_seconds(report):
 # %%
 tcfg, tbatch, tseq, Ms = plans["timing"]
 print(f"\ntimings, P=2, policy full, 1F1B: {shape_line(tcfg, tbatch, tseq, args.device)}")
-runs = measure_time(plans, args.device, plans["repeats"])
+runs = measure_time(plans, ranks_device(args.device, 2), plans["repeats"])
 bubbles, paced = {}, {}
 for M_ in Ms:
     for early in (False, True):
@@ -250,24 +253,60 @@ print(f"  recompute-early holds the recomputed segment while it waits: stage 0's
       f"at M={Ms[-1]} are {held.text('{:.2f}')}x those without it (the stored peak is the same)")
 
 # %% [markdown]
-# The bubble falls with $M$ as $(P - 1)/(M + P - 1)$ does, at or above it: that formula assumes equal
-# stages, and the last one also runs the final norm, the head and the loss. Put the stages' own
-# measured computing times into it (`unequal_bubble`: the slowest stage sets the pace, the step lasts
-# about $\sum_s t_s + (M - 1)\max_s t_s$ for per-micro-batch stage times $t_s$) and the prediction
-# meets the measurement; what is left is the sends and the schedule's own Python, which neither
-# formula counts. The stated tolerance: the measured median within 3 points of the paced formula's.
-# Recompute-early moves the recomputation that would follow a gradient's arrival into the wait for it;
-# compare the two columns, spread included.
+# The bubble falls with $M$ as $(P - 1)/(M + P - 1)$ does: that formula assumes equal stages, and the
+# last one also runs the final norm, the head and the loss. Put the stages' own measured computing times
+# into it (`unequal_bubble`: the slowest stage sets the pace, the step lasts about
+# $\sum_s t_s + (M - 1)\max_s t_s$ for per-micro-batch stage times $t_s$) and the prediction comes
+# close to the measurement; what is left is the sends and the schedule's own Python, which neither
+# formula counts. That remainder is reported as it is, repeat by repeat (the measured bubble minus the
+# paced formula of the same run, median [min..max]), without a pass mark: no tolerance was fixed before
+# the runs. Sends and Python add idle time (a positive gap); a CPU shared with other work also slows
+# single micro-batches unevenly, which moves the gap either way: read it with its spread.
+#
+# **Two conventions.** With $p$ stages, $m$ micro-batches and equal stage times $t$, a stage computes for
+# $m t$ of a step that lasts $(m + p - 1) t$. Narayanan et al. (2021, sec. 2.2.1) and the Ultra-Scale
+# Playbook divide the bubble time $(p - 1) t$ by the ideal time $m t$: $b = (p - 1)/m$. This lesson
+# (`bubble_fraction`, and every measurement: $1 - \text{computing}/\text{step}$) divides it by the whole
+# step: $(p - 1)/(m + p - 1) = b/(1 + b)$. At $p = 4$, $m = 8$: $b = 37.5\%$ of the ideal time, $27.3\%$
+# of the step. The interleaved schedule (Narayanan et al., sec. 2.2.2) gives each stage $v$ model chunks
+# and cuts $b$ to $(p - 1)/(v m)$, for $v$ times the point-to-point sends.
+#
+# Recompute-early moves the recomputation that would follow a gradient's arrival into the wait for it:
+# the recomputation overlaps the communication (the wait for the next stage's gradient). Its gain is
+# measured below as the step time with it over the step time without it, repeat by repeat.
 
 # %%
-BUBBLE_TOLERANCE = 0.03  # absolute: sends and Python scheduling, not in either formula
+def bubble_over_ideal(stages, microbatches, chunks=1):
+    """Narayanan et al.'s convention: bubble time over ideal compute time, (p - 1) / (v·m) with v model chunks
+    per stage (v = 1: plain 1F1B). share = b / (1 + b) is bubble_fraction's share of the step at v = 1."""
+    return (stages - 1) / (chunks * microbatches)
+
+
+for M_ in Ms:
+    b = bubble_over_ideal(2, M_)
+    print(f"  M={M_}: bubble over ideal time (P-1)/M = {b:.1%}; as a share of the step b/(1+b) = {b / (1 + b):.1%} "
+          f"= (P-1)/(M+P-1) = {bubble_fraction(2, M_):.1%}; interleaved with v=2 chunks (P-1)/(vM) = "
+          f"{bubble_over_ideal(2, M_, 2):.1%}")
+def verdict(ratio):
+    """What the repeats agree on about a ratio against 1."""
+    if not ratio.excludes(1.0):
+        return "the repeats straddle 1: no gain the spread can show"
+    return "faster in every repeat" if ratio.high < 1.0 else "slower in every repeat"
+
+
+early_gain = {M_: Spread(tuple(on[0]["step_seconds"] / off[0]["step_seconds"]
+                              for off, on in zip(runs["pipeline", M_, False], runs["pipeline", M_, True])))
+              for M_ in Ms}  # step time with recompute-early over without, repeat by repeat
 if args.mode == "fast":
     print(FAST_TIMING)
 else:
     for M_ in Ms:
-        gap = bubbles[M_, False].median - paced[M_].median
-        print(f"  M={M_}: measured bubble - paced formula = {gap:+.1%} "
-              f"({'PASS' if abs(gap) <= BUBBLE_TOLERANCE else 'FAIL'}, tolerance {BUBBLE_TOLERANCE:.0%})")
+        gaps = Spread(tuple(float(np.mean([r["bubble"] for r in ranks]) -
+                                  np.mean(unequal_bubble([r["computing_seconds"] for r in ranks], M_)))
+                            for ranks in runs["pipeline", M_, False]))
+        print(f"  M={M_}: measured bubble - paced formula, repeat by repeat {gaps.text('{:+.1%}')}; step time with "
+              f"recompute-early / without {early_gain[M_].text('{:.3f}')} (below 1: the recomputation hid in the "
+              f"wait; {verdict(early_gain[M_])})")
 
 # %%
 exposed = {overlap: Spread(tuple(max(r["timeline_seconds"]["reduce"] for r in ranks)
@@ -371,6 +410,10 @@ def draw_timeline(ax, ranks, labels=True):
     for row, r in enumerate(ranks):
         shift = r["timeline_start"] - origin
         for kind, m, start, end in r["timeline"]:
+            if kind == "send":  # sends are isend, non-blocking: the one span is the final wait for the last ones,
+                # far shorter than a bar can show: a tick at its start, whatever its length
+                ax.plot([start + shift] * 2, [row - 0.48, row + 0.48], color="black", lw=0.8)
+                continue
             ax.barh(row, end - start, left=start + shift, color=KIND_COLORS[kind], edgecolor="white", lw=0.3)
             if labels and m is not None and kind in ("forward", "backward") and end - start > 0.02 * ax.get_xlim()[1]:
                 ax.text(start + shift + (end - start) / 2, row, str(m), ha="center", va="center", fontsize=6)
@@ -383,7 +426,10 @@ def draw_timeline(ax, ranks, labels=True):
 
 def legend_kinds(ax, kinds):
     for kind in kinds:
-        ax.barh(0, 0, color=KIND_COLORS[kind], label=kind)
+        if kind == "send":
+            ax.plot([], [], color="black", lw=0.8, label="send: the wait for the last non-blocking sends (tick)")
+        else:
+            ax.barh(0, 0, color=KIND_COLORS[kind], label=kind)
     ax.legend(fontsize=7, ncol=len(kinds), loc="lower right", bbox_to_anchor=(1.0, 1.06), frameon=False)
 
 
@@ -401,7 +447,8 @@ def plot_gantt(runs, Ms, bubbles, paced):
     legend_kinds(axes[0], ("forward", "recompute", "backward", "wait", "send"))
     ax = axes[2]
     grid = np.linspace(1, Ms[-1], 50)
-    ax.plot(grid, [bubble_fraction(2, m) for m in grid], "-", color="black", lw=1, label="(P-1)/(M+P-1)")
+    ax.plot(grid, [bubble_fraction(2, m) for m in grid], "-", color="black", lw=1,
+            label="(P-1)/(M+P-1): the idle share of the step")
     for early, color in ((False, PHASE_COLORS["backward"]), (True, PHASE_COLORS["recompute"])):
         med = [bubbles[m, early].median for m in Ms]
         err = [[bubbles[m, early].median - bubbles[m, early].low for m in Ms],
@@ -463,10 +510,11 @@ def plot_llama(p=8, seq=8192, batch=1, t=8):
                                             (0.2, own, "picockpt's layer, bf16, GQA 64/8", policy_color("selective"))):
         ax.bar(stages + offset, [(p - s) * (L // p) * per_layer / GIB for s in stages], 0.4, color=color,
                label=label)
-    for m, style in ((2, "--"), (4, ":")):
-        ax.axhline(L * (1 + (p - 1) / (p * m)) * published / GIB, color="black", ls=style, lw=1,
-                   label=f"stage 0 interleaved, m={m} chunks: L(1 + (p-1)/(pm)) layers")
-    ax.axhline(L * published / GIB, color="black", lw=0.8, alpha=0.5)
+    for v, style in ((2, "--"), (4, ":")):
+        ax.axhline(L * (1 + (p - 1) / (p * v)) * published / GIB, color="black", ls=style, lw=1,
+                   label=f"stage 0 interleaved, v={v} chunks: L(1 + (p-1)/(pv)) layers")
+    ax.axhline(L * published / GIB, color="black", lw=0.8, alpha=0.5,
+               label="L layers' worth (L x 34sbh/t): stage 0 without interleaving")
     ax.set_xticks(stages, [f"stage {s}\n{p - s} in flight" for s in stages], fontsize=8)
     ax.set_ylabel("activations stored (GiB)")
     ax.set_title(f"Llama 3 70B (L={L}), p={p} 1F1B, t={t} with sp, selective, s={seq}, b={batch}: stage 0 holds "
@@ -498,16 +546,20 @@ check("micro-batches in flight on stage 2 of 1F1B, P = 8, M = 16", answer, in_fl
           f"hold all {in_flight('afab', 8, 16, 2)}")
 
 # %% [markdown]
-# **2.** With equal stage times, what fraction of a step is bubble for $P = 4$ stages and $M = 8$
-# micro-batches?
+# **2.** With equal stage times, $P = 4$ stages and $M = 8$ micro-batches: what share of the whole step
+# does a stage spend idle (this lesson's convention, what it measures)? Narayanan et al. (2021, sec. 2.2.1)
+# state the bubble as bubble time over ideal compute time, $(P - 1)/M$: convert it.
 
 # %%
-answer = 0.273
+answer = 0.273  # share of the step
 
 # %%
 least_M = next(m for m in range(1, 1000) if bubble_fraction(4, m) <= 0.1)
-check("bubble fraction, P = 4, M = 8", answer, bubble_fraction(4, 8),
-      why=f"(P - 1)/(M + P - 1) = 3/11: each stage idles P - 1 slots of the M + P - 1 of each kind; below 10% "
+b = bubble_over_ideal(4, 8)
+check("bubble as a share of the step, P = 4, M = 8", answer, bubble_fraction(4, 8),
+      why=f"(P - 1)/(M + P - 1) = 3/11: each stage idles P - 1 slots of the M + P - 1 of each kind; in Narayanan et "
+          f"al.'s convention b = (P - 1)/M = {b:.3f} of the ideal time, and b/(1 + b) = {b / (1 + b):.3f} of the step; "
+          f"interleaving v = 2 chunks per stage halves b to {bubble_over_ideal(4, 8, 2):.4f}. Below 10% of the step "
           f"takes M >= {least_M}, whose activations AFAB holds all at once, 1F1B only P = 4 of them on stage 0")
 
 # %% [markdown]
@@ -544,5 +596,6 @@ RESULT = {"figures": [str(p) for p in paths],
                           timed(bubbles[Ms[-1], False], "{:.3f}"),
                       f"bubble at M={Ms[-1]}, paced by the stages' measured times": timed(paced[Ms[-1]], "{:.3f}"),
                       "recompute-early: stage 0 mean stored bytes ratio": timed(held, "{:.3f}"),
+                      f"recompute-early: step time / without, M={Ms[-1]}": timed(early_gain[Ms[-1]], "{:.3f}"),
                       "dp exposed all-reduce ms, after": timed(exposed[False], "{:.1f}", 1e3),
                       "dp exposed all-reduce ms, overlapped": timed(exposed[True], "{:.1f}", 1e3)}}

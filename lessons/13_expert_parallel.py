@@ -7,7 +7,7 @@
 # $(r+1)E/W - 1$. In each layer the router of a rank picks $k$ experts per token; the (token, expert)
 # pairs go to their experts' ranks in one all-to-all (the dispatch, with each pair's weight), the experts
 # run, and the weighted outputs come back in the inverse all-to-all (the combine). The backward runs the
-# adjoint of each, the inverse all-to-all (`picockpt/parallel/ep_moe.py`). With $P = (B/W)\,T k$ pairs
+# adjoint of each, the inverse all-to-all (`picockpt/parallel/expert_parallel/ep_moe.py`). With $P = (B/W)\,T k$ pairs
 # sent and $M$ rows received by a rank's experts per layer ($M = P$ on average, more on the rank that
 # holds popular experts), and $e$, $s$ the bytes of an activation and of a statistic, one layer's
 # all-to-alls move on a rank:
@@ -18,17 +18,23 @@
 # | backward | $P h e + M s + M h e$ | the combine's, the weights' and the dispatch's backward |
 #
 # Recomputing a layer (`full`, `every:C`) runs its forward again, all-to-alls included. Its routing
-# decision is kept by the first forward, so it never chooses again (nor exchanges counts), but the rows
+# decision is kept by the first forward (`moe.expert_index`, $8 N k$ bytes a layer), so it never chooses
+# again (nor exchanges counts): what Megatron-LM's routing replay (`moe_enable_routing_replay`) does, and
+# not what the single-process `full` of lesson 11 does, which runs the router again with the random
+# generator replayed (the same experts as long as the router's kernels give the same bits). The rows
 # come back only by being sent again: a dispatch of $P(h e + s)$ and a combine of $M h e$ per layer, the
 # forward's traffic once more. Keeping the rows its experts received (`keep_dispatched`) saves the
 # dispatch for $M(h e + s)$ stored bytes per layer: $P/M$ bytes not moved per byte kept, 1 for balanced
 # routing; below 1 on the rank whose experts are popular, which also stores the most. At the store's
 # peak the kept rows of every layer below the one being recomputed add up. The `moe` op level, which
 # drops the experts' tensors and keeps the rest of the layer, drops their input rows too, and its
-# backward dispatches them again: $P(h e + s)$ per layer, or nothing with the rows kept.
+# backward dispatches them again: $P(h e + s)$ per layer, or nothing with the rows kept. It is not
+# Megatron-LM's `--recompute-modules moe`, which checkpoints the whole MoE layer
+# (`megatron/core/transformer/moe/moe_layer.py`): the router, the dispatch, the experts, the combine and
+# the shared experts all run again, the forward's all-to-all bytes once more.
 #
 # What to look at (measured on 2 gloo ranks, every number held to the closed forms of
-# `picockpt/parallel/ep_inventory.py`, to the byte):
+# `picockpt/parallel/expert_parallel/ep_inventory.py`, to the byte):
 #
 # * **measured**: per rank and choice, for balanced and skewed routing (routers set by the weights, as
 #   in lesson 11): all-to-all bytes per phase (left) and the store's peak (right). The gradient
@@ -50,14 +56,14 @@ import numpy as np
 import torch
 
 from _check import check
-from _lesson import choose, large, lesson_args, shape_line, small, spawning_ranks, wrote
+from _lesson import choose, large, lesson_args, ranks_device, shape_line, small, spawning_ranks, wrote
 from picockpt import Config, init_params
 from picockpt.formulas import GIB
 from picockpt.measure import make_batch
-from picockpt.moe import route_by_token
+from picockpt.routing import route_by_token
 from picockpt.parallel import ExpertJob, run_expert_steps
-from picockpt.parallel.ep_inventory import (ep_layer_comm_bytes, ep_layer_stored_bytes, received_rows,
-                                            replicated_grad_bytes)
+from picockpt.parallel.expert_parallel.ep_inventory import (ep_layer_comm_bytes, ep_layer_stored_bytes, ep_sent_bytes,
+                                                           received_rows, replicated_grad_bytes)
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
 
 EP = 2
@@ -172,7 +178,7 @@ args = lesson_args()
 cfg, batch, seq = shape(args.mode)
 print(f"lesson 13, expert parallel on {EP} ranks, E={cfg.experts} k={cfg.experts_per_token}: "
       f"{shape_line(cfg, batch, seq, args.device)}")
-reports = measure(cfg, batch, seq, args.device)
+reports = measure(cfg, batch, seq, ranks_device(args.device, EP))
 grad_bytes = replicated_grad_bytes(cfg)
 for ranks in reports.values():
     for r in ranks:
@@ -193,6 +199,23 @@ for (routing, label), ranks in reports.items():
               + "".join(f"{all_to_all(r, phase):>11,}" for phase in PHASES))
 print(f"every measured byte equals its closed form: store peaks {exact['peak']}, communication per phase "
       f"{exact['comm']}, layer 0 after the forward {exact['layer']}")
+
+# %% [markdown]
+# The all-to-all bytes above are each call's whole send buffer, the size nccl-tests calls S, this rank's own
+# rows included: the rows a rank sends to its own experts never leave it. What does leave it is the buffer
+# less those rows: for $S$ pairs of a rank's tokens routed to its own experts, the same forms with
+# $P = M = S$ and $E/W$ counts taken away (`ep_sent_bytes`). At $W = 2$ with balanced routing that is
+# about half the buffer.
+
+# %%
+print("what leaves each rank (all-to-all bytes sent to other ranks: measured | closed form), against the buffer:")
+for (routing, label), ranks in reports.items():
+    for r in ranks:
+        sent, predicted = r["all_to_all_sent_bytes"], r["predicted_all_to_all_sent_bytes"]
+        exact["sent"] = exact.get("sent", True) and sent == predicted
+        print(f"  {routing:<10}{label:<14} rank {r['rank']}: " + ", ".join(
+            f"{phase} {sent[phase]:,} | {predicted[phase]:,} of {all_to_all(r, phase):,} B" for phase in PHASES))
+print(f"sent bytes equal their closed form: {exact['sent']}")
 
 # %% [markdown]
 # ## Repeat the dispatch, or keep its rows
@@ -219,6 +242,9 @@ for routing in ROUTINGS:
 full = reports["balanced", "full, repeat"][0]
 print(f"balanced: full recomputation moves {all_to_all(full, 'recompute') / all_to_all(full, 'forward'):.0%} of "
       f"the forward's all-to-all bytes again (all but the counts exchange, 8E bytes a layer)")
+print("(what a checkpointed layer's recompute runs whole, as Megatron-LM's does; not a lower bound: under full "
+      "a recomputed layer's output is the next layer's stored input, so its combine all-to-all need not run "
+      "again, as a non-reentrant torch.utils.checkpoint stops early; picockpt's uniform schedules run it)")
 
 # %% [markdown]
 # With balanced routing a byte kept saves a byte sent; on the rank whose experts are popular it saves
@@ -235,6 +261,13 @@ for (routing, rank, label), (comm, stored, M) in rows.items():
     print(f"  {routing:<9} rank {rank}  {label:<14}{M:>7} rows  recompute {mib(comm['recompute']):7.1f} MiB  "
           f"stored {mib(stored):7.1f} MiB   x {L} layers: {L * comm['recompute'] / GIB:5.2f} GiB moved, "
           f"{L * stored / GIB:5.2f} GiB stored")
+balanced = mixtral_counts(False)
+by_rank = [[count // MIXTRAL_EP for count in balanced]] * MIXTRAL_EP  # each rank's tokens spread as the batch's
+for label, policy, keep in CHOICES[1:3]:
+    buffer = ep_layer_comm_bytes(mixtral, MIXTRAL_EP, MIXTRAL_SEQ, policy, MIXTRAL_EP, 0, balanced, keep)
+    sent = ep_sent_bytes(mixtral, MIXTRAL_EP, MIXTRAL_SEQ, policy, MIXTRAL_EP, 0, [by_rank], keep)
+    print(f"  balanced, {label}: the buffers hold {mib(sum(buffer.values())):.1f} MiB a layer, "
+          f"{mib(sum(sent.values())):.1f} MiB of it leaves the rank (7/8: one expert in 8 is its own)")
 
 # %% [markdown]
 # ## The figures
@@ -322,7 +355,7 @@ def plot_mixtral(cfg, rows):
         ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
     fig.suptitle(f"one Mixtral 8x7B layer at ep={MIXTRAL_EP} (h={cfg.hidden}, f={cfg.ffn}, E={cfg.experts}, "
                  f"k={cfg.experts_per_token}, bf16, fused attention), one {MIXTRAL_SEQ}-token sequence per rank: "
-                 f"predicted by picockpt/parallel/ep_inventory.py", fontsize=10)
+                 f"predicted by picockpt/parallel/expert_parallel/ep_inventory.py", fontsize=10)
     fig.tight_layout()
     return save_figure(fig, "13_mixtral_8x7b_ep8")
 

@@ -16,15 +16,23 @@ tensor parallelism, parallel/inventory.rank_peak_bytes of one rank. The rest:
                                           parallelism each rank holds 1/t of every matrix (norms whole);
                                           ZeRO over d data-parallel ranks divides the optimizer state
                                           by d (stage 1), the gradients too (2), the weights too (3: FSDP)
-    working memory                        device.step_bytes's estimate: 4 fp32 copies of the largest
-                                          transient tensor (the logits, a chunk of them, the T x T scores
-                                          or the MLP's product), each 1/t of it per rank; an estimate
-                                          that errs high (the CPU measures at most 3.4 copies)
+    working memory                        device.step_bytes's estimate, the one part that is not exact:
+                                          4 fp32 copies of the largest transient tensor (the logits, a
+                                          chunk of them, the T x T scores or the MLP's product), each 1/t
+                                          of it per rank. Where the T x T scores are the largest, that is
+                                          16 bytes per B·H·T² element; the engine's working memory
+                                          measures 12 in fp32 and 10.5 in bf16 on a CPU
+                                          (tests/test_explorer.py measures both), so it errs high by a
+                                          third in fp32 and by half in bf16 (WORKING_T2_BYTES)
 
-Pipeline parallelism enters as a plain multiplier, until picockpt runs pipeline stages itself: one
-stage holds ceil(L/p) layers (its parameters and its stored activations; the embedding and the head
-are counted on it too, which errs high by one of them), and m micro-batches in flight multiply its
-stored activations (with 1F1B the first stage holds p of them: Korthikanti et al. 2022, sec. 4.2.3).
+With p > 1 pipeline stages the explorer shows the first stage of 1F1B, the one that must fit: ceil(L/p)
+layers and the embedding (the head's weights and activations are on the last stage), holding w
+micro-batches at once (1F1B: w = p; Korthikanti et al. 2022, sec. 4.2.3). As lesson 12 measures, every
+backward runs while the w - 1 others hold E each, what one micro-batch's forward leaves stored:
+
+    stage peak = (w - 1) * E + one micro-batch's own peak
+
+(parallel/pipeline_parallel/pp_inventory.py's StageForms, to the byte; tests/test_explorer.py checks it).
 """
 import dataclasses
 import math
@@ -37,22 +45,28 @@ from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
 from picockpt import Config
 from picockpt.config import PRESETS
-from picockpt.device import WORKING_COPIES
+from picockpt.fit import WORKING_COPIES
 from picockpt.inventory import chain_sizes, step_flops
-from picockpt.parallel.inventory import rank_chain, rank_flops, rank_sizes
-from picockpt.parallel.shard import check_tensor_parallel
-from picockpt.planner import least_budget, model_chain, plan_chain
+from picockpt.parallel.pipeline_parallel.pp_inventory import stage_chain
+from picockpt.parallel.pipeline_parallel.pp_plan import end_of_forward_bytes, plan_in_flight
+from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_flops, rank_sizes
+from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
+from picockpt.planner import least_budget, least_plan, model_chain, plan_chain
 from picockpt.policy import OP_LEVEL
 
 GIB = 2**30
 MODELS = ("tiny", "small", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "custom")
 SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
-CAPACITIES = {"80 GB (A100, H100)": 80 * GIB, "141 GB (H200)": 141 * GIB}  # nominal; a program gets a little less
+CAPACITIES = {"80 GiB (A100, H100)": 80 * GIB, "140 GiB (H200)": 140 * GIB}  # what nvidia-smi reports, rounded down
 PARTS = ("weights", "gradients", "optimizer state", "stored activations", "stored checkpoints",
-         "segment being recomputed", "head (final norm, logits)", "working memory")
+         "segment being recomputed", "head (final norm, logits)", "other micro-batches in flight", "working memory")
+STORED = PARTS[3:8]  # the exact closed forms of the activations; the weights' parts are exact too
+ESTIMATED = ("working memory",)  # the one estimate, drawn hatched
 COLORS = {"weights": "#4C72B0", "gradients": "#64B5CD", "optimizer state": "#8172B3",
           "stored activations": "#2F4858", "stored checkpoints": "#937860", "segment being recomputed": "#DD8452",
-          "head (final norm, logits)": "#C44E52", "working memory": "#CCCCCC"}
+          "head (final norm, logits)": "#C44E52", "other micro-batches in flight": "#B07AA1",
+          "working memory": "#CCCCCC"}
+WORKING_T2_BYTES = {"float32": 12.0, "bfloat16": 10.5}  # measured working memory per B·H·T² element (CPU)
 NAMED = ("none", "selective", "cheap", "full", "full+selective", "full+cheap")  # the fixed policies compared
 
 
@@ -118,23 +132,32 @@ def stage_config(setup):
     return cfg.replace(layers=math.ceil(cfg.layers / setup.stages))
 
 
-def parameters_per_gpu(cfg, t=1):
-    """Parameters one tensor-parallel rank holds: 1/t of every matrix, the norms whole."""
-    if t == 1:
-        return cfg.num_params()
+def parameters_per_gpu(cfg, t=1, head=True):
+    """Parameters one tensor-parallel rank holds: 1/t of every matrix, the norms whole. head=False: the first
+    stage of a pipeline, without the final norm and the LM head (unless tied to the embedding)."""
     h, f, V = cfg.hidden, cfg.ffn, cfg.vocab
+    untied_head = 0 if head or cfg.tie_embeddings else V * h // t + h  # the LM head and the final norm
+    if t == 1:
+        return cfg.num_params() - untied_head
     per_layer = (2 * h * h + 2 * h * cfg.kv_dim + 3 * h * f) // t + 2 * h  # q, o, k, v, the MLP | two norms
-    return (1 if cfg.tie_embeddings else 2) * V * h // t + cfg.layers * per_layer + h
+    return (1 if cfg.tie_embeddings else 2) * V * h // t + cfg.layers * per_layer + h - untied_head
+
+
+def first_stage(setup):
+    """True when the setup shows the first of several pipeline stages: no head there."""
+    return setup.stages > 1
 
 
 def sizes(setup, cfg=None):
-    """(X, A, F) of one GPU: a layer input (a stored checkpoint), a layer stored whole, the head."""
+    """(X, A, F) of one GPU: a layer input (a stored checkpoint), a layer stored whole, the head (0 on the
+    first of several pipeline stages)."""
     cfg = cfg or stage_config(setup)
     drop = OP_LEVEL.get(setup.op_level, frozenset())
     if setup.tp == 1:
-        return chain_sizes(cfg, setup.batch, setup.seq, drop)
-    X, _, A, F = rank_sizes(cfg, setup.batch, setup.seq, setup.tp, setup.sp, False, drop)
-    return X, A, F
+        X, A, F = chain_sizes(cfg, setup.batch, setup.seq, drop)
+    else:
+        X, _, A, F = rank_sizes(cfg, setup.batch, setup.seq, setup.tp, setup.sp, False, drop)
+    return X, A, 0 if first_stage(setup) else F
 
 
 def stored_parts(L, C, X, A, F):
@@ -149,20 +172,35 @@ def stored_parts(L, C, X, A, F):
     return max(moments, key=lambda moment: sum(moment.values()))  # the first of equal peaks
 
 
-def working_bytes(cfg, batch, seq, t=1):
-    """picockpt.device.step_bytes's working memory, on one of t tensor-parallel ranks."""
+def end_of_forward(L, C, X, A):
+    """E: what one micro-batch's forward leaves stored in the stage's layers (C = None: every layer whole)."""
+    return L * A if C is None else math.ceil(L / C) * X
+
+
+def working_bytes(cfg, batch, seq, t=1, logits=True):
+    """picockpt.device.step_bytes's working memory, on one of t tensor-parallel ranks (logits=False: a stage
+    without the head)."""
     tokens = batch * seq
-    logit_rows = min(tokens, cfg.loss_chunk or tokens)
+    logit_rows = min(tokens, cfg.loss_chunk or tokens) if logits else 0
     key_rows = seq if cfg.attention == "eager" else min(seq, cfg.attention_tile)
     largest = max(logit_rows * cfg.vocab // t, batch * cfg.heads // t * seq * key_rows, tokens * cfg.ffn // t)
     return WORKING_COPIES * 4 * largest
+
+
+def working_margin(cfg, batch, seq, t=1, logits=True):
+    """How far the working-memory estimate lies above what the engine measures, as a fraction, when the T x T
+    scores are the largest transient tensor (16 bytes per element against WORKING_T2_BYTES); None otherwise."""
+    scores = batch * cfg.heads // t * seq * (seq if cfg.attention == "eager" else min(seq, cfg.attention_tile))
+    if cfg.attention != "eager" or working_bytes(cfg, batch, seq, t, logits) != WORKING_COPIES * 4 * scores:
+        return None
+    return WORKING_COPIES * 4 / WORKING_T2_BYTES.get(cfg.dtype, 4 * WORKING_COPIES) - 1
 
 
 def memory_parts(setup, policy=None):
     """{part: bytes} on one GPU, every part of PARTS, for `policy` (a picockpt policy string; default the
     setup's; "budget" plans for the room the GPU leaves, see cheapest_fit)."""
     cfg = stage_config(setup)
-    params = parameters_per_gpu(cfg, setup.tp)
+    params = parameters_per_gpu(cfg, setup.tp, head=not first_stage(setup))
     parts = dict.fromkeys(PARTS, 0)
     if setup.dp < 1 or setup.zero not in (0, 1, 2, 3):
         raise ValueError(f"dp={setup.dp}, zero={setup.zero}: use dp >= 1 and a ZeRO stage 0, 1, 2 or 3")
@@ -171,29 +209,41 @@ def memory_parts(setup, policy=None):
     parts["weights"] = params * (6 if cfg.dtype in ("bfloat16", "float16") else 4) // shard["weights"]
     parts["gradients"] = params * 4 // shard["gradients"]
     parts["optimizer state"] = params * 8 // shard["optimizer state"]
-    parts["working memory"] = working_bytes(cfg, setup.batch, setup.seq, setup.tp)
+    parts["working memory"] = working_bytes(cfg, setup.batch, setup.seq, setup.tp, logits=not first_stage(setup))
     policy = policy or (setup.policy if setup.layer_level != "budget" else "budget")
     if policy == "budget":
         plan = cheapest_fit(setup)["plan"]
-        stored = {"stored activations": plan.peak_bytes if plan else least_budget(_chain(setup, cfg))}
-    else:
-        from picockpt.policy import parse_policy
-        parsed = parse_policy(policy, cfg)
-        stored = stored_parts(cfg.layers, parsed.segment, *sizes(setup.replace(op_level=parsed.op_level or "none"),
-                                                                   cfg))
-    for name, nbytes in stored.items():
-        parts[name] = nbytes * setup.in_flight  # m micro-batches in flight: a plain multiplier
+        if plan is None:
+            parts["stored activations"] = cheapest_fit(setup)["least"]
+        else:
+            E = getattr(plan, "end_of_forward", 0)
+            parts["stored activations"] = plan.peak_bytes - (setup.in_flight - 1) * E
+            parts["other micro-batches in flight"] = (setup.in_flight - 1) * E
+        return parts
+    from picockpt.policy import parse_policy
+    parsed = parse_policy(policy, cfg)
+    X, A, F = sizes(setup.replace(op_level=parsed.op_level or "none"), cfg)
+    parts.update(stored_parts(cfg.layers, parsed.segment, X, A, F))
+    parts["other micro-batches in flight"] = (setup.in_flight - 1) * end_of_forward(cfg.layers, parsed.segment, X, A)
     return parts
+
+
+def stored_bytes(parts):
+    return sum(parts[part] for part in STORED)
 
 
 def segment_curve(setup):
     """{C: stored peak bytes on one GPU under every:C (with the setup's op level)}, C = 1..L of the stage."""
     cfg = stage_config(setup)
     X, A, F = sizes(setup, cfg)
-    return {C: setup.in_flight * sum(stored_parts(cfg.layers, C, X, A, F).values()) for C in range(1, cfg.layers + 1)}
+    w = setup.in_flight
+    return {C: sum(stored_parts(cfg.layers, C, X, A, F).values()) + (w - 1) * end_of_forward(cfg.layers, C, X, A)
+            for C in range(1, cfg.layers + 1)}
 
 
 def _chain(setup, cfg):
+    if first_stage(setup):
+        return stage_chain(cfg, setup.batch, setup.seq, cfg.layers, False, setup.tp, setup.sp)
     if setup.tp == 1:
         return model_chain(cfg, setup.batch, setup.seq)
     return rank_chain(cfg, setup.batch, setup.seq, setup.tp, setup.sp)
@@ -214,27 +264,35 @@ def recompute_flops(setup, policy, cfg=None):
     return rank_flops(cfg, setup.batch, setup.seq, policy, setup.tp, setup.sp)["recompute"]
 
 
+def _plan(chain, room, in_flight):
+    """The planner's least-recompute plan whose stored peak fits room, for one micro-batch or w in flight
+    ((w - 1)·E + peak, pp_plan.plan_in_flight); None when nothing fits."""
+    if in_flight == 1:
+        return plan_chain(chain, room) if room >= least_budget(chain) else None
+    try:
+        return plan_in_flight(chain, room, in_flight)
+    except ValueError:  # nothing fits with this many micro-batches in flight
+        return None
+
+
 def cheapest_fit(setup):
     """What fits setup.capacity, and at what price. room: the bytes left for stored activations once the
-    weights, gradients, optimizer state and working memory are in, per micro-batch in flight. Returns
-    {room, least (the least any schedule needs), plan (the planner's Plan at room, or None), named (the
-    fixed policy of least recompute that fits, or None), named_rows {policy: (stored, recompute)},
-    model_flops}."""
+    weights, gradients, optimizer state and working memory are in. Returns {room, least (the least stored
+    peak the planner's least-peak plan needs, with the micro-batches in flight), plan (the planner's plan
+    at room, or None), named (the fixed policy of least recompute that fits, or None), named_rows
+    {policy: (stored, recompute)}, model_flops}."""
     cfg = stage_config(setup)
     fixed = memory_parts(setup, "full")
     others = sum(fixed[name] for name in ("weights", "gradients", "optimizer state", "working memory"))
-    room = (setup.capacity - others) // setup.in_flight
+    room = setup.capacity - others
     chain = _chain(setup, cfg)
-    least = least_budget(chain)
-    plan = plan_chain(chain, room) if room >= least else None
+    least = least_budget(chain) + (setup.in_flight - 1) * end_of_forward_bytes(chain, least_plan(chain).schedule)
+    plan = _plan(chain, room, setup.in_flight)
     named_rows = {}
     for policy in NAMED + tuple(f"every:{C}" for C in (2, 3, 4)):
         if policy.startswith("every:") and int(policy[6:]) > cfg.layers:
             continue
-        stored = sum(memory_parts(setup.replace(in_flight=1), policy)[name] for name in
-                     ("stored activations", "stored checkpoints", "segment being recomputed",
-                      "head (final norm, logits)"))
-        named_rows[policy] = (stored, recompute_flops(setup, policy, cfg))
+        named_rows[policy] = (stored_bytes(memory_parts(setup, policy)), recompute_flops(setup, policy, cfg))
     fitting = [policy for policy, (stored, _) in named_rows.items() if stored <= room]
     named = min(fitting, key=lambda policy: (named_rows[policy][1], named_rows[policy][0])) if fitting else None
     return {"room": room, "least": least, "plan": plan, "named": named, "named_rows": named_rows,
@@ -274,7 +332,10 @@ def draw(setup, bars_ax, curve_ax, title=True):
     for part in PARTS:
         values = [row[part] / GIB for row in rows.values()]
         if any(values):
-            bars_ax.bar(range(len(rows)), values, bottom=bottom, color=COLORS[part], label=part, width=0.65)
+            estimate = part in ESTIMATED
+            label = f"{part} (estimate{margin_text(setup)})" if estimate else part
+            bars_ax.bar(range(len(rows)), values, bottom=bottom, color=COLORS[part], label=label, width=0.65,
+                        hatch="///" if estimate else None, edgecolor="white" if estimate else None)
             bottom = [b + v for b, v in zip(bottom, values)]
     bars_ax.axhline(setup.capacity / GIB, color="black", lw=1.2, ls="--", label=f"GPU: {gib(setup.capacity)}")
     for x, total in enumerate(bottom):
@@ -292,7 +353,7 @@ def draw(setup, bars_ax, curve_ax, title=True):
     curve_ax.plot([best], [curve[best] / GIB], "*", ms=15, color="gold", mec="black", zorder=5,
                   label=f"minimum: C = {best}, {gib(curve[best])}")
     if fit["room"] > 0:
-        curve_ax.axhline(fit["room"] * setup.in_flight / GIB, color="black", ls="--", lw=1,
+        curve_ax.axhline(fit["room"] / GIB, color="black", ls="--", lw=1,
                          label="room left by weights, gradients,\noptimizer state and working memory")
     curve_ax.set_xscale("log")
     curve_ax.set_yscale("log")
@@ -310,11 +371,19 @@ def draw(setup, bars_ax, curve_ax, title=True):
     return fit
 
 
+def margin_text(setup):
+    """', errs high by 33% (fp32)' where the T x T scores set the working memory; '' otherwise."""
+    cfg = stage_config(setup)
+    margin = working_margin(cfg, setup.batch, setup.seq, setup.tp, logits=not first_stage(setup))
+    return "" if margin is None else f", {margin:.0%} above the measured T² term in {cfg.dtype}"
+
+
 def headline(setup):
     name = setup.model if setup.model != "custom" else "custom shape"
     parallel = f", tp={setup.tp}{' + sp' if setup.sp else ''}" if setup.tp > 1 else ""
     parallel += f", ZeRO-{setup.zero} over {setup.dp}" if setup.zero and setup.dp > 1 else ""
-    pipeline = f", {setup.stages} stages, {setup.in_flight} in flight" if setup.stages > 1 or setup.in_flight > 1 else ""
+    staged = setup.stages > 1 or setup.in_flight > 1
+    pipeline = f", stage 0 of {setup.stages}, {setup.in_flight} in flight" if staged else ""
     chunk = f", loss chunks of {setup.loss_chunk}" if setup.loss_chunk else ""
     return (f"{name}, {setup.dtype}, b={setup.batch} x s={setup.seq}, {setup.attention} attention{chunk}"
             f"{parallel}{pipeline}")

@@ -68,17 +68,22 @@ import argparse
 import contextlib
 import os
 import shlex
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
 import matplotlib
 import torch
 
+from picockpt.cli import Parser
 from picockpt.config import Config
 from picockpt.device import resolve_device
 from picockpt.notebooks import ARGS_VARIABLE, cells
-from picockpt.plotting import FAST_FIGURES
+from picockpt.params import check_seed
+from picockpt.plotting import FAST_FIGURES, check_writable, figures_dir
+from picockpt.reproduce import rank_device
 
 FAST_TIMING = "timing not meaningful at --fast shapes"  # what lessons print instead of a --fast timing's verdict
 
@@ -102,7 +107,14 @@ def lesson_args():
     from reproduce), from $PICOCKPT_LESSON_ARGS in a notebook kernel (none: the CPU run)."""
     if in_notebook():
         words = os.environ.get(ARGS_VARIABLE, "")
-        return parse_args(f"a picockpt lesson (${ARGS_VARIABLE}={words!r})", shlex.split(words), notebook=True)
+        try:
+            argv = shlex.split(words)
+        except ValueError as error:  # e.g. an unbalanced quote: name the variable, not shlex
+            raise ValueError(f"${ARGS_VARIABLE}={words!r} cannot be split into flags ({error}): close the quote, "
+                             f"e.g. {ARGS_VARIABLE}='--fast --seed 1'") from None
+        return parse_args(f"a picockpt lesson (${ARGS_VARIABLE}={words!r})", argv, notebook=True)
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `... | head -1`: end quietly when the reader goes, as shell tools do
     path = pathlib.Path(sys.argv[0])
     usage = "\n".join(f"    python lessons/{path.name}{flags:<24}{what}" for flags, what in (
         ("", "the CPU run"), (" --fast", "seconds: what the tests run"),
@@ -133,6 +145,15 @@ def spawning_ranks():
             main.__file__ = path
 
 
+def ranks_device(device, ranks):
+    """The device for a part of a lesson that runs on `ranks` processes: `device`, or the CPU (gloo)
+    when it is CUDA with fewer GPUs than ranks, said in one line (picockpt.reproduce.rank_device)."""
+    chosen, note = rank_device(device, ranks)
+    if note:
+        print(note)
+    return chosen
+
+
 def lesson_title(path):
     """The first line of a lesson's first markdown cell, without its '#' marks."""
     try:
@@ -146,13 +167,23 @@ class _NotebookParser(argparse.ArgumentParser):
     """In a notebook a bad flag is a ValueError naming the variable, not an exit of the kernel."""
 
     def error(self, message):
-        raise ValueError(f"${ARGS_VARIABLE}: {message} (the flags are --fast, --large, --device, --seed, --threads)")
+        raise ValueError(f"${ARGS_VARIABLE}: {message} (the flags are {NOTEBOOK_FLAGS})")
+
+    def print_help(self, file=None):  # --help: a kernel must not exit; exit() below says it in one line
+        pass
+
+    def exit(self, status=0, message=None):
+        raise ValueError(f"${ARGS_VARIABLE} asks for --help, which a notebook cannot show: the flags are "
+                         f"{NOTEBOOK_FLAGS}; run `python lessons/NN_name.py --help` for the whole text")
+
+
+NOTEBOOK_FLAGS = "--fast, --large, --device, --seed, --threads"
 
 
 def parse_args(doc, argv=None, notebook=False):
     """The lesson flags. args.mode is "fast", "cpu" or "large"; args.device a torch.device."""
     title, _, usage = doc.partition("\n")
-    parser = (_NotebookParser if notebook else argparse.ArgumentParser)(
+    parser = (_NotebookParser if notebook else Parser)(  # Parser: a mistake is one line, as the main CLI says it
         description=title, epilog=usage, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--fast", action="store_true", help="a small shape that runs in seconds (what the tests run)")
@@ -167,6 +198,11 @@ def parse_args(doc, argv=None, notebook=False):
         parser.error(str(error))
     if args.threads < 1:
         parser.error(f"--threads={args.threads}: use 1 or more")
+    try:
+        check_seed(args.seed, "--seed")
+        check_writable(figures_dir(args.fast))  # before any work, not when the first figure is saved
+    except ValueError as error:
+        parser.error(str(error))
     if args.device.type == "cpu":
         torch.set_num_threads(args.threads)
     args.mode = "large" if args.large else "fast" if args.fast else "cpu"

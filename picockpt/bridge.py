@@ -10,13 +10,17 @@ pipeline-parallel backward, one micro-batch's activations at a time).
 """
 import torch
 
-from .engine import _generator, _replay_rng
+from .engine import device_generator, replay_rng
 
 
 def segmented_backward(layers, x, head, segment):
     """layers: a list of modules (B, T, h) -> (B, T, h); x: their input (with a graph above it);
     head(y) -> scalar loss on the last output. Runs forward and backward; returns the loss."""
-    layers, generator = list(layers), _generator(x.device)
+    layers = list(layers)
+    if isinstance(segment, bool) or not isinstance(segment, int) or segment < 1:
+        raise ValueError(f"segment={segment!r}: the layers per recomputed segment must be a whole number >= 1 "
+                         f"(1: every layer its own checkpoint; {len(layers)} or more: the {len(layers)} layers as one)")
+    generator = device_generator(x.device)
     starts = range(0, len(layers), segment)
     kept = []  # (input of the segment, RNG state before it): the checkpoints
     with torch.no_grad():
@@ -33,7 +37,7 @@ def segmented_backward(layers, x, head, segment):
     for start in reversed(starts):
         inp, state = kept.pop()  # the checkpoint leaves the list: it is used once
         inp.requires_grad_()
-        with torch.enable_grad(), _replay_rng(generator, state):
+        with torch.enable_grad(), replay_rng(generator, state):
             out = inp
             for layer in layers[start:start + segment]:
                 out = layer(out)  # (B, T, h), this time with a graph

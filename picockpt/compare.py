@@ -11,6 +11,14 @@ Hugging Face's LlamaForCausalLM (peers_hf.py) with eager and sdpa attention, eac
 with its activation checkpointing, when transformers is installed and the shape allows it. Each
 picockpt row names the peer that does the same thing: under eager attention the reference
 model's runs; under tiled or fused attention (no stored probabilities, as sdpa) Hugging Face sdpa.
+With min_cut=(budgets), the reference model also runs through torch.compile's min-cut partitioner
+at each activation_memory_budget (peers.min_cut; dense fp32/fp64 models only).
+
+The gradient check: every run's gradients against picockpt none's, within GRAD_TOLERANCE of the
+compute dtype (max |difference| / max |reference|, tensor by tensor). With dropout, a run can only be
+checked against one that draws the same masks: the reference model draws eager attention's masks,
+so under tiled attention (each tile's mask from a stored seed) its runs are checked against autograd
+instead, and marked so (a cross-family difference would only measure the masks).
 """
 import contextlib
 import math
@@ -22,13 +30,36 @@ import torch
 from . import peers, peers_hf
 from .bridge import segmented_backward
 from .engine import loss_and_grads
-from .measure import _sync, make_batch, max_relative_diff
+from .measure import sync, make_batch, max_relative_diff
 from .params import init_params
 from .reference import ReferenceLlama
 from .tracker import Tracker
 
 
-def contenders(cfg, seq, segment):
+# Max relative gradient difference that passes, by compute dtype; what fails is a wrong gradient, not rounding.
+# Measured (tiny and small presets, every contender): fp32 1.2e-6, fp64 2.0e-7 (Hugging Face computes its RoPE
+# tables in fp32), bf16 1.0e-2, fp16 1.6e-3. A dropped or stale tensor, or another dropout mask, gives 0.1 to 1.
+GRAD_TOLERANCE = {"float64": 1e-5, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def reference_masks_match(cfg):
+    """Do the reference model's runs draw the dropout masks picockpt draws? Without dropout there are none;
+    under eager attention both draw the same tensors in the same order; under tiled attention picockpt
+    draws each tile's mask from a stored seed, which the reference model's eager attention does not."""
+    return cfg.dropout == 0 or cfg.attention == "eager"
+
+
+def min_cut_supported(cfg):
+    """None when the min-cut partitioner's runs can be measured like the others, else why not."""
+    if cfg.experts:
+        return "an MoE model routes with data-dependent shapes (aten.nonzero), which AOTAutograd cannot trace"
+    if cfg.dtype not in ("float32", "float64"):
+        return (f"dtype={cfg.dtype}: the compiled graph makes the 16-bit weight copies inside, where the tracker "
+                f"cannot tell them from activations")
+    return None
+
+
+def contenders(cfg, seq, segment, min_cut=()):
     """(name, kind, how to run, name of its equivalent) for every run of the table."""
     C, segments = segment, math.ceil(cfg.layers / segment)
     eager, hf = cfg.attention == "eager", hf_rows(cfg)
@@ -52,6 +83,7 @@ def contenders(cfg, seq, segment):
     if hf:
         rows += [(f"HF {attention}" + (" + checkpointing" if checkpointing else ""), "hf", (attention, checkpointing),
                   None) for attention in ("eager", "sdpa") for checkpointing in (False, True)]
+    rows += [(f"min-cut partitioner, budget {budget:g}", "min-cut", budget, None) for budget in min_cut]
     return rows
 
 
@@ -66,13 +98,28 @@ def hf_rows(cfg):
     return True
 
 
-def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=print):
+BASES = ("picockpt none", "autograd")  # always run: the gradient references and the FLOP base
+
+
+def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=print, min_cut=(), only=None):
+    """One row per contender (only: the names to run, beside BASES; None runs every one)."""
     cfg.check_seq(seq)
+    min_cut = check_min_cut(cfg, min_cut)
+    runs = contenders(cfg, seq, segment, min_cut)
+    if isinstance(only, str):
+        raise ValueError(f"only={only!r}: give a list of contender names, e.g. only=[{only!r}]")
+    if only is not None:
+        unknown = set(only) - {name for name, *_ in runs}
+        if unknown:
+            raise ValueError(f"only={sorted(unknown)}: no such contender here; choose from "
+                             f"{[name for name, *_ in runs]}")
+        runs = [run for run in runs if run[0] in set(only) | set(BASES)]
     params = init_params(cfg, seed=seed, device=device)
     input_ids, targets = make_batch(cfg, batch, seq, device, seed)
     model = ReferenceLlama(cfg, params).to(device)
 
     hf_models = {}  # (attention, checkpointing) -> LlamaForCausalLM, built once
+    compiled = {}   # budget -> the reference model through the min-cut partitioner, traced once
 
     def step_of(kind, how, tracker=None):
         if kind == "picockpt":
@@ -87,6 +134,11 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
                     _mark(tracker, model.cast_weights(), "weights")  # the bridge runs the model's parts itself
                     loss = segmented_backward(model.model.layers, model.embed(input_ids),
                                               lambda y: model.head_loss(y, targets), how)
+            elif kind == "min-cut":
+                with _phase(tracker, "forward"):
+                    loss = compiled[how](input_ids, targets)
+                with _phase(tracker, "backward"):
+                    loss.backward()
             else:
                 with _phase(tracker, "forward"):
                     loss = model(input_ids, targets, run_layers=how)
@@ -132,20 +184,34 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
         owner.zero_grad(set_to_none=True)
         return grads
 
-    for _, kind, how, _ in contenders(cfg, seq, segment):
+    for _, kind, how, _ in runs:
         if kind == "hf":  # built before any tracking: their weights are not the step's memory
             hf_models[how] = peers_hf.hf_llama(cfg, params, *how, device=device)
+        if kind == "min-cut":  # traced and partitioned before any tracking (seconds each)
+            compiled[how] = peers.min_cut(model, how)
+            step_of(kind, how)()
+            model.zero_grad(set_to_none=True)
     rows = []
-    reference = grads_of("picockpt", "none")  # every contender's gradients, against picockpt's under none
-    for name, kind, how, equivalent in contenders(cfg, seq, segment):
+    # every contender's gradients against picockpt's under none; the reference model's runs against
+    # autograd's when they draw other dropout masks
+    same_masks = reference_masks_match(cfg)
+    references = {"picockpt none": grads_of("picockpt", "none")}
+    if not same_masks:
+        references["autograd"] = grads_of("torch", peers.autograd)
+    tolerance = GRAD_TOLERANCE[cfg.dtype]
+    for name, kind, how, equivalent in runs:
         # memory and FLOPs in two runs: FlopCounterMode hooks every module's outputs, which under
         # torch.utils.checkpoint keeps recomputed graphs alive until the garbage collector runs
         loss, memory = tracked(kind, how, flops=False)
         _, flops = tracked(kind, how, physical=False)
         grads = grads_of(kind, how)
+        against = "picockpt none" if kind == "picockpt" or same_masks else "autograd"
+        reference = references[against]
         worst = max(max_relative_diff(grads[n], reference[n]) for n in reference)
         rows.append({"name": name, "kind": kind, "equivalent": equivalent, "loss": loss.item(),
-                     "grad_max_rel_diff": worst,
+                     "grad_max_rel_diff": worst, "grad_checked_against": against, "grad_tolerance": tolerance,
+                     "grad_ok": worst <= tolerance,
+                     "dropout_masks": "picockpt's" if kind == "picockpt" or same_masks else "the reference model's",
                      "peak_live_bytes": memory.peak_physical, "total_flops": sum(flops.flops.values()),
                      "recompute_flops": flops.flops["recompute"], "times": []})
         if log:
@@ -155,15 +221,15 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
         if row["kind"] != "picockpt":
             row["recompute_flops"] = row["total_flops"] - base
 
-    steps = [step_of(kind, how) for _, kind, how, _ in contenders(cfg, seq, segment)]
+    steps = [step_of(kind, how) for _, kind, how, _ in runs]
     for step in steps:  # warm-up
         step()
     for repeat in range(repeats):
         for row, step in zip(rows, steps):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             step()
-            _sync(device)
+            sync(device)
             row["times"].append(time.perf_counter() - start)
         if log:
             log(f"  timed repeat {repeat + 1}/{repeats}")
@@ -180,6 +246,23 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
     for row in rows:
         del row["times"]
     return rows
+
+
+def check_min_cut(cfg, budgets, name="min_cut"):
+    """The min-cut budgets as a tuple of floats in [0, 1], or a ValueError naming what is wrong."""
+    budgets = tuple(budgets)
+    shown = ",".join(f"{b:g}" if isinstance(b, (int, float)) else repr(b) for b in budgets)
+    for budget in budgets:
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+            raise ValueError(f"{name}={shown}: each activation_memory_budget is a fraction, 0 <= budget <= 1 "
+                             f"(e.g. 0.5,0.2,0)")
+    if len(set(budgets)) != len(budgets):
+        raise ValueError(f"{name}={shown}: a budget given twice; give each once")
+    reason = min_cut_supported(cfg) if budgets else None
+    if reason:
+        raise ValueError(f"{name}={shown}: {reason}; compare without min-cut runs ({name} none)"
+                         if name.startswith("--") else f"{name}={shown}: {reason}; use min_cut=()")
+    return tuple(float(budget) for budget in budgets)
 
 
 def _phase(tracker, name):

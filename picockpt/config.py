@@ -29,6 +29,7 @@ DTYPES = {  # accepted spellings -> canonical name
 }
 
 ATTENTIONS = ("eager", "tiled", "fused")  # see picockpt/ops/attention*.py
+BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "bool": 1, "int64": 8}  # per element, by dtype name
 
 PRESETS = {
     # tiny: unit tests; every op and every policy in milliseconds.
@@ -79,8 +80,9 @@ class Config:
                 raise ValueError(f"Config.{name}={value!r}: must be a positive integer")
         if self.hidden % self.heads:
             raise ValueError(f"Config.hidden={self.hidden} is not divisible by heads={self.heads}: "
-                             f"use a multiple of heads (e.g. hidden={self.heads * max(1, round(self.hidden / self.heads))})"
-                             f" or heads among {_divisors(self.hidden)}")
+                             f"use a multiple of 2 x heads, so head_dim is even (e.g. hidden="
+                             f"{2 * self.heads * max(1, round(self.hidden / (2 * self.heads)))}), or heads among "
+                             f"{[d for d in _divisors(self.hidden) if self.hidden // d % 2 == 0]}")
         if self.heads % self.kv_heads:
             raise ValueError(f"Config.kv_heads={self.kv_heads} does not divide heads={self.heads}: "
                              f"use kv_heads among {_divisors(self.heads)}")
@@ -114,7 +116,7 @@ class Config:
         object.__setattr__(self, "dtype", DTYPES[self.dtype])
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"Config.tie_embeddings={self.tie_embeddings!r}: must be True or False")
-        check_rope_scaling(self.rope_scaling)
+        check_rope_scaling(self.rope_scaling, self.rope_theta)
         self._check_experts()
 
     def _check_experts(self):
@@ -157,6 +159,10 @@ class Config:
     @property
     def param_dtype(self):              # master weights: fp32 under 16-bit compute (mixed precision)
         return torch.float64 if self.dtype == "float64" else torch.float32
+
+    @property
+    def dtype_names(self):              # (activations, statistics, master weights): keys of BYTES
+        return self.dtype, str(self.stat_dtype).replace("torch.", ""), str(self.param_dtype).replace("torch.", "")
 
     @property
     def stat_dtype(self):               # RMSNorm / softmax statistics: never below fp32

@@ -12,7 +12,7 @@
 
 The loop (Step) talks to the model through a few parts: embed, layer forward/backward, head
 forward/backward, embedding backward, and how a layer's input is kept and fetched back. Model
-below gives it picockpt's single-process model; picockpt/parallel/tp_model.py gives it one
+below gives it picockpt's single-process model; picockpt/parallel/tensor_parallel/tp_model.py gives it one
 tensor-parallel rank's share of the same model (its parts cross ranks inside, the loop does not
 change). A pipeline stage would be a model of layers first..last whose embed() returns the
 activation it receives and whose head returns the gradient it receives.
@@ -21,14 +21,13 @@ import contextlib
 
 import torch
 
+from .batch import check_batch  # the door: ids and targets checked once (re-exported for the parallel jobs)
 from .head import head_backward, head_forward
 from .inventory import layer_inventory
 from .layer import layer_backward, layer_forward
 from .ops import embedding_backward, embedding_forward, rope_tables
-from .ops.attention_fused import check_fused
-from .ops.cross_entropy import IGNORE_INDEX
 from .params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_weights
-from .policy import OP_LEVEL, parse_policy
+from .policy import parse_policy
 from .store import ActivationStore
 
 
@@ -104,7 +103,7 @@ class Model:
 
 
 class Step:
-    """One step through `model` under a Schedule (picockpt/policy.py): forward() then backward().
+    """One step through `model` under a Schedule (picockpt/schedule.py): forward() then backward().
     drop: the names the policy's op level drops; a schedule may give a layer its own."""
 
     def __init__(self, model, schedule, drop=frozenset(), tracker=None, trace=False):
@@ -112,11 +111,9 @@ class Step:
         self.tracker = tracker or _NoTracker()
         self.trace, self.say = trace, trace if callable(trace) else print  # where --trace lines go
         self.store = ActivationStore(listener=self.tracker)
-        self.generator = _generator(model.input_ids.device)
+        self.generator = device_generator(model.input_ids.device)
         self.rng_states = {}  # layer -> RNG state just before its forward, for every stored layer input
-
-    def layer_drop(self, mode):  # a schedule may give one layer its own op level: "all:selective"
-        return OP_LEVEL[mode.partition(":")[2]] if ":" in mode else self.drop
+        self.whole = set()  # the layers whose activations are stored now: their backward needs no recompute
 
     def run_layers(self, first, last, x, mode_of, stop_early=False):
         """Forward layers first..last from x, each stored as mode_of(k) says; returns the output.
@@ -124,15 +121,15 @@ class Step:
         backward starts), so it stops at the last tensor its backward needs."""
         model, store = self.model, self.store
         for k in range(first, last + 1):
-            mode = mode_of(k)
-            stored = mode.startswith("all")  # "all" or "all:selective" / "all:cheap": its activations too
-            if mode != "none" and not store.has(k, "input"):
-                model.keep_input(store, k, x, whole=stored)  # a checkpoint: recomputation can start here
+            mode = mode_of(k)  # a Mode (picockpt/schedule.py): "all", "all:cheap", "input" or "none"
+            if mode.keeps_input and not store.has(k, "input"):
+                model.keep_input(store, k, x, whole=mode.stored)  # a checkpoint: recomputation can start here
                 if model.cfg.draws_random:  # dropout masks or router jitter: replayed when recomputed
                     self.rng_states[k] = self.generator.get_state()
-            keep = store if stored else None
+            if mode.stored:
+                self.whole.add(k)
             need_output = not (stop_early and k == last)
-            x = model.layer_forward(k, x, keep, self.layer_drop(mode), need_output)
+            x = model.layer_forward(k, x, store if mode.stored else None, mode.drop(self.drop), need_output)
             if self.trace:
                 dropped = [name for name in model.layer_names if name not in store.names(k)]
                 self.say(f"forward layer {k} ({mode}): kept {store.names(k) or 'nothing'}, "
@@ -146,11 +143,23 @@ class Step:
             model.start(tracker)
             x = model.embed()  # (B, T, h)
             x = self.run_layers(first, last, x, lambda k: schedule.forward[k])  # (B, T, h)
-            loss = model.head_forward(x, self.store, self.layer_drop(schedule.head))  # scalar
+            loss = model.head_forward(x, self.store, schedule.head.drop(self.drop))  # scalar
             del x
         if self.trace:
             self.say(f"loss {loss.item():.4f}; stored {self.store.bytes:,} bytes")
         return loss
+
+    def recompute(self, i):
+        """Bring layer i's activations back: from the nearest stored checkpoint j <= i, forward layers j..i
+        again (with the RNG state j was stored with), each kept as the schedule's sweep to i says."""
+        model, schedule, store = self.model, self.schedule, self.store
+        j = next(k for k in range(i, model.layers[0] - 1, -1) if store.has(k, "input"))  # the nearest one
+        if self.trace:
+            self.say(f"recompute segment [{j}..{i}] from the input of layer {j}")
+        with self.tracker.phase("recompute"), replay_rng(self.generator, self.rng_states.get(j)):
+            x = model.load_input(store, j, whole=schedule.sweep(j, i).stored)  # (B, T, h)
+            self.run_layers(j, i, x, lambda k: schedule.sweep(k, i), schedule.stop_early)
+            del x
 
     def backward(self):
         model, schedule, store, tracker = self.model, self.schedule, self.store, self.tracker
@@ -165,15 +174,10 @@ class Step:
             for name, grad in head_grads.items():
                 keep_grad(name, grad)
             for i in reversed(model.layers):
-                if not store.has(i, "attn_norm.rstd"):  # layer i's activations are gone (no policy drops rstd)
-                    j = next(k for k in range(i, model.layers[0] - 1, -1) if store.has(k, "input"))  # nearest one
-                    if self.trace:
-                        self.say(f"recompute segment [{j}..{i}] from the input of layer {j}")
-                    with tracker.phase("recompute"), _replay_rng(self.generator, self.rng_states.get(j)):
-                        x = model.load_input(store, j, whole=schedule.sweep(j, i).startswith("all"))  # (B, T, h)
-                        self.run_layers(j, i, x, lambda k: schedule.sweep(k, i), schedule.stop_early)
-                        del x
+                if i not in self.whole:  # layer i's activations are gone: recompute them
+                    self.recompute(i)
                 dx, layer_grads = model.layer_backward(i, dx, store)  # (B, T, h)
+                self.whole.discard(i)
                 self.rng_states.pop(i, None)
                 if self.trace:
                     self.say(f"backward layer {i}: dropped its activations; stored {store.bytes:,} bytes")
@@ -190,7 +194,7 @@ class Step:
 
 
 @contextlib.contextmanager
-def _replay_rng(generator, state):
+def replay_rng(generator, state):
     """Run the block with the generator set to `state`, then put the generator back: recomputed
     dropout masks and router jitter noise equal the first ones, and the rest of the step is unaffected."""
     if state is None:
@@ -204,42 +208,8 @@ def _replay_rng(generator, state):
         generator.set_state(saved)
 
 
-def _generator(device):
+def device_generator(device):
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index or 0]
     return torch.default_generator
 
-
-def check_batch(cfg, input_ids, targets, params):
-    """Token ids and targets: (batch, seq) integer tensors on the parameters' device, ids in [0, vocab),
-    targets in [0, vocab) or IGNORE_INDEX, at least one target counted. Returns them as int64."""
-    for name, tensor in (("input_ids", input_ids), ("targets", targets)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype.is_floating_point or tensor.dtype == torch.bool \
-                or tensor.is_complex():
-            raise ValueError(f"{name} must be an integer tensor of token ids, got "
-                             f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
-    if input_ids.dim() != 2 or input_ids.shape != targets.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and targets {tuple(targets.shape)} must both "
-                         f"be (batch, seq) integer tensors of the same shape")
-    if input_ids.shape[0] < 1:
-        raise ValueError(f"input_ids has batch {input_ids.shape[0]}: a step needs at least one sequence")
-    cfg.check_seq(input_ids.shape[1])
-    device = params[EMBED].device
-    if input_ids.device != device or targets.device != device:
-        raise ValueError(f"input_ids are on {input_ids.device} and targets on {targets.device}, the parameters on "
-                         f"{device}: move them with .to({str(device)!r})")
-    if cfg.attention == "fused":
-        check_fused(device, cfg.torch_dtype)
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= cfg.vocab:
-        raise ValueError(f"input_ids hold token ids from {low} to {high}: they must lie in [0, vocab) = "
-                         f"[0, {cfg.vocab})")
-    counted = targets[targets != IGNORE_INDEX]
-    if counted.numel() == 0:
-        raise ValueError(f"every target is {IGNORE_INDEX} (ignored): the mean loss would be 0/0; "
-                         f"leave at least one target in [0, {cfg.vocab})")
-    low, high = int(counted.min()), int(counted.max())
-    if low < 0 or high >= cfg.vocab:
-        raise ValueError(f"targets hold token ids from {low} to {high}: they must lie in [0, vocab) = "
-                         f"[0, {cfg.vocab}), or be {IGNORE_INDEX} to leave a position out of the loss")
-    return input_ids.long(), targets.long()

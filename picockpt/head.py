@@ -12,9 +12,11 @@ final_norm.output (B,T,h, dropped by `cheap`), and then either
                                    computes the logits n tokens at a time and keeps none of them;
                                    the backward recomputes each chunk's logits from final_norm.output
                                    (counted as recompute), forms softmax - one-hot with the kept lse,
-                                   and drops them again. As Liger's fused linear cross-entropy and
-                                   Cut Cross-Entropy do: at a 128K vocabulary the logits are the
-                                   largest activation of a step, and they never exist whole.
+                                   and drops them again, as Cut Cross-Entropy does (Liger's fused
+                                   linear cross-entropy is another trade: it computes the gradients
+                                   chunk by chunk in the forward and keeps them; lesson 09). At a
+                                   128K vocabulary the logits are the largest activation of a step,
+                                   and here they never exist whole.
 
 The token ids and targets are the batch, owned by the caller: they are not activations.
 """
@@ -26,7 +28,7 @@ from .ops.cross_entropy import IGNORE_INDEX
 from .params import FINAL_NORM, HEAD
 
 
-def _chunks(n, chunk):
+def row_chunks(n, chunk):
     """[(start, end)] of rows 0..n-1, `chunk` at a time (0: all at once)."""
     chunk = chunk or n
     return [(start, min(start + chunk, n)) for start in range(0, n, chunk)]
@@ -52,7 +54,7 @@ def head_forward(x, weights, cfg, targets, store, drop=frozenset()):
         return total / count
     lse = torch.empty(B * T, dtype=cfg.stat_dtype, device=x.device)  # (N,)
     total = 0.0
-    for start, end in _chunks(B * T, cfg.loss_chunk):
+    for start, end in row_chunks(B * T, cfg.loss_chunk):
         logits = linear_forward(rows[start:end], weights[HEAD])  # (n, V) one chunk, dropped at once
         part, lse[start:end] = cross_entropy_forward(logits, ys[start:end], cfg.stat_dtype)  # scalar, (n,)
         total = total + part
@@ -81,7 +83,7 @@ def head_backward(weights, cfg, targets, store):
         lse = take("lm_head.lse").view(B * T)  # (N,)
         dxn = torch.empty_like(rows)  # (N, h)
         d_head = torch.zeros(W.shape, dtype=cfg.param_dtype, device=W.device)  # (V, h) summed over chunks
-        for start, end in _chunks(B * T, cfg.loss_chunk):
+        for start, end in row_chunks(B * T, cfg.loss_chunk):
             chunk = rows[start:end]  # (n, h)
             logits = store.rebuild(None, "lm_head.logits", lambda: linear_forward(chunk, W))  # (n, V) again
             dlogits = cross_entropy_backward(scale, logits, ys[start:end], cfg.stat_dtype, lse[start:end],

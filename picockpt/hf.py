@@ -91,10 +91,21 @@ def fields_from_hf(d):
         scaling = None
     dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
     return dict(vocab=d["vocab_size"], hidden=d["hidden_size"], layers=d["num_hidden_layers"], heads=heads,
-                kv_heads=d.get("num_key_value_heads") or heads, ffn=d["intermediate_size"],
+                kv_heads=_kv_heads(d, heads), ffn=d["intermediate_size"],
                 max_seq=d["max_position_embeddings"], rope_theta=float(theta), norm_eps=d["rms_norm_eps"],
                 tie_embeddings=d.get("tie_word_embeddings", False), dtype=str(dtype).replace("torch.", ""),
                 rope_scaling=scaling, **moe)
+
+
+def _kv_heads(d, heads):
+    """num_key_value_heads: None (or absent) means heads, as in transformers; 0 is an error, not heads."""
+    kv = d.get("num_key_value_heads")
+    if kv is None:
+        return heads
+    if kv == 0:
+        raise ValueError(f"num_key_value_heads=0: a model needs at least one key/value head; use None for "
+                         f"num_attention_heads={heads} (as transformers reads it) or a divisor of {heads}")
+    return kv
 
 
 def _mixtral_fields(d):
@@ -112,14 +123,24 @@ def _mixtral_fields(d):
                 router_jitter=float(d.get("router_jitter_noise") or 0.0))
 
 
-def check_rope_scaling(scaling):
-    """None, or a Llama 3.1 "llama3" dict with its four numbers (the checks Config runs)."""
+def check_rope_scaling(scaling, theta):
+    """None, or a Llama 3.1 "llama3" dict with its four numbers (the checks Config runs); every other
+    key refused by name, and a rope_theta inside it (transformers 5's rope_parameters form) must equal
+    theta, Config.rope_theta, the one base the rotary tables use."""
     if scaling is None:
         return
     if not isinstance(scaling, dict):
         raise ValueError(f"Config.rope_scaling={scaling!r}: use None or a dict such as {{'rope_type': 'llama3', "
                          f"'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, "
                          f"'original_max_position_embeddings': 8192}}")
+    unknown = sorted(set(scaling) - {"rope_type", "type", "rope_theta", *LLAMA3_KEYS}, key=str)
+    if unknown:
+        raise ValueError(f"Config.rope_scaling key {unknown[0]!r} is not implemented: picockpt's RoPE reads "
+                         f"rope_type, rope_theta and Llama 3.1's {', '.join(LLAMA3_KEYS)}, as Config.from_hf does")
+    if "rope_theta" in scaling and scaling["rope_theta"] != theta:
+        raise ValueError(f"Config.rope_scaling['rope_theta']={scaling['rope_theta']!r} but Config.rope_theta={theta!r}: "
+                         f"the rotary base is Config.rope_theta; set rope_theta={scaling['rope_theta']!r} "
+                         f"(Config.from_hf reads rope_parameters' rope_theta into it)")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_KINDS:
         raise ValueError(f"Config.rope_scaling type {kind!r} is not implemented: "

@@ -37,60 +37,128 @@ With Config.experts > 0 a mixture of experts (picockpt/moe.py) takes the MLP's p
 moe.* tensors instead of mlp.gate, mlp.up, mlp.act (one set per expert: moe.act[3] is expert 3's).
 picockpt/inventory.py computes the same table in closed form.
 """
+import contextlib
+
 from .attention import attention_core_backward, attention_core_forward, needs_output
 from .ops import (dropout_backward, dropout_forward, dropout_mask, linear_backward, linear_forward, rmsnorm_apply,
                   rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
 from .moe import moe_block_backward, moe_block_forward
 
 
-def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_output=True):
+class Crossings:
+    """The named points where a layer split over ranks crosses them; in one process every one is the
+    identity (or the plain draw, or the plain MLP). A tensor-parallel rank's collectives go here
+    (picockpt/parallel/tensor_parallel/tp_layer.py), as do an expert-parallel rank's experts and its
+    whole-batch draws (picockpt/parallel/expert_parallel/ep_layer.py): the layer is written once.
+
+        enter(xn) / enter_backward(dxn)   into a block's projections: identity | all-reduce (TP), all-gather |
+                                          reduce-scatter (SP)
+        leave(y) / leave_backward(dy)     out of a block's last projection: identity | the reverse pair
+        regather(xn)                      a kept block input, back to the block's tokens (SP: all-gather)
+        branch_mask(shape, p, device)     a residual branch's dropout mask (split ranks: their slice of the
+                                          single process's)
+        layer_draws(), attention_draws()  contexts around random draws (the whole tensor drawn, a slice kept)
+        mlp_forward / mlp_backward        the MLP block, or the mixture of experts (moe.py, or over ranks)
+        norm_grads(d_attn, d_mlp, cfg)    the norm weights' gradients (SP: summed over the ranks' tokens)
+    """
+
+    def layer_draws(self):
+        return contextlib.nullcontext()
+
+    def attention_draws(self):
+        return contextlib.nullcontext()
+
+    def enter(self, xn):
+        return xn
+
+    def enter_backward(self, dxn):
+        return dxn
+
+    def leave(self, y):
+        return y
+
+    def leave_backward(self, dy):
+        return dy
+
+    def regather(self, xn):
+        return xn
+
+    def branch_mask(self, shape, p, device):
+        return dropout_mask(shape, p, device)  # (shape) bool
+
+    def mlp_forward(self, xn2, w, cfg, keep, need_output):
+        if cfg.experts:  # a mixture of experts in the MLP's place (picockpt/moe.py)
+            return moe_block_forward(xn2, w, cfg, keep, need_output)  # (B, T, h), or None
+        return mlp_block_forward(xn2, w, keep, need_output)  # (B, T, h), or None
+
+    def mlp_backward(self, grad, normed, w, cfg, take):  # -> dxn2 (B, T, h), {role: gradient}
+        if cfg.experts:  # the router's and experts' gradients, by role (picockpt/moe.py)
+            return moe_block_backward(grad, normed, w, cfg, take)
+        dxn2, (d_gate, d_up, d_down) = mlp_block_backward(grad, normed, w, take)
+        return dxn2, dict(gate=d_gate, up=d_up, down=d_down)
+
+    def norm_grads(self, d_attn_norm, d_mlp_norm, cfg):
+        return d_attn_norm, d_mlp_norm
+
+
+ONE_PROCESS = Crossings()
+
+
+def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_output=True, cross=ONE_PROCESS):
     """x (B, T, h) -> out (B, T, h). Keeps its tensors in `store` under layer i, except
     the names in `drop`; with store=None keeps nothing (it only carries x forward).
     The layer input itself is stored by the engine, which decides the checkpoints.
     need_output=False stops once the last tensor the backward needs is kept (returns None):
-    the down projection and the residual add are skipped."""
+    the down projection and the residual add are skipped. cross: where a rank of a parallel
+    layout crosses to the others (Crossings above; the identity in one process)."""
     def keep(name, tensor):  # an expert's tensor, "moe.act[3]", is dropped with its kind, "moe.act"
         if store is not None and name.partition("[")[0] not in drop:
             store.put(i, name, tensor)
 
-    B, T, h = x.shape
     p, stat = cfg.dropout, cfg.stat_dtype
-    # ---- attention block: h_mid = x + dropout(o_proj(attention(q, k, v))), q, k, v of rmsnorm(x) ----
-    xn, rstd = rmsnorm_forward(x, w.attn_norm, cfg.norm_eps, stat)  # (B, T, h), (B, T, 1)
-    keep("attn_norm.rstd", rstd)
-    keep("attn_norm.output", xn)
-    a = attention_block_forward(xn, w, cfg, rope, keep)  # (B, T, h)
-    if p > 0:
-        mask = dropout_mask((B, T, h), p, x.device)  # (B, T, h) bool
-        keep("attn.dropout_mask", mask)
-        a = dropout_forward(a, mask, p)  # (B, T, h)
-    h_mid = x + a  # (B, T, h) residual stream after attention
-    keep("mlp_norm.input", h_mid)
-    # ---- MLP block: out = h_mid + dropout(down(silu(gate) * up)), gate, up of rmsnorm(h_mid) ----
-    xn2, rstd2 = rmsnorm_forward(h_mid, w.mlp_norm, cfg.norm_eps, stat)  # (B, T, h), (B, T, 1)
-    keep("mlp_norm.rstd", rstd2)
-    keep("mlp_norm.output", xn2)
-    if cfg.experts:  # a mixture of experts in the MLP's place (picockpt/moe.py)
-        m = moe_block_forward(xn2, w, cfg, keep, project=need_output)  # (B, T, h), or None
-    else:
-        m = mlp_block_forward(xn2, w, keep, project=need_output)  # (B, T, h), or None
-    if not need_output:
-        if p > 0:  # the same draw as below, so the RNG and the mask are as in the first forward
-            keep("mlp.dropout_mask", dropout_mask((B, T, h), p, x.device))  # (B, T, h) bool
-        return None
-    if p > 0:
-        mask = dropout_mask((B, T, h), p, x.device)  # (B, T, h) bool
-        keep("mlp.dropout_mask", mask)
-        m = dropout_forward(m, mask, p)  # (B, T, h)
+    with cross.layer_draws():
+        # ---- attention block: h_mid = x + dropout(o_proj(attention(q, k, v))), q, k, v of rmsnorm(x) ----
+        xn, rstd = rmsnorm_forward(x, w.attn_norm, cfg.norm_eps, stat)  # (B, T, h), (B, T, 1)
+        keep("attn_norm.rstd", rstd)
+        keep("attn_norm.output", xn)
+        xn = cross.enter(xn)  # (B, T, h) entering the heads' region (identity here)
+        with cross.attention_draws():
+            a = attention_block_forward(xn, w, cfg, rope, keep)  # (B, T, h)
+        del xn
+        a = cross.leave(a)  # (B, T, h) leaving it (identity here)
+        if p > 0:
+            mask = cross.branch_mask(x.shape, p, x.device)  # (B, T, h) bool
+            keep("attn.dropout_mask", mask)
+            a = dropout_forward(a, mask, p)  # (B, T, h)
+        h_mid = x + a  # (B, T, h) residual stream after attention
+        del a
+        keep("mlp_norm.input", h_mid)
+        # ---- MLP block: out = h_mid + dropout(down(silu(gate) * up)), gate, up of rmsnorm(h_mid) ----
+        xn2, rstd2 = rmsnorm_forward(h_mid, w.mlp_norm, cfg.norm_eps, stat)  # (B, T, h), (B, T, 1)
+        keep("mlp_norm.rstd", rstd2)
+        keep("mlp_norm.output", xn2)
+        xn2 = cross.enter(xn2)  # (B, T, h)
+        m = cross.mlp_forward(xn2, w, cfg, keep, need_output)  # (B, T, h), or None
+        del xn2
+        if not need_output:
+            if p > 0:  # the same draw as below, so the RNG and the mask are as in the first forward
+                keep("mlp.dropout_mask", cross.branch_mask(h_mid.shape, p, x.device))  # (B, T, h) bool
+            return None
+        m = cross.leave(m)  # (B, T, h)
+        if p > 0:
+            mask = cross.branch_mask(h_mid.shape, p, x.device)  # (B, T, h) bool
+            keep("mlp.dropout_mask", mask)
+            m = dropout_forward(m, mask, p)  # (B, T, h)
     return h_mid + m  # (B, T, h)
 
 
-def layer_backward(dout, w, cfg, rope, store, i):
+def layer_backward(dout, w, cfg, rope, store, i, cross=ONE_PROCESS):
     """dout (B, T, h) -> dx (B, T, h) and the weight gradients, by role (the same namedtuple as w).
     Takes (pops) layer i's tensors out of the store as it last uses them; a dropped
     one is rebuilt by the one-line recipe beside it, from tensors it already has.
     `del` marks each tensor's last use: a local name would otherwise keep it alive to
-    the end of the function, after the store has let go of it."""
+    the end of the function, after the store has let go of it. Each block is
+    leave(block(enter(norm(x)))), so its backward is enter_backward(block_backward(leave_backward(d)))."""
     def take(name, rebuild=None):
         return store.pop(i, name, rebuild)
 
@@ -98,25 +166,34 @@ def layer_backward(dout, w, cfg, rope, store, i):
     # ---- MLP block: out = h_mid + dropout(down(silu(gate) * up)) ----
     # the block's incoming gradient and its input come as one-line recipes, run where the block first
     # needs them, so that it holds each only from its first use to its last
-    dm = lambda: dout if p == 0 else dropout_backward(dout, take("mlp.dropout_mask"), p)  # noqa: E731 (B, T, h)
+    def dm():  # (B, T, h) the gradient of the block's output
+        return cross.leave_backward(dout if p == 0 else dropout_backward(dout, take("mlp.dropout_mask"), p))
+
     h_mid, rstd2 = take("mlp_norm.input"), take("mlp_norm.rstd")  # (B, T, h), (B, T, 1)
-    normed = lambda: take("mlp_norm.output", rebuild=lambda: rmsnorm_apply(h_mid, rstd2, w.mlp_norm))  # noqa: E731
-    if cfg.experts:  # the router's and experts' gradients, by role (picockpt/moe.py)
-        dxn2, mlp_grads = moe_block_backward(dm, normed, w, cfg, take)  # (B, T, h), {role: gradient}
-    else:
-        dxn2, (d_gate, d_up, d_down) = mlp_block_backward(dm, normed, w, take)  # (B, T, h)
-        mlp_grads = dict(gate=d_gate, up=d_up, down=d_down)
+
+    def normed():  # (B, T, h) the block's input: kept, or rebuilt from h_mid and its rstd
+        return cross.regather(take("mlp_norm.output", rebuild=lambda: rmsnorm_apply(h_mid, rstd2, w.mlp_norm)))
+
+    dxn2, mlp_grads = cross.mlp_backward(dm, normed, w, cfg, take)  # (B, T, h), {role: gradient}
+    dxn2 = cross.enter_backward(dxn2)  # (B, T, h)
     dh, d_mlp_norm = rmsnorm_backward(dxn2, h_mid, rstd2, w.mlp_norm)  # (B, T, h), (h,)
     del dxn2, h_mid, rstd2
     dh += dout  # (B, T, h) both paths into h_mid: the norm and the residual
     # ---- attention block: h_mid = x + dropout(o_proj(attention(q, k, v))) ----
-    da = lambda: dh if p == 0 else dropout_backward(dh, take("attn.dropout_mask"), p)  # noqa: E731 (B, T, h)
+    def da():  # (B, T, h)
+        return cross.leave_backward(dh if p == 0 else dropout_backward(dh, take("attn.dropout_mask"), p))
+
     x, rstd = take("input"), take("attn_norm.rstd")  # (B, T, h), (B, T, 1)
-    normed = lambda: take("attn_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, w.attn_norm))  # noqa: E731
-    dxn, (d_q, d_k, d_v, d_o) = attention_block_backward(da, normed, w, cfg, rope, take, store.recomputing)
+
+    def normed_x():  # (B, T, h)
+        return cross.regather(take("attn_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, w.attn_norm)))
+
+    dxn, (d_q, d_k, d_v, d_o) = attention_block_backward(da, normed_x, w, cfg, rope, take, store.recomputing)
+    dxn = cross.enter_backward(dxn)  # (B, T, h)
     dx, d_attn_norm = rmsnorm_backward(dxn, x, rstd, w.attn_norm)  # (B, T, h), (h,)
     del dxn, x, rstd
     dx += dh  # (B, T, h) the norm and the residual path into x
+    d_attn_norm, d_mlp_norm = cross.norm_grads(d_attn_norm, d_mlp_norm, cfg)
     grads = w._replace(attn_norm=d_attn_norm, q=d_q, k=d_k, v=d_v, o=d_o, mlp_norm=d_mlp_norm, **mlp_grads)
     return dx, grads
 
@@ -178,8 +255,8 @@ def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing):
     return dxn, (d_q, d_k, d_v, d_o)
 
 
-def mlp_block_forward(xn2, w, keep, project=True):
-    """xn2 (B, T, h) the normed input -> down(silu(gate) * up) (B, T, h); project=False stops after the
+def mlp_block_forward(xn2, w, keep, need_output=True):
+    """xn2 (B, T, h) the normed input -> down(silu(gate) * up) (B, T, h); need_output=False stops after the
     product (the down projection's input, the last tensor the backward needs) and returns None."""
     gate = linear_forward(xn2, w.gate)  # (B, T, f)
     up = linear_forward(xn2, w.up)  # (B, T, f)
@@ -187,7 +264,7 @@ def mlp_block_forward(xn2, w, keep, project=True):
     keep("mlp.up", up)
     act = swiglu_forward(gate, up)  # (B, T, f)
     keep("mlp.act", act)
-    return linear_forward(act, w.down) if project else None  # (B, T, h)
+    return linear_forward(act, w.down) if need_output else None  # (B, T, h)
 
 
 def mlp_block_backward(grad, normed, w, take):

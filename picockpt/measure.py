@@ -24,7 +24,7 @@ def make_batch(cfg, batch, seq, device, seed=0):
     return MarkovTask(cfg.vocab, seed=seed).batch(batch, seq, device)
 
 
-def _sync(device):
+def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -34,10 +34,10 @@ def time_steps(step, device, repeats):
     step()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return times
 

@@ -39,9 +39,9 @@ from .ops import linear_backward, linear_forward, swiglu_backward, swiglu_forwar
 from .ops.router import combine_weights, expert_groups, router_backward, router_forward
 
 
-def moe_block_forward(xn, w, cfg, keep, project=True):
+def moe_block_forward(xn, w, cfg, keep, need_output=True):
     """xn (B, T, h) the normed input -> the weighted sum of its experts' outputs (B, T, h); keeps what the
-    backward needs through keep(name, tensor). project=False stops after the last tensor the backward
+    backward needs through keep(name, tensor). need_output=False stops after the last tensor the backward
     needs (every expert's SwiGLU product) and returns None: the down projections are skipped.
     E and f come from the weights (router rows, down_proj columns); k from cfg."""
     B, T, h = xn.shape
@@ -49,17 +49,17 @@ def moe_block_forward(xn, w, cfg, keep, project=True):
     x, index, weights = route(xn, w, cfg, keep)  # (N, h), (N, k), (N, k)
     del xn
     weights = weights.flatten()  # (N k,) one weight per (token, slot) pair
-    out = torch.zeros_like(x) if project else None  # (N, h)
+    out = torch.zeros_like(x) if need_output else None  # (N, h)
     for e, positions, tokens in expert_groups(index, E):  # only the experts that got tokens
-        y = expert_forward(lambda: x[tokens], w.experts_gate_up[e], w.experts_down[e], keep, e, project)  # noqa: B023
-        if project:
+        y = expert_forward(lambda: x[tokens], w.experts_gate_up[e], w.experts_down[e], keep, e, need_output)  # noqa: B023
+        if need_output:
             out.index_add_(0, tokens, weigh(y, weights, positions, stat))  # (N, h) w * y back to the tokens' rows
         del y
     if getattr(w, "shared_gate", None) is not None:  # the shared expert: a SwiGLU MLP on every token
-        shared = shared_expert_forward(x, w, keep, project)  # (N, h), or None
-        if project:
+        shared = shared_expert_forward(x, w, keep, need_output)  # (N, h), or None
+        if need_output:
             out += shared  # (N, h)
-    return out.view(B, T, h) if project else None
+    return out.view(B, T, h) if need_output else None
 
 
 def moe_block_backward(grad, normed, w, cfg, take):
@@ -84,18 +84,12 @@ def moe_block_backward(grad, normed, w, cfg, take):
                               dweights=dweights, d_gate_up=d_gate_up[e], d_down=d_down[e])  # written in place
         dx.index_add_(0, tokens, dxe)  # (N, h) back to the tokens' rows
         del dxe
-    grads = {}
-    if getattr(w, "shared_gate", None) is not None:  # the shared expert, as the dense MLP's backward
-        grads = shared_expert_backward(dm, x, w, take, dx)  # {role: gradient}; its share added to dx
-    del dm
-    dx, d_router = input_backward(dx, dweights.view(index.shape), probs, index, x, w)  # (N, h), (E, h)
-    del dweights, probs, index, x
-    dxn = dx.view(B, T, h) if noise is None else dx.view(B, T, h) * noise  # (B, T, h) x = xn * noise
-    return dxn, {"router": d_router, "experts_gate_up": d_gate_up, "experts_down": d_down, **grads}
+    dxn, grads = block_input_backward(dm, dx, dweights, probs, index, x, noise, w, take, (B, T, h))
+    return dxn, {"experts_gate_up": d_gate_up, "experts_down": d_down, **grads}
 
 
 # ---- the block's pieces: the router, one expert, the weighting, the shared expert --------------------
-# Written once, used by the block above and by the expert-parallel block (picockpt/parallel/ep_layer.py),
+# Written once, used by the block above and by the expert-parallel block (picockpt/parallel/expert_parallel/ep_layer.py),
 # which runs the same pieces with the tokens moved between ranks in between.
 
 def route(xn, w, cfg, keep, index=None):
@@ -137,17 +131,17 @@ def router_probs(x, w, cfg):
     return router_forward(linear_forward(x, w.router), cfg.experts_per_token, cfg.stat_dtype)[0]  # (N, E)
 
 
-def expert_forward(inputs, gate_up_weight, down_weight, keep, e, project=True):
+def expert_forward(inputs, gate_up_weight, down_weight, keep, e, need_output=True):
     """One expert's SwiGLU MLP on the n_e rows routed to it: inputs() gives them, x (n_e, h) (gathered
     where it is used, and let go at once) -> y (n_e, h), unweighted. Keeps moe.gate_up[e] and
-    moe.act[e]; project=False stops after the product and returns None."""
+    moe.act[e]; need_output=False stops after the product and returns None."""
     f = down_weight.shape[-1]
     gate_up = linear_forward(inputs(), gate_up_weight)  # (n_e, 2f) on its n_e tokens
     keep(f"moe.gate_up[{e}]", gate_up)
     act = swiglu_forward(gate_up[:, :f], gate_up[:, f:])  # (n_e, f)
     keep(f"moe.act[{e}]", act)
     del gate_up
-    return linear_forward(act, down_weight) if project else None  # (n_e, h)
+    return linear_forward(act, down_weight) if need_output else None  # (n_e, h)
 
 
 def weigh(y, weights, positions, stat):
@@ -190,8 +184,8 @@ def expert_backward(grad, weights, positions, inputs, gate_up_weight, down_weigh
     return dx
 
 
-def shared_expert_forward(x, w, keep, project=True):
-    """The shared expert, a SwiGLU MLP on every token: x (N, h) -> (N, h), or None (project=False)."""
+def shared_expert_forward(x, w, keep, need_output=True):
+    """The shared expert, a SwiGLU MLP on every token: x (N, h) -> (N, h), or None (need_output=False)."""
     gate = linear_forward(x, w.shared_gate)  # (N, fs)
     up = linear_forward(x, w.shared_up)  # (N, fs)
     keep("moe.shared_gate", gate)
@@ -199,7 +193,7 @@ def shared_expert_forward(x, w, keep, project=True):
     act = swiglu_forward(gate, up)  # (N, fs)
     keep("moe.shared_act", act)
     del gate, up
-    return linear_forward(act, w.shared_down) if project else None  # (N, h)
+    return linear_forward(act, w.shared_down) if need_output else None  # (N, h)
 
 
 def shared_expert_backward(dm, x, w, take, dx):
@@ -222,6 +216,18 @@ def shared_expert_backward(dm, x, w, take, dx):
     return grads
 
 
+def block_input_backward(dm, dx, dweights, probs, index, x, noise, w, take, shape):
+    """The end of a block's backward, once its experts' part is in dx (N, h) and dweights (N k,): the shared
+    expert's (its share added to dx), then the router's and the jitter's. Returns dxn (shape) and {role:
+    gradient} of the router (and the shared expert)."""
+    grads = {}
+    if getattr(w, "shared_gate", None) is not None:  # the shared expert, as the dense MLP's backward
+        grads = shared_expert_backward(dm, x, w, take, dx)  # {role: gradient}; its share added to dx
+    dx, d_router = input_backward(dx, dweights.view(index.shape), probs, index, x, w)  # (N, h), (E, h)
+    dxn = dx.view(shape) if noise is None else dx.view(shape) * noise  # (B, T, h) x = xn * noise
+    return dxn, {"router": d_router, **grads}
+
+
 def input_backward(dx, dweights, probs, index, x, w):
     """The router's part: dx (N, h) the experts' gradient of x, dweights (N, k) -> dx (N, h) with the
     router's share added (x feeds the router and the experts: their gradients add), d router (E, h)."""
@@ -230,57 +236,3 @@ def input_backward(dx, dweights, probs, index, x, w):
     del dlogits
     dx += dx_router  # (N, h)
     return dx, d_router
-
-
-def step_routing(params, cfg, input_ids):
-    """The per-expert token counts of every layer in a forward of input_ids: a list of L lists of E ints.
-    Runs the first forward as the engine does (each layer's tensors seen, then let go): with router
-    jitter, seed the generator the same way before this and before the step, and both route alike."""
-    from .layer import layer_forward  # here, not above: layer.py imports this file
-    from .ops import embedding_forward, rope_tables
-    from .params import EMBED, compute_weights, layer_weights
-
-    class Counter:  # a store that keeps nothing: it reads the routing decision as the layer keeps it
-        def put(self, layer, name, tensor):
-            if name == "moe.expert_index":
-                counts[layer] = torch.bincount(tensor.flatten(), minlength=cfg.experts).tolist()
-
-    counts = {}
-    with torch.no_grad():
-        weights = compute_weights(params, cfg)
-        rope = rope_tables(cfg, input_ids.shape[1], input_ids.device, cfg.torch_dtype)  # (T, hd) x2
-        x = embedding_forward(input_ids, weights[EMBED])  # (B, T, h)
-        for i in range(cfg.layers):
-            x = layer_forward(x, layer_weights(weights, i), cfg, rope, Counter(), i)  # (B, T, h)
-    return [counts[i] for i in range(cfg.layers)]
-
-
-def route_by_token(params, cfg, strength=20.0):
-    """A copy of params whose routers send token id v to experts c, c+1, .., c+k-1 (mod E), c = v mod E,
-    in every layer: routing set by the weights, so a batch's token ids alone decide each expert's count
-    (balanced, skewed, all to one; token_counts). The embedding writes `strength` on coordinate c of
-    token v, which then dominates the normed residual stream (about sqrt(h) there, small elsewhere); router
-    row e reads coordinate c with weight 2^-j when e = c + j, j < k, and nothing else: expert c + j
-    scores sqrt(h) 2^-j, the others about 0. Needs hidden >= experts."""
-    from .params import EMBED, layer_key
-    E, k, V = cfg.experts, cfg.experts_per_token, cfg.vocab
-    if not E or cfg.hidden < E:
-        raise ValueError(f"route_by_token needs a mixture of experts with hidden >= experts, got experts={E}, "
-                         f"hidden={cfg.hidden}")
-    params = dict(params)
-    embed = params[EMBED].clone()  # (V, h)
-    embed[torch.arange(V), torch.arange(V) % E] += strength
-    params[EMBED] = embed
-    router = torch.zeros(E, cfg.hidden, dtype=params[EMBED].dtype)  # (E, h)
-    for j in range(k):
-        router[(torch.arange(E) + j) % E, torch.arange(E)] = 2.0 ** -j  # expert c + j reads coordinate c
-    for i in range(cfg.layers):
-        params[layer_key(i, "router")] = router.clone()
-    return params
-
-
-def token_counts(cfg, input_ids):
-    """The per-expert token counts route_by_token's routers give input_ids: E ints."""
-    E, k = cfg.experts, cfg.experts_per_token
-    classes = torch.bincount(input_ids.flatten() % E, minlength=E)  # (E,) tokens of each class c
-    return [sum(int(classes[(e - j) % E]) for j in range(k)) for e in range(E)]

@@ -17,6 +17,8 @@ from collections import namedtuple
 
 import torch
 
+from .config import Config
+
 # the weights of one decoder layer, by role; values are tensors (weights or their gradients)
 LayerWeights = namedtuple("LayerWeights", "attn_norm q k v o mlp_norm gate up down")
 
@@ -68,6 +70,10 @@ def init_params(cfg, seed=0, device="cpu"):
     """Normal(0, 0.02) matrices (router and expert tensors too) and unit norm weights, as Hugging Face
     initialises Llama and Mixtral.
     Stored in cfg.param_dtype (fp32 master weights under 16-bit compute)."""
+    if not isinstance(cfg, Config):
+        raise ValueError(f"init_params(cfg=...) takes a picockpt Config (e.g. Config.from_preset('tiny')), "
+                         f"got {type(cfg).__name__}")
+    check_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
@@ -77,6 +83,16 @@ def init_params(cfg, seed=0, device="cpu"):
             tensor = torch.randn(shape, generator=generator, dtype=torch.float32).to(cfg.param_dtype) * 0.02
         params[name] = tensor.to(device)
     return params
+
+
+SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes 0 .. 2**64 - 1
+
+
+def check_seed(seed, name="seed"):
+    """A whole number torch.Generator.manual_seed takes; ValueError naming it otherwise."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{name}={seed!r}: must be a whole number from 0 to 2**64 - 1 "
+                         f"(what torch.Generator.manual_seed takes), e.g. {name}=0")
 
 
 def check_params(params, cfg):
@@ -100,6 +116,24 @@ def check_params(params, cfg):
                              f"{getattr(params[name], 'dtype', type(params[name]).__name__)}")
         if tuple(params[name].shape) != shape:
             raise ValueError(f"params[{name!r}] has shape {tuple(params[name].shape)}, Config says {shape}")
+    embed = params[EMBED]
+    for name in expected:  # one device and one dtype: torch would mix a meta or CPU weight in without a word
+        tensor = params[name]
+        if tensor.device != embed.device or tensor.dtype != embed.dtype:
+            raise ValueError(f"params[{name!r}] is {str(tensor.dtype).replace('torch.', '')} on {tensor.device}, "
+                             f"params[{EMBED!r}] {str(embed.dtype).replace('torch.', '')} on {embed.device}: give "
+                             f"every parameter the same device and dtype, e.g. "
+                             f"{{k: v.to({str(embed.device)!r}, torch.{str(embed.dtype).replace('torch.', '')}) "
+                             f"for k, v in params.items()}}")
+    if not cfg.tie_embeddings and HEAD in params and _same_memory(params[HEAD], embed):
+        raise ValueError(f"params[{HEAD!r}] is the same tensor as params[{EMBED!r}] but Config.tie_embeddings=False: "
+                         f"an untied model would give the one matrix two separate gradients; use "
+                         f"tie_embeddings=True (as tie_word_embeddings=True in Hugging Face), or give lm_head a copy")
+
+
+def _same_memory(a, b):
+    return a is b or (a.device.type != "meta" and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                      and a.storage_offset() == b.storage_offset())
 
 
 def compute_weights(params, cfg):

@@ -15,6 +15,17 @@ Each peer is a run_layers(layers, x) function for ReferenceLlama.forward:
     save_matmuls(T) the policy PyTorch's documentation shows: keep the matmul outputs, recompute
                     everything else (norms, RoPE, softmax, SiLU) and q k^T    (~ picockpt "cheap")
 
+One peer wraps the whole model instead of its layers:
+
+    min_cut(model, budget)  the model through AOTAutograd with torch.compile's min-cut partitioner
+                    (torch._functorch.partitioners.min_cut_rematerialization_partition) under
+                    torch._functorch.config.activation_memory_budget = budget (1.0: save what the
+                    partitioner likes, 0.0: save only the inputs). One joint graph of the whole step
+                    is cut into a forward and a backward graph; the backward graph recomputes what
+                    the forward did not save, wherever in the graph that is (no segments).
+                    With dropout it is wrong: below budget 1 the partitioner may recompute aten.rand
+                    in the backward, which draws fresh numbers (pytorch/pytorch#190758, open).
+
 Which ops are the attention core is decided by where they run in reference.Attention, not by
 their sizes: a size test such as "the last two dims are (T, T)" also takes every (B, T, h)
 tensor when T = h (the norms, the residual adds) and every (B, H, T, hd) one when T = hd.
@@ -23,6 +34,9 @@ Attention runs exactly two batched matmuls per layer, q k^T and then P v (the pr
 the first batched matmul up to, not including, the second.
 """
 import torch
+import torch._functorch.config as functorch_config
+from torch._functorch.aot_autograd import aot_module, make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
                                     create_selective_checkpoint_contexts)
 
@@ -89,3 +103,25 @@ def save_matmuls(seq):
         keep = op in matmuls and not in_core  # the projections and P v; not q k^T
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return _checkpoint_each(decide, seq)
+
+
+def min_cut(model, budget, graphs=None):
+    """model(*inputs) through AOTAutograd with the min-cut partitioner at activation_memory_budget
+    `budget` (0 <= budget <= 1). No Dynamo and no code generation: the two graphs run op by op, so a
+    Tracker sees every tensor they make (torch.compile itself runs eagerly under a dispatch mode).
+    The first call traces and partitions (seconds); run it once before measuring. A dict passed as
+    `graphs` receives the partitioned fx graphs under "forward" and "backward"."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+        raise ValueError(f"min_cut(budget={budget!r}): activation_memory_budget is a fraction, 0 <= budget <= 1 "
+                         f"(1.0 saves what the partitioner likes, 0.0 recomputes everything it can)")
+
+    def partition(joint, inputs, **kwargs):  # the budget holds while this graph is cut, nowhere else
+        with functorch_config.patch(activation_memory_budget=float(budget)):
+            forward, backward = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        if graphs is not None:
+            graphs.update(forward=forward.graph, backward=backward.graph)
+        return forward, backward
+
+    def as_it_is(graph, _):  # the graph's own forward, op by op
+        return make_boxed_func(graph.forward)
+    return aot_module(model, fw_compiler=as_it_is, bw_compiler=as_it_is, partition_fn=partition)

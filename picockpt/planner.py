@@ -64,9 +64,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inventory import (head_inventory, inner_recompute_flops, layer_flops, layer_inventory, rebuild_flops, tail_flops,
+from .closed_forms import (head_inventory, inner_recompute_flops, layer_flops, layer_inventory, rebuild_flops, tail_flops,
                         total)
-from .policy import OP_LEVEL, Schedule
+from .schedule import OP_LEVEL, Schedule
 
 
 @dataclass(frozen=True)
@@ -320,10 +320,10 @@ def replay(chain, schedule):
         nonlocal live, peak, recompute
         for k in range(first, last + 1):
             mode, stage = mode_of(k), chain[k]
-            if mode != "none" and k not in inputs:
+            if mode.keeps_input and k not in inputs:
                 inputs.add(k)
                 live += stage.input_bytes
-            if mode.startswith("all"):
+            if mode.stored:
                 assert k not in whole, f"layer {k} would be stored whole twice"
                 _, a, r = next(v for v in stage.variants if v[0] == mode)
                 whole[k] = (a, r)
@@ -336,10 +336,10 @@ def replay(chain, schedule):
     head = next(a for mode, a, _ in chain[L].variants if mode == schedule.head)
     peak = max(peak, live + head)  # the head, popped again before layer L-1
     recompute += chain[L].inner_flops
+    first_of = {last: first for first, last in schedule.sweeps(L)}  # the engine's walk (picockpt/schedule.py)
     for i in reversed(range(L)):
-        if i not in whole:
-            j = max(k for k in inputs if k <= i)  # the nearest checkpoint
-            run_layers(j, i, lambda k: schedule.sweep(k, i), counted=True)
+        if i in first_of:  # recomputed from the nearest checkpoint, first_of[i]
+            run_layers(first_of[i], i, lambda k: schedule.sweep(k, i), counted=True)
         a, r = whole.pop(i)
         inputs.discard(i)
         live -= a

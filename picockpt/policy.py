@@ -25,62 +25,24 @@ Op level (inside every layer that is kept; at most one of each line):
     shared_experts  drop the shared expert's projections and product; project again in the backward
 Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective,  selective+moe,
                    cheap+moe+shared_experts+router.
-The routing decision (which experts each token went to) stays stored whatever the policy: a
-recomputation reuses it, never routes again (with router jitter it could choose other experts).
+The routing decision (which experts each token went to) stays stored whatever the policy: an op-level
+rebuild inside the backward reuses it, never routes again. A layer recomputed whole (full, every:C)
+runs its router again in one process, with the random generator replayed (RNG replay: the same jitter,
+so the same experts); an expert-parallel layer keeps its top-k indices and never routes again
+(routing replay, as Megatron-LM's moe_enable_routing_replay records them; lessons 11 and 13).
 
-A layer is forwarded in one of three modes:
-    "all"    store its input and its activations (minus the op-level drops); a schedule
-             may also say "all:selective" or "all:cheap" to give one layer its own op level
-    "input"  store only its input: a checkpoint to recompute from
-    "none"   store nothing; its output only carries the residual stream forward
+What the engine runs (layer modes, the Schedule) and the op levels' names are in picockpt/schedule.py.
 """
 import re
 from dataclasses import dataclass
 
-# op level: the names each choice drops (the layer's backward has a rebuild recipe for each). An
-# expert's tensor, "moe.act[3]", is dropped with its kind, "moe.act" (picockpt/moe.py).
-SELECTIVE = frozenset({"attn.probs", "attn.probs_dropped"})
-CHEAP = SELECTIVE | {"attn_norm.output", "mlp_norm.output", "mlp.act", "final_norm.output", "moe.act",
-                     "moe.shared_act"}
-MOE_ACT = frozenset({"moe.act"})
-MOE = MOE_ACT | {"moe.gate_up"}
-SHARED_EXPERTS = frozenset({"moe.shared_gate", "moe.shared_up", "moe.shared_act"})
-ROUTER = frozenset({"moe.router_probs"})
-CHOICES = ({"selective": SELECTIVE, "cheap": CHEAP},  # at most one of each group, in this order
-           {"moe_act": MOE_ACT, "moe": MOE},
-           {"shared_experts": SHARED_EXPERTS},
-           {"router": ROUTER})
-MOE_CHOICES = ("moe_act", "moe", "shared_experts", "router")  # only for mixture-of-experts layers
-
-
-def _combinations():
-    """Every op level a policy can name, e.g. "selective+moe", -> the union of the names it drops."""
-    levels = {(): frozenset()}
-    for group in CHOICES:
-        levels.update({key + (name,): drop | names for key, drop in list(levels.items())
-                       for name, names in group.items()})
-    return {"+".join(key): drop for key, drop in levels.items() if key}
-
-
-OP_LEVEL = _combinations()  # "selective", "cheap", "moe", "selective+moe_act", ... -> names dropped
+from .schedule import CHEAP, MOE, MOE_ACT, ROUTER, SELECTIVE, SHARED_EXPERTS  # noqa: F401 (the op levels)
+from .schedule import CHOICES, MOE_CHOICES, OP_LEVEL, Schedule
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 EXAMPLES = "none, full, every:4, selective, cheap, every:2+selective, budget:48MiB, selective+moe (with experts)"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The layer modes of one step. forward[i]: mode in the first forward.
-    sweep(k, target): mode of layer k when a backward sweep recomputes up to `target`."""
-    forward: tuple
-    sweep_modes: dict = None      # target -> {k: mode}; None means "all" for every layer
-    head: str = "all"             # the model head's op level: "all" (the policy's) or "all:cheap"
-    stop_early: bool = False      # a recompute sweep skips its last layer's down projection
-
-    def sweep(self, k, target):
-        return "all" if self.sweep_modes is None else self.sweep_modes[target][k]
 
 
 @dataclass(frozen=True)
@@ -129,6 +91,9 @@ def parse_size(text):
     value = float(match.group(1)) * UNITS[unit]
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
+    if value < 1:  # int() would make it 0 bytes
+        raise ValueError(f"size {text!r} is {value:g} bytes, less than one byte: give a unit (e.g. {text.strip()}MiB) "
+                         f"or a whole number of bytes")
     if not value < 2**63:  # also inf, from e.g. 1e999
         raise ValueError(f"size {text!r} is too large to be a number of bytes (the limit is 2**63): give e.g. 1.5GiB or 2TiB")
     return int(value)
@@ -138,7 +103,9 @@ def parse_policy(text, cfg=None):
     """Parse a policy string; with a Config, also check it fits the model."""
     if isinstance(text, Policy):
         return text.check(cfg) if cfg is not None else text
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
+        raise ValueError(f"policy {text!r} ({type(text).__name__}) is not a policy string: use one of {EXAMPLES}")
+    if not text.strip():
         raise ValueError(f"policy {text!r} is empty: use one of {EXAMPLES}")
     segment = budget = None
     op_parts = [None] * len(CHOICES)  # the op-level choice of each group
@@ -149,7 +116,7 @@ def parse_policy(text, cfg=None):
         group = next((g for g, names in enumerate(CHOICES) if part in names), None)
         if group is not None:
             if op_parts[group] is not None:
-                if len(CHOICES[group]) == 1:
+                if len(CHOICES[group]) == 1 or part == op_parts[group]:
                     raise ValueError(f"policy {text!r}: {part} is given twice; name it once")
                 first, second = CHOICES[group]
                 raise ValueError(f"policy {text!r}: choose one of {first} or {second} ({second} includes {first})")

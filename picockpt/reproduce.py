@@ -40,6 +40,8 @@ import time
 import traceback
 import types
 
+import torch
+
 from .device import resolve_device
 from .notebooks import cells, is_percent, notebook_cells, run_notebook
 from .plotting import FAST_FIGURES, REPO, check_writable, figures_dir
@@ -140,8 +142,23 @@ def select(paths, only):
     unknown = sorted(wanted - set(numbers))
     if unknown or not wanted:
         raise ValueError(f"--only {only!r}: there is no lesson {', '.join(unknown) or '(none given)'}; the lessons "
-                         f"are {', '.join(numbers)} (see --list)")
+                         f"are {', '.join(numbers)} (`python -m picockpt reproduce --list` names them)")
     return [path for path in paths if path.name[:2] in wanted]
+
+
+def rank_device(device, ranks):
+    """Where a lesson's `ranks`-process part runs, and the line that says so (None: where asked).
+    NCCL takes one GPU per rank: with fewer GPUs than ranks (torch.cuda.device_count()), the part runs
+    on the CPU over gloo, with the same bytes, FLOPs and exactness; only its timings are the CPU's."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device, None
+    gpus = torch.cuda.device_count()
+    if gpus >= ranks:
+        return device, None
+    return torch.device("cpu"), (f"{ranks} ranks need {ranks} GPUs (NCCL: one per rank) and this machine has "
+                                 f"{gpus}: the {ranks}-rank part runs on the CPU over gloo (same bytes, FLOPs and "
+                                 f"checks; CPU timings)")
 
 
 def checks():

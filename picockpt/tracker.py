@@ -13,8 +13,10 @@ cuda      on a CUDA device max_memory_allocated() per phase, relative to the sta
           timeline against the allocator is wanted: lesson 01's figure, the GPU benchmark).
 
 Phases: forward, recompute, backward, optimizer. FLOPs per phase come from
-torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each); with times=True also the wall
-seconds spent in each phase (on CUDA the GPU is synchronised at every phase switch).
+torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each); with times=True also the
+seconds spent in each phase (wall seconds on the CPU; on CUDA the GPU's: a timing event is recorded at every phase switch, and the GPU is
+synchronised once, when the step ends: the GPU's time between two events belongs to the phase that
+queued that work, with no host stall at each switch).
 
     with Tracker(device) as tracker:
         loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
@@ -70,7 +72,8 @@ class Tracker:
         self._next = 0
         self.phase_name = OUTSIDE
         self.flops = dict.fromkeys(PHASES + (OUTSIDE,), 0)
-        self.times = times       # wall seconds per phase (on CUDA a synchronize at every phase switch)
+        self.times = times       # wall seconds per phase (on CUDA from events, one synchronize at the end)
+        self._spans = []         # CUDA only: (phase, start event, end event), timed once the step ends
         self.seconds = dict.fromkeys(PHASES + (OUTSIDE,), 0.0)
         self._counter = None
         self.timeline, self.peaks = [], {}
@@ -91,6 +94,7 @@ class Tracker:
 
     def __exit__(self, *exc):
         self._tick()
+        self._time_spans()
         self._stop_counter()
         self._cuda_phase_end()
         if self._watcher:
@@ -169,16 +173,29 @@ class Tracker:
         self._start_counter()
 
     def _clock(self):
-        if self.times and self.cuda:
-            torch.cuda.synchronize(self.device)  # the GPU's work so far belongs to the phase that queued it
+        if self.times and self.cuda:  # a mark in the GPU's stream: no wait for the work queued so far
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
         return time.perf_counter()
 
     def _tick(self):
-        """Book the wall time since the last switch to the phase now ending (times=True only)."""
+        """Book the time since the last switch to the phase now ending (times=True only)."""
         if self.times:
             now = self._clock()
-            self.seconds[self.phase_name] += now - self._since
+            if self.cuda:
+                self._spans.append((self.phase_name, self._since, now))  # timed in _time_spans
+            else:
+                self.seconds[self.phase_name] += now - self._since
             self._since = now
+
+    def _time_spans(self):
+        """CUDA: one synchronize for the whole step, then each span's GPU time from its two events."""
+        if self._spans:
+            torch.cuda.synchronize(self.device)
+            for name, start, end in self._spans:
+                self.seconds[name] += start.elapsed_time(end) / 1e3  # ms -> s
+            self._spans.clear()
 
     def _start_counter(self):
         if self.count_flops:

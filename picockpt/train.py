@@ -14,7 +14,7 @@ import torch
 
 from .engine import loss_and_grads
 from .inventory import step_flops
-from .tracker import Tracker
+from .tracker import PHASES, Tracker
 
 
 class MarkovTask:
@@ -66,24 +66,35 @@ def train_step(params, optimizer, cfg, input_ids, targets, policy="none", tracke
 
 
 def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="cpu", log=print, every=1, seed=None,
-          watch_live=False, peak_tflops=None):
+          watch_live=False, peak_tflops=None, record=None):
     """Runs `steps` steps and returns their losses. Logs, per step and in a final summary, what the
     recomputation costs and saves: loss, tokens/s, the stored peak (the activation store), the live peak
     (CUDA: the allocator's max_memory_allocated above the step's start; CPU: only with watch_live, which
     watches every tensor and is slow), the share of the step's FLOPs that is recomputation (the closed form
     inventory.step_flops, what FlopCounterMode counts), the share of its time spent in the recompute phase,
-    and on CUDA the model- and hardware-FLOPs utilisation against peak_tflops (the GPU's dense peak).
+    and, given peak_tflops (the device's dense peak, TFLOP/s), MFU and HFU as PaLM defines them (Chowdhery
+    et al. 2022, appendix B): model FLOPs per second over the peak, where model FLOPs are the step's without
+    recomputation (policy none), and hardware FLOPs per second over the peak, recomputation included.
+    The summary adds the peaks per phase (forward, recompute, backward, optimizer). A list passed as
+    `record` receives one dict per step: loss, seconds, the rates and shares above, and per phase its
+    seconds and stored and live peaks (the curves lesson 18 reads).
     With a seed, the dropout masks are drawn from it: the same seed gives the same losses, bitwise."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every={every!r}: log every N steps with N a whole number >= 1 (1 logs every step)")
+    if peak_tflops is not None and (isinstance(peak_tflops, bool) or not isinstance(peak_tflops, (int, float))
+                                    or not math.isfinite(peak_tflops) or peak_tflops <= 0):
+        raise ValueError(f"peak_tflops={peak_tflops!r}: the device's dense peak in TFLOP/s, a positive number "
+                         f"(989.5 for an H100/H200 SXM in bf16), or None for no MFU/HFU")
+    if record is not None and not isinstance(record, list):
+        raise ValueError(f"record={type(record).__name__}: pass a list (it receives one dict per step) or None")
     device = torch.device(device)
     optimizer = make_optimizer(params, lr)
     if seed is not None:
         torch.manual_seed(seed)  # torch's default generators (CPU and every GPU), which draw the dropout masks
     flops = step_flops(cfg, batch, seq, policy)  # forward, recompute, backward of one step
     executed, model = sum(flops.values()), sum(step_flops(cfg, batch, seq, "none").values())
-    peak = peak_tflops * 1e12 if peak_tflops and device.type == "cuda" else None
-    losses, rows = [], []
+    peak = peak_tflops * 1e12 if peak_tflops else None
+    losses, rows, phase_rows = [], [], []
     for step in range(steps):
         input_ids, targets = task.batch(batch, seq, device)
         start = time.perf_counter()
@@ -92,9 +103,17 @@ def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="
         seconds = time.perf_counter() - start
         losses.append(loss)
         live = tracker.peak_cuda if tracker.cuda else tracker.peak_physical if watch_live else None
+        view = "cuda" if tracker.cuda else "physical" if watch_live else None
+        phases = {name: {"seconds": tracker.seconds[name], "stored": tracker.peaks.get(name, {}).get("logical", 0),
+                         "live": tracker.peaks.get(name, {}).get(view, 0) if view else None} for name in PHASES}
+        phase_rows.append(phases)
         rows.append(dict(tokens_per_second=batch * seq / seconds, stored=tracker.peak_logical, live=live,
                          recompute_time=tracker.seconds["recompute"] / seconds,
                          mfu=model / seconds / peak if peak else None, hfu=executed / seconds / peak if peak else None))
+        if record is not None:
+            record.append(dict(step=step, loss=loss, seconds=seconds, **rows[-1], model_flops=model,
+                               hardware_flops=executed, recompute_flops=flops["recompute"],
+                               recompute_flops_share=flops["recompute"] / executed, phases=phases))
         if log and (step % every == 0 or step == steps - 1):
             log(f"step {step:4d}  loss {loss:7.4f}  " + _line(rows[-1], flops))
     if log and steps > 1:  # the first step warms up (allocations, AdamW's state): the summary leaves it out
@@ -103,6 +122,10 @@ def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="
         middle.update(stored=max(row["stored"] for row in rows), live=rows[-1]["live"] and max(
             row["live"] for row in rows[1:]))
         log(f"summary over steps 1..{steps - 1} (medians; peaks: largest): " + _line(middle, flops))
+        log(f"per phase, largest over steps 1..{steps - 1}: " + "; ".join(
+            f"{name} stored {max(p[name]['stored'] for p in phase_rows[1:]) / 2**20:.3f} MiB"
+            + ("" if view is None else f", live {max(p[name]['live'] for p in phase_rows[1:]) / 2**20:.3f} MiB")
+            for name in PHASES))
     return losses
 
 
@@ -112,6 +135,6 @@ def _line(row, flops):
     text = (f"{row['tokens_per_second']:10,.0f} tokens/s  stored {row['stored'] / 2**20:8.3f} MiB  live "
             + ("-" if row["live"] is None else f"{row['live'] / 2**20:8.3f} MiB")
             + f"  recompute {share:5.1%} of FLOPs, {row['recompute_time']:5.1%} of time")
-    if row["mfu"] is not None:
+    if row["mfu"] is not None:  # PaLM's convention: model FLOPs leave recomputation out, hardware FLOPs count it
         text += f"  MFU {row['mfu']:5.1%}  HFU {row['hfu']:5.1%}"
     return text

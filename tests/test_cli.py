@@ -100,3 +100,25 @@ def test_compare_json_is_json_alone_and_its_losses_follow_the_seed():
     assert "comparing on cpu" in first.stderr
     assert [row["loss"] for row in rows] == [row["loss"] for row in json.loads(second.stdout)]
     assert {round(row["loss"], 5) for row in rows} == {round(rows[0]["loss"], 5)}  # every run, the same masks
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--preset", "tiny", "measure"], "error: '--preset tiny' comes before the command: flags follow it, as in "
+                                      "`python -m picockpt measure --preset tiny`"),
+    (["measure", "--preset", "tiny", "--attention-tile", "8"], "error: --attention-tile=8 with --attention eager: "
+                                                               "only tiled attention works in tiles"),
+    (["plan", "--budget", "1MiB", "--device", "cuda"], "error: --device: not used by --chain model"),
+    (["notebooks", "--only", "99"], "the lessons are 00, 01"),
+])
+def test_flags_that_would_be_ignored_or_misplaced_are_one_line_errors(args, message):
+    out = picockpt(*args, check=False)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    if args[0] == "notebooks":  # notebooks has no --list of its own: the hint names the command that has one
+        assert "(`python -m picockpt reproduce --list` names them)" in out.stderr
+
+
+def test_predict_gives_the_one_rank_figures_of_a_mixture_of_experts():
+    out = picockpt("predict", "--model", "mixtral-8x7b", "--json")
+    rows = json.loads(out.stdout)["table2"]
+    assert rows[0]["picockpt_bytes"] == 1996718080  # one rank holds the whole model: the exact store's layer
+    assert all(row["picockpt_bytes"] is not None for row in rows)

@@ -53,3 +53,26 @@ def test_from_hf_dict():
     assert (cfg.vocab, cfg.hidden, cfg.kv_heads, cfg.rope_theta, cfg.max_seq) == (100, 48, 2, 1234.0, 256)
     with pytest.raises(ValueError, match="hidden_act"):
         Config.from_hf({**d, "hidden_act": "gelu"})
+
+
+@pytest.mark.parametrize("fields,hint", [
+    (dict(hidden=32, heads=3, kv_heads=1), "e.g. hidden=30), or heads among [1, 2, 4, 8, 16]"),  # not 33: head_dim 11
+    (dict(hidden=4096, heads=3, kv_heads=1), "e.g. hidden=4098)"),  # not 4095: head_dim 1365
+])
+def test_the_divisibility_hint_suggests_only_values_config_accepts(fields, hint):
+    with pytest.raises(ValueError) as error:
+        Config(**fields)
+    assert hint in str(error.value)
+    suggested = int(str(error.value).split("e.g. hidden=")[1].split(")")[0])
+    assert Config(**{**fields, "hidden": suggested}).head_dim % 2 == 0
+
+
+def test_policy_texts_name_what_is_wrong():
+    from picockpt.policy import parse_policy, parse_size
+    with pytest.raises(ValueError, match=r"policy 'selective\+selective': selective is given twice; name it once"):
+        parse_policy("selective+selective")
+    with pytest.raises(ValueError, match=r"policy 3 \(int\) is not a policy string: use one of none, full"):
+        parse_policy(3)
+    with pytest.raises(ValueError, match=r"size '0.5' is 0.5 bytes, less than one byte: give a unit \(e.g. 0.5MiB\)"):
+        parse_size("0.5")
+    assert parse_size("0.5KiB") == 512

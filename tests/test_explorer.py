@@ -4,17 +4,19 @@ import sys
 
 import pytest
 
-from picockpt.device import step_bytes
+from picockpt.fit import step_bytes
 from picockpt.inventory import predicted_peak_bytes, step_flops
-from picockpt.parallel.inventory import rank_chain, rank_peak_bytes
+from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_peak_bytes
 from picockpt.planner import least_budget, model_chain, plan_chain
 from picockpt.reproduce import LESSONS, run_percent
 
 sys.path.insert(0, str(LESSONS))
-from _explorer import (CAPACITIES, GIB, PARTS, Setup, cheapest_fit, gib, memory_parts, segment_curve,  # noqa: E402
-                       shape_of, stage_config)
-
-STORED = PARTS[3:7]  # stored activations, checkpoints, the segment being recomputed, the head
+from _explorer import (CAPACITIES, GIB, STORED, WORKING_T2_BYTES, Setup, cheapest_fit, gib,  # noqa: E402
+                       memory_parts, model_config, segment_curve, shape_of, stage_config, working_margin)
+from picockpt import Config, init_params, loss_and_grads  # noqa: E402
+from picockpt.measure import make_batch  # noqa: E402
+from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms  # noqa: E402
+from picockpt.tracker import Tracker  # noqa: E402
 
 
 def stored(parts):
@@ -48,10 +50,50 @@ def test_model_states_working_memory_and_the_multipliers():
     zero = memory_parts(setup.replace(dp=8, zero=2), "full")
     assert (zero["weights"], zero["gradients"], zero["optimizer state"]) == (6 * parameters, 4 * parameters // 8,
                                                                              8 * parameters // 8)
-    piped = memory_parts(setup.replace(stages=4, in_flight=3), "full")
     quarter = stage_config(setup.replace(stages=4))
     assert quarter.layers == 8
-    assert stored(piped) == 3 * predicted_peak_bytes(quarter, 1, 8192, "full")
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "every:3+selective", "budget"])
+@pytest.mark.parametrize("model,parallel", [("llama3-8b", {}), ("llama3-70b", dict(tp=8, sp=True))])
+def test_a_pipeline_stage_stores_w_minus_one_E_plus_its_own_peak(policy, model, parallel):
+    """Stage 0 of 1F1B as lesson 12 measures it, (w - 1)·E + one micro-batch's peak: the pipeline's own closed
+    form (StageForms), to the byte, for the fixed policies and for the planner at the explorer's room."""
+    setup = Setup(model=model, **shape_of(model), seq=4096, stages=4, in_flight=4, capacity=80 * GIB, **parallel)
+    t, sp = parallel.get("tp", 1), parallel.get("sp", False)
+    if policy == "budget":
+        fit = cheapest_fit(setup)
+        policy = f"budget:{fit['room']}"
+        assert fit["plan"].peak_bytes <= fit["room"]
+        assert stored(memory_parts(setup, "budget")) == fit["plan"].peak_bytes
+    forms = StageForms(model_config(setup), 8, 4096, policy, 4, 8, "1f1b", 0, t=t, sp=sp)
+    assert forms.in_flight == setup.in_flight
+    if not policy.startswith("budget"):
+        assert stored(memory_parts(setup, policy)) == forms.peak_bytes
+    else:
+        assert cheapest_fit(setup)["plan"].recompute_flops == forms.recompute_flops
+
+
+def working_square_term(dtype):
+    """Bytes per B·H·T² element of the engine's working memory at its live peak (CPU), from the second
+    difference over T = 128, 256, 384: exact for a quadratic."""
+    cfg = Config(vocab=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64, max_seq=384, dtype=dtype)
+    params, working = init_params(cfg, seed=0), []
+    for T in (128, 256, 384):
+        ids, targets = make_batch(cfg, 1, T, "cpu", 0)
+        with Tracker("cpu", flops=False) as tracker:
+            loss_and_grads(params, cfg, ids, targets, "full", tracker=tracker)
+        peak = max(tracker.timeline, key=lambda event: event["physical"])
+        working.append(peak["physical"] - peak["logical"])
+    return (working[2] - 2 * working[1] + working[0]) / (2 * 128**2) / cfg.heads
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_working_memory_margin_is_measured_per_dtype(dtype):
+    assert working_square_term(dtype) == WORKING_T2_BYTES[dtype]
+    cfg = stage_config(Setup(model="llama3-8b", seq=8192, dtype=dtype))
+    assert working_margin(cfg, 1, 8192) == pytest.approx(16 / WORKING_T2_BYTES[dtype] - 1)  # the estimate errs high
+    assert working_margin(cfg.replace(attention="fused"), 1, 8192) is None  # no T x T term to compare
 
 
 def test_the_segment_curve_is_every_c():
@@ -63,7 +105,7 @@ def test_the_segment_curve_is_every_c():
 
 
 def test_the_cheapest_fit_is_the_planners():
-    setup = Setup(model="llama3-8b", seq=8192, dp=8, zero=3, capacity=CAPACITIES["80 GB (A100, H100)"])
+    setup = Setup(model="llama3-8b", seq=8192, dp=8, zero=3, capacity=CAPACITIES["80 GiB (A100, H100)"])
     fit = cheapest_fit(setup)
     others = sum(memory_parts(setup, "full")[part] for part in ("weights", "gradients", "optimizer state",
                                                                "working memory"))

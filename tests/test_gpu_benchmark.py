@@ -190,3 +190,55 @@ def test_tracker_matches_the_cpu_allocator():
             assert abs(tracked - allocator_peak(prof)) / allocator_peak(prof) < 0.01, run["name"]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_gradient_exactness_fails_when_a_policy_s_gradients_differ():
+    """The loss is the forward's, equal under every policy by construction: the gradients decide. Bitwise
+    where none repeats itself bitwise; within FUSED_GRAD_TOLERANCE where it does not (flash atomics)."""
+    def row(name, attention, differ=(), worst=0.0, **extra):
+        return dict(name=name, kind="picockpt", attention=attention, seq=64, batch=1, equivalent=None, error=None,
+                    loss_bitwise_equal_to_none=True, grads_not_bitwise_equal_to_none=list(differ),
+                    grads_worst_relative_to_none=worst, stored_peak_bytes=1, predicted_stored_peak_bytes=1, **extra)
+
+    def verdict(rows):
+        return next(line for line in gpu_benchmark.criteria(rows, False) if "gradients" in line[1])
+
+    exact = [row("picockpt none", "eager", deterministic=True), row("picockpt full", "eager")]
+    assert verdict(exact)[0] == "PASS"
+    broken = [row("picockpt none", "eager", deterministic=True), row("picockpt full", "eager", ["lm_head.weight"], 0.4)]
+    status, text = verdict(broken)
+    assert status == "FAIL" and "gradients failing: ['picockpt full, T=64']" in text
+    atomics = [row("picockpt fused none", "fused", deterministic=False),
+               row("picockpt fused full", "fused", ["model.layers.0.self_attn.q_proj.weight"], 2e-3)]
+    assert verdict(atomics)[0] == "PASS"  # not bitwise, within 1e-2: the kernel's own reordering
+    atomics[1]["grads_worst_relative_to_none"] = 0.3
+    assert verdict(atomics)[0] == "FAIL"
+
+
+def test_mfu_counts_causal_attention_as_the_kernel_computes_it():
+    """At T = 4096 the causal 128-blocks are (32 * 33 / 2) / 32^2 = 51.6% of the square: the causal model
+    FLOPs are the square's minus 48.4% of the attention core's 12 B H T^2 hd per layer."""
+    cfg = Config(**gpu_benchmark.ONE_B)
+    B, T = 2, 4096
+    full = gpu_benchmark.step_flops(cfg, B, T, "none")
+    causal = gpu_benchmark.causal_flops(cfg, B, T, "none")
+    core = 12 * B * cfg.heads * T * T * cfg.head_dim * cfg.layers
+    saved = (full["forward"] + full["backward"]) - (causal["forward"] + causal["backward"])
+    assert saved == core * (1 - 33 / 64)
+    assert gpu_benchmark.PEAK_TFLOPS == 989.5
+
+
+@needs_cuda
+def test_tracker_matches_the_requested_bytes_and_gradients_are_checked_on_cuda():
+    """requested_bytes.all.peak is what the step asked for (no block rounding): the tracker within 5% of it,
+    and every policy's gradients exact against none's (bitwise, or within the tolerance where none itself
+    does not repeat bitwise)."""
+    cfg = Config.from_preset("small", dtype="bf16")
+    results = gpu_benchmark.benchmark(cfg, seqs=[256], tokens=1024, device=resolve_device("cuda"), repeats=1,
+                                      segment=2)
+    for row in results["runs"]:
+        if row["kind"] == "picockpt":
+            assert row["tracker_vs_requested"] < 0.05, (row["name"], row["tracker_peak_bytes"],
+                                                        row["peak_cuda_requested_bytes"])
+    verdict = next(c for c in results["criteria"] if "gradients" in c["text"])
+    assert verdict["status"] == "PASS", verdict["text"]

@@ -16,8 +16,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
+import torch
 
-from picockpt import init_params
+from picockpt import Config, init_params
 from picockpt.inventory import chain_sizes, predicted_peak_bytes, step_flops
 from picockpt.measure import make_batch
 from picockpt.plotting import phase_spans
@@ -225,3 +226,34 @@ def test_the_price_in_flops_is_exact():
     split = {policy: row["phase_seconds"] for policy, row in rows.items()}  # from the engine's trace lines
     assert split["none"]["recompute"] == 0 and split["full"]["recompute"] > 0
     assert all(split[policy]["forward"] > 0 and split[policy]["backward"] > 0 for policy in split)
+
+
+def test_liger_holds_the_gradients_and_cut_cross_entropy_recomputes_the_logits():
+    """Lesson 09's two schemes of a chunked head: Liger's forward makes the input and weight gradients and holds
+    them (N·h + V·h numbers), Cut Cross-Entropy's (picockpt's loss_chunk) holds the lse and computes the logits
+    again in the backward: the same loss and gradients, 2·N·h·V FLOPs apart."""
+    head = lesson("09_flash")
+    cfg = Config(vocab=2048, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64, max_seq=64)
+    N, h, V = 32, cfg.hidden, cfg.vocab
+    rows = head.head_schemes(cfg, N, 8)
+    liger, cce = rows["liger"], rows["cut cross-entropy"]
+    assert liger["held"] == N * h * 4 + V * h * 4 + 4 * N  # input gradient, weight gradient, the norm's rstd
+    assert cce["held"] == N * h * 4 + 4 * N + 4 * N  # the norm's output, the lse, the norm's rstd
+    logits = 2 * N * h * V
+    assert (liger["flops"]["forward"], liger["flops"]["recompute"], liger["flops"]["backward"]) == (3 * logits, 0, 0)
+    assert (cce["flops"]["forward"], cce["flops"]["recompute"], cce["flops"]["backward"]) == \
+        (logits, logits, 2 * logits)
+    assert liger["loss"] == pytest.approx(cce["loss"], rel=1e-6)
+    for a, b in zip(liger["grads"], cce["grads"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 1), (4, 8), (8, 16)])
+def test_the_two_bubble_conventions_convert(stages, microbatches):
+    """Lesson 12: Narayanan et al.'s bubble over ideal time b = (p - 1)/m is the share of the step b/(1 + b) that
+    bubble_fraction returns and the lesson measures; v interleaved chunks divide b by v."""
+    pipeline = lesson("12_pipeline")
+    b = pipeline.bubble_over_ideal(stages, microbatches)
+    assert b == (stages - 1) / microbatches
+    assert b / (1 + b) == pytest.approx(pipeline.bubble_fraction(stages, microbatches), rel=1e-12)
+    assert pipeline.bubble_over_ideal(stages, microbatches, 2) == pytest.approx(b / 2, rel=1e-12)

@@ -19,7 +19,7 @@ import torch
 
 from picockpt import Config, init_params, peers
 from picockpt.cli import main
-from picockpt.device import WORKING_COPIES, check_fits, step_bytes
+from picockpt.fit import WORKING_COPIES, check_fits, step_bytes
 from picockpt.inventory import layer_flops, predicted_peak_bytes
 from picockpt.measure import make_batch
 from picockpt.plotting import FAST_FIGURES, REPO, save_figure
@@ -232,7 +232,7 @@ def test_a_step_that_cannot_fit_is_refused_with_the_numbers(command):
 
 
 def test_the_advice_names_a_policy_only_when_it_fits(monkeypatch):
-    monkeypatch.setattr("picockpt.device.available_bytes", lambda device: (20 * 2**30, "available RAM"))
+    monkeypatch.setattr("picockpt.fit.available_bytes", lambda device: (20 * 2**30, "available RAM"))
     cfg, cpu = Config.from_preset("small", max_seq=4096), torch.device("cpu")
     need = {policy: sum(step_bytes(cfg, 16, 4096, policy)[k] for k in ("state", "stored", "working"))
             for policy in ("none", "full+selective")}
@@ -245,7 +245,7 @@ def test_the_advice_names_a_policy_only_when_it_fits(monkeypatch):
                                      f"{stored / 2**30:.2f} GiB here, and fits)")
     assert need["full+selective"] < 20 * 2**30
     check_fits(cfg, cpu, 16, 4096, "full+selective")  # which it does
-    monkeypatch.setattr("picockpt.device.available_bytes", lambda device: (10 * 2**30, "available RAM"))
+    monkeypatch.setattr("picockpt.fit.available_bytes", lambda device: (10 * 2**30, "available RAM"))
     with pytest.raises(ValueError) as error:  # now full+selective does not fit either (its scores' working memory)
         check_fits(cfg, cpu, 16, 4096, "none")
     assert str(error.value).endswith(f"To fit, use a smaller --batch or --seq (a recomputation policy is not enough: "
@@ -374,3 +374,65 @@ def test_memory_allocated_is_read_only_for_the_cuda_timeline(timeline, monkeypat
     assert [e["cuda"] for e in tracker.timeline if e["kind"] == "event"] == ([1024, 2048, 3072] if timeline
                                                                             else [None] * 3)
     assert tracker.peaks["forward"]["cuda"] == 4096 - 1024  # max_memory_allocated per phase, either way
+
+
+# ---- a lesson's part on more ranks than GPUs; lesson flags -------------------------------------------------
+
+def test_a_multi_rank_part_on_fewer_gpus_than_ranks_runs_on_gloo_and_says_so(monkeypatch, capsys):
+    """reproduce --device cuda on one GPU: lessons 10, 12 and 13 plan their 4-, 2- and 2-rank parts from
+    torch.cuda.device_count() (mocked to 1 here) and run them on the CPU over gloo, saying so in one line."""
+    from picockpt.reproduce import rank_device
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    device, note = rank_device("cuda", 2)
+    assert device == torch.device("cpu")
+    assert note == ("2 ranks need 2 GPUs (NCCL: one per rank) and this machine has 1: the 2-rank part runs on the "
+                    "CPU over gloo (same bytes, FLOPs and checks; CPU timings)")
+    assert rank_device("cuda", 1) == (torch.device("cuda"), None)
+    assert rank_device("cpu", 4) == (torch.device("cpu"), None)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lessons"))
+    import _lesson
+    assert _lesson.ranks_device(torch.device("cuda"), 4) == torch.device("cpu")
+    assert "4 ranks need 4 GPUs" in capsys.readouterr().out
+
+
+LESSON = pathlib.Path(__file__).resolve().parents[1] / "lessons" / "04_cheap_ops.py"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--seed", "-1"], "error: --seed=-1: must be a whole number from 0 to 2**64 - 1"),
+    (["--seed", str(2**64)], "error: --seed=18446744073709551616: must be a whole number"),
+])
+def test_a_lesson_s_bad_seed_is_one_line_before_any_work(flags, message):
+    out = subprocess.run([sys.executable, str(LESSON), "--fast", *flags], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith(message) and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stdout == ""
+
+
+def test_a_lesson_s_figures_folder_under_a_file_is_refused_before_any_work(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    env = {**os.environ, "PICOCKPT_FIGURES": str(tmp_path / "a_file" / "figures")}
+    out = subprocess.run([sys.executable, str(LESSON), "--fast"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr.startswith(f"error: $PICOCKPT_FIGURES '{tmp_path / 'a_file' / 'figures'}' cannot be written "
+                                 f"(Not a directory)"), out.stderr
+
+
+def test_a_lesson_piped_into_head_ends_quietly():
+    out = subprocess.run(f"'{sys.executable}' '{LESSON}' --fast | head -1", shell=True, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.count("\n") == 1 and "BrokenPipeError" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("words,message", [
+    ("--help", "$PICOCKPT_LESSON_ARGS asks for --help, which a notebook cannot show: the flags are --fast, --large, "
+               "--device, --seed, --threads"),
+    ('--fast "x', "$PICOCKPT_LESSON_ARGS='--fast \"x' cannot be split into flags (No closing quotation)"),
+])
+def test_a_notebook_s_lesson_args_fail_as_one_value_error(monkeypatch, words, message):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lessons"))
+    import _lesson
+    monkeypatch.setattr(_lesson, "in_notebook", lambda: True)
+    monkeypatch.setenv("PICOCKPT_LESSON_ARGS", words)
+    with pytest.raises(ValueError) as error:  # not SystemExit: that would stop the kernel's cell oddly
+        _lesson.lesson_args()
+    assert str(error.value).startswith(message)

@@ -7,7 +7,7 @@ from torch.testing import assert_close
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import layer_inventory, predicted_peak_bytes
 from picockpt.measure import make_batch
-from picockpt.moe import step_routing
+from picockpt.routing import step_routing
 from picockpt.params import param_shapes
 from picockpt.policy import parse_policy
 from picockpt.reference import ReferenceLlama

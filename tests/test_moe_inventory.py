@@ -7,7 +7,7 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import (balanced_counts, counts_from_puts, expert_bytes, layer_inventory, predicted_peak_bytes,
                                 step_flops, total)
 from picockpt.measure import PutRecorder
-from picockpt.moe import route_by_token, step_routing, token_counts
+from picockpt.routing import route_by_token, step_routing, token_counts
 from picockpt.planner import plan_model
 from picockpt.policy import parse_policy
 from picockpt.tracker import Tracker

@@ -108,3 +108,32 @@ def test_cross_entropy_with_ignored_targets():
     logz = ops.cross_entropy_forward(z, t, D)[1]  # what a chunked head keeps instead of the logits
     assert_close(ops.cross_entropy_backward(1.0 / count, z, t, D, logz), ez, rtol=1e-12, atol=1e-14)
     assert ez[[2, 7]].abs().max() == 0
+
+
+def test_rmsnorm_weight_gradient_stays_in_the_statistics_dtype():
+    """A sum over B*T tokens: rounded to bf16 on its way to the fp32 master gradient it would lose ~8 bits."""
+    from picockpt.ops import rmsnorm_backward, rmsnorm_forward
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, 32, generator=g).bfloat16()
+    w = torch.rand(32, generator=g).bfloat16() + 0.5
+    dy = torch.randn(4, 64, 32, generator=g).bfloat16()
+    _, rstd = rmsnorm_forward(x, w, 1e-6, torch.float32)
+    dx, dw = rmsnorm_backward(dy, x, rstd, w)
+    assert (dx.dtype, dw.dtype) == (torch.bfloat16, torch.float32)
+    exact = (dy.double() * x.double() * rstd.double()).sum(dim=(0, 1))
+    assert (dw.double() - exact).abs().max() < (dw.bfloat16().double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_attention_probs_are_bitwise_the_unfused_chain(dtype):
+    """baddbmm folds the causal mask into the matmul (0 / -inf added before rounding): the scores are bitwise
+    the matmul's, scaled after, as Hugging Face's eager attention orders it; softmax(dtype=) once."""
+    from picockpt.ops.attention import attention_probs
+    g = torch.Generator().manual_seed(0)
+    B, H, KV, T, hd = 2, 6, 2, 19, 8
+    q = torch.randn(B, H, T, hd, generator=g).to(dtype)
+    k = torch.randn(B, KV, T, hd, generator=g).to(dtype)
+    scores = q @ k.repeat_interleave(H // KV, dim=1).transpose(-1, -2) * hd ** -0.5  # (B, H, T, T)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.softmax(scores.float(), dim=-1).to(dtype)
+    assert torch.equal(attention_probs(q, k, torch.float32), expected)

@@ -14,9 +14,9 @@ import torch
 
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch
-from picockpt.moe import route_by_token, step_routing
+from picockpt.routing import route_by_token, step_routing
 from picockpt.parallel import ExpertJob, run_expert_steps
-from picockpt.parallel.ep_inventory import ep_layer_inventory
+from picockpt.parallel.expert_parallel.ep_inventory import ep_layer_inventory
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -136,6 +136,10 @@ def test_communication_per_phase_equals_its_closed_form(launch):
     for name, job, _, _, reports in runs:
         for r in reports:
             assert r["comm_bytes"] == r["predicted_comm_bytes"], (name, job.policy, job.keep_dispatched, r["rank"])
+            # what leaves the rank: every all-to-all's buffer less the rows it sends itself
+            assert r["all_to_all_sent_bytes"] == r["predicted_all_to_all_sent_bytes"], (name, job.policy, r["rank"])
+            assert all(0 < r["all_to_all_sent_bytes"][phase] <= r["comm_bytes"][phase]
+                       for phase in ("forward", "backward")), (name, job.policy, r["rank"])
 
 
 def test_recomputation_repeats_the_dispatch_or_reads_the_rows_it_kept(launch):

@@ -11,12 +11,13 @@ from picockpt import Config, init_params
 from picockpt.cli import main
 from picockpt.engine import Step
 from picockpt.measure import make_batch
-from picockpt.moe import route, step_routing
+from picockpt.moe import route
+from picockpt.routing import step_routing
 from picockpt.ops.router import combine_weights
 from picockpt.params import layer_key, layer_weights
 from picockpt.parallel import loss_and_grads, run_ranks
-from picockpt.parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
-from picockpt.parallel.ep_model import ExpertParallelModel
+from picockpt.parallel.expert_parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
+from picockpt.parallel.expert_parallel.ep_model import ExpertParallelModel
 from picockpt.policy import parse_policy
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -148,7 +149,7 @@ def test_parallel_command_prints_every_rank_and_what_the_other_choice_would_cost
         assert f"rank {rank}: recomputation moves {moved / 1024:.2f} KiB again" in out
         assert "with --keep-dispatched it would move 0 B and store " in out
     assert "stored peaks, communication bytes per phase and FLOPs equal their closed forms " \
-           "(picockpt/parallel/ep_inventory.py): yes" in out
+           "(picockpt/parallel/expert_parallel/ep_inventory.py): yes" in out
 
 
 def test_parallel_command_refuses_a_split_that_cannot_be(capsys):

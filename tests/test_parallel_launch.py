@@ -228,3 +228,27 @@ if __name__ == "__main__":  # what each torchrun process runs in the test above
     results = run_ranks(torchrun_rank, None)
     printed = {"rank": int(os.environ["RANK"]), "pid": os.getpid(), "results": results}
     Path(os.environ["TORCHRUN_RESULTS"], f"rank{os.environ['RANK']}.json").write_text(json.dumps(printed))
+
+
+NO_MAIN_GUARD = """
+from picockpt.parallel import run_ranks
+
+def step(comm, blob):
+    return len(blob)
+
+print(run_ranks(step, 1, b"x" * 2**20))  # no `if __name__ == "__main__":` guard; 1 MiB > a pipe's buffer
+"""
+
+
+def test_a_script_without_a_main_guard_fails_at_once_naming_the_guard(tmp_path):
+    """The spawned rank re-imports the script and dies while starting. Before, the parent blocked for
+    good writing the 1 MiB payload into the child's start-up pipe; now it ends the run with one ValueError."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_MAIN_GUARD)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: rank 0 of 1 exited with code 1 before it started: "), last
+    assert 'put the script\'s calls (loss_and_grads with tp, pp, dp or ep, run_ranks, ...) under ' \
+           '`if __name__ == "__main__":`' in last

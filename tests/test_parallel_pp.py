@@ -17,9 +17,9 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import chain_sizes
 from picockpt.measure import make_batch
 from picockpt.parallel import PipelineJob, run_pipeline_steps
-from picockpt.parallel.pp_inventory import StageForms, stage_chain, uniform_schedules
-from picockpt.parallel.schedules import bubble_fraction, stage_layers, unequal_bubble
-from picockpt.parallel.pp_plan import end_of_forward_bytes
+from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms, stage_chain, uniform_schedules
+from picockpt.parallel.pipeline_parallel.pp_schedules import bubble_fraction, stage_layers, unequal_bubble
+from picockpt.parallel.pipeline_parallel.pp_plan import end_of_forward_bytes
 from picockpt.planner import replay
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -186,6 +186,56 @@ def test_point_to_point_and_collective_bytes_equal_their_closed_forms(launch):
                 S = job.input_ids.shape[0] // (job.dp * job.microbatches) * SEQ * job.cfg.hidden // (
                     job.tp if job.sp and job.tp > 1 else 1) * torch.empty((), dtype=job.cfg.torch_dtype).element_size()
                 assert r["p2p_bytes"]["forward"]["receive"] == job.microbatches * S, where(job, r)
+
+
+def nccl_order_completes(posted):
+    """Run every rank's posted point-to-point groups as NCCL does: each rank starts its next group only
+    when the one before has completed; a group completes when each of its sends has met the matching
+    receive on the peer, and each receive the matching send, matched in order per pair of ranks.
+    posted: {rank: [[("send" | "recv", peer), ...], ...]}. False if the ranks would hang."""
+    at = dict.fromkeys(posted, 0)  # each rank's current group
+    done = {rank: set() for rank in posted}  # the (kind, peer, n) ops of its current group that matched
+    count = {rank: {} for rank in posted}  # (kind, peer) -> how many such ops this rank has posted so far
+
+    def current(rank):  # the current group's ops, numbered per (kind, peer) in posting order
+        seen, ops = dict(count[rank]), []
+        for kind, peer in posted[rank][at[rank]] if at[rank] < len(posted[rank]) else []:
+            ops.append((kind, peer, seen.get((kind, peer), 0)))
+            seen[kind, peer] = seen.get((kind, peer), 0) + 1
+        return ops
+
+    moved = True
+    while moved:
+        moved = False
+        for rank in posted:
+            for kind, peer, n in current(rank):
+                other = "recv" if kind == "send" else "send"
+                if (kind, peer, n) not in done[rank] and (other, rank, n) in current(peer):
+                    done[rank].add((kind, peer, n))
+                    done[peer].add((other, rank, n))
+                    moved = True
+            if current(rank) and set(current(rank)) <= done[rank]:  # the group completed: the next one starts
+                for kind, peer, _ in current(rank):
+                    count[rank][kind, peer] = count[rank].get((kind, peer), 0) + 1
+                at[rank], done[rank], moved = at[rank] + 1, set(), True
+    return all(at[rank] == len(posted[rank]) for rank in posted)
+
+
+def test_the_nccl_order_checker_finds_the_one_by_one_deadlock():  # the test below can fail
+    one_by_one = {0: [[("send", 1)], [("send", 1)], [("recv", 1)], [("recv", 1)]],  # 1F1B, sends posted alone
+                  1: [[("recv", 0)], [("send", 0)], [("recv", 0)], [("send", 0)]]}
+    paired = {0: [[("send", 1)], [("send", 1), ("recv", 1)], [("recv", 1)]],
+              1: [[("recv", 0)], [("send", 0), ("recv", 0)], [("send", 0)]]}
+    assert not nccl_order_completes(one_by_one) and nccl_order_completes(paired)
+
+
+def test_every_schedule_posts_its_sends_and_receives_in_an_order_nccl_completes(launch):
+    _, runs, _ = launch
+    for _, job, _, _, _, reports in runs:
+        posted = {r["rank"]: [[tuple(op) for op in group] for group in r["p2p_posted"]] for r in reports}
+        assert nccl_order_completes(posted), where(job)
+        if job.pp > 1 and job.schedule == "1f1b" and job.microbatches > job.pp:  # the steady state pairs sends
+            assert any(len(group) == 2 for groups in posted.values() for group in groups), where(job)
 
 
 def test_recompute_early_changes_neither_results_nor_the_stored_peak(launch):

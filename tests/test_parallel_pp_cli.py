@@ -11,8 +11,9 @@ from picockpt import Config, init_params
 from picockpt.cli import main
 from picockpt.measure import make_batch
 from picockpt.parallel import PipelineJob, loss_and_grads, run_pipeline_steps, run_ranks
-from picockpt.parallel.pipeline import rank_steps
-from picockpt.parallel.pipeline_job import _checked, _on_cpu
+from picockpt.parallel.pipeline_parallel.pp_rank import rank_steps
+from picockpt.parallel.job import on_cpu
+from picockpt.parallel.pipeline_parallel.pp_job import checked_job
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -67,7 +68,7 @@ def fail_on_the_last_stage(comm, jobs):
 
 def test_a_stage_failing_mid_step_stops_the_others_at_once():
     cfg, params, input_ids, targets = tiny()
-    job = _on_cpu(_checked(PipelineJob(params, cfg, input_ids, targets, "full", pp=2, microbatches=2), "cpu", 2))
+    job = on_cpu(checked_job(PipelineJob(params, cfg, input_ids, targets, "full", pp=2, microbatches=2), "cpu", 2))
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"^rank 1 of 2: stage 1 stops before its first receive$"):
         run_ranks(fail_on_the_last_stage, 2, [job], timeout_s=60, start_method=START)
@@ -99,7 +100,7 @@ def test_parallel_command_table_with_data_parallel_overlap(capsys):
     out = capsys.readouterr().out
     assert out.startswith("pipeline P=1, M=2 micro-batches, 1f1b, dp=2, tp=1, policy every:2 on cpu, float32: L=2")
     assert "stored peaks equal their closed forms, (in flight - 1) x stored per micro-batch + one micro-batch's peak " \
-           "(picockpt/parallel/pp_inventory.py): yes" in out
+           "(picockpt/parallel/pipeline_parallel/pp_inventory.py): yes" in out
     assert "data-parallel all-reduce left exposed at the end of the step: " in out
     assert "(overlapped with the backward)" in out
     assert float(out.rsplit("max relative difference ", 1)[1]) <= 1e-5

@@ -16,7 +16,7 @@ import torch
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch
 from picockpt.parallel import Job, run_steps
-from picockpt.parallel.inventory import rank_chain, rank_peak_bytes
+from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_peak_bytes
 from picockpt.planner import least_budget
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)

@@ -18,8 +18,9 @@ from picockpt.cli import main
 from picockpt.formulas import korthikanti_layer_bytes
 from picockpt.measure import make_batch
 from picockpt.parallel import Job, RankError, loss_and_grads, run_ranks, run_steps
-from picockpt.parallel.inventory import rank_comm_bytes, rank_layer_inventory, rank_peak_bytes
-from picockpt.parallel.step import _on_cpu, _rank_step
+from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, rank_peak_bytes
+from picockpt.parallel.job import on_cpu
+from picockpt.parallel.tensor_parallel.tp_step import rank_step
 
 from processes import free_port, no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -88,12 +89,12 @@ def test_a_port_already_taken_is_a_value_error_naming_it():
 def fail_while_the_other_rank_waits(comm, job):
     if comm.rank == 1:
         raise ValueError("rank 1 stops before its first collective")
-    return _rank_step(comm, job)  # rank 0 waits in the embedding's all-reduce for a rank that never comes
+    return rank_step(comm, job)  # rank 0 waits in the embedding's all-reduce for a rank that never comes
 
 
 def test_a_rank_failing_mid_step_stops_the_others_at_once():
     cfg, params, input_ids, targets = tiny()
-    job = _on_cpu(Job(params, cfg, input_ids, targets, "full", True, False, torch.get_rng_state()))
+    job = on_cpu(Job(params, cfg, input_ids, targets, "full", True, False, torch.get_rng_state()))
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"^rank 1 of 2: rank 1 stops before its first collective$"):
         run_ranks(fail_while_the_other_rank_waits, 2, job, timeout_s=60, start_method=START)
@@ -119,7 +120,8 @@ def test_parallel_command_prints_every_rank_against_its_closed_forms(capsys):
     assert out.startswith("tensor parallel t=2, sequence parallel, policy selective on cpu, float32: L=2 h=32 H=4")
     for rank in (0, 1):  # measured and predicted, to the byte
         assert re.search(rf"^{rank} +{peak:,} B +{peak:,} B ", out, re.MULTILINE), out
-    assert "stored peaks and communication bytes equal their closed forms (picockpt/parallel/inventory.py): yes" in out
+    assert "stored peaks and communication bytes equal their closed forms " \
+           "(picockpt/parallel/tensor_parallel/tp_inventory.py): yes" in out
     assert "recomputation moves nothing between ranks under this policy" in out
     difference = float(out.rsplit("max relative difference ", 1)[1])
     assert difference <= 1e-5
@@ -173,3 +175,49 @@ def test_predict_prints_table_2_beside_picockpt_per_rank(capsys):
     out = capsys.readouterr().out
     assert "Table 2's rows at t=8, bytes of one layer per device, term by term" in out
     assert "tensor + sequence parallel + selective  sbh(34/t)" in out
+
+
+# ---- arguments that would be silently ignored, and what a failing rank prints ------------------------
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dp=True), r"^dp=True: give a whole number of ranks"),
+    (dict(sp="no"), r"^sp='no': use True or False$"),
+    (dict(keep_dispatched=True), r"^keep_dispatched=True with ep=1: it keeps the rows"),
+    (dict(tp=2, recompute_early=True), r"^recompute_early=True without pp"),
+])
+def test_arguments_of_another_layout_or_type_are_refused(kwargs, message):
+    cfg, params, input_ids, targets = tiny()
+    with pytest.raises(ValueError, match=message):
+        loss_and_grads(params, cfg, input_ids, targets, **kwargs)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sp", "--tp", "1"], "--sp with a tensor-parallel size of 1 (--tp 1)"),
+    (["--sp", "--pp", "2"], "--sp with a tensor-parallel size of 1 (--tp 1, the default beside --pp/--dp"),
+    (["--distribute-saved", "--dp", "2"], "--distribute-saved with a tensor-parallel size of 1"),
+])
+def test_the_parallel_command_refuses_sp_without_tensor_parallelism(argv, message, capsys):
+    assert main(["parallel", "--preset", "tiny", "--batch", "2", "--seq", "8", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_rank_error_is_one_line_with_the_ranks_last_frame():
+    from picockpt.cli.parallel_run import last_frame
+    remote = ('Traceback (most recent call last):\n  File "/x/launch.py", line 9, in _spawned_rank\n    fn()\n'
+              '  File "/x/comm.py", line 97, in all_reduce\n    dist.all_reduce(x)\nRuntimeError: timed out\n')
+    error = RankError("rank 1 failed: RuntimeError: timed out", rank=1, remote_traceback=remote)
+    assert last_frame(error) == ' (rank\'s last frame: File "/x/comm.py", line 97, in all_reduce)'
+
+
+def test_trace_lines_go_to_stderr_and_the_json_stays_whole():
+    done = subprocess.run([sys.executable, "-m", "picockpt", "parallel", "--preset", "tiny", "--batch", "2", "--seq",
+                           "8", "--tp", "2", "--policy", "full", "--trace", "--json"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tp"] == 2  # nothing but the JSON on stdout
+    assert "[rank 0] recompute segment [1..1]" in done.stderr and "[rank 1]" in done.stderr
+
+
+def test_a_budget_under_tensor_parallelism_is_checked_per_rank(capsys):
+    # tiny at batch 4 x 128: the single process's least budget is 724,992 B, one of two sp ranks' 362,496 B
+    assert main(["parallel", "--preset", "tiny", "--tp", "2", "--sp", "--policy", "budget:40KiB"]) == 2
+    assert "least feasible budget for this model and batch, 362,496 bytes" in capsys.readouterr().err

@@ -42,14 +42,15 @@ def test_train_reports_what_recomputation_costs():
           watch_live=True)
     flops = step_flops(cfg, 2, 16, "full")
     share = f"recompute {flops['recompute'] / sum(flops.values()):5.1%} of FLOPs"
-    assert len(lines) == 4 and all(share in line for line in lines), lines
+    assert len(lines) == 5 and all(share in line for line in lines[:4]), lines  # 3 steps, the summary, the phases
     stored = f"stored {predicted_peak_bytes(cfg, 2, 16, 'full') / 2**20:8.3f} MiB"
-    assert all(stored in line for line in lines)
-    for line in lines:
+    assert all(stored in line for line in lines[:4])
+    for line in lines[:4]:
         live = float(line.split(" live ")[1].split()[0])
         time_share = float(line.split("of FLOPs, ")[1].split("%")[0])
         assert live * 2**20 > predicted_peak_bytes(cfg, 2, 16, "full") and 0 < time_share < 100
-    assert lines[-1].startswith("summary over steps 1..2") and "MFU" not in lines[-1]  # no GPU, no utilisation
+    assert lines[-2].startswith("summary over steps 1..2") and "MFU" not in lines[-2]  # no peak given, no utilisation
+    assert "backward stored" in lines[-1] and ", live " in lines[-1]  # per phase, live too (watch_live)
 
 
 def test_cuda_without_cuda_is_a_clear_error():
@@ -58,3 +59,35 @@ def test_cuda_without_cuda_is_a_clear_error():
     out = subprocess.run([sys.executable, "-m", "picockpt", "train", "--device", "cuda", "--steps", "1"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "CUDA was asked for" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_train_records_mfu_hfu_and_per_phase_memory():
+    """PaLM's convention (Chowdhery et al. 2022, app. B): HFU / MFU = the step's executed FLOPs over its
+    model FLOPs (policy none), whatever the peak or the time; the record carries every step's per-phase
+    peaks, the store's equal to the closed form."""
+    cfg = Config.from_preset("tiny")
+    lines, record = [], []
+    train(init_params(cfg), cfg, MarkovTask(cfg.vocab), steps=3, batch=2, seq=16, policy="full", log=lines.append,
+          peak_tflops=1.0, record=record)
+    executed, model = sum(step_flops(cfg, 2, 16, "full").values()), sum(step_flops(cfg, 2, 16, "none").values())
+    assert [row["step"] for row in record] == [0, 1, 2]
+    for row in record:
+        assert abs(row["hfu"] / row["mfu"] - executed / model) < 1e-12
+        assert row["hardware_flops"] == executed and row["model_flops"] == model
+        assert set(row["phases"]) == {"forward", "recompute", "backward", "optimizer"}
+        assert max(phase["stored"] for phase in row["phases"].values()) == predicted_peak_bytes(cfg, 2, 16, "full")
+        assert row["phases"]["recompute"]["seconds"] > 0 and row["phases"]["forward"]["live"] is None  # no watch
+    assert "MFU" in lines[-2] and "HFU" in lines[-2]  # given a peak, on CPU too
+    assert lines[-1].startswith("per phase, largest over steps 1..2: forward stored")
+
+
+def test_train_refuses_a_bad_peak_or_record():
+    cfg = Config.from_preset("tiny")
+    for kwargs, message in ((dict(peak_tflops=0), "peak_tflops=0"), (dict(peak_tflops=float("nan")), "peak_tflops"),
+                            (dict(record={}), "record=dict")):
+        try:
+            train(init_params(cfg), cfg, MarkovTask(cfg.vocab), 1, 2, 8, log=None, **kwargs)
+        except ValueError as error:
+            assert message in str(error)
+        else:
+            raise AssertionError(f"{kwargs} was accepted")

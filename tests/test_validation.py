@@ -159,3 +159,116 @@ def test_embedding_gradient_sums_in_order_and_in_fp32():
 def test_sizes_that_overflow_are_refused():
     with pytest.raises(ValueError, match="size '1e999' is too large to be a number of bytes"):
         parse_size("1e999")
+
+
+# ---- inputs that computed something else without a word (issue: six silent-wrong inputs) -------------------
+
+def test_a_parameter_on_another_device_or_dtype_is_refused_by_name():
+    cfg = Config.from_preset("tiny")
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    params = init_params(cfg)
+    params["model.norm.weight"] = params["model.norm.weight"].to("meta")  # torch would read uninitialised memory
+    with pytest.raises(ValueError, match=r"params\['model.norm.weight'\] is float32 on meta, "
+                                         r"params\['model.embed_tokens.weight'\] float32 on cpu: give every parameter "
+                                         r"the same device and dtype"):
+        loss_and_grads(params, cfg, ids, ids)
+    params = init_params(cfg)
+    params["model.layers.1.mlp.up_proj.weight"] = params["model.layers.1.mlp.up_proj.weight"].double()
+    with pytest.raises(ValueError, match=r"params\['model.layers.1.mlp.up_proj.weight'\] is float64 on cpu"):
+        loss_and_grads(params, cfg, ids, ids)
+
+
+def test_parameters_on_the_meta_device_are_refused_with_real_advice():
+    cfg = Config.from_preset("tiny")
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"the parameters are on the meta device \(shapes only, no values\): a step "
+                                         r"needs real weights; make them with init_params\(cfg, device='cpu'\)"):
+        loss_and_grads(init_params(cfg, device="meta"), cfg, ids, ids)
+
+
+def test_an_untied_config_with_one_matrix_for_embedding_and_head_is_refused():
+    cfg = Config.from_preset("tiny")
+    params = init_params(cfg)
+    params["lm_head.weight"] = params["model.embed_tokens.weight"]  # the same object: two gradients for one matrix
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"is the same tensor as params\['model.embed_tokens.weight'\] but "
+                                         r"Config.tie_embeddings=False: .* use tie_embeddings=True"):
+        loss_and_grads(params, cfg, ids, ids)
+    tied = cfg.replace(tie_embeddings=True)
+    loss_and_grads(params, tied, ids, ids)  # told it is tied: one matrix, one summed gradient
+
+
+def test_rope_theta_inside_rope_scaling_must_be_config_s_rope_theta():
+    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # transformers 5's rope_parameters
+    with pytest.raises(ValueError, match=r"Config.rope_scaling\['rope_theta'\]=500000.0 but Config.rope_theta=10000.0: "
+                                         r"the rotary base is Config.rope_theta; set rope_theta=500000.0"):
+        Config(rope_scaling=scaling)
+    assert Config(rope_scaling=scaling, rope_theta=500000.0).rope_theta == 500000.0
+    with pytest.raises(ValueError, match=r"Config.rope_scaling key 'beta_fast' is not implemented"):
+        Config(rope_scaling={**scaling, "beta_fast": 32}, rope_theta=500000.0)
+    hf = transformers.LlamaConfig(**SMALL_HF, rope_theta=500000.0, rope_scaling={**scaling, "rope_theta": 500000.0})
+    assert Config.from_hf(hf.to_dict()).rope_theta == 500000.0  # from_hf reads the same dict the same way
+
+
+def test_zero_key_value_heads_is_refused_not_read_as_heads():
+    with pytest.raises(ValueError, match=r"num_key_value_heads=0: a model needs at least one key/value head; use None "
+                                         r"for num_attention_heads=6"):
+        Config.from_hf({**SMALL_HF, "rms_norm_eps": 1e-6, "num_key_value_heads": 0})
+    assert Config.from_hf({**SMALL_HF, "rms_norm_eps": 1e-6, "num_key_value_heads": None}).kv_heads == 6
+
+
+def test_an_ambient_autocast_is_refused():
+    cfg, params = Config.from_preset("tiny"), init_params(Config.from_preset("tiny"))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"torch.autocast\('cpu', dtype=bfloat16\) is on around the step: picockpt "
+                                             r"computes in Config.dtype='float32' .* set Config\(dtype='bfloat16'\)"):
+            loss_and_grads(params, cfg, ids, ids)
+
+
+def test_column_major_ids_give_the_row_major_loss_and_gradients():
+    cfg, params = Config.from_preset("tiny"), init_params(Config.from_preset("tiny"))
+    ids, targets = make_batch(cfg, 3, 16, "cpu", 0)
+    loss, grads = loss_and_grads(params, cfg, ids, targets, "full")
+    strided = loss_and_grads(params, cfg, ids.t().contiguous().t(), targets.t().contiguous().t(), "full")
+    assert torch.equal(strided[0], loss) and all(torch.equal(strided[1][k], grads[k]) for k in grads)
+
+
+def test_numpy_ids_are_named_as_numpy_arrays():
+    np = pytest.importorskip("numpy")
+    cfg, params = Config.from_preset("tiny"), init_params(Config.from_preset("tiny"))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input_ids must be a torch integer tensor of token ids, got numpy.ndarray of "
+                                         r"int64: convert it with torch.as_tensor\(input_ids\)"):
+        loss_and_grads(params, cfg, np.zeros((2, 8), dtype=np.int64), ids)
+
+
+@pytest.mark.parametrize("segment", [-1, 0, 2.0, True])
+def test_segmented_backward_refuses_a_segment_that_is_not_a_layer_count(segment):
+    from picockpt.bridge import segmented_backward
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    x = torch.randn(1, 2, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"segment={segment!r}: the layers per recomputed segment must be a whole "
+                                         rf"number >= 1 \(1: every layer its own checkpoint; 3 or more: the 3 layers "
+                                         rf"as one\)"):
+        segmented_backward(layers, x, lambda y: y.sum(), segment)
+
+
+@pytest.mark.parametrize("call,message", [
+    (dict(seed=2**64), "seed=18446744073709551616: must be a whole number from 0 to 2**64 - 1"),
+    (dict(seed=1.5), "seed=1.5: must be a whole number"),
+    (dict(seed=-1), "seed=-1: must be a whole number"),
+    (dict(cfg="tiny"), "init_params(cfg=...) takes a picockpt Config (e.g. Config.from_preset('tiny')), got str"),
+])
+def test_init_params_checks_its_arguments(call, message):
+    with pytest.raises(ValueError) as error:
+        init_params(**{"cfg": Config.from_preset("tiny"), **call})
+    assert str(error.value).startswith(message)
+
+
+def test_route_by_token_keeps_the_embedding_s_device():
+    from picockpt.routing import route_by_token
+    cfg = Config.from_preset("tiny", experts=4, experts_per_token=2)
+    params = route_by_token(init_params(cfg, device="meta"), cfg)  # meta stands in for cuda here
+    assert {t.device.type for t in params.values()} == {"meta"}

@@ -45,6 +45,11 @@ def main(argv=None):
     top = Parser(prog="python -m picockpt", description=DESCRIPTION,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")
+    command = next((word for word in argv if word in COMMANDS), None)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help") and command:
+        flags = " ".join(argv[:argv.index(command)])  # e.g. --preset tiny measure: the flags belong to measure
+        top.error(f"{flags!r} comes before the command: flags follow it, as in "
+                  f"`python -m picockpt {command} {flags}`")
     if not argv or argv[0].startswith("-"):  # no command: the overview (or --help)
         top.parse_args(argv)
         top.print_help()

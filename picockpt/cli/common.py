@@ -52,6 +52,9 @@ def config_from_args(args):
                   "router_jitter")
                  if getattr(args, name, None) is not None}
     cfg = Config.from_preset(args.preset, **overrides)
+    if getattr(args, "attention_tile", None) is not None and cfg.attention != "tiled":
+        raise ValueError(f"--attention-tile={args.attention_tile} with --attention {cfg.attention}: only tiled "
+                         f"attention works in tiles; add --attention tiled, or leave --attention-tile out")
     if args.seq > cfg.max_seq and args.max_seq is None:
         cfg = cfg.replace(max_seq=args.seq)  # a longer rotary table costs nothing
     cfg.check_seq(args.seq)
@@ -114,6 +117,6 @@ def rank_columns(*first):
 def check_parallel_fits(args, cfg, policy, device):
     """The parallel commands also run the whole step in one process (the gradients' reference): refuse,
     with the numbers, a step that cannot fit before any rank starts."""
-    from ..device import check_fits
+    from ..fit import check_fits
     check_fits(cfg, device, args.batch, args.seq, policy,
                note=" (this command also runs the whole step in one process, to check the ranks' gradients)")

@@ -1,10 +1,10 @@
 """python -m picockpt inventory: one layer's stored tensors, closed form beside measured."""
 import torch
 
-from ..device import check_fits
+from ..fit import check_fits
 from ..inventory import head_inventory, layer_inventory, predicted_peak_bytes, total
 from ..measure import make_batch, measured_inventory
-from ..moe import step_routing
+from ..routing import step_routing
 from ..params import init_params
 from ..policy import parse_policy
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes

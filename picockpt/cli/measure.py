@@ -2,7 +2,7 @@
 import json
 import sys
 
-from ..device import check_fits
+from ..fit import check_fits
 from ..measure import measure_policy
 from ..policy import parse_policy
 from .common import (add_run_args, add_shape_args, check_repeats, config_from_args, device_from_args, fmt_bytes,

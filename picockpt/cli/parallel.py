@@ -11,18 +11,12 @@ its FLOPs by phase; then the loss, and how far the gradients are from the single
     python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched   # expert parallel
 """
 import json
-import os
 
-import torch
-
-from ..engine import loss_and_grads as single_loss_and_grads
-from ..measure import make_batch
-from ..params import init_params
-from ..parallel import loss_and_grads, under_torchrun
 from ..policy import parse_policy
-from .common import (add_run_args, add_shape_args, check_parallel_fits, config_from_args, device_from_args, fmt_bytes,
-                     fmt_flops, max_relative_diff, rank_columns, table)
+from .common import add_run_args, add_shape_args, check_parallel_fits, config_from_args, fmt_bytes, fmt_flops
+from .common import rank_columns, table
 from .parallel_ep import run_expert
+from .parallel_run import measured_step, rank_device
 
 def add_arguments(parser):
     add_shape_args(parser)
@@ -50,7 +44,7 @@ def add_arguments(parser):
                           "recomputes that micro-batch's top segment meanwhile")
     pipeline.add_argument("--no-overlap", action="store_true", help="data parallel: all-reduce the gradients after "
                           "the backward instead of each layer's as soon as it is final")
-    experts = parser.add_argument_group("expert parallelism (picockpt/parallel/ep_step.py; needs --experts)")
+    experts = parser.add_argument_group("expert parallelism (picockpt/parallel/expert_parallel/ep_job.py; needs --experts)")
     experts.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1: none); each holds "
                          "experts/ep experts and batch/ep sequences")
     experts.add_argument("--keep-dispatched", action="store_true", help="keep the rows each rank's experts "
@@ -70,6 +64,13 @@ def check_flags(args):
         if given and not needs:
             raise ValueError(f"{flag} without {wanted}: it changes {what}, and there is none here; add {wanted}, "
                              f"or leave {flag} out")
+    tp = args.tp if args.tp is not None else 1 if (args.pp, args.microbatches, args.dp, args.ep) != (1, 1, 1, 1) else 2
+    for flag, given in (("--sp", args.sp), ("--distribute-saved", args.distribute_saved)):
+        if given and tp == 1 and args.ep == 1:
+            raise ValueError(f"{flag} with a tensor-parallel size of 1 (--tp {args.tp if args.tp is not None else 1}"
+                             f"{', the default beside --pp/--dp/--microbatches' if args.tp is None else ''}): it splits "
+                             f"a tensor-parallel rank's tokens or checkpoints, and there is none here; add --tp N "
+                             f"(N > 1), or leave {flag} out")
     args.schedule = args.schedule or "1f1b"
 
 
@@ -82,19 +83,12 @@ def run(args):
     args.tp = 2 if args.tp is None else args.tp
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
-    device = device_from_args(args)
-    check_parallel_fits(args, cfg, policy, device)
-    params = init_params(cfg, seed=args.seed, device=device)
-    input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
-    torch.manual_seed(args.seed)  # the dropout masks: the same state for both runs
-    loss, grads, ranks = loss_and_grads(params, cfg, input_ids, targets, policy.text, args.tp, args.sp,
-                                        args.distribute_saved, device=device.type, timeout_s=args.timeout,
-                                        port=args.port, trace=args.trace)
-    torch.manual_seed(args.seed)
-    single_loss, single_grads = single_loss_and_grads(params, cfg, input_ids, targets, policy.text)
-    worst = max(max_relative_diff(grads[name], single_grads[name]) for name in single_grads)
-    if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process ran it; one prints
+    device = rank_device(args)
+    check_parallel_fits(args, cfg, parse_policy("none", cfg), device)  # the reference runs none
+    measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=args.sp, distribute_saved=args.distribute_saved)
+    if measured is None:
         return
+    loss, ranks, single_loss, worst, _, _ = measured
     row = {"tp": args.tp, "sp": args.sp, "distribute_saved": args.distribute_saved, "policy": policy.text,
            "device": str(device), "dtype": cfg.dtype, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
            "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab, "batch": args.batch, "seq": args.seq,
@@ -115,7 +109,7 @@ def _print_table(row):
     print(table(row["ranks"], rank_columns()))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] for r in row["ranks"])
-    print(f"stored peaks and communication bytes equal their closed forms (picockpt/parallel/inventory.py): "
+    print(f"stored peaks and communication bytes equal their closed forms (picockpt/parallel/tensor_parallel/tp_inventory.py): "
           f"{'yes' if exact else 'NO'}")
     first = row["ranks"][0]
     added = first["comm_bytes"]["recompute"]
@@ -132,22 +126,15 @@ def run_pipeline(args):
     stored peak against its closed form, and where its time went."""
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
-    device = device_from_args(args)
-    check_parallel_fits(args, cfg, policy, device)
+    device = rank_device(args)
+    check_parallel_fits(args, cfg, parse_policy("none", cfg), device)  # the reference runs none
     tp = 1 if args.tp is None else args.tp
-    params = init_params(cfg, seed=args.seed, device=device)
-    input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
-    torch.manual_seed(args.seed)  # the dropout masks: the same state for both runs
-    loss, grads, ranks = loss_and_grads(params, cfg, input_ids, targets, policy.text, tp, args.sp,
-                                        args.distribute_saved, device=device.type, timeout_s=args.timeout,
-                                        port=args.port, trace=args.trace, pp=args.pp, microbatches=args.microbatches,
-                                        schedule=args.schedule, dp=args.dp, recompute_early=args.recompute_early,
-                                        overlap=not args.no_overlap)
-    torch.manual_seed(args.seed)
-    single_loss, single_grads = single_loss_and_grads(params, cfg, input_ids, targets, "none")  # every policy's
-    worst = max(max_relative_diff(grads[name], single_grads[name]) for name in single_grads)
-    if under_torchrun() and os.environ.get("RANK") != "0":
+    measured = measured_step(args, cfg, policy, device, tp=tp, sp=args.sp, distribute_saved=args.distribute_saved,
+                             pp=args.pp, microbatches=args.microbatches, schedule=args.schedule, dp=args.dp,
+                             recompute_early=args.recompute_early, overlap=not args.no_overlap)
+    if measured is None:
         return
+    loss, ranks, single_loss, worst, _, _ = measured
     shown = [{key: value for key, value in r.items() if key not in ("timeline", "dp_buckets", "timeline_start")}
              for r in ranks]
     row = {"pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule, "dp": args.dp, "tp": tp,
@@ -179,7 +166,7 @@ def _print_pipeline(row):
     print(table(row["ranks"], columns))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] for r in row["ranks"])
     print(f"stored peaks equal their closed forms, (in flight - 1) x stored per micro-batch + one micro-batch's "
-          f"peak (picockpt/parallel/pp_inventory.py): {'yes' if exact else 'NO'}")
+          f"peak (picockpt/parallel/pipeline_parallel/pp_inventory.py): {'yes' if exact else 'NO'}")
     bubbles = [r["bubble"] for r in row["ranks"]]
     print(f"bubble (1 - computing / step time) per rank: {', '.join(f'{b:.0%}' for b in bubbles)}; "
           f"(P - 1) / (M + P - 1) = {row['ranks'][0]['predicted_bubble']:.0%} for equal stages")

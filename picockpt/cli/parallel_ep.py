@@ -1,7 +1,7 @@
 """python -m picockpt parallel --ep N: one expert-parallel step, measured per rank.
 
 Spawns --ep ranks on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per rank), or runs as one of
-torchrun's processes; rank r holds experts r*E/N .. and sequences r*B/N .. (picockpt/parallel/ep_model.py).
+torchrun's processes; rank r holds experts r*E/N .. and sequences r*B/N .. (picockpt/parallel/expert_parallel/ep_model.py).
 Prints per rank: the experts it holds, the rows they received, the activation store's peak and its
 closed form, the peak of live bytes, the bytes its collectives moved in each phase (with their closed
 form) and its FLOPs; then what the other recompute choice would cost on the same routing (predicted),
@@ -11,19 +11,13 @@ the loss, and how far the gradients are from the single-process engine's.
     python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched --json
 """
 import json
-import os
-
 import torch
 
-from ..engine import loss_and_grads as single_loss_and_grads
-from ..measure import make_batch
-from ..moe import step_routing
-from ..params import init_params
-from ..parallel import loss_and_grads, under_torchrun
-from ..parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
+from ..routing import step_routing
+from ..parallel.expert_parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
 from ..policy import parse_policy
-from .common import (check_parallel_fits, config_from_args, device_from_args, fmt_bytes, max_relative_diff,
-                     rank_columns, table)
+from .common import check_parallel_fits, config_from_args, fmt_bytes, rank_columns, table
+from .parallel_run import measured_step, rank_device
 
 def run_expert(args):
     """--ep N (and --keep-dispatched): the expert-parallel step and its report."""
@@ -32,22 +26,16 @@ def run_expert(args):
                          f"expert parallelism here has no tensor parallelism; leave --sp out")
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
-    device = device_from_args(args)
-    check_parallel_fits(args, cfg, policy, device)
-    params = init_params(cfg, seed=args.seed, device=device)
-    input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
-    torch.manual_seed(args.seed)  # the dropout masks and the router jitter: the same state for every run
-    loss, grads, ranks = loss_and_grads(params, cfg, input_ids, targets, policy.text, args.tp, False,
-                                        args.distribute_saved, device=device.type, timeout_s=args.timeout,
-                                        port=args.port, trace=args.trace, pp=args.pp, microbatches=args.microbatches,
-                                        dp=args.dp, ep=args.ep, keep_dispatched=args.keep_dispatched)
-    torch.manual_seed(args.seed)
-    single_loss, single_grads = single_loss_and_grads(params, cfg, input_ids, targets, policy.text)
-    worst = max(max_relative_diff(grads[name], single_grads[name]) for name in single_grads)
+    device = rank_device(args)
+    check_parallel_fits(args, cfg, parse_policy("none", cfg), device)  # the reference runs none
+    measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=False, distribute_saved=args.distribute_saved,
+                             pp=args.pp, microbatches=args.microbatches, dp=args.dp, ep=args.ep,
+                             keep_dispatched=args.keep_dispatched)
+    if measured is None:
+        return
+    loss, ranks, single_loss, worst, params, input_ids = measured
     torch.manual_seed(args.seed)
     routing = step_routing(params, cfg, input_ids)  # the single process's, as the closed forms take it
-    if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process ran it; one prints
-        return
     other = not args.keep_dispatched
     shape = (cfg, args.batch, args.seq, policy.text, args.ep)
     row = {"ep": args.ep, "keep_dispatched": args.keep_dispatched, "policy": policy.text, "device": str(device),
@@ -78,7 +66,7 @@ def _print_table(row):
                 r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]
                 for r in row["ranks"])
     print(f"stored peaks, communication bytes per phase and FLOPs equal their closed forms "
-          f"(picockpt/parallel/ep_inventory.py): {'yes' if exact else 'NO'}")
+          f"(picockpt/parallel/expert_parallel/ep_inventory.py): {'yes' if exact else 'NO'}")
     for r, o in zip(row["ranks"], row["other_choice"]["ranks"]):
         added, forward = r["comm_bytes"]["recompute"], r["comm_bytes"]["forward"]
         flag = "with" if row["other_choice"]["keep_dispatched"] else "without"

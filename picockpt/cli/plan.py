@@ -10,7 +10,7 @@ import random
 import statistics
 import time
 
-from ..device import check_fits
+from ..fit import check_fits
 from ..inventory import step_flops
 from ..planner import Stage, least_budget, model_chain, plan_chain, plan_model
 from ..planner_uniform import binomial_forward_steps, plan_uniform
@@ -102,11 +102,13 @@ def _check_flags(args):
     else:
         mode, ignored = "--chain model (sized by the shape flags and --budget)", {
             "--length": args.length is not None, "--slots": args.slots is not None}
+    if not args.measure:  # only --measure runs a step: where, and with which weights, means nothing otherwise
+        ignored.update({"--device": args.device != "auto", "--seed": args.seed != 0})
     given = [flag for flag, present in ignored.items() if present]
     if given:
         raise ValueError(f"{', '.join(given)}: not used by {mode}; leave {'it' if len(given) == 1 else 'them'} out "
                          f"(--length/--slots belong to --chain uniform, --budget/--measure/--op-level and the "
-                         f"shape flags to --chain model)")
+                         f"shape flags to --chain model, --device/--seed to --measure)")
 
 
 def schedule_table(plan):

@@ -16,8 +16,8 @@ import json
 from ..config import PRESETS
 from ..formulas import GIB, RECOMPUTE, korthikanti_flops, korthikanti_layer_bytes, playbook_activation_bytes
 from ..inventory import chain_sizes, layer_inventory, predicted_peak_bytes, step_flops, total
-from ..parallel.inventory import rank_comm_bytes, rank_flops, rank_peak_bytes, rank_sizes, replicated_and_split
-from ..parallel.shard import check_tensor_parallel
+from ..parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_flops, rank_peak_bytes, rank_sizes, replicated_and_split
+from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from ..policy import SELECTIVE
 from .common import add_shape_args, config_from_args, fmt_bytes
 
@@ -138,11 +138,14 @@ def per_rank(cfg, batch, seq, recompute="none", tp=1, sp=False, distribute_saved
 
 def _own_row(cfg, batch, seq, kind, t, sp, distributed):
     """picockpt's exact bytes of one layer on one rank for a Table 2 row (None where t cannot split it)."""
+    drop = SELECTIVE if kind == "selective" else frozenset()
     try:
         check_tensor_parallel(cfg, t, sp, seq, distributed)
     except ValueError as error:
+        if t == 1:  # one rank holds the whole model (a mixture of experts too): the single-process bytes
+            own = chain_sizes(cfg, batch, seq, drop)[0] if kind == "full" else total(layer_inventory(cfg, batch, seq, drop))
+            return {"picockpt_bytes": own, "picockpt_replicated_bytes": own}
         return {"picockpt_bytes": None, "picockpt_note": str(error)}
-    drop = SELECTIVE if kind == "selective" else frozenset()
     if kind == "full":
         X, Xc, _, _ = rank_sizes(cfg, batch, seq, t, sp, distributed)
         return {"picockpt_bytes": Xc, "picockpt_replicated_bytes": 0 if sp or distributed else Xc}
@@ -212,7 +215,7 @@ def _print_table(row):
 def _print_table2(row):
     t = row["tp"]
     print(f"Table 2's rows at t={t}, bytes of one layer per device, term by term, beside picockpt's exact bytes "
-          f"on one of {t} ranks (picockpt/parallel/inventory.py):")
+          f"on one of {t} ranks (picockpt/parallel/tensor_parallel/tp_inventory.py):")
     print(f"  {'row':<40}{'formula':<27}{'terms: replicated + split by t (+ attention core)':<60}"
           f"{'published':>12}{'picockpt per rank':>19}")
     for entry in row["table2"]:
@@ -221,7 +224,8 @@ def _print_table2(row):
         print(f"  {entry['row']:<40}{entry['formula']:<27}{terms:<60}{fmt_bytes(entry['published_bytes']):>12}"
               f"{own:>19}")
     if "picockpt_rank_note" in row:
-        print(f"picockpt per rank: not at t={t} ({row['picockpt_rank_note']})")
+        print(f"picockpt per rank: one rank holds the whole model, as picockpt's exact store above" if t == 1 else
+              f"picockpt per rank: not at t={t} ({row['picockpt_rank_note']})")
         return
     layout = f"t={t}" + (", sequence parallel" if row["sp"] else "") + \
         (", distributed saved activations" if row.get("distribute_saved") else "")

@@ -1,11 +1,14 @@
 """python -m picockpt train: the synthetic Markov task, step by step."""
 import math
 
-from ..device import check_fits
+from ..fit import check_fits
 from ..params import init_params
 from ..policy import parse_policy
 from ..train import MarkovTask, train
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args
+
+
+CUDA_PEAK_TFLOPS = 989.5  # H100/H200 SXM dense bf16 (NVIDIA's datasheet: 1979 with sparsity)
 
 
 def add_arguments(parser):
@@ -18,9 +21,10 @@ def add_arguments(parser):
     parser.add_argument("--watch-live", action="store_true",
                         help="CPU: also measure the live peak (every tensor of the step, not only the stored ones) "
                              "at every step; slow. On CUDA the live peak comes from the allocator, always")
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="CUDA: the GPU's dense peak in TFLOP/s for MFU and HFU (default 989: an H100/H200 "
-                             "in bf16; an A100 is 312)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's dense peak in TFLOP/s, for MFU and HFU (PaLM's model and hardware FLOPs "
+                             "utilisation); default on CUDA 989.5 (an H100/H200 SXM in bf16; an A100 is 312), "
+                             "on CPU none (give your CPU's peak to see them)")
 
 
 def run(args):
@@ -33,13 +37,15 @@ def run(args):
     if args.log_every < 1:
         raise ValueError(f"--log-every={args.log_every}: print every N steps with N >= 1 (the last step is "
                          f"always printed; --log-every {args.steps} prints the first and the last)")
-    if not math.isfinite(args.peak_tflops) or args.peak_tflops <= 0:
-        raise ValueError(f"--peak-tflops={args.peak_tflops}: give the GPU's dense peak, a positive number (989 for "
-                         f"an H100/H200 in bf16)")
+    if args.peak_tflops is not None and (not math.isfinite(args.peak_tflops) or args.peak_tflops <= 0):
+        raise ValueError(f"--peak-tflops={args.peak_tflops}: give the device's dense peak, a positive number "
+                         f"(989.5 for an H100/H200 SXM in bf16)")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise ValueError(f"--lr={args.lr}: AdamW's learning rate must be a positive number, e.g. 3e-3")
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
+    peak_tflops = args.peak_tflops if args.peak_tflops is not None else \
+        CUDA_PEAK_TFLOPS if device.type == "cuda" else None  # a CPU has no datasheet peak: no MFU/HFU unless given
     check_fits(cfg, device, args.batch, args.seq, policy)
     task = MarkovTask(cfg.vocab, seed=args.seed)
     print(f"training {cfg.num_params():,} parameters on {device} ({cfg.dtype}), policy {policy.text}, "
@@ -47,5 +53,5 @@ def run(args):
           f"{math.log(cfg.vocab):.3f}, the task's floor is ln({task.branching}) = {task.loss_floor:.3f}")
     params = init_params(cfg, seed=args.seed, device=device)
     losses = train(params, cfg, task, args.steps, args.batch, args.seq, policy, args.lr, device,
-                   every=args.log_every, seed=args.seed, watch_live=args.watch_live, peak_tflops=args.peak_tflops)
+                   every=args.log_every, seed=args.seed, watch_live=args.watch_live, peak_tflops=peak_tflops)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")

@@ -23,13 +23,19 @@ def _grouped(x, kv_heads):
 
 
 def attention_probs(q, k, stat_dtype):
-    """P = softmax(q k^T / sqrt(hd) + causal mask): also the one-line rebuild of dropped probs."""
+    """P = softmax(q k^T / sqrt(hd) + causal mask): also the one-line rebuild of dropped probs.
+    Three passes over the T x T values: the matmul with the causal mask folded in (baddbmm adds a
+    0 / -inf bias before it rounds, so the scores are bitwise the matmul's), the scale in place, and
+    one softmax that reads the 16-bit scores, computes in stat_dtype (dtype=) and is rounded once.
+    The scale stays a separate pass: folded into the matmul (alpha=) it would round once instead of
+    twice, more exact but no longer bitwise Hugging Face's eager order (q k^T rounded, then scaled)."""
     B, H, T, hd = q.shape
-    scores = _grouped(q, k.shape[1]) @ k.transpose(-1, -2)  # (B, KV, G*T, T)
-    scores = scores.view(B, H, T, T) * hd ** -0.5  # (B, H, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # (T, T) True above the diagonal
-    scores = scores.masked_fill(future, float("-inf"))  # (B, H, T, T)
-    return torch.softmax(scores.to(stat_dtype), dim=-1).to(q.dtype)  # (B, H, T, T)
+    KV = k.shape[1]
+    future = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)  # (T, T) -inf above the diagonal
+    scores = torch.baddbmm(future.repeat(H // KV, 1), _grouped(q, KV).flatten(0, 1),  # (G*T, T) bias, (B*KV, G*T, hd)
+                           k.transpose(-1, -2).flatten(0, 1))  # (B*KV, G*T, T) q k^T, future -inf
+    scores = scores.view(B, H, T, T).mul_(hd ** -0.5)  # (B, H, T, T) in place: / sqrt(hd)
+    return torch.softmax(scores, dim=-1, dtype=stat_dtype).to(q.dtype)  # (B, H, T, T)
 
 
 def attention_forward(q, k, v, stat_dtype, mask=None, p=0.0):
@@ -54,11 +60,12 @@ def attention_backward(dout, q, k, v, probs, dropped, stat_dtype, mask=None, p=0
     ddropped = (_grouped(dout, kv_heads) @ v.transpose(-1, -2)).view(B, H, T, T)  # (B, H, T, T)
     dv = _grouped(dropped, kv_heads).transpose(-1, -2) @ _grouped(dout, kv_heads)  # (B, KV, T, hd)
     dprobs = ddropped if mask is None else dropout_backward(ddropped, mask, p)  # (B, H, T, T)
-    # softmax backward, dS = P * (dP - rowsum(dP * P)), in statistics precision and in one pass over the
-    # T x T values: torch's fused softmax-backward kernel (the one autograd calls) instead of four passes
-    dscores = torch._softmax_backward_data(dprobs.to(stat_dtype), probs.to(stat_dtype), -1, stat_dtype)  # (B, H, T, T)
+    # softmax backward, dS = P * (dP - rowsum(dP * P)), in one pass over the T x T values: torch's fused
+    # softmax-backward kernel (the one autograd calls), fed the 16-bit dP and P as they are (it accumulates
+    # the row sum in fp32) and writing dS in the activation dtype: no fp32 copies of T x T tensors
+    dscores = torch._softmax_backward_data(dprobs, probs, -1, q.dtype)  # (B, H, T, T)
     del ddropped, dprobs
-    dscores = dscores.to(q.dtype).mul_(hd ** -0.5)  # (B, H, T, T) in place when no cast: / sqrt(hd)
+    dscores = dscores.mul_(hd ** -0.5)  # (B, H, T, T) in place: / sqrt(hd)
     dq = (_grouped(dscores, kv_heads) @ k).view(B, H, T, hd)  # (B, H, T, hd)
     dk = _grouped(dscores, kv_heads).transpose(-1, -2) @ _grouped(q, kv_heads)  # (B, KV, T, hd)
     return dq, dk, dv

@@ -54,9 +54,9 @@ def _causal(scores, i0, i1, j0, j1, G):
 
 
 def tile_mask(seed, pair_index, shape, p, device):
-    """The dropout mask of one tile pair, regenerated from the base seed (True: kept)."""
+    """The dropout mask of one tile pair, regenerated from the base seed, a host int (True: kept)."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(int(seed) * 2**20 + pair_index)  # one stream per tile pair
+    generator.manual_seed(seed * 2**20 + pair_index)  # one stream per tile pair; no device read here
     return torch.rand(shape, generator=generator, device=device) >= p  # (shape) bool
 
 
@@ -74,6 +74,7 @@ def tiled_attention_forward(q, k, v, stat_dtype, tile_q=128, tile_k=128, p=0.0, 
     out = torch.empty_like(qg)  # (B, KV, G, T, hd)
     lse = torch.empty(B, KV, G, T, dtype=stat_dtype, device=q.device)  # (B, KV, G, T)
     scale = hd ** -0.5
+    seed = int(seed) if p > 0 else None  # the stored () tensor read once per call (one host sync), not per tile
     index = 0  # the tile pair's number, in tile_pairs() order: its dropout stream
     for i0 in range(0, T, tile_q):  # a tile of query rows ...
         i1 = min(i0 + tile_q, T)
@@ -120,6 +121,7 @@ def tiled_attention_backward(dout, q, k, v, out, lse, stat_dtype, tile_q=128, ti
     KV = k.shape[1]
     G = H // KV
     scale = hd ** -0.5
+    seed = int(seed) if p > 0 else None  # read once per call (one host sync), not per tile pair
     group = lambda x: x.reshape(B, KV, G, T, x.shape[-1])  # noqa: E731 (B, H, T, n) -> (B, KV, G, T, n)
     qg, dog = group(q), group(dout)  # (B, KV, G, T, hd) each
     D = (dout.to(stat_dtype) * out.to(stat_dtype)).sum(-1)  # (B, H, T) rowsum(dO * O)
@@ -155,6 +157,7 @@ def tiled_dropout_mask(seed, shape, p, tile_q, tile_k, device="cpu"):
     """The whole (B, H, T, T) mask the tiles drew (False above the diagonal and where dropped): for
     tests and lessons that compare with eager attention under the very same mask."""
     B, H, T, _ = shape
+    seed = int(seed)  # a () tensor or an int
     mask = torch.zeros(shape, dtype=torch.bool, device=device)  # (B, H, T, T)
     for index, (i, i0, i1, j, j0, j1) in enumerate(tile_pairs(T, tile_q, tile_k)):
         # the op draws (B, KV, G*t, u): the same numbers, in the same order, as (B, H, t, u)

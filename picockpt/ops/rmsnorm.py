@@ -30,7 +30,8 @@ def rmsnorm_backward(dy, x, rstd, weight):
     """
     xs, dys = x.to(rstd.dtype), dy.to(rstd.dtype)  # (B, T, h) in statistics precision
     n = xs * rstd  # (B, T, h)
-    dweight = (dys * n).sum(dim=(0, 1)).to(weight.dtype)  # (h,)
+    dweight = (dys * n).sum(dim=(0, 1))  # (h,) in statistics precision: a sum over B*T tokens, never rounded
+    # to the 16-bit compute dtype on its way to the fp32 master gradient
     dn = dys * weight.to(rstd.dtype)  # (B, T, h)
     dx = rstd * (dn - xs * rstd.pow(2) * (dn * xs).mean(-1, keepdim=True))  # (B, T, h)
     return dx.to(x.dtype), dweight

@@ -1,26 +1,8 @@
-"""The collectives of tensor, sequence, data and expert parallelism, as forward/backward pairs.
-
-Like picockpt/ops/*, each pair is two plain functions side by side (no autograd): the layer calls
-the forward where its forward crosses ranks and the backward where its backward does, so every
-byte that moves is one visible line. As in Megatron-LM (Shoeybi et al. 2019, "f" and "g") and
-Korthikanti et al. 2022 (sec. 4.2.2, "g" and "g-bar"), each pair's backward is the adjoint of its
-forward:
-
-    pair                  forward                          backward
-    copy_to_parallel      identity                         all-reduce          entering a TP region
-    reduce_from_parallel  all-reduce                       identity            after a row-parallel linear
-    gather_sequence       all-gather along dim             reduce-scatter      entering a TP region (SP)
-    scatter_sequence      reduce-scatter along dim         all-gather          leaving it (SP)
-    split_sequence        take this rank's shard (no comm) all-gather
-    all_to_all            all-to-all, given split sizes    the inverse all-to-all  (expert dispatch;
-                          exchange_splits tells each rank its split sizes, an all-to-all of W int64)
-    all_reduce_grads      all-reduce of gradients (sum or mean), for data parallel and replicated weights
-    all_reduce_max        all-reduce (max), no backward: a softmax's shift, a constant of its gradient
-
-Words: "replicated" = the same logical tensor on every rank (its gradient is the same on every rank
-too); "partial" = each rank holds a summand of the logical tensor; "sharded" = each rank holds one
-slice of it along dim.
-
+"""The counting base of every collective: a Comm (one process group as this rank sees it), its log of
+bytes and calls per phase, and the collectives themselves, each counted once. The forward/backward pairs
+built on them live beside the layers that call them: tensor_parallel/tp_comm.py (copy, reduce, gather,
+scatter, split), expert_parallel/ep_comm.py (the all-to-all pair), pipeline_parallel/pp_comm.py (paired
+sends and receives), data_parallel/dp_comm.py (bucketed gradient all-reduces).
 Bytes counted (Comm.log), per rank, one number per call: the size of the logical buffer of the
 collective (the size S of nccl-tests' doc/PERFORMANCE.md, whose algorithm bandwidth is S / time):
     all-reduce      the tensor's bytes                               (= the output's)
@@ -59,12 +41,16 @@ class CommLog:
     def __init__(self):
         self.bytes = {}   # phase -> {kind -> bytes}
         self.calls = {}   # phase -> {kind -> number of calls}
+        self.sent = {}    # phase -> bytes an all-to-all sent to other ranks (its buffer less the rows kept here)
 
     def record(self, phase, kind, nbytes):
         per_kind = self.bytes.setdefault(phase, {})
         per_kind[kind] = per_kind.get(kind, 0) + nbytes
         calls = self.calls.setdefault(phase, {})
         calls[kind] = calls.get(kind, 0) + 1
+
+    def record_sent(self, phase, nbytes):
+        self.sent[phase] = self.sent.get(phase, 0) + nbytes
 
     def total(self, phase=None, kind=None):
         """Bytes, summed over every phase and kind unless one is named."""
@@ -78,7 +64,8 @@ class CommLog:
         """What a rank's report says of its communication: bytes and calls per phase, bytes by kind."""
         return {"comm_bytes": {phase: self.total(phase) for phase in phases},
                 "comm_calls": {phase: self.count(phase) for phase in phases},
-                "comm_bytes_by_kind": {phase: dict(self.bytes.get(phase, {})) for phase in phases}}
+                "comm_bytes_by_kind": {phase: dict(self.bytes.get(phase, {})) for phase in phases},
+                "all_to_all_sent_bytes": {phase: self.sent.get(phase, 0) for phase in phases}}
 
 
 def _sum(table, phase, kind):
@@ -109,7 +96,7 @@ class Comm:
 
 
 # -- the collectives themselves, each counted once ------------------------------------------------
-def _all_reduce(x, comm):
+def all_reduce(x, comm):
     if comm.world_size == 1:  # a group of one: the sum is x itself, and nothing moves (as Megatron returns early)
         return x
     x = x.contiguous()  # no copy when x is contiguous (the usual case); the reduction happens in place
@@ -118,7 +105,10 @@ def _all_reduce(x, comm):
     return x
 
 
-def _all_reduce_max(x, comm):
+def all_reduce_max(x, comm):
+    """The elementwise max over ranks, in place (an all-reduce, counted as one). No backward pair:
+    it serves where its result is a constant of the gradient, as the shift that keeps a softmax's
+    exponentials finite (the vocabulary-parallel cross-entropy, tensor_parallel/vocab.py)."""
     if comm.world_size == 1:
         return x
     x = x.contiguous()  # as _all_reduce: no copy when x is contiguous; reduced in place
@@ -127,8 +117,8 @@ def _all_reduce_max(x, comm):
     return x
 
 
-def _all_gather(x, comm, dim):
-    dim = _check_dim(x, dim)
+def all_gather(x, comm, dim):
+    dim = check_dim(x, dim)
     if comm.world_size == 1:  # the one shard is the whole
         return x
     shard = x.contiguous()  # (..., n, ...) a copy only if x is a strided view: the collective sends a flat buffer
@@ -140,8 +130,8 @@ def _all_gather(x, comm, dim):
     return gathered.movedim(0, dim).flatten(dim, dim + 1)  # (..., W*n, ...) a copy when dim > 0, a view for 0
 
 
-def _reduce_scatter(x, comm, dim):
-    dim = _check_divisible(x, comm, _check_dim(x, dim))
+def reduce_scatter(x, comm, dim):
+    dim = check_divisible(x, comm, check_dim(x, dim))
     if comm.world_size == 1:  # the one chunk, summed over one rank
         return x
     W, n = comm.world_size, x.shape[dim] // comm.world_size
@@ -153,7 +143,7 @@ def _reduce_scatter(x, comm, dim):
     return shard
 
 
-def _all_to_all(x, comm, send_splits, receive_splits):
+def all_to_all(x, comm, send_splits, receive_splits):
     _check_splits(x, comm, send_splits, receive_splits)
     if comm.world_size == 1:  # every row stays
         return x
@@ -161,17 +151,19 @@ def _all_to_all(x, comm, send_splits, receive_splits):
     received = x.new_empty((sum(receive_splits),) + tuple(x.shape[1:]))  # (N_receive, ...)
     dist.all_to_all_single(received, rows, output_split_sizes=list(receive_splits),
                            input_split_sizes=list(send_splits), group=comm.group)  # rows for rank s -> rank s
-    comm.log.record(comm.phase, "all_to_all", rows.nbytes)
+    comm.log.record(comm.phase, "all_to_all", rows.nbytes)  # the buffer, this rank's own rows included
+    own = send_splits[comm.rank] * rows[:1].nbytes if rows.shape[0] else 0  # the rows it sends itself
+    comm.log.record_sent(comm.phase, rows.nbytes - own)  # what leaves the rank
     return received
 
 
-def _check_dim(x, dim):
+def check_dim(x, dim):
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim={dim}: a tensor of shape {tuple(x.shape)} has dims {-x.dim()}..{x.dim() - 1}")
     return dim % x.dim()  # a negative dim counts from the end
 
 
-def _check_divisible(x, comm, dim):
+def check_divisible(x, comm, dim):
     if x.shape[dim] % comm.world_size:
         raise ValueError(f"dim={dim}: size {x.shape[dim]} of a tensor of shape {tuple(x.shape)} is not divisible "
                          f"by the {comm.world_size} ranks; use a length that is a multiple of {comm.world_size}")
@@ -188,112 +180,6 @@ def _check_splits(x, comm, send_splits, receive_splits):
                          f"{x.shape[0]} rows (dim 0); they must add up to it")
 
 
-# -- tensor parallel: entering and leaving a region -----------------------------------------------
-def copy_to_parallel_forward(x, comm):
-    # x (...) replicated: every rank already holds all of it, so entering the region moves nothing
-    return x  # (...)
-
-
-def copy_to_parallel_backward(dy, comm):
-    """Forward was y_r = x on every rank r (one replicated x feeds W column-parallel branches).
-
-    x is used W times, once per rank's branch, so its gradient is the sum of the W uses':
-        dx = sum_r dy_r          -> all-reduce of dy (every rank needs dx: x is replicated)
-    """
-    return _all_reduce(dy, comm)  # (...) sum over ranks, in place
-
-
-def reduce_from_parallel_forward(x, comm):
-    # x (...) partial: this rank's summand (a row-parallel linear's x_r @ W_r.T)
-    return _all_reduce(x, comm)  # (...) y = sum_r x_r, replicated, in place
-
-
-def reduce_from_parallel_backward(dy, comm):
-    """Forward was y = sum_r x_r, then y is replicated.
-
-    dy/dx_r = identity, so dx_r = dy; and dy is already the same on every rank (what follows y is
-    computed redundantly on every rank), so nothing moves.
-    """
-    return dy  # (...)
-
-
-def all_reduce_max(x, comm):
-    """The elementwise max over ranks, in place (an all-reduce, counted as one). No backward pair:
-    it serves where its result is a constant of the gradient, as the shift that keeps a softmax's
-    exponentials finite (the vocabulary-parallel cross-entropy, picockpt/parallel/vocab.py)."""
-    return _all_reduce_max(x, comm)  # (...) max over ranks, replicated
-
-
-# -- sequence parallel: between sequence shards and the full sequence ------------------------------
-def gather_sequence_forward(x, comm, dim=1):
-    # x (B, T/W, h) this rank's shard of the sequence (along dim) -> the full, replicated sequence
-    return _all_gather(x, comm, dim)  # (B, T, h)
-
-
-def gather_sequence_backward(dy, comm, dim=1):
-    """Forward was y = cat(x_0, ..., x_{W-1}) along dim, the same y on every rank, each rank's
-    tensor-parallel branch using it.
-
-    Each rank's branch gives a partial gradient dy_r of the full y; the gradient of y is their sum,
-    and x_r is slice r of y:
-        dx_r = (sum_s dy_s)[slice r]     -> reduce-scatter of dy along dim
-    """
-    return _reduce_scatter(dy, comm, dim)  # (B, T/W, h)
-
-
-def scatter_sequence_forward(x, comm, dim=1):
-    # x (B, T, h) partial (a row-parallel linear's summand) -> this rank's shard of the sum
-    return _reduce_scatter(x, comm, dim)  # (B, T/W, h)
-
-
-def scatter_sequence_backward(dy, comm, dim=1):
-    """Forward was y_r = (sum_s x_s)[slice r]: rank r keeps slice r of the sum.
-
-    d y_r / d x_s is "take slice r" for every s, so x_s's gradient is every slice's gradient put
-    back in place, the same on every rank:
-        dx_s = cat(dy_0, ..., dy_{W-1}) along dim   -> all-gather of dy
-    """
-    return _all_gather(dy, comm, dim)  # (B, T, h)
-
-
-def split_sequence_forward(x, comm, dim=1):
-    # x (B, T, h) replicated: rank r keeps slice r; nothing moves
-    dim = _check_divisible(x, comm, _check_dim(x, dim))
-    return x.chunk(comm.world_size, dim)[comm.rank]  # (B, T/W, h) a view of x, no copy
-
-
-def split_sequence_backward(dy, comm, dim=1):
-    """Forward was y_r = x[slice r], one replicated x.
-
-    x's gradient holds every slice's gradient in its place, and every rank needs it (x is replicated):
-        dx = cat(dy_0, ..., dy_{W-1}) along dim     -> all-gather of dy
-    """
-    return _all_gather(dy, comm, dim)  # (B, T, h)
-
-
-# -- expert parallel: rows (tokens) to the rank that holds their expert ----------------------------
-def exchange_splits(send_splits, comm):
-    """How many rows each rank will send to this one, from how many this one sends to each: an
-    all-to-all of one int64 per rank (counted: 8 x world_size bytes)."""
-    sizes = torch.tensor(list(send_splits), dtype=torch.int64, device=comm.device)  # (W,)
-    return _all_to_all(sizes, comm, [1] * comm.world_size, [1] * comm.world_size).tolist()
-
-
-def all_to_all_forward(x, comm, send_splits, receive_splits):
-    # x (N_send, ...) rows grouped by destination: the first send_splits[0] go to rank 0, ...
-    return _all_to_all(x, comm, send_splits, receive_splits)  # (N_receive, ...) grouped by source rank
-
-
-def all_to_all_backward(dy, comm, send_splits, receive_splits):
-    """Forward was an all-to-all: block s of this rank's rows went to rank s, and block s of y came
-    from rank s (sizes send_splits and receive_splits).
-
-    It only moves rows, so each row's gradient goes back where the row came from: the inverse
-    all-to-all, with the two split lists swapped.
-    """
-    return _all_to_all(dy, comm, receive_splits, send_splits)  # (N_send, ...)
-
-
 # -- data parallel, and weights replicated across a tensor-parallel group --------------------------
 def all_reduce_grads(grads, comm, mean=False):
     """Sum (mean=True: average) each gradient over the ranks, in place; returns grads.
@@ -304,6 +190,6 @@ def all_reduce_grads(grads, comm, mean=False):
     each rank from its own tokens: their sum (mean=False). One all-reduce per tensor.
     """
     for name, grad in grads.items():
-        reduced = _all_reduce(grad, comm)  # (same shape) in place when grad is contiguous
+        reduced = all_reduce(grad, comm)  # (same shape) in place when grad is contiguous
         grads[name] = reduced.div_(comm.world_size) if mean else reduced
     return grads

@@ -32,7 +32,11 @@ Failure: the first rank to fail or die ends the run. Its error comes back as a R
 names the rank, the exception type and message, and carries that rank's traceback; a ValueError
 (a user mistake) comes back as a ValueError naming the rank. The other ranks are terminated
 (SIGTERM, then SIGKILL): nothing waits for a collective timeout, and no process outlives
-run_ranks, KeyboardInterrupt included. A rank whose parent dies is killed by the kernel (Linux).
+run_ranks, KeyboardInterrupt included. A rank whose parent dies is killed by the kernel (Linux). A rank
+that dies before it starts (a calling script without `if __name__ == "__main__":`, which the rank
+re-imports) ends the run at once with a ValueError naming the missing guard: the payload (fn and its
+arguments, often megabytes of weights) goes down a pipe of its own after the process has started, so
+starting a rank never blocks on one that is already gone.
 """
 import os
 import pickle
@@ -135,7 +139,7 @@ def _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s):
     device = _rank_device(device_type, int(os.environ["LOCAL_RANK"]))
     owns_group = not dist.is_initialized()  # a second run_ranks in the same job reuses the group
     if owns_group:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))  # env:// rendezvous
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **_bound(device))  # env:// rendezvous
     try:
         result = fn(Comm(device=device, timeout=timedelta(seconds=timeout_s)), *args, **kwargs)
         results = [None] * size
@@ -144,6 +148,12 @@ def _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s):
         if owns_group:
             dist.destroy_process_group()
     return results
+
+
+def _bound(device):
+    """init_process_group's device_id on CUDA: the group is bound to this rank's GPU, so NCCL need not
+    guess it for barriers and creates its communicator eagerly; nothing on the CPU (gloo)."""
+    return {"device_id": device} if device.type == "cuda" else {}
 
 
 def _rank_device(device_type, local_rank):
@@ -168,25 +178,35 @@ def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, 
     if start_method == "forkserver":
         context.set_forkserver_preload([__name__])  # torch and this module, imported once by the helper
         parent = None  # the ranks' parent is the helper, not this process
-    ranks, pipes, finished = [], [], False
+    started = context.Array("b", world_size, lock=False)  # rank r sets started[r] once it runs picockpt's code
+    ranks, pipes, outboxes, finished = [], [], [], False
     try:
         for rank in range(world_size):
             reader, writer = context.Pipe(duplex=False)  # the rank's one message: its result or error
+            inbox, outbox = context.Pipe(duplex=False)  # the payload, sent after start() (see below)
             # not a daemon: a rank may start processes of its own (torch.compile's workers, say)
             process = context.Process(target=_spawned_rank, name=f"picockpt-rank-{rank}",
                                       args=(rank, world_size, store.port, backend, device_type,
-                                            timeout_s, payload, writer, parent))
-            process.start()
+                                            timeout_s, inbox, writer, parent, started))
+            process.start()  # writes only these small arguments: never blocks on a rank that dies starting
             writer.close()  # the parent keeps only the reading end: EOF once the rank is gone
+            inbox.close()  # and only the writing end of the payload's pipe: EPIPE once the rank is gone
             ranks.append(process)
             pipes.append(reader)
-        results = collect(ranks, pipes)
+            outboxes.append(outbox)
+        for outbox in outboxes:  # each rank reads its payload first thing; a rank that died never will
+            try:
+                outbox.send_bytes(payload)
+            except OSError:  # BrokenPipeError: the rank is gone; collect() says how and why
+                pass
+            outbox.close()
+        results = collect(ranks, pipes, started)
         finished = True
         return results
     finally:  # whatever happened (a failure, KeyboardInterrupt): no rank outlives this call
         stop(ranks, grace_s=STOP_GRACE_S if finished else 0.0)
-        for reader in pipes:
-            reader.close()
+        for connection in pipes + outboxes:
+            connection.close()
         del store  # closes the rendezvous port
 
 
@@ -208,12 +228,15 @@ def _serve_rendezvous(port, world_size, timeout_s):
                          wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True)
 
 
-def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, payload, pipe, parent_pid):
-    """The body of one spawned rank: join the group, run fn, send back one message, leave."""
+def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox, pipe, parent_pid, started):
+    """The body of one spawned rank: read the payload, join the group, run fn, send back one message, leave."""
+    started[rank] = 1  # past Python's bootstrap (which re-imports the caller's script): picockpt's code runs
     _die_with_parent(parent_pid)
     torch.set_num_threads(1)  # ranks share the machine's cores: one thread each, no oversubscription
     joined = False
     try:
+        payload = inbox.recv_bytes()  # (fn, args, kwargs, environment), pickled by the parent
+        inbox.close()
         fn, args, kwargs, environment = pickle.loads(payload)
         os.environ.clear()
         os.environ.update(environment)  # the caller's variables now (a forkserver helper's may be older)
@@ -222,7 +245,7 @@ def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, paylo
         device = _rank_device(device_type, rank)
         store = dist.TCPStore(LOCALHOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), **_bound(device))
         joined = True
         dist.barrier()  # gloo's full-mesh connect can finish on one rank before another: a rank that
         #                 left (returned, failed) that early would break its peers' connect

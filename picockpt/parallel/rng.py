@@ -4,7 +4,7 @@ A rank applies dropout to its share of a tensor: its heads of the attention prob
 (B, H/t, T, T), and, under sequence parallelism, its tokens of a residual branch, (B, T/t, h).
 For its results to equal the single-process run's, every rank draws the *whole* mask that the
 single process draws, (B, H, T, T) or (B, T, h), from the same generator state, and keeps its own
-slice. Every rank starts the step from the caller's generator state (picockpt/parallel/step.py),
+slice. Every rank starts the step from the caller's generator state (picockpt/parallel/job.py),
 so every rank's generator then advances exactly as the single process's does: the next mask, and
 every mask a recomputation draws again after the engine's RNG replay, are the same ones too.
 
@@ -25,8 +25,9 @@ a single process's: here equality is the point (every test compares the two).
 
 Tiled attention draws each tile's mask from its own generator, seeded from one stored seed and the
 tile's index, at the shape of the rank's heads: no slice of those equals the single process's
-tiles, so tiled attention with dropout is refused under tensor parallelism (shard.py).
+tiles, so tiled attention with dropout is refused under tensor parallelism (tensor_parallel/tp_shard.py).
 """
+import collections
 import contextlib
 
 import torch
@@ -46,34 +47,49 @@ def sliced_mask(shape, p, device, comm, dim=None):
     return mask.narrow(dim, comm.rank * size, size).clone()  # (.., shape[dim]/t, ..) bool, compact
 
 
-class _FullSizeDraws(TorchFunctionMode):
-    """Inside it, torch.rand(shape) draws shape with dim `dim` t times larger and returns this
-    rank's slice: the mask picockpt/attention.py draws at the shape of a rank's heads becomes the
-    single process's mask, sliced. Any other random function inside is refused (none is called)."""
+Part = collections.namedtuple("Part", "rank world_size")  # a slice r of W, where no Comm stands for it
 
-    def __init__(self, comm, dim):
+
+class FullSizeDraws(TorchFunctionMode):
+    """Inside it, torch.rand(shape) and Tensor.uniform_ draw the single process's tensor, W times as large
+    along dim `dim`, and keep this rank's slice (part.rank of part.world_size): a mask drawn at the shape
+    of a rank's heads (tensor parallel, dim 1), of its sequences (expert parallel, dim 0) or of a
+    micro-batch's rows (pipeline, dim 0) becomes the single process's, sliced. Any other random
+    function inside is refused (none is called)."""
+
+    def __init__(self, part, dim):
         super().__init__()
-        self.comm, self.dim = comm, dim
+        self.part, self.dim = part, dim
+
+    def whole_then_mine(self, shape, draw):
+        shape = list(shape)
+        size = shape[self.dim]
+        shape[self.dim] = size * self.part.world_size  # the single process's shape
+        whole = draw(tuple(shape))  # the whole draw, from the shared generator state
+        return whole.narrow(self.dim, self.part.rank * size, size)  # this rank's slice, a view
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.rand:
-            shape = list(args[0] if len(args) == 1 else args)  # torch.rand((a, b)) or torch.rand(a, b)
-            size = shape[self.dim]
-            shape[self.dim] = size * self.comm.world_size  # the single process's shape
-            whole = func(tuple(shape), **kwargs)  # the whole draw, from the shared generator state
-            return whole.narrow(self.dim, self.comm.rank * size, size).clone()  # this rank's slice
-        if func in (torch.randn, torch.randint, torch.bernoulli, torch.rand_like, torch.randn_like):
-            raise RuntimeError(f"{func.__name__} inside full_size_draws: only torch.rand is sliced here")
+        if func is torch.rand:  # a dropout mask: torch.rand(shape, device=...)
+            shape = args[0] if len(args) == 1 else args  # torch.rand((a, b)) or torch.rand(a, b)
+            return self.whole_then_mine(shape, lambda whole: func(whole, **kwargs)).clone()  # compact
+        if func is torch.Tensor.uniform_:  # router jitter: torch.empty_like(x).uniform_(low, high)
+            tensor, *bounds = args
+            return tensor.copy_(self.whole_then_mine(tensor.shape,
+                                                     lambda whole: tensor.new_empty(whole).uniform_(*bounds, **kwargs)))
+        if func in (torch.randn, torch.randint, torch.bernoulli, torch.rand_like, torch.randn_like, torch.normal):
+            raise RuntimeError(f"{func.__name__} inside full_size_draws: only torch.rand and uniform_ are drawn "
+                               f"whole and sliced here")
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def full_size_draws(comm, dim, dropout=1.0):
-    """Every torch.rand inside draws the single process's tensor and keeps this rank's slice along dim.
-    Nothing to do on one rank (its shapes are the single process's), nor when dropout is 0 (no draws)."""
-    if comm.world_size == 1 or dropout == 0:
+def full_size_draws(part, dim, dropout=1.0):
+    """Every torch.rand (and uniform_) inside draws the single process's tensor and keeps this rank's slice
+    along dim. part: a Comm, or a Part. Nothing to do on one rank (its shapes are the single process's), nor
+    when dropout is 0 (no draws)."""
+    if part.world_size == 1 or dropout == 0:
         yield
         return
-    with _FullSizeDraws(comm, dim):
+    with FullSizeDraws(part, dim):
         yield

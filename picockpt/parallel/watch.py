@@ -3,7 +3,8 @@ stop the rest.
 
 Each rank sends exactly one message down its pipe: ("ok", result) or ("error", when, type name,
 message, traceback, is_value_error). A rank that dies without one (os._exit, a signal, the OOM
-killer) shows as EOF on its pipe and a fired sentinel. The first failure ends the wait; LINGER_S
+killer) shows as EOF on its pipe and a fired sentinel; one that dies before it reaches picockpt's code (a
+script without a main guard, re-imported by the rank) ends the run with a ValueError that says so. The first failure ends the wait; LINGER_S
 later the root cause is picked among all failures seen (see _error), the others are terminated
 (SIGTERM, which ends a Python process at once even inside a collective), then killed.
 """
@@ -27,8 +28,9 @@ class RankError(RuntimeError):
         self.failed_at = failed_at
 
 
-def collect(ranks, pipes):
-    """Each rank's result, by rank; the first failure (or death) raises at once."""
+def collect(ranks, pipes, started=None):
+    """Each rank's result, by rank; the first failure (or death) raises at once. started[r] (a shared
+    array, or None) is set once rank r runs picockpt's code: a rank that dies before is named as such."""
     results, pending, failures = [None] * len(ranks), set(range(len(ranks))), {}
     linger_until = None
     while pending:
@@ -51,7 +53,7 @@ def collect(ranks, pipes):
             if message is not None and message[0] == "ok":
                 results[r] = message[1]
             else:
-                failures[r] = message if message is not None else _death(ranks[r])
+                failures[r] = message if message is not None else _death(ranks[r], started is None or started[r])
         if failures and linger_until is None:
             linger_until = time.monotonic() + LINGER_S
         if failures and time.monotonic() >= linger_until:
@@ -61,12 +63,18 @@ def collect(ranks, pipes):
     return results
 
 
-def _death(process):
+def _death(process, started=True):
     process.join(1.0)  # its sentinel fired: reap it to read the exit code
     code = process.exitcode
     if code is not None and code < 0:
-        return ("died", time.monotonic(), f"was killed by {signal.Signals(-code).name}")
-    return ("died", time.monotonic(), f"exited with code {code}")
+        return ("died", time.monotonic(), f"was killed by {signal.Signals(-code).name}", started)
+    return ("died", time.monotonic(), f"exited with code {code}", started)
+
+
+MAIN_GUARD = ("a rank re-imports the script that started the run (Python's spawn and forkserver start methods "
+              "do), and a script without `if __name__ == \"__main__\":` runs its own calls again there, which "
+              "fail while the rank is still starting (its traceback is on stderr above); put the script's "
+              "calls (loss_and_grads with tp, pp, dp or ep, run_ranks, ...) under `if __name__ == \"__main__\":`")
 
 
 def _error(failures, ranks, pending):
@@ -84,6 +92,8 @@ def _error(failures, ranks, pending):
               for r, f in sorted(failures.items()) if r != rank]
     others += [f"rank {r} was stopped" for r in sorted(pending)]
     tail = ("\nthe other ranks: " + "; ".join(others)) if others else ""
+    if failure[0] == "died" and not failure[3]:  # it never reached picockpt's code: a user mistake, said as one
+        return ValueError(f"rank {rank} of {world} {failure[2]} before it started: {MAIN_GUARD}")
     if failure[0] == "died":
         return RankError(f"rank {rank} of {world} {failure[2]} before returning a result{tail}", rank,
                          failed_at=failure[1])

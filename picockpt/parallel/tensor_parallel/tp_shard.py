@@ -22,7 +22,7 @@ refuses instead).
 """
 import torch
 
-from ..params import EMBED, FINAL_NORM, HEAD, LAYER_NAMES, LayerWeights
+from ...params import EMBED, FINAL_NORM, HEAD, LAYER_NAMES, LayerWeights
 
 SPLIT_DIM = LayerWeights(attn_norm=None, q=0, k=0, v=0, o=1, mlp_norm=None, gate=0, up=0, down=1)  # by role
 

@@ -1,11 +1,10 @@
-"""One expert-parallel rank's model, as the engine's loop sees it (picockpt/engine.py: Step), and
-which parameters each rank holds.
+"""One expert-parallel rank's model, as the engine's loop sees it (picockpt/engine.py: Step).
 
 The layout is DeepSpeed-MoE's and Megatron-LM's expert parallelism without tensor parallelism:
 the batch is split over the W ranks (rank r computes sequences r*B/W .. (r+1)*B/W - 1), every
 weight but the experts' is whole on every rank (data parallel), and the experts are split: rank r
 holds experts r*E/W .. (r+1)*E/W - 1 of every layer. The loop is the single process's, line for
-line; the layers are picockpt/parallel/ep_layer.py's, whose expert block sends each token to its
+line; the layers are picockpt/layer.py's with ep_layer.py's crossings, whose expert block sends each token to its
 experts' rank and back (ep_moe.py), so recomputing a layer runs its all-to-alls again.
 
 The loss. The single process averages over the whole batch's counted targets, n of them. A rank's
@@ -13,44 +12,18 @@ head (picockpt/head.py) averages over its own, n_r, so its share of the whole me
 n_r / n: the loss is the sum of the ranks' shares (the caller adds them), and every gradient out of
 the head is scaled alike (by 1/2 on two ranks with equal counts: exact in floating point).
 
-    weight (HF name)                             rank r holds
-    model.layers.{i}.mlp.experts.gate_up_proj    experts r*E/W .. (r+1)*E/W - 1: (E/W, 2f, h)
-    model.layers.{i}.mlp.experts.down_proj       the same experts: (E/W, h, f)
-    every other weight (router included)         all of it; its gradient from this rank's sequences,
-                                                 summed over the ranks at the end of the step
+Which experts a rank holds: ep_shard.py.
 """
 import torch
 
-from ..engine import Model
-from ..head import head_backward, head_forward
-from ..ops import embedding_backward, embedding_forward
-from ..ops.cross_entropy import IGNORE_INDEX
-from ..params import EMBED
-from .ep_layer import KeptRouting, ep_layer_backward, ep_layer_forward
-
-EXPERT_ROLES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # split along dim 0 (the expert)
-
-
-def is_expert(name):
-    return name.endswith(EXPERT_ROLES)
-
-
-def shard_experts(params, rank, ep, device=None):
-    """{name: this rank's tensor}: its E/ep experts of each expert weight, every other weight whole
-    (each a copy of its own)."""
-    shards = {}
-    for name, tensor in params.items():
-        shard = tensor.chunk(ep, 0)[rank] if is_expert(name) else tensor  # (E/ep, ...) a view, or whole
-        shards[name] = shard.to(device).clone() if device is not None else shard.clone()
-    return shards
-
-
-def gather_expert_grads(per_rank, params):
-    """Every rank's gradients -> full gradients under the params' names: the experts' put back
-    together along dim 0, the replicated weights' (already summed over the ranks) from rank 0."""
-    return {name: torch.cat([grads[name] for grads in per_rank], 0) if is_expert(name) else per_rank[0][name]
-            for name in params}
-
+from ...engine import Model
+from ...layer import layer_backward, layer_forward
+from ...head import head_backward, head_forward
+from ...ops import embedding_backward, embedding_forward
+from ...ops.cross_entropy import IGNORE_INDEX
+from ...params import EMBED
+from .ep_inventory import ep_layer_names
+from .ep_layer import ExpertParallelCrossings, KeptRouting, ep_drop
 
 class ExpertParallelModel(Model):  # Model.start: this step's weights (this rank's), rotary tables
     """params: this rank's (shard_experts); input_ids, targets: this rank's sequences (B/W, T);
@@ -58,7 +31,6 @@ class ExpertParallelModel(Model):  # Model.start: this step's weights (this rank
     store (model.store = step.store): every layer keeps its routing there, whatever its mode."""
 
     def __init__(self, params, cfg, input_ids, targets, comm, counted, keep_dispatched=False):
-        from .ep_inventory import ep_layer_names
         self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
         self.comm, self.keep_dispatched = comm, keep_dispatched
         self.layers = range(cfg.layers)
@@ -80,11 +52,13 @@ class ExpertParallelModel(Model):  # Model.start: this step's weights (this rank
 
     def layer_forward(self, k, x, store, drop, need_output):
         kept = KeptRouting(self.store, k, self.received_rows)  # the step's store, whatever the layer's mode
-        return ep_layer_forward(x, self.weights_of[k], self.cfg, self.rope, self.comm, kept, self.first_expert,
-                                store, k, drop, need_output, self.keep_dispatched)  # (B_r, T, h)
+        cross = ExpertParallelCrossings(self.comm, self.cfg, kept, self.first_expert, self.keep_dispatched)
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, ep_drop(drop), need_output,
+                             cross)  # (B_r, T, h)
 
     def layer_backward(self, k, dx, store):
-        return ep_layer_backward(dx, self.weights_of[k], self.cfg, self.rope, self.comm, store, k, self.first_expert)
+        cross = ExpertParallelCrossings(self.comm, self.cfg, None, self.first_expert)  # its backward reads the store
+        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, cross)
 
     def head_forward(self, x, store, drop):
         loss = head_forward(x, self.weights, self.cfg, self.targets, store, drop)  # mean over this rank's targets

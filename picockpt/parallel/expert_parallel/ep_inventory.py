@@ -3,7 +3,7 @@
 Exact, as picockpt/inventory.py is (the tracker equals these to the byte), for rank r of W. What a
 rank holds depends on the tokens its experts receive, so, as the single-process inventory, these
 take the step's routing: `routing`, L lists of E per-expert token counts over the whole batch
-(picockpt.moe.step_routing on the whole batch, from the step's generator state). Rank r receives
+(picockpt.routing.step_routing on the whole batch, from the step's generator state). Rank r receives
 M_l = the counts of its experts r*E/W .. (r+1)*E/W - 1 in layer l; it sends P = (B/W) T k pairs.
 
     ep_layer_inventory(cfg, B, T, W, r, counts, drop, keep)   name -> (shape, dtype, bytes), one layer
@@ -37,18 +37,13 @@ Communication, per rank and layer, each all-to-all counted as picockpt/parallel/
 """
 import math
 
-from ..inventory import head_inventory, layer_inventory, step_flops, total
-from ..params import param_shapes
-from ..policy import parse_policy
+from ...inventory import head_inventory, layer_inventory, segments_peak, step_flops, total
+from ...params import param_shapes
+from ...policy import parse_policy
 from .ep_layer import ep_drop
-from .ep_model import is_expert
+from .ep_shard import is_expert
 from .ep_moe import DISPATCHED, ROUTING
-
-_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "bool": 1, "int64": 8}
-
-
-def _names(cfg):
-    return cfg.dtype, str(cfg.stat_dtype).replace("torch.", ""), str(cfg.param_dtype).replace("torch.", "")
+from ...config import BYTES
 
 
 def ep_layer_names(cfg, ep, rank):
@@ -72,7 +67,7 @@ def _check(cfg, batch, seq, policy, ep, rank, routing):
     if routing is None or len(routing) != cfg.layers or any(sum(c) != batch * seq * cfg.experts_per_token
                                                             for c in routing):
         raise ValueError(f"routing: give one list of E={cfg.experts} per-expert token counts per layer "
-                         f"(L={cfg.layers}) over the whole batch, each summing to B*T*k (picockpt.moe.step_routing)")
+                         f"(L={cfg.layers}) over the whole batch, each summing to B*T*k (picockpt.routing.step_routing)")
     if not 0 <= rank < ep:
         raise ValueError(f"rank={rank}: use 0 <= rank < ep={ep}")
     return policy
@@ -81,7 +76,7 @@ def _check(cfg, batch, seq, policy, ep, rank, routing):
 def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep_dispatched=False):
     """What one layer stored whole keeps on rank `rank` of ep, its input included: name -> (shape, dtype,
     bytes). batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints."""
-    act, stat, _ = _names(cfg)
+    act, stat, _ = cfg.dtype_names
     drop = ep_drop(frozenset(drop))
     local, f, h = cfg.experts // ep, cfg.ffn, cfg.hidden
     plain = layer_inventory(cfg, batch // ep, seq, drop)  # its own sequences; the experts' rows replaced below
@@ -94,17 +89,17 @@ def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep
     M = received_rows(cfg, counts, ep, rank)
     rows += [("moe.dispatched", (M, h), act), ("moe.dispatched_weights", (M,), stat)]
     kept = {"moe.received_counts"} | (set(DISPATCHED) if keep_dispatched else set())  # whatever the op level
-    return {name: (shape, dtype, math.prod(shape) * _BYTES[dtype]) for name, shape, dtype in rows
+    return {name: (shape, dtype, math.prod(shape) * BYTES[dtype]) for name, shape, dtype in rows
             if name in kept or name.partition("[")[0] not in drop}
 
 
 def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
     """R: what a layer's first forward keeps whatever its mode: the routing decision, its counts, and
     with keep_dispatched the dispatched rows and their weights."""
-    act, stat, _ = _names(cfg)
+    act, stat, _ = cfg.dtype_names
     M = received_rows(cfg, counts, ep, rank)
     routing = 8 * (batch // ep) * seq * cfg.experts_per_token + 8 * cfg.experts
-    return routing + (M * (cfg.hidden * _BYTES[act] + _BYTES[stat]) if keep_dispatched else 0)
+    return routing + (M * (cfg.hidden * BYTES[act] + BYTES[stat]) if keep_dispatched else 0)
 
 
 def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):
@@ -115,12 +110,9 @@ def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=Fa
     F = total(head_inventory(cfg, batch // ep, seq, policy.drop))
     if policy.segment is None:
         return sum(A) + F
-    X = (batch // ep) * seq * cfg.hidden * _BYTES[cfg.dtype]
+    X = (batch // ep) * seq * cfg.hidden * BYTES[cfg.dtype]
     R = [always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched) for counts in routing]
-    starts = range(0, cfg.layers, policy.segment)
-    C = policy.segment
-    return max(len(starts) * X + sum(R) + F,
-               max(k * X + sum(R[:start]) + sum(A[start:start + C]) for k, start in enumerate(starts)))
+    return segments_peak([X] * cfg.layers, A, F, policy.segment, always=R)
 
 
 def ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, layer=0):
@@ -130,7 +122,7 @@ def ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispa
     counts = routing[layer]
     if policy.segment is None:
         return total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched))
-    X = (batch // ep) * seq * cfg.hidden * _BYTES[cfg.dtype] if layer % policy.segment == 0 else 0
+    X = (batch // ep) * seq * cfg.hidden * BYTES[cfg.dtype] if layer % policy.segment == 0 else 0
     return X + always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched)
 
 
@@ -143,15 +135,21 @@ def ep_head_stored_bytes(cfg, batch, seq, policy, ep):
 def replicated_grad_bytes(cfg):
     """Bytes of the gradients summed over the ranks at the end of the step: every weight but the experts',
     in the master dtype (one all-reduce each; a tied embedding and LM head are one matrix)."""
-    master = _BYTES[_names(cfg)[2]]
+    master = BYTES[cfg.dtype_names[2]]
     return sum(math.prod(shape) * master for name, shape in param_shapes(cfg).items() if not is_expert(name))
 
 
 def ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched=False):
-    """{"forward", "recompute", "backward"}: bytes one layer's all-to-alls move on rank r in one step."""
-    policy = parse_policy(policy, cfg)
-    act, stat, _ = (_BYTES[name] for name in _names(cfg))
-    h, P, M = cfg.hidden, (batch // ep) * seq * cfg.experts_per_token, received_rows(cfg, counts, ep, rank)
+    """{"forward", "recompute", "backward"}: bytes one layer's all-to-alls move on rank r in one step (each
+    call's whole send buffer, comm.py's count). P = (B/W) T k pairs sent, M = the rows its experts receive."""
+    P, M = (batch // ep) * seq * cfg.experts_per_token, received_rows(cfg, counts, ep, rank)
+    return _all_to_all_bytes(cfg, parse_policy(policy, cfg), P, M, cfg.experts, keep_dispatched)
+
+
+def _all_to_all_bytes(cfg, policy, P, M, E, keep_dispatched):
+    """The bytes of one layer's all-to-alls for P rows sent, M received and E expert counts exchanged."""
+    act, stat, _ = (BYTES[name] for name in cfg.dtype_names)
+    h = cfg.hidden
     dispatch = P * h * act + P * stat  # the tokens and their weights, to the experts' ranks
     combine = M * h * act  # the weighted rows, back to their tokens' ranks
     recompute = 0
@@ -159,8 +157,30 @@ def ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatch
         recompute += (0 if keep_dispatched else dispatch) + combine
     if "moe.gate_up" in policy.drop and not keep_dispatched:  # the backward sends the dropped rows again
         recompute += dispatch
-    return {"forward": 8 * cfg.experts + dispatch + combine, "recompute": recompute,
+    return {"forward": 8 * E + dispatch + combine, "recompute": recompute,
             "backward": P * h * act + M * stat + M * h * act}
+
+
+def own_rows(cfg, counts_by_rank, ep, rank):
+    """S: the pairs of rank r's own tokens routed to its own experts (rows an all-to-all sends to itself)."""
+    local = cfg.experts // ep
+    return sum(counts_by_rank[rank][rank * local:(rank + 1) * local])
+
+
+def ep_sent_bytes(cfg, batch, seq, policy, ep, rank, routing_by_rank, keep_dispatched=False):
+    """{"forward", "recompute", "backward"}: the bytes rank r's all-to-alls send to other ranks: each
+    buffer less the rows the rank sends itself, the same forms with P = M = S and E/W counts.
+    routing_by_rank: every layer's W lists of E counts (picockpt.routing.step_routing(..., ranks=W))."""
+    policy = parse_policy(policy, cfg)
+    sent = {"forward": 0, "recompute": 0, "backward": 0}
+    for by_rank in routing_by_rank:
+        counts = [sum(column) for column in zip(*by_rank)]  # the whole batch's per-expert counts
+        buffer = ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched)
+        S = own_rows(cfg, by_rank, ep, rank)
+        own = _all_to_all_bytes(cfg, policy, S, S, cfg.experts // ep, keep_dispatched)
+        for phase in sent:
+            sent[phase] += buffer[phase] - own[phase]
+    return sent
 
 
 def ep_comm_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):

@@ -19,7 +19,7 @@ peak_activation_bytes and predicted_activation_bytes; peak_live_bytes; layer_sto
 head_stored_bytes (layer 0 and the head at the end of the forward) and their predicted_*;
 received_rows (per layer: the rows its experts got) and predicted_received_rows; comm_bytes,
 comm_calls, comm_bytes_by_kind and predicted_comm_bytes, by phase; flops and predicted_flops.
-The predictions take the routing of the single process on the whole batch (picockpt.moe.step_routing,
+The predictions take the routing of the single process on the whole batch (picockpt.routing.step_routing,
 from the step's generator state), as picockpt/inventory.py does.
 
 Every rank starts from the caller's generator state and draws the whole batch's masks and jitter
@@ -29,18 +29,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import Step, _generator, check_batch
-from ..moe import step_routing
-from ..ops.cross_entropy import IGNORE_INDEX
-from ..params import EMBED, HEAD, check_params
-from ..policy import parse_policy
-from ..tracker import Tracker
-from .comm import CommLog, all_reduce_grads
+from ...engine import Step, device_generator
+from ...routing import step_routing
+from ...ops.cross_entropy import IGNORE_INDEX
+from ...params import EMBED, HEAD
+from ...policy import parse_policy
+from ...tracker import Tracker
+from ..comm import CommLog, all_reduce_grads
 from .ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes, ep_peak_bytes,
-                           received_rows)
-from .ep_model import ExpertParallelModel, gather_expert_grads, is_expert, shard_experts
-from .launch import check_rank_count, run_ranks
-from .step import PHASES, _held_bytes, _ranks_generator, _write
+                           ep_sent_bytes, received_rows)
+from .ep_model import ExpertParallelModel
+from .ep_shard import gather_expert_grads, is_expert, shard_experts
+from ..job import PHASES, checked_batch, held_bytes, on_cpu, ranks_generator, trace_lines
+from ..launch import check_rank_count, run_ranks
 
 
 @dataclass
@@ -113,12 +114,12 @@ def ep_loss_and_grads(params, cfg, input_ids, targets, policy="full", ep=2, keep
 def run_expert_steps(jobs, ep=2, device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False):
     """[(loss, grads, reports)] of every ExpertJob, all run by one launch of ep ranks."""
     jobs = [_checked(job, ep, device) for job in jobs]
-    generator = _ranks_generator(device)
+    generator = ranks_generator(device)
     before = generator.get_state()
-    routings = [_routing(job, generator) for job in jobs]  # the single process's, for the closed forms
+    routings = [_routing(job, generator, ep) for job in jobs]  # the single process's, for the closed forms
     generator.set_state(before)  # left as it was, should a rank fail
-    sent = [_on_cpu(job) for job in jobs]  # what the ranks receive; each moves it to its own device
-    results = run_ranks(_rank_steps, ep, sent, trace, device=device, timeout_s=timeout_s, port=port,
+    sent = [on_cpu(job) for job in jobs]  # what the ranks receive; each moves it to its own device
+    results = run_ranks(rank_steps, ep, sent, trace, device=device, timeout_s=timeout_s, port=port,
                         start_method=start_method)
     out = []
     for index, (job, routing) in enumerate(zip(jobs, routings)):
@@ -135,44 +136,38 @@ def run_expert_steps(jobs, ep=2, device="cpu", timeout_s=120, port=None, start_m
 
 def _checked(job, ep, device):
     """The job with its policy parsed and its batch checked; ValueError before any rank starts."""
-    policy = parse_policy(job.policy, job.cfg)
-    check_params(job.params, job.cfg)
-    input_ids, targets = check_batch(job.cfg, job.input_ids, job.targets, job.params)
-    check_expert_parallel(job.cfg, ep, input_ids.shape[0], policy, job.keep_dispatched)
+    job = checked_batch(job, device)
+    check_expert_parallel(job.cfg, ep, job.input_ids.shape[0], job.policy, job.keep_dispatched)
     check_rank_count("ep", ep, device)
-    state = job.rng_state if job.rng_state is not None else _ranks_generator(device).get_state()
-    return ExpertJob(job.params, job.cfg, input_ids, targets, policy.text, job.keep_dispatched, state)
+    return job
 
 
-def _routing(job, generator):
-    """Every layer's per-expert token counts in the single process's forward of the whole batch, from the
-    job's generator state (the same jitter noise and dropout masks as the step)."""
+def _routing(job, generator, ep):
+    """Every layer's per-expert token counts in the single process's forward of the whole batch, split by the
+    ep ranks' sequences, from the job's generator state (the same jitter noise and dropout masks as the step)."""
     generator.set_state(job.rng_state)
-    return step_routing(job.params, job.cfg, job.input_ids)
+    return step_routing(job.params, job.cfg, job.input_ids, ranks=ep)
 
 
-def _on_cpu(job):
-    params = {name: tensor.detach().cpu() for name, tensor in job.params.items()}
-    return ExpertJob(params, job.cfg, job.input_ids.cpu(), job.targets.cpu(), job.policy, job.keep_dispatched,
-                     job.rng_state.cpu())
-
-
-def _predicted(job, ep, rank, routing):
+def _predicted(job, ep, rank, by_rank):
     B, T = job.input_ids.shape
+    routing = [[sum(column) for column in zip(*layer)] for layer in by_rank]  # the whole batch's counts
     args = (job.cfg, B, T, job.policy, ep, rank, routing, job.keep_dispatched)
     return {"predicted_activation_bytes": ep_peak_bytes(*args),
             "predicted_layer_stored_bytes": ep_layer_stored_bytes(*args),
             "predicted_head_stored_bytes": ep_head_stored_bytes(job.cfg, B, T, job.policy, ep),
             "predicted_comm_bytes": ep_comm_bytes(*args), "predicted_flops": ep_flops(*args),
-            "predicted_received_rows": [received_rows(job.cfg, counts, ep, rank) for counts in routing]}
+            "predicted_received_rows": [received_rows(job.cfg, counts, ep, rank) for counts in routing],
+            "predicted_all_to_all_sent_bytes": ep_sent_bytes(job.cfg, B, T, job.policy, ep, rank, by_rank,
+                                                             job.keep_dispatched)}
 
 
 # ---- on each rank ------------------------------------------------------------------------------------
-def _rank_steps(comm, jobs, trace=False):
-    return [_rank_step(comm, job, trace) for job in jobs]
+def rank_steps(comm, jobs, trace=False):
+    return [rank_step(comm, job, trace) for job in jobs]
 
 
-def _rank_step(comm, job, trace=False):
+def rank_step(comm, job, trace=False):
     """One step on this rank: its experts and sequences, the engine's loop, its tracker; CPU tensors out."""
     W, r, cfg, device = comm.world_size, comm.rank, job.cfg, comm.device
     B, T = job.input_ids.shape
@@ -181,9 +176,9 @@ def _rank_step(comm, job, trace=False):
     input_ids, targets = job.input_ids[mine].to(device), job.targets[mine].to(device)
     counted = int((job.targets != IGNORE_INDEX).sum())  # the whole batch's: the loss is their mean
     policy = parse_policy(job.policy, cfg)
-    generator = _generator(device)
+    generator = device_generator(device)
     generator.set_state(job.rng_state)  # every rank as the single process: the same masks and noise
-    say = (lambda line: _write(f"[rank {r}] {line}\n")) if trace else False
+    say = trace_lines(f"rank {r}", trace)
     comm.log = CommLog()  # this step's bytes only
     with Tracker(device) as tracker, torch.no_grad():
         comm.tracker = tracker  # the collectives book their bytes under the tracker's phase
@@ -191,7 +186,7 @@ def _rank_step(comm, job, trace=False):
         step = Step(model, policy.schedule(cfg, B // W, T), policy.drop, tracker, say)
         model.store = step.store  # where every layer keeps its routing, whatever its mode
         loss = step.forward()
-        held = {"layer_stored_bytes": _held_bytes(step.store, 0), "head_stored_bytes": _held_bytes(step.store, None)}
+        held = {"layer_stored_bytes": held_bytes(step.store, 0), "head_stored_bytes": held_bytes(step.store, None)}
         grads = step.backward()
         with tracker.phase("backward"):
             # data parallel: every weight but the experts' is replicated, and each rank's gradient comes

@@ -2,7 +2,7 @@
 data-parallel replicas with all-reduces that overlap the rest of the backward.
 
 Each replica runs the same stage on its own 1/dp of the batch. Its gradients are those of its
-share of the whole batch's mean loss (picockpt/parallel/stage_model.py scales each micro-batch by
+share of the whole batch's mean loss (picockpt/parallel/pipeline_parallel/pp_stage.py scales each micro-batch by
 its counted targets over the whole batch's), so the whole batch's gradient is their sum: one
 all-reduce (sum) of every gradient over the data-parallel group.
 

@@ -31,14 +31,15 @@ dtype (fp32 or wider), each N = B*T numbers, per chunk when chunked.
 """
 import torch
 
-from ..head import _chunks
-from ..ops import embedding_backward, embedding_forward, linear_backward, linear_forward, rmsnorm_apply
-from ..ops import rmsnorm_backward, rmsnorm_forward
-from ..ops.cross_entropy import IGNORE_INDEX
-from ..params import FINAL_NORM, HEAD
-from .comm import (all_reduce_grads, all_reduce_max, copy_to_parallel_backward, copy_to_parallel_forward,
-                   gather_sequence_backward, gather_sequence_forward, reduce_from_parallel_backward,
-                   reduce_from_parallel_forward, scatter_sequence_backward, scatter_sequence_forward)
+from ...head import row_chunks
+from ...ops import embedding_backward, embedding_forward, linear_backward, linear_forward, rmsnorm_apply
+from ...ops import rmsnorm_backward, rmsnorm_forward
+from ...ops.cross_entropy import IGNORE_INDEX
+from ...params import FINAL_NORM, HEAD
+from ..comm import all_reduce_grads, all_reduce_max
+from .tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gather_sequence_backward,
+                      gather_sequence_forward, reduce_from_parallel_backward, reduce_from_parallel_forward,
+                      scatter_sequence_backward, scatter_sequence_forward)
 
 
 def vocab_slice(vocab, comm):
@@ -125,7 +126,7 @@ def head_forward_parallel(x, weights, cfg, targets, store, comm, sp, drop=frozen
         return total / count
     lse = torch.empty(B * T, dtype=cfg.stat_dtype, device=x.device)  # (N,)
     total = 0.0
-    for first, end in _chunks(B * T, cfg.loss_chunk):
+    for first, end in row_chunks(B * T, cfg.loss_chunk):
         logits = linear_forward(rows[first:end], W)  # (c, V/t) one chunk's columns, dropped at once
         part, lse[first:end] = parallel_cross_entropy_forward(logits, ys[first:end], start, comm, cfg.stat_dtype)
         total = total + part
@@ -157,7 +158,7 @@ def head_backward_parallel(weights, cfg, targets, store, comm, sp):
     else:
         dxn = torch.empty_like(rows)  # (N, h) partial
         d_head = torch.zeros(W.shape, dtype=cfg.param_dtype, device=W.device)  # (V/t, h) summed over chunks
-        for first, end in _chunks(B * T, cfg.loss_chunk):
+        for first, end in row_chunks(B * T, cfg.loss_chunk):
             chunk = rows[first:end]  # (c, h)
             logits = store.rebuild(None, "lm_head.logits", lambda: linear_forward(chunk, W))  # (c, V/t) again
             dlogits = parallel_cross_entropy_backward(scale, logits, ys[first:end], start, lse[first:end],

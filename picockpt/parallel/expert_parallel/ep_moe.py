@@ -1,7 +1,7 @@
 """A mixture of experts over ep ranks (expert parallelism): the tokens go to the rank that holds
 their expert and come back, with every all-to-all written where it happens.
 
-Rank r of W holds experts r*E/W .. (r+1)*E/W - 1 (E_l = E/W of them, picockpt/parallel/ep_model.py)
+Rank r of W holds experts r*E/W .. (r+1)*E/W - 1 (E_l = E/W of them, picockpt/parallel/expert_parallel/ep_model.py)
 and its own B/W sequences, N_r = B*T/W tokens. The block is picockpt/moe.py's, piece by piece
 (route, expert_forward, weigh, expert_backward, shared_expert_*, input_backward), with the rows
 moved between ranks in between. A (token, slot) pair is one row: a token routed to two experts of
@@ -46,10 +46,10 @@ from collections import namedtuple
 
 import torch
 
-from ..moe import expert_backward, expert_forward, input_backward, route, shared_expert_backward
-from ..moe import routed_input, shared_expert_forward, weigh
-from ..ops.router import combine_weights, expert_counts, expert_groups
-from .comm import all_to_all_backward, all_to_all_forward
+from ...moe import block_input_backward, expert_backward, expert_forward, route
+from ...moe import routed_input, shared_expert_forward, weigh
+from ...ops.router import combine_weights, expert_counts, expert_groups
+from .ep_comm import all_to_all_backward, all_to_all_forward
 
 ROUTING = ("moe.expert_index", "moe.received_counts")  # kept by every layer's first forward
 DISPATCHED = ("moe.dispatched", "moe.dispatched_weights")  # the rows an expert's rank received
@@ -79,8 +79,8 @@ def local_groups(received):
         yield e, rows
 
 
-def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, project=True):
-    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None (project=False).
+def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, need_output=True):
+    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None (need_output=False).
     keep(name, tensor): the layer's keep (the policy's: stored whole or not); kept: the layer's
     KeptRouting (ep_layer.py), which holds what every first forward keeps and a recompute reads.
     w holds this rank's experts (E_l of them, first_expert the global id of the first)."""
@@ -108,26 +108,26 @@ def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=F
         store_rows("moe.dispatched", rows)
         store_rows("moe.dispatched_weights", row_weights)
     del index, weights
-    out_rows = torch.empty_like(rows) if project else None  # (M, h) every row is one local expert's
+    out_rows = torch.empty_like(rows) if need_output else None  # (M, h) every row is one local expert's
     for e, rows_e in local_groups(received):
         y = expert_forward(lambda: rows[rows_e], w.experts_gate_up[e], w.experts_down[e], keep,  # noqa: B023
-                           first_expert + e, project)  # (n_e, h) on its rows from every rank
-        if project:
+                           first_expert + e, need_output)  # (n_e, h) on its rows from every rank
+        if need_output:
             out_rows[rows_e] = weigh(y, row_weights, rows_e, stat)  # (n_e, h) w * y, weighed where y is
         del y
     del rows, row_weights
     out = None
-    if project:
+    if need_output:
         # combine: the inverse all-to-all, each weighted row back to its token's rank (M rows out, P in)
         back = all_to_all_forward(out_rows, comm, plan.receive, plan.send)  # (P, h) in this rank's pair order
         del out_rows
         out = torch.zeros_like(x).index_add_(0, plan.tokens, back)  # (N_r, h) summed over each token's slots
         del back
     if getattr(w, "shared_gate", None) is not None:  # the shared expert: replicated, on this rank's tokens
-        shared = shared_expert_forward(x, w, keep, project)  # (N_r, h), or None
-        if project:
+        shared = shared_expert_forward(x, w, keep, need_output)  # (N_r, h), or None
+        if need_output:
             out += shared  # (N_r, h)
-    return out.view(B, T, h) if project else None
+    return out.view(B, T, h) if need_output else None
 
 
 def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
@@ -171,11 +171,6 @@ def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
     del d_rows
     dx = torch.zeros_like(x).index_add_(0, plan.tokens, dx_pairs)  # (N_r, h) summed over each token's slots
     del dx_pairs
-    grads = {}
-    if getattr(w, "shared_gate", None) is not None:  # the shared expert, on this rank's tokens
-        grads = shared_expert_backward(dm, x, w, take, dx)  # {role: gradient}; its share added to dx
-    del dm
-    dx, d_router = input_backward(dx, dweights.view(index.shape), probs, index, x, w)  # (N_r, h), (E, h)
-    del dweights, probs, index, x
-    dxn = dx.view(B, T, h) if noise is None else dx.view(B, T, h) * noise  # (B_r, T, h) x = xn * noise
-    return dxn, {"router": d_router, "experts_gate_up": d_gate_up, "experts_down": d_down, **grads}
+    # the shared expert (replicated, on this rank's tokens), the router and the jitter, as in one process
+    dxn, grads = block_input_backward(dm, dx, dweights, probs, index, x, noise, w, take, (B, T, h))  # (B_r, T, h)
+    return dxn, {"experts_gate_up": d_gate_up, "experts_down": d_down, **grads}

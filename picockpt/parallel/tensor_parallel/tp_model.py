@@ -3,7 +3,7 @@
 The loop is the single process's, line for line: forward storing per policy, backward finding the
 nearest checkpoint, recomputing (and so running the recomputed layers' collectives again), using,
 dropping. Only the parts differ: the embedding and head are vocabulary-parallel
-(picockpt/parallel/vocab.py), the layers are tp_layer.py's, and a checkpoint may be kept as this
+(picockpt/parallel/tensor_parallel/vocab.py), the layers are tp_layer.py's, and a checkpoint may be kept as this
 rank's 1/t of it.
 
 Distributed saved activations (Megatron-LM's --distribute-saved-activations; Korthikanti et al.
@@ -14,17 +14,18 @@ recompute sweep all-gathers it before running the layer again (gather_split_1d_t
 for communication, counted in the "recompute" phase. Only checkpoint-only inputs are split: a
 layer stored whole keeps its whole input, which its own backward reads.
 """
-from ..engine import Model
-from ..params import EMBED
-from .comm import gather_sequence_forward
-from .inventory import rank_layer_inventory
-from .tp_layer import tp_layer_backward, tp_layer_forward
+from ...engine import Model
+from ...layer import layer_backward, layer_forward
+from ...params import EMBED
+from .tp_comm import gather_sequence_forward
+from .tp_inventory import rank_layer_inventory
+from .tp_layer import TensorParallelCrossings
 from .vocab import embedding_backward_parallel, embedding_forward_parallel, head_backward_parallel
 from .vocab import head_forward_parallel
 
 
 class TensorParallelModel(Model):  # Model.start: this step's weights (this rank's), rotary tables
-    """params: this rank's slices (picockpt/parallel/shard.py), under the full model's names;
+    """params: this rank's slices (picockpt/parallel/tensor_parallel/tp_shard.py), under the full model's names;
     input_ids, targets: the whole batch (B, T), on every rank."""
 
     def __init__(self, params, cfg, input_ids, targets, comm, sp=False, distribute_saved=False):
@@ -34,6 +35,7 @@ class TensorParallelModel(Model):  # Model.start: this step's weights (this rank
         B, T = input_ids.shape
         self.layer_names = list(rank_layer_inventory(cfg, B, T, comm.world_size, sp))  # for --trace
         self.split = set()  # layers whose stored input is this rank's 1/t of it (distribute_saved)
+        self.cross = TensorParallelCrossings(comm, sp, cfg.dropout)  # where the one layer (picockpt/layer.py) crosses ranks
 
     def embed(self):
         return embedding_forward_parallel(self.input_ids, self.weights[EMBED], self.comm, self.sp)  # (B, n, h)
@@ -58,11 +60,11 @@ class TensorParallelModel(Model):  # Model.start: this step's weights (this rank
         return x
 
     def layer_forward(self, k, x, store, drop, need_output):
-        return tp_layer_forward(x, self.weights_of[k], self.cfg, self.rope, self.comm, self.sp, store, k, drop,
-                                need_output)  # (B, n, h)
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, need_output,
+                             self.cross)  # (B, n, h)
 
     def layer_backward(self, k, dx, store):  # -> dx (B, n, h) and this rank's LayerWeights of gradients
-        return tp_layer_backward(dx, self.weights_of[k], self.cfg, self.rope, self.comm, self.sp, store, k)
+        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, self.cross)
 
     def head_forward(self, x, store, drop):
         return head_forward_parallel(x, self.weights, self.cfg, self.targets, store, self.comm, self.sp, drop)

@@ -1,7 +1,7 @@
 """A pipeline stage's plan: the least-recompute schedule for one micro-batch when the stage holds
 several micro-batches at once.
 
-Under pipeline parallelism (picockpt/parallel/schedules.py) a stage holds w micro-batches at once:
+Under pipeline parallelism (picockpt/parallel/pipeline_parallel/pp_schedules.py) a stage holds w micro-batches at once:
 while one runs its backward, each of the w - 1 others holds what its first forward stored, E bytes.
 The stage's peak is then (w - 1) * E + the micro-batch's own peak, so the plan that fits a budget
 alone may not fit it w times over, and what the first forward keeps costs w times what a recompute
@@ -11,8 +11,8 @@ supplies the candidates: its Pareto front, walked down from the budget.
 import math
 from dataclasses import dataclass
 
-from ..planner import least_budget, least_plan, plan_chain, replay
-from ..policy import Schedule
+from ...planner import least_budget, least_plan, plan_chain, replay
+from ...schedule import Schedule
 
 
 def end_of_forward_bytes(chain, schedule):
@@ -23,7 +23,7 @@ def end_of_forward_bytes(chain, schedule):
         mode, stage = schedule.forward[k], chain[k]
         if mode == "input":
             held += stage.input_bytes
-        elif mode.startswith("all"):
+        elif mode.stored:
             held += next(a for name, a, _ in stage.variants if name == mode)
     return held + next(a for name, a, _ in chain[L].variants if name == schedule.head)
 

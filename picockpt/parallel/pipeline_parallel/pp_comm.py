@@ -8,24 +8,32 @@ its input to the previous one. Each pair's backward is the adjoint of its forwar
     from_previous_stage  receive x from the previous stage       send dx back to it
     to_next_stage        send y to the next stage                receive dy from it
 
-Sends are non-blocking (torch.distributed.isend): a stage never waits for its neighbour to take
-what it sends, so no schedule can deadlock on two stages sending to each other at once (1F1B's
-steady state: stage s sends an activation up while stage s+1 sends a gradient down). The tensor
-sent is held until its send completes (Pipe.finish waits for the last ones, in a "send" span).
+Written as NCCL runs it. NCCL runs the point-to-point operations between two ranks in the order they
+were posted, and a send completes only when its receive is posted: in 1F1B's steady state stage s
+sends y_{m+1} and then receives dy_m, while stage s+1 sends dx_m and then receives x_{m+1}; posted one
+by one, each stage's send waits for a receive the other stage has queued behind its own send, and
+both hang (gloo's buffered sockets hide it). So a send is held back until the stage's next
+point-to-point operation: a receive from the same neighbour is posted with it as one group
+(torch.distributed.batch_isend_irecv, as Megatron-LM's send_forward_recv_backward and
+send_backward_recv_forward do), and both stages post their pair in the same order, send first;
+anything else posts it at once. The schedule's loop (pp_rank.py) sets Pipe.pair_with, the neighbour
+the stage's next action receives from, so a send waits only for a receive that follows it at once.
+Pipe.posted records every group posted, in order, so a test can check that no order deadlocks. The tensor sent is held until its send
+completes (Pipe.finish posts the last held send and waits for all, in a "send" span).
 Receives block: the time a stage spends in one is a "wait" span of its Timeline, the bubble as
 that stage sees it. post_receive starts a receive and returns at once: a stage can recompute
-while the gradient is on its way (recompute-early, picockpt/parallel/pipeline.py).
+while the gradient is on its way (recompute-early, picockpt/parallel/pipeline_parallel/pp_rank.py).
 
 Bytes are counted per rank under the tracker's phase, one number per call, the tensor's size:
 kind "send" for what this rank sends, "receive" for what it receives, "rng_state" for the
 generator state the first micro-batch's activation carries when the model draws random numbers
-(picockpt/parallel/stage_model.py). NCCL and gloo both run isend/irecv; on NCCL every tensor,
+(picockpt/parallel/pipeline_parallel/pp_stage.py). NCCL and gloo both run isend/irecv; on NCCL every tensor,
 the generator state included, is on the rank's GPU.
 """
 import torch
 import torch.distributed as dist
 
-from .comm import CommLog, OUTSIDE
+from ..comm import CommLog, OUTSIDE
 
 
 class Pipe:
@@ -37,13 +45,36 @@ class Pipe:
         self.device, self.timeline, self.tracker = torch.device(device), timeline, tracker
         self.log = CommLog()
         self.in_flight = []  # (work, tensor): a sent tensor lives until its send completes
+        self.held = None  # a send not posted yet (a dist.P2POp), paired with the next receive from its peer
+        self.pair_with = None  # the peer of this stage's next receive, set by the schedule's loop (pp_rank.py)
+        self.posted = []  # every group posted, in order: [("send", peer) | ("recv", peer), ...]
 
     @property
     def phase(self):
         return getattr(self.tracker, "phase_name", OUTSIDE)
 
+    def post(self, receive=None):
+        """Post the held send and `receive` (a dist.P2POp, or None): as one group when both are between the
+        same two ranks, else the send on its own first. Returns the receive's work (None without one)."""
+        send, self.held = self.held, None
+        if send is not None and (receive is None or receive.peer != send.peer):
+            self.group([send])  # not a pair: the send goes on its own
+            send = None
+        works = self.group([op for op in (send, receive) if op is not None])
+        return works[-1] if receive is not None else None
+
+    def group(self, ops):
+        if not ops:
+            return []
+        self.posted.append([("send" if op.op is dist.isend else "recv", op.peer) for op in ops])
+        works = dist.batch_isend_irecv(ops)  # one group: NCCL runs its sends and receives together
+        self.in_flight = [(work, sent) for work, sent in self.in_flight if not work.is_completed()]  # done ones go
+        self.in_flight += [(work, op.tensor) for op, work in zip(ops, works) if op.op is dist.isend]
+        return works
+
     def finish(self):
-        """Wait for every send still in flight (the step's last ones)."""
+        """Post the held send, then wait for every send still in flight (the step's last ones)."""
+        self.post()
         with self.timeline.span("send"):
             for work, _ in self.in_flight:
                 work.wait()
@@ -64,14 +95,16 @@ class Receive:
 
 def _send(x, pipe, to, kind="send"):
     x = x.contiguous()  # (...) no copy for a layer's output or gradient: already contiguous
-    pipe.in_flight = [(work, sent) for work, sent in pipe.in_flight if not work.is_completed()]  # drop the sent ones
-    pipe.in_flight.append((dist.isend(x, dst=to), x))
+    pipe.post()  # an earlier held send goes first
+    pipe.held = dist.P2POp(dist.isend, x, to)
+    if to != pipe.pair_with or kind != "send":  # no receive from `to` comes next: send it now
+        pipe.post()
     pipe.log.record(pipe.phase, kind, x.nbytes)
 
 
 def post_receive(pipe, source, shape, dtype, kind="receive"):
     buffer = torch.empty(shape, dtype=dtype, device=pipe.device)  # (shape) filled when the message lands
-    work = dist.irecv(buffer, src=source)
+    work = pipe.post(dist.P2POp(dist.irecv, buffer, source))  # with the held send to `source`, as one group
     pipe.log.record(pipe.phase, kind, buffer.nbytes)
     return Receive(pipe, buffer, work)
 

@@ -12,7 +12,7 @@ t, with sequence parallelism (sp) or without, and with Megatron's distributed sa
     rank_layer_stored_bytes, rank_head_stored_bytes   what layer 0 and the head hold after the forward
     replicated_and_split(cfg, B, T, t, sp, drop)      one layer's bytes kept whole on every rank | split by t
 
-n = T/t tokens with sp, else T; H, KV, f and V are split by t (picockpt/parallel/shard.py):
+n = T/t tokens with sp, else T; H, KV, f and V are split by t (picockpt/parallel/tensor_parallel/tp_shard.py):
 
     name               shape              split by t       name               shape            split by t
     input              (B, n, h)          with sp          attn.context       (B, T, h/t)      yes
@@ -50,57 +50,48 @@ of its logical buffer), S = B*T*h*e the bytes of one whole activation, N = B*T:
 """
 import math
 
-from ..inventory import layer_flops
-from ..planner import Stage, plan_chain
-from ..policy import OP_LEVEL, parse_policy
+from ...inventory import head_inventory, layer_flops, layer_inventory, segments_peak
+from ...planner import Stage, plan_chain
+from ...policy import OP_LEVEL, parse_policy
+from ...config import BYTES
 
-_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "bool": 1, "int64": 8}
+
+# what t divides in each stored tensor: "tokens" (dim 1, under sequence parallelism only), "heads" (dim 1:
+# H/t query, KV/t key/value heads), "columns" (the last dim: h/t of the context, f/t, V/t); the rest whole
+SPLIT = {"input": "tokens", "attn_norm.rstd": "tokens", "attn_norm.output": "tokens", "attn.q": "heads",
+         "attn.k": "heads", "attn.v": "heads", "attn.probs": "heads", "attn.probs_mask": "heads",
+         "attn.probs_dropped": "heads", "attn.lse": "heads", "attn.context": "columns",
+         "attn.dropout_mask": "tokens", "mlp_norm.input": "tokens", "mlp_norm.rstd": "tokens",
+         "mlp_norm.output": "tokens", "mlp.gate": "columns", "mlp.up": "columns", "mlp.act": "columns",
+         "mlp.dropout_mask": "tokens", "final_norm.input": "tokens", "final_norm.rstd": "tokens",
+         "final_norm.output": "tokens", "lm_head.logits": "columns"}
 
 
-def _dtype_names(cfg):
-    return cfg.dtype, str(cfg.stat_dtype).replace("torch.", ""), str(cfg.param_dtype).replace("torch.", "")
+def split_inventory(inventory, t, sp):
+    """picockpt/inventory.py's name -> (shape, dtype, bytes), as one of t ranks holds it (SPLIT above)."""
+    out = {}
+    for name, (shape, dtype, _) in inventory.items():
+        dim = {"tokens": 1 if sp else None, "heads": 1, "columns": len(shape) - 1}.get(SPLIT.get(name))
+        if dim is not None:
+            shape = shape[:dim] + (shape[dim] // t,) + shape[dim + 1:]
+        out[name] = (shape, dtype, math.prod(shape) * BYTES[dtype])
+    return out
 
 
 def rank_layer_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
     """What one fully stored layer keeps on one rank (its input included)."""
-    B, T, h, hd = batch, seq, cfg.hidden, cfg.head_dim
-    n = T // t if sp else T
-    H, KV, f = cfg.heads // t, cfg.kv_heads // t, cfg.ffn // t
-    act, stat, _ = _dtype_names(cfg)
-    rows = [("input", (B, n, h), act), ("attn_norm.rstd", (B, n, 1), stat), ("attn_norm.output", (B, n, h), act),
-            ("attn.q", (B, H, T, hd), act), ("attn.k", (B, KV, T, hd), act), ("attn.v", (B, KV, T, hd), act)]
-    if cfg.attention == "eager":
-        rows += [("attn.probs", (B, H, T, T), act)]
-        if cfg.dropout > 0:
-            rows += [("attn.probs_mask", (B, H, T, T), "bool"), ("attn.probs_dropped", (B, H, T, T), act)]
-    else:
-        rows += [("attn.lse", (B, H, T), stat)]
-        if cfg.dropout > 0:  # tiled, t = 1 only (shard.py)
-            rows += [("attn.dropout_seed", (), "int64")]
-    rows += [("attn.context", (B, T, H * hd), act)]
-    if cfg.dropout > 0:
-        rows += [("attn.dropout_mask", (B, n, h), "bool")]
-    rows += [("mlp_norm.input", (B, n, h), act), ("mlp_norm.rstd", (B, n, 1), stat),
-             ("mlp_norm.output", (B, n, h), act), ("mlp.gate", (B, T, f), act), ("mlp.up", (B, T, f), act),
-             ("mlp.act", (B, T, f), act)]
-    if cfg.dropout > 0:
-        rows += [("mlp.dropout_mask", (B, n, h), "bool")]
-    return {name: (shape, dtype, math.prod(shape) * _BYTES[dtype]) for name, shape, dtype in rows
-            if name not in drop}
+    return split_inventory(layer_inventory(cfg, batch, seq, drop), t, sp)
 
 
 def rank_head_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
-    """What the head keeps on one rank: the final norm on its tokens, its columns of the logits, the lse."""
-    B, T, h = batch, seq, cfg.hidden
-    n = T // t if sp else T
-    act, stat, _ = _dtype_names(cfg)
-    rows = [("final_norm.input", (B, n, h), act), ("final_norm.rstd", (B, n, 1), stat),
-            ("final_norm.output", (B, n, h), act)]
-    if cfg.loss_chunk == 0:
-        rows += [("lm_head.logits", (B, T, cfg.vocab // t), act)]
-    rows += [("lm_head.lse", (B, T), stat)]
-    return {name: (shape, dtype, math.prod(shape) * _BYTES[dtype]) for name, shape, dtype in rows
-            if name not in drop}
+    """What the head keeps on one rank: the final norm on its tokens, its columns of the logits, and the lse
+    even unchunked (vocab.py: the softmax's denominator spans every rank's columns; rebuilding it would
+    cost two more all-reduces)."""
+    head = split_inventory(head_inventory(cfg, batch, seq, drop), t, sp)
+    if "lm_head.lse" not in head and "lm_head.lse" not in drop:
+        stat = cfg.dtype_names[1]
+        head["lm_head.lse"] = ((batch, seq), stat, batch * seq * BYTES[stat])
+    return head
 
 
 def _total(inventory):
@@ -157,12 +148,9 @@ def rank_peak_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     if policy.budget is not None:
         return rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).peak_bytes
     X, Xc, A, F = rank_sizes(cfg, batch, seq, t, sp, distribute_saved, policy.drop)
-    L = cfg.layers
     if policy.segment is None:
-        return L * A + F
-    C = policy.segment
-    sizes = [min(C, L - start) for start in range(0, L, C)]  # layers per segment
-    return max(len(sizes) * Xc + F, max(k * Xc + n_k * A for k, n_k in enumerate(sizes)))
+        return cfg.layers * A + F
+    return segments_peak([Xc] * cfg.layers, [A] * cfg.layers, F, policy.segment)
 
 
 def rank_layer_stored_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False, layer=0):
@@ -170,8 +158,8 @@ def rank_layer_stored_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_s
     inventory), its input only (Xc), or nothing; Table 2's per-layer figure, per rank."""
     policy = parse_policy(policy, cfg)
     mode = rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved).forward[layer]
-    if mode.startswith("all"):
-        drop = OP_LEVEL[mode.partition(":")[2]] if ":" in mode else policy.drop
+    if mode.stored:
+        drop = mode.drop(policy.drop)
         return _total(rank_layer_inventory(cfg, batch, seq, t, sp, drop))
     return rank_sizes(cfg, batch, seq, t, sp, distribute_saved)[1] if mode == "input" else 0
 
@@ -180,19 +168,8 @@ def rank_head_stored_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_sa
     """What the head holds on one rank at the end of the forward."""
     policy = parse_policy(policy, cfg)
     mode = rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved).head
-    drop = OP_LEVEL[mode.partition(":")[2]] if ":" in mode else policy.drop
+    drop = mode.drop(policy.drop)
     return _total(rank_head_inventory(cfg, batch, seq, t, sp, drop))
-
-
-def _sweeps(policy, cfg, batch, seq, t, sp, distribute_saved):
-    """[(first layer, last layer, stops early)] of every recompute sweep the step runs."""
-    if policy.budget is not None:
-        plan = rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved)
-        return [(first, target, plan.schedule.stop_early) for target, first, _ in plan.sweeps]
-    if policy.segment is None:
-        return []
-    C, L = policy.segment, cfg.layers
-    return [(start, min(start + C, L) - 1, False) for start in range(0, L, C)]
 
 
 def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
@@ -201,7 +178,7 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     policy = parse_policy(policy, cfg)
     if t == 1:
         return {"forward": 0, "recompute": 0, "backward": 0}
-    act, stat, master = (_BYTES[name] for name in _dtype_names(cfg))
+    act, stat, master = (BYTES[name] for name in cfg.dtype_names)
     S, N, h, L = batch * seq * cfg.hidden * act, batch * seq, cfg.hidden, cfg.layers
     layer_forward = 4 * S if sp else 2 * S  # ENTER and LEAVE of both blocks (ENTER moves nothing without sp)
     layer_backward = 6 * S + 2 * h * master if sp else 2 * S
@@ -209,7 +186,9 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     forward = S + L * layer_forward + (S if sp else 0) + loss
     backward = (2 * S + h * master if sp else S) + L * layer_backward + (S if sp else 0)
     recompute = 0
-    for first, last, stops in _sweeps(policy, cfg, batch, seq, t, sp, distribute_saved):
+    schedule = rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved)
+    for first, last in schedule.sweeps(cfg.layers):  # the engine's walk (picockpt/schedule.py)
+        stops = schedule.stop_early
         recompute += (last - first + 1) * layer_forward - (S if stops else 0)  # a stopped sweep skips one LEAVE
         recompute += S if distribute_saved else 0  # the checkpoint's all-gather
     return {"forward": forward, "recompute": recompute, "backward": backward}
@@ -219,7 +198,7 @@ def rank_flops(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
     """{"forward", "recompute", "backward"}: one rank's matmul FLOPs: every matmul of the single
     process's step, on H/t heads, f/t and V/t columns, so 1/t of picockpt.inventory.step_flops;
     a budget's recompute is this rank's own plan's."""
-    from ..inventory import step_flops
+    from ...inventory import step_flops
     policy = parse_policy(policy, cfg)
     flops = {phase: count // t for phase, count in step_flops(cfg, batch, seq, "none").items()}
     if policy.budget is not None:

@@ -11,7 +11,7 @@ engine's docstring says a stage's would:
                      stage (recompute-early: the top segment is recomputed while it travels)
     embed_backward   first stage: the embedding's gradient; later stages: send dx back to the previous stage
     layer_forward/backward, keep_input/load_input   the inner model's: picockpt's own layers (tp = 1)
-                     or a tensor-parallel rank's (picockpt/parallel/tp_model.py)
+                     or a tensor-parallel rank's (picockpt/parallel/tensor_parallel/tp_model.py)
 
 The mean over all tokens. The single process's loss is (sum of the counted tokens' losses) / N, N the
 counted (not IGNORE_INDEX) targets of the whole batch. A micro-batch's head computes the mean over its
@@ -31,24 +31,17 @@ stage s-1's generator holds after its first micro-batch's forward: it travels wi
 (p2p.send_rng_state, 5 KB on the CPU). Comparing with a single process that accumulates over the same
 micro-batches would have been simpler, but it would not be the step a user runs without a pipeline.
 """
-from ..engine import _generator, _replay_rng
-from ..params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
-from ..ops import rope_tables
-from .p2p import (from_previous_stage_backward, from_previous_stage_forward, receive_rng_state, send_rng_state,
+from ...engine import device_generator
+from ...params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
+from ...ops import rope_tables
+from .pp_comm import (from_previous_stage_backward, from_previous_stage_forward, receive_rng_state, send_rng_state,
                   to_next_stage_backward, to_next_stage_forward)
-from .rng import full_size_draws
-
-
-class _Rows:
-    """A micro-batch's rows of the whole batch, as full_size_draws reads a group: part `rank` of `world_size`."""
-
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size = rank, world_size
+from ..rng import Part, full_size_draws
 
 
 class PipelineStage:
     """What one rank's micro-batches share: the stage's layers and weights, its neighbours (a Pipe), its
-    gradient buckets (picockpt/parallel/dp.py), the counted targets of the whole batch, the RNG states."""
+    gradient buckets (picockpt/parallel/data_parallel/dp_comm.py), the counted targets of the whole batch, the RNG states."""
 
     def __init__(self, cfg, params, layers, first, last, pipe, buckets, counted, microbatches, dp_rank, dp,
                  activation_shape, make_inner, recompute_early=False):
@@ -84,8 +77,8 @@ class StageModel:
         counted = int((inner.targets != -100).sum())
         self.share = counted / stage.counted  # n_m / N
         self.step = None
-        self.rows = _Rows(stage.dp_rank * stage.M + m, stage.dp * stage.M)  # its rows of the whole batch
-        self.generator = _generator(inner.input_ids.device)
+        self.rows = Part(stage.dp_rank * stage.M + m, stage.dp * stage.M)  # its rows of the whole batch
+        self.generator = device_generator(inner.input_ids.device)
 
     def start(self, tracker):  # the inner model reads the stage's weights (picockpt/engine.py: Model.start)
         inner, stage = self.inner, self.stage
@@ -164,15 +157,10 @@ class StageModel:
         """Recompute-early: what the engine's loop does first in this micro-batch's backward, done now.
         The top layer's activations come back from the nearest checkpoint before the gradient arrives;
         the loop then finds them stored and goes straight to the backward. Same store contents, same
-        peak; they are held for the rest of the wait (picockpt/parallel/pipeline.py measures it)."""
-        step, schedule, i = self.step, self.step.schedule, self.layers[-1]
-        if store.has(i, "attn_norm.rstd"):
-            return  # stored whole in the forward: nothing to recompute
-        j = next(k for k in range(i, self.layers[0] - 1, -1) if store.has(k, "input"))  # the nearest checkpoint
-        with step.tracker.phase("recompute"), _replay_rng(step.generator, step.rng_states.get(j)):
-            x = self.load_input(store, j, whole=schedule.sweep(j, i).startswith("all"))  # (b, n, h)
-            step.run_layers(j, i, x, lambda k: schedule.sweep(k, i), schedule.stop_early)
-            del x
+        peak; they are held for the rest of the wait (picockpt/parallel/pipeline_parallel/pp_rank.py measures it)."""
+        step, i = self.step, self.layers[-1]
+        if i not in step.whole:  # not stored whole in the forward: recompute it now, as the loop would
+            step.recompute(i)
 
 
 GRADIENT_BUCKETS = ("head", "embedding")  # besides one bucket per layer (its index)

@@ -1,7 +1,7 @@
 """One rank's step of a pipeline-parallel (and data-, and tensor-parallel) job: its stage's micro-batches,
 forwards and backwards in the schedule's order, each one the engine's own loop.
 
-    for action in actions(schedule, P, M, stage):          # picockpt/parallel/schedules.py
+    for action in actions(schedule, P, M, stage):          # picockpt/parallel/pipeline_parallel/pp_schedules.py
         if action.kind == "F":                              # a Step per micro-batch (picockpt/engine.py)
             steps[m] = Step(stage.microbatch(m, ...), schedule, drop, memory.for_microbatch(m))
             steps[m].forward()                              # receive x, layers, send y (or head and loss)
@@ -10,37 +10,34 @@ forwards and backwards in the schedule's order, each one the engine's own loop.
 
 What a rank holds: its stage's layers (and the embedding on the first stage, the final norm and head
 on the last), its tensor-parallel slices of them when tp > 1, its data-parallel replica's 1/dp of the
-batch. picockpt/parallel/pipeline_job.py is the caller's side: checks, launch, gradients put together.
+batch. picockpt/parallel/pipeline_parallel/pp_job.py is the caller's side: checks, launch, gradients put together.
 
 recompute-early: a stage before the last, about to wait for a micro-batch's output gradient, first
-recomputes that micro-batch's top segment (picockpt/parallel/stage_model.py: recompute_top), so the
+recomputes that micro-batch's top segment (picockpt/parallel/pipeline_parallel/pp_stage.py: recompute_top), so the
 recomputation fills part of the wait. The store holds exactly what it would hold once the gradient
 is in (the same peak); the recomputed activations are held during the rest of the wait instead of
 not yet existing: the price is in time held, which the report gives as the time-weighted mean of the
 stored bytes ("mean_activation_bytes"), and a received gradient's buffer allocated before the
 recomputation instead of after it (in "peak_live_bytes").
 """
-import sys
-
 import torch
 import torch.distributed as dist
 
-from ..engine import Model, Step, _generator
-from ..ops.cross_entropy import IGNORE_INDEX
-from ..params import EMBED, FINAL_NORM, HEAD, param_shapes
-from ..tracker import Tracker
-from .comm import CommLog
-from .dp import GradientBuckets
-from .layout import Layout, build_groups
-from .p2p import Pipe
+from ...engine import Model, Step, device_generator
+from ...ops.cross_entropy import IGNORE_INDEX
+from ...params import EMBED, FINAL_NORM, HEAD, param_shapes
+from ...tracker import Tracker
+from ..comm import CommLog
+from ..job import PHASES, trace_lines
+from ..data_parallel.dp_comm import GradientBuckets
+from ..layout import Layout, build_groups
+from .pp_comm import Pipe
 from .pp_inventory import StageForms
-from .schedules import actions
-from .shard import shard_params
-from .stage_model import PipelineStage, bucket_names
-from .timeline import StageMemory, Timeline
-from .tp_model import TensorParallelModel
-
-PHASES = ("forward", "recompute", "backward")
+from .pp_schedules import actions
+from ..tensor_parallel.tp_shard import shard_params
+from .pp_stage import PipelineStage, bucket_names
+from ..timeline import StageMemory, Timeline
+from ..tensor_parallel.tp_model import TensorParallelModel
 
 
 def stage_param_names(cfg, layers, first, last):
@@ -52,6 +49,14 @@ def stage_param_names(cfg, layers, first, last):
     if last:
         names += [FINAL_NORM, HEAD]
     return names
+
+
+def first_receive(action, groups):
+    """The neighbour an action first receives from (F: the previous stage, B: the next), None if none:
+    a send just before it goes out with that receive, as one group (pp_comm.py)."""
+    if action is None:
+        return None
+    return groups.previous if action.kind == "F" else groups.next
 
 
 def rank_steps(comm, jobs, trace=False):
@@ -84,9 +89,9 @@ def rank_step(comm, job, made, trace=False):
             return Model(params, cfg, ids, tgt)
         return TensorParallelModel(params, cfg, ids, tgt, groups.tp_comm, job.sp, job.distribute_saved)
 
-    generator = _generator(device)
+    generator = device_generator(device)
     generator.set_state(job.rng_state)
-    say = (lambda line: _write(f"[rank {comm.rank} stage {groups.stage}] {line}\n")) if trace else False
+    say = trace_lines(f"rank {comm.rank} stage {groups.stage}", trace)
     dist.barrier()  # every rank's timeline starts at the same moment
     with Tracker(device, physical=job.measure, flops=job.measure) as tracker, torch.no_grad():
         timeline = Timeline(device)
@@ -104,8 +109,10 @@ def rank_step(comm, job, made, trace=False):
         stage.start(tracker, device, T)
         timeline.begin()
         steps, loss = {}, None
-        for action in actions(job.schedule, job.pp, M, groups.stage):
+        order = actions(job.schedule, job.pp, M, groups.stage)
+        for index, action in enumerate(order):
             m = action.microbatch
+            pipe.pair_with = first_receive(order[index + 1] if index + 1 < len(order) else None, groups)
             if action.kind == "F":
                 model = stage.microbatch(m, *rows(m))
                 step = model.step = Step(model, forms.schedule, forms.policy.drop, memory.for_microbatch(m), say)
@@ -147,6 +154,7 @@ def _report(job, forms, groups, tracker, timeline, memory, pipe, buckets):
         "peak_live_bytes": tracker.peak_physical if job.measure else None,
         "flops": {phase: tracker.flops[phase] for phase in PHASES} if job.measure else None,
         "p2p_bytes": {phase: dict(pipe.log.bytes.get(phase, {})) for phase in ("forward", "backward")},
+        "p2p_posted": pipe.posted,  # every group of sends and receives, in the order posted
         "comm_bytes": {phase: tp_log.total(phase) for phase in PHASES},
         "dp_bytes": dp_log.total(),
         "timeline_start": timeline.start,
@@ -157,7 +165,3 @@ def _report(job, forms, groups, tracker, timeline, memory, pipe, buckets):
                        for bucket, nbytes, start, end in buckets.events],
     }
 
-
-def _write(text):
-    sys.stdout.write(text)  # a whole line at once: the ranks' lines interleave, never their halves
-    sys.stdout.flush()

@@ -90,7 +90,9 @@ def before_backward(schedule, stages, microbatches, stage):
 
 
 def bubble_fraction(stages, microbatches):
-    """Narayanan et al.'s (P - 1) / (M + P - 1): the idle share of each stage with equal stage times."""
+    """(P - 1) / (M + P - 1): the idle share of each stage's step with equal stage times. Narayanan et al.
+    2021 (sec. 2.2.1) and the Ultra-Scale Playbook define the bubble as bubble time over ideal compute
+    time instead, (P - 1) / M; the two convert as idle = b / (1 + b) (lesson 12)."""
     return (stages - 1) / (microbatches + stages - 1)
 
 

@@ -9,7 +9,7 @@ batch in, the loss, full gradients and one report per rank out.
 
 dp x pp x tp processes (picockpt/parallel/layout.py): spawned gloo ranks on 127.0.0.1, or torchrun's.
 The caller's process checks everything first (a user mistake is a ValueError before any rank starts),
-each rank runs its stage (picockpt/parallel/pipeline.py), and the caller puts the stages' (and tensor-
+each rank runs its stage (picockpt/parallel/pipeline_parallel/pp_rank.py), and the caller puts the stages' (and tensor-
 parallel ranks') gradients back together under the full model's names; the loss is the sum of the
 last stage's micro-batch shares over the data-parallel replicas. A tied LM head's gradient is the sum
 of the first stage's (embedding) and the last stage's (head) uses, added here.
@@ -30,16 +30,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine import check_batch
-from ..params import EMBED, HEAD, check_params
-from ..policy import parse_policy
-from .launch import run_ranks, under_torchrun
-from .layout import check_layout
-from .pipeline import rank_steps, stage_param_names
+from ...params import EMBED, HEAD
+from ...policy import parse_policy
+from ..job import checked_batch, on_cpu, ranks_generator
+from ..launch import run_ranks, under_torchrun
+from ..layout import check_layout
+from .pp_rank import rank_steps, stage_param_names
 from .pp_inventory import StageForms
-from .schedules import bubble_fraction, check_schedule, stage_layers
-from .shard import check_tensor_parallel, gather_grads, split_dim
-from .step import _ranks_generator
+from .pp_schedules import bubble_fraction, check_schedule, stage_layers
+from ..tensor_parallel.tp_shard import check_tensor_parallel, gather_grads, split_dim
 
 
 @dataclass
@@ -63,19 +62,6 @@ class PipelineJob:
     rng_state: torch.Tensor = None  # the generator state to start from; None: the caller's now
 
 
-def loss_and_grads(params, cfg, input_ids, targets, policy="full", pp=1, microbatches=1, schedule="1f1b", dp=1,
-                   tp=1, sp=True, distribute_saved=False, recompute_early=False, overlap=True, device="cpu",
-                   timeout_s=120, port=None, start_method="spawn", trace=False):
-    """Mean next-token cross-entropy, every parameter's gradient (full shapes, params' names) and [a report
-    per rank], from dp x pp x tp ranks: pp stages running `microbatches` micro-batches each under
-    `schedule` ("afab" or "1f1b"), `policy` inside every micro-batch (budget:SIZE: per stage, its
-    micro-batches in flight included), dp data-parallel replicas (overlap: asynchronous all-reduces
-    per layer), tp tensor-parallel ranks per stage (sp: sequence parallel)."""
-    job = PipelineJob(params, cfg, input_ids, targets, policy, pp, microbatches, schedule, dp, tp, sp,
-                      distribute_saved, recompute_early, overlap)
-    return run_pipeline_steps([job], None, device, timeout_s, port, start_method, trace)[0]
-
-
 def run_pipeline_steps(jobs, world_size=None, device="cpu", timeout_s=120, port=None, start_method="spawn",
                        trace=False):
     """[(loss, grads, reports)] of every PipelineJob, all run by one launch of world_size ranks (each
@@ -84,8 +70,8 @@ def run_pipeline_steps(jobs, world_size=None, device="cpu", timeout_s=120, port=
         raise ValueError("jobs=[]: give at least one PipelineJob")
     if world_size is None:
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else jobs[0].dp * jobs[0].pp * jobs[0].tp
-    jobs = [_checked(job, device, world_size) for job in jobs]
-    sent = [_on_cpu(job) for job in jobs]  # what the ranks receive; each moves it to its own device
+    jobs = [checked_job(job, device, world_size) for job in jobs]
+    sent = [on_cpu(job) for job in jobs]  # what the ranks receive; each moves it to its own device
     results = run_ranks(rank_steps, None if under_torchrun() else world_size, sent, trace, device=device,
                         timeout_s=timeout_s, port=port, start_method=start_method)
     out, state = [], jobs[-1].rng_state
@@ -105,7 +91,7 @@ def run_pipeline_steps(jobs, world_size=None, device="cpu", timeout_s=120, port=
         out.append((loss.to(device_of), {name: grad.to(job.params[name].dtype).to(device_of)
                                          for name, grad in grads.items()}, reports))
         state = last[0]["rng_state"] if last[0]["rng_state"] is not None else state
-    _ranks_generator(device).set_state(state)
+    ranks_generator(device).set_state(state)
     return out
 
 
@@ -144,12 +130,10 @@ def _predicted(job, stage):
             "predicted_bubble": bubble_fraction(job.pp, job.microbatches)}
 
 
-def _checked(job, device, world_size):
+def checked_job(job, device, world_size):
     """The job with its policy parsed and batch checked; a ValueError naming the value before any rank starts."""
-    cfg = job.cfg
-    policy = parse_policy(job.policy, cfg)
-    check_params(job.params, cfg)
-    input_ids, targets = check_batch(cfg, job.input_ids, job.targets, job.params)
+    job = checked_batch(job, device)
+    cfg, policy, input_ids = job.cfg, parse_policy(job.policy, job.cfg), job.input_ids
     check_schedule(job.schedule)
     M = job.microbatches
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
@@ -178,12 +162,5 @@ def _checked(job, device, world_size):
                        job.distribute_saved)
         except ValueError as error:
             raise ValueError(f"stage {stage} (layers {layers[0]}..{layers[-1]}): {error}") from None
-    state = job.rng_state if job.rng_state is not None else _ranks_generator(device).get_state()
-    return replace(job, input_ids=input_ids, targets=targets, policy=policy.text, sp=bool(job.sp),
-                   distribute_saved=bool(job.distribute_saved), rng_state=state)
+    return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
 
-
-def _on_cpu(job):
-    params = {name: tensor.detach().cpu() for name, tensor in job.params.items()}
-    return replace(job, params=params, input_ids=job.input_ids.cpu(), targets=job.targets.cpu(),
-                   rng_state=job.rng_state.cpu())

@@ -10,7 +10,7 @@ the embedding's output) is always a checkpoint. Per micro-batch, from the planne
     E     end_of_forward_bytes: what its first forward leaves stored
     peak  replay: its own peak during its step (E at the end of the forward, or a recompute sweep's)
 
-With w micro-batches in flight (picockpt/parallel/schedules.py: AFAB w = M; 1F1B w = min(P - s, M)),
+With w micro-batches in flight (picockpt/parallel/pipeline_parallel/pp_schedules.py: AFAB w = M; 1F1B w = min(P - s, M)),
 every backward runs while w - 1 others hold E each, so the stage's store peaks at
 
     stage peak = (w - 1) * E + peak
@@ -27,15 +27,16 @@ Stage 0 of 1F1B holds P micro-batches and recomputes the most; the last stage ma
 import functools
 import math
 
-from ..inventory import layer_flops
-from ..planner import Stage, model_chain, replay
+from ...inventory import layer_flops
+from ...planner import Stage, model_chain, replay
 from .pp_plan import end_of_forward_bytes, plan_in_flight
-from ..policy import Schedule, parse_policy
-from .inventory import rank_chain
-from .schedules import in_flight, stage_layers
+from ...policy import parse_policy
+from ...schedule import Mode, Schedule
+from ..tensor_parallel.tp_inventory import rank_chain
+from .pp_schedules import in_flight, stage_layers
+from ...config import BYTES
 
 NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothing stored after the layers
-_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def stage_chain(cfg, batch, seq, layers, last, t=1, sp=False, distribute_saved=False, drop=frozenset()):
@@ -52,7 +53,7 @@ def uniform_schedules(chain):
     layers, head_modes = len(chain) - 1, {mode for mode, _, _ in chain[-1].variants}
     out = []
     for mode, _, _ in chain[0].variants:
-        level = mode.partition(":")[2]
+        level = Mode(mode).level or ""
         head = mode if mode in head_modes else "all"
         suffix = f"+{level}" if level else ""
         out.append((level or "none", Schedule(forward=(mode,) * layers, head=head)))
@@ -89,26 +90,6 @@ def shifted(schedule, first, total_layers):
     sweeps = None if schedule.sweep_modes is None else {first + target: {first + k: mode for k, mode in modes.items()}
                                                         for target, modes in schedule.sweep_modes.items()}
     return Schedule(tuple(forward), sweeps, schedule.head, schedule.stop_early)
-
-
-def stage_sweeps(chain, schedule):
-    """[(first, last)] of every recompute sweep one micro-batch runs (the engine's walk, as planner.replay)."""
-    L = len(chain) - 1
-    inputs = {k for k in range(L) if schedule.forward[k] != "none"}
-    whole = {k for k in range(L) if schedule.forward[k].startswith("all")}
-    out = []
-    for i in reversed(range(L)):
-        if i not in whole:
-            j = max(k for k in inputs if k <= i)
-            out.append((j, i))
-            for k in range(j, i + 1):
-                if schedule.sweep(k, i) != "none":
-                    inputs.add(k)
-                if schedule.sweep(k, i).startswith("all"):
-                    whole.add(k)
-        whole.discard(i)
-        inputs.discard(i)
-    return out
 
 
 class StageForms:
@@ -149,7 +130,7 @@ class StageForms:
     def p2p_bytes(self, state_bytes=0):
         """{"forward": {kind: bytes}, "backward": {kind: bytes}} of this rank's sends and receives.
         state_bytes: the generator state the first micro-batch carries (when the model draws random numbers)."""
-        S = math.prod(self.activation_shape()) * _BYTES[self.cfg.dtype]  # one micro-batch's activation
+        S = math.prod(self.activation_shape()) * BYTES[self.cfg.dtype]  # one micro-batch's activation
         forward, backward = {}, {}
         if not self.first:
             forward["receive"], backward["send"] = self.M * S, self.M * S
@@ -167,12 +148,12 @@ class StageForms:
 
     def tp_comm_bytes(self):
         """{"forward", "recompute", "backward"}: this rank's tensor-parallel collectives over its M micro-batches
-        (picockpt/parallel/inventory.py's rank_comm_bytes, with the embedding on the first stage only, the
+        (picockpt/parallel/tensor_parallel/tp_inventory.py's rank_comm_bytes, with the embedding on the first stage only, the
         head on the last only and this stage's own recompute sweeps)."""
         if self.t == 1:
             return {"forward": 0, "recompute": 0, "backward": 0}
         cfg, sp = self.cfg, self.sp
-        act, stat, master = _BYTES[cfg.dtype], 8 if cfg.dtype == "float64" else 4, 8 if cfg.dtype == "float64" else 4
+        act, stat, master = BYTES[cfg.dtype], 8 if cfg.dtype == "float64" else 4, 8 if cfg.dtype == "float64" else 4
         S, N, h, L = self.b * self.seq * cfg.hidden * act, self.b * self.seq, cfg.hidden, len(self.layers)
         layer_forward = 4 * S if sp else 2 * S
         layer_backward = 6 * S + 2 * h * master if sp else 2 * S
@@ -181,7 +162,7 @@ class StageForms:
             (2 * S + h * master if sp else S) if self.last else 0)
         recompute = 0
         stops = self.local_schedule.stop_early
-        for first, last in stage_sweeps(self.chain, self.local_schedule):
+        for first, last in self.local_schedule.sweeps(len(self.chain) - 1):
             recompute += (last - first + 1) * layer_forward - (S if stops else 0)
             recompute += S if self.distribute_saved else 0  # the checkpoint's all-gather
         return {phase: self.M * n for phase, n in

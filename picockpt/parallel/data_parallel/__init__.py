@@ -1,0 +1,7 @@
+"""Data parallelism: replicas of a stage on their own share of the batch, their gradients summed.
+
+    dp_comm.py   gradient buckets, all-reduced over the replicas as soon as a layer's are final,
+                 overlapping the recomputation and backward below (the one reduction every layout uses)
+
+The replicas are the dp dimension of parallel/layout.py's grid; pipeline_parallel/pp_rank.py runs them.
+"""
