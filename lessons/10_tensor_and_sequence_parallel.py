@@ -48,7 +48,7 @@ from _lesson import choose, large, lesson_args, ranks_device, shape_line, spawni
 from picockpt import Config, init_params
 from picockpt.formulas import GIB, korthikanti_layer_bytes
 from picockpt.measure import make_batch
-from picockpt.parallel import Job, run_steps
+from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, replicated_and_split
 from picockpt.plotting import PHASE_COLORS, mib, policy_color, save_figure
 from picockpt.policy import SELECTIVE
@@ -97,10 +97,10 @@ def measure(cfg, batch, seq, ts, device):
     start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     reports = {}
     for t in ts:
-        jobs = [Job(params, cfg, input_ids, targets, policy, sp, distributed, state)
-                for _, policy, sp, distributed in ROWS]
+        jobs = [ParallelJob(params, cfg, input_ids, targets, policy, tp=t, sp=sp, distribute_saved=distributed,
+                            rng_state=state) for _, policy, sp, distributed in ROWS]
         with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
-            results = run_steps(jobs, t, device.type, start_method=start)
+            results = run_jobs(jobs, t, device.type, start_method=start)
         for (label, *_), (_, _, ranks) in zip(ROWS, results):
             same = ("peak_activation_bytes", "layer_stored_bytes", "comm_bytes", "flops")
             for report in ranks:  # every rank stores and moves the same bytes (its live peak may differ a little)
@@ -175,7 +175,10 @@ print(f"every measured byte equals its closed form: layers {exact_layer}, peaks 
 
 # %% [markdown]
 # Every measured byte equals its closed form: each layer's stored bytes, each rank's store peak, and
-# each phase's communication.
+# each phase's communication. The rows at $t = 1$ are the single process's own model, head included: a
+# vocabulary-parallel head ($t \ge 2$) also keeps its loss's log-sum-exp, $B \cdot T$ statistics, since the
+# softmax's denominator spans every rank's columns (`tensor_parallel/vocab.py`); one process has nothing to
+# share it with, so its peak is that much lower.
 #
 # ## Communication: recomputation repeats it
 #

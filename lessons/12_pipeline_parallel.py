@@ -48,7 +48,7 @@ from _lesson import FAST_TIMING, Spread, choose, large, lesson_args, ranks_devic
 from picockpt import Config, init_params
 from picockpt.formulas import GIB
 from picockpt.measure import make_batch
-from picockpt.parallel import PipelineJob, run_pipeline_steps
+from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_layer_inventory
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.pipeline_parallel.pp_schedules import actions, bubble_fraction, in_flight, unequal_bubble
@@ -115,14 +115,14 @@ def measure_memory(shape, device):
     fitting = [(sum(uniform_peaks(cfg, batch, seq, pp, M, "1f1b", p)[1]), p) for p in RIVALS
                if max(uniform_peaks(cfg, batch, seq, pp, M, "1f1b", p)[0]) <= size]
     best_uniform = min(fitting)[1]
-    jobs = [PipelineJob(params, cfg, input_ids, targets, policy, pp, M, schedule, rng_state=state, measure=False)
+    layout = dict(pp=pp, microbatches=M, rng_state=state)
+    jobs = [ParallelJob(params, cfg, input_ids, targets, policy, schedule=schedule, measure=False, **layout)
             for schedule in ("afab", "1f1b") for policy in POLICIES]
-    jobs += [PipelineJob(params, cfg, input_ids, targets, policy, pp, M, "1f1b", rng_state=state)
-             for policy in (f"budget:{size}", best_uniform)]
-    jobs += [PipelineJob(params, cfg, input_ids, targets, "full", pp, M, "1f1b", recompute_early=early,
-                         rng_state=state) for early in (False, True)]
+    jobs += [ParallelJob(params, cfg, input_ids, targets, policy, **layout) for policy in (f"budget:{size}", best_uniform)]
+    jobs += [ParallelJob(params, cfg, input_ids, targets, "full", recompute_early=early, **layout)
+             for early in (False, True)]
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
-        results = run_pipeline_steps(jobs, pp, device.type, start_method=START)
+        results = run_jobs(jobs, pp, device.type, start_method=START)
     reports = {(job.schedule, job.policy, job.recompute_early): sorted(ranks, key=lambda r: r["stage"])
                for job, (_, _, ranks) in zip(jobs, results)}
     return reports, size, best_uniform
@@ -201,15 +201,15 @@ def measure_time(shapes_, device, repeats):
     for repeat in range(repeats + 1):  # the first round warms up every path; it is not counted
         for M in Ms:
             for early in (False, True):
-                jobs.append(PipelineJob(params, cfg, input_ids, targets, "full", 2, M, "1f1b", recompute_early=early,
-                                        measure=False, rng_state=state))
+                jobs.append(ParallelJob(params, cfg, input_ids, targets, "full", pp=2, microbatches=M,
+                                        recompute_early=early, measure=False, rng_state=state))
                 keys.append(("pipeline", M, early, repeat))
         for overlap in (False, True):
-            jobs.append(PipelineJob(dp_params, dp_cfg, dp_ids, dp_targets, "full", 1, 2, "1f1b", dp=2, overlap=overlap,
-                                    measure=False, rng_state=state))
+            jobs.append(ParallelJob(dp_params, dp_cfg, dp_ids, dp_targets, "full", microbatches=2, dp=2,
+                                    overlap=overlap, measure=False, rng_state=state))
             keys.append(("dp", 2, overlap, repeat))
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
-        results = run_pipeline_steps(jobs, 2, device.type, start_method=START)
+        results = run_jobs(jobs, 2, device.type, start_method=START)
     runs = {}
     for key, (_, _, ranks) in zip(keys, results):
         if key[-1] > 0:

@@ -61,7 +61,7 @@ from picockpt import Config, init_params
 from picockpt.formulas import GIB
 from picockpt.measure import make_batch
 from picockpt.routing import route_by_token
-from picockpt.parallel import ExpertJob, run_expert_steps
+from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.expert_parallel.ep_inventory import (ep_layer_comm_bytes, ep_layer_stored_bytes, ep_sent_bytes,
                                                            received_rows, replicated_grad_bytes)
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
@@ -126,17 +126,17 @@ def measure(cfg, batch, seq, device):
         ids = token_ids(routing, cfg, batch, seq, device)
         for label, policy, keep in CHOICES:
             keys.append((routing, label))
-            jobs.append(ExpertJob(params, cfg, ids, targets, policy, keep, state))
+            jobs.append(ParallelJob(params, cfg, ids, targets, policy, ep=EP, keep_dispatched=keep, rng_state=state))
     start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
-        results = run_expert_steps(jobs, EP, device.type, start_method=start)
+        results = run_jobs(jobs, EP, device.type, start_method=start)
     return {key: reports for key, (_, _, reports) in zip(keys, results)}
 
 
 def all_to_all(report, phase, predicted=False):
-    """The all-to-all bytes of one phase: everything but the gradient all-reduce of the backward."""
-    total = report["predicted_comm_bytes" if predicted else "comm_bytes"][phase]
-    return total - (report["all_reduce"] if phase == "backward" else 0)
+    """The all-to-all bytes of one phase (the layers' collectives; the gradients' all-reduce is the
+    data-parallel buckets', counted apart as dp_bytes)."""
+    return report["predicted_comm_bytes" if predicted else "comm_bytes"][phase]
 
 
 # %% [markdown]
@@ -180,12 +180,10 @@ print(f"lesson 13, expert parallel on {EP} ranks, E={cfg.experts} k={cfg.experts
       f"{shape_line(cfg, batch, seq, args.device)}")
 reports = measure(cfg, batch, seq, ranks_device(args.device, EP))
 grad_bytes = replicated_grad_bytes(cfg)
-for ranks in reports.values():
-    for r in ranks:
-        r["all_reduce"] = grad_bytes
+assert all(r["dp_bytes"] == r["predicted_dp_bytes"] == grad_bytes for ranks in reports.values() for r in ranks)
 
 print(f"\nper rank: rows its experts received (every layer), store peak (measured | closed form), all-to-all "
-      f"bytes per phase (the gradient all-reduce, {grad_bytes:,} B, left out):")
+      f"bytes per phase (the gradients' all-reduce, {grad_bytes:,} B, is the data-parallel buckets', apart):")
 print(f"{'routing':<10}{'choice':<14}{'rank':>5}{'rows in':>16}{'peak':>13}{'closed form':>13}"
       f"{'forward':>11}{'recompute':>11}{'backward':>11}")
 exact = {"peak": True, "comm": True, "layer": True}

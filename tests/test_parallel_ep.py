@@ -4,7 +4,8 @@ included, router jitter and dropout included) bitwise equal to none, and every r
 per-layer bytes, communication bytes per phase and FLOPs equal to their closed forms
 (picockpt/parallel/ep_inventory.py), for the routing of the single process on the whole batch.
 
-One launch of the two ranks runs every (model, policy, keep_dispatched) job in turn (run_expert_steps).
+One launch of the two ranks runs every (model, policy, keep_dispatched) job in turn (run_jobs); one launch of four
+runs ep = 2 beside dp = 2 and beside pp = 2 (expert parallelism composed through the one rank step).
 Relative error of a gradient: max |g - g_single| / max |g_single| over the tensor.
 """
 import multiprocessing
@@ -15,7 +16,7 @@ import torch
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch
 from picockpt.routing import route_by_token, step_routing
-from picockpt.parallel import ExpertJob, run_expert_steps
+from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.expert_parallel.ep_inventory import ep_layer_inventory
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -72,9 +73,9 @@ def launch():
         torch.set_rng_state(state)
         single[name] = (loss, grads, step_routing(params, cfg, input_ids), after)  # routing: the step's draws
         policies = POLICIES + (["full+moe+shared_experts"] if cfg.shared_expert_ffn else [])
-        jobs += [(name, ExpertJob(params, cfg, input_ids, targets, policy, keep, state))
+        jobs += [(name, ParallelJob(params, cfg, input_ids, targets, policy, ep=EP, keep_dispatched=keep, rng_state=state))
                  for policy in policies for keep in ((False, True) if policy in CHOICES else (False,))]
-    results = run_expert_steps([job for _, job in jobs], EP, start_method=START, timeout_s=120)
+    results = run_jobs([job for _, job in jobs], EP, start_method=START, timeout_s=120)
     single["generator after"] = torch.get_rng_state()
     return single, [(name, job, *result) for (name, job), result in zip(jobs, results)]
 
@@ -187,3 +188,55 @@ def test_a_checkpoint_keeps_the_routing_and_with_keep_dispatched_the_rows(launch
                 8 * cfg.experts + rows, (name, job.keep_dispatched, r["rank"])
             stored = ep_layer_inventory(cfg, BATCH, SEQ, EP, r["rank"], single[name][2][0], keep_dispatched=True)
             assert stored["moe.dispatched"][0] == (r["received_rows"][0], cfg.hidden)
+
+
+# ---- composed: ep beside dp and beside pp, on 4 ranks --------------------------------------------------
+COMPOSED = {"ep=2 dp=2": dict(dp=2), "ep=2 pp=2 M=2 1f1b": dict(pp=2, microbatches=2),
+            "ep=2 pp=2 M=2 afab": dict(pp=2, microbatches=2, schedule="afab")}
+COMPOSED_POLICIES = [("none", False), ("full", False), ("full", True), ("every:2+moe", False), ("cheap+moe_act", True)]
+
+
+@pytest.fixture(scope="module")
+def composed():
+    """One launch of 4 ranks: fp64, 4 layers (two stages of two), dropout and ignored targets, every layout and
+    policy above, against the single-process step."""
+    cfg = Config(**{**BASE, "layers": 4, "dropout": 0.1})
+    params = init_params(cfg, seed=2)
+    input_ids, targets = make_batch(cfg, 8, SEQ, "cpu", seed=2)
+    targets = targets.clone()
+    targets[1, 2:] = -100  # the replicas' and micro-batches' shares of the mean differ
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    single = loss_and_grads(params, cfg, input_ids, targets, "none")
+    jobs = [(name, ParallelJob(params, cfg, input_ids, targets, policy, ep=EP, keep_dispatched=keep, rng_state=state,
+                               **layout)) for name, layout in COMPOSED.items() for policy, keep in COMPOSED_POLICIES]
+    results = run_jobs([job for _, job in jobs], 4, start_method=START, timeout_s=120)
+    return single, [(name, job, *result) for (name, job), result in zip(jobs, results)]
+
+
+def test_composed_gradients_equal_the_single_process_and_every_policy_equals_none_bitwise(composed):
+    (loss0, grads0), runs = composed
+    none = {name: (loss, grads) for name, job, loss, grads, _ in runs if job.policy == "none"}
+    for name, job, loss, grads, _ in runs:
+        assert abs(loss.item() - loss0.item()) <= 1e-10 * abs(loss0.item()), (name, job.policy)
+        assert set(grads) == set(grads0)
+        for key in grads0:
+            assert relative(grads[key], grads0[key]) <= 1e-10, (name, job.policy, job.keep_dispatched, key)
+            assert torch.equal(grads[key], none[name][1][key]), (name, job.policy, job.keep_dispatched, key)
+        assert torch.equal(loss, none[name][0]), (name, job.policy)
+
+
+def test_composed_ranks_store_move_and_compute_exactly_their_closed_forms(composed):
+    _, runs = composed
+    for name, job, _, _, reports in runs:
+        assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
+        for r in reports:
+            where = (name, job.policy, job.keep_dispatched, r["rank"])
+            assert r["experts"] == list(range(2 * r["ep_rank"], 2 * r["ep_rank"] + 2)), where
+            for key in ("activation_bytes", "microbatch_stored_bytes", "layer_stored_bytes", "head_stored_bytes",
+                        "flops", "comm_bytes", "all_to_all_sent_bytes", "received_rows", "p2p_bytes", "dp_bytes"):
+                measured = r["peak_" + key if key == "activation_bytes" else key]
+                assert measured == r["predicted_" + key], (where, key)
+            # the gradients' reduction: every weight but the experts' over the dp x ep replicas; the experts'
+            # over the dp ranks that hold them (none beside pp alone)
+            assert (r["dp_bytes"] > 0) and (r["predicted_dp_bytes"] == r["dp_bytes"]), where

@@ -42,7 +42,10 @@ def tiny(batch=4, seq=8, **fields):
     (dict(), 4, dict(ep=2, tp=2), r"^ep=2 with tp=2: expert parallelism here keeps every weight but the experts' "
                                   r"whole on each rank \(no tensor parallelism beside it\); leave tp out, or use tp "
                                   r"without ep$"),
-    (dict(), 4, dict(ep=2, pp=2), r"^ep=2 with pp=2: expert parallelism here runs on its own"),
+    (dict(), 4, dict(ep=2, distribute_saved=True), r"^ep=2 with distribute_saved=True: that splits a "
+                                                   r"tensor-parallel checkpoint over tp ranks; leave it out with ep$"),
+    (dict(), 4, dict(ep=2, dp=2, microbatches=2), r"^batch=1 \(per replica and micro-batch\) is not divisible by "
+                                                  r"ep=2"),
     (dict(experts=0), 4, dict(ep=2), r"^ep=2 with Config.experts=0: expert parallelism splits a mixture of experts "
                                      r"over the ranks, and this model's MLP is dense; set experts to a multiple of 2$"),
     (dict(), 4, dict(ep=2, policy="budget:1MiB"), r"^policy 'budget:1MiB' with ep=2: a budget is planned per rank, "

@@ -5,7 +5,7 @@ tp = 2; every stage's stored peak, stored bytes per micro-batch, FLOPs and point
 data-parallel bytes equal their closed forms (picockpt/parallel/pp_inventory.py); the stage-aware budget
 fits every stage and recomputes no more than the best uniform policy that fits.
 
-Each world size is one launch whose ranks run every job in turn (run_pipeline_steps); each job may
+Each world size is one launch whose ranks run every job in turn (run_jobs); each job may
 have its own layout (dp x pp x tp). Relative error of a gradient: max |g - g_single| / max |g_single|.
 """
 import multiprocessing
@@ -16,7 +16,7 @@ import torch
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import chain_sizes
 from picockpt.measure import make_batch
-from picockpt.parallel import PipelineJob, run_pipeline_steps
+from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms, stage_chain, uniform_schedules
 from picockpt.parallel.pipeline_parallel.pp_schedules import bubble_fraction, stage_layers, unequal_bubble
 from picockpt.parallel.pipeline_parallel.pp_plan import end_of_forward_bytes
@@ -66,7 +66,7 @@ def relative(value, reference):
 
 
 def jobs_for(world):
-    """(label, PipelineJob, single-process (loss, grads, generator state after)) of every job of one launch."""
+    """(label, ParallelJob, single-process (loss, grads, generator state after)) of every job of one launch."""
     out, single = [], {}
 
     def add(name, batch, policy, **layout):
@@ -79,7 +79,7 @@ def jobs_for(world):
         if policy == "budget":
             policy = budget(cfg, batch, layout.get("pp", 1), layout["microbatches"], layout.get("schedule", "1f1b"),
                             layout.get("dp", 1))
-        job = PipelineJob(params, cfg, input_ids, targets, policy, rng_state=state, **{"pp": 1, **layout})
+        job = ParallelJob(params, cfg, input_ids, targets, policy, rng_state=state, **{"pp": 1, **layout})
         out.append((name, job, single[name, batch]))
 
     if world == 2:
@@ -117,7 +117,7 @@ def jobs_for(world):
 def launch(request):
     world = request.param
     jobs = jobs_for(world)
-    results = run_pipeline_steps([job for _, job, _ in jobs], world, start_method=START, timeout_s=120)
+    results = run_jobs([job for _, job, _ in jobs], world, start_method=START, timeout_s=120)
     runs = [(name, job, single, *result) for (name, job, single), result in zip(jobs, results)]
     return world, runs, torch.get_rng_state()
 

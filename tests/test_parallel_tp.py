@@ -3,7 +3,7 @@ single-process engine: the same gradients (fp64 rel <= 1e-10, fp32 rel <= 1e-5),
 equal to none within one (t, sp), and every rank's stored peak, per-layer bytes, communication bytes per
 phase and FLOPs equal to their closed forms (picockpt/parallel/inventory.py).
 
-Each t is one launch of its ranks that runs every (model, sp, policy) job in turn (run_steps): starting
+Each t is one launch of its ranks that runs every (model, sp, policy) job in turn (run_jobs): starting
 ranks is the slow part, so the jobs share it. Relative error of a gradient: max |g - g_single| /
 max |g_single| over the tensor.
 """
@@ -15,7 +15,7 @@ import torch
 
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch
-from picockpt.parallel import Job, run_steps
+from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_peak_bytes
 from picockpt.planner import least_budget
 
@@ -74,8 +74,9 @@ def launch(request):
         for sp, distributed, policies in layouts:
             for policy in policies:
                 policy = budget(cfg, t, sp, distributed) if policy == "budget" else policy
-                jobs.append((name, Job(params, cfg, input_ids, targets, policy, sp, distributed, state)))
-    results = run_steps([job for _, job in jobs], tp=t, start_method=START, timeout_s=120)
+                jobs.append((name, ParallelJob(params, cfg, input_ids, targets, policy, tp=t, sp=sp,
+                                                distribute_saved=distributed, rng_state=state)))
+    results = run_jobs([job for _, job in jobs], t, start_method=START, timeout_s=120)
     return t, single, [(name, job, *result) for (name, job), result in zip(jobs, results)]
 
 

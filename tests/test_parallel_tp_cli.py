@@ -17,10 +17,10 @@ from picockpt import Config, init_params
 from picockpt.cli import main
 from picockpt.formulas import korthikanti_layer_bytes
 from picockpt.measure import make_batch
-from picockpt.parallel import Job, RankError, loss_and_grads, run_ranks, run_steps
+from picockpt.parallel import ParallelJob, RankError, loss_and_grads, run_jobs, run_ranks
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, rank_peak_bytes
 from picockpt.parallel.job import on_cpu
-from picockpt.parallel.tensor_parallel.tp_step import rank_step
+from picockpt.parallel.rank import rank_step
 
 from processes import free_port, no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -89,12 +89,12 @@ def test_a_port_already_taken_is_a_value_error_naming_it():
 def fail_while_the_other_rank_waits(comm, job):
     if comm.rank == 1:
         raise ValueError("rank 1 stops before its first collective")
-    return rank_step(comm, job)  # rank 0 waits in the embedding's all-reduce for a rank that never comes
+    return rank_step(comm, job, {})  # rank 0 waits in the embedding's all-reduce for a rank that never comes
 
 
 def test_a_rank_failing_mid_step_stops_the_others_at_once():
     cfg, params, input_ids, targets = tiny()
-    job = on_cpu(Job(params, cfg, input_ids, targets, "full", True, False, torch.get_rng_state()))
+    job = on_cpu(ParallelJob(params, cfg, input_ids, targets, "full", tp=2, rng_state=torch.get_rng_state()))
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"^rank 1 of 2: rank 1 stops before its first collective$"):
         run_ranks(fail_while_the_other_rank_waits, 2, job, timeout_s=60, start_method=START)
@@ -105,7 +105,7 @@ def test_an_error_inside_every_rank_comes_back_with_its_rank():
     cfg, params, input_ids, targets = tiny()
     broken = torch.zeros(3, dtype=torch.uint8)  # not a generator state: each rank fails to set it
     with pytest.raises(RankError, match=r"^rank [01] of 2 raised RuntimeError: .*RNG state") as caught:
-        run_steps([Job(params, cfg, input_ids, targets, "full", True, False, broken)], tp=2, start_method=START)
+        run_jobs([ParallelJob(params, cfg, input_ids, targets, "full", tp=2, rng_state=broken)], start_method=START)
     assert "generator.set_state(job.rng_state)" in caught.value.remote_traceback  # where, in the rank
 
 

@@ -44,9 +44,9 @@ def add_arguments(parser):
                           "recomputes that micro-batch's top segment meanwhile")
     pipeline.add_argument("--no-overlap", action="store_true", help="data parallel: all-reduce the gradients after "
                           "the backward instead of each layer's as soon as it is final")
-    experts = parser.add_argument_group("expert parallelism (picockpt/parallel/expert_parallel/ep_job.py; needs --experts)")
+    experts = parser.add_argument_group("expert parallelism (picockpt/parallel/expert_parallel/; needs --experts; beside --dp and --pp too)")
     experts.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1: none); each holds "
-                         "experts/ep experts and batch/ep sequences")
+                         "experts/ep experts and 1/ep of each micro-batch's sequences; dp x pp x ep ranks in all")
     experts.add_argument("--keep-dispatched", action="store_true", help="keep the rows each rank's experts "
                          "received: recomputing a layer reads them instead of dispatching them again")
 

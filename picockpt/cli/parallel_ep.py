@@ -1,7 +1,8 @@
 """python -m picockpt parallel --ep N: one expert-parallel step, measured per rank.
 
-Spawns --ep ranks on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per rank), or runs as one of
-torchrun's processes; rank r holds experts r*E/N .. and sequences r*B/N .. (picockpt/parallel/expert_parallel/ep_model.py).
+Spawns --ep ranks (times --dp and --pp, when given) on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per
+rank), or runs as one of torchrun's processes; ep rank r holds experts r*E/N .. and its part of each
+micro-batch's sequences (picockpt/parallel/expert_parallel/ep_model.py, picockpt/parallel/rank.py).
 Prints per rank: the experts it holds, the rows they received, the activation store's peak and its
 closed form, the peak of live bytes, the bytes its collectives moved in each phase (with their closed
 form) and its FLOPs; then what the other recompute choice would cost on the same routing (predicted),
@@ -9,13 +10,16 @@ the loss, and how far the gradients are from the single-process engine's.
 
     python -m picockpt parallel --ep 2 --experts 4 --policy full
     python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched --json
+    python -m picockpt parallel --ep 2 --dp 2 --experts 4 --batch 4 --policy full     # 4 ranks
 """
 import json
+
 import torch
 
-from ..routing import step_routing
-from ..parallel.expert_parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
+from ..parallel.forms import predicted
+from ..parallel.job import ParallelJob
 from ..policy import parse_policy
+from ..routing import step_routing
 from .common import check_parallel_fits, config_from_args, fmt_bytes, rank_columns, table
 from .parallel_run import measured_step, rank_device
 
@@ -28,27 +32,29 @@ def run_expert(args):
     policy = parse_policy(args.policy, cfg)
     device = rank_device(args)
     check_parallel_fits(args, cfg, parse_policy("none", cfg), device)  # the reference runs none
+    layout = dict(pp=args.pp, microbatches=args.microbatches, schedule=args.schedule, dp=args.dp, ep=args.ep)
     measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=False, distribute_saved=args.distribute_saved,
-                             pp=args.pp, microbatches=args.microbatches, dp=args.dp, ep=args.ep,
-                             keep_dispatched=args.keep_dispatched)
+                             keep_dispatched=args.keep_dispatched, **layout)
     if measured is None:
         return
     loss, ranks, single_loss, worst, params, input_ids = measured
     torch.manual_seed(args.seed)
     routing = step_routing(params, cfg, input_ids)  # the single process's, as the closed forms take it
-    other = not args.keep_dispatched
-    shape = (cfg, args.batch, args.seq, policy.text, args.ep)
-    row = {"ep": args.ep, "keep_dispatched": args.keep_dispatched, "policy": policy.text, "device": str(device),
+    torch.manual_seed(args.seed)
+    by_rows = step_routing(params, cfg, input_ids, ranks=args.dp * args.microbatches * args.ep)
+    other = ParallelJob(params, cfg, input_ids, input_ids, policy.text, keep_dispatched=not args.keep_dispatched,
+                        rng_state=torch.get_rng_state(), **layout)  # the other choice, on the same routing
+    row = {"ep": args.ep, "dp": args.dp, "pp": args.pp, "microbatches": args.microbatches,
+           "keep_dispatched": args.keep_dispatched, "policy": policy.text, "device": str(device),
            "dtype": cfg.dtype, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
            "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab, "experts": cfg.experts,
            "experts_per_token": cfg.experts_per_token, "batch": args.batch, "seq": args.seq, "routing": routing,
            "loss": loss.item(), "single_process_loss": single_loss.item(), "grad_max_rel_diff_vs_single": worst,
            "ranks": ranks,
-           "other_choice": {"keep_dispatched": other,  # predicted on the same routing
-                            "ranks": [{"rank": r,
-                                       "predicted_activation_bytes": ep_peak_bytes(*shape, r, routing, other),
-                                       "predicted_comm_bytes": ep_comm_bytes(*shape, r, routing, other)}
-                                      for r in range(args.ep)]}}
+           "other_choice": {"keep_dispatched": other.keep_dispatched,  # predicted on the same routing
+                            "ranks": [{"rank": r["rank"], **{key: forms[key] for key in (
+                                "predicted_activation_bytes", "predicted_comm_bytes")}}
+                                for r in ranks for forms in [predicted(other, r, by_rows)]]}}
     if args.json:
         print(json.dumps(row, indent=1))
         return
@@ -57,10 +63,13 @@ def run_expert(args):
 
 def _print_table(row):
     choice = "keeping the dispatched rows" if row["keep_dispatched"] else "dispatching again to recompute"
-    print(f"expert parallel ep={row['ep']}, {choice}, policy {row['policy']} on {row['device']}, {row['dtype']}: "
+    beside = "".join(f", {key}={row[key]}" for key in ("dp", "pp", "microbatches") if row[key] > 1)
+    print(f"expert parallel ep={row['ep']}{beside}, {choice}, policy {row['policy']} on {row['device']}, {row['dtype']}: "
           f"L={row['layers']} h={row['hidden']} E={row['experts']} k={row['experts_per_token']} f={row['ffn']} "
           f"V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
-    print(table(row["ranks"], rank_columns(("experts", lambda r: f"{r['experts'][0]}..{r['experts'][-1]}"),
+    where = [("stage", lambda r: str(r["stage"]))] if row["pp"] > 1 else []
+    where += [("dp", lambda r: str(r["dp_rank"]))] if row["dp"] > 1 else []
+    print(table(row["ranks"], rank_columns(*where, ("experts", lambda r: f"{r['experts'][0]}..{r['experts'][-1]}"),
                                            ("rows in (per layer)", lambda r: " ".join(map(str, r["received_rows"]))))))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]

@@ -11,11 +11,16 @@ explicit line beside the layer that calls it.
 
     results = run_ranks(step, 2, x.chunk(2, dim=1))   # spawned local ranks on gloo, or torchrun's
 
-Read step.py first: which layout runs which step. Then, shared by every layout:
+    jobs = [parallel.ParallelJob(params, cfg, ids, targets, policy, ep=2, dp=2) for policy in ("none", "full")]
+    results = parallel.run_jobs(jobs)                 # one launch of 4 ranks runs both steps in turn
 
-    layout.py     the rank grid dp x pp x tp and its process groups (passed explicitly, never global)
+Read step.py first: how the layouts wrap the one engine, in a few lines. Then, shared by every layout:
+
+    layout.py     the rank grid dp x pp x ep x tp and its process groups (passed explicitly, never global)
     comm.py       the counting base: Comm, its log of bytes per phase, the counted collectives
-    job.py        the caller's side: checks, what the ranks are sent, their generator, report pieces
+    job.py        the caller's side: the job, its checks, what the ranks are sent, their generator
+    rank.py       one rank's step, for any layout: its stage's micro-batches, each the engine's loop
+    forms.py      the closed forms beside every rank's measurements
     rng.py        random draws equal to the single process's: drawn whole, each rank keeps its slice
     launch.py     where the processes come from (torchrun, or spawned on 127.0.0.1), timeouts
     watch.py      the caller's side of spawned ranks: results, the first failure, stopping the rest
@@ -30,24 +35,21 @@ and one folder per parallelism (each opens with what it holds and which file to 
 """
 from .comm import Comm, CommLog, all_reduce_grads, all_reduce_max
 from .expert_parallel.ep_comm import all_to_all_backward, all_to_all_forward, exchange_splits
-from .expert_parallel.ep_job import ExpertJob, run_expert_steps
+from .job import ParallelJob
 from .launch import RankError, run_ranks, under_torchrun
 from .pipeline_parallel.pp_comm import (from_previous_stage_backward, from_previous_stage_forward,
                                         to_next_stage_backward, to_next_stage_forward)
-from .pipeline_parallel.pp_job import PipelineJob, run_pipeline_steps
-from .step import loss_and_grads
+from .step import loss_and_grads, run_jobs
 from .tensor_parallel.tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward,
                                       gather_sequence_backward, gather_sequence_forward,
                                       reduce_from_parallel_backward, reduce_from_parallel_forward,
                                       scatter_sequence_backward, scatter_sequence_forward, split_sequence_backward,
                                       split_sequence_forward)
-from .tensor_parallel.tp_step import Job, run_steps
 
 __all__ = ["run_ranks", "under_torchrun", "RankError", "Comm", "CommLog", "copy_to_parallel_forward",
            "copy_to_parallel_backward", "reduce_from_parallel_forward", "reduce_from_parallel_backward",
            "gather_sequence_forward", "gather_sequence_backward", "scatter_sequence_forward",
            "scatter_sequence_backward", "split_sequence_forward", "split_sequence_backward",
            "all_to_all_forward", "all_to_all_backward", "exchange_splits", "all_reduce_grads", "all_reduce_max",
-           "loss_and_grads", "run_steps", "Job", "PipelineJob", "run_pipeline_steps", "from_previous_stage_forward",
-           "from_previous_stage_backward", "to_next_stage_forward", "to_next_stage_backward", "ExpertJob",
-           "run_expert_steps"]
+           "loss_and_grads", "run_jobs", "ParallelJob", "from_previous_stage_forward", "from_previous_stage_backward",
+           "to_next_stage_forward", "to_next_stage_backward"]

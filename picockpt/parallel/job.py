@@ -1,18 +1,19 @@
-"""The caller's side shared by every layout: the checks before any rank starts, what the ranks are sent
-(every tensor on the CPU; each rank moves it to its own device), the generator they start from, and the
-pieces of a rank's report that every layout writes.
+"""The caller's side of every layout, written once: one job holds the whole layout (dp x pp x ep x tp),
+is checked before any rank starts, is sent to the ranks on the CPU, and comes back as the loss, full
+gradients under the parameters' names and one report per rank.
 
-    job = checked_batch(job)                  # policy parsed, params and batch checked: a ValueError first
-    sent = on_cpu(job)                        # what run_ranks pickles to the ranks
-    state = ranks_generator(device).get_state()   # every rank starts from the caller's generator state
-    held_bytes(step.store, 0)                 # what layer 0 holds (None: the head), as the store counts it
+    job = ParallelJob(params, cfg, input_ids, targets, "full", tp=2, sp=True)   # or pp=, microbatches=, dp=, ep=
+    job = checked_job(job, "cpu", job.world_size)   # a ValueError naming the argument, before any rank starts
+    sent = on_cpu(job)                        # what the ranks receive; each moves it to its own device
 
-A layout's job is a dataclass with params, cfg, input_ids, targets, policy and rng_state fields
-(tensor_parallel/tp_step.py's Job, pipeline_parallel/pp_job.py's PipelineJob, expert_parallel/ep_job.py's
-ExpertJob); these functions take any of them.
+step.py launches the ranks and puts their results together; each rank runs rank.py. Every rank starts from the caller's generator state (or the
+job's rng_state), so its dropout masks are rows or slices of the single process's (rng.py), and the
+caller's generator is left where a single process's step would leave it. run_jobs runs several jobs
+in one launch (the tests and the lessons measure every policy that way: starting ranks costs about a
+second each).
 """
 import sys
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, replace
 
 import torch
 
@@ -20,8 +21,105 @@ from ..batch import check_batch
 from ..engine import device_generator
 from ..params import check_params
 from ..policy import parse_policy
+from .expert_parallel.ep_shard import check_expert_parallel
+from .launch import check_rank_count
+from .layout import check_layout
+from .pipeline_parallel.pp_inventory import StageForms
+from .pipeline_parallel.pp_schedules import check_schedule, stage_layers
+from .tensor_parallel.tp_shard import check_tensor_parallel
 
 PHASES = ("forward", "recompute", "backward")  # the phases communication and FLOPs are reported by
+
+
+@dataclass
+class ParallelJob:
+    """One step for the ranks to run: the full params and batch, the policy, the layout."""
+    params: dict
+    cfg: object
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    policy: str = "full"
+    _: KW_ONLY
+    tp: int = 1                    # tensor-parallel ranks
+    sp: bool = True                # sequence parallel (with tp > 1)
+    distribute_saved: bool = False  # each tp rank keeps 1/t of a checkpoint-only layer input (without sp)
+    pp: int = 1                    # pipeline stages
+    microbatches: int = 1
+    schedule: str = "1f1b"         # "afab" or "1f1b"
+    recompute_early: bool = False  # a stage recomputes its top segment while it waits for the gradient
+    dp: int = 1                    # data-parallel replicas
+    overlap: bool = True           # all-reduce each gradient bucket as soon as it is final
+    ep: int = 1                    # expert-parallel ranks, carved out of the data-parallel ones
+    keep_dispatched: bool = False  # keep the rows a layer dispatched: a recomputation reads them
+    measure: bool = True           # live bytes and FLOPs too (slower); False: store bytes and times only
+    rng_state: torch.Tensor = None  # the generator state to start from; None: the caller's now
+
+    @property
+    def world_size(self):
+        return self.dp * self.pp * self.ep * self.tp
+
+
+# ---- the checks, before any rank starts ------------------------------------------------------------------
+def checked_job(job, device, world_size):
+    """The job with its policy parsed and batch checked; a ValueError naming the value before any rank starts."""
+    check_flags(job)
+    job = checked_batch(job, device)
+    cfg, policy, (B, T), M = job.cfg, parse_policy(job.policy, job.cfg), job.input_ids.shape, job.microbatches
+    check_schedule(job.schedule)
+    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+        raise ValueError(f"microbatches={M!r}: use a whole number of micro-batches per step, 1 or more")
+    check_layout(job.dp, job.pp, job.tp, None, job.ep)  # each a whole number >= 1
+    split = [name for name in ("dp", "pp", "ep", "tp") if getattr(job, name) > 1]
+    check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp", job.world_size, device)  # torchrun, GPUs
+    check_layout(job.dp, job.pp, job.tp, world_size, job.ep)
+    stage_layers(cfg.layers, job.pp)
+    if job.recompute_early and job.pp == 1:
+        raise ValueError("recompute_early=True without pp: it recomputes a stage's top segment while the stage "
+                         "waits for its gradient; use it with pp >= 2, or leave it out")
+    if job.keep_dispatched and job.ep == 1:
+        raise ValueError("keep_dispatched=True with ep=1: it keeps the rows an expert-parallel layer dispatched to "
+                         "other ranks; set ep > 1, or leave keep_dispatched out")
+    if B % (job.dp * M):
+        raise ValueError(f"batch={B} is not divisible into dp x microbatches = {job.dp} x {M} = {job.dp * M} "
+                         f"micro-batches of equal size; use a batch that is a multiple of {job.dp * M}")
+    if job.ep > 1:
+        check_expert_parallel(cfg, job.ep, B // (job.dp * M), job.policy, job.tp, job.distribute_saved,
+                              job.dp * M > 1)
+    if job.tp > 1:
+        check_tensor_parallel(cfg, job.tp, job.sp, T, job.distribute_saved)
+    if job.dp * M > 1:
+        if cfg.attention == "tiled" and cfg.dropout > 0:
+            raise ValueError(f"attention='tiled' with dropout={cfg.dropout} and dp x microbatches = {job.dp * M}: each "
+                             f"tile's mask comes from a generator seeded by the tile's index at a micro-batch's shape, "
+                             f"so no micro-batch's masks are rows of the single process's; use attention='eager', "
+                             f"dropout=0, or one micro-batch on one replica")
+        if cfg.router_jitter > 0:
+            raise ValueError(f"router_jitter={cfg.router_jitter} with dp x microbatches = {job.dp * M}: the jitter "
+                             f"noise is drawn at a micro-batch's shape, not sliced from the whole batch's; use "
+                             f"router_jitter=0 or one micro-batch on one replica")
+    for stage, layers in enumerate(stage_layers(cfg.layers, job.pp)):
+        try:  # an impossible budget says which stage it does not fit, before any rank starts
+            StageForms(cfg, B, T, policy.text, job.pp, M, job.schedule, stage, job.dp, job.tp, job.sp,
+                       job.distribute_saved)
+        except ValueError as error:
+            if job.pp == 1:
+                raise
+            raise ValueError(f"stage {stage} (layers {layers[0]}..{layers[-1]}): {error}") from None
+    return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
+
+
+def check_flags(job):
+    """Counts are numbers, not True (each layout checks its own values), and switches True or False, not
+    "no": a ValueError naming the argument, before anything else."""
+    for name in ("tp", "pp", "microbatches", "dp", "ep"):
+        if isinstance(getattr(job, name), bool):
+            raise ValueError(f"{name}={getattr(job, name)!r}: give a whole number of ranks (micro-batches for "
+                             f"microbatches), 1 or more, not True or False")
+    for name in ("sp", "distribute_saved", "recompute_early", "overlap", "keep_dispatched"):
+        if not isinstance(getattr(job, name), bool):
+            yes, no = (" (keep the dispatched rows)", " (dispatch them again when recomputing)") \
+                if name == "keep_dispatched" else ("", "")
+            raise ValueError(f"{name}={getattr(job, name)!r}: use True{yes} or False{no}")
 
 
 def checked_batch(job, device):
@@ -34,6 +132,7 @@ def checked_batch(job, device):
     return replace(job, input_ids=input_ids, targets=targets, policy=policy.text, rng_state=state)
 
 
+# ---- what the ranks are sent, and what they print ------------------------------------------------------
 def ranks_generator(device):
     """The caller's generator of the kind the ranks draw from: its CPU one, or its current GPU's."""
     if str(device).startswith("cuda") and torch.cuda.is_available():

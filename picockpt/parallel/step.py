@@ -1,19 +1,41 @@
-"""picockpt.parallel.loss_and_grads: the single-process call, split over ranks. Which layout runs which
-step, in a few lines (each layout's own step is in its folder):
+"""picockpt.parallel.loss_and_grads: the single-process call, split over ranks, for any layout
 
-    ep > 1          expert_parallel/ep_job.py     experts split over ep ranks, every other weight replicated
-    pp, dp or M > 1 pipeline_parallel/pp_job.py   dp x pp x tp ranks: stages of layers, micro-batches, replicas
-                                                  whose gradients data_parallel/dp_comm.py all-reduces
-    otherwise       tensor_parallel/tp_step.py    tp ranks, sequence parallel when sp
+    dp x pp x ep x tp ranks     layout.py: the grid and its process groups
+    each rank                   rank.py: its stage's micro-batches (one, without pp), each the engine's own
+                                loop (picockpt/engine.py: Step) over a model whose layers cross ranks at named
+                                points (picockpt/layer.py's Crossings): tensor_parallel/ or expert_parallel/
+                                fills them in; pipeline_parallel/ sends and receives between stages;
+                                data_parallel/ all-reduces each gradient bucket over the replicas
 
-Every one of them runs the engine's own loop (picockpt/engine.py: Step) on each rank, over a model whose
-parts cross ranks at named points (picockpt/layer.py's Crossings): the loop and the layer are written
-once. Full parameters and batch in; the loss, full gradients under the parameters' names and one report
-per rank out.
+so the loop and the layer are written once. Full parameters and batch in; the loss, full gradients under
+the parameters' names and one report per rank (its measurements beside their closed forms, forms.py) out.
+
+    from picockpt import parallel
+    loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, policy="full", tp=2, sp=True)
+    loss, grads, ranks = parallel.loss_and_grads(..., pp=2, microbatches=4, dp=2)      # 4 ranks
+    loss, grads, ranks = parallel.loss_and_grads(..., ep=2, dp=2)                      # experts split in 2, x2
+    ranks[r]["peak_activation_bytes"] == ranks[r]["predicted_activation_bytes"]        # to the byte
+
+A rank's report: its coordinates (rank, stage, dp_rank, ep_rank, tp_rank) and the layout; peak_activation_bytes
+(all its micro-batches' stores at once), microbatch_stored_bytes, layer_stored_bytes and head_stored_bytes
+(what micro-batch 0, its stage's first layer and its head hold after the forward), mean_activation_bytes
+(time-weighted), peak_live_bytes; flops by phase; comm_bytes, comm_calls, comm_bytes_by_kind and
+all_to_all_sent_bytes (the layers' tensor- or expert-parallel collectives, by phase); p2p_bytes (a stage's
+sends and receives); dp_bytes (the gradients' all-reduces); under ep its experts and received_rows (per
+layer, the rows its experts got); timeline (kind, micro-batch, start, end), timeline_seconds, step_seconds
+and bubble = 1 - computing / step; and the predicted_ twin of every count.
 """
-from .expert_parallel.ep_job import ep_loss_and_grads
-from .pipeline_parallel.pp_job import PipelineJob, run_pipeline_steps
-from .tensor_parallel.tp_step import Job, run_steps
+import os
+
+from ..params import EMBED, HEAD
+from ..routing import step_routing
+from .expert_parallel.ep_shard import gather_expert_grads
+from .forms import predicted
+from .job import ParallelJob, checked_job, on_cpu, ranks_generator
+from .launch import run_ranks, under_torchrun
+from .pipeline_parallel.pp_schedules import stage_layers
+from .rank import rank_steps, stage_param_names
+from .tensor_parallel.tp_shard import gather_grads
 
 
 def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=True, distribute_saved=False,
@@ -21,40 +43,85 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=T
                    schedule="1f1b", dp=1, recompute_early=False, overlap=True, ep=1, keep_dispatched=False):
     """Mean next-token cross-entropy, the gradient of every parameter (full shapes, params' names) and
     [one report per rank], under `policy` (every policy of picockpt.loss_and_grads; budget:SIZE per rank).
-    tp, sp, distribute_saved: tensor parallelism (tp=None: 2 alone, 1 beside pp or dp), sequence parallel,
-    each rank keeping 1/t of every checkpoint-only layer input (without sp).
+    tp, sp, distribute_saved: tensor parallelism (tp=None: 2 alone, 1 beside another layout), sequence
+    parallel, each rank keeping 1/t of every checkpoint-only layer input (without sp).
     pp, microbatches, schedule ("afab" | "1f1b"), recompute_early: pipeline stages; dp, overlap: data-
     parallel replicas, all-reducing each layer's gradients as soon as they are final.
-    ep, keep_dispatched: expert parallelism, on its own.
+    ep, keep_dispatched: expert parallelism, its ranks carved out of the data-parallel ones.
     device "cpu" (gloo) or "cuda" (NCCL, one GPU per rank); timeout_s bounds every collective;
     trace=True prints each rank's engine trace lines to stderr, prefixed with the rank."""
-    check_flags(tp=tp, pp=pp, microbatches=microbatches, dp=dp, ep=ep, sp=sp, distribute_saved=distribute_saved,
-                recompute_early=recompute_early, overlap=overlap, keep_dispatched=keep_dispatched)
-    if keep_dispatched is True and ep == 1:
-        raise ValueError("keep_dispatched=True with ep=1: it keeps the rows an expert-parallel layer dispatched to "
-                         "other ranks; set ep > 1, or leave keep_dispatched out")
-    if ep != 1:
-        return ep_loss_and_grads(params, cfg, input_ids, targets, policy, ep, keep_dispatched, device, timeout_s, port,
-                                 start_method, trace, beside=dict(tp=tp, pp=pp, microbatches=microbatches, dp=dp,
-                                                                  distribute_saved=distribute_saved))
-    if (pp, microbatches, dp) != (1, 1, 1):
-        job = PipelineJob(params, cfg, input_ids, targets, policy, pp, microbatches, schedule, dp,
-                          1 if tp is None else tp, sp, distribute_saved, recompute_early, overlap)
-        return run_pipeline_steps([job], None, device, timeout_s, port, start_method, trace)[0]
-    if recompute_early:
-        raise ValueError("recompute_early=True without pp: it recomputes a stage's top segment while the stage "
-                         "waits for its gradient; use it with pp >= 2, or leave it out")
-    job = Job(params, cfg, input_ids, targets, policy, sp, distribute_saved)
-    return run_steps([job], 2 if tp is None else tp, device, timeout_s, port, start_method, trace)[0]
+    alone = (pp, microbatches, dp, ep) == (1, 1, 1, 1)
+    job = ParallelJob(params, cfg, input_ids, targets, policy, tp=(2 if alone else 1) if tp is None else tp, sp=sp,
+                      distribute_saved=distribute_saved, pp=pp, microbatches=microbatches, schedule=schedule,
+                      recompute_early=recompute_early, dp=dp, overlap=overlap, ep=ep, keep_dispatched=keep_dispatched)
+    return run_jobs([job], None, device, timeout_s, port, start_method, trace)[0]
 
 
-def check_flags(**flags):
-    """Counts are numbers, not True (each layout checks its own values), and switches True or False, not
-    "no": a ValueError naming the argument, before anything else."""
-    for name in ("tp", "pp", "microbatches", "dp", "ep"):
-        if isinstance(flags[name], bool):
-            raise ValueError(f"{name}={flags[name]!r}: give a whole number of ranks (micro-batches for microbatches), "
-                             f"1 or more, not True or False")
-    for name in ("sp", "distribute_saved", "recompute_early", "overlap"):  # keep_dispatched: ep_job.py's check
-        if not isinstance(flags[name], bool):
-            raise ValueError(f"{name}={flags[name]!r}: use True or False")
+def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False):
+    """[(loss, grads, reports)] of every ParallelJob, all run by one launch of world_size ranks (each job's
+    dp x pp x ep x tp must be world_size; None: the first job's, or torchrun's WORLD_SIZE). trace=True
+    prints each rank's engine trace lines to stderr, prefixed with the rank."""
+    if not jobs:
+        raise ValueError("jobs=[]: give at least one ParallelJob")
+    if world_size is None:
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else jobs[0].world_size
+    jobs = [checked_job(job, device, world_size) for job in jobs]
+    generator = ranks_generator(device)
+    before = generator.get_state()
+    routings = [_routing(job, generator) for job in jobs]  # the single process's, for the closed forms
+    generator.set_state(before)  # left as it was, should a rank fail
+    sent = [on_cpu(job) for job in jobs]  # what the ranks receive; each moves it to its own device
+    results = run_ranks(rank_steps, None if under_torchrun() else world_size, sent, trace, device=device,
+                        timeout_s=timeout_s, port=port, start_method=start_method)
+    out, state = [], jobs[-1].rng_state
+    for index, (job, routing) in enumerate(zip(jobs, routings)):
+        per_rank = [rank_results[index] for rank_results in results]
+        last = [r for r in per_rank if r["report"]["stage"] == job.pp - 1 and r["report"]["tp_rank"] == 0]
+        loss = last[0]["loss"]
+        for r in last[1:]:  # the data- and expert-parallel ranks' shares of the mean
+            loss = loss + r["loss"]
+        where = job.params[EMBED].device
+        grads = _gathered(job, per_rank)
+        reports = [dict(r["report"], **predicted(job, r["report"], routing)) for r in per_rank]
+        start = min(r["timeline_start"] for r in reports)  # the step: the first rank's start to the last one's end
+        step = max(r["timeline_start"] + r["timeline_seconds"]["total"] for r in reports) - start
+        for r in reports:  # a rank's bubble counts the whole step: a stage done early idles until the others are
+            r["step_seconds"], r["bubble"] = step, 1.0 - r["computing_seconds"] / step if step > 0 else 0.0
+        out.append((loss.to(where), {name: grad.to(job.params[name].dtype).to(where) for name, grad in grads.items()},
+                    reports))
+        state = last[0]["rng_state"] if last[0]["rng_state"] is not None else state
+    generator.set_state(state)  # where a single process's steps would leave it
+    return out
+
+
+def _routing(job, generator):
+    """Under ep: every layer's per-expert token counts in the single process's forward of the whole batch,
+    by slices of B / (dp M ep) sequences (one per rank and micro-batch), from the job's generator state
+    (the same masks and jitter noise as the step); None without experts split over ranks."""
+    if job.ep == 1:
+        return None
+    generator.set_state(job.rng_state)
+    return step_routing(job.params, job.cfg, job.input_ids, ranks=job.dp * job.microbatches * job.ep)
+
+
+def _gathered(job, per_rank):
+    """The full gradients: each stage's from its dp rank 0, tensor- or expert-parallel parts put together."""
+    cfg, grads, head_copy = job.cfg, {}, None
+    for stage, layers in enumerate(stage_layers(cfg.layers, job.pp)):
+        names = stage_param_names(cfg, layers, stage == 0, stage == job.pp - 1)
+        ranks = sorted(((r["report"]["tp_rank"], r["report"]["ep_rank"]), r["grads"]) for r in per_rank
+                       if r["report"]["stage"] == stage and r["report"]["dp_rank"] == 0)
+        parts = [g for _, g in ranks]
+        if job.tp > 1:
+            whole = gather_grads(parts, dict.fromkeys(names))
+        elif job.ep > 1:
+            whole = gather_expert_grads(parts, dict.fromkeys(names))
+        else:
+            whole = parts[0]
+        if cfg.tie_embeddings and stage == job.pp - 1:
+            head_copy = whole.pop(HEAD)
+        grads.update(whole)
+    if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses (as the engine adds them)
+        grads[EMBED] = grads[EMBED] + head_copy
+        grads[HEAD] = grads[EMBED]
+    return {name: grads[name] for name in job.params if name in grads}

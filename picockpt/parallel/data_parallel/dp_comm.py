@@ -93,3 +93,31 @@ class GradientBuckets:
 
     def _now(self):
         return time.monotonic()  # no device synchronisation: that would wait for the all-reduces themselves
+
+
+class ExpertAndDenseBuckets:
+    """Under expert parallelism, two sets of buckets: the experts' gradients summed over the ranks that hold
+    the same experts (the expert-data-parallel group), every other gradient over every replica of it (the
+    data-parallel group, dp x ep ranks: picockpt/parallel/layout.py). The same calls as GradientBuckets."""
+
+    def __init__(self, dense, experts, is_expert):
+        self.parts, self.is_expert = (dense, experts), is_expert
+
+    def add(self, name, grad):
+        self.parts[self.is_expert(name)].add(name, grad)
+
+    def ready(self, bucket):
+        for part in self.parts:
+            if bucket in part.flat:
+                part.ready(bucket)
+
+    def finish(self):
+        for part in self.parts:
+            part.finish()
+
+    def grads(self):
+        return {**self.parts[0].grads(), **self.parts[1].grads()}
+
+    @property
+    def events(self):
+        return self.parts[0].events + self.parts[1].events

@@ -5,10 +5,12 @@ Read first: ep_moe.py (the experts' block with its all-to-alls), then ep_layer.p
 one layer runs it), ep_model.py (one rank's model for the engine's loop).
 
     ep_comm.py       the all-to-all pair and the exchange of split sizes
-    ep_shard.py      which experts a rank holds; gradients put back together
+    ep_shard.py      which experts a rank holds; the checks; gradients put back together
     ep_moe.py        the expert block over ranks: route, dispatch, experts, combine; and its backward
     ep_layer.py      the crossings of the one decoder layer on an expert-parallel rank; whole-batch draws
     ep_model.py      one rank's model for the engine's loop
     ep_inventory.py  per-rank closed forms: stored bytes, all-to-all bytes per phase, FLOPs
-    ep_job.py        the caller's side: ExpertJob, run_expert_steps
+
+The ep ranks are carved out of the data-parallel ones (parallel/layout.py); each runs parallel/rank.py's
+step, beside data and pipeline parallelism too, over ep_model.py's model.
 """

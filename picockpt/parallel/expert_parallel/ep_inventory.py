@@ -12,6 +12,10 @@ M_l = the counts of its experts r*E/W .. (r+1)*E/W - 1 in layer l; it sends P = 
     ep_layer_comm_bytes(cfg, B, T, policy, W, r, counts, keep) one layer's all-to-all bytes, per phase
     ep_flops(...)                                             its matmul FLOPs, per phase
     ep_layer_stored_bytes, ep_head_stored_bytes               what layer 0 and the head hold after the forward
+    ep_stored_bytes                                           all it holds after the forward (a pipeline's E)
+
+Beside data or pipeline parallelism, each micro-batch of each replica is one such step over its rows
+(picockpt/parallel/forms.py: cfg.layers a stage's layers, head=False before the last stage).
 
 One stored layer on rank r (A_l) is picockpt/inventory.py's at batch B/W, but its experts' rows
 are those of its own experts, sized by every rank's tokens (n_e), and it also holds (ep_moe.py):
@@ -29,15 +33,15 @@ Communication, per rank and layer, each all-to-all counted as picockpt/parallel/
 
     forward    8E (counts) + D + M_l h e     D = P h e + P s: the dispatch, tokens and weights;
                                              M_l h e: the combine
-    backward   P h e + M_l s + M_l h e       the combine's, the weights' and the dispatch's backward;
-               plus, once, the all-reduce of the replicated weights' gradients (master bytes)
+    backward   P h e + M_l s + M_l h e       the combine's, the weights' and the dispatch's backward
+               (the replicated weights' gradients: the data-parallel buckets', replicated_grad_bytes)
     recompute  every:C: each layer's forward again, without the counts (the routing is kept) and,
                with keep_dispatched, without D: M_l h e (+ D when repeated); and D again in the
                backward of a layer whose dispatched rows are dropped (moe, without keep_dispatched)
 """
 import math
 
-from ...inventory import head_inventory, layer_inventory, segments_peak, step_flops, total
+from ...inventory import head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops, total
 from ...params import param_shapes
 from ...policy import parse_policy
 from .ep_layer import ep_drop
@@ -102,12 +106,13 @@ def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
     return routing + (M * (cfg.hidden * BYTES[act] + BYTES[stat]) if keep_dispatched else 0)
 
 
-def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):
-    """The exact peak of rank r's activation store over one step."""
+def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True):
+    """The exact peak of rank r's activation store over one step. head=False: a pipeline stage before the
+    last (cfg.layers its layers, routing theirs), which has no head."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
     A = [total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched))
          for counts in routing]
-    F = total(head_inventory(cfg, batch // ep, seq, policy.drop))
+    F = ep_head_stored_bytes(cfg, batch, seq, policy, ep) if head else 0
     if policy.segment is None:
         return sum(A) + F
     X = (batch // ep) * seq * cfg.hidden * BYTES[cfg.dtype]
@@ -126,6 +131,13 @@ def ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispa
     return X + always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched)
 
 
+def ep_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True):
+    """E: what rank r's store holds at the end of the forward (every layer's share, and the head's)."""
+    layers = sum(ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched, k)
+                 for k in range(cfg.layers))
+    return layers + (ep_head_stored_bytes(cfg, batch, seq, policy, ep) if head else 0)
+
+
 def ep_head_stored_bytes(cfg, batch, seq, policy, ep):
     """What the head holds on a rank after the forward: picockpt's head on its batch/ep sequences."""
     policy = parse_policy(policy, cfg)
@@ -134,7 +146,8 @@ def ep_head_stored_bytes(cfg, batch, seq, policy, ep):
 
 def replicated_grad_bytes(cfg):
     """Bytes of the gradients summed over the ranks at the end of the step: every weight but the experts',
-    in the master dtype (one all-reduce each; a tied embedding and LM head are one matrix)."""
+    in the master dtype (a tied embedding and LM head are one matrix). The data-parallel buckets move them
+    (picockpt/parallel/data_parallel/dp_comm.py), each layer's as soon as it is final."""
     master = BYTES[cfg.dtype_names[2]]
     return sum(math.prod(shape) * master for name, shape in param_shapes(cfg).items() if not is_expert(name))
 
@@ -184,22 +197,28 @@ def ep_sent_bytes(cfg, batch, seq, policy, ep, rank, routing_by_rank, keep_dispa
 
 
 def ep_comm_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):
-    """{"forward", "recompute", "backward"}: bytes rank r's collectives move in one step: every layer's
-    all-to-alls, and the all-reduce of the replicated weights' gradients (backward)."""
+    """{"forward", "recompute", "backward"}: bytes rank r's all-to-alls move in one step, every layer's (the
+    replicated weights' gradients are the data-parallel reduction's: replicated_grad_bytes)."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
-    comm = {"forward": 0, "recompute": 0, "backward": replicated_grad_bytes(cfg)}
+    comm = {"forward": 0, "recompute": 0, "backward": 0}
     for counts in routing:
         for phase, nbytes in ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched).items():
             comm[phase] += nbytes
     return comm
 
 
-def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):
+def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True):
     """{"forward", "recompute", "backward"}: rank r's matmul FLOPs: the single process's step at batch/ep
     (picockpt.inventory.step_flops), with its experts on the M_l rows they receive instead of the P pairs
-    it sends (each row 2h*3f forward, twice that backward, 2h*2f when moe rebuilds the projections)."""
+    it sends (each row 2h*3f forward, twice that backward, 2h*2f when moe rebuilds the projections).
+    head=False: a pipeline stage before the last, without the LM head's matmuls."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
     flops = step_flops(cfg, batch // ep, seq, policy)
+    if not head:
+        logits, (_, inner_head) = 2 * (batch // ep) * seq * cfg.hidden * cfg.vocab, inner_recompute_flops(
+            cfg, batch // ep, seq)
+        flops = {"forward": flops["forward"] - logits, "recompute": flops["recompute"] - inner_head,
+                 "backward": flops["backward"] - 2 * logits}
     h, f, P = cfg.hidden, cfg.ffn, (batch // ep) * seq * cfg.experts_per_token
     extra = [received_rows(cfg, counts, ep, rank) - P for counts in routing]  # rows beyond its own pairs
     forward = sum(2 * n * h * 3 * f for n in extra)

@@ -6,7 +6,7 @@ layer on this rank's B/W sequences, its experts' block from picockpt/parallel/ex
 
 Everything but the experts is data parallel: the same weights on every rank, each rank's own
 sequences, nothing exchanged (the replicated weights' gradients are summed over the ranks at the
-end of the step, picockpt/parallel/expert_parallel/ep_job.py). The stored names are layer.py's (at batch B/W),
+end of the step, by the data-parallel buckets: picockpt/parallel/data_parallel/dp_comm.py). The stored names are layer.py's (at batch B/W),
 moe.py's, and the expert-parallel block's own (ep_moe.py's table).
 
 Random draws. Dropout masks and router jitter noise must be the single process's, so each rank

@@ -8,6 +8,8 @@
 """
 import torch
 
+from ...policy import parse_policy
+
 EXPERT_ROLES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # split along dim 0 (the expert)
 
 
@@ -30,3 +32,36 @@ def gather_expert_grads(per_rank, params):
     together along dim 0, the replicated weights' (already summed over the ranks) from rank 0."""
     return {name: torch.cat([grads[name] for grads in per_rank], 0) if is_expert(name) else per_rank[0][name]
             for name in params}
+
+
+def check_expert_parallel(cfg, ep, batch, policy, tp=1, distribute_saved=False, split=False):
+    """ValueError naming the parameter, the value and what would work, for every split that cannot be.
+    batch: the sequences one micro-batch of one data-parallel replica holds (its ep ranks split them);
+    split: the batch is split into more than one (dp x microbatches > 1)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep={ep!r}: use a whole number of expert-parallel ranks, 1 or more")
+    E = cfg.experts
+    if not E:
+        raise ValueError(f"ep={ep} with Config.experts=0: expert parallelism splits a mixture of experts over the "
+                         f"ranks, and this model's MLP is dense; set experts to a multiple of {ep}")
+    fits = [n for n in range(1, E + 1) if E % n == 0 and batch % n == 0]
+    if E % ep:
+        raise ValueError(f"ep={ep} does not divide experts={E}: each rank holds E/ep whole experts; use ep in {fits}")
+    if batch % ep:
+        per = " (per replica and micro-batch)" if split else ""
+        raise ValueError(f"batch={batch}{per} is not divisible by ep={ep}: each rank computes batch/ep whole "
+                         f"sequences; use a batch that is a multiple of {ep}, or ep in {fits}")
+    if tp != 1:
+        raise ValueError(f"ep={ep} with tp={tp}: expert parallelism here keeps every weight but the experts' whole "
+                         f"on each rank (no tensor parallelism beside it); leave tp out, or use tp without ep")
+    if distribute_saved:
+        raise ValueError(f"ep={ep} with distribute_saved=True: that splits a tensor-parallel checkpoint over tp ranks; "
+                         f"leave it out with ep")
+    if parse_policy(policy, cfg).budget is not None:
+        raise ValueError(f"policy {policy!r} with ep={ep}: a budget is planned per rank, but a rank's bytes "
+                         f"depend on the tokens routed to its experts, and every rank must recompute the same layers "
+                         f"at the same time (their all-to-alls meet); use none, full or every:C, with op-level options")
+    if cfg.attention == "tiled" and cfg.dropout > 0:
+        raise ValueError(f"attention='tiled' with dropout={cfg.dropout} and ep={ep}: each tile's mask comes from a "
+                         f"generator seeded by the tile's index at the shape of a rank's batch, so no rank's masks "
+                         f"equal the single process's; use attention='eager', dropout=0, or ep=1")

@@ -16,13 +16,13 @@ both hang (gloo's buffered sockets hide it). So a send is held back until the st
 point-to-point operation: a receive from the same neighbour is posted with it as one group
 (torch.distributed.batch_isend_irecv, as Megatron-LM's send_forward_recv_backward and
 send_backward_recv_forward do), and both stages post their pair in the same order, send first;
-anything else posts it at once. The schedule's loop (pp_rank.py) sets Pipe.pair_with, the neighbour
+anything else posts it at once. The schedule's loop (parallel/rank.py) sets Pipe.pair_with, the neighbour
 the stage's next action receives from, so a send waits only for a receive that follows it at once.
 Pipe.posted records every group posted, in order, so a test can check that no order deadlocks. The tensor sent is held until its send
 completes (Pipe.finish posts the last held send and waits for all, in a "send" span).
 Receives block: the time a stage spends in one is a "wait" span of its Timeline, the bubble as
 that stage sees it. post_receive starts a receive and returns at once: a stage can recompute
-while the gradient is on its way (recompute-early, picockpt/parallel/pipeline_parallel/pp_rank.py).
+while the gradient is on its way (recompute-early, picockpt/parallel/rank.py).
 
 Bytes are counted per rank under the tracker's phase, one number per call, the tensor's size:
 kind "send" for what this rank sends, "receive" for what it receives, "rng_state" for the
@@ -46,7 +46,7 @@ class Pipe:
         self.log = CommLog()
         self.in_flight = []  # (work, tensor): a sent tensor lives until its send completes
         self.held = None  # a send not posted yet (a dist.P2POp), paired with the next receive from its peer
-        self.pair_with = None  # the peer of this stage's next receive, set by the schedule's loop (pp_rank.py)
+        self.pair_with = None  # the peer of this stage's next receive, set by the schedule's loop (parallel/rank.py)
         self.posted = []  # every group posted, in order: [("send", peer) | ("recv", peer), ...]
 
     @property

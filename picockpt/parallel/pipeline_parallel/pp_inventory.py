@@ -28,11 +28,11 @@ import functools
 import math
 
 from ...inventory import layer_flops
-from ...planner import Stage, model_chain, replay
+from ...planner import Stage, model_chain, plan_chain, replay
 from .pp_plan import end_of_forward_bytes, plan_in_flight
 from ...policy import parse_policy
 from ...schedule import Mode, Schedule
-from ..tensor_parallel.tp_inventory import rank_chain
+from ..tensor_parallel.tp_inventory import rank_chain, rank_comm_bytes
 from .pp_schedules import in_flight, stage_layers
 from ...config import BYTES
 
@@ -72,7 +72,9 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=F
     peak, its recompute FLOPs, where the schedule came from)."""
     policy = parse_policy(policy, cfg)
     chain = stage_chain(cfg, batch, seq, layers, last, t, sp, distribute_saved, policy.drop)
-    if policy.budget is not None:
+    if policy.budget is not None and in_flight_count == 1 and layers == cfg.layers:  # no pipeline: one step
+        schedule, source = plan_chain(chain, policy.budget).schedule, "the planner (picockpt/planner.py)"
+    elif policy.budget is not None:
         plan = plan_in_flight(chain, policy.budget, in_flight_count, uniform_schedules(chain))
         schedule, source = plan.schedule, plan.source
     else:
@@ -114,9 +116,10 @@ class StageForms:
                                  self.policy.drop)
         self.recompute_flops = recompute
 
-    def activation_shape(self):
-        """(b, n, h): what crosses from one stage to the next, per rank (n = T/t under sequence parallelism)."""
-        return (self.b, self.seq // self.t if self.sp else self.seq, self.cfg.hidden)
+    def activation_shape(self, rows=None):
+        """(b, n, h): what crosses from one stage to the next, per rank (n = T/t under sequence parallelism;
+        rows: b / ep under expert parallelism, each ep rank's part of the micro-batch)."""
+        return (rows or self.b, self.seq // self.t if self.sp else self.seq, self.cfg.hidden)
 
     def flops(self):
         """{"forward", "recompute", "backward"}: this rank's matmul FLOPs over its M micro-batches."""
@@ -127,10 +130,10 @@ class StageForms:
         backward = 2 * forward + (len(self.layers) * parts["scores"] // t if cfg.attention == "fused" else 0)
         return {"forward": self.M * forward, "recompute": self.M * self.recompute_flops, "backward": self.M * backward}
 
-    def p2p_bytes(self, state_bytes=0):
+    def p2p_bytes(self, state_bytes=0, rows=None):
         """{"forward": {kind: bytes}, "backward": {kind: bytes}} of this rank's sends and receives.
         state_bytes: the generator state the first micro-batch carries (when the model draws random numbers)."""
-        S = math.prod(self.activation_shape()) * BYTES[self.cfg.dtype]  # one micro-batch's activation
+        S = math.prod(self.activation_shape(rows)) * BYTES[self.cfg.dtype]  # one micro-batch's activation
         forward, backward = {}, {}
         if not self.first:
             forward["receive"], backward["send"] = self.M * S, self.M * S
@@ -148,22 +151,8 @@ class StageForms:
 
     def tp_comm_bytes(self):
         """{"forward", "recompute", "backward"}: this rank's tensor-parallel collectives over its M micro-batches
-        (picockpt/parallel/tensor_parallel/tp_inventory.py's rank_comm_bytes, with the embedding on the first stage only, the
-        head on the last only and this stage's own recompute sweeps)."""
-        if self.t == 1:
-            return {"forward": 0, "recompute": 0, "backward": 0}
-        cfg, sp = self.cfg, self.sp
-        act, stat, master = BYTES[cfg.dtype], 8 if cfg.dtype == "float64" else 4, 8 if cfg.dtype == "float64" else 4
-        S, N, h, L = self.b * self.seq * cfg.hidden * act, self.b * self.seq, cfg.hidden, len(self.layers)
-        layer_forward = 4 * S if sp else 2 * S
-        layer_backward = 6 * S + 2 * h * master if sp else 2 * S
-        forward = L * layer_forward + (S if self.first else 0) + ((S if sp else 0) + 3 * N * stat if self.last else 0)
-        backward = L * layer_backward + ((S if sp else 0) if self.first else 0) + (
-            (2 * S + h * master if sp else S) if self.last else 0)
-        recompute = 0
-        stops = self.local_schedule.stop_early
-        for first, last in self.local_schedule.sweeps(len(self.chain) - 1):
-            recompute += (last - first + 1) * layer_forward - (S if stops else 0)
-            recompute += S if self.distribute_saved else 0  # the checkpoint's all-gather
-        return {phase: self.M * n for phase, n in
-                (("forward", forward), ("recompute", recompute), ("backward", backward))}
+        (tensor_parallel/tp_inventory.py's rank_comm_bytes on the stage's layers, with the embedding on the first
+        stage only, the head on the last only and this stage's own recompute sweeps)."""
+        one = rank_comm_bytes(self.cfg.replace(layers=len(self.layers)), self.b, self.seq, self.policy.text, self.t,
+                              self.sp, self.distribute_saved, self.first, self.last, self.local_schedule)
+        return {phase: self.M * n for phase, n in one.items()}

@@ -157,7 +157,7 @@ class StageModel:
         """Recompute-early: what the engine's loop does first in this micro-batch's backward, done now.
         The top layer's activations come back from the nearest checkpoint before the gradient arrives;
         the loop then finds them stored and goes straight to the backward. Same store contents, same
-        peak; they are held for the rest of the wait (picockpt/parallel/pipeline_parallel/pp_rank.py measures it)."""
+        peak; they are held for the rest of the wait (picockpt/parallel/rank.py measures it)."""
         step, i = self.step, self.layers[-1]
         if i not in step.whole:  # not stored whole in the forward: recompute it now, as the loop would
             step.recompute(i)

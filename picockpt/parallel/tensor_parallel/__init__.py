@@ -10,5 +10,6 @@ collectives as forward/backward pairs), tp_model.py (one rank's model for the en
     vocab.py         the vocabulary-parallel embedding, LM head and cross-entropy
     tp_model.py      one rank's model for the engine's loop; distributed saved activations
     tp_inventory.py  per-rank closed forms: stored bytes, communication bytes per phase, FLOPs
-    tp_step.py       the caller's side: Job, run_steps (full params in, full gradients out)
+
+A tensor-parallel rank runs parallel/rank.py's step like every layout's rank, over tp_model.py's model.
 """

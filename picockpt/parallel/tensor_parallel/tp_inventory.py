@@ -6,10 +6,9 @@ t, with sequence parallelism (sp) or without, and with Megatron's distributed sa
     rank_layer_inventory(cfg, B, T, t, sp, drop)      name -> (shape, dtype, bytes) of one stored layer
     rank_head_inventory(cfg, B, T, t, sp, drop)       the final norm, the logits' columns, their lse
     rank_peak_bytes(cfg, B, T, policy, t, sp, dist)   the rank's activation store's peak in one step
-    rank_comm_bytes(cfg, B, T, policy, t, sp, dist)   bytes its collectives move, per phase
+    rank_comm_bytes(cfg, B, T, policy, t, sp, dist)   bytes its collectives move, per phase (a stage's too)
     rank_flops(cfg, B, T, policy, t, sp, dist)        matmul FLOPs per phase (1/t of the single process's)
     rank_schedule(policy, cfg, B, T, t, sp, dist)     the layer modes the step runs (budget:SIZE per rank)
-    rank_layer_stored_bytes, rank_head_stored_bytes   what layer 0 and the head hold after the forward
     replicated_and_split(cfg, B, T, t, sp, drop)      one layer's bytes kept whole on every rank | split by t
 
 n = T/t tokens with sp, else T; H, KV, f and V are split by t (picockpt/parallel/tensor_parallel/tp_shard.py):
@@ -153,29 +152,11 @@ def rank_peak_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     return segments_peak([Xc] * cfg.layers, [A] * cfg.layers, F, policy.segment)
 
 
-def rank_layer_stored_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False, layer=0):
-    """What one layer holds on one rank at the end of the forward: stored whole (its op level's
-    inventory), its input only (Xc), or nothing; Table 2's per-layer figure, per rank."""
-    policy = parse_policy(policy, cfg)
-    mode = rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved).forward[layer]
-    if mode.stored:
-        drop = mode.drop(policy.drop)
-        return _total(rank_layer_inventory(cfg, batch, seq, t, sp, drop))
-    return rank_sizes(cfg, batch, seq, t, sp, distribute_saved)[1] if mode == "input" else 0
-
-
-def rank_head_stored_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
-    """What the head holds on one rank at the end of the forward."""
-    policy = parse_policy(policy, cfg)
-    mode = rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved).head
-    drop = mode.drop(policy.drop)
-    return _total(rank_head_inventory(cfg, batch, seq, t, sp, drop))
-
-
-def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
+def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False, first=True, last=True,
+                    schedule=None):
     """{"forward", "recompute", "backward"}: bytes one rank's collectives move in one step (none at t = 1:
-    a group of one moves nothing)."""
-    policy = parse_policy(policy, cfg)
+    a group of one moves nothing). A pipeline stage: cfg.layers its layers, first/last whether it holds the
+    embedding/the head, schedule its own (picockpt/parallel/pipeline_parallel/pp_inventory.py)."""
     if t == 1:
         return {"forward": 0, "recompute": 0, "backward": 0}
     act, stat, master = (BYTES[name] for name in cfg.dtype_names)
@@ -183,10 +164,10 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     layer_forward = 4 * S if sp else 2 * S  # ENTER and LEAVE of both blocks (ENTER moves nothing without sp)
     layer_backward = 6 * S + 2 * h * master if sp else 2 * S
     loss = 3 * N * stat  # the row max, the sum of exponentials, the target's logit
-    forward = S + L * layer_forward + (S if sp else 0) + loss
-    backward = (2 * S + h * master if sp else S) + L * layer_backward + (S if sp else 0)
+    forward = (S if first else 0) + L * layer_forward + ((S if sp else 0) + loss if last else 0)
+    backward = ((2 * S + h * master if sp else S) if last else 0) + L * layer_backward + (S if sp and first else 0)
     recompute = 0
-    schedule = rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved)
+    schedule = schedule or rank_schedule(parse_policy(policy, cfg), cfg, batch, seq, t, sp, distribute_saved)
     for first, last in schedule.sweeps(cfg.layers):  # the engine's walk (picockpt/schedule.py)
         stops = schedule.stop_early
         recompute += (last - first + 1) * layer_forward - (S if stops else 0)  # a stopped sweep skips one LEAVE

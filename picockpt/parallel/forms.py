@@ -1,0 +1,111 @@
+"""The closed forms beside every rank's measurements, for any layout: what rank.py's report predicts.
+
+    predicted(job, report, routing)   {"predicted_activation_bytes": ..., "predicted_comm_bytes": ..., ...}
+
+A rank's store holds its stage's micro-batches in flight (pipeline_parallel/pp_inventory.py's StageForms:
+the stage's schedule, its in-flight count, its tensor-parallel bytes and collectives). Under expert
+parallelism what a micro-batch holds depends on the tokens routed to this rank's experts, so each
+micro-batch is expert_parallel/ep_inventory.py's step over its own rows (the single process's routing of
+those rows), and the stage's peak replays the schedule's order over the micro-batches' unequal sizes.
+"""
+import math
+
+import torch
+
+from ..params import EMBED, HEAD
+from ..policy import parse_policy
+from .expert_parallel.ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes,
+                                           ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, received_rows)
+from .expert_parallel.ep_shard import is_expert
+from .job import PHASES
+from .pipeline_parallel.pp_inventory import StageForms
+from .pipeline_parallel.pp_schedules import actions, bubble_fraction
+from .rank import stage_param_names
+from .tensor_parallel.tp_shard import split_dim
+
+
+def predicted(job, report, routing=None):
+    """The closed forms of one rank's report (its stage, dp and ep rank); routing: run_jobs' single-process
+    routing by rows under ep (None otherwise)."""
+    B, T = job.input_ids.shape
+    forms = StageForms(job.cfg, B, T, job.policy, job.pp, job.microbatches, job.schedule, report["stage"], job.dp,
+                       job.tp, job.sp, job.distribute_saved)
+    state_bytes = job.rng_state.numel() if job.cfg.draws_random else 0
+    out = {"predicted_p2p_bytes": forms.p2p_bytes(state_bytes, forms.b // job.ep),
+           "predicted_dp_bytes": reduced_bytes(job, forms),
+           "predicted_bubble": bubble_fraction(job.pp, job.microbatches)}
+    if job.ep > 1:
+        return {**out, **expert_forms(job, forms, report, routing)}
+    first, schedule = forms.chain[0], forms.local_schedule
+    mode = schedule.forward[0]
+    layer = _variant(first, mode) if mode.stored else (first.input_bytes if mode.keeps_input else 0)
+    return {**out, "predicted_activation_bytes": forms.peak_bytes,
+            "predicted_microbatch_stored_bytes": forms.microbatch_stored_bytes,
+            "predicted_layer_stored_bytes": layer, "predicted_head_stored_bytes": _variant(forms.chain[-1], schedule.head),
+            "predicted_flops": forms.flops(), "predicted_comm_bytes": forms.tp_comm_bytes()}
+
+
+def _variant(stage, mode):
+    return next(nbytes for name, nbytes, _ in stage.variants if name == mode)  # a stage stored whole in `mode`
+
+
+def expert_forms(job, forms, report, routing):
+    """ep_inventory.py's forms, one per micro-batch of this rank, over its stage's layers and its rows."""
+    cfg, M, ep, e = job.cfg, job.microbatches, job.ep, report["ep_rank"]
+    stage_cfg, policy = cfg.replace(layers=len(forms.layers)), parse_policy(job.policy, cfg)
+    stored, peaks, total = [], [], {key: dict.fromkeys(PHASES, 0) for key in ("flops", "comm", "sent")}
+    received = [0] * len(forms.layers)
+    for m in range(M):
+        g = report["dp_rank"] * M + m  # its block of rows: run_jobs' routing has one slice per (block, ep rank)
+        by_rank = [routing[k][g * ep:(g + 1) * ep] for k in forms.layers]
+        counts = [[sum(column) for column in zip(*layer)] for layer in by_rank]  # the block's per-expert counts
+        args = (stage_cfg, forms.b, forms.seq, policy, ep, e, counts, job.keep_dispatched)
+        stored.append(ep_stored_bytes(*args, head=forms.last))
+        peaks.append(ep_peak_bytes(*args, head=forms.last))
+        for key, value in (("flops", ep_flops(*args, head=forms.last)), ("comm", ep_comm_bytes(*args)),
+                           ("sent", ep_sent_bytes(stage_cfg, forms.b, forms.seq, policy, ep, e, by_rank,
+                                                  job.keep_dispatched))):
+            for phase in PHASES:
+                total[key][phase] += value[phase]
+        received = [n + received_rows(cfg, layer, ep, e) for n, layer in zip(received, counts)]
+        if m == 0:
+            layer = ep_layer_stored_bytes(*args, layer=0)
+            head = ep_head_stored_bytes(stage_cfg, forms.b, forms.seq, policy, ep) if forms.last else 0
+    order = actions(job.schedule, job.pp, M, report["stage"])
+    return {"predicted_activation_bytes": in_flight_peak(order, stored, peaks),
+            "predicted_microbatch_stored_bytes": stored[0], "predicted_layer_stored_bytes": layer,
+            "predicted_head_stored_bytes": head, "predicted_flops": total["flops"],
+            "predicted_comm_bytes": total["comm"], "predicted_all_to_all_sent_bytes": total["sent"],
+            "predicted_received_rows": received}
+
+
+def in_flight_peak(order, stored, peaks):
+    """The stage's store peak over the schedule's actions when micro-batch m holds stored[m] after its forward
+    and peaks at peaks[m] during its own backward (its recompute sweeps), with the others held meanwhile.
+    With equal micro-batches: (w - 1) E + peak (pp_inventory.py)."""
+    held, peak = {}, 0
+    for action in order:
+        m = action.microbatch
+        if action.kind == "F":
+            held[m] = stored[m]
+            peak = max(peak, sum(held.values()))
+        else:
+            peak = max(peak, sum(held.values()) - held.pop(m) + peaks[m])
+    return peak
+
+
+def reduced_bytes(job, forms):
+    """The bytes the stage's data-parallel buckets all-reduce: every gradient once, where its group has more
+    than one rank (under ep the experts' over their dp ranks, every other over dp x ep: layout.py)."""
+    cfg = job.cfg
+    size = torch.empty((), dtype=cfg.param_dtype).element_size()
+    dense = experts = 0
+    for name in stage_param_names(cfg, forms.layers, forms.first, forms.last):
+        n = math.prod(job.params[EMBED if name == HEAD and cfg.tie_embeddings else name].shape)
+        if job.tp > 1 and split_dim(name) is not None:
+            n //= job.tp
+        if job.ep > 1 and is_expert(name):
+            experts += n // job.ep
+        else:
+            dense += n
+    return size * ((dense if job.dp * job.ep > 1 else 0) + (experts if job.dp > 1 else 0))

@@ -1,0 +1,208 @@
+"""One rank's step of any layout, dp x pp x ep x tp: its stage's micro-batches, forwards and backwards in
+the schedule's order, each one the engine's own loop over a model whose parts cross ranks where its
+layout says. How the parallelisms wrap the one engine:
+
+    layer model   Model (one process), TensorParallelModel (tp), ExpertParallelModel (ep): the layer of
+                  picockpt/layer.py with its Crossings filled in (make_inner below)
+    pipeline      PipelineStage / StageModel around it (pp_stage.py): receive x, run the layers, send y
+    data parallel the gradients go into buckets that all-reduce over the replicas (dp_comm.py)
+
+    for action in actions(schedule, P, M, stage):          # pipeline_parallel/pp_schedules.py; P = M = 1: one step
+        if action.kind == "F":                              # a Step per micro-batch (picockpt/engine.py)
+            steps[m] = Step(stage.microbatch(m, ...), schedule, drop, memory.for_microbatch(m))
+            steps[m].forward()                              # receive x, layers, send y (or head and loss)
+        else:
+            steps.pop(m).backward()                         # receive dy, recompute, backward, send dx
+
+What a rank holds: its stage's layers (and the embedding on the first stage, the final norm and head
+on the last), its tensor-parallel slices of them when tp > 1, its experts of every layer when ep > 1,
+and its rows of the batch: micro-batch m of data-parallel replica d is the block d*M + m of B / (dp M)
+sequences, split over the ep ranks (rank e keeps its e-th part). picockpt/parallel/step.py is the
+caller's side: launch, gradients put together, closed forms beside the measurements.
+
+recompute-early: a stage before the last, about to wait for a micro-batch's output gradient, first
+recomputes that micro-batch's top segment (pipeline_parallel/pp_stage.py: recompute_top), so the
+recomputation fills part of the wait. The store holds exactly what it would hold once the gradient
+is in (the same peak); the recomputed activations are held during the rest of the wait instead of
+not yet existing: the price is in time held, which the report gives as the time-weighted mean of the
+stored bytes ("mean_activation_bytes"), and a received gradient's buffer allocated before the
+recomputation instead of after it (in "peak_live_bytes").
+"""
+import torch
+import torch.distributed as dist
+
+from ..engine import Model, Step, device_generator
+from ..ops.cross_entropy import IGNORE_INDEX
+from ..params import EMBED, FINAL_NORM, HEAD, param_shapes
+from ..tracker import Tracker
+from .comm import CommLog
+from .data_parallel.dp_comm import ExpertAndDenseBuckets, GradientBuckets
+from .expert_parallel.ep_model import ExpertParallelModel
+from .expert_parallel.ep_shard import is_expert, shard_experts
+from .job import PHASES, held_bytes, trace_lines
+from .layout import Layout, build_groups
+from .pipeline_parallel.pp_comm import Pipe
+from .pipeline_parallel.pp_inventory import StageForms
+from .pipeline_parallel.pp_schedules import actions
+from .pipeline_parallel.pp_stage import PipelineStage, bucket_names
+from .tensor_parallel.tp_model import TensorParallelModel
+from .tensor_parallel.tp_shard import shard_params
+from .timeline import StageMemory, Timeline
+
+
+def stage_param_names(cfg, layers, first, last):
+    """The parameters a stage holds, under the full model's names (a tied LM head: the embedding's matrix,
+    held by the last stage as lm_head.weight; the caller sums its gradient into the embedding's)."""
+    names = [EMBED] if first else []
+    prefixes = tuple(f"model.layers.{k}." for k in layers)
+    names += [name for name in param_shapes(cfg) if name.startswith(prefixes)]
+    if last:
+        names += [FINAL_NORM, HEAD]
+    return names
+
+
+def first_receive(action, groups):
+    """The neighbour an action first receives from (F: the previous stage, B: the next), None if none:
+    a send just before it goes out with that receive, as one group (pp_comm.py)."""
+    if action is None:
+        return None
+    return groups.previous if action.kind == "F" else groups.next
+
+
+def rank_steps(comm, jobs, trace=False):
+    made = {}  # process groups, per layout, made once per launch
+    return [rank_step(comm, job, made, trace) for job in jobs]
+
+
+def rank_step(comm, job, made, trace=False):
+    """One job on this rank; returns CPU tensors and plain numbers only."""
+    layout = Layout(job.dp, job.pp, job.tp, job.ep)
+    groups = build_groups(layout, comm.rank, comm.device, made, comm.timeout)
+    cfg, device = job.cfg, comm.device
+    B, T = job.input_ids.shape
+    forms = StageForms(cfg, B, T, job.policy, job.pp, job.microbatches, job.schedule, groups.stage, job.dp, job.tp,
+                       job.sp, job.distribute_saved)
+    names = stage_param_names(cfg, forms.layers, forms.first, forms.last)
+    params = {name: job.params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
+    if job.tp > 1:
+        params = shard_params(params, groups.tp_rank, job.tp, device)  # its slices
+    elif job.ep > 1:
+        params = shard_experts(params, groups.ep_rank, job.ep, device)  # its experts, every other weight whole
+    else:
+        params = {name: tensor.to(device) for name, tensor in params.items()}
+    input_ids, targets = job.input_ids.to(device), job.targets.to(device)
+    counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets
+    M, b = job.microbatches, forms.b // job.ep  # b: the rows this rank computes of each micro-batch
+
+    def rows(m):  # micro-batch m of this replica: block d*M + m of B / (dp M) rows, this ep rank's part of it
+        start = (groups.dp_rank * M + m) * forms.b + groups.ep_rank * b
+        return input_ids[start:start + b], targets[start:start + b]
+
+    def make_inner(ids, tgt):  # the layers' model: where a layer crosses ranks (picockpt/layer.py's Crossings)
+        if job.tp > 1:
+            return TensorParallelModel(params, cfg, ids, tgt, groups.tp_comm, job.sp, job.distribute_saved)
+        if job.ep > 1:  # its own mean (the stage scales every micro-batch by its share of the whole batch's)
+            own = max(int((tgt != IGNORE_INDEX).sum()), 1)
+            return ExpertParallelModel(params, cfg, ids, tgt, groups.ep_comm, own, job.keep_dispatched)
+        return Model(params, cfg, ids, tgt)
+
+    generator = device_generator(device)
+    generator.set_state(job.rng_state)
+    say = trace_lines(f"rank {comm.rank}" + (f" stage {groups.stage}" if job.pp > 1 else ""), trace)
+    layer_comm = groups.tp_comm or groups.ep_comm  # the layers' own collectives (tp or ep, never both)
+    reducing = [group for group in (groups.dp_comm, groups.expert_dp_comm) if group is not None]
+    dist.barrier()  # every rank's timeline starts at the same moment
+    with Tracker(device, physical=job.measure, flops=job.measure) as tracker, torch.no_grad():
+        timeline = Timeline(device)
+        memory = StageMemory(tracker, timeline)
+        pipe = Pipe(groups.previous, groups.next, device, timeline, tracker)
+        for group in [layer_comm] + reducing:
+            if group is not None:
+                group.tracker, group.log = tracker, CommLog()  # this step's bytes only
+        buckets = _buckets(job, forms, groups, params, device, timeline, tracker)
+        stage = PipelineStage(cfg, params, forms.layers, forms.first, forms.last, pipe, buckets, counted, M,
+                              groups.dp_rank, job.dp, forms.activation_shape(b), make_inner, job.recompute_early)
+        stage.rng_start = job.rng_state if forms.first else None
+        stage.start(tracker, device, T)
+        timeline.begin()
+        steps, loss, held, received = {}, None, {}, dict.fromkeys(forms.layers, 0)
+        order = actions(job.schedule, job.pp, M, groups.stage)
+        for index, action in enumerate(order):
+            m = action.microbatch
+            pipe.pair_with = first_receive(order[index + 1] if index + 1 < len(order) else None, groups)
+            if action.kind == "F":
+                model = stage.microbatch(m, *rows(m))
+                step = model.step = Step(model, forms.schedule, forms.policy.drop, memory.for_microbatch(m), say)
+                model.inner.store = step.store  # where an expert-parallel layer keeps its routing, whatever its mode
+                part = step.forward()  # this micro-batch's share of the whole batch's mean (last stage)
+                loss = part if loss is None else loss + part
+                memory.end_of_forward[m] = memory.held.get(m, 0)
+                if m == 0:  # what the stage's first layer and the head hold after a forward
+                    held = {"layer_stored_bytes": held_bytes(step.store, forms.layers[0]),
+                            "head_stored_bytes": held_bytes(step.store, None)}
+                for k, rows_in in getattr(model.inner, "received_rows", {}).items():
+                    received[k] += rows_in  # the rows this rank's experts got, over its micro-batches
+                steps[m] = step
+            else:
+                steps.pop(m).backward()
+        pipe.finish()
+        buckets.finish()
+        timeline.finish()
+        rng_end = stage.rng_end  # the generator where the single process's step leaves it (last stage)
+        del stage, steps
+    for group in [layer_comm] + reducing:
+        if group is not None:
+            group.tracker = None
+    report = _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_comm, reducing)
+    report.update(held, received_rows=[received[k] for k in forms.layers] if job.ep > 1 else None)
+    grads = {name: grad.cpu() for name, grad in buckets.grads().items()} if groups.dp_rank == 0 else None
+    rng_state = rng_end if cfg.draws_random else job.rng_state
+    return {"loss": loss.cpu() if forms.last else None, "grads": grads, "report": report,
+            "rng_state": rng_state.cpu() if forms.last and rng_state is not None else None}
+
+
+def _buckets(job, forms, groups, params, device, timeline, tracker):
+    """The stage's gradient buckets, all-reduced over the data-parallel group as they become final; under
+    ep the experts' apart, over their expert-data-parallel group (picockpt/parallel/layout.py)."""
+    names = bucket_names(job.cfg, params, forms.layers, forms.first, forms.last)
+    shapes = {name: tensor.shape for name, tensor in params.items()}
+
+    def make(comm, keep):
+        kept = {bucket: [name for name in members if keep(name)] for bucket, members in names.items()}
+        return GradientBuckets({bucket: members for bucket, members in kept.items() if members}, shapes,
+                               job.cfg.param_dtype, device, comm, job.overlap, timeline, tracker)
+    if job.ep == 1:
+        return make(groups.dp_comm, lambda name: True)
+    return ExpertAndDenseBuckets(make(groups.dp_comm, lambda name: not is_expert(name)),
+                                 make(groups.expert_dp_comm, is_expert), is_expert)
+
+
+def _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_comm, reducing):
+    seconds = timeline.totals()
+    busy = seconds["forward"] + seconds["recompute"] + seconds["backward"]
+    layer_log = layer_comm.log if layer_comm is not None else CommLog()
+    local = job.cfg.experts // job.ep if job.ep > 1 else 0
+    return {
+        "rank": groups.rank, "stage": groups.stage, "dp_rank": groups.dp_rank, "ep_rank": groups.ep_rank,
+        "tp_rank": groups.tp_rank, "pp": job.pp, "dp": job.dp, "ep": job.ep, "tp": job.tp,
+        "sp": job.sp and job.tp > 1, "distribute_saved": job.distribute_saved, "keep_dispatched": job.keep_dispatched,
+        "microbatches": job.microbatches, "schedule": job.schedule, "policy": forms.policy.text,
+        "stage_schedule": forms.source, "layers": [forms.layers[0], forms.layers[-1]],
+        "microbatches_in_flight": forms.in_flight, "recompute_early": job.recompute_early, "overlap": job.overlap,
+        "experts": list(range(groups.ep_rank * local, (groups.ep_rank + 1) * local)),
+        "peak_activation_bytes": tracker.peak_logical,
+        "microbatch_stored_bytes": memory.end_of_forward.get(0, 0),  # what micro-batch 0 held after its forward
+        "mean_activation_bytes": memory.mean_bytes(),
+        "peak_live_bytes": tracker.peak_physical if job.measure else None,
+        "flops": {phase: tracker.flops[phase] for phase in PHASES} if job.measure else None,
+        "p2p_bytes": {phase: dict(pipe.log.bytes.get(phase, {})) for phase in ("forward", "backward")},
+        "p2p_posted": pipe.posted,  # every group of sends and receives, in the order posted
+        **layer_log.report(PHASES),  # the layers' collectives (tp or ep): bytes and calls per phase, by kind
+        "dp_bytes": sum(group.log.total() for group in reducing),
+        "timeline_start": timeline.start,
+        "timeline": timeline.relative(),
+        "timeline_seconds": seconds,
+        "computing_seconds": busy,
+        "dp_buckets": [(str(bucket), nbytes, start - timeline.start, end - timeline.start)
+                       for bucket, nbytes, start, end in buckets.events],
+    }
