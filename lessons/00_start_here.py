@@ -45,8 +45,12 @@ for path in lessons:
 # notebook (the planner, beyond $\sqrt L$), 09 (FlashAttention and chunked loss as recomputation), 10
 # (tensor and sequence parallelism), 11 (mixture of experts), 12 (pipeline parallelism: micro-batches in
 # flight per stage, a budget per stage, the bubble, and data parallelism's overlapped all-reduces), 13
-# (expert parallelism: what recomputing an expert layer costs in all-to-all bytes). The memory explorer
-# (`00_memory_explorer`) answers "what fits on my GPU?" for the real model sizes at any point.
+# (expert parallelism: what recomputing an expert layer costs in all-to-all bytes), 14 (context
+# parallelism: the sequence split over ranks, K/V round a ring or all-gathered, what recomputing a layer
+# sends again, zigzag's balance), 15 (ZeRO: sharded model state, and the gathers a recomputed layer
+# needs), 16 (offloading: device against host bytes, bytes per FLOP, the three-action frontier). The
+# memory explorer (`00_memory_explorer`) answers "what fits on my GPU?" for the real model sizes at any
+# point.
 #
 # ## Reading the code
 #
@@ -66,15 +70,17 @@ for path in lessons:
 # | 9 | `picockpt/closed_forms.py`, `picockpt/inventory.py` | the closed forms the tests hold the tracker to, to the byte: a layer's inventory, $X$, $A$, $F$, the one every:C peak formula; then the step's `predicted_peak_bytes`, `step_flops` |
 # | 10 | `picockpt/formulas.py` | the published formulas (Korthikanti et al.'s Table 2, the Ultra-Scale Playbook's charts and widget, Chen's optimum) for comparison |
 # | 11 | `picockpt/planner_uniform.py`, `picockpt/planner.py` | binomial checkpointing (revolve) on equal steps; then rotor's dynamic programme on picockpt's own layers: the least recompute under a byte budget |
-# | 12 | `picockpt/attention.py`, `picockpt/ops/attention_tiled.py`, `picockpt/ops/attention_fused.py` | the attention kinds: eager (stores the probabilities), tiled (FlashAttention-2 written out), fused (torch's kernels); what each stores |
-# | 13 | `picockpt/head.py` | the final norm, the LM head and the loss; chunked, the logits are recomputed in the backward |
-# | 14 | `picockpt/moe.py`, `picockpt/ops/router.py`, `picockpt/routing.py` | Mixtral-style experts: routing, per-expert stored tensors, what MoE recomputation keeps |
-# | 15 | `picockpt/reference.py`, `picockpt/peers.py`, `picockpt/peers_hf.py`, `picockpt/bridge.py` | the same model in autograd (the oracle for gradients), `torch.utils.checkpoint` and Hugging Face peers, and picockpt's segment loop driving autograd |
-# | 16 | `picockpt/parallel/step.py`, `rank.py`, `layout.py`, `comm.py`, `job.py`, `forms.py`, `rng.py`, `launch.py`, `watch.py`, `timeline.py` | what every parallelism shares: how dp, pp, ep and tp wrap the one engine (`step.py` on the caller's side, `rank.py` on each rank), the dp x pp x ep x tp grid and its groups, the counted collectives, one job for every layout and its checks, the closed forms beside each rank's report, random draws equal to the single process's, where the processes come from and how a failing one ends the run, each rank's timeline |
-# | 17 | `picockpt/parallel/tensor_parallel/` | tensor and sequence parallelism: the layer's crossings (`tp_layer.py`), the collectives as forward/backward pairs (`tp_comm.py`), each rank's slice of the weights (`tp_shard.py`), the vocabulary-parallel head (`vocab.py`), one rank's model (`tp_model.py`), per-rank closed forms split from the single process's (`tp_inventory.py`) |
-# | 18 | `picockpt/parallel/pipeline_parallel/`, `data_parallel/`, `expert_parallel/` | pipeline stages (AFAB and 1F1B as data in `pp_schedules.py`, sends and receives paired as NCCL needs them in `pp_comm.py`, a stage's micro-batch in `pp_stage.py`, per-stage closed forms and budgets); gradient buckets all-reduced as soon as they are final, for every layout (`dp_comm.py`); experts over ranks, carved out of the data-parallel ones (the all-to-alls in `ep_moe.py`, the layer's crossings in `ep_layer.py`, per-rank closed forms) |
-# | 19 | `picockpt/measure.py`, `picockpt/compare.py`, `picockpt/train.py`, `picockpt/cli/` | what the commands run: one measured step, the side-by-side comparison, a training loop |
-# | 20 | `picockpt/device.py`, `picockpt/fit.py`, `picockpt/batch.py`, `picockpt/hf.py`, `picockpt/snapshot.py`, `picockpt/plotting.py`, `picockpt/reproduce.py`, `picockpt/notebooks.py` | the rest: choosing a device and refusing a step that cannot fit, reading a Hugging Face config, a CUDA allocator snapshot, the figures' helpers, and the tooling that runs the lessons and makes their notebooks |
+# | 12 | `picockpt/offload.py`, `picockpt/planner_offload.py` | offloading, a third action beside keeping and recomputing: the store's host tier (pinned buffers, copies on a side stream ordered by events, the next layer's tensors prefetched during a backward) and the planner that chooses among keep, recompute and offload at a modelled time, from a link's bandwidth and a compute rate |
+# | 13 | `picockpt/attention.py`, `picockpt/ops/attention_tiled.py`, `picockpt/ops/attention_fused.py` | the attention kinds: eager (stores the probabilities), tiled (FlashAttention-2 written out), fused (torch's kernels); what each stores |
+# | 14 | `picockpt/head.py` | the final norm, the LM head and the loss; chunked, the logits are recomputed in the backward |
+# | 15 | `picockpt/moe.py`, `picockpt/ops/router.py`, `picockpt/routing.py` | Mixtral-style experts: routing, per-expert stored tensors, what MoE recomputation keeps |
+# | 16 | `picockpt/reference.py`, `picockpt/peers.py`, `picockpt/peers_hf.py`, `picockpt/bridge.py` | the same model in autograd (the oracle for gradients), `torch.utils.checkpoint` and Hugging Face peers, and picockpt's segment loop driving autograd |
+# | 17 | `picockpt/parallel/step.py`, `rank.py`, `layout.py`, `comm.py`, `job.py`, `forms.py`, `rng.py`, `launch.py`, `watch.py`, `timeline.py` | what every parallelism shares: how dp, pp, ep and tp wrap the one engine (`step.py` on the caller's side, `rank.py` on each rank), the dp x pp x ep x tp grid and its groups, the counted collectives, one job for every layout and its checks, the closed forms beside each rank's report, random draws equal to the single process's, where the processes come from and how a failing one ends the run, each rank's timeline |
+# | 18 | `picockpt/parallel/tensor_parallel/` | tensor and sequence parallelism: the layer's crossings (`tp_layer.py`), the collectives as forward/backward pairs (`tp_comm.py`), each rank's slice of the weights (`tp_shard.py`), the vocabulary-parallel head (`vocab.py`), one rank's model (`tp_model.py`), per-rank closed forms split from the single process's (`tp_inventory.py`) |
+# | 19 | `picockpt/parallel/pipeline_parallel/`, `data_parallel/`, `expert_parallel/` | pipeline stages (AFAB and 1F1B as data in `pp_schedules.py`, sends and receives paired as NCCL needs them in `pp_comm.py`, a stage's micro-batch in `pp_stage.py`, per-stage closed forms and budgets); gradient buckets all-reduced as soon as they are final, for every layout (`dp_comm.py`), and ZeRO 1/2/3 with the gathers a recomputed layer needs (`zero_model.py` first); experts over ranks, carved out of the data-parallel ones (the all-to-alls in `ep_moe.py`, the layer's crossings in `ep_layer.py`, per-rank closed forms) |
+# | 20 | `picockpt/parallel/context_parallel/` | context parallelism: ring and all-gather attention merged by log-sum-exp (`cp_attention.py`), the layer's one crossing (`cp_model.py`), zigzag and contiguous layouts, the ring and gather pairs (`cp_comm.py`), per-rank closed forms (`cp_inventory.py`) |
+# | 21 | `picockpt/measure.py`, `picockpt/compare.py`, `picockpt/train.py`, `picockpt/cli/` | what the commands run: one measured step, the side-by-side comparison, a training loop |
+# | 22 | `picockpt/device.py`, `picockpt/fit.py`, `picockpt/batch.py`, `picockpt/hf.py`, `picockpt/snapshot.py`, `picockpt/plotting.py`, `picockpt/reproduce.py`, `picockpt/notebooks.py` | the rest: choosing a device and refusing a step that cannot fit, reading a Hugging Face config, a CUDA allocator snapshot, the figures' helpers, and the tooling that runs the lessons and makes their notebooks |
 #
 # The cell below checks that every file of the table exists, and lists the modules the table does not
 # name yet (the code grows faster than a table).
@@ -82,14 +88,15 @@ for path in lessons:
 # %%
 READING_ORDER = [
     "config.py", "params.py", "ops/", "layer.py", "store.py", "schedule.py", "policy.py", "engine.py", "tracker.py",
-    "closed_forms.py", "inventory.py", "formulas.py", "planner_uniform.py", "planner.py", "attention.py",
+    "closed_forms.py", "inventory.py", "formulas.py", "planner_uniform.py", "planner.py", "offload.py",
+    "planner_offload.py", "attention.py",
     "ops/attention_tiled.py", "ops/attention_fused.py", "head.py", "moe.py", "ops/router.py", "routing.py",
     "reference.py", "peers.py", "peers_hf.py", "bridge.py", "parallel/step.py", "parallel/rank.py",
     "parallel/layout.py", "parallel/comm.py", "parallel/job.py", "parallel/forms.py", "parallel/rng.py",
     "parallel/launch.py", "parallel/watch.py",
     "parallel/timeline.py", "parallel/tensor_parallel/", "parallel/pipeline_parallel/", "parallel/data_parallel/",
-    "parallel/expert_parallel/", "measure.py", "compare.py", "train.py", "cli/", "device.py", "fit.py", "batch.py",
-    "hf.py", "snapshot.py", "plotting.py", "reproduce.py", "notebooks.py",
+    "parallel/expert_parallel/", "parallel/context_parallel/", "measure.py", "compare.py", "train.py", "cli/",
+    "device.py", "fit.py", "batch.py", "hf.py", "snapshot.py", "plotting.py", "reproduce.py", "notebooks.py",
 ]
 package = LESSONS.parent / "picockpt"
 missing = [name for name in READING_ORDER if not (package / name).exists()]

@@ -11,6 +11,12 @@ Hugging Face's LlamaForCausalLM (peers_hf.py) with eager and sdpa attention, eac
 with its activation checkpointing, when transformers is installed and the shape allows it. Each
 picockpt row names the peer that does the same thing: under eager attention the reference
 model's runs; under tiled or fused attention (no stored probabilities, as sdpa) Hugging Face sdpa.
+Host memory: picockpt's offload policies beside torch.autograd.graph.save_on_cpu(pin_memory=True) on
+the reference model, alone and with torch.utils.checkpoint per layer; each row has its device bytes
+(peak_live_bytes: host copies are kept out) and its host bytes (host_peak_bytes), both measured. They
+are not paired as equivalents: on a CPU save_on_cpu's unpack returns the host copy itself (.to() of a
+tensor already on the CPU copies nothing), so its backward reads host memory where a GPU would copy
+back, and its device bytes there are not what a GPU would hold; picockpt's prefetch copies for real.
 With min_cut=(budgets), the reference model also runs through torch.compile's min-cut partitioner
 at each activation_memory_budget (peers.min_cut; dense fp32/fp64 models only).
 
@@ -77,6 +83,10 @@ def contenders(cfg, seq, segment, min_cut=()):
         (f"torch checkpoint_sequential({segments})", "torch", peers.sequential(segments), None),
         ("torch selective checkpoint", "torch", peers.selective(seq), None),
         ("torch checkpoint saving matmuls", "torch", peers.save_matmuls(seq), None),
+        ("picockpt full+offload", "picockpt", "full+offload", None),  # ~ torch checkpoint per layer + save_on_cpu
+        ("picockpt none+offload", "picockpt", "none+offload", None),  # ~ torch save_on_cpu
+        ("autograd + save_on_cpu", "torch", peers.SaveOnCpu(peers.autograd), None),
+        ("torch checkpoint per layer + save_on_cpu", "torch", peers.SaveOnCpu(peers.per_layer), None),
         ("bridge full", "bridge", 1, "torch checkpoint per layer"),
         (f"bridge every:{C}", "bridge", C, f"torch checkpoint_sequential({segments})"),
     ]
@@ -143,6 +153,8 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
                 with _phase(tracker, "forward"):
                     loss = model(input_ids, targets, run_layers=how)
                     _mark(tracker, model.casts.copies.values(), "weights")  # 16-bit copies, as picockpt marks its own
+                    if isinstance(how, peers.SaveOnCpu):  # its host copies: host bytes, not device bytes
+                        _mark(tracker, how.host_tensors(), "host")
                 with _phase(tracker, "backward"):
                     loss.backward()
             model.release_weights()
@@ -212,7 +224,8 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
                      "grad_max_rel_diff": worst, "grad_checked_against": against, "grad_tolerance": tolerance,
                      "grad_ok": worst <= tolerance,
                      "dropout_masks": "picockpt's" if kind == "picockpt" or same_masks else "the reference model's",
-                     "peak_live_bytes": memory.peak_physical, "total_flops": sum(flops.flops.values()),
+                     "peak_live_bytes": memory.peak_physical, "host_peak_bytes": memory.peak_host_live,
+                     "total_flops": sum(flops.flops.values()),
                      "recompute_flops": flops.flops["recompute"], "times": []})
         if log:
             log(f"  measured {name}")

@@ -5,6 +5,7 @@
                   if layer i's activations are gone:
                       j = nearest stored checkpoint (layer input) at or below i
                       recompute layers j..i from it (restoring the RNG state it was stored with)
+                  prefetch what layer i-1 needs from host memory (offloading policies only)
                   backward of layer i (uses, then drops, its activations)
               -> embedding
 
@@ -25,6 +26,7 @@ from .batch import check_batch  # the door: ids and targets checked once (re-exp
 from .head import head_backward, head_forward
 from .inventory import layer_inventory
 from .layer import layer_backward, layer_forward
+from .offload import host_tier, offloading, prefetch_for
 from .ops import embedding_backward, embedding_forward, rope_tables
 from .params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_weights
 from .policy import parse_policy
@@ -110,7 +112,8 @@ class Step:
         self.model, self.schedule, self.drop = model, schedule, drop
         self.tracker = tracker or _NoTracker()
         self.trace, self.say = trace, trace if callable(trace) else print  # where --trace lines go
-        self.store = ActivationStore(listener=self.tracker)
+        host = host_tier(schedule, model.input_ids.device, self.tracker)  # None unless it offloads (offload.py)
+        self.store = ActivationStore(listener=self.tracker, host=host)
         self.generator = device_generator(model.input_ids.device)
         self.rng_states = {}  # layer -> RNG state just before its forward, for every stored layer input
         self.whole = set()  # the layers whose activations are stored now: their backward needs no recompute
@@ -132,7 +135,8 @@ class Step:
             x = model.layer_forward(k, x, store if mode.stored else None, mode.drop(self.drop), need_output)
             if self.trace:
                 dropped = [name for name in model.layer_names if name not in store.names(k)]
-                self.say(f"forward layer {k} ({mode}): kept {store.names(k) or 'nothing'}, "
+                host = f" ({store.host_names(k)} on the host)" if store.host_names(k) else ""
+                self.say(f"forward layer {k} ({mode}): kept {store.names(k) or 'nothing'}{host}, "
                          f"dropped {dropped or 'nothing'}")
         return x
 
@@ -142,7 +146,8 @@ class Step:
         with tracker.phase("forward"):
             model.start(tracker)
             x = model.embed()  # (B, T, h)
-            x = self.run_layers(first, last, x, lambda k: schedule.forward[k])  # (B, T, h)
+            with offloading(self.store, schedule):  # the puts Schedule.host names go to host memory
+                x = self.run_layers(first, last, x, lambda k: schedule.forward[k])  # (B, T, h)
             loss = model.head_forward(x, self.store, schedule.head.drop(self.drop))  # scalar
             del x
         if self.trace:
@@ -170,12 +175,14 @@ class Step:
             tracker.mark(grads[name], "gradients")
 
         with tracker.phase("backward"):
+            prefetch_for(store, self.whole, model.layers, model.layers[-1])  # under the head's backward
             dx, head_grads = model.head_backward(store)  # (B, T, h)
             for name, grad in head_grads.items():
                 keep_grad(name, grad)
             for i in reversed(model.layers):
                 if i not in self.whole:  # layer i's activations are gone: recompute them
                     self.recompute(i)
+                prefetch_for(store, self.whole, model.layers, i - 1)  # layer i-1's, under layer i's backward
                 dx, layer_grads = model.layer_backward(i, dx, store)  # (B, T, h)
                 self.whole.discard(i)
                 self.rng_states.pop(i, None)
@@ -189,7 +196,7 @@ class Step:
                 grads[HEAD] = grads[EMBED]
         params = model.params
         grads = {name: grads[name].to(params[name].dtype) for name in params if name in grads}  # as given
-        assert store.bytes == 0, f"the store still holds {store.names(None)} after the backward"
+        assert store.bytes == store.host_bytes == 0, f"the store still holds {store.names(None)} after the backward"
         return grads
 
 

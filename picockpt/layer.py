@@ -60,6 +60,8 @@ class Crossings:
         layer_draws(), attention_draws()  contexts around random draws (the whole tensor drawn, a slice kept)
         mlp_forward / mlp_backward        the MLP block, or the mixture of experts (moe.py, or over ranks)
         norm_grads(d_attn, d_mlp, cfg)    the norm weights' gradients (SP: summed over the ranks' tokens)
+        attention_core / _backward        the attention core (picockpt/attention.py), or attention over ranks
+                                          that hold the sequence's other tokens (context parallel: a ring)
     """
 
     def layer_draws(self):
@@ -100,6 +102,12 @@ class Crossings:
     def norm_grads(self, d_attn_norm, d_mlp_norm, cfg):
         return d_attn_norm, d_mlp_norm
 
+    def attention_core(self, q, k, v, cfg, keep):
+        return attention_core_forward(q, k, v, cfg, keep)  # (B, H, T, hd) keeps what its kind needs
+
+    def attention_core_backward(self, dout, q, k, v, out, cfg, take, recomputing):
+        return attention_core_backward(dout, q, k, v, out, cfg, take, recomputing)  # dq, dk, dv as q, k, v
+
 
 ONE_PROCESS = Crossings()
 
@@ -123,7 +131,7 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_ou
         keep("attn_norm.output", xn)
         xn = cross.enter(xn)  # (B, T, h) entering the heads' region (identity here)
         with cross.attention_draws():
-            a = attention_block_forward(xn, w, cfg, rope, keep)  # (B, T, h)
+            a = attention_block_forward(xn, w, cfg, rope, keep, cross)  # (B, T, h)
         del xn
         a = cross.leave(a)  # (B, T, h) leaving it (identity here)
         if p > 0:
@@ -188,7 +196,7 @@ def layer_backward(dout, w, cfg, rope, store, i, cross=ONE_PROCESS):
     def normed_x():  # (B, T, h)
         return cross.regather(take("attn_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, w.attn_norm)))
 
-    dxn, (d_q, d_k, d_v, d_o) = attention_block_backward(da, normed_x, w, cfg, rope, take, store.recomputing)
+    dxn, (d_q, d_k, d_v, d_o) = attention_block_backward(da, normed_x, w, cfg, rope, take, store.recomputing, cross)
     dxn = cross.enter_backward(dxn)  # (B, T, h)
     dx, d_attn_norm = rmsnorm_backward(dxn, x, rstd, w.attn_norm)  # (B, T, h), (h,)
     del dxn, x, rstd
@@ -202,7 +210,7 @@ def layer_backward(dout, w, cfg, rope, store, i, cross=ONE_PROCESS):
 # Head counts come from the weights (H = rows of q_proj / head_dim), so the same blocks run on a
 # tensor-parallel rank's share of the heads and of the MLP (picockpt/parallel/).
 
-def attention_block_forward(xn, w, cfg, rope, keep):
+def attention_block_forward(xn, w, cfg, rope, keep, cross=ONE_PROCESS):
     """xn (B, T, h) the normed input -> o_proj(attention(rope(q), rope(k), v)) (B, T, h)."""
     B, T, _ = xn.shape
     hd = cfg.head_dim
@@ -215,14 +223,14 @@ def attention_block_forward(xn, w, cfg, rope, keep):
     keep("attn.q", q)
     keep("attn.k", k)
     keep("attn.v", v)
-    out = attention_core_forward(q, k, v, cfg, keep)  # (B, H, T, hd) keeps what its kind needs (attention.py)
+    out = cross.attention_core(q, k, v, cfg, keep)  # (B, H, T, hd) keeps what its kind needs (attention.py)
     context = out.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, h) heads side by side again (fused: a view)
     del out
     keep("attn.context", context)
     return linear_forward(context, w.o)  # (B, T, h)
 
 
-def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing):
+def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing, cross=ONE_PROCESS):
     """grad() -> da (B, T, h), the gradient of the block's output; returns dxn (B, T, h) and (d_q, d_k,
     d_v, d_o). normed() gives xn, the block's input, when the projections need it (the layer takes it
     from the store, or rebuilds it)."""
@@ -237,7 +245,7 @@ def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing):
     dout_heads = dcontext.view(B, T, H, hd).transpose(1, 2).contiguous()  # (B, H, T, hd)
     del dcontext
     q, k, v = take("attn.q"), take("attn.k"), take("attn.v")  # (B, H, T, hd), (B, KV, T, hd) x2
-    dq, dk, dv = attention_core_backward(dout_heads, q, k, v, out, cfg, take, recomputing)  # as q, k, v
+    dq, dk, dv = cross.attention_core_backward(dout_heads, q, k, v, out, cfg, take, recomputing)  # as q, k, v
     del dout_heads, q, k, v, out
     dq = rope_backward(dq.transpose(1, 2), cos, sin).reshape(B, T, H * hd)  # (B, T, h)
     dk = rope_backward(dk.transpose(1, 2), cos, sin).reshape(B, T, KV * hd)  # (B, T, KV*hd)

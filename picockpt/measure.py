@@ -3,6 +3,11 @@
     row = measure_policy(cfg, "every:2", batch=4, seq=128)
     row["peak_activation_bytes"] == row["predicted_activation_bytes"]   # exact
 
+Under an offloading policy the store's device bytes stay peak_activation_bytes (and the closed form's,
+predicted_activation_bytes); the host tier's peak, its closed form and the bytes copied each way in
+each phase come beside them, with the copy time the compute stream waited for: measured with CUDA
+events on a GPU, modelled from a bandwidth and a compute rate on a CPU (and labelled so).
+
 Time is measured on untracked steps (the tracker's op-by-op watching is slow); memory and
 FLOPs on one tracked step; gradients against policy "none" on the same seed and data.
 """
@@ -13,7 +18,7 @@ import time
 import torch
 
 from .engine import loss_and_grads
-from .inventory import predicted_peak_bytes
+from .inventory import offload_walk, predicted_host_bytes, predicted_peak_bytes
 from .params import init_params
 from .policy import parse_policy
 from .tracker import Tracker
@@ -83,7 +88,23 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
     }
     if tracker.cuda:
         row["cuda_peak_bytes"] = tracker.peak_cuda
+    if policy.offload is not None:
+        row.update(offload_columns(cfg, batch, seq, policy, tracker))
     return row
+
+
+def offload_columns(cfg, batch, seq, policy, tracker):
+    """The host tier's numbers of one tracked step: measured bytes, their closed forms, the exposed copy time."""
+    model = offload_walk(cfg, batch, seq, policy)  # at the default link and rate (planner_offload.py)
+    columns = {"host_peak_bytes": tracker.peak_host,
+               "predicted_host_bytes": predicted_host_bytes(cfg, batch, seq, policy),
+               "host_live_peak_bytes": tracker.peak_host_live,
+               "copy_bytes": {phase: bytes_ for phase, bytes_ in tracker.copy_bytes.items() if any(bytes_.values())},
+               "predicted_copy_bytes": {"to_host": model.to_host, "to_device": model.to_device},
+               "modelled_exposed_copy_seconds": model.exposed_seconds, "modelled_step_seconds": model.seconds}
+    if tracker.exposed_copy_seconds is not None:
+        columns["measured_exposed_copy_seconds"] = tracker.exposed_copy_seconds  # CUDA events
+    return columns
 
 
 class PutRecorder:

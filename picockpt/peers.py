@@ -15,6 +15,15 @@ Each peer is a run_layers(layers, x) function for ReferenceLlama.forward:
     save_matmuls(T) the policy PyTorch's documentation shows: keep the matmul outputs, recompute
                     everything else (norms, RoPE, softmax, SiLU) and q k^T    (~ picockpt "cheap")
 
+Host memory instead of recomputation:
+
+    SaveOnCpu(run)  torch.autograd.graph.save_on_cpu(pin_memory=True) around another peer's layers:
+                    every tensor autograd saves there is packed into a host buffer and unpacked back
+                    to its device in the backward, with copies issued on the current stream (its pack
+                    and unpack hooks, torch/autograd/graph.py). SaveOnCpu(autograd) ~ picockpt
+                    "none+offload"; SaveOnCpu(per_layer) ~ picockpt "offload". The host buffers are
+                    remembered (weakly) so a Tracker can count them apart from device memory.
+
 One peer wraps the whole model instead of its layers:
 
     min_cut(model, budget)  the model through AOTAutograd with torch.compile's min-cut partitioner
@@ -33,6 +42,8 @@ Attention runs exactly two batched matmuls per layer, q k^T and then P v (the pr
 2-D matmuls), and every op between them makes or reads the scores; so the core is the ops from
 the first batched matmul up to, not including, the second.
 """
+import weakref
+
 import torch
 import torch._functorch.config as functorch_config
 from torch._functorch.aot_autograd import aot_module, make_boxed_func
@@ -103,6 +114,31 @@ def save_matmuls(seq):
         keep = op in matmuls and not in_core  # the projections and P v; not q k^T
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return _checkpoint_each(decide, seq)
+
+
+class SaveOnCpu:
+    """run_layers(layers, x) of another peer, under torch.autograd.graph.save_on_cpu(pin_memory=True)."""
+
+    def __init__(self, run_layers):
+        self.run_layers, self.packed = run_layers, []
+
+    def __call__(self, layers, x):
+        hooks = torch.autograd.graph.save_on_cpu(pin_memory=True)
+        pack = hooks.pack_hook  # PyTorch's own: (device, host copy)
+
+        def counted(tensor):
+            device, packed = pack(tensor)
+            self.packed.append(weakref.ref(packed))
+            return device, packed
+        hooks.pack_hook = counted  # read when the context is entered
+        with hooks:
+            return self.run_layers(layers, x)
+
+    def host_tensors(self):
+        """The host copies packed since the last call and still alive (then forgotten)."""
+        alive = [ref() for ref in self.packed]
+        self.packed.clear()
+        return [tensor for tensor in alive if tensor is not None]
 
 
 def min_cut(model, budget, graphs=None):

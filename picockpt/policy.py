@@ -23,6 +23,13 @@ Op level (inside every layer that is kept; at most one of each line):
                   172,032 bytes for Mixtral 8x7B in bf16, that moe_act and moe act on)
   with a shared expert (Config.shared_expert_ffn > 0):
     shared_experts  drop the shared expert's projections and product; project again in the backward
+Host memory (picockpt/offload.py: moved off the device in the forward, prefetched back for the backward):
+    offload       what the layer level stores in each layer's first forward goes to host memory:
+                  alone (= full+offload) and with every:C the checkpoints (layer inputs); with none
+                  every layer's whole set; with budget:SIZE the planner chooses per layer among
+                  keeping, recomputing and offloading (picockpt/planner_offload.py)
+    offload:NAMES only the named tensors, comma separated (e.g. offload:mlp.gate,mlp.up), of the layers
+                  the first forward stores whole (none, unless a layer level is given)
 Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective,  selective+moe,
                    cheap+moe+shared_experts+router.
 The routing decision (which experts each token went to) stays stored whatever the policy: an op-level
@@ -42,7 +49,8 @@ from .schedule import CHOICES, MOE_CHOICES, OP_LEVEL, Schedule
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
-EXAMPLES = "none, full, every:4, selective, cheap, every:2+selective, budget:48MiB, selective+moe (with experts)"
+EXAMPLES = ("none, full, every:4, selective, cheap, every:2+selective, budget:48MiB, offload, none+offload, "
+            "offload:mlp.gate,mlp.up, selective+moe (with experts)")
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class Policy:
     segment: int = None          # C of every:C (full = 1); None keeps every layer
     budget: int = None           # bytes, for budget:SIZE
     op_level: str = None         # None or a key of OP_LEVEL: "selective", "cheap", "moe", "cheap+moe_act" ...
+    offload: frozenset = None    # names whose first-forward puts go to the host ("*": all); None: none do
 
     @property
     def drop(self):
@@ -68,17 +77,50 @@ class Policy:
         if "shared_experts" in chosen and cfg.shared_expert_ffn == 0:
             raise ValueError(f"policy {self.text!r}: shared_experts, and the model has no shared expert "
                              f"(Config.shared_expert_ffn=0); leave it out or set shared_expert_ffn > 0")
+        if self.offload is not None:
+            self._check_offload(cfg)
         return self
+
+    def refuse_offload(self, layout):
+        """For the layouts that have no host tier (the parallel ones): a ValueError if this policy offloads."""
+        if self.offload is not None:
+            without = self.text.rsplit("+", 1)[0]  # the canonical text ends with the offload part
+            raise ValueError(f"policy {self.text!r}: offloading to host memory runs in one process only; {layout} "
+                             f"has no host tier: leave out offload (e.g. policy {without!r})")
+        return self
+
+    def _check_offload(self, cfg):
+        """offload:NAMES must name tensors this model stores, and something must be left to move."""
+        from .closed_forms import layer_inventory  # (closed_forms imports nothing of this module)
+        stored = {name.partition("[")[0] for name in layer_inventory(cfg, 1, 1)}
+        unknown = sorted(self.offload - stored - {"*"})
+        if unknown:
+            raise ValueError(f"policy {self.text!r}: offload names {', '.join(unknown)}, which a layer of this model "
+                             f"never stores ({cfg.attention} attention); name some of: {', '.join(sorted(stored))}")
+        kept = stored - self.drop if self.segment is None else {"input"}  # what the first forward stores
+        if self.budget is None and "*" not in self.offload and not self.offload & kept:
+            where = (f"every:{self.segment} stores only its checkpoints (input) in the first forward"
+                     if self.segment is not None else f"{self.op_level} drops them")
+            raise ValueError(f"policy {self.text!r}: nowhere to offload: {where}, so no tensor of "
+                             f"{', '.join(sorted(self.offload))} is on the device to move; offload input, "
+                             f"or drop the layer level or op level that removes them")
 
     def schedule(self, cfg, batch, seq):
         L = cfg.layers
         if self.budget is not None:
             from .planner import plan_model  # the planner turns a byte budget into a schedule
             return plan_model(cfg, batch, seq, self.budget, self.drop).schedule
+        if self.budget is not None and self.offload is not None:
+            from .planner_offload import plan_offload  # keep, recompute or offload, per layer
+            return plan_offload(cfg, batch, seq, self.budget, self.drop, names=self.offload).schedule
+        host = None if self.offload is None else (self.offload,) * L
         if self.segment is None:
-            return Schedule(forward=("all",) * L)
+            return Schedule(forward=("all",) * L, host=host)
         C = self.segment
-        return Schedule(forward=tuple("input" if i % C == 0 else "none" for i in range(L)))
+        forward = tuple("input" if i % C == 0 else "none" for i in range(L))
+        if host is not None:  # only the checkpoints are stored: they are what moves
+            host = tuple(frozenset({"input"}) if mode == "input" else frozenset() for mode in forward)
+        return Schedule(forward=forward, host=host)
 
 
 def parse_size(text):
@@ -107,12 +149,18 @@ def parse_policy(text, cfg=None):
         raise ValueError(f"policy {text!r} ({type(text).__name__}) is not a policy string: use one of {EXAMPLES}")
     if not text.strip():
         raise ValueError(f"policy {text!r} is empty: use one of {EXAMPLES}")
-    segment = budget = None
+    segment = budget = offload = None
     op_parts = [None] * len(CHOICES)  # the op-level choice of each group
     layer_level = None
     for original in text.strip().split("+"):
         original = original.strip()
         part = original.lower()
+        if part == "offload" or part.startswith("offload:"):
+            if offload is not None:
+                raise ValueError(f"policy {text!r}: offload is given twice; name it once "
+                                 f"(offload:a,b for several names)")
+            offload = _offload_names(text, original)
+            continue
         group = next((g for g, names in enumerate(CHOICES) if part in names), None)
         if group is not None:
             if op_parts[group] is not None:
@@ -142,9 +190,26 @@ def parse_policy(text, cfg=None):
         else:
             raise ValueError(f"policy {text!r}: unknown part {part!r}; use one of {EXAMPLES}")
     op_level = "+".join(p for p in op_parts if p) or None
-    canonical = "+".join(p for p in (_layer_text(segment, budget, layer_level), op_level) if p) or "none"
-    policy = Policy(text=canonical, segment=segment, budget=budget, op_level=op_level)
+    if offload is not None and layer_level is None and "*" in offload:
+        segment, layer_level = 1, "full"  # offload alone: full's checkpoints, on the host
+    offload_text = None if offload is None else "offload" + ("" if "*" in offload else ":" + ",".join(sorted(offload)))
+    layer_text = _layer_text(segment, budget, layer_level)
+    if offload is not None and layer_text is None:
+        layer_text = "none"  # none+offload, offload:NAMES: said, as the layer level is not the default here
+    canonical = "+".join(p for p in (layer_text, op_level, offload_text) if p) or "none"
+    policy = Policy(text=canonical, segment=segment, budget=budget, op_level=op_level, offload=offload)
     return policy.check(cfg) if cfg is not None else policy
+
+
+def _offload_names(text, part):
+    """'offload' -> {"*"} (whatever is stored); 'offload:mlp.gate,mlp.up' -> those names."""
+    if part.lower() == "offload":
+        return frozenset({"*"})
+    names = [name.strip() for name in part[len("offload:"):].split(",")]
+    if not all(names):
+        raise ValueError(f"policy {text!r}: offload:NAMES needs names separated by commas, e.g. "
+                         f"offload:mlp.gate,mlp.up (or offload alone, for what the layer level stores)")
+    return frozenset(names)
 
 
 def _layer_text(segment, budget, layer_level):

@@ -67,14 +67,22 @@ ALL = Mode("all")
 @dataclass(frozen=True)
 class Schedule:
     """The layer modes of one step. forward[i]: mode in the first forward.
-    sweep(k, target): mode of layer k when a backward sweep recomputes up to `target`."""
+    sweep(k, target): mode of layer k when a backward sweep recomputes up to `target`.
+    host[k]: the names of layer k's first forward whose puts go to host memory (picockpt/offload.py;
+    "*": all it stores); recomputed layers stay on the device. None: nothing is offloaded."""
     forward: tuple
     sweep_modes: dict = None      # target -> {k: mode}; None means "all" for every layer
     head: str = "all"             # the model head's op level: "all" (the policy's) or "all:cheap"
     stop_early: bool = False      # a recompute sweep skips its last layer's down projection
+    host: tuple = None            # per layer, a frozenset of names offloaded in the first forward
 
     def __post_init__(self):  # every mode parsed once, here
         object.__setattr__(self, "forward", tuple(Mode(mode) for mode in self.forward))
+        if self.host is not None:
+            object.__setattr__(self, "host", tuple(frozenset(names) for names in self.host))
+            if len(self.host) != len(self.forward):
+                raise ValueError(f"Schedule.host has {len(self.host)} entries: give one set of names per layer "
+                                 f"({len(self.forward)})")
         object.__setattr__(self, "head", Mode(self.head))
         if self.sweep_modes is not None:
             object.__setattr__(self, "sweep_modes", {target: {k: Mode(mode) for k, mode in modes.items()}

@@ -8,11 +8,17 @@ The store is the *logical* view of activation memory: it counts the bytes of the
 unique storages it holds (two views of one storage count once), and it records
 every put, get, pop and rebuild as an event. Listeners (the tracker) receive
 each event; the store itself holds tensors only while they are stored.
+
+With a host tier (picockpt/offload.py) a put may go to host memory instead: the store then holds the
+host copy and counts it in host_bytes, apart from the device's `bytes`; prefetch(layer) brings a
+layer's host tensors back (device bytes again) before the backward reads them, and a get or pop of
+one still on the host fetches it then. Every event says where its tensor is ("device" or "host").
 """
 import contextlib
 from collections import namedtuple
 
-Event = namedtuple("Event", "kind layer name bytes live_bytes")  # no tensor inside: safe to keep
+# no tensor inside: safe to keep. live_bytes: the device's stored bytes; host_bytes: the host tier's
+Event = namedtuple("Event", "kind layer name bytes live_bytes host_bytes where", defaults=(0, "device"))
 
 
 def _storage_key(tensor):
@@ -21,27 +27,36 @@ def _storage_key(tensor):
 
 
 class ActivationStore:
-    def __init__(self, listener=None):
-        self.tensors = {}        # (layer, name) -> tensor
+    def __init__(self, listener=None, host=None):
+        self.tensors = {}        # (layer, name) -> tensor on the device
         self.storages = {}       # storage key -> [number of stored tensors on it, bytes]
-        self.bytes = 0           # bytes of unique storages held now
+        self.bytes = 0           # bytes of unique device storages held now
         self.peak_bytes = 0
+        self.host = host         # a HostTier (picockpt/offload.py), or None: every put stays on the device
+        self.host_tensors = {}   # (layer, name) -> Copy: the tensors held in host memory
+        self.arriving = {}       # (layer, name) -> Arrival: prefetched, its copy perhaps in flight (CUDA)
+        self.host_bytes = 0      # bytes of the host copies held now (each tensor's own bytes)
+        self.host_peak_bytes = 0
         self.events = []
         self.listener = listener  # object with .on_event(Event) and .phase(name), e.g. a Tracker
 
     # -- the four verbs ------------------------------------------------------
     def put(self, layer, name, tensor):
         key = (layer, name)
-        if key in self.tensors:
+        if self.has(layer, name):
             raise KeyError(f"activation {_label(layer, name)} is already stored")
-        self.tensors[key] = tensor
-        skey, nbytes = _storage_key(tensor)
-        count = self.storages.setdefault(skey, [0, nbytes])
-        count[0] += 1
-        if count[0] == 1:  # a new storage: its bytes are now held
-            self.bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.bytes)
+        if self.host is not None and self.host.wants(layer, name):  # to host memory, copied now
+            self.host_tensors[key] = self.host.to_host(tensor)
+            self.host_bytes += tensor.nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+            return self._event("put", layer, name, tensor.nbytes, "host")
+        self._hold(key, tensor)
         self._event("put", layer, name, tensor.nbytes)
+
+    def prefetch(self, layer, names=None):
+        """Start bringing layer's host tensors (of `names`; None: all) back to the device."""
+        for lay, name in [key for key in self.host_tensors if key[0] == layer and (names is None or key[1] in names)]:
+            self._fetch(lay, name, "prefetch")
 
     def get(self, layer, name):
         tensor = self._lookup(layer, name)
@@ -52,7 +67,7 @@ class ActivationStore:
         """Take a tensor out (the backward's last use of it). If the policy dropped it,
         `rebuild` (a one-line recipe from tensors the backward has) makes it again."""
         key = (layer, name)
-        if key not in self.tensors and rebuild is not None:
+        if not self.has(layer, name) and rebuild is not None:
             return self.rebuild(layer, name, rebuild)
         tensor = self._lookup(layer, name)
         del self.tensors[key]
@@ -81,32 +96,62 @@ class ActivationStore:
         return contextlib.nullcontext() if self.listener is None else self.listener.phase("recompute")
 
     # -- questions -----------------------------------------------------------
-    def has(self, layer, name):
-        return (layer, name) in self.tensors
+    def has(self, layer, name):  # on the device or on the host
+        return (layer, name) in self.tensors or (layer, name) in self.host_tensors
 
     def names(self, layer):
-        return [name for (lay, name) in self.tensors if lay == layer]
+        return [name for (lay, name) in list(self.tensors) + list(self.host_tensors) if lay == layer]
+
+    def host_names(self, layer):
+        return [name for (lay, name) in self.host_tensors if lay == layer]
 
     def inventory(self, layer):
-        """name -> (shape, dtype, bytes) of what is stored for one layer now."""
+        """name -> (shape, dtype, bytes) of what is stored for one layer now (device and host)."""
+        held = {**self.tensors, **{key: copy.host for key, copy in self.host_tensors.items()}}
         return {name: (tuple(t.shape), str(t.dtype).replace("torch.", ""), t.nbytes)
-                for (lay, name), t in self.tensors.items() if lay == layer}
+                for (lay, name), t in held.items() if lay == layer}
 
     def clear(self):
         self.tensors.clear()
         self.storages.clear()
-        self.bytes = 0
+        self.host_tensors.clear()
+        self.arriving.clear()
+        self.bytes = self.host_bytes = 0
 
     # -- internals -----------------------------------------------------------
+    def _hold(self, key, tensor):  # a device tensor: its storage's bytes are counted once
+        self.tensors[key] = tensor
+        skey, nbytes = _storage_key(tensor)
+        count = self.storages.setdefault(skey, [0, nbytes])
+        count[0] += 1
+        if count[0] == 1:  # a new storage: its bytes are now held
+            self.bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def _fetch(self, layer, name, kind):  # host -> device; "fetch": asked for by a read, not ahead of it
+        key = (layer, name)
+        copy = self.host_tensors.pop(key)
+        tensor, arrival = self.host.to_device(copy)
+        self.host_bytes -= tensor.nbytes
+        self._hold(key, tensor)
+        if arrival is not None:
+            self.arriving[key] = arrival
+        self._event(kind, layer, name, tensor.nbytes)
+
     def _lookup(self, layer, name):
+        key = (layer, name)
+        if key in self.host_tensors:  # never prefetched: fetched now
+            self._fetch(layer, name, "fetch")
+        if key in self.arriving:  # the compute stream waits for its copy (CUDA), once
+            self.tensors[key] = self.host.ready(self.arriving.pop(key))
         try:
-            return self.tensors[(layer, name)]
+            return self.tensors[key]
         except KeyError:
             held = ", ".join(self.names(layer)) or "nothing"
             raise KeyError(f"activation {_label(layer, name)} is not stored (layer holds: {held})") from None
 
-    def _event(self, kind, layer, name, nbytes):
-        event = Event(kind, layer, name, nbytes, self.bytes)
+    def _event(self, kind, layer, name, nbytes, where="device"):
+        event = Event(kind, layer, name, nbytes, self.bytes, self.host_bytes, where)
         self.events.append(event)
         if self.listener is not None:
             self.listener.on_event(event)

@@ -12,7 +12,13 @@ cuda      on a CUDA device max_memory_allocated() per phase, relative to the sta
           query costs about 0.2 ms, twice a small step's GPU time, so it is off unless a
           timeline against the allocator is wanted: lesson 01's figure, the GPU benchmark).
 
-Phases: forward, recompute, backward, optimizer. FLOPs per phase come from
+Phases: forward, recompute, backward, optimizer. host      with an offloading policy (picockpt/offload.py): the host tier's bytes at every store event
+          (peak_host), the bytes copied each way in each phase (copy_bytes: "to_host", "to_device"),
+          and the host copies' storages, marked "host", kept out of the physical (device) count
+          (peak_host_live); on CUDA also exposed_copy_seconds, the time the compute stream waited
+          for copies, measured with CUDA events (None elsewhere: on a CPU it is modelled, not measured).
+
+FLOPs per phase come from
 torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each); with times=True also the
 seconds spent in each phase (wall seconds on the CPU; on CUDA the GPU's: a timing event is recorded at every phase switch, and the GPU is
 synchronised once, when the step ends: the GPU's time between two events belongs to the phase that
@@ -39,7 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 PHASES = ("forward", "recompute", "backward", "optimizer")
 OUTSIDE = "outside"  # before, between or after the phases above
-EXCLUDED = ("weights", "gradients", "optimizer")  # categories that are not activation memory
+EXCLUDED = ("weights", "gradients", "optimizer", "host")  # not device activation memory ("host": host copies)
 
 
 class _StorageWatcher(TorchDispatchMode):
@@ -77,6 +83,11 @@ class Tracker:
         self.seconds = dict.fromkeys(PHASES + (OUTSIDE,), 0.0)
         self._counter = None
         self.timeline, self.peaks = [], {}
+        self.peak_host = 0       # the store's host bytes, at their highest
+        self.copy_bytes = {name: {"to_host": 0, "to_device": 0} for name in PHASES + (OUTSIDE,)}
+        self._hosts = []         # the host tiers of the steps inside (picockpt/offload.py)
+        self.exposed_copy_seconds = None  # CUDA: measured once the step ends
+        self.peak_host_live = 0  # bytes of live storages marked "host" (host copies), at their highest
 
     # -- context -------------------------------------------------------------
     def __enter__(self):
@@ -95,6 +106,8 @@ class Tracker:
     def __exit__(self, *exc):
         self._tick()
         self._time_spans()
+        if self.cuda and self._hosts:
+            self.exposed_copy_seconds = sum(host.exposed_seconds() for host in self._hosts)
         self._stop_counter()
         self._cuda_phase_end()
         if self._watcher:
@@ -118,6 +131,16 @@ class Tracker:
         cuda = torch.cuda.memory_allocated(self.device) - self.cuda_base if self.cuda_timeline else None
         label = f"{event.kind} {event.name}" if event.layer is None else f"{event.kind} {event.layer}:{event.name}"
         self.log.append(("event", label, event.live_bytes, cuda))
+        host_bytes, where = getattr(event, "host_bytes", 0), getattr(event, "where", "device")
+        self.peak_host = max(self.peak_host, host_bytes)
+        if event.kind == "put" and where == "host":
+            self.copy_bytes[self.phase_name]["to_host"] += event.bytes
+        elif event.kind in ("prefetch", "fetch"):
+            self.copy_bytes[self.phase_name]["to_device"] += event.bytes
+
+    def watch_host(self, host):
+        """A step's host tier: its exposed copy time is read when the tracker exits (CUDA)."""
+        self._hosts.append(host)
 
     def mark(self, tensor, category):
         """Put a tensor's storage in an excluded category (weights, gradients, optimizer)."""
@@ -217,7 +240,7 @@ class Tracker:
     def _replay(self):
         """Turn the raw log into the timeline and the per-phase peaks, now that every
         storage's category is known."""
-        phase, logical, physical, total = OUTSIDE, 0, 0, 0
+        phase, logical, physical, total, host = OUTSIDE, 0, 0, 0, 0
         alive = set()
         peaks = {name: {"logical": 0, "physical": 0, "total": 0} for name in PHASES + (OUTSIDE,)}
         self.timeline = []
@@ -234,6 +257,9 @@ class Tracker:
                 total += sign * self.sizes[sid]
                 if sid not in self.categories:
                     physical += sign * self.sizes[sid]
+                elif self.categories[sid] == "host":
+                    host += sign * self.sizes[sid]
+                    self.peak_host_live = max(self.peak_host_live, host)
             else:  # a store event
                 logical = record[2]
             if kind == "phase":

@@ -153,3 +153,114 @@ def test_embedding_gradient_is_deterministic_on_cuda():
     first = embedding_backward(dy, ids, (7, 64))
     assert first.dtype == torch.float32
     assert all(torch.equal(first, embedding_backward(dy, ids, (7, 64))) for _ in range(5))
+
+
+# ---- offloading to host memory (picockpt/offload.py): pinned buffers, the side stream, its events ----
+OFFLOAD_POLICIES = ("offload", "none+offload", "every:2+offload", "offload:mlp.gate,mlp.up", "cheap+offload")
+
+
+@pytest.mark.parametrize("attention", ["eager", "tiled", "fused"])
+def test_offload_policies_bitwise_none_on_cuda_with_exact_device_and_host_bytes(attention):
+    cfg, params, ids, targets = setup(attention=attention, attention_tile=32, dtype="bf16")
+    base = loss_and_grads(params, cfg, ids, targets, "none")
+    from picockpt.inventory import predicted_host_bytes
+    for policy in OFFLOAD_POLICIES:
+        with Tracker("cuda", flops=False) as tracker:
+            loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
+        assert torch.equal(loss, base[0]), policy
+        assert [k for k in grads if not torch.equal(grads[k], base[1][k])] == [], policy
+        assert tracker.peak_logical == predicted_peak_bytes(cfg, 2, 96, policy), policy
+        assert tracker.peak_host == predicted_host_bytes(cfg, 2, 96, policy) > 0, policy
+        assert tracker.exposed_copy_seconds is not None and tracker.exposed_copy_seconds >= 0, policy
+
+
+def _tier_with_one_tensor():
+    from picockpt.offload import HostTier
+    from picockpt.store import ActivationStore
+    store = ActivationStore(host=HostTier("cuda"))
+    store.host.rule = lambda layer, name: True
+    tensor = torch.arange(1 << 22, dtype=torch.float32, device="cuda")  # 16 MiB
+    store.put(0, "x", tensor)
+    return store, tensor.clone()
+
+
+def test_offloaded_tensors_live_in_pinned_host_buffers():
+    store, _ = _tier_with_one_tensor()
+    copy = store.host_tensors[(0, "x")]
+    assert copy.host.device.type == "cpu" and copy.host.is_pinned()
+
+
+def test_prefetch_runs_on_the_side_stream_while_the_compute_stream_is_busy():
+    """A prefetch issued after a long kernel on the compute stream must finish before that kernel does: if the
+    copy ran on the compute stream, it would wait behind it, and the compute stream would be idle by then."""
+    store, _ = _tier_with_one_tensor()
+    torch.cuda.synchronize()
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the compute stream
+    store.prefetch(0)
+    arrival = store.arriving[(0, "x")]
+    assert store.host.stream != compute
+    arrival.done.synchronize()  # the copy has landed ...
+    assert not compute.query(), "the prefetch waited for the compute stream: it ran on it, or was ordered behind it"
+    torch.cuda.synchronize()
+
+
+def test_a_prefetched_tensor_is_never_read_before_its_copy_event():
+    """The side stream is held up (a long kernel queued on it before the prefetch), and its buffer is filled with
+    NaN first: a read that did not wait for the copy's event would see NaN, not the offloaded values."""
+    store, expected = _tier_with_one_tensor()
+    side = store.host.stream
+    with torch.cuda.stream(side):
+        junk = torch.full_like(expected, float("nan"))  # the block the prefetch's buffer is likely to reuse
+        del junk
+        torch.cuda._sleep(1_000_000_000)
+    store.prefetch(0)
+    value = store.pop(0, "x") * 1  # a kernel on the compute stream, reading the prefetched tensor
+    assert torch.equal(value, expected)
+    assert store.host.exposed_seconds() > 0  # it did wait: the copy's time was exposed
+
+
+def test_the_offload_copy_waits_for_the_tensor_it_copies():
+    """The tensor is written by a kernel queued after a long one on the compute stream; the offload copy must
+    wait for it (an event), or the host copy would hold the old values."""
+    from picockpt.offload import HostTier
+    from picockpt.store import ActivationStore
+    store = ActivationStore(host=HostTier("cuda"))
+    store.host.rule = lambda layer, name: True
+    tensor = torch.zeros(1 << 22, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    tensor.fill_(7.0)  # queued behind the sleep
+    store.put(0, "x", tensor)
+    store.host_tensors[(0, "x")].done.synchronize()
+    assert torch.equal(store.host_tensors[(0, "x")].host, torch.full((1 << 22,), 7.0))
+
+
+def test_context_parallel_blocks_on_the_cuda_flash_kernel():
+    """Context parallelism's blocks on the CUDA flash kernel (bf16): each query chunk against its own chunk
+    (causal) and a whole block of earlier keys of another length (causal=False: at zigzag cp = 4 the last
+    chunk reads six earlier chunks at once), merged by log-sum-exp, equals causal attention over the whole
+    sequence; so do the gradients, block by block with the merged output and lse."""
+    from picockpt.ops.attention_fused import fused_attention_backward, fused_attention_forward
+    from picockpt.parallel.context_parallel.cp_attention import gathered_attention_backward, gathered_attention_forward
+    from picockpt.parallel.context_parallel.cp_layout import SequenceLayout
+    cfg = Config.from_preset("tiny", dtype="bf16", attention="fused")
+    B, H, KV, T, hd = 2, cfg.heads, cfg.kv_heads, 64, cfg.head_dim
+    q, dout = (torch.randn(B, H, T, hd, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kv = torch.randn(2, B, KV, T, hd, device="cuda", dtype=torch.bfloat16)
+    out, lse = fused_attention_forward(q, kv[0], kv[1])  # the single process's
+    dq, dk, dv = fused_attention_backward(dout, q, kv[0], kv[1], out, lse)
+    split = SequenceLayout("zigzag", 4, T)
+    kv_all = torch.cat([split.rows(kv, r, dim=3) for r in range(4)], dim=3)  # (2, B, KV, T, hd) in rank order
+    dkv_all = torch.zeros(kv_all.shape, dtype=torch.float32, device="cuda")
+    for r in range(4):
+        mine = split.positions(r, "cuda")
+        q_r = split.rows(q, r, dim=2)
+        out_r, lse_r = gathered_attention_forward(q_r, kv_all, cfg, split, r)
+        assert rel(out_r, out[:, :, mine]) < 2e-2 and rel(lse_r, lse[:, :, mine]) < 1e-3, r
+        dq_r, dkv_r = gathered_attention_backward(split.rows(dout, r, dim=2), q_r, out_r, lse_r, kv_all, cfg, split, r,
+                                                  torch.no_grad)
+        assert rel(dq_r, dq[:, :, mine]) < 5e-2, r
+        dkv_all += dkv_r  # the reduce-scatter's sum
+    expected = torch.cat([split.rows(torch.stack((dk, dv)), r, dim=3) for r in range(4)], dim=3)
+    assert rel(dkv_all, expected) < 5e-2

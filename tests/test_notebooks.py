@@ -5,7 +5,9 @@ within a time budget, its exercises answered right.
 A failing drift test means a lesson's .py changed without its notebook: `python -m picockpt
 notebooks --only NN` makes the notebook again (executed; it also rewrites the lesson's figures).
 """
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import pathlib
 import subprocess
@@ -86,18 +88,40 @@ def test_the_check_command_agrees():
 
 # ---- every lesson runs as a notebook ------------------------------------------------------------
 
-@pytest.mark.parametrize("source", PERCENT, ids=ids)
-def test_notebook_executes_fast(source, tmp_path, monkeypatch):
-    monkeypatch.setenv("PICOCKPT_FIGURES", str(tmp_path))
+def execute_fast(source, figures):
+    """One lesson as a notebook at --fast, in a kernel of its own, its figures into `figures`: (seconds, the
+    text AFTER printed). Runs in a worker process, so the environment is its own."""
+    os.environ["PICOCKPT_FIGURES"] = str(figures)
     start = time.perf_counter()
     _, printed = execute(notebook(cells(source)), source.parent, "--fast --device cpu", CELL_TIMEOUT_S, then=AFTER)
-    seconds = time.perf_counter() - start
+    return time.perf_counter() - start, printed
+
+
+@pytest.fixture(scope="module")
+def fast_runs(request, tmp_path_factory):
+    """The selected lessons' notebooks at --fast, two at a time (each kernel computes on one thread, and CI
+    has two cores), started at the first test that needs one: {stem: (future, figures folder)}."""
+    selected = [item.callspec.params["source"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_notebook_executes_fast"]
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
+    runs = {}
+    for source in selected:
+        figures = tmp_path_factory.mktemp(source.stem)
+        runs[source.stem] = (pool.submit(execute_fast, source, figures), figures)
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)  # no kernel outlives the module
+
+
+@pytest.mark.parametrize("source", PERCENT, ids=ids)
+def test_notebook_executes_fast(source, fast_runs):
+    future, figures = fast_runs[source.stem]
+    seconds, printed = future.result()
     assert seconds < NOTEBOOK_BUDGET_S, f"{source.stem} took {seconds:.0f} s (budget {NOTEBOOK_BUDGET_S} s)"
     report = json.loads(printed.strip().splitlines()[-1])
     assert report["mode"] == "fast"  # the flags came from $PICOCKPT_LESSON_ARGS, not from the kernel's argv
     for path in report["result"]["figures"]:
         path = pathlib.Path(path)
-        assert path.parent == tmp_path and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+        assert path.parent == figures and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
     for key, value in report["result"]["summary"].items():
         if isinstance(value, bool) and ("=" in key or "exists" in key):
             assert value, f"{source.name}: {key} is False"

@@ -66,6 +66,7 @@ def run(args):
     print(table(rows, [
         ("run", lambda r: r["name"]),
         ("peak live", lambda r: fmt_bytes(r["peak_live_bytes"])),
+        ("host", lambda r: fmt_bytes(r["host_peak_bytes"]) if r["host_peak_bytes"] else "-"),
         ("recompute GFLOP", lambda r: f"{r['recompute_flops'] / 1e9:.3f}"),
         ("step ms [min..max]", lambda r: spread(r["step_seconds"], r["step_seconds_min_max"], 1e3, "{:.0f}")),
         ("time / autograd", lambda r: f"{r['step_seconds'] / base['step_seconds']:.2f}"),
@@ -77,7 +78,8 @@ def run(args):
     ]))
     print(f"step ms: median of {args.repeats} interleaved repeats [fastest..slowest]; time vs equivalent: the median "
           f"of the repeat-by-repeat ratios [smallest..largest]. peak live = bytes of all tensors created during the "
-          f"step, weight gradients excluded. torch checkpoint_sequential keeps its last segment stored.")
+          f"step, weight gradients excluded, host copies apart (host: their peak, save_on_cpu's and offload's). "
+          f"torch checkpoint_sequential keeps its last segment stored.")
     return report_gradients(rows, cfg, print)
 
 

@@ -58,6 +58,19 @@ def run(args):
     ]
     if "cuda_peak_bytes" in row:
         lines.append(("CUDA max_memory_allocated", fmt_bytes(row["cuda_peak_bytes"]), "step's increase"))
+    if "host_peak_bytes" in row:
+        from ..planner_offload import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
+        lines.append(("peak host bytes (offloaded)", fmt_bytes(row["host_peak_bytes"]),
+                      f"{row['host_peak_bytes']:,} bytes; closed form {row['predicted_host_bytes']:,}"))
+        for phase, copied in row["copy_bytes"].items():
+            lines.append((f"copied in {phase}", fmt_bytes(copied["to_host"] + copied["to_device"]),
+                          f"to host {copied['to_host']:,} B, to device {copied['to_device']:,} B"))
+        if "measured_exposed_copy_seconds" in row:
+            lines.append(("exposed copy time (measured)", f"{row['measured_exposed_copy_seconds'] * 1e3:.3f} ms",
+                          "compute stream waiting for copies, CUDA events"))
+        lines.append(("exposed copy time (modelled)", f"{row['modelled_exposed_copy_seconds'] * 1e3:.4g} ms",
+                      f"at {DEFAULT_HOST_BANDWIDTH / 1e9:.3g} GB/s and {DEFAULT_COMPUTE_RATE / 1e12:.4g} TFLOP/s; "
+                      f"modelled, not measured"))
     for name, value, note in lines:
         print(f"  {name:<36}{value:>16}  {note}")
     for phase, peaks in row["phase_peaks"].items():

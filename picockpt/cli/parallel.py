@@ -9,14 +9,17 @@ its FLOPs by phase; then the loss, and how far the gradients are from the single
     python -m picockpt parallel --tp 2 --policy full --distribute-saved --json
     torchrun --nproc-per-node 2 -m picockpt parallel --tp 2
     python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched   # expert parallel
+    python -m picockpt parallel --dp 2 --zero 3 --policy full --keep-gathered        # ZeRO-3
+    python -m picockpt parallel --cp 2 --attention tiled --policy full                # context parallel
 """
 import json
 
-from ..policy import parse_policy
-from .common import add_run_args, add_shape_args, check_parallel_fits, config_from_args, fmt_bytes, fmt_flops
+from .common import add_run_args, add_shape_args, fmt_bytes, fmt_flops
 from .common import rank_columns, table
+from .parallel_cp import run_context
 from .parallel_ep import run_expert
-from .parallel_run import measured_step, rank_device
+from .parallel_zero import run_zero
+from .parallel_run import measured_step, prepared
 
 def add_arguments(parser):
     add_shape_args(parser)
@@ -44,9 +47,26 @@ def add_arguments(parser):
                           "recomputes that micro-batch's top segment meanwhile")
     pipeline.add_argument("--no-overlap", action="store_true", help="data parallel: all-reduce the gradients after "
                           "the backward instead of each layer's as soon as it is final")
-    experts = parser.add_argument_group("expert parallelism (picockpt/parallel/expert_parallel/; needs --experts; beside --dp and --pp too)")
+    pipeline.add_argument("--zero", type=int, default=0, choices=(1, 2, 3), help="ZeRO over the --dp ranks: 1 shards "
+                          "the AdamW state, 2 also the gradients, 3 also the parameters (gathered around each use)")
+    pipeline.add_argument("--keep-gathered", action="store_true", help="--zero 3: a recomputed layer's gathered "
+                          "parameters are kept from its recompute through its backward (one gather fewer)")
+    pipeline.add_argument("--no-prefetch", action="store_true", help="--zero 3: gather each use's parameters only "
+                          "when it starts, not while the one before computes")
+    experts = parser.add_argument_group("expert parallelism (picockpt/parallel/expert_parallel/; needs --experts; "
+                                        "beside --dp and --pp too)")
     experts.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1: none); each holds "
                          "experts/ep experts and 1/ep of each micro-batch's sequences; dp x pp x ep ranks in all")
+    context = parser.add_argument_group("context parallelism (picockpt/parallel/context_parallel/; tiled or fused "
+                                        "attention; on its own for now)")
+    context.add_argument("--cp", type=int, default=1, help="context-parallel ranks (default 1: none); each holds "
+                         "1/cp of every sequence's tokens and of every activation")
+    context.add_argument("--cp-layout", default="zigzag", choices=("zigzag", "contiguous"), help="zigzag: rank r "
+                         "holds chunks r and 2cp-1-r of 2cp (causal work balanced); contiguous: chunk r of cp")
+    context.add_argument("--cp-comm", default="ring", choices=("ring", "allgather"), help="K/V passed round a ring "
+                         "(cp - 1 steps), or all-gathered once per layer (the Llama 3 paper's choice)")
+    context.add_argument("--cp-keep-kv", action="store_true", help="--cp-comm allgather: keep the gathered K/V "
+                         "for the recomputation and the backward instead of gathering them again")
     experts.add_argument("--keep-dispatched", action="store_true", help="keep the rows each rank's experts "
                          "received: recomputing a layer reads them instead of dispatching them again")
 
@@ -60,11 +80,16 @@ def check_flags(args):
             ("--schedule", args.schedule is not None, args.pp > 1 or args.microbatches > 1,
              "--pp P or --microbatches M (> 1)", "the order of micro-batches' forwards and backwards"),
             ("--recompute-early", args.recompute_early, args.pp > 1, "--pp P (P > 1)", "a pipeline stage's waits"),
-            ("--no-overlap", args.no_overlap, args.dp > 1, "--dp D (D > 1)", "a data-parallel all-reduce")):
+            ("--no-overlap", args.no_overlap, args.dp > 1 and not args.zero, "--dp D (D > 1) without --zero",
+             "a data-parallel all-reduce"),
+            ("--zero", args.zero, args.dp > 1, "--dp D (D > 1)", "how the data-parallel ranks shard the model state"),
+            ("--keep-gathered", args.keep_gathered, args.zero == 3, "--zero 3", "when ZeRO-3 gathers parameters"),
+            ("--no-prefetch", args.no_prefetch, args.zero == 3, "--zero 3", "when ZeRO-3 gathers parameters")):
         if given and not needs:
             raise ValueError(f"{flag} without {wanted}: it changes {what}, and there is none here; add {wanted}, "
                              f"or leave {flag} out")
-    tp = args.tp if args.tp is not None else 1 if (args.pp, args.microbatches, args.dp, args.ep) != (1, 1, 1, 1) else 2
+    alone = (args.pp, args.microbatches, args.dp, args.ep, args.cp) == (1, 1, 1, 1, 1)
+    tp = args.tp if args.tp is not None else 2 if alone else 1
     for flag, given in (("--sp", args.sp), ("--distribute-saved", args.distribute_saved)):
         if given and tp == 1 and args.ep == 1:
             raise ValueError(f"{flag} with a tensor-parallel size of 1 (--tp {args.tp if args.tp is not None else 1}"
@@ -76,15 +101,16 @@ def check_flags(args):
 
 def run(args):
     check_flags(args)
+    if args.zero:
+        return run_zero(args)  # picockpt/cli/parallel_zero.py
+    if args.cp != 1 or args.cp_keep_kv or args.cp_layout != "zigzag" or args.cp_comm != "ring":
+        return run_context(args)  # picockpt/cli/parallel_cp.py
     if args.ep != 1 or args.keep_dispatched:
         return run_expert(args)  # picockpt/cli/parallel_ep.py
     if (args.pp, args.microbatches, args.dp) != (1, 1, 1):
         return run_pipeline(args)
     args.tp = 2 if args.tp is None else args.tp
-    cfg = config_from_args(args)
-    policy = parse_policy(args.policy, cfg)
-    device = rank_device(args)
-    check_parallel_fits(args, cfg, parse_policy("none", cfg), device)  # the reference runs none
+    cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
     measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=args.sp, distribute_saved=args.distribute_saved)
     if measured is None:
         return
@@ -124,10 +150,7 @@ def _print_table(row):
 def run_pipeline(args):
     """--pp, --microbatches, --dp: one step of dp x pp x tp ranks, per rank: its stage, micro-batches in flight,
     stored peak against its closed form, and where its time went."""
-    cfg = config_from_args(args)
-    policy = parse_policy(args.policy, cfg)
-    device = rank_device(args)
-    check_parallel_fits(args, cfg, parse_policy("none", cfg), device)  # the reference runs none
+    cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
     tp = 1 if args.tp is None else args.tp
     measured = measured_step(args, cfg, policy, device, tp=tp, sp=args.sp, distribute_saved=args.distribute_saved,
                              pp=args.pp, microbatches=args.microbatches, schedule=args.schedule, dp=args.dp,

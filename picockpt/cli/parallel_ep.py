@@ -18,20 +18,16 @@ import torch
 
 from ..parallel.forms import predicted
 from ..parallel.job import ParallelJob
-from ..policy import parse_policy
 from ..routing import step_routing
-from .common import check_parallel_fits, config_from_args, fmt_bytes, rank_columns, table
-from .parallel_run import measured_step, rank_device
+from .common import fmt_bytes, rank_columns, table
+from .parallel_run import measured_step, prepared
 
 def run_expert(args):
     """--ep N (and --keep-dispatched): the expert-parallel step and its report."""
     if args.sp:
         raise ValueError(f"--sp with --ep {args.ep}: sequence parallelism splits a tensor-parallel rank's tokens, and "
                          f"expert parallelism here has no tensor parallelism; leave --sp out")
-    cfg = config_from_args(args)
-    policy = parse_policy(args.policy, cfg)
-    device = rank_device(args)
-    check_parallel_fits(args, cfg, parse_policy("none", cfg), device)  # the reference runs none
+    cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
     layout = dict(pp=args.pp, microbatches=args.microbatches, schedule=args.schedule, dp=args.dp, ep=args.ep)
     measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=False, distribute_saved=args.distribute_saved,
                              keep_dispatched=args.keep_dispatched, **layout)

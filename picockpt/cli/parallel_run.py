@@ -1,5 +1,6 @@
-"""What the parallel command's three layouts share: the device of this process (its own GPU under
+"""What the parallel command's layouts share: the device of this process (its own GPU under
 torchrun), the step itself beside the single-process reference, and a rank's failure as one line."""
+import json
 import os
 
 import torch
@@ -8,7 +9,8 @@ from ..engine import loss_and_grads as single_loss_and_grads
 from ..measure import make_batch
 from ..params import init_params
 from ..parallel import RankError, loss_and_grads, under_torchrun
-from .common import device_from_args, max_relative_diff
+from ..policy import parse_policy
+from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff
 
 
 def rank_device(args):
@@ -19,6 +21,16 @@ def rank_device(args):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     return device
+
+
+def prepared(args):
+    """(cfg, policy, device) of the command's flags, once the whole step is known to fit there (the command
+    also runs it in one process, with policy none, to check the ranks' gradients): a ValueError first."""
+    cfg = config_from_args(args)
+    policy = parse_policy(args.policy, cfg)
+    device = rank_device(args)
+    check_parallel_fits(args, cfg, parse_policy("none", cfg), device)
+    return cfg, policy, device
 
 
 def measured_step(args, cfg, policy, device, **layout):
@@ -40,6 +52,18 @@ def measured_step(args, cfg, policy, device, **layout):
     single_loss, single_grads = single_loss_and_grads(params, cfg, input_ids, targets, "none")  # every policy's
     worst = max(max_relative_diff(grads[name], single_grads[name]) for name in single_grads)
     return loss, ranks, single_loss, worst, params, input_ids
+
+
+def printed(args, row, measured, print_table):
+    """The command's row, completed by the step's outcome (the loss, the single process's, the gradients'
+    largest relative difference, the ranks' reports): one JSON object with --json, else the table."""
+    loss, ranks, single_loss, worst, _, _ = measured
+    row.update(loss=loss.item(), single_process_loss=single_loss.item(), grad_max_rel_diff_vs_single=worst,
+               ranks=ranks)
+    if args.json:
+        print(json.dumps(row, indent=1))
+    else:
+        print_table(row)
 
 
 def last_frame(error):

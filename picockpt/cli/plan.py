@@ -4,6 +4,8 @@
     python -m picockpt plan --budget 24MiB --measure                # ... and run it once, tracked
     python -m picockpt plan --chain uniform --length 10 --slots 3   # binomial checkpointing (revolve)
     python -m picockpt plan --benchmark                             # planning time, 128 layers
+    python -m picockpt plan --budget 24MiB --host-bandwidth 63e9 --compute-rate 989e12   # keep, recompute
+                                                                    # or offload, per layer (planner_offload.py)
 """
 import json
 import random
@@ -13,6 +15,7 @@ import time
 from ..fit import check_fits
 from ..inventory import step_flops
 from ..planner import Stage, least_budget, model_chain, plan_chain, plan_model
+from ..planner_offload import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, actions, check_rates, plan_offload
 from ..planner_uniform import binomial_forward_steps, plan_uniform
 from ..policy import OP_LEVEL, parse_policy, parse_size
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops
@@ -32,6 +35,15 @@ def add_arguments(parser):
                                                                 "(refused, with the numbers, if it would not fit)")
     parser.add_argument("--benchmark", action="store_true", help="time the planner on 128-layer chains")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--offload", action="store_true",
+                        help="--chain model: three actions per layer (keep, recompute, offload to host memory), "
+                             "at the modelled time of --host-bandwidth and --compute-rate (either one implies it)")
+    parser.add_argument("--host-bandwidth", type=float, metavar="B",
+                        help=f"bytes/s of the device-host link, per direction (default {DEFAULT_HOST_BANDWIDTH:.3g}: "
+                             f"PCIe Gen5 x16, theoretical)")
+    parser.add_argument("--compute-rate", type=float, metavar="R",
+                        help=f"FLOP/s of the device (default {DEFAULT_COMPUTE_RATE:.3g}: an H200's dense BF16 "
+                             f"Tensor Core rate, NVIDIA's datasheet)")
     add_shape_args(parser)
     add_run_args(parser)
 
@@ -44,6 +56,8 @@ def run(args):
         return run_benchmark(args)
     if args.budget is None:
         raise ValueError("--budget is required with --chain model: give a size such as --budget 24MiB")
+    if args.offload or args.host_bandwidth is not None or args.compute_rate is not None:
+        return run_offload(args)
     cfg = config_from_args(args)
     budget = parse_size(args.budget)
     text = f"budget:{args.budget}" + ("" if args.op_level == "none" else f"+{args.op_level}")
@@ -91,14 +105,16 @@ def _check_flags(args):
     if args.chain == "uniform":
         mode, ignored = "--chain uniform (counted in slots, not bytes)", {
             "--budget": args.budget is not None, "--measure": args.measure, "--benchmark": args.benchmark,
-            "--op-level": args.op_level != "none"}
+            "--op-level": args.op_level != "none", "--offload": args.offload,
+            "--host-bandwidth": args.host_bandwidth is not None, "--compute-rate": args.compute_rate is not None}
         ignored.update({"--" + name.replace("_", "-"): getattr(args, name, None) is not None for name in (
             "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype", "attention",
             "attention_tile", "loss_chunk", "experts", "experts_per_token", "shared_expert_ffn", "router_jitter")})
     elif args.benchmark:
         mode, ignored = "--benchmark (its budgets are set per chain)", {
             "--budget": args.budget is not None, "--measure": args.measure, "--op-level": args.op_level != "none",
-            "--length": args.length is not None, "--slots": args.slots is not None}
+            "--length": args.length is not None, "--slots": args.slots is not None, "--offload": args.offload,
+            "--host-bandwidth": args.host_bandwidth is not None, "--compute-rate": args.compute_rate is not None}
     else:
         mode, ignored = "--chain model (sized by the shape flags and --budget)", {
             "--length": args.length is not None, "--slots": args.slots is not None}
@@ -109,6 +125,66 @@ def _check_flags(args):
         raise ValueError(f"{', '.join(given)}: not used by {mode}; leave {'it' if len(given) == 1 else 'them'} out "
                          f"(--length/--slots belong to --chain uniform, --budget/--measure/--op-level and the "
                          f"shape flags to --chain model, --device/--seed to --measure)")
+
+
+def run_offload(args):
+    """--offload: the three-action plan, each layer's action and why, beside the two-action plan."""
+    cfg = config_from_args(args)
+    bandwidth = DEFAULT_HOST_BANDWIDTH if args.host_bandwidth is None else args.host_bandwidth
+    rate = DEFAULT_COMPUTE_RATE if args.compute_rate is None else args.compute_rate
+    for flag, value in (("--host-bandwidth", bandwidth), ("--compute-rate", rate)):
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{flag}={value:g}: give a positive number (bytes/s for the link, FLOP/s for the device), "
+                             f"e.g. --host-bandwidth 63e9 --compute-rate 989e12")
+    check_rates(bandwidth, rate)
+    budget = parse_size(args.budget)
+    drop = OP_LEVEL.get(args.op_level, frozenset())
+    text = f"budget:{args.budget}" + ("" if args.op_level == "none" else f"+{args.op_level}") + "+offload"
+    policy = parse_policy(text, cfg)
+    plan = plan_offload(cfg, args.batch, args.seq, budget, drop, bandwidth, rate)
+    chain = model_chain(cfg, args.batch, args.seq, drop)
+    rows = actions(plan, chain)
+    two = plan.two_action_walk
+    result = {"policy": text, "budget_bytes": budget, "host_bandwidth": bandwidth, "compute_rate": rate,
+              "peak_bytes": plan.peak_bytes, "host_peak_bytes": plan.walk.host_peak,
+              "copy_bytes": {"to_host": plan.walk.to_host, "to_device": plan.walk.to_device},
+              "recompute_flops": plan.recompute_flops, "modelled_seconds": plan.walk.seconds,
+              "modelled_compute_seconds": plan.walk.compute_seconds,
+              "modelled_exposed_copy_seconds": plan.walk.exposed_seconds,
+              "two_action": None if two is None else {"peak_bytes": two.device_peak, "modelled_seconds": two.seconds,
+                                                      "recompute_flops": two.recompute_flops},
+              "layers": [{"layer": k, "action": action, "why": why,
+                          "host_bytes": plan.walk.layers[k]["host"]} for k, (action, why) in enumerate(rows)],
+              "forward": list(plan.schedule.forward),
+              "host": [sorted(names) for names in plan.schedule.host or ()]}
+    if args.measure:
+        result.update(measure(cfg, args, policy, plan.schedule))
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    print(f"plan for {text}: keep, recompute or offload, at {bandwidth / 1e9:.3g} GB/s to the host and "
+          f"{rate / 1e12:.4g} TFLOP/s (times modelled, not measured); L={cfg.layers} h={cfg.hidden} {cfg.dtype}, "
+          f"batch {args.batch} x {args.seq} tokens")
+    lines = [("budget", fmt_bytes(budget), f"{budget:,} bytes"),
+             ("device peak of the store", fmt_bytes(plan.peak_bytes), f"{plan.peak_bytes:,} bytes"),
+             ("host peak", fmt_bytes(plan.walk.host_peak), f"{plan.walk.host_peak:,} bytes"),
+             ("copied to the host / back", fmt_bytes(plan.walk.to_host), f"/ {fmt_bytes(plan.walk.to_device)}"),
+             ("recompute", fmt_flops(plan.recompute_flops), ""),
+             ("modelled step time", f"{plan.walk.seconds * 1e3:.4g} ms",
+              f"compute {plan.walk.compute_seconds * 1e3:.4g} ms + exposed copies "
+              f"{plan.walk.exposed_seconds * 1e3:.4g} ms"),
+             ("two-action plan (keep/recompute)", "-" if two is None else f"{two.seconds * 1e3:.4g} ms",
+              "no plan fits" if two is None else f"device peak {fmt_bytes(two.device_peak)}")]
+    if args.measure:
+        lines += [("measured device peak", fmt_bytes(result["measured_peak_bytes"]),
+                   "equal" if result["measured_peak_bytes"] == plan.peak_bytes else "DIFFERS"),
+                  ("measured host peak", fmt_bytes(result["measured_host_peak_bytes"]),
+                   "equal" if result["measured_host_peak_bytes"] == plan.walk.host_peak else "DIFFERS")]
+    for name, value, note in lines:
+        print(f"  {name:<34}{value:>14}  {note}")
+    print()
+    for k, (action, why) in enumerate(rows):
+        print(f"  layer {k:<3}{action:<34}{why}")
 
 
 def schedule_table(plan):
@@ -133,10 +209,11 @@ def runs(modes):
     return ", ".join(f"{a}-{b} {mode}" if b > a else f"{a} {mode}" for a, b, mode in groups)
 
 
-def measure(cfg, args, policy):
+def measure(cfg, args, policy, schedule=None):
+    """One tracked step of the plan: the policy's, or (schedule) the one planned at the flags' rates."""
     import torch
 
-    from ..engine import loss_and_grads
+    from ..engine import Model, Step, loss_and_grads
     from ..measure import make_batch
     from ..params import init_params
     from ..tracker import Tracker
@@ -146,10 +223,15 @@ def measure(cfg, args, policy):
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
     torch.manual_seed(args.seed)
-    with Tracker(device) as tracker:
-        loss_and_grads(params, cfg, input_ids, targets, policy, tracker=tracker)
+    with Tracker(device) as tracker, torch.no_grad():
+        if schedule is None:
+            loss_and_grads(params, cfg, input_ids, targets, policy, tracker=tracker)
+        else:
+            step = Step(Model(params, cfg, input_ids, targets), schedule, policy.drop, tracker)
+            step.forward()
+            step.backward()
     return {"measured_peak_bytes": tracker.peak_logical, "measured_recompute_flops": tracker.flops["recompute"],
-            "measured_peak_live_bytes": tracker.peak_physical}
+            "measured_peak_live_bytes": tracker.peak_physical, "measured_host_peak_bytes": tracker.peak_host}
 
 
 def run_uniform(args):

@@ -52,30 +52,32 @@ def check_fused(device, dtype):
                          f"{str(dtype).replace('torch.', '')}: use --dtype bf16, or attention='tiled' or 'eager'")
 
 
-def fused_attention_forward(q, k, v):
-    """q (B, H, T, hd), k/v (B, KV, T, hd) -> out (B, H, T, hd), lse (B, H, T)."""
+def fused_attention_forward(q, k, v, causal=True):
+    """q (B, H, T, hd), k/v (B, KV, T, hd) -> out (B, H, T, hd), lse (B, H, T). causal=False: no mask,
+    every row sees all Tk keys of k/v (B, KV, Tk, hd), keys that all come before the queries (context
+    parallelism's blocks of earlier tokens, picockpt/parallel/context_parallel/cp_attention.py)."""
     check_fused(q.device, q.dtype)
     if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)  # out, lse
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)  # out, lse
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, T, hd) each, transient
-    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)  # (B, H, T, hd), (B, H, T)
+    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)  # (B, H, T, hd), (B, H, T)
     return out, lse
 
 
-def fused_attention_backward(dout, q, k, v, out, lse):
+def fused_attention_backward(dout, q, k, v, out, lse, causal=True):
     """The kernel's own backward: recomputes P = exp(q k^T / sqrt(hd) - lse) tile by tile, then
     dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)), dq = dS k / sqrt(hd), dk = dS^T q / sqrt(hd)."""
     if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
     B, H, T, hd = q.shape
-    KV = k.shape[1]
+    KV, Tk = k.shape[1], k.shape[2]
     G = H // KV
-    k_all, v_all = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, T, hd) each
+    k_all, v_all = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, Tk, hd) each
     seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # unread: dropout is 0
     offset = torch.empty((), dtype=torch.uint64, device=q.device)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k_all, v_all, out, lse, None, None, T, T, 0.0, True, seed, offset)  # (B, H, T, hd) each
-    dk = dk.view(B, KV, G, T, hd).sum(2)  # (B, KV, T, hd) the G query heads of a group share k
-    dv = dv.view(B, KV, G, T, hd).sum(2)  # (B, KV, T, hd)
+        dout, q, k_all, v_all, out, lse, None, None, T, Tk, 0.0, causal, seed, offset)  # dq (B, H, T, hd), dk, dv Tk
+    dk = dk.view(B, KV, G, Tk, hd).sum(2)  # (B, KV, Tk, hd) the G query heads of a group share k
+    dv = dv.view(B, KV, G, Tk, hd).sum(2)  # (B, KV, Tk, hd)
     return dq, dk, dv

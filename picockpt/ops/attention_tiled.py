@@ -26,15 +26,18 @@ import contextlib
 import torch
 
 
-def tile_pairs(T, tile_q, tile_k):
+def tile_pairs(T, tile_q, tile_k, causal=True, keys=None):
     """The (query tile, key tile) pairs causal attention computes, in forward order:
     [(i, i0, i1, j, j0, j1)], rows i0..i1-1 against keys j0..j1-1, every key tile that starts at or
-    before the tile's last query row (a key tile entirely above the diagonal is skipped)."""
+    before the tile's last query row (a key tile entirely above the diagonal is skipped).
+    causal=False: every tile of `keys` key rows (default T), for keys that all come before the queries
+    (context parallelism's blocks of earlier tokens, picockpt/parallel/context_parallel/cp_attention.py)."""
+    keys = T if keys is None else keys
     pairs = []
     for i, i0 in enumerate(range(0, T, tile_q)):
         i1 = min(i0 + tile_q, T)
-        for j, j0 in enumerate(range(0, i1, tile_k)):
-            pairs.append((i, i0, i1, j, j0, min(j0 + tile_k, T)))
+        for j, j0 in enumerate(range(0, i1 if causal else keys, tile_k)):
+            pairs.append((i, i0, i1, j, j0, min(j0 + tile_k, keys)))
     return pairs
 
 
@@ -65,10 +68,11 @@ def draw_seed(device):
     return torch.randint(0, 2**31, (), device=device)  # () int64: the only "mask" stored
 
 
-def tiled_attention_forward(q, k, v, stat_dtype, tile_q=128, tile_k=128, p=0.0, seed=None):
-    """q (B, H, T, hd), k/v (B, KV, T, hd) -> out (B, H, T, hd), lse (B, H, T) in stat_dtype."""
+def tiled_attention_forward(q, k, v, stat_dtype, tile_q=128, tile_k=128, p=0.0, seed=None, causal=True):
+    """q (B, H, T, hd), k/v (B, KV, T, hd) -> out (B, H, T, hd), lse (B, H, T) in stat_dtype.
+    causal=False: no mask, every row sees all Tk keys of k/v (B, KV, Tk, hd) (see tile_pairs)."""
     B, H, T, hd = q.shape
-    KV = k.shape[1]
+    KV, Tk = k.shape[1], k.shape[2]
     G = H // KV
     qg = q.view(B, KV, G, T, hd)  # (B, KV, G, T, hd) the heads of a group side by side
     out = torch.empty_like(qg)  # (B, KV, G, T, hd)
@@ -82,10 +86,10 @@ def tiled_attention_forward(q, k, v, stat_dtype, tile_q=128, tile_k=128, p=0.0, 
         m = torch.full(q_i.shape[:-1], float("-inf"), dtype=stat_dtype, device=q.device)  # (B, KV, G*t) row max
         l = torch.zeros_like(m)  # (B, KV, G*t) row sum of exp(S - m)
         acc = torch.zeros(q_i.shape, dtype=stat_dtype, device=q.device)  # (B, KV, G*t, hd) sum of exp(S - m) v
-        for j0 in range(0, i1, tile_k):  # ... against every key tile that starts at or before its last row
-            j1 = min(j0 + tile_k, T)
+        for j0 in range(0, i1 if causal else Tk, tile_k):  # ... against every key tile at or before its last row
+            j1 = min(j0 + tile_k, Tk)
             scores = (q_i @ k[:, :, j0:j1].transpose(-1, -2)) * scale  # (B, KV, G*t, u) as eager: matmul dtype
-            scores = _causal(scores.to(stat_dtype), i0, i1, j0, j1, G)  # (B, KV, G*t, u)
+            scores = _causal(scores.to(stat_dtype), i0, i1, j0, j1, G) if causal else scores.to(stat_dtype)
             m_new = torch.maximum(m, scores.amax(-1))  # (B, KV, G*t) finite: key 0 is in every row's first tile
             probs = torch.exp(scores - m_new[..., None])  # (B, KV, G*t, u) unnormalised, against the new max
             del scores
@@ -105,7 +109,7 @@ def tiled_attention_forward(q, k, v, stat_dtype, tile_q=128, tile_k=128, p=0.0, 
 
 
 def tiled_attention_backward(dout, q, k, v, out, lse, stat_dtype, tile_q=128, tile_k=128, p=0.0, seed=None,
-                             recomputing=contextlib.nullcontext):
+                             recomputing=contextlib.nullcontext, causal=True):
     """Gradients of O = dropout(P) V, P = softmax(S), S = q k^T / sqrt(hd), one tile pair at a time.
 
     Per tile pair (rows i, keys j), with P_ij recomputed from S_ij and lse_i:
@@ -115,7 +119,7 @@ def tiled_attention_backward(dout, q, k, v, out, lse, stat_dtype, tile_q=128, ti
         dQ_i += dS_ij K_j / sqrt(hd),   dK_j += dS_ij^T Q_i / sqrt(hd)
     Sums over the G heads of a group happen inside the matmuls (they are rows of one matrix).
     `recomputing()` is a context manager around the rebuild of each tile (the tracker's
-    "recompute" phase), so the FLOPs of the extra q k^T are counted apart.
+    "recompute" phase), so the FLOPs of the extra q k^T are counted apart. causal: as the forward's.
     """
     B, H, T, hd = q.shape
     KV = k.shape[1]
@@ -129,12 +133,12 @@ def tiled_attention_backward(dout, q, k, v, out, lse, stat_dtype, tile_q=128, ti
     dq = torch.zeros(qg.shape, dtype=stat_dtype, device=q.device)  # (B, KV, G, T, hd)
     dk = torch.zeros(k.shape, dtype=stat_dtype, device=q.device)  # (B, KV, T, hd)
     dv = torch.zeros(v.shape, dtype=stat_dtype, device=q.device)  # (B, KV, T, hd)
-    pairs = list(enumerate(tile_pairs(T, tile_q, tile_k)))
+    pairs = list(enumerate(tile_pairs(T, tile_q, tile_k, causal, k.shape[2])))
     for index, (i, i0, i1, j, j0, j1) in sorted(pairs, key=lambda pair: pair[1][3]):  # key tiles outer (FA-2)
         q_i, do_i = _rows(qg, i0, i1), _rows(dog, i0, i1)  # (B, KV, G*t, hd) each
         with recomputing():  # S and P of this tile again, from q, k and lse: the recomputation
             scores = (q_i @ k[:, :, j0:j1].transpose(-1, -2)) * scale  # (B, KV, G*t, u)
-            scores = _causal(scores.to(stat_dtype), i0, i1, j0, j1, G)  # (B, KV, G*t, u)
+            scores = _causal(scores.to(stat_dtype), i0, i1, j0, j1, G) if causal else scores.to(stat_dtype)
             probs = torch.exp(scores - _rows(lse_g, i0, i1))  # (B, KV, G*t, u) the forward's P, exactly
             del scores
         mask = tile_mask(seed, index, probs.shape, p, q.device) if p > 0 else None  # (B, KV, G*t, u) bool

@@ -17,7 +17,7 @@ from ..policy import parse_policy
 from .expert_parallel.ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes,
                                            ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, received_rows)
 from .expert_parallel.ep_shard import is_expert
-from .job import PHASES
+from .comm import PHASES
 from .pipeline_parallel.pp_inventory import StageForms
 from .pipeline_parallel.pp_schedules import actions, bubble_fraction
 from .rank import stage_param_names

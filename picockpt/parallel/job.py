@@ -21,6 +21,8 @@ from ..batch import check_batch
 from ..engine import device_generator
 from ..params import check_params
 from ..policy import parse_policy
+from .context_parallel.cp_step import check_context_parallel
+from .data_parallel.zero_step import check_zero
 from .expert_parallel.ep_shard import check_expert_parallel
 from .launch import check_rank_count
 from .layout import check_layout
@@ -28,7 +30,6 @@ from .pipeline_parallel.pp_inventory import StageForms
 from .pipeline_parallel.pp_schedules import check_schedule, stage_layers
 from .tensor_parallel.tp_shard import check_tensor_parallel
 
-PHASES = ("forward", "recompute", "backward")  # the phases communication and FLOPs are reported by
 
 
 @dataclass
@@ -51,12 +52,22 @@ class ParallelJob:
     overlap: bool = True           # all-reduce each gradient bucket as soon as it is final
     ep: int = 1                    # expert-parallel ranks, carved out of the data-parallel ones
     keep_dispatched: bool = False  # keep the rows a layer dispatched: a recomputation reads them
+    cp: int = 1                    # context-parallel ranks: every activation split along the sequence
+    cp_layout: str = "zigzag"      # "zigzag" (rank r holds chunks r and 2cp - 1 - r) or "contiguous"
+    cp_comm: str = "ring"          # "ring" (K/V passed round) or "allgather" (K/V gathered once per layer)
+    cp_keep_kv: bool = False       # allgather: keep the other ranks' K/V for the recomputation and backward
+    zero: int = 0                  # ZeRO stage over the dp ranks: 1, 2 or 3 (0: plain data parallelism)
+    keep_gathered: bool = False    # zero=3: a recomputed layer's gathered parameters kept for its backward
+    prefetch: bool = True          # zero=3: the next use's parameters gathered while this one computes
+    steps: int = 0                 # zero: AdamW steps on the shards (0: forward and backward only)
+    lr: float = 3e-3               # zero, steps > 0: AdamW's (picockpt/train.py: make_optimizer)
+    weight_decay: float = 0.0
     measure: bool = True           # live bytes and FLOPs too (slower); False: store bytes and times only
     rng_state: torch.Tensor = None  # the generator state to start from; None: the caller's now
 
     @property
     def world_size(self):
-        return self.dp * self.pp * self.ep * self.tp
+        return self.dp * self.pp * self.ep * self.tp * self.cp
 
 
 # ---- the checks, before any rank starts ------------------------------------------------------------------
@@ -69,13 +80,43 @@ def checked_job(job, device, world_size):
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
         raise ValueError(f"microbatches={M!r}: use a whole number of micro-batches per step, 1 or more")
     check_layout(job.dp, job.pp, job.tp, None, job.ep)  # each a whole number >= 1
-    split = [name for name in ("dp", "pp", "ep", "tp") if getattr(job, name) > 1]
-    check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp", job.world_size, device)  # torchrun, GPUs
-    check_layout(job.dp, job.pp, job.tp, world_size, job.ep)
+    if isinstance(job.cp, bool) or not isinstance(job.cp, int) or job.cp < 1:
+        raise ValueError(f"cp={job.cp!r}: use a whole number of context-parallel ranks, 1 or more")
+    split = [name for name in ("dp", "pp", "ep", "tp", "cp") if getattr(job, name) > 1]
+    check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp x cp", job.world_size, device)  # torchrun
+    if job.cp > 1 and world_size != job.world_size:
+        raise ValueError(f"{world_size} processes for cp={job.cp}: context parallelism takes one process per rank; "
+                         f"run cp={world_size}, or {job.cp} processes")
+    if job.cp == 1:
+        check_layout(job.dp, job.pp, job.tp, world_size, job.ep)
     stage_layers(cfg.layers, job.pp)
     if job.recompute_early and job.pp == 1:
         raise ValueError("recompute_early=True without pp: it recomputes a stage's top segment while the stage "
                          "waits for its gradient; use it with pp >= 2, or leave it out")
+    if job.cp != 1:  # context parallelism runs alone, for now
+        others = [f"{name}={getattr(job, name)}" for name in ("pp", "microbatches", "tp", "dp", "ep", "zero")
+                  if getattr(job, name) not in (0, 1)]
+        if others:
+            raise ValueError(f"cp={job.cp} with {', '.join(others)} is not supported yet: context parallelism runs "
+                             f"on its own here; use cp with no other layout")
+        check_context_parallel(cfg, job.cp, T, job.cp_layout, job.cp_comm, job.cp_keep_kv, job.policy, device)
+        return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
+    if job.cp_keep_kv or job.cp_layout != "zigzag" or job.cp_comm != "ring":
+        raise ValueError("cp_layout, cp_comm or cp_keep_kv without cp: they choose how context-parallel ranks "
+                         "split the sequence and share K/V, and there are none here; add cp >= 2, or leave them out")
+    if job.zero:  # ZeRO runs over data-parallel ranks alone, for now
+        others = [f"{name}={getattr(job, name)}" for name in ("pp", "microbatches", "tp", "ep") if getattr(job, name) != 1]
+        if others:
+            raise ValueError(f"zero={job.zero} with {', '.join(others)} is not supported yet: ZeRO shards the model "
+                             f"state over data-parallel ranks alone here; use dp >= 2 with zero and no other layout")
+        check_zero(job.zero, job.dp, cfg, B, job.keep_gathered, job.prefetch)
+    elif job.steps:
+        raise ValueError(f"steps={job.steps} without zero: AdamW on the shards is ZeRO's; add zero=1, 2 or 3 (and "
+                         f"dp >= 2), or leave steps out")
+    elif job.keep_gathered or not job.prefetch:
+        raise ValueError(f"{'keep_gathered=True' if job.keep_gathered else 'prefetch=False'} without zero: it changes "
+                         f"when ZeRO-3 gathers parameters, and there is none here; add zero=3 (and dp >= 2), or leave "
+                         f"it out")
     if job.keep_dispatched and job.ep == 1:
         raise ValueError("keep_dispatched=True with ep=1: it keeps the rows an expert-parallel layer dispatched to "
                          "other ranks; set ep > 1, or leave keep_dispatched out")
@@ -111,11 +152,12 @@ def checked_job(job, device, world_size):
 def check_flags(job):
     """Counts are numbers, not True (each layout checks its own values), and switches True or False, not
     "no": a ValueError naming the argument, before anything else."""
-    for name in ("tp", "pp", "microbatches", "dp", "ep"):
+    for name in ("tp", "pp", "microbatches", "dp", "ep", "cp", "zero", "steps"):
         if isinstance(getattr(job, name), bool):
             raise ValueError(f"{name}={getattr(job, name)!r}: give a whole number of ranks (micro-batches for "
                              f"microbatches), 1 or more, not True or False")
-    for name in ("sp", "distribute_saved", "recompute_early", "overlap", "keep_dispatched"):
+    for name in ("sp", "distribute_saved", "recompute_early", "overlap", "keep_dispatched", "keep_gathered", "prefetch",
+                 "cp_keep_kv"):
         if not isinstance(getattr(job, name), bool):
             yes, no = (" (keep the dispatched rows)", " (dispatch them again when recomputing)") \
                 if name == "keep_dispatched" else ("", "")
@@ -125,7 +167,7 @@ def check_flags(job):
 def checked_batch(job, device):
     """The job with its policy parsed (canonical text), params and batch checked, and the generator state
     its ranks start from (the caller's now, unless the job names one). ValueError before any rank starts."""
-    policy = parse_policy(job.policy, job.cfg)
+    policy = parse_policy(job.policy, job.cfg).refuse_offload("a parallel layout")
     check_params(job.params, job.cfg)
     input_ids, targets = check_batch(job.cfg, job.input_ids, job.targets, job.params)
     state = job.rng_state if job.rng_state is not None else ranks_generator(device).get_state()

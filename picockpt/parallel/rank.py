@@ -37,9 +37,12 @@ from ..params import EMBED, FINAL_NORM, HEAD, param_shapes
 from ..tracker import Tracker
 from .comm import CommLog
 from .data_parallel.dp_comm import ExpertAndDenseBuckets, GradientBuckets
+from .context_parallel.cp_step import context_step, cp_rank_step
+from .data_parallel.zero_step import zero_rank_step
 from .expert_parallel.ep_model import ExpertParallelModel
 from .expert_parallel.ep_shard import is_expert, shard_experts
-from .job import PHASES, held_bytes, trace_lines
+from .comm import PHASES
+from .job import held_bytes, trace_lines
 from .layout import Layout, build_groups
 from .pipeline_parallel.pp_comm import Pipe
 from .pipeline_parallel.pp_inventory import StageForms
@@ -71,7 +74,8 @@ def first_receive(action, groups):
 
 def rank_steps(comm, jobs, trace=False):
     made = {}  # process groups, per layout, made once per launch
-    return [rank_step(comm, job, made, trace) for job in jobs]
+    return [zero_rank_step(comm, job) if job.zero else cp_rank_step(comm, context_step(job)) if job.cp > 1
+            else rank_step(comm, job, made, trace) for job in jobs]
 
 
 def rank_step(comm, job, made, trace=False):

@@ -29,6 +29,8 @@ import os
 
 from ..params import EMBED, HEAD
 from ..routing import step_routing
+from .context_parallel.cp_step import cp_collected
+from .data_parallel.zero_step import zero_collected
 from .expert_parallel.ep_shard import gather_expert_grads
 from .forms import predicted
 from .job import ParallelJob, checked_job, on_cpu, ranks_generator
@@ -40,7 +42,9 @@ from .tensor_parallel.tp_shard import gather_grads
 
 def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=True, distribute_saved=False,
                    device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False, pp=1, microbatches=1,
-                   schedule="1f1b", dp=1, recompute_early=False, overlap=True, ep=1, keep_dispatched=False):
+                   schedule="1f1b", dp=1, recompute_early=False, overlap=True, ep=1, keep_dispatched=False, zero=0,
+                   keep_gathered=False, prefetch=True, optimizer_step=False, cp=1, cp_layout="zigzag", cp_comm="ring",
+                   cp_keep_kv=False):
     """Mean next-token cross-entropy, the gradient of every parameter (full shapes, params' names) and
     [one report per rank], under `policy` (every policy of picockpt.loss_and_grads; budget:SIZE per rank).
     tp, sp, distribute_saved: tensor parallelism (tp=None: 2 alone, 1 beside another layout), sequence
@@ -48,12 +52,18 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=T
     pp, microbatches, schedule ("afab" | "1f1b"), recompute_early: pipeline stages; dp, overlap: data-
     parallel replicas, all-reducing each layer's gradients as soon as they are final.
     ep, keep_dispatched: expert parallelism, its ranks carved out of the data-parallel ones.
+    zero (1, 2, 3), keep_gathered, prefetch: ZeRO over the dp ranks (data_parallel/zero_step.py);
+    optimizer_step=True: one AdamW step on the shards after the backward (its state and gathers reported).
+    cp, cp_layout ("zigzag" | "contiguous"), cp_comm ("ring" | "allgather"), cp_keep_kv: context parallelism,
+    every activation split along the sequence over cp ranks, K/V passed round a ring or all-gathered.
     device "cpu" (gloo) or "cuda" (NCCL, one GPU per rank); timeout_s bounds every collective;
     trace=True prints each rank's engine trace lines to stderr, prefixed with the rank."""
-    alone = (pp, microbatches, dp, ep) == (1, 1, 1, 1)
+    alone = (pp, microbatches, dp, ep, cp) == (1, 1, 1, 1, 1)
     job = ParallelJob(params, cfg, input_ids, targets, policy, tp=(2 if alone else 1) if tp is None else tp, sp=sp,
                       distribute_saved=distribute_saved, pp=pp, microbatches=microbatches, schedule=schedule,
-                      recompute_early=recompute_early, dp=dp, overlap=overlap, ep=ep, keep_dispatched=keep_dispatched)
+                      recompute_early=recompute_early, dp=dp, overlap=overlap, ep=ep, keep_dispatched=keep_dispatched,
+                      zero=zero, keep_gathered=keep_gathered, prefetch=prefetch, steps=int(optimizer_step), cp=cp,
+                      cp_layout=cp_layout, cp_comm=cp_comm, cp_keep_kv=cp_keep_kv)
     return run_jobs([job], None, device, timeout_s, port, start_method, trace)[0]
 
 
@@ -76,6 +86,10 @@ def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, star
     out, state = [], jobs[-1].rng_state
     for index, (job, routing) in enumerate(zip(jobs, routings)):
         per_rank = [rank_results[index] for rank_results in results]
+        if job.zero or job.cp > 1:  # their own rank steps for now (data_parallel/zero_step.py, context_parallel/)
+            out.append(zero_collected(job, per_rank) if job.zero else cp_collected(job, per_rank))
+            state = per_rank[0]["rng_state"]
+            continue
         last = [r for r in per_rank if r["report"]["stage"] == job.pp - 1 and r["report"]["tp_rank"] == 0]
         loss = last[0]["loss"]
         for r in last[1:]:  # the data- and expert-parallel ranks' shares of the mean

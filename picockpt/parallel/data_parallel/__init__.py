@@ -3,6 +3,13 @@
     dp_comm.py   gradient buckets, all-reduced over the replicas as soon as a layer's are final,
                  overlapping the recomputation and backward below (the one reduction every layout uses;
                  under expert parallelism the experts' over their own replicas)
+    zero_params.py, zero_model.py, zero_optim.py, zero_step.py, zero_inventory.py
+                 ZeRO stages 1/2/3 (Rajbhandari et al. 2020): flat padded shards, parameters gathered around
+                 each use (keep_gathered: a recomputed layer's gather kept for its backward; prefetch), the
+                 sharded AdamW, and the closed forms; read zero_model.py first
+    fsdp_peer.py torch's FSDP2 (fully_shard) beside it, its all-gathers counted
 
-The replicas are the dp dimension of parallel/layout.py's grid; parallel/rank.py runs them.
+The replicas are the dp dimension of parallel/layout.py's grid; parallel/rank.py runs them. ZeRO has its
+own rank step for now (zero_step.py: zero_rank_step over dp ranks alone, reached by parallel.loss_and_grads(
+..., dp=D, zero=S); lesson 15), not yet composed with the other layouts.
 """

@@ -1,0 +1,51 @@
+"""python -m picockpt parallel --cp N: one context-parallel step, measured per rank.
+
+Spawns --cp ranks on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per rank), or runs as one of torchrun's
+processes; rank r holds its chunks of every sequence (zigzag: chunks r and 2N - 1 - r of 2N; contiguous:
+chunk r of N) and its share of every activation (picockpt/parallel/context_parallel/). Prints per rank the
+chunks it holds, its activation store's peak and its closed form, the K/V bytes its ring steps or
+all-gathers moved per phase (with their closed form: under full, the recompute phase repeats the
+forward's, unless --cp-keep-kv keeps the gathered K/V), its attention FLOPs (the causal balance) and its
+FLOPs by phase; then the loss, and the gradients against the single-process engine's.
+
+    python -m picockpt parallel --cp 2 --attention tiled --policy full
+    python -m picockpt parallel --cp 4 --cp-layout contiguous --cp-comm allgather --cp-keep-kv --json
+"""
+from .common import rank_columns, table
+from .parallel_run import measured_step, prepared, printed
+
+
+def run_context(args):
+    """--cp N (--cp-layout, --cp-comm, --cp-keep-kv): the context-parallel step and its report."""
+    cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
+    measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=args.sp, distribute_saved=args.distribute_saved,
+                             pp=args.pp, microbatches=args.microbatches, dp=args.dp, ep=args.ep, cp=args.cp,
+                             cp_layout=args.cp_layout, cp_comm=args.cp_comm, cp_keep_kv=args.cp_keep_kv)
+    if measured is None:
+        return
+    row = {"cp": args.cp, "cp_layout": args.cp_layout, "cp_comm": args.cp_comm, "cp_keep_kv": args.cp_keep_kv,
+           "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "attention": cfg.attention,
+           "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn,
+           "vocab": cfg.vocab, "batch": args.batch, "seq": args.seq}
+    printed(args, row, measured, _print_table)
+
+
+def _print_table(row):
+    kept = ", the gathered K/V kept" if row["cp_keep_kv"] else ""
+    print(f"context parallel cp={row['cp']}, {row['cp_layout']} layout, K/V by {row['cp_comm']}{kept}, policy "
+          f"{row['policy']} on {row['device']}, {row['dtype']}, {row['attention']} attention: L={row['layers']} "
+          f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} V={row['vocab']}, batch {row['batch']} x "
+          f"{row['seq']} tokens")
+    print(table(row["ranks"], rank_columns(("chunks", lambda r: " ".join(map(str, r["chunks"]))),
+                                           ("attention FLOPs", lambda r: f"{r['attention_flops']:,}"))))
+    exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
+                r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]
+                for r in row["ranks"])
+    print(f"stored peaks, K/V bytes per phase and FLOPs equal their closed forms "
+          f"(picockpt/parallel/context_parallel/cp_inventory.py): {'yes' if exact else 'NO'}")
+    attention = [r["attention_flops"] for r in row["ranks"]]
+    print(f"attention FLOPs, busiest rank / mean: {max(attention) * len(attention) / sum(attention):.3f} "
+          f"({row['cp_layout']}); recomputation moves {row['ranks'][0]['comm_bytes']['recompute']:,} B of K/V again "
+          f"per rank")
+    print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
+          f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")

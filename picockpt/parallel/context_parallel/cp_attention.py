@@ -1,0 +1,155 @@
+"""Causal attention over tokens that live on several ranks: blocks merged by their log-sum-exp.
+
+A rank's queries are its chunks (cp_layout.py); the keys and values come in blocks of chunks: its own,
+then each other rank's as the ring brings it (ring attention, Liu et al. 2023), or all of them at once
+after an all-gather (the Llama 3 paper's choice). A query chunk against a chunk of keys is
+
+    the same chunk      causal: the single process's kernel on c x c  (tiled or fused, FlashAttention)
+    an earlier chunk    whole: every key before every query, no mask  (the kernel with causal=False)
+    a later chunk       nothing: skipped
+
+and each block's kernel returns its normalised output O_b and its rows' log-sum-exp lse_b, the online
+softmax's state (FlashAttention-2: the same merge its tiles make inside the kernel):
+
+    lse = log(exp(lse_a) + exp(lse_b))                   = logaddexp(lse_a, lse_b)
+    O   = exp(lse_a - lse) O_a + exp(lse_b - lse) O_b    (each block's softmax, re-weighted to the union's)
+
+What is stored is the single process's, on this rank's n tokens: q, k, v, the merged output (as
+attn.context) and the merged lse (B, H, n). The backward needs no per-block statistic: with the merged
+O and lse, each block's kernel backward recomputes its P_b = exp(S_b - lse), exactly the whole softmax's
+columns for those keys, and D = rowsum(dO * O) is the whole row's; so
+
+    dq += dS_b k_b / sqrt(hd),   dk_b += dS_b^T q / sqrt(hd),   dv_b += P_b^T dO      block by block,
+
+dq summed here, dk_b and dv_b summed where the block's owner gets them (the ring carries them home,
+the all-gather's reduce-scatter sums them). Sums run in the statistics dtype, as the tiled kernel's.
+"""
+import torch
+
+from ...ops.attention_fused import fused_attention_backward, fused_attention_forward
+from ...ops.attention_tiled import tiled_attention_backward, tiled_attention_forward
+from .cp_comm import ring_backward, ring_forward
+
+
+def blocks(chunk, held, c):
+    """[(start, end, causal)]: the rows of a block of keys (its chunks `held`, in its order, c rows each)
+    that query chunk `chunk` reads: its own chunk causally, the earlier ones whole (neighbours as one)."""
+    out = []
+    for slot, j in enumerate(held):
+        if j == chunk:
+            out.append((slot * c, (slot + 1) * c, True))
+        elif j < chunk:
+            if out and not out[-1][2] and out[-1][1] == slot * c:  # follows an earlier chunk: one block
+                out[-1] = (out[-1][0], (slot + 1) * c, False)
+            else:
+                out.append((slot * c, (slot + 1) * c, False))
+    return out
+
+
+def block_forward(q, k, v, cfg, causal):
+    """q (B, H, c, hd), k/v (B, KV, m, hd) -> O_b (B, H, c, hd), lse_b (B, H, c): one block's kernel."""
+    if cfg.attention == "tiled":
+        tile = cfg.attention_tile
+        return tiled_attention_forward(q, k, v, cfg.stat_dtype, tile, tile, causal=causal)
+    return fused_attention_forward(q, k, v, causal)
+
+
+def block_backward(dout, q, k, v, out, lse, cfg, causal, recomputing):
+    """The block's kernel backward, with the merged O and lse: -> dq (B, H, c, hd), dk, dv (B, KV, m, hd)."""
+    if cfg.attention == "tiled":
+        tile = cfg.attention_tile
+        return tiled_attention_backward(dout, q, k, v, out, lse, cfg.stat_dtype, tile, tile,
+                                        recomputing=recomputing, causal=causal)
+    return fused_attention_backward(dout, q, k, v, out, lse, causal)
+
+
+def merge(state, part):
+    """(O_a, lse_a) and (O_b, lse_b) -> the online softmax over both blocks' keys (the formula above)."""
+    out_a, lse_a = state  # (B, H, c, hd), (B, H, c) in the statistics dtype
+    out_b, lse_b = part
+    lse = torch.logaddexp(lse_a, lse_b)  # (B, H, c) finite: every row sees its own chunk's first key
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
+
+
+def _rows(x, a, c):
+    return x[:, :, a * c:(a + 1) * c].contiguous()  # (B, H, c, ...) local query chunk a (a copy)
+
+
+def attend_forward(q, kv, held, mine, c, cfg, state):
+    """Every local query chunk (`mine`) against the block kv (2, B, KV, m, hd) of chunks `held`: merged
+    into state[a], (O, lse) of query chunk a so far (None before its first block)."""
+    stat = cfg.stat_dtype
+    for a, chunk in enumerate(mine):
+        q_a = _rows(q, a, c)  # (B, H, c, hd)
+        for start, end, causal in blocks(chunk, held, c):
+            out, lse = block_forward(q_a, kv[0, :, :, start:end], kv[1, :, :, start:end], cfg, causal)
+            part = (out.to(stat), lse.to(stat))  # (B, H, c, hd), (B, H, c)
+            state[a] = part if state[a] is None else merge(state[a], part)
+
+
+def attend_backward(dout, q, out, lse, kv, held, mine, c, cfg, recomputing, dq, dkv):
+    """The backward of attend_forward: adds each block's gradients into dq (B, H, n, hd) and dkv
+    (2, B, KV, m, hd), both in the statistics dtype."""
+    for a, chunk in enumerate(mine):
+        rows = slice(a * c, (a + 1) * c)
+        do_a, q_a, out_a, lse_a = _rows(dout, a, c), _rows(q, a, c), _rows(out, a, c), _rows(lse, a, c)
+        for start, end, causal in blocks(chunk, held, c):
+            dq_a, dk, dv = block_backward(do_a, q_a, kv[0, :, :, start:end], kv[1, :, :, start:end], out_a, lse_a,
+                                          cfg, causal, recomputing)  # (B, H, c, hd), (B, KV, m, hd) x2
+            dq[:, :, rows] += dq_a
+            dkv[0, :, :, start:end] += dk
+            dkv[1, :, :, start:end] += dv
+
+
+def _finish(state, dtype):
+    out = torch.cat([o for o, _ in state], dim=2).to(dtype)  # (B, H, n, hd) the local chunks in order
+    return out, torch.cat([lse for _, lse in state], dim=2)  # (B, H, n)
+
+
+# ---- ring attention: cp steps, the K/V block moving on after each ----------------------------------
+def ring_attention_forward(q, k, v, cfg, layout, comm):
+    """q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens -> out (B, H, n, hd), lse (B, H, n).
+    At step s the block of rank r - s is here; cp - 1 ring steps move the blocks."""
+    W, r, mine = comm.world_size, comm.rank, layout.chunks(comm.rank)
+    state = [None] * len(mine)
+    kv = torch.stack((k, v))  # (2, B, KV, n, hd) one message per step
+    for step in range(W):
+        attend_forward(q, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg, state)
+        if step < W - 1:
+            kv = ring_forward(kv, comm)  # (2, B, KV, n, hd) rank r - step - 1's
+    return _finish(state, q.dtype)
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, cfg, layout, comm, recomputing):
+    """The ring again: each step's block gives dq here and its dk, dv, which ride on with it and reach
+    their owner after the cp-th hop (cp_comm.py). -> dq (B, H, n, hd), dk, dv (B, KV, n, hd)."""
+    W, r, mine, stat = comm.world_size, comm.rank, layout.chunks(comm.rank), cfg.stat_dtype
+    dq = torch.zeros(q.shape, dtype=stat, device=q.device)  # (B, H, n, hd)
+    kv = torch.stack((k, v))  # (2, B, KV, n, hd)
+    dkv = torch.zeros(kv.shape, dtype=stat, device=q.device)  # (2, B, KV, n, hd) the block's gradient so far
+    for step in range(W):
+        attend_backward(dout, q, out, lse, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg,
+                        recomputing, dq, dkv)
+        if step < W - 1:
+            kv, dkv = ring_backward(kv, dkv, comm)  # the next block, and its gradient from the ranks before
+    dkv = ring_backward(None, dkv, comm)  # (2, B, KV, n, hd) home: this rank's own block's whole gradient
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+# ---- all-gather attention: every rank's K/V at once ------------------------------------------------
+def gathered_attention_forward(q, kv_all, cfg, layout, rank):
+    """q (B, H, n, hd), kv_all (2, B, KV, T, hd) every rank's rows in rank order -> out, lse."""
+    mine = layout.chunks(rank)
+    state = [None] * len(mine)
+    attend_forward(q, kv_all, layout.gathered(), mine, layout.chunk, cfg, state)
+    return _finish(state, q.dtype)
+
+
+def gathered_attention_backward(dout, q, out, lse, kv_all, cfg, layout, rank, recomputing):
+    """-> dq (B, H, n, hd) in q's dtype, dkv_all (2, B, KV, T, hd) this rank's partial gradient, statistics dtype."""
+    stat = cfg.stat_dtype
+    dq = torch.zeros(q.shape, dtype=stat, device=q.device)  # (B, H, n, hd)
+    dkv_all = torch.zeros(kv_all.shape, dtype=stat, device=q.device)  # (2, B, KV, T, hd)
+    attend_backward(dout, q, out, lse, kv_all, layout.gathered(), layout.chunks(rank), layout.chunk, cfg,
+                    recomputing, dq, dkv_all)
+    return dq.to(q.dtype), dkv_all

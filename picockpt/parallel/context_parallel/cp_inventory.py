@@ -1,0 +1,132 @@
+"""Closed forms per context-parallel rank: the bytes it stores, the bytes it moves, the FLOPs it computes.
+
+The same exactness as picockpt/inventory.py (the tracker equals these to the byte), for one rank of cp:
+
+    cp_layer_inventory(cfg, B, T, cp, drop, cp_comm, keep_kv)   name -> (shape, dtype, bytes) of one stored layer
+    cp_head_inventory(cfg, B, T, cp, drop)                      the same of the final norm and the logits (or lse)
+    cp_peak_bytes(cfg, B, T, policy, cp, cp_comm, keep_kv)      the rank's activation store's peak in one step
+    cp_comm_bytes(cfg, B, T, policy, cp, cp_comm, keep_kv)      bytes its ring or all-gather moves, per phase
+    gradient_bytes(params)                                      the replicated gradients' all-reduce, after the step
+    rank_attention_flops(cfg, B, T, cp, layout, rank)           one of its attention core's two matmuls, per layer
+    cp_flops(cfg, B, T, policy, cp, layout, rank)               matmul FLOPs per phase
+
+Stored bytes: every tensor a layer or the head keeps under tiled or fused attention is linear in its tokens
+(eager's (T, T) probabilities are refused under cp), and a rank runs the very layer on its n = T/cp tokens:
+its table is picockpt/inventory.py's at n tokens, with one more entry under cp_comm="allgather" with keep_kv,
+
+    attn.kv_others   (2, B, KV, T - n, hd)   activation dtype   kept whatever the layer's mode
+
+so, with X, A, F the bytes of a layer input, a layer stored whole and the head at n tokens, K that entry
+(0 without keep_kv), the forms of inventory.py with segments_peak's `always`:
+
+    none / op level      L (A + K) + F
+    every:C (full: C=1)  max(n_seg X + L K + F,  max_k (k X + s_k K + n_k (A + K)))   s_k: layers below segment k
+
+Communication per rank and layer, with KV = 2 B KV n hd e the bytes of this rank's K/V block (activation
+dtype) and G = 2 B KV n hd s those of its gradient (statistics dtype), counted as cp_comm.py books them:
+
+                    forward       backward                       recompute (each layer a sweep recomputes)
+    ring            (cp-1) KV     (cp-1) KV + cp G               (cp-1) KV
+    allgather       cp KV         cp KV + cp G                   cp KV
+    + keep_kv       cp KV         cp G                           0
+The embedding, the norms, the MLP and the head move nothing: they work token by token. After the step the
+replicated weights' gradients are all-reduced once (gradient_bytes, booked "outside" the three phases).
+
+FLOPs: a rank's projections, MLP and head are the single process's on n tokens (inventory.layer_flops at
+n); its attention is a sum of blocks (cp_attention.py): for each of its chunks j (c tokens), its own chunk
+causally (the kernel's count on c tokens: tiled skips the tiles above the diagonal, fused counts the whole
+square) and the j c tokens before it whole, 2 B H hd c (j c) per matmul. Zigzag: chunks r and 2cp-1-r have
+r c + (2cp-1-r) c = (2cp-1) c earlier tokens on every rank, so every rank's count is the same. Contiguous
+(c = T/cp): rank r's chunk has r c earlier tokens, so with d the diagonal block's count and e = 2 B H hd c^2
+rank r computes d + r e: rank 0 the diagonal alone, and the busiest rank against the mean
+    max / mean = (d + (cp-1) e) / (d + (cp-1) e / 2)      (-> 2 as cp grows; 3/2 at cp = 2 when d = e/2)
+"""
+from ...closed_forms import attention_matmul_flops, chain_sizes, head_inventory, layer_flops, layer_inventory
+from ...closed_forms import segments_peak
+from ...config import BYTES
+from ...policy import parse_policy
+from .cp_layout import SequenceLayout
+
+KEPT_KV = "attn.kv_others"  # as cp_model.py names it
+
+
+def kept_kv_bytes(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False):
+    """K: the other ranks' K/V rows one layer keeps (allgather with keep_kv; else 0)."""
+    if cp_comm != "allgather" or not keep_kv:
+        return 0
+    return 2 * batch * cfg.kv_heads * (seq - seq // cp) * cfg.head_dim * BYTES[cfg.dtype]
+
+
+def cp_layer_inventory(cfg, batch, seq, cp, drop=frozenset(), cp_comm="ring", keep_kv=False):
+    """What one fully stored layer keeps on one rank (its input included)."""
+    n = seq // cp
+    inventory = layer_inventory(cfg, batch, n, drop)  # the single process's table at this rank's n tokens
+    if kept_kv_bytes(cfg, batch, seq, cp, cp_comm, keep_kv):
+        inventory[KEPT_KV] = ((2, batch, cfg.kv_heads, seq - n, cfg.head_dim), cfg.dtype,
+                              kept_kv_bytes(cfg, batch, seq, cp, cp_comm, keep_kv))
+    return inventory
+
+
+def cp_head_inventory(cfg, batch, seq, cp, drop=frozenset()):
+    return head_inventory(cfg, batch, seq // cp, drop)  # the head on this rank's tokens
+
+
+def cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
+    """The exact peak of one rank's activation store over one step."""
+    policy = parse_policy(policy, cfg)
+    X, A, F = chain_sizes(cfg, batch, seq // cp, policy.drop)
+    K, L = kept_kv_bytes(cfg, batch, seq, cp, cp_comm, keep_kv), cfg.layers
+    if policy.segment is None:
+        return L * (A + K) + F
+    return segments_peak([X] * L, [A + K] * L, F, policy.segment, always=[K] * L)
+
+
+def cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
+    """{"forward", "recompute", "backward"}: bytes one rank's ring or all-gather moves in one step."""
+    policy = parse_policy(policy, cfg)
+    if cp == 1:  # one rank: its own block is all there is
+        return {"forward": 0, "recompute": 0, "backward": 0}
+    act, stat, _ = (BYTES[name] for name in cfg.dtype_names)
+    block = 2 * batch * cfg.kv_heads * (seq // cp) * cfg.head_dim  # elements of one rank's K/V block
+    KV, G, L = block * act, block * stat, cfg.layers
+    if cp_comm == "ring":
+        forward, backward = (cp - 1) * KV, (cp - 1) * KV + cp * G
+    else:
+        forward, backward = cp * KV, (0 if keep_kv else cp * KV) + cp * G
+    again = 0 if cp_comm == "allgather" and keep_kv else forward  # a recomputed layer's forward communication
+    schedule = policy.schedule(cfg, batch, seq // cp)
+    recomputed = sum(last - first + 1 for first, last in schedule.sweeps(L))  # the engine's walk
+    return {"forward": L * forward, "recompute": recomputed * again, "backward": L * backward}
+
+
+def gradient_bytes(params):
+    """The all-reduce of every gradient after the step (one matrix once when the embeddings are tied)."""
+    unique = {tensor.data_ptr(): tensor.nbytes for tensor in params.values()}
+    return sum(unique.values())
+
+
+def rank_attention_flops(cfg, batch, seq, cp, layout, rank):
+    """FLOPs of one of a layer's two attention matmuls (q k^T, or P v) on one rank: its blocks, summed."""
+    layout = SequenceLayout(layout, cp, seq)
+    c = layout.chunk
+    diagonal = attention_matmul_flops(cfg, batch, c)  # its own chunk, causal: the kernel's count on c tokens
+    earlier = 2 * batch * cfg.heads * cfg.head_dim * c  # per earlier token, every row of the chunk
+    return sum(diagonal + earlier * j * c for j in layout.chunks(rank))
+
+
+def cp_flops(cfg, batch, seq, policy, cp, layout, rank):
+    """{"forward", "recompute", "backward"}: one rank's matmul FLOPs (what FlopCounterMode counts)."""
+    policy = parse_policy(policy, cfg)
+    n = seq // cp
+    parts = layer_flops(cfg, batch, n)
+    core = rank_attention_flops(cfg, batch, seq, cp, layout, rank)
+    layer = parts["qkvo"] + parts["mlp"] + 2 * core  # q k^T and P v
+    head = 2 * batch * n * cfg.hidden * cfg.vocab
+    forward = cfg.layers * layer + head
+    backward = 2 * forward + (cfg.layers * core if cfg.attention == "fused" else 0)  # fused: the recomputed q k^T
+    sweeps = policy.schedule(cfg, batch, n).sweeps(cfg.layers)
+    recompute = sum(last - first + 1 for first, last in sweeps) * layer
+    recompute += cfg.layers * core if cfg.attention == "tiled" else 0  # the tiles' q k^T, rebuilt in the backward
+    recompute += head if cfg.loss_chunk else 0  # a chunked head's logits, rebuilt
+    return {"forward": forward, "recompute": recompute, "backward": backward}
+

@@ -1,0 +1,70 @@
+"""Which tokens of every sequence a context-parallel rank holds, and where they sit in the sequence.
+
+The sequence of T tokens is cut into equal chunks of c tokens; rank r holds
+
+    zigzag       2cp chunks (c = T/(2cp)): chunks r and 2cp-1-r, one from the front, one from the back,
+                 as Megatron-LM's get_batch_on_this_cp_rank takes them (index [cp_rank, 2*cp_size -
+                 cp_rank - 1]) and PyTorch's context_parallel shards (_HeadTailLoadBalancer, torchtitan's CP)
+    contiguous   cp chunks (c = T/cp): chunk r alone
+
+Under causal attention a query sees the keys at or before it, so with the contiguous layout rank cp-1's
+tokens see the whole sequence and rank 0's only the first chunk; the zigzag pairs a cheap chunk with an
+expensive one, and every rank does the same work (cp_inventory.py: rank_attention_flops).
+
+Rank r's n = T/cp tokens are its chunks one after another (local rows), each chunk in sequence order.
+Their global positions feed RoPE (the rows of the single process's rotary tables) and decide, chunk
+against chunk, which block of attention is causal (the same chunk), whole (an earlier one) or skipped.
+"""
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    kind: str  # "zigzag" | "contiguous"
+    cp: int    # ranks
+    seq: int   # T, the whole sequence
+
+    def __post_init__(self):
+        check_layout(self.kind, self.cp, self.seq)
+
+    @property
+    def count(self):  # chunks in the sequence
+        return 2 * self.cp if self.kind == "zigzag" else self.cp
+
+    @property
+    def chunk(self):  # c, tokens per chunk
+        return self.seq // self.count
+
+    def chunks(self, rank):
+        """The chunks rank holds, in its local order."""
+        return [rank, 2 * self.cp - 1 - rank] if self.kind == "zigzag" else [rank]
+
+    def positions(self, rank, device="cpu"):
+        """(n,) the global position of each of rank's local rows."""
+        c = self.chunk
+        return torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in self.chunks(rank)])  # (n,)
+
+    def rows(self, x, rank, dim=1):
+        """x (..., T, ...) along dim -> rank's tokens (..., n, ...), in its local order (a copy)."""
+        return x.index_select(dim, self.positions(rank, x.device))
+
+    def gathered(self):
+        """The chunks of an all-gather of every rank's rows, in its order: rank 0's, rank 1's, ..."""
+        return [j for rank in range(self.cp) for j in self.chunks(rank)]
+
+
+def check_layout(kind, cp, seq):
+    """ValueError naming the parameter, the value and what would work."""
+    if kind not in LAYOUTS:
+        raise ValueError(f"layout={kind!r}: use one of {', '.join(LAYOUTS)} (zigzag balances causal attention)")
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp={cp!r}: give a whole number of ranks, 1 or more")
+    parts = 2 * cp if kind == "zigzag" else cp
+    if seq % parts:
+        raise ValueError(f"seq={seq} with cp={cp} and layout={kind!r}: the sequence is cut into {parts} equal chunks"
+                         f"{' (2 x cp: a front and a back chunk per rank)' if kind == 'zigzag' else ''}; use a "
+                         f"length that is a multiple of {parts} (e.g. {(seq // parts + 1) * parts})")

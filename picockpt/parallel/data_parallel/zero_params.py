@@ -1,0 +1,96 @@
+"""How ZeRO shards a model over N_d data-parallel ranks: flat units, padded, cut into N_d equal shards.
+
+A unit is what one all-gather brings back whole, the FSDP unit of PyTorch's FullyShardedDataParallel:
+
+    "embed"      model.embed_tokens.weight
+    0 .. L-1     every weight of decoder layer k (its norms, projections, router and experts)
+    "head"       model.norm.weight and lm_head.weight
+
+A unit's parameters lie side by side in one flat 1-D buffer, in state-dict order, padded with zeros
+to a multiple of N_d, and rank r holds elements r*s .. (r+1)*s - 1 of it (s = padded / N_d): the
+FlatParameter of FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, use_orig_params=False),
+and DeepSpeed ZeRO's flat, padded partitions. (FSDP2, torch.distributed.fsdp.fully_shard, cuts each
+parameter along dim 0 instead, padding dim 0 to a multiple of N_d: the same bytes up to padding.)
+
+    unit = FlatUnit(key, names, shapes, world_size)
+    flat = unit.flatten(tensors, dtype)          # (padded,) the unit's tensors in one buffer, zero-padded
+    unit.views(flat)                             # {name: tensor of its shape}, views into flat
+    unit.shard(flat, rank)                       # (s,) rank's part of it, a view
+    unit.pieces(shard, rank)                     # {name: (n_r,)} the part of each parameter inside the shard
+    whole(pieces_by_rank, shapes)                # the caller's side: every name's pieces, rank after rank
+
+A piece is a name's elements that fall in one rank's shard (empty when none do); a parameter is its
+pieces concatenated in rank order, so reassembling needs only the shapes. Under ZeRO-2 and -3 a
+rank's gradients come back as its pieces under the parameters' names.
+
+The all-gather of a unit (gather_flat) is a counted collective as picockpt/parallel/comm.py counts
+one (the gathered output's bytes), with two differences: it can run asynchronously (a prefetch), and
+it is booked under the phase of the use it serves, not the phase in which it was launched, so a
+prefetch moves no bytes from one phase to another.
+"""
+import torch
+import torch.distributed as dist
+
+from ...params import EMBED, FINAL_NORM, HEAD, param_shapes
+
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch's name
+
+
+class FlatUnit:
+    def __init__(self, key, names, shapes, world_size):
+        self.key, self.names = key, list(names)
+        self.shapes = [torch.Size(shapes[name]) for name in self.names]
+        self.sizes = [shape.numel() for shape in self.shapes]
+        self.numel = sum(self.sizes)  # the unit's parameters, unpadded
+        self.world_size = world_size
+        self.shard_numel = -(-self.numel // world_size)  # s = ceil(numel / N_d)
+        self.padded = self.shard_numel * world_size  # numel rounded up to a multiple of N_d
+
+    def flatten(self, tensors, dtype):
+        """(padded,) the named tensors one after another, then zeros: a new buffer."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=tensors[self.names[0]].device)  # (padded,)
+        for name, part in zip(self.names, flat[:self.numel].split(self.sizes)):
+            part.copy_(tensors[name].reshape(-1))  # (n,)
+        return flat
+
+    def views(self, flat):
+        return {name: part.view(shape)  # (shape) a view into flat
+                for name, shape, part in zip(self.names, self.shapes, flat[:self.numel].split(self.sizes))}
+
+    def shard(self, flat, rank):
+        return flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]  # (s,) a view
+
+    def pieces(self, shard, rank):
+        """{name: 1-D view of shard}: the elements of each parameter that lie in rank's shard."""
+        low, out, start = rank * self.shard_numel, {}, 0
+        for name, size in zip(self.names, self.sizes):
+            first, last = max(start, low), min(start + size, low + self.shard_numel)  # overlap with the shard
+            out[name] = shard[first - low:max(first, last) - low]  # (n_r,) possibly empty
+            start += size
+        return out
+
+
+def flat_units(cfg, world_size):
+    """[FlatUnit] in the order a forward uses them: the embedding, layers 0..L-1, the head."""
+    shapes = param_shapes(cfg)
+    layer_names = [[name for name in shapes if name.startswith(f"model.layers.{k}.")] for k in range(cfg.layers)]
+    units = [FlatUnit("embed", [EMBED], shapes, world_size)]
+    units += [FlatUnit(k, names, shapes, world_size) for k, names in enumerate(layer_names)]
+    units.append(FlatUnit("head", [FINAL_NORM, HEAD], shapes, world_size))
+    return units
+
+
+def whole(pieces_by_rank, shapes):
+    """{name: full tensor} from every rank's {name: piece} (rank order): the caller's reassembly."""
+    return {name: torch.cat([pieces[name] for pieces in pieces_by_rank]).view(shape)
+            for name, shape in shapes.items()}
+
+
+def gather_flat(shard, comm, phase, padded, async_op=False):
+    """(padded,) every rank's shard, one after another: the unit whole on every rank. Counted under
+    `phase` (the phase of the use it serves). async_op=True: returns (work, flat) at once; flat is
+    ready after work.wait()."""
+    flat = shard.new_empty(padded)  # (N_d * s,)
+    work = _gather_into(flat, shard.contiguous(), group=comm.group, async_op=async_op)  # shards in rank order
+    comm.log.record(phase, "all_gather", flat.nbytes)
+    return (work, flat) if async_op else flat

@@ -1,0 +1,285 @@
+"""Context parallelism with recomputation on gloo, against the single-process engine: the loss and gradients
+(fp64 rel <= 1e-10, fp32 rel <= 1e-5) for MHA and GQA, zigzag and contiguous layouts, ring and all-gather
+(with and without the kept K/V), tiled and fused attention; every policy bitwise equal to `none` within a
+layout and variant; every rank's stored peak, communication bytes per phase and FLOPs equal to their closed
+forms (picockpt/parallel/context_parallel/cp_inventory.py); zigzag's attention balanced, contiguous's not.
+
+One launch per world size (cp = 2: the whole matrix; cp = 4: a few steps), every step in turn.
+Relative error of a gradient: max |g - g_single| / max |g_single| over the tensor.
+"""
+import contextlib
+import json
+import multiprocessing
+
+import pytest
+import torch
+
+from picockpt import Config, init_params, loss_and_grads
+from picockpt.measure import make_batch
+from picockpt.parallel import run_ranks
+from picockpt.ops.attention_tiled import tiled_attention_backward, tiled_attention_forward
+from picockpt.parallel.context_parallel.cp_attention import gathered_attention_backward, gathered_attention_forward
+from picockpt.parallel.context_parallel.cp_inventory import kept_kv_bytes, rank_attention_flops
+from picockpt.parallel.context_parallel.cp_layout import SequenceLayout
+from picockpt.parallel.context_parallel.cp_step import ContextStep, check_context_parallel, cp_rank_steps
+
+from processes import no_process_left_behind  # noqa: F401 (a fixture)
+
+START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+BATCH, SEQ = 2, 16
+BASE = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=40, max_seq=64)
+MODELS = {  # name -> Config fields
+    "gqa fp64 tiled": dict(dtype="float64", attention="tiled", attention_tile=4),  # contiguous: 2 tiles a chunk
+    "mha fp64 fused": dict(dtype="float64", attention="fused", kv_heads=4),
+    "gqa fp32 fused chunked tied": dict(dtype="float32", attention="fused", loss_chunk=5, tie_embeddings=True),
+    "mha fp32 tiled ignored": dict(dtype="float32", attention="tiled", kv_heads=4),
+}
+VARIANTS = [("ring", False), ("allgather", False), ("allgather", True)]
+POLICIES = ["every:2", "selective", "cheap"]  # beside none and full, on the first model's ring
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+
+pytestmark = pytest.mark.usefixtures("no_process_left_behind")
+
+
+def model(name):
+    cfg = Config(**{**BASE, **MODELS[name]})
+    params = init_params(cfg, seed=1)
+    input_ids, targets = make_batch(cfg, BATCH, SEQ, "cpu", seed=1)
+    if "ignored" in name:  # unequal shares: the first half of sequence 0 and the end of sequence 1 count nothing
+        targets = targets.clone()
+        targets[0, :8] = -100
+        targets[1, 13:] = -100
+    return cfg, params, input_ids, targets
+
+
+def steps_cp2():
+    """The first model: every policy on the ring, none and full on the kept all-gather, full on the other;
+    the others under full: both layouts (the fp32 models one each) x every variant."""
+    out = []
+    layouts = {"gqa fp32 fused chunked tied": ("zigzag",), "mha fp32 tiled ignored": ("contiguous",)}
+    for first, name in enumerate(MODELS):
+        cfg, params, ids, targets = model(name)
+        for layout in layouts.get(name, ("zigzag", "contiguous")):
+            for comm, keep in VARIANTS:
+                if first:
+                    policies = ["full"]
+                else:
+                    policies = ["none", "full"] + POLICIES if comm == "ring" else ["none", "full"] if keep else ["full"]
+                for policy in policies:
+                    out.append((name, ContextStep(params, cfg, ids, targets, policy, layout, comm, keep)))
+    return out
+
+
+def steps_cp4():
+    out = []
+    for name, layout, comm, keep, policy in [("gqa fp64 tiled", "zigzag", "ring", False, "none"),
+                                             ("gqa fp64 tiled", "zigzag", "ring", False, "full"),
+                                             ("gqa fp64 tiled", "contiguous", "allgather", True, "full"),
+                                             ("gqa fp32 fused chunked tied", "contiguous", "ring", False, "full")]:
+        cfg, params, ids, targets = model(name)
+        out.append((name, ContextStep(params, cfg, ids, targets, policy, layout, comm, keep)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """[(cp, model name, step, per-rank results)] for both world sizes, and the single process's step of each model."""
+    single = {}
+    for name in MODELS:
+        cfg, params, ids, targets = model(name)
+        single[name] = loss_and_grads(params, cfg, ids, targets, "none")
+    out = []
+    for cp, steps in ((2, steps_cp2()), (4, steps_cp4())):
+        results = run_ranks(cp_rank_steps, cp, [step for _, step in steps], start_method=START, timeout_s=120)
+        out += [(cp, name, step, [rank[i] for rank in results]) for i, (name, step) in enumerate(steps)]
+    return single, out
+
+
+def relative(value, reference):
+    return (value.double() - reference.double()).abs().max().item() / reference.double().abs().max().item()
+
+
+def label(cp, name, step):
+    return (cp, name, step.policy, step.layout, step.cp_comm, step.keep_kv)
+
+
+def test_loss_and_gradients_equal_the_single_process(runs):
+    single, out = runs
+    assert {cp for cp, *_ in out} == {2, 4}
+    for cp, name, step, per_rank in out:
+        loss0, grads0 = single[name]
+        tolerance, where = TOLERANCE[step.cfg.dtype], label(cp, name, step)
+        loss = sum(result["loss"] for result in per_rank)  # the ranks' shares of the batch's mean
+        assert abs(loss.item() - loss0.item()) <= tolerance * abs(loss0.item()), where
+        for result in per_rank:
+            grads = result["grads"]
+            assert set(grads) == set(grads0), where
+            for key in grads0:
+                assert grads[key].dtype == grads0[key].dtype, (where, key)
+                assert relative(grads[key], grads0[key]) <= tolerance, (where, key, relative(grads[key], grads0[key]))
+            for key in grads0:  # every rank holds the same, summed gradients
+                assert torch.equal(grads[key], per_rank[0]["grads"][key]), (where, key)
+
+
+def test_every_policy_is_bitwise_equal_to_none_within_a_layout(runs):
+    _, out = runs
+    none = {(cp, name, step.layout, step.cp_comm, step.keep_kv): per_rank
+            for cp, name, step, per_rank in out if step.policy == "none"}
+    compared = 0
+    for cp, name, step, per_rank in out:
+        base = none.get((cp, name, step.layout, step.cp_comm, step.keep_kv))
+        if base is None or step.policy == "none":
+            continue
+        compared += 1
+        for result, reference in zip(per_rank, base):
+            assert torch.equal(result["loss"], reference["loss"]), label(cp, name, step)
+            for key, grad in reference["grads"].items():
+                assert torch.equal(result["grads"][key], grad), (label(cp, name, step), key)
+    assert compared == 2 * (1 + len(POLICIES) + 1) + 1  # cp = 2: both layouts; cp = 4: full on the ring
+
+
+def test_every_rank_stores_moves_and_computes_its_closed_form(runs):
+    _, out = runs
+    for cp, name, step, per_rank in out:
+        assert [result["report"]["rank"] for result in per_rank] == list(range(cp))
+        for result in per_rank:
+            r, where = result["report"], label(cp, name, step) + (result["report"]["rank"],)
+            assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
+            assert r["comm_bytes"] == r["predicted_comm_bytes"], where
+            assert r["gradient_bytes"] == r["predicted_gradient_bytes"] > 0, where
+            assert r["flops"] == r["predicted_flops"], where
+            assert r["peak_live_bytes"] >= r["peak_activation_bytes"], where
+
+
+def test_full_recomputation_repeats_the_forwards_communication(runs):
+    _, out = runs
+    by = {label(cp, name, step): per_rank[0]["report"] for cp, name, step, per_rank in out}
+    for (cp, name, policy, layout, comm, keep), r in by.items():
+        if policy in ("none", "selective", "cheap"):  # nothing is recomputed across the ranks
+            assert r["comm_bytes"]["recompute"] == 0, (cp, name, policy, layout, comm, keep)
+        if policy == "full":
+            expected = 0 if keep else r["comm_bytes"]["forward"]  # the kept K/V: nothing gathered again
+            assert r["comm_bytes"]["recompute"] == expected > 0 or keep, (cp, name, layout, comm, keep)
+            assert r["comm_bytes"]["forward"] > 0
+    for cp, name, step, per_rank in out:  # the kept K/V show in the stored peak: (cp-1)/cp of the K/V per layer
+        plain = by.get(label(cp, name, step)[:5] + (False,))
+        if step.keep_kv and plain is not None:
+            r, cfg = per_rank[0]["report"], step.cfg
+            kept = kept_kv_bytes(cfg, BATCH, SEQ, cp, "allgather", True)
+            assert kept == 2 * BATCH * cfg.kv_dim * SEQ * (cp - 1) // cp * torch.finfo(cfg.torch_dtype).bits // 8
+            assert r["peak_activation_bytes"] - plain["peak_activation_bytes"] == cfg.layers * kept
+            assert r["comm_bytes"]["backward"] < plain["comm_bytes"]["backward"]
+
+
+def test_zigzag_balances_attention_and_contiguous_does_not(runs):
+    _, out = runs
+    for cp, name, step, per_rank in out:  # the forward's FLOPs, whatever the policy
+        flops = [result["report"]["flops"]["forward"] for result in per_rank]
+        attention = [result["report"]["attention_flops"] for result in per_rank]
+        if step.layout == "zigzag":
+            assert max(flops) <= 1.01 * min(flops) and len(set(attention)) == 1, label(cp, name, step)
+        else:  # rank r: its diagonal block and r chunks before it, each c x c
+            c, cfg = SEQ // cp, step.cfg
+            square = 2 * BATCH * cfg.heads * cfg.head_dim * c * c
+            assert [a - attention[0] for a in attention] == [r * square for r in range(cp)], label(cp, name, step)
+            assert flops == sorted(flops) and flops[-1] > flops[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(seq=12, cp=4), "multiple of 8"),  # zigzag: 2 cp chunks
+    (dict(seq=12, cp=4, layout="contiguous"), None),  # 4 chunks of 3: fine
+    (dict(seq=10, cp=4, layout="contiguous"), "multiple of 4"),
+    (dict(cfg=dict(attention="eager")), "use attention='tiled' or 'fused'"),
+    (dict(cfg=dict(attention="tiled", dropout=0.1)), "dropout=0"),
+    (dict(keep_kv=True), "cp_comm='allgather'"),
+    (dict(cp_comm="alltoall"), "'ring'"),
+    (dict(layout="striped"), "zigzag"),
+    (dict(policy="budget:1MiB"), "budget"),
+    (dict(cp=0), "cp=0"),
+])
+def test_bad_input_is_a_value_error_before_any_work(change, message):
+    cfg = Config(**{**BASE, **MODELS["gqa fp64 tiled"], **change.pop("cfg", {})})
+    args = {**dict(cfg=cfg, cp=2, seq=SEQ, layout="zigzag", cp_comm="ring", keep_kv=False, policy="none"), **change}
+    if message is None:
+        check_context_parallel(**args)
+        return
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        check_context_parallel(**args)
+
+
+def test_more_ranks_than_processes_is_a_value_error(monkeypatch):
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)  # as torchrun would start 2 processes
+    cfg = Config(**{**BASE, **MODELS["gqa fp64 tiled"]})
+    with pytest.raises(ValueError, match="cp=4: torchrun started 2 processes"):
+        check_context_parallel(cfg, 4, SEQ)
+
+
+def test_zigzag_attention_flops_are_equal_on_every_rank_at_llama_shapes():
+    cfg = Config.from_preset("llama3-8b", attention="fused")
+    for cp in (2, 4, 8, 16):
+        counts = [rank_attention_flops(cfg, 1, 131072, cp, "zigzag", r) for r in range(cp)]
+        assert len(set(counts)) == 1
+        contiguous = [rank_attention_flops(cfg, 1, 131072, cp, "contiguous", r) for r in range(cp)]
+        assert contiguous[-1] / (sum(contiguous) / cp) > 1.5 if cp > 2 else contiguous[1] > contiguous[0]
+
+
+@pytest.mark.parametrize("attention", ["tiled", "fused"])
+@pytest.mark.parametrize("layout, cp", [("zigzag", 1), ("zigzag", 2), ("zigzag", 4), ("contiguous", 4)])
+def test_blocks_merged_by_their_log_sum_exp_are_causal_attention(attention, layout, cp):
+    """Every rank's queries against every rank's K/V (the all-gather's blocks, in one process): the merged
+    output, lse and gradients equal one causal attention over the whole sequence (fp64). Zigzag at cp = 4
+    merges six earlier chunks into one whole block of 6c keys against c queries."""
+    cfg = Config(**{**BASE, "dtype": "float64", "attention": attention, "attention_tile": 3})
+    B, H, KV, T, hd = 2, cfg.heads, cfg.kv_heads, SEQ, cfg.head_dim
+    generator = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(B, H, T, hd, dtype=torch.float64, generator=generator) for _ in range(2))
+    kv = torch.randn(2, B, KV, T, hd, dtype=torch.float64, generator=generator)
+    out, lse = tiled_attention_forward(q, kv[0], kv[1], torch.float64, 4, 4)  # the single process's
+    dq, dk, dv = tiled_attention_backward(dout, q, kv[0], kv[1], out, lse, torch.float64, 4, 4)
+    split = SequenceLayout(layout, cp, T)
+    kv_all = torch.cat([split.rows(kv, r, dim=3) for r in range(cp)], dim=3)  # (2, B, KV, T, hd) in rank order
+    dkv_all = torch.zeros_like(kv_all)
+    for r in range(cp):
+        mine = split.positions(r)
+        q_r, do_r = split.rows(q, r, dim=2), split.rows(dout, r, dim=2)
+        out_r, lse_r = gathered_attention_forward(q_r, kv_all, cfg, split, r)
+        torch.testing.assert_close(out_r, out[:, :, mine], rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse_r, lse[:, :, mine], rtol=0, atol=1e-12)
+        dq_r, dkv_r = gathered_attention_backward(do_r, q_r, out_r, lse_r, kv_all, cfg, split, r,
+                                                  contextlib.nullcontext)
+        torch.testing.assert_close(dq_r, dq[:, :, mine], rtol=0, atol=1e-12)
+        dkv_all += dkv_r  # the reduce-scatter's sum
+    expected = torch.cat([split.rows(torch.stack((dk, dv)), r, dim=3) for r in range(cp)], dim=3)
+    torch.testing.assert_close(dkv_all, expected, rtol=0, atol=1e-12)
+
+
+def test_the_api_and_the_command_run_context_parallelism(capsys):
+    """parallel.loss_and_grads(..., cp=2) and `python -m picockpt parallel --cp 2 --json`: the single process's
+    loss and gradients, every rank's stored peak and K/V bytes per phase equal to their closed forms, zigzag's
+    equal attention FLOPs; a clear error for a layout not supported yet."""
+    from picockpt import parallel
+    from picockpt.cli import main
+    cfg = Config(**{**BASE, "attention": "tiled", "attention_tile": 4})
+    params = init_params(cfg, seed=0)
+    input_ids, targets = make_batch(cfg, 2, SEQ, "cpu", seed=0)
+    with pytest.raises(ValueError, match=r"^cp=2 with dp=2 is not supported yet"):
+        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", cp=2, dp=2)
+    loss0, grads0 = loss_and_grads(params, cfg, input_ids, targets, "none")
+    loss, grads, ranks = parallel.loss_and_grads(params, cfg, input_ids, targets, "full", cp=2, cp_comm="allgather",
+                                                 cp_keep_kv=True, start_method=START)
+    assert abs(loss.item() - loss0.item()) <= 1e-5 * abs(loss0.item())
+    assert max(((grads[k] - grads0[k]).abs().max() / grads0[k].abs().max()).item() for k in grads0) <= 1e-5
+    for r in ranks:
+        assert r["peak_activation_bytes"] == r["predicted_activation_bytes"] and r["comm_bytes"]["recompute"] == 0
+        assert r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]
+    assert main(["parallel", "--cp", "2", "--attention", "tiled", "--policy", "full", "--preset", "tiny", "--batch",
+                 "2", "--seq", "16", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert (row["cp"], row["cp_layout"], row["cp_comm"]) == (2, "zigzag", "ring")
+    assert row["grad_max_rel_diff_vs_single"] <= 1e-5
+    first, second = row["ranks"]
+    assert first["attention_flops"] == second["attention_flops"]  # zigzag: the causal work balanced
+    for r in row["ranks"]:
+        assert r["comm_bytes"] == r["predicted_comm_bytes"] and r["comm_bytes"]["recompute"] == r["comm_bytes"]["forward"]

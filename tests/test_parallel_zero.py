@@ -1,0 +1,309 @@
+"""ZeRO stages 1/2/3 with recomputation, on 2 and 4 gloo ranks against the single-process engine: the same
+loss and gradients (fp32 rel <= 1e-5), every policy bitwise equal to none within a stage, every rank's
+parameter, gradient, optimizer, activation and gathered bytes and its all-gathers / reduce-scatters per
+phase equal to their closed forms (picockpt/parallel/data_parallel/zero_inventory.py), keep_gathered's
+one gather fewer per recomputed layer, AdamW on the shards equal to the single process's after 3 steps,
+and torch's FSDP2 beside it.
+
+One launch of 4 ranks runs every job in turn (zero_rank_steps): the dp=2 jobs on two pairs of ranks, the
+dp=4 jobs on all four, then torch's FSDP2. hidden=30, vocab=65, ffn=25: units of
+1950, 4710 and 1980 elements, so at dp=4 the embedding and every layer are padded and shards cut through
+parameters. Relative error: max |g - g_single| / max |g_single| over the tensor.
+"""
+import functools
+import json
+import multiprocessing
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from picockpt import Config, init_params, loss_and_grads
+from picockpt.inventory import predicted_peak_bytes
+from picockpt.measure import make_batch
+from picockpt.params import param_shapes
+from picockpt.parallel import Comm, run_ranks
+from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_steps
+from picockpt.parallel.data_parallel.zero_inventory import zero_comm_bytes, zero_paper_bytes
+from picockpt.parallel.data_parallel.zero_params import whole
+from picockpt.parallel.data_parallel.zero_step import check_zero, zero_grads, zero_rank_steps
+from picockpt.train import make_optimizer, train_step
+
+from processes import no_process_left_behind  # noqa: F401 (a fixture)
+
+START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+BATCH, SEQ, STEPS = 4, 8, 3
+BASE = dict(vocab=65, hidden=30, layers=3, heads=3, kv_heads=1, ffn=25, max_seq=64)
+MODELS = {"fp32 ignored targets": {}, "dropout": dict(dropout=0.1)}
+POLICIES = ["none", "full", "every:2", "selective", "budget"]
+pytestmark = pytest.mark.usefixtures("no_process_left_behind", "one_thread")  # conftest.py: one torch thread
+
+
+def model(name):
+    cfg = Config(**BASE, **MODELS[name])
+    params = init_params(cfg, seed=1)
+    input_ids, targets = make_batch(cfg, BATCH, SEQ, "cpu", seed=1)
+    if name == "fp32 ignored targets":  # unequal shares: rank 0 of 2 counts 11 targets, rank 1 16
+        targets = targets.clone()
+        targets[0, 3:] = -100
+    return cfg, params, input_ids, targets
+
+
+def budget(cfg, dp):
+    """A budget between full and none for the rank's rows: the planner recomputes some layers, not all."""
+    full, none = (predicted_peak_bytes(cfg, BATCH // dp, SEQ, p) for p in ("full", "none"))
+    return f"budget:{int(full + 0.3 * (none - full))}"
+
+
+def job(name, policy, zero, dp, keep=False, prefetch=True, steps=1):
+    cfg, params, input_ids, targets = model(name)
+    return SimpleNamespace(name=name, params=params, cfg=cfg, input_ids=input_ids, targets=targets, zero=zero,
+                           policy=budget(cfg, dp) if policy == "budget" else policy, keep_gathered=keep,
+                           prefetch=prefetch, rng_state=torch.manual_seed(7).get_state(), lr=3e-3,
+                           weight_decay=0.1, steps=steps)
+
+
+def jobs_for(dp):
+    if dp == 4:
+        return [job("fp32 ignored targets", p, z, 4, keep) for z, p, keep in
+                ((1, "none", False), (2, "every:2", False), (3, "full", False), (3, "full", True), (3, "budget", True))]
+    jobs = [job("fp32 ignored targets", p, z, 2, keep) for z in (1, 2, 3) for p in POLICIES
+            for keep in ((False, True) if z == 3 else (False,))]
+    jobs += [job("fp32 ignored targets", p, 3, 2, keep, prefetch=False) for p in ("none", "full", "every:2")
+             for keep in (False, True)]
+    jobs += [job("dropout", p, z, 2) for z, p in ((1, "none"), (3, "none"), (3, "every:2"))]
+    jobs += [job("fp32 ignored targets", "full", z, 2, keep=z == 3, steps=STEPS) for z in (1, 2, 3)]
+    return jobs
+
+
+@functools.lru_cache(maxsize=None)
+def single(name, steps):
+    """The single process on the whole batch: loss and gradients of the first step, params after `steps`
+    (picockpt/train.py's AdamW), and where its generator is then. The same for every job of a model."""
+    j = job(name, "none", 1, 2, steps=steps)
+    torch.set_rng_state(j.rng_state)
+    loss, grads = loss_and_grads(j.params, j.cfg, j.input_ids, j.targets, "none")
+    params = {name: tensor.clone() for name, tensor in j.params.items()}
+    torch.set_rng_state(j.rng_state)
+    optimizer = make_optimizer(params, j.lr, j.weight_decay)
+    for _ in range(steps):
+        train_step(params, optimizer, j.cfg, j.input_ids, j.targets, "none")
+    return loss, grads, params, torch.get_rng_state()
+
+
+FSDP2_CFG = dict(BASE, hidden=32, heads=4, kv_heads=2, vocab=64, ffn=24)  # every dim divisible by 4: no padding
+FSDP2_VARIANTS = [(None, True), (None, False), (True, True), (False, True)]  # (reshard_after_forward, checkpoint)
+
+
+def every_layout(comm, pair_jobs, world_jobs, fsdp2_args):
+    """One launch of 4 ranks: two data-parallel pairs (ranks 0, 1 and 2, 3) share the dp=2 jobs, all four
+    run the dp=4 jobs, then torch's FSDP2 on the reference model."""
+    groups = [dist.new_group(ranks, timeout=comm.timeout) for ranks in ([0, 1], [2, 3])]  # every rank makes both
+    pair = Comm(groups[comm.rank // 2], comm.device, timeout=comm.timeout)
+    return {2: zero_rank_steps(pair, pair_jobs[comm.rank // 2::2]), 4: zero_rank_steps(comm, world_jobs),
+            "fsdp2": fsdp2_rank_steps(comm, *fsdp2_args)}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    jobs = {dp: jobs_for(dp) for dp in (2, 4)}
+    cfg = Config(**FSDP2_CFG)
+    fsdp2_args = (init_params(cfg, seed=1), cfg, *make_batch(cfg, BATCH, SEQ, "cpu", seed=1), FSDP2_VARIANTS)
+    results = run_ranks(every_layout, 4, jobs[2], jobs[4], fsdp2_args, start_method=START, timeout_s=120)
+    out = {"fsdp2": (cfg, fsdp2_args[0], fsdp2_args[2], fsdp2_args[3], results[0]["fsdp2"])}
+    for dp, dp_jobs in jobs.items():
+        out[dp] = []
+        for index, j in enumerate(dp_jobs):
+            ranks = [0, 1, 2, 3] if dp == 4 else [2 * (index % 2), 2 * (index % 2) + 1]  # the pair that ran it
+            per_rank = [results[rank][dp][index if dp == 4 else index // 2] for rank in ranks]
+            shapes = param_shapes(j.cfg)
+            grads = zero_grads([r["grads"] for r in per_rank], j.zero, shapes)
+            params = whole([r["params"] for r in per_rank], shapes)
+            loss = sum(r["losses"][-1] for r in per_rank)  # the ranks' shares of the whole batch's mean
+            out[dp].append((j, loss, grads, params, [r["report"] for r in per_rank], per_rank[0]["rng_state"]))
+    return out
+
+
+@pytest.fixture(params=[2, 4], ids=["dp2", "dp4"])
+def launch(request, launched):
+    return request.param, launched[request.param]
+
+
+def relative(value, reference):
+    scale = reference.double().abs().max().item()
+    return (value.double() - reference.double()).abs().max().item() / (scale or 1.0)
+
+
+def test_loss_gradients_and_updated_parameters_equal_the_single_process(launch):
+    _, runs = launch
+    for j, loss, grads, params, _, rng_state in runs:
+        where = (j.name, j.zero, j.policy, j.keep_gathered, j.prefetch, j.steps)
+        loss0, grads0, params0, rng_state0 = single(j.name, j.steps)
+        if j.steps == 1:  # the first step's (later ones start from parameters updated a little differently)
+            assert abs(loss.item() - loss0.item()) <= 1e-5 * abs(loss0.item()), where
+            assert set(grads) == set(grads0)
+            for name in grads0:
+                assert grads[name].shape == grads0[name].shape, (where, name)
+                assert relative(grads[name], grads0[name]) <= 1e-5, (where, name, relative(grads[name], grads0[name]))
+        for name in params0:
+            assert relative(params[name], params0[name]) <= 1e-5, (where, name, relative(params[name], params0[name]))
+        assert torch.equal(rng_state, rng_state0), where  # the generator left where the single process leaves it
+
+
+def test_every_policy_keep_and_prefetch_is_bitwise_equal_to_none_within_a_stage(launch):
+    _, runs = launch
+    none = {(j.name, j.zero): (loss, grads, params) for j, loss, grads, params, *_ in runs
+            if j.policy == "none" and j.steps == 1}
+    for j, loss, grads, params, *_ in runs:
+        if j.steps != 1 or (j.name, j.zero) not in none:
+            continue
+        loss0, grads0, params0 = none[(j.name, j.zero)]
+        where = (j.name, j.zero, j.policy, j.keep_gathered, j.prefetch)
+        assert torch.equal(loss, loss0), where
+        for name in grads0:
+            assert torch.equal(grads[name], grads0[name]), (where, name)
+            assert torch.equal(params[name], params0[name]), (where, name)
+
+
+def test_model_state_and_activations_per_rank_equal_their_closed_forms(launch):
+    dp, runs = launch
+    for j, *_, reports, _ in runs:
+        for r in reports:
+            where = (j.name, j.zero, j.policy, j.keep_gathered, r["rank"])
+            for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "gathered_peak_bytes"):
+                assert r[key] == r[f"predicted_{key}"], (where, key, r[key], r[f"predicted_{key}"])
+            assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
+            assert r["peak_activation_bytes"] == predicted_peak_bytes(j.cfg, BATCH // dp, SEQ, j.policy), where
+    # written from the shapes, not from zero_inventory: fp32, 4 bytes an element, units padded to dp
+    cfg = runs[0][0].cfg
+    units = [cfg.vocab * cfg.hidden] + [sum(torch.Size(s).numel() for n, s in param_shapes(cfg).items()
+                                            if n.startswith(f"model.layers.{k}."))
+                                        for k in range(cfg.layers)] + [cfg.hidden + cfg.vocab * cfg.hidden]
+    shards = sum(-(-n // dp) for n in units)
+    for j, *_, reports, _ in runs:
+        r = reports[0]
+        assert r["param_bytes"] == 4 * (shards if j.zero == 3 else shards * dp)
+        assert r["grad_bytes"] == 4 * (shards if j.zero >= 2 else shards * dp)
+        assert r["optimizer_bytes"] == 4 * 2 * shards + 4 * len(units)  # exp_avg, exp_avg_sq, one step each
+
+
+def test_communication_per_phase_equals_its_closed_form(launch):
+    _, runs = launch
+    for j, *_, reports, _ in runs:
+        for r in reports:
+            where = (j.name, j.zero, j.policy, j.keep_gathered, j.prefetch, r["rank"])
+            assert r["comm_bytes_by_kind"] == r["predicted_comm_bytes_by_kind"], where
+            assert r["comm_bytes"] == r["predicted_comm_bytes"], where
+
+
+def test_stage_3_recompute_gathers_each_layer_once_and_keep_gathered_saves_the_backward_gather(launch):
+    """From the shapes alone: under full, the recompute phase gathers every layer once and the backward
+    gathers each again; with keep_gathered the backward gathers none, one gather fewer per layer in total.
+    Without prefetch, keep_gathered holds a whole sweep: every:2 holds 2 layers where it held 1."""
+    dp, runs = launch
+    cfg = runs[0][0].cfg
+    layer = 4 * dp * -(-sum(torch.Size(s).numel() for n, s in param_shapes(cfg).items()
+                            if n.startswith("model.layers.0.")) // dp)  # one layer's gathered fp32 bytes
+    found = {}
+    for j, *_, reports, _ in runs:
+        if j.zero == 3 and j.name == "fp32 ignored targets" and j.steps == 1:
+            found[(j.policy, j.keep_gathered, j.prefetch)] = reports[0]
+    for prefetch in (True, False) if dp == 2 else (True,):
+        plain, kept = found[("full", False, prefetch)], found[("full", True, prefetch)]
+        assert plain["comm_bytes_by_kind"]["recompute"] == {"all_gather": cfg.layers * layer}
+        assert kept["comm_bytes_by_kind"]["recompute"] == {"all_gather": cfg.layers * layer}
+        assert plain["comm_bytes_by_kind"]["backward"]["all_gather"] == cfg.layers * layer
+        assert "all_gather" not in kept["comm_bytes_by_kind"]["backward"]
+        assert sum(plain["comm_bytes"].values()) - sum(kept["comm_bytes"].values()) == cfg.layers * layer
+        assert plain["comm_calls"]["backward"] - kept["comm_calls"]["backward"] == cfg.layers
+    if dp == 2:
+        plain, kept = found[("every:2", False, False)], found[("every:2", True, False)]
+        assert plain["gathered_peak_bytes"]["recompute"] == layer
+        assert kept["gathered_peak_bytes"]["recompute"] == 2 * layer  # the sweep's 2 layers, held at once
+        assert found[("full", True, False)]["gathered_peak_bytes"] == found[("full", False, False)][
+            "gathered_peak_bytes"]  # a sweep of one layer: held no longer than the backward needs it
+
+
+def test_the_zero_papers_example_and_what_stage_3_moves():
+    gb = {stage: round(n / 1e9, 1) for stage, n in zero_paper_bytes(7.5e9, K=12, N_d=64).items()}
+    assert gb == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    cfg = Config(**BASE)
+    none, full = (zero_comm_bytes(cfg, BATCH, SEQ, p, 3, 2) for p in ("none", "full"))
+    assert "all_gather" not in none["recompute"] and full["recompute"]["all_gather"] == full["backward"]["all_gather"]
+
+
+def test_clear_errors_before_any_rank_starts():
+    cfg = Config(**BASE)
+    for kwargs, words in ((dict(zero=3, dp=1), "nothing to shard"), (dict(zero=0, dp=2), "stages are 1"),
+                          (dict(zero=4, dp=2), "stages are 1"), (dict(zero=True, dp=2), "stages are 1"),
+                          (dict(zero=2, dp=2, keep_gathered=True), "only stage 3 gathers"),
+                          (dict(zero=3, dp=2, prefetch="yes"), "prefetch='yes'"),
+                          (dict(zero=3, dp=3), "batch=4 is not divisible by dp=3"),
+                          (dict(zero=3, dp=2, cfg=cfg.replace(dtype="bf16")), "mixed precision"),
+                          (dict(zero=1, dp=2, cfg=cfg.replace(tie_embeddings=True)), "tie_embeddings")):
+        args = {"cfg": cfg, "batch": BATCH, **kwargs}
+        with pytest.raises(ValueError, match=words):
+            check_zero(args.pop("zero"), args.pop("dp"), args.pop("cfg"), args.pop("batch"), **args)
+
+
+def test_fsdp2_gathers_beside_picockpts(launched):
+    """torch's FSDP2 on the reference model at dp=4 (no dim padded, so the bytes compare): forward every unit
+    once; backward every layer again with its default reshard_after_forward (the root kept), and the
+    checkpoint adds no gather (its recompute shares the backward's): picockpt's full + keep_gathered."""
+    cfg, params, input_ids, targets, (default, plain, always, never) = launched["fsdp2"]
+    ours, ours_plain = (zero_comm_bytes(cfg, BATCH, SEQ, "full", 3, 4, keep) for keep in (True, False))
+    assert default["forward"] == {"calls": 1 + cfg.layers, "bytes": ours["forward"]["all_gather"]}
+    assert default["backward"] == plain["backward"] == {"calls": cfg.layers,
+                                                        "bytes": ours["recompute"]["all_gather"]}
+    assert "all_gather" not in ours["backward"]
+    assert ours_plain["backward"]["all_gather"] == default["backward"]["bytes"]  # picockpt's third gather
+    assert always["backward"] == always["forward"] and never["backward"] == {"calls": 0, "bytes": 0}
+    _, grads0 = loss_and_grads(params, cfg, input_ids, targets, "none")
+    for name in grads0:
+        assert relative(default["grads"][name], grads0[name]) <= 1e-5, name
+
+
+def test_stages_are_bitwise_equal_to_each_other_at_dp_2(launched):
+    """At dp=2 every element of a reduced gradient is one addition, a + b, whichever collective makes it
+    (all-reduce under stage 1, reduce-scatter under 2 and 3): the same bits, and AdamW on shards is elementwise,
+    so 3 steps of training end in the same parameters. (Against the single process they differ in the last
+    bits: the batch's two halves are summed apart, then added.)"""
+    trained = {j.zero: params for j, _, _, params, *_ in launched[2] if j.steps == STEPS}
+    none = {j.zero: grads for j, _, grads, *_ in launched[2] if j.steps == 1 and j.policy == "none"
+            and j.name == "fp32 ignored targets" and j.prefetch}
+    for zero in (2, 3):
+        for name in trained[1]:
+            assert torch.equal(trained[zero][name], trained[1][name]), (zero, name)
+            assert torch.equal(none[zero][name], none[1][name]), (zero, name)
+
+
+def test_the_api_and_the_command_run_zero_and_refuse_what_it_cannot(capsys):
+    """parallel.loss_and_grads(..., dp=2, zero=3) and `python -m picockpt parallel --dp 2 --zero 3 --json`: the
+    single process's gradients, every rank's model state, stored peak and bytes per phase equal to their
+    closed forms, one AdamW step's state on the command line; a clear error for a layout not supported yet."""
+    from picockpt import parallel
+    from picockpt.cli import main
+    cfg = Config(**BASE)
+    params = init_params(cfg, seed=0)
+    input_ids, targets = make_batch(cfg, BATCH, SEQ, "cpu", seed=0)
+    with pytest.raises(ValueError, match=r"^zero=3 with pp=2 is not supported yet"):
+        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", dp=2, pp=2, zero=3)
+    with pytest.raises(ValueError, match=r"^keep_gathered=True without zero"):
+        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", dp=2, keep_gathered=True)
+    _, grads0 = loss_and_grads(params, cfg, input_ids, targets, "none")
+    _, grads, ranks = parallel.loss_and_grads(params, cfg, input_ids, targets, "every:2", dp=2, zero=3,
+                                              keep_gathered=True, start_method=START)
+    assert max(((grads[k] - grads0[k]).abs().max() / grads0[k].abs().max()).item() for k in grads0) <= 1e-5
+    for r in ranks:
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm_bytes", "gathered_peak_bytes"):
+            assert r[key] == r["predicted_" + key], (r["rank"], key)
+        assert r["peak_activation_bytes"] == r["predicted_activation_bytes"] and r["optimizer_bytes"] == 0
+    assert main(["parallel", "--dp", "2", "--zero", "3", "--keep-gathered", "--policy", "full", "--preset", "tiny",
+                 "--batch", "2", "--seq", "8", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["zero"] == 3 and row["grad_max_rel_diff_vs_single"] <= 1e-5
+    for r in row["ranks"]:
+        assert r["optimizer_bytes"] == r["predicted_optimizer_bytes"] > 0  # after one AdamW step on the shards
+        assert r["comm_bytes"] == r["predicted_comm_bytes"] and r["comm_bytes"]["optimizer"] == 0  # stage 3
+        assert r["comm_bytes_by_kind"]["backward"].get("all_gather", 0) == 0  # keep_gathered: none again
