@@ -17,7 +17,9 @@
 #   parameter, plus a 2-byte copy for bf16 compute), fp32 gradients (4) and AdamW's two fp32 moments (8).
 #   Tensor parallelism gives each rank $1/t$ of every matrix; ZeRO over $d$ data-parallel ranks divides
 #   the optimizer state by $d$ (stage 1), the gradients too (stage 2) and the weights too (stage 3, as
-#   FSDP). Data parallelism does not divide the activations.
+#   FSDP); stage 0 shards nothing. The stage and $d$ are controls ("ZeRO stage", "data par."), starting at
+#   ZeRO-3 over 8; every headline and printed line below names them. Data parallelism does not divide the
+#   activations.
 # * **working memory**: `picockpt.device.step_bytes`'s estimate, four fp32 copies of the step's largest
 #   transient tensor (the logits or a chunk of them, the $T \times T$ scores, the MLP's product): the one
 #   part that is not exact, drawn hatched. Its margin depends on the dtype: where the $T \times T$ scores
@@ -41,7 +43,7 @@ from IPython.display import display
 
 from _check import check
 from _explorer import (CAPACITIES, ESTIMATED, GIB, MODELS, PARTS, Setup, cheapest_fit, describe_plan, draw, gib,
-                       headline, memory_parts, segment_curve, shape_of, stored_bytes)
+                       headline, memory_parts, model_state_by_stage, segment_curve, shape_of, stored_bytes, zero_text)
 from _lesson import in_notebook, lesson_args, wrote
 from picockpt.plotting import save_figure
 
@@ -116,10 +118,16 @@ def table(setup):
     return (f"<table><tr><th style='text-align:left'>{headline(setup)}, policy {setup.policy if setup.layer_level != 'budget' else 'budget'}"
             f"</th><th></th></tr>{rows}<tr><td><b>total</b></td><td style='text-align:right'><b>{gib(total)}</b></td></tr>"
             f"<tr><td>GPU</td><td style='text-align:right'>{gib(setup.capacity)}: {verdict}</td></tr></table>"
-            f"<p>P(C) of every:C is least at <b>C = {best}</b>: {gib(curve[best])} stored.<br>"
+            f"<p>Model state: {zero_text(setup)}; weights + gradients + optimizer state on one GPU by ZeRO stage "
+            f"over {setup.dp}: {by_stage_text(setup)}.<br>"
+            f"P(C) of every:C is least at <b>C = {best}</b>: {gib(curve[best])} stored.<br>"
             f"Room for stored activations on this GPU: {gib(max(fit['room'], 0))}.<br>"
             f"The cheapest fixed policy that fits: {named_text}.<br>"
             f"The planner's optimum for that room: {plan_text}.</p>")
+
+
+def by_stage_text(setup):
+    return ", ".join(f"{stage} {gib(n)}" for stage, n in model_state_by_stage(setup).items())
 
 
 def update(change=None):
@@ -187,8 +195,9 @@ else:
 # everything needs 213 GiB, most of it the $T \times T$ probabilities; `selective` drops them and still
 # misses by 5 GiB, `cheap` fits for the same few percent of recompute (its extra rebuilds are
 # elementwise), and the planner fills the room the GPU leaves, recomputing a little less than `cheap`.
-# Bottom: Llama 3 70B at 8192 tokens, tensor parallel over 8 GPUs with sequence parallelism: each GPU
-# holds an eighth of every layer, and `selective` already fits.
+# Bottom: Llama 3 70B at 8192 tokens, tensor parallel over 8 GPUs with sequence parallelism and ZeRO-3
+# over 8 data-parallel ranks: each GPU holds an eighth of every layer, and `selective` already fits. Under
+# each setup's line, its model state per GPU at every ZeRO stage over the same 8 ranks.
 
 # %%
 STATIC = {
@@ -207,6 +216,8 @@ for name, setup in STATIC.items():
     print(f"{headline(setup)}: room {gib(fit['room'])}; cheapest fixed policy that fits: {fit['named']}; planner: "
           + (f"{fit['plan'].recompute_flops / fit['model_flops']:.1%} recompute, {describe_plan(fit['plan'])}"
              if fit["plan"] else "nothing fits"))
+    print(f"  model state: {zero_text(setup)}; weights + gradients + optimizer state per GPU by ZeRO stage over "
+          f"{setup.dp}: {by_stage_text(setup)}")
 
 # %% [markdown]
 # ## Exercises

@@ -62,7 +62,7 @@ for path in lessons:
 # | 1 | `picockpt/config.py` | `Config`: every number that decides how many bytes an activation takes (sizes, dtype, dropout, attention kind, loss chunking, experts), the presets (`tiny`, `small`, Llama 3 8B/70B/405B, Mixtral 8x7B), and the checks that name the bad field |
 # | 2 | `picockpt/params.py` | the parameters under Hugging Face `LlamaForCausalLM` names, so real weights load as they are |
 # | 3 | `picockpt/ops/` | every op as a forward/backward pair of plain functions: linear, embedding, RMSNorm, RoPE, attention, SwiGLU, dropout, cross-entropy; the forward returns what its backward needs |
-# | 4 | `picockpt/layer.py` | one decoder layer: its forward `keep`s tensors in the store by name (`attn.probs`, `mlp.gate`, ...); its backward `take`s them back, or rebuilds a dropped one with a one-line recipe; the named points (`Crossings`) where a parallel rank crosses to the others, the identity here |
+# | 4 | `picockpt/layer.py` | one decoder layer: its forward `keep`s tensors in the store by name (`attn.probs`, `mlp.gate`, ...); its backward `take`s them back, or rebuilds a dropped one with a one-line recipe; the named points (`Crossings`) where a parallel rank crosses to the others, the identity here; `tail.py`: a block's tail (down projection, dropout, residual), run or skipped as the engine says |
 # | 5 | `picockpt/store.py` | the activation store: bytes counted by unique storage (a view is not counted twice), every put and pop an event |
 # | 6 | `picockpt/policy.py`, `picockpt/schedule.py` | policy strings (`none`, `full`, `every:C`, `selective`, `cheap`, `budget:SIZE`, and the MoE ones) turned into a `Schedule`: each layer's mode (`all`, `input`, `none`), parsed once, and the walk of recompute sweeps it implies |
 # | 7 | `picockpt/engine.py` | the step: forward keeping what the policy says, then for each layer from the last, "nearest checkpoint, recompute, use, drop", with the random generator replayed; no autograd |
@@ -87,7 +87,8 @@ for path in lessons:
 
 # %%
 READING_ORDER = [
-    "config.py", "params.py", "ops/", "layer.py", "store.py", "schedule.py", "policy.py", "engine.py", "tracker.py",
+    "config.py", "params.py", "ops/", "layer.py", "tail.py", "store.py", "schedule.py", "policy.py", "engine.py",
+    "tracker.py",
     "closed_forms.py", "inventory.py", "formulas.py", "planner_uniform.py", "planner.py", "offload.py",
     "planner_offload.py", "attention.py",
     "ops/attention_tiled.py", "ops/attention_fused.py", "head.py", "moe.py", "ops/router.py", "routing.py",

@@ -68,6 +68,9 @@ COLORS = {"weights": "#4C72B0", "gradients": "#64B5CD", "optimizer state": "#817
           "working memory": "#CCCCCC"}
 WORKING_T2_BYTES = {"float32": 12.0, "bfloat16": 10.5}  # measured working memory per B·H·T² element (CPU)
 NAMED = ("none", "selective", "cheap", "full", "full+selective", "full+cheap")  # the fixed policies compared
+ZERO_STAGES = {0: "nothing sharded", 1: "optimizer state sharded", 2: "optimizer state and gradients sharded",
+               3: "weights, gradients and optimizer state sharded, as FSDP"}  # what Setup.zero shards over Setup.dp
+MODEL_STATE = ("weights", "gradients", "optimizer state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +94,8 @@ class Setup:
     tp: int = 1
     sp: bool = False
     dp: int = 1                     # data-parallel ranks that ZeRO shards the model states over
-    zero: int = 0                   # ZeRO stage: 1 shards the optimizer state, 2 also gradients, 3 also weights
+    zero: int = 0                   # ZeRO stage: 0 shards nothing, 1 the optimizer state, 2 also gradients,
+                                    # 3 also weights (the notebook's controls start at ZeRO-3 over dp = 8)
     stages: int = 1                 # pipeline stages p
     in_flight: int = 1              # micro-batches in flight on the stage m
     capacity: int = 80 * GIB        # bytes of one GPU
@@ -226,6 +230,21 @@ def memory_parts(setup, policy=None):
     parts.update(stored_parts(cfg.layers, parsed.segment, X, A, F))
     parts["other micro-batches in flight"] = (setup.in_flight - 1) * end_of_forward(cfg.layers, parsed.segment, X, A)
     return parts
+
+
+def model_state_by_stage(setup):
+    """{stage: weights + gradients + optimizer state on one GPU} under ZeRO stages 0..3 over setup.dp."""
+    return {stage: sum(memory_parts(setup.replace(zero=stage), "none")[part] for part in MODEL_STATE)
+            for stage in ZERO_STAGES}
+
+
+def zero_text(setup, short=False):
+    """What the setup's ZeRO stage shards: 'ZeRO-3 over 8 data-parallel ranks (weights, ...)'; short: 'ZeRO-3 over 8'."""
+    if setup.zero == 0 or setup.dp == 1:
+        name = "no ZeRO" if setup.zero == 0 else f"ZeRO-{setup.zero} over 1 rank"
+        return name if short else f"{name} ({ZERO_STAGES[0]}; the model state whole on every GPU)"
+    name = f"ZeRO-{setup.zero} over {setup.dp}"
+    return name if short else f"{name} data-parallel ranks ({ZERO_STAGES[setup.zero]})"
 
 
 def stored_bytes(parts):
@@ -381,7 +400,7 @@ def margin_text(setup):
 def headline(setup):
     name = setup.model if setup.model != "custom" else "custom shape"
     parallel = f", tp={setup.tp}{' + sp' if setup.sp else ''}" if setup.tp > 1 else ""
-    parallel += f", ZeRO-{setup.zero} over {setup.dp}" if setup.zero and setup.dp > 1 else ""
+    parallel += f", {zero_text(setup, short=True)}"
     staged = setup.stages > 1 or setup.in_flight > 1
     pipeline = f", stage 0 of {setup.stages}, {setup.in_flight} in flight" if staged else ""
     chunk = f", loss chunks of {setup.loss_chunk}" if setup.loss_chunk else ""

@@ -31,6 +31,7 @@ from .ops import embedding_backward, embedding_forward, rope_tables
 from .params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_weights
 from .policy import parse_policy
 from .store import ActivationStore
+from .tail import RUN_TAIL, SKIP_TAIL
 
 
 class _NoTracker:  # what the engine talks to when nobody is measuring
@@ -88,8 +89,8 @@ class Model:
     def load_input(self, store, k, whole):  # the input of layer k, to recompute from
         return store.get(k, "input")  # (B, T, h)
 
-    def layer_forward(self, k, x, store, drop, need_output):
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, need_output)  # (B, T, h)
+    def layer_forward(self, k, x, store, drop, tail):  # tail: RUN_TAIL, or SKIP_TAIL (None out; picockpt/tail.py)
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, tail)  # (B, T, h)
 
     def layer_backward(self, k, dx, store):  # -> dx (B, T, h) and a LayerWeights of weight gradients
         return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k)
@@ -121,7 +122,7 @@ class Step:
     def run_layers(self, first, last, x, mode_of, stop_early=False):
         """Forward layers first..last from x, each stored as mode_of(k) says; returns the output.
         stop_early: the last layer's output is not needed (a recompute sweep ends where the
-        backward starts), so it stops at the last tensor its backward needs."""
+        backward starts), so it skips its tail and stops at the last tensor its backward needs."""
         model, store = self.model, self.store
         for k in range(first, last + 1):
             mode = mode_of(k)  # a Mode (picockpt/schedule.py): "all", "all:cheap", "input" or "none"
@@ -131,8 +132,8 @@ class Step:
                     self.rng_states[k] = self.generator.get_state()
             if mode.stored:
                 self.whole.add(k)
-            need_output = not (stop_early and k == last)
-            x = model.layer_forward(k, x, store if mode.stored else None, mode.drop(self.drop), need_output)
+            tail = SKIP_TAIL if stop_early and k == last else RUN_TAIL  # a sweep's last layer: no output read
+            x = model.layer_forward(k, x, store if mode.stored else None, mode.drop(self.drop), tail)
             if self.trace:
                 dropped = [name for name in model.layer_names if name not in store.names(k)]
                 host = f" ({store.host_names(k)} on the host)" if store.host_names(k) else ""

@@ -43,6 +43,7 @@ from .attention import attention_core_backward, attention_core_forward, needs_ou
 from .ops import (dropout_backward, dropout_forward, dropout_mask, linear_backward, linear_forward, rmsnorm_apply,
                   rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
 from .moe import moe_block_backward, moe_block_forward
+from .tail import RUN_TAIL
 
 
 class Crossings:
@@ -58,7 +59,8 @@ class Crossings:
         branch_mask(shape, p, device)     a residual branch's dropout mask (split ranks: their slice of the
                                           single process's)
         layer_draws(), attention_draws()  contexts around random draws (the whole tensor drawn, a slice kept)
-        mlp_forward / mlp_backward        the MLP block, or the mixture of experts (moe.py, or over ranks)
+        mlp_forward / mlp_backward        the MLP block, or the mixture of experts (moe.py, or over ranks),
+                                          its tail run or skipped as the layer's tail says (tail.py)
         norm_grads(d_attn, d_mlp, cfg)    the norm weights' gradients (SP: summed over the ranks' tokens)
         attention_core / _backward        the attention core (picockpt/attention.py), or attention over ranks
                                           that hold the sequence's other tokens (context parallel: a ring)
@@ -88,10 +90,10 @@ class Crossings:
     def branch_mask(self, shape, p, device):
         return dropout_mask(shape, p, device)  # (shape) bool
 
-    def mlp_forward(self, xn2, w, cfg, keep, need_output):
+    def mlp_forward(self, xn2, w, cfg, keep, tail):
         if cfg.experts:  # a mixture of experts in the MLP's place (picockpt/moe.py)
-            return moe_block_forward(xn2, w, cfg, keep, need_output)  # (B, T, h), or None
-        return mlp_block_forward(xn2, w, keep, need_output)  # (B, T, h), or None
+            return moe_block_forward(xn2, w, cfg, keep, tail)  # (B, T, h), or None: its tail skipped
+        return mlp_block_forward(xn2, w, keep, tail)  # (B, T, h), or None: its tail skipped
 
     def mlp_backward(self, grad, normed, w, cfg, take):  # -> dxn2 (B, T, h), {role: gradient}
         if cfg.experts:  # the router's and experts' gradients, by role (picockpt/moe.py)
@@ -112,13 +114,14 @@ class Crossings:
 ONE_PROCESS = Crossings()
 
 
-def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_output=True, cross=ONE_PROCESS):
+def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), tail=RUN_TAIL, cross=ONE_PROCESS):
     """x (B, T, h) -> out (B, T, h). Keeps its tensors in `store` under layer i, except
     the names in `drop`; with store=None keeps nothing (it only carries x forward).
-    The layer input itself is stored by the engine, which decides the checkpoints.
-    need_output=False stops once the last tensor the backward needs is kept (returns None):
-    the down projection and the residual add are skipped. cross: where a rank of a parallel
-    layout crosses to the others (Crossings above; the identity in one process)."""
+    The layer input itself is stored by the engine, which decides the checkpoints, and the
+    tail (picockpt/tail.py): SKIP_TAIL stops once the last tensor the backward needs is kept
+    (returns None): the MLP block's down projection(s), its dropout and the residual add are
+    skipped, its mask still drawn. cross: where a rank of a parallel layout crosses to the
+    others (Crossings above; the identity in one process)."""
     def keep(name, tensor):  # an expert's tensor, "moe.act[3]", is dropped with its kind, "moe.act"
         if store is not None and name.partition("[")[0] not in drop:
             store.put(i, name, tensor)
@@ -146,18 +149,14 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), need_ou
         keep("mlp_norm.rstd", rstd2)
         keep("mlp_norm.output", xn2)
         xn2 = cross.enter(xn2)  # (B, T, h)
-        m = cross.mlp_forward(xn2, w, cfg, keep, need_output)  # (B, T, h), or None
+        m = cross.mlp_forward(xn2, w, cfg, keep, tail)  # (B, T, h), or None: its tail skipped
         del xn2
-        if not need_output:
-            if p > 0:  # the same draw as below, so the RNG and the mask are as in the first forward
-                keep("mlp.dropout_mask", cross.branch_mask(h_mid.shape, p, x.device))  # (B, T, h) bool
-            return None
-        m = cross.leave(m)  # (B, T, h)
-        if p > 0:
+        m = tail(cross.leave, m)  # (B, T, h)
+        if p > 0:  # drawn with the tail skipped too: the RNG and the mask are as in the first forward
             mask = cross.branch_mask(h_mid.shape, p, x.device)  # (B, T, h) bool
             keep("mlp.dropout_mask", mask)
-            m = dropout_forward(m, mask, p)  # (B, T, h)
-    return h_mid + m  # (B, T, h)
+            m = tail(dropout_forward, m, mask, p)  # (B, T, h)
+    return tail(lambda: h_mid + m)  # (B, T, h)
 
 
 def layer_backward(dout, w, cfg, rope, store, i, cross=ONE_PROCESS):
@@ -263,16 +262,16 @@ def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing, cros
     return dxn, (d_q, d_k, d_v, d_o)
 
 
-def mlp_block_forward(xn2, w, keep, need_output=True):
-    """xn2 (B, T, h) the normed input -> down(silu(gate) * up) (B, T, h); need_output=False stops after the
-    product (the down projection's input, the last tensor the backward needs) and returns None."""
+def mlp_block_forward(xn2, w, keep, tail=RUN_TAIL):
+    """xn2 (B, T, h) the normed input -> down(silu(gate) * up) (B, T, h); its tail is the down projection:
+    with SKIP_TAIL it stops after the product (the last tensor the backward needs) and returns None."""
     gate = linear_forward(xn2, w.gate)  # (B, T, f)
     up = linear_forward(xn2, w.up)  # (B, T, f)
     keep("mlp.gate", gate)
     keep("mlp.up", up)
     act = swiglu_forward(gate, up)  # (B, T, f)
     keep("mlp.act", act)
-    return linear_forward(act, w.down) if need_output else None  # (B, T, h)
+    return tail(linear_forward, act, w.down)  # (B, T, h)
 
 
 def mlp_block_backward(grad, normed, w, take):

@@ -37,29 +37,29 @@ import torch
 
 from .ops import linear_backward, linear_forward, swiglu_backward, swiglu_forward
 from .ops.router import combine_weights, expert_groups, router_backward, router_forward
+from .tail import RUN_TAIL
 
 
-def moe_block_forward(xn, w, cfg, keep, need_output=True):
+def moe_block_forward(xn, w, cfg, keep, tail=RUN_TAIL):
     """xn (B, T, h) the normed input -> the weighted sum of its experts' outputs (B, T, h); keeps what the
-    backward needs through keep(name, tensor). need_output=False stops after the last tensor the backward
-    needs (every expert's SwiGLU product) and returns None: the down projections are skipped.
+    backward needs through keep(name, tensor). Its tail (picockpt/tail.py) is each expert's down projection
+    and weighted add, right after that expert's product; with SKIP_TAIL it stops after the last tensor
+    the backward needs (every expert's SwiGLU product) and returns None.
     E and f come from the weights (router rows, down_proj columns); k from cfg."""
     B, T, h = xn.shape
     E, stat = w.router.shape[0], cfg.stat_dtype
     x, index, weights = route(xn, w, cfg, keep)  # (N, h), (N, k), (N, k)
     del xn
     weights = weights.flatten()  # (N k,) one weight per (token, slot) pair
-    out = torch.zeros_like(x) if need_output else None  # (N, h)
+    out = tail(torch.zeros_like, x)  # (N, h)
     for e, positions, tokens in expert_groups(index, E):  # only the experts that got tokens
-        y = expert_forward(lambda: x[tokens], w.experts_gate_up[e], w.experts_down[e], keep, e, need_output)  # noqa: B023
-        if need_output:
-            out.index_add_(0, tokens, weigh(y, weights, positions, stat))  # (N, h) w * y back to the tokens' rows
+        y = expert_forward(lambda: x[tokens], w.experts_gate_up[e], w.experts_down[e], keep, e, tail)  # noqa: B023
+        tail(lambda: out.index_add_(0, tokens, weigh(y, weights, positions, stat)))  # noqa: B023 (N, h) w * y back
         del y
     if getattr(w, "shared_gate", None) is not None:  # the shared expert: a SwiGLU MLP on every token
-        shared = shared_expert_forward(x, w, keep, need_output)  # (N, h), or None
-        if need_output:
-            out += shared  # (N, h)
-    return out.view(B, T, h) if need_output else None
+        shared = shared_expert_forward(x, w, keep, tail)  # (N, h), or None: its tail skipped
+        tail(lambda: out.add_(shared))  # (N, h)
+    return tail(lambda: out.view(B, T, h))  # (B, T, h)
 
 
 def moe_block_backward(grad, normed, w, cfg, take):
@@ -131,17 +131,17 @@ def router_probs(x, w, cfg):
     return router_forward(linear_forward(x, w.router), cfg.experts_per_token, cfg.stat_dtype)[0]  # (N, E)
 
 
-def expert_forward(inputs, gate_up_weight, down_weight, keep, e, need_output=True):
+def expert_forward(inputs, gate_up_weight, down_weight, keep, e, tail=RUN_TAIL):
     """One expert's SwiGLU MLP on the n_e rows routed to it: inputs() gives them, x (n_e, h) (gathered
     where it is used, and let go at once) -> y (n_e, h), unweighted. Keeps moe.gate_up[e] and
-    moe.act[e]; need_output=False stops after the product and returns None."""
+    moe.act[e]; its tail is the down projection: with SKIP_TAIL it stops after the product, returns None."""
     f = down_weight.shape[-1]
     gate_up = linear_forward(inputs(), gate_up_weight)  # (n_e, 2f) on its n_e tokens
     keep(f"moe.gate_up[{e}]", gate_up)
     act = swiglu_forward(gate_up[:, :f], gate_up[:, f:])  # (n_e, f)
     keep(f"moe.act[{e}]", act)
     del gate_up
-    return linear_forward(act, down_weight) if need_output else None  # (n_e, h)
+    return tail(linear_forward, act, down_weight)  # (n_e, h)
 
 
 def weigh(y, weights, positions, stat):
@@ -184,8 +184,9 @@ def expert_backward(grad, weights, positions, inputs, gate_up_weight, down_weigh
     return dx
 
 
-def shared_expert_forward(x, w, keep, need_output=True):
-    """The shared expert, a SwiGLU MLP on every token: x (N, h) -> (N, h), or None (need_output=False)."""
+def shared_expert_forward(x, w, keep, tail=RUN_TAIL):
+    """The shared expert, a SwiGLU MLP on every token: x (N, h) -> (N, h), or None (its tail, the down
+    projection, skipped: SKIP_TAIL)."""
     gate = linear_forward(x, w.shared_gate)  # (N, fs)
     up = linear_forward(x, w.shared_up)  # (N, fs)
     keep("moe.shared_gate", gate)
@@ -193,7 +194,7 @@ def shared_expert_forward(x, w, keep, need_output=True):
     act = swiglu_forward(gate, up)  # (N, fs)
     keep("moe.shared_act", act)
     del gate, up
-    return linear_forward(act, w.shared_down) if need_output else None  # (N, h)
+    return tail(linear_forward, act, w.shared_down)  # (N, h)
 
 
 def shared_expert_backward(dm, x, w, take, dx):

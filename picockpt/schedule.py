@@ -73,7 +73,7 @@ class Schedule:
     forward: tuple
     sweep_modes: dict = None      # target -> {k: mode}; None means "all" for every layer
     head: str = "all"             # the model head's op level: "all" (the policy's) or "all:cheap"
-    stop_early: bool = False      # a recompute sweep skips its last layer's down projection
+    stop_early: bool = False      # a recompute sweep skips its last layer's tail (picockpt/tail.py)
     host: tuple = None            # per layer, a frozenset of names offloaded in the first forward
 
     def __post_init__(self):  # every mode parsed once, here

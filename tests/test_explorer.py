@@ -11,8 +11,9 @@ from picockpt.planner import least_budget, model_chain, plan_chain
 from picockpt.reproduce import LESSONS, run_percent
 
 sys.path.insert(0, str(LESSONS))
-from _explorer import (CAPACITIES, GIB, STORED, WORKING_T2_BYTES, Setup, cheapest_fit, gib,  # noqa: E402
-                       memory_parts, model_config, segment_curve, shape_of, stage_config, working_margin)
+from _explorer import (CAPACITIES, GIB, STORED, WORKING_T2_BYTES, Setup, cheapest_fit, gib, headline,  # noqa: E402
+                       memory_parts, model_config, model_state_by_stage, segment_curve, shape_of, stage_config,
+                       working_margin, zero_text)
 from picockpt import Config, init_params, loss_and_grads  # noqa: E402
 from picockpt.measure import make_batch  # noqa: E402
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms  # noqa: E402
@@ -183,3 +184,18 @@ def test_the_widgets_show_the_closed_forms(explorer, monkeypatch):
     controls["model"].value = "custom"  # an impossible shape: the reason, in red, instead of numbers
     controls["heads"].value = 7
     assert readout.value.startswith("<p style='color:#C44E52'>Config.hidden=8192 is not divisible by heads=7")
+
+
+def test_the_zero_stage_is_explicit_and_named():
+    setup = Setup(model="llama3-8b", seq=8192, dp=8, zero=3)
+    parameters = stage_config(setup).num_params()
+    by_stage = model_state_by_stage(setup)  # 6 + 4 + 8 bytes a parameter, each part over 8 from its stage on
+    assert by_stage == {0: 18 * parameters, 1: 10 * parameters + 8 * parameters // 8,
+                        2: 6 * parameters + 4 * parameters // 8 + 8 * parameters // 8,
+                        3: 6 * parameters // 8 + 4 * parameters // 8 + 8 * parameters // 8}
+    assert by_stage[3] == sum(memory_parts(setup)[part] for part in ("weights", "gradients", "optimizer state"))
+    assert zero_text(setup) == "ZeRO-3 over 8 data-parallel ranks (weights, gradients and optimizer state sharded, " \
+                               "as FSDP)"
+    assert headline(setup).endswith(", ZeRO-3 over 8") and headline(setup.replace(zero=0)).endswith(", no ZeRO")
+    assert zero_text(setup.replace(dp=1)).startswith("ZeRO-3 over 1 rank (nothing sharded")
+    assert model_state_by_stage(setup.replace(dp=1)) == dict.fromkeys(range(4), 18 * parameters)

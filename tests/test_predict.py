@@ -9,6 +9,8 @@ from picockpt import Config
 from picockpt.cli import main
 from picockpt.formulas import korthikanti_layer_bytes
 from picockpt.inventory import predicted_peak_bytes
+from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes
+from picockpt.parallel.data_parallel.zero_inventory import model_state_bytes, zero_paper_bytes, zero_paper_parts
 
 KEYS = ("model", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "recompute", "tp", "sp", "formula",
         "per_layer_bytes", "per_layer_gib", "embedding_dropout_bytes", "activation_bytes", "activation_gib",
@@ -70,3 +72,63 @@ def test_user_mistakes_are_one_line_errors(args, message):
     out = subprocess.run([sys.executable, "-m", "picockpt", "predict", *args], capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_model_state_per_gpu_is_zero_inventorys(capsys, stage):
+    row = predict_json(capsys, "--model", "llama3-70b", "--seq", "8192", "--recompute", "full",
+                       "--zero", str(stage), "--dp", "8")
+    cfg = Config.from_preset("llama3-70b", dtype="bf16")
+    zero, psi = row["zero"], cfg.num_params()
+    assert zero["picockpt"] == model_state_bytes(cfg, stage, 8)
+    assert zero["paper"] == zero_paper_parts(psi, stage, K=12, N_d=8)
+    assert zero["paper_model_state_bytes"] == pytest.approx(zero_paper_bytes(psi, K=12, N_d=8)[stage])
+    assert zero["picockpt_activation_bytes"] == predicted_peak_bytes(cfg, 1, 8192, "full")  # one rank's micro-batch
+    gathered = zero["picockpt_gathered_bytes"]
+    assert (gathered > 0) == (stage == 3)
+    assert zero["picockpt_total_bytes"] == sum(zero["picockpt"].values()) + gathered + zero["picockpt_activation_bytes"]
+    assert zero["picockpt_model_state_by_stage"][str(stage)] == sum(zero["picockpt"].values())
+    units = cfg.layers + 2  # the embedding, the layers, the head: one AdamW step count (4 bytes) each
+    assert zero["picockpt_model_state_by_stage"]["0"] == 16 * psi + 4 * units  # fp32 weights, gradients, 2 moments
+    assert row["gpu_bytes"] == 80 * 2**30
+
+
+def test_zero_table_names_the_stage_and_the_verdict(capsys):
+    assert main(["predict", "--model", "llama3-8b", "--seq", "4096", "--zero", "3", "--dp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 3 over 8 data-parallel ranks" in out and "gathered parameters in flight" in out
+    assert "total per GPU: picockpt" in out and "fits" in out
+
+
+def test_context_parallel_per_rank_is_cp_inventorys(capsys):
+    row = predict_json(capsys, "--model", "llama3-8b", "--seq", "8192", "--attention", "fused", "--recompute", "full",
+                       "--cp", "4", "--cp-comm", "allgather", "--keep-kv")
+    cfg = Config.from_preset("llama3-8b", dtype="bf16", attention="fused")
+    cp = row["cp"]
+    assert cp["rank_tokens"] == 2048
+    assert cp["peak_bytes"] == cp_peak_bytes(cfg, 1, 8192, "full", 4, "allgather", True)
+    assert cp["every_peak_bytes"]["1"] == cp["peak_bytes"]  # full is every:1
+    assert cp["every_peak_bytes"]["32"] == cp_peak_bytes(cfg, 1, 8192, "every:32", 4, "allgather", True)
+    assert cp["comm_bytes"] == cp_comm_bytes(cfg, 1, 8192, "full", 4, "allgather", True)
+    assert cp_peak_bytes(cfg, 1, 8192, "full", 4, "allgather", True) > cp_peak_bytes(cfg, 1, 8192, "full", 4)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--zero", "2"], "--zero 2 with --dp 1"),
+    (["--zero", "4", "--dp", "8"], "invalid choice: 4"),
+    (["--dp", "8"], "--dp 8 without --zero"),
+    (["--zero", "3", "--dp", "8", "--tp", "8"], "--zero 3 with --tp 8: predict cannot compute"),
+    (["--zero", "3", "--dp", "8", "--cp", "2", "--attention", "fused"], "--zero 3 with --cp 2: predict cannot"),
+    (["--cp", "4"], "--cp=4 (with --attention eager)"),
+    (["--cp", "4", "--tp", "8", "--attention", "fused"], "--cp 4 with --tp 8: predict cannot compute"),
+    (["--keep-kv"], "--keep-kv without --cp"),
+    (["--cp", "3", "--seq", "4096", "--attention", "fused"], "seq=4096 with cp=3"),
+    (["--gpu-gib", "0"], "--gpu-gib=0"),
+])
+def test_parallel_mistakes_are_one_line_errors(capsys, args, message):
+    try:  # in this process (test_user_mistakes_are_one_line_errors runs the command itself)
+        code = main(["predict", *args])
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err

@@ -9,6 +9,7 @@ which its tracker matches to the byte on shapes that do run.
 
     python -m picockpt predict --model llama3-8b --seq 4096 --recompute selective
     python -m picockpt predict --model llama3-70b --seq 8192 --tp 8 --sp --json
+    python -m picockpt predict --model llama3-70b --seq 8192 --zero 3 --dp 8     (predict_parallel.py)
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ from ..parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_flops,
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from ..policy import SELECTIVE
 from .common import add_shape_args, config_from_args, fmt_bytes
+from .predict_parallel import add_parallel_arguments, add_parallel_rows, check_parallel, print_parallel
 
 POLICY_OF = {"none": "none", "selective": "selective", "full": "full"}  # --recompute -> picockpt policy
 
@@ -35,6 +37,7 @@ def add_arguments(parser):
     parser.add_argument("--distribute-saved", action="store_true",
                         help="picockpt's per-rank figures with distributed saved activations (without --sp: each "
                              "rank keeps 1/t of every checkpoint, as Megatron's --distribute-saved-activations)")
+    add_parallel_arguments(parser)  # --zero/--dp, --cp (predict_parallel.py)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -58,10 +61,12 @@ def run(args):
     if args.distribute_saved and args.sp:
         raise ValueError("--distribute-saved with --sp: under sequence parallelism the checkpoints are already split "
                          "over the ranks; use one or the other")
+    check_parallel(args, cfg, POLICY_OF[recompute])
     args.recompute = recompute
     row = predict(cfg, args.batch, args.seq, args.recompute, args.tp, args.sp)
     row.update(per_rank(cfg, args.batch, args.seq, args.recompute, args.tp, args.sp, args.distribute_saved))
     row["model"] = args.preset
+    add_parallel_rows(row, args, cfg, POLICY_OF[recompute])
     if args.json:
         print(json.dumps(row, indent=1))
         return
@@ -210,6 +215,7 @@ def _print_table(row):
           f"recompute {own['recompute']:.3e} (+{own['recompute'] / (own['forward'] + own['backward']):.1%}); "
           f"GPT-shape formula (f = 4h, no GQA) recompute +"
           f"{published['recompute'] / (published['forward'] + published['backward']):.1%}")
+    print_parallel(row)
 
 
 def _print_table2(row):

@@ -105,9 +105,9 @@ class ContextParallelModel(Model):  # Model.start: this step's weights, then the
         cos, sin = rope_tables(self.cfg, self.layout.seq, self.input_ids.device, self.cfg.torch_dtype)  # (T, hd)
         self.rope = cos[self.positions], sin[self.positions]  # (n, hd) x2 the single process's rows
 
-    def layer_forward(self, k, x, store, drop, need_output):
+    def layer_forward(self, k, x, store, drop, tail):
         self.cross.store, self.cross.layer = self.store, k
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, need_output,
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, tail,
                              self.cross)  # (B, n, h)
 
     def layer_backward(self, k, dx, store):  # -> dx (B, n, h) and a LayerWeights of partial gradients

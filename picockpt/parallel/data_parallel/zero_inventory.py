@@ -42,10 +42,16 @@ STAGES = (1, 2, 3)
 PHASES = ("forward", "recompute", "backward", "optimizer")
 
 
+def zero_paper_parts(psi, stage, K=12, N_d=64):
+    """{param_bytes, grad_bytes, optimizer_bytes} per rank under `stage` (0..3), as the ZeRO paper counts them:
+    2 Psi fp16 parameters, 2 Psi fp16 gradients, K Psi optimizer state, each over N_d from its stage on."""
+    return {"param_bytes": 2 * psi / (N_d if stage >= 3 else 1), "grad_bytes": 2 * psi / (N_d if stage >= 2 else 1),
+            "optimizer_bytes": K * psi / (N_d if stage >= 1 else 1)}
+
+
 def zero_paper_bytes(psi, K=12, N_d=64):
-    """Bytes of model state per rank under stages 0..3, as the ZeRO paper counts them."""
-    return {0: (2 + 2 + K) * psi, 1: 2 * psi + 2 * psi + K * psi / N_d, 2: 2 * psi + (2 + K) * psi / N_d,
-            3: (2 + 2 + K) * psi / N_d}
+    """Bytes of model state per rank under stages 0..3, as the ZeRO paper counts them (zero_paper_parts, summed)."""
+    return {stage: sum(zero_paper_parts(psi, stage, K, N_d).values()) for stage in (0, 1, 2, 3)}
 
 
 def model_state_bytes(cfg, stage, world_size):

@@ -66,9 +66,9 @@ class ZeroModel(Model):
         with self.use("embed") as w:
             return embedding_forward(self.input_ids, w[EMBED])  # (b, T, h)
 
-    def layer_forward(self, k, x, store, drop, need_output):
+    def layer_forward(self, k, x, store, drop, tail):
         with self.use(k) as w, full_size_draws(self.rows, dim=0, dropout=self.cfg.dropout):  # its rows of the masks
-            return layer_forward(x, layer_weights(w, k), self.cfg, self.rope, store, k, drop, need_output)  # (b, T, h)
+            return layer_forward(x, layer_weights(w, k), self.cfg, self.rope, store, k, drop, tail)  # (b, T, h)
 
     def layer_backward(self, k, dx, store):
         with self.use(k) as w:

@@ -63,9 +63,9 @@ class ExpertParallelCrossings(Crossings):
     def layer_draws(self):  # dropout masks and router jitter: the whole batch's, this rank's sequences
         return full_size_draws(self.comm, dim=0, dropout=1.0 if self.cfg.draws_random else 0)
 
-    def mlp_forward(self, xn2, w, cfg, keep, need_output):
+    def mlp_forward(self, xn2, w, cfg, keep, tail):
         return ep_moe_forward(xn2, w, cfg, self.comm, keep, self.kept, self.first_expert, self.keep_dispatched,
-                              need_output)  # (B_r, T, h), or None
+                              tail)  # (B_r, T, h), or None: its tail skipped
 
     def mlp_backward(self, grad, normed, w, cfg, take):
         return ep_moe_backward(grad, normed, w, cfg, self.comm, take, self.first_expert)  # (B_r, T, h), {role: grad}

@@ -50,10 +50,10 @@ class ExpertParallelModel(Model):  # Model.start: this step's weights (this rank
     def load_input(self, store, k, whole):
         return store.get(k, "input")  # (B_r, T, h)
 
-    def layer_forward(self, k, x, store, drop, need_output):
+    def layer_forward(self, k, x, store, drop, tail):
         kept = KeptRouting(self.store, k, self.received_rows)  # the step's store, whatever the layer's mode
         cross = ExpertParallelCrossings(self.comm, self.cfg, kept, self.first_expert, self.keep_dispatched)
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, ep_drop(drop), need_output,
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, ep_drop(drop), tail,
                              cross)  # (B_r, T, h)
 
     def layer_backward(self, k, dx, store):

@@ -48,6 +48,7 @@ import torch
 
 from ...moe import block_input_backward, expert_backward, expert_forward, route
 from ...moe import routed_input, shared_expert_forward, weigh
+from ...tail import RUN_TAIL
 from ...ops.router import combine_weights, expert_counts, expert_groups
 from .ep_comm import all_to_all_backward, all_to_all_forward
 
@@ -79,8 +80,10 @@ def local_groups(received):
         yield e, rows
 
 
-def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, need_output=True):
-    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None (need_output=False).
+def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, tail=RUN_TAIL):
+    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None (tail SKIP_TAIL:
+    each expert's down projection and weighing, the combine and the shared expert's down projection are
+    its tail, picockpt/tail.py; each runs where it belongs, or none does).
     keep(name, tensor): the layer's keep (the policy's: stored whole or not); kept: the layer's
     KeptRouting (ep_layer.py), which holds what every first forward keeps and a recompute reads.
     w holds this rank's experts (E_l of them, first_expert the global id of the first)."""
@@ -108,26 +111,27 @@ def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=F
         store_rows("moe.dispatched", rows)
         store_rows("moe.dispatched_weights", row_weights)
     del index, weights
-    out_rows = torch.empty_like(rows) if need_output else None  # (M, h) every row is one local expert's
+    out_rows = tail(torch.empty_like, rows)  # (M, h) every row is one local expert's
     for e, rows_e in local_groups(received):
         y = expert_forward(lambda: rows[rows_e], w.experts_gate_up[e], w.experts_down[e], keep,  # noqa: B023
-                           first_expert + e, need_output)  # (n_e, h) on its rows from every rank
-        if need_output:
-            out_rows[rows_e] = weigh(y, row_weights, rows_e, stat)  # (n_e, h) w * y, weighed where y is
+                           first_expert + e, tail)  # (n_e, h) on its rows from every rank, or None
+        tail(weigh_into, out_rows, rows_e, y, row_weights, stat)  # (n_e, h) w * y, weighed where y is
         del y
     del rows, row_weights
-    out = None
-    if need_output:
-        # combine: the inverse all-to-all, each weighted row back to its token's rank (M rows out, P in)
-        back = all_to_all_forward(out_rows, comm, plan.receive, plan.send)  # (P, h) in this rank's pair order
-        del out_rows
-        out = torch.zeros_like(x).index_add_(0, plan.tokens, back)  # (N_r, h) summed over each token's slots
-        del back
+    # combine: the inverse all-to-all, each weighted row back to its token's rank (M rows out, P in)
+    back = tail(all_to_all_forward, out_rows, comm, plan.receive, plan.send)  # (P, h) in this rank's pair order
+    del out_rows
+    out = tail(lambda: torch.zeros_like(x).index_add_(0, plan.tokens, back))  # (N_r, h) summed over each token's slots
+    del back
     if getattr(w, "shared_gate", None) is not None:  # the shared expert: replicated, on this rank's tokens
-        shared = shared_expert_forward(x, w, keep, need_output)  # (N_r, h), or None
-        if need_output:
-            out += shared  # (N_r, h)
-    return out.view(B, T, h) if need_output else None
+        shared = shared_expert_forward(x, w, keep, tail)  # (N_r, h), or None: its tail skipped
+        tail(lambda: out.add_(shared))  # (N_r, h)
+    return tail(lambda: out.view(B, T, h))  # (B_r, T, h)
+
+
+def weigh_into(out_rows, rows_e, y, row_weights, stat):
+    """An expert's outputs y (n_e, h) times their rows' weights, into out_rows (M, h) at rows_e."""
+    out_rows[rows_e] = weigh(y, row_weights, rows_e, stat)  # (n_e, h)
 
 
 def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):

@@ -102,9 +102,9 @@ class StageModel:
     def load_input(self, store, k, whole):
         return self.inner.load_input(store, k, whole)
 
-    def layer_forward(self, k, x, store, drop, need_output):
+    def layer_forward(self, k, x, store, drop, tail):
         with full_size_draws(self.rows, dim=0, dropout=1.0 if self.cfg.draws_random else 0):  # its rows of each mask
-            return self.inner.layer_forward(k, x, store, drop, need_output)  # (b, n, h)
+            return self.inner.layer_forward(k, x, store, drop, tail)  # (b, n, h)
 
     def layer_backward(self, k, dx, store):
         dx, grads = self.inner.layer_backward(k, dx, store)  # (b, n, h), LayerWeights

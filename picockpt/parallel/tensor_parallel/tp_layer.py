@@ -70,8 +70,8 @@ class TensorParallelCrossings(Crossings):
         whole = (B, n * self.comm.world_size if self.sp else n, h)
         return sliced_mask(whole, p, device, self.comm, 1 if self.sp else None)  # (B, n, h) bool
 
-    def mlp_forward(self, xn2, w, cfg, keep, need_output):
-        return mlp_block_forward(xn2, w, keep, need_output)  # (B, T, h) partial: this rank's f/t, or None
+    def mlp_forward(self, xn2, w, cfg, keep, tail):
+        return mlp_block_forward(xn2, w, keep, tail)  # (B, T, h) partial: this rank's f/t, or None
 
     def mlp_backward(self, grad, normed, w, cfg, take):
         dxn2, (d_gate, d_up, d_down) = mlp_block_backward(grad, normed, w, take)  # (B, T, h) partial

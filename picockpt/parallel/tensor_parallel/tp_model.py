@@ -59,8 +59,8 @@ class TensorParallelModel(Model):  # Model.start: this step's weights (this rank
             store.put(k, "input", x)
         return x
 
-    def layer_forward(self, k, x, store, drop, need_output):
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, need_output,
+    def layer_forward(self, k, x, store, drop, tail):
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, tail,
                              self.cross)  # (B, n, h)
 
     def layer_backward(self, k, dx, store):  # -> dx (B, n, h) and this rank's LayerWeights of gradients

@@ -1,0 +1,162 @@
+"""predict's data- and context-parallel rows: ZeRO's model state per GPU, context parallelism's activations per rank.
+
+    python -m picockpt predict --model llama3-70b --seq 8192 --zero 3 --dp 8
+    python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --recompute full
+
+--zero N --dp D: one GPU's parameters, gradients and AdamW state under ZeRO stage N over D data-parallel
+ranks, twice: as the ZeRO paper counts them (zero_inventory.zero_paper_parts: fp16 parameters and
+gradients, K = 12 bytes of Adam state per parameter) and as picockpt holds them (model_state_bytes: fp32
+parameters and gradients, AdamW's two fp32 moments, flat units padded to a multiple of D), beside the
+activations of one rank's micro-batch (--batch sequences per rank: data parallelism does not split them)
+and, under stage 3, the gathered parameters in flight; the total against --gpu-gib.
+
+--cp C: one rank's activation store with every activation split over C ranks along the sequence
+(cp_inventory.cp_peak_bytes: the single process's inventory at n = T/C tokens, plus the other ranks'
+K/V under --cp-comm allgather --keep-kv), for the --recompute policy and for every:C' at each C'.
+"""
+from ..formulas import GIB
+from ..inventory import predicted_peak_bytes
+from ..parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes
+from ..parallel.context_parallel.cp_step import check_context_parallel
+from ..parallel.data_parallel.zero_inventory import gathered_peak_bytes, model_state_bytes, zero_paper_parts
+
+STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def add_parallel_arguments(parser):
+    parser.add_argument("--zero", type=int, choices=(1, 2, 3),
+                        help="ZeRO stage: 1 shards the optimizer state over the --dp ranks, 2 the gradients too, "
+                             "3 the parameters too (needs --dp D >= 2)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks D that --zero shards over (default 1)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel ranks: every activation split over them along the sequence "
+                             "(needs --attention tiled or fused; default 1)")
+    parser.add_argument("--cp-comm", default="ring", choices=("ring", "allgather"),
+                        help="how --cp ranks get the earlier K/V: a ring of cp - 1 steps (default) or one all-gather")
+    parser.add_argument("--keep-kv", action="store_true",
+                        help="--cp-comm allgather: keep the gathered K/V for the recomputation and the backward")
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="GiB of one GPU for the totals (default 80)")
+
+
+def check_parallel(args, cfg, policy):
+    """One-line ValueErrors for what predict cannot compute, before any work."""
+    if args.gpu_gib <= 0:
+        raise ValueError(f"--gpu-gib={args.gpu_gib}: give the GPU's memory in GiB, e.g. --gpu-gib 80")
+    if args.zero is not None and args.dp < 2:
+        raise ValueError(f"--zero {args.zero} with --dp {args.dp}: ZeRO shards over data-parallel ranks; "
+                         f"give --dp D >= 2, e.g. --zero {args.zero} --dp 8")
+    if args.zero is None and args.dp != 1:
+        raise ValueError(f"--dp {args.dp} without --zero: plain data parallelism keeps the whole model state on "
+                         f"every rank and does not split the activations; add --zero 1, 2 or 3 to shard it")
+    if args.zero is not None and (args.tp > 1 or args.cp > 1):
+        other = f"--tp {args.tp}" if args.tp > 1 else f"--cp {args.cp}"
+        raise ValueError(f"--zero {args.zero} with {other}: predict cannot compute this combination "
+                         f"(zero_inventory.py counts ZeRO over data-parallel ranks alone, each holding the whole "
+                         f"model, as picockpt runs it); leave out {other.split()[0]} or --zero")
+    if args.cp < 1:
+        raise ValueError(f"--cp={args.cp}: give a whole number of context-parallel ranks, 1 or more")
+    if args.cp == 1 and (args.cp_comm != "ring" or args.keep_kv):
+        raise ValueError("--cp-comm or --keep-kv without --cp: they choose how context-parallel ranks share "
+                         "K/V; add --cp C >= 2, or leave them out")
+    if args.cp > 1:
+        if args.tp > 1:
+            raise ValueError(f"--cp {args.cp} with --tp {args.tp}: predict cannot compute this combination "
+                             f"(cp_inventory.py models context parallelism alone: every rank holds whole layers "
+                             f"on T/cp tokens; a tensor x context parallel rank is not modelled); "
+                             f"leave out --tp for the per-rank bytes of cp alone")
+        try:
+            check_context_parallel(cfg, args.cp, args.seq, "zigzag", args.cp_comm, args.keep_kv, policy)
+        except ValueError as error:
+            raise ValueError(f"--cp={args.cp} (with --attention {cfg.attention}): {error}") from None
+
+
+def zero_row(cfg, batch, seq, policy, stage, dp):
+    """One GPU under ZeRO `stage` over `dp` ranks, `batch` sequences per rank: the paper's and picockpt's
+    model state by part, picockpt's activations and (stage 3) gathered parameters, their totals."""
+    psi = cfg.num_params()
+    paper = zero_paper_parts(psi, stage, K=12, N_d=dp)
+    own = model_state_bytes(cfg, stage, dp)
+    gathered = max(gathered_peak_bytes(cfg, batch * dp, seq, policy, dp).values()) if stage == 3 else 0
+    activations = predicted_peak_bytes(cfg, batch, seq, policy)
+    by_stage = {s: sum(model_state_bytes(cfg, max(s, 1), dp if s else 1).values())  # stage 0: one rank's whole
+                for s in (0, 1, 2, 3)}
+    return {"stage": stage, "dp": dp, "parameters": psi, "policy": policy,
+            "paper": paper, "paper_model_state_bytes": sum(paper.values()),
+            "picockpt": own, "picockpt_model_state_bytes": sum(own.values()),
+            "picockpt_gathered_bytes": gathered, "picockpt_activation_bytes": activations,
+            "picockpt_total_bytes": sum(own.values()) + gathered + activations,
+            "picockpt_model_state_by_stage": by_stage}
+
+
+def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
+    """One of `cp` context-parallel ranks: its store's peak under `policy` and under every:C for C = 1..L."""
+    every = {C: cp_peak_bytes(cfg, batch, seq, f"every:{C}", cp, cp_comm, keep_kv) for C in range(1, cfg.layers + 1)}
+    return {"cp": cp, "cp_comm": cp_comm, "keep_kv": keep_kv, "rank_tokens": seq // cp, "policy": policy,
+            "peak_bytes": cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm, keep_kv),
+            "every_peak_bytes": every, "comm_bytes": cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm, keep_kv)}
+
+
+def add_parallel_rows(row, args, cfg, policy):
+    if args.zero is not None:
+        row["zero"] = zero_row(cfg, args.batch, args.seq, policy, args.zero, args.dp)
+    if args.cp > 1:
+        row["cp"] = cp_row(cfg, args.batch, args.seq, policy, args.cp, args.cp_comm, args.keep_kv)
+    row["gpu_bytes"] = int(args.gpu_gib * GIB)
+
+
+def _gib(n):
+    return f"{n / GIB:,.2f} GiB"
+
+
+def _verdict(total, capacity):
+    return f"fits, {_gib(capacity - total)} to spare" if total <= capacity else \
+        f"does not fit, {_gib(total - capacity)} over"
+
+
+def print_parallel(row):
+    capacity = row["gpu_bytes"]
+    if "zero" in row:
+        z, stage, dp = row["zero"], row["zero"]["stage"], row["zero"]["dp"]
+        print(f"ZeRO stage {stage} over {dp} data-parallel ranks, model state per GPU of Psi = {z['parameters']:,} "
+              f"parameters (parallel/data_parallel/zero_inventory.py):")
+        print(f"  {'':<26}{'ZeRO paper: fp16 + K=12 Adam':>30}{'picockpt: fp32, AdamW':>26}")
+        names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optimizer_bytes": "optimizer state"}
+        for key, name in names.items():
+            print(f"  {name:<26}{_gib(z['paper'][key]):>30}{_gib(z['picockpt'][key]):>26}")
+        print(f"  {'model state':<26}{_gib(z['paper_model_state_bytes']):>30}{_gib(z['picockpt_model_state_bytes']):>26}")
+        print(f"  by stage (picockpt, over {dp}): " + ", ".join(
+            f"{s} {_gib(n)}" for s, n in z["picockpt_model_state_by_stage"].items()))
+        if stage == 3:
+            print(f"  gathered parameters in flight (stage 3, with prefetch): {_gib(z['picockpt_gathered_bytes'])}")
+        print(f"  activations of one rank's micro-batch (picockpt's store, {z['policy']}): "
+              f"{_gib(z['picockpt_activation_bytes'])}; Korthikanti's: {_gib(row['activation_bytes'])}")
+        total, published = z["picockpt_total_bytes"], z["paper_model_state_bytes"] + row["activation_bytes"]
+        print(f"  total per GPU: picockpt {_gib(total)} ({_verdict(total, capacity)} in {_gib(capacity)}); "
+              f"the paper's state + Korthikanti's activations {_gib(published)} ({_verdict(published, capacity)}); "
+              f"working memory not counted")
+    if "cp" in row:
+        c = row["cp"]
+        every = c["every_peak_bytes"]
+        best = min(every, key=every.get)
+        fitting = [C for C, n in every.items() if n <= capacity]
+        comm = c["comm_bytes"]
+        print(f"context parallel over {c['cp']} ranks ({c['cp_comm']}{', K/V kept' if c['keep_kv'] else ''}, "
+              f"zigzag), per rank: {c['rank_tokens']:,} tokens (parallel/context_parallel/cp_inventory.py: the "
+              f"activation store only, no weights, working memory or K/V blocks in flight):")
+        print(f"  {c['policy']}: {_gib(c['peak_bytes'])} stored; communication forward {_gib(comm['forward'])}, "
+              f"recompute {_gib(comm['recompute'])}, backward {_gib(comm['backward'])}")
+        print(f"  every:C: least at C = {best}, {_gib(every[best])}; C = 1 (full) {_gib(every[1])}; "
+              f"C = {len(every)} {_gib(every[len(every)])}")
+        print(f"  activations alone in {_gib(capacity)}: " + (
+            f"every:C fits for C = {_ranges(fitting)}" if fitting else "no every:C fits"))
+
+
+def _ranges(values):
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    spans = []
+    for value in values:
+        if spans and value == spans[-1][1] + 1:
+            spans[-1][1] = value
+        else:
+            spans.append([value, value])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
