@@ -1,9 +1,12 @@
 """The lessons run, write the figures they claim, answer their exercises right, and their
 measurements equal the formulas.
 
-Every lesson runs with --fast as a script runs it (in this process, as `python -m picockpt reproduce`
-does): a percent-format lesson's cells through runpy, a script in the older format through its
-main(argv). tests/test_notebooks.py executes the same lessons as notebooks, in a Jupyter kernel.
+tests/test_notebooks.py executes every lesson as a notebook at --fast, in a Jupyter kernel, and checks
+its figures, its summary and its exercises. Here the same checks run on the lessons as a script runs
+them (in this process, as `python -m picockpt reproduce` does: a percent-format lesson's cells through
+runpy, a script in the older format through its main(argv)): every older-format script, the first
+lessons, and every lesson that spawns ranks, whose script form differs where it matters (spawned ranks
+re-import the lesson: its __main__ guard). The others' cells are the notebook test's, run once.
 Figures go to a temporary folder ($PICOCKPT_FIGURES), so the committed PNGs in figures/ stay
 untouched. New lessons are picked up by their file names.
 """
@@ -26,6 +29,8 @@ from picockpt.reproduce import LESSONS, checks, discover, kind, load, run_lesson
 
 SCRIPTS = discover(kinds=(".py",))
 PERCENT = [path for path in SCRIPTS if kind(path) == "percent"]
+AS_SCRIPTS = [path for path in SCRIPTS if kind(path) != "percent" or path.name[:2] in ("00", "01")
+              or "spawning_ranks(" in path.read_text()]  # the rest run as notebooks (test_notebooks.py)
 PNG = b"\x89PNG\r\n\x1a\n"
 FAST = ["--fast", "--device", "cpu"]
 
@@ -72,7 +77,7 @@ def test_lessons_are_found():
     assert {"00_start_here.py", "00_memory_explorer.py", "02_deriving_L_over_C_plus_C.py"} <= set(names)
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("script", AS_SCRIPTS, ids=lambda p: p.stem)
 def test_lesson_runs_as_a_script(script, figures):
     result, _, exercises = run_fast(script)
     if script.name != "00_start_here.py":  # the orientation notebook draws nothing

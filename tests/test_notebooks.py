@@ -119,9 +119,13 @@ def test_notebook_executes_fast(source, fast_runs):
     assert seconds < NOTEBOOK_BUDGET_S, f"{source.stem} took {seconds:.0f} s (budget {NOTEBOOK_BUDGET_S} s)"
     report = json.loads(printed.strip().splitlines()[-1])
     assert report["mode"] == "fast"  # the flags came from $PICOCKPT_LESSON_ARGS, not from the kernel's argv
+    if source.name != "00_start_here.py":  # the orientation notebook draws nothing
+        assert report["result"]["figures"], f"{source.name} claims no figure"
     for path in report["result"]["figures"]:
         path = pathlib.Path(path)
         assert path.parent == figures and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+        assert path.stat().st_size > 5000, f"{path} is not a real PNG figure"
+    assert isinstance(report["result"]["summary"], dict) and report["result"]["summary"]
     for key, value in report["result"]["summary"].items():
         if isinstance(value, bool) and ("=" in key or "exists" in key):
             assert value, f"{source.name}: {key} is False"
