@@ -1,6 +1,6 @@
 """Each lesson is one source: its committed notebook has the same cells, was executed at the CPU
-run's shapes, and the lesson runs as a notebook (a Jupyter kernel, --fast from $PICOCKPT_LESSON_ARGS)
-within a time budget, its exercises answered right.
+run's shapes, and the lesson runs as a notebook (a Jupyter kernel, --fast from $PICOCKPT_LESSON_ARGS),
+each cell within a timeout, its exercises answered right.
 
 A failing drift test means a lesson's .py changed without its notebook: `python -m picockpt
 notebooks --only NN` makes the notebook again (executed; it also rewrites the lesson's figures).
@@ -13,7 +13,6 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import time
 
 import nbformat
 import pytest
@@ -24,7 +23,6 @@ from picockpt.reproduce import LESSONS, discover, kind
 
 PERCENT = [path for path in discover(kinds=(".py",)) if kind(path) == "percent"]
 CELL_TIMEOUT_S = 120        # one notebook cell
-NOTEBOOK_BUDGET_S = 60      # one whole notebook at --fast, kernel start included (each takes 3-20 s on 2 cores)
 FAST_TIMING = "timing not meaningful at --fast shapes"
 AFTER = """
 import json as _json, sys as _sys
@@ -89,12 +87,10 @@ def test_the_check_command_agrees():
 # ---- every lesson runs as a notebook ------------------------------------------------------------
 
 def execute_fast(source, figures):
-    """One lesson as a notebook at --fast, in a kernel of its own, its figures into `figures`: (seconds, the
-    text AFTER printed). Runs in a worker process, so the environment is its own."""
+    """One lesson as a notebook at --fast, in a kernel of its own, its figures into `figures`: the text AFTER
+    printed. Runs in a worker process, so the environment is its own."""
     os.environ["PICOCKPT_FIGURES"] = str(figures)
-    start = time.perf_counter()
-    _, printed = execute(notebook(cells(source)), source.parent, "--fast --device cpu", CELL_TIMEOUT_S, then=AFTER)
-    return time.perf_counter() - start, printed
+    return execute(notebook(cells(source)), source.parent, "--fast --device cpu", CELL_TIMEOUT_S, then=AFTER)[1]
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +111,8 @@ def fast_runs(request, tmp_path_factory):
 @pytest.mark.parametrize("source", PERCENT, ids=ids)
 def test_notebook_executes_fast(source, fast_runs):
     future, figures = fast_runs[source.stem]
-    seconds, printed = future.result()
-    assert seconds < NOTEBOOK_BUDGET_S, f"{source.stem} took {seconds:.0f} s (budget {NOTEBOOK_BUDGET_S} s)"
+    printed = future.result()  # its time is not asserted: a timed unit test on a shared machine is noise (a
+    #                            first kernel start has taken 120 s); each cell's timeout still bounds a hang
     report = json.loads(printed.strip().splitlines()[-1])
     assert report["mode"] == "fast"  # the flags came from $PICOCKPT_LESSON_ARGS, not from the kernel's argv
     if source.name != "00_start_here.py":  # the orientation notebook draws nothing
