@@ -34,7 +34,10 @@
 #
 # (each all-gather counted as its gathered output, each reduce-scatter as its full input, the ring as what
 # a rank passes on: `picockpt/parallel/comm.py`). `full` and `every:C` recompute a layer's forward, and so
-# its ring or gather again; `selective` and `cheap` rebuild inside a layer and move nothing.
+# its ring or gather again; `selective` and `cheap` rebuild inside a layer and move nothing. `budget:SIZE`
+# plans each rank with a recomputed layer's ring priced as compute time (its bytes over a 400 Gb/s link,
+# at an H200's 989 TFLOP/s); with tiled or fused attention no rebuild inside a dense layer costs FLOPs, so the
+# plan of least recomputation already recomputes the fewest layers and the price never changes it.
 #
 # What to look at (measured on gloo ranks; every number held to the closed forms of
 # `picockpt/parallel/context_parallel/cp_inventory.py`, to the byte):
@@ -43,6 +46,16 @@
 #   closed form's curve ($cp = 1$ is the single process).
 # * **communication**: under `full`, the bytes per phase of the ring, the all-gather and the kept all-gather.
 # * **balance**: per-rank attention FLOPs, zigzag against contiguous, and Llama 3 8B at 128K tokens.
+# * **beside tensor parallelism**: Llama 3 405B at 128K tokens with $tp = 8$, where $cp$ goes on after $tp$
+#   runs out of K/V heads.
+#
+# Context parallelism runs through the same rank step as every other layout (`picockpt/parallel/rank.py`):
+# beside tensor parallelism a rank runs the tensor-parallel layer on its $T/cp$ tokens and passes the K/V of
+# its $KV/t$ heads round its ring; beside data parallelism every replicated weight's gradient is summed over
+# the $dp \times cp$ ranks (the data-parallel buckets' group; picotron's `cp_dp_group` is the same group);
+# beside pipeline parallelism each stage splits its micro-batches' sequences the same way and passes on a
+# $(b, T/cp, h)$ activation: `parallel.loss_and_grads(..., cp=2, tp=2)`, `(..., cp=2, dp=2)` or
+# `(..., cp=2, pp=2, microbatches=2)`, every rank held to the same closed forms (`tests/test_parallel_cp.py`).
 #
 # **Run it** as a script, `python lessons/14_context_parallelism.py` (the CPU run: 2 and 4 gloo ranks, about
 # a minute; `--fast` for seconds, what the tests run; `--large --device cuda` for NCCL, one GPU per rank),
@@ -62,10 +75,11 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.formulas import GIB
 from picockpt.inventory import predicted_peak_bytes
 from picockpt.measure import make_batch
-from picockpt.parallel import run_ranks
+from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes, kept_kv_bytes
 from picockpt.parallel.context_parallel.cp_inventory import rank_attention_flops
-from picockpt.parallel.context_parallel.cp_step import ContextStep, cp_rank_steps
+from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
+from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
 from picockpt.tracker import Tracker
 
@@ -99,16 +113,18 @@ def measure(cfg, batch, seq, sizes, device):
             loss_and_grads(here, cfg, ids.to(device), targets.to(device), policy, tracker=tracker)
         out[1][policy] = [{"peak_activation_bytes": tracker.peak_logical,
                            "predicted_activation_bytes": predicted_peak_bytes(cfg, batch, seq, policy)}]
-    steps = {("none", "zigzag", "ring"): ContextStep(params, cfg, ids, targets, "none"),
-             ("none", "contiguous", "ring"): ContextStep(params, cfg, ids, targets, "none", "contiguous")}
-    for label, comm, keep in VARIANTS:
-        steps["full", "zigzag", label] = ContextStep(params, cfg, ids, targets, "full", "zigzag", comm, keep)
     start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     for cp in sizes:
+        steps = {("none", "zigzag", "ring"): ParallelJob(params, cfg, ids, targets, "none", cp=cp),
+                 ("none", "contiguous", "ring"): ParallelJob(params, cfg, ids, targets, "none", cp=cp,
+                                                             cp_layout="contiguous")}
+        for label, comm, keep in VARIANTS:
+            steps["full", "zigzag", label] = ParallelJob(params, cfg, ids, targets, "full", cp=cp, cp_comm=comm,
+                                                         cp_keep_kv=keep)
         with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
-            results = run_ranks(cp_rank_steps, cp, list(steps.values()), device=ranks_device(device, cp).type,
-                                start_method=start, timeout_s=300)
-        out[cp] = {key: [rank[i]["report"] for rank in results] for i, key in enumerate(steps)}
+            results = run_jobs(list(steps.values()), cp, device=ranks_device(device, cp).type, start_method=start,
+                               timeout_s=300)
+        out[cp] = {key: reports for key, (_, _, reports) in zip(steps, results)}
         out[cp]["none"], out[cp]["full"] = out[cp]["none", "zigzag", "ring"], out[cp]["full", "zigzag", "ring"]
     return out
 
@@ -237,7 +253,7 @@ for cp in sizes:
         balance[cp, layout] = max(flops) / (sum(flops) / cp)
         print(f"cp={cp} {layout:<11} forward GFLOP per rank: {', '.join(f'{f / 1e9:.3f}' for f in flops)}; "
               f"busiest / mean = {balance[cp, layout]:.3f}; attention (one matmul, one layer) "
-              + ", ".join(f"{r['attention_flops'] / 1e6:.1f}" for r in ranks) + " MFLOP")
+              + ", ".join(f"{r['predicted_attention_flops'] / 1e6:.1f}" for r in ranks) + " MFLOP")
 llama = Config.from_preset("llama3-8b", dtype="bfloat16", attention="fused")
 llama_sizes = (2, 4, 8, 16)
 llama_balance = {}
@@ -288,6 +304,42 @@ for cp in (1, 2, 4, 8, 16):
 logits = LLAMA_SEQ * llama.vocab * 2  # bytes of the (T, V) bf16 logits the unchunked head keeps
 print(f"(most of full's bytes are the head's logits, {logits / GIB:.1f} GiB / cp: lesson 09's chunked loss keeps "
       f"one log-sum-exp per token instead)")
+
+# %% [markdown]
+# ## Llama 3 405B at 128K tokens: context parallelism beside $tp = 8$
+#
+# The Llama 3 paper trained its 131072-token stage with $tp = 8$, $cp = 16$ and $pp = 16$ on 16,384 GPUs
+# (its table of parallelism configurations). Why not raise $tp$ instead? Its 8 key/value heads cap it: a
+# tensor-parallel rank computes whole K/V heads, so $tp \le 8$ (picockpt refuses more, naming the heads), and 8
+# is also one server's NVLink domain. Context parallelism keeps splitting past that, and beside $tp$ each rank
+# is a tensor-parallel rank on $T/cp$ tokens, passing the K/V of its $KV/t = 1$ head round its ring: that is the
+# form the composed step's $tp \times cp$ ranks equal to the byte (`tests/test_parallel_cp.py`), and what
+# `predict --cp 16 --tp 8 --sp` prints. Per rank, bf16, fused attention, sequence parallel, one sequence,
+# activations only (the paper's $pp = 16$ then gives each stage 8 of the 126 layers):
+
+# %%
+llama405 = Config.from_preset("llama3-405b", dtype="bf16", attention="fused")
+try:
+    check_tensor_parallel(llama405, 16, True, LLAMA_SEQ)
+except ValueError as error:
+    print(f"tp = 16: {error}")
+print(f"{'cp':>4} {'tokens':>7} {'full GiB':>9} {'best every:C':>13} {'tp forward GiB':>15} {'ring forward GiB':>17}")
+for cp in (1, 2, 4, 8, 16):
+    n = LLAMA_SEQ // cp
+    full = rank_peak_bytes(llama405, 1, n, "full", 8, True)
+    best_C = min(range(1, 15), key=lambda C: rank_peak_bytes(llama405, 1, n, f"every:{C}", 8, True))
+    best = rank_peak_bytes(llama405, 1, n, f"every:{best_C}", 8, True)
+    tp_forward = rank_comm_bytes(llama405, 1, n, "full", 8, True)["forward"]
+    ring_forward = cp_comm_bytes(llama405, 1, LLAMA_SEQ, "full", cp, t=8)["forward"]
+    print(f"{cp:>4} {n:>7,} {full / GIB:>9.2f} {best / GIB:>7.2f} (C={best_C}) {tp_forward / GIB:>15.1f} "
+          f"{ring_forward / GIB:>17.1f}")
+
+# %% [markdown]
+# Every doubling of $cp$ halves a rank's stored activations and its tensor-parallel traffic (both are linear
+# in its tokens), while the ring's bytes per rank grow towards one K/V of the whole sequence. Per layer and
+# rank the ring moves $(cp-1) \cdot 2\,n\,(KV/t)\,hd$ elements against sequence parallelism's four collectives
+# of $n\,h$ each, a ratio of $(cp-1) \cdot 2\,(KV/t)\,hd / (4h) = (cp-1)/256$ here: 6% at $cp = 16$. (The ring
+# attention paper hides each step's send behind the block it computes; picockpt's ring does not overlap yet.)
 
 # %% [markdown]
 # ## Exercises

@@ -33,6 +33,7 @@
 # * **model state**: a rank's parameter, gradient and optimizer bytes under each stage.
 # * **gathers**: stage 3's all-gather bytes per phase under `none`, `full` and `every:2`, with and without
 #   `keep_gathered`, and the most gathered bytes alive at once (without prefetch).
+# * **training**: a few steps of ZeRO-3 training, a new batch each step, against one process's training.
 #
 # **Run it** as a script, `python lessons/15_zero_and_recomputation.py` (the CPU run: 2 gloo ranks, under a
 # minute; `--fast` for seconds, what the tests run), or step through this notebook, where the same flags
@@ -49,12 +50,14 @@ import torch
 from _check import check
 from _lesson import choose, large, lesson_args, ranks_device, shape_line, small, spawning_ranks, wrote
 from picockpt import init_params
-from picockpt.measure import make_batch
+from picockpt.measure import make_batch, max_relative_diff
 from picockpt.parallel import run_ranks
+from picockpt.parallel.data_parallel import zero_train
 from picockpt.parallel.data_parallel.zero_inventory import gather_uses, model_state_bytes, zero_paper_bytes
 from picockpt.parallel.data_parallel.zero_step import zero_rank_steps
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
 from picockpt.policy import parse_policy
+from picockpt.train import MarkovTask, make_optimizer, train_step
 
 DP = 2
 CHOICES = (  # (label, stage, policy, keep_gathered)
@@ -63,6 +66,7 @@ CHOICES = (  # (label, stage, policy, keep_gathered)
     ("3 every:2", 3, "every:2", False), ("3 every:2 keep", 3, "every:2", True),
 )
 PHASES = ("forward", "recompute", "backward", "optimizer")
+START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 # %% [markdown]
@@ -90,9 +94,8 @@ def measure(cfg, batch, seq, device):
     jobs = [SimpleNamespace(params=params, cfg=cfg, input_ids=input_ids, targets=targets, policy=policy, zero=stage,
                             keep_gathered=keep, prefetch=False, rng_state=state, lr=3e-3, weight_decay=0.0, steps=1)
             for _, stage, policy, keep in CHOICES]
-    start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
-        results = run_ranks(zero_rank_steps, DP, jobs, device=device.type, start_method=start, timeout_s=300)
+        results = run_ranks(zero_rank_steps, DP, jobs, device=device.type, start_method=START, timeout_s=300)
     return {label: [rank[index]["report"] for rank in results] for index, (label, *_) in enumerate(CHOICES)}
 
 
@@ -162,6 +165,43 @@ paths = [plot(cfg, batch, seq, reports)]
 wrote(paths[-1])
 
 # %% [markdown]
+# ## Training with ZeRO is training
+#
+# `zero_train` (`picockpt/parallel/data_parallel/zero_train.py`, and `python -m picockpt train --dp 2 --zero 3`)
+# keeps the same ranks for every step and gives them a new batch each time; each rank steps AdamW on its
+# shards only. Against `picockpt/train.py`'s training in one process, on the same batches from the same
+# weights, only the order of additions differs: each rank sums the gradient over its half of the batch and
+# the reduce-scatter adds the two halves, where one process sums every row at once. Three steps at the
+# `--fast` shape, in fp64 and in fp32. In fp32 the parameters can drift further apart than the losses do:
+# AdamW divides each gradient element by the root of its own running square, so an element whose gradient
+# is near zero (a rare token's embedding row, a sum that nearly cancels) takes a step of a sizeable part of
+# the learning rate in whichever direction its last bits say.
+
+# %%
+def train_both(cfg, batch, seq, device, steps=3):
+    """(largest relative loss difference, largest relative difference of any parameter) after `steps` steps of
+    ZeRO-3 (full, keep_gathered) on DP ranks against one process."""
+    task = MarkovTask(cfg.vocab, seed=0)
+    batches = [task.batch(batch, seq) for _ in range(steps)]
+    params = init_params(cfg, seed=0)
+    with spawning_ranks():
+        losses, trained, _ = zero_train(params, cfg, batches, "full", dp=DP, zero=3, keep_gathered=True,
+                                        device=device.type, start_method=START, timeout_s=300)
+    single = {name: tensor.clone() for name, tensor in params.items()}
+    optimizer = make_optimizer(single)
+    single_losses = [train_step(single, optimizer, cfg, ids, targets) for ids, targets in batches]
+    return (max(abs(a - b) / b for a, b in zip(losses, single_losses)),
+            max(max_relative_diff(trained[name], single[name]) for name in single))
+
+
+fast_cfg, fast_batch, fast_seq = shape("fast")
+trained_diff = {dtype: train_both(fast_cfg.replace(dtype=dtype), fast_batch, fast_seq, ranks_device(args.device, DP))
+                for dtype in ("float64", "float32")}
+for dtype, (loss_diff, param_diff) in trained_diff.items():
+    print(f"{dtype}: 3 steps of ZeRO-3 training on {DP} ranks against one process: losses within {loss_diff:.1e}, "
+          f"parameters within {param_diff:.1e} (relative)")
+
+# %% [markdown]
 # ## Exercises
 #
 # **1.** The ZeRO paper's 7.5B model with $K = 12$ at $N_d = 64$: how many GB does a rank hold under stage 2?
@@ -204,4 +244,7 @@ check("bytes of model state per rank, small preset, stage 3, 2 ranks", answer, s
           f"plus a 4-byte AdamW step count per unit: {state}")
 
 # %%
-RESULT = {"figures": paths, "summary": {"closed forms exact": exact, "layer gathered bytes": layer_bytes}}
+RESULT = {"figures": paths, "summary": {"closed forms exact": exact, "layer gathered bytes": layer_bytes,
+                                       "ZeRO-3 training = one process in fp64 (rel <= 1e-10)":
+                                           trained_diff["float64"][1] <= 1e-10,
+                                       "fp32 trained parameters max rel diff": trained_diff["float32"][1]}}

@@ -3,10 +3,10 @@ loss and gradients (fp32 rel <= 1e-5), every policy bitwise equal to none within
 parameter, gradient, optimizer, activation and gathered bytes and its all-gathers / reduce-scatters per
 phase equal to their closed forms (picockpt/parallel/data_parallel/zero_inventory.py), keep_gathered's
 one gather fewer per recomputed layer, AdamW on the shards equal to the single process's after 3 steps,
-and torch's FSDP2 beside it.
+training on a new batch each step (zero_train) equal to picockpt/train.py's, and torch's FSDP2 beside it.
 
-One launch of 4 ranks runs every job in turn (zero_rank_steps): the dp=2 jobs on two pairs of ranks, the
-dp=4 jobs on all four, then torch's FSDP2. hidden=30, vocab=65, ffn=25: units of
+One launch of 4 ranks runs every job in turn (zero_rank_steps): the dp=2 jobs and the training runs on two
+pairs of ranks, the dp=4 jobs on all four, then torch's FSDP2. hidden=30, vocab=65, ffn=25: units of
 1950, 4710 and 1980 elements, so at dp=4 the embedding and every layer are padded and shards cut through
 parameters. Relative error: max |g - g_single| / max |g_single| over the tensor.
 """
@@ -22,13 +22,15 @@ import torch.distributed as dist
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import predicted_peak_bytes
 from picockpt.measure import make_batch
+from picockpt.ops.cross_entropy import IGNORE_INDEX
 from picockpt.params import param_shapes
 from picockpt.parallel import Comm, run_ranks
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_inventory import zero_comm_bytes, zero_paper_bytes
 from picockpt.parallel.data_parallel.zero_params import whole
-from picockpt.parallel.data_parallel.zero_step import check_zero, zero_grads, zero_rank_steps
-from picockpt.train import make_optimizer, train_step
+from picockpt.parallel.data_parallel.zero_step import check_zero, zero_grads, zero_rank_steps, zero_rank_train
+from picockpt.parallel.data_parallel.zero_train import checked_training, trained
+from picockpt.train import MarkovTask, make_optimizer, train_step
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -96,12 +98,30 @@ FSDP2_CFG = dict(BASE, hidden=32, heads=4, kv_heads=2, vocab=64, ffn=24)  # ever
 FSDP2_VARIANTS = [(None, True), (None, False), (True, True), (False, True)]  # (reshard_after_forward, checkpoint)
 
 
-def every_layout(comm, pair_jobs, world_jobs, fsdp2_args):
-    """One launch of 4 ranks: two data-parallel pairs (ranks 0, 1 and 2, 3) share the dp=2 jobs, all four
-    run the dp=4 jobs, then torch's FSDP2 on the reference model."""
+TRAINING = [(1, "none", False), (2, "none", False), (3, "none", False), (3, "full", True)]  # zero, policy, keep
+
+
+def training_jobs():
+    """zero_train's checked runs (dp=2, 3 steps): MarkovTask batches, a new one each step, with dropout (the
+    masks of every step the single process's); step 1 counts 3 targets of its first row: unequal shares."""
+    cfg = Config(**BASE, dropout=0.1, dtype="float64")  # fp64: why, in the test below
+    task = MarkovTask(cfg.vocab, seed=3)
+    batches = [task.batch(BATCH, SEQ) for _ in range(STEPS)]
+    targets = batches[1][1].clone()  # (ids and targets are views of one stream)
+    targets[0, 3:] = IGNORE_INDEX
+    batches[1] = (batches[1][0], targets)
+    return [checked_training(init_params(cfg, seed=1), cfg, batches, policy, 2, zero, lr=3e-3, weight_decay=0.1,
+                             keep_gathered=keep, rng_state=torch.manual_seed(7).get_state())
+            for zero, policy, keep in TRAINING]
+
+
+def every_layout(comm, pair_jobs, world_jobs, fsdp2_args, train_jobs):
+    """One launch of 4 ranks: two data-parallel pairs (ranks 0, 1 and 2, 3) share the dp=2 jobs and the
+    training runs, all four run the dp=4 jobs, then torch's FSDP2 on the reference model."""
     groups = [dist.new_group(ranks, timeout=comm.timeout) for ranks in ([0, 1], [2, 3])]  # every rank makes both
     pair = Comm(groups[comm.rank // 2], comm.device, timeout=comm.timeout)
     return {2: zero_rank_steps(pair, pair_jobs[comm.rank // 2::2]), 4: zero_rank_steps(comm, world_jobs),
+            "train": [zero_rank_train(pair, job) for job in train_jobs[comm.rank // 2::2]],
             "fsdp2": fsdp2_rank_steps(comm, *fsdp2_args)}
 
 
@@ -110,8 +130,12 @@ def launched():
     jobs = {dp: jobs_for(dp) for dp in (2, 4)}
     cfg = Config(**FSDP2_CFG)
     fsdp2_args = (init_params(cfg, seed=1), cfg, *make_batch(cfg, BATCH, SEQ, "cpu", seed=1), FSDP2_VARIANTS)
-    results = run_ranks(every_layout, 4, jobs[2], jobs[4], fsdp2_args, start_method=START, timeout_s=120)
+    train_jobs = training_jobs()
+    results = run_ranks(every_layout, 4, jobs[2], jobs[4], fsdp2_args, train_jobs, start_method=START, timeout_s=120)
     out = {"fsdp2": (cfg, fsdp2_args[0], fsdp2_args[2], fsdp2_args[3], results[0]["fsdp2"])}
+    pairs = [(0, 1), (2, 3)]  # training run i ran on pair i % 2, as its (i // 2)-th
+    out["train"] = [(job, trained([results[rank]["train"][index // 2] for rank in pairs[index % 2]], job.params))
+                    for index, job in enumerate(train_jobs)]
     for dp, dp_jobs in jobs.items():
         out[dp] = []
         for index, j in enumerate(dp_jobs):
@@ -264,6 +288,42 @@ def test_fsdp2_gathers_beside_picockpts(launched):
         assert relative(default["grads"][name], grads0[name]) <= 1e-5, name
 
 
+def test_training_with_zero_equals_training_in_one_process(launched):
+    """zero_train's runs (stages 1, 2, 3; full with keep_gathered under 3; dropout; a new batch each step) against
+    picockpt/train.py's train_step and make_optimizer on the same batches, lr and weight decay, from the same
+    generator state: every step's loss and the parameters after 3 steps within fp64 rel 1e-10 (measured: the
+    parameters 2.1e-15, the losses 2.1e-16), the last step's model state and bytes moved equal to their closed forms.
+    Not bitwise: a rank's gradient is the sum over its B/2 rows, scaled by its share of the counted targets,
+    and the collective adds the two ranks' (a + b), where the single process sums all B rows in one reduction;
+    the loss, likewise, is the ranks' shares added. No gradient tensor is bitwise; of the parameters only norm
+    weights are (here 6 of the 7: near 1, where one ulp is larger than the updates' differences). AdamW is not a
+    cause: on a flat shard it is elementwise (foreach=False), the same bits per element as per tensor given the
+    same gradients. Bitwise: the four runs to each other (at dp=2 every element of a reduced gradient is one
+    addition, whichever collective makes it, and a recomputed forward repeats the same operations on the same
+    inputs and masks).
+    Why fp64: AdamW divides each gradient element by the root of its own running square, so an element whose
+    gradient is near zero steps by a sizeable part of lr in the direction its last bits say. In fp32 these runs
+    agree to 2.2e-6 (losses 1.1e-7), but the `small` preset at batch 4 x 64 differs by 7.2e-3 after 3 steps (one
+    embedding row whose gradient is -1.5e-9 in one process): fp32 1e-5 would hold by luck of the data."""
+    runs = launched["train"]
+    job = runs[0][0]
+    params0 = {name: tensor.clone() for name, tensor in job.params.items()}
+    optimizer = make_optimizer(params0, job.lr, job.weight_decay)
+    torch.set_rng_state(job.rng_state)
+    losses0 = [train_step(params0, optimizer, job.cfg, ids, targets, "none") for ids, targets in job.batches]
+    for job, (losses, params, reports) in runs:
+        where = (job.zero, job.policy, job.keep_gathered)
+        assert len(losses) == STEPS and all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(losses, losses0)), where
+        for name in params0:
+            assert relative(params[name], params0[name]) <= 1e-10, (where, name, relative(params[name], params0[name]))
+            assert torch.equal(params[name], runs[0][1][1][name]), (where, name)
+        for r in reports:
+            assert len(r["step_seconds"]) == STEPS, where
+            for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm_bytes", "gathered_peak_bytes"):
+                assert r[key] == r[f"predicted_{key}"], (where, key)
+            assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
+
+
 def test_stages_are_bitwise_equal_to_each_other_at_dp_2(launched):
     """At dp=2 every element of a reduced gradient is one addition, a + b, whichever collective makes it
     (all-reduce under stage 1, reduce-scatter under 2 and 3): the same bits, and AdamW on shards is elementwise,
@@ -307,3 +367,60 @@ def test_the_api_and_the_command_run_zero_and_refuse_what_it_cannot(capsys):
         assert r["optimizer_bytes"] == r["predicted_optimizer_bytes"] > 0  # after one AdamW step on the shards
         assert r["comm_bytes"] == r["predicted_comm_bytes"] and r["comm_bytes"]["optimizer"] == 0  # stage 3
         assert r["comm_bytes_by_kind"]["backward"].get("all_gather", 0) == 0  # keep_gathered: none again
+
+
+def test_the_train_command_on_zero_ranks_prints_the_losses_of_training_in_one_process(capsys):
+    """`train --dp 2 --zero 2` draws the single-process command's batches and weights for the seed: the same
+    losses (to their 4 printed decimals, +-1 in the last), --log-every honoured, every rank's report equal to
+    its closed forms."""
+    from picockpt.cli import main
+    flags = ["train", "--preset", "tiny", "--batch", "2", "--seq", "8", "--steps", "3", "--log-every", "2",
+             "--device", "cpu"]
+    assert main(flags) == 0
+    alone = capsys.readouterr().out
+    assert main(flags + ["--dp", "2", "--zero", "2"]) == 0
+    sharded = capsys.readouterr().out
+
+    def losses(text):
+        return {line.split()[1]: float(line.split()[3]) for line in text.splitlines() if line.startswith("step ")}
+
+    assert set(losses(sharded)) == set(losses(alone)) == {"0", "2"}
+    assert all(abs(losses(sharded)[step] - loss) <= 1.5e-4 for step, loss in losses(alone).items())
+    assert "over 2 ZeRO-2 ranks" in sharded and "closed forms (picockpt/parallel/data_parallel/zero_inventory.py): " \
+                                                "yes" in sharded
+    assert [line.split()[0] for line in sharded.splitlines() if line[:2] in ("0 ", "1 ")] == ["0", "1"]  # a row each
+
+
+def test_zero_training_refuses_what_it_cannot_before_any_rank_starts(capsys):
+    from picockpt.cli import main
+    cfg = Config(**BASE)
+    params = init_params(cfg)
+    batch = make_batch(cfg, BATCH, SEQ, "cpu", seed=0)
+    wrong = (batch[0].clone(), batch[1])
+    wrong[0][0, 0] = cfg.vocab
+    for kwargs, words in ((dict(dp=1), "nothing to shard"), (dict(dp=0), r"dp=0: use a whole number"),
+                          (dict(zero=4), "stages are 1"), (dict(batches=[]), "non-empty list"),
+                          (dict(batches=[batch, (batch[0][:, :4], batch[1][:, :4])]), r"batches\[1\] is \(4, 4\)"),
+                          (dict(batches=[batch, wrong]), r"batches\[1\]: input_ids hold token ids from \d+ to 65"),
+                          (dict(lr=0), "lr=0: AdamW"), (dict(weight_decay=-0.1), "weight_decay=-0.1"),
+                          (dict(policy="full+offload:input"), "ZeRO training has no host tier")):
+        args = {"batches": [batch, batch], "policy": "none", "dp": 2, "zero": 1, **kwargs}
+        with pytest.raises(ValueError, match=words):
+            checked_training(params, cfg, args.pop("batches"), args.pop("policy"), args.pop("dp"), args.pop("zero"),
+                             **args)
+    tiny = ["train", "--preset", "tiny", "--steps", "1", "--batch", "2", "--seq", "8"]
+    for flags, words in ((["--dp", "2"], "plain data-parallel training is not built; --zero 1 holds"),
+                         (["--zero", "2"], "--zero 2 without --dp"), (["--zero", "2", "--dp", "1"], "with --dp 1"),
+                         (["--no-prefetch"], "--no-prefetch without --zero 3"),
+                         (["--dp", "2", "--zero", "1", "--keep-gathered"], "only stage 3 gathers"),
+                         (["--dp", "2", "--zero", "1", "--watch-live"], "--watch-live with --dp"),
+                         (["--dp", "2", "--zero", "1", "--peak-tflops", "5"], "--peak-tflops with --dp"),
+                         (["--dp", "2", "--zero", "3", "--dtype", "bf16"], "mixed precision"),
+                         (["--dp", "64", "--zero", "3", "--batch", "64", "--device", "cuda"],
+                          "CUDA was asked for" if not torch.cuda.is_available() else "take one GPU each")):
+        assert main(tiny + flags) == 2, flags
+        assert words in capsys.readouterr().err, flags
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ZeRO stage over the --dp ranks: 1 shards the AdamW state" in text and "--keep-gathered --zero 3" in text

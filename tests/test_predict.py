@@ -113,6 +113,26 @@ def test_context_parallel_per_rank_is_cp_inventorys(capsys):
     assert cp_peak_bytes(cfg, 1, 8192, "full", 4, "allgather", True) > cp_peak_bytes(cfg, 1, 8192, "full", 4)
 
 
+def test_context_parallel_beside_tensor_parallel_is_a_tp_rank_on_t_over_cp_tokens(capsys):
+    """--cp 16 --tp 8 --sp (Llama 3 405B at 128K tokens): a rank's store is a tensor-parallel rank's on T/cp
+    tokens, the form the composed step's tp x cp ranks are measured against (parallel/forms.py: StageForms
+    at T/cp, tests/test_parallel_cp.py), and its communication the ring's K/V of KV/t heads plus tp's."""
+    from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+    from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
+    row = predict_json(capsys, "--model", "llama3-405b", "--seq", "131072", "--attention", "fused", "--recompute",
+                       "full", "--cp", "16", "--tp", "8", "--sp")
+    cfg = Config.from_preset("llama3-405b", dtype="bf16", attention="fused")
+    cp, n = row["cp"], 131072 // 16
+    assert (cp["rank_tokens"], cp["tp"], cp["sp"]) == (n, 8, True)
+    assert cp["peak_bytes"] == rank_peak_bytes(cfg, 1, n, "full", 8, True) == \
+        StageForms(cfg, 1, n, "full", 1, 1, "1f1b", 0, 1, 8, True).peak_bytes
+    tp_comm = rank_comm_bytes(cfg, 1, n, "full", 8, True)
+    ring = cp_comm_bytes(cfg, 1, 131072, "full", 16, t=8)
+    assert cp["comm_bytes"] == {phase: ring[phase] + tp_comm[phase] for phase in ring}
+    assert ring["forward"] == cfg.layers * 15 * 2 * (cfg.kv_heads // 8) * n * cfg.head_dim * 2  # (cp-1) KV, bf16
+    assert cp["every_peak_bytes"]["1"] == cp["peak_bytes"] < cp_peak_bytes(cfg, 1, 131072, "full", 16)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--zero", "2"], "--zero 2 with --dp 1"),
     (["--zero", "4", "--dp", "8"], "invalid choice: 4"),
@@ -120,7 +140,9 @@ def test_context_parallel_per_rank_is_cp_inventorys(capsys):
     (["--zero", "3", "--dp", "8", "--tp", "8"], "--zero 3 with --tp 8: predict cannot compute"),
     (["--zero", "3", "--dp", "8", "--cp", "2", "--attention", "fused"], "--zero 3 with --cp 2: predict cannot"),
     (["--cp", "4"], "--cp=4 (with --attention eager)"),
-    (["--cp", "4", "--tp", "8", "--attention", "fused"], "--cp 4 with --tp 8: predict cannot compute"),
+    (["--cp", "4", "--tp", "8", "--attention", "fused", "--cp-comm", "allgather", "--keep-kv"],
+     "--keep-kv with --tp 8"),
+    (["--cp", "4", "--tp", "8", "--sp", "--seq", "8", "--attention", "fused"], "--cp=4 (with --attention fused): "),
     (["--keep-kv"], "--keep-kv without --cp"),
     (["--cp", "3", "--seq", "4096", "--attention", "fused"], "seq=4096 with cp=3"),
     (["--gpu-gib", "0"], "--gpu-gib=0"),

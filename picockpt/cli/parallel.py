@@ -58,9 +58,9 @@ def add_arguments(parser):
     experts.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1: none); each holds "
                          "experts/ep experts and 1/ep of each micro-batch's sequences; dp x pp x ep ranks in all")
     context = parser.add_argument_group("context parallelism (picockpt/parallel/context_parallel/; tiled or fused "
-                                        "attention; on its own for now)")
+                                        "attention; beside --tp, --dp and --pp too)")
     context.add_argument("--cp", type=int, default=1, help="context-parallel ranks (default 1: none); each holds "
-                         "1/cp of every sequence's tokens and of every activation")
+                         "1/cp of every sequence's tokens and of every activation; dp x pp x cp x tp ranks in all")
     context.add_argument("--cp-layout", default="zigzag", choices=("zigzag", "contiguous"), help="zigzag: rank r "
                          "holds chunks r and 2cp-1-r of 2cp (causal work balanced); contiguous: chunk r of cp")
     context.add_argument("--cp-comm", default="ring", choices=("ring", "allgather"), help="K/V passed round a ring "

@@ -1,7 +1,7 @@
 """python -m picockpt parallel --cp N: one context-parallel step, measured per rank.
 
-Spawns --cp ranks on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per rank), or runs as one of torchrun's
-processes; rank r holds its chunks of every sequence (zigzag: chunks r and 2N - 1 - r of 2N; contiguous:
+Spawns --cp ranks (times --tp, --dp and --pp beside it) on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per
+rank), or runs as one of torchrun's processes; rank r holds its chunks of every sequence (zigzag: chunks r and 2N - 1 - r of 2N; contiguous:
 chunk r of N) and its share of every activation (picockpt/parallel/context_parallel/). Prints per rank the
 chunks it holds, its activation store's peak and its closed form, the K/V bytes its ring steps or
 all-gathers moved per phase (with their closed form: under full, the recompute phase repeats the
@@ -10,6 +10,7 @@ FLOPs by phase; then the loss, and the gradients against the single-process engi
 
     python -m picockpt parallel --cp 2 --attention tiled --policy full
     python -m picockpt parallel --cp 4 --cp-layout contiguous --cp-comm allgather --cp-keep-kv --json
+    python -m picockpt parallel --cp 2 --dp 2 --attention tiled --policy full        # beside dp (or --pp 2, --tp 2)
 """
 from .common import rank_columns, table
 from .parallel_run import measured_step, prepared, printed
@@ -36,16 +37,20 @@ def _print_table(row):
           f"{row['policy']} on {row['device']}, {row['dtype']}, {row['attention']} attention: L={row['layers']} "
           f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} V={row['vocab']}, batch {row['batch']} x "
           f"{row['seq']} tokens")
-    print(table(row["ranks"], rank_columns(("chunks", lambda r: " ".join(map(str, r["chunks"]))),
-                                           ("attention FLOPs", lambda r: f"{r['attention_flops']:,}"))))
+    r0 = row["ranks"][0]
+    where = [(name, lambda r, key=key: str(r[key]))
+             for name, key, size in (("stage", "stage", "pp"), ("dp rank", "dp_rank", "dp"), ("tp rank", "tp_rank", "tp"))
+             if r0[size] > 1]
+    print(table(row["ranks"], rank_columns(*where, ("chunks", lambda r: " ".join(map(str, r["chunks"]))),
+                                           ("attention FLOPs", lambda r: f"{r['predicted_attention_flops']:,}"))))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]
                 for r in row["ranks"])
     print(f"stored peaks, K/V bytes per phase and FLOPs equal their closed forms "
           f"(picockpt/parallel/context_parallel/cp_inventory.py): {'yes' if exact else 'NO'}")
-    attention = [r["attention_flops"] for r in row["ranks"]]
+    attention = [r["predicted_attention_flops"] for r in row["ranks"]]  # one matmul per layer, closed form
     print(f"attention FLOPs, busiest rank / mean: {max(attention) * len(attention) / sum(attention):.3f} "
-          f"({row['cp_layout']}); recomputation moves {row['ranks'][0]['comm_bytes']['recompute']:,} B of K/V again "
-          f"per rank")
+          f"({row['cp_layout']}); recomputation moves {row['ranks'][0]['comm_bytes']['recompute']:,} B of K/V"
+          f"{' and tensor-parallel activations' if r0['tp'] > 1 else ''} again per rank")
     print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
           f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")

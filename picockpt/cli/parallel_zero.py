@@ -36,23 +36,7 @@ def _print_table(row):
     print(f"ZeRO stage {row['zero']} over dp={row['dp']}{choice}{'' if row['prefetch'] else ', no prefetch'}, "
           f"policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} h={row['hidden']} "
           f"V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
-    both = [(name, key) for name, key in (("params", "param_bytes"), ("grads", "grad_bytes"),
-                                           ("AdamW state", "optimizer_bytes"), ("stored peak", "activation_bytes"))]
-    columns = [("rank", lambda r: str(r["rank"]))]
-    for name, key in both:
-        measured = "peak_" + key if key == "activation_bytes" else key
-        columns.append((name, lambda r, m=measured, k=key: f"{r[m]:,} B" + ("" if r[m] == r["predicted_" + k]
-                                                                            else f" (closed form {r['predicted_' + k]:,})")))
-    columns.append(("gathered peak", lambda r: fmt_bytes(max(r["gathered_peak_bytes"].values(), default=0))))
-    columns += [(f"moved {phase}", lambda r, phase=phase: fmt_bytes(r["comm_bytes"][phase]))
-                for phase in PHASES + ("optimizer",)]
-    print(table(row["ranks"], columns))
-    exact = all(r[m] == r["predicted_" + k] for r in row["ranks"] for k, m in (
-        ("param_bytes", "param_bytes"), ("grad_bytes", "grad_bytes"), ("optimizer_bytes", "optimizer_bytes"),
-        ("activation_bytes", "peak_activation_bytes"), ("comm_bytes", "comm_bytes"),
-        ("gathered_peak_bytes", "gathered_peak_bytes")))
-    print(f"model state, stored peaks, gathered peaks and bytes moved per phase equal their closed forms "
-          f"(picockpt/parallel/data_parallel/zero_inventory.py): {'yes' if exact else 'NO'}")
+    print_ranks(row["ranks"])
     first = row["ranks"][0]["comm_bytes"]
     if row["zero"] == 3:
         print(f"recomputation gathers {fmt_bytes(first['recompute'])} of parameters again; the backward gathers "
@@ -60,3 +44,26 @@ def _print_table(row):
               f"{' (a recomputed layer keeps its gather: none again)' if row['keep_gathered'] else ''}")
     print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
           f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")
+
+
+def print_ranks(ranks):
+    """Every rank's model state (parameters, gradients, AdamW state), stored and gathered peaks and bytes moved
+    per phase, each beside its closed form where they differ, and whether all of them are equal (also what
+    `train --dp --zero` prints after its last step)."""
+    columns = [("rank", lambda r: str(r["rank"]))]
+    for name, key in (("params", "param_bytes"), ("grads", "grad_bytes"), ("AdamW state", "optimizer_bytes"),
+                      ("stored peak", "activation_bytes")):
+        measured = "peak_" + key if key == "activation_bytes" else key
+        columns.append((name, lambda r, m=measured, k=key: fmt_bytes(r[m]) + (
+            "" if r[m] == r["predicted_" + k] else f" (closed form {fmt_bytes(r['predicted_' + k])}, "
+                                                   f"{r[m] - r['predicted_' + k]:+,} B)")))
+    columns.append(("gathered peak", lambda r: fmt_bytes(max(r["gathered_peak_bytes"].values(), default=0))))
+    columns += [(f"moved {phase}", lambda r, phase=phase: fmt_bytes(r["comm_bytes"][phase]))
+                for phase in PHASES + ("optimizer",)]
+    print(table(ranks, columns))
+    exact = all(r[m] == r["predicted_" + k] for r in ranks for k, m in (
+        ("param_bytes", "param_bytes"), ("grad_bytes", "grad_bytes"), ("optimizer_bytes", "optimizer_bytes"),
+        ("activation_bytes", "peak_activation_bytes"), ("comm_bytes", "comm_bytes"),
+        ("gathered_peak_bytes", "gathered_peak_bytes")))
+    print(f"model state, stored peaks, gathered peaks and bytes moved per phase equal their closed forms "
+          f"(picockpt/parallel/data_parallel/zero_inventory.py): {'yes' if exact else 'NO'}")

@@ -12,13 +12,19 @@ and, under stage 3, the gathered parameters in flight; the total against --gpu-g
 
 --cp C: one rank's activation store with every activation split over C ranks along the sequence
 (cp_inventory.cp_peak_bytes: the single process's inventory at n = T/C tokens, plus the other ranks'
-K/V under --cp-comm allgather --keep-kv), for the --recompute policy and for every:C' at each C'.
+K/V under --cp-comm allgather --keep-kv), for the --recompute policy and for every:C' at each C'. With
+--tp t (and --sp) beside it, a rank is a tensor-parallel rank on n tokens (tp_inventory.rank_peak_bytes at
+T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its KV/t heads.
+
+    python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --tp 8 --sp
 """
 from ..formulas import GIB
 from ..inventory import predicted_peak_bytes
 from ..parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes
-from ..parallel.context_parallel.cp_step import check_context_parallel
+from ..parallel.context_parallel.cp_check import check_context_parallel
 from ..parallel.data_parallel.zero_inventory import gathered_peak_bytes, model_state_bytes, zero_paper_parts
+from ..parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
+from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
@@ -59,13 +65,13 @@ def check_parallel(args, cfg, policy):
         raise ValueError("--cp-comm or --keep-kv without --cp: they choose how context-parallel ranks share "
                          "K/V; add --cp C >= 2, or leave them out")
     if args.cp > 1:
-        if args.tp > 1:
-            raise ValueError(f"--cp {args.cp} with --tp {args.tp}: predict cannot compute this combination "
-                             f"(cp_inventory.py models context parallelism alone: every rank holds whole layers "
-                             f"on T/cp tokens; a tensor x context parallel rank is not modelled); "
-                             f"leave out --tp for the per-rank bytes of cp alone")
+        if args.tp > 1 and args.keep_kv:
+            raise ValueError(f"--keep-kv with --tp {args.tp}: the kept K/V are not closed-formed beside tensor "
+                             f"parallelism yet; leave out --keep-kv (or --tp)")
         try:
             check_context_parallel(cfg, args.cp, args.seq, "zigzag", args.cp_comm, args.keep_kv, policy)
+            if args.tp > 1:
+                check_tensor_parallel(cfg, args.tp, args.sp, args.seq // args.cp, args.distribute_saved)
         except ValueError as error:
             raise ValueError(f"--cp={args.cp} (with --attention {cfg.attention}): {error}") from None
 
@@ -88,19 +94,29 @@ def zero_row(cfg, batch, seq, policy, stage, dp):
             "picockpt_model_state_by_stage": by_stage}
 
 
-def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
-    """One of `cp` context-parallel ranks: its store's peak under `policy` and under every:C for C = 1..L."""
-    every = {C: cp_peak_bytes(cfg, batch, seq, f"every:{C}", cp, cp_comm, keep_kv) for C in range(1, cfg.layers + 1)}
-    return {"cp": cp, "cp_comm": cp_comm, "keep_kv": keep_kv, "rank_tokens": seq // cp, "policy": policy,
-            "peak_bytes": cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm, keep_kv),
-            "every_peak_bytes": every, "comm_bytes": cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm, keep_kv)}
+def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=False, distribute_saved=False):
+    """One of `cp` context-parallel ranks (of tp ranks each, beside tensor parallelism): its store's peak under
+    `policy` and under every:C for C = 1..L, and its communication per phase (K/V, and the tp collectives)."""
+    n, layout = seq // cp, (tp, sp, distribute_saved)
+
+    def peak(p):  # beside tp: the tensor-parallel rank's store on its n tokens
+        return cp_peak_bytes(cfg, batch, seq, p, cp, cp_comm, keep_kv) if tp == 1 else \
+            rank_peak_bytes(cfg, batch, n, p, *layout)
+    comm = cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm, keep_kv, t=tp)
+    if tp > 1:
+        tp_comm = rank_comm_bytes(cfg, batch, n, policy, *layout)
+        comm = {phase: nbytes + tp_comm[phase] for phase, nbytes in comm.items()}
+    return {"cp": cp, "tp": tp, "sp": sp, "cp_comm": cp_comm, "keep_kv": keep_kv, "rank_tokens": n, "policy": policy,
+            "peak_bytes": peak(policy), "every_peak_bytes": {C: peak(f"every:{C}") for C in range(1, cfg.layers + 1)},
+            "comm_bytes": comm}
 
 
 def add_parallel_rows(row, args, cfg, policy):
     if args.zero is not None:
         row["zero"] = zero_row(cfg, args.batch, args.seq, policy, args.zero, args.dp)
     if args.cp > 1:
-        row["cp"] = cp_row(cfg, args.batch, args.seq, policy, args.cp, args.cp_comm, args.keep_kv)
+        row["cp"] = cp_row(cfg, args.batch, args.seq, policy, args.cp, args.cp_comm, args.keep_kv, args.tp, args.sp,
+                           args.distribute_saved)
     row["gpu_bytes"] = int(args.gpu_gib * GIB)
 
 
@@ -140,9 +156,10 @@ def print_parallel(row):
         best = min(every, key=every.get)
         fitting = [C for C, n in every.items() if n <= capacity]
         comm = c["comm_bytes"]
+        beside = f", each of tp = {c['tp']}{' with sp' if c['sp'] else ''}" if c["tp"] > 1 else ""
         print(f"context parallel over {c['cp']} ranks ({c['cp_comm']}{', K/V kept' if c['keep_kv'] else ''}, "
-              f"zigzag), per rank: {c['rank_tokens']:,} tokens (parallel/context_parallel/cp_inventory.py: the "
-              f"activation store only, no weights, working memory or K/V blocks in flight):")
+              f"zigzag{beside}), per rank: {c['rank_tokens']:,} tokens (parallel/context_parallel/cp_inventory.py: "
+              f"the activation store only, no weights, working memory or K/V blocks in flight):")
         print(f"  {c['policy']}: {_gib(c['peak_bytes'])} stored; communication forward {_gib(comm['forward'])}, "
               f"recompute {_gib(comm['recompute'])}, backward {_gib(comm['backward'])}")
         print(f"  every:C: least at C = {best}, {_gib(every[best])}; C = 1 (full) {_gib(every[1])}; "

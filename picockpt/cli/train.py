@@ -1,11 +1,30 @@
-"""python -m picockpt train: the synthetic Markov task, step by step."""
+"""python -m picockpt train: the synthetic Markov task, step by step; with --dp D --zero S on D ZeRO ranks.
+
+    python -m picockpt train --preset tiny --steps 50 --policy full
+    python -m picockpt train --preset tiny --steps 50 --policy full --dp 2 --zero 3 --keep-gathered
+
+With --dp and --zero the same batches (the same seed draws the same MarkovTask streams and the same initial
+weights) train on D data-parallel ranks (picockpt/parallel/data_parallel/zero_train.py): each rank computes
+batch/D of every step's sequences and steps AdamW on its shards only. The losses are printed once the ranks
+are done, then each rank's model state, stored and gathered peaks and bytes moved in the last step, beside
+their closed forms.
+"""
 import math
+import os
+
+import torch
 
 from ..fit import check_fits
 from ..params import init_params
+from ..parallel import RankError, under_torchrun
+from ..parallel.data_parallel import zero_train
+from ..parallel.data_parallel.zero_step import check_zero
+from ..parallel.launch import check_rank_count
 from ..policy import parse_policy
 from ..train import MarkovTask, train
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args
+from .parallel_run import last_frame, rank_device
+from .parallel_zero import print_ranks
 
 
 CUDA_PEAK_TFLOPS = 989.5  # H100/H200 SXM dense bf16 (NVIDIA's datasheet: 1979 with sparsity)
@@ -25,10 +44,21 @@ def add_arguments(parser):
                         help="the device's dense peak in TFLOP/s, for MFU and HFU (PaLM's model and hardware FLOPs "
                              "utilisation); default on CUDA 989.5 (an H100/H200 SXM in bf16; an A100 is 312), "
                              "on CPU none (give your CPU's peak to see them)")
+    zero = parser.add_argument_group("ZeRO data parallelism (spawned ranks: gloo on the CPU, NCCL with a GPU each; "
+                                     "or torchrun's)")
+    zero.add_argument("--dp", type=int, help="data-parallel ranks D (2 or more; needs --zero): each trains on "
+                      "batch/D of every step's sequences, the same batches as without --dp")
+    zero.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage over the --dp ranks: 1 shards the "
+                      "AdamW state, 2 also the gradients, 3 also the parameters (all-gathered around each use)")
+    zero.add_argument("--keep-gathered", action="store_true", help="--zero 3: a recomputed layer's gathered "
+                      "parameters stay from its recompute through its backward (one gather fewer per layer)")
+    zero.add_argument("--no-prefetch", action="store_true", help="--zero 3: gather each use's parameters only when "
+                      "it starts, not while the use before computes")
 
 
 def run(args):
     cfg = config_from_args(args)
+    zero = check_zero_flags(args, cfg)  # before the dtype advice below, which names bf16
     if cfg.dtype == "float16":
         raise ValueError("--dtype fp16: training in fp16 needs loss scaling, which picockpt leaves out; "
                          "use bf16 (same bytes, fp32's exponent range) or fp32")
@@ -43,15 +73,77 @@ def run(args):
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise ValueError(f"--lr={args.lr}: AdamW's learning rate must be a positive number, e.g. 3e-3")
     policy = parse_policy(args.policy, cfg)
-    device = device_from_args(args)
+    device = rank_device(args) if zero else device_from_args(args)  # under torchrun, this process's own GPU
     peak_tflops = args.peak_tflops if args.peak_tflops is not None else \
         CUDA_PEAK_TFLOPS if device.type == "cuda" else None  # a CPU has no datasheet peak: no MFU/HFU unless given
     check_fits(cfg, device, args.batch, args.seq, policy)
     task = MarkovTask(cfg.vocab, seed=args.seed)
-    print(f"training {cfg.num_params():,} parameters on {device} ({cfg.dtype}), policy {policy.text}, "
+    over = f" over {args.dp} ZeRO-{args.zero} ranks" if zero else ""
+    print(f"training {cfg.num_params():,} parameters on {device}{over} ({cfg.dtype}), policy {policy.text}, "
           f"batch {args.batch} x {args.seq} tokens; loss starts near ln(vocab) = "
           f"{math.log(cfg.vocab):.3f}, the task's floor is ln({task.branching}) = {task.loss_floor:.3f}")
     params = init_params(cfg, seed=args.seed, device=device)
-    losses = train(params, cfg, task, args.steps, args.batch, args.seq, policy, args.lr, device,
-                   every=args.log_every, seed=args.seed, watch_live=args.watch_live, peak_tflops=peak_tflops)
+    if zero:
+        losses = train_with_zero(args, cfg, task, params, policy, device)
+        if losses is None:  # another torchrun process: rank 0 prints
+            return
+    else:
+        losses = train(params, cfg, task, args.steps, args.batch, args.seq, policy, args.lr, device,
+                       every=args.log_every, seed=args.seed, watch_live=args.watch_live, peak_tflops=peak_tflops)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")
+
+
+def check_zero_flags(args, cfg):
+    """True with --dp and --zero; a ValueError for a ZeRO flag without them, or one the ZeRO ranks ignore."""
+    if args.dp is None and args.zero is None:
+        for flag, given in (("--keep-gathered", args.keep_gathered), ("--no-prefetch", args.no_prefetch)):
+            if given:
+                raise ValueError(f"{flag} without --zero 3 (and --dp D): it changes when ZeRO-3 gathers parameters, "
+                                 f"and there is none here; add --dp 2 --zero 3, or leave {flag} out")
+        return False
+    if args.zero is None:
+        raise ValueError(f"--dp {args.dp} without --zero: plain data-parallel training is not built; --zero 1 holds "
+                         f"what plain data parallelism holds (whole parameters and gradients on every rank) with "
+                         f"the AdamW state sharded; add --zero 1, 2 or 3")
+    if args.dp is None or args.dp < 2:
+        raise ValueError(f"--zero {args.zero} {'without --dp' if args.dp is None else f'with --dp {args.dp}'}: ZeRO "
+                         f"shards the model state over data-parallel ranks; add --dp D with D >= 2")
+    for flag, given in (("--keep-gathered", args.keep_gathered), ("--no-prefetch", args.no_prefetch)):
+        if given and args.zero != 3:
+            raise ValueError(f"{flag} with --zero {args.zero}: only stage 3 gathers parameters; use --zero 3, or "
+                             f"leave {flag} out")
+    for flag, given, why in (("--watch-live", args.watch_live, "the ranks measure the activation store's bytes, "
+                              "not every live tensor"),
+                             ("--peak-tflops", args.peak_tflops is not None, "the ranks report no FLOPs, so no "
+                              "MFU or HFU")):
+        if given:
+            raise ValueError(f"{flag} with --dp/--zero: {why}; leave {flag} out, or train without --dp")
+    check_zero(args.zero, args.dp, cfg, args.batch, args.keep_gathered, not args.no_prefetch)  # bf16, fp16 too
+    check_rank_count("--dp", args.dp, rank_device(args))  # CUDA: a GPU per rank; torchrun: WORLD_SIZE processes
+    policy = parse_policy(args.policy, cfg).refuse_offload("ZeRO training")
+    policy.schedule(cfg, args.batch // args.dp, args.seq)  # a budget too small for a rank's rows
+    return True
+
+
+def train_with_zero(args, cfg, task, params, policy, device):
+    """The single process's batches and weights on --dp ZeRO ranks: the losses (printed per --log-every, once
+    the ranks are done) and each rank's report of the last step; None in torchrun's processes but rank 0."""
+    batches = [task.batch(args.batch, args.seq, device) for _ in range(args.steps)]  # train()'s draws, in order
+    torch.manual_seed(args.seed)  # the dropout masks: train()'s generator state
+    try:
+        losses, _, ranks = zero_train(params, cfg, batches, policy.text, args.dp, args.zero, args.lr,
+                                      keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch,
+                                      device=device.type)
+    except RankError as error:
+        raise ValueError(f"{error}{last_frame(error)}") from None
+    if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process trained; one prints
+        return None
+    tokens = args.batch * args.seq
+    for step, loss in enumerate(losses):
+        if step % args.log_every == 0 or step == args.steps - 1:
+            seconds = max(r["step_seconds"][step] for r in ranks)  # the slowest rank's
+            print(f"step {step:4d}  loss {loss:7.4f}  {tokens / seconds:10,.0f} tokens/s")
+    print(f"ZeRO stage {args.zero} over {args.dp} ranks ({args.batch // args.dp} sequences each), each rank after "
+          f"the last step:")
+    print_ranks(ranks)
+    return losses

@@ -1,22 +1,15 @@
-"""picockpt across processes, in the Picotron manner: a folder per parallelism, every collective an
-explicit line beside the layer that calls it.
-
-    from picockpt import parallel
-    loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, policy="selective", tp=2, sp=True)
-
-    from picockpt.parallel import run_ranks, gather_sequence_forward
-
-    def step(comm, shards):                  # at module level: spawned ranks import it by name
-        return gather_sequence_forward(shards[comm.rank], comm, dim=1)   # (B, T/2, h) -> (B, T, h)
-
-    results = run_ranks(step, 2, x.chunk(2, dim=1))   # spawned local ranks on gloo, or torchrun's
+"""picockpt across processes, in the Picotron manner: a folder per parallelism, every collective an explicit line
+beside the layer that calls it.
 
     jobs = [parallel.ParallelJob(params, cfg, ids, targets, policy, ep=2, dp=2) for policy in ("none", "full")]
     results = parallel.run_jobs(jobs)                 # one launch of 4 ranks runs both steps in turn
 
-Read step.py first: how the layouts wrap the one engine, in a few lines. Then, shared by every layout:
+    def step(comm, shards):                  # at module level: spawned ranks import it by name
+        return parallel.gather_sequence_forward(shards[comm.rank], comm, dim=1)   # (B, T/2, h) -> (B, T, h)
+    results = parallel.run_ranks(step, 2, x.chunk(2, dim=1))   # spawned local ranks on gloo, or torchrun's
 
-    layout.py     the rank grid dp x pp x ep x tp and its process groups (passed explicitly, never global)
+Read step.py first (loss_and_grads: how the layouts wrap the one engine). Shared by every layout:
+    layout.py     the rank grid dp x pp x ep x cp x tp and its process groups (passed explicitly, never global)
     comm.py       the counting base: Comm, its log of bytes per phase, the counted collectives
     job.py        the caller's side: the job, its checks, what the ranks are sent, their generator
     rank.py       one rank's step, for any layout: its stage's micro-batches, each the engine's loop
@@ -26,12 +19,12 @@ Read step.py first: how the layouts wrap the one engine, in a few lines. Then, s
     watch.py      the caller's side of spawned ranks: results, the first failure, stopping the rest
     timeline.py   what each rank did when, for Gantt figures
 
-and one folder per parallelism (each opens with what it holds and which file to read first):
-
+and one folder per parallelism, each opening with what it holds and which file to read first:
     tensor_parallel/    Megatron-style column/row-parallel layers, sequence parallelism, vocab-parallel head
     pipeline_parallel/  stages, AFAB and 1F1B schedules, paired point-to-point sends, per-stage budgets
-    data_parallel/      gradient buckets all-reduced over replicas as soon as they are final
+    data_parallel/      gradient buckets all-reduced over replicas as soon as they are final; ZeRO 1/2/3
     expert_parallel/    experts split over ranks, tokens dispatched and combined by all-to-all
+    context_parallel/   the sequence split over ranks, K/V round a ring or all-gathered, merged by log-sum-exp
 """
 from .comm import Comm, CommLog, all_reduce_grads, all_reduce_max
 from .expert_parallel.ep_comm import all_to_all_backward, all_to_all_forward, exchange_splits

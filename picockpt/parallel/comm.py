@@ -1,31 +1,24 @@
-"""The counting base of every collective: a Comm (one process group as this rank sees it), its log of
-bytes and calls per phase, and the collectives themselves, each counted once. The forward/backward pairs
-built on them live beside the layers that call them: tensor_parallel/tp_comm.py (copy, reduce, gather,
-scatter, split), expert_parallel/ep_comm.py (the all-to-all pair), pipeline_parallel/pp_comm.py (paired
-sends and receives), data_parallel/dp_comm.py (bucketed gradient all-reduces).
-Bytes counted (Comm.log), per rank, one number per call: the size of the logical buffer of the
-collective (the size S of nccl-tests' doc/PERFORMANCE.md, whose algorithm bandwidth is S / time):
+"""The counting base of every collective: a Comm (one process group as this rank sees it), its log of bytes and
+calls per phase, and the collectives, each counted once; their forward/backward pairs live beside the layers that
+call them (tp_comm.py, ep_comm.py, pp_comm.py, dp_comm.py).
+
+Bytes counted (Comm.log), per rank, one number per call: the size of the collective's logical buffer (the size S
+of nccl-tests' doc/PERFORMANCE.md, whose algorithm bandwidth is S / time), whatever algorithm runs on the wire:
     all-reduce      the tensor's bytes                               (= the output's)
     all-gather      the bytes of the gathered output                 = world_size x the input's
     reduce-scatter  the bytes of the full input                      = world_size x the output's
-    all-to-all      the bytes of this rank's input, i.e. all it sends, its own chunk included
-                    (that chunk never leaves the rank; the bytes sent away are the input's
-                    minus that chunk's)
-The bytes a rank puts on the wire with a ring algorithm are 2(n-1)/n of the all-reduce size and
-(n-1)/n of the all-gather and reduce-scatter sizes (n = world_size): nccl-tests' "bus bandwidth"
-factors. Calls that move
-nothing (the identities, split_sequence's forward) are not counted. Each call is booked under the
-phase of the tracker attached to the Comm (`comm.tracker`: picockpt.tracker.Tracker, or any
-object with a `phase_name` attribute): "forward", "recompute", "backward", ...; "outside" if none.
+    all-to-all      the bytes of this rank's input, its own chunk included (CommLog.sent: less that chunk, which
+                    never leaves the rank)
+A ring algorithm puts 2(n-1)/n of the all-reduce size and (n-1)/n of the all-gather and reduce-scatter sizes on the
+wire (n = world_size): nccl-tests' "bus bandwidth" factors. Calls that move nothing (the identities, split_sequence's
+forward) are not counted; each is booked under the phase of `comm.tracker` (a picockpt.tracker.Tracker, or any
+object with a `phase_name`), "outside" if none.
 
-gloo: torch 2.13's gloo has every collective used here (all_reduce, all_gather_single,
-reduce_scatter_single, all_to_all_single with uneven splits), so nothing is emulated here. The
-counts are those of the logical collective, whatever algorithm the backend runs on the wire.
-Both gloo and NCCL take the flat form of all-gather and reduce-scatter (shards one after another
-along dim 0), so a gather or scatter along another dim moves that dim to the front (one copy).
-
-In-place: an all-reduce reduces its (contiguous) argument in place and returns it, as
-torch.distributed does; callers pass a tensor they no longer need in its partial form.
+torch 2.13's gloo has every collective used here (all_reduce, all_gather_single, reduce_scatter_single,
+all_to_all_single with uneven splits): nothing is emulated. gloo and NCCL both take the flat form of all-gather and
+reduce-scatter (shards one after another along dim 0), so one along another dim moves that dim to the front (one
+copy). An all-reduce reduces its (contiguous) argument in place, as torch.distributed does: callers pass a tensor
+they no longer need in its partial form.
 """
 import torch
 import torch.distributed as dist
@@ -45,10 +38,9 @@ class CommLog:
         self.sent = {}    # phase -> bytes an all-to-all sent to other ranks (its buffer less the rows kept here)
 
     def record(self, phase, kind, nbytes):
-        per_kind = self.bytes.setdefault(phase, {})
-        per_kind[kind] = per_kind.get(kind, 0) + nbytes
-        calls = self.calls.setdefault(phase, {})
-        calls[kind] = calls.get(kind, 0) + 1
+        for table, amount in ((self.bytes, nbytes), (self.calls, 1)):
+            per_kind = table.setdefault(phase, {})
+            per_kind[kind] = per_kind.get(kind, 0) + amount
 
     def record_sent(self, phase, nbytes):
         self.sent[phase] = self.sent.get(phase, 0) + nbytes
@@ -75,9 +67,8 @@ def _sum(table, phase, kind):
 
 
 class Comm:
-    """One process group as this rank sees it: its rank, its size, the device of its tensors, and
-    the log of what its collectives moved, and the timeout its job runs under. group=None is every rank
-    (torch's default group)."""
+    """One process group as this rank sees it: its rank, size, the device of its tensors, the log of what its
+    collectives moved, and the timeout its job runs under. group=None is every rank (torch's default group)."""
 
     def __init__(self, group=None, device="cpu", tracker=None, timeout=None):
         self.group = group if group is not None else dist.group.WORLD
@@ -97,25 +88,19 @@ class Comm:
 
 
 # -- the collectives themselves, each counted once ------------------------------------------------
-def all_reduce(x, comm):
+def all_reduce(x, comm, op=dist.ReduceOp.SUM):
     if comm.world_size == 1:  # a group of one: the sum is x itself, and nothing moves (as Megatron returns early)
         return x
     x = x.contiguous()  # no copy when x is contiguous (the usual case); the reduction happens in place
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=comm.group)  # x (...) = sum over ranks, on every rank
+    dist.all_reduce(x, op=op, group=comm.group)  # x (...) = sum (or max) over ranks, on every rank
     comm.log.record(comm.phase, "all_reduce", x.nbytes)
     return x
 
 
 def all_reduce_max(x, comm):
-    """The elementwise max over ranks, in place (an all-reduce, counted as one). No backward pair:
-    it serves where its result is a constant of the gradient, as the shift that keeps a softmax's
-    exponentials finite (the vocabulary-parallel cross-entropy, tensor_parallel/vocab.py)."""
-    if comm.world_size == 1:
-        return x
-    x = x.contiguous()  # as _all_reduce: no copy when x is contiguous; reduced in place
-    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=comm.group)  # x (...) = elementwise max over ranks
-    comm.log.record(comm.phase, "all_reduce", x.nbytes)
-    return x
+    """The elementwise max over ranks, in place (an all-reduce, counted as one). No backward pair: it serves where
+    its result is a constant of the gradient, as the shift that keeps a softmax's exponentials finite (vocab.py)."""
+    return all_reduce(x, comm, dist.ReduceOp.MAX)  # (...) elementwise max over ranks
 
 
 def all_gather(x, comm, dim):
@@ -174,8 +159,7 @@ def check_divisible(x, comm, dim):
 def _check_splits(x, comm, send_splits, receive_splits):
     for name, splits in (("send_splits", send_splits), ("receive_splits", receive_splits)):
         if len(splits) != comm.world_size or any(s < 0 for s in splits):
-            raise ValueError(f"{name}={list(splits)}: give {comm.world_size} row counts (one per rank), "
-                             f"none negative")
+            raise ValueError(f"{name}={list(splits)}: give {comm.world_size} row counts (one per rank), none negative")
     if sum(send_splits) != x.shape[0]:
         raise ValueError(f"send_splits={list(send_splits)} sum to {sum(send_splits)}, but the tensor has "
                          f"{x.shape[0]} rows (dim 0); they must add up to it")
@@ -183,13 +167,9 @@ def _check_splits(x, comm, send_splits, receive_splits):
 
 # -- data parallel, and weights replicated across a tensor-parallel group --------------------------
 def all_reduce_grads(grads, comm, mean=False):
-    """Sum (mean=True: average) each gradient over the ranks, in place; returns grads.
-
-    grads: {name: tensor}. Data parallel: each rank's loss is the mean over its own micro-batch, so
-    the gradient of the mean over all ranks' batches is the mean of theirs (mean=True). Replicated
-    weights in a tensor-parallel group (norms under sequence parallelism) get a partial gradient on
-    each rank from its own tokens: their sum (mean=False). One all-reduce per tensor.
-    """
+    """Sum (mean=True: average) each gradient of {name: tensor} over the ranks, in place, one all-reduce each. mean:
+    the ranks' losses are means over equal batches; a sum: replicated weights in a tensor-parallel group (norms
+    under sequence parallelism), each rank's gradient a partial one from its own tokens."""
     for name, grad in grads.items():
         reduced = all_reduce(grad, comm)  # (same shape) in place when grad is contiguous
         grads[name] = reduced.div_(comm.world_size) if mean else reduced

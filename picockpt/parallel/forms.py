@@ -3,7 +3,9 @@
     predicted(job, report, routing)   {"predicted_activation_bytes": ..., "predicted_comm_bytes": ..., ...}
 
 A rank's store holds its stage's micro-batches in flight (pipeline_parallel/pp_inventory.py's StageForms:
-the stage's schedule, its in-flight count, its tensor-parallel bytes and collectives). Under expert
+the stage's schedule, its in-flight count, its tensor-parallel bytes and collectives; under context
+parallelism at the rank's T/cp tokens, every stored tensor being linear in its tokens, with the K/V ring or
+all-gather and the attention FLOPs from context_parallel/cp_inventory.py). Under expert
 parallelism what a micro-batch holds depends on the tokens routed to this rank's experts, so each
 micro-batch is expert_parallel/ep_inventory.py's step over its own rows (the single process's routing of
 those rows), and the stage's peak replays the schedule's order over the micro-batches' unequal sizes.
@@ -18,7 +20,9 @@ from .expert_parallel.ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stor
                                            ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, received_rows)
 from .expert_parallel.ep_shard import is_expert
 from .comm import PHASES
-from .pipeline_parallel.pp_inventory import StageForms
+from .context_parallel.cp_inventory import (cp_comm_bytes, cp_flops, cp_peak_bytes, kept_kv_bytes,
+                                            rank_attention_flops)
+from .job import stage_forms
 from .pipeline_parallel.pp_schedules import actions, bubble_fraction
 from .rank import stage_param_names
 from .tensor_parallel.tp_shard import split_dim
@@ -28,21 +32,46 @@ def predicted(job, report, routing=None):
     """The closed forms of one rank's report (its stage, dp and ep rank); routing: run_jobs' single-process
     routing by rows under ep (None otherwise)."""
     B, T = job.input_ids.shape
-    forms = StageForms(job.cfg, B, T, job.policy, job.pp, job.microbatches, job.schedule, report["stage"], job.dp,
-                       job.tp, job.sp, job.distribute_saved)
+    forms = stage_forms(job, report["stage"])
     state_bytes = job.rng_state.numel() if job.cfg.draws_random else 0
     out = {"predicted_p2p_bytes": forms.p2p_bytes(state_bytes, forms.b // job.ep),
            "predicted_dp_bytes": reduced_bytes(job, forms),
            "predicted_bubble": bubble_fraction(job.pp, job.microbatches)}
     if job.ep > 1:
         return {**out, **expert_forms(job, forms, report, routing)}
-    first, schedule = forms.chain[0], forms.local_schedule
-    mode = schedule.forward[0]
-    layer = _variant(first, mode) if mode.stored else (first.input_bytes if mode.keeps_input else 0)
-    return {**out, "predicted_activation_bytes": forms.peak_bytes,
-            "predicted_microbatch_stored_bytes": forms.microbatch_stored_bytes,
-            "predicted_layer_stored_bytes": layer, "predicted_head_stored_bytes": _variant(forms.chain[-1], schedule.head),
-            "predicted_flops": forms.flops(), "predicted_comm_bytes": forms.tp_comm_bytes()}
+    out.update({"predicted_activation_bytes": forms.peak_bytes,
+                "predicted_microbatch_stored_bytes": forms.microbatch_stored_bytes,
+                "predicted_layer_stored_bytes": first_layer_bytes(forms),
+                "predicted_head_stored_bytes": _variant(forms.chain[-1], forms.local_schedule.head),
+                "predicted_flops": forms.flops(), "predicted_comm_bytes": forms.tp_comm_bytes()})
+    return {**out, **context_forms(job, forms, report, T)} if job.cp > 1 else out
+
+
+def context_forms(job, forms, report, seq):
+    """cp_inventory.py's forms on the stage's layers, for its M micro-batches of b whole sequences (seq tokens);
+    beside tp, its K/V and matmuls are its heads' (1/t), and the tensor-parallel collectives at T/cp tokens
+    (forms.tp_comm_bytes) add to the ring's or all-gather's bytes."""
+    cfg, cp, M, rank, t = job.cfg.replace(layers=len(forms.layers)), job.cp, forms.M, report["cp_rank"], job.tp
+    args, schedule = (cfg, forms.b, seq, forms.policy, cp), forms.local_schedule
+    comm = cp_comm_bytes(*args, job.cp_comm, job.cp_keep_kv, schedule=schedule, t=t)
+    flops = cp_flops(*args, job.cp_layout, rank, head=forms.last, schedule=schedule, t=t)
+    tp_comm = forms.tp_comm_bytes()
+    out = {"predicted_comm_bytes": {phase: M * n + tp_comm[phase] for phase, n in comm.items()},
+           "predicted_flops": {phase: M * n for phase, n in flops.items()},
+           "predicted_attention_flops": rank_attention_flops(cfg, forms.b, seq, cp, job.cp_layout, rank) // t}
+    if job.cp_keep_kv:  # one micro-batch on one stage (job.py): every layer also keeps the other ranks' K/V
+        kept = kept_kv_bytes(cfg, forms.b, seq, cp, job.cp_comm, True)
+        peak = cp_peak_bytes(job.cfg, forms.b, seq, forms.policy, cp, job.cp_comm, True)
+        out.update({"predicted_activation_bytes": peak,
+                    "predicted_microbatch_stored_bytes": forms.microbatch_stored_bytes + cfg.layers * kept,
+                    "predicted_layer_stored_bytes": first_layer_bytes(forms) + kept})
+    return out
+
+
+def first_layer_bytes(forms):
+    """What the stage's first layer holds after a micro-batch's forward: stored whole, its input, or nothing."""
+    first, mode = forms.chain[0], forms.local_schedule.forward[0]
+    return _variant(first, mode) if mode.stored else (first.input_bytes if mode.keeps_input else 0)
 
 
 def _variant(stage, mode):
@@ -96,7 +125,7 @@ def in_flight_peak(order, stored, peaks):
 
 def reduced_bytes(job, forms):
     """The bytes the stage's data-parallel buckets all-reduce: every gradient once, where its group has more
-    than one rank (under ep the experts' over their dp ranks, every other over dp x ep: layout.py)."""
+    than one rank (under ep the experts' over their dp x cp ranks, every other over dp x ep x cp: layout.py)."""
     cfg = job.cfg
     size = torch.empty((), dtype=cfg.param_dtype).element_size()
     dense = experts = 0
@@ -108,4 +137,4 @@ def reduced_bytes(job, forms):
             experts += n // job.ep
         else:
             dense += n
-    return size * ((dense if job.dp * job.ep > 1 else 0) + (experts if job.dp > 1 else 0))
+    return size * ((dense if job.dp * job.ep * job.cp > 1 else 0) + (experts if job.dp * job.cp > 1 else 0))

@@ -1,4 +1,4 @@
-"""The caller's side of every layout, written once: one job holds the whole layout (dp x pp x ep x tp),
+"""The caller's side of every layout, written once: one job holds the whole layout (dp x pp x ep x cp x tp),
 is checked before any rank starts, is sent to the ranks on the CPU, and comes back as the loss, full
 gradients under the parameters' names and one report per rank.
 
@@ -6,11 +6,10 @@ gradients under the parameters' names and one report per rank.
     job = checked_job(job, "cpu", job.world_size)   # a ValueError naming the argument, before any rank starts
     sent = on_cpu(job)                        # what the ranks receive; each moves it to its own device
 
-step.py launches the ranks and puts their results together; each rank runs rank.py. Every rank starts from the caller's generator state (or the
-job's rng_state), so its dropout masks are rows or slices of the single process's (rng.py), and the
-caller's generator is left where a single process's step would leave it. run_jobs runs several jobs
-in one launch (the tests and the lessons measure every policy that way: starting ranks costs about a
-second each).
+Every rank starts from the caller's generator state (or the job's rng_state), so its dropout masks are
+rows or slices of the single process's (rng.py); the caller's generator is left where a single process's
+step would leave it. step.py launches the ranks (run_jobs: several jobs per launch, as starting ranks costs
+about a second each) and puts their results together; each rank runs rank.py.
 """
 import sys
 from dataclasses import KW_ONLY, dataclass, replace
@@ -21,15 +20,15 @@ from ..batch import check_batch
 from ..engine import device_generator
 from ..params import check_params
 from ..policy import parse_policy
-from .context_parallel.cp_step import check_context_parallel
-from .data_parallel.zero_step import check_zero
+from .context_parallel.cp_check import check_context_job
+from .context_parallel.cp_inventory import recompute_comm_flops
+from .data_parallel.zero_step import check_zero_job
 from .expert_parallel.ep_shard import check_expert_parallel
 from .launch import check_rank_count
 from .layout import check_layout
 from .pipeline_parallel.pp_inventory import StageForms
 from .pipeline_parallel.pp_schedules import check_schedule, stage_layers
 from .tensor_parallel.tp_shard import check_tensor_parallel
-
 
 
 @dataclass
@@ -79,44 +78,16 @@ def checked_job(job, device, world_size):
     check_schedule(job.schedule)
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
         raise ValueError(f"microbatches={M!r}: use a whole number of micro-batches per step, 1 or more")
-    check_layout(job.dp, job.pp, job.tp, None, job.ep)  # each a whole number >= 1
-    if isinstance(job.cp, bool) or not isinstance(job.cp, int) or job.cp < 1:
-        raise ValueError(f"cp={job.cp!r}: use a whole number of context-parallel ranks, 1 or more")
+    check_layout(job.dp, job.pp, job.tp, None, job.ep, job.cp)  # each a whole number >= 1
     split = [name for name in ("dp", "pp", "ep", "tp", "cp") if getattr(job, name) > 1]
     check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp x cp", job.world_size, device)  # torchrun
-    if job.cp > 1 and world_size != job.world_size:
-        raise ValueError(f"{world_size} processes for cp={job.cp}: context parallelism takes one process per rank; "
-                         f"run cp={world_size}, or {job.cp} processes")
-    if job.cp == 1:
-        check_layout(job.dp, job.pp, job.tp, world_size, job.ep)
+    check_layout(job.dp, job.pp, job.tp, world_size, job.ep, job.cp)
     stage_layers(cfg.layers, job.pp)
     if job.recompute_early and job.pp == 1:
         raise ValueError("recompute_early=True without pp: it recomputes a stage's top segment while the stage "
                          "waits for its gradient; use it with pp >= 2, or leave it out")
-    if job.cp != 1:  # context parallelism runs alone, for now
-        others = [f"{name}={getattr(job, name)}" for name in ("pp", "microbatches", "tp", "dp", "ep", "zero")
-                  if getattr(job, name) not in (0, 1)]
-        if others:
-            raise ValueError(f"cp={job.cp} with {', '.join(others)} is not supported yet: context parallelism runs "
-                             f"on its own here; use cp with no other layout")
-        check_context_parallel(cfg, job.cp, T, job.cp_layout, job.cp_comm, job.cp_keep_kv, job.policy, device)
-        return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
-    if job.cp_keep_kv or job.cp_layout != "zigzag" or job.cp_comm != "ring":
-        raise ValueError("cp_layout, cp_comm or cp_keep_kv without cp: they choose how context-parallel ranks "
-                         "split the sequence and share K/V, and there are none here; add cp >= 2, or leave them out")
-    if job.zero:  # ZeRO runs over data-parallel ranks alone, for now
-        others = [f"{name}={getattr(job, name)}" for name in ("pp", "microbatches", "tp", "ep") if getattr(job, name) != 1]
-        if others:
-            raise ValueError(f"zero={job.zero} with {', '.join(others)} is not supported yet: ZeRO shards the model "
-                             f"state over data-parallel ranks alone here; use dp >= 2 with zero and no other layout")
-        check_zero(job.zero, job.dp, cfg, B, job.keep_gathered, job.prefetch)
-    elif job.steps:
-        raise ValueError(f"steps={job.steps} without zero: AdamW on the shards is ZeRO's; add zero=1, 2 or 3 (and "
-                         f"dp >= 2), or leave steps out")
-    elif job.keep_gathered or not job.prefetch:
-        raise ValueError(f"{'keep_gathered=True' if job.keep_gathered else 'prefetch=False'} without zero: it changes "
-                         f"when ZeRO-3 gathers parameters, and there is none here; add zero=3 (and dp >= 2), or leave "
-                         f"it out")
+    check_context_job(job, policy, device)  # context_parallel/cp_check.py
+    check_zero_job(job)  # data_parallel/zero_step.py
     if job.keep_dispatched and job.ep == 1:
         raise ValueError("keep_dispatched=True with ep=1: it keeps the rows an expert-parallel layer dispatched to "
                          "other ranks; set ep > 1, or leave keep_dispatched out")
@@ -127,7 +98,7 @@ def checked_job(job, device, world_size):
         check_expert_parallel(cfg, job.ep, B // (job.dp * M), job.policy, job.tp, job.distribute_saved,
                               job.dp * M > 1)
     if job.tp > 1:
-        check_tensor_parallel(cfg, job.tp, job.sp, T, job.distribute_saved)
+        check_tensor_parallel(cfg, job.tp, job.sp, T // job.cp, job.distribute_saved)  # on a rank's T/cp tokens
     if job.dp * M > 1:
         if cfg.attention == "tiled" and cfg.dropout > 0:
             raise ValueError(f"attention='tiled' with dropout={cfg.dropout} and dp x microbatches = {job.dp * M}: each "
@@ -140,13 +111,21 @@ def checked_job(job, device, world_size):
                              f"router_jitter=0 or one micro-batch on one replica")
     for stage, layers in enumerate(stage_layers(cfg.layers, job.pp)):
         try:  # an impossible budget says which stage it does not fit, before any rank starts
-            StageForms(cfg, B, T, policy.text, job.pp, M, job.schedule, stage, job.dp, job.tp, job.sp,
-                       job.distribute_saved)
+            stage_forms(replace(job, policy=policy.text), stage)
         except ValueError as error:
             if job.pp == 1:
                 raise
             raise ValueError(f"stage {stage} (layers {layers[0]}..{layers[-1]}): {error}") from None
     return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
+
+
+def stage_forms(job, stage):
+    """The closed forms of one stage's rank (pipeline_parallel/pp_inventory.py), on its T/cp tokens; under cp a
+    budget plans with the communication a recomputed layer repeats (cp_inventory.recompute_comm_flops)."""
+    (B, T), cp = job.input_ids.shape, job.cp
+    ring = recompute_comm_flops(job.cfg, B // (job.dp * job.microbatches), T, cp, job.cp_comm, job.cp_keep_kv, job.tp)
+    return StageForms(job.cfg, B, T // cp, job.policy, job.pp, job.microbatches, job.schedule, stage, job.dp, job.tp,
+                      job.sp, job.distribute_saved, layer_comm_flops=ring)
 
 
 def check_flags(job):

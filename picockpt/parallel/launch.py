@@ -1,42 +1,27 @@
 """Running one function on every rank: spawned local processes, or the processes torchrun made.
 
-    results = run_ranks(fn, 4, x, timeout_s=60)   # fn(comm, x) runs on ranks 0..3
-    results[r]                                    # what rank r returned
+    results = run_ranks(fn, 4, x, timeout_s=60)   # fn(comm, x) runs on ranks 0..3; results[r] is what rank r returned
 
-fn(comm, *args, **kwargs) gets a Comm (picockpt/parallel/comm.py: the process group, rank, world
-size, device and a log of communication bytes) and returns anything picklable (CPU tensors are fine).
+fn(comm, *args, **kwargs) gets a Comm (comm.py: the process group, rank, world size, device and a log of
+communication bytes) and returns anything picklable (CPU tensors are fine).
 
-Where the processes come from
-  torchrun   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are in the environment:
-             this process is one rank. The rendezvous is used as it is (one node or many), fn runs
-             once here, and every rank gets the list of all ranks' results (all_gather_object).
-             A failing rank raises in its own process; torchrun then stops the others.
-  spawned    started plainly: world_size fresh local processes, each importing fn by name, so
-             fn must live at module level of an importable module (not a lambda, a local
-             function or an unguarded __main__). start_method="spawn" (the default) starts each
-             rank as a new interpreter (~0.9 s of CPU each, mostly `import torch`);
-             "forkserver" forks each rank from one helper interpreter that imported torch once
-             (~0.05 s a rank after the first call; the helper, like Python's resource tracker,
-             lives until this process exits). Neither forks this process: no inherited threads
-             or CUDA state. The ranks meet at a TCPStore that this process serves on 127.0.0.1 (a
-             free port, or `port`); gloo is bound to the loopback interface too: nothing listens
-             on another address. Each rank runs on one thread (torch.set_num_threads(1)), sees
-             this process's environment variables, and gets its own copy of args and kwargs
-             (pickled by value, never shared memory).
-Backend: gloo on CPU, NCCL for device="cuda" (rank r on cuda:LOCAL_RANK).
-Timeout: init_process_group(timeout=timedelta(seconds=timeout_s)): every collective of the run,
-and the rendezvous, raises instead of waiting longer than timeout_s. Comm.timeout carries it to the
-sub-groups (parallel/layout.py passes it to every new_group: a group made without one waits for
-torch's default, 30 minutes).
-Failure: the first rank to fail or die ends the run. Its error comes back as a RuntimeError that
-names the rank, the exception type and message, and carries that rank's traceback; a ValueError
-(a user mistake) comes back as a ValueError naming the rank. The other ranks are terminated
-(SIGTERM, then SIGKILL): nothing waits for a collective timeout, and no process outlives
-run_ranks, KeyboardInterrupt included. A rank whose parent dies is killed by the kernel (Linux). A rank
-that dies before it starts (a calling script without `if __name__ == "__main__":`, which the rank
-re-imports) ends the run at once with a ValueError naming the missing guard: the payload (fn and its
-arguments, often megabytes of weights) goes down a pipe of its own after the process has started, so
-starting a rank never blocks on one that is already gone.
+  torchrun  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are set: this process is one rank of
+            torchrun's rendezvous (one node or many); fn runs once here, and every rank gets all ranks' results
+            (all_gather_object). A failing rank raises here; torchrun stops the others.
+  spawned   world_size fresh local processes, each importing fn by name (so fn lives at module level of an
+            importable module: not a lambda, a local function or an unguarded __main__). "spawn" (the default)
+            starts each as a new interpreter (~0.9 s of CPU, mostly `import torch`); "forkserver" forks each from
+            one helper that imported torch once (~0.05 s a rank after the first call; the helper, like Python's
+            resource tracker, lives until this process exits). Neither forks this process (no inherited threads or
+            CUDA state). The ranks meet at a TCPStore served here on 127.0.0.1 (a free port, or `port`), and gloo
+            binds to the loopback interface: nothing listens on another address. Each rank runs one thread, sees
+            this process's environment variables and gets its own pickled copy of args and kwargs.
+Failure (watch.py): the first rank to fail or die ends the run, its error raised here naming the rank, with the
+exception's type, message and traceback (a RuntimeError; a ValueError, a user mistake, stays a ValueError). No
+process outlives run_ranks, KeyboardInterrupt included; a rank whose parent dies is killed by the kernel (Linux).
+The payload (fn and its arguments, often megabytes) goes down a pipe of its own once the process has started, so
+starting a rank never blocks on one that died starting (a script without `if __name__ == "__main__":`, which the
+rank re-imports: a ValueError names the missing guard).
 """
 import os
 import pickle
@@ -63,9 +48,8 @@ def under_torchrun():
 
 
 def check_rank_count(name, count, device="cpu"):
-    """ValueError naming `name` (tp, ep: the size that sets the number of ranks) when `count` ranks cannot
-    run here: under torchrun the processes are already started (WORLD_SIZE of them), and spawned ranks on
-    CUDA take one GPU each. On the CPU any count spawns (ranks beyond the cores share them, slowly)."""
+    """ValueError naming `name` (the size that sets the number of ranks) when `count` ranks cannot run here: torchrun
+    started WORLD_SIZE processes, spawned CUDA ranks take a GPU each. On the CPU any count spawns (sharing cores)."""
     if under_torchrun():
         size = int(os.environ["WORLD_SIZE"])
         if count != size:
@@ -79,24 +63,21 @@ def check_rank_count(name, count, device="cpu"):
 def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, port=None, start_method="spawn",
               **kwargs):
     """fn(comm, *args, **kwargs) on every rank; returns [result of rank 0, result of rank 1, ...].
-
     world_size  number of ranks (under torchrun: None, or the WORLD_SIZE torchrun was given)
     backend     "gloo" or "nccl"; None picks NCCL for device="cuda", gloo otherwise
     device      "cpu" or "cuda" (each rank takes cuda:LOCAL_RANK; an index given here is not used)
-    timeout_s   the limit on every collective and on the rendezvous, in seconds
+    timeout_s   the limit on every collective and on the rendezvous, in seconds (init_process_group's timeout;
+                Comm.timeout carries it to layout.py's sub-groups: one made without it waits torch's 30 minutes)
     port        spawned ranks only: the 127.0.0.1 port of the rendezvous (None: a free one)
     start_method  spawned ranks only: "spawn" or "forkserver" (see the module docstring)
-    Every other keyword goes to fn.
-    """
+    Every other keyword goes to fn."""
     device_type, backend = _check_arguments(fn, world_size, backend, device, timeout_s)
     if under_torchrun():
         if port is not None:
             raise ValueError(f"port={port}: under torchrun the rendezvous is MASTER_ADDR:MASTER_PORT "
                              f"({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}); leave port out")
         return _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s)
-    if device_type == "cuda" and world_size > torch.cuda.device_count():
-        raise ValueError(f"world_size={world_size}: spawned ranks take one GPU each and there are "
-                         f"{torch.cuda.device_count()}; use at most that many, or device='cpu'")
+    check_rank_count("world_size", world_size, device_type)  # spawned CUDA ranks: one GPU each
     if start_method not in ("spawn", "forkserver") or start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method={start_method!r}: use one of "
                          f"{[m for m in ('spawn', 'forkserver') if m in mp.get_all_start_methods()]}")
@@ -134,8 +115,7 @@ def _check_arguments(fn, world_size, backend, device, timeout_s):
 def _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s):
     size = int(os.environ["WORLD_SIZE"])
     if world_size is not None and world_size != size:
-        raise ValueError(f"world_size={world_size}: torchrun started WORLD_SIZE={size} ranks; "
-                         f"pass {size} or None")
+        raise ValueError(f"world_size={world_size}: torchrun started WORLD_SIZE={size} ranks; pass {size} or None")
     device = _rank_device(device_type, int(os.environ["LOCAL_RANK"]))
     owns_group = not dist.is_initialized()  # a second run_ranks in the same job reuses the group
     if owns_group:
@@ -151,8 +131,7 @@ def _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s):
 
 
 def _bound(device):
-    """init_process_group's device_id on CUDA: the group is bound to this rank's GPU, so NCCL need not
-    guess it for barriers and creates its communicator eagerly; nothing on the CPU (gloo)."""
+    """init_process_group's device_id on CUDA (NCCL need not guess the GPU for barriers; its communicator is eager)."""
     return {"device_id": device} if device.type == "cuda" else {}
 
 
@@ -185,9 +164,8 @@ def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, 
             reader, writer = context.Pipe(duplex=False)  # the rank's one message: its result or error
             inbox, outbox = context.Pipe(duplex=False)  # the payload, sent after start() (see below)
             # not a daemon: a rank may start processes of its own (torch.compile's workers, say)
-            process = context.Process(target=_spawned_rank, name=f"picockpt-rank-{rank}",
-                                      args=(rank, world_size, store.port, backend, device_type,
-                                            timeout_s, inbox, writer, parent, started))
+            process = context.Process(target=_spawned_rank, name=f"picockpt-rank-{rank}", args=(
+                rank, world_size, store.port, backend, device_type, timeout_s, inbox, writer, parent, started))
             process.start()  # writes only these small arguments: never blocks on a rank that dies starting
             writer.close()  # the parent keeps only the reading end: EOF once the rank is gone
             inbox.close()  # and only the writing end of the payload's pipe: EPIPE once the rank is gone
@@ -211,8 +189,7 @@ def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, 
 
 
 def _serve_rendezvous(port, world_size, timeout_s):
-    """A TCPStore served by this process on 127.0.0.1 only (TCPStore would listen on every address
-    if it bound the port itself, so it gets a socket bound here)."""
+    """A TCPStore served here on 127.0.0.1 only (bound by itself it would listen on every address: it gets a socket)."""
     if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
         raise ValueError(f"port={port!r}: use a TCP port number 1..65535, or leave port out for a free one")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -221,8 +198,8 @@ def _serve_rendezvous(port, world_size, timeout_s):
         listener.listen(max(world_size, 8))
     except OSError as error:
         listener.close()
-        raise ValueError(f"port={port}: cannot listen on {LOCALHOST}:{port} ({error.strerror}); another "
-                         f"process holds it. Leave port out (on the command line: no --port) and a free one is picked") from None
+        raise ValueError(f"port={port}: cannot listen on {LOCALHOST}:{port} ({error.strerror}); another process holds "
+                         f"it. Leave port out (on the command line: no --port) and a free one is picked") from None
     chosen = listener.getsockname()[1]
     return dist.TCPStore(LOCALHOST, chosen, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True)
@@ -267,13 +244,11 @@ def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox
 
 
 def _die_with_parent(parent_pid):
-    """Linux: the kernel kills this rank if its parent (this process, or the forkserver helper,
-    which itself exits with this process) dies, even by SIGKILL."""
+    """Linux: the kernel kills this rank when its parent (the caller or the forkserver helper) dies, even of SIGKILL."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # prctl(PR_SET_PDEATHSIG, SIGKILL)
     if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before the line above
         os._exit(1)
 

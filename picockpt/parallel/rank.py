@@ -1,11 +1,13 @@
-"""One rank's step of any layout, dp x pp x ep x tp: its stage's micro-batches, forwards and backwards in
-the schedule's order, each one the engine's own loop over a model whose parts cross ranks where its
+"""One rank's step of any layout, dp x pp x ep x cp x tp: its stage's micro-batches, forwards and backwards
+in the schedule's order, each one the engine's own loop over a model whose parts cross ranks where its
 layout says. How the parallelisms wrap the one engine:
 
-    layer model   Model (one process), TensorParallelModel (tp), ExpertParallelModel (ep): the layer of
-                  picockpt/layer.py with its Crossings filled in (make_inner below)
+    layer model   Model (one process), TensorParallelModel (tp), ExpertParallelModel (ep),
+                  ContextParallelModel (cp: its tokens of every sequence): the layer of picockpt/layer.py
+                  with its Crossings filled in (make_inner below)
     pipeline      PipelineStage / StageModel around it (pp_stage.py): receive x, run the layers, send y
-    data parallel the gradients go into buckets that all-reduce over the replicas (dp_comm.py)
+    data parallel the gradients go into buckets that all-reduce over the replicas (dp_comm.py), and over
+                  the context-parallel ranks, whose gradients are their tokens' parts
 
     for action in actions(schedule, P, M, stage):          # pipeline_parallel/pp_schedules.py; P = M = 1: one step
         if action.kind == "F":                              # a Step per micro-batch (picockpt/engine.py)
@@ -14,19 +16,14 @@ layout says. How the parallelisms wrap the one engine:
         else:
             steps.pop(m).backward()                         # receive dy, recompute, backward, send dx
 
-What a rank holds: its stage's layers (and the embedding on the first stage, the final norm and head
-on the last), its tensor-parallel slices of them when tp > 1, its experts of every layer when ep > 1,
-and its rows of the batch: micro-batch m of data-parallel replica d is the block d*M + m of B / (dp M)
-sequences, split over the ep ranks (rank e keeps its e-th part). picockpt/parallel/step.py is the
-caller's side: launch, gradients put together, closed forms beside the measurements.
+A rank holds its stage's layers (the embedding on the first stage, final norm and head on the last), its
+tensor-parallel slices of them, its experts, and its rows of the batch: micro-batch m of replica d is the
+block d*M + m of B / (dp M) sequences, split over the ep ranks, and under cp its tokens of those rows
+(context_parallel/cp_layout.py). step.py is the caller's side.
 
-recompute-early: a stage before the last, about to wait for a micro-batch's output gradient, first
-recomputes that micro-batch's top segment (pipeline_parallel/pp_stage.py: recompute_top), so the
-recomputation fills part of the wait. The store holds exactly what it would hold once the gradient
-is in (the same peak); the recomputed activations are held during the rest of the wait instead of
-not yet existing: the price is in time held, which the report gives as the time-weighted mean of the
-stored bytes ("mean_activation_bytes"), and a received gradient's buffer allocated before the
-recomputation instead of after it (in "peak_live_bytes").
+recompute-early (pipeline_parallel/pp_stage.py: recompute_top) fills a stage's wait for a gradient with
+the top segment's recomputation: the same peak, held longer ("mean_activation_bytes", time-weighted), and
+the received gradient's buffer allocated before the recomputation (in "peak_live_bytes").
 """
 import torch
 import torch.distributed as dist
@@ -37,15 +34,15 @@ from ..params import EMBED, FINAL_NORM, HEAD, param_shapes
 from ..tracker import Tracker
 from .comm import CommLog
 from .data_parallel.dp_comm import ExpertAndDenseBuckets, GradientBuckets
-from .context_parallel.cp_step import context_step, cp_rank_step
+from .context_parallel.cp_layout import SequenceLayout
+from .context_parallel.cp_model import ContextParallelModel, TensorContextParallelModel
 from .data_parallel.zero_step import zero_rank_step
 from .expert_parallel.ep_model import ExpertParallelModel
 from .expert_parallel.ep_shard import is_expert, shard_experts
 from .comm import PHASES
-from .job import held_bytes, trace_lines
+from .job import held_bytes, stage_forms, trace_lines
 from .layout import Layout, build_groups
 from .pipeline_parallel.pp_comm import Pipe
-from .pipeline_parallel.pp_inventory import StageForms
 from .pipeline_parallel.pp_schedules import actions
 from .pipeline_parallel.pp_stage import PipelineStage, bucket_names
 from .tensor_parallel.tp_model import TensorParallelModel
@@ -74,18 +71,16 @@ def first_receive(action, groups):
 
 def rank_steps(comm, jobs, trace=False):
     made = {}  # process groups, per layout, made once per launch
-    return [zero_rank_step(comm, job) if job.zero else cp_rank_step(comm, context_step(job)) if job.cp > 1
-            else rank_step(comm, job, made, trace) for job in jobs]
+    return [zero_rank_step(comm, job) if job.zero else rank_step(comm, job, made, trace) for job in jobs]
 
 
 def rank_step(comm, job, made, trace=False):
     """One job on this rank; returns CPU tensors and plain numbers only."""
-    layout = Layout(job.dp, job.pp, job.tp, job.ep)
+    layout = Layout(job.dp, job.pp, job.tp, job.ep, job.cp)
     groups = build_groups(layout, comm.rank, comm.device, made, comm.timeout)
     cfg, device = job.cfg, comm.device
     B, T = job.input_ids.shape
-    forms = StageForms(cfg, B, T, job.policy, job.pp, job.microbatches, job.schedule, groups.stage, job.dp, job.tp,
-                       job.sp, job.distribute_saved)
+    forms = stage_forms(job, groups.stage)
     names = stage_param_names(cfg, forms.layers, forms.first, forms.last)
     params = {name: job.params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
     if job.tp > 1:
@@ -97,32 +92,40 @@ def rank_step(comm, job, made, trace=False):
     input_ids, targets = job.input_ids.to(device), job.targets.to(device)
     counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets
     M, b = job.microbatches, forms.b // job.ep  # b: the rows this rank computes of each micro-batch
+    tokens = SequenceLayout(job.cp_layout, job.cp, T) if job.cp > 1 else None  # which tokens of a row it holds
 
     def rows(m):  # micro-batch m of this replica: block d*M + m of B / (dp M) rows, this ep rank's part of it
         start = (groups.dp_rank * M + m) * forms.b + groups.ep_rank * b
         return input_ids[start:start + b], targets[start:start + b]
 
     def make_inner(ids, tgt):  # the layers' model: where a layer crosses ranks (picockpt/layer.py's Crossings)
+        if job.tp > 1 and job.cp > 1:  # the tp rank's slices, on its cp tokens
+            return TensorContextParallelModel(params, cfg, ids, tgt, groups.tp_comm, job.sp, job.distribute_saved,
+                                              groups.cp_comm, tokens, job.cp_comm, job.cp_keep_kv)
         if job.tp > 1:
             return TensorParallelModel(params, cfg, ids, tgt, groups.tp_comm, job.sp, job.distribute_saved)
         if job.ep > 1:  # its own mean (the stage scales every micro-batch by its share of the whole batch's)
             own = max(int((tgt != IGNORE_INDEX).sum()), 1)
             return ExpertParallelModel(params, cfg, ids, tgt, groups.ep_comm, own, job.keep_dispatched)
+        if job.cp > 1:  # this rank's tokens of the rows; attention crosses the cp ranks
+            return ContextParallelModel(params, cfg, ids, tgt, groups.cp_comm, tokens, job.cp_comm, job.cp_keep_kv)
         return Model(params, cfg, ids, tgt)
 
     generator = device_generator(device)
     generator.set_state(job.rng_state)
     say = trace_lines(f"rank {comm.rank}" + (f" stage {groups.stage}" if job.pp > 1 else ""), trace)
-    layer_comm = groups.tp_comm or groups.ep_comm  # the layers' own collectives (tp or ep, never both)
+    layer_comms = [group for group in (groups.tp_comm, groups.ep_comm, groups.cp_comm) if group is not None]
+    layer_log = CommLog()  # the layers' own collectives (tp, ep, cp), this step's bytes only
     reducing = [group for group in (groups.dp_comm, groups.expert_dp_comm) if group is not None]
     dist.barrier()  # every rank's timeline starts at the same moment
     with Tracker(device, physical=job.measure, flops=job.measure) as tracker, torch.no_grad():
         timeline = Timeline(device)
         memory = StageMemory(tracker, timeline)
         pipe = Pipe(groups.previous, groups.next, device, timeline, tracker)
-        for group in [layer_comm] + reducing:
-            if group is not None:
-                group.tracker, group.log = tracker, CommLog()  # this step's bytes only
+        for group in layer_comms:
+            group.tracker, group.log = tracker, layer_log
+        for group in reducing:
+            group.tracker, group.log = tracker, CommLog()
         buckets = _buckets(job, forms, groups, params, device, timeline, tracker)
         stage = PipelineStage(cfg, params, forms.layers, forms.first, forms.last, pipe, buckets, counted, M,
                               groups.dp_rank, job.dp, forms.activation_shape(b), make_inner, job.recompute_early)
@@ -154,12 +157,14 @@ def rank_step(comm, job, made, trace=False):
         timeline.finish()
         rng_end = stage.rng_end  # the generator where the single process's step leaves it (last stage)
         del stage, steps
-    for group in [layer_comm] + reducing:
-        if group is not None:
-            group.tracker = None
-    report = _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_comm, reducing)
-    report.update(held, received_rows=[received[k] for k in forms.layers] if job.ep > 1 else None)
-    grads = {name: grad.cpu() for name, grad in buckets.grads().items()} if groups.dp_rank == 0 else None
+    for group in layer_comms + reducing:
+        group.tracker = None
+    report = _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reducing)
+    report.update(held, received_rows=[received[k] for k in forms.layers] if job.ep > 1 else None,
+                  chunks=tokens.chunks(groups.cp_rank) if tokens else None,
+                  chunk_tokens=tokens.chunk if tokens else None)
+    first = groups.dp_rank == groups.cp_rank == 0  # the replicas all hold the same, reduced gradients
+    grads = {name: grad.cpu() for name, grad in buckets.grads().items()} if first else None
     rng_state = rng_end if cfg.draws_random else job.rng_state
     return {"loss": loss.cpu() if forms.last else None, "grads": grads, "report": report,
             "rng_state": rng_state.cpu() if forms.last and rng_state is not None else None}
@@ -181,14 +186,14 @@ def _buckets(job, forms, groups, params, device, timeline, tracker):
                                  make(groups.expert_dp_comm, is_expert), is_expert)
 
 
-def _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_comm, reducing):
+def _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reducing):
     seconds = timeline.totals()
     busy = seconds["forward"] + seconds["recompute"] + seconds["backward"]
-    layer_log = layer_comm.log if layer_comm is not None else CommLog()
     local = job.cfg.experts // job.ep if job.ep > 1 else 0
     return {
         "rank": groups.rank, "stage": groups.stage, "dp_rank": groups.dp_rank, "ep_rank": groups.ep_rank,
-        "tp_rank": groups.tp_rank, "pp": job.pp, "dp": job.dp, "ep": job.ep, "tp": job.tp,
+        "cp_rank": groups.cp_rank, "tp_rank": groups.tp_rank, "pp": job.pp, "dp": job.dp, "ep": job.ep, "cp": job.cp,
+        "tp": job.tp, "cp_layout": job.cp_layout, "cp_comm": job.cp_comm, "cp_keep_kv": job.cp_keep_kv,
         "sp": job.sp and job.tp > 1, "distribute_saved": job.distribute_saved, "keep_dispatched": job.keep_dispatched,
         "microbatches": job.microbatches, "schedule": job.schedule, "policy": forms.policy.text,
         "stage_schedule": forms.source, "layers": [forms.layers[0], forms.layers[-1]],
@@ -201,7 +206,7 @@ def _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_
         "flops": {phase: tracker.flops[phase] for phase in PHASES} if job.measure else None,
         "p2p_bytes": {phase: dict(pipe.log.bytes.get(phase, {})) for phase in ("forward", "backward")},
         "p2p_posted": pipe.posted,  # every group of sends and receives, in the order posted
-        **layer_log.report(PHASES),  # the layers' collectives (tp or ep): bytes and calls per phase, by kind
+        **layer_log.report(PHASES),  # the layers' collectives (tp, ep or cp): bytes and calls per phase, by kind
         "dp_bytes": sum(group.log.total() for group in reducing),
         "timeline_start": timeline.start,
         "timeline": timeline.relative(),

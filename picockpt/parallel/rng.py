@@ -1,31 +1,24 @@
 """Dropout masks under tensor and sequence parallelism, equal to the single process's.
 
-A rank applies dropout to its share of a tensor: its heads of the attention probabilities,
-(B, H/t, T, T), and, under sequence parallelism, its tokens of a residual branch, (B, T/t, h).
-For its results to equal the single-process run's, every rank draws the *whole* mask that the
-single process draws, (B, H, T, T) or (B, T, h), from the same generator state, and keeps its own
-slice. Every rank starts the step from the caller's generator state (picockpt/parallel/job.py),
-so every rank's generator then advances exactly as the single process's does: the next mask, and
-every mask a recomputation draws again after the engine's RNG replay, are the same ones too.
+A rank applies dropout to its share of a tensor: its heads of the attention probabilities, (B, H/t, T, T), and
+under sequence parallelism its tokens of a residual branch, (B, T/t, h). It draws the *whole* mask the single
+process draws, (B, H, T, T) or (B, T, h), and keeps its slice; every rank starts from the caller's generator state
+(job.py), so its generator then advances as the single process's: the next mask, and every mask a recomputation
+draws again after the engine's RNG replay, are the same too.
 
     mask = sliced_mask((B, T, h), p, device, comm, dim=1)   # this rank's tokens of the whole mask
     with full_size_draws(comm, dim=1, dropout=p):           # around code that draws its own masks
         a = attention_block_forward(...)                    # eager attention: (B, H/t, T, T) kept of (B, H, T, T)
 
-The price: each rank draws t times the random numbers it keeps (t x B*H*T^2 for the attention
-probabilities: cheap next to the q k^T that made them, but not free), and the masks of two ranks
-are slices of one mask rather than independent draws.
-
-Megatron-LM does otherwise: a model-parallel RNG tracker (tensor_parallel.random, the
-CudaRNGStatesTracker) forks, inside the tensor-parallel region, to a generator seeded per rank
-(seed + 2718 + rank), so each rank draws only its slice's size and the ranks' masks are
-independent; its recomputation saves and replays both the default and the tracker's states. That
-is cheaper, and statistically as good, but the masks depend on t, so its gradients cannot equal
-a single process's: here equality is the point (every test compares the two).
-
-Tiled attention draws each tile's mask from its own generator, seeded from one stored seed and the
-tile's index, at the shape of the rank's heads: no slice of those equals the single process's
-tiles, so tiled attention with dropout is refused under tensor parallelism (tensor_parallel/tp_shard.py).
+The price: each rank draws t times the random numbers it keeps (t x B*H*T^2 for the attention probabilities: cheap
+next to the q k^T that made them, but not free), and two ranks' masks are slices of one mask, not independent draws.
+Megatron-LM instead forks, inside the tensor-parallel region, to a generator seeded per rank (seed + 2718 + rank:
+tensor_parallel.random's CudaRNGStatesTracker), so each rank draws only its slice and the masks are independent; its
+recomputation replays both the default and the tracker's states. Cheaper, and statistically as good, but the masks
+depend on t, so its gradients cannot equal a single process's: here equality is the point (every test compares the
+two). Tiled attention draws each tile's mask from a generator seeded by one stored seed and the tile's index, at the
+shape of the rank's heads: no slice equals the single process's, so tiled attention with dropout is refused under
+tensor parallelism (tp_shard.py).
 """
 import collections
 import contextlib
@@ -37,9 +30,8 @@ from ..ops import dropout_mask
 
 
 def sliced_mask(shape, p, device, comm, dim=None):
-    """The single process's dropout mask of `shape` (True: kept), drawn whole; this rank's slice along
-    dim (its 1/t), as a tensor of its own (a view would keep the whole mask's storage alive and
-    stored). dim=None: the whole mask (a replicated tensor, without sequence parallelism)."""
+    """The single process's dropout mask of `shape` (True: kept), drawn whole; this rank's 1/t slice along dim, a
+    tensor of its own (a view would keep the whole mask's storage alive and stored). dim=None: the whole mask."""
     mask = dropout_mask(shape, p, device)  # (shape) bool: the very draw of the single process
     if dim is None:
         return mask
@@ -51,11 +43,9 @@ Part = collections.namedtuple("Part", "rank world_size")  # a slice r of W, wher
 
 
 class FullSizeDraws(TorchFunctionMode):
-    """Inside it, torch.rand(shape) and Tensor.uniform_ draw the single process's tensor, W times as large
-    along dim `dim`, and keep this rank's slice (part.rank of part.world_size): a mask drawn at the shape
-    of a rank's heads (tensor parallel, dim 1), of its sequences (expert parallel, dim 0) or of a
-    micro-batch's rows (pipeline, dim 0) becomes the single process's, sliced. Any other random
-    function inside is refused (none is called)."""
+    """Inside it, torch.rand and Tensor.uniform_ draw the single process's tensor, W times as large along `dim`, and
+    keep slice part.rank of part.world_size: a mask at the shape of a rank's heads (tp, dim 1), sequences (ep, dim 0)
+    or a micro-batch's rows (pp, dim 0) becomes the single process's, sliced. Other random functions are refused."""
 
     def __init__(self, part, dim):
         super().__init__()
@@ -85,9 +75,8 @@ class FullSizeDraws(TorchFunctionMode):
 
 @contextlib.contextmanager
 def full_size_draws(part, dim, dropout=1.0):
-    """Every torch.rand (and uniform_) inside draws the single process's tensor and keeps this rank's slice
-    along dim. part: a Comm, or a Part. Nothing to do on one rank (its shapes are the single process's), nor
-    when dropout is 0 (no draws)."""
+    """Every torch.rand (and uniform_) inside draws the single process's tensor and keeps this rank's slice along
+    dim. part: a Comm, or a Part. Nothing to do on one rank (its shapes are the single process's), nor at dropout 0."""
     if part.world_size == 1 or dropout == 0:
         yield
         return

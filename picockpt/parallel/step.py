@@ -1,11 +1,12 @@
 """picockpt.parallel.loss_and_grads: the single-process call, split over ranks, for any layout
 
-    dp x pp x ep x tp ranks     layout.py: the grid and its process groups
+    dp x pp x ep x cp x tp      layout.py: the grid and its process groups
     each rank                   rank.py: its stage's micro-batches (one, without pp), each the engine's own
                                 loop (picockpt/engine.py: Step) over a model whose layers cross ranks at named
-                                points (picockpt/layer.py's Crossings): tensor_parallel/ or expert_parallel/
-                                fills them in; pipeline_parallel/ sends and receives between stages;
-                                data_parallel/ all-reduces each gradient bucket over the replicas
+                                points (picockpt/layer.py's Crossings): tensor_parallel/, expert_parallel/
+                                or context_parallel/ fills them in; pipeline_parallel/ sends and receives
+                                between stages; data_parallel/ all-reduces each gradient bucket over the
+                                replicas (and the context-parallel ranks)
 
 so the loop and the layer are written once. Full parameters and batch in; the loss, full gradients under
 the parameters' names and one report per rank (its measurements beside their closed forms, forms.py) out.
@@ -14,22 +15,21 @@ the parameters' names and one report per rank (its measurements beside their clo
     loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, policy="full", tp=2, sp=True)
     loss, grads, ranks = parallel.loss_and_grads(..., pp=2, microbatches=4, dp=2)      # 4 ranks
     loss, grads, ranks = parallel.loss_and_grads(..., ep=2, dp=2)                      # experts split in 2, x2
+    loss, grads, ranks = parallel.loss_and_grads(..., cp=2, dp=2)                      # sequences split in 2, x2
     ranks[r]["peak_activation_bytes"] == ranks[r]["predicted_activation_bytes"]        # to the byte
 
-A rank's report: its coordinates (rank, stage, dp_rank, ep_rank, tp_rank) and the layout; peak_activation_bytes
-(all its micro-batches' stores at once), microbatch_stored_bytes, layer_stored_bytes and head_stored_bytes
-(what micro-batch 0, its stage's first layer and its head hold after the forward), mean_activation_bytes
-(time-weighted), peak_live_bytes; flops by phase; comm_bytes, comm_calls, comm_bytes_by_kind and
-all_to_all_sent_bytes (the layers' tensor- or expert-parallel collectives, by phase); p2p_bytes (a stage's
-sends and receives); dp_bytes (the gradients' all-reduces); under ep its experts and received_rows (per
-layer, the rows its experts got); timeline (kind, micro-batch, start, end), timeline_seconds, step_seconds
-and bubble = 1 - computing / step; and the predicted_ twin of every count.
+A rank's report: its coordinates (rank, stage, dp_rank, ep_rank, cp_rank, tp_rank) and the layout;
+peak_activation_bytes (all its micro-batches' stores at once), microbatch_stored_bytes, layer_stored_bytes and
+head_stored_bytes (what micro-batch 0, its stage's first layer and its head hold after the forward),
+mean_activation_bytes (time-weighted), peak_live_bytes; flops by phase; comm_bytes, comm_calls,
+comm_bytes_by_kind, all_to_all_sent_bytes (the layers' tp, ep or cp collectives, by phase); p2p_bytes;
+dp_bytes (the gradients' all-reduces); under ep its experts and received_rows, under cp its chunks; the
+timeline, step_seconds and bubble = 1 - computing / step; and the predicted_ twin of every count.
 """
 import os
 
 from ..params import EMBED, HEAD
 from ..routing import step_routing
-from .context_parallel.cp_step import cp_collected
 from .data_parallel.zero_step import zero_collected
 from .expert_parallel.ep_shard import gather_expert_grads
 from .forms import predicted
@@ -86,13 +86,13 @@ def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, star
     out, state = [], jobs[-1].rng_state
     for index, (job, routing) in enumerate(zip(jobs, routings)):
         per_rank = [rank_results[index] for rank_results in results]
-        if job.zero or job.cp > 1:  # their own rank steps for now (data_parallel/zero_step.py, context_parallel/)
-            out.append(zero_collected(job, per_rank) if job.zero else cp_collected(job, per_rank))
+        if job.zero:  # its own rank step for now (data_parallel/zero_step.py)
+            out.append(zero_collected(job, per_rank))
             state = per_rank[0]["rng_state"]
             continue
         last = [r for r in per_rank if r["report"]["stage"] == job.pp - 1 and r["report"]["tp_rank"] == 0]
         loss = last[0]["loss"]
-        for r in last[1:]:  # the data- and expert-parallel ranks' shares of the mean
+        for r in last[1:]:  # the data-, expert- and context-parallel ranks' shares of the mean
             loss = loss + r["loss"]
         where = job.params[EMBED].device
         grads = _gathered(job, per_rank)
@@ -119,12 +119,12 @@ def _routing(job, generator):
 
 
 def _gathered(job, per_rank):
-    """The full gradients: each stage's from its dp rank 0, tensor- or expert-parallel parts put together."""
+    """The full gradients: each stage's from its dp and cp rank 0, tensor- or expert-parallel parts put together."""
     cfg, grads, head_copy = job.cfg, {}, None
     for stage, layers in enumerate(stage_layers(cfg.layers, job.pp)):
         names = stage_param_names(cfg, layers, stage == 0, stage == job.pp - 1)
         ranks = sorted(((r["report"]["tp_rank"], r["report"]["ep_rank"]), r["grads"]) for r in per_rank
-                       if r["report"]["stage"] == stage and r["report"]["dp_rank"] == 0)
+                       if r["report"]["stage"] == stage and r["report"]["dp_rank"] == r["report"]["cp_rank"] == 0)
         parts = [g for _, g in ranks]
         if job.tp > 1:
             whole = gather_grads(parts, dict.fromkeys(names))

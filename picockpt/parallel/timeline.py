@@ -4,21 +4,18 @@
     with timeline.span("forward", microbatch=2):   # nested spans split the outer one:
         with timeline.span("wait"):                # [forward 2][wait 2][forward 2]
             ...
-    timeline.totals()    # {"forward": s, "recompute": s, "backward": s, "wait": s, "send": s, "reduce": s,
-                         #  "idle": s, "total": s}
+    timeline.totals()    # {"forward": s, "recompute": s, "backward": s, "wait": s, "send": s, "reduce": s, ...}
 
-Kinds: forward, recompute and backward (the engine's own phases, computing), wait (blocked on a
-receive from a neighbouring stage: the pipeline bubble as this rank sees it), send (waiting for
-its last sends to leave), reduce (blocked on a data-parallel all-reduce: the part of it not hidden
-behind compute). Idle is the rest of the step: the gaps between spans (the schedule's own Python).
-Clock: time.monotonic(), one clock for every process of a machine, so ranks' timelines line up; on
-CUDA the compute stream is synchronised at each span's edges, so a span holds the GPU work it queued.
+Kinds: forward, recompute and backward (the engine's phases), wait (blocked on a receive from a neighbouring stage:
+the bubble as this rank sees it), send (waiting for its last sends to leave), reduce (blocked on a data-parallel
+all-reduce: the part not hidden behind compute); idle is the rest (the schedule's own Python), total the step.
+time.monotonic() is one clock for every process of a machine, so ranks' timelines line up; on CUDA each span's
+edges synchronise the compute stream, so a span holds the GPU work it queued.
 
-StageMemory makes one store of a stage's micro-batches: each micro-batch's Step (picockpt/engine.py)
-has its own ActivationStore, whose listener is a MicroBatchTracker; it forwards every store event
-to the rank's Tracker with the bytes of *all* the stage's stores at that moment, so the Tracker's
-logical peak is the stage's peak with every micro-batch in flight. Phases go to both the Tracker
-(FLOPs, communication bytes by phase) and the Timeline.
+StageMemory makes one store of a stage's micro-batches: each micro-batch's Step has its own ActivationStore, whose
+listener, a MicroBatchTracker, forwards every store event to the rank's Tracker with the bytes of *all* the stage's
+stores, so the Tracker's peak is the stage's with every micro-batch in flight. Phases go to both the Tracker (FLOPs,
+communication bytes by phase) and the Timeline.
 """
 import contextlib
 import time
@@ -74,8 +71,7 @@ class Timeline:
         for kind, _, start, end in self.segments:
             seconds[kind] += end - start
         total = (self.end - self.start) if self.start is not None and self.end is not None else sum(seconds.values())
-        seconds["idle"] = max(0.0, total - sum(seconds.values()))
-        seconds["total"] = total
+        seconds["idle"], seconds["total"] = max(0.0, total - sum(seconds.values())), total
         return seconds
 
     def relative(self, origin=None):
@@ -89,8 +85,7 @@ class StageMemory:
 
     def __init__(self, tracker, timeline):
         self.tracker, self.timeline = tracker, timeline
-        self.held = {}      # micro-batch -> bytes its store holds now
-        self.bytes = 0
+        self.held, self.bytes = {}, 0  # micro-batch -> bytes its store holds now; their sum
         self.samples = []   # (time, bytes) at every store event
         self.end_of_forward = {}  # micro-batch -> bytes its store held when its forward ended
 

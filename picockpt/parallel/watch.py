@@ -1,12 +1,10 @@
-"""The parent's side of spawned ranks: collect each rank's one message, find the first failure,
-stop the rest.
+"""The parent's side of spawned ranks: collect each rank's one message, find the first failure, stop the rest.
 
-Each rank sends exactly one message down its pipe: ("ok", result) or ("error", when, type name,
-message, traceback, is_value_error). A rank that dies without one (os._exit, a signal, the OOM
-killer) shows as EOF on its pipe and a fired sentinel; one that dies before it reaches picockpt's code (a
-script without a main guard, re-imported by the rank) ends the run with a ValueError that says so. The first failure ends the wait; LINGER_S
-later the root cause is picked among all failures seen (see _error), the others are terminated
-(SIGTERM, which ends a Python process at once even inside a collective), then killed.
+Each rank sends exactly one message down its pipe: ("ok", result) or ("error", when, type name, message, traceback,
+is_value_error). A rank that dies without one (os._exit, a signal, the OOM killer) shows as EOF on its pipe and a
+fired sentinel; one that dies before it reaches picockpt's code (a script without a main guard, re-imported by the
+rank) ends the run with a ValueError that says so. The first failure ends the wait; LINGER_S later the root cause
+is picked among all failures seen (_error), and the others are terminated (SIGTERM), then killed.
 """
 import pickle
 import signal
@@ -24,15 +22,13 @@ class RankError(RuntimeError):
 
     def __init__(self, message, rank=None, type_name=None, remote_traceback="", failed_at=None):
         super().__init__(message)
-        self.rank, self.type_name, self.remote_traceback = rank, type_name, remote_traceback
-        self.failed_at = failed_at
+        self.rank, self.type_name, self.remote_traceback, self.failed_at = rank, type_name, remote_traceback, failed_at
 
 
 def collect(ranks, pipes, started=None):
     """Each rank's result, by rank; the first failure (or death) raises at once. started[r] (a shared
     array, or None) is set once rank r runs picockpt's code: a rank that dies before is named as such."""
-    results, pending, failures = [None] * len(ranks), set(range(len(ranks))), {}
-    linger_until = None
+    results, pending, failures, linger_until = [None] * len(ranks), set(range(len(ranks))), {}, None
     while pending:
         timeout = None if linger_until is None else max(0.0, linger_until - time.monotonic())
         wait([pipes[r] for r in pending] + [ranks[r].sentinel for r in pending], timeout)
@@ -66,9 +62,8 @@ def collect(ranks, pipes, started=None):
 def _death(process, started=True):
     process.join(1.0)  # its sentinel fired: reap it to read the exit code
     code = process.exitcode
-    if code is not None and code < 0:
-        return ("died", time.monotonic(), f"was killed by {signal.Signals(-code).name}", started)
-    return ("died", time.monotonic(), f"exited with code {code}", started)
+    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
+    return ("died", time.monotonic(), how, started)
 
 
 MAIN_GUARD = ("a rank re-imports the script that started the run (Python's spawn and forkserver start methods "

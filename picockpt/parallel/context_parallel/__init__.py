@@ -8,10 +8,11 @@ picockpt/layer.py's one layer crosses ranks: its attention core alone).
     cp_layout.py     which tokens a rank holds: zigzag (chunks r and 2cp-1-r) or contiguous; their positions
     cp_comm.py       the ring step pair and the all-gather / reduce-scatter pair of K/V, counted per phase
     cp_attention.py  attention over blocks of keys, merged by log-sum-exp, forward and backward
-    cp_model.py      one rank's model for the engine's loop: its tokens, RoPE at their positions, its loss share
+    cp_model.py      one rank's model for the engine's loop: its tokens, RoPE at their positions (and beside
+                     tp, the tensor-parallel model on those tokens)
     cp_inventory.py  per-rank closed forms: stored bytes, communication bytes per phase, FLOPs
-    cp_step.py       one rank's step (cp_rank_step) and the checks before any work (check_context_parallel)
+    cp_check.py      the checks before any rank starts (check_context_parallel)
 
 parallel.loss_and_grads(..., cp=N, cp_layout=, cp_comm=, cp_keep_kv=) and `python -m picockpt parallel --cp N`
-run it, on its own for now (its own rank step, not yet composed with tp, dp or pp through parallel/rank.py).
+run it through the composed rank step (picockpt/parallel/rank.py), beside tp, dp and pp (not yet ep or ZeRO).
 """

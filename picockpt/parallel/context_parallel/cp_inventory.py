@@ -6,7 +6,7 @@ The same exactness as picockpt/inventory.py (the tracker equals these to the byt
     cp_head_inventory(cfg, B, T, cp, drop)                      the same of the final norm and the logits (or lse)
     cp_peak_bytes(cfg, B, T, policy, cp, cp_comm, keep_kv)      the rank's activation store's peak in one step
     cp_comm_bytes(cfg, B, T, policy, cp, cp_comm, keep_kv)      bytes its ring or all-gather moves, per phase
-    gradient_bytes(params)                                      the replicated gradients' all-reduce, after the step
+    recompute_comm_flops(cfg, B, T, cp, cp_comm, keep_kv)       a recomputed layer's ring, priced as FLOPs (budgets)
     rank_attention_flops(cfg, B, T, cp, layout, rank)           one of its attention core's two matmuls, per layer
     cp_flops(cfg, B, T, policy, cp, layout, rank)               matmul FLOPs per phase
 
@@ -29,23 +29,31 @@ dtype) and G = 2 B KV n hd s those of its gradient (statistics dtype), counted a
     ring            (cp-1) KV     (cp-1) KV + cp G               (cp-1) KV
     allgather       cp KV         cp KV + cp G                   cp KV
     + keep_kv       cp KV         cp G                           0
-The embedding, the norms, the MLP and the head move nothing: they work token by token. After the step the
-replicated weights' gradients are all-reduced once (gradient_bytes, booked "outside" the three phases).
+The embedding, the norms, the MLP and the head move nothing: they work token by token. budget:SIZE plans
+each rank on its chain at n tokens with every recomputed layer also paying its ring again, as the FLOPs of
+the same time (its bytes over CP_BANDWIDTH at DEFAULT_COMPUTE_RATE). Dense layers under tiled or fused
+attention rebuild nothing that costs FLOPs, so the least-FLOP plan already recomputes the fewest layers and
+the ring never changes it; a layer whose rebuilds cost FLOPs would trade them for fewer ring repeats. The replicated
+weights' gradients are summed over the dp x cp ranks by the data-parallel buckets (parallel/forms.py).
 
 FLOPs: a rank's projections, MLP and head are the single process's on n tokens (inventory.layer_flops at
-n); its attention is a sum of blocks (cp_attention.py): for each of its chunks j (c tokens), its own chunk
-causally (the kernel's count on c tokens: tiled skips the tiles above the diagonal, fused counts the whole
-square) and the j c tokens before it whole, 2 B H hd c (j c) per matmul. Zigzag: chunks r and 2cp-1-r have
+n; a schedule that stops early skips each sweep's last tail); its attention is a sum of blocks (cp_attention.py):
+for each of its chunks j (c tokens), its own chunk causally (the kernel's count on c tokens: tiled skips the
+tiles above the diagonal, fused counts the whole square) and the j c tokens before it whole, 2 B H hd c (j c) per matmul. Zigzag: chunks r and 2cp-1-r have
 r c + (2cp-1-r) c = (2cp-1) c earlier tokens on every rank, so every rank's count is the same. Contiguous
 (c = T/cp): rank r's chunk has r c earlier tokens, so with d the diagonal block's count and e = 2 B H hd c^2
 rank r computes d + r e: rank 0 the diagonal alone, and the busiest rank against the mean
     max / mean = (d + (cp-1) e) / (d + (cp-1) e / 2)      (-> 2 as cp grows; 3/2 at cp = 2 when d = e/2)
 """
 from ...closed_forms import attention_matmul_flops, chain_sizes, head_inventory, layer_flops, layer_inventory
-from ...closed_forms import segments_peak
+from ...closed_forms import segments_peak, tail_flops
 from ...config import BYTES
+from ...planner_offload import DEFAULT_COMPUTE_RATE
 from ...policy import parse_policy
 from .cp_layout import SequenceLayout
+
+CP_BANDWIDTH = 50e9  # bytes/s between context-parallel ranks: one 400 Gb/s NIC per GPU (cp spans servers once tp
+#                      fills one; the Llama 3 paper's RoCE and InfiniBand fabrics are 400 Gb/s per GPU)
 
 KEPT_KV = "attn.kv_others"  # as cp_model.py names it
 
@@ -74,6 +82,9 @@ def cp_head_inventory(cfg, batch, seq, cp, drop=frozenset()):
 def cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
     """The exact peak of one rank's activation store over one step."""
     policy = parse_policy(policy, cfg)
+    if policy.budget is not None:
+        raise ValueError(f"policy={policy.text!r}: a budget is planned per rank (parallel/job.py: stage_forms gives "
+                         f"its peak); cp_peak_bytes takes none, full, every:C, selective or cheap")
     X, A, F = chain_sizes(cfg, batch, seq // cp, policy.drop)
     K, L = kept_kv_bytes(cfg, batch, seq, cp, cp_comm, keep_kv), cfg.layers
     if policy.segment is None:
@@ -81,28 +92,37 @@ def cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
     return segments_peak([X] * L, [A + K] * L, F, policy.segment, always=[K] * L)
 
 
-def cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
-    """{"forward", "recompute", "backward"}: bytes one rank's ring or all-gather moves in one step."""
-    policy = parse_policy(policy, cfg)
+def cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, schedule=None, t=1):
+    """{"forward", "recompute", "backward"}: bytes one rank's ring or all-gather moves in one step (schedule: a
+    pipeline stage's own, over its layers; None: the policy's over cfg.layers; t: tensor-parallel ranks, each
+    passing the K/V of its KV/t heads)."""
     if cp == 1:  # one rank: its own block is all there is
         return {"forward": 0, "recompute": 0, "backward": 0}
+    forward, backward, again = layer_comm_bytes(cfg, batch, seq, cp, cp_comm, keep_kv, t)
+    schedule = schedule or parse_policy(policy, cfg).schedule(cfg, batch, seq // cp)
+    recomputed = sum(last - first + 1 for first, last in schedule.sweeps(cfg.layers))  # the engine's walk
+    return {"forward": cfg.layers * forward, "recompute": recomputed * again, "backward": cfg.layers * backward}
+
+
+def layer_comm_bytes(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False, t=1):
+    """(forward, backward, again): one layer's bytes on one rank, and what a recomputation of its forward
+    moves again (the kept all-gathered K/V: nothing)."""
     act, stat, _ = (BYTES[name] for name in cfg.dtype_names)
-    block = 2 * batch * cfg.kv_heads * (seq // cp) * cfg.head_dim  # elements of one rank's K/V block
-    KV, G, L = block * act, block * stat, cfg.layers
+    block = 2 * batch * cfg.kv_heads // t * (seq // cp) * cfg.head_dim  # elements of one rank's K/V block
+    KV, G = block * act, block * stat
     if cp_comm == "ring":
         forward, backward = (cp - 1) * KV, (cp - 1) * KV + cp * G
     else:
         forward, backward = cp * KV, (0 if keep_kv else cp * KV) + cp * G
-    again = 0 if cp_comm == "allgather" and keep_kv else forward  # a recomputed layer's forward communication
-    schedule = policy.schedule(cfg, batch, seq // cp)
-    recomputed = sum(last - first + 1 for first, last in schedule.sweeps(L))  # the engine's walk
-    return {"forward": L * forward, "recompute": recomputed * again, "backward": L * backward}
+    return forward, backward, 0 if cp_comm == "allgather" and keep_kv else forward
 
 
-def gradient_bytes(params):
-    """The all-reduce of every gradient after the step (one matrix once when the embeddings are tied)."""
-    unique = {tensor.data_ptr(): tensor.nbytes for tensor in params.values()}
-    return sum(unique.values())
+def recompute_comm_flops(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False, t=1, bandwidth=CP_BANDWIDTH,
+                         rate=DEFAULT_COMPUTE_RATE):
+    """What recomputing one layer's forward costs in communication, as FLOPs of the same time: the bytes it
+    moves again over `bandwidth` (bytes/s), at `rate` (FLOP/s). The budget planner adds it to a recomputed
+    layer's FLOPs under context parallelism, so a sweep pays for its ring again (pp_inventory.stage_plan)."""
+    return 0 if cp == 1 else round(layer_comm_bytes(cfg, batch, seq, cp, cp_comm, keep_kv, t)[2] * rate / bandwidth)
 
 
 def rank_attention_flops(cfg, batch, seq, cp, layout, rank):
@@ -114,19 +134,22 @@ def rank_attention_flops(cfg, batch, seq, cp, layout, rank):
     return sum(diagonal + earlier * j * c for j in layout.chunks(rank))
 
 
-def cp_flops(cfg, batch, seq, policy, cp, layout, rank):
-    """{"forward", "recompute", "backward"}: one rank's matmul FLOPs (what FlopCounterMode counts)."""
-    policy = parse_policy(policy, cfg)
+def cp_flops(cfg, batch, seq, policy, cp, layout, rank, head=True, schedule=None, t=1):
+    """{"forward", "recompute", "backward"}: one rank's matmul FLOPs (what FlopCounterMode counts); head=False and
+    a schedule: a pipeline stage before the last (its layers only, its own schedule); t: tensor-parallel ranks
+    (each computes 1/t of every matmul: its heads, its MLP slice, its vocabulary slice)."""
     n = seq // cp
     parts = layer_flops(cfg, batch, n)
-    core = rank_attention_flops(cfg, batch, seq, cp, layout, rank)
-    layer = parts["qkvo"] + parts["mlp"] + 2 * core  # q k^T and P v
-    head = 2 * batch * n * cfg.hidden * cfg.vocab
+    core = rank_attention_flops(cfg, batch, seq, cp, layout, rank) // t
+    layer = (parts["qkvo"] + parts["mlp"]) // t + 2 * core  # q k^T and P v
+    head = 2 * batch * n * cfg.hidden * cfg.vocab // t if head else 0
     forward = cfg.layers * layer + head
     backward = 2 * forward + (cfg.layers * core if cfg.attention == "fused" else 0)  # fused: the recomputed q k^T
-    sweeps = policy.schedule(cfg, batch, n).sweeps(cfg.layers)
+    schedule = schedule or parse_policy(policy, cfg).schedule(cfg, batch, n)
+    sweeps = schedule.sweeps(cfg.layers)
     recompute = sum(last - first + 1 for first, last in sweeps) * layer
+    recompute -= len(sweeps) * tail_flops(cfg, batch, n) // t if schedule.stop_early else 0  # each sweep's last tail
     recompute += cfg.layers * core if cfg.attention == "tiled" else 0  # the tiles' q k^T, rebuilt in the backward
-    recompute += head if cfg.loss_chunk else 0  # a chunked head's logits, rebuilt
+    recompute += head if cfg.loss_chunk else 0  # a chunked head's logits, rebuilt (none without a head)
     return {"forward": forward, "recompute": recompute, "backward": backward}
 

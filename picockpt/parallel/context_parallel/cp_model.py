@@ -14,21 +14,21 @@ of the layer but attention works token by token, so picockpt/layer.py's layer ru
 
 A recompute sweep runs the layer's forward again, and so its ring or all-gather (kept K/V: none).
 
-RoPE: the rows of the single process's (T, hd) rotary tables at this rank's global positions.
-Loss: the head sees this rank's tokens, and its mean over their counted targets, times n_r / N (this
-rank's counted targets over the whole batch's), is this rank's share: the shares add up to the single
-process's mean (pipeline_parallel/pp_stage.py scales micro-batches so). The gradients of the (replicated)
-weights are partial, from this rank's tokens: cp_step.py sums them over the ranks.
+RoPE: the rows of the single process's (T, hd) rotary tables at this rank's global positions. Beside tensor
+parallelism (TensorContextParallelModel) the rank runs the tensor-parallel layer on its n tokens, and its
+attention heads' K/V cross the cp ranks of the same tp rank.
+Loss: the head sees this rank's tokens and returns the mean over their counted targets; the stage
+(pipeline_parallel/pp_stage.py) scales it by n_r / N, this rank's counted targets over the whole batch's,
+as it scales a micro-batch, so the ranks' shares add up to the single process's mean. The gradients of the
+(replicated) weights are partial, from this rank's tokens: the data-parallel buckets sum them over the
+dp x cp ranks (picockpt/parallel/layout.py).
 """
 import torch
 
 from ...engine import Model
-from ...head import head_backward, head_forward
-from ...inventory import layer_inventory
 from ...layer import Crossings, layer_backward, layer_forward
-from ...ops import embedding_backward, rope_tables
-from ...ops.cross_entropy import IGNORE_INDEX
-from ...params import EMBED
+from ..tensor_parallel.tp_layer import TensorParallelCrossings
+from ..tensor_parallel.tp_model import TensorParallelModel
 from .cp_attention import (gathered_attention_backward, gathered_attention_forward, ring_attention_backward,
                            ring_attention_forward)
 from .cp_comm import gather_kv_backward, gather_kv_forward
@@ -41,15 +41,15 @@ class ContextParallelCrossings(Crossings):
     before each layer runs (the kept K/V go to the step's store whatever the layer's mode)."""
 
     def __init__(self, comm, layout, cp_comm="ring", keep_kv=False):
-        self.comm, self.layout, self.cp_comm, self.keep_kv = comm, layout, cp_comm, keep_kv
+        self.group, self.layout, self.kind, self.keep_kv = comm, layout, cp_comm, keep_kv  # group: the cp ranks
         self.store, self.layer = None, None
 
     def attention_core(self, q, k, v, cfg, keep):
         # q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens
-        if self.cp_comm == "ring":
-            out, lse = ring_attention_forward(q, k, v, cfg, self.layout, self.comm)  # (B, H, n, hd), (B, H, n)
+        if self.kind == "ring":
+            out, lse = ring_attention_forward(q, k, v, cfg, self.layout, self.group)  # (B, H, n, hd), (B, H, n)
         else:
-            out, lse = gathered_attention_forward(q, self.gathered(k, v), cfg, self.layout, self.comm.rank)
+            out, lse = gathered_attention_forward(q, self.gathered(k, v), cfg, self.layout, self.group.rank)
         keep("attn.lse", lse)  # (B, H, n) the merged log-sum-exp, as the single process's rows
         return out
 
@@ -59,70 +59,84 @@ class ContextParallelCrossings(Crossings):
         store, layer = self.store, self.layer
         if self.keep_kv and store.has(layer, KEPT_KV):  # a recompute sweep: no all-gather
             return self.with_own(store.get(layer, KEPT_KV), kv)  # (2, B, KV, T, hd)
-        kv_all = gather_kv_forward(kv, self.comm)  # (2, B, KV, T, hd) all-gather
+        kv_all = gather_kv_forward(kv, self.group)  # (2, B, KV, T, hd) all-gather
         if self.keep_kv:
-            n, r = kv.shape[3], self.comm.rank
+            n, r = kv.shape[3], self.group.rank
             store.put(layer, KEPT_KV, torch.cat((kv_all[:, :, :, :r * n], kv_all[:, :, :, (r + 1) * n:]), dim=3))
         return kv_all
 
     def with_own(self, others, kv):
-        n, r = kv.shape[3], self.comm.rank  # others (2, B, KV, (cp-1) n, hd): every rank's rows but these
+        n, r = kv.shape[3], self.group.rank  # others (2, B, KV, (cp-1) n, hd): every rank's rows but these
         return torch.cat((others[:, :, :, :r * n], kv, others[:, :, :, r * n:]), dim=3)  # (2, B, KV, T, hd)
 
     def attention_core_backward(self, dout, q, k, v, out, cfg, take, recomputing):
         lse = take("attn.lse")  # (B, H, n)
-        if self.cp_comm == "ring":
-            return ring_attention_backward(dout, q, k, v, out, lse, cfg, self.layout, self.comm, recomputing)
+        if self.kind == "ring":
+            return ring_attention_backward(dout, q, k, v, out, lse, cfg, self.layout, self.group, recomputing)
         kv = torch.stack((k, v))  # (2, B, KV, n, hd)
         # the other ranks' K/V again: kept, or all-gathered once more
-        kv_all = self.with_own(take(KEPT_KV), kv) if self.keep_kv else gather_kv_forward(kv, self.comm)
+        kv_all = self.with_own(take(KEPT_KV), kv) if self.keep_kv else gather_kv_forward(kv, self.group)
         del kv
-        dq, dkv_all = gathered_attention_backward(dout, q, out, lse, kv_all, cfg, self.layout, self.comm.rank,
+        dq, dkv_all = gathered_attention_backward(dout, q, out, lse, kv_all, cfg, self.layout, self.group.rank,
                                                   recomputing)  # (B, H, n, hd), (2, B, KV, T, hd) partial
         del kv_all
-        dkv = gather_kv_backward(dkv_all, self.comm)  # (2, B, KV, n, hd) reduce-scatter: this rank's rows' sum
+        dkv = gather_kv_backward(dkv_all, self.group)  # (2, B, KV, n, hd) reduce-scatter: this rank's rows' sum
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-class ContextParallelModel(Model):  # Model.start: this step's weights, then the rotary rows of these tokens
-    """params: every weight, whole; input_ids, targets: the whole batch (B, T), of which this rank takes its
-    tokens (layout.rows). The step's store is attached (model.store = step.store) before the forward."""
+class ContextTokens:
+    """What makes a rank's model context-parallel, beside its crossings: its tokens of the rows it is given
+    (layout.rows), the rotary rows at their global positions, and the step's store for the kept K/V (the
+    model's `store`, attached as model.store = step.store before the forward)."""
 
-    def __init__(self, params, cfg, input_ids, targets, comm, layout, cp_comm="ring", keep_kv=False):
-        rank = comm.rank
-        self.params, self.cfg, self.comm, self.layout = params, cfg, comm, layout
-        self.positions = layout.positions(rank, input_ids.device)  # (n,) global positions of the local rows
-        self.input_ids, self.targets = layout.rows(input_ids, rank), layout.rows(targets, rank)  # (B, n) each
-        counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets
-        self.share = int((self.targets != IGNORE_INDEX).sum()) / counted  # n_r / N
-        self.layers = range(cfg.layers)
-        self.layer_names = list(layer_inventory(cfg, *self.input_ids.shape))  # for --trace
-        self.cross = ContextParallelCrossings(comm, layout, cp_comm, keep_kv)
+    def take_tokens(self, input_ids, targets, comm, layout):
+        self.positions = layout.positions(comm.rank, input_ids.device)  # (n,) global positions of the local rows
         self.store = None
+        return layout.rows(input_ids, comm.rank), layout.rows(targets, comm.rank)  # (b, n) each
 
-    def start(self, tracker):
-        super().start(tracker)  # the weights (its rotary tables, of n rows, are replaced here)
-        cos, sin = rope_tables(self.cfg, self.layout.seq, self.input_ids.device, self.cfg.torch_dtype)  # (T, hd)
-        self.rope = cos[self.positions], sin[self.positions]  # (n, hd) x2 the single process's rows
+    @property
+    def rope(self):
+        return self.local_rope
+
+    @rope.setter
+    def rope(self, tables):  # the whole sequence's (T, hd) x2, set by the stage: keep the rows of these tokens
+        cos, sin = tables
+        self.local_rope = cos[self.positions], sin[self.positions]  # (n, hd) x2 the single process's rows
 
     def layer_forward(self, k, x, store, drop, tail):
         self.cross.store, self.cross.layer = self.store, k
         return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, tail,
-                             self.cross)  # (B, n, h)
+                             self.cross)  # (b, n, h), or (b, n/t, h) under sp
 
-    def layer_backward(self, k, dx, store):  # -> dx (B, n, h) and a LayerWeights of partial gradients
+    def layer_backward(self, k, dx, store):  # -> dx and a LayerWeights of partial gradients
         self.cross.store, self.cross.layer = self.store, k
         return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, self.cross)
 
-    def head_forward(self, x, store, drop):
-        loss = head_forward(x, self.weights, self.cfg, self.targets, store, drop)  # the mean over these tokens
-        return loss * self.share if self.share else loss.new_zeros(())  # this rank's share of the batch's mean
 
-    def head_backward(self, store):
-        dx, grads = head_backward(self.weights, self.cfg, self.targets, store)  # for this rank's mean
-        if not self.share:  # no counted target here: nothing of the loss comes from these tokens
-            return dx.zero_(), {name: grad.zero_() for name, grad in grads.items()}
-        return dx.mul_(self.share), {name: grad.mul_(self.share) for name, grad in grads.items()}  # the batch's
+class ContextParallelModel(ContextTokens, Model):  # Model.start: this step's weights
+    """params: every weight, whole; input_ids, targets: the rows (b, T) of whole sequences, of which this rank
+    takes its tokens."""
 
-    def embed_backward(self, dx):
-        return embedding_backward(dx, self.input_ids, self.weights[EMBED].shape)  # (V, h)
+    def __init__(self, params, cfg, input_ids, targets, comm, layout, cp_comm="ring", keep_kv=False):
+        super().__init__(params, cfg, *self.take_tokens(input_ids, targets, comm, layout))
+        self.cross = ContextParallelCrossings(comm, layout, cp_comm, keep_kv)
+
+
+class TensorContextCrossings(ContextParallelCrossings, TensorParallelCrossings):
+    """tp x cp: tensor_parallel/tp_layer.py's crossings (the rank's heads and MLP slice, sp's token split of
+    its n tokens), with the attention core of this rank's heads crossing the cp ranks of the same tp rank."""
+
+    def __init__(self, tp_comm, sp, dropout, comm, layout, cp_comm="ring", keep_kv=False):
+        TensorParallelCrossings.__init__(self, tp_comm, sp, dropout)
+        ContextParallelCrossings.__init__(self, comm, layout, cp_comm, keep_kv)
+
+
+class TensorContextParallelModel(ContextTokens, TensorParallelModel):
+    """A tensor-parallel rank's model (this rank's slices of the weights) over its context-parallel tokens: the
+    vocabulary-parallel embedding and head and the tp layer on n = T/cp tokens, attention over the cp ranks."""
+
+    def __init__(self, params, cfg, input_ids, targets, tp_comm, sp, distribute_saved, comm, layout, cp_comm="ring",
+                 keep_kv=False):
+        super().__init__(params, cfg, *self.take_tokens(input_ids, targets, comm, layout), tp_comm, sp,
+                         distribute_saved)
+        self.cross = TensorContextCrossings(tp_comm, sp, cfg.dropout, comm, layout, cp_comm, keep_kv)

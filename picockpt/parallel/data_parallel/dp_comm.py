@@ -1,26 +1,17 @@
-"""Data parallelism: a stage's gradients, accumulated over micro-batches in buckets, summed over the
-data-parallel replicas with all-reduces that overlap the rest of the backward.
+"""Data parallelism: a stage's gradients, accumulated over micro-batches in buckets, summed over the data-parallel
+replicas with all-reduces that overlap the rest of the backward. Each replica runs the stage on its 1/dp of the
+batch, its gradients its share of the whole batch's mean (pp_stage.py): their sum, one all-reduce over the
+data-parallel group, is the whole batch's.
 
-Each replica runs the same stage on its own 1/dp of the batch. Its gradients are those of its
-share of the whole batch's mean loss (picockpt/parallel/pipeline_parallel/pp_stage.py scales each micro-batch by
-its counted targets over the whole batch's), so the whole batch's gradient is their sum: one
-all-reduce (sum) of every gradient over the data-parallel group.
-
-Buckets, as PyTorch's DistributedDataParallel has them (Li et al. 2020, "PyTorch Distributed"):
-the gradients of one layer (or of the head, or the embedding) live side by side in one flat buffer,
-so one all-reduce moves a whole layer, and the micro-batches accumulate into its views in place.
-
-When a bucket's gradients are final, in the backward of the last micro-batch right after that
-layer's backward, overlap=True starts its all-reduce at once, asynchronously
-(dist.all_reduce(..., async_op=True)): it travels while the layers below recompute and run their
-backward (and, in a pipeline, while the stage waits in its cool-down). At the end of the step the
-rank waits for whatever has not arrived yet: that wait is the communication left exposed, a
-"reduce" span of the rank's Timeline. overlap=False all-reduces every bucket after the backward,
-one after another: all of it exposed. Bucket i's launch and the first moment it was seen complete
-(polled at every later bucket's launch, and at the end) are kept for the timeline figure.
-
-Bytes: each all-reduce counts its buffer's size (as picockpt/parallel/comm.py counts): over a step,
-every gradient of the stage once.
+Buckets, as PyTorch's DistributedDataParallel has them (Li et al. 2020, "PyTorch Distributed"): one layer's
+gradients (or the head's, or the embedding's) side by side in one flat buffer, so one all-reduce moves a whole
+layer, the micro-batches accumulating into its views in place. Once a bucket is final (in the last micro-batch's
+backward, right after that layer's), overlap=True starts its all-reduce asynchronously (async_op=True): it travels
+while the layers below recompute and run their backward (and, in a pipeline, while the stage waits in its
+cool-down). At the end of the step the rank waits for what has not arrived: the communication left exposed, a
+"reduce" span of its Timeline. overlap=False all-reduces every bucket after the backward, all of it exposed. Each
+bucket's launch and the first moment it was seen complete (polled at every later launch, and at the end) are kept
+for the timeline figure. Bytes (comm.py's count): every gradient of the stage once per step.
 """
 import time
 
@@ -32,9 +23,8 @@ class GradientBuckets:
     """names: {bucket: [parameter names]} in the order they become final; shapes: {name: shape}."""
 
     def __init__(self, names, shapes, dtype, device, comm=None, overlap=True, timeline=None, tracker=None):
-        self.comm, self.overlap, self.timeline = comm, overlap, timeline
-        self.dtype = dtype
-        self.flat, self.views, self.bucket_of = {}, {}, {}
+        self.comm, self.overlap, self.timeline, self.dtype = comm, overlap, timeline, dtype
+        self.flat, self.views = {}, {}
         for bucket, members in names.items():
             sizes = [torch.Size(shapes[name]).numel() for name in members]
             flat = torch.zeros(sum(sizes), dtype=dtype, device=device)  # (n,) one bucket's gradients, side by side
@@ -43,7 +33,6 @@ class GradientBuckets:
             self.flat[bucket] = flat
             for name, part in zip(members, flat.split(sizes)):
                 self.views[name] = part.view(shapes[name])  # (shape) a view into the bucket
-                self.bucket_of[name] = bucket
         self.launched = {}  # bucket -> (work, launch time)
         self.events = []    # (bucket, bytes, launched at, seen complete at), times on the Timeline's clock
 
@@ -96,9 +85,8 @@ class GradientBuckets:
 
 
 class ExpertAndDenseBuckets:
-    """Under expert parallelism, two sets of buckets: the experts' gradients summed over the ranks that hold
-    the same experts (the expert-data-parallel group), every other gradient over every replica of it (the
-    data-parallel group, dp x ep ranks: picockpt/parallel/layout.py). The same calls as GradientBuckets."""
+    """Under expert parallelism: the experts' buckets over the expert-data-parallel group, the others' over the
+    data-parallel group (layout.py). The same calls as GradientBuckets."""
 
     def __init__(self, dense, experts, is_expert):
         self.parts, self.is_expert = (dense, experts), is_expert

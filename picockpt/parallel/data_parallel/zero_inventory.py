@@ -88,7 +88,8 @@ def gathered_peak_bytes(cfg, batch, seq, policy, world_size, keep_gathered=False
     in use or kept, and with prefetch the next use's unit, gathering while this one computes (unless
     it is the unit in use: a second copy would be gathered; it is gathered again after the release)."""
     schedule = _schedule(cfg, batch, seq, policy, world_size)
-    sizes = {u.key: u.padded * torch.empty((), dtype=cfg.torch_dtype).element_size() for u in flat_units(cfg, world_size)}
+    element = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    sizes = {u.key: u.padded * element for u in flat_units(cfg, world_size)}
     uses, live, peaks = gather_uses(cfg, schedule), set(), dict.fromkeys(("forward", "recompute", "backward"), 0)
     for n, (phase, unit) in enumerate(uses):
         live.add(unit)

@@ -1,26 +1,32 @@
 """One ZeRO rank's steps (stages 1/2/3, with recomputation): what a composed job calls on each rank.
 
     result = zero_rank_step(comm, job)       # comm: the data-parallel group (a Comm, N_d ranks)
+    result = zero_rank_train(comm, job)      # training: one step on each of job.batches (zero_train.py)
     grads = zero_grads([r["grads"] for r in results], job.zero, param_shapes(cfg))   # the caller's side
     params = whole([r["params"] for r in results], param_shapes(cfg))
+
+Both run zero_rank_run, the one loop of steps: a step is forward, backward and (optimizer=True) AdamW on
+the rank's shards; the state (shards, AdamW moments, the generator) carries from step to step.
 
 job: any object with these attributes (the caller's job dataclass):
     params, cfg, input_ids, targets   full parameters (HF names) and the whole batch (B, T); rank r of N_d
                                       computes rows r*B/N_d .. (r+1)*B/N_d - 1
+    batches                           zero_rank_train, in place of input_ids and targets: one whole batch
+                                      (input_ids, targets) per step, every one (B, T)
     policy                            any single-process policy (budget:SIZE is planned for the rank's rows)
     zero                              1, 2 or 3 (zero_model.py: what each stage shards)
     keep_gathered, prefetch           stage 3: a recomputed layer's gather kept for its backward; the next
                                       use's gather started before this one computes
     rng_state                         the generator state every rank starts from (the caller's)
-    lr, weight_decay, steps           AdamW (picockpt/train.py's make_optimizer) for `steps` steps on this
-                                      same batch; steps = 0: forward and backward only
+    lr, weight_decay, steps           AdamW (picockpt/train.py's make_optimizer); zero_rank_step: `steps`
+                                      steps on this same batch, steps = 0: forward and backward only
 
 Returned (CPU tensors): "losses" (this rank's share of each step's mean loss: the caller adds the ranks'),
 "grads" (the last step's: whole under stage 1, this rank's pieces under 2 and 3), "params" (this rank's
 pieces of the parameters after the steps), "rng_state", and "report": param_bytes, grad_bytes,
 optimizer_bytes, peak_activation_bytes, gathered_peak_bytes (per phase), comm_bytes, comm_calls and
 comm_bytes_by_kind (per phase: forward, recompute, backward, optimizer), each beside its predicted_ twin
-(zero_inventory.py), for the last step.
+(zero_inventory.py), for the last step; and step_seconds, every step's seconds on this rank.
 """
 import torch
 
@@ -65,43 +71,74 @@ def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
             raise ValueError(f"zero={zero} with {what} is not supported yet; what works: {WORKS}")
 
 
+def check_zero_job(job):
+    """The ZeRO fields of a picockpt.parallel job (job.py: ParallelJob): refused beside other layouts, or
+    without zero."""
+    if job.zero:  # ZeRO runs over data-parallel ranks alone, for now
+        others = [f"{name}={getattr(job, name)}" for name in ("pp", "microbatches", "tp", "ep")
+                  if getattr(job, name) != 1]
+        if others:
+            raise ValueError(f"zero={job.zero} with {', '.join(others)} is not supported yet: ZeRO shards the model "
+                             f"state over data-parallel ranks alone here; use dp >= 2 with zero and no other layout")
+        check_zero(job.zero, job.dp, job.cfg, job.input_ids.shape[0], job.keep_gathered, job.prefetch)
+    elif job.steps:
+        raise ValueError(f"steps={job.steps} without zero: AdamW on the shards is ZeRO's; add zero=1, 2 or 3 (and "
+                         f"dp >= 2), or leave steps out")
+    elif job.keep_gathered or not job.prefetch:
+        raise ValueError(f"{'keep_gathered=True' if job.keep_gathered else 'prefetch=False'} without zero: it changes "
+                         f"when ZeRO-3 gathers parameters, and there is none here; add zero=3 (and dp >= 2), or leave "
+                         f"it out")
+
+
 def zero_rank_steps(comm, jobs):
     """Every job in turn on this rank (a launch's function: run_ranks(zero_rank_steps, dp, jobs))."""
     return [zero_rank_step(comm, job) for job in jobs]
 
 
 def zero_rank_step(comm, job):
+    """job.steps AdamW steps on job's one batch (steps = 0: one forward and backward, no optimizer)."""
+    return zero_rank_run(comm, job, [(job.input_ids, job.targets)] * max(job.steps, 1), job.steps > 0)
+
+
+def zero_rank_train(comm, job):
+    """Training: one AdamW step on each of job.batches in turn (zero_train.py's launch)."""
+    return zero_rank_run(comm, job, job.batches, optimizer=True)
+
+
+def zero_rank_run(comm, job, batches, optimizer=True):
+    """The steps themselves, one per (input_ids, targets) of `batches` (every one (B, T)), written once."""
     cfg, W, r, device = job.cfg, comm.world_size, comm.rank, comm.device
-    B, T = job.input_ids.shape
+    B, T = batches[0][0].shape
     check_zero(job.zero, W, cfg, B, job.keep_gathered, job.prefetch)
-    mine = slice(r * B // W, (r + 1) * B // W)
-    input_ids, targets = job.input_ids[mine].to(device), job.targets[mine].to(device)
-    counted = int((job.targets != IGNORE_INDEX).sum())  # the whole batch's: the loss is their mean
+    mine = slice(r * B // W, (r + 1) * B // W)  # this rank's rows of every batch
     policy = parse_policy(job.policy, cfg)
     schedule = policy.schedule(cfg, B // W, T)
     state = ZeroState(job.params, cfg, job.zero, comm, job.lr, job.weight_decay)
     generator = device_generator(device)
     generator.set_state(job.rng_state)  # every rank as the single process: the same masks
-    losses = []
-    for _ in range(max(job.steps, 1)):
+    losses, seconds = [], []
+    for whole_ids, whole_targets in batches:
+        counted = int((whole_targets != IGNORE_INDEX).sum())  # the whole batch's: the loss is their mean
+        input_ids, targets = whole_ids[mine].to(device), whole_targets[mine].to(device)
         comm.log = CommLog()  # this step's bytes only
         param_bytes = state.bytes()["param_bytes"]  # held at the step's start
-        with Tracker(device, physical=False, flops=False) as tracker, torch.no_grad():
+        with Tracker(device, physical=False, flops=False, times=True) as tracker, torch.no_grad():
             comm.tracker = tracker  # every collective books its bytes under the tracker's phase
             model = ZeroModel(state, cfg, input_ids, targets, comm, counted, schedule, job.keep_gathered, job.prefetch)
             step = Step(model, schedule, policy.drop, tracker)
             losses.append(step.forward())
             grads = step.backward()
             grad_bytes = storage_bytes(grads.values())
-            if job.steps:
+            if optimizer:
                 with tracker.phase("optimizer"):
                     state.step(comm, tracker)
         comm.tracker = None
+        seconds.append(sum(tracker.seconds.values()))  # the step's (on CUDA the tracker synchronizes at its end)
     report = {"rank": r, "dp": W, "zero": job.zero, "policy": policy.text, "keep_gathered": job.keep_gathered,
               "prefetch": job.prefetch, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
               "optimizer_bytes": state.bytes()["optimizer_bytes"], "peak_activation_bytes": tracker.peak_logical,
-              "gathered_peak_bytes": dict(model.gathered_peak), **comm.log.report(PHASES),
-              **zero_predictions(cfg, B, T, policy, job.zero, W, job.keep_gathered, job.prefetch, job.steps > 0)}
+              "gathered_peak_bytes": dict(model.gathered_peak), **comm.log.report(PHASES), "step_seconds": seconds,
+              **zero_predictions(cfg, B, T, policy, job.zero, W, job.keep_gathered, job.prefetch, optimizer)}
     params = {name: piece.cpu().clone() for key, unit in state.units.items()
               for name, piece in unit.pieces(state.shard(key), r).items()}
     return {"losses": [loss.cpu() for loss in losses], "grads": {name: g.cpu() for name, g in grads.items()},

@@ -1,8 +1,7 @@
-"""Expert parallelism (DeepSpeed-MoE, Megatron-LM): a mixture of experts' experts split over ep ranks,
-tokens dispatched to their experts' ranks and combined back by all-to-all, every other weight replicated.
-
-Read first: ep_moe.py (the experts' block with its all-to-alls), then ep_layer.py (where picockpt/layer.py's
-one layer runs it), ep_model.py (one rank's model for the engine's loop).
+"""Expert parallelism (DeepSpeed-MoE, Megatron-LM): a mixture of experts' experts split over ep ranks, tokens
+dispatched to their experts' ranks and combined back by all-to-all, every other weight replicated. The ep ranks are
+carved out of the data-parallel ones (layout.py); each runs parallel/rank.py's step over ep_model.py's model, beside
+data and pipeline parallelism too. Read ep_moe.py first, then ep_layer.py and ep_model.py.
 
     ep_comm.py       the all-to-all pair and the exchange of split sizes
     ep_shard.py      which experts a rank holds; the checks; gradients put back together
@@ -10,7 +9,4 @@ one layer runs it), ep_model.py (one rank's model for the engine's loop).
     ep_layer.py      the crossings of the one decoder layer on an expert-parallel rank; whole-batch draws
     ep_model.py      one rank's model for the engine's loop
     ep_inventory.py  per-rank closed forms: stored bytes, all-to-all bytes per phase, FLOPs
-
-The ep ranks are carved out of the data-parallel ones (parallel/layout.py); each runs parallel/rank.py's
-step, beside data and pipeline parallelism too, over ep_model.py's model.
 """

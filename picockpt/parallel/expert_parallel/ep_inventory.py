@@ -1,43 +1,26 @@
-"""Closed forms per expert-parallel rank: the bytes it stores and the bytes its all-to-alls move.
+"""Closed forms per expert-parallel rank r of W: the bytes it stores, exact as picockpt/inventory.py's (the tracker
+equals them to the byte), the bytes its all-to-alls move, its FLOPs. What a rank holds depends on the tokens its
+experts receive, so these take the step's routing: L lists of E per-expert token counts over the whole batch
+(picockpt.routing.step_routing, from the step's generator state); rank r receives M_l, the counts of its experts
+r*E/W .. (r+1)*E/W - 1 in layer l, and sends P = (B/W) T k pairs (forms.py applies this per micro-batch).
 
-Exact, as picockpt/inventory.py is (the tracker equals these to the byte), for rank r of W. What a
-rank holds depends on the tokens its experts receive, so, as the single-process inventory, these
-take the step's routing: `routing`, L lists of E per-expert token counts over the whole batch
-(picockpt.routing.step_routing on the whole batch, from the step's generator state). Rank r receives
-M_l = the counts of its experts r*E/W .. (r+1)*E/W - 1 in layer l; it sends P = (B/W) T k pairs.
-
-    ep_layer_inventory(cfg, B, T, W, r, counts, drop, keep)   name -> (shape, dtype, bytes), one layer
-    ep_peak_bytes(cfg, B, T, policy, W, r, routing, keep)     the rank's activation store's peak
-    ep_comm_bytes(...)                                        bytes its collectives move, per phase
-    ep_layer_comm_bytes(cfg, B, T, policy, W, r, counts, keep) one layer's all-to-all bytes, per phase
-    ep_flops(...)                                             its matmul FLOPs, per phase
-    ep_layer_stored_bytes, ep_head_stored_bytes               what layer 0 and the head hold after the forward
-    ep_stored_bytes                                           all it holds after the forward (a pipeline's E)
-
-Beside data or pipeline parallelism, each micro-batch of each replica is one such step over its rows
-(picockpt/parallel/forms.py: cfg.layers a stage's layers, head=False before the last stage).
-
-One stored layer on rank r (A_l) is picockpt/inventory.py's at batch B/W, but its experts' rows
-are those of its own experts, sized by every rank's tokens (n_e), and it also holds (ep_moe.py):
-moe.received_counts (W, E/W) int64, moe.dispatched (M_l, h) and moe.dispatched_weights (M_l,)
-(not under moe, unless keep_dispatched). Every layer's first forward keeps, whatever its mode,
-R_l = moe.expert_index (8 B T k / W) + moe.received_counts (8 E), and with keep_dispatched the
-dispatched rows and weights too. With X = (B/W) T h e a layer input and F the head's bytes:
+A stored layer (A_l) is picockpt/inventory.py's at batch B/W, its experts' rows those of its own experts (sized by
+every rank's tokens), plus ep_moe.py's table. R_l, what every first forward keeps whatever its mode, is
+8 B T k / W + 8 E (the routing and its counts), and the dispatched rows and weights with keep_dispatched. With
+X = (B/W) T h e a layer input and F the head's bytes, the peak is
 
     none / op level      sum_l A_l + F
     every:C              max( n X + sum_l R_l + F,                         end of the forward
                               max_k (k X + sum_{l < start_k} R_l + sum_{l in segment k} A_l) )
 
-Communication, per rank and layer, each all-to-all counted as picockpt/parallel/comm.py counts it
-(the bytes of this rank's input), with e, s the bytes of an activation and of a statistic:
+Communication per layer (comm.py's count: this rank's input), e and s the bytes of an activation and a statistic:
 
-    forward    8E (counts) + D + M_l h e     D = P h e + P s: the dispatch, tokens and weights;
-                                             M_l h e: the combine
+    forward    8E (counts) + D + M_l h e     D = P h e + P s: the dispatch, tokens and weights; M_l h e: the combine
     backward   P h e + M_l s + M_l h e       the combine's, the weights' and the dispatch's backward
-               (the replicated weights' gradients: the data-parallel buckets', replicated_grad_bytes)
-    recompute  every:C: each layer's forward again, without the counts (the routing is kept) and,
-               with keep_dispatched, without D: M_l h e (+ D when repeated); and D again in the
-               backward of a layer whose dispatched rows are dropped (moe, without keep_dispatched)
+    recompute  every:C: the forward again, without the counts (the routing is kept) and, with keep_dispatched,
+               without D; and D again in the backward of a layer whose dispatched rows are dropped (moe, without
+               keep_dispatched)
+The replicated weights' gradients are the data-parallel buckets' (replicated_grad_bytes).
 """
 import math
 
@@ -70,16 +53,16 @@ def _check(cfg, batch, seq, policy, ep, rank, routing):
                          f"full or every:C with op-level options")
     if routing is None or len(routing) != cfg.layers or any(sum(c) != batch * seq * cfg.experts_per_token
                                                             for c in routing):
-        raise ValueError(f"routing: give one list of E={cfg.experts} per-expert token counts per layer "
-                         f"(L={cfg.layers}) over the whole batch, each summing to B*T*k (picockpt.routing.step_routing)")
+        raise ValueError(f"routing: give one list of E={cfg.experts} per-expert token counts per layer (L={cfg.layers})"
+                         f" over the whole batch, each summing to B*T*k (picockpt.routing.step_routing)")
     if not 0 <= rank < ep:
         raise ValueError(f"rank={rank}: use 0 <= rank < ep={ep}")
     return policy
 
 
 def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep_dispatched=False):
-    """What one layer stored whole keeps on rank `rank` of ep, its input included: name -> (shape, dtype,
-    bytes). batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints."""
+    """What one layer stored whole keeps on rank `rank` of ep, its input included: name -> (shape, dtype, bytes).
+    batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints."""
     act, stat, _ = cfg.dtype_names
     drop = ep_drop(frozenset(drop))
     local, f, h = cfg.experts // ep, cfg.ffn, cfg.hidden
@@ -98,8 +81,8 @@ def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep
 
 
 def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
-    """R: what a layer's first forward keeps whatever its mode: the routing decision, its counts, and
-    with keep_dispatched the dispatched rows and their weights."""
+    """R: what a layer's first forward keeps whatever its mode: the routing decision, its counts, and with
+    keep_dispatched the dispatched rows and their weights."""
     act, stat, _ = cfg.dtype_names
     M = received_rows(cfg, counts, ep, rank)
     routing = 8 * (batch // ep) * seq * cfg.experts_per_token + 8 * cfg.experts
@@ -107,8 +90,8 @@ def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
 
 
 def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True):
-    """The exact peak of rank r's activation store over one step. head=False: a pipeline stage before the
-    last (cfg.layers its layers, routing theirs), which has no head."""
+    """The exact peak of rank r's activation store over one step. head=False: a pipeline stage before the last
+    (cfg.layers its layers, routing theirs), which has no head."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
     A = [total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched))
          for counts in routing]
@@ -121,8 +104,8 @@ def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=Fa
 
 
 def ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, layer=0):
-    """What one layer holds on rank r at the end of the forward: stored whole, or its checkpoint (its input,
-    under every:C the first layer of a segment) and what every first forward keeps."""
+    """What one layer holds on rank r at the end of the forward: stored whole, or its checkpoint (its input, under
+    every:C the first layer of a segment) and what every first forward keeps."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
     counts = routing[layer]
     if policy.segment is None:
@@ -145,16 +128,14 @@ def ep_head_stored_bytes(cfg, batch, seq, policy, ep):
 
 
 def replicated_grad_bytes(cfg):
-    """Bytes of the gradients summed over the ranks at the end of the step: every weight but the experts',
-    in the master dtype (a tied embedding and LM head are one matrix). The data-parallel buckets move them
-    (picockpt/parallel/data_parallel/dp_comm.py), each layer's as soon as it is final."""
+    """Bytes of the gradients the data-parallel buckets (dp_comm.py) sum over the ranks: every weight but the
+    experts', in the master dtype (a tied embedding and LM head are one matrix)."""
     master = BYTES[cfg.dtype_names[2]]
     return sum(math.prod(shape) * master for name, shape in param_shapes(cfg).items() if not is_expert(name))
 
 
 def ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched=False):
-    """{"forward", "recompute", "backward"}: bytes one layer's all-to-alls move on rank r in one step (each
-    call's whole send buffer, comm.py's count). P = (B/W) T k pairs sent, M = the rows its experts receive."""
+    """{"forward", "recompute", "backward"}: bytes one layer's all-to-alls move on rank r in one step."""
     P, M = (batch // ep) * seq * cfg.experts_per_token, received_rows(cfg, counts, ep, rank)
     return _all_to_all_bytes(cfg, parse_policy(policy, cfg), P, M, cfg.experts, keep_dispatched)
 
@@ -174,22 +155,15 @@ def _all_to_all_bytes(cfg, policy, P, M, E, keep_dispatched):
             "backward": P * h * act + M * stat + M * h * act}
 
 
-def own_rows(cfg, counts_by_rank, ep, rank):
-    """S: the pairs of rank r's own tokens routed to its own experts (rows an all-to-all sends to itself)."""
-    local = cfg.experts // ep
-    return sum(counts_by_rank[rank][rank * local:(rank + 1) * local])
-
-
 def ep_sent_bytes(cfg, batch, seq, policy, ep, rank, routing_by_rank, keep_dispatched=False):
-    """{"forward", "recompute", "backward"}: the bytes rank r's all-to-alls send to other ranks: each
-    buffer less the rows the rank sends itself, the same forms with P = M = S and E/W counts.
-    routing_by_rank: every layer's W lists of E counts (picockpt.routing.step_routing(..., ranks=W))."""
+    """The bytes rank r's all-to-alls send to other ranks: each buffer less the rows it sends itself, the same forms
+    with P = M = S and E/W counts. routing_by_rank: every layer's W lists of E counts (step_routing(..., ranks=W))."""
     policy = parse_policy(policy, cfg)
     sent = {"forward": 0, "recompute": 0, "backward": 0}
     for by_rank in routing_by_rank:
         counts = [sum(column) for column in zip(*by_rank)]  # the whole batch's per-expert counts
         buffer = ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched)
-        S = own_rows(cfg, by_rank, ep, rank)
+        S = received_rows(cfg, by_rank[rank], ep, rank)  # its own tokens' pairs to its own experts: sent to itself
         own = _all_to_all_bytes(cfg, policy, S, S, cfg.experts // ep, keep_dispatched)
         for phase in sent:
             sent[phase] += buffer[phase] - own[phase]
@@ -197,21 +171,16 @@ def ep_sent_bytes(cfg, batch, seq, policy, ep, rank, routing_by_rank, keep_dispa
 
 
 def ep_comm_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):
-    """{"forward", "recompute", "backward"}: bytes rank r's all-to-alls move in one step, every layer's (the
-    replicated weights' gradients are the data-parallel reduction's: replicated_grad_bytes)."""
+    """{"forward", "recompute", "backward"}: bytes rank r's all-to-alls move in one step, every layer's."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
-    comm = {"forward": 0, "recompute": 0, "backward": 0}
-    for counts in routing:
-        for phase, nbytes in ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched).items():
-            comm[phase] += nbytes
-    return comm
+    layers = [ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched) for counts in routing]
+    return {phase: sum(layer[phase] for layer in layers) for phase in ("forward", "recompute", "backward")}
 
 
 def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True):
-    """{"forward", "recompute", "backward"}: rank r's matmul FLOPs: the single process's step at batch/ep
-    (picockpt.inventory.step_flops), with its experts on the M_l rows they receive instead of the P pairs
-    it sends (each row 2h*3f forward, twice that backward, 2h*2f when moe rebuilds the projections).
-    head=False: a pipeline stage before the last, without the LM head's matmuls."""
+    """Rank r's matmul FLOPs per phase: the single process's step_flops at batch/ep, its experts on the M_l rows they
+    receive instead of the P pairs it sends (each row 2h*3f forward, twice that backward, 2h*2f when moe rebuilds
+    the projections). head=False: a pipeline stage before the last, without the LM head's matmuls."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
     flops = step_flops(cfg, batch // ep, seq, policy)
     if not head:

@@ -1,19 +1,11 @@
-"""One Llama decoder layer with a mixture of experts on one expert-parallel rank: picockpt/layer.py's
-layer on this rank's B/W sequences, its experts' block from picockpt/parallel/expert_parallel/ep_moe.py.
+"""One decoder layer with a mixture of experts on one expert-parallel rank: picockpt/layer.py's layer on this rank's
+B/W sequences, its experts' block ep_moe.py's.
 
     h   = x + dropout(o_proj(attention(q, k, v)))       every weight here whole (replicated), own sequences
     out = h + dropout(EP-MoE(rmsnorm(h)))                 tokens to their experts' ranks and back
 
-Everything but the experts is data parallel: the same weights on every rank, each rank's own
-sequences, nothing exchanged (the replicated weights' gradients are summed over the ranks at the
-end of the step, by the data-parallel buckets: picockpt/parallel/data_parallel/dp_comm.py). The stored names are layer.py's (at batch B/W),
-moe.py's, and the expert-parallel block's own (ep_moe.py's table).
-
-Random draws. Dropout masks and router jitter noise must be the single process's, so each rank
-draws the whole batch's tensor from the shared generator state and keeps its own sequences (as
-picockpt/parallel/rng.py does for tensor parallelism, here along the batch dim): every rank's
-generator then advances as the single process's, and the engine's RNG replay gives a recomputed
-layer the same draws again.
+Stored names: layer.py's (at batch B/W), moe.py's and ep_moe.py's. Dropout masks and router jitter are the single
+process's, drawn for the whole batch, this rank's sequences kept (rng.py's full_size_draws along the batch dim).
 """
 from ...layer import Crossings
 from ..rng import full_size_draws
@@ -21,9 +13,8 @@ from .ep_moe import DISPATCHED, ROUTING, ep_moe_backward, ep_moe_forward
 
 
 class KeptRouting:
-    """What an expert-parallel layer keeps whatever mode the policy gives it (ep_moe.py's ROUTING, and
-    with keep_dispatched the dispatched rows), in the step's store under layer i. The engine hands a
-    layer a store only when it is stored whole, so the model gives this one the step's own."""
+    """What a layer keeps whatever its mode (ROUTING; DISPATCHED with keep_dispatched), in the step's own store
+    under layer i (the engine hands a layer a store only when it is stored whole)."""
 
     def __init__(self, store, i, received_rows=None):
         self.store, self.i = store, i
@@ -46,15 +37,13 @@ class KeptRouting:
 
 
 def ep_drop(drop):
-    """The policy's op level on an expert-parallel layer: moe ("drop all the experts keep") drops the
-    dispatched rows too, the experts' input."""
+    """The policy's op level here: moe ("drop all the experts keep") drops the dispatched rows too, their input."""
     return drop | frozenset(DISPATCHED) if "moe.gate_up" in drop else drop
 
 
 class ExpertParallelCrossings(Crossings):
-    """Where picockpt/layer.py's layer crosses the W ranks of `comm`: only its experts' block, which sends
-    each token to its expert's rank and back (ep_moe.py); everything else runs on this rank's own B/W
-    sequences, every random draw the whole batch's (this rank's rows kept). kept: the layer's KeptRouting."""
+    """Where picockpt/layer.py's layer crosses the W ranks of `comm`: only its experts' block (ep_moe.py), every
+    random draw the whole batch's (this rank's rows kept). kept: the layer's KeptRouting."""
 
     def __init__(self, comm, cfg, kept, first_expert, keep_dispatched=False):
         self.comm, self.cfg, self.kept = comm, cfg, kept

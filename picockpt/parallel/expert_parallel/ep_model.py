@@ -1,18 +1,9 @@
-"""One expert-parallel rank's model, as the engine's loop sees it (picockpt/engine.py: Step).
+"""One expert-parallel rank's model for the engine's loop (picockpt/engine.py: Step), the single process's line for
+line: rank r of W computes sequences r*B/W .. (r+1)*B/W - 1 with ep_layer.py's layers (recomputing one runs its
+all-to-alls again) and holds experts r*E/W .. (r+1)*E/W - 1 (ep_shard.py), every other weight whole.
 
-The layout is DeepSpeed-MoE's and Megatron-LM's expert parallelism without tensor parallelism:
-the batch is split over the W ranks (rank r computes sequences r*B/W .. (r+1)*B/W - 1), every
-weight but the experts' is whole on every rank (data parallel), and the experts are split: rank r
-holds experts r*E/W .. (r+1)*E/W - 1 of every layer. The loop is the single process's, line for
-line; the layers are picockpt/layer.py's with ep_layer.py's crossings, whose expert block sends each token to its
-experts' rank and back (ep_moe.py), so recomputing a layer runs its all-to-alls again.
-
-The loss. The single process averages over the whole batch's counted targets, n of them. A rank's
-head (picockpt/head.py) averages over its own, n_r, so its share of the whole mean is that times
-n_r / n: the loss is the sum of the ranks' shares (the caller adds them), and every gradient out of
-the head is scaled alike (by 1/2 on two ranks with equal counts: exact in floating point).
-
-Which experts a rank holds: ep_shard.py.
+The loss: as pp_stage.py's micro-batches, each rank's head mean over its n_r counted targets times n_r / n (n the
+whole batch's), its gradients alike (by 1/2 on two ranks with equal counts: exact); the caller adds the shares.
 """
 import torch
 
@@ -26,9 +17,8 @@ from .ep_inventory import ep_layer_names
 from .ep_layer import ExpertParallelCrossings, KeptRouting, ep_drop
 
 class ExpertParallelModel(Model):  # Model.start: this step's weights (this rank's), rotary tables
-    """params: this rank's (shard_experts); input_ids, targets: this rank's sequences (B/W, T);
-    counted: the whole batch's number of counted targets. After building the Step, give the model its
-    store (model.store = step.store): every layer keeps its routing there, whatever its mode."""
+    """params: this rank's (shard_experts); input_ids, targets: its sequences (B/W, T); counted: the whole batch's
+    counted targets. Set model.store = step.store after building the Step: every layer keeps its routing there."""
 
     def __init__(self, params, cfg, input_ids, targets, comm, counted, keep_dispatched=False):
         self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
@@ -36,8 +26,7 @@ class ExpertParallelModel(Model):  # Model.start: this step's weights (this rank
         self.layers = range(cfg.layers)
         self.layer_names = ep_layer_names(cfg, comm.world_size, comm.rank)  # what a layer could keep (--trace)
         self.first_expert = comm.rank * (cfg.experts // comm.world_size)  # the global id of its first expert
-        here = int((targets != IGNORE_INDEX).sum())
-        self.share = here / counted  # n_r / n: this rank's share of the whole batch's mean
+        self.share = int((targets != IGNORE_INDEX).sum()) / counted  # n_r / n: its share of the whole batch's mean
         self.store = None
         self.received_rows = {}  # layer -> rows its experts received (the routing, as measured here)
 

@@ -1,11 +1,7 @@
-"""A mixture of experts over ep ranks (expert parallelism): the tokens go to the rank that holds
-their expert and come back, with every all-to-all written where it happens.
-
-Rank r of W holds experts r*E/W .. (r+1)*E/W - 1 (E_l = E/W of them, picockpt/parallel/expert_parallel/ep_model.py)
-and its own B/W sequences, N_r = B*T/W tokens. The block is picockpt/moe.py's, piece by piece
-(route, expert_forward, weigh, expert_backward, shared_expert_*, input_backward), with the rows
-moved between ranks in between. A (token, slot) pair is one row: a token routed to two experts of
-one rank is sent twice, as in DeepSpeed-MoE and Megatron-LM's all-to-all token dispatcher.
+"""A mixture of experts over ep ranks: tokens go to the rank that holds their expert and come back, every all-to-all
+written where it happens. Rank r of W holds experts r*E/W .. (r+1)*E/W - 1 (E_l of them) and its B/W sequences,
+N_r = B*T/W tokens. The block is picockpt/moe.py's, piece by piece, rows moved between ranks in between; a (token,
+slot) pair is one row, sent twice for two experts of one rank (DeepSpeed-MoE; Megatron's all-to-all token dispatcher).
 
     forward (this rank)                                        bytes counted (comm.py: the input's)
     x, index, w  = route(xn)                  own tokens
@@ -22,25 +18,18 @@ one rank is sent twice, as in DeepSpeed-MoE and Megatron-LM's all-to-all token d
     d w[pairs]   = all-to-all of d row_w      the weights'        M s
     dx[pairs]    = all-to-all of d rows       the dispatch's      M h e
 
-The weights travel with the tokens (Megatron-LM's permuted probs): the expert's rank weighs its
-outputs, and the backward finds there what moe.py's expert_backward needs, u . act for d w.
-
-What the block keeps on this rank, beyond moe.py's router rows (for its own N_r tokens) and its
-experts' moe.gate_up[e], moe.act[e] (e the global expert id, n_e its rows from every rank):
+The weights travel with the tokens (Megatron-LM's permuted probs): the expert's rank weighs its outputs, and the
+backward finds there what expert_backward needs (u . act for d w). Kept beyond moe.py's router rows and the
+experts' moe.gate_up[e], moe.act[e] (e the global id, n_e its rows from every rank):
 
     name                   shape       bytes    kept
-    moe.expert_index       (N_r, k)    8 N_r k  by every layer's first forward, whatever its mode
-    moe.received_counts    (W, E_l)    8 E      by every layer's first forward, whatever its mode
-    moe.dispatched         (M, h)      M h e    with the layer's activations; dropped by moe
-    moe.dispatched_weights (M,)        M s      with moe.dispatched
+    moe.expert_index       (N_r, k)    8 N_r k  by every layer's first forward, whatever its mode: a recomputed
+    moe.received_counts    (W, E_l)    8 E      layer reads them, so no jitter or rounding sends a token elsewhere
+    moe.dispatched         (M, h)      M h e    with the layer's activations (the experts' input, as autograd
+    moe.dispatched_weights (M,)        M s      keeps it); dropped by moe; every first forward's with keep_dispatched
 
-The routing decision is chosen once: a recomputed layer reads it (and its counts) instead of
-choosing again, so no jitter noise or rounding can send a token elsewhere. The dispatched rows
-are the experts' input, kept as autograd would keep them. Without them (recomputation: full,
-every:C, or moe) the rows come back by repeating the dispatch, two all-to-alls, unless
-keep_dispatched: then every layer's first forward keeps them, whatever its mode, and a
-recomputation reads them (more memory, fewer bytes moved). The combine runs again whenever a
-recomputed layer's output is computed again.
+Without the dispatched rows (full, every:C, or moe) the dispatch runs again, two all-to-alls; keep_dispatched
+trades that for memory. A recomputed layer's combine always runs again.
 """
 from collections import namedtuple
 
@@ -59,11 +48,9 @@ Plan = namedtuple("Plan", "order tokens send receive")
 
 
 def dispatch_plan(index, received, comm):
-    """Where this rank's (token, slot) pairs go: order (P,) the pairs sorted by expert (so by rank),
-    tokens (P,) their token rows, send (W ints) how many go to each rank; receive (W ints) how many
-    rows each rank sends here, from received (W, E_l): the counts exchanged in the first forward."""
-    W, k = comm.world_size, index.shape[1]
-    E_l = received.shape[1]
+    """Where this rank's (token, slot) pairs go: order (P,) the pairs by expert (so by rank), tokens (P,) their rows,
+    send (W ints) per rank; receive (W ints) the rows each rank sends here, from the first forward's received."""
+    W, k, E_l = comm.world_size, index.shape[1], received.shape[1]
     per_expert = expert_counts(index, W * E_l)  # E ints: this rank's pairs per expert
     order = index.flatten().argsort(stable=True)  # (P,) as expert_groups sorts them: expert by expert
     send = [sum(per_expert[s * E_l:(s + 1) * E_l]) for s in range(W)]  # pairs for rank s's experts
@@ -71,9 +58,8 @@ def dispatch_plan(index, received, comm):
 
 
 def local_groups(received):
-    """(e_local, rows) of every local expert with rows: the received rows come grouped by source
-    rank, and within each by expert; rows lists expert e_local's, source by source (so in the
-    single process's token order: rank 0 holds the first sequences)."""
+    """(e_local, rows) of every local expert with rows: the received rows come grouped by source rank, and within
+    each by expert; rows lists e_local's, source by source (in the single process's token order: rank 0's first)."""
     W, E_l = received.shape
     expert_of_row = torch.arange(E_l, device=received.device).repeat(W).repeat_interleave(received.flatten())  # (M,)
     for e, rows, _ in expert_groups(expert_of_row[:, None], E_l):
@@ -81,12 +67,9 @@ def local_groups(received):
 
 
 def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, tail=RUN_TAIL):
-    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None (tail SKIP_TAIL:
-    each expert's down projection and weighing, the combine and the shared expert's down projection are
-    its tail, picockpt/tail.py; each runs where it belongs, or none does).
-    keep(name, tensor): the layer's keep (the policy's: stored whole or not); kept: the layer's
-    KeptRouting (ep_layer.py), which holds what every first forward keeps and a recompute reads.
-    w holds this rank's experts (E_l of them, first_expert the global id of the first)."""
+    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None under SKIP_TAIL (tail.py:
+    the experts' down projections and weighing, the combine, the shared expert's down projection). keep: the
+    layer's (the policy's); kept: its KeptRouting (ep_layer.py). w: this rank's E_l experts, from first_expert."""
     B, T, h = xn.shape
     W, E, stat = comm.world_size, cfg.experts, cfg.stat_dtype
     routed = kept.has("moe.expert_index")  # a recomputation: the first forward chose the routing
@@ -135,9 +118,8 @@ def weigh_into(out_rows, rows_e, y, row_weights, stat):
 
 
 def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
-    """grad() -> dm (B_r, T, h); returns dxn (B_r, T, h) and {role: gradient}: the router's and the
-    shared expert's for this rank's tokens (summed over ranks later: they are replicated), and this
-    rank's experts' (E_l, ...), from every rank's rows. normed() gives xn, the block's input."""
+    """grad() -> dm, normed() -> xn (B_r, T, h); returns dxn and {role: gradient}: the router's and shared expert's
+    from this rank's tokens (replicated: summed over ranks later), its experts' (E_l, ...) from every rank's rows."""
     stat = cfg.stat_dtype
     index = take("moe.expert_index")  # (N_r, k) the routing decision, always kept
     received = take("moe.received_counts")  # (W, E_l)

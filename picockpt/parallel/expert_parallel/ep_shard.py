@@ -18,26 +18,21 @@ def is_expert(name):
 
 
 def shard_experts(params, rank, ep, device=None):
-    """{name: this rank's tensor}: its E/ep experts of each expert weight, every other weight whole
-    (each a copy of its own)."""
-    shards = {}
-    for name, tensor in params.items():
-        shard = tensor.chunk(ep, 0)[rank] if is_expert(name) else tensor  # (E/ep, ...) a view, or whole
-        shards[name] = shard.to(device).clone() if device is not None else shard.clone()
-    return shards
+    """{name: this rank's tensor}: its E/ep experts of each expert weight, every other weight whole (each a copy)."""
+    views = {name: tensor.chunk(ep, 0)[rank] if is_expert(name) else tensor  # (E/ep, ...) a view, or whole
+             for name, tensor in params.items()}
+    return {name: (view.to(device) if device is not None else view).clone() for name, view in views.items()}
 
 
 def gather_expert_grads(per_rank, params):
-    """Every rank's gradients -> full gradients under the params' names: the experts' put back
-    together along dim 0, the replicated weights' (already summed over the ranks) from rank 0."""
+    """Every rank's gradients -> full ones: the experts' put together along dim 0, the others' (summed) rank 0's."""
     return {name: torch.cat([grads[name] for grads in per_rank], 0) if is_expert(name) else per_rank[0][name]
             for name in params}
 
 
 def check_expert_parallel(cfg, ep, batch, policy, tp=1, distribute_saved=False, split=False):
-    """ValueError naming the parameter, the value and what would work, for every split that cannot be.
-    batch: the sequences one micro-batch of one data-parallel replica holds (its ep ranks split them);
-    split: the batch is split into more than one (dp x microbatches > 1)."""
+    """ValueError naming the parameter, the value and what would work, for every split that cannot be. batch: one
+    micro-batch of one replica's sequences (its ep ranks split them); split: dp x microbatches > 1."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep={ep!r}: use a whole number of expert-parallel ranks, 1 or more")
     E = cfg.experts

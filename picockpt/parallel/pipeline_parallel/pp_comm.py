@@ -1,44 +1,32 @@
-"""Point-to-point between pipeline stages, as forward/backward pairs (picockpt/parallel/comm.py's style).
-
-A stage's forward receives its input from the previous stage and sends its output to the next;
-its backward receives the gradient of that output from the next stage and sends the gradient of
-its input to the previous one. Each pair's backward is the adjoint of its forward:
+"""Point-to-point between pipeline stages, as forward/backward pairs (comm.py's style), each backward the adjoint of its
+forward:
 
     pair                 forward                                 backward
     from_previous_stage  receive x from the previous stage       send dx back to it
     to_next_stage        send y to the next stage                receive dy from it
 
-Written as NCCL runs it. NCCL runs the point-to-point operations between two ranks in the order they
-were posted, and a send completes only when its receive is posted: in 1F1B's steady state stage s
-sends y_{m+1} and then receives dy_m, while stage s+1 sends dx_m and then receives x_{m+1}; posted one
-by one, each stage's send waits for a receive the other stage has queued behind its own send, and
-both hang (gloo's buffered sockets hide it). So a send is held back until the stage's next
-point-to-point operation: a receive from the same neighbour is posted with it as one group
-(torch.distributed.batch_isend_irecv, as Megatron-LM's send_forward_recv_backward and
-send_backward_recv_forward do), and both stages post their pair in the same order, send first;
-anything else posts it at once. The schedule's loop (parallel/rank.py) sets Pipe.pair_with, the neighbour
-the stage's next action receives from, so a send waits only for a receive that follows it at once.
-Pipe.posted records every group posted, in order, so a test can check that no order deadlocks. The tensor sent is held until its send
-completes (Pipe.finish posts the last held send and waits for all, in a "send" span).
-Receives block: the time a stage spends in one is a "wait" span of its Timeline, the bubble as
-that stage sees it. post_receive starts a receive and returns at once: a stage can recompute
-while the gradient is on its way (recompute-early, picockpt/parallel/rank.py).
-
-Bytes are counted per rank under the tracker's phase, one number per call, the tensor's size:
-kind "send" for what this rank sends, "receive" for what it receives, "rng_state" for the
-generator state the first micro-batch's activation carries when the model draws random numbers
-(picockpt/parallel/pipeline_parallel/pp_stage.py). NCCL and gloo both run isend/irecv; on NCCL every tensor,
-the generator state included, is on the rank's GPU.
+Written as NCCL runs it: the point-to-point operations between two ranks run in the order posted, and a send completes
+only once its receive is posted. In 1F1B's steady state stage s sends y_{m+1} then receives dy_m, while stage s+1 sends
+dx_m then receives x_{m+1}: posted one by one, each send waits for a receive queued behind the other stage's send, and
+both hang (gloo's buffered sockets hide it). So a send is held back until the stage's next point-to-point operation: a
+receive from the same neighbour is posted with it as one group (torch.distributed.batch_isend_irecv, as Megatron-LM's
+send_forward_recv_backward and send_backward_recv_forward do), both stages posting the send first; anything else posts
+it at once. The schedule's loop (rank.py) sets Pipe.pair_with, the neighbour the next action receives from, so a send
+waits only for a receive that follows it at once; Pipe.posted records every group in order, so a test can check that no
+order deadlocks. A sent tensor lives until its send completes (Pipe.finish posts the last held send and waits for all);
+receives block, but post_receive returns at once, so a stage can recompute while its gradient travels (recompute-early,
+rank.py). Bytes, per rank under the tracker's phase, the tensor's size per call: kind "send", "receive", or "rng_state"
+for the generator state the first micro-batch's activation carries when the model draws random numbers (pp_stage.py).
+NCCL and gloo both run isend/irecv; on NCCL every tensor, the generator state included, is on the rank's GPU.
 """
 import torch
 import torch.distributed as dist
 
-from ..comm import CommLog, OUTSIDE
+from ..comm import Comm, CommLog
 
 
 class Pipe:
-    """This rank's two pipeline neighbours (global ranks; None at either end), the log of what it
-    sent and received, and the sends still in flight."""
+    """This rank's pipeline neighbours (global ranks; None at either end), the log of what it moved, its sends."""
 
     def __init__(self, previous, next, device, timeline, tracker=None):
         self.previous, self.next = previous, next
@@ -49,13 +37,11 @@ class Pipe:
         self.pair_with = None  # the peer of this stage's next receive, set by the schedule's loop (parallel/rank.py)
         self.posted = []  # every group posted, in order: [("send", peer) | ("recv", peer), ...]
 
-    @property
-    def phase(self):
-        return getattr(self.tracker, "phase_name", OUTSIDE)
+    phase = Comm.phase  # the tracker's phase name, "outside" without one
 
     def post(self, receive=None):
-        """Post the held send and `receive` (a dist.P2POp, or None): as one group when both are between the
-        same two ranks, else the send on its own first. Returns the receive's work (None without one)."""
+        """Post the held send and `receive` (a dist.P2POp, or None): one group when both are between the same two ranks,
+        else the send on its own first. Returns the receive's work (None without one)."""
         send, self.held = self.held, None
         if send is not None and (receive is None or receive.peer != send.peer):
             self.group([send])  # not a pair: the send goes on its own
@@ -116,8 +102,7 @@ def from_previous_stage_forward(pipe, shape, dtype):
 
 
 def from_previous_stage_backward(dx, pipe):
-    """Forward was x = the previous stage's y, moved here. Moving is the identity, so the gradient of
-    y is dx itself, and it goes back to where y is: send dx to the previous stage."""
+    """Forward was x = the previous stage's y, moved here: the identity, so y's gradient is dx, sent back to y."""
     _send(dx, pipe, pipe.previous)
 
 
@@ -128,8 +113,7 @@ def to_next_stage_forward(y, pipe):
 
 
 def to_next_stage_backward(pipe, shape, dtype):
-    """Forward sent y to the next stage, which used it; the gradient of the loss with respect to y
-    is computed there (its from_previous_stage_backward): receive it. Returns a Receive to wait on."""
+    """Forward sent y to the next stage, which computes y's gradient (its from_previous_stage_backward): a Receive."""
     return post_receive(pipe, pipe.next, shape, dtype)
 
 

@@ -1,31 +1,28 @@
 """Closed forms per pipeline stage: the bytes it stores with its micro-batches in flight, the bytes it
 sends and receives, its FLOPs, and the schedule each micro-batch runs (stage-aware budgets).
 
-A stage's micro-batch of b = B / (dp * M) sequences runs the engine's loop over the stage's layers
-(and the head, on the last stage) under a Schedule of its own: the policy applied to the stage's
-layers alone, so every:C starts its segments at the stage's first layer, whose input (received, or
-the embedding's output) is always a checkpoint. Per micro-batch, from the planner's chain
-(picockpt/planner.py: one Stage per layer, then the head, or a head of nothing before the last stage):
+A stage's micro-batch of b = B / (dp * M) sequences runs the engine's loop over the stage's layers (and the
+head, on the last stage) under a Schedule of its own: the policy applied to the stage's layers alone, so
+every:C starts its segments at the stage's first layer, whose input (received, or the embedding's output) is
+always a checkpoint. Per micro-batch, from the planner's chain (picockpt/planner.py: one Stage per layer,
+then the head, or a head of nothing before the last stage):
 
     E     end_of_forward_bytes: what its first forward leaves stored
     peak  replay: its own peak during its step (E at the end of the forward, or a recompute sweep's)
 
-With w micro-batches in flight (picockpt/parallel/pipeline_parallel/pp_schedules.py: AFAB w = M; 1F1B w = min(P - s, M)),
-every backward runs while w - 1 others hold E each, so the stage's store peaks at
+With w micro-batches in flight (pp_schedules.py: AFAB w = M; 1F1B w = min(P - s, M)), every backward runs
+while w - 1 others hold E each, so the stage's store peaks at
 
     stage peak = (w - 1) * E + peak
 
-on the last stage too: it holds the head's final norm and logits among E, w = 1 under 1F1B (each
-micro-batch's forward is followed at once by its backward) and M under AFAB. The tracker measures it
-to the byte (tests/test_parallel_pp.py).
-
-budget:SIZE under a pipeline is per stage: each stage plans its micro-batch with its own w
+on the last stage too (the head's final norm and logits are among E; 1F1B's w = 1 there), measured to the
+byte in tests/test_parallel_pp.py. budget:SIZE is per stage: each plans its micro-batch with its own w
 (pp_plan.plan_in_flight) so that (w - 1) * E + peak <= SIZE with the least recomputation, among the
-planner's frontier and the uniform schedules (every layer kept, or every:C, at each op level).
-Stage 0 of 1F1B holds P micro-batches and recomputes the most; the last stage may keep everything.
+planner's frontier and the uniform schedules; stage 0 of 1F1B holds P micro-batches and recomputes the most.
 """
 import functools
 import math
+from dataclasses import replace
 
 from ...inventory import layer_flops
 from ...planner import Stage, model_chain, plan_chain, replay
@@ -67,15 +64,20 @@ def uniform_schedules(chain):
 
 
 @functools.lru_cache(maxsize=1024)
-def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=False, distribute_saved=False):
+def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=False, distribute_saved=False,
+               layer_comm_flops=0):
     """(Schedule of one micro-batch in the stage's own layer numbers 0.., its stage peak, E, its own
-    peak, its recompute FLOPs, where the schedule came from)."""
+    peak, its recompute FLOPs, where the schedule came from). layer_comm_flops: what recomputing a layer's
+    forward also costs in communication, as FLOPs of the same time (context parallelism's ring): a budget
+    plans with it, the FLOPs returned leave it out."""
     policy = parse_policy(policy, cfg)
     chain = stage_chain(cfg, batch, seq, layers, last, t, sp, distribute_saved, policy.drop)
+    planned = tuple(replace(stage, forward_flops=stage.forward_flops + layer_comm_flops) for stage in chain[:-1]) + \
+        chain[-1:] if layer_comm_flops else chain
     if policy.budget is not None and in_flight_count == 1 and layers == cfg.layers:  # no pipeline: one step
-        schedule, source = plan_chain(chain, policy.budget).schedule, "the planner (picockpt/planner.py)"
+        schedule, source = plan_chain(planned, policy.budget).schedule, "the planner (picockpt/planner.py)"
     elif policy.budget is not None:
-        plan = plan_in_flight(chain, policy.budget, in_flight_count, uniform_schedules(chain))
+        plan = plan_in_flight(planned, policy.budget, in_flight_count, uniform_schedules(planned))
         schedule, source = plan.schedule, plan.source
     else:
         schedule, source = policy.schedule(cfg.replace(layers=layers), batch, seq), policy.text
@@ -98,7 +100,7 @@ class StageForms:
     """Every closed form of one rank of a pipeline job (batch, seq: the whole step's batch)."""
 
     def __init__(self, cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp=1, t=1, sp=False,
-                 distribute_saved=False):
+                 distribute_saved=False, layer_comm_flops=0):
         self.cfg, self.stage, self.t = cfg, stage, t
         self.sp, self.distribute_saved = sp and t > 1, distribute_saved and t > 1
         self.layers = stage_layers(cfg.layers, pp)[stage]
@@ -107,7 +109,7 @@ class StageForms:
         self.in_flight = in_flight(schedule, pp, microbatches, stage)
         self.policy = parse_policy(policy, cfg)
         args = (self.policy.text, cfg, self.b, seq, len(self.layers), self.last, self.in_flight, t, self.sp,
-                self.distribute_saved)
+                self.distribute_saved, layer_comm_flops)
         local, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes, recompute, self.source = \
             stage_plan(*args)
         self.local_schedule = local
@@ -144,10 +146,6 @@ class StageForms:
             if state_bytes:
                 forward["rng_state"] = forward.get("rng_state", 0) + state_bytes
         return {"forward": forward, "backward": backward}
-
-    def gradient_bytes(self, param_bytes):
-        """The bytes one data-parallel all-reduce of this stage's gradients moves: all of them, once."""
-        return param_bytes
 
     def tp_comm_bytes(self):
         """{"forward", "recompute", "backward"}: this rank's tensor-parallel collectives over its M micro-batches

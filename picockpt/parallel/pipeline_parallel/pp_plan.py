@@ -1,12 +1,7 @@
-"""A pipeline stage's plan: the least-recompute schedule for one micro-batch when the stage holds
-several micro-batches at once.
-
-Under pipeline parallelism (picockpt/parallel/pipeline_parallel/pp_schedules.py) a stage holds w micro-batches at once:
-while one runs its backward, each of the w - 1 others holds what its first forward stored, E bytes.
-The stage's peak is then (w - 1) * E + the micro-batch's own peak, so the plan that fits a budget
-alone may not fit it w times over, and what the first forward keeps costs w times what a recompute
-sweep keeps (sweeps run one micro-batch at a time). The single-process planner (picockpt/planner.py)
-supplies the candidates: its Pareto front, walked down from the budget.
+"""A pipeline stage's plan: the least-recompute schedule for one micro-batch when the stage holds w at once, its
+peak (w - 1) * E + the micro-batch's own (pp_inventory.py). A plan that fits a budget alone may not fit it w times
+over, and what a first forward keeps costs w times what a recompute sweep keeps (sweeps run one micro-batch at a
+time). The candidates: the single-process planner's Pareto front (picockpt/planner.py), walked down from the budget.
 """
 import math
 from dataclasses import dataclass
@@ -17,8 +12,7 @@ from ...schedule import Schedule
 
 def end_of_forward_bytes(chain, schedule):
     """E: the bytes a schedule's first forward leaves stored (checkpoints, layers kept whole, the head)."""
-    L = len(chain) - 1
-    held = 0
+    L, held = len(chain) - 1, 0  # L layers, then the head
     for k in range(L):
         mode, stage = schedule.forward[k], chain[k]
         if mode == "input":
@@ -41,11 +35,9 @@ class InFlightPlan:
 
 
 def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None):
-    """The least-recompute schedule for one micro-batch of a stage holding `in_flight` micro-batches,
-    whose stage peak (in_flight - 1) * E + peak fits `budget`. It looks at the planner's frontier from
-    `budget` down (the least recompute for each single-micro-batch budget: the first one that fits is
-    the cheapest of them) and at `candidates`, ((name, Schedule), ...) such as the uniform policies:
-    a frontier plan may keep more in its first forward than a uniform one of the same peak."""
+    """The least-recompute schedule whose stage peak (in_flight - 1) * E + peak fits `budget`, from the planner's
+    frontier walked down from `budget` (the first plan that fits is its cheapest) and from `candidates`,
+    ((name, Schedule), ...) such as the uniform policies (a frontier plan may keep more in its first forward)."""
     options, least_seen = [], None
 
     def consider(schedule, source):

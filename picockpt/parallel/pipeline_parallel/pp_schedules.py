@@ -1,32 +1,23 @@
-"""Pipeline schedules: which layers each stage runs, and the order of its micro-batches' forwards
-and backwards.
+"""Pipeline schedules: which layers each stage runs, and the order of its micro-batches' forwards and backwards.
 
-    stage_layers(L=8, P=3)            [range(0, 3), range(3, 6), range(6, 8)]
+    stage_layers(L=8, P=3)               [range(0, 3), range(3, 6), range(6, 8)]
     actions("1f1b", P=4, M=6, stage=1)   [F0, F1, F2, B0, F3, B1, F4, B2, F5, B3, B4, B5]
     in_flight("1f1b", P=4, M=6, stage=1) 3
 
-The layers are split as evenly as they go, the first L mod P stages taking one more (as Picotron
-does); the embedding runs on the first stage, the final norm, LM head and loss on the last.
+The layers are split as evenly as they go, the first L mod P stages taking one more (as Picotron does); the
+embedding runs on the first stage, the final norm, LM head and loss on the last.
 
-AFAB ("all forward, all backward", GPipe: Huang et al. 2019): every stage runs the M forwards,
-then the M backwards in the same order (micro-batch 0 first, as Picotron's train_step_pipeline_afab).
-Every micro-batch's activations are stored at once: M in flight on every stage.
+AFAB ("all forward, all backward", GPipe: Huang et al. 2019): every stage runs the M forwards, then the M
+backwards in the same order (as Picotron's train_step_pipeline_afab): M micro-batches in flight on every stage.
+1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM and Picotron's train_step_pipeline_1f1b): stage s runs
+min(P - s - 1, M) warm-up forwards, then alternates one forward and one backward until the forwards run out, then
+the remaining backwards (the cool-down). A backward starts as soon as its gradient can come back, so stage s holds
+at most min(P - s, M) micro-batches (its warm-up ones, plus the one just forwarded): stage 0 the most (P: about
+the activations of L layers whatever P is, Korthikanti et al. 2022, sec. 4.2.3), the last stage one at a time.
 
-1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM and Picotron's train_step_pipeline_1f1b):
-stage s runs min(P - s - 1, M) warm-up forwards, then alternates one forward and one backward
-until the forwards run out, then the remaining backwards (the cool-down). A micro-batch's backward
-starts as soon as its gradient can come back, so stage s holds at most
-
-    min(P - s, M) micro-batches in flight         (its warm-up ones, plus the one just forwarded)
-
-stage 0 the most (P: about the activations of L layers whatever P is, Korthikanti et al. 2022,
-sec. 4.2.3), the last stage one at a time: its forward and backward of a micro-batch follow each
-other, head and loss included.
-
-Both schedules have the same bubble when the stages take equal times: each stage waits P - 1
-forward and P - 1 backward slots of the (M + P - 1) slots of each kind, the fraction
-(P - 1) / (M + P - 1) of the step (Narayanan et al. 2021, sec. 2.2). 1F1B trades nothing for its
-smaller memory; AFAB is the simpler to read.
+With equal stage times both have the same bubble: each stage waits P - 1 forward and P - 1 backward slots of the
+M + P - 1 of each kind, (P - 1) / (M + P - 1) of the step (Narayanan et al. 2021, sec. 2.2). 1F1B trades nothing
+for its smaller memory; AFAB is the simpler to read.
 """
 from collections import namedtuple
 
@@ -76,32 +67,17 @@ def in_flight(schedule, stages, microbatches, stage):
     return most
 
 
-def before_backward(schedule, stages, microbatches, stage):
-    """How many micro-batches are still stored, besides the one whose backward runs, at each of the
-    stage's backwards: [(micro-batch, others held)]. The peak is reached in one of these."""
-    held, out = set(), []
-    for action in actions(schedule, stages, microbatches, stage):
-        if action.kind == "F":
-            held.add(action.microbatch)
-        else:
-            out.append((action.microbatch, len(held) - 1))
-            held.discard(action.microbatch)
-    return out
-
-
 def bubble_fraction(stages, microbatches):
-    """(P - 1) / (M + P - 1): the idle share of each stage's step with equal stage times. Narayanan et al.
-    2021 (sec. 2.2.1) and the Ultra-Scale Playbook define the bubble as bubble time over ideal compute
-    time instead, (P - 1) / M; the two convert as idle = b / (1 + b) (lesson 12)."""
+    """(P - 1) / (M + P - 1): each stage's idle share with equal stage times. Narayanan et al. 2021 (sec. 2.2.1) and
+    the Ultra-Scale Playbook's bubble is over ideal compute time, b = (P - 1) / M: idle = b / (1 + b) (lesson 12)."""
     return (stages - 1) / (microbatches + stages - 1)
 
 
 def unequal_bubble(compute_seconds, microbatches):
-    """Each stage's idle share when the stages take unequal times: compute_seconds[s] is stage s's
-    computing over its M micro-batches, t_s = compute_seconds[s] / M per micro-batch. The slowest
-    stage k sets the pace: the step lasts about sum(t_s) + (M - 1) * t_k (one micro-batch through
-    every stage, the other M - 1 at the slowest stage's rate; sends and the schedule's own Python are
-    not counted), and stage s computes M * t_s of it. With equal t_s this is (P - 1) / (M + P - 1)."""
+    """Each stage's idle share with unequal stage times, t_s = compute_seconds[s] / M per micro-batch: the slowest
+    stage k sets the pace, the step lasting about sum(t_s) + (M - 1) * t_k (one micro-batch through every stage, the
+    other M - 1 at k's rate; sends and the schedule's Python not counted), of which stage s computes M * t_s (equal
+    t_s give bubble_fraction)."""
     per_microbatch = [seconds / microbatches for seconds in compute_seconds]
     step = sum(per_microbatch) + (microbatches - 1) * max(per_microbatch)
     return [1.0 - microbatches * t / step for t in per_microbatch]

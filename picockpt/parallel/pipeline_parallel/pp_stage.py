@@ -13,23 +13,19 @@ engine's docstring says a stage's would:
     layer_forward/backward, keep_input/load_input   the inner model's: picockpt's own layers (tp = 1)
                      or a tensor-parallel rank's (picockpt/parallel/tensor_parallel/tp_model.py)
 
-The mean over all tokens. The single process's loss is (sum of the counted tokens' losses) / N, N the
-counted (not IGNORE_INDEX) targets of the whole batch. A micro-batch's head computes the mean over its
-own n_m counted targets, so its loss and its gradients are multiplied by n_m / N: the micro-batches'
-(and the data-parallel replicas') contributions then add up to the whole batch's mean, whatever share
-of ignored targets each holds. A micro-batch with no counted target contributes 0 (its head's 0 / 0 loss
-is not used; its gradients are already 0: every row is ignored).
+The mean over all tokens: the single process's loss is (sum of the counted tokens' losses) / N, N the
+counted (not IGNORE_INDEX) targets of the whole batch. A micro-batch's head computes the mean over its own
+n_m counted targets, so its loss and gradients are multiplied by n_m / N, and the micro-batches' (and the
+data- and context-parallel ranks') shares add up to the whole batch's mean. A micro-batch with no counted
+target contributes 0 (its 0 / 0 loss is not used; its gradients are already 0: every row is ignored).
 
-Dropout: the same masks as the single process. The single process draws each layer's masks for the
-whole batch at once, layer after layer, from one generator. Here every micro-batch's forward starts
-from the generator state the single process has at the stage's first layer and draws the *whole
-batch's* masks, keeping its own rows (picockpt/parallel/rng.py's full-size draws, along the batch
-dim: rank d*M + m of dp*M); so its masks are rows of the single process's, and the engine's own replay
-of the checkpoint's state redraws them in a recomputation. The price is M*dp times the random numbers
-a micro-batch keeps (cheap next to its matmuls). The state at the first layer of stage s > 0 is what
-stage s-1's generator holds after its first micro-batch's forward: it travels with that activation
-(p2p.send_rng_state, 5 KB on the CPU). Comparing with a single process that accumulates over the same
-micro-batches would have been simpler, but it would not be the step a user runs without a pipeline.
+Dropout: the single process's masks. Every micro-batch's forward starts from the generator state the
+single process has at the stage's first layer and draws the *whole batch's* masks, keeping its own rows
+(rng.py's full-size draws along the batch dim: rank d*M + m of dp*M), so the engine's replay of a
+checkpoint's state redraws them in a recomputation; the price is M*dp times the random numbers. Stage
+s > 0 starts from the state stage s-1 holds after its first micro-batch's forward, which travels with that
+activation (send_rng_state, 5 KB on the CPU). Comparing against a single process that accumulates over the
+micro-batches would be simpler, but it would not be the step a user runs without a pipeline.
 """
 from ...engine import device_generator
 from ...params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
@@ -41,7 +37,7 @@ from ..rng import Part, full_size_draws
 
 class PipelineStage:
     """What one rank's micro-batches share: the stage's layers and weights, its neighbours (a Pipe), its
-    gradient buckets (picockpt/parallel/data_parallel/dp_comm.py), the counted targets of the whole batch, the RNG states."""
+    gradient buckets (data_parallel/dp_comm.py), the counted targets of the whole batch, the RNG states."""
 
     def __init__(self, cfg, params, layers, first, last, pipe, buckets, counted, microbatches, dp_rank, dp,
                  activation_shape, make_inner, recompute_early=False):
@@ -162,8 +158,6 @@ class StageModel:
         if i not in step.whole:  # not stored whole in the forward: recompute it now, as the loop would
             step.recompute(i)
 
-
-GRADIENT_BUCKETS = ("head", "embedding")  # besides one bucket per layer (its index)
 
 
 def bucket_names(cfg, params, layers, first, last):

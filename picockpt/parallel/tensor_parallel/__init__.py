@@ -1,8 +1,6 @@
-"""Tensor and sequence parallelism (Megatron-LM; Korthikanti et al. 2022): the layer's heads and MLP
-columns split over t ranks, the norms and dropouts split over the tokens with sequence parallelism.
-
-Read first: tp_layer.py (where picockpt/layer.py's one layer crosses ranks), then tp_comm.py (the
-collectives as forward/backward pairs), tp_model.py (one rank's model for the engine's loop).
+"""Tensor and sequence parallelism (Megatron-LM; Korthikanti et al. 2022): the layer's heads and MLP columns split
+over t ranks, the norms and dropouts over the tokens with sequence parallelism. Read tp_layer.py first (where
+picockpt/layer.py's one layer crosses ranks), then tp_comm.py and tp_model.py (whose step parallel/rank.py runs).
 
     tp_comm.py       copy/reduce/gather/scatter/split pairs: entering and leaving a parallel region
     tp_shard.py      which slice of each weight a rank holds; the checks; gradients put back together
@@ -10,6 +8,4 @@ collectives as forward/backward pairs), tp_model.py (one rank's model for the en
     vocab.py         the vocabulary-parallel embedding, LM head and cross-entropy
     tp_model.py      one rank's model for the engine's loop; distributed saved activations
     tp_inventory.py  per-rank closed forms: stored bytes, communication bytes per phase, FLOPs
-
-A tensor-parallel rank runs parallel/rank.py's step like every layout's rank, over tp_model.py's model.
 """

@@ -1,59 +1,30 @@
-"""Closed forms per tensor-parallel rank: the bytes it stores and the bytes its collectives move.
+"""Closed forms per tensor-parallel rank of t, with or without sequence parallelism (sp) and with Megatron's
+distributed saved activations: the bytes it stores, exact as picockpt/inventory.py's (the tracker equals them to
+the byte), the bytes its collectives move, its FLOPs. A rank stores tp_layer.py's tensors (n = T/t tokens with sp,
+else T; H, KV, f and V split by t), each picockpt/inventory.py's with the dim SPLIT names divided by t. In
+Korthikanti et al.'s terms (sec. 4.2), without sp the 10sbh of norm inputs, norm outputs and dropout masks stay
+whole on every rank (replicated_and_split) and the rest divides by t; with sp everything does. The peak is
+picockpt/inventory.py's with this rank's A (a layer stored whole) and F (the head), and Xc for X: a stored
+checkpoint, X/t with distributed saved activations (tp_model.py; a recompute sweep that stores the layer whole keeps
+it whole); budget:SIZE is the planner's optimum on this rank's chain (SIZE per rank).
 
-The same exactness as picockpt/inventory.py (the tracker equals these to the byte), for one rank of
-t, with sequence parallelism (sp) or without, and with Megatron's distributed saved activations:
+Communication per rank (comm.py's count), S = B*T*h*e the bytes of one whole activation, N = B*T:
 
-    rank_layer_inventory(cfg, B, T, t, sp, drop)      name -> (shape, dtype, bytes) of one stored layer
-    rank_head_inventory(cfg, B, T, t, sp, drop)       the final norm, the logits' columns, their lse
-    rank_peak_bytes(cfg, B, T, policy, t, sp, dist)   the rank's activation store's peak in one step
-    rank_comm_bytes(cfg, B, T, policy, t, sp, dist)   bytes its collectives move, per phase (a stage's too)
-    rank_flops(cfg, B, T, policy, t, sp, dist)        matmul FLOPs per phase (1/t of the single process's)
-    rank_schedule(policy, cfg, B, T, t, sp, dist)     the layer modes the step runs (budget:SIZE per rank)
-    replicated_and_split(cfg, B, T, t, sp, drop)      one layer's bytes kept whole on every rank | split by t
-
-n = T/t tokens with sp, else T; H, KV, f and V are split by t (picockpt/parallel/tensor_parallel/tp_shard.py):
-
-    name               shape              split by t       name               shape            split by t
-    input              (B, n, h)          with sp          attn.context       (B, T, h/t)      yes
-    attn_norm.rstd     (B, n, 1)          with sp          attn.dropout_mask  (B, n, h)        with sp
-    attn_norm.output   (B, n, h)          with sp          mlp_norm.input     (B, n, h)        with sp
-    attn.q             (B, H/t, T, hd)    yes              mlp_norm.rstd      (B, n, 1)        with sp
-    attn.k, attn.v     (B, KV/t, T, hd)   yes              mlp_norm.output    (B, n, h)        with sp
-    attn.probs (eager) (B, H/t, T, T)     yes              mlp.gate/up/act    (B, T, f/t)      yes
-    attn.lse (tiled, fused) (B, H/t, T)   yes              mlp.dropout_mask   (B, n, h)        with sp
-
-These are Korthikanti et al.'s terms (sec. 4.2): without sp the 10sbh of norm inputs, norm outputs
-and dropout masks stay whole on every rank, and the rest divides by t; with sp everything does.
-The peak follows picockpt/inventory.py's forms with X (a layer input), A (a layer stored whole)
-and F (the head) per rank, and Xc, the bytes of a stored checkpoint: X, or X/t with distributed
-saved activations (a checkpoint-only layer input split flat over the ranks; a recompute sweep
-all-gathers it, and keeps it whole when the sweep stores that layer whole):
-
-    none / op level      L*A + F
-    every:C              max(n_seg*Xc + F, max_k (k*Xc + n_k*A))
-    budget:SIZE          the planner's optimum on this rank's chain (SIZE is per rank)
-
-Communication, per rank, each collective counted as picockpt/parallel/comm.py counts it (the size
-of its logical buffer), S = B*T*h*e the bytes of one whole activation, N = B*T:
-
-    forward    embedding S; per layer 2S (two all-reduces) | 4S with sp (two all-gathers, two
-               reduce-scatters); head: S with sp (all-gather), and the loss's 3 all-reduces of N
-               statistics
-    backward   per layer 2S | 6S + 2h master bytes with sp (LEAVE's all-gathers, the norm outputs
-               all-gathered again, ENTER's reduce-scatters, the two norm weights' all-reduces);
-               head S | 2S + h master bytes; embedding 0 | S
-    recompute  the forward's collectives of every layer a sweep recomputes (a sweep that stops
-               early skips its last layer's LEAVE after the MLP: S less), plus one all-gather of
-               S per sweep with distributed saved activations. Selective, cheap and the other
-               rebuilds inside a layer's backward (tiled attention, chunked logits) move nothing.
+    forward    embedding S; per layer 2S (two all-reduces) | 4S with sp (two all-gathers, two reduce-scatters);
+               head: S with sp (all-gather), and the loss's 3 all-reduces of N statistics
+    backward   per layer 2S | 6S + 2h master bytes with sp (LEAVE's all-gathers, the norm outputs all-gathered
+               again, ENTER's reduce-scatters, the two norm weights' all-reduces); head S | 2S + h master bytes;
+               embedding 0 | S
+    recompute  the forward's collectives of every layer a sweep recomputes (a sweep that stops early skips its
+               last layer's LEAVE: S less), plus one all-gather of S per sweep with distributed saved activations.
+               Rebuilds inside a layer's backward (selective, cheap, tiled attention, chunked logits) move nothing.
 """
 import math
 
-from ...inventory import head_inventory, layer_flops, layer_inventory, segments_peak
+from ...inventory import head_inventory, layer_flops, layer_inventory, segments_peak, step_flops
 from ...planner import Stage, plan_chain
 from ...policy import OP_LEVEL, parse_policy
 from ...config import BYTES
-
 
 # what t divides in each stored tensor: "tokens" (dim 1, under sequence parallelism only), "heads" (dim 1:
 # H/t query, KV/t key/value heads), "columns" (the last dim: h/t of the context, f/t, V/t); the rest whole
@@ -83,9 +54,8 @@ def rank_layer_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
 
 
 def rank_head_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
-    """What the head keeps on one rank: the final norm on its tokens, its columns of the logits, and the lse
-    even unchunked (vocab.py: the softmax's denominator spans every rank's columns; rebuilding it would
-    cost two more all-reduces)."""
+    """What the head keeps on one rank: the final norm on its tokens, its columns of the logits, and the lse even
+    unchunked (vocab.py: the softmax's denominator spans every rank's columns; rebuilding it costs two all-reduces)."""
     head = split_inventory(head_inventory(cfg, batch, seq, drop), t, sp)
     if "lm_head.lse" not in head and "lm_head.lse" not in drop:
         stat = cfg.dtype_names[1]
@@ -100,9 +70,8 @@ def _total(inventory):
 def rank_sizes(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=frozenset()):
     """(X, Xc, A, F): a layer input, a stored checkpoint, a layer stored whole, the head, in bytes per rank."""
     layer = rank_layer_inventory(cfg, batch, seq, t, sp, drop)
-    X = layer["input"][2]
-    return X, (X // t if distribute_saved else X), _total(layer), _total(rank_head_inventory(cfg, batch, seq, t, sp,
-                                                                                             drop))
+    X, F = layer["input"][2], _total(rank_head_inventory(cfg, batch, seq, t, sp, drop))
+    return X, (X // t if distribute_saved else X), _total(layer), F
 
 
 def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=frozenset()):
@@ -111,17 +80,15 @@ def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=froz
     parts = layer_flops(cfg, batch, seq)
     stored = rank_layer_inventory(cfg, batch, seq, t, sp)
     levels = [("all", drop)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > drop]
-    variants = {}
+    variants, head_variants = {}, {}
     for mode, names in levels:
         rebuild = parts["scores"] // t if "attn.probs" in names and "attn.probs" in stored else 0
         variants.setdefault((_total(rank_layer_inventory(cfg, batch, seq, t, sp, names)), rebuild), mode)
+        head_variants.setdefault(_total(rank_head_inventory(cfg, batch, seq, t, sp, names)), mode)
     X, Xc, _, _ = rank_sizes(cfg, batch, seq, t, sp, distribute_saved)
     inner = parts["scores"] // t if cfg.attention == "tiled" else 0
     layer = Stage(sum(parts.values()) // t, Xc, tuple((mode, a, r) for (a, r), mode in variants.items()),
                   tail_flops=2 * batch * seq * cfg.hidden * cfg.ffn // t, inner_flops=inner)
-    head_variants = {}
-    for mode, names in levels:
-        head_variants.setdefault(_total(rank_head_inventory(cfg, batch, seq, t, sp, names)), mode)
     head = Stage(0, rank_head_inventory(cfg, batch, seq, t, sp)["final_norm.input"][2],
                  tuple((mode, nbytes, 0) for nbytes, mode in head_variants.items()),
                  inner_flops=2 * batch * seq * cfg.hidden * cfg.vocab // t if cfg.loss_chunk else 0)
@@ -154,9 +121,8 @@ def rank_peak_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
 
 def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False, first=True, last=True,
                     schedule=None):
-    """{"forward", "recompute", "backward"}: bytes one rank's collectives move in one step (none at t = 1:
-    a group of one moves nothing). A pipeline stage: cfg.layers its layers, first/last whether it holds the
-    embedding/the head, schedule its own (picockpt/parallel/pipeline_parallel/pp_inventory.py)."""
+    """{phase: bytes} one rank's collectives move in one step (none at t = 1). A pipeline stage (pp_inventory.py):
+    cfg.layers its layers, first/last whether it holds the embedding/the head, schedule its own."""
     if t == 1:
         return {"forward": 0, "recompute": 0, "backward": 0}
     act, stat, master = (BYTES[name] for name in cfg.dtype_names)
@@ -169,17 +135,14 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     recompute = 0
     schedule = schedule or rank_schedule(parse_policy(policy, cfg), cfg, batch, seq, t, sp, distribute_saved)
     for first, last in schedule.sweeps(cfg.layers):  # the engine's walk (picockpt/schedule.py)
-        stops = schedule.stop_early
-        recompute += (last - first + 1) * layer_forward - (S if stops else 0)  # a stopped sweep skips one LEAVE
+        recompute += (last - first + 1) * layer_forward - (S if schedule.stop_early else 0)  # stopped: a LEAVE less
         recompute += S if distribute_saved else 0  # the checkpoint's all-gather
     return {"forward": forward, "recompute": recompute, "backward": backward}
 
 
 def rank_flops(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
-    """{"forward", "recompute", "backward"}: one rank's matmul FLOPs: every matmul of the single
-    process's step, on H/t heads, f/t and V/t columns, so 1/t of picockpt.inventory.step_flops;
-    a budget's recompute is this rank's own plan's."""
-    from ...inventory import step_flops
+    """{"forward", "recompute", "backward"}: one rank's matmul FLOPs: every matmul of the single process's step, on
+    H/t heads, f/t and V/t columns, so 1/t of picockpt.inventory.step_flops; a budget's recompute is its own plan's."""
     policy = parse_policy(policy, cfg)
     flops = {phase: count // t for phase, count in step_flops(cfg, batch, seq, "none").items()}
     if policy.budget is not None:
@@ -190,10 +153,9 @@ def rank_flops(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
 
 
 def replicated_and_split(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
-    """(bytes of one stored layer that every rank holds whole, bytes split by t): Korthikanti's
-    10sbh and 24sbh/t + 5as^2b/t, for picockpt's own layer, on one rank."""
-    split = {"attn.q", "attn.k", "attn.v", "attn.probs", "attn.probs_mask", "attn.probs_dropped", "attn.lse",
-             "attn.context", "mlp.gate", "mlp.up", "mlp.act"}
+    """(bytes of one stored layer that every rank holds whole, bytes split by t): Korthikanti's 10sbh and
+    24sbh/t + 5as^2b/t, for picockpt's own layer, on one rank."""
+    split = {name for name, kind in SPLIT.items() if kind != "tokens"}  # by t whatever sp is: heads, columns
     inventory = rank_layer_inventory(cfg, batch, seq, t, sp, drop)
     whole = sum(b for name, (_, _, b) in inventory.items() if name not in split and not sp)
     return whole, _total(inventory) - whole

@@ -35,7 +35,7 @@ class TensorParallelModel(Model):  # Model.start: this step's weights (this rank
         B, T = input_ids.shape
         self.layer_names = list(rank_layer_inventory(cfg, B, T, comm.world_size, sp))  # for --trace
         self.split = set()  # layers whose stored input is this rank's 1/t of it (distribute_saved)
-        self.cross = TensorParallelCrossings(comm, sp, cfg.dropout)  # where the one layer (picockpt/layer.py) crosses ranks
+        self.cross = TensorParallelCrossings(comm, sp, cfg.dropout)  # where picockpt/layer.py's layer crosses ranks
 
     def embed(self):
         return embedding_forward_parallel(self.input_ids, self.weights[EMBED], self.comm, self.sp)  # (B, n, h)

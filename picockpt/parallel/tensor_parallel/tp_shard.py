@@ -1,5 +1,5 @@
-"""Which slice of each weight a tensor-parallel rank holds, the checks that make the split
-possible, and the gradients put back together under the full parameters' names.
+"""Which slice of each weight a tensor-parallel rank holds, the checks that make the split possible, and the
+gradients put back together under the full parameters' names.
 
 Megatron-LM's split (Shoeybi et al. 2019), for t ranks, rank r:
 
@@ -13,12 +13,11 @@ Megatron-LM's split (Shoeybi et al. 2019), for t ranks, rank r:
     lm_head.weight                      (V, h)      vocab-parallel  rows r*V/t ..
     the three RMSNorm weights           (h,)        replicated      all of it
 
-A column-parallel linear y = x W^T splits W's rows: rank r computes its own columns of y from
-the whole x. A row-parallel one splits W's columns: rank r computes the partial product of its
-slice of x, and the ranks' partial products sum to y. With grouped-query attention, query head j
-reads key/value head j // (H/KV); rank r's query heads read exactly its key/value heads, so t must
-divide both H and KV (at most KV ranks: Megatron replicates key/value heads beyond that; picockpt
-refuses instead).
+A column-parallel linear y = x W^T splits W's rows: rank r computes its own columns of y from the whole x. A
+row-parallel one splits W's columns: rank r computes the partial product of its slice of x, and the ranks' partial
+products sum to y. With grouped-query attention, query head j reads key/value head j // (H/KV); rank r's query
+heads read exactly its key/value heads, so t must divide both H and KV (at most KV ranks: Megatron replicates
+key/value heads beyond that; picockpt refuses instead).
 """
 import torch
 
@@ -48,13 +47,11 @@ def shard_params(params, rank, tp, device=None):
 
 
 def gather_grads(per_rank, params):
-    """Every rank's gradient slices -> full gradients under the params' names, in their order.
-    Replicated weights: every rank holds the same (whole) gradient; rank 0's is taken."""
+    """Every rank's gradient slices -> full gradients under the params' names, in their order (replicated: rank 0's)."""
     grads = {}
     for name in params:
         dim = split_dim(name)
-        parts = [grads_of_rank[name] for grads_of_rank in per_rank]
-        grads[name] = parts[0] if dim is None else torch.cat(parts, dim)  # (full shape)
+        grads[name] = per_rank[0][name] if dim is None else torch.cat([g[name] for g in per_rank], dim)  # (full shape)
     return grads
 
 

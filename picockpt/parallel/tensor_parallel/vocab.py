@@ -1,8 +1,6 @@
-"""The model around the layers on one tensor-parallel rank: a vocabulary-parallel embedding, and the
-final norm, vocabulary-parallel LM head and parallel cross-entropy (Megatron-LM's
-VocabParallelEmbedding and vocab_parallel_cross_entropy), as picockpt/head.py is for one process.
-
-Rank r holds the rows V_r = [r*V/t, (r+1)*V/t) of the embedding and of the LM head.
+"""The model around the layers on one tensor-parallel rank, as picockpt/head.py is for one process: a vocabulary-
+parallel embedding, final norm, LM head and cross-entropy (Megatron-LM's VocabParallelEmbedding and
+vocab_parallel_cross_entropy). Rank r holds the rows V_r = [r*V/t, (r+1)*V/t) of the embedding and the LM head.
 
     embedding   x_r = embed_r[ids] where the id is in V_r, else 0     (B, T, h) partial: one rank's is
                 x   = all-reduce(x_r)   (sp: reduce-scatter)           not 0, so the sum is exact
@@ -15,19 +13,16 @@ Rank r holds the rows V_r = [r*V/t, (r+1)*V/t) of the embedding and of the LM he
                 zy  = all-reduce(z_r[target] where target is in V_r, else 0)   (N,)
                 loss = mean over counted rows of (lse - zy)
 
-No rank ever holds the (N, V) logits: only its (N, V/t) columns and three numbers per row move.
-Stored per rank: final_norm.input (B, n, h), final_norm.rstd (B, n, 1), final_norm.output
-(B, n, h), and either lm_head.logits (B, T, V/t) and lm_head.lse (B, T), or, chunked
-(Config.loss_chunk), lm_head.lse alone, the logits being recomputed chunk by chunk in the
-backward. The log-sum-exp is kept in both cases: the softmax's denominator spans every rank's
-columns, so rebuilding it in the backward would cost two more all-reduces; with it the backward
-of the loss needs no communication at all:
+No rank holds the (N, V) logits: only its (N, V/t) columns, and three numbers per row move. Stored per rank: the
+final norm's input, rstd and output (on its n tokens), lm_head.logits (B, T, V/t) unless chunked (Config.loss_chunk:
+recomputed chunk by chunk in the backward), and lm_head.lse (B, T) in both cases: the softmax's denominator spans
+every rank's columns, so rebuilding it would cost two more all-reduces; with it the loss's backward moves nothing:
 
     dz_r = scale * (exp(z_r - lse) - onehot_r(target))    onehot_r: 1 only where the target is in V_r
 
-The LM head's input gradient is then partial (this rank's columns' share): ENTER's backward,
-all-reduce (reduce-scatter with sp), sums it. The three per-row all-reduces run in the statistics
-dtype (fp32 or wider), each N = B*T numbers, per chunk when chunked.
+The LM head's input gradient is then partial (this rank's columns' share): ENTER's backward, all-reduce
+(reduce-scatter with sp), sums it. The three per-row all-reduces run in the statistics dtype (fp32 or wider), each
+N = B*T numbers, per chunk when chunked.
 """
 import torch
 
@@ -42,17 +37,10 @@ from .tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gathe
                       scatter_sequence_backward, scatter_sequence_forward)
 
 
-def vocab_slice(vocab, comm):
-    """(first id, number of ids) of this rank's rows of the embedding and LM head."""
-    size = vocab // comm.world_size
-    return comm.rank * size, size
-
-
 # ---- the embedding -----------------------------------------------------------------------------
 def embedding_forward_parallel(ids, weight, comm, sp):
     """ids (B, T) -> the input of layer 0: (B, T, h), or this rank's tokens (B, T/t, h) with sp."""
-    size = weight.shape[0]  # V/t
-    start = comm.rank * size  # this rank's first token id
+    size, start = weight.shape[0], comm.rank * weight.shape[0]  # V/t, this rank's first token id
     mine = (ids >= start) & (ids < start + size)  # (B, T) bool: tokens whose row this rank holds
     x = embedding_forward((ids - start) * mine, weight)  # (B, T, h) the rows of this rank's ids (row 0 for others)
     x[~mine] = 0  # (B, T, h) partial: every other rank's tokens are 0 here
@@ -65,8 +53,7 @@ def embedding_backward_parallel(dx, ids, weight_shape, comm, sp):
     dx (B, n, h) -> the gradient of this rank's rows (V/t, h): the rows its own ids read."""
     # the sum's backward: all-gather every rank's tokens' gradients (sp) | identity (dx is the same everywhere)
     dx = scatter_sequence_backward(dx, comm) if sp else reduce_from_parallel_backward(dx, comm)  # (B, T, h)
-    size = weight_shape[0]  # V/t
-    start = comm.rank * size
+    size, start = weight_shape[0], comm.rank * weight_shape[0]  # V/t, this rank's first token id
     mine = (ids >= start) & (ids < start + size)  # (B, T) bool
     if not mine.any():  # no token of the batch has its row here
         return torch.zeros(weight_shape, dtype=torch.promote_types(dx.dtype, torch.float32), device=dx.device)
@@ -90,8 +77,7 @@ def parallel_cross_entropy_forward(logits, targets, start, comm, stat_dtype):
 
 
 def parallel_cross_entropy_backward(scale, logits, targets, start, lse, stat_dtype):
-    """Forward was loss = (1/N) sum_n [lse_n - z_n[y_n]], lse over every rank's columns; scale = dloss / N.
-    dz_n[v] = scale * (exp(z_n[v] - lse_n) - [v == y_n]) for this rank's columns v: no communication."""
+    """dz (n, V/t) of loss = (1/N) sum_n [lse_n - z_n[y_n]] for this rank's columns, scale = dloss / N: no comm."""
     z = logits.to(stat_dtype)  # (n, V/t)
     dz = torch.exp(z - lse[:, None])  # (n, V/t) softmax over the whole vocabulary, this rank's columns
     mine = (targets >= start) & (targets < start + z.shape[1])  # (n,) bool
@@ -116,7 +102,7 @@ def head_forward_parallel(x, weights, cfg, targets, store, comm, sp, drop=frozen
     xn = gather_sequence_forward(xn, comm) if sp else copy_to_parallel_forward(xn, comm)  # (B, T, h)
     B, T, h = xn.shape
     rows, ys, W = xn.view(B * T, h), targets.reshape(B * T), weights[HEAD]  # (N, h), (N,), (V/t, h)
-    start, _ = vocab_slice(cfg.vocab, comm)
+    start = comm.rank * W.shape[0]  # this rank's first token id (its rows: V/t of them)
     count = (ys != IGNORE_INDEX).sum()  # () the tokens the loss averages over
     if cfg.loss_chunk == 0:
         logits = linear_forward(rows, W)  # (N, V/t) this rank's columns
@@ -136,8 +122,7 @@ def head_forward_parallel(x, weights, cfg, targets, store, comm, sp, drop=frozen
 
 
 def head_backward_parallel(weights, cfg, targets, store, comm, sp):
-    """-> d loss / d x_L (B, n, h) on this rank, and {name: gradient}: this rank's rows of the LM
-    head, the whole final norm weight's."""
+    """-> d loss / d x_L (B, n, h) on this rank, and {name: gradient}: its LM head rows', the whole final norm's."""
     def take(name, rebuild=None):
         return store.pop(None, name, rebuild)
 
@@ -146,7 +131,7 @@ def head_backward_parallel(weights, cfg, targets, store, comm, sp):
     xn = gather_sequence_forward(xn, comm) if sp else xn  # (B, T, h) all-gather again (sp): it is kept as a shard
     B, T, h = xn.shape
     rows, ys, W = xn.view(B * T, h), targets.reshape(B * T), weights[HEAD]  # (N, h), (N,), (V/t, h)
-    start, _ = vocab_slice(cfg.vocab, comm)
+    start = comm.rank * W.shape[0]  # this rank's first token id (its rows: V/t of them)
     scale = 1.0 / (ys != IGNORE_INDEX).sum().to(cfg.stat_dtype)  # () d loss / d (sum of the token losses)
     lse = take("lm_head.lse").view(B * T)  # (N,)
     if cfg.loss_chunk == 0:

@@ -1,0 +1,65 @@
+"""The checks a context-parallel job passes before any rank starts (picockpt/parallel/job.py calls them).
+
+A context-parallel rank runs the composed rank step (picockpt/parallel/rank.py) over its
+ContextParallelModel (cp_model.py): its tokens of every sequence (cp_layout.py), the engine's own loop, its
+own Tracker, to which its Comm books every ring step or all-gather by phase; the data-parallel buckets sum the
+replicated weights' partial gradients over the dp x cp ranks (picockpt/parallel/layout.py).
+"""
+from ...policy import parse_policy
+from ..launch import check_rank_count
+from .cp_layout import check_layout
+
+COMMS = ("ring", "allgather")
+
+
+def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_kv=False, policy="none",
+                           device="cpu"):
+    """ValueError naming the parameter, the value and what would work, before any work starts."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp={cp!r}: give a whole number of ranks, 1 or more")
+    check_layout(layout, cp, seq)
+    if cp_comm not in COMMS:
+        raise ValueError(f"cp_comm={cp_comm!r}: use 'ring' (K/V passed round, cp - 1 steps) or 'allgather' "
+                         f"(K/V all-gathered once per layer)")
+    if not isinstance(keep_kv, bool):
+        raise ValueError(f"keep_kv={keep_kv!r}: use True or False")
+    if keep_kv and cp_comm != "allgather":
+        raise ValueError("keep_kv=True with cp_comm='ring': it keeps the all-gathered K/V of the other ranks; "
+                         "use cp_comm='allgather', or leave keep_kv out (the ring passes the blocks round again)")
+    if cfg.attention == "eager":
+        raise ValueError("Config.attention='eager' under context parallelism: eager attention keeps the "
+                         "probabilities and has no log-sum-exp to merge the ranks' blocks with; use "
+                         "attention='tiled' or 'fused'")
+    if cfg.dropout > 0:
+        raise ValueError(f"Config.dropout={cfg.dropout} under context parallelism: the masks of blocks spread "
+                         f"over ranks are not made equal to the single process's here; use dropout=0")
+    if cfg.experts or cfg.router_jitter:
+        raise ValueError(f"Config.experts={cfg.experts} under context parallelism: not supported here; use a "
+                         f"dense MLP (experts=0), or expert parallelism (ep)")
+    parsed = parse_policy(policy, cfg)
+    if getattr(parsed, "offload", None) is not None:
+        raise ValueError(f"policy={parsed.text!r} under context parallelism: offloading is not planned per "
+                         f"context-parallel rank; use none, full, every:C, selective, cheap or budget:SIZE")
+    check_rank_count("cp", cp, device)
+
+
+def check_context_job(job, policy, device):
+    """The context-parallel fields of a picockpt.parallel job (job.py: ParallelJob), with its parsed policy."""
+    M, T = job.microbatches, job.input_ids.shape[1]
+    if job.cp > 1:  # context parallelism composes with tp, dp and pp
+        others = [f"{name}={getattr(job, name)}" for name in ("ep", "zero") if getattr(job, name) not in (0, 1)]
+        if others:
+            raise ValueError(f"cp={job.cp} with {', '.join(others)} is not supported yet: context parallelism "
+                             f"composes with tp, dp and pp here; use cp with tp, dp, pp and microbatches")
+        if job.cp_keep_kv and policy.budget is not None:
+            raise ValueError(f"cp_keep_kv=True with policy={policy.text!r} is not supported yet: the planner's chain "
+                             f"does not hold the kept K/V; use a budget without cp_keep_kv, or keep_kv with none, "
+                             f"full, every:C, selective or cheap")
+        if job.cp_keep_kv and (job.pp > 1 or M > 1 or job.tp > 1):
+            raise ValueError(f"cp_keep_kv=True with pp={job.pp}, microbatches={M}, tp={job.tp} is not supported yet: "
+                             f"the kept K/V are closed-formed for one micro-batch per rank without tp; use it with "
+                             f"pp=1, microbatches=1 and tp=1")
+        check_context_parallel(job.cfg, job.cp, T, job.cp_layout, job.cp_comm, job.cp_keep_kv, job.policy, device)
+    elif job.cp_keep_kv or job.cp_layout != "zigzag" or job.cp_comm != "ring":
+        raise ValueError("cp_layout, cp_comm or cp_keep_kv without cp: they choose how context-parallel ranks "
+                         "split the sequence and share K/V, and there are none here; add cp >= 2, or leave them out")
