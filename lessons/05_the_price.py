@@ -11,8 +11,9 @@
 # Full recomputation runs every layer's forward once more, so hardware/model $= 1 + F_\text{layers}/(3F)$, a
 # little under 4/3 (the head, final norm + logits, is not recomputed). `every:C` costs the same (each layer
 # is still recomputed exactly once, whatever $C$); `selective` only rebuilds $q k^\top$. The lesson counts
-# FLOPs with `FlopCounterMode` on one step of each policy (checked against `inventory.step_flops`), and
-# times forward + backward of every policy in one run, interleaved.
+# FLOPs by `FlopCounterMode`'s formulas (the tracker applies them to every op) on one step of each policy
+# (checked against `inventory.step_flops`), and times forward + backward of every policy in one run,
+# interleaved.
 #
 # Published numbers: one extra forward is +33% of the model FLOPs when the backward costs two forwards;
 # Korthikanti et al. (2022) measured +36-39% time for full recomputation of their GPT models against 2-7%
@@ -149,7 +150,7 @@ for p, row in rows.items():
     print(f"{p:<16}{mib(row['stored']):>11.2f}{row['hardware'] / 1e9:>16.3f}{row['hardware'] / model_flops:>9.3f}"
           f"{row['timing'].text('{:.1f}', scale=1e3):>22}{ratio[p].text('{:.3f}'):>22}"
           f"{row['hardware'] / row['seconds'] / 1e9:>18.2f}")
-print(f"(FLOPs counted by FlopCounterMode, {'equal to' if formula_ok else 'DIFFERENT FROM'} inventory.step_flops; "
+print(f"(FLOPs by FlopCounterMode's formulas, {'equal to' if formula_ok else 'DIFFERENT FROM'} inventory.step_flops; "
       f"times: median [min..max] of {repeats} interleaved forward + backward steps, time / none taken within "
       f"each repeat)")
 

@@ -80,8 +80,8 @@ def extent(mode, cfg):
 #
 # `measure_picockpt` runs one step under a tracker (store peak and live peak; recompute FLOPs measured
 # or taken from the closed form, which the tests hold equal to the measurement). `measure_torch` does
-# the same for an autograd run, in two passes, since `FlopCounterMode`'s module hooks would keep
-# checkpointed graphs alive, and also keeps the bytes alive at the end of the forward: what the run saved
+# the same for an autograd run, in two passes (its live bytes, then its FLOPs, each measured on its own),
+# and also keeps the bytes alive at the end of the forward: what the run saved
 # for its backward. `peers.min_cut` puts the reference model through AOTAutograd with `torch.compile`'s
 # min-cut partitioner and an activation memory budget, without Dynamo and without code generation, so the
 # tracker sees every op of both graphs.
@@ -108,8 +108,8 @@ def measure_picockpt(cfg, params, ids, targets, policy, device, seed, flops=Fals
 
 def measure_torch(model, ids, targets, forward, device, seed):
     """Physical peak, bytes saved for the backward (live at the end of the forward) and total FLOPs of
-    forward + backward; forward(ids, targets) -> loss. Two runs: FlopCounterMode's module hooks would
-    keep checkpointed graphs alive (tracker.py)."""
+    forward + backward; forward(ids, targets) -> loss. Two runs: the live bytes, then the FLOPs, each
+    measured on its own."""
     def run(**what):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(seed)

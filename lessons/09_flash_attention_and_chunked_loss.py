@@ -220,7 +220,7 @@ fused_extra = rows["fused", "none", T]["flops"]["backward"] - rows["eager", "non
 tiled = rows["tiled", "none", T]["flops"]["recompute"]
 one_tile = tracked_step(cfg.replace(attention="tiled", attention_tile=T), batch, T, "none", device, seed,
                         physical=False).flops["recompute"]
-print(f"\n2. FLOPs of one step at T={T} (GFLOP), counted by FlopCounterMode:")
+print(f"\n2. FLOPs of one step at T={T} (GFLOP), by FlopCounterMode's formulas:")
 print(f"{'kind':<16}{'policy':<15}" + "".join(f"{phase:>11}" for phase in PHASES) + f"{'total':>11}")
 for kind, level in ((k, l) for k in KINDS for l in LEVELS):
     flops = rows[kind, level, T]["flops"]

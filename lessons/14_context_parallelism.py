@@ -78,6 +78,7 @@ from picockpt.measure import make_batch
 from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes, kept_kv_bytes
 from picockpt.parallel.context_parallel.cp_inventory import rank_attention_flops
+from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
@@ -240,7 +241,7 @@ wrote(paths[-1])
 # %% [markdown]
 # ## Zigzag against contiguous
 #
-# Each rank's forward FLOPs, measured (FlopCounterMode), and its attention core's share. The fused
+# Each rank's forward FLOPs, measured (FlopCounterMode's formulas, applied by the tracker), and its attention core's share. The fused
 # kernel counts the causal block's whole square, so with $c$ tokens a chunk the diagonal costs as much as
 # an earlier chunk, and the busiest contiguous rank computes $cp$ blocks against the mean's $(cp+1)/2$.
 
@@ -333,6 +334,11 @@ for cp in (1, 2, 4, 8, 16):
     ring_forward = cp_comm_bytes(llama405, 1, LLAMA_SEQ, "full", cp, t=8)["forward"]
     print(f"{cp:>4} {n:>7,} {full / GIB:>9.2f} {best / GIB:>7.2f} (C={best_C}) {tp_forward / GIB:>15.1f} "
           f"{ring_forward / GIB:>17.1f}")
+stages = [StageForms(llama405, 16, LLAMA_SEQ // 16, "full", 16, 16, "1f1b", s, 1, 8, True).peak_bytes
+          for s in range(16)]
+print(f"the paper's layout, cp = 16 beside tp = 8 and pp = 16 (1F1B over 16 sequences), full: stage 0 holds "
+      f"{stages[0] / GIB:.2f} GiB per rank (its 16 micro-batches' checkpoints), the last stage "
+      f"{stages[-1] / GIB:.2f} GiB")
 
 # %% [markdown]
 # Every doubling of $cp$ halves a rank's stored activations and its tensor-parallel traffic (both are linear

@@ -212,8 +212,7 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
         references["autograd"] = grads_of("torch", peers.autograd)
     tolerance = GRAD_TOLERANCE[cfg.dtype]
     for name, kind, how, equivalent in runs:
-        # memory and FLOPs in two runs: FlopCounterMode hooks every module's outputs, which under
-        # torch.utils.checkpoint keeps recomputed graphs alive until the garbage collector runs
+        # memory and FLOPs in two runs, each measured on its own
         loss, memory = tracked(kind, how, flops=False)
         _, flops = tracked(kind, how, physical=False)
         grads = grads_of(kind, how)

@@ -18,21 +18,20 @@ Phases: forward, recompute, backward, optimizer. host      with an offloading po
           (peak_host_live); on CUDA also exposed_copy_seconds, the time the compute stream waited
           for copies, measured with CUDA events (None elsewhere: on a CPU it is modelled, not measured).
 
-FLOPs per phase come from
-torch.utils.flop_counter.FlopCounterMode (matmuls: 2*m*n*k each); with times=True also the
-seconds spent in each phase (wall seconds on the CPU; on CUDA the GPU's: a timing event is recorded at every phase switch, and the GPU is
-synchronised once, when the step ends: the GPU's time between two events belongs to the phase that
-queued that work, with no host stall at each switch).
+FLOPs per phase: torch.utils.flop_counter's formulas (flop_registry: 2*m*n*k per matmul, the attention
+kernels' matmuls) applied to every op by the same dispatch mode that watches the storages, one Python hop per
+op. FlopCounterMode itself counts the same (tests/test_formulas.py holds them equal) at about twice the cost,
+as it also hooks every nn.Module (its hierarchy of counts) and tries to decompose each op it has no formula
+for. With times=True also the seconds spent in each phase (wall seconds on the CPU; on CUDA the GPU's: a
+timing event is recorded at every phase switch, and the GPU is synchronised once, when the step ends: the
+GPU's time between two events belongs to the phase that queued that work, with no host stall at each switch).
 
     with Tracker(device) as tracker:
         loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
     tracker.peaks["backward"]["physical"], tracker.flops["recompute"], tracker.timeline
     Tracker(device, cuda_timeline=True)   # timeline entries also carry "cuda": memory_allocated()
 
-The tracker holds no tensors: only integers, strings and weak references. Measure the memory
-of nn.Module code with flops=False: FlopCounterMode hooks every module's outputs, and under
-torch.utils.checkpoint those hooks keep recomputed graphs alive until the garbage collector
-runs (picockpt's engine has no modules, so both at once are exact for it).
+The tracker holds no tensors: only integers, strings and weak references.
 """
 import contextlib
 import time
@@ -40,29 +39,46 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
 PHASES = ("forward", "recompute", "backward", "optimizer")
 OUTSIDE = "outside"  # before, between or after the phases above
 EXCLUDED = ("weights", "gradients", "optimizer", "host")  # not device activation memory ("host": host copies)
 
 
-class _StorageWatcher(TorchDispatchMode):
-    """Sees the outputs of every aten op; reports each new storage the first time it appears.
-    An output that shares a storage with an input (a view, an in-place op) is not new."""
+class _OpWatcher(TorchDispatchMode):
+    """Sees every aten op. physical: reports each new storage of its outputs the first time it appears (an
+    output that shares a storage with an input, a view or an in-place op, is not new). flops: adds the op's
+    FLOPs, by FlopCounterMode's formula for it (none: not a matmul), to the phase it runs in."""
 
     def __init__(self, tracker):
         super().__init__()
-        self.tracker = tracker
+        self.tracker, self.storages, self.flops = tracker, tracker.physical, tracker.count_flops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in inputs:
-                self.tracker._seen(tensor)
+        kwargs = kwargs or {}
+        if self.storages:
+            inputs = {id(t.untyped_storage()) for t in _tensors((args, tuple(kwargs.values())))}
+        out = func(*args, **kwargs)
+        if self.flops:
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                tracker = self.tracker
+                tracker.flops[tracker.phase_name] += formula(*args, **kwargs, out_val=out)
+        if self.storages:
+            for tensor in _tensors((out,)):
+                if id(tensor.untyped_storage()) not in inputs:
+                    self.tracker._seen(tensor)
         return out
+
+
+def _tensors(values):
+    """The tensors among an op's arguments or outputs (aten ops nest them in lists and tuples only)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
 
 
 class Tracker:
@@ -81,7 +97,6 @@ class Tracker:
         self.times = times       # wall seconds per phase (on CUDA from events, one synchronize at the end)
         self._spans = []         # CUDA only: (phase, start event, end event), timed once the step ends
         self.seconds = dict.fromkeys(PHASES + (OUTSIDE,), 0.0)
-        self._counter = None
         self.timeline, self.peaks = [], {}
         self.peak_host = 0       # the store's host bytes, at their highest
         self.copy_bytes = {name: {"to_host": 0, "to_device": 0} for name in PHASES + (OUTSIDE,)}
@@ -96,10 +111,9 @@ class Tracker:
             self.cuda_base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.cuda_phase_peak = dict.fromkeys(PHASES + (OUTSIDE,), 0)
-        self._watcher = _StorageWatcher(self) if self.physical else None
+        self._watcher = _OpWatcher(self) if self.physical or self.count_flops else None
         if self._watcher:
             self._watcher.__enter__()
-        self._start_counter()
         self._since = self._clock()
         return self
 
@@ -108,7 +122,6 @@ class Tracker:
         self._time_spans()
         if self.cuda and self._hosts:
             self.exposed_copy_seconds = sum(host.exposed_seconds() for host in self._hosts)
-        self._stop_counter()
         self._cuda_phase_end()
         if self._watcher:
             self._watcher.__exit__(*exc)
@@ -189,11 +202,9 @@ class Tracker:
         if name == self.phase_name:
             return
         self._tick()
-        self._stop_counter()
         self._cuda_phase_end()
         self.log.append(("phase", name))
         self.phase_name = name
-        self._start_counter()
 
     def _clock(self):
         if self.times and self.cuda:  # a mark in the GPU's stream: no wait for the work queued so far
@@ -219,17 +230,6 @@ class Tracker:
             for name, start, end in self._spans:
                 self.seconds[name] += start.elapsed_time(end) / 1e3  # ms -> s
             self._spans.clear()
-
-    def _start_counter(self):
-        if self.count_flops:
-            self._counter = FlopCounterMode(display=False)
-            self._counter.__enter__()
-
-    def _stop_counter(self):
-        if self._counter is not None:
-            self._counter.__exit__(None, None, None)
-            self.flops[self.phase_name] += self._counter.get_total_flops()
-            self._counter = None
 
     def _cuda_phase_end(self):
         if self.cuda:

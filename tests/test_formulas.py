@@ -153,6 +153,39 @@ def test_gpt_shaped_picockpt_flops_are_korthikanti_measured(one_thread):
         assert step_flops(cfg, b, s, policy)["recompute"] == tracker.flops["recompute"]
 
 
+def test_the_trackers_flops_are_flop_counter_modes(one_thread):
+    """The Tracker applies FlopCounterMode's formulas in its own dispatch mode (no module hooks, no
+    decompositions): the same totals as FlopCounterMode, for picockpt's engine under every attention kind and
+    with experts, and for an nn.Module model under autograd, plain and with torch.utils.checkpoint."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from picockpt.peers import autograd, per_layer
+    from picockpt.reference import ReferenceLlama
+    base = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, max_seq=64)
+    kinds = [dict(dtype="float64", dropout=0.1), dict(attention="tiled", attention_tile=4),
+             dict(attention="fused", loss_chunk=5), dict(experts=4, experts_per_token=2)]
+    for extra in kinds:
+        cfg = Config(**base, **extra)
+        params = init_params(cfg, seed=0)
+        ids, targets = make_batch(cfg, 2, 16, "cpu", 0)
+        for policy in ("none", "full"):
+            torch.manual_seed(0)
+            with Tracker("cpu", physical=False) as tracker:
+                loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
+            torch.manual_seed(0)
+            with FlopCounterMode(display=False) as counter:
+                loss_and_grads(params, cfg, ids, targets, policy)
+            assert sum(tracker.flops.values()) == counter.get_total_flops() > 0, (extra, policy)
+    model = ReferenceLlama(cfg, params)
+    for run_layers in (autograd, per_layer):
+        counts = []
+        for mode in (Tracker("cpu", physical=False), FlopCounterMode(display=False)):
+            with mode:
+                model(ids, targets, run_layers).backward()
+            model.zero_grad(set_to_none=True)
+            counts.append(sum(mode.flops.values()) if isinstance(mode, Tracker) else mode.get_total_flops())
+        assert counts[0] == counts[1] > 0, run_layers.__name__
+
+
 # ---- Chen et al. 2016 ------------------------------------------------------------------------------
 def test_chen_optimum():
     assert chen_optimum(100, 7.0, 7.0) == 10.0  # equal sizes: sqrt(L)

@@ -133,6 +133,22 @@ def test_context_parallel_beside_tensor_parallel_is_a_tp_rank_on_t_over_cp_token
     assert cp["every_peak_bytes"]["1"] == cp["peak_bytes"] < cp_peak_bytes(cfg, 1, 131072, "full", 16)
 
 
+def test_context_parallel_beside_pipeline_stages_is_each_stages_rank(capsys):
+    """--cp 16 --tp 8 --sp --pp 16 (the Llama 3 paper's 128K layout): every stage's rank on its T/cp tokens under
+    1F1B (StageForms, what tests/test_parallel_cp.py measures cp x pp ranks against); stage 0, holding the most
+    micro-batches, is the busiest; every:C runs within the largest stage."""
+    from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+    row = predict_json(capsys, "--model", "llama3-405b", "--seq", "131072", "--attention", "fused", "--recompute",
+                       "full", "--cp", "16", "--tp", "8", "--sp", "--pp", "16", "--batch", "16")
+    cfg = Config.from_preset("llama3-405b", dtype="bf16", attention="fused")
+    cp, n = row["cp"], 131072 // 16
+    assert (cp["pp"], cp["microbatches"]) == (16, 16)
+    assert cp["stage_peak_bytes"] == [StageForms(cfg, 16, n, "full", 16, 16, "1f1b", s, 1, 8, True).peak_bytes
+                                      for s in range(16)]
+    assert cp["peak_bytes"] == cp["stage_peak_bytes"][0] == max(cp["stage_peak_bytes"])
+    assert sorted(map(int, cp["every_peak_bytes"])) == list(range(1, 9))  # 126 layers over 16 stages: 8 at most
+
+
 @pytest.mark.parametrize("args,message", [
     (["--zero", "2"], "--zero 2 with --dp 1"),
     (["--zero", "4", "--dp", "8"], "invalid choice: 4"),
@@ -144,6 +160,8 @@ def test_context_parallel_beside_tensor_parallel_is_a_tp_rank_on_t_over_cp_token
      "--keep-kv with --tp 8"),
     (["--cp", "4", "--tp", "8", "--sp", "--seq", "8", "--attention", "fused"], "--cp=4 (with --attention fused): "),
     (["--keep-kv"], "--keep-kv without --cp"),
+    (["--pp", "4"], "--pp 4: predict splits stages beside --cp only"),
+    (["--pp", "4", "--cp", "2", "--attention", "fused", "--batch", "3"], "--microbatches=4: give a whole number"),
     (["--cp", "3", "--seq", "4096", "--attention", "fused"], "seq=4096 with cp=3"),
     (["--gpu-gib", "0"], "--gpu-gib=0"),
 ])

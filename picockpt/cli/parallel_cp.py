@@ -1,12 +1,12 @@
 """python -m picockpt parallel --cp N: one context-parallel step, measured per rank.
 
 Spawns --cp ranks (times --tp, --dp and --pp beside it) on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per
-rank), or runs as one of torchrun's processes; rank r holds its chunks of every sequence (zigzag: chunks r and 2N - 1 - r of 2N; contiguous:
-chunk r of N) and its share of every activation (picockpt/parallel/context_parallel/). Prints per rank the
-chunks it holds, its activation store's peak and its closed form, the K/V bytes its ring steps or
-all-gathers moved per phase (with their closed form: under full, the recompute phase repeats the
-forward's, unless --cp-keep-kv keeps the gathered K/V), its attention FLOPs (the causal balance) and its
-FLOPs by phase; then the loss, and the gradients against the single-process engine's.
+rank), or runs as one of torchrun's processes; rank r holds its chunks of every sequence (zigzag: chunks r and
+2N - 1 - r of 2N; contiguous: chunk r of N) and its share of every activation (picockpt/parallel/
+context_parallel/). Prints per rank the chunks it holds, its activation store's peak and its closed form, the
+K/V bytes its ring steps or all-gathers moved per phase (with their closed form: under full, the recompute
+phase repeats the forward's, unless --cp-keep-kv keeps the gathered K/V), its attention FLOPs (the causal
+balance) and its FLOPs by phase; then the loss, and the gradients against the single-process engine's.
 
     python -m picockpt parallel --cp 2 --attention tiled --policy full
     python -m picockpt parallel --cp 4 --cp-layout contiguous --cp-comm allgather --cp-keep-kv --json
@@ -38,9 +38,8 @@ def _print_table(row):
           f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} V={row['vocab']}, batch {row['batch']} x "
           f"{row['seq']} tokens")
     r0 = row["ranks"][0]
-    where = [(name, lambda r, key=key: str(r[key]))
-             for name, key, size in (("stage", "stage", "pp"), ("dp rank", "dp_rank", "dp"), ("tp rank", "tp_rank", "tp"))
-             if r0[size] > 1]
+    coordinates = (("stage", "stage", "pp"), ("dp rank", "dp_rank", "dp"), ("tp rank", "tp_rank", "tp"))
+    where = [(name, lambda r, key=key: str(r[key])) for name, key, size in coordinates if r0[size] > 1]
     print(table(row["ranks"], rank_columns(*where, ("chunks", lambda r: " ".join(map(str, r["chunks"]))),
                                            ("attention FLOPs", lambda r: f"{r['predicted_attention_flops']:,}"))))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and

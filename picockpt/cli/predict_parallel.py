@@ -14,15 +14,19 @@ and, under stage 3, the gathered parameters in flight; the total against --gpu-g
 (cp_inventory.cp_peak_bytes: the single process's inventory at n = T/C tokens, plus the other ranks'
 K/V under --cp-comm allgather --keep-kv), for the --recompute policy and for every:C' at each C'. With
 --tp t (and --sp) beside it, a rank is a tensor-parallel rank on n tokens (tp_inventory.rank_peak_bytes at
-T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its KV/t heads.
+T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its KV/t heads; with --pp P
+(and --microbatches M) every stage's rank under 1F1B (pp_inventory.StageForms), stage 0 the busiest.
 
     python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --tp 8 --sp
+    python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --tp 8 --sp \
+        --pp 16 --batch 16
 """
 from ..formulas import GIB
 from ..inventory import predicted_peak_bytes
 from ..parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes
 from ..parallel.context_parallel.cp_check import check_context_parallel
 from ..parallel.data_parallel.zero_inventory import gathered_peak_bytes, model_state_bytes, zero_paper_parts
+from ..parallel.pipeline_parallel.pp_inventory import StageForms
 from ..parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 
@@ -41,6 +45,12 @@ def add_parallel_arguments(parser):
                         help="how --cp ranks get the earlier K/V: a ring of cp - 1 steps (default) or one all-gather")
     parser.add_argument("--keep-kv", action="store_true",
                         help="--cp-comm allgather: keep the gathered K/V for the recomputation and the backward")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="with --cp: pipeline stages beside it (1F1B; stage s holds min(P - s, M) micro-batches), "
+                             "each stage's store per rank (default 1)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="with --pp: micro-batches per step, splitting --batch (default: --pp, one sequence each "
+                             "when --batch equals it)")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="GiB of one GPU for the totals (default 80)")
 
 
@@ -61,6 +71,20 @@ def check_parallel(args, cfg, policy):
                          f"model, as picockpt runs it); leave out {other.split()[0]} or --zero")
     if args.cp < 1:
         raise ValueError(f"--cp={args.cp}: give a whole number of context-parallel ranks, 1 or more")
+    if args.pp != 1 or args.microbatches is not None:
+        M = args.microbatches or args.pp
+        if args.cp == 1:
+            raise ValueError(f"--pp {args.pp}: predict splits stages beside --cp only (parallel/pipeline_parallel's "
+                             f"closed forms for one rank of each); add --cp C >= 2, or run `python -m picockpt "
+                             f"parallel --pp {args.pp}` to measure a pipeline")
+        if args.pp < 1 or args.pp > cfg.layers:
+            raise ValueError(f"--pp={args.pp}: give 1 to {cfg.layers} stages (the model's layers)")
+        if M < 1 or args.batch % M:
+            raise ValueError(f"--microbatches={M}: give a whole number of micro-batches that divides --batch "
+                             f"{args.batch}, e.g. --batch {args.pp} --microbatches {args.pp}")
+        if args.keep_kv:
+            raise ValueError("--keep-kv with --pp: the kept K/V are not closed-formed beside pipeline stages yet; "
+                             "leave out --keep-kv (or --pp)")
     if args.cp == 1 and (args.cp_comm != "ring" or args.keep_kv):
         raise ValueError("--cp-comm or --keep-kv without --cp: they choose how context-parallel ranks share "
                          "K/V; add --cp C >= 2, or leave them out")
@@ -94,21 +118,38 @@ def zero_row(cfg, batch, seq, policy, stage, dp):
             "picockpt_model_state_by_stage": by_stage}
 
 
-def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=False, distribute_saved=False):
+def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=False, distribute_saved=False,
+           pp=1, microbatches=None):
     """One of `cp` context-parallel ranks (of tp ranks each, beside tensor parallelism): its store's peak under
-    `policy` and under every:C for C = 1..L, and its communication per phase (K/V, and the tp collectives)."""
-    n, layout = seq // cp, (tp, sp, distribute_saved)
+    `policy` and under every:C for C = 1..L, and its communication per phase (K/V, and the tp collectives).
+    Beside pp, the peak and the communication are stage 0's (1F1B's busiest: it holds the most micro-batches);
+    stage_peak_bytes lists every stage's peak."""
+    n, layout, M = seq // cp, (tp, sp, distribute_saved), microbatches or pp
 
-    def peak(p):  # beside tp: the tensor-parallel rank's store on its n tokens
+    def stages(p):  # every stage's rank on its n tokens (pipeline_parallel/pp_inventory.py), 1F1B
+        return [StageForms(cfg, batch, n, p, pp, M, "1f1b", s, 1, tp, sp, distribute_saved).peak_bytes
+                for s in range(pp)]
+
+    def peak(p):  # beside tp: the tensor-parallel rank's store on its n tokens; beside pp: the busiest stage's
+        if pp > 1:
+            return max(stages(p))
         return cp_peak_bytes(cfg, batch, seq, p, cp, cp_comm, keep_kv) if tp == 1 else \
             rank_peak_bytes(cfg, batch, n, p, *layout)
-    comm = cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm, keep_kv, t=tp)
-    if tp > 1:
-        tp_comm = rank_comm_bytes(cfg, batch, n, policy, *layout)
+    largest_C = -(-cfg.layers // pp)  # every:C within the largest stage
+    if pp > 1:  # stage 0's rank: its layers, its M micro-batches of b sequences each
+        first = StageForms(cfg, batch, n, policy, pp, M, "1f1b", 0, 1, tp, sp, distribute_saved)
+        ring = cp_comm_bytes(cfg.replace(layers=len(first.layers)), first.b, seq, policy, cp, cp_comm, keep_kv,
+                             schedule=first.local_schedule, t=tp)
+        tp_comm = first.tp_comm_bytes() if tp > 1 else dict.fromkeys(ring, 0)
+        comm = {phase: M * nbytes + tp_comm[phase] for phase, nbytes in ring.items()}
+    else:
+        comm = cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm, keep_kv, t=tp)
+        tp_comm = rank_comm_bytes(cfg, batch, n, policy, *layout) if tp > 1 else dict.fromkeys(comm, 0)
         comm = {phase: nbytes + tp_comm[phase] for phase, nbytes in comm.items()}
-    return {"cp": cp, "tp": tp, "sp": sp, "cp_comm": cp_comm, "keep_kv": keep_kv, "rank_tokens": n, "policy": policy,
-            "peak_bytes": peak(policy), "every_peak_bytes": {C: peak(f"every:{C}") for C in range(1, cfg.layers + 1)},
-            "comm_bytes": comm}
+    return {"cp": cp, "tp": tp, "sp": sp, "pp": pp, "microbatches": M, "cp_comm": cp_comm, "keep_kv": keep_kv,
+            "rank_tokens": n, "policy": policy, "peak_bytes": peak(policy),
+            "stage_peak_bytes": stages(policy) if pp > 1 else None,
+            "every_peak_bytes": {C: peak(f"every:{C}") for C in range(1, largest_C + 1)}, "comm_bytes": comm}
 
 
 def add_parallel_rows(row, args, cfg, policy):
@@ -116,7 +157,7 @@ def add_parallel_rows(row, args, cfg, policy):
         row["zero"] = zero_row(cfg, args.batch, args.seq, policy, args.zero, args.dp)
     if args.cp > 1:
         row["cp"] = cp_row(cfg, args.batch, args.seq, policy, args.cp, args.cp_comm, args.keep_kv, args.tp, args.sp,
-                           args.distribute_saved)
+                           args.distribute_saved, args.pp, args.microbatches)
     row["gpu_bytes"] = int(args.gpu_gib * GIB)
 
 
@@ -139,7 +180,8 @@ def print_parallel(row):
         names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optimizer_bytes": "optimizer state"}
         for key, name in names.items():
             print(f"  {name:<26}{_gib(z['paper'][key]):>30}{_gib(z['picockpt'][key]):>26}")
-        print(f"  {'model state':<26}{_gib(z['paper_model_state_bytes']):>30}{_gib(z['picockpt_model_state_bytes']):>26}")
+        paper, own = _gib(z['paper_model_state_bytes']), _gib(z['picockpt_model_state_bytes'])
+        print(f"  {'model state':<26}{paper:>30}{own:>26}")
         print(f"  by stage (picockpt, over {dp}): " + ", ".join(
             f"{s} {_gib(n)}" for s, n in z["picockpt_model_state_by_stage"].items()))
         if stage == 3:
@@ -157,11 +199,15 @@ def print_parallel(row):
         fitting = [C for C, n in every.items() if n <= capacity]
         comm = c["comm_bytes"]
         beside = f", each of tp = {c['tp']}{' with sp' if c['sp'] else ''}" if c["tp"] > 1 else ""
+        beside += f", pp = {c['pp']} stages of 1F1B over {c['microbatches']} micro-batches" if c["pp"] > 1 else ""
         print(f"context parallel over {c['cp']} ranks ({c['cp_comm']}{', K/V kept' if c['keep_kv'] else ''}, "
               f"zigzag{beside}), per rank: {c['rank_tokens']:,} tokens (parallel/context_parallel/cp_inventory.py: "
               f"the activation store only, no weights, working memory or K/V blocks in flight):")
-        print(f"  {c['policy']}: {_gib(c['peak_bytes'])} stored; communication forward {_gib(comm['forward'])}, "
-              f"recompute {_gib(comm['recompute'])}, backward {_gib(comm['backward'])}")
+        print(f"  {c['policy']}: {_gib(c['peak_bytes'])} stored{' on stage 0, the busiest' if c['pp'] > 1 else ''}; "
+              f"communication forward {_gib(comm['forward'])}, recompute {_gib(comm['recompute'])}, backward "
+              f"{_gib(comm['backward'])}")
+        if c["pp"] > 1:
+            print("  per stage: " + ", ".join(f"{s} {_gib(n)}" for s, n in enumerate(c["stage_peak_bytes"])))
         print(f"  every:C: least at C = {best}, {_gib(every[best])}; C = 1 (full) {_gib(every[1])}; "
               f"C = {len(every)} {_gib(every[len(every)])}")
         print(f"  activations alone in {_gib(capacity)}: " + (

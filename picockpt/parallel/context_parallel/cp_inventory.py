@@ -39,8 +39,9 @@ weights' gradients are summed over the dp x cp ranks by the data-parallel bucket
 FLOPs: a rank's projections, MLP and head are the single process's on n tokens (inventory.layer_flops at
 n; a schedule that stops early skips each sweep's last tail); its attention is a sum of blocks (cp_attention.py):
 for each of its chunks j (c tokens), its own chunk causally (the kernel's count on c tokens: tiled skips the
-tiles above the diagonal, fused counts the whole square) and the j c tokens before it whole, 2 B H hd c (j c) per matmul. Zigzag: chunks r and 2cp-1-r have
-r c + (2cp-1-r) c = (2cp-1) c earlier tokens on every rank, so every rank's count is the same. Contiguous
+tiles above the diagonal, fused counts the whole square) and the j c tokens before it whole, 2 B H hd c (j c)
+per matmul. Zigzag: chunks r and 2cp-1-r have r c + (2cp-1-r) c = (2cp-1) c earlier tokens on every rank, so
+every rank's count is the same. Contiguous
 (c = T/cp): rank r's chunk has r c earlier tokens, so with d the diagonal block's count and e = 2 B H hd c^2
 rank r computes d + r e: rank 0 the diagonal alone, and the busiest rank against the mean
     max / mean = (d + (cp-1) e) / (d + (cp-1) e / 2)      (-> 2 as cp grows; 3/2 at cp = 2 when d = e/2)
