@@ -17,14 +17,13 @@ from dataclasses import KW_ONLY, dataclass, replace
 import torch
 
 from ..batch import check_batch
-from ..engine import device_generator
 from ..params import check_params
 from ..policy import parse_policy
 from .context_parallel.cp_check import check_context_job
 from .context_parallel.cp_inventory import recompute_comm_flops
 from .data_parallel.zero_step import check_zero_job
 from .expert_parallel.ep_shard import check_expert_parallel
-from .launch import check_rank_count
+from .launch import check_rank_count, ranks_generator
 from .layout import check_layout
 from .pipeline_parallel.pp_inventory import StageForms
 from .pipeline_parallel.pp_schedules import check_schedule, stage_layers
@@ -154,13 +153,6 @@ def checked_batch(job, device):
 
 
 # ---- what the ranks are sent, and what they print ------------------------------------------------------
-def ranks_generator(device):
-    """The caller's generator of the kind the ranks draw from: its CPU one, or its current GPU's."""
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        return device_generator(torch.device("cuda", torch.cuda.current_device()))
-    return device_generator(torch.device("cpu"))
-
-
 def on_cpu(job):
     """The job as the ranks receive it: parameters, batch and generator state on the CPU."""
     params = {name: tensor.detach().cpu() for name, tensor in job.params.items()}

@@ -35,12 +35,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..engine import device_generator
 from .comm import Comm
 from .watch import STOP_GRACE_S, RankError, collect, stop  # noqa: F401 (RankError: raised from here, by collect)
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LOCALHOST = "127.0.0.1"
 
+
+
+def ranks_generator(device):
+    """The caller's generator of the kind its ranks draw from (and start from the state of): its CPU one, or
+    its current GPU's (not GPU 0's, when the caller has set another)."""
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return device_generator(torch.device("cuda", torch.cuda.current_device()))
+    return device_generator(torch.device("cpu"))
 
 def under_torchrun():
     """True when torchrun (torch.distributed.run) started this process as one rank."""

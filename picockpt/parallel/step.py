@@ -33,8 +33,8 @@ from ..routing import step_routing
 from .data_parallel.zero_step import zero_collected
 from .expert_parallel.ep_shard import gather_expert_grads
 from .forms import predicted
-from .job import ParallelJob, checked_job, on_cpu, ranks_generator
-from .launch import run_ranks, under_torchrun
+from .job import ParallelJob, checked_job, on_cpu
+from .launch import ranks_generator, run_ranks, under_torchrun
 from .pipeline_parallel.pp_schedules import stage_layers
 from .rank import rank_steps, stage_param_names
 from .tensor_parallel.tp_shard import gather_grads

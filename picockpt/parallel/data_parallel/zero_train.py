@@ -15,7 +15,7 @@ batches, in one process, reaches the same parameters up to rounding: tests/test_
 where they are bitwise and where not, and why.
 
 Every argument and every batch is checked here, before any rank starts (a ValueError naming it). The ranks
-start from the caller's generator (rng_state=None: the default CPU generator, or the CUDA device's), so
+start from the caller's generator (rng_state=None: the default CPU one, or the current CUDA device's), so
 their dropout masks are the single process's, and the caller's generator is left where a single process's
 training would leave it.
 """
@@ -26,10 +26,9 @@ import torch
 
 from ...batch import check_batch
 from ...device import resolve_device
-from ...engine import device_generator
 from ...params import check_params
 from ...policy import parse_policy
-from ..launch import check_rank_count, run_ranks
+from ..launch import check_rank_count, ranks_generator, run_ranks
 from .zero_params import whole
 from .zero_step import check_zero, zero_rank_train
 
@@ -58,7 +57,7 @@ def zero_train(params, cfg, batches, policy="none", dp=2, zero=1, lr=3e-3, weigh
     per_rank = run_ranks(zero_rank_train, dp, job, device=where.type, timeout_s=timeout_s, port=port,
                          start_method=start_method)
     if rng_state is None:  # where the single process's training leaves the caller's generator
-        device_generator(where).set_state(per_rank[0]["rng_state"])
+        ranks_generator(where).set_state(per_rank[0]["rng_state"])
     return trained(per_rank, params)
 
 
@@ -96,7 +95,7 @@ def checked_training(params, cfg, batches, policy, dp, zero, lr=3e-3, weight_dec
     parsed.schedule(cfg, B // dp, T)  # an impossible budget:SIZE for a rank's rows is refused here
     where = resolve_device(device)  # "auto", "cpu", "cuda" (the ranks take cuda:0 .. cuda:dp-1)
     check_rank_count("dp", dp, where)  # spawned CUDA ranks take a GPU each; under torchrun, WORLD_SIZE of them
-    state = rng_state if rng_state is not None else device_generator(where).get_state()
+    state = rng_state if rng_state is not None else ranks_generator(where).get_state()
     return ZeroTraining({name: tensor.detach().cpu() for name, tensor in params.items()}, cfg, checked,
                         parsed.text, zero, keep_gathered, prefetch, float(lr), float(weight_decay), state.cpu())
 
