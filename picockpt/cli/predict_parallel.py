@@ -23,11 +23,11 @@ T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its
 """
 from ..formulas import GIB
 from ..inventory import predicted_peak_bytes
-from ..parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes
+from ..parallel.context_parallel.cp_inventory import cp_peak_bytes, stage_comm_bytes
 from ..parallel.context_parallel.cp_check import check_context_parallel
 from ..parallel.data_parallel.zero_inventory import gathered_peak_bytes, model_state_bytes, zero_paper_parts
 from ..parallel.pipeline_parallel.pp_inventory import StageForms
-from ..parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
+from ..parallel.tensor_parallel.tp_inventory import rank_peak_bytes
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
@@ -136,16 +136,8 @@ def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=
         return cp_peak_bytes(cfg, batch, seq, p, cp, cp_comm, keep_kv) if tp == 1 else \
             rank_peak_bytes(cfg, batch, n, p, *layout)
     largest_C = -(-cfg.layers // pp)  # every:C within the largest stage
-    if pp > 1:  # stage 0's rank: its layers, its M micro-batches of b sequences each
-        first = StageForms(cfg, batch, n, policy, pp, M, "1f1b", 0, 1, tp, sp, distribute_saved)
-        ring = cp_comm_bytes(cfg.replace(layers=len(first.layers)), first.b, seq, policy, cp, cp_comm, keep_kv,
-                             schedule=first.local_schedule, t=tp)
-        tp_comm = first.tp_comm_bytes() if tp > 1 else dict.fromkeys(ring, 0)
-        comm = {phase: M * nbytes + tp_comm[phase] for phase, nbytes in ring.items()}
-    else:
-        comm = cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm, keep_kv, t=tp)
-        tp_comm = rank_comm_bytes(cfg, batch, n, policy, *layout) if tp > 1 else dict.fromkeys(comm, 0)
-        comm = {phase: nbytes + tp_comm[phase] for phase, nbytes in comm.items()}
+    first = StageForms(cfg, batch, n, policy, pp, M, "1f1b", 0, 1, tp, sp, distribute_saved)  # stage 0's rank
+    comm = stage_comm_bytes(first, seq, cp, cp_comm, keep_kv)
     return {"cp": cp, "tp": tp, "sp": sp, "pp": pp, "microbatches": M, "cp_comm": cp_comm, "keep_kv": keep_kv,
             "rank_tokens": n, "policy": policy, "peak_bytes": peak(policy),
             "stage_peak_bytes": stages(policy) if pp > 1 else None,

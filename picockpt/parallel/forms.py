@@ -20,8 +20,8 @@ from .expert_parallel.ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stor
                                            ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, received_rows)
 from .expert_parallel.ep_shard import is_expert
 from .comm import PHASES
-from .context_parallel.cp_inventory import (cp_comm_bytes, cp_flops, cp_peak_bytes, kept_kv_bytes,
-                                            rank_attention_flops)
+from .context_parallel.cp_inventory import (cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops,
+                                            stage_comm_bytes)
 from .job import stage_forms
 from .pipeline_parallel.pp_schedules import actions, bubble_fraction
 from .rank import stage_param_names
@@ -53,10 +53,8 @@ def context_forms(job, forms, report, seq):
     (forms.tp_comm_bytes) add to the ring's or all-gather's bytes."""
     cfg, cp, M, rank, t = job.cfg.replace(layers=len(forms.layers)), job.cp, forms.M, report["cp_rank"], job.tp
     args, schedule = (cfg, forms.b, seq, forms.policy, cp), forms.local_schedule
-    comm = cp_comm_bytes(*args, job.cp_comm, job.cp_keep_kv, schedule=schedule, t=t)
     flops = cp_flops(*args, job.cp_layout, rank, head=forms.last, schedule=schedule, t=t)
-    tp_comm = forms.tp_comm_bytes()
-    out = {"predicted_comm_bytes": {phase: M * n + tp_comm[phase] for phase, n in comm.items()},
+    out = {"predicted_comm_bytes": stage_comm_bytes(forms, seq, cp, job.cp_comm, job.cp_keep_kv),
            "predicted_flops": {phase: M * n for phase, n in flops.items()},
            "predicted_attention_flops": rank_attention_flops(cfg, forms.b, seq, cp, job.cp_layout, rank) // t}
     if job.cp_keep_kv:  # one micro-batch on one stage (job.py): every layer also keeps the other ranks' K/V

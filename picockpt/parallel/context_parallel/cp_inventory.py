@@ -6,6 +6,7 @@ The same exactness as picockpt/inventory.py (the tracker equals these to the byt
     cp_head_inventory(cfg, B, T, cp, drop)                      the same of the final norm and the logits (or lse)
     cp_peak_bytes(cfg, B, T, policy, cp, cp_comm, keep_kv)      the rank's activation store's peak in one step
     cp_comm_bytes(cfg, B, T, policy, cp, cp_comm, keep_kv)      bytes its ring or all-gather moves, per phase
+    stage_comm_bytes(forms, T, cp, cp_comm, keep_kv)            the same for a stage's rank, with its tp collectives
     recompute_comm_flops(cfg, B, T, cp, cp_comm, keep_kv)       a recomputed layer's ring, priced as FLOPs (budgets)
     rank_attention_flops(cfg, B, T, cp, layout, rank)           one of its attention core's two matmuls, per layer
     cp_flops(cfg, B, T, policy, cp, layout, rank)               matmul FLOPs per phase
@@ -104,6 +105,16 @@ def cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, sc
     recomputed = sum(last - first + 1 for first, last in schedule.sweeps(cfg.layers))  # the engine's walk
     return {"forward": cfg.layers * forward, "recompute": recomputed * again, "backward": cfg.layers * backward}
 
+
+
+def stage_comm_bytes(forms, seq, cp, cp_comm="ring", keep_kv=False):
+    """{"forward", "recompute", "backward"}: what one rank of a stage moves in a step: its ring or all-gather on
+    the stage's layers for each of its M micro-batches (forms: pipeline_parallel/pp_inventory.py's StageForms at
+    T/cp tokens, its own schedule, the K/V of its KV/t heads), plus its tensor-parallel collectives."""
+    cfg = forms.cfg.replace(layers=len(forms.layers))
+    ring = cp_comm_bytes(cfg, forms.b, seq, forms.policy, cp, cp_comm, keep_kv, forms.local_schedule, forms.t)
+    tp = forms.tp_comm_bytes()
+    return {phase: forms.M * nbytes + tp[phase] for phase, nbytes in ring.items()}
 
 def layer_comm_bytes(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False, t=1):
     """(forward, backward, again): one layer's bytes on one rank, and what a recomputation of its forward
