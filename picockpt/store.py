@@ -105,6 +105,9 @@ class ActivationStore:
     def host_names(self, layer):
         return [name for (lay, name) in self.host_tensors if lay == layer]
 
+    def layer_bytes(self, layer):  # bytes of the unique device storages one layer's tensors are on
+        return sum(dict(_storage_key(t) for (lay, _), t in self.tensors.items() if lay == layer).values())
+
     def inventory(self, layer):
         """name -> (shape, dtype, bytes) of what is stored for one layer now (device and host)."""
         held = {**self.tensors, **{key: copy.host for key, copy in self.host_tensors.items()}}

@@ -15,10 +15,8 @@ Read step.py first (loss_and_grads: how the layouts wrap the one engine). Shared
     rank.py       one rank's step, for any layout: its stage's micro-batches, each the engine's loop
     forms.py      the closed forms beside every rank's measurements
     rng.py        random draws equal to the single process's: drawn whole, each rank keeps its slice
-    launch.py     where the processes come from (torchrun, or spawned on 127.0.0.1), timeouts
-    watch.py      the caller's side of spawned ranks: results, the first failure, stopping the rest
+    launch.py     where the processes come from (torchrun's, or spawned on 127.0.0.1); watch.py: how a failure ends them
     timeline.py   what each rank did when, for Gantt figures
-
 and one folder per parallelism, each opening with what it holds and which file to read first:
     tensor_parallel/    Megatron-style column/row-parallel layers, sequence parallelism, vocab-parallel head
     pipeline_parallel/  stages, AFAB and 1F1B schedules, paired point-to-point sends, per-stage budgets
@@ -33,16 +31,15 @@ from .launch import RankError, run_ranks, under_torchrun
 from .pipeline_parallel.pp_comm import (from_previous_stage_backward, from_previous_stage_forward,
                                         to_next_stage_backward, to_next_stage_forward)
 from .step import loss_and_grads, run_jobs
-from .tensor_parallel.tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward,
-                                      gather_sequence_backward, gather_sequence_forward,
-                                      reduce_from_parallel_backward, reduce_from_parallel_forward,
-                                      scatter_sequence_backward, scatter_sequence_forward, split_sequence_backward,
-                                      split_sequence_forward)
+from .tensor_parallel.tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gather_sequence_backward,
+                                      gather_sequence_forward, reduce_from_parallel_backward,
+                                      reduce_from_parallel_forward, scatter_sequence_backward, scatter_sequence_forward,
+                                      split_sequence_backward, split_sequence_forward)
 
 __all__ = ["run_ranks", "under_torchrun", "RankError", "Comm", "CommLog", "copy_to_parallel_forward",
            "copy_to_parallel_backward", "reduce_from_parallel_forward", "reduce_from_parallel_backward",
            "gather_sequence_forward", "gather_sequence_backward", "scatter_sequence_forward",
-           "scatter_sequence_backward", "split_sequence_forward", "split_sequence_backward",
-           "all_to_all_forward", "all_to_all_backward", "exchange_splits", "all_reduce_grads", "all_reduce_max",
-           "loss_and_grads", "run_jobs", "ParallelJob", "from_previous_stage_forward", "from_previous_stage_backward",
-           "to_next_stage_forward", "to_next_stage_backward"]
+           "scatter_sequence_backward", "split_sequence_forward", "split_sequence_backward", "all_to_all_forward",
+           "all_to_all_backward", "exchange_splits", "all_reduce_grads", "all_reduce_max", "loss_and_grads", "run_jobs",
+           "ParallelJob", "from_previous_stage_forward", "from_previous_stage_backward", "to_next_stage_forward",
+           "to_next_stage_backward"]

@@ -1,24 +1,18 @@
-"""The counting base of every collective: a Comm (one process group as this rank sees it), its log of bytes and
-calls per phase, and the collectives, each counted once; their forward/backward pairs live beside the layers that
-call them (tp_comm.py, ep_comm.py, pp_comm.py, dp_comm.py).
+"""The counted collectives: a Comm (one process group as this rank sees it), its log of bytes and calls per phase, and
+the collectives; their forward/backward pairs sit beside their layers (tp_comm.py, ep_comm.py, pp_comm.py, dp_comm.py).
 
-Bytes counted (Comm.log), per rank, one number per call: the size of the collective's logical buffer (the size S
-of nccl-tests' doc/PERFORMANCE.md, whose algorithm bandwidth is S / time), whatever algorithm runs on the wire:
-    all-reduce      the tensor's bytes                               (= the output's)
-    all-gather      the bytes of the gathered output                 = world_size x the input's
-    reduce-scatter  the bytes of the full input                      = world_size x the output's
-    all-to-all      the bytes of this rank's input, its own chunk included (CommLog.sent: less that chunk, which
-                    never leaves the rank)
-A ring algorithm puts 2(n-1)/n of the all-reduce size and (n-1)/n of the all-gather and reduce-scatter sizes on the
-wire (n = world_size): nccl-tests' "bus bandwidth" factors. Calls that move nothing (the identities, split_sequence's
-forward) are not counted; each is booked under the phase of `comm.tracker` (a picockpt.tracker.Tracker, or any
-object with a `phase_name`), "outside" if none.
+Bytes counted (Comm.log), per rank, one number per call: the size of the collective's logical buffer (the size S of
+nccl-tests' doc/PERFORMANCE.md, whose algorithm bandwidth is S / time), whatever algorithm runs on the wire:
+    all-reduce      the tensor's bytes (= the output's)
+    all-gather      the gathered output's = world_size x the input's
+    reduce-scatter  the full input's = world_size x the output's
+    all-to-all      this rank's input, its own chunk included (CommLog.sent: less that chunk, which stays here)
+A ring puts 2(n-1)/n of the all-reduce size and (n-1)/n of the all-gather and reduce-scatter sizes on the wire (n =
+world_size): nccl-tests' "bus bandwidth" factors. Calls that move nothing (the identities, split_sequence's forward)
+are not counted; each call is booked under the `phase_name` of `comm.tracker` (a Tracker), "outside" without one.
 
-torch 2.13's gloo has every collective used here (all_reduce, all_gather_single, reduce_scatter_single,
-all_to_all_single with uneven splits): nothing is emulated. gloo and NCCL both take the flat form of all-gather and
-reduce-scatter (shards one after another along dim 0), so one along another dim moves that dim to the front (one
-copy). An all-reduce reduces its (contiguous) argument in place, as torch.distributed does: callers pass a tensor
-they no longer need in its partial form.
+torch 2.13's gloo has every collective used here, uneven all-to-all too: nothing is emulated. An all-reduce is in place
+on its contiguous argument, as in torch.distributed: callers pass a tensor whose partial form they no longer need.
 """
 import torch
 import torch.distributed as dist
@@ -30,7 +24,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class CommLog:
-    """Bytes and calls per phase and per collective kind, for one rank."""
+    """Bytes and calls per phase and per collective kind, for one rank; total and count sum them over every phase and
+    kind unless one is named."""
 
     def __init__(self):
         self.bytes = {}   # phase -> {kind -> bytes}
@@ -45,12 +40,10 @@ class CommLog:
     def record_sent(self, phase, nbytes):
         self.sent[phase] = self.sent.get(phase, 0) + nbytes
 
-    def total(self, phase=None, kind=None):
-        """Bytes, summed over every phase and kind unless one is named."""
+    def total(self, phase=None, kind=None):  # bytes
         return _sum(self.bytes, phase, kind)
 
-    def count(self, phase=None, kind=None):
-        """Number of calls, summed over every phase and kind unless one is named."""
+    def count(self, phase=None, kind=None):  # calls
         return _sum(self.calls, phase, kind)
 
     def report(self, phases):
@@ -130,7 +123,12 @@ def reduce_scatter(x, comm, dim):
 
 
 def all_to_all(x, comm, send_splits, receive_splits):
-    _check_splits(x, comm, send_splits, receive_splits)
+    for name, splits in (("send_splits", send_splits), ("receive_splits", receive_splits)):
+        if len(splits) != comm.world_size or any(s < 0 for s in splits):
+            raise ValueError(f"{name}={list(splits)}: give {comm.world_size} row counts (one per rank), none negative")
+    if sum(send_splits) != x.shape[0]:
+        raise ValueError(f"send_splits={list(send_splits)} sum to {sum(send_splits)}, but the tensor has "
+                         f"{x.shape[0]} rows (dim 0); they must add up to it")
     if comm.world_size == 1:  # every row stays
         return x
     rows = x.contiguous()  # (N_send, ...) a copy only if x is a strided view
@@ -156,20 +154,10 @@ def check_divisible(x, comm, dim):
     return dim
 
 
-def _check_splits(x, comm, send_splits, receive_splits):
-    for name, splits in (("send_splits", send_splits), ("receive_splits", receive_splits)):
-        if len(splits) != comm.world_size or any(s < 0 for s in splits):
-            raise ValueError(f"{name}={list(splits)}: give {comm.world_size} row counts (one per rank), none negative")
-    if sum(send_splits) != x.shape[0]:
-        raise ValueError(f"send_splits={list(send_splits)} sum to {sum(send_splits)}, but the tensor has "
-                         f"{x.shape[0]} rows (dim 0); they must add up to it")
-
-
-# -- data parallel, and weights replicated across a tensor-parallel group --------------------------
 def all_reduce_grads(grads, comm, mean=False):
-    """Sum (mean=True: average) each gradient of {name: tensor} over the ranks, in place, one all-reduce each. mean:
-    the ranks' losses are means over equal batches; a sum: replicated weights in a tensor-parallel group (norms
-    under sequence parallelism), each rank's gradient a partial one from its own tokens."""
+    """Sum (mean=True: average) each gradient of {name: tensor} over the ranks, in place, one all-reduce each. mean: the
+    ranks' losses are means over equal batches; a sum: replicated weights in a tensor-parallel group (norms under
+    sequence parallelism), each rank's gradient a partial one from its own tokens."""
     for name, grad in grads.items():
         reduced = all_reduce(grad, comm)  # (same shape) in place when grad is contiguous
         grads[name] = reduced.div_(comm.world_size) if mean else reduced

@@ -2,26 +2,23 @@
 
     predicted(job, report, routing)   {"predicted_activation_bytes": ..., "predicted_comm_bytes": ..., ...}
 
-A rank's store holds its stage's micro-batches in flight (pipeline_parallel/pp_inventory.py's StageForms:
-the stage's schedule, its in-flight count, its tensor-parallel bytes and collectives; under context
-parallelism at the rank's T/cp tokens, every stored tensor being linear in its tokens, with the K/V ring or
-all-gather and the attention FLOPs from context_parallel/cp_inventory.py). Under expert
-parallelism what a micro-batch holds depends on the tokens routed to this rank's experts, so each
-micro-batch is expert_parallel/ep_inventory.py's step over its own rows (the single process's routing of
-those rows), and the stage's peak replays the schedule's order over the micro-batches' unequal sizes.
+A rank's store holds its stage's micro-batches in flight (pipeline_parallel/pp_inventory.py's StageForms); under
+cp at the rank's T/cp tokens, every stored tensor being linear in its tokens (the ring's bytes and the attention
+FLOPs: context_parallel/cp_inventory.py). Under ep what a micro-batch holds depends on the tokens routed to this
+rank's experts, so each micro-batch is expert_parallel/ep_inventory.py's step over its own rows (the single
+process's routing of them), and the stage's peak replays the schedule over the micro-batches' unequal sizes.
 """
 import math
 
-import torch
-
+from ..config import BYTES
 from ..params import EMBED, HEAD
 from ..policy import parse_policy
-from .expert_parallel.ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes,
-                                           ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, received_rows)
-from .expert_parallel.ep_shard import is_expert
 from .comm import PHASES
 from .context_parallel.cp_inventory import (cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops,
                                             stage_comm_bytes)
+from .expert_parallel.ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes,
+                                           ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, received_rows)
+from .expert_parallel.ep_shard import is_expert
 from .job import stage_forms
 from .pipeline_parallel.pp_schedules import actions, bubble_fraction
 from .rank import stage_param_names
@@ -124,9 +121,7 @@ def in_flight_peak(order, stored, peaks):
 def reduced_bytes(job, forms):
     """The bytes the stage's data-parallel buckets all-reduce: every gradient once, where its group has more
     than one rank (under ep the experts' over their dp x cp ranks, every other over dp x ep x cp: layout.py)."""
-    cfg = job.cfg
-    size = torch.empty((), dtype=cfg.param_dtype).element_size()
-    dense = experts = 0
+    cfg, dense, experts = job.cfg, 0, 0
     for name in stage_param_names(cfg, forms.layers, forms.first, forms.last):
         n = math.prod(job.params[EMBED if name == HEAD and cfg.tie_embeddings else name].shape)
         if job.tp > 1 and split_dim(name) is not None:
@@ -135,4 +130,5 @@ def reduced_bytes(job, forms):
             experts += n // job.ep
         else:
             dense += n
+    size = BYTES[cfg.dtype_names[2]]  # the gradients': the master weights' dtype
     return size * ((dense if job.dp * job.ep * job.cp > 1 else 0) + (experts if job.dp * job.cp > 1 else 0))

@@ -1,17 +1,14 @@
-"""The caller's side of every layout, written once: one job holds the whole layout (dp x pp x ep x cp x tp),
-is checked before any rank starts, is sent to the ranks on the CPU, and comes back as the loss, full
-gradients under the parameters' names and one report per rank.
+"""The caller's side of every layout, written once: one job holds the whole layout (dp x pp x ep x cp x tp), is
+checked before any rank starts and is sent to the ranks on the CPU.
 
     job = ParallelJob(params, cfg, input_ids, targets, "full", tp=2, sp=True)   # or pp=, microbatches=, dp=, ep=
     job = checked_job(job, "cpu", job.world_size)   # a ValueError naming the argument, before any rank starts
     sent = on_cpu(job)                        # what the ranks receive; each moves it to its own device
 
-Every rank starts from the caller's generator state (or the job's rng_state), so its dropout masks are
-rows or slices of the single process's (rng.py); the caller's generator is left where a single process's
-step would leave it. step.py launches the ranks (run_jobs: several jobs per launch, as starting ranks costs
+Every rank starts from the caller's generator state (or the job's rng_state), so its dropout masks are rows or
+slices of the single process's (rng.py). step.py launches the ranks (several jobs per launch: starting ranks costs
 about a second each) and puts their results together; each rank runs rank.py.
 """
-import sys
 from dataclasses import KW_ONLY, dataclass, replace
 
 import torch
@@ -152,31 +149,9 @@ def checked_batch(job, device):
     return replace(job, input_ids=input_ids, targets=targets, policy=policy.text, rng_state=state)
 
 
-# ---- what the ranks are sent, and what they print ------------------------------------------------------
+# ---- what the ranks are sent ----------------------------------------------------------------------------------
 def on_cpu(job):
     """The job as the ranks receive it: parameters, batch and generator state on the CPU."""
     params = {name: tensor.detach().cpu() for name, tensor in job.params.items()}
     return replace(job, params=params, input_ids=job.input_ids.cpu(), targets=job.targets.cpu(),
                    rng_state=job.rng_state.cpu())
-
-
-def trace_lines(rank_label, trace):
-    """The engine's `say` on a rank: each trace line prefixed with the rank, to stderr; False: no trace."""
-    if not trace:
-        return False
-    return lambda line: write_line(f"[{rank_label}] {line}\n")
-
-
-def write_line(text):
-    sys.stderr.write(text)  # a whole line at once: the ranks' lines interleave, never their halves
-    sys.stderr.flush()
-
-
-def held_bytes(store, layer):
-    """Bytes of the unique storages the store holds for one layer (None: the head), as it counts them."""
-    storages = {}
-    for (held_layer, _), tensor in store.tensors.items():
-        if held_layer == layer:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())

@@ -2,26 +2,15 @@
 
     results = run_ranks(fn, 4, x, timeout_s=60)   # fn(comm, x) runs on ranks 0..3; results[r] is what rank r returned
 
-fn(comm, *args, **kwargs) gets a Comm (comm.py: the process group, rank, world size, device and a log of
-communication bytes) and returns anything picklable (CPU tensors are fine).
-
-  torchrun  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are set: this process is one rank of
-            torchrun's rendezvous (one node or many); fn runs once here, and every rank gets all ranks' results
-            (all_gather_object). A failing rank raises here; torchrun stops the others.
-  spawned   world_size fresh local processes, each importing fn by name (so fn lives at module level of an
-            importable module: not a lambda, a local function or an unguarded __main__). "spawn" (the default)
-            starts each as a new interpreter (~0.9 s of CPU, mostly `import torch`); "forkserver" forks each from
-            one helper that imported torch once (~0.05 s a rank after the first call; the helper, like Python's
-            resource tracker, lives until this process exits). Neither forks this process (no inherited threads or
-            CUDA state). The ranks meet at a TCPStore served here on 127.0.0.1 (a free port, or `port`), and gloo
-            binds to the loopback interface: nothing listens on another address. Each rank runs one thread, sees
-            this process's environment variables and gets its own pickled copy of args and kwargs.
-Failure (watch.py): the first rank to fail or die ends the run, its error raised here naming the rank, with the
-exception's type, message and traceback (a RuntimeError; a ValueError, a user mistake, stays a ValueError). No
-process outlives run_ranks, KeyboardInterrupt included; a rank whose parent dies is killed by the kernel (Linux).
-The payload (fn and its arguments, often megabytes) goes down a pipe of its own once the process has started, so
-starting a rank never blocks on one that died starting (a script without `if __name__ == "__main__":`, which the
-rank re-imports: a ValueError names the missing guard).
+fn(comm, *args, **kwargs) gets a Comm (comm.py) and returns anything picklable (CPU tensors are fine). Under torchrun
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set) this process is one rank of its rendezvous, one node or
+many, and a failing rank raises here; torchrun stops the others. Otherwise world_size local processes are spawned, each
+importing fn by name (so fn lives at module level of an importable module: not a lambda, a local function or an
+unguarded __main__). "spawn" starts each as a new interpreter (~0.9 s of CPU, mostly `import torch`); "forkserver" forks
+each from one helper that imported torch once (~0.05 s a rank after the first call; the helper lives until this process
+exits). Neither forks this process (no inherited threads or CUDA state), and nothing listens beyond 127.0.0.1. Each rank
+runs one thread, sees this process's environment variables and gets its own copy of args and kwargs. The first rank to
+fail or die ends the run, its error raised here (watch.py); no process outlives run_ranks, KeyboardInterrupt included.
 """
 import os
 import pickle
@@ -43,13 +32,12 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 LOCALHOST = "127.0.0.1"
 
 
-
 def ranks_generator(device):
-    """The caller's generator of the kind its ranks draw from (and start from the state of): its CPU one, or
-    its current GPU's (not GPU 0's, when the caller has set another)."""
+    """The caller's generator whose state its ranks start from: its CPU one, or its current GPU's (not GPU 0's)."""
     if str(device).startswith("cuda") and torch.cuda.is_available():
         return device_generator(torch.device("cuda", torch.cuda.current_device()))
     return device_generator(torch.device("cpu"))
+
 
 def under_torchrun():
     """True when torchrun (torch.distributed.run) started this process as one rank."""
@@ -71,29 +59,11 @@ def check_rank_count(name, count, device="cpu"):
 
 def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, port=None, start_method="spawn",
               **kwargs):
-    """fn(comm, *args, **kwargs) on every rank; returns [result of rank 0, result of rank 1, ...].
-    world_size  number of ranks (under torchrun: None, or the WORLD_SIZE torchrun was given)
-    backend     "gloo" or "nccl"; None picks NCCL for device="cuda", gloo otherwise
-    device      "cpu" or "cuda" (each rank takes cuda:LOCAL_RANK; an index given here is not used)
-    timeout_s   the limit on every collective and on the rendezvous, in seconds (init_process_group's timeout;
-                Comm.timeout carries it to layout.py's sub-groups: one made without it waits torch's 30 minutes)
-    port        spawned ranks only: the 127.0.0.1 port of the rendezvous (None: a free one)
-    start_method  spawned ranks only: "spawn" or "forkserver" (see the module docstring)
-    Every other keyword goes to fn."""
-    device_type, backend = _check_arguments(fn, world_size, backend, device, timeout_s)
-    if under_torchrun():
-        if port is not None:
-            raise ValueError(f"port={port}: under torchrun the rendezvous is MASTER_ADDR:MASTER_PORT "
-                             f"({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}); leave port out")
-        return _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s)
-    check_rank_count("world_size", world_size, device_type)  # spawned CUDA ranks: one GPU each
-    if start_method not in ("spawn", "forkserver") or start_method not in mp.get_all_start_methods():
-        raise ValueError(f"start_method={start_method!r}: use one of "
-                         f"{[m for m in ('spawn', 'forkserver') if m in mp.get_all_start_methods()]}")
-    return _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method)
-
-
-def _check_arguments(fn, world_size, backend, device, timeout_s):
+    """fn(comm, *args, **kwargs) on every rank (other keywords go to fn); returns [rank 0's result, rank 1's, ...].
+    world_size: the number of ranks (under torchrun: None, or its WORLD_SIZE). backend: None picks "nccl" for
+    device="cuda", "gloo" otherwise. device: "cpu" or "cuda" (each rank takes cuda:LOCAL_RANK; an index given is not
+    used). timeout_s: seconds, the limit on the rendezvous and every collective, sub-groups' too (Comm.timeout: one made
+    without it waits torch's 30 minutes). Spawned ranks only: port (127.0.0.1's; None: a free one), start_method."""
     if not callable(fn):
         raise ValueError(f"fn={fn!r}: give a function fn(comm, *args, **kwargs)")
     if world_size is None and not under_torchrun():
@@ -117,7 +87,16 @@ def _check_arguments(fn, world_size, backend, device, timeout_s):
     if backend == "nccl" and device_type != "cuda":
         raise ValueError(f"backend='nccl' with device={device!r}: NCCL moves CUDA tensors only; "
                          f"use device='cuda', or backend='gloo' for the CPU")
-    return device_type, backend
+    if under_torchrun():
+        if port is not None:
+            raise ValueError(f"port={port}: under torchrun the rendezvous is MASTER_ADDR:MASTER_PORT "
+                             f"({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}); leave port out")
+        return _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s)
+    check_rank_count("world_size", world_size, device_type)  # spawned CUDA ranks: one GPU each
+    methods = [method for method in ("spawn", "forkserver") if method in mp.get_all_start_methods()]
+    if start_method not in methods:
+        raise ValueError(f"start_method={start_method!r}: use one of {methods}")
+    return _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method)
 
 
 # -- torchrun: this process is one rank ---------------------------------------------------------
@@ -125,10 +104,10 @@ def _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s):
     size = int(os.environ["WORLD_SIZE"])
     if world_size is not None and world_size != size:
         raise ValueError(f"world_size={world_size}: torchrun started WORLD_SIZE={size} ranks; pass {size} or None")
-    device = _rank_device(device_type, int(os.environ["LOCAL_RANK"]))
+    device, bound = _rank_device(device_type, int(os.environ["LOCAL_RANK"]))
     owns_group = not dist.is_initialized()  # a second run_ranks in the same job reuses the group
     if owns_group:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **_bound(device))  # env:// rendezvous
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **bound)  # env:// rendezvous
     try:
         result = fn(Comm(device=device, timeout=timedelta(seconds=timeout_s)), *args, **kwargs)
         results = [None] * size
@@ -139,17 +118,14 @@ def _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s):
     return results
 
 
-def _bound(device):
-    """init_process_group's device_id on CUDA (NCCL need not guess the GPU for barriers; its communicator is eager)."""
-    return {"device_id": device} if device.type == "cuda" else {}
-
-
 def _rank_device(device_type, local_rank):
+    """This rank's device, and init_process_group's keywords for it: device_id on CUDA (NCCL need not guess the GPU
+    for barriers; its communicator is eager)."""
     if device_type != "cuda":
-        return torch.device("cpu")
+        return torch.device("cpu"), {}
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)  # NCCL's communicator and every new tensor land on this GPU
-    return device
+    return device, {"device_id": device}
 
 
 # -- spawned: this process is the parent, the ranks are its children -------------------------------
@@ -171,11 +147,11 @@ def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, 
     try:
         for rank in range(world_size):
             reader, writer = context.Pipe(duplex=False)  # the rank's one message: its result or error
-            inbox, outbox = context.Pipe(duplex=False)  # the payload, sent after start() (see below)
+            inbox, outbox = context.Pipe(duplex=False)  # the payload (fn and its arguments, often megabytes)
             # not a daemon: a rank may start processes of its own (torch.compile's workers, say)
             process = context.Process(target=_spawned_rank, name=f"picockpt-rank-{rank}", args=(
                 rank, world_size, store.port, backend, device_type, timeout_s, inbox, writer, parent, started))
-            process.start()  # writes only these small arguments: never blocks on a rank that dies starting
+            process.start()  # sends only these small arguments: never blocks on a rank that dies starting
             writer.close()  # the parent keeps only the reading end: EOF once the rank is gone
             inbox.close()  # and only the writing end of the payload's pipe: EPIPE once the rank is gone
             ranks.append(process)
@@ -221,17 +197,16 @@ def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox
     torch.set_num_threads(1)  # ranks share the machine's cores: one thread each, no oversubscription
     joined = False
     try:
-        payload = inbox.recv_bytes()  # (fn, args, kwargs, environment), pickled by the parent
+        fn, args, kwargs, environment = pickle.loads(inbox.recv_bytes())  # pickled by the parent
         inbox.close()
-        fn, args, kwargs, environment = pickle.loads(payload)
         os.environ.clear()
         os.environ.update(environment)  # the caller's variables now (a forkserver helper's may be older)
         if backend == "gloo":
             os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # gloo's own sockets on 127.0.0.1 only
-        device = _rank_device(device_type, rank)
+        device, bound = _rank_device(device_type, rank)
         store = dist.TCPStore(LOCALHOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s), **_bound(device))
+                                timeout=timedelta(seconds=timeout_s), **bound)
         joined = True
         dist.barrier()  # gloo's full-mesh connect can finish on one rank before another: a rank that
         #                 left (returned, failed) that early would break its peers' connect
@@ -264,7 +239,7 @@ def _die_with_parent(parent_pid):
 
 def _loopback_interface():
     names = [name for _, name in socket.if_nameindex()]
-    for name in ("lo", "lo0"):
+    for name in ("lo", "lo0"):  # Linux's name, then macOS's
         if name in names:
             return name
     raise RuntimeError(f"no loopback network interface among {names}: spawned gloo ranks bind to it only")

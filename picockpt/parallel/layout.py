@@ -1,29 +1,19 @@
 """How dp x pp x ep x cp x tp processes are arranged, and the process groups each rank talks in.
 
-    layout = Layout(dp=2, pp=2, tp=1)      # 4 processes
+    layout = Layout(dp=2, pp=2, tp=1)      # 4 processes: stage 0 is ranks 0, 1 (dp 0, 1), stage 1 ranks 2, 3
     layout.coordinates(rank=3)             # (stage 1, dp rank 1, ep rank 0, cp rank 0, tp rank 0)
 
-Ranks are numbered as Megatron-LM numbers them by default (order "tp-cp-ep-dp-pp"): tensor-parallel
-ranks are neighbours (the most traffic, the fastest links on a real machine), then context-parallel
-ranks, then expert-parallel ranks, then data-parallel replicas, then pipeline stages:
+Ranks are numbered in Megatron-LM's default order "tp-cp-ep-dp-pp": tensor-parallel ranks are neighbours (the most
+traffic, the fastest links on a real machine), then context-parallel and expert-parallel ranks, replicas, stages:
 
     rank = (((stage * dp + dp_rank) * ep + ep_rank) * cp + cp_rank) * tp + tp_rank
 
-    pp=2, dp=2:  stage 0: ranks 0, 1 (dp 0, 1)    stage 1: ranks 2, 3
-    a tensor-parallel group: the tp ranks of one (stage, dp, ep, cp rank); a context-parallel group: the cp
-    ranks of one (stage, dp, ep, tp rank); an expert-parallel group: the ep ranks of one (stage, dp, cp, tp
-    rank); a pipeline: one (dp, ep, cp, tp rank), its stages in order
-
-Expert parallelism is carved out of the data-parallel ranks, as Megatron-LM carves its expert-parallel
-groups: the ep ranks of a group compute different sequences with the same weights but the experts', which
-they split. Context-parallel ranks compute different tokens of the same sequences with the same weights.
-So every weight but the experts' is replicated over dp x ep x cp ranks (the data-parallel group, over which
-the gradients are summed: one (stage, tp rank), its dp * ep * cp ranks, picotron's cp_dp group), and each
-expert over the dp x cp ranks holding it (the expert-data-parallel group: one (stage, ep rank, tp rank)).
-
-Every group is made by torch.distributed.new_group, which every rank of the job calls for every
-group, in the same order (the groups this rank is not in included). Groups of one rank are not
-made: nothing crosses them.
+A group is the ranks whose other coordinates are equal (Layout.group_keys): a tensor-parallel group, the tp ranks of one
+(stage, dp, ep, cp rank); a pipeline, one (dp, ep, cp, tp rank)'s stages in order. Expert parallelism is carved out of
+the data-parallel ranks, as in Megatron-LM: the ep ranks of a group compute different sequences with the same weights
+but the experts', which they split; cp ranks compute different tokens of the same sequences. So every weight but the
+experts' is replicated over the dp x ep x cp ranks of the data-parallel group (picotron's cp_dp group), over which
+gradients are summed, and each expert over the dp x cp ranks holding it (the expert-data-parallel group).
 """
 from dataclasses import dataclass
 
@@ -53,41 +43,37 @@ class Layout:
         return rank // (dp * ep * cp * tp), rank // (ep * cp * tp) % dp, rank // (cp * tp) % ep, rank // tp % cp, \
             rank % tp
 
+    def group_keys(self, rank):
+        """{kind: key} of a global rank's groups, each key the coordinates its group's ranks share."""
+        s, d, e, c, t = self.coordinates(rank)
+        return {"tp": (s, d, e, c), "cp": (s, d, e, t), "ep": (s, d, c, t), "dp": (s, t), "expert_dp": (s, e, t)}
+
     def groups(self):
         """{kind: {key: [global ranks]}} of every group of more than one rank, in the order every rank makes them."""
-        out = {"tp": {}, "cp": {}, "ep": {}, "dp": {}, "expert_dp": {}}
-        grid = [(s, d, e, c, t) for s in range(self.pp) for d in range(self.dp) for e in range(self.ep)
-                for c in range(self.cp) for t in range(self.tp)]
-        for s, d, e, c, t in grid:  # each group under its key: the coordinates its ranks share
-            rank = self.rank_of(s, d, t, e, c)
-            for kind, key in (("tp", (s, d, e, c)), ("cp", (s, d, e, t)), ("ep", (s, d, c, t)), ("dp", (s, t)),
-                              ("expert_dp", (s, e, t))):
-                out[kind].setdefault(key, []).append(rank)
+        out = {}
+        for rank in range(self.world_size):
+            for kind, key in self.group_keys(rank).items():
+                out.setdefault(kind, {}).setdefault(key, []).append(rank)
         return {kind: {key: ranks for key, ranks in made.items() if len(ranks) > 1} for kind, made in out.items()}
 
 
 def check_layout(dp, pp, tp, world_size=None, ep=1, cp=1):
     """ValueError naming the values unless dp, pp, tp, ep and cp are whole numbers >= 1 whose product is the
     number of processes (when one is given, as torchrun's WORLD_SIZE)."""
-    for name, value in (("dp", dp), ("pp", pp), ("tp", tp), ("ep", ep), ("cp", cp)):
+    for name, value, what in (("dp", dp, "data-parallel replicas"), ("pp", pp, "pipeline stages"),
+                              ("tp", tp, "tensor-parallel ranks"), ("ep", ep, "expert-parallel ranks"),
+                              ("cp", cp, "context-parallel ranks")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: use a whole number of {_WHAT[name]}, 1 or more")
+            raise ValueError(f"{name}={value!r}: use a whole number of {what}, 1 or more")
     if world_size is not None and dp * pp * tp * ep * cp != world_size:
         extra = "".join(f" x {name}" for name, n in (("ep", ep), ("cp", cp)) if n > 1)
         values = "".join(f" x {n}" for n in (ep, cp) if n > 1)
-        factors = [(d, p, world_size // (d * p)) for d in _divisors(world_size) for p in _divisors(world_size // d)]
+        factors = [(d, p, world_size // (d * p)) for d in range(1, world_size + 1)  # d x p divides world_size
+                   for p in range(1, world_size // d + 1) if world_size % (d * p) == 0]
         raise ValueError(f"{world_size} processes do not factor into dp x pp x tp{extra} = "
                          f"{dp} x {pp} x {tp}{values} = {dp * pp * tp * ep * cp}; choose dp, pp, "
                          f"tp with product {world_size}, e.g. {', '.join(f'{d}x{p}x{t}' for d, p, t in factors[:4])}")
     return Layout(dp, pp, tp, ep, cp)
-
-
-_WHAT = {"dp": "data-parallel replicas", "pp": "pipeline stages", "tp": "tensor-parallel ranks",
-         "ep": "expert-parallel ranks", "cp": "context-parallel ranks"}
-
-
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass
@@ -111,22 +97,18 @@ class RankGroups:
 
 
 def build_groups(layout, rank, device, made=None, timeout=None):
-    """This rank's RankGroups. Every rank must call it with the same layout at the same point.
-    made: a dict kept across calls, so a layout's groups are made once per launch. timeout: the
-    job's (a timedelta), for every collective in these groups too."""
+    """This rank's RankGroups. Every rank must call it with the same layout at the same point. made: a dict kept across
+    calls, so a layout's groups are made once per launch. timeout: the job's (a timedelta), for these groups too."""
     made = {} if made is None else made
-    if layout not in made:  # every rank makes every group, in one order
+    if layout not in made:  # every rank makes every group (those it is not in too), in one order: new_group's rule
         made[layout] = {kind: {key: dist.new_group(ranks, timeout=timeout) for key, ranks in groups.items()}
                         for kind, groups in layout.groups().items()}
     group_of = made[layout]
     stage, d, e, c, t = layout.coordinates(rank)
-    groups = RankGroups(layout, rank, stage, d, e, c, t)
-    for kind, key in (("tp", (stage, d, e, c)), ("cp", (stage, d, e, t)), ("ep", (stage, d, c, t)), ("dp", (stage, t)),
-                      ("expert_dp", (stage, e, t))):
+    groups = RankGroups(layout, rank, stage, d, e, c, t,
+                        previous=layout.rank_of(stage - 1, d, t, e, c) if stage > 0 else None,
+                        next=layout.rank_of(stage + 1, d, t, e, c) if stage < layout.pp - 1 else None)
+    for kind, key in layout.group_keys(rank).items():
         if key in group_of[kind]:
             setattr(groups, f"{kind}_comm", Comm(group_of[kind][key], device, timeout=timeout))
-    if stage > 0:
-        groups.previous = layout.rank_of(stage - 1, d, t, e, c)
-    if stage < layout.pp - 1:
-        groups.next = layout.rank_of(stage + 1, d, t, e, c)
     return groups

@@ -1,13 +1,6 @@
-"""One rank's step of any layout, dp x pp x ep x cp x tp: its stage's micro-batches, forwards and backwards
-in the schedule's order, each one the engine's own loop over a model whose parts cross ranks where its
-layout says. How the parallelisms wrap the one engine:
-
-    layer model   Model (one process), TensorParallelModel (tp), ExpertParallelModel (ep),
-                  ContextParallelModel (cp: its tokens of every sequence): the layer of picockpt/layer.py
-                  with its Crossings filled in (make_inner below)
-    pipeline      PipelineStage / StageModel around it (pp_stage.py): receive x, run the layers, send y
-    data parallel the gradients go into buckets that all-reduce over the replicas (dp_comm.py), and over
-                  the context-parallel ranks, whose gradients are their tokens' parts
+"""One rank's step of any layout, dp x pp x ep x cp x tp (step.py shows how each parallelism wraps the engine):
+its stage's micro-batches, forwards and backwards in the schedule's order, each one the engine's own loop over a
+model whose layers cross ranks where its layout says (make_inner below).
 
     for action in actions(schedule, P, M, stage):          # pipeline_parallel/pp_schedules.py; P = M = 1: one step
         if action.kind == "F":                              # a Step per micro-batch (picockpt/engine.py)
@@ -17,14 +10,14 @@ layout says. How the parallelisms wrap the one engine:
             steps.pop(m).backward()                         # receive dy, recompute, backward, send dx
 
 A rank holds its stage's layers (the embedding on the first stage, final norm and head on the last), its
-tensor-parallel slices of them, its experts, and its rows of the batch: micro-batch m of replica d is the
-block d*M + m of B / (dp M) sequences, split over the ep ranks, and under cp its tokens of those rows
-(context_parallel/cp_layout.py). step.py is the caller's side.
-
-recompute-early (pipeline_parallel/pp_stage.py: recompute_top) fills a stage's wait for a gradient with
-the top segment's recomputation: the same peak, held longer ("mean_activation_bytes", time-weighted), and
-the received gradient's buffer allocated before the recomputation (in "peak_live_bytes").
+tensor-parallel slices of them, its experts, and its rows of the batch: micro-batch m of replica d is the block
+d*M + m of B / (dp M) sequences, split over the ep ranks, and under cp its tokens of those rows (cp_layout.py).
+recompute-early (pp_stage.py: recompute_top) fills a stage's wait for a gradient with the top segment's
+recomputation: the same peak, held longer ("mean_activation_bytes", time-weighted), and the received gradient's
+buffer allocated before the recomputation (in "peak_live_bytes").
 """
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -32,15 +25,14 @@ from ..engine import Model, Step, device_generator
 from ..ops.cross_entropy import IGNORE_INDEX
 from ..params import EMBED, FINAL_NORM, HEAD, param_shapes
 from ..tracker import Tracker
-from .comm import CommLog
-from .data_parallel.dp_comm import ExpertAndDenseBuckets, GradientBuckets
+from .comm import PHASES, CommLog
 from .context_parallel.cp_layout import SequenceLayout
 from .context_parallel.cp_model import ContextParallelModel, TensorContextParallelModel
+from .data_parallel.dp_comm import ExpertAndDenseBuckets, GradientBuckets
 from .data_parallel.zero_step import zero_rank_step
 from .expert_parallel.ep_model import ExpertParallelModel
 from .expert_parallel.ep_shard import is_expert, shard_experts
-from .comm import PHASES
-from .job import held_bytes, stage_forms, trace_lines
+from .job import stage_forms
 from .layout import Layout, build_groups
 from .pipeline_parallel.pp_comm import Pipe
 from .pipeline_parallel.pp_schedules import actions
@@ -61,12 +53,12 @@ def stage_param_names(cfg, layers, first, last):
     return names
 
 
-def first_receive(action, groups):
-    """The neighbour an action first receives from (F: the previous stage, B: the next), None if none:
-    a send just before it goes out with that receive, as one group (pp_comm.py)."""
-    if action is None:
-        return None
-    return groups.previous if action.kind == "F" else groups.next
+def trace_lines(rank_label, trace):
+    """The engine's `say` on a rank: each trace line prefixed with the rank, to stderr; False: no trace."""
+    def say(line):
+        sys.stderr.write(f"[{rank_label}] {line}\n")  # a whole line at once: the ranks' lines interleave, not halves
+        sys.stderr.flush()
+    return say if trace else False
 
 
 def rank_steps(comm, jobs, trace=False):
@@ -136,7 +128,8 @@ def rank_step(comm, job, made, trace=False):
         order = actions(job.schedule, job.pp, M, groups.stage)
         for index, action in enumerate(order):
             m = action.microbatch
-            pipe.pair_with = first_receive(order[index + 1] if index + 1 < len(order) else None, groups)
+            following = order[index + 1].kind if index + 1 < len(order) else None  # a send just before the next
+            pipe.pair_with = {"F": groups.previous, "B": groups.next}.get(following)  # action's receive: one group
             if action.kind == "F":
                 model = stage.microbatch(m, *rows(m))
                 step = model.step = Step(model, forms.schedule, forms.policy.drop, memory.for_microbatch(m), say)
@@ -145,8 +138,8 @@ def rank_step(comm, job, made, trace=False):
                 loss = part if loss is None else loss + part
                 memory.end_of_forward[m] = memory.held.get(m, 0)
                 if m == 0:  # what the stage's first layer and the head hold after a forward
-                    held = {"layer_stored_bytes": held_bytes(step.store, forms.layers[0]),
-                            "head_stored_bytes": held_bytes(step.store, None)}
+                    held = {"layer_stored_bytes": step.store.layer_bytes(forms.layers[0]),
+                            "head_stored_bytes": step.store.layer_bytes(None)}
                 for k, rows_in in getattr(model.inner, "received_rows", {}).items():
                     received[k] += rows_in  # the rows this rank's experts got, over its micro-batches
                 steps[m] = step

@@ -1,24 +1,20 @@
 """Dropout masks under tensor and sequence parallelism, equal to the single process's.
 
-A rank applies dropout to its share of a tensor: its heads of the attention probabilities, (B, H/t, T, T), and
-under sequence parallelism its tokens of a residual branch, (B, T/t, h). It draws the *whole* mask the single
-process draws, (B, H, T, T) or (B, T, h), and keeps its slice; every rank starts from the caller's generator state
-(job.py), so its generator then advances as the single process's: the next mask, and every mask a recomputation
-draws again after the engine's RNG replay, are the same too.
+A rank applies dropout to its share of a tensor (its heads of the attention probabilities, (B, H/t, T, T); under
+sequence parallelism its tokens of a residual branch, (B, T/t, h)), but draws the *whole* mask the single process draws
+and keeps its slice. Every rank starts from the caller's generator state (job.py), so its generator advances as the
+single process's: the next mask, and every mask a recomputation draws again after the engine's RNG replay, are equal.
 
     mask = sliced_mask((B, T, h), p, device, comm, dim=1)   # this rank's tokens of the whole mask
     with full_size_draws(comm, dim=1, dropout=p):           # around code that draws its own masks
         a = attention_block_forward(...)                    # eager attention: (B, H/t, T, T) kept of (B, H, T, T)
 
-The price: each rank draws t times the random numbers it keeps (t x B*H*T^2 for the attention probabilities: cheap
-next to the q k^T that made them, but not free), and two ranks' masks are slices of one mask, not independent draws.
-Megatron-LM instead forks, inside the tensor-parallel region, to a generator seeded per rank (seed + 2718 + rank:
-tensor_parallel.random's CudaRNGStatesTracker), so each rank draws only its slice and the masks are independent; its
-recomputation replays both the default and the tracker's states. Cheaper, and statistically as good, but the masks
-depend on t, so its gradients cannot equal a single process's: here equality is the point (every test compares the
-two). Tiled attention draws each tile's mask from a generator seeded by one stored seed and the tile's index, at the
-shape of the rank's heads: no slice equals the single process's, so tiled attention with dropout is refused under
-tensor parallelism (tp_shard.py).
+The price: each rank draws t times the random numbers it keeps (t x B*H*T^2 for the attention probabilities: cheap next
+to the q k^T that made them, not free), and the ranks' masks are slices of one mask, not independent draws. Megatron-LM
+instead forks to a generator seeded per rank (seed + 2718 + rank, CudaRNGStatesTracker), so each draws only its slice:
+cheaper, as good statistically, but its masks depend on t and its gradients cannot equal a single process's; here
+equality is the point (every test compares the two). Tiled attention's masks come from one stored seed and each tile's
+index, at the rank's heads' shape: no slice of the single process's, so tp refuses it with dropout (tp_shard.py).
 """
 import collections
 import contextlib
@@ -75,10 +71,6 @@ class FullSizeDraws(TorchFunctionMode):
 
 @contextlib.contextmanager
 def full_size_draws(part, dim, dropout=1.0):
-    """Every torch.rand (and uniform_) inside draws the single process's tensor and keeps this rank's slice along
-    dim. part: a Comm, or a Part. Nothing to do on one rank (its shapes are the single process's), nor at dropout 0."""
-    if part.world_size == 1 or dropout == 0:
-        yield
-        return
-    with FullSizeDraws(part, dim):
+    """FullSizeDraws(part, dim) around the block (part: a Comm or a Part); a no-op on one rank or at dropout 0."""
+    with FullSizeDraws(part, dim) if part.world_size != 1 and dropout != 0 else contextlib.nullcontext():
         yield

@@ -69,8 +69,7 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=T
 
 def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False):
     """[(loss, grads, reports)] of every ParallelJob, all run by one launch of world_size ranks (each job's
-    dp x pp x ep x tp must be world_size; None: the first job's, or torchrun's WORLD_SIZE). trace=True
-    prints each rank's engine trace lines to stderr, prefixed with the rank."""
+    dp x pp x ep x cp x tp; None: the first job's, or torchrun's WORLD_SIZE); trace as in loss_and_grads."""
     if not jobs:
         raise ValueError("jobs=[]: give at least one ParallelJob")
     if world_size is None:
@@ -91,9 +90,7 @@ def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, star
             state = per_rank[0]["rng_state"]
             continue
         last = [r for r in per_rank if r["report"]["stage"] == job.pp - 1 and r["report"]["tp_rank"] == 0]
-        loss = last[0]["loss"]
-        for r in last[1:]:  # the data-, expert- and context-parallel ranks' shares of the mean
-            loss = loss + r["loss"]
+        loss = sum((r["loss"] for r in last[1:]), last[0]["loss"])  # the dp, ep and cp ranks' shares of the mean
         where = job.params[EMBED].device
         grads = _gathered(job, per_rank)
         reports = [dict(r["report"], **predicted(job, r["report"], routing)) for r in per_rank]

@@ -6,16 +6,14 @@
             ...
     timeline.totals()    # {"forward": s, "recompute": s, "backward": s, "wait": s, "send": s, "reduce": s, ...}
 
-Kinds: forward, recompute and backward (the engine's phases), wait (blocked on a receive from a neighbouring stage:
-the bubble as this rank sees it), send (waiting for its last sends to leave), reduce (blocked on a data-parallel
-all-reduce: the part not hidden behind compute); idle is the rest (the schedule's own Python), total the step.
-time.monotonic() is one clock for every process of a machine, so ranks' timelines line up; on CUDA each span's
-edges synchronise the compute stream, so a span holds the GPU work it queued.
+Kinds: forward, recompute, backward (the engine's phases); wait (blocked on a neighbour's message: the bubble as this
+rank sees it); send (its last sends leaving); reduce (blocked on a data-parallel all-reduce: what compute did not hide);
+idle the rest (the schedule's own Python); total the step. time.monotonic() is one clock for a machine's processes, so
+ranks' timelines line up; on CUDA span edges synchronise the compute stream, so spans hold their GPU work.
 
 StageMemory makes one store of a stage's micro-batches: each micro-batch's Step has its own ActivationStore, whose
-listener, a MicroBatchTracker, forwards every store event to the rank's Tracker with the bytes of *all* the stage's
-stores, so the Tracker's peak is the stage's with every micro-batch in flight. Phases go to both the Tracker (FLOPs,
-communication bytes by phase) and the Timeline.
+listener, a MicroBatchTracker, passes every event to the rank's Tracker with the bytes of *all* the stage's stores (its
+peak: the stage's, every micro-batch in flight); phases go to the Tracker (FLOPs, bytes) and the Timeline.
 """
 import contextlib
 import time
@@ -47,10 +45,9 @@ class Timeline:
     def span(self, kind, microbatch=None):
         """Everything inside is `kind`, except nested spans; a span without a micro-batch takes its outer one's."""
         now = self.clock()
-        if self._stack:
-            outer = self._stack[-1]
-            self._close(outer, now)
-            microbatch = outer[1] if microbatch is None else microbatch
+        if self._stack:  # the outer span pauses; its micro-batch is the default
+            self._close(self._stack[-1], now)
+            microbatch = self._stack[-1][1] if microbatch is None else microbatch
         self._stack.append([kind, microbatch, now])
         try:
             yield

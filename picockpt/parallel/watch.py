@@ -1,10 +1,9 @@
 """The parent's side of spawned ranks: collect each rank's one message, find the first failure, stop the rest.
 
-Each rank sends exactly one message down its pipe: ("ok", result) or ("error", when, type name, message, traceback,
-is_value_error). A rank that dies without one (os._exit, a signal, the OOM killer) shows as EOF on its pipe and a
-fired sentinel; one that dies before it reaches picockpt's code (a script without a main guard, re-imported by the
-rank) ends the run with a ValueError that says so. The first failure ends the wait; LINGER_S later the root cause
-is picked among all failures seen (_error), and the others are terminated (SIGTERM), then killed.
+Each rank sends one message down its pipe: ("ok", result) or ("error", when, type name, message, traceback,
+is_value_error); one that dies without it (os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel, and
+one that dies before picockpt's code runs (a script without a main guard, which the rank re-imports) as a ValueError
+that says so. The first failure ends the wait; LINGER_S later the root cause among all failures is raised (_error).
 """
 import pickle
 import signal
@@ -17,8 +16,8 @@ STOP_GRACE_S = 2.0  # how long a terminated rank may take before it is killed
 
 
 class RankError(RuntimeError):
-    """A rank failed; .rank, .type_name and .remote_traceback say where and how, .failed_at when
-    (time.monotonic(), the same clock in every process of this machine)."""
+    """A rank failed; .rank, .type_name and .remote_traceback say where and how, .failed_at when (time.monotonic(), the
+    same clock in every process of this machine)."""
 
     def __init__(self, message, rank=None, type_name=None, remote_traceback="", failed_at=None):
         super().__init__(message)

@@ -9,9 +9,8 @@
     zero_train.py training with ZeRO: a new batch each step, one launch (zero_train; `train --dp --zero`)
     fsdp_peer.py torch's FSDP2 (fully_shard) beside it, its all-gathers counted
 
-The replicas are the dp dimension of parallel/layout.py's grid; parallel/rank.py runs them. ZeRO has its
-own rank step for now (zero_step.py: zero_rank_step over dp ranks alone, reached by parallel.loss_and_grads(
-..., dp=D, zero=S); lesson 15), not yet composed with the other layouts.
+The replicas are layout.py's dp dimension, run by rank.py. ZeRO has its own rank step for now, over dp ranks alone, not
+composed with other layouts (zero_step.zero_rank_step, via parallel.loss_and_grads(..., dp=D, zero=S); lesson 15).
 
     losses, params, reports = zero_train(params, cfg, batches, "full", dp=2, zero=3)
 """

@@ -1,17 +1,14 @@
-"""Data parallelism: a stage's gradients, accumulated over micro-batches in buckets, summed over the data-parallel
-replicas with all-reduces that overlap the rest of the backward. Each replica runs the stage on its 1/dp of the
-batch, its gradients its share of the whole batch's mean (pp_stage.py): their sum, one all-reduce over the
-data-parallel group, is the whole batch's.
+"""Data parallelism: a stage's gradients, accumulated over micro-batches in buckets, summed over the replicas by
+all-reduces overlapping the rest of the backward (per replica: its 1/dp of the batch's share of the mean, pp_stage.py).
 
-Buckets, as PyTorch's DistributedDataParallel has them (Li et al. 2020, "PyTorch Distributed"): one layer's
-gradients (or the head's, or the embedding's) side by side in one flat buffer, so one all-reduce moves a whole
-layer, the micro-batches accumulating into its views in place. Once a bucket is final (in the last micro-batch's
-backward, right after that layer's), overlap=True starts its all-reduce asynchronously (async_op=True): it travels
-while the layers below recompute and run their backward (and, in a pipeline, while the stage waits in its
-cool-down). At the end of the step the rank waits for what has not arrived: the communication left exposed, a
-"reduce" span of its Timeline. overlap=False all-reduces every bucket after the backward, all of it exposed. Each
-bucket's launch and the first moment it was seen complete (polled at every later launch, and at the end) are kept
-for the timeline figure. Bytes (comm.py's count): every gradient of the stage once per step.
+Buckets, as in PyTorch's DistributedDataParallel (Li et al. 2020, "PyTorch Distributed"): one layer's gradients (or the
+head's, or the embedding's) side by side in one flat buffer, so one all-reduce moves a whole layer, the micro-batches
+accumulating into its views in place. Once a bucket is final (in the last micro-batch's backward, right after that
+layer's), overlap=True starts its all-reduce (async_op=True): it travels while the layers below recompute and run their
+backward (and, in a pipeline, while the stage waits in its cool-down). The step ends waiting for what has not arrived
+(the exposed communication: a "reduce" span of the Timeline); overlap=False all-reduces every bucket after the backward,
+all exposed. Each bucket's launch and the first moment it was seen complete (polled at every later launch and at the
+end) are kept for the timeline figure. Bytes (comm.py's count): the stage's gradients once per step.
 """
 import time
 
@@ -47,7 +44,7 @@ class GradientBuckets:
         flat = self.flat[bucket]
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.comm.group, async_op=True)  # sum over replicas
         self.comm.log.record(self.comm.phase, "all_reduce", flat.nbytes)
-        self.launched[bucket] = (work, self._now())
+        self.launched[bucket] = (work, time.monotonic())  # no device synchronisation: it would wait for the all-reduce
 
     def finish(self):
         """Wait for the overlapped all-reduces still travelling, or (overlap=False) run them all now."""
@@ -56,10 +53,10 @@ class GradientBuckets:
         with self.timeline.span("reduce"):
             if not self.overlap:
                 for bucket, flat in self.flat.items():  # in the order they became final
-                    start = self._now()
+                    start = time.monotonic()
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.comm.group)  # blocking
                     self.comm.log.record(self.comm.phase, "all_reduce", flat.nbytes)
-                    self.events.append((bucket, flat.nbytes, start, self._now()))
+                    self.events.append((bucket, flat.nbytes, start, time.monotonic()))
                 return
             missing = set(self.flat) - set(self.launched)
             assert not missing, f"gradient buckets {sorted(missing, key=str)} were never final"
@@ -78,15 +75,11 @@ class GradientBuckets:
 
     def _seen(self, bucket, launched):
         if not any(event[0] == bucket for event in self.events):
-            self.events.append((bucket, self.flat[bucket].nbytes, launched, self._now()))
-
-    def _now(self):
-        return time.monotonic()  # no device synchronisation: that would wait for the all-reduces themselves
+            self.events.append((bucket, self.flat[bucket].nbytes, launched, time.monotonic()))
 
 
 class ExpertAndDenseBuckets:
-    """Under expert parallelism: the experts' buckets over the expert-data-parallel group, the others' over the
-    data-parallel group (layout.py). The same calls as GradientBuckets."""
+    """Under ep: the experts' buckets over the expert-data-parallel group, the rest over the data-parallel one."""
 
     def __init__(self, dense, experts, is_expert):
         self.parts, self.is_expert = (dense, experts), is_expert

@@ -1,7 +1,6 @@
-"""Expert parallelism (DeepSpeed-MoE, Megatron-LM): a mixture of experts' experts split over ep ranks, tokens
-dispatched to their experts' ranks and combined back by all-to-all, every other weight replicated. The ep ranks are
-carved out of the data-parallel ones (layout.py); each runs parallel/rank.py's step over ep_model.py's model, beside
-data and pipeline parallelism too. Read ep_moe.py first, then ep_layer.py and ep_model.py.
+"""Expert parallelism (DeepSpeed-MoE, Megatron-LM): a mixture's experts split over ep ranks, tokens sent to their
+experts' ranks and back by all-to-all, every other weight replicated. The ep ranks are carved out of the data-parallel
+ones (layout.py), beside dp and pp; parallel/rank.py runs each. Read ep_moe.py first, then ep_layer.py, ep_model.py.
 
     ep_comm.py       the all-to-all pair and the exchange of split sizes
     ep_shard.py      which experts a rank holds; the checks; gradients put back together

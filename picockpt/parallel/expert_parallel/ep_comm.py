@@ -1,6 +1,4 @@
-"""The collectives of expert parallelism: rows (tokens) to the rank that holds their expert and back. Bytes are
-counted by comm.py: the whole send buffer (this rank's own chunk included), and separately the bytes leaving the rank.
-"""
+"""The collectives of expert parallelism: rows (tokens) to their expert's rank and back (bytes counted by comm.py)."""
 import torch
 
 from ..comm import all_to_all
@@ -18,6 +16,5 @@ def all_to_all_forward(x, comm, send_splits, receive_splits):
 
 
 def all_to_all_backward(dy, comm, send_splits, receive_splits):
-    """Forward sent block s of this rank's rows to rank s and took block s of y from it: it only moves rows, so each
-    row's gradient goes back where the row came from (the inverse all-to-all, the two split lists swapped)."""
+    """The forward only moves rows: each row's gradient goes back where the row came from (the split lists swapped)."""
     return all_to_all(dy, comm, receive_splits, send_splits)  # (N_send, ...)

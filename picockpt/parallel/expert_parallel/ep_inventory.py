@@ -1,26 +1,11 @@
-"""Closed forms per expert-parallel rank r of W: the bytes it stores, exact as picockpt/inventory.py's (the tracker
-equals them to the byte), the bytes its all-to-alls move, its FLOPs. What a rank holds depends on the tokens its
-experts receive, so these take the step's routing: L lists of E per-expert token counts over the whole batch
-(picockpt.routing.step_routing, from the step's generator state); rank r receives M_l, the counts of its experts
-r*E/W .. (r+1)*E/W - 1 in layer l, and sends P = (B/W) T k pairs (forms.py applies this per micro-batch).
-
-A stored layer (A_l) is picockpt/inventory.py's at batch B/W, its experts' rows those of its own experts (sized by
-every rank's tokens), plus ep_moe.py's table. R_l, what every first forward keeps whatever its mode, is
-8 B T k / W + 8 E (the routing and its counts), and the dispatched rows and weights with keep_dispatched. With
-X = (B/W) T h e a layer input and F the head's bytes, the peak is
-
-    none / op level      sum_l A_l + F
-    every:C              max( n X + sum_l R_l + F,                         end of the forward
-                              max_k (k X + sum_{l < start_k} R_l + sum_{l in segment k} A_l) )
-
-Communication per layer (comm.py's count: this rank's input), e and s the bytes of an activation and a statistic:
-
-    forward    8E (counts) + D + M_l h e     D = P h e + P s: the dispatch, tokens and weights; M_l h e: the combine
-    backward   P h e + M_l s + M_l h e       the combine's, the weights' and the dispatch's backward
-    recompute  every:C: the forward again, without the counts (the routing is kept) and, with keep_dispatched,
-               without D; and D again in the backward of a layer whose dispatched rows are dropped (moe, without
-               keep_dispatched)
-The replicated weights' gradients are the data-parallel buckets' (replicated_grad_bytes).
+"""Closed forms per expert-parallel rank r of W, which the tracker equals to the byte: the bytes it stores, the bytes
+its all-to-alls move, its FLOPs. What a rank holds depends on the tokens its experts receive, so these take the step's
+routing: L lists of E per-expert token counts over the whole batch (picockpt.routing.step_routing, from the step's
+generator state); rank r receives M_l, its experts' counts in layer l summed, and sends P = (B/W) T k pairs (forms.py
+applies this per micro-batch). A stored layer (A_l) is picockpt/inventory.py's at batch B/W, its experts' rows sized
+by every rank's tokens, plus ep_moe.py's table, whose last column gives R_l (always_kept_bytes): what every first
+forward keeps whatever its mode. The peak is closed_forms.segments_peak's with R_l as `always`; the all-to-alls' bytes
+per phase (comm.py's count: this rank's input) are ep_moe.py's tables' (recomputed: its last paragraph).
 """
 import math
 
@@ -72,17 +57,16 @@ def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep
     for e in range(rank * local, (rank + 1) * local):  # its experts, on their rows from every rank
         if counts[e]:
             rows += [(f"moe.gate_up[{e}]", (counts[e], 2 * f), act), (f"moe.act[{e}]", (counts[e], f), act)]
-    rows += [("moe.received_counts", (ep, local), "int64")]
     M = received_rows(cfg, counts, ep, rank)
-    rows += [("moe.dispatched", (M, h), act), ("moe.dispatched_weights", (M,), stat)]
+    rows += [("moe.received_counts", (ep, local), "int64"), ("moe.dispatched", (M, h), act),
+             ("moe.dispatched_weights", (M,), stat)]
     kept = {"moe.received_counts"} | (set(DISPATCHED) if keep_dispatched else set())  # whatever the op level
     return {name: (shape, dtype, math.prod(shape) * BYTES[dtype]) for name, shape, dtype in rows
             if name in kept or name.partition("[")[0] not in drop}
 
 
 def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
-    """R: what a layer's first forward keeps whatever its mode: the routing decision, its counts, and with
-    keep_dispatched the dispatched rows and their weights."""
+    """R: what a layer's first forward keeps whatever its mode (ep_moe.py's table: ROUTING, and DISPATCHED too)."""
     act, stat, _ = cfg.dtype_names
     M = received_rows(cfg, counts, ep, rank)
     routing = 8 * (batch // ep) * seq * cfg.experts_per_token + 8 * cfg.experts
@@ -123,8 +107,7 @@ def ep_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=
 
 def ep_head_stored_bytes(cfg, batch, seq, policy, ep):
     """What the head holds on a rank after the forward: picockpt's head on its batch/ep sequences."""
-    policy = parse_policy(policy, cfg)
-    return total(head_inventory(cfg, batch // ep, seq, policy.drop))
+    return total(head_inventory(cfg, batch // ep, seq, parse_policy(policy, cfg).drop))
 
 
 def replicated_grad_bytes(cfg):
@@ -191,9 +174,8 @@ def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, 
     h, f, P = cfg.hidden, cfg.ffn, (batch // ep) * seq * cfg.experts_per_token
     extra = [received_rows(cfg, counts, ep, rank) - P for counts in routing]  # rows beyond its own pairs
     forward = sum(2 * n * h * 3 * f for n in extra)
+    rebuild = sum(2 * n * h * 2 * f for n in extra) if "moe.gate_up" in policy.drop else 0  # moe: gate_up again
     flops["forward"] += forward
     flops["backward"] += 2 * forward
-    flops["recompute"] += forward if policy.segment is not None else 0
-    if "moe.gate_up" in policy.drop:
-        flops["recompute"] += sum(2 * n * h * 2 * f for n in extra)
+    flops["recompute"] += (forward if policy.segment is not None else 0) + rebuild
     return flops

@@ -42,8 +42,7 @@ def ep_drop(drop):
 
 
 class ExpertParallelCrossings(Crossings):
-    """Where picockpt/layer.py's layer crosses the W ranks of `comm`: only its experts' block (ep_moe.py), every
-    random draw the whole batch's (this rank's rows kept). kept: the layer's KeptRouting."""
+    """Where picockpt/layer.py's layer crosses the W ranks of `comm`: only its experts' block (ep_moe.py)."""
 
     def __init__(self, comm, cfg, kept, first_expert, keep_dispatched=False):
         self.comm, self.cfg, self.kept = comm, cfg, kept

@@ -1,6 +1,5 @@
 """One expert-parallel rank's model for the engine's loop (picockpt/engine.py: Step), the single process's line for
-line: rank r of W computes sequences r*B/W .. (r+1)*B/W - 1 with ep_layer.py's layers (recomputing one runs its
-all-to-alls again) and holds experts r*E/W .. (r+1)*E/W - 1 (ep_shard.py), every other weight whole.
+line: rank r of W computes sequences r*B/W .. (r+1)*B/W - 1 with ep_layer.py's layers, holding ep_shard.py's weights.
 
 The loss: as pp_stage.py's micro-batches, each rank's head mean over its n_r counted targets times n_r / n (n the
 whole batch's), its gradients alike (by 1/2 on two ranks with equal counts: exact); the caller adds the shares.
@@ -10,34 +9,23 @@ import torch
 from ...engine import Model
 from ...layer import layer_backward, layer_forward
 from ...head import head_backward, head_forward
-from ...ops import embedding_backward, embedding_forward
 from ...ops.cross_entropy import IGNORE_INDEX
-from ...params import EMBED
 from .ep_inventory import ep_layer_names
 from .ep_layer import ExpertParallelCrossings, KeptRouting, ep_drop
 
-class ExpertParallelModel(Model):  # Model.start: this step's weights (this rank's), rotary tables
+
+class ExpertParallelModel(Model):  # Model's start (this rank's weights), embed, checkpoints, embed_backward
     """params: this rank's (shard_experts); input_ids, targets: its sequences (B/W, T); counted: the whole batch's
     counted targets. Set model.store = step.store after building the Step: every layer keeps its routing there."""
 
     def __init__(self, params, cfg, input_ids, targets, comm, counted, keep_dispatched=False):
-        self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
+        super().__init__(params, cfg, input_ids, targets)
         self.comm, self.keep_dispatched = comm, keep_dispatched
-        self.layers = range(cfg.layers)
         self.layer_names = ep_layer_names(cfg, comm.world_size, comm.rank)  # what a layer could keep (--trace)
         self.first_expert = comm.rank * (cfg.experts // comm.world_size)  # the global id of its first expert
         self.share = int((targets != IGNORE_INDEX).sum()) / counted  # n_r / n: its share of the whole batch's mean
         self.store = None
         self.received_rows = {}  # layer -> rows its experts received (the routing, as measured here)
-
-    def embed(self):
-        return embedding_forward(self.input_ids, self.weights[EMBED])  # (B_r, T, h)
-
-    def keep_input(self, store, k, x, whole):
-        store.put(k, "input", x)  # (B_r, T, h)
-
-    def load_input(self, store, k, whole):
-        return store.get(k, "input")  # (B_r, T, h)
 
     def layer_forward(self, k, x, store, drop, tail):
         kept = KeptRouting(self.store, k, self.received_rows)  # the step's store, whatever the layer's mode
@@ -56,6 +44,3 @@ class ExpertParallelModel(Model):  # Model.start: this step's weights (this rank
     def head_backward(self, store):
         dx, grads = head_backward(self.weights, self.cfg, self.targets, store)  # of this rank's own mean
         return dx * self.share, {name: grad * self.share for name, grad in grads.items()}  # of its share
-
-    def embed_backward(self, dx):
-        return embedding_backward(dx, self.input_ids, self.weights[EMBED].shape)  # (V, h) from its sequences

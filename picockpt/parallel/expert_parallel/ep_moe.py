@@ -12,7 +12,7 @@ slot) pair is one row, sent twice for two experts of one rank (DeepSpeed-MoE; Me
     back         = all-to-all of y            combine (M -> P)    M h e
     out[token]  += back                       as moe.py's index_add
 
-    backward: each all-to-all's adjoint, the inverse all-to-all (comm.py's all_to_all_backward)
+    backward: each all-to-all's adjoint, the inverse all-to-all (ep_comm.py's all_to_all_backward)
     grads        = all-to-all of dm[pairs]    the combine's       P h e
     (expert_backward: d w and dx of every row, d gate_up_proj and d down_proj of the experts)
     d w[pairs]   = all-to-all of d row_w      the weights'        M s
@@ -62,14 +62,12 @@ def local_groups(received):
     each by expert; rows lists e_local's, source by source (in the single process's token order: rank 0's first)."""
     W, E_l = received.shape
     expert_of_row = torch.arange(E_l, device=received.device).repeat(W).repeat_interleave(received.flatten())  # (M,)
-    for e, rows, _ in expert_groups(expert_of_row[:, None], E_l):
-        yield e, rows
+    return ((e, rows) for e, rows, _ in expert_groups(expert_of_row[:, None], E_l))
 
 
 def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, tail=RUN_TAIL):
-    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None under SKIP_TAIL (tail.py:
-    the experts' down projections and weighing, the combine, the shared expert's down projection). keep: the
-    layer's (the policy's); kept: its KeptRouting (ep_layer.py). w: this rank's E_l experts, from first_expert."""
+    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None under SKIP_TAIL (tail.py).
+    keep: the layer's (the policy's); kept: its KeptRouting (ep_layer.py); w: this rank's E_l experts."""
     B, T, h = xn.shape
     W, E, stat = comm.world_size, cfg.experts, cfg.stat_dtype
     routed = kept.has("moe.expert_index")  # a recomputation: the first forward chose the routing
@@ -98,7 +96,7 @@ def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=F
     for e, rows_e in local_groups(received):
         y = expert_forward(lambda: rows[rows_e], w.experts_gate_up[e], w.experts_down[e], keep,  # noqa: B023
                            first_expert + e, tail)  # (n_e, h) on its rows from every rank, or None
-        tail(weigh_into, out_rows, rows_e, y, row_weights, stat)  # (n_e, h) w * y, weighed where y is
+        tail(lambda: out_rows.index_copy_(0, rows_e, weigh(y, row_weights, rows_e, stat)))  # noqa: B023 (n_e, h) w * y
         del y
     del rows, row_weights
     # combine: the inverse all-to-all, each weighted row back to its token's rank (M rows out, P in)
@@ -110,11 +108,6 @@ def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=F
         shared = shared_expert_forward(x, w, keep, tail)  # (N_r, h), or None: its tail skipped
         tail(lambda: out.add_(shared))  # (N_r, h)
     return tail(lambda: out.view(B, T, h))  # (B_r, T, h)
-
-
-def weigh_into(out_rows, rows_e, y, row_weights, stat):
-    """An expert's outputs y (n_e, h) times their rows' weights, into out_rows (M, h) at rows_e."""
-    out_rows[rows_e] = weigh(y, row_weights, rows_e, stat)  # (n_e, h)
 
 
 def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):

@@ -1,11 +1,6 @@
-"""Which parameters an expert-parallel rank holds, and the gradients put back together.
-
-    weight (HF name)                             rank r of W holds
-    model.layers.{i}.mlp.experts.gate_up_proj    experts r*E/W .. (r+1)*E/W - 1: (E/W, 2f, h)
-    model.layers.{i}.mlp.experts.down_proj       the same experts: (E/W, h, f)
-    every other weight (router included)         all of it; its gradient from this rank's sequences,
-                                                 summed over the ranks at the end of the step
-"""
+"""Which parameters an expert-parallel rank holds, and the gradients put back together. Rank r of W holds experts
+r*E/W .. (r+1)*E/W - 1 of model.layers.{i}.mlp.experts.gate_up_proj (E/W, 2f, h) and .down_proj (E/W, h, f), and
+every other weight (router included) whole, its gradient from this rank's sequences, then summed over the ranks."""
 import torch
 
 from ...policy import parse_policy

@@ -1,6 +1,5 @@
-"""Pipeline parallelism: the layers split into stages, micro-batches flowing through them under AFAB or 1F1B, each
-micro-batch of each stage the engine's own loop (parallel/rank.py runs them in the schedule's order). Read
-pp_schedules.py first (the orders as data), then pp_stage.py and pp_comm.py.
+"""Pipeline parallelism: layers split into stages, micro-batches flowing through them under AFAB or 1F1B, each the
+engine's own loop on each stage (rank.py runs them in order). Read pp_schedules.py first, then pp_stage.py, pp_comm.py.
 
     pp_schedules.py  stages' layers; AFAB and 1F1B orders; micro-batches in flight; the bubble
     pp_comm.py       sends and receives between stages, as forward/backward pairs, paired as NCCL needs

@@ -1,23 +1,18 @@
-"""Point-to-point between pipeline stages, as forward/backward pairs (comm.py's style), each backward the adjoint of its
-forward:
+"""Point-to-point between pipeline stages: forward/backward pairs (comm.py's style), each backward the adjoint:
 
     pair                 forward                                 backward
     from_previous_stage  receive x from the previous stage       send dx back to it
     to_next_stage        send y to the next stage                receive dy from it
 
-Written as NCCL runs it: the point-to-point operations between two ranks run in the order posted, and a send completes
-only once its receive is posted. In 1F1B's steady state stage s sends y_{m+1} then receives dy_m, while stage s+1 sends
-dx_m then receives x_{m+1}: posted one by one, each send waits for a receive queued behind the other stage's send, and
-both hang (gloo's buffered sockets hide it). So a send is held back until the stage's next point-to-point operation: a
-receive from the same neighbour is posted with it as one group (torch.distributed.batch_isend_irecv, as Megatron-LM's
+Why sends are paired: NCCL runs the point-to-point operations between two ranks in the order posted, and a send
+completes only once its receive is posted. In 1F1B's steady state stage s sends y_{m+1} then receives dy_m, while stage
+s+1 sends dx_m then receives x_{m+1}: posted one by one, each send waits for a receive queued behind the other stage's
+send, and both hang (gloo's buffered sockets hide it). So a send is held until the stage's next point-to-point
+operation: a receive from the same neighbour goes with it as one group (batch_isend_irecv, as Megatron-LM's
 send_forward_recv_backward and send_backward_recv_forward do), both stages posting the send first; anything else posts
-it at once. The schedule's loop (rank.py) sets Pipe.pair_with, the neighbour the next action receives from, so a send
-waits only for a receive that follows it at once; Pipe.posted records every group in order, so a test can check that no
-order deadlocks. A sent tensor lives until its send completes (Pipe.finish posts the last held send and waits for all);
-receives block, but post_receive returns at once, so a stage can recompute while its gradient travels (recompute-early,
-rank.py). Bytes, per rank under the tracker's phase, the tensor's size per call: kind "send", "receive", or "rng_state"
-for the generator state the first micro-batch's activation carries when the model draws random numbers (pp_stage.py).
-NCCL and gloo both run isend/irecv; on NCCL every tensor, the generator state included, is on the rank's GPU.
+it at once. Receives block, but post_receive returns at once: a stage can recompute while its gradient travels
+(recompute-early). Bytes per rank and phase, one tensor per call: "send", "receive", "rng_state" (pp_stage.py's
+generator state). gloo and NCCL both run isend/irecv; on NCCL every tensor, rng state included, is on the GPU.
 """
 import torch
 import torch.distributed as dist
@@ -29,19 +24,17 @@ class Pipe:
     """This rank's pipeline neighbours (global ranks; None at either end), the log of what it moved, its sends."""
 
     def __init__(self, previous, next, device, timeline, tracker=None):
-        self.previous, self.next = previous, next
+        self.previous, self.next, self.log = previous, next, CommLog()
         self.device, self.timeline, self.tracker = torch.device(device), timeline, tracker
-        self.log = CommLog()
         self.in_flight = []  # (work, tensor): a sent tensor lives until its send completes
         self.held = None  # a send not posted yet (a dist.P2POp), paired with the next receive from its peer
         self.pair_with = None  # the peer of this stage's next receive, set by the schedule's loop (parallel/rank.py)
-        self.posted = []  # every group posted, in order: [("send", peer) | ("recv", peer), ...]
+        self.posted = []  # every group in order, [("send" | "recv", peer), ...]: a test can check no order deadlocks
 
     phase = Comm.phase  # the tracker's phase name, "outside" without one
 
     def post(self, receive=None):
-        """Post the held send and `receive` (a dist.P2POp, or None): one group when both are between the same two ranks,
-        else the send on its own first. Returns the receive's work (None without one)."""
+        """Post the held send and `receive` (P2POp or None), one group if same peer. Returns the receive's work."""
         send, self.held = self.held, None
         if send is not None and (receive is None or receive.peer != send.peer):
             self.group([send])  # not a pair: the send goes on its own
@@ -95,10 +88,8 @@ def post_receive(pipe, source, shape, dtype, kind="receive"):
     return Receive(pipe, buffer, work)
 
 
-# -- entering a stage ------------------------------------------------------------------------------
 def from_previous_stage_forward(pipe, shape, dtype):
-    # x (shape): the previous stage's output is this stage's input (its embedding, on the first stage)
-    return post_receive(pipe, pipe.previous, shape, dtype).wait()  # (shape)
+    return post_receive(pipe, pipe.previous, shape, dtype).wait()  # x (shape): the previous stage's y, this one's input
 
 
 def from_previous_stage_backward(dx, pipe):
@@ -106,10 +97,8 @@ def from_previous_stage_backward(dx, pipe):
     _send(dx, pipe, pipe.previous)
 
 
-# -- leaving a stage -------------------------------------------------------------------------------
 def to_next_stage_forward(y, pipe):
-    # y (shape): this stage's output, the next stage's input
-    _send(y, pipe, pipe.next)
+    _send(y, pipe, pipe.next)  # y (shape): this stage's output, the next stage's input
 
 
 def to_next_stage_backward(pipe, shape, dtype):
@@ -117,7 +106,6 @@ def to_next_stage_backward(pipe, shape, dtype):
     return post_receive(pipe, pipe.next, shape, dtype)
 
 
-# -- the generator state the first micro-batch's activation carries --------------------------------
 def send_rng_state(state, pipe):
     _send(state.to(pipe.device), pipe, pipe.next, kind="rng_state")  # (n,) uint8
 

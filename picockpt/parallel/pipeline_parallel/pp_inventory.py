@@ -1,24 +1,17 @@
-"""Closed forms per pipeline stage: the bytes it stores with its micro-batches in flight, the bytes it
-sends and receives, its FLOPs, and the schedule each micro-batch runs (stage-aware budgets).
+"""Closed forms per pipeline stage: the bytes it stores with its micro-batches in flight, sends and receives, its
+FLOPs, and the schedule each micro-batch runs (stage-aware budgets).
 
-A stage's micro-batch of b = B / (dp * M) sequences runs the engine's loop over the stage's layers (and the
-head, on the last stage) under a Schedule of its own: the policy applied to the stage's layers alone, so
-every:C starts its segments at the stage's first layer, whose input (received, or the embedding's output) is
-always a checkpoint. Per micro-batch, from the planner's chain (picockpt/planner.py: one Stage per layer,
-then the head, or a head of nothing before the last stage):
+A micro-batch of b = B / (dp * M) sequences runs the engine's loop over the stage's layers (and head, if last) under the
+policy applied to them alone: every:C starts its segments at the stage's first layer, whose input (received, or the
+embedding's) is always a checkpoint. From its chain (planner.py's Stages, then the head or NO_HEAD), per micro-batch:
 
     E     end_of_forward_bytes: what its first forward leaves stored
     peak  replay: its own peak during its step (E at the end of the forward, or a recompute sweep's)
 
-With w micro-batches in flight (pp_schedules.py: AFAB w = M; 1F1B w = min(P - s, M)), every backward runs
-while w - 1 others hold E each, so the stage's store peaks at
-
-    stage peak = (w - 1) * E + peak
-
-on the last stage too (the head's final norm and logits are among E; 1F1B's w = 1 there), measured to the
-byte in tests/test_parallel_pp.py. budget:SIZE is per stage: each plans its micro-batch with its own w
-(pp_plan.plan_in_flight) so that (w - 1) * E + peak <= SIZE with the least recomputation, among the
-planner's frontier and the uniform schedules; stage 0 of 1F1B holds P micro-batches and recomputes the most.
+With w micro-batches in flight (pp_schedules.py: AFAB w = M; 1F1B w = min(P - s, M)), every backward runs while w - 1
+others hold E each: stage peak = (w - 1) * E + peak, to the byte (tests/test_parallel_pp.py), on the last stage too (its
+final norm and logits are among E; 1F1B's w = 1 there). budget:SIZE is per stage: for its own w, the least recomputation
+whose stage peak fits SIZE (pp_plan.py: a frontier plan or a uniform schedule); stage 0 of 1F1B recomputes the most.
 """
 import functools
 import math
@@ -38,27 +31,22 @@ NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothi
 
 def stage_chain(cfg, batch, seq, layers, last, t=1, sp=False, distribute_saved=False, drop=frozenset()):
     """The chain of one micro-batch of `batch` sequences on a stage of `layers` layers (the head if last)."""
-    whole = model_chain(cfg, batch, seq, drop) if t == 1 else rank_chain(cfg, batch, seq, t, sp, distribute_saved,
-                                                                           drop)
+    whole = rank_chain(cfg, batch, seq, t, sp, distribute_saved, drop) if t != 1 else model_chain(cfg, batch, seq, drop)
     return whole[:layers] + ((whole[-1],) if last else (NO_HEAD,))
 
 
 def uniform_schedules(chain):
-    """(name, Schedule) of every uniform policy on this chain, named as the policy: each layer kept whole at one
-    op level ("none", "selective", ...), or checkpoints every C layers with sweeps at one op level ("full",
-    "every:2+selective", ...)."""
+    """(name, Schedule) of every uniform policy on this chain, named as the policy: every layer kept whole at one op
+    level ("none", "selective", ...), or checkpoints every C layers, sweeps at a level ("full", "every:2+selective")."""
     layers, head_modes = len(chain) - 1, {mode for mode, _, _ in chain[-1].variants}
     out = []
     for mode, _, _ in chain[0].variants:
         level = Mode(mode).level or ""
-        head = mode if mode in head_modes else "all"
         suffix = f"+{level}" if level else ""
-        out.append((level or "none", Schedule(forward=(mode,) * layers, head=head)))
+        out.append((level or "none", Schedule(forward=(mode,) * layers, head=mode if mode in head_modes else "all")))
         for C in range(1, layers + 1):
             forward = tuple("input" if k % C == 0 else "none" for k in range(layers))
-            starts = [k for k in range(layers) if k % C == 0]
-            sweeps = {target: {k: mode for k in range(max(s for s in starts if s <= target), target + 1)}
-                      for target in range(layers)}
+            sweeps = {target: {k: mode for k in range(target - target % C, target + 1)} for target in range(layers)}
             out.append((f"{'full' if C == 1 else f'every:{C}'}{suffix}", Schedule(forward=forward, sweep_modes=sweeps)))
     return tuple(out)
 
@@ -66,10 +54,9 @@ def uniform_schedules(chain):
 @functools.lru_cache(maxsize=1024)
 def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=False, distribute_saved=False,
                layer_comm_flops=0):
-    """(Schedule of one micro-batch in the stage's own layer numbers 0.., its stage peak, E, its own
-    peak, its recompute FLOPs, where the schedule came from). layer_comm_flops: what recomputing a layer's
-    forward also costs in communication, as FLOPs of the same time (context parallelism's ring): a budget
-    plans with it, the FLOPs returned leave it out."""
+    """(Schedule of one micro-batch in the stage's layer numbers 0.., stage peak, E, own peak, recompute FLOPs, where
+    the schedule came from). layer_comm_flops: the communication a recomputed layer forward also costs, as FLOPs of
+    the same time (context parallelism's ring): a budget plans with it; the FLOPs returned leave it out."""
     policy = parse_policy(policy, cfg)
     chain = stage_chain(cfg, batch, seq, layers, last, t, sp, distribute_saved, policy.drop)
     planned = tuple(replace(stage, forward_flops=stage.forward_flops + layer_comm_flops) for stage in chain[:-1]) + \
@@ -88,12 +75,10 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=F
 
 def shifted(schedule, first, total_layers):
     """The stage's schedule in the model's layer numbers (first.. first + n - 1), as the engine indexes it."""
-    forward = ["none"] * total_layers
-    for k, mode in enumerate(schedule.forward):
-        forward[first + k] = mode
+    forward = ("none",) * first + tuple(schedule.forward) + ("none",) * (total_layers - first - len(schedule.forward))
     sweeps = None if schedule.sweep_modes is None else {first + target: {first + k: mode for k, mode in modes.items()}
                                                         for target, modes in schedule.sweep_modes.items()}
-    return Schedule(tuple(forward), sweeps, schedule.head, schedule.stop_early)
+    return Schedule(forward, sweeps, schedule.head, schedule.stop_early)
 
 
 class StageForms:
@@ -108,15 +93,13 @@ class StageForms:
         self.b, self.seq, self.M = batch // (dp * microbatches), seq, microbatches
         self.in_flight = in_flight(schedule, pp, microbatches, stage)
         self.policy = parse_policy(policy, cfg)
-        args = (self.policy.text, cfg, self.b, seq, len(self.layers), self.last, self.in_flight, t, self.sp,
-                self.distribute_saved, layer_comm_flops)
-        local, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes, recompute, self.source = \
-            stage_plan(*args)
-        self.local_schedule = local
-        self.schedule = shifted(local, self.layers[0], cfg.layers)
+        (self.local_schedule, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes,
+         self.recompute_flops, self.source) = stage_plan(self.policy.text, cfg, self.b, seq, len(self.layers),
+                                                         self.last, self.in_flight, t, self.sp, self.distribute_saved,
+                                                         layer_comm_flops)
+        self.schedule = shifted(self.local_schedule, self.layers[0], cfg.layers)
         self.chain = stage_chain(cfg, self.b, seq, len(self.layers), self.last, t, self.sp, self.distribute_saved,
                                  self.policy.drop)
-        self.recompute_flops = recompute
 
     def activation_shape(self, rows=None):
         """(b, n, h): what crosses from one stage to the next, per rank (n = T/t under sequence parallelism;
@@ -149,8 +132,7 @@ class StageForms:
 
     def tp_comm_bytes(self):
         """{"forward", "recompute", "backward"}: this rank's tensor-parallel collectives over its M micro-batches
-        (tensor_parallel/tp_inventory.py's rank_comm_bytes on the stage's layers, with the embedding on the first
-        stage only, the head on the last only and this stage's own recompute sweeps)."""
+        (tp_inventory.rank_comm_bytes on its layers, the embedding on stage 0, the head on the last, its own sweeps)."""
         one = rank_comm_bytes(self.cfg.replace(layers=len(self.layers)), self.b, self.seq, self.policy.text, self.t,
                               self.sp, self.distribute_saved, self.first, self.last, self.local_schedule)
         return {phase: self.M * n for phase, n in one.items()}

@@ -12,14 +12,13 @@ from ...schedule import Schedule
 
 def end_of_forward_bytes(chain, schedule):
     """E: the bytes a schedule's first forward leaves stored (checkpoints, layers kept whole, the head)."""
-    L, held = len(chain) - 1, 0  # L layers, then the head
-    for k in range(L):
-        mode, stage = schedule.forward[k], chain[k]
+    held = 0
+    for mode, stage in zip(schedule.forward, chain[:-1]):  # the layers, then the head
         if mode == "input":
             held += stage.input_bytes
         elif mode.stored:
             held += next(a for name, a, _ in stage.variants if name == mode)
-    return held + next(a for name, a, _ in chain[L].variants if name == schedule.head)
+    return held + next(a for name, a, _ in chain[-1].variants if name == schedule.head)
 
 
 @dataclass(frozen=True)
@@ -35,20 +34,16 @@ class InFlightPlan:
 
 
 def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None):
-    """The least-recompute schedule whose stage peak (in_flight - 1) * E + peak fits `budget`, from the planner's
-    frontier walked down from `budget` (the first plan that fits is its cheapest) and from `candidates`,
+    """The least-recompute schedule whose (in_flight - 1) * E + peak fits `budget`, from the frontier and `candidates`,
     ((name, Schedule), ...) such as the uniform policies (a frontier plan may keep more in its first forward)."""
-    options, least_seen = [], None
+    seen = []  # every plan considered, in order
 
     def consider(schedule, source):
-        nonlocal least_seen
         peak, recompute = replay(chain, schedule)
         held = end_of_forward_bytes(chain, schedule)
-        plan = InFlightPlan(schedule, (in_flight - 1) * held + peak, peak, held, recompute, in_flight, budget, source)
-        least_seen = plan.peak_bytes if least_seen is None else min(least_seen, plan.peak_bytes)
-        if plan.peak_bytes <= budget:
-            options.append(plan)
-        return plan
+        seen.append(InFlightPlan(schedule, (in_flight - 1) * held + peak, peak, held, recompute, in_flight, budget,
+                                 source))
+        return seen[-1]
 
     for name, schedule in candidates:
         consider(schedule, name)
@@ -60,7 +55,9 @@ def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None):
         if plan.peak_bytes <= budget:
             break
         room = plan.microbatch_peak - 1
+    options = [plan for plan in seen if plan.peak_bytes <= budget]
     if not options:
+        least_seen = min(plan.peak_bytes for plan in seen)
         raise ValueError(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what this stage needs with "
                          f"{in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight: the least found is "
                          f"{least_seen:,} bytes; use budget:{math.ceil(least_seen / 2**20 * 100) / 100}MiB or more, "

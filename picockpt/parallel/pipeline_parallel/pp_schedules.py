@@ -4,20 +4,15 @@
     actions("1f1b", P=4, M=6, stage=1)   [F0, F1, F2, B0, F3, B1, F4, B2, F5, B3, B4, B5]
     in_flight("1f1b", P=4, M=6, stage=1) 3
 
-The layers are split as evenly as they go, the first L mod P stages taking one more (as Picotron does); the
-embedding runs on the first stage, the final norm, LM head and loss on the last.
+AFAB ("all forward, all backward", GPipe: Huang et al. 2019; Picotron's train_step_pipeline_afab): every stage runs its
+M forwards, then its M backwards in the same order, holding M micro-batches. 1F1B (PipeDream-Flush, Narayanan et al.
+2021; Megatron-LM, Picotron's train_step_pipeline_1f1b): stage s runs min(P - s - 1, M) warm-up forwards, alternates one
+forward and one backward, then runs the backwards left (the cool-down). A backward starts as soon as its gradient can
+come back, so stage s holds at most min(P - s, M) micro-batches (its warm-up ones and the one just forwarded): stage 0
+the most (P, about L layers' activations whatever P is: Korthikanti et al. 2022, sec. 4.2.3), the last stage one.
 
-AFAB ("all forward, all backward", GPipe: Huang et al. 2019): every stage runs the M forwards, then the M
-backwards in the same order (as Picotron's train_step_pipeline_afab): M micro-batches in flight on every stage.
-1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM and Picotron's train_step_pipeline_1f1b): stage s runs
-min(P - s - 1, M) warm-up forwards, then alternates one forward and one backward until the forwards run out, then
-the remaining backwards (the cool-down). A backward starts as soon as its gradient can come back, so stage s holds
-at most min(P - s, M) micro-batches (its warm-up ones, plus the one just forwarded): stage 0 the most (P: about
-the activations of L layers whatever P is, Korthikanti et al. 2022, sec. 4.2.3), the last stage one at a time.
-
-With equal stage times both have the same bubble: each stage waits P - 1 forward and P - 1 backward slots of the
-M + P - 1 of each kind, (P - 1) / (M + P - 1) of the step (Narayanan et al. 2021, sec. 2.2). 1F1B trades nothing
-for its smaller memory; AFAB is the simpler to read.
+Both have the bubble (P - 1) / (M + P - 1) with equal stage times: each stage waits P - 1 of the M + P - 1 forward slots
+and as many backward ones (Narayanan et al. 2021, sec. 2.2). 1F1B's smaller memory costs nothing; AFAB reads simpler.
 """
 from collections import namedtuple
 
@@ -34,15 +29,15 @@ def check_schedule(schedule):
 
 
 def stage_layers(layers, stages):
-    """The range of layers each of P stages runs: L // P each, one more for the first L mod P."""
+    """The range of layers each of P stages runs: L // P each, one more for the first L mod P (as Picotron does); the
+    first stage also runs the embedding, the last the final norm, LM head and loss."""
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"pp={stages!r}: use a whole number of pipeline stages, 1 or more")
     if stages > layers:
         raise ValueError(f"pp={stages} is larger than the number of layers L={layers}: every stage needs at least "
                          f"one layer; use pp <= {layers}")
-    sizes = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
-    starts = [sum(sizes[:s]) for s in range(stages)]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
+    starts = [s * (layers // stages) + min(s, layers % stages) for s in range(stages + 1)]  # stage s's first layer
+    return [range(start, end) for start, end in zip(starts, starts[1:])]
 
 
 def actions(schedule, stages, microbatches, stage):
@@ -74,10 +69,9 @@ def bubble_fraction(stages, microbatches):
 
 
 def unequal_bubble(compute_seconds, microbatches):
-    """Each stage's idle share with unequal stage times, t_s = compute_seconds[s] / M per micro-batch: the slowest
-    stage k sets the pace, the step lasting about sum(t_s) + (M - 1) * t_k (one micro-batch through every stage, the
-    other M - 1 at k's rate; sends and the schedule's Python not counted), of which stage s computes M * t_s (equal
-    t_s give bubble_fraction)."""
+    """Each stage's idle share with unequal stage times, t_s = compute_seconds[s] / M per micro-batch: the slowest stage
+    k sets the pace, the step lasting about sum(t_s) + (M - 1) * t_k (one micro-batch through every stage, the other
+    M - 1 at k's rate; sends and Python not counted), of which stage s computes M * t_s (equal t_s: bubble_fraction)."""
     per_microbatch = [seconds / microbatches for seconds in compute_seconds]
     step = sum(per_microbatch) + (microbatches - 1) * max(per_microbatch)
     return [1.0 - microbatches * t / step for t in per_microbatch]

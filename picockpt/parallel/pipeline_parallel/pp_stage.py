@@ -1,31 +1,25 @@
-"""One pipeline stage, and one micro-batch of it as the engine's loop sees it (picockpt/engine.py: Step).
+"""One pipeline stage, and one micro-batch of it as the engine's loop (engine.py: Step) sees it: the loop runs unchanged
+(store per the stage's schedule, find the nearest checkpoint, recompute, use, drop); only the model's parts differ, as
+the engine's docstring says a stage's would:
 
-The loop runs unchanged inside each micro-batch: forward storing per the stage's schedule, backward
-finding the nearest checkpoint, recomputing, using, dropping. Only the model's parts differ, as the
-engine's docstring says a stage's would:
+    embed()          first stage: the embedding; later ones: the activation received from the previous stage
+                     (from_previous_stage_forward), stored as the first layer's checkpoint
+    head_forward     last stage: final norm, LM head, loss; earlier ones: send the output on (to_next_stage)
+    head_backward    last stage: the loss's gradient; earlier ones: the gradient received from the next stage
+                     (recompute-early: the top segment is recomputed while it travels)
+    embed_backward   first stage: the embedding's gradient; later ones: send dx back to the previous stage
+    layer_forward/backward, keep_input/load_input   the inner model's (one process's, tp's, ep's, cp's: rank.py)
 
-    embed()          first stage: the embedding; later stages: the activation received from the
-                     previous stage (from_previous_stage_forward), stored as the first layer's checkpoint
-    head_forward     last stage: final norm, LM head, loss; earlier stages: send the output on (to_next_stage)
-    head_backward    last stage: the loss's gradient; earlier stages: the gradient received from the next
-                     stage (recompute-early: the top segment is recomputed while it travels)
-    embed_backward   first stage: the embedding's gradient; later stages: send dx back to the previous stage
-    layer_forward/backward, keep_input/load_input   the inner model's: picockpt's own layers (tp = 1)
-                     or a tensor-parallel rank's (picockpt/parallel/tensor_parallel/tp_model.py)
+The mean over all tokens: the single process's loss is (sum of the counted tokens' losses) / N, N the whole batch's
+counted (not IGNORE_INDEX) targets. A micro-batch's head takes the mean over its n_m counted targets, so its loss and
+gradients are scaled by n_m / N, and the shares of the micro-batches (and data- and context-parallel ranks) sum to the
+whole batch's mean. A micro-batch with no counted target adds 0 (its 0 / 0 loss unused, its gradients already 0).
 
-The mean over all tokens: the single process's loss is (sum of the counted tokens' losses) / N, N the
-counted (not IGNORE_INDEX) targets of the whole batch. A micro-batch's head computes the mean over its own
-n_m counted targets, so its loss and gradients are multiplied by n_m / N, and the micro-batches' (and the
-data- and context-parallel ranks') shares add up to the whole batch's mean. A micro-batch with no counted
-target contributes 0 (its 0 / 0 loss is not used; its gradients are already 0: every row is ignored).
-
-Dropout: the single process's masks. Every micro-batch's forward starts from the generator state the
-single process has at the stage's first layer and draws the *whole batch's* masks, keeping its own rows
-(rng.py's full-size draws along the batch dim: rank d*M + m of dp*M), so the engine's replay of a
-checkpoint's state redraws them in a recomputation; the price is M*dp times the random numbers. Stage
-s > 0 starts from the state stage s-1 holds after its first micro-batch's forward, which travels with that
-activation (send_rng_state, 5 KB on the CPU). Comparing against a single process that accumulates over the
-micro-batches would be simpler, but it would not be the step a user runs without a pipeline.
+Dropout draws the single process's masks (one process accumulating micro-batches would be a simpler reference, but not
+the step a user runs): each micro-batch's forward starts from the single process's generator state at the stage's first
+layer and draws the *whole batch's* masks, keeping its rows (rng.py's full-size draws along the batch dim: rank d*M + m
+of dp*M), so replaying a checkpoint's state redraws them; the price is M*dp times the random numbers. Stage s > 0 starts
+from stage s-1's state after its first micro-batch's forward, sent with it (send_rng_state, 5 KB on the CPU).
 """
 from ...engine import device_generator
 from ...params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
@@ -36,8 +30,8 @@ from ..rng import Part, full_size_draws
 
 
 class PipelineStage:
-    """What one rank's micro-batches share: the stage's layers and weights, its neighbours (a Pipe), its
-    gradient buckets (data_parallel/dp_comm.py), the counted targets of the whole batch, the RNG states."""
+    """What one rank's micro-batches share: the stage's layers and weights, its neighbours (a Pipe), its gradient
+    buckets (data_parallel/dp_comm.py), the counted targets of the whole batch, the RNG states."""
 
     def __init__(self, cfg, params, layers, first, last, pipe, buckets, counted, microbatches, dp_rank, dp,
                  activation_shape, make_inner, recompute_early=False):
@@ -45,8 +39,7 @@ class PipelineStage:
         self.step_cfg = cfg.replace(tie_embeddings=False)  # a tied matrix's two uses are summed by the caller
         self.pipe, self.buckets, self.counted = pipe, buckets, counted
         self.M, self.dp_rank, self.dp = microbatches, dp_rank, dp
-        self.activation_shape, self.make_inner = activation_shape, make_inner
-        self.recompute_early = recompute_early
+        self.activation_shape, self.make_inner, self.recompute_early = activation_shape, make_inner, recompute_early
         self.rng_start = self.rng_end = None  # the generator at the stage's first layer / after its last
 
     def start(self, tracker, device, seq):
@@ -68,10 +61,8 @@ class StageModel:
     def __init__(self, stage, m, inner):
         self.stage, self.m, self.inner = stage, m, inner
         self.cfg, self.params, self.layers = stage.step_cfg, stage.params, stage.layers
-        self.input_ids, self.targets = inner.input_ids, inner.targets
-        self.layer_names = inner.layer_names
-        counted = int((inner.targets != -100).sum())
-        self.share = counted / stage.counted  # n_m / N
+        self.input_ids, self.targets, self.layer_names = inner.input_ids, inner.targets, inner.layer_names
+        self.share = int((inner.targets != -100).sum()) / stage.counted  # n_m / N
         self.step = None
         self.rows = Part(stage.dp_rank * stage.M + m, stage.dp * stage.M)  # its rows of the whole batch
         self.generator = device_generator(inner.input_ids.device)
@@ -82,14 +73,12 @@ class StageModel:
 
     def embed(self):
         stage, draws = self.stage, self.cfg.draws_random
-        if stage.first:
-            x = self.inner.embed()  # (b, n, h); the stage starts from the caller's state (rng_start)
-        else:
-            if draws and self.m == 0:  # the state the single process has at this stage's first layer
-                stage.rng_start = receive_rng_state(stage.pipe, self.generator.get_state())
-            x = from_previous_stage_forward(stage.pipe, stage.activation_shape, self.cfg.torch_dtype)  # (b, n, h)
-        if draws:
-            self.generator.set_state(stage.rng_start)  # every micro-batch draws the whole batch's masks again
+        if draws and not stage.first and self.m == 0:  # the state the single process has at this stage's first layer
+            stage.rng_start = receive_rng_state(stage.pipe, self.generator.get_state())
+        x = self.inner.embed() if stage.first else \
+            from_previous_stage_forward(stage.pipe, stage.activation_shape, self.cfg.torch_dtype)  # (b, n, h)
+        if draws:  # every micro-batch draws the whole batch's masks again, from rng_start (stage 0: the caller's)
+            self.generator.set_state(stage.rng_start)
         return x
 
     def keep_input(self, store, k, x, whole):
@@ -130,13 +119,11 @@ class StageModel:
                 self.recompute_top(store)  # while the gradient travels
             return receive.wait(), {}  # (b, n, h)
         dx, grads = self.inner.head_backward(store)  # (b, n, h) for this micro-batch's mean
-        dx = dx.mul_(self.share)  # (b, n, h) for the whole batch's
-        grads = {name: grad.mul_(self.share) for name, grad in grads.items()}
         for name, grad in grads.items():
-            stage.buckets.add(name, grad)
+            stage.buckets.add(name, grad.mul_(self.share))  # in place: grads holds the whole batch's too
         if self.m == stage.M - 1:
             stage.buckets.ready("head")
-        return dx, grads
+        return dx.mul_(self.share), grads  # (b, n, h) for the whole batch's mean
 
     def embed_backward(self, dx):
         stage = self.stage
@@ -150,19 +137,15 @@ class StageModel:
         return grad
 
     def recompute_top(self, store):
-        """Recompute-early: what the engine's loop does first in this micro-batch's backward, done now.
-        The top layer's activations come back from the nearest checkpoint before the gradient arrives;
-        the loop then finds them stored and goes straight to the backward. Same store contents, same
-        peak; they are held for the rest of the wait (picockpt/parallel/rank.py measures it)."""
+        """Recompute-early: the loop's first work in this micro-batch's backward, done now: the top layer's activations
+        come back from the nearest checkpoint before the gradient arrives, and the loop finds them stored (rank.py)."""
         step, i = self.step, self.layers[-1]
         if i not in step.whole:  # not stored whole in the forward: recompute it now, as the loop would
             step.recompute(i)
 
 
-
 def bucket_names(cfg, params, layers, first, last):
-    """{bucket: [parameter names]} of a stage, in the order its gradients become final in a backward:
-    the head's, then each layer's from the top, then the embedding's."""
+    """{bucket: [parameter names]} of a stage in the order they become final: head, layers from the top, embedding."""
     buckets = {}
     if last:
         buckets["head"] = [name for name in (FINAL_NORM, HEAD) if name in params]

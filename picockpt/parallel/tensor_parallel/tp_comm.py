@@ -1,7 +1,6 @@
-"""The collectives of tensor and sequence parallelism as forward/backward pairs, two plain functions side by side
-like picockpt/ops/* (no autograd): the layer calls each where its forward or backward crosses ranks, so every byte
-that moves is one visible line. As in Megatron-LM (Shoeybi et al. 2019, "f" and "g") and Korthikanti et al. 2022
-(sec. 4.2.2, "g" and "g-bar"), each backward is the adjoint of its forward:
+"""Tensor and sequence parallelism's collectives as forward/backward pairs, plain functions like picockpt/ops/* (no
+autograd) called where the layer crosses ranks: every byte that moves is one visible line. Each backward is its
+forward's adjoint (Megatron's "f" and "g", Shoeybi et al. 2019; sp's "g" and "g-bar", Korthikanti et al. 2022 4.2.2):
 
     pair                  forward                          backward
     copy_to_parallel      identity                         all-reduce          entering a TP region
@@ -10,8 +9,8 @@ that moves is one visible line. As in Megatron-LM (Shoeybi et al. 2019, "f" and 
     scatter_sequence      reduce-scatter along dim         all-gather          leaving it (SP)
     split_sequence        take this rank's shard (no comm) all-gather
 
-"replicated": the same logical tensor (and gradient) on every rank; "partial": each rank holds a summand of it;
-"sharded": each rank holds one slice of it along dim. Bytes are counted by comm.py.
+"replicated": the same tensor (and gradient) on every rank; "partial": a summand of it on each rank; "sharded": one
+slice of it along dim on each rank. comm.py counts the bytes.
 """
 from ..comm import all_gather, all_reduce, check_dim, check_divisible, reduce_scatter
 
@@ -22,9 +21,7 @@ def copy_to_parallel_forward(x, comm):
 
 
 def copy_to_parallel_backward(dy, comm):
-    """Forward was y_r = x on every rank r (one replicated x feeds W column-parallel branches). x is used W times,
-    once per rank's branch, so its gradient is the sum of the W uses':
-        dx = sum_r dy_r          -> all-reduce of dy (every rank needs dx: x is replicated)"""
+    """Forward was y_r = x, one replicated x feeding every rank's branch: dx = sum_r dy_r, on every rank."""
     return all_reduce(dy, comm)  # (...) sum over ranks, in place
 
 
@@ -34,8 +31,7 @@ def reduce_from_parallel_forward(x, comm):
 
 
 def reduce_from_parallel_backward(dy, comm):
-    """Forward was y = sum_r x_r, then y is replicated. dy/dx_r = identity, so dx_r = dy; and dy is already the same
-    on every rank (what follows y is computed redundantly on every rank), so nothing moves."""
+    """Forward was y = sum_r x_r, replicated: dx_r = dy, already equal on every rank (each runs what follows y)."""
     return dy  # (...)
 
 
@@ -46,9 +42,7 @@ def gather_sequence_forward(x, comm, dim=1):
 
 
 def gather_sequence_backward(dy, comm, dim=1):
-    """Forward was y = cat(x_0, ..., x_{W-1}) along dim, the same y on every rank, each rank's tensor-parallel branch
-    using it. Each branch gives a partial gradient dy_r of the full y; y's gradient is their sum, and x_r is slice r:
-        dx_r = (sum_s dy_s)[slice r]     -> reduce-scatter of dy along dim"""
+    """Forward was y = cat(x_0, ..., x_{W-1}), each branch giving a partial dy_r: dx_r = (sum_s dy_s)[slice r]."""
     return reduce_scatter(dy, comm, dim)  # (B, T/W, h)
 
 
@@ -58,9 +52,7 @@ def scatter_sequence_forward(x, comm, dim=1):
 
 
 def scatter_sequence_backward(dy, comm, dim=1):
-    """Forward was y_r = (sum_s x_s)[slice r]: rank r keeps slice r of the sum. d y_r / d x_s is "take slice r" for
-    every s, so x_s's gradient is every slice's gradient put back in place, the same on every rank:
-        dx_s = cat(dy_0, ..., dy_{W-1}) along dim   -> all-gather of dy"""
+    """Forward was y_r = (sum_s x_s)[slice r]: every x_s's gradient is cat(dy_0, ..., dy_{W-1}), on every rank."""
     return all_gather(dy, comm, dim)  # (B, T, h)
 
 
@@ -71,7 +63,5 @@ def split_sequence_forward(x, comm, dim=1):
 
 
 def split_sequence_backward(dy, comm, dim=1):
-    """Forward was y_r = x[slice r], one replicated x. x's gradient holds every slice's gradient in its place, and
-    every rank needs it (x is replicated):
-        dx = cat(dy_0, ..., dy_{W-1}) along dim     -> all-gather of dy"""
+    """Forward was y_r = x[slice r] of one replicated x: dx = cat(dy_0, ..., dy_{W-1}) on every rank, an all-gather."""
     return all_gather(dy, comm, dim)  # (B, T, h)

@@ -1,20 +1,16 @@
-"""Closed forms per tensor-parallel rank of t, with or without sequence parallelism (sp) and with Megatron's
-distributed saved activations: the bytes it stores, exact as picockpt/inventory.py's (the tracker equals them to
-the byte), the bytes its collectives move, its FLOPs. A rank stores tp_layer.py's tensors (n = T/t tokens with sp,
-else T; H, KV, f and V split by t), each picockpt/inventory.py's with the dim SPLIT names divided by t. In
-Korthikanti et al.'s terms (sec. 4.2), without sp the 10sbh of norm inputs, norm outputs and dropout masks stay
-whole on every rank (replicated_and_split) and the rest divides by t; with sp everything does. The peak is
-picockpt/inventory.py's with this rank's A (a layer stored whole) and F (the head), and Xc for X: a stored
-checkpoint, X/t with distributed saved activations (tp_model.py; a recompute sweep that stores the layer whole keeps
-it whole); budget:SIZE is the planner's optimum on this rank's chain (SIZE per rank).
+"""Closed forms per tensor-parallel rank of t, with or without sequence parallelism (sp) and Megatron's distributed
+saved activations: its stored bytes (to the byte, as picockpt/inventory.py's), communication bytes and FLOPs. A rank
+stores tp_layer.py's tensors, inventory.py's with the dim SPLIT names divided by t. In Korthikanti et al.'s terms
+(sec. 4.2), without sp the 10sbh of norm inputs, norm outputs and dropout masks stay whole on every rank
+(replicated_and_split) and the rest divides by t; with sp all of it does. The peak is inventory.py's with this rank's
+A (a layer stored whole), F (the head) and Xc for X: a stored checkpoint, X/t with distributed saved activations.
 
 Communication per rank (comm.py's count), S = B*T*h*e the bytes of one whole activation, N = B*T:
 
     forward    embedding S; per layer 2S (two all-reduces) | 4S with sp (two all-gathers, two reduce-scatters);
                head: S with sp (all-gather), and the loss's 3 all-reduces of N statistics
-    backward   per layer 2S | 6S + 2h master bytes with sp (LEAVE's all-gathers, the norm outputs all-gathered
-               again, ENTER's reduce-scatters, the two norm weights' all-reduces); head S | 2S + h master bytes;
-               embedding 0 | S
+    backward   per layer 2S | 6S + 2h master bytes with sp (LEAVE's all-gathers, norm outputs all-gathered again,
+               ENTER's reduce-scatters, the norm weights' all-reduces); head S | 2S + h master bytes; embedding 0 | S
     recompute  the forward's collectives of every layer a sweep recomputes (a sweep that stops early skips its
                last layer's LEAVE: S less), plus one all-gather of S per sweep with distributed saved activations.
                Rebuilds inside a layer's backward (selective, cheap, tiled attention, chunked logits) move nothing.
@@ -28,13 +24,12 @@ from ...config import BYTES
 
 # what t divides in each stored tensor: "tokens" (dim 1, under sequence parallelism only), "heads" (dim 1:
 # H/t query, KV/t key/value heads), "columns" (the last dim: h/t of the context, f/t, V/t); the rest whole
-SPLIT = {"input": "tokens", "attn_norm.rstd": "tokens", "attn_norm.output": "tokens", "attn.q": "heads",
-         "attn.k": "heads", "attn.v": "heads", "attn.probs": "heads", "attn.probs_mask": "heads",
-         "attn.probs_dropped": "heads", "attn.lse": "heads", "attn.context": "columns",
-         "attn.dropout_mask": "tokens", "mlp_norm.input": "tokens", "mlp_norm.rstd": "tokens",
-         "mlp_norm.output": "tokens", "mlp.gate": "columns", "mlp.up": "columns", "mlp.act": "columns",
-         "mlp.dropout_mask": "tokens", "final_norm.input": "tokens", "final_norm.rstd": "tokens",
-         "final_norm.output": "tokens", "lm_head.logits": "columns"}
+SPLIT = (dict.fromkeys(("input", "attn_norm.rstd", "attn_norm.output", "attn.dropout_mask", "mlp_norm.input",
+                       "mlp_norm.rstd", "mlp_norm.output", "mlp.dropout_mask", "final_norm.input", "final_norm.rstd",
+                       "final_norm.output"), "tokens")
+         | dict.fromkeys(("attn.q", "attn.k", "attn.v", "attn.probs", "attn.probs_mask", "attn.probs_dropped",
+                          "attn.lse"), "heads")
+         | dict.fromkeys(("attn.context", "mlp.gate", "mlp.up", "mlp.act", "lm_head.logits"), "columns"))
 
 
 def split_inventory(inventory, t, sp):
@@ -54,10 +49,9 @@ def rank_layer_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
 
 
 def rank_head_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
-    """What the head keeps on one rank: the final norm on its tokens, its columns of the logits, and the lse even
-    unchunked (vocab.py: the softmax's denominator spans every rank's columns; rebuilding it costs two all-reduces)."""
+    """What the head keeps on one rank: the final norm on its tokens, its logits' columns, the lse even unchunked."""
     head = split_inventory(head_inventory(cfg, batch, seq, drop), t, sp)
-    if "lm_head.lse" not in head and "lm_head.lse" not in drop:
+    if "lm_head.lse" not in head and "lm_head.lse" not in drop:  # vocab.py: rebuilding it would cost two all-reduces
         stat = cfg.dtype_names[1]
         head["lm_head.lse"] = ((batch, seq), stat, batch * seq * BYTES[stat])
     return head
@@ -141,20 +135,16 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
 
 
 def rank_flops(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
-    """{"forward", "recompute", "backward"}: one rank's matmul FLOPs: every matmul of the single process's step, on
-    H/t heads, f/t and V/t columns, so 1/t of picockpt.inventory.step_flops; a budget's recompute is its own plan's."""
+    """One rank's {phase: matmul FLOPs}: step_flops / t (H/t heads, f/t, V/t columns); budget: its plan's recompute."""
     policy = parse_policy(policy, cfg)
     flops = {phase: count // t for phase, count in step_flops(cfg, batch, seq, "none").items()}
-    if policy.budget is not None:
-        flops["recompute"] = rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).recompute_flops
-    else:
-        flops["recompute"] = step_flops(cfg, batch, seq, policy)["recompute"] // t
+    flops["recompute"] = (rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).recompute_flops
+                          if policy.budget is not None else step_flops(cfg, batch, seq, policy)["recompute"] // t)
     return flops
 
 
 def replicated_and_split(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
-    """(bytes of one stored layer that every rank holds whole, bytes split by t): Korthikanti's 10sbh and
-    24sbh/t + 5as^2b/t, for picockpt's own layer, on one rank."""
+    """(bytes of a stored layer each rank holds whole, bytes split by t): picockpt's 10sbh and 24sbh/t + 5as^2b/t."""
     split = {name for name, kind in SPLIT.items() if kind != "tokens"}  # by t whatever sp is: heads, columns
     inventory = rank_layer_inventory(cfg, batch, seq, t, sp, drop)
     whole = sum(b for name, (_, _, b) in inventory.items() if name not in split and not sp)

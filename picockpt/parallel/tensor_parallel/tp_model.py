@@ -1,18 +1,12 @@
-"""One tensor-parallel rank's model, as the engine's loop sees it (picockpt/engine.py: Step).
+"""One tensor-parallel rank's model, as the engine's loop sees it (picockpt/engine.py: Step). The loop is the single
+process's, line for line (a recompute runs the recomputed layers' collectives again); only the parts differ: the
+embedding and head are vocab.py's, the layers tp_layer.py's, and a checkpoint may be kept as this rank's 1/t of it.
 
-The loop is the single process's, line for line: forward storing per policy, backward finding the
-nearest checkpoint, recomputing (and so running the recomputed layers' collectives again), using,
-dropping. Only the parts differ: the embedding and head are vocabulary-parallel
-(picockpt/parallel/tensor_parallel/vocab.py), the layers are tp_layer.py's, and a checkpoint may be kept as this
-rank's 1/t of it.
-
-Distributed saved activations (Megatron-LM's --distribute-saved-activations; Korthikanti et al.
-sec. 5): without sequence parallelism every rank would keep the same whole layer input as its
-checkpoint, t copies of one tensor. With distribute_saved=True each rank keeps 1/t of it instead
-(the flat tensor split in t equal parts, as Megatron's split_tensor_into_1d_equal_chunks), and a
-recompute sweep all-gathers it before running the layer again (gather_split_1d_tensor): memory
-for communication, counted in the "recompute" phase. Only checkpoint-only inputs are split: a
-layer stored whole keeps its whole input, which its own backward reads.
+Distributed saved activations (Megatron-LM's --distribute-saved-activations; Korthikanti et al. sec. 5): without sp each
+rank would keep the same whole layer input as its checkpoint, t copies of one tensor; with distribute_saved=True each
+keeps 1/t of it, the flat tensor in t equal parts (Megatron's split_tensor_into_1d_equal_chunks), all-gathered by a
+recompute sweep before it runs the layer again (gather_split_1d_tensor): memory for communication, counted under
+"recompute". Only checkpoint-only inputs are split: a layer stored whole keeps its whole input (its backward reads it).
 """
 from ...engine import Model
 from ...layer import layer_backward, layer_forward
@@ -25,15 +19,13 @@ from .vocab import head_forward_parallel
 
 
 class TensorParallelModel(Model):  # Model.start: this step's weights (this rank's), rotary tables
-    """params: this rank's slices (picockpt/parallel/tensor_parallel/tp_shard.py), under the full model's names;
-    input_ids, targets: the whole batch (B, T), on every rank."""
+    """params: this rank's slices (tp_shard.py) under the full names; input_ids, targets: the whole batch (B, T)."""
 
     def __init__(self, params, cfg, input_ids, targets, comm, sp=False, distribute_saved=False):
         self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
         self.comm, self.sp, self.distribute_saved = comm, sp, distribute_saved
         self.layers = range(cfg.layers)
-        B, T = input_ids.shape
-        self.layer_names = list(rank_layer_inventory(cfg, B, T, comm.world_size, sp))  # for --trace
+        self.layer_names = list(rank_layer_inventory(cfg, *input_ids.shape, comm.world_size, sp))  # for --trace
         self.split = set()  # layers whose stored input is this rank's 1/t of it (distribute_saved)
         self.cross = TensorParallelCrossings(comm, sp, cfg.dropout)  # where picockpt/layer.py's layer crosses ranks
 
@@ -60,8 +52,7 @@ class TensorParallelModel(Model):  # Model.start: this step's weights (this rank
         return x
 
     def layer_forward(self, k, x, store, drop, tail):
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, tail,
-                             self.cross)  # (B, n, h)
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, tail, self.cross)  # (B, n, h)
 
     def layer_backward(self, k, dx, store):  # -> dx (B, n, h) and this rank's LayerWeights of gradients
         return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, self.cross)

@@ -13,11 +13,10 @@ Megatron-LM's split (Shoeybi et al. 2019), for t ranks, rank r:
     lm_head.weight                      (V, h)      vocab-parallel  rows r*V/t ..
     the three RMSNorm weights           (h,)        replicated      all of it
 
-A column-parallel linear y = x W^T splits W's rows: rank r computes its own columns of y from the whole x. A
-row-parallel one splits W's columns: rank r computes the partial product of its slice of x, and the ranks' partial
-products sum to y. With grouped-query attention, query head j reads key/value head j // (H/KV); rank r's query
-heads read exactly its key/value heads, so t must divide both H and KV (at most KV ranks: Megatron replicates
-key/value heads beyond that; picockpt refuses instead).
+A column-parallel linear y = x W^T splits W's rows: rank r computes its columns of y from the whole x. A row-parallel
+one splits W's columns: rank r computes the partial product of its slice of x; the ranks' partial products sum to y.
+With grouped-query attention query head j reads key/value head j // (H/KV), so rank r's query heads read just its
+key/value heads: t must divide H and KV (Megatron replicates key/value heads beyond KV ranks; picockpt refuses).
 """
 import torch
 
@@ -38,21 +37,17 @@ def split_dim(name):
 
 def shard_params(params, rank, tp, device=None):
     """{name: rank's slice} of every parameter (a copy of its own, so the full tensors can go)."""
-    shards = {}
-    for name, tensor in params.items():
-        dim = split_dim(name)
-        shard = tensor if dim is None else tensor.chunk(tp, dim)[rank]  # (.., n/t, ..) a view
-        shards[name] = shard.to(device).clone() if device is not None else shard.clone()
-    return shards
+    dims = {name: split_dim(name) for name in params}
+    shards = {name: tensor if dims[name] is None else tensor.chunk(tp, dims[name])[rank]  # (.., n/t, ..) a view
+              for name, tensor in params.items()}
+    return {name: shard.to(device).clone() if device is not None else shard.clone() for name, shard in shards.items()}
 
 
 def gather_grads(per_rank, params):
     """Every rank's gradient slices -> full gradients under the params' names, in their order (replicated: rank 0's)."""
-    grads = {}
-    for name in params:
-        dim = split_dim(name)
-        grads[name] = per_rank[0][name] if dim is None else torch.cat([g[name] for g in per_rank], dim)  # (full shape)
-    return grads
+    dims = {name: split_dim(name) for name in params}
+    return {name: per_rank[0][name] if dim is None else torch.cat([g[name] for g in per_rank], dim)  # (full shape)
+            for name, dim in dims.items()}
 
 
 def check_tensor_parallel(cfg, tp, sp=False, seq=None, distribute_saved=False):

@@ -2,27 +2,17 @@
 parallel embedding, final norm, LM head and cross-entropy (Megatron-LM's VocabParallelEmbedding and
 vocab_parallel_cross_entropy). Rank r holds the rows V_r = [r*V/t, (r+1)*V/t) of the embedding and the LM head.
 
-    embedding   x_r = embed_r[ids] where the id is in V_r, else 0     (B, T, h) partial: one rank's is
-                x   = all-reduce(x_r)   (sp: reduce-scatter)           not 0, so the sum is exact
-    LM head     xn  = rmsnorm(x_L)                                     (B, n, h)   n = T/t with sp
-                xn  = ENTER(xn): identity | all-gather (sp)            (B, T, h)
-                z_r = xn @ lm_head_r.T                                 (B, T, V/t) this rank's columns
-    loss        m   = all-reduce-max(max_v z_r)                        (N,) the row max over all V
-                s   = all-reduce(sum_v exp(z_r - m))                   (N,)
-                lse = m + log s                                        (N,) log-sum-exp over all V
-                zy  = all-reduce(z_r[target] where target is in V_r, else 0)   (N,)
-                loss = mean over counted rows of (lse - zy)
+    embedding  x    = all-reduce(x_r) (sp: reduce-scatter), x_r = embed_r[ids] where the id is in V_r, else 0
+    LM head    z_r  = ENTER(rmsnorm(x_L)) @ lm_head_r.T    (B, T, V/t) this rank's columns; ENTER as in tp_layer.py
+    loss       lse  = m + log all-reduce(sum_v exp(z_r - m)),  m = all-reduce-max(max_v z_r)    (N,) over all V
+               loss = mean over counted rows of (lse - all-reduce(z_r[target] where it is in V_r, else 0))
 
-No rank holds the (N, V) logits: only its (N, V/t) columns, and three numbers per row move. Stored per rank: the
-final norm's input, rstd and output (on its n tokens), lm_head.logits (B, T, V/t) unless chunked (Config.loss_chunk:
-recomputed chunk by chunk in the backward), and lm_head.lse (B, T) in both cases: the softmax's denominator spans
-every rank's columns, so rebuilding it would cost two more all-reduces; with it the loss's backward moves nothing:
-
-    dz_r = scale * (exp(z_r - lse) - onehot_r(target))    onehot_r: 1 only where the target is in V_r
-
-The LM head's input gradient is then partial (this rank's columns' share): ENTER's backward, all-reduce
-(reduce-scatter with sp), sums it. The three per-row all-reduces run in the statistics dtype (fp32 or wider), each
-N = B*T numbers, per chunk when chunked.
+Only one rank's x_r is not 0 at a token, so the sum is exact. No rank holds the (N, V) logits, only its (N, V/t)
+columns; three numbers per row move, each an all-reduce of N = B*T numbers in the statistics dtype (fp32 or wider), per
+chunk when chunked. Stored per rank: the final norm's input, rstd and output (its n tokens), lm_head.logits (B, T, V/t)
+unless chunked (Config.loss_chunk: rebuilt chunk by chunk in the backward), and lm_head.lse (B, T) either way: the
+softmax's denominator spans every rank's columns, so rebuilding it would cost two more all-reduces; with it the loss's
+backward moves nothing: dz_r = scale * (exp(z_r - lse) - onehot_r(target)), onehot_r 1 only at targets in V_r.
 """
 import torch
 
@@ -49,8 +39,7 @@ def embedding_forward_parallel(ids, weight, comm, sp):
 
 
 def embedding_backward_parallel(dx, ids, weight_shape, comm, sp):
-    """Forward was x = sum over ranks of x_r, x_r[b, t] = W_r[ids[b, t] - start] for this rank's ids.
-    dx (B, n, h) -> the gradient of this rank's rows (V/t, h): the rows its own ids read."""
+    """dx (B, n, h) -> the gradient (V/t, h) of this rank's rows: x_r[b, t] = W_r[ids[b, t] - start] for its ids."""
     # the sum's backward: all-gather every rank's tokens' gradients (sp) | identity (dx is the same everywhere)
     dx = scatter_sequence_backward(dx, comm) if sp else reduce_from_parallel_backward(dx, comm)  # (B, T, h)
     size, start = weight_shape[0], comm.rank * weight_shape[0]  # V/t, this rank's first token id
@@ -108,15 +97,14 @@ def head_forward_parallel(x, weights, cfg, targets, store, comm, sp, drop=frozen
         logits = linear_forward(rows, W)  # (N, V/t) this rank's columns
         keep("lm_head.logits", logits.view(B, T, -1))
         total, lse = parallel_cross_entropy_forward(logits, ys, start, comm, cfg.stat_dtype)  # scalar, (N,)
-        keep("lm_head.lse", lse.view(B, T))
-        return total / count
-    lse = torch.empty(B * T, dtype=cfg.stat_dtype, device=x.device)  # (N,)
-    total = 0.0
-    for first, end in row_chunks(B * T, cfg.loss_chunk):
-        logits = linear_forward(rows[first:end], W)  # (c, V/t) one chunk's columns, dropped at once
-        part, lse[first:end] = parallel_cross_entropy_forward(logits, ys[first:end], start, comm, cfg.stat_dtype)
-        total = total + part
-        del logits
+    else:
+        lse = torch.empty(B * T, dtype=cfg.stat_dtype, device=x.device)  # (N,)
+        total = 0.0
+        for first, end in row_chunks(B * T, cfg.loss_chunk):
+            logits = linear_forward(rows[first:end], W)  # (c, V/t) one chunk's columns, dropped at once
+            part, lse[first:end] = parallel_cross_entropy_forward(logits, ys[first:end], start, comm, cfg.stat_dtype)
+            total = total + part
+            del logits
     keep("lm_head.lse", lse.view(B, T))
     return total / count
 
