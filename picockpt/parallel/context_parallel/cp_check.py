@@ -30,9 +30,6 @@ def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_k
         raise ValueError("Config.attention='eager' under context parallelism: eager attention keeps the "
                          "probabilities and has no log-sum-exp to merge the ranks' blocks with; use "
                          "attention='tiled' or 'fused'")
-    if cfg.dropout > 0:
-        raise ValueError(f"Config.dropout={cfg.dropout} under context parallelism: the masks of blocks spread "
-                         f"over ranks are not made equal to the single process's here; use dropout=0")
     if cfg.experts or cfg.router_jitter:
         raise ValueError(f"Config.experts={cfg.experts} under context parallelism: not supported here; use a "
                          f"dense MLP (experts=0), or expert parallelism (ep)")
@@ -40,6 +37,9 @@ def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_k
     if getattr(parsed, "offload", None) is not None:
         raise ValueError(f"policy={parsed.text!r} under context parallelism: offloading is not planned per "
                          f"context-parallel rank; use none, full, every:C, selective, cheap or budget:SIZE")
+    if cfg.dropout > 0:
+        raise ValueError(f"Config.dropout={cfg.dropout} under context parallelism: the masks of blocks spread "
+                         f"over ranks are not made equal to the single process's here; use dropout=0")
     check_rank_count("cp", cp, device)
 
 
