@@ -74,7 +74,8 @@ def contenders(cfg, seq, segment, min_cut=()):
     rows = [
         ("picockpt none", "picockpt", "none", none_peer),
         ("picockpt full", "picockpt", "full", full_peer),
-        (f"picockpt every:{C}", "picockpt", f"every:{C}", f"torch checkpoint_sequential({segments})" if eager else None),
+        (f"picockpt every:{C}", "picockpt", f"every:{C}",
+         f"torch checkpoint_sequential({segments})" if eager else None),
         ("picockpt selective", "picockpt", "selective", "torch selective checkpoint" if eager else None),
         ("picockpt cheap", "picockpt", "cheap", "torch checkpoint saving matmuls" if eager else None),
         (f"picockpt every:{C}+selective", "picockpt", f"every:{C}+selective", None),

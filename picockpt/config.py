@@ -109,8 +109,8 @@ class Config:
                                  + (" >= 1 (e.g. 128)" if name == "attention_tile" else " >= 0 (0: no chunking)"))
         if self.attention == "fused" and self.dropout > 0:
             raise ValueError(f"Config.attention='fused' with dropout={self.dropout}: torch's fused CPU kernel has "
-                             f"no dropout, and picockpt does not replay a CUDA kernel's own mask under recomputation; use "
-                             f"attention='tiled' (its masks are regenerated from a stored seed) or dropout=0")
+                             f"no dropout, and picockpt does not replay a CUDA kernel's own mask under recomputation; "
+                             f"use attention='tiled' (its masks are regenerated from a stored seed) or dropout=0")
         if self.dtype not in DTYPES:
             raise ValueError(f"Config.dtype={self.dtype!r}: use one of {sorted(set(DTYPES))}")
         object.__setattr__(self, "dtype", DTYPES[self.dtype])

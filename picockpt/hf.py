@@ -138,8 +138,9 @@ def check_rope_scaling(scaling, theta):
         raise ValueError(f"Config.rope_scaling key {unknown[0]!r} is not implemented: picockpt's RoPE reads "
                          f"rope_type, rope_theta and Llama 3.1's {', '.join(LLAMA3_KEYS)}, as Config.from_hf does")
     if "rope_theta" in scaling and scaling["rope_theta"] != theta:
-        raise ValueError(f"Config.rope_scaling['rope_theta']={scaling['rope_theta']!r} but Config.rope_theta={theta!r}: "
-                         f"the rotary base is Config.rope_theta; set rope_theta={scaling['rope_theta']!r} "
+        raise ValueError(f"Config.rope_scaling['rope_theta']={scaling['rope_theta']!r} but "
+                         f"Config.rope_theta={theta!r}: the rotary base is Config.rope_theta; "
+                         f"set rope_theta={scaling['rope_theta']!r} "
                          f"(Config.from_hf reads rope_parameters' rope_theta into it)")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_KINDS:

@@ -26,8 +26,8 @@ C layers (n = ceil(L/C) of them, the k-th holding n_k layers):
                           on the device at once; the head's while layer L-1's do)
 """
 from .closed_forms import (  # noqa: F401 (the forms of one layer and the head, re-exported)
-      # noqa: F401 (the layer's forms, re-exported)
-    dropped, balanced_counts, check_counts, layer_inventory, counts_from_puts, expert_bytes, head_inventory, total, chain_sizes, attention_matmul_flops, layer_flops, tail_flops, rebuild_flops, inner_recompute_flops, segments_peak)
+    dropped, balanced_counts, check_counts, layer_inventory, counts_from_puts, expert_bytes, head_inventory, total,
+    chain_sizes, attention_matmul_flops, layer_flops, tail_flops, rebuild_flops, inner_recompute_flops, segments_peak)
 from .planner import model_chain, plan_model
 from .policy import parse_policy
 

@@ -83,7 +83,8 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
         "peak_tracked_bytes": max(p["total"] for p in tracker.peaks.values()),  # with weights, grads, optimizer
         "forward_flops": tracker.flops["forward"], "recompute_flops": tracker.flops["recompute"],
         "backward_flops": tracker.flops["backward"],
-        "step_seconds": statistics.median(times), "step_seconds_min_max": [min(times), max(times)], "loss": loss.item(), "grad_max_abs_diff_vs_none": diff,
+        "step_seconds": statistics.median(times), "step_seconds_min_max": [min(times), max(times)],
+        "loss": loss.item(), "grad_max_abs_diff_vs_none": diff,
         "phase_peaks": tracker.peaks,
     }
     if tracker.cuda:

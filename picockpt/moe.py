@@ -89,7 +89,7 @@ def moe_block_backward(grad, normed, w, cfg, take):
 
 
 # ---- the block's pieces: the router, one expert, the weighting, the shared expert --------------------
-# Written once, used by the block above and by the expert-parallel block (picockpt/parallel/expert_parallel/ep_layer.py),
+# Written once, used by the block above and by the expert-parallel block (picockpt/parallel/expert_parallel/ep_moe.py),
 # which runs the same pieces with the tokens moved between ranks in between.
 
 def route(xn, w, cfg, keep, index=None):

@@ -130,7 +130,8 @@ def differences(source, committed):
 
 def _first_difference(a, b):
     a_lines, b_lines = a.split("\n"), b.split("\n")
-    return next((i + 1 for i, (x, y) in enumerate(zip(a_lines, b_lines)) if x != y), min(len(a_lines), len(b_lines)) + 1)
+    differing = (i + 1 for i, (x, y) in enumerate(zip(a_lines, b_lines)) if x != y)
+    return next(differing, min(len(a_lines), len(b_lines)) + 1)
 
 
 def write(book, path):

@@ -64,8 +64,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .closed_forms import (head_inventory, inner_recompute_flops, layer_flops, layer_inventory, rebuild_flops, tail_flops,
-                        total)
+from .closed_forms import (head_inventory, inner_recompute_flops, layer_flops, layer_inventory, rebuild_flops,
+                           tail_flops, total)
 from .schedule import OP_LEVEL, Schedule
 
 

@@ -291,8 +291,8 @@ def actions(plan, chain):
             what = "all it stores" if "*" in host[k] else ", ".join(sorted(host[k]))
             forward = stage.forward_flops / rate
             action = f"offload ({what})" + (" + recompute" if k in recomputed else "")
-            why = (f"{info[k]['host']:,} B over the link: {info[k]['copy'] * 1e6:.1f} us of copies (out in the forward, "
-                   f"back in the backward), queued on the side stream while the other layers compute "
+            why = (f"{info[k]['host']:,} B over the link: {info[k]['copy'] * 1e6:.1f} us of copies (out in the "
+                   f"forward, back in the backward), queued on the side stream while the other layers compute "
                    f"({forward * 1e6:.1f} us a layer's forward, twice that its backward); exposed "
                    f"{info[k]['wait'] * 1e6:.1f} us")
         elif k in recomputed:

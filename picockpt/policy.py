@@ -137,7 +137,8 @@ def parse_size(text):
         raise ValueError(f"size {text!r} is {value:g} bytes, less than one byte: give a unit (e.g. {text.strip()}MiB) "
                          f"or a whole number of bytes")
     if not value < 2**63:  # also inf, from e.g. 1e999
-        raise ValueError(f"size {text!r} is too large to be a number of bytes (the limit is 2**63): give e.g. 1.5GiB or 2TiB")
+        raise ValueError(f"size {text!r} is too large to be a number of bytes (the limit is 2**63): "
+                         f"give e.g. 1.5GiB or 2TiB")
     return int(value)
 
 

@@ -11,12 +11,13 @@ cuda      on a CUDA device max_memory_allocated() per phase, relative to the sta
           with cuda_timeline=True also torch.cuda.memory_allocated() at every store event (each
           query costs about 0.2 ms, twice a small step's GPU time, so it is off unless a
           timeline against the allocator is wanted: lesson 01's figure, the GPU benchmark).
-
-Phases: forward, recompute, backward, optimizer. host      with an offloading policy (picockpt/offload.py): the host tier's bytes at every store event
+host      with an offloading policy (picockpt/offload.py): the host tier's bytes at every store event
           (peak_host), the bytes copied each way in each phase (copy_bytes: "to_host", "to_device"),
           and the host copies' storages, marked "host", kept out of the physical (device) count
           (peak_host_live); on CUDA also exposed_copy_seconds, the time the compute stream waited
           for copies, measured with CUDA events (None elsewhere: on a CPU it is modelled, not measured).
+
+Phases: forward, recompute, backward, optimizer.
 
 FLOPs per phase: torch.utils.flop_counter's formulas (flop_registry: 2*m*n*k per matmul, the attention
 kernels' matmuls) applied to every op by the same dispatch mode that watches the storages, one Python hop per

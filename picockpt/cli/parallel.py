@@ -92,9 +92,10 @@ def check_flags(args):
     tp = args.tp if args.tp is not None else 2 if alone else 1
     for flag, given in (("--sp", args.sp), ("--distribute-saved", args.distribute_saved)):
         if given and tp == 1 and args.ep == 1:
+            default = ", the default beside --pp/--dp/--microbatches" if args.tp is None else ""
             raise ValueError(f"{flag} with a tensor-parallel size of 1 (--tp {args.tp if args.tp is not None else 1}"
-                             f"{', the default beside --pp/--dp/--microbatches' if args.tp is None else ''}): it splits "
-                             f"a tensor-parallel rank's tokens or checkpoints, and there is none here; add --tp N "
+                             f"{default}): it splits a tensor-parallel rank's tokens or checkpoints, and there is "
+                             f"none here; add --tp N "
                              f"(N > 1), or leave {flag} out")
     args.schedule = args.schedule or "1f1b"
 
@@ -135,8 +136,8 @@ def _print_table(row):
     print(table(row["ranks"], rank_columns()))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] for r in row["ranks"])
-    print(f"stored peaks and communication bytes equal their closed forms (picockpt/parallel/tensor_parallel/tp_inventory.py): "
-          f"{'yes' if exact else 'NO'}")
+    print(f"stored peaks and communication bytes equal their closed forms "
+          f"(picockpt/parallel/tensor_parallel/tp_inventory.py): {'yes' if exact else 'NO'}")
     first = row["ranks"][0]
     added = first["comm_bytes"]["recompute"]
     print(f"recomputation moves {fmt_bytes(added)} per rank again "

@@ -60,9 +60,9 @@ def run_expert(args):
 def _print_table(row):
     choice = "keeping the dispatched rows" if row["keep_dispatched"] else "dispatching again to recompute"
     beside = "".join(f", {key}={row[key]}" for key in ("dp", "pp", "microbatches") if row[key] > 1)
-    print(f"expert parallel ep={row['ep']}{beside}, {choice}, policy {row['policy']} on {row['device']}, {row['dtype']}: "
-          f"L={row['layers']} h={row['hidden']} E={row['experts']} k={row['experts_per_token']} f={row['ffn']} "
-          f"V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
+    print(f"expert parallel ep={row['ep']}{beside}, {choice}, policy {row['policy']} on {row['device']}, "
+          f"{row['dtype']}: L={row['layers']} h={row['hidden']} E={row['experts']} k={row['experts_per_token']} "
+          f"f={row['ffn']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
     where = [("stage", lambda r: str(r["stage"]))] if row["pp"] > 1 else []
     where += [("dp", lambda r: str(r["dp_rank"]))] if row["dp"] > 1 else []
     print(table(row["ranks"], rank_columns(*where, ("experts", lambda r: f"{r['experts'][0]}..{r['experts'][-1]}"),

@@ -17,7 +17,8 @@ import json
 from ..config import PRESETS
 from ..formulas import GIB, RECOMPUTE, korthikanti_flops, korthikanti_layer_bytes, playbook_activation_bytes
 from ..inventory import chain_sizes, layer_inventory, predicted_peak_bytes, step_flops, total
-from ..parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_flops, rank_peak_bytes, rank_sizes, replicated_and_split
+from ..parallel.tensor_parallel.tp_inventory import (rank_comm_bytes, rank_flops, rank_peak_bytes, rank_sizes,
+                                                    replicated_and_split)
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from ..policy import SELECTIVE
 from .common import add_shape_args, config_from_args, fmt_bytes
@@ -148,7 +149,8 @@ def _own_row(cfg, batch, seq, kind, t, sp, distributed):
         check_tensor_parallel(cfg, t, sp, seq, distributed)
     except ValueError as error:
         if t == 1:  # one rank holds the whole model (a mixture of experts too): the single-process bytes
-            own = chain_sizes(cfg, batch, seq, drop)[0] if kind == "full" else total(layer_inventory(cfg, batch, seq, drop))
+            own = (chain_sizes(cfg, batch, seq, drop)[0] if kind == "full"
+                   else total(layer_inventory(cfg, batch, seq, drop)))
             return {"picockpt_bytes": own, "picockpt_replicated_bytes": own}
         return {"picockpt_bytes": None, "picockpt_note": str(error)}
     if kind == "full":
