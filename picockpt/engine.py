@@ -67,10 +67,11 @@ class Model:
     start(tracker), embed(), keep_input/load_input, layer_forward/layer_backward,
     head_forward/head_backward and embed_backward."""
 
-    def __init__(self, params, cfg, input_ids, targets):
+    def __init__(self, params, cfg, input_ids, targets, layer_names=None):
         self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
         self.layers = range(cfg.layers)  # the layers this model runs, in order
-        self.layer_names = list(layer_inventory(cfg, *input_ids.shape))  # what a layer could keep (--trace)
+        # what a layer could keep (--trace): picockpt's layer's names, or those a parallel rank's model gives
+        self.layer_names = list(layer_inventory(cfg, *input_ids.shape)) if layer_names is None else layer_names
 
     def start(self, tracker):  # first thing in the forward: the weights of this step, the rotary tables
         cfg = self.cfg

@@ -19,9 +19,8 @@ class ExpertParallelModel(Model):  # Model's start (this rank's weights), embed,
     counted targets. Set model.store = step.store after building the Step: every layer keeps its routing there."""
 
     def __init__(self, params, cfg, input_ids, targets, comm, counted, keep_dispatched=False):
-        super().__init__(params, cfg, input_ids, targets)
+        super().__init__(params, cfg, input_ids, targets, ep_layer_names(cfg, comm.world_size, comm.rank))
         self.comm, self.keep_dispatched = comm, keep_dispatched
-        self.layer_names = ep_layer_names(cfg, comm.world_size, comm.rank)  # what a layer could keep (--trace)
         self.first_expert = comm.rank * (cfg.experts // comm.world_size)  # the global id of its first expert
         self.share = int((targets != IGNORE_INDEX).sum()) / counted  # n_r / n: its share of the whole batch's mean
         self.store = None

@@ -22,10 +22,9 @@ class TensorParallelModel(Model):  # Model.start: this step's weights (this rank
     """params: this rank's slices (tp_shard.py) under the full names; input_ids, targets: the whole batch (B, T)."""
 
     def __init__(self, params, cfg, input_ids, targets, comm, sp=False, distribute_saved=False):
-        self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
+        names = list(rank_layer_inventory(cfg, *input_ids.shape, comm.world_size, sp))  # what a layer could keep
+        super().__init__(params, cfg, input_ids, targets, names)
         self.comm, self.sp, self.distribute_saved = comm, sp, distribute_saved
-        self.layers = range(cfg.layers)
-        self.layer_names = list(rank_layer_inventory(cfg, *input_ids.shape, comm.world_size, sp))  # for --trace
         self.split = set()  # layers whose stored input is this rank's 1/t of it (distribute_saved)
         self.cross = TensorParallelCrossings(comm, sp, cfg.dropout)  # where picockpt/layer.py's layer crosses ranks
 
