@@ -33,7 +33,7 @@
 # picockpt's version (picockpt/offload.py): the store's put may go to a host tier; on CUDA into pinned
 # buffers, copied on a side stream ordered with events; the engine prefetches layer i-1's tensors while
 # layer i's backward runs. On the CPU the same code runs with the host tier in ordinary memory: the
-# copies are real, their time is **modelled** (planner_offload.py) and printed as modelled. Every time
+# copies are real, their time is **modelled** (host_walk.py) and printed as modelled. Every time
 # below is labelled measured or modelled.
 #
 # **Run it** as a script, `python lessons/16_offloading.py` (the CPU run, about a minute; `--fast` for
@@ -50,7 +50,8 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import chain_sizes, layer_flops, layer_inventory, predicted_host_bytes, predicted_peak_bytes
 from picockpt.measure import make_batch
 from picockpt.planner import frontier, least_budget, model_chain
-from picockpt.planner_offload import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, plan_offload
+from picockpt.host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
+from picockpt.planner_offload import plan_offload
 from picockpt.plotting import save_figure
 from picockpt.tracker import Tracker
 

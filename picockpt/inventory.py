@@ -18,7 +18,7 @@ C layers (n = ceil(L/C) of them, the k-th holding n_k layers):
     every:C (full: C=1)   peak = max( n*X + F,                   (end of the forward: checkpoints + F)
                                       max_k (k*X + n_k*A) )      (segment k just recomputed, below it
                                                                   the k checkpoints of segments 0..k-1)
-  with the checkpoints or the layers on the host (offload; picockpt/planner_offload.py walks the step):
+  with the checkpoints or the layers on the host (offload; picockpt/host_walk.py walks the step):
     every:C+offload       device peak = max(F + X, C*A, A + X)  host peak = n*X
     full+offload          device peak = max(F + X, A + X)       host peak = L*X
     none+offload          device peak = max(F + A, 2*A)         host peak = L*A
@@ -28,6 +28,7 @@ C layers (n = ceil(L/C) of them, the k-th holding n_k layers):
 from .closed_forms import (  # noqa: F401 (the forms of one layer and the head, re-exported)
     dropped, balanced_counts, check_counts, layer_inventory, counts_from_puts, expert_bytes, head_inventory, total,
     chain_sizes, attention_matmul_flops, layer_flops, tail_flops, rebuild_flops, inner_recompute_flops, segments_peak)
+from .host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, model_costs, walk
 from .planner import model_chain, plan_model
 from .policy import parse_policy
 
@@ -64,8 +65,7 @@ def predicted_host_bytes(cfg, batch, seq, policy):
 
 def offload_walk(cfg, batch, seq, policy, bandwidth=None, rate=None):
     """The engine's step under an offloading policy, walked on byte counts and a modelled clock (a Walk:
-    device and host peaks, bytes copied each way, modelled seconds; picockpt/planner_offload.py)."""
-    from .planner_offload import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, model_costs, walk
+    device and host peaks, bytes copied each way, modelled seconds; picockpt/host_walk.py)."""
     policy = parse_policy(policy, cfg)
     chain = model_chain(cfg, batch, seq, policy.drop)
     return walk(chain, policy.schedule(cfg, batch, seq), model_costs(cfg, batch, seq, policy.drop),

@@ -96,7 +96,7 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
 
 def offload_columns(cfg, batch, seq, policy, tracker):
     """The host tier's numbers of one tracked step: measured bytes, their closed forms, the exposed copy time."""
-    model = offload_walk(cfg, batch, seq, policy)  # at the default link and rate (planner_offload.py)
+    model = offload_walk(cfg, batch, seq, policy)  # at the default link and rate (host_walk.py)
     columns = {"host_peak_bytes": tracker.peak_host,
                "predicted_host_bytes": predicted_host_bytes(cfg, batch, seq, policy),
                "host_live_peak_bytes": tracker.peak_host_live,

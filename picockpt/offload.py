@@ -18,7 +18,7 @@ a device buffer is filled from the host copy, and the store counts it as device 
               (compute) stream, in its pack and unpack hooks (torch/autograd/graph.py).
     on a CPU  the same calls, with the host tier in ordinary memory: every copy is real (a new buffer
               filled element by element), and there is no second engine to overlap it with; its time
-              is modelled from a bandwidth (picockpt/planner_offload.py), never measured.
+              is modelled from a bandwidth (picockpt/host_walk.py), never measured.
 
 The host copies are marked "host" in the Tracker, which counts them apart from device activations.
 On CUDA, every read of a prefetched tensor records when the compute stream asked for it; after the

@@ -1,4 +1,4 @@
-"""Offloading to host memory (picockpt/offload.py, store.py, planner_offload.py): exactness against none,
+"""Offloading to host memory (picockpt/offload.py, store.py, host_walk.py, planner_offload.py): exactness against none,
 byte-exact device and host peaks against their closed forms, the three-action planner, clear errors."""
 import json
 
@@ -12,7 +12,8 @@ from picockpt.inventory import chain_sizes, predicted_host_bytes, predicted_peak
 from picockpt.measure import make_batch, measure_policy
 from picockpt.offload import HostTier
 from picockpt.planner import least_budget, model_chain
-from picockpt.planner_offload import check_rates, model_costs, plan_offload, walk
+from picockpt.host_walk import check_rates, model_costs, walk
+from picockpt.planner_offload import plan_offload
 from picockpt.policy import parse_policy
 from picockpt.tracker import Tracker
 

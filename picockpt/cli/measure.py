@@ -59,7 +59,7 @@ def run(args):
     if "cuda_peak_bytes" in row:
         lines.append(("CUDA max_memory_allocated", fmt_bytes(row["cuda_peak_bytes"]), "step's increase"))
     if "host_peak_bytes" in row:
-        from ..planner_offload import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
+        from ..host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
         lines.append(("peak host bytes (offloaded)", fmt_bytes(row["host_peak_bytes"]),
                       f"{row['host_peak_bytes']:,} bytes; closed form {row['predicted_host_bytes']:,}"))
         for phase, copied in row["copy_bytes"].items():

@@ -15,7 +15,8 @@ import time
 from ..fit import check_fits
 from ..inventory import step_flops
 from ..planner import Stage, least_budget, model_chain, plan_chain, plan_model
-from ..planner_offload import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, actions, check_rates, plan_offload
+from ..host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, check_rates
+from ..planner_offload import actions, plan_offload
 from ..planner_uniform import binomial_forward_steps, plan_uniform
 from ..policy import OP_LEVEL, parse_policy, parse_size
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops

@@ -50,7 +50,7 @@ rank r computes d + r e: rank 0 the diagonal alone, and the busiest rank against
 from ...closed_forms import attention_matmul_flops, chain_sizes, head_inventory, layer_flops, layer_inventory
 from ...closed_forms import segments_peak, tail_flops
 from ...config import BYTES
-from ...planner_offload import DEFAULT_COMPUTE_RATE
+from ...host_walk import DEFAULT_COMPUTE_RATE
 from ...policy import parse_policy
 from .cp_layout import SequenceLayout
 
