@@ -70,7 +70,7 @@ for path in lessons:
 # | 9 | `picockpt/closed_forms.py`, `picockpt/inventory.py` | the closed forms the tests hold the tracker to, to the byte: a layer's inventory, $X$, $A$, $F$, the one every:C peak formula; then the step's `predicted_peak_bytes`, `step_flops` |
 # | 10 | `picockpt/formulas.py` | the published formulas (Korthikanti et al.'s Table 2, the Ultra-Scale Playbook's charts and widget, Chen's optimum) for comparison |
 # | 11 | `picockpt/planner_uniform.py`, `picockpt/planner.py` | binomial checkpointing (revolve) on equal steps; then rotor's dynamic programme on picockpt's own layers: the least recompute under a byte budget |
-# | 12 | `picockpt/offload.py`, `picockpt/host_walk.py`, `picockpt/planner_offload.py` | offloading, a third action beside keeping and recomputing: the store's host tier (pinned buffers, copies on a side stream ordered by events, the next layer's tensors prefetched during a backward), a step walked with it (exact bytes, a modelled time for copies and compute on two streams) and the planner that chooses among keep, recompute and offload at a modelled time, from a link's bandwidth and a compute rate |
+# | 12 | `picockpt/offload.py`, `picockpt/host_pool.py`, `picockpt/host_walk.py`, `picockpt/planner_offload.py` | offloading, a third action beside keeping and recomputing: the store's host tier (pinned buffers reused by size from a pool, copies on a side stream ordered by events, the next layer's tensors prefetched during a backward), a step walked with it (exact bytes, a modelled time for copies and compute on two streams) and the planner that chooses among keep, recompute and offload at a modelled time, from a link's bandwidth and a compute rate |
 # | 13 | `picockpt/attention.py`, `picockpt/ops/attention_tiled.py`, `picockpt/ops/attention_fused.py` | the attention kinds: eager (stores the probabilities), tiled (FlashAttention-2 written out), fused (torch's kernels); what each stores |
 # | 14 | `picockpt/head.py` | the final norm, the LM head and the loss; chunked, the logits are recomputed in the backward |
 # | 15 | `picockpt/moe.py`, `picockpt/ops/router.py`, `picockpt/routing.py` | Mixtral-style experts: routing, per-expert stored tensors, what MoE recomputation keeps |
@@ -90,7 +90,7 @@ READING_ORDER = [
     "config.py", "params.py", "ops/", "layer.py", "tail.py", "store.py", "schedule.py", "policy.py", "engine.py",
     "tracker.py",
     "closed_forms.py", "inventory.py", "formulas.py", "planner_uniform.py", "planner.py", "offload.py",
-    "host_walk.py", "planner_offload.py", "attention.py",
+    "host_pool.py", "host_walk.py", "planner_offload.py", "attention.py",
     "ops/attention_tiled.py", "ops/attention_fused.py", "head.py", "moe.py", "ops/router.py", "routing.py",
     "reference.py", "peers.py", "peers_hf.py", "bridge.py", "parallel/step.py", "parallel/rank.py",
     "parallel/layout.py", "parallel/comm.py", "parallel/job.py", "parallel/forms.py", "parallel/rng.py",

@@ -51,8 +51,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 from _check import check
-from _lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, large, lesson_args, paired_ratios,
-                     shape_line, small, wrote)
+from _lesson import (FAST_TIMING, choose, device_name, dtype_for_device, interleaved_seconds, large, lesson_args,
+                     paired_ratios, shape_line, small, wrote)
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.formulas import chen_optimum, exact_segment_curve
 from picockpt.head import head_backward, head_forward
@@ -161,6 +161,7 @@ plan = shape(args.mode)
 cfg, batch, seqs, fast = plan["cfg"], plan["batch"], plan["seqs"], args.mode == "fast"
 cfg = cfg.replace(max_seq=max(cfg.max_seq, max(seqs)))
 T, half, device, seed = seqs[-1], seqs[-1] // 2, args.device, args.seed
+cfg = dtype_for_device(cfg, device, [attention for attention, _ in KINDS.values()])  # CUDA: fused takes 16 bits
 print(f"lesson 09, sequence lengths {seqs}: {shape_line(cfg, batch, 'T', device)}")
 
 # %% [markdown]
@@ -354,7 +355,8 @@ def head_schemes(cfg, seq, chunk, device="cpu", seed=0):
     the weights excluded), flops by phase, loss, grads}, for Cut Cross-Entropy's (picockpt's) and Liger's."""
     model = cfg.replace(loss_chunk=chunk)
     weights = compute_weights(init_params(model, seed=seed, device=device), model)
-    x = torch.randn(1, seq, cfg.hidden, device=device, dtype=model.torch_dtype)  # (1, T, h) the last layer's output
+    generator = torch.Generator(device=device).manual_seed(seed)  # the same input in every run
+    x = torch.randn(1, seq, cfg.hidden, device=device, dtype=model.torch_dtype, generator=generator)  # (1, T, h)
     _, targets = make_batch(model, 1, seq, device, seed)
     rows = {}
     for scheme in ("cut cross-entropy", "liger"):
@@ -469,7 +471,7 @@ print(f"fused: A(2s) = 2·A(s) for every model ({yes(linear)}): no T² term, so 
       f"forward, L·X + F, the peak at C=1: fewer checkpoints lower it. Chunking shrinks F to 2 layer inputs, and "
       f"the segment term decides.")
 deep_cfg, deep_T, segments = plan["deep"]
-deep_cfg = deep_cfg.replace(max_seq=max(deep_cfg.max_seq, deep_T))
+deep_cfg = dtype_for_device(deep_cfg.replace(max_seq=max(deep_cfg.max_seq, deep_T)), device, ("eager", "fused"))
 deep = measure_segments(deep_cfg, deep_T, segments, DEEP_CHUNK, device, seed)
 deep_ok = all(measured == formula for measured, formula in deep.values())
 print(f"measured on L={deep_cfg.layers} h={deep_cfg.hidden} V={deep_cfg.vocab} {deep_cfg.dtype}, batch 1 x "

@@ -10,7 +10,9 @@
 #   steps, each passing the K/V block on to the next rank while every rank's queries merge what they have
 #   seen with the block's partial output by their log-sum-exp, FlashAttention's online softmax
 #   (`picockpt/parallel/context_parallel/cp_attention.py`). The backward runs the ring again, and the
-#   gradients of each block ride along with it until they are home.
+#   gradients of each block ride along with it until they are home. `cp_comm="ring"` does one thing at a time,
+#   to be read; `"ring_overlap"` posts each step's send before the attention of the block it holds, as the
+#   ring attention paper does, and waits for it after: the same bytes, the same sums, the same numbers.
 # * **all-gather** (the Llama 3 paper's choice): one all-gather of K/V per layer, attention on the local
 #   queries, and a reduce-scatter of their gradients in the backward, which gathers K/V once more (each
 #   rank "only stores the KV of a sequence chunk in forward and gathers KV again in backward", as
@@ -70,7 +72,8 @@ import numpy as np
 import torch
 
 from _check import check
-from _lesson import choose, large, lesson_args, ranks_device, shape_line, small, spawning_ranks, wrote
+from _lesson import (FAST_TIMING, Spread, choose, dtype_for_device, large, lesson_args, paired_ratios, ranks_device,
+                     shape_line, small, spawning_ranks, wrote)
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.formulas import GIB
 from picockpt.inventory import predicted_peak_bytes
@@ -97,7 +100,8 @@ LLAMA_SEQ = 131072
 
 # %%
 def shape(mode):
-    """(Config, batch, seq, the cp sizes run) of each run mode: fused attention (tiled on a GPU in fp32)."""
+    """(Config, batch, seq, the cp sizes run) of each run mode: fused attention (tiled on a GPU in fp32; fused
+    on CUDA computes in bf16: dtype_for_device)."""
     return choose(mode, fast=(small(layers=2, hidden=64, ffn=128, attention="fused"), 1, 64, (2,)),
                   cpu=(small(layers=4, attention="fused"), 1, 512, (2, 4)),
                   large=(large(layers=4, attention="tiled"), 1, 4096, (2, 4)))
@@ -133,6 +137,7 @@ def measure(cfg, batch, seq, sizes, device):
 # %%
 args = lesson_args()
 cfg, batch, seq, sizes = shape(args.mode)
+cfg = dtype_for_device(cfg, args.device)  # CUDA: the flash kernel takes 16 bits
 print(f"lesson 14, context parallel on {', '.join(map(str, sizes))} ranks: {shape_line(cfg, batch, seq, args.device)}")
 runs = measure(cfg, batch, seq, sizes, torch.device(args.device))
 exact = {"peak": all(r["peak_activation_bytes"] == r["predicted_activation_bytes"]
@@ -194,8 +199,9 @@ wrote(paths[-1])
 # wire a ring all-gather sends $(cp-1)/cp$ of its buffer (nccl-tests' bus-bandwidth factor,
 # `picockpt/parallel/comm.py`), $(cp-1)\,KV$, the ring's bytes exactly, and a reduce-scatter $(cp-1)\,G$
 # against the ring's $cp\,G$ (its gradients take one hop more to get home). What differs is when the bytes
-# move: a ring can overlap each step with the attention of the block it has (picockpt's runs them one after
-# the other), an all-gather moves everything before the layer's attention starts.
+# move: a ring can overlap each step with the attention of the block it has (`ring` runs them one after the
+# other, `ring_overlap` overlaps them: timed below), an all-gather moves everything before the layer's attention
+# starts.
 
 # %%
 big = max(sizes)
@@ -237,6 +243,49 @@ def plot_comm(runs, big):
 
 paths.append(plot_comm(runs, big))
 wrote(paths[-1])
+
+# %% [markdown]
+# ## The overlapped ring, timed
+#
+# `cp_comm="ring_overlap"` posts each hop's paired send and receive (one `batch_isend_irecv`, the same order on
+# every rank) before the attention of the block the rank holds, and waits for it before the next block is
+# used; in the backward the next K/V travels during the block's attention, and its gradient after it (that
+# attention is what sums it). Same bytes on the wire, the same sums in the same order: the same loss and
+# gradients, bitwise. Below: `full` steps of both, interleaved pair by pair in one launch of $cp = 2$ ranks,
+# and the ratio of each pair's step times. What it can hide is the ring's time on the wire; on gloo over
+# loopback on a few CPU cores the "wire" is the same cores that compute, so there is little to hide.
+
+# %%
+def time_rings(cfg, batch, seq, device, repeats, cp=2):
+    """(Spread of overlapped / simple step seconds, pair by pair; bitwise equal loss and gradients): `repeats`
+    pairs of full steps, ring then ring_overlap, in one launch of cp ranks (measure=False: times and bytes)."""
+    params = init_params(cfg, seed=0)
+    ids, targets = make_batch(cfg, batch, seq, "cpu", seed=0)
+    jobs = [ParallelJob(params, cfg, ids, targets, "full", cp=cp, cp_comm=comm, measure=False)
+            for _ in range(repeats + 1) for comm in ("ring", "ring_overlap")]  # the first pair: a warm-up
+    start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    with spawning_ranks():
+        results = run_jobs(jobs, cp, device=ranks_device(device, cp).type, start_method=start, timeout_s=300)
+    seconds = [reports[0]["step_seconds"] for _, _, reports in results[2:]]
+    (loss, grads, _), (loss_o, grads_o, _) = results[0], results[1]
+    same = torch.equal(loss, loss_o) and all(torch.equal(grads[k], grads_o[k]) for k in grads)
+    return paired_ratios(Spread(tuple(seconds[1::2])), Spread(tuple(seconds[0::2]))), same
+
+
+def overlap_verdict(ratio, mode):
+    """One line on the ratio: its spread, and what the pairs agree on (nothing, when it straddles 1)."""
+    what = "ring_overlap / ring step time"
+    if mode == "fast":
+        return f"{what}: {FAST_TIMING}"
+    text = f"{what}: {ratio.text('{:.3f}')} over {len(ratio.samples)} interleaved pairs"
+    if not ratio.excludes(1.0):
+        return f"{text}: inconclusive on this machine (the spread straddles 1)"
+    return f"{text}: the overlapped ring is {'faster' if ratio.high < 1 else 'slower'} in every pair"
+
+
+overlap_ratio, overlap_same = time_rings(cfg, batch, seq, torch.device(args.device), choose(args.mode, 2, 9, 9))
+print(f"cp=2, full: ring_overlap's loss and gradients equal ring's bitwise: {overlap_same}")
+print(overlap_verdict(overlap_ratio, args.mode))
 
 # %% [markdown]
 # ## Zigzag against contiguous
@@ -345,7 +394,7 @@ print(f"the paper's layout, cp = 16 beside tp = 8 and pp = 16 (1F1B over 16 sequ
 # in its tokens), while the ring's bytes per rank grow towards one K/V of the whole sequence. Per layer and
 # rank the ring moves $(cp-1) \cdot 2\,n\,(KV/t)\,hd$ elements against sequence parallelism's four collectives
 # of $n\,h$ each, a ratio of $(cp-1) \cdot 2\,(KV/t)\,hd / (4h) = (cp-1)/256$ here: 6% at $cp = 16$. (The ring
-# attention paper hides each step's send behind the block it computes; picockpt's ring does not overlap yet.)
+# attention paper hides each step's send behind the block it computes, as `cp_comm="ring_overlap"` does.)
 
 # %% [markdown]
 # ## Exercises
@@ -395,6 +444,9 @@ RESULT = {"figures": [str(p) for p in paths],
                       "communication per phase = closed form": bool(exact["comm"]),
                       "FLOPs per phase = closed form": bool(exact["flops"]),
                       "full repeats the forward's bytes (ring, all-gather)": all(repeats.values()),
+                      "ring_overlap = ring, loss and gradients bitwise (cp=2)": overlap_same,
+                      "ring_overlap / ring step time (cp=2)":
+                          FAST_TIMING if args.mode == "fast" else overlap_ratio.text("{:.3f}"),
                       f"zigzag busiest / mean forward FLOPs (cp={big})": round(balance[big, "zigzag"], 4),
                       f"contiguous busiest / mean forward FLOPs (cp={big})": round(balance[big, "contiguous"], 4),
                       "Llama 3 8B cp=8 full GiB per rank":

@@ -83,8 +83,8 @@ def shape(mode):
 # %% [markdown]
 # ## One launch of 2 ranks, every choice
 #
-# Each job runs one training step (forward, backward, AdamW) on the same batch; without prefetch, so the
-# gathered bytes alive at once are those of the units in use or kept.
+# Each job runs one training step (forward, backward, AdamW) on the same batch; stage 3 without prefetch, so the
+# gathered bytes alive at once are those of the units in use or kept (stages 1 and 2 gather no parameters).
 
 # %%
 def measure(cfg, batch, seq, device):
@@ -92,7 +92,7 @@ def measure(cfg, batch, seq, device):
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed=0)
     state = torch.manual_seed(0).get_state()
     jobs = [SimpleNamespace(params=params, cfg=cfg, input_ids=input_ids, targets=targets, policy=policy, zero=stage,
-                            keep_gathered=keep, prefetch=False, rng_state=state, lr=3e-3, weight_decay=0.0, steps=1)
+                            keep_gathered=keep, prefetch=stage != 3, rng_state=state, lr=3e-3, weight_decay=0.0, steps=1)
             for _, stage, policy, keep in CHOICES]
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
         results = run_ranks(zero_rank_steps, DP, jobs, device=device.type, start_method=START, timeout_s=300)

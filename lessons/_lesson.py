@@ -81,6 +81,7 @@ from picockpt.cli import Parser
 from picockpt.config import Config
 from picockpt.device import resolve_device
 from picockpt.notebooks import ARGS_VARIABLE, cells
+from picockpt.ops.attention_fused import check_fused
 from picockpt.params import check_seed
 from picockpt.plotting import FAST_FIGURES, check_writable, figures_dir
 from picockpt.reproduce import rank_device
@@ -224,6 +225,23 @@ def small(**overrides):
 
 def large(**overrides):
     return Config(**{**LARGE, **overrides})
+
+
+def dtype_for_device(cfg, device, attentions=None):
+    """cfg, or cfg computing in bf16 where an attention kind the lesson runs it with (`attentions`, default
+    (cfg.attention,)) refuses cfg.dtype on `device`, said in one line: on CUDA `fused` runs the flash kernel,
+    16-bit only. Every kind takes bf16, so kinds compared in one run stay alike; on the CPU every kind takes
+    every dtype, and cfg comes back as it is. A head dimension the kernel cannot take is refused by name."""
+    if "fused" not in (attentions or (cfg.attention,)):
+        return cfg
+    try:
+        check_fused(device, cfg.torch_dtype)
+    except ValueError:
+        print(f"fused attention on {torch.device(device).type} runs the flash kernel, which takes bf16 or fp16: "
+              f"this run computes in bfloat16 where the CPU run takes {cfg.dtype}")
+        cfg = cfg.replace(dtype="bfloat16")
+    check_fused(device, cfg.torch_dtype, cfg.head_dim)
+    return cfg
 
 
 def device_name(device):

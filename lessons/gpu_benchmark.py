@@ -91,7 +91,7 @@ def benchmark(cfg, seqs, tokens, device, repeats=5, segment=4, peak_tflops=PEAK_
     for seq in seqs:  # picockpt none's step is the largest of picockpt's runs at each length
         check_fits(cfg, device, tokens // seq, seq, "none", advice="use fewer --tokens or shorter --seqs",
                    note=f" (the benchmark's step at T={seq})")
-        check_fused(device, cfg.torch_dtype)  # the headline runs take the flash kernel
+        check_fused(device, cfg.torch_dtype, cfg.head_dim)  # the headline runs take the flash kernel
     started = time.perf_counter()
     params = init_params(cfg, seed=seed, device=device)
     with torch.device(device):  # the autograd reference, built where it runs, with the same weights

@@ -6,12 +6,25 @@
     loss, grads = loss_and_grads(params, cfg, input_ids, targets, policy="every:2")
 
 "checkpoint" in picockpt always means a stored activation, never a saved model file.
-"""
-from .config import PRESETS, Config
-from .engine import loss_and_grads
-from .params import init_params, param_shapes
-from .policy import parse_policy, parse_size
-from .store import ActivationStore
 
-__all__ = ["Config", "PRESETS", "init_params", "param_shapes", "loss_and_grads", "parse_policy",
-           "parse_size", "ActivationStore"]
+The names below are imported when first used (PEP 562), not when the package is: `python -m picockpt` imports
+this file before its own code runs, and torch takes seconds to import, so a Ctrl-C then reaches the command's
+handler (one line, exit code 130) instead of a traceback from inside torch.
+"""
+import importlib
+
+WHERE = {"Config": "config", "PRESETS": "config", "loss_and_grads": "engine", "init_params": "params",
+         "param_shapes": "params", "parse_policy": "policy", "parse_size": "policy", "ActivationStore": "store"}
+__all__ = list(WHERE)
+
+
+def __getattr__(name):
+    if name not in WHERE:
+        raise AttributeError(f"module 'picockpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{WHERE[name]}", __name__), name)
+    globals()[name] = value  # the next use finds it without coming here
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(WHERE))

@@ -43,7 +43,7 @@ def check_batch(cfg, input_ids, targets, params):
         raise ValueError(f"input_ids are on {input_ids.device} and targets on {targets.device}, the parameters on "
                          f"{device}: move them with .to({str(device)!r})")
     if cfg.attention == "fused":
-        check_fused(device, cfg.torch_dtype)
+        check_fused(device, cfg.torch_dtype, cfg.head_dim)
     input_ids, targets = input_ids.long().contiguous(), targets.long().contiguous()  # (B, T) each, row-major
     counted = targets != IGNORE_INDEX  # (B, T) bool
     stats = torch.stack([input_ids.min(), input_ids.max(), counted.sum(),  # five numbers, read in one sync

@@ -35,6 +35,7 @@ import torch
 
 from . import peers, peers_hf
 from .bridge import segmented_backward
+from .device import resolve_device
 from .engine import loss_and_grads
 from .measure import sync, make_batch, max_relative_diff
 from .params import init_params
@@ -114,6 +115,7 @@ BASES = ("picockpt none", "autograd")  # always run: the gradient references and
 
 def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=print, min_cut=(), only=None):
     """One row per contender (only: the names to run, beside BASES; None runs every one)."""
+    device = resolve_device(device)
     cfg.check_seq(seq)
     min_cut = check_min_cut(cfg, min_cut)
     runs = contenders(cfg, seq, segment, min_cut)

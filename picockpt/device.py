@@ -2,7 +2,7 @@
 is free there (picockpt/fit.py decides whether a step fits in it).
 
     device = resolve_device("auto")
-    have, where = available_bytes(device)      # bytes, "free memory on cuda:0" / "available RAM"
+    have, where = available_bytes(device)      # bytes, "free memory on cuda:0 (...)" / "available RAM"
 """
 import os
 
@@ -29,11 +29,14 @@ def resolve_device(name="auto"):
 
 
 def available_bytes(device):
-    """(bytes free for this process, where they are): the device's free memory, or the RAM that the
-    kernel says can be taken without swapping (MemAvailable)."""
+    """(bytes free for this process, where they are): on CUDA the device's free memory (the driver's) plus the
+    blocks this process's caching allocator holds but has not handed out (memory_reserved - memory_allocated:
+    the driver counts them as used, the next tensors take them first); else the RAM that the kernel says
+    can be taken without swapping (MemAvailable)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0], f"free memory on {device}"
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # reserved, not in use
+        return torch.cuda.mem_get_info(device)[0] + cached, f"free memory on {device} (with the allocator's cache)"
     try:
         with open("/proc/meminfo") as file:
             fields = dict(line.split(":", 1) for line in file)

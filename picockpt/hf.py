@@ -73,6 +73,9 @@ def fields_from_hf(d):
                                "intermediate_size", "max_position_embeddings", "rms_norm_eps") if key not in d]
     if missing:
         raise ValueError(f"the config lacks {', '.join(missing)}: give a complete LlamaConfig.to_dict()")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 1:  # before head_dim divides by one
+            raise ValueError(f"{key}={d[key]!r}: a {family} config's sizes are whole numbers >= 1")
     heads = d["num_attention_heads"]
     if d.get("head_dim") not in (None, d["hidden_size"] // heads):
         raise ValueError(f"head_dim={d['head_dim']}: picockpt needs head_dim = hidden_size / "

@@ -75,6 +75,8 @@ class Walk:
     compute_seconds: float   # every FLOP at the rate
     exposed_seconds: float   # waits for copies the compute could not hide
     layers: tuple            # per layer: dict(host=bytes offloaded, copy=seconds, wait=seconds exposed at its use)
+    peak_at: tuple = ()      # where the device peak is first reached: (phase, layer, target), see walk's `now`
+    peak_held: tuple = ()    # what the device holds then: ((what, bytes), ...), the parts of device_peak
 
     @property
     def seconds(self):
@@ -93,9 +95,22 @@ def walk(chain, schedule, costs, bandwidth=DEFAULT_HOST_BANDWIDTH, rate=DEFAULT_
     modes = {}        # layers stored whole -> the mode they were stored with (for their rebuild FLOPs)
     arrives = {}      # layer -> when its last prefetch lands
     info = [dict(host=0, copy=0.0, wait=0.0) for _ in range(L)]
+    now = ("forward", 0, None)  # what the step is doing: (forward | head | recompute | backward, layer, target)
+    head = peak_at = peak_held = ()
+
+    def held():  # the device's bytes by what holds them, in words (they sum to `device`): the peak's explanation
+        whole = sorted(k for k in dev if dev[k] or inputs.get(k) == "device")
+        kept = sorted(k for k, where in inputs.items() if where == "device" and k not in dev)
+        parts = ((f"layer {whole[0]}'s tensors" if len(whole) == 1 else f"{len(whole)} layers' tensors",
+                  sum(dev[k] + (chain[k].input_bytes if inputs.get(k) == "device" else 0) for k in whole)),
+                 (f"layer {kept[0]}'s checkpoint" if len(kept) == 1 else f"the checkpoints of {len(kept)} layers",
+                  sum(chain[k].input_bytes for k in kept)), ("the head's logits and loss", sum(head)))
+        return tuple(part for part in parts if part[1])
 
     def peaks():
-        nonlocal device_peak, host_peak
+        nonlocal device_peak, host_peak, peak_at, peak_held
+        if device > device_peak:
+            peak_at, peak_held = now, held()
         device_peak, host_peak = max(device_peak, device), max(host_peak, host)
 
     def copy(nbytes, k):  # one copy on the side stream, queued now: when it lands
@@ -105,8 +120,9 @@ def walk(chain, schedule, costs, bandwidth=DEFAULT_HOST_BANDWIDTH, rate=DEFAULT_
         return free
 
     def run_layers(first, last, mode_of, first_forward):
-        nonlocal device, host, to_host, recompute, clock
+        nonlocal device, host, to_host, recompute, clock, now
         for k in range(first, last + 1):
+            now = ("forward", k, None) if first_forward else ("recompute", k, last)
             mode, stage = mode_of(k), chain[k]
             names = host_sets[k] if first_forward else frozenset()
             moved = 0
@@ -163,15 +179,18 @@ def walk(chain, schedule, costs, bandwidth=DEFAULT_HOST_BANDWIDTH, rate=DEFAULT_
             info[k]["wait"] += late
 
     run_layers(0, L - 1, lambda k: schedule.forward[k], first_forward=True)
-    head = next(a for mode, a, _ in chain[L].variants if mode == schedule.head)
-    device += head
+    head = (next(a for mode, a, _ in chain[L].variants if mode == schedule.head),)
+    device += head[0]
+    now = ("head", L, None)
     peaks()
     clock += costs.head_forward / rate
     prefetch(L - 1)
     clock += costs.head_backward / rate
-    device -= head
+    device -= head[0]
+    head = ()
     recompute += chain[L].inner_flops
     for i in reversed(range(L)):
+        now = ("backward", i, None)
         if i not in dev:  # gone: recompute from the nearest checkpoint
             j = max(k for k in inputs if k <= i)
             if inputs[j] == "host":  # never prefetched: fetched now (the store's "fetch")
@@ -180,6 +199,7 @@ def walk(chain, schedule, costs, bandwidth=DEFAULT_HOST_BANDWIDTH, rate=DEFAULT_
             wait_for(j)
             run_layers(j, i, lambda k: schedule.sweep(k, i), first_forward=False)
         wait_for(i)
+        now = ("backward", i, None)
         prefetch(i - 1)
         r = next(r for m, _, r in chain[i].variants if m == modes[i])
         recompute += r + chain[i].inner_flops
@@ -189,4 +209,5 @@ def walk(chain, schedule, costs, bandwidth=DEFAULT_HOST_BANDWIDTH, rate=DEFAULT_
         del off[i], modes[i]
     assert device == 0 and host == 0, "the schedule leaves tensors stored"
     compute = clock - exposed
-    return Walk(device_peak, host_peak, to_host, to_device, recompute, compute, exposed, tuple(info))
+    return Walk(device_peak, host_peak, to_host, to_device, recompute, compute, exposed, tuple(info), peak_at,
+                peak_held)

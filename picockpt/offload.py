@@ -20,12 +20,18 @@ a device buffer is filled from the host copy, and the store counts it as device 
               filled element by element), and there is no second engine to overlap it with; its time
               is modelled from a bandwidth (picockpt/host_walk.py), never measured.
 
-The host copies are marked "host" in the Tracker, which counts them apart from device activations.
-On CUDA, every read of a prefetched tensor records when the compute stream asked for it; after the
-step, (time the copy finished - time it was asked for), where positive, is the copy time the compute
-stream waited for: the exposed copy time, measured with CUDA events.
+Host buffers come from a pool (picockpt/host_pool.py: by size, pinned on CUDA), each given back when its
+tensor comes home, so the next step, or micro-batch, reuses it; on CUDA it goes back with the event of the
+copy that last reads it, and the next offload into it waits for that event (on the GPU) before writing.
+
+The host copies are marked "host" in the Tracker (released when given back), which counts them apart from
+device activations. On CUDA, every read of a prefetched tensor records when the compute stream asked for
+it; after the step, (time the copy finished - time it was asked for), where positive, is the copy time the
+compute stream waited for: the exposed copy time, measured with CUDA events.
 """
 import torch
+
+from .host_pool import host_pool
 
 
 class HostTier:
@@ -38,37 +44,42 @@ class HostTier:
         self.rule = None  # set while a first forward offloads (offloading()); None: every put stays
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None  # the copies' own stream
         self.waits = []  # CUDA: (asked, done) event pairs of every read of a prefetched tensor
+        self.pool = host_pool(self.device)  # the host buffers, reused by size
 
     def wants(self, layer, name):
         return self.rule is not None and self.rule(layer, name)
 
     def to_host(self, tensor):
         """A host copy of `tensor` (device -> host); on CUDA asynchronous, on the side stream."""
+        buffer = self.pool.take(tensor.shape, tensor.dtype)  # (shape) CUDA: page-locked, DMA-able
+        host = buffer.host
+        self._mark(host)
         if not self.cuda:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)  # a real copy, ordinary memory
-            self._mark(host)
-            return Copy(host, None)
+            return Copy(host.copy_(tensor), None, buffer)  # a real copy, ordinary memory
         made = torch.cuda.Event()
         made.record(torch.cuda.current_stream(self.device))  # where the tensor was made
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)  # page-locked: DMA-able
-        self._mark(host)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(made)  # not before the compute stream has written it
+            if buffer.free is not None:
+                self.stream.wait_event(buffer.free)  # nor before the copy that last read this buffer has
             host.copy_(tensor, non_blocking=True)
             tensor.record_stream(self.stream)  # its memory is not reused before this copy has read it
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
-        return Copy(host, done)
+        return Copy(host, done, buffer)
 
     def to_device(self, copy):
         """(device tensor, event or None): the host copy back on the device; CUDA: issued on the side stream."""
         if not self.cuda:
-            return torch.empty(copy.host.shape, dtype=copy.host.dtype, device=self.device).copy_(copy.host), None
+            tensor = torch.empty(copy.host.shape, dtype=copy.host.dtype, device=self.device).copy_(copy.host)
+            self._give(copy, None)
+            return tensor, None
         with torch.cuda.stream(self.stream):  # after the offload of the same copy: one stream, in order
             tensor = torch.empty(copy.host.shape, dtype=copy.host.dtype, device=self.device)  # (side stream's memory)
             tensor.copy_(copy.host, non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
+        self._give(copy, done)  # its last read: the copy just queued, which `done` follows
         return tensor, Arrival(tensor, done, copy.host)
 
     def ready(self, arrival):
@@ -92,12 +103,17 @@ class HostTier:
         if self.listener is not None:
             self.listener.mark(host, "host")
 
+    def _give(self, copy, done):  # the buffer back to the pool: no longer a live host copy
+        self.pool.give(copy.buffer, done)
+        if hasattr(self.listener, "release"):
+            self.listener.release(copy.host)
+
 
 class Copy:
-    """A tensor's host copy; `done` (CUDA) is the event its device -> host copy records."""
+    """A tensor's host copy; `done` (CUDA) is the event its device -> host copy records; `buffer`, its pool's."""
 
-    def __init__(self, host, done):
-        self.host, self.done = host, done
+    def __init__(self, host, done, buffer):
+        self.host, self.done, self.buffer = host, done, buffer
 
 
 class Arrival:

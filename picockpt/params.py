@@ -18,6 +18,7 @@ from collections import namedtuple
 import torch
 
 from .config import Config
+from .device import resolve_device
 
 # the weights of one decoder layer, by role; values are tensors (weights or their gradients)
 LayerWeights = namedtuple("LayerWeights", "attn_norm q k v o mlp_norm gate up down")
@@ -74,6 +75,8 @@ def init_params(cfg, seed=0, device="cpu"):
         raise ValueError(f"init_params(cfg=...) takes a picockpt Config (e.g. Config.from_preset('tiny')), "
                          f"got {type(cfg).__name__}")
     check_seed(seed)
+    if str(device) != "meta":  # meta: shapes only, no values
+        device = resolve_device(device)  # "gpu" or a missing CUDA: a ValueError naming device=, not torch's message
     generator = torch.Generator().manual_seed(seed)
     params = {}
     for name, shape in param_shapes(cfg).items():

@@ -29,6 +29,7 @@ class OffloadPlan:
     budget: int
     bandwidth: float
     rate: float
+    base: object = None      # the two-action Plan whose schedule this one offloads from (its memory grid)
 
     @property
     def peak_bytes(self):
@@ -63,7 +64,7 @@ def plan_offload(cfg, batch, seq, budget, drop=frozenset(), bandwidth=DEFAULT_HO
     except ValueError:  # below the two-action planner's least budget: offloading may still fit
         two = None
     two_walk = walk(chain, two.schedule, costs, bandwidth, rate) if two is not None else None
-    best = (two_walk.seconds, two_walk, two.schedule) if two is not None else None
+    best = (two_walk.seconds, two_walk, two.schedule, two) if two is not None else None
     base = (len(chain) - 1) * (costs.layer_forward + costs.layer_backward) + costs.head_forward + costs.head_backward
     for plan in sorted(plans, key=lambda plan: plan.recompute_flops):
         if best is not None and (base + plan.recompute_flops) / rate >= best[0]:
@@ -75,16 +76,52 @@ def plan_offload(cfg, batch, seq, budget, drop=frozenset(), bandwidth=DEFAULT_HO
                     continue
                 result = walk(chain, schedule, costs, bandwidth, rate)
                 if result.device_peak <= budget and (best is None or result.seconds < best[0]):
-                    best = (result.seconds, result, schedule)
+                    best = (result.seconds, result, schedule, plan)
     if best is None:
-        least = min(walk(chain, with_host(plan.schedule, KINDS["all"], len(chain)), costs, bandwidth, rate).device_peak
-                    for plan in plans)
+        least = min((walk(chain, with_host(plan.schedule, KINDS["all"], len(chain)), costs, bandwidth, rate)
+                     for plan in plans), key=lambda result: result.device_peak)
         raise ValueError(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below the least device peak of any "
-                         f"plan with offloading, {least:,} bytes ({least / 2**20:.2f} MiB): give a budget of at least "
-                         f"that (two layers' tensors meet on the device while one's backward runs and the next's "
-                         f"come back)")
-    _, result, schedule = best
-    return OffloadPlan(schedule, result, two, two_walk, budget, bandwidth, rate)
+                         f"plan with offloading, {least.device_peak:,} bytes ({least.device_peak / 2**20:.2f} MiB): "
+                         f"give a budget of at least that (it is set {peak_words(least)}; {WHY[least.peak_at[0]]})")
+    _, result, schedule, base = best
+    return OffloadPlan(schedule, result, two, two_walk, budget, bandwidth, rate, base)
+
+
+WHY = {  # why offloading does not lower a peak set in this part of the step (host_walk.Walk.peak_at's phase)
+    "forward": "the tensors put so far are on the device until their copies to the host are queued, and the plan "
+               "offloads a layer's tensors only where the copy makes the step faster, not to lower a peak that fits",
+    "head": "the logits and loss are made and read inside the head, between the last layer's forward and its "
+            "backward, and never stored, so there is nothing of them to offload; and the last layer's offloaded "
+            "tensors come back while the head's backward runs (its backward is next), so the head holds them "
+            "either way",
+    "recompute": "a recomputed layer's tensors are made on the device and read there by the backward that follows, "
+                 "and offloading moves only the first forward's tensors, which are back on the device (prefetched "
+                 "one layer ahead) before the backward that reads them",
+    "backward": "a layer's backward reads its tensors on the device, so an offloaded one is back (prefetched one "
+                "layer ahead, or fetched) before it starts: offloading empties the device between a layer's forward "
+                "and its backward, not during it"}
+
+
+def peak_words(result):
+    """Where a walk's device peak is set and what the device holds then, in words."""
+    phase, k, target = result.peak_at
+    where = {"forward": f"in the first forward, at layer {k}'s puts", "head": "at the head (the logits and loss)",
+             "recompute": f"while layer {k} is recomputed for " + ("its" if k == target else f"layer {target}'s")
+                          + " backward",
+             "backward": f"in layer {k}'s backward, as tensors come back from the host"}[phase]
+    return where + ", holding " + " and ".join(f"{what} ({n:,} B)" for what, n in result.peak_held)
+
+
+def peak_reason(plan):
+    """Why the three-action plan's device peak is no lower than the two-action plan's (None: it is lower)."""
+    two = plan.two_action_walk
+    if two is None or plan.peak_bytes != two.device_peak:
+        return None
+    offloads = any(layer["host"] for layer in plan.walk.layers)
+    return (f"device peak {plan.peak_bytes:,} B, the two-action plan's too: it is set {peak_words(plan.walk)}; "
+            + ("" if offloads else "nothing is offloaded, since the two-action plan fits the budget and no copy "
+                                   "would make the step faster by the model; ")
+            + WHY[plan.walk.peak_at[0]])
 
 
 @functools.lru_cache(maxsize=16)

@@ -139,6 +139,9 @@ def parse_size(text):
     if not value < 2**63:  # also inf, from e.g. 1e999
         raise ValueError(f"size {text!r} is too large to be a number of bytes (the limit is 2**63): "
                          f"give e.g. 1.5GiB or 2TiB")
+    if UNITS[unit] == 1 and value != int(value):  # '1.5' would silently be 1 byte
+        raise ValueError(f"size {text!r} is {value:g} bytes, not a whole number of bytes: give a unit (e.g. "
+                         f"{match.group(1)}MiB) or a whole number of bytes")
     return int(value)
 
 

@@ -7,7 +7,11 @@ physical  the bytes of every tensor storage created during the step and still al
           outputs through a TorchDispatchMode and a weakref.finalize on each new storage,
           so the micro-spikes of recomputation show. Storages marked "weights",
           "gradients" or "optimizer" are kept out of the physical activation count.
-cuda      on a CUDA device max_memory_allocated() per phase, relative to the start of the step;
+cuda      on a CUDA device max_memory_allocated() per phase, relative to the start of the step, read (and reset)
+          at the step's phase changes, not per op: a phase entered inside another one is read from its first
+          store event (the engine's recompute reads its checkpoint first); one with none (a tile of tiled
+          attention rebuilt in the backward, 528 a layer at T=4096; a dropped tensor's recipe) counts in the
+          phase around it. The logical and physical views are exact per phase either way;
           with cuda_timeline=True also torch.cuda.memory_allocated() at every store event (each
           query costs about 0.2 ms, twice a small step's GPU time, so it is off unless a
           timeline against the allocator is wanted: lesson 01's figure, the GPU benchmark).
@@ -104,6 +108,9 @@ class Tracker:
         self._hosts = []         # the host tiers of the steps inside (picockpt/offload.py)
         self.exposed_copy_seconds = None  # CUDA: measured once the step ends
         self.peak_host_live = 0  # bytes of live storages marked "host" (host copies), at their highest
+        self._excursions = []    # per open phase entered inside another: True while no store event came in it
+        self._booked = OUTSIDE   # CUDA: the phase the allocator's peak since its last reset is booked to
+        self._released = set()   # storage ids of host buffers given back to their pool (picockpt/host_pool.py)
 
     # -- context -------------------------------------------------------------
     def __enter__(self):
@@ -134,17 +141,22 @@ class Tracker:
     def phase(self, name):
         """Everything inside is counted under `name`; the previous phase resumes after."""
         previous = self.phase_name
-        self._switch(name)
+        inside = previous not in (OUTSIDE, name)  # inside another phase: device memory read once the store moves
+        self._switch(name, sample=not inside)
+        self._excursions += [True] if inside else []
         try:
             yield
-        finally:
-            self._switch(previous)
+        finally:  # back: read it unless it was inside and no store event came (still True)
+            self._switch(previous, sample=not (inside and self._excursions.pop()))
 
     # -- what the engine and store report -------------------------------------
     def on_event(self, event):
         cuda = torch.cuda.memory_allocated(self.device) - self.cuda_base if self.cuda_timeline else None
         label = f"{event.kind} {event.name}" if event.layer is None else f"{event.kind} {event.layer}:{event.name}"
         self.log.append(("event", label, event.live_bytes, cuda))
+        if any(self._excursions):  # the first store event of a phase entered inside another: its own peak from now
+            self._cuda_phase_end()
+            self._booked, self._excursions = self.phase_name, [False] * len(self._excursions)
         host_bytes, where = getattr(event, "host_bytes", 0), getattr(event, "where", "device")
         self.peak_host = max(self.peak_host, host_bytes)
         if event.kind == "put" and where == "host":
@@ -157,10 +169,22 @@ class Tracker:
         self._hosts.append(host)
 
     def mark(self, tensor, category):
-        """Put a tensor's storage in an excluded category (weights, gradients, optimizer)."""
+        """Put a tensor's storage in an excluded category (weights, gradients, optimizer, host: pooled, from now)."""
         sid = self._ids.get(id(tensor.untyped_storage()))
+        if sid is None and category == "host" and self.physical:
+            sid = self._seen(tensor)
+        elif sid in self._released:  # back in use after release()
+            self._released.discard(sid)
+            self.log.append(("alloc", sid))
         if sid is not None:
             self.categories[sid] = category
+
+    def release(self, tensor):
+        """A host buffer given back to its pool: no longer live here, though its storage stays (the pool's)."""
+        sid = self._ids.get(id(tensor.untyped_storage()))
+        if sid is not None and sid not in self._released:
+            self._released.add(sid)
+            self.log.append(("free", sid))
 
     # -- results ---------------------------------------------------------------
     @property
@@ -185,25 +209,28 @@ class Tracker:
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self._ids or storage.nbytes() == 0:
-            return
+            return self._ids.get(key)
         sid, self._next = self._next, self._next + 1
         self._ids[key] = sid
         self.sizes[sid] = storage.nbytes()
         self.log.append(("alloc", sid))
         weakref.finalize(storage, self._freed, key, sid)
+        return sid
 
     def _freed(self, key, sid):
         if self._ids.get(key) == sid:
             del self._ids[key]
         self.log.append(("free", sid))
 
-    def _switch(self, name):
+    def _switch(self, name, sample=True):
         if name not in PHASES + (OUTSIDE,):
             raise ValueError(f"phase {name!r}: use one of {PHASES}")
         if name == self.phase_name:
             return
         self._tick()
-        self._cuda_phase_end()
+        if sample:  # the allocator's peak so far to the phase it was booked to; from now on to `name`
+            self._cuda_phase_end()
+            self._booked = name
         self.log.append(("phase", name))
         self.phase_name = name
 
@@ -235,7 +262,7 @@ class Tracker:
     def _cuda_phase_end(self):
         if self.cuda:
             peak = torch.cuda.max_memory_allocated(self.device) - self.cuda_base
-            self.cuda_phase_peak[self.phase_name] = max(self.cuda_phase_peak[self.phase_name], peak)
+            self.cuda_phase_peak[self._booked] = max(self.cuda_phase_peak[self._booked], peak)
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _replay(self):

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from .device import resolve_device
 from .engine import loss_and_grads
 from .inventory import step_flops
 from .tracker import PHASES, Tracker
@@ -87,7 +88,7 @@ def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="
                          f"(989.5 for an H100/H200 SXM in bf16), or None for no MFU/HFU")
     if record is not None and not isinstance(record, list):
         raise ValueError(f"record={type(record).__name__}: pass a list (it receives one dict per step) or None")
-    device = torch.device(device)
+    device = resolve_device(device)  # "gpu" or a missing CUDA: a ValueError naming device=
     optimizer = make_optimizer(params, lr)
     if seed is not None:
         torch.manual_seed(seed)  # torch's default generators (CPU and every GPU), which draw the dropout masks

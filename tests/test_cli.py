@@ -1,16 +1,15 @@
 """The commands people type: JSON keys, tables, clear errors."""
 import json
-import subprocess
-import sys
 
 import pytest
 
+from commands import picockpt as run_command
 from picockpt import Config
 from picockpt.compare import compare
 
 
 def picockpt(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "picockpt", *args], capture_output=True, text=True, check=check)
+    return run_command(*args, check=check)
 
 
 def test_measure_json_has_the_documented_keys():
@@ -53,6 +52,7 @@ def test_inventory_command_agrees_with_the_closed_form():
     assert "differs" not in out.stdout and "attn.probs_mask" in out.stdout
 
 
+@pytest.mark.slow
 def test_compare_memory_against_pytorch():
     rows = {r["name"]: r for r in compare(Config.from_preset("small", layers=4), 2, 64, segment=2, repeats=1,
                                           log=None)}
@@ -92,6 +92,7 @@ def test_help_explains_the_flags(command, phrases):
         assert phrase in text, (command, phrase)
 
 
+@pytest.mark.slow
 def test_compare_json_is_json_alone_and_its_losses_follow_the_seed():
     args = ("compare", "--preset", "tiny", "--seq", "8", "--dropout", "0.1", "--repeats", "1", "--device", "cpu",
             "--json", "--seed")

@@ -23,6 +23,7 @@ def rows_by_name(cfg, **kwargs):
     return {row["name"]: row for row in rows}
 
 
+@pytest.mark.compile
 def test_min_cut_peer_gradients_and_recompute():
     """Without dropout the partitioner's gradients are autograd's at every budget, and budget 0
     recomputes the whole forward (its FLOPs counted inside the backward graph)."""
@@ -84,6 +85,7 @@ def test_cli_flags_other_masks_and_passes(capsys):
     assert "within 1.2e+00" not in out and "of autograd's" in out
 
 
+@pytest.mark.compile
 def test_failing_gradient_check_says_failed_and_exits_non_zero(monkeypatch, capsys):
     """With dropout the min-cut partitioner recomputes aten.rand in its backward with fresh numbers
     (pytorch/pytorch#190758): its gradients are wrong, and compare must say so. The command as a user

@@ -199,6 +199,7 @@ def test_chen_optimum():
         chen_memory(L, 0, x, A)
 
 
+@pytest.mark.slow
 def test_measured_u_curve_minimum_is_where_the_exact_formula_puts_it(one_thread):
     """Every C of a 64-layer model of tiny width: the store's measured peak equals picockpt's exact
     formula for each C, the measured minimum is the formula's, and Chen's continuous optimum

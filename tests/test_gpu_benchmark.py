@@ -1,14 +1,12 @@
 """lessons/gpu_benchmark.py and the CUDA memory snapshot: the --tiny run on the CPU (what CI has),
 and, wherever there is a GPU, the tracker against the CUDA caching allocator."""
 import json
-import os
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from commands import picockpt
 from lessons import gpu_benchmark
 from picockpt import Config, init_params
 from picockpt.device import resolve_device
@@ -31,6 +29,7 @@ CRITERIA = ["tracker peak vs max_memory_allocated, every picockpt policy",
             "every picockpt policy's stored bytes equal to the closed form's", "MFU of none"]
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_the_json_the_figures_and_every_criterion(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PICOCKPT_FIGURES", str(tmp_path))
     assert gpu_benchmark.main(["--tiny"]) == 0
@@ -87,9 +86,8 @@ def test_the_default_run_wants_a_gpu_and_says_so(capsys):
 def test_memory_snapshot_without_cuda_is_a_one_line_error(tmp_path):
     if CUDA:
         pytest.skip("there is a GPU here")
-    out = subprocess.run([sys.executable, "-m", "picockpt", "measure", "--preset", "tiny", "--device", "cpu",
-                          "--memory-snapshot", str(tmp_path / "step.pickle")], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = picockpt("measure", "--preset", "tiny", "--device", "cpu", "--memory-snapshot", str(tmp_path / "step.pickle"),
+                   env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 2
     assert "--memory-snapshot" in out.stderr and "CUDA" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "step.pickle").exists()
@@ -167,6 +165,7 @@ def allocator_peak(profiler):
     return peak
 
 
+@pytest.mark.slow
 def test_tracker_matches_the_cpu_allocator():
     """The same check as on CUDA, against the CPU allocator: every run of the benchmark, one tracked
     step under the profiler, whose allocation events carry the allocator's own byte counts."""

@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
+from commands import picockpt
 from picockpt import Config, init_params
 from picockpt.inventory import chain_sizes, predicted_peak_bytes, step_flops
 from picockpt.measure import make_batch
@@ -77,6 +78,7 @@ def test_lessons_are_found():
     assert {"00_start_here.py", "00_memory_explorer.py", "02_deriving_L_over_C_plus_C.py"} <= set(names)
 
 
+@pytest.mark.notebooks
 @pytest.mark.parametrize("script", AS_SCRIPTS, ids=lambda p: p.stem)
 def test_lesson_runs_as_a_script(script, figures):
     result, _, exercises = run_fast(script)
@@ -94,6 +96,7 @@ def test_lesson_runs_as_a_script(script, figures):
         assert not wrong, wrong
 
 
+@pytest.mark.notebooks
 def test_reproduce_command(tmp_path):
     env = {**os.environ, "PICOCKPT_FIGURES": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "picockpt", "reproduce", "--fast", "--only", "01", "--device", "cpu",
@@ -107,8 +110,7 @@ def test_reproduce_command(tmp_path):
 
 
 def test_reproduce_rejects_an_unknown_lesson():
-    out = subprocess.run([sys.executable, "-m", "picockpt", "reproduce", "--only", "99"], capture_output=True,
-                         text=True, cwd=LESSONS.parent)
+    out = picockpt("reproduce", "--only", "99")
     assert out.returncode == 2 and "there is no lesson 99" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -177,6 +179,7 @@ def test_lesson_01_legend_names_every_phase(figures):
     assert len(labels) == len(set(labels)) == 7  # four phases and three curves, each once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers,hidden,ffn,seq", [(32, 32, 64, 16), (64, 32, 32, 8)])
 def test_u_curve_minimum_is_where_the_formula_puts_it(layers, hidden, ffn, seq):
     segments = lesson("02_segments")

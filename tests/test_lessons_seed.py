@@ -42,6 +42,7 @@ def l17():
     return lesson("17")
 
 
+@pytest.mark.slow
 def test_17_answers(l17):
     path, m = l17
     fp32_bytes, saved, bitwise = answers(path)

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
+from commands import picockpt as run_command
 from picockpt import Config, init_params, peers
 from picockpt.cli import main
 from picockpt.fit import WORKING_COPIES, check_fits, step_bytes
@@ -27,12 +28,11 @@ from picockpt.reference import ReferenceLlama
 from picockpt.tracker import Tracker
 from picockpt.train import MarkovTask, train
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a lesson's own process
 
 
-def picockpt(*args, env=ENV):
-    return subprocess.run([sys.executable, "-m", "picockpt", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO)
+def picockpt(*args, env=None):
+    return run_command(*args, env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def one_line_error(out, message):
@@ -254,7 +254,7 @@ def test_the_advice_names_a_policy_only_when_it_fits(monkeypatch):
 def test_an_unwritable_figures_folder_is_reported_before_any_lesson(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    out = picockpt("reproduce", "--fast", "--device", "cpu", env={**ENV, "PICOCKPT_FIGURES": str(blocker / "figs")})
+    out = picockpt("reproduce", "--fast", "--device", "cpu", env={"PICOCKPT_FIGURES": str(blocker / "figs")})
     one_line_error(out, f"$PICOCKPT_FIGURES '{blocker / 'figs'}' cannot be written (Not a directory)")
     assert "[1/" not in out.stdout  # no lesson started
 
@@ -305,6 +305,7 @@ def main(argv):
 '''
 
 
+@pytest.mark.notebooks  # a lesson's own process
 @pytest.mark.parametrize("kind", ["ipynb", "py"])
 def test_ctrl_c_stops_reproduce_with_exit_code_130(kind, tmp_path):
     lessons = tmp_path / "lessons"
@@ -337,6 +338,7 @@ def test_ctrl_c_stops_reproduce_with_exit_code_130(kind, tmp_path):
     assert not (lessons / "second_cell").exists() and not (lessons / "after_ran").exists()
 
 
+@pytest.mark.notebooks  # a lesson's own process
 def test_a_fast_lesson_leaves_the_committed_figures_alone():
     committed = REPO / "figures" / "01_anatomy_of_a_step.png"
     before = (committed.stat().st_mtime_ns, committed.read_bytes())
@@ -349,9 +351,11 @@ def test_a_fast_lesson_leaves_the_committed_figures_alone():
     assert not list((REPO / "figures").glob(".01_anatomy_of_a_step.png.*"))  # nor a temporary file beside it
 
 
+@pytest.mark.notebooks  # a lesson's own process
 def test_reproduce_fast_says_where_its_figures_go():
     env = {k: v for k, v in ENV.items() if k != "PICOCKPT_FIGURES"}
-    out = picockpt("reproduce", "--fast", "--only", "01", "--device", "cpu", env=env)
+    out = subprocess.run([sys.executable, "-m", "picockpt", "reproduce", "--fast", "--only", "01", "--device", "cpu"],
+                         capture_output=True, text=True, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr
     assert f"figures go to {FAST_FIGURES} (fast figures never replace the committed ones in figures/)" in out.stdout
     assert (FAST_FIGURES / "01_anatomy_of_a_step.png").stat().st_mtime > time.time() - 300
@@ -398,6 +402,7 @@ def test_a_multi_rank_part_on_fewer_gpus_than_ranks_runs_on_gloo_and_says_so(mon
 LESSON = pathlib.Path(__file__).resolve().parents[1] / "lessons" / "04_cheap_ops.py"
 
 
+@pytest.mark.notebooks  # a lesson's own process
 @pytest.mark.parametrize("flags,message", [
     (["--seed", "-1"], "error: --seed=-1: must be a whole number from 0 to 2**64 - 1"),
     (["--seed", str(2**64)], "error: --seed=18446744073709551616: must be a whole number"),
@@ -408,6 +413,7 @@ def test_a_lesson_s_bad_seed_is_one_line_before_any_work(flags, message):
     assert out.stdout == ""
 
 
+@pytest.mark.notebooks  # a lesson's own process
 def test_a_lesson_s_figures_folder_under_a_file_is_refused_before_any_work(tmp_path):
     (tmp_path / "a_file").write_text("")
     env = {**os.environ, "PICOCKPT_FIGURES": str(tmp_path / "a_file" / "figures")}
@@ -417,6 +423,7 @@ def test_a_lesson_s_figures_folder_under_a_file_is_refused_before_any_work(tmp_p
                                  f"(Not a directory)"), out.stderr
 
 
+@pytest.mark.notebooks  # a lesson's own process
 def test_a_lesson_piped_into_head_ends_quietly():
     out = subprocess.run(f"'{sys.executable}' '{LESSON}' --fast | head -1", shell=True, capture_output=True,
                          text=True, timeout=120)

@@ -2,9 +2,6 @@
 statistics and gradients. Against autograd in the same dtype and against an fp64 truth; every
 policy bitwise equal to none; stored bytes equal to the closed form; the train command."""
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ from picockpt.measure import measured_inventory
 from picockpt.reference import ReferenceLlama
 from picockpt.tracker import Tracker
 
+from commands import picockpt as run_command
 from conftest import setup
 
 DTYPES = ["bfloat16", "float16"]
@@ -162,8 +160,7 @@ def test_peers_and_bridge_give_autograd_gradients_bitwise_in_bf16():
 
 
 def picockpt(*args):
-    return subprocess.run([sys.executable, "-m", "picockpt", *args], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_command(*args, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_train_in_bf16_runs():

@@ -77,6 +77,7 @@ def test_committed_notebook_was_executed_at_full_shapes(source):
     assert book.metadata.kernelspec.name == "python3"
 
 
+@pytest.mark.notebooks
 def test_the_check_command_agrees():
     out = subprocess.run([sys.executable, "-m", "picockpt", "notebooks", "--check"], capture_output=True, text=True,
                          cwd=REPO)
@@ -108,6 +109,7 @@ def fast_runs(request, tmp_path_factory):
     pool.shutdown(wait=True, cancel_futures=True)  # no kernel outlives the module
 
 
+@pytest.mark.notebooks
 @pytest.mark.parametrize("source", PERCENT, ids=ids)
 def test_notebook_executes_fast(source, fast_runs):
     future, figures = fast_runs[source.stem]
@@ -173,6 +175,7 @@ def test_drift_is_found(tmp_path):
     assert differences(source, committed) == ["the source has 3 cells, the notebook 2"]
 
 
+@pytest.mark.notebooks
 def test_the_notebooks_command_writes_executes_and_checks(tmp_path):
     lessons = tmp_path / "lessons"
     lessons.mkdir()

@@ -165,6 +165,7 @@ def no_rank_left_behind():
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world_size, tracker_kind", [(2, "Tracker"), (4, "phase_name only")])
 def test_every_pair_equals_one_process_math_and_books_its_closed_form_bytes(world_size, tracker_kind):
     results = run_ranks(run_every_pair, world_size, tracker_kind, timeout_s=60, start_method=START)

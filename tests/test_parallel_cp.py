@@ -127,6 +127,7 @@ def label(sizes, name, step):
     return (sizes, name, step.policy, step.cp_layout, step.cp_comm, step.cp_keep_kv)
 
 
+@pytest.mark.ranks
 def test_loss_and_gradients_equal_the_single_process(runs):
     single, out = runs
     assert {sizes for sizes, *_ in out} == {(2, 1, 1, 1), (4, 1, 1, 1), (2, 1, 1, 2), (2, 2, 1, 1), (2, 1, 2, 1)}
@@ -140,6 +141,7 @@ def test_loss_and_gradients_equal_the_single_process(runs):
             assert relative(grads[key], grads0[key]) <= tolerance, (where, key, relative(grads[key], grads0[key]))
 
 
+@pytest.mark.ranks
 def test_every_policy_is_bitwise_equal_to_none_within_a_layout(runs):
     _, out = runs
     none = {(sizes, name, step.cp_layout, step.cp_comm, step.cp_keep_kv): result
@@ -156,6 +158,7 @@ def test_every_policy_is_bitwise_equal_to_none_within_a_layout(runs):
     assert compared == 2 * (1 + len(POLICIES) + 1) + 2  # cp = 2: both layouts; cp = 4 and tp x cp: full, ring
 
 
+@pytest.mark.ranks
 def test_every_rank_stores_moves_and_computes_its_closed_form(runs):
     _, out = runs
     for sizes, name, step, (_, _, reports) in out:
@@ -175,6 +178,7 @@ def test_every_rank_stores_moves_and_computes_its_closed_form(runs):
             assert r["peak_live_bytes"] >= r["peak_activation_bytes"], where
 
 
+@pytest.mark.ranks
 def test_full_recomputation_repeats_the_forwards_communication(runs):
     _, out = runs
     by = {label(sizes, name, step): reports[0] for sizes, name, step, (_, _, reports) in out}
@@ -197,6 +201,7 @@ def test_full_recomputation_repeats_the_forwards_communication(runs):
             assert r["comm_bytes"]["backward"] < plain["comm_bytes"]["backward"]
 
 
+@pytest.mark.ranks
 def test_zigzag_balances_attention_and_contiguous_does_not(runs):
     _, out = runs
     for sizes, name, step, (_, _, reports) in out:  # the forward's FLOPs, whatever the policy
@@ -316,6 +321,7 @@ def test_blocks_merged_by_their_log_sum_exp_are_causal_attention(attention, layo
     torch.testing.assert_close(dkv_all, expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.ranks
 def test_the_api_and_the_command_run_context_parallelism(capsys):
     """parallel.loss_and_grads(..., cp=2) and `python -m picockpt parallel --cp 2 --json`: the single process's
     loss and gradients, every rank's stored peak and K/V bytes per phase equal to their closed forms, zigzag's
@@ -339,9 +345,12 @@ def test_the_api_and_the_command_run_context_parallelism(capsys):
         assert r["peak_activation_bytes"] == r["predicted_activation_bytes"] and r["comm_bytes"]["recompute"] == 0
         assert r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]
     assert main(["parallel", "--cp", "2", "--attention", "tiled", "--policy", "full", "--preset", "tiny", "--batch",
-                 "2", "--seq", "16", "--json"]) == 0
+                 "2", "--seq", "16", "--device", "cpu", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert (row["cp"], row["cp_layout"], row["cp_comm"]) == (2, "zigzag", "ring")
+    layout = ("tp", "sp", "pp", "microbatches", "schedule", "dp", "ep", "zero", "prefetch")  # every layout's keys
+    assert {key: row[key] for key in layout} == dict(tp=1, sp=False, pp=1, microbatches=1, schedule="1f1b", dp=1, ep=1,
+                                                     zero=0, prefetch=True)
     assert row["grad_max_rel_diff_vs_single"] <= 1e-5
     first, second = row["ranks"]
     assert first["predicted_attention_flops"] == second["predicted_attention_flops"]  # zigzag: balanced

@@ -37,7 +37,7 @@ CHOICES = {"full", "moe", "every:2+moe", "full+moe+shared_experts"}  # also run 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
-pytestmark = pytest.mark.usefixtures("no_process_left_behind")
+pytestmark = [pytest.mark.ranks, pytest.mark.usefixtures("no_process_left_behind")]  # every test spawns ranks
 
 
 def model(name):
@@ -73,7 +73,8 @@ def launch():
         torch.set_rng_state(state)
         single[name] = (loss, grads, step_routing(params, cfg, input_ids), after)  # routing: the step's draws
         policies = POLICIES + (["full+moe+shared_experts"] if cfg.shared_expert_ffn else [])
-        jobs += [(name, ParallelJob(params, cfg, input_ids, targets, policy, ep=EP, keep_dispatched=keep, rng_state=state))
+        jobs += [(name, ParallelJob(params, cfg, input_ids, targets, policy, ep=EP, keep_dispatched=keep,
+                                    rng_state=state))
                  for policy in policies for keep in ((False, True) if policy in CHOICES else (False,))]
     results = run_jobs([job for _, job in jobs], EP, start_method=START, timeout_s=120)
     single["generator after"] = torch.get_rng_state()

@@ -99,6 +99,7 @@ def recompute_with_another_router(comm, params, cfg, input_ids, targets):
     return rows
 
 
+@pytest.mark.ranks
 def test_a_recomputed_layer_keeps_its_routing_when_the_router_would_choose_otherwise():
     cfg, params, input_ids, targets = tiny(batch=2)
     rows = run_ranks(recompute_with_another_router, 1, params, cfg, input_ids, targets, start_method=START)[0]
@@ -109,6 +110,7 @@ def test_a_recomputed_layer_keeps_its_routing_when_the_router_would_choose_other
 
 
 # ---- python -m picockpt parallel --ep ----------------------------------------------------------------
+@pytest.mark.ranks
 def test_parallel_command_runs_expert_parallel_against_its_closed_forms(capsys):
     args = ["parallel", "--ep", "2", "--experts", "4", "--policy", "full", "--keep-dispatched", "--preset", "tiny",
             "--seq", "8", "--batch", "2", "--router-jitter", "0.1", "--device", "cpu", "--json"]
@@ -132,6 +134,7 @@ def test_parallel_command_runs_expert_parallel_against_its_closed_forms(capsys):
     assert row["loss"] == pytest.approx(row["single_process_loss"], rel=1e-6)
 
 
+@pytest.mark.ranks
 def test_parallel_command_prints_every_rank_and_what_the_other_choice_would_cost(capsys):
     args = ["parallel", "--ep", "2", "--experts", "4", "--policy", "moe", "--preset", "tiny", "--seq", "8", "--batch",
             "2", "--device", "cpu"]
@@ -157,7 +160,7 @@ def test_parallel_command_prints_every_rank_and_what_the_other_choice_would_cost
 
 def test_parallel_command_refuses_a_split_that_cannot_be(capsys):
     assert main(["parallel", "--ep", "3", "--experts", "4", "--preset", "tiny", "--device", "cpu"]) == 2
-    assert capsys.readouterr().err == "error: ep=3 does not divide experts=4: each rank holds E/ep whole experts; " \
-                                      "use ep in [1, 2, 4]\n"
+    assert capsys.readouterr().err == "error: --ep 3 does not divide --experts 4: each rank holds E/ep whole " \
+                                      "experts; use --ep in [1, 2, 4]\n"
     assert main(["parallel", "--ep", "2", "--experts", "4", "--sp", "--preset", "tiny", "--device", "cpu"]) == 2
     assert re.match(r"error: --sp with --ep 2: sequence parallelism", capsys.readouterr().err)

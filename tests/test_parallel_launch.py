@@ -111,6 +111,7 @@ def sub_group_all_reduce_with_a_sleeping_peer(comm):
     return "returned"
 
 
+@pytest.mark.ranks
 def test_results_by_rank_on_one_thread_each_and_only_loopback():
     tensor = torch.arange(3.0)
     results = run_ranks(rank_info, 2, tensor, scale=2, port=free_port())
@@ -125,6 +126,7 @@ def test_results_by_rank_on_one_thread_each_and_only_loopback():
         assert result["listening"]["parent"] == ["127.0.0.1"]  # the rendezvous store
 
 
+@pytest.mark.ranks
 def test_value_error_of_a_rank_is_raised_with_its_rank_within_seconds():
     with pytest.raises(ValueError) as caught:
         run_ranks(fail_with_value_error, 2, timeout_s=60)
@@ -135,6 +137,7 @@ def test_value_error_of_a_rank_is_raised_with_its_rank_within_seconds():
     assert "in fail_with_value_error" in cause.remote_traceback  # the rank's own traceback
 
 
+@pytest.mark.ranks
 def test_a_rank_hanging_in_a_collective_is_stopped_when_another_fails():
     with pytest.raises(RankError) as caught:
         run_ranks(hang_while_another_fails, 3, timeout_s=60)
@@ -145,6 +148,7 @@ def test_a_rank_hanging_in_a_collective_is_stopped_when_another_fails():
     assert message.endswith("the other ranks: rank 0 was stopped; rank 2 was stopped")
 
 
+@pytest.mark.ranks
 def test_collectives_in_sub_groups_wait_no_longer_than_the_jobs_timeout():
     """Groups made by new_group do not inherit init_process_group's timeout: build_groups passes it on
     (without it this all-reduce waits torch's default 30 minutes)."""
@@ -154,6 +158,7 @@ def test_collectives_in_sub_groups_wait_no_longer_than_the_jobs_timeout():
     assert 5.5 <= waited < 20, waited
 
 
+@pytest.mark.ranks
 def test_a_rank_that_exits_abruptly_is_named_with_its_exit_code():
     with pytest.raises(RankError) as caught:
         run_ranks(exit_abruptly, 2, timeout_s=60)
@@ -161,6 +166,17 @@ def test_a_rank_that_exits_abruptly_is_named_with_its_exit_code():
     assert caught.value.rank == 1
 
 
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C's KeyboardInterrupt for the test, also where the suite runs with SIGINT ignored (a background or
+    nohup'd shell: Python then installs no handler of its own); what was there is put back after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("sigint_raises")
 def test_keyboard_interrupt_in_the_caller_stops_every_rank():
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
@@ -183,7 +199,8 @@ def test_a_port_already_taken_is_a_value_error_naming_it():
     (lambda: run_ranks(rank_info, 0), r"^world_size=0: use a whole number of ranks, 1 or more"),
     (lambda: run_ranks(rank_info, 2, backend="nccl"), r"^backend='nccl' with device='cpu': NCCL moves CUDA"),
     (lambda: run_ranks(rank_info, 2, backend="mpi"), r"^backend='mpi': use 'gloo'"),
-    (lambda: run_ranks(rank_info, 2, timeout_s=0), r"^timeout_s=0: use a positive number of seconds"),
+    (lambda: run_ranks(rank_info, 2, timeout_s=0), r"^timeout_s=0: use a number of seconds from 0\.001 \(the "
+                                                   r"collectives count whole milliseconds\) to 86400 \(a day\)"),
     (lambda: run_ranks(rank_info, 2, start_method="fork"), r"^start_method='fork': use one of \['spawn'"),
     (lambda: run_ranks(rank_info, 2, port=70000), r"^port=70000: use a TCP port number 1\.\.65535"),
 ])
@@ -199,6 +216,7 @@ def test_cuda_without_cuda_says_so():
         run_ranks(rank_info, 2, device="cuda")
 
 
+@pytest.mark.ranks
 @pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here")
 def test_forkserver_ranks_give_the_same_results_and_fail_the_same_way():
     results = run_ranks(rank_info, 2, torch.arange(3.0), start_method="forkserver")
@@ -208,6 +226,7 @@ def test_forkserver_ranks_give_the_same_results_and_fail_the_same_way():
         run_ranks(exit_abruptly, 2, start_method="forkserver")
 
 
+@pytest.mark.ranks
 def test_under_torchrun_each_process_is_one_rank_and_gets_every_result(tmp_path):
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     environment["TORCHRUN_RESULTS"] = str(tmp_path)  # each rank writes what it got there
@@ -240,6 +259,7 @@ print(run_ranks(step, 1, b"x" * 2**20))  # no `if __name__ == "__main__":` guard
 """
 
 
+@pytest.mark.ranks
 def test_a_script_without_a_main_guard_fails_at_once_naming_the_guard(tmp_path):
     """The spawned rank re-imports the script and dies while starting. Before, the parent blocked for
     good writing the 1 MiB payload into the child's start-up pipe; now it ends the run with one ValueError."""

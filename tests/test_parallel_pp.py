@@ -127,6 +127,7 @@ def where(job, report=None):
             None if report is None else f"rank {report['rank']} stage {report['stage']}")
 
 
+@pytest.mark.ranks
 def test_gradients_and_loss_equal_the_single_process_engine(launch):
     _, runs, _ = launch
     for name, job, (loss0, grads0, _), loss, grads, _ in runs:
@@ -138,6 +139,7 @@ def test_gradients_and_loss_equal_the_single_process_engine(launch):
             assert relative(grads[key], grads0[key]) <= tolerance, (where(job), key, relative(grads[key], grads0[key]))
 
 
+@pytest.mark.ranks
 def test_the_generator_is_left_where_the_single_process_leaves_it(launch):
     """The caller's generator after the launch is where the single process's step of its last job leaves it
     (dropout: the last stage's generator after its layers' masks)."""
@@ -147,6 +149,7 @@ def test_the_generator_is_left_where_the_single_process_leaves_it(launch):
     assert torch.equal(after_launch, after), where(job)
 
 
+@pytest.mark.ranks
 def test_every_stage_stores_exactly_its_closed_form(launch):
     _, runs, _ = launch
     for _, job, _, _, _, reports in runs:
@@ -158,6 +161,7 @@ def test_every_stage_stores_exactly_its_closed_form(launch):
             assert r["peak_live_bytes"] >= r["peak_activation_bytes"], where(job, r)
 
 
+@pytest.mark.ranks
 def test_the_closed_form_is_in_flight_copies_of_the_layer_inventory(launch):
     """Written from picockpt/inventory.py, not pp_inventory.py: under 'none' a micro-batch of b sequences
     stores n A (+ F on the last stage), and a stage holds w of them, w = M (AFAB) or min(P - s, M) (1F1B)."""
@@ -175,6 +179,7 @@ def test_the_closed_form_is_in_flight_copies_of_the_layer_inventory(launch):
             assert (r["microbatch_stored_bytes"], r["peak_activation_bytes"]) == (held, w * held), where(job, r)
 
 
+@pytest.mark.ranks
 def test_point_to_point_and_collective_bytes_equal_their_closed_forms(launch):
     _, runs, _ = launch
     for _, job, _, _, _, reports in runs:
@@ -229,6 +234,7 @@ def test_the_nccl_order_checker_finds_the_one_by_one_deadlock():  # the test bel
     assert not nccl_order_completes(one_by_one) and nccl_order_completes(paired)
 
 
+@pytest.mark.ranks
 def test_every_schedule_posts_its_sends_and_receives_in_an_order_nccl_completes(launch):
     _, runs, _ = launch
     for _, job, _, _, _, reports in runs:
@@ -238,6 +244,7 @@ def test_every_schedule_posts_its_sends_and_receives_in_an_order_nccl_completes(
             assert any(len(group) == 2 for groups in posted.values() for group in groups), where(job)
 
 
+@pytest.mark.ranks
 def test_recompute_early_changes_neither_results_nor_the_stored_peak(launch):
     _, runs, _ = launch
     plain = {(name, job.policy, job.pp, job.microbatches, job.schedule): (grads, reports)
@@ -253,6 +260,7 @@ def test_recompute_early_changes_neither_results_nor_the_stored_peak(launch):
             assert r["flops"] == r0["flops"], where(job, r)  # the same recomputation, done earlier
 
 
+@pytest.mark.ranks
 def test_timeline_totals_add_up_and_every_micro_batch_runs_each_phase(launch):
     _, runs, _ = launch
     for _, job, _, _, _, reports in runs:
@@ -267,6 +275,7 @@ def test_timeline_totals_add_up_and_every_micro_batch_runs_each_phase(launch):
             assert 0 <= r["bubble"] < 1 and r["predicted_bubble"] == (job.pp - 1) / (job.microbatches + job.pp - 1)
 
 
+@pytest.mark.ranks
 def test_stage_aware_budget_fits_every_stage_and_recomputes_no_more_than_the_best_uniform_policy(launch):
     world, runs, _ = launch
     if world != 2:

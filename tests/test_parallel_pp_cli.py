@@ -65,6 +65,7 @@ def fail_on_the_last_stage(comm, jobs):
     return rank_steps(comm, jobs)  # stage 0 waits on the gradient of its first micro-batch, from a stage that is gone
 
 
+@pytest.mark.ranks
 def test_a_stage_failing_mid_step_stops_the_others_at_once():
     cfg, params, input_ids, targets = tiny()
     job = on_cpu(checked_job(ParallelJob(params, cfg, input_ids, targets, "full", pp=2, microbatches=2), "cpu", 2))
@@ -75,6 +76,7 @@ def test_a_stage_failing_mid_step_stops_the_others_at_once():
 
 
 # ---- python -m picockpt parallel --pp ------------------------------------------------------------------
+@pytest.mark.ranks
 def test_parallel_command_runs_a_pipeline_and_prints_json_per_rank(capsys):
     args = ["parallel", "--pp", "2", "--microbatches", "4", "--schedule", "1f1b", "--policy", "full", "--json",
             "--preset", "tiny", "--seq", "8", "--batch", "4", "--dropout", "0.1", "--device", "cpu"]
@@ -92,6 +94,7 @@ def test_parallel_command_runs_a_pipeline_and_prints_json_per_rank(capsys):
     assert abs(row["loss"] - row["single_process_loss"]) <= 1e-5 * row["single_process_loss"]
 
 
+@pytest.mark.ranks
 def test_parallel_command_table_with_data_parallel_overlap(capsys):
     args = ["parallel", "--dp", "2", "--microbatches", "2", "--policy", "every:2", "--preset", "tiny", "--seq", "8",
             "--batch", "4", "--device", "cpu"]
@@ -107,6 +110,6 @@ def test_parallel_command_table_with_data_parallel_overlap(capsys):
 
 def test_parallel_command_refuses_more_stages_than_layers(capsys):
     assert main(["parallel", "--pp", "3", "--preset", "tiny", "--device", "cpu"]) == 2
-    assert capsys.readouterr().err == ("error: pp=3 is larger than the number of layers L=2: every stage needs at "
-                                       "least one layer; use pp <= 2\n")
+    assert capsys.readouterr().err == ("error: --pp 3 is larger than the number of layers L=2: every stage needs at "
+                                       "least one layer; use --pp <= 2\n")
     torch.manual_seed(0)

@@ -39,7 +39,7 @@ PER_T = {1: ["mha", "gqa dropout"], 2: list(MODELS), 4: ["mha", "gqa", "gqa drop
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
-pytestmark = pytest.mark.usefixtures("no_process_left_behind")
+pytestmark = [pytest.mark.ranks, pytest.mark.usefixtures("no_process_left_behind")]  # every test spawns ranks
 
 
 def model(name):

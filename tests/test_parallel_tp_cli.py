@@ -69,7 +69,7 @@ def test_more_ranks_than_torchrun_started_is_an_error_naming_tp_or_ep(monkeypatc
         loss_and_grads(params, cfg, input_ids, targets, tp=4)
     assert main(["parallel", "--preset", "tiny", "--kv-heads", "4", "--tp", "4", "--seq", "8", "--batch", "2",
                  "--device", "cpu"]) == 2
-    assert capsys.readouterr().err.startswith("error: tp=4: torchrun started 2 processes")
+    assert capsys.readouterr().err.startswith("error: --tp 4: torchrun started 2 processes, one per rank; pass --tp 2")
     moe_cfg, moe_params, moe_ids, moe_targets = tiny(batch=4, experts=4)
     with pytest.raises(ValueError, match=r"^ep=4: torchrun started 2 processes"):
         loss_and_grads(moe_params, moe_cfg, moe_ids, moe_targets, ep=4)
@@ -92,6 +92,7 @@ def fail_while_the_other_rank_waits(comm, job):
     return rank_step(comm, job, {})  # rank 0 waits in the embedding's all-reduce for a rank that never comes
 
 
+@pytest.mark.ranks
 def test_a_rank_failing_mid_step_stops_the_others_at_once():
     cfg, params, input_ids, targets = tiny()
     job = on_cpu(ParallelJob(params, cfg, input_ids, targets, "full", tp=2, rng_state=torch.get_rng_state()))
@@ -101,6 +102,7 @@ def test_a_rank_failing_mid_step_stops_the_others_at_once():
     assert time.monotonic() - start < 30  # not the 60 s collective timeout
 
 
+@pytest.mark.ranks
 def test_an_error_inside_every_rank_comes_back_with_its_rank():
     cfg, params, input_ids, targets = tiny()
     broken = torch.zeros(3, dtype=torch.uint8)  # not a generator state: each rank fails to set it
@@ -110,6 +112,7 @@ def test_an_error_inside_every_rank_comes_back_with_its_rank():
 
 
 # ---- python -m picockpt parallel -------------------------------------------------------------------
+@pytest.mark.ranks
 def test_parallel_command_prints_every_rank_against_its_closed_forms(capsys):
     args = ["parallel", "--tp", "2", "--sp", "--policy", "selective", "--preset", "tiny", "--seq", "8", "--batch",
             "2", "--dropout", "0.1", "--device", "cpu"]
@@ -130,10 +133,11 @@ def test_parallel_command_prints_every_rank_against_its_closed_forms(capsys):
 def test_parallel_command_refuses_a_split_that_cannot_be(capsys):
     assert main(["parallel", "--tp", "3", "--preset", "tiny", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: tp=3 is larger than allowed: at most kv_heads=2 ranks (heads=4), since every rank computes " \
-                  "whole key/value heads; use tp in [1, 2]\n"
+    assert err == "error: --tp 3 is larger than allowed: at most --kv-heads 2 ranks (--heads 4), since every rank " \
+                  "computes whole key/value heads; use --tp in [1, 2]\n"
 
 
+@pytest.mark.ranks
 def test_parallel_command_under_torchrun_gives_the_same_json():
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     environment["OMP_NUM_THREADS"] = "1"
@@ -208,9 +212,11 @@ def test_a_rank_error_is_one_line_with_the_ranks_last_frame():
     assert last_frame(error) == ' (rank\'s last frame: File "/x/comm.py", line 97, in all_reduce)'
 
 
+@pytest.mark.ranks
 def test_trace_lines_go_to_stderr_and_the_json_stays_whole():
     done = subprocess.run([sys.executable, "-m", "picockpt", "parallel", "--preset", "tiny", "--batch", "2", "--seq",
-                           "8", "--tp", "2", "--policy", "full", "--trace", "--json"], capture_output=True, text=True,
+                           "8", "--tp", "2", "--policy", "full", "--trace", "--device", "cpu", "--json"],
+                          capture_output=True, text=True,
                           cwd=ROOT, timeout=240)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["tp"] == 2  # nothing but the JSON on stdout
@@ -219,5 +225,6 @@ def test_trace_lines_go_to_stderr_and_the_json_stays_whole():
 
 def test_a_budget_under_tensor_parallelism_is_checked_per_rank(capsys):
     # tiny at batch 4 x 128: the single process's least budget is 724,992 B, one of two sp ranks' 362,496 B
-    assert main(["parallel", "--preset", "tiny", "--tp", "2", "--sp", "--policy", "budget:40KiB"]) == 2
+    assert main(["parallel", "--preset", "tiny", "--tp", "2", "--sp", "--policy", "budget:40KiB", "--device",
+                 "cpu"]) == 2
     assert "least feasible budget for this model and batch, 362,496 bytes" in capsys.readouterr().err

@@ -159,6 +159,7 @@ def relative(value, reference):
     return (value.double() - reference.double()).abs().max().item() / (scale or 1.0)
 
 
+@pytest.mark.ranks
 def test_loss_gradients_and_updated_parameters_equal_the_single_process(launch):
     _, runs = launch
     for j, loss, grads, params, _, rng_state in runs:
@@ -175,6 +176,7 @@ def test_loss_gradients_and_updated_parameters_equal_the_single_process(launch):
         assert torch.equal(rng_state, rng_state0), where  # the generator left where the single process leaves it
 
 
+@pytest.mark.ranks
 def test_every_policy_keep_and_prefetch_is_bitwise_equal_to_none_within_a_stage(launch):
     _, runs = launch
     none = {(j.name, j.zero): (loss, grads, params) for j, loss, grads, params, *_ in runs
@@ -190,6 +192,7 @@ def test_every_policy_keep_and_prefetch_is_bitwise_equal_to_none_within_a_stage(
             assert torch.equal(params[name], params0[name]), (where, name)
 
 
+@pytest.mark.ranks
 def test_model_state_and_activations_per_rank_equal_their_closed_forms(launch):
     dp, runs = launch
     for j, *_, reports, _ in runs:
@@ -212,6 +215,7 @@ def test_model_state_and_activations_per_rank_equal_their_closed_forms(launch):
         assert r["optimizer_bytes"] == 4 * 2 * shards + 4 * len(units)  # exp_avg, exp_avg_sq, one step each
 
 
+@pytest.mark.ranks
 def test_communication_per_phase_equals_its_closed_form(launch):
     _, runs = launch
     for j, *_, reports, _ in runs:
@@ -221,6 +225,7 @@ def test_communication_per_phase_equals_its_closed_form(launch):
             assert r["comm_bytes"] == r["predicted_comm_bytes"], where
 
 
+@pytest.mark.ranks
 def test_stage_3_recompute_gathers_each_layer_once_and_keep_gathered_saves_the_backward_gather(launch):
     """From the shapes alone: under full, the recompute phase gathers every layer once and the backward
     gathers each again; with keep_gathered the backward gathers none, one gather fewer per layer in total.
@@ -271,6 +276,7 @@ def test_clear_errors_before_any_rank_starts():
             check_zero(args.pop("zero"), args.pop("dp"), args.pop("cfg"), args.pop("batch"), **args)
 
 
+@pytest.mark.ranks
 def test_fsdp2_gathers_beside_picockpts(launched):
     """torch's FSDP2 on the reference model at dp=4 (no dim padded, so the bytes compare): forward every unit
     once; backward every layer again with its default reshard_after_forward (the root kept), and the
@@ -288,6 +294,7 @@ def test_fsdp2_gathers_beside_picockpts(launched):
         assert relative(default["grads"][name], grads0[name]) <= 1e-5, name
 
 
+@pytest.mark.ranks
 def test_training_with_zero_equals_training_in_one_process(launched):
     """zero_train's runs (stages 1, 2, 3; full with keep_gathered under 3; dropout; a new batch each step) against
     picockpt/train.py's train_step and make_optimizer on the same batches, lr and weight decay, from the same
@@ -324,6 +331,7 @@ def test_training_with_zero_equals_training_in_one_process(launched):
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
 
 
+@pytest.mark.ranks
 def test_stages_are_bitwise_equal_to_each_other_at_dp_2(launched):
     """At dp=2 every element of a reduced gradient is one addition, a + b, whichever collective makes it
     (all-reduce under stage 1, reduce-scatter under 2 and 3): the same bits, and AdamW on shards is elementwise,
@@ -338,6 +346,7 @@ def test_stages_are_bitwise_equal_to_each_other_at_dp_2(launched):
             assert torch.equal(none[zero][name], none[1][name]), (zero, name)
 
 
+@pytest.mark.ranks
 def test_the_api_and_the_command_run_zero_and_refuse_what_it_cannot(capsys):
     """parallel.loss_and_grads(..., dp=2, zero=3) and `python -m picockpt parallel --dp 2 --zero 3 --json`: the
     single process's gradients, every rank's model state, stored peak and bytes per phase equal to their
@@ -360,15 +369,18 @@ def test_the_api_and_the_command_run_zero_and_refuse_what_it_cannot(capsys):
             assert r[key] == r["predicted_" + key], (r["rank"], key)
         assert r["peak_activation_bytes"] == r["predicted_activation_bytes"] and r["optimizer_bytes"] == 0
     assert main(["parallel", "--dp", "2", "--zero", "3", "--keep-gathered", "--policy", "full", "--preset", "tiny",
-                 "--batch", "2", "--seq", "8", "--json"]) == 0
+                 "--batch", "2", "--seq", "8", "--device", "cpu", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["zero"] == 3 and row["grad_max_rel_diff_vs_single"] <= 1e-5
+    assert {key: row[key] for key in ("tp", "pp", "microbatches", "ep", "cp", "cp_comm", "keep_gathered")} == \
+        dict(tp=1, pp=1, microbatches=1, ep=1, cp=1, cp_comm="ring", keep_gathered=True)  # every layout's keys
     for r in row["ranks"]:
         assert r["optimizer_bytes"] == r["predicted_optimizer_bytes"] > 0  # after one AdamW step on the shards
         assert r["comm_bytes"] == r["predicted_comm_bytes"] and r["comm_bytes"]["optimizer"] == 0  # stage 3
         assert r["comm_bytes_by_kind"]["backward"].get("all_gather", 0) == 0  # keep_gathered: none again
 
 
+@pytest.mark.ranks
 def test_the_train_command_on_zero_ranks_prints_the_losses_of_training_in_one_process(capsys):
     """`train --dp 2 --zero 2` draws the single-process command's batches and weights for the seed: the same
     losses (to their 4 printed decimals, +-1 in the last), --log-every honoured, every rank's report equal to

@@ -3,8 +3,6 @@ budget schedules run in the engine (exact peak and FLOPs, bitwise the same gradi
 import itertools
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from picockpt.planner_uniform import binomial_forward_steps, forward_steps_table
 from picockpt.policy import parse_policy
 from picockpt.tracker import Tracker
 
+from commands import picockpt as run_command
 from conftest import setup
 
 
@@ -228,7 +227,7 @@ def test_a_budget_below_the_least_is_a_clear_error():
 
 # ---- the command ----------------------------------------------------------------------------------
 def picockpt(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "picockpt", *args], capture_output=True, text=True, check=check)
+    return run_command(*args, check=check)
 
 
 def test_plan_command_uniform_chain():

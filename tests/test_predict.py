@@ -1,10 +1,9 @@
 """python -m picockpt predict: the published figures, picockpt's exact ones, JSON keys, clear errors."""
 import json
-import subprocess
-import sys
 
 import pytest
 
+from commands import picockpt
 from picockpt import Config
 from picockpt.cli import main
 from picockpt.formulas import korthikanti_layer_bytes
@@ -69,7 +68,7 @@ def test_table_names_both_sources(capsys):
     (["--seq", "0"], "seq=0"),
 ])
 def test_user_mistakes_are_one_line_errors(args, message):
-    out = subprocess.run([sys.executable, "-m", "picockpt", "predict", *args], capture_output=True, text=True)
+    out = picockpt("predict", *args)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and message in out.stderr and "Traceback" not in out.stderr
 
@@ -155,14 +154,15 @@ def test_context_parallel_beside_pipeline_stages_is_each_stages_rank(capsys):
     (["--dp", "8"], "--dp 8 without --zero"),
     (["--zero", "3", "--dp", "8", "--tp", "8"], "--zero 3 with --tp 8: predict cannot compute"),
     (["--zero", "3", "--dp", "8", "--cp", "2", "--attention", "fused"], "--zero 3 with --cp 2: predict cannot"),
-    (["--cp", "4"], "--cp=4 (with --attention eager)"),
+    (["--cp", "4"], "--cp 4 with --attention eager: eager attention keeps the probabilities"),
     (["--cp", "4", "--tp", "8", "--attention", "fused", "--cp-comm", "allgather", "--keep-kv"],
      "--keep-kv with --tp 8"),
-    (["--cp", "4", "--tp", "8", "--sp", "--seq", "8", "--attention", "fused"], "--cp=4 (with --attention fused): "),
+    (["--cp", "4", "--tp", "8", "--sp", "--seq", "8", "--attention", "fused"],
+     "--seq 8 with --cp 4 --tp 8 --sp: sequence parallelism splits each context-parallel rank's 2 tokens"),
     (["--keep-kv"], "--keep-kv without --cp"),
     (["--pp", "4"], "--pp 4: predict splits stages beside --cp only"),
-    (["--pp", "4", "--cp", "2", "--attention", "fused", "--batch", "3"], "--microbatches=4: give a whole number"),
-    (["--cp", "3", "--seq", "4096", "--attention", "fused"], "seq=4096 with cp=3"),
+    (["--pp", "4", "--cp", "2", "--attention", "fused", "--batch", "3"], "--batch 3 with --pp 4: --pp's 4 micro-"),
+    (["--cp", "3", "--seq", "4096", "--attention", "fused"], "--seq 4096 with --cp 3: zigzag cuts each sequence"),
     (["--gpu-gib", "0"], "--gpu-gib=0"),
 ])
 def test_parallel_mistakes_are_one_line_errors(capsys, args, message):

@@ -13,11 +13,12 @@ from picockpt.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 SKIPPED = {"reproduce": "every lesson's experiment: tests/test_lessons.py runs each one"}
 TINY = {  # per command: what makes its shape tiny (analytic commands run exactly as written)
-    "train": ["--preset", "tiny", "--seq", "16", "--batch", "2", "--steps", "2"],
+    "train": ["--preset", "tiny", "--seq", "16", "--batch", "2", "--steps", "2", "--device", "cpu"],
     "measure": ["--preset", "tiny", "--seq", "16", "--repeats", "1", "--device", "cpu"],
     "inventory": ["--preset", "tiny", "--seq", "16"],
     # --min-cut none: torch.compile's partitioner takes ~30 s whatever the shape (tests/test_compare.py runs it)
-    "compare": ["--preset", "tiny", "--seq", "16", "--batch", "1", "--repeats", "1", "--device", "cpu", "--min-cut", "none"],
+    "compare": ["--preset", "tiny", "--seq", "16", "--batch", "1", "--repeats", "1", "--device", "cpu",
+                "--min-cut", "none"],
     "parallel": ["--preset", "tiny", "--seq", "16", "--device", "cpu"],
     "notebooks": ["--fast", "--no-execute"],  # the cells only, to out/notebooks/: never over the committed ones
     "predict": [], "plan": [],
@@ -41,7 +42,14 @@ def test_the_readme_has_the_commands_this_file_knows():
                                     "--batch", "8", "--policy", "full"] in COMMANDS
 
 
-@pytest.mark.parametrize("words", [w for w in COMMANDS if w[0] not in SKIPPED], ids=" ".join)
+def marks(words):
+    """ranks: the command starts processes; slow: the offload planner at an 8B model's shape (about 15 s)."""
+    return [pytest.mark.ranks] * (words[0] == "parallel" or "--dp" in words) + \
+        [pytest.mark.slow] * (words[0] == "plan" and "--offload" in words)
+
+
+@pytest.mark.parametrize("words", [pytest.param(w, marks=marks(w), id=" ".join(w))
+                                   for w in COMMANDS if w[0] not in SKIPPED])
 def test_a_readme_command_runs(words, capsys):
     code = main([*words, *TINY[words[0]]])
     assert code == 0, f"{' '.join(words)}:\n{capsys.readouterr().err[-3000:]}"

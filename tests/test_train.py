@@ -1,13 +1,13 @@
-import subprocess
-import sys
-
+import pytest
 import torch
 
+from commands import picockpt
 from picockpt import Config, init_params
 from picockpt.inventory import predicted_peak_bytes, step_flops
 from picockpt.train import MarkovTask, train
 
 
+@pytest.mark.slow
 def test_synthetic_task_is_learned_within_100_steps():
     cfg = Config.from_preset("small")
     task = MarkovTask(cfg.vocab, seed=0)
@@ -28,8 +28,7 @@ def test_batches_follow_the_chain():
 
 
 def test_train_command_runs():
-    out = subprocess.run([sys.executable, "-m", "picockpt", "train", "--preset", "tiny", "--steps", "3",
-                          "--policy", "every:2", "--device", "cpu"], capture_output=True, text=True, check=True)
+    out = picockpt("train", "--preset", "tiny", "--steps", "3", "--policy", "every:2", "--device", "cpu", check=True)
     assert "tokens/s" in out.stdout and "stored" in out.stdout and "summary over steps 1..2" in out.stdout
 
 
@@ -56,8 +55,7 @@ def test_train_reports_what_recomputation_costs():
 def test_cuda_without_cuda_is_a_clear_error():
     if torch.cuda.is_available():
         return
-    out = subprocess.run([sys.executable, "-m", "picockpt", "train", "--device", "cuda", "--steps", "1"],
-                         capture_output=True, text=True)
+    out = picockpt("train", "--device", "cuda", "--steps", "1")
     assert out.returncode == 2 and "CUDA was asked for" in out.stderr and "Traceback" not in out.stderr
 
 

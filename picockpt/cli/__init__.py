@@ -6,6 +6,7 @@ command asked for is imported.
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 COMMANDS = {  # name -> one-line help; the module picockpt/cli/<name>.py does the work
@@ -57,17 +58,32 @@ def main(argv=None):
     top.parse_args(argv[:1])  # a clear error for an unknown command
     name = argv[0]
     parser = Parser(prog=f"python -m picockpt {name}", description=COMMANDS[name])
-    module = importlib.import_module(f"{__name__}.{name}")
+    module = importlib.import_module(f"{__name__}.{name}")  # torch loads here, for seconds
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    if signal.getsignal(signal.SIGINT) is exit_while_starting:  # from here on Ctrl-C is a KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return module.run(args) or 0
     except ValueError as error:  # a user mistake: say what and how to fix it, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: stop here, and say so; 130 = 128 + SIGINT, as shells report it
-        print(f"interrupted: python -m picockpt {name} stopped before it finished", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:
+        return interrupted(name)
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as shell tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 141  # 128 + SIGPIPE
+
+
+def interrupted(name):
+    """Ctrl-C: stop here, and say so; 130 = 128 + SIGINT, as shells report it."""
+    print(f"interrupted: python -m picockpt {name} stopped before it finished", file=sys.stderr)
+    return 130
+
+
+def exit_while_starting(signum, frame):
+    """Ctrl-C while the command is still importing: nothing to clean up yet, so one line and exit 130 at once. A
+    KeyboardInterrupt raised inside an import can be swallowed by importlib's own callbacks (the command then goes
+    on), or end in a traceback from inside torch; a handler that exits cannot."""
+    os.write(sys.stderr.fileno(), b"interrupted: python -m picockpt stopped while it was starting\n")
+    os._exit(130)

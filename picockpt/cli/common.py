@@ -4,7 +4,7 @@ from ..device import resolve_device
 from ..measure import max_relative_diff  # noqa: F401 (the commands import it from here)
 
 
-def add_shape_args(parser, preset="small", batch=4, seq=128):
+def add_shape_args(parser, preset="small", batch=4, seq=128, dtype=None):
     group = parser.add_argument_group("model and batch shape")
     group.add_argument("--preset", default=preset, choices=list(PRESETS),
                        help=f"starting shape (default {preset}); the flags below override it")
@@ -16,8 +16,8 @@ def add_shape_args(parser, preset="small", batch=4, seq=128):
     group.add_argument("--vocab", type=int, help="vocabulary size")
     group.add_argument("--max-seq", type=int, help="longest sequence the rotary table covers")
     group.add_argument("--dropout", type=float, help="dropout on attention probabilities and residual branches")
-    group.add_argument("--dtype", choices=sorted(set(DTYPES)),
-                       help="activation dtype; bf16/fp16 keep fp32 master weights (default fp32)")
+    group.add_argument("--dtype", choices=sorted(set(DTYPES)), default=dtype,  # None: the preset's (fp32)
+                       help=f"activation dtype; bf16/fp16 keep fp32 master weights (default {dtype or 'fp32'})")
     group.add_argument("--attention", choices=ATTENTIONS,
                        help="eager: materialise the T x T probabilities (default); tiled: FlashAttention-2 written "
                             "out in PyTorch (stores one log-sum-exp per row, recomputes the probabilities tile by "

@@ -12,14 +12,13 @@ its FLOPs by phase; then the loss, and how far the gradients are from the single
     python -m picockpt parallel --dp 2 --zero 3 --policy full --keep-gathered        # ZeRO-3
     python -m picockpt parallel --cp 2 --attention tiled --policy full                # context parallel
 """
-import json
-
 from .common import add_run_args, add_shape_args, fmt_bytes, fmt_flops
 from .common import rank_columns, table
+from ..parallel.launch import check_timeout
 from .parallel_cp import run_context
 from .parallel_ep import run_expert
 from .parallel_zero import run_zero
-from .parallel_run import measured_step, prepared
+from .parallel_run import measured_step, one_line_errors, prepared, printed
 
 def add_arguments(parser):
     add_shape_args(parser)
@@ -32,10 +31,14 @@ def add_arguments(parser):
                         "budget:SIZE is per rank")
     parser.add_argument("--distribute-saved", action="store_true", help="without --sp: each rank keeps 1/t of "
                         "every checkpoint (Megatron's --distribute-saved-activations), all-gathered to recompute")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait (default 120)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait, 0.001 to "
+                        "86400 (default 120)")
     parser.add_argument("--port", type=int, help="spawned ranks: the 127.0.0.1 port to meet on (default: a free one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--trace", action="store_true", help="print every rank's engine events, prefixed by rank")
+    parser.add_argument("--trace", action="store_true", help="print every rank's engine events, prefixed by rank "
+                        "(not with --zero)")
+    parser.add_argument("--verbose", action="store_true", help="a rank's failure with every failed rank's traceback "
+                        "below it (without: one line, naming the rank and its last frame)")
     pipeline = parser.add_argument_group("pipeline and data parallelism (dp x pp x tp ranks)")
     pipeline.add_argument("--pp", type=int, default=1, help="pipeline stages P (default 1); layers split over them")
     pipeline.add_argument("--microbatches", type=int, default=1, help="micro-batches M per step (default 1); "
@@ -63,8 +66,9 @@ def add_arguments(parser):
                          "1/cp of every sequence's tokens and of every activation; dp x pp x cp x tp ranks in all")
     context.add_argument("--cp-layout", default="zigzag", choices=("zigzag", "contiguous"), help="zigzag: rank r "
                          "holds chunks r and 2cp-1-r of 2cp (causal work balanced); contiguous: chunk r of cp")
-    context.add_argument("--cp-comm", default="ring", choices=("ring", "allgather"), help="K/V passed round a ring "
-                         "(cp - 1 steps), or all-gathered once per layer (the Llama 3 paper's choice)")
+    context.add_argument("--cp-comm", default="ring", choices=("ring", "ring_overlap", "allgather"), help="K/V "
+                         "passed round a ring (cp - 1 steps; ring_overlap: each step sent while a block is computed), "
+                         "or all-gathered once per layer (the Llama 3 paper's choice)")
     context.add_argument("--cp-keep-kv", action="store_true", help="--cp-comm allgather: keep the gathered K/V "
                          "for the recomputation and the backward instead of gathering them again")
     experts.add_argument("--keep-dispatched", action="store_true", help="keep the rows each rank's experts "
@@ -72,7 +76,9 @@ def add_arguments(parser):
 
 
 def check_flags(args):
-    """A flag that belongs to a layout not asked for is an error, never silently ignored."""
+    """A flag that belongs to a layout not asked for is an error, never silently ignored (what is left, a layout
+    that does not compose with another, the job refuses: every layout flag reaches it, parallel_run.layout_of)."""
+    check_timeout(args.timeout)  # timeout_s, said as --timeout (parallel_run.as_flags)
     if args.keep_dispatched and args.ep == 1:
         raise ValueError("--keep-dispatched without --ep: it keeps the rows an expert-parallel layer dispatched to "
                          "other ranks' experts; add --ep N (N > 1, dividing --experts), or leave it out")
@@ -80,15 +86,15 @@ def check_flags(args):
             ("--schedule", args.schedule is not None, args.pp > 1 or args.microbatches > 1,
              "--pp P or --microbatches M (> 1)", "the order of micro-batches' forwards and backwards"),
             ("--recompute-early", args.recompute_early, args.pp > 1, "--pp P (P > 1)", "a pipeline stage's waits"),
-            ("--no-overlap", args.no_overlap, args.dp > 1 and not args.zero, "--dp D (D > 1) without --zero",
-             "a data-parallel all-reduce"),
+            ("--no-overlap", args.no_overlap, args.dp * args.ep * args.cp > 1, "--dp D (D > 1) or --ep/--cp N (N > 1)",
+             "a data-parallel all-reduce"),  # under --zero the job refuses it
             ("--zero", args.zero, args.dp > 1, "--dp D (D > 1)", "how the data-parallel ranks shard the model state"),
             ("--keep-gathered", args.keep_gathered, args.zero == 3, "--zero 3", "when ZeRO-3 gathers parameters"),
             ("--no-prefetch", args.no_prefetch, args.zero == 3, "--zero 3", "when ZeRO-3 gathers parameters")):
         if given and not needs:
             raise ValueError(f"{flag} without {wanted}: it changes {what}, and there is none here; add {wanted}, "
                              f"or leave {flag} out")
-    alone = (args.pp, args.microbatches, args.dp, args.ep, args.cp) == (1, 1, 1, 1, 1)
+    alone = (args.pp, args.microbatches, args.dp, args.ep, args.cp, args.zero) == (1, 1, 1, 1, 1, 0)
     tp = args.tp if args.tp is not None else 2 if alone else 1
     for flag, given in (("--sp", args.sp), ("--distribute-saved", args.distribute_saved)):
         if given and tp == 1 and args.ep == 1:
@@ -97,10 +103,14 @@ def check_flags(args):
                              f"{default}): it splits a tensor-parallel rank's tokens or checkpoints, and there is "
                              f"none here; add --tp N "
                              f"(N > 1), or leave {flag} out")
-    args.schedule = args.schedule or "1f1b"
+    args.schedule, args.tp = args.schedule or "1f1b", tp  # what runs, in the job and in the JSON row
 
 
 def run(args):
+    return one_line_errors("parallel", run_layout, args)  # every error in flags; SIGTERM said in one line
+
+
+def run_layout(args):
     check_flags(args)
     if args.zero:
         return run_zero(args)  # picockpt/cli/parallel_zero.py
@@ -110,21 +120,10 @@ def run(args):
         return run_expert(args)  # picockpt/cli/parallel_ep.py
     if (args.pp, args.microbatches, args.dp) != (1, 1, 1):
         return run_pipeline(args)
-    args.tp = 2 if args.tp is None else args.tp
     cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
-    measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=args.sp, distribute_saved=args.distribute_saved)
-    if measured is None:
-        return
-    loss, ranks, single_loss, worst, _, _ = measured
-    row = {"tp": args.tp, "sp": args.sp, "distribute_saved": args.distribute_saved, "policy": policy.text,
-           "device": str(device), "dtype": cfg.dtype, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
-           "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab, "batch": args.batch, "seq": args.seq,
-           "loss": loss.item(), "single_process_loss": single_loss.item(), "grad_max_rel_diff_vs_single": worst,
-           "ranks": ranks}
-    if args.json:
-        print(json.dumps(row, indent=1))
-        return
-    _print_table(row)
+    measured = measured_step(args, cfg, policy, device)
+    if measured is not None:
+        printed(args, cfg, policy, device, {}, measured, _print_table)
 
 
 def _print_table(row):
@@ -152,25 +151,12 @@ def run_pipeline(args):
     """--pp, --microbatches, --dp: one step of dp x pp x tp ranks, per rank: its stage, micro-batches in flight,
     stored peak against its closed form, and where its time went."""
     cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
-    tp = 1 if args.tp is None else args.tp
-    measured = measured_step(args, cfg, policy, device, tp=tp, sp=args.sp, distribute_saved=args.distribute_saved,
-                             pp=args.pp, microbatches=args.microbatches, schedule=args.schedule, dp=args.dp,
-                             recompute_early=args.recompute_early, overlap=not args.no_overlap)
+    measured = measured_step(args, cfg, policy, device)
     if measured is None:
         return
-    loss, ranks, single_loss, worst, _, _ = measured
     shown = [{key: value for key, value in r.items() if key not in ("timeline", "dp_buckets", "timeline_start")}
-             for r in ranks]
-    row = {"pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule, "dp": args.dp, "tp": tp,
-           "sp": args.sp and tp > 1, "recompute_early": args.recompute_early, "overlap": not args.no_overlap,
-           "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "layers": cfg.layers,
-           "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab,
-           "batch": args.batch, "seq": args.seq, "loss": loss.item(), "single_process_loss": single_loss.item(),
-           "grad_max_rel_diff_vs_single": worst, "ranks": shown}
-    if args.json:
-        print(json.dumps(row, indent=1))
-        return
-    _print_pipeline(row)
+             for r in measured[1]]
+    printed(args, cfg, policy, device, {}, measured, _print_pipeline, ranks=shown)
 
 
 def _print_pipeline(row):

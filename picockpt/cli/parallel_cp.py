@@ -19,16 +19,9 @@ from .parallel_run import measured_step, prepared, printed
 def run_context(args):
     """--cp N (--cp-layout, --cp-comm, --cp-keep-kv): the context-parallel step and its report."""
     cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
-    measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=args.sp, distribute_saved=args.distribute_saved,
-                             pp=args.pp, microbatches=args.microbatches, dp=args.dp, ep=args.ep, cp=args.cp,
-                             cp_layout=args.cp_layout, cp_comm=args.cp_comm, cp_keep_kv=args.cp_keep_kv)
-    if measured is None:
-        return
-    row = {"cp": args.cp, "cp_layout": args.cp_layout, "cp_comm": args.cp_comm, "cp_keep_kv": args.cp_keep_kv,
-           "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "attention": cfg.attention,
-           "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn,
-           "vocab": cfg.vocab, "batch": args.batch, "seq": args.seq}
-    printed(args, row, measured, _print_table)
+    measured = measured_step(args, cfg, policy, device)
+    if measured is not None:
+        printed(args, cfg, policy, device, {}, measured, _print_table)
 
 
 def _print_table(row):

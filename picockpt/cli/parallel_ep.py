@@ -12,15 +12,13 @@ the loss, and how far the gradients are from the single-process engine's.
     python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched --json
     python -m picockpt parallel --ep 2 --dp 2 --experts 4 --batch 4 --policy full     # 4 ranks
 """
-import json
-
 import torch
 
 from ..parallel.forms import predicted
 from ..parallel.job import ParallelJob
 from ..routing import step_routing
 from .common import fmt_bytes, rank_columns, table
-from .parallel_run import measured_step, prepared
+from .parallel_run import layout_of, measured_step, prepared, printed
 
 def run_expert(args):
     """--ep N (and --keep-dispatched): the expert-parallel step and its report."""
@@ -28,33 +26,22 @@ def run_expert(args):
         raise ValueError(f"--sp with --ep {args.ep}: sequence parallelism splits a tensor-parallel rank's tokens, and "
                          f"expert parallelism here has no tensor parallelism; leave --sp out")
     cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
-    layout = dict(pp=args.pp, microbatches=args.microbatches, schedule=args.schedule, dp=args.dp, ep=args.ep)
-    measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=False, distribute_saved=args.distribute_saved,
-                             keep_dispatched=args.keep_dispatched, **layout)
+    measured = measured_step(args, cfg, policy, device)
     if measured is None:
         return
-    loss, ranks, single_loss, worst, params, input_ids = measured
+    _, ranks, _, _, params, input_ids = measured
     torch.manual_seed(args.seed)
     routing = step_routing(params, cfg, input_ids)  # the single process's, as the closed forms take it
     torch.manual_seed(args.seed)
     by_rows = step_routing(params, cfg, input_ids, ranks=args.dp * args.microbatches * args.ep)
-    other = ParallelJob(params, cfg, input_ids, input_ids, policy.text, keep_dispatched=not args.keep_dispatched,
-                        rng_state=torch.get_rng_state(), **layout)  # the other choice, on the same routing
-    row = {"ep": args.ep, "dp": args.dp, "pp": args.pp, "microbatches": args.microbatches,
-           "keep_dispatched": args.keep_dispatched, "policy": policy.text, "device": str(device),
-           "dtype": cfg.dtype, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
-           "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab, "experts": cfg.experts,
-           "experts_per_token": cfg.experts_per_token, "batch": args.batch, "seq": args.seq, "routing": routing,
-           "loss": loss.item(), "single_process_loss": single_loss.item(), "grad_max_rel_diff_vs_single": worst,
-           "ranks": ranks,
+    other = ParallelJob(params, cfg, input_ids, input_ids, policy.text, rng_state=torch.get_rng_state(),
+                        **{**layout_of(args), "keep_dispatched": not args.keep_dispatched})  # on the same routing
+    row = {"routing": routing,
            "other_choice": {"keep_dispatched": other.keep_dispatched,  # predicted on the same routing
                             "ranks": [{"rank": r["rank"], **{key: forms[key] for key in (
                                 "predicted_activation_bytes", "predicted_comm_bytes")}}
                                 for r in ranks for forms in [predicted(other, r, by_rows)]]}}
-    if args.json:
-        print(json.dumps(row, indent=1))
-        return
-    _print_table(row)
+    printed(args, cfg, policy, device, row, measured, _print_table)
 
 
 def _print_table(row):

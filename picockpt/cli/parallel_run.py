@@ -1,7 +1,12 @@
 """What the parallel command's layouts share: the device of this process (its own GPU under
-torchrun), the step itself beside the single-process reference, and a rank's failure as one line."""
+torchrun), every layout flag handed to the one job (whose checks refuse what a layout does not use), the
+step itself beside the single-process reference, the JSON row's keys, and errors in the command's words: a
+parameter's name said as its flag, a rank's failure as one line, SIGTERM as one line."""
+import contextlib
 import json
 import os
+import re
+import sys
 
 import torch
 
@@ -9,8 +14,22 @@ from ..engine import loss_and_grads as single_loss_and_grads
 from ..measure import make_batch
 from ..params import init_params
 from ..parallel import RankError, loss_and_grads, under_torchrun
+from ..parallel.watch import Terminated, sigterm_raises
 from ..policy import parse_policy
 from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff
+
+LAYOUT = ("tp", "sp", "distribute_saved", "pp", "microbatches", "schedule", "recompute_early", "dp", "overlap", "ep",
+          "keep_dispatched", "cp", "cp_layout", "cp_comm", "cp_keep_kv", "zero", "keep_gathered", "prefetch")
+SWITCHES = {"sp", "distribute_saved", "recompute_early", "keep_dispatched", "cp_keep_kv", "keep_kv", "keep_gathered",
+            "trace", "verbose"}  # store_true flags: name=True is the flag given
+NEGATED = {"overlap": "--no-overlap", "prefetch": "--no-prefetch"}  # the flag that makes them False
+FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    *(name for name in LAYOUT if name not in NEGATED), "trace", "verbose", "port", "device", "policy", "batch", "seq",
+    "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype", "attention",
+    "attention_tile", "loss_chunk", "experts", "experts_per_token", "shared_expert_ffn", "router_jitter")}
+FLAGS.update(NEGATED, keep_kv="--cp-keep-kv", layout="--cp-layout", timeout_s="--timeout")
+NAME = r"(?<![\w.-])(?:Config\.)?(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")"
+VALUE = r"('[^']*'|\"[^\"]*\"|[-+]?[\w.]*\w(?:[-+]\d+)?)"
 
 
 def rank_device(args):
@@ -33,19 +52,30 @@ def prepared(args):
     return cfg, policy, device
 
 
-def measured_step(args, cfg, policy, device, **layout):
-    """The parallel step of `layout` and, in the process that prints (the only one, or torchrun's rank 0),
-    the single-process reference: (loss, ranks, single-process loss, max relative gradient difference,
-    params, input_ids), or
-    None in the other torchrun processes. A rank's failure is one line naming the rank and where."""
+def layout_of(args):
+    """Every layout flag as the job's field, whichever layout runs: the job's checks refuse, by name, a flag the
+    layout does not use (picockpt/parallel/job.py), so none is dropped on the way."""
+    return {name: not getattr(args, "no_" + name) if name in NEGATED else getattr(args, name) for name in LAYOUT}
+
+
+def measured_step(args, cfg, policy, device):
+    """The parallel step of the flags' layout and, in the process that prints (the only one, or torchrun's
+    rank 0), the single-process reference: (loss, ranks, single-process loss, max relative gradient difference,
+    params, input_ids), or None in the other torchrun processes. A rank's failure is one line (rank_failure)."""
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
     torch.manual_seed(args.seed)  # the dropout masks and the router jitter: the same state for both runs
     try:
         loss, grads, ranks = loss_and_grads(params, cfg, input_ids, targets, policy.text, device=device.type,
-                                            timeout_s=args.timeout, port=args.port, trace=args.trace, **layout)
+                                            timeout_s=args.timeout, port=args.port, trace=args.trace,
+                                            optimizer_step=bool(args.zero), **layout_of(args))
     except RankError as error:
-        raise ValueError(f"{error}{last_frame(error)}") from None
+        raise ValueError(rank_failure(error, args.verbose)) from None
+    except ValueError as error:  # a rank's own ValueError is one line already; --verbose adds its traceback
+        cause = error.__cause__
+        if args.verbose and isinstance(cause, RankError):
+            raise ValueError(f"{error}\n\ntraceback of rank {cause.rank}:\n{cause.remote_traceback}") from None
+        raise
     if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process ran the step; one prints
         return None
     torch.manual_seed(args.seed)
@@ -54,16 +84,62 @@ def measured_step(args, cfg, policy, device, **layout):
     return loss, ranks, single_loss, worst, params, input_ids
 
 
-def printed(args, row, measured, print_table):
-    """The command's row, completed by the step's outcome (the loss, the single process's, the gradients'
-    largest relative difference, the ranks' reports): one JSON object with --json, else the table."""
-    loss, ranks, single_loss, worst, _, _ = measured
-    row.update(loss=loss.item(), single_process_loss=single_loss.item(), grad_max_rel_diff_vs_single=worst,
-               ranks=ranks)
+def printed(args, cfg, policy, device, row, measured, print_table, ranks=None):
+    """The command's row: every layout's keys (the same in every layout, each with the value that ran) and the
+    model's, then `row`'s own, completed by the step's outcome (the loss, the single process's, the gradients'
+    largest relative difference, the ranks' reports, or `ranks`): one JSON object with --json, else the table."""
+    loss, reports, single_loss, worst, _, _ = measured
+    row = {**layout_of(args), "policy": policy.text, "device": str(device), "dtype": cfg.dtype,
+           "attention": cfg.attention, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
+           "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab, "experts": cfg.experts,
+           "experts_per_token": cfg.experts_per_token, "batch": args.batch, "seq": args.seq, **row,
+           "loss": loss.item(), "single_process_loss": single_loss.item(), "grad_max_rel_diff_vs_single": worst,
+           "ranks": reports if ranks is None else ranks}
     if args.json:
         print(json.dumps(row, indent=1))
     else:
         print_table(row)
+
+
+def rank_failure(error, verbose=False):
+    """A RankError as the command's one line, the rank's last frame named; verbose: every rank's traceback below."""
+    first, _, rest = str(error).partition("\n")
+    if verbose:
+        return f"{first}{last_frame(error)}" + (f"\n{rest}" if rest else "")
+    return f"{first}{last_frame(error)}; --verbose prints the rank's traceback"
+
+
+def as_flags(message):
+    """A job's ValueError in the command's words: each parameter it names (cp_keep_kv=True, zero=3, dp >= 2, leave
+    prefetch out, Config.attention='eager') said as its flag (--cp-keep-kv, --zero 3, --dp >= 2, leave
+    --no-prefetch out, --attention eager); a message already in flags is left as it is."""
+    def flag_with_value(match):
+        name, value = match.group(1), match.group(2).strip("'\"")
+        if name in NEGATED or name in SWITCHES:
+            given = (value == "False") == (name in NEGATED)  # overlap=False: --no-overlap given; sp=True: --sp
+            return FLAGS[name] if given else f"no {FLAGS[name]}"
+        return f"{FLAGS[name]} {value}"
+    message = re.sub(NAME + "=" + VALUE, flag_with_value, message)
+    message = re.sub(NAME + r"(?=\s*(?:>=|<=|>|<|in \[))", lambda match: FLAGS[match.group(1)], message)
+    message = re.sub(r"\b(without|leave|add|set) " + NAME + r"\b(?![=-])",
+                     lambda match: f"{match.group(1)} {FLAGS[match.group(2)]}", message)
+    return re.sub(NAME + r"(?![\w=-])", lambda match: FLAGS[match.group(1)] if "_" in match.group(1) else
+                  match.group(0), message)
+
+
+def one_line_errors(command, run, args):
+    """run(args) with its ValueErrors said in flags (as_flags), and SIGTERM stopping every rank and saying so in
+    one line, exit code 143 (128 + SIGTERM, as shells report it); Ctrl-C is the CLI's own (cli/__init__.py).
+    Under torchrun, SIGTERM is left to torchrun, which ends its processes itself."""
+    try:
+        with contextlib.nullcontext() if under_torchrun() else sigterm_raises():
+            return run(args)
+    except ValueError as error:
+        raise ValueError(as_flags(str(error))) from None
+    except Terminated:
+        print(f"terminated: python -m picockpt {command} stopped before it finished (SIGTERM; no rank of it is left "
+              f"running)", file=sys.stderr)
+        return 143
 
 
 def last_frame(error):

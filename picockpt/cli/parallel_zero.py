@@ -20,15 +20,9 @@ PHASES = ("forward", "recompute", "backward")
 def run_zero(args):
     """--zero (with --dp, --keep-gathered, --no-prefetch): the ZeRO step and its report."""
     cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
-    measured = measured_step(args, cfg, policy, device, tp=args.tp, sp=args.sp, distribute_saved=args.distribute_saved,
-                             pp=args.pp, microbatches=args.microbatches, dp=args.dp, ep=args.ep, zero=args.zero,
-                             keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch, optimizer_step=True)
-    if measured is None:
-        return
-    row = {"dp": args.dp, "zero": args.zero, "keep_gathered": args.keep_gathered, "prefetch": not args.no_prefetch,
-           "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "layers": cfg.layers,
-           "hidden": cfg.hidden, "vocab": cfg.vocab, "batch": args.batch, "seq": args.seq}
-    printed(args, row, measured, _print_table)
+    measured = measured_step(args, cfg, policy, device)  # one AdamW step on the shards (optimizer_step)
+    if measured is not None:
+        printed(args, cfg, policy, device, {}, measured, _print_table)
 
 
 def _print_table(row):

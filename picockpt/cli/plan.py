@@ -12,14 +12,14 @@ import random
 import statistics
 import time
 
-from ..fit import check_fits
 from ..inventory import step_flops
 from ..planner import Stage, least_budget, model_chain, plan_chain, plan_model
 from ..host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, check_rates
-from ..planner_offload import actions, plan_offload
+from ..planner_offload import actions, peak_reason, plan_offload
 from ..planner_uniform import binomial_forward_steps, plan_uniform
-from ..policy import OP_LEVEL, parse_policy, parse_size
-from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, fmt_flops
+from ..policy import OP_LEVEL, parse_policy
+from .common import add_run_args, add_shape_args, config_from_args, fmt_bytes, fmt_flops
+from .plan_parts import budget_from_args, measure, sweeps_json
 
 def add_arguments(parser):
     parser.add_argument("--chain", choices=("model", "uniform"), default="model",
@@ -60,7 +60,7 @@ def run(args):
     if args.offload or args.host_bandwidth is not None or args.compute_rate is not None:
         return run_offload(args)
     cfg = config_from_args(args)
-    budget = parse_size(args.budget)
+    budget = budget_from_args(args)
     text = f"budget:{args.budget}" + ("" if args.op_level == "none" else f"+{args.op_level}")
     policy = parse_policy(text, cfg)
     drop = OP_LEVEL.get(args.op_level, frozenset())
@@ -72,9 +72,7 @@ def run(args):
            "recompute_flops": plan.recompute_flops, "forward_flops": forward,
            "least_budget_bytes": least_budget(model_chain(cfg, args.batch, args.seq, drop)),
            "slot_bytes": plan.slot_bytes, "exact_grid": plan.exact_grid, "planning_seconds": seconds,
-           "forward": list(plan.schedule.forward),
-           "sweeps": [{"target": target, "first": first, "modes": [modes[k] for k in range(first, target + 1)]}
-                      for target, first, modes in plan.sweeps]}
+           "forward": list(plan.schedule.forward), "sweeps": sweeps_json(plan.schedule, cfg.layers)}
     if args.measure:
         row.update(measure(cfg, args, policy))
     if args.json:
@@ -138,25 +136,31 @@ def run_offload(args):
             raise ValueError(f"{flag}={value:g}: give a positive number (bytes/s for the link, FLOP/s for the device), "
                              f"e.g. --host-bandwidth 63e9 --compute-rate 989e12")
     check_rates(bandwidth, rate)
-    budget = parse_size(args.budget)
+    budget = budget_from_args(args)
     drop = OP_LEVEL.get(args.op_level, frozenset())
     text = f"budget:{args.budget}" + ("" if args.op_level == "none" else f"+{args.op_level}") + "+offload"
     policy = parse_policy(text, cfg)
+    start = time.perf_counter()
     plan = plan_offload(cfg, args.batch, args.seq, budget, drop, bandwidth, rate)
+    seconds = time.perf_counter() - start
     chain = model_chain(cfg, args.batch, args.seq, drop)
     rows = actions(plan, chain)
-    two = plan.two_action_walk
+    two, reason = plan.two_action_walk, peak_reason(plan)
     result = {"policy": text, "budget_bytes": budget, "host_bandwidth": bandwidth, "compute_rate": rate,
               "peak_bytes": plan.peak_bytes, "host_peak_bytes": plan.walk.host_peak,
               "copy_bytes": {"to_host": plan.walk.to_host, "to_device": plan.walk.to_device},
-              "recompute_flops": plan.recompute_flops, "modelled_seconds": plan.walk.seconds,
+              "recompute_flops": plan.recompute_flops,
+              "forward_flops": step_flops(cfg, args.batch, args.seq, "none")["forward"],
+              "least_budget_bytes": least_budget(chain), "slot_bytes": plan.base.slot_bytes,
+              "exact_grid": plan.base.exact_grid, "planning_seconds": seconds, "peak_reason": reason,
+              "modelled_seconds": plan.walk.seconds,
               "modelled_compute_seconds": plan.walk.compute_seconds,
               "modelled_exposed_copy_seconds": plan.walk.exposed_seconds,
               "two_action": None if two is None else {"peak_bytes": two.device_peak, "modelled_seconds": two.seconds,
                                                       "recompute_flops": two.recompute_flops},
               "layers": [{"layer": k, "action": action, "why": why,
                           "host_bytes": plan.walk.layers[k]["host"]} for k, (action, why) in enumerate(rows)],
-              "forward": list(plan.schedule.forward),
+              "forward": list(plan.schedule.forward), "sweeps": sweeps_json(plan.schedule, cfg.layers),
               "host": [sorted(names) for names in plan.schedule.host or ()]}
     if args.measure:
         result.update(measure(cfg, args, policy, plan.schedule))
@@ -183,9 +187,11 @@ def run_offload(args):
                    "equal" if result["measured_host_peak_bytes"] == plan.walk.host_peak else "DIFFERS")]
     for name, value, note in lines:
         print(f"  {name:<34}{value:>14}  {note}")
+    if reason is not None:
+        print(f"\nwhy offloading does not lower the peak: {reason}")
     print()
     for k, (action, why) in enumerate(rows):
-        print(f"  layer {k:<3}{action:<34}{why}")
+        print(f"  layer {k:<3}{action:<38}  {why}")  # the longest action: "offload (mlp.gate, mlp.up) + recompute"
 
 
 def schedule_table(plan):
@@ -208,31 +214,6 @@ def runs(modes):
         else:
             groups.append([k, k, modes[k]])
     return ", ".join(f"{a}-{b} {mode}" if b > a else f"{a} {mode}" for a, b, mode in groups)
-
-
-def measure(cfg, args, policy, schedule=None):
-    """One tracked step of the plan: the policy's, or (schedule) the one planned at the flags' rates."""
-    import torch
-
-    from ..engine import Model, Step, loss_and_grads
-    from ..measure import make_batch
-    from ..params import init_params
-    from ..tracker import Tracker
-    device = device_from_args(args)
-    check_fits(cfg, device, args.batch, args.seq, policy,
-               advice="use a smaller --batch or --seq, or a smaller --budget")
-    params = init_params(cfg, seed=args.seed, device=device)
-    input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
-    torch.manual_seed(args.seed)
-    with Tracker(device) as tracker, torch.no_grad():
-        if schedule is None:
-            loss_and_grads(params, cfg, input_ids, targets, policy, tracker=tracker)
-        else:
-            step = Step(Model(params, cfg, input_ids, targets), schedule, policy.drop, tracker)
-            step.forward()
-            step.backward()
-    return {"measured_peak_bytes": tracker.peak_logical, "measured_recompute_flops": tracker.flops["recompute"],
-            "measured_peak_live_bytes": tracker.peak_physical, "measured_host_peak_bytes": tracker.peak_host}
 
 
 def run_uniform(args):

@@ -22,13 +22,14 @@ from ..parallel.tensor_parallel.tp_inventory import (rank_comm_bytes, rank_flops
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from ..policy import SELECTIVE
 from .common import add_shape_args, config_from_args, fmt_bytes
+from .predict_layouts import layouts_for
 from .predict_parallel import add_parallel_arguments, add_parallel_rows, check_parallel, print_parallel
 
 POLICY_OF = {"none": "none", "selective": "selective", "full": "full"}  # --recompute -> picockpt policy
 
 
 def add_arguments(parser):
-    add_shape_args(parser, preset="llama3-8b", batch=1, seq=4096)
+    add_shape_args(parser, preset="llama3-8b", batch=1, seq=4096, dtype="bf16")  # the published 16-bit convention
     parser.add_argument("--model", dest="preset", default=argparse.SUPPRESS,
                         help="the shape to start from: llama3-8b (default), llama3-70b, llama3-405b, "
                              "or a picockpt preset; the shape flags override it (same as --preset)")
@@ -49,9 +50,7 @@ def run(args):
     if recompute not in RECOMPUTE:
         raise ValueError(f"--recompute={args.recompute!r}: use one of {', '.join(RECOMPUTE)}")
     cfg = config_from_args(args)
-    if args.dtype is None:
-        cfg = cfg.replace(dtype="bfloat16")  # the published convention: 16-bit activations
-    _check_tp(args.tp, cfg)
+    _check_tp(args.tp, cfg, args.seq)
     if args.sp and args.tp == 1:
         raise ValueError("--sp with --tp 1: sequence parallelism splits the sequence over the tensor-parallel "
                          "ranks (the tensors that tensor parallelism leaves whole), so it needs --tp t > 1, "
@@ -135,7 +134,7 @@ def per_rank(cfg, batch, seq, recompute="none", tp=1, sp=False, distribute_saved
     try:
         check_tensor_parallel(cfg, tp, sp, seq, distribute_saved)
     except ValueError as error:
-        return {**out, "picockpt_rank_note": str(error)}
+        return {**out, "picockpt_rank_note": str(error) if tp == 1 else f"{error}; {layouts_for(cfg, seq, tp)}"}
     layout = (tp, sp, distribute_saved)
     return {**out, "picockpt_rank_peak_bytes": rank_peak_bytes(cfg, batch, seq, POLICY_OF[recompute], *layout),
             "picockpt_rank_comm_bytes": rank_comm_bytes(cfg, batch, seq, POLICY_OF[recompute], *layout),
@@ -178,11 +177,14 @@ def _formula_text(recompute, tp, sp):
     return f"sbh(34/t{core})" if sp else f"sbh(10 + 24/t{core})"
 
 
-def _check_tp(tp, cfg):
-    divisors = [t for t in range(1, cfg.heads + 1) if cfg.heads % t == 0]
-    if tp not in divisors:
+def _check_tp(tp, cfg, seq):
+    divisors = ", ".join(str(t) for t in range(1, cfg.heads + 1) if cfg.heads % t == 0)
+    if tp < 1:
+        raise ValueError(f"--tp={tp}: give a whole number of tensor-parallel ranks, 1 or more (one of {divisors})")
+    if cfg.heads % tp:
         raise ValueError(f"--tp={tp}: the tensor-parallel size must divide the {cfg.heads} attention heads "
-                         f"(each device computes whole heads); use one of {', '.join(map(str, divisors))}")
+                         f"(each device computes whole heads); use one of {divisors}, or for {tp} ranks: "
+                         f"{layouts_for(cfg, seq, tp)}")
 
 
 def _gib(n):

@@ -21,6 +21,8 @@ T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its
     python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --tp 8 --sp \
         --pp 16 --batch 16
 """
+import math
+
 from ..formulas import GIB
 from ..inventory import predicted_peak_bytes
 from ..parallel.context_parallel.cp_inventory import cp_peak_bytes, stage_comm_bytes
@@ -29,6 +31,7 @@ from ..parallel.data_parallel.zero_inventory import gathered_peak_bytes, model_s
 from ..parallel.pipeline_parallel.pp_inventory import StageForms
 from ..parallel.tensor_parallel.tp_inventory import rank_peak_bytes
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
+from .predict_layouts import cp_fits, cp_refusal, layouts_for
 
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
@@ -41,8 +44,9 @@ def add_parallel_arguments(parser):
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel ranks: every activation split over them along the sequence "
                              "(needs --attention tiled or fused; default 1)")
-    parser.add_argument("--cp-comm", default="ring", choices=("ring", "allgather"),
-                        help="how --cp ranks get the earlier K/V: a ring of cp - 1 steps (default) or one all-gather")
+    parser.add_argument("--cp-comm", default="ring", choices=("ring", "ring_overlap", "allgather"),
+                        help="how --cp ranks get the earlier K/V: a ring of cp - 1 steps (default; ring_overlap "
+                             "moves the same bytes, each hop while the block before computes) or one all-gather")
     parser.add_argument("--keep-kv", action="store_true",
                         help="--cp-comm allgather: keep the gathered K/V for the recomputation and the backward")
     parser.add_argument("--pp", type=int, default=1,
@@ -51,13 +55,15 @@ def add_parallel_arguments(parser):
     parser.add_argument("--microbatches", type=int, default=None,
                         help="with --pp: micro-batches per step, splitting --batch (default: --pp, one sequence each "
                              "when --batch equals it)")
-    parser.add_argument("--gpu-gib", type=float, default=80.0, help="GiB of one GPU for the totals (default 80)")
+    parser.add_argument("--gpu-gib", type=float, default=80.0,
+                        help="GiB of one GPU for the totals: a positive finite number (default 80)")
 
 
 def check_parallel(args, cfg, policy):
-    """One-line ValueErrors for what predict cannot compute, before any work."""
-    if args.gpu_gib <= 0:
-        raise ValueError(f"--gpu-gib={args.gpu_gib}: give the GPU's memory in GiB, e.g. --gpu-gib 80")
+    """One-line ValueErrors for what predict cannot compute, before any work: each names the flag that is wrong."""
+    if not 0 < args.gpu_gib < float("inf"):
+        raise ValueError(f"--gpu-gib={args.gpu_gib:g}: give one GPU's memory as a positive finite number of GiB, "
+                         f"e.g. --gpu-gib 80")
     if args.zero is not None and args.dp < 2:
         raise ValueError(f"--zero {args.zero} with --dp {args.dp}: ZeRO shards over data-parallel ranks; "
                          f"give --dp D >= 2, e.g. --zero {args.zero} --dp 8")
@@ -71,33 +77,92 @@ def check_parallel(args, cfg, policy):
                          f"model, as picockpt runs it); leave out {other.split()[0]} or --zero")
     if args.cp < 1:
         raise ValueError(f"--cp={args.cp}: give a whole number of context-parallel ranks, 1 or more")
-    if args.pp != 1 or args.microbatches is not None:
-        M = args.microbatches or args.pp
-        if args.cp == 1:
-            raise ValueError(f"--pp {args.pp}: predict splits stages beside --cp only (parallel/pipeline_parallel's "
-                             f"closed forms for one rank of each); add --cp C >= 2, or run `python -m picockpt "
-                             f"parallel --pp {args.pp}` to measure a pipeline")
-        if args.pp < 1 or args.pp > cfg.layers:
-            raise ValueError(f"--pp={args.pp}: give 1 to {cfg.layers} stages (the model's layers)")
-        if M < 1 or args.batch % M:
-            raise ValueError(f"--microbatches={M}: give a whole number of micro-batches that divides --batch "
-                             f"{args.batch}, e.g. --batch {args.pp} --microbatches {args.pp}")
-        if args.keep_kv:
-            raise ValueError("--keep-kv with --pp: the kept K/V are not closed-formed beside pipeline stages yet; "
-                             "leave out --keep-kv (or --pp)")
+    check_pipeline(args, cfg)
     if args.cp == 1 and (args.cp_comm != "ring" or args.keep_kv):
         raise ValueError("--cp-comm or --keep-kv without --cp: they choose how context-parallel ranks share "
                          "K/V; add --cp C >= 2, or leave them out")
     if args.cp > 1:
-        if args.tp > 1 and args.keep_kv:
-            raise ValueError(f"--keep-kv with --tp {args.tp}: the kept K/V are not closed-formed beside tensor "
-                             f"parallelism yet; leave out --keep-kv (or --tp)")
+        check_context(args, cfg, policy)
+
+
+def check_pipeline(args, cfg):
+    """--pp and --microbatches: stages beside --cp, micro-batches that split --batch."""
+    pp, M, batch = args.pp, args.microbatches, args.batch
+    if not 1 <= pp <= cfg.layers:
+        raise ValueError(f"--pp={pp}: give 1 to {cfg.layers} stages (the model's layers)")
+    if M is not None and M < 1:
+        raise ValueError(f"--microbatches={M}: give a whole number of micro-batches, 1 or more (they split --batch)")
+    if M is not None and pp == 1:
+        raise ValueError(f"--microbatches {M} without --pp: micro-batches are what pipeline stages pass along, and "
+                         f"predict computes them beside --pp P >= 2 only; {_pipeline_example(args, cfg)}, or leave "
+                         f"--microbatches out")
+    if pp == 1:
+        return
+    if args.cp == 1:
+        raise ValueError(f"--pp {pp}: predict splits stages beside --cp only (parallel/pipeline_parallel's closed "
+                         f"forms for one rank of each); {_pipeline_example(args, cfg)}, or run `python -m picockpt "
+                         f"parallel --pp {pp}` to measure a pipeline")
+    M = M or pp
+    divisors = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+    if batch % M and args.microbatches is None:
+        raise ValueError(f"--batch {batch} with --pp {pp}: --pp's {pp} micro-batches (--microbatches defaults to "
+                         f"--pp) split --batch, so it must be a multiple of {pp}; use --batch {pp} (or "
+                         f"{2 * pp}, ...), or --microbatches M dividing {batch} ({divisors})")
+    if batch % M:
+        raise ValueError(f"--microbatches {M} does not divide --batch {batch}: each micro-batch takes --batch / M "
+                         f"sequences; use --microbatches {divisors}, or --batch a multiple of {M} (e.g. --batch {M})")
+    if args.keep_kv:
+        raise ValueError("--keep-kv with --pp: the kept K/V are not closed-formed beside pipeline stages yet; "
+                         "leave out --keep-kv (or --pp)")
+
+
+def _pipeline_example(args, cfg):
+    """Flags that make predict compute stages for this model, or why none can."""
+    cp = args.cp if args.cp > 1 else next((c for c in range(2, 65) if cp_fits(cfg, args.seq, c)), None)
+    if cp is None or cfg.layers < 2:
+        why = cp_refusal(cfg, args.seq, 2) if cfg.layers >= 2 else f"the model has {cfg.layers} layer"
+        return f"predict cannot split this model into stages ({why})"
+    pp = args.pp if args.pp > 1 else 2
+    M = args.microbatches or pp
+    batch = args.batch if args.batch % M == 0 else M
+    attention = " --attention fused" if cfg.attention == "eager" else ""
+    return f"e.g. --cp {cp} --pp {pp} --microbatches {M} --batch {batch}{attention}"
+
+
+def check_context(args, cfg, policy):
+    """--cp C > 1: what context parallelism takes, each refusal naming its own flag; then the library's checks."""
+    cp, seq = args.cp, args.seq
+    if cfg.attention == "eager":
+        raise ValueError(f"--cp {cp} with --attention eager: eager attention keeps the probabilities and has no "
+                         f"log-sum-exp to merge the ranks' blocks with; add --attention fused (or tiled)")
+    refusal = cp_refusal(cfg, seq, cp)
+    if refusal is not None and seq % (2 * cp) == 0:  # the model's, not the sequence's: other layouts of cp ranks
+        raise ValueError(f"{refusal}; {layouts_for(cfg, seq, cp)}")
+    if refusal is not None:
+        fits = ", ".join(str(c) for c in range(2, 65) if cp_fits(cfg, seq, c))
+        raise ValueError(f"--seq {seq} with --cp {cp}: zigzag cuts each sequence into 2 x cp = {2 * cp} equal chunks "
+                         f"(a front and a back one per rank); use --seq {seq + 2 * cp - seq % (2 * cp)} (a multiple "
+                         f"of {2 * cp})" + (f", or --cp {fits}, which --seq {seq} allows" if fits else ""))
+    if args.keep_kv and args.cp_comm != "allgather":
+        raise ValueError("--keep-kv with --cp-comm ring: it keeps the all-gathered K/V of the other ranks; add "
+                         "--cp-comm allgather, or leave --keep-kv out (the ring passes the blocks round again)")
+    if args.tp > 1 and args.keep_kv:
+        raise ValueError(f"--keep-kv with --tp {args.tp}: the kept K/V are not closed-formed beside tensor "
+                         f"parallelism yet; leave out --keep-kv (or --tp)")
+    tp, n = args.tp, seq // cp
+    if tp > 1 and args.sp and n % tp:
+        need = math.lcm(2 * cp, cp * tp)  # 2 x cp zigzag chunks; cp x tp ranks of equal tokens
+        raise ValueError(f"--seq {seq} with --cp {cp} --tp {tp} --sp: sequence parallelism splits each context-"
+                         f"parallel rank's {n:,} tokens over the {tp} tensor-parallel ranks, so --seq must be a "
+                         f"multiple of {need} (of 2 x cp for the zigzag chunks and of cp x tp); use --seq "
+                         f"{need * -(-seq // need)}, or leave out --sp")
+    if tp > 1:
         try:
-            check_context_parallel(cfg, args.cp, args.seq, "zigzag", args.cp_comm, args.keep_kv, policy)
-            if args.tp > 1:
-                check_tensor_parallel(cfg, args.tp, args.sp, args.seq // args.cp, args.distribute_saved)
+            check_tensor_parallel(cfg, tp, args.sp, n, args.distribute_saved)
         except ValueError as error:
-            raise ValueError(f"--cp={args.cp} (with --attention {cfg.attention}): {error}") from None
+            raise ValueError(f"--tp {tp} beside --cp {cp}: {error}; {layouts_for(cfg, seq, tp * cp, args.sp)}") \
+                from None
+    check_context_parallel(cfg, cp, seq, "zigzag", args.cp_comm, args.keep_kv, policy)
 
 
 def zero_row(cfg, batch, seq, policy, stage, dp):

@@ -23,7 +23,7 @@ from ..parallel.launch import check_rank_count
 from ..policy import parse_policy
 from ..train import MarkovTask, train
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args
-from .parallel_run import last_frame, rank_device
+from .parallel_run import one_line_errors, rank_device, rank_failure
 from .parallel_zero import print_ranks
 
 
@@ -54,9 +54,15 @@ def add_arguments(parser):
                       "parameters stay from its recompute through its backward (one gather fewer per layer)")
     zero.add_argument("--no-prefetch", action="store_true", help="--zero 3: gather each use's parameters only when "
                       "it starts, not while the use before computes")
+    zero.add_argument("--verbose", action="store_true", help="--dp/--zero: a rank's failure with every failed rank's "
+                      "traceback below it (without: one line, naming the rank and its last frame)")
 
 
 def run(args):
+    return one_line_errors("train", train_command, args)  # errors in flags; SIGTERM stops the ranks in one line
+
+
+def train_command(args):
     cfg = config_from_args(args)
     zero = check_zero_flags(args, cfg)  # before the dtype advice below, which names bf16
     if cfg.dtype == "float16":
@@ -100,6 +106,9 @@ def check_zero_flags(args, cfg):
             if given:
                 raise ValueError(f"{flag} without --zero 3 (and --dp D): it changes when ZeRO-3 gathers parameters, "
                                  f"and there is none here; add --dp 2 --zero 3, or leave {flag} out")
+        if args.verbose:
+            raise ValueError("--verbose without --dp/--zero: it adds a failed rank's traceback, and one process "
+                             "trains here (its own errors say where); add --dp 2 --zero 1, or leave --verbose out")
         return False
     if args.zero is None:
         raise ValueError(f"--dp {args.dp} without --zero: plain data-parallel training is not built; --zero 1 holds "
@@ -135,7 +144,7 @@ def train_with_zero(args, cfg, task, params, policy, device):
                                       keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch,
                                       device=device.type)
     except RankError as error:
-        raise ValueError(f"{error}{last_frame(error)}") from None
+        raise ValueError(rank_failure(error, args.verbose)) from None
     if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process trained; one prints
         return None
     tokens = args.batch * args.seq

@@ -49,7 +49,8 @@ class ParallelJob:
     keep_dispatched: bool = False  # keep the rows a layer dispatched: a recomputation reads them
     cp: int = 1                    # context-parallel ranks: every activation split along the sequence
     cp_layout: str = "zigzag"      # "zigzag" (rank r holds chunks r and 2cp - 1 - r) or "contiguous"
-    cp_comm: str = "ring"          # "ring" (K/V passed round) or "allgather" (K/V gathered once per layer)
+    cp_comm: str = "ring"          # "ring" (K/V passed round), "ring_overlap" (each hop sent while the block before
+    #                                computes) or "allgather" (K/V gathered once per layer)
     cp_keep_kv: bool = False       # allgather: keep the other ranks' K/V for the recomputation and backward
     zero: int = 0                  # ZeRO stage over the dp ranks: 1, 2 or 3 (0: plain data parallelism)
     keep_gathered: bool = False    # zero=3: a recomputed layer's gathered parameters kept for its backward
@@ -84,6 +85,10 @@ def checked_job(job, device, world_size):
                          "waits for its gradient; use it with pp >= 2, or leave it out")
     check_context_job(job, policy, device)  # context_parallel/cp_check.py
     check_zero_job(job)  # data_parallel/zero_step.py
+    if not job.overlap and job.dp * job.ep * job.cp == 1:
+        raise ValueError("overlap=False with dp=1, ep=1 and cp=1: it all-reduces the gradients after the backward "
+                         "instead of as each is final, and there are no replicas to reduce over; set dp >= 2, or "
+                         "leave overlap out")
     if job.keep_dispatched and job.ep == 1:
         raise ValueError("keep_dispatched=True with ep=1: it keeps the rows an expert-parallel layer dispatched to "
                          "other ranks; set ep > 1, or leave keep_dispatched out")

@@ -10,7 +10,8 @@ unguarded __main__). "spawn" starts each as a new interpreter (~0.9 s of CPU, mo
 each from one helper that imported torch once (~0.05 s a rank after the first call; the helper lives until this process
 exits). Neither forks this process (no inherited threads or CUDA state), and nothing listens beyond 127.0.0.1. Each rank
 runs one thread, sees this process's environment variables and gets its own copy of args and kwargs. The first rank to
-fail or die ends the run, its error raised here (watch.py); no process outlives run_ranks, KeyboardInterrupt included.
+fail or die ends the run, its error raised here (watch.py); no process outlives run_ranks, KeyboardInterrupt included,
+and SIGTERM (raised here as watch.Terminated, as SIGINT raises KeyboardInterrupt).
 """
 import os
 import pickle
@@ -26,10 +27,11 @@ import torch.multiprocessing as mp
 
 from ..engine import device_generator
 from .comm import Comm
-from .watch import STOP_GRACE_S, RankError, collect, stop  # noqa: F401 (RankError: raised from here, by collect)
+from .watch import STOP_GRACE_S, RankError, collect, sigterm_raises, stop  # noqa: F401 (RankError: raised here)
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LOCALHOST = "127.0.0.1"
+TIMEOUT_RANGE_S = (0.001, 86400.0)  # gloo and NCCL count whole milliseconds; a day is longer than any wait here
 
 
 def ranks_generator(device):
@@ -57,6 +59,14 @@ def check_rank_count(name, count, device="cpu"):
                          f"{torch.cuda.device_count()}; use at most that many, or device='cpu'")
 
 
+def check_timeout(timeout_s):
+    """ValueError naming timeout_s unless it is a number of seconds a collective can wait (TIMEOUT_RANGE_S)."""
+    low, high = TIMEOUT_RANGE_S
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not low <= timeout_s <= high:
+        raise ValueError(f"timeout_s={timeout_s!r}: use a number of seconds from {low:g} (the collectives count whole "
+                         f"milliseconds) to {high:g} (a day), e.g. 120")
+
+
 def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, port=None, start_method="spawn",
               **kwargs):
     """fn(comm, *args, **kwargs) on every rank (other keywords go to fn); returns [rank 0's result, rank 1's, ...].
@@ -70,8 +80,7 @@ def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, p
         raise ValueError("world_size=None: give the number of ranks to spawn (None only under torchrun)")
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size={world_size!r}: use a whole number of ranks, 1 or more")
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ValueError(f"timeout_s={timeout_s!r}: use a positive number of seconds")
+    check_timeout(timeout_s)
     try:
         device_type = torch.device(device).type
     except (RuntimeError, TypeError):
@@ -96,7 +105,8 @@ def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, p
     methods = [method for method in ("spawn", "forkserver") if method in mp.get_all_start_methods()]
     if start_method not in methods:
         raise ValueError(f"start_method={start_method!r}: use one of {methods}")
-    return _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method)
+    with sigterm_raises():  # SIGTERM stops the ranks and says so, as Ctrl-C does
+        return _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method)
 
 
 # -- torchrun: this process is one rank ---------------------------------------------------------

@@ -44,9 +44,11 @@ class Layout:
             rank % tp
 
     def group_keys(self, rank):
-        """{kind: key} of a global rank's groups, each key the coordinates its group's ranks share."""
+        """{kind: key} of a global rank's groups, each key the coordinates its group's ranks share; the experts' own
+        data-parallel group only under ep (with ep = 1 it would be the dp group again, made twice)."""
         s, d, e, c, t = self.coordinates(rank)
-        return {"tp": (s, d, e, c), "cp": (s, d, e, t), "ep": (s, d, c, t), "dp": (s, t), "expert_dp": (s, e, t)}
+        keys = {"tp": (s, d, e, c), "cp": (s, d, e, t), "ep": (s, d, c, t), "dp": (s, t)}
+        return {**keys, "expert_dp": (s, e, t)} if self.ep > 1 else keys
 
     def groups(self):
         """{kind: {key: [global ranks]}} of every group of more than one rank, in the order every rank makes them."""
@@ -91,7 +93,7 @@ class RankGroups:
     cp_comm: Comm = None
     ep_comm: Comm = None
     dp_comm: Comm = None         # every weight but the experts': over dp x ep x cp ranks
-    expert_dp_comm: Comm = None  # the experts': over the dp x cp ranks that hold the same ones
+    expert_dp_comm: Comm = None  # the experts': over the dp x cp ranks that hold the same ones (ep > 1 only)
     previous: int = None  # the global rank of the previous stage (same dp, ep, cp and tp rank), or None
     next: int = None
 

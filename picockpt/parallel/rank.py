@@ -109,9 +109,9 @@ def rank_step(comm, job, made, trace=False):
     layer_comms = [group for group in (groups.tp_comm, groups.ep_comm, groups.cp_comm) if group is not None]
     layer_log = CommLog()  # the layers' own collectives (tp, ep, cp), this step's bytes only
     reducing = [group for group in (groups.dp_comm, groups.expert_dp_comm) if group is not None]
-    dist.barrier()  # every rank's timeline starts at the same moment
+    dist.barrier()  # every rank leaves it at the same moment: the zero of every rank's Timeline, across hosts too
+    timeline = Timeline(device)  # its times: seconds since now (machines' monotonic clocks share no origin)
     with Tracker(device, physical=job.measure, flops=job.measure) as tracker, torch.no_grad():
-        timeline = Timeline(device)
         memory = StageMemory(tracker, timeline)
         pipe = Pipe(groups.previous, groups.next, device, timeline, tracker)
         for group in layer_comms:

@@ -34,7 +34,7 @@ from .data_parallel.zero_step import zero_collected
 from .expert_parallel.ep_shard import gather_expert_grads
 from .forms import predicted
 from .job import ParallelJob, checked_job, on_cpu
-from .launch import ranks_generator, run_ranks, under_torchrun
+from .launch import check_timeout, ranks_generator, run_ranks, under_torchrun
 from .pipeline_parallel.pp_schedules import stage_layers
 from .rank import rank_steps, stage_param_names
 from .tensor_parallel.tp_shard import gather_grads
@@ -54,11 +54,11 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=T
     ep, keep_dispatched: expert parallelism, its ranks carved out of the data-parallel ones.
     zero (1, 2, 3), keep_gathered, prefetch: ZeRO over the dp ranks (data_parallel/zero_step.py);
     optimizer_step=True: one AdamW step on the shards after the backward (its state and gathers reported).
-    cp, cp_layout ("zigzag" | "contiguous"), cp_comm ("ring" | "allgather"), cp_keep_kv: context parallelism,
-    every activation split along the sequence over cp ranks, K/V passed round a ring or all-gathered.
+    cp, cp_layout ("zigzag" | "contiguous"), cp_comm ("ring" | "ring_overlap" | "allgather"), cp_keep_kv: context
+    parallelism, every activation split along the sequence over cp ranks, K/V passed round a ring or all-gathered.
     device "cpu" (gloo) or "cuda" (NCCL, one GPU per rank); timeout_s bounds every collective;
     trace=True prints each rank's engine trace lines to stderr, prefixed with the rank."""
-    alone = (pp, microbatches, dp, ep, cp) == (1, 1, 1, 1, 1)
+    alone = (pp, microbatches, dp, ep, cp, zero) == (1, 1, 1, 1, 1, 0)  # ZeRO's ranks are dp's: never tp's 2
     job = ParallelJob(params, cfg, input_ids, targets, policy, tp=(2 if alone else 1) if tp is None else tp, sp=sp,
                       distribute_saved=distribute_saved, pp=pp, microbatches=microbatches, schedule=schedule,
                       recompute_early=recompute_early, dp=dp, overlap=overlap, ep=ep, keep_dispatched=keep_dispatched,
@@ -72,9 +72,14 @@ def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, star
     dp x pp x ep x cp x tp; None: the first job's, or torchrun's WORLD_SIZE); trace as in loss_and_grads."""
     if not jobs:
         raise ValueError("jobs=[]: give at least one ParallelJob")
+    check_timeout(timeout_s)
     if world_size is None:
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else jobs[0].world_size
     jobs = [checked_job(job, device, world_size) for job in jobs]
+    zero = next((job.zero for job in jobs if job.zero), 0)
+    if trace and zero:  # data_parallel/zero_step.py runs its own step, without the engine's say
+        raise ValueError(f"trace=True with zero={zero}: ZeRO's ranks print no engine trace yet; leave trace out, "
+                         f"or trace the same step without zero")
     generator = ranks_generator(device)
     before = generator.get_state()
     routings = [_routing(job, generator) for job in jobs]  # the single process's, for the closed forms

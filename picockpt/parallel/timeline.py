@@ -1,24 +1,42 @@
 """What one pipeline rank did from when to when, and the memory of all its micro-batches at once.
 
-    timeline = Timeline(device)
+    timeline = Timeline(device)                    # right after a barrier: its zero, the same moment on every rank
     with timeline.span("forward", microbatch=2):   # nested spans split the outer one:
         with timeline.span("wait"):                # [forward 2][wait 2][forward 2]
             ...
+    timeline.finish()
     timeline.totals()    # {"forward": s, "recompute": s, "backward": s, "wait": s, "send": s, "reduce": s, ...}
 
 Kinds: forward, recompute, backward (the engine's phases); wait (blocked on a neighbour's message: the bubble as this
 rank sees it); send (its last sends leaving); reduce (blocked on a data-parallel all-reduce: what compute did not hide);
-idle the rest (the schedule's own Python); total the step. time.monotonic() is one clock for a machine's processes, so
-ranks' timelines line up; on CUDA span edges synchronise the compute stream, so spans hold their GPU work.
+idle the rest (the schedule's own Python); total the step.
+
+One clock for every rank: each rank's times are seconds since its Timeline was made, right after a barrier that every
+rank leaves at the same moment (to the barrier's own latency). Ranks on different machines share no clock
+(time.monotonic() has an arbitrary origin per machine), but they share that moment, so their timelines line up under
+torchrun across hosts as on one machine.
+
+On the CPU a time is the host's clock (time.monotonic()). On CUDA a span edge is a torch.cuda.Event recorded in the
+compute stream, with no synchronisation: the GPU runs on while the host queues, and a span holds the GPU's time
+between its two edges (a "wait" or "reduce" span: the compute stream held up by a receive or an all-reduce). The events
+become seconds once, in finish(), after one synchronisation; the origin is an event recorded when the stream was idle
+(just synchronised), so the GPU's zero is the host's. mark() gives such a time for anything else on the timeline (the
+stage's stored bytes, data_parallel/dp_comm.py's buckets); seconds(mark) reads it after finish().
 
 StageMemory makes one store of a stage's micro-batches: each micro-batch's Step has its own ActivationStore, whose
 listener, a MicroBatchTracker, passes every event to the rank's Tracker with the bytes of *all* the stage's stores (its
-peak: the stage's, every micro-batch in flight); phases go to the Tracker (FLOPs, bytes) and the Timeline.
+peak: the stage's, every micro-batch in flight); phases go to the Tracker (FLOPs, bytes) and the Timeline. The Timeline
+gets a span per phase of the step, not per op: a phase entered inside another one gets its span at its first store
+event (the engine's recompute, which starts by reading its checkpoint), and one with no store event (a tile of tiled
+attention rebuilt in the backward, a dropped tensor's recipe) stays in the span around it, as picockpt/tracker.py
+books its device memory.
 """
 import contextlib
 import time
 
 import torch
+
+from ..tracker import OUTSIDE
 
 KINDS = ("forward", "recompute", "backward", "wait", "send", "reduce")
 
@@ -26,40 +44,69 @@ KINDS = ("forward", "recompute", "backward", "wait", "send", "reduce")
 class Timeline:
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.segments = []  # (kind, micro-batch or None, start, end), leaf segments in time order
         self._stack = []    # open spans: [kind, micro-batch, start of its current segment]
         self.start = self.end = None
-
-    def clock(self):
-        if self.device.type == "cuda":  # the compute stream only: an all-reduce on its own stream goes on
+        if self.cuda:  # once: the stream is idle, so the origin event is timed as the host's zero
             torch.cuda.current_stream(self.device).synchronize()
-        return time.monotonic()
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record(torch.cuda.current_stream(self.device))
+        self._host_origin = time.monotonic()
+
+    def mark(self, stream=None):
+        """Now: seconds since the origin (CPU), or an event recorded in `stream` (CUDA; default the compute stream)."""
+        if not self.cuda:
+            return time.monotonic() - self._host_origin
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device) if stream is None else stream)
+        return event
+
+    def seconds(self, mark):
+        """A mark in seconds since the origin (an event: once it has run; finish() waits for that)."""
+        return mark if isinstance(mark, float) else self._origin.elapsed_time(mark) / 1e3  # ms -> s
 
     def begin(self):
-        self.start = self.clock()
+        self.start = self.mark()
 
     def finish(self):
-        self.end = self.clock()
+        """The step's end; on CUDA one synchronisation, then every span edge in seconds."""
+        self.end = self.mark()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.start, self.end = self.seconds(self.start), self.seconds(self.end)
+            timed = [(kind, m, self.seconds(start), self.seconds(end)) for kind, m, start, end in self.segments]
+            self.segments = [segment for segment in timed if segment[3] > segment[2]]
 
     @contextlib.contextmanager
     def span(self, kind, microbatch=None):
         """Everything inside is `kind`, except nested spans; a span without a micro-batch takes its outer one's."""
-        now = self.clock()
+        self.open(kind, microbatch)
+        try:
+            yield
+        finally:
+            self.close()
+
+    @property
+    def depth(self):  # spans open now
+        return len(self._stack)
+
+    def open(self, kind, microbatch=None):
+        now = self.mark()
         if self._stack:  # the outer span pauses; its micro-batch is the default
             self._close(self._stack[-1], now)
             microbatch = self._stack[-1][1] if microbatch is None else microbatch
         self._stack.append([kind, microbatch, now])
-        try:
-            yield
-        finally:
-            now = self.clock()
-            self._close(self._stack.pop(), now)
-            if self._stack:
-                self._stack[-1][2] = now  # the outer span resumes
+
+    def close(self):
+        now = self.mark()
+        self._close(self._stack.pop(), now)
+        if self._stack:
+            self._stack[-1][2] = now  # the outer span resumes
 
     def _close(self, entry, now):
         kind, microbatch, since = entry
-        if now > since:
+        if self.cuda or now > since:  # CUDA: empty segments go once timed (finish)
             self.segments.append((kind, microbatch, since, now))
 
     def totals(self):
@@ -83,7 +130,7 @@ class StageMemory:
     def __init__(self, tracker, timeline):
         self.tracker, self.timeline = tracker, timeline
         self.held, self.bytes = {}, 0  # micro-batch -> bytes its store holds now; their sum
-        self.samples = []   # (time, bytes) at every store event
+        self.samples = []   # (time, bytes) at every store event, the time a Timeline mark
         self.end_of_forward = {}  # micro-batch -> bytes its store held when its forward ended
 
     def for_microbatch(self, microbatch):
@@ -96,6 +143,7 @@ class StageMemory:
             return 0.0
         area, (last_time, last_bytes) = 0.0, (start, 0)
         for when, nbytes in self.samples:
+            when = self.timeline.seconds(when)
             area += last_bytes * (max(when, start) - last_time)
             last_time, last_bytes = max(when, start), nbytes
         area += last_bytes * (end - last_time)
@@ -107,21 +155,45 @@ class MicroBatchTracker:
 
     def __init__(self, memory, microbatch):
         self.memory, self.microbatch = memory, microbatch
+        self.pending = []  # phases entered inside another, no span yet: [kind, span depth at entry, span opened]
 
     @contextlib.contextmanager
     def phase(self, name):
-        with self.memory.tracker.phase(name), self.memory.timeline.span(name, self.microbatch):
-            yield
+        """A span per phase of the step; one entered inside another opens at its first store event (docstring)."""
+        tracker, timeline = self.memory.tracker, self.memory.timeline
+        previous = tracker.phase_name
+        with tracker.phase(name):
+            if previous == name:  # the same phase again: nothing changes
+                yield
+            elif previous == OUTSIDE:
+                with timeline.span(name, self.microbatch):
+                    yield
+            else:
+                entry = [name, timeline.depth, False]
+                self.pending.append(entry)
+                try:
+                    yield
+                finally:
+                    self.pending.pop()
+                    if entry[2]:
+                        timeline.close()
 
     def on_event(self, event):
         memory = self.memory
         memory.held[self.microbatch] = event.live_bytes
         memory.bytes = sum(memory.held.values())
-        memory.samples.append((time.monotonic(), memory.bytes))
+        memory.samples.append((memory.timeline.mark(), memory.bytes))
+        for entry in self.pending:  # the store moved: a phase entered inside another gets its span from here
+            if not entry[2] and entry[1] == memory.timeline.depth:  # (not from inside a span opened since)
+                memory.timeline.open(entry[0], self.microbatch)
+                entry[2] = True
         memory.tracker.on_event(event._replace(live_bytes=memory.bytes))
 
     def mark(self, tensor, category):
         self.memory.tracker.mark(tensor, category)
+
+    def release(self, tensor):
+        self.memory.tracker.release(tensor)
 
     @property
     def phase_name(self):

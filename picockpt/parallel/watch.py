@@ -4,9 +4,12 @@ Each rank sends one message down its pipe: ("ok", result) or ("error", when, typ
 is_value_error); one that dies without it (os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel, and
 one that dies before picockpt's code runs (a script without a main guard, which the rank re-imports) as a ValueError
 that says so. The first failure ends the wait; LINGER_S later the root cause among all failures is raised (_error).
+SIGTERM to the caller while it waits raises Terminated (sigterm_raises), so the ranks are stopped as on Ctrl-C.
 """
+import contextlib
 import pickle
 import signal
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -22,6 +25,31 @@ class RankError(RuntimeError):
     def __init__(self, message, rank=None, type_name=None, remote_traceback="", failed_at=None):
         super().__init__(message)
         self.rank, self.type_name, self.remote_traceback, self.failed_at = rank, type_name, remote_traceback, failed_at
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the caller (sigterm_raises): a BaseException, as KeyboardInterrupt, so `finally` blocks run
+    (run_ranks' stops every rank) and no `except Exception` swallows it."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Within: SIGTERM raises Terminated in the main thread, as SIGINT raises KeyboardInterrupt, once (a second
+    SIGTERM ends the process at once; spawned ranks die with it). Left alone where SIGTERM is already handled or
+    ignored, or off the main thread (signal handlers live there only)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated("SIGTERM: the caller was terminated; every rank it had started was stopped")
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def collect(ranks, pipes, started=None):

@@ -28,7 +28,7 @@ import torch
 
 from ...ops.attention_fused import fused_attention_backward, fused_attention_forward
 from ...ops.attention_tiled import tiled_attention_backward, tiled_attention_forward
-from .cp_comm import ring_backward, ring_forward
+from .cp_comm import ring_backward, ring_forward, ring_forward_post, ring_forward_wait
 
 
 def blocks(chunk, held, c):
@@ -107,30 +107,38 @@ def _finish(state, dtype):
 
 
 # ---- ring attention: cp steps, the K/V block moving on after each ----------------------------------
-def ring_attention_forward(q, k, v, cfg, layout, comm):
+# overlap=False (cp_comm="ring"): each hop after the block's attention, one thing at a time, to read.
+# overlap=True ("ring_overlap"): each hop of kv posted before the block's attention, waited for after it
+# (cp_comm.py: ring_post); the same hops, bytes and sums in the same order, so the same numbers, bitwise.
+def ring_attention_forward(q, k, v, cfg, layout, comm, overlap=False):
     """q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens -> out (B, H, n, hd), lse (B, H, n).
     At step s the block of rank r - s is here; cp - 1 ring steps move the blocks."""
     W, r, mine = comm.world_size, comm.rank, layout.chunks(comm.rank)
     state = [None] * len(mine)
     kv = torch.stack((k, v))  # (2, B, KV, n, hd) one message per step
     for step in range(W):
+        posted = ring_forward_post(kv, comm) if overlap and step < W - 1 else None  # the next block, in flight
         attend_forward(q, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg, state)
         if step < W - 1:
-            kv = ring_forward(kv, comm)  # (2, B, KV, n, hd) rank r - step - 1's
+            kv = ring_forward_wait(posted, comm) if overlap else ring_forward(kv, comm)  # rank r - step - 1's
     return _finish(state, q.dtype)
 
 
-def ring_attention_backward(dout, q, k, v, out, lse, cfg, layout, comm, recomputing):
+def ring_attention_backward(dout, q, k, v, out, lse, cfg, layout, comm, recomputing, overlap=False):
     """The ring again: each step's block gives dq here and its dk, dv, which ride on with it and reach
-    their owner after the cp-th hop (cp_comm.py). -> dq (B, H, n, hd), dk, dv (B, KV, n, hd)."""
+    their owner after the cp-th hop (cp_comm.py). -> dq (B, H, n, hd), dk, dv (B, KV, n, hd).
+    overlap: the next kv travels during the block's attention, its gradient after it (it is summed there)."""
     W, r, mine, stat = comm.world_size, comm.rank, layout.chunks(comm.rank), cfg.stat_dtype
     dq = torch.zeros(q.shape, dtype=stat, device=q.device)  # (B, H, n, hd)
     kv = torch.stack((k, v))  # (2, B, KV, n, hd)
     dkv = torch.zeros(kv.shape, dtype=stat, device=q.device)  # (2, B, KV, n, hd) the block's gradient so far
     for step in range(W):
+        posted = ring_forward_post(kv, comm) if overlap and step < W - 1 else None  # the next block, in flight
         attend_backward(dout, q, out, lse, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg,
                         recomputing, dq, dkv)
-        if step < W - 1:
+        if step < W - 1 and overlap:
+            kv, dkv = ring_forward_wait(posted, comm), ring_backward(None, dkv, comm)  # (2, B, KV, n, hd) each
+        elif step < W - 1:
             kv, dkv = ring_backward(kv, dkv, comm)  # the next block, and its gradient from the ranks before
     dkv = ring_backward(None, dkv, comm)  # (2, B, KV, n, hd) home: this rank's own block's whole gradient
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

@@ -9,7 +9,7 @@ from ...policy import parse_policy
 from ..launch import check_rank_count
 from .cp_layout import check_layout
 
-COMMS = ("ring", "allgather")
+COMMS = ("ring", "ring_overlap", "allgather")
 
 
 def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_kv=False, policy="none",
@@ -19,12 +19,13 @@ def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_k
         raise ValueError(f"cp={cp!r}: give a whole number of ranks, 1 or more")
     check_layout(layout, cp, seq)
     if cp_comm not in COMMS:
-        raise ValueError(f"cp_comm={cp_comm!r}: use 'ring' (K/V passed round, cp - 1 steps) or 'allgather' "
-                         f"(K/V all-gathered once per layer)")
+        raise ValueError(f"cp_comm={cp_comm!r}: use 'ring' (K/V passed round, cp - 1 steps), 'ring_overlap' (the "
+                         f"same ring, each step sent while a block is computed) or 'allgather' (K/V all-gathered "
+                         f"once per layer)")
     if not isinstance(keep_kv, bool):
         raise ValueError(f"keep_kv={keep_kv!r}: use True or False")
     if keep_kv and cp_comm != "allgather":
-        raise ValueError("keep_kv=True with cp_comm='ring': it keeps the all-gathered K/V of the other ranks; "
+        raise ValueError(f"keep_kv=True with cp_comm={cp_comm!r}: it keeps the all-gathered K/V of the other ranks; "
                          "use cp_comm='allgather', or leave keep_kv out (the ring passes the blocks round again)")
     if cfg.attention == "eager":
         raise ValueError("Config.attention='eager' under context parallelism: eager attention keeps the "
@@ -47,7 +48,8 @@ def check_context_job(job, policy, device):
     """The context-parallel fields of a picockpt.parallel job (job.py: ParallelJob), with its parsed policy."""
     M, T = job.microbatches, job.input_ids.shape[1]
     if job.cp > 1:  # context parallelism composes with tp, dp and pp
-        others = [f"{name}={getattr(job, name)}" for name in ("ep", "zero") if getattr(job, name) not in (0, 1)]
+        others = [f"{name}={value}" for name, value, alone in (("ep", job.ep, 1), ("zero", job.zero, 0))
+                  if value != alone]
         if others:
             raise ValueError(f"cp={job.cp} with {', '.join(others)} is not supported yet: context parallelism "
                              f"composes with tp, dp and pp here; use cp with tp, dp, pp and microbatches")
@@ -60,6 +62,10 @@ def check_context_job(job, policy, device):
                              f"the kept K/V are closed-formed for one micro-batch per rank without tp; use it with "
                              f"pp=1, microbatches=1 and tp=1")
         check_context_parallel(job.cfg, job.cp, T, job.cp_layout, job.cp_comm, job.cp_keep_kv, job.policy, device)
-    elif job.cp_keep_kv or job.cp_layout != "zigzag" or job.cp_comm != "ring":
-        raise ValueError("cp_layout, cp_comm or cp_keep_kv without cp: they choose how context-parallel ranks "
-                         "split the sequence and share K/V, and there are none here; add cp >= 2, or leave them out")
+    else:
+        given = [f"{name}={value!r}" for name, value, default in (("cp_layout", job.cp_layout, "zigzag"), (
+            "cp_comm", job.cp_comm, "ring"), ("cp_keep_kv", job.cp_keep_kv, False)) if value != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} without cp: {'they choose' if len(given) > 1 else 'it chooses'} how "
+                             f"context-parallel ranks split the sequence and share K/V, and there are none here; add "
+                             f"cp >= 2, or leave {'them' if len(given) > 1 else given[0].split('=')[0]} out")

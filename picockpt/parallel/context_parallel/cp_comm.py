@@ -19,32 +19,61 @@ NCCL-safe pairing: every ring step is one torch.distributed.batch_isend_irecv, i
 receives, in the same order on every rank, so each send meets a posted receive (never a bare send then
 recv that only gloo's buffered sockets forgive; pipeline_parallel/pp_comm.py says how NCCL hangs).
 
+Overlap (cp_comm="ring_overlap"): ring_post posts a step and returns at once, ring_wait waits for it. The
+overlapped ring posts the next hop of kv before the attention of the block it holds and waits after it, so
+the bytes travel while the block is computed (its sender only reads kv meanwhile; the block arriving lands
+in a buffer of its own). Its gradient hop cannot start early: dkv is still being summed by that attention.
+One step in flight at a time, posted in the same order on every rank: the same pairing as above.
+
 Bytes are booked under the tracker's phase (picockpt/parallel/comm.py): "ring_kv" and "ring_dkv", the
 bytes this rank passes on per step (it receives as many); the all-gather and reduce-scatter as comm.py
 counts them (the gathered output, the full input). Gradients travel in the statistics dtype (fp32 or
 wider: summed over up to cp ranks), the keys and values in the activation dtype.
 """
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from ..comm import all_gather, reduce_scatter
 
+RINGS = ("ring", "ring_overlap")  # the cp_comm values that pass K/V round the ring: one after the other, or overlapped
 
-def _ring_step(tensors, comm, kinds):
-    """Send each tensor to rank r+1 and receive as many from rank r-1, as one group."""
+
+class Posted(NamedTuple):
+    """A ring step in flight: its works, what it sends (booked when it is done), where it receives."""
+    works: list
+    sent: list
+    received: list
+    kinds: list
+
+
+def ring_post(tensors, comm, kinds):
+    """Post one ring step, sending each tensor to rank r+1 and receiving as many from rank r-1, as one group;
+    returns at once. The sent tensors must not change until ring_wait."""
     W, r = comm.world_size, comm.rank
     if W == 1:  # a ring of one: the block is already home, and nothing moves
-        return list(tensors)
+        return Posted([], [], list(tensors), kinds)
     to, source = (dist.get_global_rank(comm.group, (r + step) % W) for step in (1, -1))
     sent = [tensor.contiguous() for tensor in tensors]  # no copy for the blocks here: already contiguous
     received = [torch.empty_like(tensor) for tensor in sent]  # filled when the messages land
     ops = [dist.P2POp(dist.isend, tensor, to, comm.group) for tensor in sent]  # sends first, then receives,
     ops += [dist.P2POp(dist.irecv, tensor, source, comm.group) for tensor in received]  # on every rank alike
-    for work in dist.batch_isend_irecv(ops):
+    return Posted(dist.batch_isend_irecv(ops), sent, received, kinds)
+
+
+def ring_wait(posted, comm):
+    """Wait for a posted ring step and book what it sent: -> the received tensors."""
+    for work in posted.works:
         work.wait()
-    for tensor, kind in zip(sent, kinds):
+    for tensor, kind in zip(posted.sent, posted.kinds):
         comm.log.record(comm.phase, kind, tensor.nbytes)
-    return received
+    return posted.received
+
+
+def _ring_step(tensors, comm, kinds):
+    """One ring step, waited for at once."""
+    return ring_wait(ring_post(tensors, comm, kinds), comm)
 
 
 def ring_forward(kv, comm):
@@ -52,10 +81,20 @@ def ring_forward(kv, comm):
     return _ring_step([kv], comm, ["ring_kv"])[0]
 
 
+def ring_forward_post(kv, comm):
+    """ring_forward, posted: returns at once; ring_forward_wait gives the previous rank's block."""
+    return ring_post([kv], comm, ["ring_kv"])
+
+
+def ring_forward_wait(posted, comm):
+    return ring_wait(posted, comm)[0]  # (2, B, KV, n, hd) the previous rank's block
+
+
 def ring_backward(kv, dkv, comm):
     """Forward moved kv_{r-1} to rank r; the gradient of the block this rank used (dkv, its sum so far)
     rides on with it to rank r+1 (see above). Returns (the next kv, its gradient so far); kv=None: the
-    last step, which brings each block's whole gradient home (returns it alone)."""
+    gradient alone (returned alone): the last step, which brings each block's whole gradient home, or the
+    overlapped ring's gradient hop, its kv already posted ahead (ring_forward_post)."""
     if kv is None:
         return _ring_step([dkv], comm, ["ring_dkv"])[0]  # (2, B, KV, n, hd) this rank's own block's gradient
     kv, dkv = _ring_step([kv, dkv], comm, ["ring_kv", "ring_dkv"])

@@ -28,6 +28,7 @@ dtype) and G = 2 B KV n hd s those of its gradient (statistics dtype), counted a
 
                     forward       backward                       recompute (each layer a sweep recomputes)
     ring            (cp-1) KV     (cp-1) KV + cp G               (cp-1) KV
+      ring_overlap  the same: the same hops, each posted before the block's attention instead of after it
     allgather       cp KV         cp KV + cp G                   cp KV
     + keep_kv       cp KV         cp G                           0
 The embedding, the norms, the MLP and the head move nothing: they work token by token. budget:SIZE plans
@@ -52,6 +53,7 @@ from ...closed_forms import segments_peak, tail_flops
 from ...config import BYTES
 from ...host_walk import DEFAULT_COMPUTE_RATE
 from ...policy import parse_policy
+from .cp_comm import RINGS
 from .cp_layout import SequenceLayout
 
 CP_BANDWIDTH = 50e9  # bytes/s between context-parallel ranks: one 400 Gb/s NIC per GPU (cp spans servers once tp
@@ -122,7 +124,7 @@ def layer_comm_bytes(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False, t=1):
     act, stat, _ = (BYTES[name] for name in cfg.dtype_names)
     block = 2 * batch * cfg.kv_heads // t * (seq // cp) * cfg.head_dim  # elements of one rank's K/V block
     KV, G = block * act, block * stat
-    if cp_comm == "ring":
+    if cp_comm in RINGS:  # overlapped or not: the same hops
         forward, backward = (cp - 1) * KV, (cp - 1) * KV + cp * G
     else:
         forward, backward = cp * KV, (0 if keep_kv else cp * KV) + cp * G

@@ -5,6 +5,7 @@ of the layer but attention works token by token, so picockpt/layer.py's layer ru
 (B, n, h); only its attention core crosses ranks (ContextParallelCrossings below):
 
     cp_comm="ring"        ring attention: cp - 1 steps pass the K/V blocks on (cp_attention.py)
+    "ring_overlap"        the same ring, each step's K/V sent while the block it holds is computed
     cp_comm="allgather"   one all-gather of K/V per layer (the Llama 3 paper's choice); its backward
                           gathers them again and reduce-scatters their gradients (as Megatron-LM's docs
                           say: each GPU stores the K/V of its own chunk and gathers them again in the
@@ -31,7 +32,7 @@ from ..tensor_parallel.tp_layer import TensorParallelCrossings
 from ..tensor_parallel.tp_model import TensorParallelModel
 from .cp_attention import (gathered_attention_backward, gathered_attention_forward, ring_attention_backward,
                            ring_attention_forward)
-from .cp_comm import gather_kv_backward, gather_kv_forward
+from .cp_comm import RINGS, gather_kv_backward, gather_kv_forward
 
 KEPT_KV = "attn.kv_others"  # the other ranks' K/V rows, kept under cp_comm="allgather" with keep_kv
 
@@ -46,8 +47,8 @@ class ContextParallelCrossings(Crossings):
 
     def attention_core(self, q, k, v, cfg, keep):
         # q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens
-        if self.kind == "ring":
-            out, lse = ring_attention_forward(q, k, v, cfg, self.layout, self.group)  # (B, H, n, hd), (B, H, n)
+        if self.kind in RINGS:  # (B, H, n, hd), (B, H, n)
+            out, lse = ring_attention_forward(q, k, v, cfg, self.layout, self.group, self.kind == "ring_overlap")
         else:
             out, lse = gathered_attention_forward(q, self.gathered(k, v), cfg, self.layout, self.group.rank)
         keep("attn.lse", lse)  # (B, H, n) the merged log-sum-exp, as the single process's rows
@@ -71,8 +72,9 @@ class ContextParallelCrossings(Crossings):
 
     def attention_core_backward(self, dout, q, k, v, out, cfg, take, recomputing):
         lse = take("attn.lse")  # (B, H, n)
-        if self.kind == "ring":
-            return ring_attention_backward(dout, q, k, v, out, lse, cfg, self.layout, self.group, recomputing)
+        if self.kind in RINGS:
+            return ring_attention_backward(dout, q, k, v, out, lse, cfg, self.layout, self.group, recomputing,
+                                           self.kind == "ring_overlap")
         kv = torch.stack((k, v))  # (2, B, KV, n, hd)
         # the other ranks' K/V again: kept, or all-gathered once more
         kv_all = self.with_own(take(KEPT_KV), kv) if self.keep_kv else gather_kv_forward(kv, self.group)

@@ -7,11 +7,19 @@ accumulating into its views in place. Once a bucket is final (in the last micro-
 layer's), overlap=True starts its all-reduce (async_op=True): it travels while the layers below recompute and run their
 backward (and, in a pipeline, while the stage waits in its cool-down). The step ends waiting for what has not arrived
 (the exposed communication: a "reduce" span of the Timeline); overlap=False all-reduces every bucket after the backward,
-all exposed. Each bucket's launch and the first moment it was seen complete (polled at every later launch and at the
-end) are kept for the timeline figure. Bytes (comm.py's count): the stage's gradients once per step.
-"""
-import time
+all exposed. Bytes (comm.py's count): the stage's gradients once per step.
 
+Each bucket's (launched, done) times are kept for the timeline figure, on the Timeline's clock (timeline.py):
+    on the CPU  launched: the host's clock when the all-reduce was started; done: the first moment it was seen complete
+                (gloo: polled at every later launch and at the end; blocking, overlap=False: when it returned)
+    on CUDA     an async all-reduce (or wait()) returns once NCCL has queued it, long before it has run, so the host's
+                clock would time the queueing. launched: an event recorded in the compute stream just before the
+                launch (the point NCCL's stream waits for); done: an event recorded in a stream of the buckets' own
+                right after work.wait() has made that stream wait for NCCL's, so it runs when the all-reduce has
+                completed (overlap=False: recorded in the compute stream, which then waits for it too). Both are read
+                once the step ends (Timeline.finish: one synchronisation): the GPU's time, queueing behind the
+                buckets before it on NCCL's stream included.
+"""
 import torch
 import torch.distributed as dist
 
@@ -30,8 +38,10 @@ class GradientBuckets:
             self.flat[bucket] = flat
             for name, part in zip(members, flat.split(sizes)):
                 self.views[name] = part.view(shapes[name])  # (shape) a view into the bucket
-        self.launched = {}  # bucket -> (work, launch time)
-        self.events = []    # (bucket, bytes, launched at, seen complete at), times on the Timeline's clock
+        self.cuda = torch.device(device).type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda and comm is not None and overlap else None  # for `done`
+        self.launched = {}  # bucket -> (work, launch mark)
+        self.marks = []     # (bucket, bytes, launched, done): Timeline marks (docstring)
 
     def add(self, name, grad):
         self.views[name] += grad.to(self.dtype)  # (shape) accumulated over micro-batches, in the master dtype
@@ -40,11 +50,17 @@ class GradientBuckets:
         """Bucket's gradients are final (its last micro-batch's backward is done with them)."""
         if self.comm is None or not self.overlap:
             return
-        self._poll()
+        if not self.cuda:
+            self._poll()
         flat = self.flat[bucket]
+        launched = self.timeline.mark()  # no device synchronisation: it would wait for the work queued so far
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.comm.group, async_op=True)  # sum over replicas
         self.comm.log.record(self.comm.phase, "all_reduce", flat.nbytes)
-        self.launched[bucket] = (work, time.monotonic())  # no device synchronisation: it would wait for the all-reduce
+        self.launched[bucket] = (work, launched)
+        if self.cuda:  # done: in the buckets' stream, once NCCL's has run the all-reduce (no host wait)
+            with torch.cuda.stream(self.stream):
+                work.wait()
+                self.marks.append((bucket, flat.nbytes, launched, self.timeline.mark(self.stream)))
 
     def finish(self):
         """Wait for the overlapped all-reduces still travelling, or (overlap=False) run them all now."""
@@ -53,17 +69,25 @@ class GradientBuckets:
         with self.timeline.span("reduce"):
             if not self.overlap:
                 for bucket, flat in self.flat.items():  # in the order they became final
-                    start = time.monotonic()
-                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.comm.group)  # blocking
+                    start = self.timeline.mark()
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.comm.group)  # blocking (NCCL: the stream)
                     self.comm.log.record(self.comm.phase, "all_reduce", flat.nbytes)
-                    self.events.append((bucket, flat.nbytes, start, time.monotonic()))
+                    self.marks.append((bucket, flat.nbytes, start, self.timeline.mark()))
                 return
             missing = set(self.flat) - set(self.launched)
             assert not missing, f"gradient buckets {sorted(missing, key=str)} were never final"
             for bucket, (work, launched) in self.launched.items():
-                work.wait()
+                work.wait()  # NCCL: the compute stream waits (the "reduce" span's end event comes after)
                 self._seen(bucket, launched)
         self.launched.clear()
+
+    @property
+    def events(self):
+        """(bucket, bytes, launched at, done at), in seconds on the Timeline's clock (after its finish())."""
+        if not self.marks:
+            return []
+        seconds = self.timeline.seconds
+        return [(bucket, nbytes, seconds(start), seconds(end)) for bucket, nbytes, start, end in self.marks]
 
     def grads(self):
         return dict(self.views)
@@ -73,9 +97,9 @@ class GradientBuckets:
             if work.is_completed():
                 self._seen(bucket, launched)
 
-    def _seen(self, bucket, launched):
-        if not any(event[0] == bucket for event in self.events):
-            self.events.append((bucket, self.flat[bucket].nbytes, launched, time.monotonic()))
+    def _seen(self, bucket, launched):  # CPU: the host's clock, the first time it is seen complete (CUDA: ready())
+        if not self.cuda and not any(mark[0] == bucket for mark in self.marks):
+            self.marks.append((bucket, self.flat[bucket].nbytes, launched, self.timeline.mark()))
 
 
 class ExpertAndDenseBuckets:

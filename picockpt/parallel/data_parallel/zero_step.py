@@ -55,9 +55,10 @@ def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
     for name, value in (("keep_gathered", keep_gathered), ("prefetch", prefetch)):
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r}: use True or False")
-    if keep_gathered and zero != 3:
-        raise ValueError(f"keep_gathered=True with zero={zero}: only stage 3 gathers parameters (stages 1 and 2 hold "
-                         f"them whole); use zero=3, or leave keep_gathered out")
+    for refused, name in ((keep_gathered, "keep_gathered=True"), (not prefetch, "prefetch=False")):
+        if refused and zero != 3:
+            raise ValueError(f"{name} with zero={zero}: only stage 3 gathers parameters (stages 1 and 2 hold them "
+                             f"whole); use zero=3, or leave {name.split('=')[0]} out")
     if batch % dp:
         raise ValueError(f"batch={batch} is not divisible by dp={dp}: each rank computes batch/dp whole sequences; use "
                          f"a batch that is a multiple of {dp}")
@@ -75,11 +76,15 @@ def check_zero_job(job):
     """The ZeRO fields of a picockpt.parallel job (job.py: ParallelJob): refused beside other layouts, or
     without zero."""
     if job.zero:  # ZeRO runs over data-parallel ranks alone, for now
-        others = [f"{name}={getattr(job, name)}" for name in ("pp", "microbatches", "tp", "ep")
+        others = [f"{name}={getattr(job, name)}" for name in ("pp", "microbatches", "tp", "ep", "cp")
                   if getattr(job, name) != 1]
         if others:
             raise ValueError(f"zero={job.zero} with {', '.join(others)} is not supported yet: ZeRO shards the model "
                              f"state over data-parallel ranks alone here; use dp >= 2 with zero and no other layout")
+        if not job.overlap:
+            raise ValueError(f"overlap=False with zero={job.zero}: ZeRO reduces each unit's gradients as soon as they "
+                             f"are final, always (plain data parallelism's buckets are what overlap switches); leave "
+                             f"overlap out")
         check_zero(job.zero, job.dp, job.cfg, job.input_ids.shape[0], job.keep_gathered, job.prefetch)
     elif job.steps:
         raise ValueError(f"steps={job.steps} without zero: AdamW on the shards is ZeRO's; add zero=1, 2 or 3 (and "
