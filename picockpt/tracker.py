@@ -7,11 +7,9 @@ physical  the bytes of every tensor storage created during the step and still al
           outputs through a TorchDispatchMode and a weakref.finalize on each new storage,
           so the micro-spikes of recomputation show. Storages marked "weights",
           "gradients" or "optimizer" are kept out of the physical activation count.
-cuda      on a CUDA device max_memory_allocated() per phase, relative to the start of the step, read (and reset)
-          at the step's phase changes, not per op: a phase entered inside another one is read from its first
-          store event (the engine's recompute reads its checkpoint first); one with none (a tile of tiled
-          attention rebuilt in the backward, 528 a layer at T=4096; a dropped tensor's recipe) counts in the
-          phase around it. The logical and physical views are exact per phase either way;
+cuda      on a CUDA device max_memory_allocated() per phase, relative to the start of the step, read and reset
+          at phase changes only: a phase inside another from its first store event; one with none (a tile
+          rebuilt in the backward, 528 a layer at T=4096) counts in the phase around it;
           with cuda_timeline=True also torch.cuda.memory_allocated() at every store event (each
           query costs about 0.2 ms, twice a small step's GPU time, so it is off unless a
           timeline against the allocator is wanted: lesson 01's figure, the GPU benchmark).
@@ -25,9 +23,8 @@ Phases: forward, recompute, backward, optimizer.
 
 FLOPs per phase: torch.utils.flop_counter's formulas (flop_registry: 2*m*n*k per matmul, the attention
 kernels' matmuls) applied to every op by the same dispatch mode that watches the storages, one Python hop per
-op. FlopCounterMode itself counts the same (tests/test_formulas.py holds them equal) at about twice the cost,
-as it also hooks every nn.Module (its hierarchy of counts) and tries to decompose each op it has no formula
-for. With times=True also the seconds spent in each phase (wall seconds on the CPU; on CUDA the GPU's: a
+op. FlopCounterMode counts the same (tests/test_formulas.py) at twice the cost (module hooks, decompositions).
+With times=True also the seconds spent in each phase (wall seconds on the CPU; on CUDA the GPU's: a
 timing event is recorded at every phase switch, and the GPU is synchronised once, when the step ends: the
 GPU's time between two events belongs to the phase that queued that work, with no host stall at each switch).
 
