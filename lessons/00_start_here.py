@@ -48,7 +48,11 @@ for path in lessons:
 # (expert parallelism: what recomputing an expert layer costs in all-to-all bytes), 14 (context
 # parallelism: the sequence split over ranks, K/V round a ring or all-gathered, what recomputing a layer
 # sends again, zigzag's balance), 15 (ZeRO: sharded model state, and the gathers a recomputed layer
-# needs), 16 (offloading: device against host bytes, bytes per FLOP, the three-action frontier). The
+# needs), 16 (offloading: device against host bytes, bytes per FLOP, the three-action frontier), 17 (activations
+# stored in bf16 and fp8), 18 (reading a training run's MFU, HFU and recompute share), 19 (step time from FLOPs
+# and bytes on real links), 20 (tensor-parallel dropout masks and shared experts), 21 (the CUDA caching
+# allocator under recomputation), 22 (the memory hierarchy: why some recomputation is nearly free) and 23
+# (layouts a recomputed matmul runs fast on). The
 # memory explorer (`00_memory_explorer`) answers "what fits on my GPU?" for the real model sizes at any
 # point.
 #
@@ -130,7 +134,7 @@ print(f"modules not in the table: {', '.join(others) or 'none'}")
 # | **MFU / HFU** | model / hardware FLOPs per second over the GPU's peak: model FLOPs utilization counts only useful work, hardware FLOPs utilization counts recomputation too |
 # | **lse** | log-sum-exp of a row: the one number FlashAttention and a chunked loss keep so that the probabilities or logits can be rebuilt |
 # | **RNG replay** | restoring the random generator's state before a recomputation, so that dropout masks (or router noise) come out the same; picockpt's engine does it for every checkpoint (lesson 06) |
-# | **routing replay** | Megatron-LM's `moe_enable_routing_replay` (`megatron/core/transformer/moe/router_replay.py`): the router's top-k indices are recorded in the forward and reused when the layer is recomputed, so the same experts run whatever the kernels compute (bf16 near-ties included); 8·N·k bytes a layer (int64). Not RNG replay: picockpt's single-process `full` reruns its router with the generator replayed, its expert-parallel `full` keeps the indices and never routes again (lessons 11, 13) |
+# | **routing replay** | Megatron-LM's `moe_enable_routing_replay` (`megatron/core/transformer/moe/router_replay.py`): each router's `RouterReplay` does what the caller sets. `RECORD` only stores the top-k it computed (`recorded_topk_idx`); `set_target_indices` (indices from another run, or a file) sets those `REPLAY_FORWARD` routes by and queues them; `REPLAY_BACKWARD`, for a recomputation, takes the queued ones. Replaying, the router still computes its scores and the token dispatcher still exchanges the token counts; only the experts are fixed, the same whatever the kernels compute (bf16 near-ties included); 8·N·k bytes a layer (int64). Not RNG replay: picockpt's single-process `full` reruns its router with the generator replayed, its expert-parallel `full` keeps the indices and neither routes nor exchanges counts again (lessons 11, 13) |
 # | **micro-batch** | the batch one forward and backward processes; activations grow linearly with it |
 # | **in-flight micro-batches** | with pipeline parallelism, micro-batches whose forward has run on a stage and whose backward has not: each holds its stored activations (1F1B: up to $p$ on the first stage) |
 # | **AFAB / 1F1B** | pipeline schedules: all forwards, then all backwards (GPipe), every stage holding all $M$ micro-batches / one forward, one backward (PipeDream-Flush), stage $s$ holding $\min(P - s, M)$ |
@@ -155,10 +159,10 @@ print(f"modules not in the table: {', '.join(others) or 'none'}")
 # | `moe` | ~ `--recompute-modules moe`: Megatron checkpoints the whole MoE layer, its router, the dispatch and combine all-to-alls, the experts and the shared experts; picockpt's `moe` keeps the router output and the routing and projects only the experts' gate and up again (under expert parallelism it dispatches their rows again, lesson 13) | | | | | |
 # | `shared_experts` | `--recompute-modules shared_experts` | | | | | |
 # | `router` (the router's probabilities, rebuilt by its linear and softmax) | | | | | | |
-# | `full` on an MoE layer, routing kept | ~ `full` with `moe_enable_routing_replay` (the top-k indices recorded and reused; picockpt's expert-parallel `full` keeps them, its single-process `full` reruns the router with the generator replayed) | | | | | |
+# | `full` on an MoE layer, routing kept | ~ `full` with `moe_enable_routing_replay`, the caller setting `REPLAY_FORWARD` (indices from `set_target_indices`) and then `REPLAY_BACKWARD` for the recompute: the experts fixed, the router's scores and the dispatcher's count exchange computed again (picockpt's expert-parallel `full` keeps the indices and runs neither again; its single-process `full` reruns the router with the generator replayed) | | | | | |
 # | `full` with $t$ ranks, each keeping $1/t$ of every checkpoint | `--distribute-saved-activations` | | `"activation_checkpointing": {"partition_activations": true}` | | | |
 # | checkpoints kept off the GPU | | | `"cpu_checkpointing": true` | `activation_checkpointing_enable(offload=True)` | | |
-# | `budget:SIZE` (bytes; rotor's dynamic programme over layers) | | | | | | ~ `torch._functorch.config.activation_memory_budget = f` (a fraction between 0 and 1; a knapsack over the compiled graph's ops) |
+# | `budget:SIZE` (bytes; rotor's dynamic programme over layers) | | ~ the `memory-budget` choice of its activation-checkpoint config, `MemoryBudgetAC.Config(memory_budget=f)` (`torchtitan/distributed/activation_checkpoint.py`: a fraction, handed to torch.compile's partitioner at the right; the model must be compiled) | | | | ~ `torch._functorch.config.activation_memory_budget = f` (a fraction between 0 and 1; a knapsack over the compiled graph's ops) |
 #
 # DeepSpeed's `number_checkpoints` sizes the buffers of `contiguous_memory_optimization` (one per
 # checkpoint); where the checkpoints go is the model's own code, as in Megatron-DeepSpeed. Where a
@@ -171,9 +175,13 @@ print(f"modules not in the table: {', '.join(others) or 'none'}")
 # `core_attn`, `moe_act`, `layernorm`, `mla_up_proj`, `mlp`, `moe`, `shared_experts`; no `router`, which
 # only some derived forks add), `megatron/core/transformer/attention.py` (`_checkpointed_attention_forward`
 # wraps the whole `core_attention` call), `megatron/core/transformer/moe/moe_layer.py` (`moe` checkpoints
-# the layer's `custom_forward`: shared experts, router, dispatch, experts, combine) and
-# `megatron/core/transformer/moe/router_replay.py` (`RouterReplay`: record, replay forward, replay backward),
-# and NVIDIA's Megatron Bridge guide, "Activation Recomputation"
+# the layer's `custom_forward`: shared experts, router, dispatch, experts, combine),
+# `megatron/core/transformer/moe/router_replay.py` (`RouterReplay`: `RECORD` stores `recorded_topk_idx`;
+# `REPLAY_FORWARD` and `REPLAY_BACKWARD` use the indices of `set_target_indices`),
+# `megatron/core/transformer/moe/moe_utils.py` (`topk_routing_with_score_function`: the scores, then the
+# replayed top-k) and `megatron/core/transformer/moe/token_dispatcher.py`
+# (`MoEAlltoAllTokenDispatcher.preprocess`: the token counts gathered on every dispatch), and NVIDIA's
+# Megatron Bridge guide, "Activation Recomputation"
 # (docs.nvidia.com/nemo/megatron-bridge/latest/training/activation-recomputation.html); torchtitan,
 # `torchtitan/config/job_config.py`, class `ActivationCheckpoint` (`mode`: `"none"`, `"full"`,
 # `"selective"`; `selective_ac_option`: an integer for every $N$-th layer, or `"op"`); DeepSpeed,

@@ -32,7 +32,7 @@ import torch
 
 from _check import check
 from _lesson import (FAST_TIMING, Spread, choose, device_name, interleaved_seconds, large, lesson_args,
-                     paired_ratios, shape_line, small, timing_verdict, wrote)
+                     paired_ratios, shape_line, small, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import layer_flops, step_flops
 from picockpt.measure import make_batch
@@ -144,11 +144,11 @@ ratio = {p: paired_ratios(rows[p]["timing"], rows["none"]["timing"]) for p in PO
 full_expected = 1 + (ideal["forward"] - 2 * batch * seq * cfg.hidden * cfg.vocab) / model_flops
 
 print(f"\nmodel FLOPs of one step (forward + backward, no recomputation): {model_flops / 1e9:.3f} GFLOP")
-print(f"{'policy':<16}{'stored MiB':>11}{'hardware GFLOP':>16}{'/ model':>9}{'ms':>22}{'time / none':>22}"
+print(f"{'policy':<16}{'stored MiB':>11}{'hardware GFLOP':>16}{'/ model':>9}{'ms':>26}{'time / none':>22}"
       f"{'hardware GFLOP/s':>18}")
 for p, row in rows.items():
     print(f"{p:<16}{mib(row['stored']):>11.2f}{row['hardware'] / 1e9:>16.3f}{row['hardware'] / model_flops:>9.3f}"
-          f"{row['timing'].text('{:.1f}', scale=1e3):>22}{ratio[p].text('{:.3f}'):>22}"
+          f"{row['timing'].text('{:.1f}', scale=1e3):>26}{ratio[p].text('{:.3f}'):>22}"
           f"{row['hardware'] / row['seconds'] / 1e9:>18.2f}")
 print(f"(FLOPs by FlopCounterMode's formulas, {'equal to' if formula_ok else 'DIFFERENT FROM'} inventory.step_flops; "
       f"times: median [min..max] of {repeats} interleaved forward + backward steps, time / none taken within "
@@ -160,6 +160,12 @@ print(f"(FLOPs by FlopCounterMode's formulas, {'equal to' if formula_ok else 'DI
 # overhead are not FLOPs, and on a shared machine one sample can be off by tens of percent, so no
 # conclusion is drawn from a single one (and none at all from `--fast`, whose steps take milliseconds).
 #
+# Before any sentence below concludes from a time, the lesson checks what must hold: every policy
+# here runs at least the FLOPs of `none` and a little more, so its time over none's, taken within each
+# repeat, must be above 1 in every repeat (`timed_claim`). When it is not (the repeats straddle 1, or
+# more work came out faster), the timing was inconclusive on this machine: the lesson says so and
+# gives the FLOP ratio instead.
+#
 # ## Where the time goes
 #
 # The engine's trace splits each step by phase: "forward layer k" lines before the loss are forward,
@@ -167,16 +173,59 @@ print(f"(FLOPs by FlopCounterMode's formulas, {'equal to' if formula_ok else 'DI
 
 # %%
 print(f"\ntime by phase (ms, median [min..max] of {repeats} traced steps; the trace's timestamps split the step):")
-print(f"{'policy':<16}" + "".join(f"{phase:>22}" for phase in PHASES))
+print(f"{'policy':<16}" + "".join(f"{phase:>24}" for phase in PHASES))
 for p, row in rows.items():
-    print(f"{p:<16}" + "".join(f"{Spread(tuple(s[phase] for s in row['phase_samples'])).text('{:.1f}', 1e3):>22}"
+    print(f"{p:<16}" + "".join(f"{Spread(tuple(s[phase] for s in row['phase_samples'])).text('{:.1f}', 1e3):>24}"
                                for phase in PHASES))
+
+# %% [markdown]
+# ## What the times may say
+#
+# `time_claims` checks each policy's time ratio against its FLOP ratio's side of 1; `explain` prints
+# the sentences that conclude from a time only where that check holds, and the FLOP figure where it
+# does not.
+
+# %%
+def time_claims(mode, ratio, rows, model_flops):
+    """policy -> Claim: its step time over none's must lie above 1 in every repeat, as its FLOPs do."""
+    return {p: timed_claim(mode, ratio[p], f"{p} / none, step time", ">1", rows[p]["hardware"] / model_flops)
+            for p in ratio if p != "none"}
+
+
+def explain(mode, claims, ratio, rest, faults, flops_over_model):
+    """Print every claim, then what the timings show, each conclusion only where its claim holds.
+    ratio: {policy: Spread of its time over none's}; rest: Spread of full's own forward + backward over
+    none's (traced, repeat by repeat); faults: (full's, none's) minor page faults per step, or None;
+    flops_over_model: {policy: hardware / model FLOPs}."""
+    print("the check before any conclusion: more work is never faster (time / none within each repeat):")
+    for claim in claims.values():
+        print(f"  {claim.text}")
+    for policy in ("full", "selective"):
+        extra = f"{flops_over_model[policy] - 1:+.1%}"
+        if claims[policy].conclusive:
+            print(f"{policy}: measured here it costs {ratio[policy].median - 1:+.1%} of none's time (median), "
+                  f"for {extra} FLOPs")
+        elif mode != "fast":
+            print(f"{policy}: the timing was inconclusive on this machine; by FLOPs it costs {extra}")
+    own = timed_claim(mode, rest, "full's own forward + backward / none's, time", "<1", 1.0)  # the same FLOPs
+    print(own.text)
+    if own.conclusive and faults is not None:
+        fewer = faults[0] < faults[1]
+        print(f"  full's own forward and backward are faster in every repeat for the same FLOPs; minor page faults per "
+              f"step (each a fresh 4 KiB page the OS maps and zeroes; a GPU's caching allocator hides them): full "
+              f"{faults[0]:,.0f}, none {faults[1]:,.0f}"
+              + (": full keeps fewer bytes live and touches less fresh memory, one measured part of it; a smaller "
+                 "working set in the CPU's caches is the likely rest (not pinned down here)" if fewer else
+                 ": not fewer, so not that; a smaller working set in the CPU's caches is the likely cause (not "
+                 "pinned down here)"))
+
 
 # %%
 full = rows["full"]
+claims = time_claims(args.mode, ratio, rows, model_flops)
 print(f"\nfull recomputation: +{full['hardware'] / model_flops - 1:.1%} FLOPs "
       f"(1 + F_layers/3F = {full_expected:.4f}: one extra forward of the {L} layers, not of the head).")
-print(timing_verdict(args.mode, ratio["full"], "full recomputation, time measured here against none"))
+print(f"selective: +{rows['selective']['hardware'] / model_flops - 1:.1%} FLOPs.")
 extra_forward = per_repeat(rows, "full", lambda mine, plain: mine["recompute"] / sum(plain.values()))
 rest = per_repeat(rows, "full", lambda mine, plain: (mine["forward"] + mine["backward"])
                   / (plain["forward"] + plain["backward"]))
@@ -187,14 +236,9 @@ else:
     print(f"where the time goes: the recompute phase costs {extra_forward.text('{:.1%}')} of none's step; "
           f"full's own forward and backward take {rest.text('{:+.1%}', shift=-1)} against none's; none's backward "
           f"takes {backward_over_forward.text('{:.2f}')}x its forward's time (2x in FLOPs).")
-if args.device.type == "cpu" and full["page_faults"] is not None and not fast:
-    print(f"  minor page faults per step (each a 4 KiB page the OS maps and zeroes on first use; a GPU's caching "
-          f"allocator hides this cost): full {full['page_faults']:,.0f}, none {rows['none']['page_faults']:,.0f}"
-          + (". Full keeps fewer bytes live and touches less fresh memory: one measurable part of why its own "
-             "forward and backward are faster in every repeat; a smaller working set in the CPU's caches is "
-             "the likely rest (not pinned down here)." if rest.high < 1 else "."))
-print(f"selective: +{rows['selective']['hardware'] / model_flops - 1:.1%} FLOPs.")
-print(timing_verdict(args.mode, ratio["selective"], "selective, time measured here against none"))
+faults = ((full["page_faults"], rows["none"]["page_faults"])
+          if args.device.type == "cpu" and full["page_faults"] is not None else None)
+explain(args.mode, claims, ratio, rest, faults, {p: rows[p]["hardware"] / model_flops for p in claims})
 print(f"Published: Korthikanti et al. measured +36-39% time for full and 2-7% for selective; Chen et al. about "
       f"+30%. One extra forward is +{full['hardware'] / model_flops - 1:.1%} of the FLOPs here (+33% for a model "
       f"without a head); a time overhead measured on one machine is a property of that machine and its "
@@ -250,8 +294,11 @@ right.set_xticks(list(xs), POLICIES, rotation=20)
 right.set_ylabel("ratio to policy none")
 right.set_title("each pair: FLOPs (hatched, counted) | time (solid, measured: median, bar min..max)")
 right.legend(fontsize=7, loc="upper left", ncol=3)
+unsure = [p for p, claim in claims.items() if not claim.conclusive]  # time not above none's in every repeat
 fig.suptitle(f"The price of recomputation: L={L}, h={cfg.hidden}, batch {batch} x {seq}, {cfg.dtype}, "
-             f"on {device_name(args.device)}" + (f" ({FAST_TIMING})" if fast else ""))
+             f"on {device_name(args.device)}" + (f" ({FAST_TIMING})" if fast else "" if not unsure else
+                                                 f"\ntiming inconclusive on this machine for {', '.join(unsure)} "
+                                                 f"(not above none's in every repeat): read their hatched FLOP bars"))
 fig.tight_layout()
 path = save_figure(fig, "05_the_price")
 wrote(path)
@@ -295,13 +342,13 @@ check("the recompute GFLOP of every:4 (small, 4 x 128)", answer,
           f"MFLOP)")
 
 # %%
-def timed(spread):  # a time ratio for the results table
+def timed(spread):  # a share of time for the results table
     return FAST_TIMING if fast else spread.text("{:.3f}")
 
 
 RESULT = {"figures": [str(path)],
           "summary": {"full FLOPs / model": round(full["hardware"] / model_flops, 4),
-                      "full time / none": timed(ratio["full"]),
-                      "selective time / none": timed(ratio["selective"]),
+                      "full time / none": claims["full"].short,
+                      "selective time / none": claims["selective"].short,
                       "recompute phase / none's step": timed(extra_forward),
                       "FLOPs = formula": formula_ok}}

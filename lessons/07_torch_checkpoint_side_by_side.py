@@ -29,10 +29,14 @@ import matplotlib.patches
 import matplotlib.pyplot as plt
 
 from _check import check
-from _lesson import FAST_TIMING, choose, device_name, large, lesson_args, shape_line, small, wrote
+from _lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, large, lesson_args, paired_ratios,
+                     shape_line, small, timed_claim, wrote)
+from picockpt import init_params, loss_and_grads, peers
 from picockpt.compare import compare
 from picockpt.inventory import layer_flops, step_flops, tail_flops
+from picockpt.measure import make_batch
 from picockpt.plotting import mib, save_figure
+from picockpt.reference import ReferenceLlama
 
 KIND_COLORS = {"picockpt": "#C44E52", "torch": "#4C72B0", "bridge": "#DD8452", "hf": "#55A868"}
 SEGMENT = 2  # C of every:C, and checkpoint_sequential(L / C)
@@ -63,7 +67,7 @@ def ms(row):  # a step's time: median [min..max] over the interleaved repeats
     low, high = row["step_seconds_min_max"]
     return f"{row['step_seconds'] * 1e3:.1f} [{low * 1e3:.1f}..{high * 1e3:.1f}]"
 
-print(f"\n{'run':<34}{'peak live MiB':>14}{'recompute GFLOP':>17}{'ms':>22}"
+print(f"\n{'run':<34}{'peak live MiB':>14}{'recompute GFLOP':>17}{'ms':>26}"
       f"   equivalent (memory ratio, time ratio)")
 for row in rows:
     pair = ""
@@ -72,7 +76,7 @@ for row in rows:
         pair = (f"   {row['equivalent']} ({row['memory_vs_equivalent']:.2f}, "
                 f"{row['time_vs_equivalent']:.2f} [{low:.2f}..{high:.2f}])")
     print(f"{row['name']:<34}{mib(row['peak_live_bytes']):>14.2f}{row['recompute_flops'] / 1e9:>17.3f}"
-          f"{ms(row):>22}{pair}")
+          f"{ms(row):>26}{pair}")
 print(f"(one forward + backward each; peak live = every tensor created during the step, weight gradients "
       f"excluded; times: median [min..max] of {repeats} interleaved repeats on {device_name(args.device)}, "
       f"time ratios taken within each repeat)")
@@ -87,8 +91,14 @@ print(f"(one forward + backward each; peak live = every tensor created during th
 #   segment is stored whole and never recomputed.
 # * **Selective checkpointing** caches the output of every op its policy marks "save", needed by the
 #   backward or not, so the literal "recompute only the T×T ops" policy holds more than plain autograd.
-# * **Time.** A ratio whose repeats straddle 1 is reported as noise, and at `--fast` (steps of
-#   milliseconds) no time ratio is interpreted at all.
+# * **Time.** Two implementations can differ in time for reasons no FLOP count sees (autograd's graph and
+#   its saved-tensor hooks, Python per op), so a time ratio between them has no side of 1 fixed in
+#   advance. What must hold is inside one implementation: recomputation does more work than none, so
+#   `picockpt full` must take longer than `picockpt none`, and `torch checkpoint per layer` longer than
+#   `autograd`, in every interleaved repeat. The lesson times those two pairs first (`timed_claim`); only
+#   when both hold does it read the ratios between implementations, and then a ratio whose repeats
+#   straddle 1 is reported as noise. When either fails, the timing was inconclusive on this machine
+#   and each pair's FLOP ratio stands in. At `--fast` (steps of milliseconds) no time is read at all.
 
 # %%
 one_forward = by_name["picockpt full"]["recompute_flops"]
@@ -113,20 +123,84 @@ ratio = selective["peak_live_bytes"] / by_name["autograd"]["peak_live_bytes"]
 print(f"torch selective checkpoint holds {mib(selective['peak_live_bytes']):.2f} MiB, {ratio:.2f}x plain autograd"
       + (": it caches the output of every op marked 'save', needed by the backward or not" if ratio > 1 else "")
       + f"; picockpt selective holds {mib(by_name['picockpt selective']['peak_live_bytes']):.2f} MiB.")
-for row in rows:
-    if row["kind"] == "picockpt" and row["equivalent"]:
-        verdict = "less" if row["memory_vs_equivalent"] < 1 else "more"
+
+# %% [markdown]
+# ## Can this machine's timing rank them?
+#
+# Before any time ratio between implementations is read, the two checks inside one implementation:
+# each pair timed again, interleaved (`sanity_ratios`), against its exact FLOP ratio.
+
+# %%
+SANITY = {"picockpt full / picockpt none": ("picockpt full", "picockpt none"),
+          "torch checkpoint per layer / autograd": ("torch checkpoint per layer", "autograd")}
+
+
+def sanity_ratios(cfg, batch, seq, device, seed, repeats):
+    """{name of SANITY: Spread of contender / baseline step time}, the four steps interleaved repeat by repeat."""
+    params = init_params(cfg, seed=seed, device=device)
+    input_ids, targets = make_batch(cfg, batch, seq, device, seed)
+    model = ReferenceLlama(cfg, params).to(device)
+
+    def torch_step(run_layers):  # one forward + backward of the autograd model
+        def run():
+            model.zero_grad(set_to_none=True)
+            model(input_ids, targets, run_layers=run_layers).backward()
+            model.release_weights()
+        return run
+    steps = {"picockpt none": lambda: loss_and_grads(params, cfg, input_ids, targets, "none"),
+             "picockpt full": lambda: loss_and_grads(params, cfg, input_ids, targets, "full"),
+             "autograd": torch_step(peers.autograd), "torch checkpoint per layer": torch_step(peers.per_layer)}
+    seconds = interleaved_seconds(steps, device, repeats)
+    return {name: paired_ratios(seconds[a], seconds[b]) for name, (a, b) in SANITY.items()}
+
+
+def sanity_claims(mode, checks, by_name):
+    """{name of SANITY: Claim}: each pair's time ratio (sanity_ratios) must lie above 1 in every repeat, as its
+    exact FLOP ratio (from compare's rows, by name) does."""
+    return {name: timed_claim(mode, checks[name], f"{name}, step time", ">1",
+                              by_name[a]["total_flops"] / by_name[b]["total_flops"]) for name, (a, b) in SANITY.items()}
+
+
+def pair_lines(mode, rows, trusted):
+    """One line per picockpt row with a PyTorch equivalent: its memory ratio (exact) and, only when the
+    timing checks held (trusted), its time ratio read against 1; else the pair's FLOP ratio instead."""
+    by_name = {row["name"]: row for row in rows}
+    for row in rows:
+        if row["kind"] != "picockpt" or not row["equivalent"]:
+            continue
+        peer = by_name[row["equivalent"]]
+        more = "less" if row["memory_vs_equivalent"] < 1 else "more"
         low, high = row["time_vs_equivalent_min_max"]
-        time_text = (FAST_TIMING if fast else f"{row['time_vs_equivalent']:.2f}x [{low:.2f}..{high:.2f}] its time"
-                     + ("" if low > 1 or high < 1 else " (the repeats straddle 1: within the noise)"))
+        measured = f"{row['time_vs_equivalent']:.2f}x [{low:.2f}..{high:.2f}] its time"
+        work = row["total_flops"] / peer["total_flops"]  # exact
+        if mode == "fast":
+            time_text = FAST_TIMING
+        elif not trusted:
+            time_text = (f"time inconclusive on this machine ({measured}, unread: the checks above failed); "
+                         f"by FLOPs {work:.3f}x its work")
+        elif low > 1 or high < 1:
+            time_text = f"{measured}: {'slower' if low > 1 else 'faster'} in every repeat, for {work:.3f}x its FLOPs"
+        else:
+            time_text = f"{measured} (the repeats straddle 1: within the noise), for {work:.3f}x its FLOPs"
         print(f"  {row['name']:<20} {row['memory_vs_equivalent']:.2f}x the peak live bytes of "
-              f"{row['equivalent']} ({verdict}); {time_text}")
+              f"{row['equivalent']} ({more}); {time_text}")
+
+
+# %%
+checks = sanity_ratios(cfg, batch, seq, args.device, args.seed, repeats)
+claims = sanity_claims(args.mode, checks, by_name)
+print("\nthe checks before any time is read: recomputation is never faster than none, inside one implementation")
+for claim in claims.values():
+    print(f"  {claim.text}")
+trusted = all(claim.conclusive for claim in claims.values())
+pair_lines(args.mode, rows, trusted)
 
 # %% [markdown]
 # ## The figure
 #
 # Three panels, one bar per run in table order: peak live bytes, recompute GFLOP and step time (with
-# the spread of the repeats; the grey line is plain autograd's median).
+# the spread of the repeats; the grey line is plain autograd's median; its title says when the checks
+# above found the timing inconclusive).
 
 # %%
 names = [row["name"] for row in rows][::-1]  # top to bottom in table order
@@ -134,7 +208,8 @@ colors = [KIND_COLORS[by_name[n]["kind"]] for n in names]
 fig, axes = plt.subplots(1, 3, figsize=(15, 6), sharey=True)
 panels = [("peak live (MiB)", lambda r: mib(r["peak_live_bytes"]), "{:.1f}"),
           ("recompute GFLOP", lambda r: r["recompute_flops"] / 1e9, "{:.3f}"),
-          (f"step time (ms, measured: median, bar min..max of {repeats})" + (f"\n{FAST_TIMING}" if fast else ""),
+          (f"step time (ms, measured: median, bar min..max of {repeats})" + (f"\n{FAST_TIMING}" if fast else "" if
+                                                                              trusted else "\ninconclusive on this machine"),
            lambda r: r["step_seconds"] * 1e3, "{:.1f}")]
 for ax, (title, value, fmt) in zip(axes, panels):
     values = [value(by_name[n]) for n in names]
@@ -207,5 +282,7 @@ RESULT = {"figures": [str(path)],
                       "time picockpt full / torch per layer": FAST_TIMING if fast else
                       f"{by_name['picockpt full']['time_vs_equivalent']:.2f} "
                       f"[{by_name['picockpt full']['time_vs_equivalent_min_max'][0]:.2f}.."
-                      f"{by_name['picockpt full']['time_vs_equivalent_min_max'][1]:.2f}]",
+                      f"{by_name['picockpt full']['time_vs_equivalent_min_max'][1]:.2f}]"
+                      + ("" if trusted else " (inconclusive: the timing checks failed)"),
+                      "timing check: full / none": claims["picockpt full / picockpt none"].short,
                       "torch skips the down projections": skips_down}}

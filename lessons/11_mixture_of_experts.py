@@ -28,12 +28,18 @@
 #    this CPU. That holds only while the router's kernels give the same bits twice; a kernel that does
 #    not (a different reduction order), with two experts' bf16 scores a rounding apart, can send a token
 #    elsewhere even with the noise replayed. Megatron-LM's routing replay (`moe_enable_routing_replay`,
-#    `megatron/core/transformer/moe/router_replay.py`) records the top-k indices in the forward and reuses
-#    them in the recomputation, gathering the recomputed scores at the recorded indices: $8 N k$ bytes a
-#    layer (int64, $N$ tokens), exact under any kernel. picockpt's expert-parallel `full` (lesson 13) does
-#    the same, keeping `moe.expert_index` and never routing again; its single-process `full` reroutes with
-#    the generator replayed. Recomputing only inside the layer (`moe`) reuses the stored routing and draws
-#    nothing: exact with or without RNG replay.
+#    `megatron/core/transformer/moe/router_replay.py`, called from `topk_routing_with_score_function` in
+#    `moe_utils.py`) gives each router a `RouterReplay` whose action the caller sets. `RECORD` only stores the
+#    top-k the router computed (`recorded_topk_idx`), for the caller to read; nothing replays it by itself.
+#    A recomputation replays with `REPLAY_BACKWARD`, which takes its indices from a list that only
+#    `set_target_indices` fills: the `REPLAY_FORWARD` path, the indices handed over through `set_replay_data`
+#    (recorded in another run, or loaded from a file). Replaying, the router still computes its logits and
+#    scores and gathers the scores at the given indices: only the choice of experts is fixed, at $8 N k$ bytes
+#    a layer held for the backward (int64, $N$ tokens), the same experts under any kernel (the fused router,
+#    `moe_router_fusion`, returns before the replay is consulted). picockpt's expert-parallel `full`
+#    (lesson 13) fixes more, keeping `moe.expert_index` and never routing again; its single-process `full`
+#    reroutes with the generator replayed. Recomputing only inside the layer (`moe`) reuses the stored
+#    routing and draws nothing: exact with or without RNG replay.
 #
 # **Run it** as a script, `python lessons/11_mixture_of_experts.py` (the CPU run, the `small` preset with
 # 8 experts; `--fast` for seconds, `--large --device cuda` for a bigger shape on a GPU), or step through
@@ -300,10 +306,10 @@ if not bitwise:
           "whenever a step draws random numbers (Config.draws_random), router jitter alone included")
 index_bytes = layer_inventory(mixtral_layer("fused"), 1, 4096)["moe.expert_index"][2]
 input_bytes = layer_inventory(mixtral_layer("fused"), 1, 4096)["input"][2]
-print(f"  routing replay (Megatron's moe_enable_routing_replay) would keep the top-k indices instead: a Mixtral "
-      f"8x7B layer at 4096 tokens, 8·N·k = {index_bytes:,} B, {index_bytes / input_bytes:.2%} of the layer input "
-      f"that full keeps ({input_bytes / 2**20:.0f} MiB): the routing of the recomputation is then the first "
-      f"forward's whatever the kernels compute")
+print(f"  routing replay (Megatron's REPLAY_BACKWARD, from indices given by set_target_indices) would hold the "
+      f"top-k indices instead: a Mixtral 8x7B layer at 4096 tokens, 8·N·k = {index_bytes:,} B, "
+      f"{index_bytes / input_bytes:.2%} of the layer input that full keeps ({input_bytes / 2**20:.0f} MiB): the "
+      f"recomputation's experts are then the given ones whatever the kernels compute")
 
 # %% [markdown]
 # ## The figure
@@ -467,8 +473,9 @@ check("the policy exact without replay under router jitter", answer, ", ".join(s
                                                   f"of tokens rerouted" for j in JITTERS))
 
 # %% [markdown]
-# **3.** Megatron-LM's routing replay keeps each layer's top-k indices (int64) so that a recomputed layer runs
-# the same experts under any kernel. How many bytes per layer is that for a Mixtral layer at 4096 tokens?
+# **3.** Megatron-LM's routing replay holds each layer's top-k indices (int64, given by `set_target_indices`)
+# for the backward, so that a layer recomputed under `REPLAY_BACKWARD` runs the same experts under any kernel.
+# How many bytes per layer is that for a Mixtral layer at 4096 tokens?
 # (picockpt keeps the same tensor, `moe.expert_index`, under every policy that stores the layer.)
 
 # %%

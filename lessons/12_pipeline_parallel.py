@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from _check import check
-from _lesson import FAST_TIMING, Spread, choose, large, lesson_args, ranks_device, shape_line, spawning_ranks, wrote
+from _lesson import (FAST_TIMING, Claim, Spread, choose, large, lesson_args, ranks_device, shape_line, spawning_ranks,
+                     timed_claim, wrote)
 from picockpt import Config, init_params
 from picockpt.formulas import GIB
 from picockpt.measure import make_batch
@@ -78,7 +79,7 @@ def shapes(mode):
                   fast=dict(memory=(tiny, 4, 16, 2, 4), timing=(tiny.replace(dropout=0.0), 4, 16, (1, 4)),
                             dp=(tiny.replace(dropout=0.0), 4, 16), repeats=1),
                   cpu=dict(memory=(cpu, 8, 64, 4, 8), timing=(cpu.replace(dropout=0.0), 8, 128, (1, 2, 4, 8)),
-                           dp=(cpu.replace(hidden=256, heads=8, kv_heads=4, ffn=896, dropout=0.0), 4, 128), repeats=3),
+                           dp=(cpu.replace(hidden=256, heads=8, kv_heads=4, ffn=896, dropout=0.0), 4, 128), repeats=5),
                   large=dict(memory=(large(layers=8, dropout=0.1), 8, 512, 4, 8),
                              timing=(large(layers=8), 8, 512, (1, 2, 4, 8)), dp=(large(layers=8), 4, 512), repeats=3))
 
@@ -187,7 +188,8 @@ print(f"\nrecompute-early, memory: the same stored peak on every stage ({same_pe
 # The timing run launches 2 ranks once for everything, repeated (a first round warms every path up and is
 # not counted): the pipeline under `full` at each $M$ with and without recompute-early, and 2
 # data-parallel replicas all-reducing their gradients after the backward, or per layer as soon as they
-# are final. A rank's bubble is $1 - \text{computing} / \text{step}$; `in_flight_seconds` is how long some
+# are final. The two runs of a pair follow each other, and which goes first alternates from repeat to
+# repeat, so a machine that slows down or speeds up within a repeat does not favour one of them. A rank's bubble is $1 - \text{computing} / \text{step}$; `in_flight_seconds` is how long some
 # overlapped all-reduce was in flight before the rank's final wait.
 
 # %%
@@ -199,12 +201,13 @@ def measure_time(shapes_, device, repeats):
     state = rng(device)
     jobs, keys = [], []
     for repeat in range(repeats + 1):  # the first round warms up every path; it is not counted
+        turn = (False, True) if repeat % 2 else (True, False)  # which of a pair runs first alternates, repeat by repeat
         for M in Ms:
-            for early in (False, True):
+            for early in turn:
                 jobs.append(ParallelJob(params, cfg, input_ids, targets, "full", pp=2, microbatches=M,
                                         recompute_early=early, measure=False, rng_state=state))
                 keys.append(("pipeline", M, early, repeat))
-        for overlap in (False, True):
+        for overlap in turn:
             jobs.append(ParallelJob(dp_params, dp_cfg, dp_ids, dp_targets, "full", microbatches=2, dp=2,
                                     overlap=overlap, measure=False, rng_state=state))
             keys.append(("dp", 2, overlap, repeat))
@@ -247,21 +250,25 @@ for M_ in Ms:
     print(f"  M={M_}: bubble {bubbles[M_, False].text('{:.0%}')}, with recompute-early "
           f"{bubbles[M_, True].text('{:.0%}')}; (P-1)/(M+P-1) = {bubble_fraction(2, M_):.0%}, "
           f"with the stages' measured times {paced[M_].text('{:.0%}')}")
+falls = all(bubbles[a, False].high < bubbles[b, False].low for a, b in zip(Ms[1:], Ms))  # each M below the last
+print(f"  the measured bubble falls with M beyond the spread of the repeats at every step of M: "
+      f"{FAST_TIMING if args.mode == 'fast' else falls}")
 held = Spread(tuple(a[0]["mean_activation_bytes"] / b[0]["mean_activation_bytes"]
                     for a, b in zip(runs["pipeline", Ms[-1], True], runs["pipeline", Ms[-1], False])))
 print(f"  recompute-early holds the recomputed segment while it waits: stage 0's time-weighted mean stored bytes "
       f"at M={Ms[-1]} are {held.text('{:.2f}')}x those without it (the stored peak is the same)")
 
 # %% [markdown]
-# The bubble falls with $M$ as $(P - 1)/(M + P - 1)$ does: that formula assumes equal stages, and the
-# last one also runs the final norm, the head and the loss. Put the stages' own measured computing times
-# into it (`unequal_bubble`: the slowest stage sets the pace, the step lasts about
-# $\sum_s t_s + (M - 1)\max_s t_s$ for per-micro-batch stage times $t_s$) and the prediction comes
-# close to the measurement; what is left is the sends and the schedule's own Python, which neither
-# formula counts. That remainder is reported as it is, repeat by repeat (the measured bubble minus the
-# paced formula of the same run, median [min..max]), without a pass mark: no tolerance was fixed before
-# the runs. Sends and Python add idle time (a positive gap); a CPU shared with other work also slows
-# single micro-batches unevenly, which moves the gap either way: read it with its spread.
+# $(P - 1)/(M + P - 1)$ falls with $M$; a line above says whether the measured bubble falls with it
+# beyond the spread of the repeats. That formula assumes equal stages, and the last one also
+# runs the final norm, the head and the loss. Put the stages' own measured computing times into it
+# (`unequal_bubble`: the slowest stage sets the pace, the step lasts about
+# $\sum_s t_s + (M - 1)\max_s t_s$ for per-micro-batch stage times $t_s$) and what is left between it
+# and the measurement is the sends and the schedule's own Python, which neither formula counts. That
+# remainder is reported as it is, repeat by repeat (the measured bubble minus the paced formula of the
+# same run, median [min..max]), without a pass mark: no tolerance was fixed before the runs. Sends and
+# Python add idle time (a positive gap); a CPU shared with other work also slows single micro-batches
+# unevenly, which moves the gap either way: read it with its spread.
 #
 # **Two conventions.** With $p$ stages, $m$ micro-batches and equal stage times $t$, a stage computes for
 # $m t$ of a step that lasts $(m + p - 1) t$. Narayanan et al. (2021, sec. 2.2.1) and the Ultra-Scale
@@ -271,9 +278,26 @@ print(f"  recompute-early holds the recomputed segment while it waits: stage 0's
 # of the step. The interleaved schedule (Narayanan et al., sec. 2.2.2) gives each stage $v$ model chunks
 # and cuts $b$ to $(p - 1)/(v m)$, for $v$ times the point-to-point sends.
 #
-# Recompute-early moves the recomputation that would follow a gradient's arrival into the wait for it:
-# the recomputation overlaps the communication (the wait for the next stage's gradient). Its gain is
-# measured below as the step time with it over the step time without it, repeat by repeat.
+# **Recompute-early moves work; it removes none.** The top segment's recomputation that would follow a
+# gradient's arrival is done while the stage waits for it. That shortens the step only where the wait
+# is on the step's critical path. In 1F1B's steady state the two stages alternate one forward and one
+# backward, and the step advances by the slower stage's forward + backward per micro-batch, with or
+# without the move: the moved recomputation is still the same stage's work, done before the same
+# backward. What the move can take off the step is the wait that nothing else fills: in the cool-down,
+# the last micro-batch's top segment, when the next stage sets the pace. So the gain is at most one
+# top-segment recompute of one micro-batch per step, whose size falls as $1/M$ (the batch is fixed,
+# so a micro-batch shrinks as $M$ grows), and never more than all the recomputation it moved.
+#
+# What overlaps what matters too. On a GPU with NCCL, a transfer runs on its own engine while the kernels
+# run, and the wait for a gradient includes the transfer: recomputing in it hides the communication. On
+# gloo and a CPU there is no separate engine: gloo's threads copy the bytes on the same cores, and a
+# micro-batch's gradient here, $b \cdot n \cdot h \cdot 4$ bytes (64 KiB at $M = 8$), crosses the loopback in
+# microseconds. The wait is almost all the next stage's compute. Below, for each $M$, the lesson measures
+# from the timelines how much recomputation the move put in front of stage 0's waits, the part of it a
+# paced 1F1B can gain, how the step changed (repeat by repeat), and whether the next stage waited longer
+# for its activations (the sends posted just before the moved recomputation). A step that changed by
+# more than all the work moved is the machine's doing, not the schedule's: then the timing is
+# inconclusive on this machine, whatever its sign.
 
 # %%
 def bubble_over_ideal(stages, microbatches, chunks=1):
@@ -287,26 +311,85 @@ for M_ in Ms:
     print(f"  M={M_}: bubble over ideal time (P-1)/M = {b:.1%}; as a share of the step b/(1+b) = {b / (1 + b):.1%} "
           f"= (P-1)/(M+P-1) = {bubble_fraction(2, M_):.1%}; interleaved with v=2 chunks (P-1)/(vM) = "
           f"{bubble_over_ideal(2, M_, 2):.1%}")
-def verdict(ratio):
-    """What the repeats agree on about a ratio against 1."""
-    if not ratio.excludes(1.0):
-        return "the repeats straddle 1: no gain the spread can show"
-    return "faster in every repeat" if ratio.high < 1.0 else "slower in every repeat"
 
 
-early_gain = {M_: Spread(tuple(on[0]["step_seconds"] / off[0]["step_seconds"]
-                              for off, on in zip(runs["pipeline", M_, False], runs["pipeline", M_, True])))
-              for M_ in Ms}  # step time with recompute-early over without, repeat by repeat
-if args.mode == "fast":
-    print(FAST_TIMING)
-else:
+# %%
+def moved_seconds(report):
+    """{micro-batch: seconds of its recomputation done before its wait for the gradient} on one rank: the work
+    recompute-early put in front of the wait (without it, none: the loop recomputes after the wait)."""
+    moved, backward, waited = {}, set(), set()
+    for kind, m, start, end in report["timeline"]:  # leaf spans in time order
+        if kind == "backward":
+            backward.add(m)  # micro-batch m's backward has begun
+        elif kind == "wait":
+            waited.add(m)  # ... and its gradient was waited for
+        elif kind == "recompute" and m in backward and m not in waited:
+            moved[m] = moved.get(m, 0.0) + end - start  # recomputed inside its backward, before the wait
+    return moved
+
+
+def early_measure(runs, M):
+    """Spreads over the repeats at M, each from one repeat's pair of runs (without, with recompute-early):
+    ratio (step time with / without), change (seconds with - without), moved (stage 0's recomputation put before
+    its waits), last (of it, the last micro-batch's: what a paced 1F1B can gain), step (seconds without it),
+    paced_by_next (the next stage computed longer: it sets the pace), inputs_wait (the next stage's wait for
+    its activations, with - without)."""
+    pairs = list(zip(runs["pipeline", M, False], runs["pipeline", M, True]))
+    moved = [moved_seconds(on[0]) for _, on in pairs]
+
+    def spread(values):
+        return Spread(tuple(values))
+    return dict(ratio=spread(on[0]["step_seconds"] / off[0]["step_seconds"] for off, on in pairs),
+                change=spread(on[0]["step_seconds"] - off[0]["step_seconds"] for off, on in pairs),
+                moved=spread(sum(m.values()) for m in moved), last=spread(m.get(M - 1, 0.0) for m in moved),
+                step=spread(off[0]["step_seconds"] for off, _ in pairs),
+                paced_by_next=all(off[1]["computing_seconds"] > off[0]["computing_seconds"] for off, _ in pairs),
+                inputs_wait=spread(on[1]["timeline_seconds"]["wait"] - off[1]["timeline_seconds"]["wait"]
+                                   for off, on in pairs))
+
+
+def early_verdict(mode, M, measured):
+    """Print what recompute-early did at M (early_measure's Spreads) and return its Claim: conclusive only when
+    the step was shorter in every repeat and by no more than the work moved, in every repeat."""
+    claim = timed_claim(mode, measured["ratio"], f"M={M}: step time with recompute-early / without", "<1", 1.0)
+    if mode == "fast":
+        print(f"  {claim.text}")
+        return claim
+    change, moved, last, step = (measured[key] for key in ("change", "moved", "last", "step"))
+    beyond = sum(abs(a) > b for a, b in zip(change.samples, moved.samples))  # changed by more than it moved
+    share = Spread(tuple(a / b for a, b in zip(last.samples, step.samples)))  # of the step, repeat by repeat
+    pace = ("the next stage computes longer in every repeat, so it sets the pace, and the most a steady 1F1B can "
+            "gain is" if measured["paced_by_next"] else
+            "stage 0 computes longer in some repeat (then a steady 1F1B gains nothing), and the most it can gain is")
+    print(f"  M={M}: the move puts {moved.text('{:.1f}', 1e3)} ms of stage 0's recomputation in front of its waits; "
+          f"{pace} the last micro-batch's {last.text('{:.1f}', 1e3)} ms of a {step.text('{:.0f}', 1e3)} ms step "
+          f"({share.text('{:.1%}')}); the step changed by {change.text('{:+.1f}', 1e3)} ms; the next stage waited "
+          f"{measured['inputs_wait'].text('{:+.1f}', 1e3)} ms longer for its activations")
+    if beyond:
+        claim = Claim(f"M={M}: recompute-early: inconclusive on this machine (step time with / without "
+                      f"{measured['ratio'].text('{:.3f}')}; in {beyond} of {len(change.samples)} repeats the step changed "
+                      f"by more than all the work the move shifts, which the schedule cannot do: that difference is "
+                      f"the machine's); by work (exact) the ratio is 1.000",
+                      False, f"inconclusive ({measured['ratio'].text('{:.3f}')}; by work 1.000)")
+    print(f"  {claim.text}")
+    if claim.conclusive:
+        print(f"  M={M}: the moved recomputation hid in the wait: the step was shorter in every repeat, by no more "
+              f"than the work moved")
+    elif share.median < measured["ratio"].high - measured["ratio"].low:
+        print(f"  M={M}: what a steady 1F1B can gain, {share.median:.1%} of the step, is less than the spread of the "
+              f"repeats' ratios ({measured['ratio'].high - measured['ratio'].low:.1%} wide): this machine does not "
+              f"resolve it, and the sign of the measured change is not recompute-early's")
+    return claim
+
+
+if args.mode != "fast":
     for M_ in Ms:
         gaps = Spread(tuple(float(np.mean([r["bubble"] for r in ranks]) -
                                   np.mean(unequal_bubble([r["computing_seconds"] for r in ranks], M_)))
                             for ranks in runs["pipeline", M_, False]))
-        print(f"  M={M_}: measured bubble - paced formula, repeat by repeat {gaps.text('{:+.1%}')}; step time with "
-              f"recompute-early / without {early_gain[M_].text('{:.3f}')} (below 1: the recomputation hid in the "
-              f"wait; {verdict(early_gain[M_])})")
+        print(f"  M={M_}: measured bubble - paced formula, repeat by repeat {gaps.text('{:+.1%}')}")
+print("\nrecompute-early, where the time goes (stage 0 of 2, full recomputation, repeat by repeat):")
+early = {M_: early_verdict(args.mode, M_, early_measure(runs, M_)) for M_ in Ms}
 
 # %%
 exposed = {overlap: Spread(tuple(max(r["timeline_seconds"]["reduce"] for r in ranks)
@@ -323,18 +406,27 @@ pairs = list(zip(runs["dp", 2, False], runs["dp", 2, True]))  # the two runs of 
 exposed_ratio = Spread(tuple(max(r["timeline_seconds"]["reduce"] for r in on) /
                              max(max(r["timeline_seconds"]["reduce"] for r in off), 1e-9) for off, on in pairs))
 step_ratio = Spread(tuple(on[0]["step_seconds"] / off[0]["step_seconds"] for off, on in pairs))
-print(f"  overlapped / after, repeat by repeat: exposed all-reduce {exposed_ratio.text('{:.2f}')}, "
-      f"step time {step_ratio.text('{:.2f}')}")
-if args.mode == "fast":
-    print(FAST_TIMING)
+overlap_claims = {"exposed": timed_claim(args.mode, exposed_ratio, "overlapped / after, exposed all-reduce wait", "<1",
+                                         1.0),  # the same bytes reduced either way
+                  "step": timed_claim(args.mode, step_ratio, "overlapped / after, step time", "<1", 1.0)}
+for claim in overlap_claims.values():
+    print(f"  {claim.text}")
+if overlap_claims["exposed"].conclusive:
+    print("  the overlapped all-reduces hid part of their time in the backward: a shorter exposed wait in every repeat"
+          + ("; and a shorter step" if overlap_claims["step"].conclusive else
+             "; the step itself did not shorten in every repeat (the reductions took their cores from the backward)"))
+elif args.mode != "fast":
+    print("  overlap: the timing was inconclusive on this machine; by bytes the two move the same "
+          f"{runs['dp', 2, True][0][0]['dp_bytes'] / 2**20:.1f} MiB per rank")
 
 # %% [markdown]
 # Overlap launches each bucket's all-reduce during the backward, so by the final wait most of them
 # should be done: a ratio below 1 for the exposed wait, and a shorter step. On this 2-core CPU each
 # rank's compute already takes a core, and gloo's threads copy and sum on the same cores: a bucket in
-# flight only moves when the backward lets go of a core, so the ratios scatter around 1 from run to run
-# (read them with their spread, not as a verdict). A GPU reduces with NCCL on its own stream while the
-# kernels run; that is where the exposed wait and the step should fall by the in-flight milliseconds.
+# flight only moves when the backward lets go of a core, so how much it hides depends on the moment,
+# and the lines above say whether the repeats agreed. A GPU reduces with NCCL on its own stream while
+# the kernels run; that is where the exposed wait and the step should fall by the in-flight
+# milliseconds.
 #
 # ## The figures
 #
@@ -596,6 +688,7 @@ RESULT = {"figures": [str(p) for p in paths],
                           timed(bubbles[Ms[-1], False], "{:.3f}"),
                       f"bubble at M={Ms[-1]}, paced by the stages' measured times": timed(paced[Ms[-1]], "{:.3f}"),
                       "recompute-early: stage 0 mean stored bytes ratio": timed(held, "{:.3f}"),
-                      f"recompute-early: step time / without, M={Ms[-1]}": timed(early_gain[Ms[-1]], "{:.3f}"),
+                      f"recompute-early: step time / without, M={Ms[-1]}": early[Ms[-1]].short,
+                      "dp overlapped / after, exposed wait": overlap_claims["exposed"].short,
                       "dp exposed all-reduce ms, after": timed(exposed[False], "{:.1f}", 1e3),
                       "dp exposed all-reduce ms, overlapped": timed(exposed[True], "{:.1f}", 1e3)}}

@@ -18,10 +18,16 @@
 # | backward | $P h e + M s + M h e$ | the combine's, the weights' and the dispatch's backward |
 #
 # Recomputing a layer (`full`, `every:C`) runs its forward again, all-to-alls included. Its routing
-# decision is kept by the first forward (`moe.expert_index`, $8 N k$ bytes a layer), so it never chooses
-# again (nor exchanges counts): what Megatron-LM's routing replay (`moe_enable_routing_replay`) does, and
-# not what the single-process `full` of lesson 11 does, which runs the router again with the random
-# generator replayed (the same experts as long as the router's kernels give the same bits). The rows
+# decision is kept by the first forward (`moe.expert_index`, $8 N k$ bytes a layer), so it neither runs the
+# router nor exchanges counts again. Megatron-LM's routing replay (`moe_enable_routing_replay`,
+# `megatron/core/transformer/moe/router_replay.py`) fixes less: under `REPLAY_BACKWARD` the router still
+# computes its logits and scores and only takes its top-k from indices given through `set_target_indices`
+# (the `REPLAY_FORWARD` path; `RECORD` only stores `recorded_topk_idx`), and the recomputed dispatch still
+# exchanges the token counts (`megatron/core/transformer/moe/token_dispatcher.py`:
+# `MoEAlltoAllTokenDispatcher.preprocess` all-gathers every rank's per-expert counts over the tensor- and
+# expert-parallel group each time it runs). Nor is it what the single-process `full` of lesson 11 does,
+# which runs the router again with the random generator replayed (the same experts as long as the router's
+# kernels give the same bits). The rows
 # come back only by being sent again: a dispatch of $P(h e + s)$ and a combine of $M h e$ per layer, the
 # forward's traffic once more. Keeping the rows its experts received (`keep_dispatched`) saves the
 # dispatch for $M(h e + s)$ stored bytes per layer: $P/M$ bytes not moved per byte kept, 1 for balanced

@@ -10,14 +10,23 @@
 #   steps, each passing the K/V block on to the next rank while every rank's queries merge what they have
 #   seen with the block's partial output by their log-sum-exp, FlashAttention's online softmax
 #   (`picockpt/parallel/context_parallel/cp_attention.py`). The backward runs the ring again, and the
-#   gradients of each block ride along with it until they are home. `cp_comm="ring"` does one thing at a time,
-#   to be read; `"ring_overlap"` posts each step's send before the attention of the block it holds, as the
-#   ring attention paper does, and waits for it after: the same bytes, the same sums, the same numbers.
-# * **all-gather** (the Llama 3 paper's choice): one all-gather of K/V per layer, attention on the local
-#   queries, and a reduce-scatter of their gradients in the backward, which gathers K/V once more (each
-#   rank "only stores the KV of a sequence chunk in forward and gathers KV again in backward", as
-#   Megatron-LM's context-parallel docs say), unless `keep_kv` keeps the other ranks' rows:
-#   $(cp-1)/cp$ of the layer's K/V, stored whatever the policy.
+#   gradients of each block ride along with it until they are home. This is the variant Megatron-LM's
+#   context-parallel guide describes (`docs/user-guide/features/context_parallel.md`): a K/V all-gather in the
+#   forward and a reduce-scatter of its gradients in the backward, both carried out as point-to-point steps
+#   round a ring, each rank storing only its own chunk's K/V and gathering the rest again in the backward.
+#   `cp_comm="ring"` does one thing at a time, to be read; `"ring_overlap"` posts each step's send before the
+#   attention of the block it holds, as the ring attention paper does, and waits for it after: the same bytes,
+#   the same sums, the same numbers.
+# * **all-gather** (the Llama 3 paper's choice; Megatron-LM's `--cp-comm-type allgather`, which its
+#   `megatron/core/transformer/transformer_config.py` describes under `cp_comm_type` as gathering the whole
+#   sequence's K/V before attention, synchronously, so without overlap): one all-gather of K/V per layer,
+#   attention on the local queries, and a reduce-scatter of their gradients in the backward, which gathers
+#   K/V once more, unless `keep_kv` keeps the other ranks' rows: $(cp-1)/cp$ of the layer's K/V, stored
+#   whatever the policy.
+#
+# (Megatron-LM's other two, `a2a`, DeepSpeed-Ulysses' all-to-all that scatters the heads over the ranks and
+# gathers the whole sequence, and `a2a+p2p`, all-to-all inside a node and the ring between nodes
+# (`megatron/training/arguments.py`, `--cp-comm-type`), are not built here.)
 #
 # Causal attention makes later tokens dearer: with the contiguous layout (rank $r$ holds chunk $r$ of $cp$)
 # the last rank attends to the whole sequence and the first to its own chunk. The zigzag layout cuts the
@@ -81,7 +90,8 @@ from picockpt.measure import make_batch
 from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes, kept_kv_bytes
 from picockpt.parallel.context_parallel.cp_inventory import rank_attention_flops
-from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms, stage_plan
+from picockpt.parallel.pipeline_parallel.pp_schedules import in_flight, stage_layers
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
@@ -290,9 +300,17 @@ print(overlap_verdict(overlap_ratio, args.mode))
 # %% [markdown]
 # ## Zigzag against contiguous
 #
-# Each rank's forward FLOPs, measured (FlopCounterMode's formulas, applied by the tracker), and its attention core's share. The fused
-# kernel counts the causal block's whole square, so with $c$ tokens a chunk the diagonal costs as much as
-# an earlier chunk, and the busiest contiguous rank computes $cp$ blocks against the mean's $(cp+1)/2$.
+# Each rank's forward FLOPs, measured (FlopCounterMode's formulas, applied by the tracker), and its attention
+# core's share. FlopCounterMode counts the fused kernel's whole square, causal or not (`torch/utils/flop_counter.py`,
+# `sdpa_flop`: causal attention is not accounted for), so in these counts the diagonal block of $c$ tokens
+# costs as much as an earlier chunk, and the busiest contiguous rank computes $cp$ blocks against the mean's
+# $(cp+1)/2$. The flash kernel itself skips the key blocks above the causal diagonal (torch's copy of
+# FlashAttention, `aten/src/ATen/native/transformers/cuda/flash_attn/flash_fwd_kernel.h`: `n_block_max` is
+# cut at the diagonal when `Is_causal`), so it computes about half of each diagonal block: rank $r$ does
+# $r + 1/2$ blocks, the busiest $cp - 1/2$ against a mean of $cp/2$, an imbalance of $(2cp-1)/cp$ as the
+# kernel sees it (1.75 at $cp = 4$, where the counter says 1.6). picockpt's `tiled` attention skips the
+# same way, tile by tile, and the last line below counts with it (tiles of 128, the kernel's query block).
+# Zigzag balances either count.
 
 # %%
 balance = {}
@@ -315,6 +333,20 @@ print(f"Llama 3 8B, one {LLAMA_SEQ}-token sequence: attention busiest / mean per
       + ", ".join(f"cp={cp} {max(llama_balance[cp, 'zigzag']) / np.mean(llama_balance[cp, 'zigzag']):.3f} | "
                   f"{max(llama_balance[cp, 'contiguous']) / np.mean(llama_balance[cp, 'contiguous']):.3f}"
                   for cp in llama_sizes))
+
+
+def kernel_imbalance(cfg, cp, layout="contiguous", seq=LLAMA_SEQ):
+    """Busiest / mean attention FLOPs per rank, counting only the tiles a causal kernel computes: picockpt's
+    tiled attention, which skips the key tiles above the diagonal, at tiles of 128."""
+    skipping = cfg.replace(attention="tiled", attention_tile=128)
+    counts = [rank_attention_flops(skipping, 1, seq, cp, layout, r) for r in range(cp)]
+    return max(counts) / np.mean(counts)
+
+
+print("the same, counting the tiles a causal kernel computes (tiled, 128): contiguous "
+      + ", ".join(f"cp={cp} {kernel_imbalance(llama, cp):.3f} ((2cp-1)/cp = {(2 * cp - 1) / cp:.3f})"
+                  for cp in llama_sizes)
+      + f"; zigzag {max(kernel_imbalance(llama, cp, 'zigzag') for cp in llama_sizes):.3f} at most")
 
 
 def plot_balance(llama_balance):
@@ -352,20 +384,34 @@ for cp in (1, 2, 4, 8, 16):
           f"{cp_peak_bytes(llama, 1, LLAMA_SEQ, 'full', cp) / GIB:6.2f} GiB per rank; the ring moves "
           f"{mib(ring_bytes):6.0f} MiB a layer in the forward")
 logits = LLAMA_SEQ * llama.vocab * 2  # bytes of the (T, V) bf16 logits the unchunked head keeps
-print(f"(most of full's bytes are the head's logits, {logits / GIB:.1f} GiB / cp: lesson 09's chunked loss keeps "
-      f"one log-sum-exp per token instead)")
+inputs = L8 * LLAMA_SEQ * llama.hidden * 2  # bytes of the 32 layer inputs full keeps
+full_peak = cp_peak_bytes(llama, 1, LLAMA_SEQ, "full", 1)
+logits_share = logits / full_peak
+print(f"(full's peak: the head's logits are {logits / GIB:.1f} GiB / cp, {logits_share:.1%} of it, less than half; "
+      f"the {L8} layer inputs it keeps {inputs / GIB:.1f} GiB / cp, {inputs / full_peak:.1%}. Lesson 09's chunked "
+      f"loss keeps one log-sum-exp per token instead of the logits)")
 
 # %% [markdown]
 # ## Llama 3 405B at 128K tokens: context parallelism beside $tp = 8$
 #
 # The Llama 3 paper trained its 131072-token stage with $tp = 8$, $cp = 16$ and $pp = 16$ on 16,384 GPUs
-# (its table of parallelism configurations). Why not raise $tp$ instead? Its 8 key/value heads cap it: a
-# tensor-parallel rank computes whole K/V heads, so $tp \le 8$ (picockpt refuses more, naming the heads), and 8
-# is also one server's NVLink domain. Context parallelism keeps splitting past that, and beside $tp$ each rank
-# is a tensor-parallel rank on $T/cp$ tokens, passing the K/V of its $KV/t = 1$ head round its ring: that is the
-# form the composed step's $tp \times cp$ ranks equal to the byte (`tests/test_parallel_cp.py`), and what
-# `predict --cp 16 --tp 8 --sp` prints. Per rank, bf16, fused attention, sequence parallel, one sequence,
-# activations only (the paper's $pp = 16$ then gives each stage 8 of the 126 layers):
+# (its table of parallelism configurations). Why not raise $tp$ instead? Past its 8 key/value heads, tensor
+# parallelism stops dividing K/V: picockpt's tensor-parallel rank computes whole K/V heads and refuses
+# $tp > 8$, naming the heads (a choice of this codebase, not a law). Megatron-LM goes on past the head count by
+# replicating K/V heads: with fewer K/V heads than tensor-parallel ranks, each K/V head is computed on
+# $tp/KV$ ranks, which all-gather the QKV projection's output to get it and keep their own share of the query
+# heads (`megatron/core/transformer/attention.py`, the `num_query_groups < world_size` branches;
+# `transformer_config.py` requires the K/V heads to divide $tp$ or be a multiple of it). At $tp = 16$ each
+# K/V head's activations would sit on two ranks and every layer would gather the QKV output once more; and 8
+# is also one server's NVLink domain. Context parallelism keeps splitting past that without
+# replicating anything, and beside $tp$ each rank is a tensor-parallel rank on $T/cp$ tokens, passing the K/V
+# of its $KV/t = 1$ head round its ring: that is the form the composed step's $tp \times cp$ ranks equal to
+# the byte (`tests/test_parallel_cp.py`), and what `predict --cp 16 --tp 8 --sp` prints. Per rank, bf16,
+# fused attention, sequence parallel, one sequence, activations only. With $pp = 16$, 126 layers do not
+# split evenly: picockpt's `stage_layers` (`picockpt/parallel/pipeline_parallel/pp_schedules.py`) gives the
+# first 14 stages 8 layers and the last two 7, and the stage numbers below use that split; the Llama 3 paper
+# (Dubey et al. 2024, sec. 3.3.2) instead removes one transformer layer from the first stage and one from the
+# last, 7 there and 8 on the 14 between, to even out the embedding's and the head's extra memory and work.
 
 # %%
 llama405 = Config.from_preset("llama3-405b", dtype="bf16", attention="fused")
@@ -385,9 +431,15 @@ for cp in (1, 2, 4, 8, 16):
           f"{ring_forward / GIB:>17.1f}")
 stages = [StageForms(llama405, 16, LLAMA_SEQ // 16, "full", 16, 16, "1f1b", s, 1, 8, True).peak_bytes
           for s in range(16)]
-print(f"the paper's layout, cp = 16 beside tp = 8 and pp = 16 (1F1B over 16 sequences), full: stage 0 holds "
-      f"{stages[0] / GIB:.2f} GiB per rank (its 16 micro-batches' checkpoints), the last stage "
-      f"{stages[-1] / GIB:.2f} GiB")
+split = [len(layers) for layers in stage_layers(llama405.layers, 16)]  # picockpt's: 8 x 14, then 7, 7
+paper_split = [split[0] - 1] + [split[0]] * 14 + [split[0] - 1]  # the paper's: one layer fewer on each end
+paper_stage0 = stage_plan("full", llama405, 1, LLAMA_SEQ // 16, paper_split[0], False, in_flight("1f1b", 16, 16, 0),
+                          8, True)[1]  # stage 0 with the paper's 7 layers, the same 16 micro-batches in flight
+print(f"the paper's layout, cp = 16 beside tp = 8 and pp = 16 (1F1B over 16 sequences), full: stage 0 of "
+      f"picockpt's split ({split[0]} layers) holds {stages[0] / GIB:.2f} GiB per rank (its 16 micro-batches' "
+      f"checkpoints), the last stage ({split[-1]} layers) {stages[-1] / GIB:.2f} GiB; with the paper's split "
+      f"({paper_split[0]} layers on the first stage, {paper_split[1]} on each of the 14 between, {paper_split[-1]} "
+      f"on the last: {sum(paper_split)}), stage 0 holds {paper_stage0 / GIB:.2f} GiB")
 
 # %% [markdown]
 # Every doubling of $cp$ halves a rank's stored activations and its tensor-parallel traffic (both are linear
@@ -436,7 +488,8 @@ answer = 1.6
 counts = [rank_attention_flops(llama, 1, LLAMA_SEQ, 4, "contiguous", r) for r in range(4)]
 check("busiest / mean attention FLOPs, contiguous, cp = 4", answer, max(counts) / np.mean(counts),
       why="rank r computes its diagonal block and r earlier ones, all the same size: 1, 2, 3, 4 blocks, "
-          "so 4 against a mean of 2.5")
+          "so 4 against a mean of 2.5 (FlopCounterMode's count; a kernel that skips the tiles above the diagonal "
+          f"does about half of each diagonal block: {kernel_imbalance(llama, 4):.2f}, (2cp-1)/cp)")
 
 # %%
 RESULT = {"figures": [str(p) for p in paths],

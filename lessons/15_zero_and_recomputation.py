@@ -20,12 +20,27 @@
 # only around their uses: gathered before its forward, freed after, gathered again for its backward, and,
 # if the policy recomputes it, once more for the recompute sweep, unless the sweep keeps them for the
 # backward (`keep_gathered`): one gather fewer per recomputed layer, for holding a whole sweep's layers at
-# once (C of them under `every:C`). torch's FSDP2 makes that choice for you: torchtitan applies activation
-# checkpointing to each block before `fully_shard` makes it an FSDP unit
-# (`torchtitan/models/llama3/infra/parallelize.py`), and in torch 2.13 a unit's `post_forward` does not
-# reshard during the backward (`_fsdp_param_group.py`: `if not is_bw()`), so the recompute runs inside the
-# backward's gather. Its `reshard_after_forward=False` is the same trade one step earlier: keep the
-# forward's gather until the backward.
+# once (C of them under `every:C`). torch's FSDP2 gives that saving without a flag, whichever way the
+# checkpoint and the FSDP unit nest; the mechanism differs:
+#
+# * **torchtitan's nesting, `fully_shard(checkpoint_wrapper(block))`**: `torchtitan/models/llama3/parallelize.py`
+#   applies activation checkpointing first (`torchtitan/distributed/activation_checkpoint.py` wraps each block in
+#   torch's `checkpoint_wrapper`), then `torchtitan/distributed/fsdp.py`'s `apply_fsdp_to_decoder` calls
+#   `fully_shard` on each wrapped block. The unit is the wrapper; its recompute runs only the block inside, so
+#   FSDP's forward hooks never fire during it. The backward's one gather comes from the pre-backward hook that
+#   FSDP registered on the unit's outputs in the forward (torch 2.13, `_fsdp_state.py`:
+#   `_register_pre_backward_hook`): autograd runs it when the output's gradient arrives, before any of the
+#   block's nodes unpacks the checkpoint's saved tensors, which is what starts the recompute.
+# * **the opposite nesting, `checkpoint(fully_shard(block))`**: the recompute reruns the unit's forward, FSDP's
+#   hooks included, inside the backward. The same pre-backward hook has gathered the unit by then;
+#   `_fsdp_state.py`'s `_pre_forward` and `_post_forward` see the `PRE_BACKWARD` state and leave it gathered,
+#   and `_fsdp_param_group.py`'s `post_forward` carries the guard written for this nesting (`if not is_bw()`,
+#   commented "for AC(fully_shard(model))"): a recompute that reaches it neither reshards the unit nor adds it
+#   to the order the backward prefetches by.
+#
+# `picockpt/parallel/data_parallel/fsdp_peer.py` builds both on the reference model, and the section "torch's
+# FSDP2 beside it" counts their gathers. FSDP2's `reshard_after_forward=False` is the same trade one step
+# earlier: keep the forward's gather until the backward.
 #
 # What to look at (measured on 2 gloo ranks, every number equal to the closed forms of
 # `picockpt/parallel/data_parallel/zero_inventory.py` to the byte):
@@ -33,6 +48,7 @@
 # * **model state**: a rank's parameter, gradient and optimizer bytes under each stage.
 # * **gathers**: stage 3's all-gather bytes per phase under `none`, `full` and `every:2`, with and without
 #   `keep_gathered`, and the most gathered bytes alive at once (without prefetch).
+# * **FSDP2's gathers**: torch's `fully_shard` under both nestings, per phase, beside picockpt's.
 # * **training**: a few steps of ZeRO-3 training, a new batch each step, against one process's training.
 #
 # **Run it** as a script, `python lessons/15_zero_and_recomputation.py` (the CPU run: 2 gloo ranks, under a
@@ -53,7 +69,9 @@ from picockpt import init_params
 from picockpt.measure import make_batch, max_relative_diff
 from picockpt.parallel import run_ranks
 from picockpt.parallel.data_parallel import zero_train
+from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_inventory import gather_uses, model_state_bytes, zero_paper_bytes
+from picockpt.parallel.data_parallel.zero_params import flat_units
 from picockpt.parallel.data_parallel.zero_step import zero_rank_steps
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
 from picockpt.policy import parse_policy
@@ -165,6 +183,64 @@ paths = [plot(cfg, batch, seq, reports)]
 wrote(paths[-1])
 
 # %% [markdown]
+# ## torch's FSDP2 beside it
+#
+# The same shape, weights and batch on the autograd reference model (`picockpt/reference.py`), each decoder layer
+# an FSDP unit and the root unit the rest (embedding, final norm, head), torch's default `reshard_after_forward`
+# (the layers resharded after their forward, the root kept), every layer recomputed, in each nesting. FSDP2 has
+# no recompute phase of its own: its recompute runs inside the backward, so the table adds picockpt's recompute
+# and backward gathers into one column (picockpt's backward also makes one reduce-scatter per unit, left out
+# here). No dimension needs padding at 2 ranks, so the bytes compare. The last two columns say which mechanism
+# ran: how often a layer's FSDP unit ran its forward (and FSDP's hooks with it) during the backward, and how many
+# recomputes began with their layer's weights already gathered.
+
+# %%
+NESTINGS = (("FSDP2 fully_shard(checkpoint_wrapper(layer))", "fsdp(ac(layer))"),  # torchtitan's
+            ("FSDP2 checkpoint(fully_shard(layer))", "ac(fsdp(layer))"))
+
+
+def measure_fsdp2(cfg, batch, seq, device):
+    """{label: rank 0's counts} for both nestings: fsdp_peer.py's forward and backward gathers."""
+    params = init_params(cfg, seed=0)  # what measure() gave picockpt's ranks
+    input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed=0)
+    variants = [(None, True, nesting) for _, nesting in NESTINGS]
+    with spawning_ranks():
+        results = run_ranks(fsdp2_rank_steps, DP, params, cfg, input_ids, targets, variants, device=device.type,
+                            start_method=START, timeout_s=300)
+    return {label: run for (label, _), run in zip(NESTINGS, results[0])}
+
+
+def picockpt_gathers(report, units):
+    """(forward calls, bytes), (recompute + backward calls, bytes) of one of picockpt's ZeRO-3 reports."""
+    kinds, calls = report["comm_bytes_by_kind"], report["comm_calls"]
+    backward_calls = calls["recompute"] + calls["backward"] - units  # less the backward's reduce-scatters
+    return ((calls["forward"], kinds["forward"]["all_gather"]),
+            (backward_calls, kinds["recompute"].get("all_gather", 0) + kinds["backward"].get("all_gather", 0)))
+
+
+fsdp2 = measure_fsdp2(cfg, batch, seq, ranks_device(args.device, DP))
+units = len(flat_units(cfg, DP))  # picockpt's: the embedding, each layer, the head
+gathers = {f"picockpt 3 full{' keep' if keep else ''}": picockpt_gathers(reports[f"3 full{' keep' if keep else ''}"][0],
+                                                                            units) for keep in (False, True)}
+gathers.update({label: tuple((run[phase]["calls"], run[phase]["bytes"]) for phase in ("forward", "backward"))
+                for label, run in fsdp2.items()})
+print(f"rank 0's all-gathers, {cfg.layers} layers, every one recomputed:")
+print(f"{'':<46}{'forward':>8}{'bytes':>12}{'backward':>10}{'bytes':>12}{'unit forwards':>15}{'found gathered':>16}")
+for label, ((f_calls, f_bytes), (b_calls, b_bytes)) in gathers.items():
+    run = fsdp2.get(label)
+    found = f"{run['backward']['recomputes_found_gathered']} of {run['backward']['recomputes']}" if run else ""
+    extra = f"{run['backward']['unit_forwards']:>15}{found:>16}" if run else ""
+    print(f"{label:<46}{f_calls:>8}{f_bytes:>12,}{b_calls:>10}{b_bytes:>12,}{extra}")
+fsdp2_is_keep = all(gathers[label][1][1] == gathers["picockpt 3 full keep"][1][1] for label in fsdp2)
+print(f"FSDP2's backward gathers, both nestings, equal picockpt's with keep_gathered: {fsdp2_is_keep}")
+
+# %% [markdown]
+# Both nestings gather each layer once in the backward, as picockpt does with `keep_gathered` (its forward has
+# one call more: the embedding and the head are two units there, one root unit in FSDP2). Under torchtitan's
+# nesting no layer unit ran its forward during the backward; under the opposite nesting every recompute ran it,
+# and each time found the weights the pre-backward hook had gathered.
+
+# %% [markdown]
 # ## Training with ZeRO is training
 #
 # `zero_train` (`picockpt/parallel/data_parallel/zero_train.py`, and `python -m picockpt train --dp 2 --zero 3`)
@@ -245,6 +321,7 @@ check("bytes of model state per rank, small preset, stage 3, 2 ranks", answer, s
 
 # %%
 RESULT = {"figures": paths, "summary": {"closed forms exact": exact, "layer gathered bytes": layer_bytes,
+                                       "FSDP2 backward gathers (both nestings) = picockpt keep_gathered": fsdp2_is_keep,
                                        "ZeRO-3 training = one process in fp64 (rel <= 1e-10)":
                                            trained_diff["float64"][1] <= 1e-10,
                                        "fp32 trained parameters max rel diff": trained_diff["float32"][1]}}

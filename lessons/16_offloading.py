@@ -3,10 +3,10 @@
 #
 # A tensor the backward will need can stay on the device (keep), be thrown away and computed again
 # (recompute), or be **moved to host memory** in the forward and brought back before the backward
-# reads it (offload). Which is cheaper is a question of bytes per FLOP: an offloaded tensor costs
-# nothing while its copy, bytes / link bandwidth, hides behind the compute it overlaps; a recomputed
-# one costs its FLOPs / compute rate, always. Device memory is what offloading saves; host memory
-# and the link are what it spends.
+# reads it (offload). Which is cheaper is a question of bytes per FLOP: an offloaded tensor crosses the
+# link twice, out in the forward and back in the backward, and costs nothing while both copies, bytes /
+# link bandwidth each, hide behind the compute they overlap; a recomputed one costs its FLOPs / compute
+# rate, always. Device memory is what offloading saves; host memory and the link are what it spends.
 #
 # What the frameworks do (each read in its source or documentation):
 #
@@ -18,13 +18,21 @@
 #   copies are done, and in the backward starts each copy back when autograd unpacks the tensor, on
 #   the side stream, with the compute stream waiting for it.
 # - Megatron-Core offloads whole layers' activations through Transformer Engine's CPU offloading
-#   (`cpu_offloading`, `cpu_offloading_num_layers` in the NeMo/Megatron Bridge docs), and module by
-#   module with `--fine-grained-activation-offloading --offload-modules ...` (megatron/core/transformer
-#   README). Transformer Engine's docs put PCIe Gen5 x16 at 128 GB/s both directions together and one
-#   NVLink-C2C link of a Grace superchip at 900 GB/s.
-# - DeepSpeed's activation checkpointing configuration has `cpu_checkpointing`: the checkpoints it
-#   partitions over model-parallel ranks (`partition_activations`) go to CPU memory (DeepSpeed's
-#   activation-checkpointing docs; issue #522 asks why it does nothing without partitioning).
+#   (`cpu_offloading`, `cpu_offloading_num_layers`, fields of megatron/core/model_parallel_config.py;
+#   transformer_config.py refuses them together with activation recomputation), and module by module
+#   with `--fine-grained-activation-offloading --offload-modules ...`, each listed module's input
+#   going to the host (`attn_norm`, `qkv_linear`, `core_attn`, `attn_proj`, `mlp_norm` and the MoE ones),
+#   which may be combined with selective recomputation (megatron/core/transformer/moe/README.md,
+#   docs/user-guide/features/fine_grained_activation_offloading.md).
+# - Transformer Engine's CPU-offloading docs (docs/features/other_optimizations/cpu_offloading) set
+#   PCIe Gen5 x16, 128 GB/s with both directions added, against a GB200's NVLink-C2C, 900 GB/s both
+#   directions per link; NVIDIA's GH200 datasheet gives Grace Hopper's NVLink-C2C the same 900 GB/s.
+#   picockpt/hardware.py holds one direction of each: 63.0 GB/s for PCIe (the 128 GB/s is raw
+#   signalling, before 128b/130b encoding) and 450 GB/s for NVLink-C2C.
+# - DeepSpeed's activation checkpointing configuration has `cpu_checkpointing`: the checkpointed layers'
+#   inputs go to CPU memory, partitioned over model-parallel ranks under `partition_activations` and
+#   whole otherwise (docs/_pages/config-json.md, deepspeed/runtime/activation_checkpointing/
+#   checkpointing.py). It once required partitioning: issue #541 asks why, and PR #1254 lifted it.
 # - Planners that choose per tensor: Capuchin (Peng et al., ASPLOS 2020) swaps first and recomputes what
 #   cannot be hidden, from access patterns it tracks at run time; POET (Patil et al., ICML 2022) solves
 #   a mixed-integer linear programme over rematerialisation and paging (for energy on tiny devices);
@@ -50,14 +58,14 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import chain_sizes, layer_flops, layer_inventory, predicted_host_bytes, predicted_peak_bytes
 from picockpt.measure import make_batch
 from picockpt.planner import frontier, least_budget, model_chain
+from picockpt.hardware import H100_SXM_BF16, H200_SXM_BF16, NVLINK_C2C, PCIE_GEN5_X16
 from picockpt.host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
 from picockpt.planner_offload import plan_offload
 from picockpt.plotting import save_figure
 from picockpt.tracker import Tracker
 
-LINKS = {"PCIe Gen5 x16": 63.0e9,  # bytes/s one direction: 32 GT/s x 16 lanes, 128b/130b (PCI-SIG)
-         "NVLink-C2C": 450e9}      # one direction of Grace Hopper's 900 GB/s (Transformer Engine's docs)
-RATES = {"H100 SXM": 989e12, "H200 SXM": 989e12}  # dense BF16 FLOP/s (NVIDIA datasheets: 1,979 with sparsity)
+LINKS = {"PCIe Gen5 x16": PCIE_GEN5_X16, "NVLink-C2C": NVLINK_C2C}  # bytes/s, one direction (picockpt/hardware.py)
+RATES = {"H100 SXM": H100_SXM_BF16, "H200 SXM": H200_SXM_BF16}  # dense BF16 FLOP/s (picockpt/hardware.py)
 
 # %% [markdown]
 # ## Device bytes against host bytes, measured
@@ -106,14 +114,17 @@ assert all(r["exact"] and r["bitwise"] for r in rows)
 # A Llama 3 8B layer in bf16 (eager attention, so the probabilities are there to look at), one sequence,
 # $W$ one direction of the link, $R$ the compute rate. Two ratios per stored tensor:
 #
-# - **unhidden**: its bytes over the matmul FLOPs that rebuild it from what stands just before it.
-#   Moving it beats recomputing it even when nothing hides the copy only below $W/R$: 6.4e-5 B/FLOP for
-#   PCIe Gen5 at 989 TFLOP/s (H100 and H200 SXM have the same dense BF16 rate; the H200's gain is its
-#   memory), 4.5e-4 B/FLOP over NVLink-C2C. The projections' ratio is $1/h$ = 2.4e-4 whatever $T$: over
-#   PCIe, a projection is cheaper to recompute than to move *unless the copy hides*.
-# - **hidden**: its bytes over one layer's forward FLOPs, the compute its copy overlaps. Below $W/R$ the
-#   copy costs nothing. The layer's FLOPs grow with $T^2$ (attention) while a projection's bytes grow
-#   with $T$, so every tensor but the $T \times T$ probabilities hides better at long sequences.
+# - **unhidden**: its bytes over the matmul FLOPs that rebuild it from what stands just before it. Moved,
+#   a tensor crosses the link twice, so with neither copy hidden moving costs $2 \cdot \text{bytes} / W$
+#   against recomputing's $\text{FLOPs} / R$, and beats it only below $W/(2R)$: 3.2e-5 B/FLOP for PCIe
+#   Gen5 at 989.5 TFLOP/s (H100 and H200 SXM have the same dense BF16 rate; the H200's gain is its
+#   memory), 2.3e-4 B/FLOP over NVLink-C2C. The projections' ratio is $1/h$ = 2.4e-4 whatever $T$, above
+#   both: a projection is cheaper to recompute than to move *unless the copies hide*.
+# - **hidden**: its bytes over one layer's forward FLOPs. The copy out overlaps the next layer's forward,
+#   the copy back a backward twice as long, so the copy out is the one to hide: below $W/R$ (6.4e-5
+#   B/FLOP for PCIe, 4.5e-4 over NVLink-C2C) both copies cost nothing. The layer's FLOPs grow with $T^2$
+#   (attention) while a projection's bytes grow with $T$, so every tensor but the $T \times T$
+#   probabilities hides better at long sequences.
 #
 # The elementwise tensors (norm outputs, the SwiGLU product) rebuild with no matmul at all: recomputing
 # them is always the cheaper action, which is why the planner drops them (`cheap`) and moves others.
@@ -137,27 +148,36 @@ def bytes_per_flop(cfg, seq, hidden=False):
             for name, flops in recompute_flops_of(cfg, seq).items()}
 
 
+def break_even(bandwidth, rate, hidden=False):
+    """Bytes per FLOP below which moving a tensor beats recomputing it (modelled). Unhidden, both copies cost
+    time: 2 bytes / W < FLOPs / R. Hidden, the copy out overlaps a layer's forward (the copy back a backward
+    twice as long): bytes / W < forward FLOPs / R."""
+    return bandwidth / rate if hidden else bandwidth / (2 * rate)
+
+
 def layer_hides(cfg, seq, bandwidth, rate):
     """Modelled: does the copy of one whole stored layer hide behind one layer's forward?"""
     _, A, _ = chain_sizes(cfg, 1, seq)
     return A / bandwidth <= sum(layer_flops(cfg, 1, seq).values()) / rate
 
 
-SEQS = choose(args.mode, fast=[1024, 8192], cpu=[1024, 2048, 4096, 8192, 16384, 32768],
+seqs = choose(args.mode, fast=[1024, 8192], cpu=[1024, 2048, 4096, 8192, 16384, 32768],
               large=[1024, 2048, 4096, 8192, 16384, 32768])
-unhidden = bytes_per_flop(llama, SEQS[-1])
-hidden = {T: bytes_per_flop(llama, T, hidden=True) for T in SEQS}
+unhidden = bytes_per_flop(llama, seqs[-1])
+hidden = {T: bytes_per_flop(llama, T, hidden=True) for T in seqs}
 print("modelled: bytes per FLOP of each tensor of a Llama 3 8B layer (bf16), one sequence")
-print(f"{'tensor':<14}{'own rebuild T=' + str(SEQS[-1]):>22}  against one layer's forward at" +
-      "".join(f"{'T=' + str(T):>10}" for T in SEQS))
+print(f"{'tensor':<14}{'own rebuild T=' + str(seqs[-1]):>22}  against one layer's forward at" +
+      "".join(f"{'T=' + str(T):>10}" for T in seqs))
 for name in unhidden:
-    print(f"{name:<14}{unhidden[name]:>22.2e}  {'':<30}" + "".join(f"{hidden[T][name]:>10.2e}" for T in SEQS))
+    print(f"{name:<14}{unhidden[name]:>22.2e}  {'':<30}" + "".join(f"{hidden[T][name]:>10.2e}" for T in seqs))
 for link, W in LINKS.items():
     for gpu, R in RATES.items():
-        moves = [name for name, ratio in unhidden.items() if ratio < W / R]
-        since = {name: next((T for T in SEQS if hidden[T][name] < W / R), None) for name in unhidden}
-        whole = next((T for T in SEQS if layer_hides(llama, T, W, R)), None)
-        print(f"  {link} on {gpu}: W/R = {W / R:.2e} B/FLOP. Cheaper to move than rebuild, unhidden: "
+        moves = [name for name, ratio in unhidden.items() if ratio < break_even(W, R)]
+        since = {name: next((T for T in seqs if hidden[T][name] < break_even(W, R, hidden=True)), None)
+                 for name in unhidden}
+        whole = next((T for T in seqs if layer_hides(llama, T, W, R)), None)
+        print(f"  {link} on {gpu}: W/(2R) = {break_even(W, R):.2e}, W/R = {break_even(W, R, hidden=True):.2e} "
+              f"B/FLOP. Cheaper to move than rebuild, unhidden: "
               f"{', '.join(moves) or 'none'}. Hides alone behind a layer's forward from T = "
               + ", ".join(f"{name} {T or 'never'}" for name, T in since.items())
               + f"; the whole layer from T = {whole or 'never (within these lengths)'}")
@@ -172,7 +192,7 @@ for link, W in LINKS.items():
 # three-action plan is never slower by the model; the model counts a copy only where it cannot hide
 # (one side stream, first in first out; the compute stream waits only for a prefetch that has not
 # landed). The frontier: device bytes against modelled step time, for a Llama-3-8B-shaped stack
-# (bf16, flash attention) at PCIe and at NVLink-C2C bandwidth, 989 TFLOP/s.
+# (bf16, flash attention) at PCIe and at NVLink-C2C bandwidth, 989.5 TFLOP/s.
 
 # %%
 stack = Config.from_preset("llama3-8b", dtype="bf16", attention="fused", max_seq=8192,
@@ -187,7 +207,8 @@ for link, W in LINKS.items():
     curves[link] = [(p.peak_bytes, p.walk.seconds, p.two_action_walk.device_peak,
                      p.two_action_walk.seconds, p.walk.host_peak) for p in plans]
 two_action = [(p.peak_bytes, p.recompute_flops) for p in frontier(chain)]
-print(f"modelled: L={stack.layers} Llama-3-8B layers, 1 x {stack_seq} tokens, bf16, 989 TFLOP/s")
+print(f"modelled: L={stack.layers} Llama-3-8B layers, 1 x {stack_seq} tokens, bf16, "
+      f"{DEFAULT_COMPUTE_RATE / 1e12:.1f} TFLOP/s")
 print(f"{'budget':>10}" + "".join(f"{link + ' 3-action':>26}{'2-action':>12}{'host':>10}" for link in LINKS))
 for k, b in enumerate(budgets):
     print(f"{b / 2**30:>6.2f} GiB" + "".join(f"{curves[link][k][1] * 1e3:>23.2f} ms{curves[link][k][3] * 1e3:>9.2f} ms"
@@ -212,8 +233,8 @@ right.plot([c[2] / 2**30 for c in curves["PCIe Gen5 x16"]], [c[3] * 1e3 for c in
            label="keep / recompute (two actions)")
 right.set_xlabel("device peak of the store (GiB)")
 right.set_ylabel("step time (ms, modelled)")
-right.set_title(f"modelled: the frontier, {stack.layers} Llama-3-8B layers, 1 x {stack_seq}, 989 TFLOP/s",
-                fontsize=10)
+right.set_title(f"modelled: the frontier, {stack.layers} Llama-3-8B layers, 1 x {stack_seq}, "
+                f"{DEFAULT_COMPUTE_RATE / 1e12:.1f} TFLOP/s", fontsize=10)
 right.legend(fontsize=7)
 right.grid(alpha=0.3)
 fig.tight_layout()
@@ -239,7 +260,7 @@ for r in rows:
                   f"{r['exposed'] * 1e3:.3f} ms")
         else:
             print(f"{r['policy']}: exposed copy time not measured on a CPU (no second engine to overlap with); "
-                  f"the model at {DEFAULT_HOST_BANDWIDTH / 1e9:.0f} GB/s and {DEFAULT_COMPUTE_RATE / 1e12:.0f} TFLOP/s "
+                  f"the model at {DEFAULT_HOST_BANDWIDTH / 1e9:.1f} GB/s and {DEFAULT_COMPUTE_RATE / 1e12:.1f} TFLOP/s "
                   f"is in `python -m picockpt measure --policy {r['policy']}`")
 if args.mode == "fast":
     print(FAST_TIMING)
@@ -261,22 +282,24 @@ check("layers on the device at none+offload's peak (small, 4 x 128)", answer,
           f"come back")
 
 # %% [markdown]
-# **2.** Over PCIe Gen5 (63 GB/s a direction) at 989 TFLOP/s, if nothing hid the copy, would moving a
-# Llama 3 8B layer's `mlp.gate` be cheaper than recomputing it from `mlp_norm.output` (1 for yes, 0 for no)?
+# **2.** Over PCIe Gen5 (63.0 GB/s a direction) at 989.5 TFLOP/s, if nothing hid either copy (out in the
+# forward, back in the backward), would moving a Llama 3 8B layer's `mlp.gate` be cheaper than recomputing
+# it from `mlp_norm.output` (1 for yes, 0 for no)?
 
 # %%
 answer = 0
 
 # %%
 ratio = bytes_per_flop(llama, 4096)["mlp.gate"]
-check("moving mlp.gate unhidden beats recomputing it, PCIe Gen5, 989 TFLOP/s", answer, int(ratio < 63.0e9 / 989e12),
-      rel=0, why=f"its bytes per FLOP, 2 bytes / (2h FLOPs) = 1/h = {ratio:.2e}, are above W/R = "
-                 f"{63.0e9 / 989e12:.2e}: "
-                 f"offloading it pays only because its copy hides behind the rest of the layer's compute")
+check("moving mlp.gate unhidden beats recomputing it, PCIe Gen5, H200", answer,
+      int(ratio < break_even(PCIE_GEN5_X16, H200_SXM_BF16)), rel=0,
+      why=f"its bytes per FLOP, 2 bytes / (2h FLOPs) = 1/h = {ratio:.2e}, are above W/(2R) = "
+          f"{break_even(PCIE_GEN5_X16, H200_SXM_BF16):.2e} (two copies of its bytes against one rebuild): "
+          f"offloading it pays only because its copies hide behind the rest of the layer's compute")
 
 # %% [markdown]
 # **3.** Four Llama 3 8B layers (bf16, flash attention), one sequence of 2048 tokens, at the two-action
-# planner's least budget, over PCIe Gen5 at 989 TFLOP/s: how many ms (modelled) does the three-action
+# planner's least budget, over PCIe Gen5 at 989.5 TFLOP/s: how many ms (modelled) does the three-action
 # plan save?
 
 # %%
@@ -284,7 +307,8 @@ answer = 2.19  # ms
 
 # %%
 four = Config.from_preset("llama3-8b", dtype="bf16", attention="fused", max_seq=2048, layers=4)
-at_least = plan_offload(four, 1, 2048, least_budget(model_chain(four, 1, 2048)), bandwidth=63.0e9, rate=989e12)
+at_least = plan_offload(four, 1, 2048, least_budget(model_chain(four, 1, 2048)), bandwidth=PCIE_GEN5_X16,
+                        rate=H200_SXM_BF16)
 check("three-action gain at the least two-action budget, 4 Llama 3 8B layers, PCIe (ms, modelled)", answer,
       (at_least.two_action_walk.seconds - at_least.walk.seconds) * 1e3,
       why="the two-action plan recomputes layers from their checkpoints; offloading what hides behind the "

@@ -22,9 +22,11 @@
 # forward's tensor-parallel collectives again, adding communication in the same proportion as compute.
 #
 # Every number below is labelled **measured** (on this machine, now) or **modelled** (the formulas, with
-# datasheet rates: H100 SXM bf16 989 TFLOPS dense, NVLink 4 900 GB/s and PCIe Gen5 x16 128 GB/s both
-# directions together, NVIDIA's H100 specifications; InfiniBand NDR 400 Gb/s a port). A datasheet rate is
-# a ceiling: measured bus bandwidths and model FLOP utilisations sit below it.
+# datasheet rates from picockpt/hardware.py, which cites each: H100 SXM bf16 989.5 TFLOPS dense, half the
+# datasheet's 1,979 with sparsity; one direction of NVLink 4, 450 GB/s of the datasheet's 900 GB/s both
+# ways; one direction of PCIe Gen5 x16, 63.0 GB/s once 128b/130b encoding is paid, where NVIDIA's
+# 128 GB/s adds both directions' raw signalling; InfiniBand NDR, 400 Gb/s a port, 50 GB/s). A datasheet
+# rate is a ceiling: measured bus bandwidths and model FLOP utilisations sit below it.
 #
 # **Run it** as a script, `python lessons/19_time_from_bytes.py` (the CPU run: 2 gloo ranks, under a
 # minute; `--fast` for seconds, `--large --device cuda` to measure a GPU's matmul and copy rates), or
@@ -44,12 +46,13 @@ from _lesson import (FAST_TIMING, Spread, choose, device_name, interleaved_secon
                      wrote)
 from _allreduce_timing import all_reduce_seconds
 from picockpt import Config, init_params, loss_and_grads, parallel
+from picockpt.hardware import H100_SXM_BF16, INFINIBAND_NDR, NVLINK_4, PCIE_GEN5_X16
 from picockpt.inventory import layer_flops, step_flops
 from picockpt.measure import make_batch
 from picockpt.plotting import PHASE_COLORS, save_figure
 
-H100_BF16 = 989e12  # FLOP/s, dense bf16 tensor cores (1979 is with 2:4 sparsity)
-LINKS = {"NVLink 4": 450e9, "PCIe Gen5 x16": 64e9, "InfiniBand NDR": 50e9}  # bytes/s, one direction
+H100_BF16 = H100_SXM_BF16  # FLOP/s, dense bf16 tensor cores (picockpt/hardware.py)
+LINKS = {"NVLink 4": NVLINK_4, "PCIe Gen5 x16": PCIE_GEN5_X16, "InfiniBand NDR": INFINIBAND_NDR}  # bytes/s, one way
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
@@ -91,6 +94,14 @@ def dp_overlap_ratio(tokens, d, rate, bandwidth, e=2, policy="none"):
 def hiding_tokens(d, rate, bandwidth, e=2, policy="none"):
     """The tokens per GPU at which the data-parallel ratio reaches 1: more, and the all-reduce hides."""
     return dp_overlap_ratio(1, d, rate, bandwidth, e, policy)
+
+
+def dp_step_seconds(tokens, d, rate, bandwidth, e=2, policy="none"):
+    """A data-parallel step per parameter (modelled): the forward (2 tokens FLOPs), then the backward (4, or 6
+    with full recomputation) with the gradient's all-reduce beside it; the step ends when the later ends."""
+    backward = (6 if policy == "full" else 4) * tokens / rate
+    all_reduce = WIRE["all_reduce"](d) * e / bandwidth  # one parameter's gradient, on the wire
+    return 2 * tokens / rate + max(backward, all_reduce)
 
 
 def fit_latency_bandwidth(sizes, seconds):
@@ -207,15 +218,21 @@ for phase in ("forward", "recompute", "backward"):
     print(f"    {phase:<10} {report['comm_calls'][phase]:>3} calls, {report['comm_bytes'][phase]:>10,} bytes: "
           f"comm {comm[phase] * 1e3:7.2f} ms ({latency:.0%} latency), "
           f"compute {report['flops'][phase] / cpu_rate * 1e3:7.2f} ms")
+phases = ("forward", "recompute", "backward")
+latency_share = sum(report["comm_calls"][p] for p in phases) * alpha / max(sum(comm[p] for p in phases), 1e-30)
+if args.mode == "fast":
+    print(f"  what the fit says of alpha and of the step: {FAST_TIMING}")
+else:  # each sentence only where this run's own numbers carry it
+    print(f"  alpha's share of the modelled communication: {latency_share:.0%}: "
+          + ("most of it is the fixed cost of a gloo call over loopback, not bytes over bandwidth; the Playbook's "
+             "ratios leave alpha out, and hold where messages are large enough for the bandwidth term to dominate"
+             if latency_share > 0.5 else "bytes over bandwidth dominate even at these sizes on this machine"))
+    print("  modelled compute / measured step: " + (
+        f"{explained.text('{:.0%}')}, short of the step in every repeat: at small shapes the elementwise ops and "
+        "Python take a share that FLOPs do not count" if explained.high < 1 else
+        f"{explained.text('{:.0%}')}: inconclusive on this machine (not below the step in every repeat)"))
 
 # %% [markdown]
-# The `tp = 2` step's collectives are small (kilobytes to a few hundred), so on this machine a large
-# part of their time is $\alpha$, the fixed cost of a gloo call over loopback (the "latency" share
-# above), not bytes over bandwidth. The Playbook's
-# ratios leave $\alpha$ out; they hold where messages are large enough for the bandwidth term to dominate
-# (megabytes on NVLink). The step's compute term also falls short of the measured step: at small shapes
-# the elementwise ops and Python are a large share, which FLOPs do not count.
-#
 # ## Modelled: a Llama 3 70B layer on 8 GPUs, three links
 #
 # One layer at $s = 4096$, $b = 1$, bf16, $t = 8$ at the H100's datasheet rate, per phase, with the
@@ -236,16 +253,24 @@ for link, bw in LINKS.items():
     print(f"data parallel over {link}, d = 8: the gradient all-reduce hides above "
           f"{hiding_tokens(8, H100_BF16, bw):,.0f} tokens per GPU, "
           f"{hiding_tokens(8, H100_BF16, bw, policy='full'):,.0f} with full recomputation")
+STEP_TOKENS = (4096, 8192, 16384, 32768)
+step_growth = {k: dp_step_seconds(k, 8, H100_BF16, LINKS["InfiniBand NDR"], policy="full")
+               / dp_step_seconds(k, 8, H100_BF16, LINKS["InfiniBand NDR"]) for k in STEP_TOKENS}
+print("data parallel over InfiniBand NDR, d = 8: step under full / step under none, at tokens per GPU "
+      + ", ".join(f"{k:,}: {growth:.3f}" for k, growth in step_growth.items()))
 
 # %% [markdown]
 # Two ratios, two questions. A3's (last column) puts one collective against the single $h \times h$ linear
 # that follows it, the finest overlap there is: above 1 even on NVLink in bf16, so one linear cannot hide
 # one all-gather. The layer model puts all of a layer's communication against all of its compute, MLP
 # included ($3 h f$ weights against $h^2$): 0.36 over NVLink. That share hides only if the framework
-# overlaps collectives with matmuls: in Megatron-Core the all-reduce sits between two matmuls that need
-# it, unless `tp_comm_overlap` (ModelParallelConfig: "overlapping of Linear layer execution with tensor
-# parallel communication collectives like AllGather/ReduceScatter", through Transformer Engine) splits
-# the matmuls into pieces that overlap the collective.
+# overlaps collectives with matmuls, and in the layout modelled here, without sequence parallelism,
+# Megatron-LM does not: each all-reduce sits between the two matmuls that need it. Its `tp_comm_overlap`
+# (ModelParallelConfig, megatron/core/model_parallel_config.py: Transformer Engine splits each linear
+# into pieces that overlap an all-gather or a reduce-scatter) is refused without sequence parallelism:
+# megatron/training/arguments.py asserts `sequence_parallel` whenever `tp_comm_overlap` is set. With
+# sequence parallelism each forward all-reduce becomes an all-gather and a reduce-scatter, $(t-1)/t$ on
+# the wire each, the same bytes (lesson 10: the backward moves more), and those are what the overlap hides.
 #
 # Over NVLink a layer's tensor-parallel communication is a fraction of its compute; over PCIe or
 # InfiniBand it is several times the compute, which is why tensor parallelism stays inside a node.
@@ -254,8 +279,13 @@ for link, bw in LINKS.items():
 # backward has two against twice the FLOPs): six all-reduces over four forwards' compute instead of four
 # over three, 1.125 times none's ratio. A recompute sweep that stops early (its last layer's output is
 # already stored as the next layer's input) would skip the last of those collectives. For data
-# parallelism recomputation helps: the backward pass under `full` is 1.5 times longer, so the gradient
-# all-reduce hides at 2/3 of the tokens per GPU.
+# parallelism recomputation gives the gradient all-reduce a longer window, not a shorter step: the
+# backward under `full` runs 6 tokens·Ψ FLOPs instead of 4, 1.5 times as long to hide behind, so it
+# hides from 2/3 of the tokens per GPU (over InfiniBand NDR, d = 8: 11,544 with `full` against 17,316
+# without). The step, forward plus the longer of backward and all-reduce, still grows: at 32,768 tokens
+# per GPU, where both hide, by the recomputed forward, 8/6 = 1.333 times; at 16,384 by 1.285; at 8,192
+# and below, where the all-reduce outlasts even the longer backward, by nothing, the recomputation
+# filling time the step spent waiting anyway. It never makes a step shorter.
 #
 # ## The figure
 
@@ -314,7 +344,7 @@ wrote(path)
 # %% [markdown]
 # ## Exercises
 #
-# **1.** Appendix A3's tensor-parallel ratio for $h = 8192$, $t = 8$, bf16 ($e = 2$), 989 TFLOPS and one
+# **1.** Appendix A3's tensor-parallel ratio for $h = 8192$, $t = 8$, bf16 ($e = 2$), 989.5 TFLOPS and one
 # direction of NVLink 4 (450 GB/s): does an all-gather hide behind the next linear? Give the ratio.
 
 # %%
@@ -322,28 +352,30 @@ answer = 1.88
 
 # %%
 check("A3's TP ratio, h = 8192, t = 8, bf16, NVLink 4", answer, tp_overlap_ratio(8192, 8, H100_BF16, LINKS["NVLink 4"]),
-      why="e (t - 1) / (2h) · F / W = 2 · 7 / 16384 · 989e12 / 450e9: above 1, so the all-gather alone does not "
-          "hide behind one linear (A3 counts one byte per element and gets half of it)")
+      why=f"e (t - 1) / (2h) · F / W = 2 · 7 / 16384 · {H100_BF16 / 1e12:g}e12 / {LINKS['NVLink 4'] / 1e9:g}e9: "
+          "above 1, so the all-gather alone does not hide behind one linear (A3 counts one byte per element and gets "
+          "half of it)")
 
 # %% [markdown]
-# **2.** Data parallel over InfiniBand NDR (50 GB/s a direction), $d = 8$, bf16 gradients, 989 TFLOPS:
+# **2.** Data parallel over InfiniBand NDR (50 GB/s a direction), $d = 8$, bf16 gradients, 989.5 TFLOPS:
 # above how many tokens per GPU does the gradient all-reduce hide behind a `full`-recomputation backward?
 
 # %%
-answer = 11_539  # tokens per GPU
+answer = 11_544  # tokens per GPU
 
 # %%
 check("tokens per GPU to hide the DP all-reduce under full (InfiniBand, d = 8)", answer,
       hiding_tokens(8, H100_BF16, LINKS["InfiniBand NDR"], policy="full"),
-      why="(d - 1)/d · 2e F / (6 · tokens · W) = 1 at tokens = 7/8 · 4 · 989e12 / (6 · 50e9); without "
-          f"recomputation the backward is 4 tokens Ψ: {hiding_tokens(8, H100_BF16, LINKS['InfiniBand NDR']):,.0f}")
+      why=f"(d - 1)/d · 2e F / (6 · tokens · W) = 1 at tokens = 7/8 · 4 · {H100_BF16 / 1e12:g}e12 / "
+          f"(6 · {LINKS['InfiniBand NDR'] / 1e9:g}e9); without recomputation the backward is 4 tokens Ψ: "
+          f"{hiding_tokens(8, H100_BF16, LINKS['InfiniBand NDR']):,.0f}")
 
 # %% [markdown]
 # **3.** In the modelled Llama 3 70B layer over PCIe Gen5 under `full`, how many times its compute does
 # the layer's tensor-parallel communication take?
 
 # %%
-answer = 2.88
+answer = 2.93
 
 # %%
 phases = tp_layer_seconds(big, 1, 4096, 8, H100_BF16, LINKS["PCIe Gen5 x16"], "full")
@@ -357,5 +389,6 @@ RESULT = {"figures": [str(path)],
           "summary": {"all-reduce fit alpha (us)": round(alpha * 1e6),
                       "all-reduce fit beta (GB/s)": round(beta / 1e9, 3),
                       "matmul GFLOP/s": round(statistics.median(matmul_rates) / 1e9, 2),
-                      "DP hiding tokens IB none/full": f"{hiding_tokens(8, H100_BF16, 50e9):,.0f}/"
-                                                       f"{hiding_tokens(8, H100_BF16, 50e9, policy='full'):,.0f}"}}
+                      "DP hiding tokens IB none/full":
+                          f"{hiding_tokens(8, H100_BF16, LINKS['InfiniBand NDR']):,.0f}/"
+                          f"{hiding_tokens(8, H100_BF16, LINKS['InfiniBand NDR'], policy='full'):,.0f}"}}

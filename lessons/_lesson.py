@@ -31,7 +31,11 @@ Every lesson takes the same flags:
                      longer. --threads N asks for N.
 
 Timings are Spreads (median [min..max] over interleaved repeats), never a single sample; at
---fast the lessons print FAST_TIMING instead of any conclusion drawn from a time.
+--fast the lessons print FAST_TIMING instead of any conclusion drawn from a time. A lesson that
+concludes from a time ratio first asks timed_claim(mode, ratio, what, expect, work): the sentence
+that draws the conclusion is printed only when the claim is conclusive (every repeat on the side
+of 1 the claim expects); otherwise the lesson prints that the timing was inconclusive on this
+machine, with the exact work ratio (FLOPs or bytes) in its place.
 
 Turning a lesson written in the older script format (a docstring and main(argv) returning
 {"figures", "summary"}) into this one takes the same steps for every lesson:
@@ -313,6 +317,54 @@ class Spread:
 def paired_ratios(spread, base):
     """Spread of spread.samples[i] / base.samples[i]: the ratio within each interleaved repeat."""
     return Spread(tuple(a / b for a, b in zip(spread.samples, base.samples)))
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a lesson may say about a measured ratio: `text`, one line to print; `conclusive`, whether the prose
+    may draw the claim's conclusion from the timing (False: it shows the exact work figure instead); `short`,
+    the same verdict in a few words for a results table (the spread, or "inconclusive ..." with the work)."""
+    text: str
+    conclusive: bool
+    short: str = ""
+
+
+def timed_claim(mode, ratio, what, expect, work=None):
+    """Check a measured time ratio against what must hold before a lesson concludes from it.
+
+    ratio    a Spread of paired ratios, contender / baseline (paired_ratios of interleaved_seconds)
+    what     what the ratio is, e.g. "full / none, step time"
+    expect   ">1" or "<1": the side of 1 the claim puts the ratio on (full recomputation does more work than
+             none, so full / none time must be > 1; a step that hides a wait must be < 1)
+    work     the same ratio computed from work (FLOPs or bytes: exact, the same on every machine), shown
+             when the timing cannot be trusted. It must not sit on the other side of 1 from `expect` (a
+             ValueError: the claim contradicts its own count); 1 (equal work, e.g. elementwise rebuilds
+             that a FLOP count leaves out) is neutral
+
+    Conclusive only when every repeat lies on the expected side of 1. Otherwise the line says the timing
+    was inconclusive on this machine and why (the repeats straddle 1, or every one of them contradicts the
+    claim: more work measured as faster), and gives the work ratio instead. At --fast: FAST_TIMING, never
+    conclusive (steps of milliseconds, one repeat)."""
+    if expect not in (">1", "<1"):
+        raise ValueError(f"expect={expect!r}: use '>1' or '<1' (the side of 1 the claim puts the ratio on)")
+    above = expect == ">1"
+    if work is not None and work != 1 and (work > 1) != above:
+        raise ValueError(f"work={work:.3f} puts the ratio on the other side of 1 from expect={expect!r}: "
+                         f"the claim contradicts its own exact count")
+    if mode == "fast":
+        return Claim(f"{what}: {FAST_TIMING}", False, FAST_TIMING)
+    side = "above" if above else "below"
+    measured = f"{ratio.text('{:.3f}')} over {len(ratio.samples)} interleaved repeat{'s' * (len(ratio.samples) > 1)}"
+    by_work = "" if work is None else f"; by work (exact) it is {work:.3f}"
+    if (ratio.low > 1) if above else (ratio.high < 1):
+        return Claim(f"{what}: {measured} (every repeat {side} 1){by_work}", True, ratio.text("{:.3f}"))
+    if not ratio.excludes(1.0):
+        why = "the repeats straddle 1"
+    else:
+        why = (f"every repeat is {'below' if above else 'above'} 1, against the claim"
+               + (f", though the exact work puts it {side} 1" if work is not None and work != 1 else ""))
+    short = f"inconclusive ({ratio.text('{:.3f}')}" + ("" if work is None else f"; by work {work:.3f}") + ")"
+    return Claim(f"{what}: inconclusive on this machine ({measured}: {why}){by_work}", False, short)
 
 
 def timing_verdict(mode, ratio, what):

@@ -64,6 +64,7 @@ from picockpt.compare import contenders
 from picockpt.config import Config
 from picockpt.device import resolve_device
 from picockpt.fit import check_fits
+from picockpt.hardware import H200_SXM_BF16
 from picockpt.engine import loss_and_grads
 from picockpt.ops.attention_fused import check_fused
 from picockpt.inventory import predicted_peak_bytes, step_flops
@@ -83,7 +84,7 @@ TINY = dict(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=80, max_seq=
 LIMITS = {"memory": 0.05, "full": 1.40, "selective": 1.10, "equivalent": 1.10}
 FUSED_GRAD_TOLERANCE = 1e-2  # max-norm relative: atomics reorder fp32 sums (~1e-3); a wrong recompute moves O(1)
 CAUSAL_TILE = 128  # the causal convention's block: FlashAttention-2 skips key blocks wholly above the diagonal
-PEAK_TFLOPS = 989.5  # H200 SXM (as H100 SXM) dense bf16 tensor-core peak, NVIDIA's datasheet: 1979 with sparsity
+PEAK_TFLOPS = H200_SXM_BF16 / 1e12  # 989.5: H200 SXM (as H100 SXM) dense bf16 tensor-core peak (picockpt/hardware.py)
 
 
 def benchmark(cfg, seqs, tokens, device, repeats=5, segment=4, peak_tflops=PEAK_TFLOPS, seed=0):

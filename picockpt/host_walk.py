@@ -19,26 +19,25 @@ The store counts an offloaded tensor's device bytes as gone at its put; on a GPU
 to the allocator when its copy has read it (record_stream), so copies that queue behind each other
 keep device memory in flight that the plan's peak does not show (CUDA's max_memory_allocated does).
 Backward FLOPs are modelled as 2x the forward's (each matmul's two gradients). The defaults are a
-PCIe Gen5 x16 link and an H200's dense BF16 Tensor Core rate:
+PCIe Gen5 x16 link and an H200's dense BF16 Tensor Core rate, from picockpt/hardware.py (its sources there):
 
-    DEFAULT_HOST_BANDWIDTH = 63.0e9 B/s    32 GT/s x 16 lanes, 128b/130b encoding, per direction
-                                            (PCI-SIG's PCIe 5.0 figures; theoretical, not measured)
-    DEFAULT_COMPUTE_RATE   = 989e12 FLOP/s NVIDIA's H200 SXM datasheet: 1,979 TFLOPS BF16 with 2:4
-                                            sparsity, half of it dense
+    DEFAULT_HOST_BANDWIDTH = hardware.PCIE_GEN5_X16   bytes/s, one direction (theoretical, not measured)
+    DEFAULT_COMPUTE_RATE   = hardware.H200_SXM_BF16   FLOP/s, dense
 """
 import functools
 from dataclasses import dataclass
 
 from .closed_forms import layer_flops, layer_inventory
+from .hardware import H200_SXM_BF16, PCIE_GEN5_X16
 
-DEFAULT_HOST_BANDWIDTH = 63.0e9  # bytes/s: PCIe Gen5 x16, per direction, theoretical
-DEFAULT_COMPUTE_RATE = 989e12    # FLOP/s: H200 SXM, dense BF16 Tensor Core
+DEFAULT_HOST_BANDWIDTH = PCIE_GEN5_X16  # bytes/s: PCIe Gen5 x16, per direction, theoretical
+DEFAULT_COMPUTE_RATE = H200_SXM_BF16    # FLOP/s: H200 SXM, dense BF16 Tensor Core
 
 
 def check_rates(bandwidth, rate):
     """bandwidth (bytes/s) and rate (FLOP/s) must be positive, finite numbers."""
-    for name, value, example in (("host bandwidth", bandwidth, "63e9 (PCIe Gen5 x16)"),
-                                 ("compute rate", rate, "989e12 (H200 dense BF16)")):
+    for name, value, example in (("host bandwidth", bandwidth, f"{PCIE_GEN5_X16:.3g} (PCIe Gen5 x16)"),
+                                 ("compute rate", rate, f"{H200_SXM_BF16:.4g} (H200 dense BF16)")):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"{name}={value!r}: give a positive number, e.g. {example}")
 

@@ -91,6 +91,7 @@ class Tracker:
         self.cuda_timeline = self.cuda and cuda_timeline  # memory_allocated() at every store event
         self.log = []            # raw records, replayed into timeline/peaks on exit
         self.sizes = {}          # storage id (ours) -> bytes
+        self.devices = {}        # storage id -> its device's type: "cpu", "cuda" (picockpt/alloc_trace.py)
         self.categories = {}     # storage id -> excluded category
         self._ids = {}           # id(python storage object) -> storage id, while alive
         self._next = 0
@@ -210,6 +211,7 @@ class Tracker:
         sid, self._next = self._next, self._next + 1
         self._ids[key] = sid
         self.sizes[sid] = storage.nbytes()
+        self.devices[sid] = storage.device.type
         self.log.append(("alloc", sid))
         weakref.finalize(storage, self._freed, key, sid)
         return sid

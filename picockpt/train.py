@@ -67,7 +67,7 @@ def train_step(params, optimizer, cfg, input_ids, targets, policy="none", tracke
 
 
 def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="cpu", log=print, every=1, seed=None,
-          watch_live=False, peak_tflops=None, record=None):
+          watch_live=False, peak_tflops=None, record=None, optimizer=None):
     """Runs `steps` steps and returns their losses. Logs, per step and in a final summary, what the
     recomputation costs and saves: loss, tokens/s, the stored peak (the activation store), the live peak
     (CUDA: the allocator's max_memory_allocated above the step's start; CPU: only with watch_live, which
@@ -79,7 +79,9 @@ def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="
     The summary adds the peaks per phase (forward, recompute, backward, optimizer). A list passed as
     `record` receives one dict per step: loss, seconds, the rates and shares above, and per phase its
     seconds and stored and live peaks (the curves lesson 18 reads).
-    With a seed, the dropout masks are drawn from it: the same seed gives the same losses, bitwise."""
+    With a seed, the dropout masks are drawn from it: the same seed gives the same losses, bitwise.
+    `optimizer` (make_optimizer(params, lr), or None for a new one) carries AdamW's state from an earlier
+    call on: one run whose policy changes between calls is still one run (lr is then the optimizer's)."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every={every!r}: log every N steps with N a whole number >= 1 (1 logs every step)")
     if peak_tflops is not None and (isinstance(peak_tflops, bool) or not isinstance(peak_tflops, (int, float))
@@ -88,8 +90,11 @@ def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="
                          f"(989.5 for an H100/H200 SXM in bf16), or None for no MFU/HFU")
     if record is not None and not isinstance(record, list):
         raise ValueError(f"record={type(record).__name__}: pass a list (it receives one dict per step) or None")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={type(optimizer).__name__}: pass a torch.optim.Optimizer over these params "
+                         f"(make_optimizer(params)) or None for a new AdamW")
     device = resolve_device(device)  # "gpu" or a missing CUDA: a ValueError naming device=
-    optimizer = make_optimizer(params, lr)
+    optimizer = make_optimizer(params, lr) if optimizer is None else optimizer  # carried on: its state kept
     if seed is not None:
         torch.manual_seed(seed)  # torch's default generators (CPU and every GPU), which draw the dropout masks
     flops = step_flops(cfg, batch, seq, policy)  # forward, recompute, backward of one step

@@ -1,8 +1,25 @@
+import os
+
 import pytest
 import torch
 
 from picockpt import Config, init_params
 from picockpt.measure import make_batch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the whole suite: pyproject.toml's addopts) each worker computes on its share of
+    the cores, so two workers on two cores do not wait on each other's threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(items):
+    """The files that start processes or execute notebooks first: under pytest-xdist's --dist loadfile each
+    file runs whole on one worker, and a long file begun last would leave the other worker idle."""
+    heavy = {item.path for item in items if item.get_closest_marker("ranks") or item.get_closest_marker("notebooks")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: the order within each group stays
 
 
 @pytest.fixture(autouse=True)

@@ -6,9 +6,10 @@ one gather fewer per recomputed layer, AdamW on the shards equal to the single p
 training on a new batch each step (zero_train) equal to picockpt/train.py's, and torch's FSDP2 beside it.
 
 One launch of 4 ranks runs every job in turn (zero_rank_steps): the dp=2 jobs and the training runs on two
-pairs of ranks, the dp=4 jobs on all four, then torch's FSDP2. hidden=30, vocab=65, ffn=25: units of
-1950, 4710 and 1980 elements, so at dp=4 the embedding and every layer are padded and shards cut through
-parameters. Relative error: max |g - g_single| / max |g_single| over the tensor.
+pairs of ranks, the dp=4 jobs on all four; one launch of 2 ranks runs torch's FSDP2, both nestings of
+checkpoint and FSDP unit. hidden=30, vocab=65, ffn=25: units of 1950, 4710 and 1980 elements, so at dp=4
+the embedding and every layer are padded and shards cut through parameters. Relative error:
+max |g - g_single| / max |g_single| over the tensor.
 """
 import functools
 import json
@@ -25,7 +26,7 @@ from picockpt.measure import make_batch
 from picockpt.ops.cross_entropy import IGNORE_INDEX
 from picockpt.params import param_shapes
 from picockpt.parallel import Comm, run_ranks
-from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_steps
+from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_step, fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_inventory import zero_comm_bytes, zero_paper_bytes
 from picockpt.parallel.data_parallel.zero_params import whole
 from picockpt.parallel.data_parallel.zero_step import check_zero, zero_grads, zero_rank_steps, zero_rank_train
@@ -94,8 +95,9 @@ def single(name, steps):
     return loss, grads, params, torch.get_rng_state()
 
 
-FSDP2_CFG = dict(BASE, hidden=32, heads=4, kv_heads=2, vocab=64, ffn=24)  # every dim divisible by 4: no padding
-FSDP2_VARIANTS = [(None, True), (None, False), (True, True), (False, True)]  # (reshard_after_forward, checkpoint)
+FSDP2_CFG = dict(BASE, hidden=32, heads=4, kv_heads=2, vocab=64, ffn=24)  # every dim even: no padding at dp=2
+FSDP2_VARIANTS = [(None, True), (None, False), (True, True), (False, True),  # (reshard_after_forward, checkpoint
+                  (None, True, "ac(fsdp(layer))")]                            # [, nesting]): torchtitan's by default
 
 
 TRAINING = [(1, "none", False), (2, "none", False), (3, "none", False), (3, "full", True)]  # zero, policy, keep
@@ -115,24 +117,21 @@ def training_jobs():
             for zero, policy, keep in TRAINING]
 
 
-def every_layout(comm, pair_jobs, world_jobs, fsdp2_args, train_jobs):
+def every_layout(comm, pair_jobs, world_jobs, train_jobs):
     """One launch of 4 ranks: two data-parallel pairs (ranks 0, 1 and 2, 3) share the dp=2 jobs and the
-    training runs, all four run the dp=4 jobs, then torch's FSDP2 on the reference model."""
+    training runs, all four run the dp=4 jobs."""
     groups = [dist.new_group(ranks, timeout=comm.timeout) for ranks in ([0, 1], [2, 3])]  # every rank makes both
     pair = Comm(groups[comm.rank // 2], comm.device, timeout=comm.timeout)
     return {2: zero_rank_steps(pair, pair_jobs[comm.rank // 2::2]), 4: zero_rank_steps(comm, world_jobs),
-            "train": [zero_rank_train(pair, job) for job in train_jobs[comm.rank // 2::2]],
-            "fsdp2": fsdp2_rank_steps(comm, *fsdp2_args)}
+            "train": [zero_rank_train(pair, job) for job in train_jobs[comm.rank // 2::2]]}
 
 
 @pytest.fixture(scope="module")
 def launched():
     jobs = {dp: jobs_for(dp) for dp in (2, 4)}
-    cfg = Config(**FSDP2_CFG)
-    fsdp2_args = (init_params(cfg, seed=1), cfg, *make_batch(cfg, BATCH, SEQ, "cpu", seed=1), FSDP2_VARIANTS)
     train_jobs = training_jobs()
-    results = run_ranks(every_layout, 4, jobs[2], jobs[4], fsdp2_args, train_jobs, start_method=START, timeout_s=120)
-    out = {"fsdp2": (cfg, fsdp2_args[0], fsdp2_args[2], fsdp2_args[3], results[0]["fsdp2"])}
+    results = run_ranks(every_layout, 4, jobs[2], jobs[4], train_jobs, start_method=START, timeout_s=120)
+    out = {}
     pairs = [(0, 1), (2, 3)]  # training run i ran on pair i % 2, as its (i // 2)-th
     out["train"] = [(job, trained([results[rank]["train"][index // 2] for rank in pairs[index % 2]], job.params))
                     for index, job in enumerate(train_jobs)]
@@ -147,6 +146,16 @@ def launched():
             loss = sum(r["losses"][-1] for r in per_rank)  # the ranks' shares of the whole batch's mean
             out[dp].append((j, loss, grads, params, [r["report"] for r in per_rank], per_rank[0]["rng_state"]))
     return out
+
+
+@pytest.fixture(scope="module")
+def fsdp2_launched():
+    """torch's FSDP2 on the reference model, every variant of FSDP2_VARIANTS, one launch of 2 ranks."""
+    cfg = Config(**FSDP2_CFG)
+    params, (input_ids, targets) = init_params(cfg, seed=1), make_batch(cfg, BATCH, SEQ, "cpu", seed=1)
+    results = run_ranks(fsdp2_rank_steps, 2, params, cfg, input_ids, targets, FSDP2_VARIANTS, start_method=START,
+                        timeout_s=120)
+    return cfg, params, input_ids, targets, results[0]
 
 
 @pytest.fixture(params=[2, 4], ids=["dp2", "dp4"])
@@ -277,21 +286,32 @@ def test_clear_errors_before_any_rank_starts():
 
 
 @pytest.mark.ranks
-def test_fsdp2_gathers_beside_picockpts(launched):
-    """torch's FSDP2 on the reference model at dp=4 (no dim padded, so the bytes compare): forward every unit
-    once; backward every layer again with its default reshard_after_forward (the root kept), and the
-    checkpoint adds no gather (its recompute shares the backward's): picockpt's full + keep_gathered."""
-    cfg, params, input_ids, targets, (default, plain, always, never) = launched["fsdp2"]
-    ours, ours_plain = (zero_comm_bytes(cfg, BATCH, SEQ, "full", 3, 4, keep) for keep in (True, False))
-    assert default["forward"] == {"calls": 1 + cfg.layers, "bytes": ours["forward"]["all_gather"]}
-    assert default["backward"] == plain["backward"] == {"calls": cfg.layers,
-                                                        "bytes": ours["recompute"]["all_gather"]}
+def test_fsdp2_gathers_beside_picockpts(fsdp2_launched):
+    """torch's FSDP2 on the reference model at dp=2 (no dim padded, so the bytes compare), both nestings of
+    checkpoint and FSDP unit: forward every unit once; backward every layer again with its default
+    reshard_after_forward (the root kept), and the checkpoint adds no gather (its recompute shares the
+    backward's): picockpt's full + keep_gathered. torchtitan's fsdp(ac(layer)) recomputes without running the
+    unit's forward (FSDP's hooks); ac(fsdp(layer)) runs it in every recompute; either finds the layer gathered."""
+    cfg, params, input_ids, targets, (default, plain, always, never, outside) = fsdp2_launched
+    ours, ours_plain = (zero_comm_bytes(cfg, BATCH, SEQ, "full", 3, 2, keep) for keep in (True, False))
+    L = cfg.layers
+    for nesting, run in (("fsdp(ac(layer))", default), ("ac(fsdp(layer))", outside)):
+        assert (run["forward"]["calls"], run["forward"]["bytes"]) == (1 + L, ours["forward"]["all_gather"]), nesting
+        assert (run["backward"]["calls"], run["backward"]["bytes"]) == (L, ours["recompute"]["all_gather"]), nesting
+        assert run["backward"]["recomputes"] == run["backward"]["recomputes_found_gathered"] == L, nesting
+        assert run["forward"]["unit_forwards"] == L and run["forward"]["recomputes"] == 0, nesting
+    assert default["backward"]["unit_forwards"] == 0 and outside["backward"]["unit_forwards"] == L
+    assert (plain["backward"]["calls"], plain["backward"]["recomputes"]) == (L, 0)  # no checkpoint: no recompute
     assert "all_gather" not in ours["backward"]
     assert ours_plain["backward"]["all_gather"] == default["backward"]["bytes"]  # picockpt's third gather
-    assert always["backward"] == always["forward"] and never["backward"] == {"calls": 0, "bytes": 0}
+    gathers = lambda run, phase: (run[phase]["calls"], run[phase]["bytes"])  # noqa: E731
+    assert gathers(always, "backward") == gathers(always, "forward") and gathers(never, "backward") == (0, 0)
     _, grads0 = loss_and_grads(params, cfg, input_ids, targets, "none")
-    for name in grads0:
-        assert relative(default["grads"][name], grads0[name]) <= 1e-5, name
+    for run in (default, outside):
+        for name in grads0:
+            assert relative(run["grads"][name], grads0[name]) <= 1e-5, name
+    with pytest.raises(ValueError, match="nesting='fsdp_outside' is unknown: use 'fsdp\\(ac\\(layer\\)\\)'"):
+        fsdp2_rank_step(None, params, cfg, input_ids, targets, None, True, "fsdp_outside")
 
 
 @pytest.mark.ranks

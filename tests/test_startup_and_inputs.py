@@ -48,6 +48,8 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
         _, err = child.communicate(timeout=60)
     finally:
         child.kill()
+    if child.returncode == 1 and "Could not import runpy module" in err:  # a loaded machine: still in Python's start
+        pytest.skip(f"SIGINT at {delay} s came before Python had imported runpy, before any picockpt code")
     assert child.returncode == 130, err
     assert "Traceback" not in err, err
     assert err.strip().startswith("interrupted: python -m picockpt"), err

@@ -15,6 +15,7 @@ import os
 import torch
 
 from ..fit import check_fits
+from ..hardware import H200_SXM_BF16
 from ..params import init_params
 from ..parallel import RankError, under_torchrun
 from ..parallel.data_parallel import zero_train
@@ -27,7 +28,7 @@ from .parallel_run import one_line_errors, rank_device, rank_failure
 from .parallel_zero import print_ranks
 
 
-CUDA_PEAK_TFLOPS = 989.5  # H100/H200 SXM dense bf16 (NVIDIA's datasheet: 1979 with sparsity)
+CUDA_PEAK_TFLOPS = H200_SXM_BF16 / 1e12  # 989.5: H100/H200 SXM dense bf16 (picockpt/hardware.py)
 
 
 def add_arguments(parser):

@@ -51,13 +51,14 @@ rank r computes d + r e: rank 0 the diagonal alone, and the busiest rank against
 from ...closed_forms import attention_matmul_flops, chain_sizes, head_inventory, layer_flops, layer_inventory
 from ...closed_forms import segments_peak, tail_flops
 from ...config import BYTES
+from ...hardware import INFINIBAND_NDR
 from ...host_walk import DEFAULT_COMPUTE_RATE
 from ...policy import parse_policy
 from .cp_comm import RINGS
 from .cp_layout import SequenceLayout
 
-CP_BANDWIDTH = 50e9  # bytes/s between context-parallel ranks: one 400 Gb/s NIC per GPU (cp spans servers once tp
-#                      fills one; the Llama 3 paper's RoCE and InfiniBand fabrics are 400 Gb/s per GPU)
+CP_BANDWIDTH = INFINIBAND_NDR  # bytes/s between context-parallel ranks: one 400 Gb/s NIC per GPU (cp spans servers
+#                                once tp fills one; the Llama 3 paper's RoCE and InfiniBand fabrics are 400 Gb/s per GPU)
 
 KEPT_KV = "attn.kv_others"  # as cp_model.py names it
 

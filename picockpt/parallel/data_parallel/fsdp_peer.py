@@ -1,55 +1,106 @@
 """The peer: torch's own FSDP2 (torch.distributed.fsdp.fully_shard) on the autograd reference model
-(picockpt/reference.py), with torch.utils.checkpoint around each layer, its all-gathers counted.
+(picockpt/reference.py), each decoder layer recomputed in the backward, its all-gathers counted.
 
     results = run_ranks(fsdp2_rank_steps, 2, params, cfg, input_ids, targets, [(None, True), (True, False)])
-    results[r][v] == {"forward": {"calls": n, "bytes": b}, "backward": {...}, "loss": ..., "grads": {...}}
-                     # variant v = (reshard_after_forward, checkpointed): one fresh model each
+    results[r][v] == {"forward": {"calls": n, "bytes": b, "unit_forwards": u, "recomputes": c,
+                                  "recomputes_found_gathered": g},
+                      "backward": {...}, "loss": ..., "grads": {...}}
+                     # variant v = (reshard_after_forward, checkpointed[, nesting]): one fresh model each
 
-The wrapping is torchtitan's (torchtitan/models/llama3/infra/parallelize.py: apply_ac wraps each block in a
-checkpoint before apply_fsdp calls fully_shard on it): each decoder layer is its own FSDP unit, with the
-checkpoint inside it, and the root unit holds the rest (embedding, final norm, LM head).
+Each decoder layer is its own FSDP unit and the root unit holds the rest (embedding, final norm, LM head).
 reshard_after_forward: True (every unit freed after its forward, gathered again for its backward), False
 (kept from forward to backward), or None (torch's default: True for the layers, False for the root).
+nesting (checkpointed only) says which wrapper is outside:
+
+    "fsdp(ac(layer))"  torchtitan's (torchtitan/models/llama3/parallelize.py applies activation checkpointing,
+                       torchtitan/distributed/activation_checkpoint.py's checkpoint_wrapper around each block,
+                       before torchtitan/distributed/fsdp.py's apply_fsdp_to_decoder calls fully_shard on the
+                       wrapper): the FSDP unit is the wrapper, the recompute runs only the block inside it, so
+                       FSDP's forward hooks do not fire during the recompute. The backward's one gather of the
+                       unit comes from the pre-backward hook FSDP put on the unit's outputs in the forward
+                       (torch 2.13, _fsdp_state.py: _register_pre_backward_hook): autograd runs it when the
+                       output's gradient arrives, before any node of the block runs, so before the first unpack
+                       of a saved tensor starts the checkpoint's recompute, which finds the weights gathered.
+    "ac(fsdp(layer))"  torch.utils.checkpoint around an FSDP unit: the recompute runs the unit's forward, FSDP's
+                       hooks included, inside the backward, after the same pre-backward hook has gathered it:
+                       FSDPState._pre_forward, in the PRE_BACKWARD state, gathers only weights freed meanwhile,
+                       and _post_forward returns without resharding (_fsdp_state.py). FSDPParamGroup.post_forward's
+                       `if not is_bw()` (_fsdp_param_group.py, under the comment "for AC(fully_shard(model))") is
+                       the guard for a recompute that does reach it: no reshard, and no entry in the post-forward
+                       order the backward prefetches by.
+
+Either way, with the layers resharded after their forward, recompute and backward share one gather of a
+unit: picockpt's keep_gathered=True. Each phase
+also counts, to show which mechanism ran: unit_forwards, the forward calls of the layers' FSDP units (a hook
+on the unit, ahead of FSDP's own pre-forward hook, so it fires whenever FSDP's does); recomputes, the runs of
+the decoder layers themselves during the backward; recomputes_found_gathered, those that began with their
+weights already gathered (the layer's parameters plain tensors, not FSDP's sharded DTensors).
 
 Counting: FSDP2 gathers each unit with one torch.distributed.all_gather_single call (torch 2.13's
 _fsdp_collectives.py: DefaultAllGather); the step here wraps that function while it runs, booking the
 output's bytes (as picockpt/parallel/comm.py counts an all-gather) under "forward" before loss.backward()
 and "backward" after. Its shards are per parameter along dim 0 (padded), not flat per unit: the bytes
 equal picockpt's when no dim needs padding.
-What FSDP2 does under recomputation (torch 2.13, _fsdp_param_group.py): a checkpointed layer's
-recomputation runs inside the backward's pre-backward all-gather, and post_forward does not reshard
-during a backward (`if not is_bw()`), so recompute and backward share one gather: picockpt's
-keep_gathered=True.
 """
-import torch
 import torch.distributed as dist
 
-from ...reference import ReferenceLlama
+from ...reference import ReferenceLlama, run_plain
+
+NESTINGS = ("fsdp(ac(layer))", "ac(fsdp(layer))")  # the first is torchtitan's, and the default
+WRAPPED = "_checkpoint_wrapped_module."  # the name checkpoint_wrapper puts before its block's parameters
 
 
 def fsdp2_rank_steps(comm, params, cfg, input_ids, targets, variants):
     return [fsdp2_rank_step(comm, params, cfg, input_ids, targets, *variant) for variant in variants]
 
 
-def fsdp2_rank_step(comm, params, cfg, input_ids, targets, reshard_after_forward=None, checkpointed=True):
+def fsdp2_rank_step(comm, params, cfg, input_ids, targets, reshard_after_forward=None, checkpointed=True,
+                    nesting=NESTINGS[0]):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
     from torch.utils.checkpoint import checkpoint
 
+    if nesting not in NESTINGS:
+        raise ValueError(f"nesting={nesting!r} is unknown: use {NESTINGS[0]!r} (torchtitan's) or {NESTINGS[1]!r}")
     model = ReferenceLlama(cfg, params)
+    blocks = list(model.model.layers)  # the decoder layers themselves, whatever wraps them
+    outer = checkpointed and nesting == "ac(fsdp(layer))"  # the checkpoint around the FSDP unit, in run_layers
+    if checkpointed and not outer:  # torchtitan: the block in a checkpoint_wrapper, the wrapper made the unit
+        for index, block in enumerate(blocks):
+            model.model.layers[index] = checkpoint_wrapper(block)  # recomputes block, not the wrapper, in backward
     mesh = init_device_mesh(comm.device.type, (comm.world_size,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for unit in model.model.layers:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     B, r, W = input_ids.shape[0], comm.rank, comm.world_size
     mine = slice(r * B // W, (r + 1) * B // W)  # this rank's rows (equal shares: no ignored targets)
 
+    counts = {phase: dict.fromkeys(("calls", "bytes", "unit_forwards", "recomputes", "recomputes_found_gathered"), 0)
+              for phase in ("forward", "backward")}
+    phase = ["forward"]
+
+    def unit_forward(module, args):  # a layer's FSDP unit starts its forward (this hook runs before FSDP's)
+        counts[phase[0]]["unit_forwards"] += 1
+
+    def block_forward(module, args):  # the decoder layer itself starts its forward (before FSDP's hook, if a unit)
+        if phase[0] == "backward":  # a recompute
+            counts["backward"]["recomputes"] += 1
+            counts["backward"]["recomputes_found_gathered"] += not any(isinstance(p, DTensor)
+                                                                       for p in module.parameters())
+
+    for unit, block in zip(model.model.layers, blocks):  # prepend=True: ahead of the hooks fully_shard put there
+        unit.register_forward_pre_hook(unit_forward, prepend=True)
+        block.register_forward_pre_hook(block_forward, prepend=True)
+
     def run_layers(layers, x):
+        if not outer:
+            return run_plain(layers, x)  # (b, T, h); under torchtitan's nesting each unit checkpoints inside
         for layer in layers:
-            x = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)  # (b, T, h)
+            x = checkpoint(layer, x, use_reentrant=False)  # (b, T, h)
         return x
 
-    counts, phase = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}, ["forward"]
     original = dist.all_gather_single
 
     def counted(output, *args, **kwargs):
@@ -64,5 +115,7 @@ def fsdp2_rank_step(comm, params, cfg, input_ids, targets, reshard_after_forward
         loss.backward()
     finally:
         dist.all_gather_single = original
-    grads = {name: grad.full_tensor() for name, grad in model.grads().items()}  # every rank's shards, whole
+    grads = {name.replace(WRAPPED, ""): p.grad.full_tensor() for name, p in model.named_parameters()}  # whole
+    if cfg.tie_embeddings:
+        grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
     return {**counts, "loss": loss.detach(), "grads": grads}

@@ -25,7 +25,7 @@ padded numel times the compute dtype's bytes):
     recompute   each layer a recompute sweep runs (Schedule.sweeps), once per sweep it appears in;
                 keep_gathered: once per layer, the first time (it stays gathered until its backward)
     backward    each layer again (keep_gathered: only those never recomputed); the head is kept
-                gathered from its forward to its backward (torchtitan's apply_fsdp leaves the final
+                gathered from its forward to its backward (torchtitan's apply_fsdp_to_decoder leaves the final
                 norm and output unsharded after the forward), and the embedding's backward needs only
                 its shape, so neither is gathered again
 and one reduce-scatter of every unit's gradient in the backward (its padded numel times p), which under

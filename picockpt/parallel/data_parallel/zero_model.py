@@ -11,12 +11,15 @@ Weights (a unit at a time: zero_params.py's embed, layer k, head):
                   freed. A use is the embedding's forward, a layer's forward, its recompute (every sweep
                   that runs it again) and its backward, the head's forward and backward. Two exceptions:
                     the head stays gathered from its forward to its backward, which follows at once
-                    (torchtitan's apply_fsdp does not reshard the final norm and output after the forward);
+                    (torchtitan's apply_fsdp_to_decoder does not reshard the final norm and output after
+                    the forward);
                     keep_gathered=True: a layer gathered by a recompute sweep stays gathered until its
                     backward, so the backward needs no gather of its own: one gather fewer per recomputed
-                    layer, for holding a whole sweep's layers at once (C under every:C). FSDP2 always does
-                    that: a block checkpointed inside its own fully_shard unit recomputes inside the
-                    backward's all-gather (its post_forward does not reshard during a backward).
+                    layer, for holding a whole sweep's layers at once (C under every:C). FSDP2 gathers a
+                    recomputed block once in the backward under either nesting (fsdp_peer.py counts both):
+                    fully_shard(checkpoint(block)) gathers in the pre-backward hook on the unit's outputs,
+                    before the recompute unpacks; checkpoint(fully_shard(block)) reruns the unit's forward
+                    hooks, which find it gathered during the backward and leave it so.
                   prefetch=True: the gather of the next use's unit starts, asynchronously, before this use
                   computes, as FSDP's forward and backward prefetch do; it is booked under its own use's phase.
 Gradients, as soon as a unit's are final (right after its backward):
