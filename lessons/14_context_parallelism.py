@@ -82,7 +82,7 @@ import torch
 
 from _check import check
 from _lesson import (FAST_TIMING, Spread, choose, dtype_for_device, large, lesson_args, paired_ratios, ranks_device,
-                     shape_line, small, spawning_ranks, wrote)
+                     shape_line, small, spawning_ranks, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.formulas import GIB
 from picockpt.inventory import predicted_peak_bytes
@@ -282,20 +282,15 @@ def time_rings(cfg, batch, seq, device, repeats, cp=2):
     return paired_ratios(Spread(tuple(seconds[1::2])), Spread(tuple(seconds[0::2]))), same
 
 
-def overlap_verdict(ratio, mode):
-    """One line on the ratio: its spread, and what the pairs agree on (nothing, when it straddles 1)."""
-    what = "ring_overlap / ring step time"
-    if mode == "fast":
-        return f"{what}: {FAST_TIMING}"
-    text = f"{what}: {ratio.text('{:.3f}')} over {len(ratio.samples)} interleaved pairs"
-    if not ratio.excludes(1.0):
-        return f"{text}: inconclusive on this machine (the spread straddles 1)"
-    return f"{text}: the overlapped ring is {'faster' if ratio.high < 1 else 'slower'} in every pair"
+def overlap_claim(ratio, mode):
+    """The timing guard on the ratio (lessons/_lesson.py): the same bytes and FLOPs, so the claim that overlapping
+    is faster stands only if every pair says so; otherwise the line says the timing was inconclusive."""
+    return timed_claim(mode, ratio, "ring_overlap / ring step time", "<1", work=1.0)
 
 
 overlap_ratio, overlap_same = time_rings(cfg, batch, seq, torch.device(args.device), choose(args.mode, 2, 9, 9))
 print(f"cp=2, full: ring_overlap's loss and gradients equal ring's bitwise: {overlap_same}")
-print(overlap_verdict(overlap_ratio, args.mode))
+print(overlap_claim(overlap_ratio, args.mode).text)
 
 # %% [markdown]
 # ## Zigzag against contiguous

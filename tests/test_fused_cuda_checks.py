@@ -116,11 +116,14 @@ def test_the_parallel_command_takes_cp_comm_ring_overlap(capsys):
 def test_lesson_14_calls_a_timing_inconclusive_when_its_spread_straddles_1():
     lesson = load(LESSONS / "14_context_parallelism.py")
     spread = lesson_helpers().Spread
-    assert lesson.overlap_verdict(spread((0.9, 1.0, 1.2)), "cpu") == (
-        "ring_overlap / ring step time: 1.000 [0.900..1.200] over 3 interleaved pairs: inconclusive on this "
-        "machine (the spread straddles 1)")
-    assert lesson.overlap_verdict(spread((0.7, 0.8, 0.9)), "cpu") == (
-        "ring_overlap / ring step time: 0.800 [0.700..0.900] over 3 interleaved pairs: the overlapped ring is "
-        "faster in every pair")
-    assert lesson.overlap_verdict(spread((1.1, 1.2)), "cpu").endswith("the overlapped ring is slower in every pair")
-    assert lesson.overlap_verdict(spread((0.5,)), "fast").endswith("timing not meaningful at --fast shapes")
+    straddles = lesson.overlap_claim(spread((0.9, 1.0, 1.2)), "cpu")
+    assert not straddles.conclusive and straddles.text == (
+        "ring_overlap / ring step time: inconclusive on this machine (1.000 [0.900..1.200] over 3 interleaved "
+        "repeats: the repeats straddle 1); by work (exact) it is 1.000")
+    faster = lesson.overlap_claim(spread((0.7, 0.8, 0.9)), "cpu")
+    assert faster.conclusive and faster.text == (
+        "ring_overlap / ring step time: 0.800 [0.700..0.900] over 3 interleaved repeats (every repeat below 1); "
+        "by work (exact) it is 1.000")
+    slower = lesson.overlap_claim(spread((1.1, 1.2)), "cpu")
+    assert not slower.conclusive and "inconclusive on this machine" in slower.text
+    assert lesson.overlap_claim(spread((0.5,)), "fast").text.endswith("timing not meaningful at --fast shapes")
