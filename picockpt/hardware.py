@@ -29,8 +29,12 @@ NVLINK_C2C = 900e9 / 2  # 450e9 bytes/s a direction, one link
 # ---- between GPUs --------------------------------------------------------------------------------------------------
 NVLINK_4 = 900e9 / 2  # 450e9 bytes/s a direction: "NVLink: 900 GB/s" (18 links, both directions added), NVIDIA's
 #                       H100 SXM and H200 SXM datasheets
+NVLINK_3 = 600e9 / 2  # 300e9 bytes/s a direction: "NVLink: 600 GB/s" (12 links, both directions added), NVIDIA's
+#                       A100 SXM datasheet
 INFINIBAND_NDR = 400e9 / 8  # 50e9 bytes/s a direction, one port: NDR InfiniBand carries 400 Gb/s a port
 #                             (NVIDIA ConnectX-7 and Quantum-2 datasheets)
+INFINIBAND_HDR = 200e9 / 8  # 25e9 bytes/s a direction, one port: HDR InfiniBand carries 200 Gb/s a port
+#                             (NVIDIA ConnectX-6 and Quantum datasheets)
 
 # ---- compute: dense BF16 Tensor Core peaks --------------------------------------------------------------------------
 H100_SXM_BF16 = 1979e12 / 2  # 989.5e12 FLOP/s: NVIDIA's H100 datasheet, "BF16 Tensor Core 1,979 teraFLOPS" with

@@ -57,6 +57,8 @@ gives peak_bytes and recompute_flops, which the Tracker then measures.
 
     plan = plan_model(cfg, batch=4, seq=128, budget_bytes=24 * 2**20)
     plan.schedule, plan.peak_bytes, plan.recompute_flops        # what the engine runs and measures
+
+Priced by time: picockpt/cost.py's plan_priced runs this recurrence on seconds instead of FLOPs.
 """
 import functools
 import math
@@ -87,6 +89,7 @@ class Plan:
     slot_bytes: int          # the grid's unit; exact when it divides every size
     exact_grid: bool
     sweeps: tuple            # ((target, first layer, {layer: mode}), ...) in the order they run
+    recompute_seconds: float = None  # planned on seconds (cost.plan_priced): the modelled recompute time
 
 
 # ---- the chain of picockpt's model --------------------------------------------------------
@@ -333,9 +336,9 @@ def replay(chain, schedule):
             recompute += (stage.forward_flops - (stage.tail_flops if stops else 0)) if counted else 0
 
     run_layers(0, L - 1, lambda k: schedule.forward[k], counted=False)
-    head = next(a for mode, a, _ in chain[L].variants if mode == schedule.head)
+    head, rebuilt = next((a, r) for mode, a, r in chain[L].variants if mode == schedule.head)
     peak = max(peak, live + head)  # the head, popped again before layer L-1
-    recompute += chain[L].inner_flops
+    recompute += rebuilt + chain[L].inner_flops  # rebuilt: 0 in FLOPs (elementwise); seconds in a priced chain
     first_of = {last: first for first, last in schedule.sweeps(L)}  # the engine's walk (picockpt/schedule.py)
     for i in reversed(range(L)):
         if i in first_of:  # recomputed from the nearest checkpoint, first_of[i]

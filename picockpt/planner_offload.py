@@ -8,13 +8,17 @@ offloaded, all of them, only the checkpoints (inputs), or only the MLP's gate an
 keeps the fastest whose device peak, walked exactly, fits the budget. The two-action plan at the
 budget is in the family (n = 0), so the three-action plan is never slower by the model; Capuchin
 (Peng et al. 2020) and POET (Patil et al. 2022) decide per tensor with a profile or an integer
-programme, which this does not attempt.
+programme, which this does not attempt. With `seconds` (op name -> seconds: picockpt/cost.py's roofline or a
+measured profile) the walk's clock reads the chain priced in seconds instead of FLOPs over `rate`; the plan still
+reports its exact FLOPs.
 """
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .cost import price_chain, priced_costs
 
 from .host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, Walk, check_rates, model_costs, walk
-from .planner import frontier, least_plan, model_chain, plan_chain
+from .planner import frontier, least_plan, model_chain, plan_chain, replay
 from .schedule import Schedule
 
 KINDS = {"all": frozenset({"*"}), "inputs": frozenset({"input"}), "gate+up": frozenset({"mlp.gate", "mlp.up"})}
@@ -30,6 +34,7 @@ class OffloadPlan:
     bandwidth: float
     rate: float
     base: object = None      # the two-action Plan whose schedule this one offloads from (its memory grid)
+    clock: tuple = None      # (chain, rate) the walk's clock read: FLOPs at `rate`, or seconds at 1
 
     @property
     def peak_bytes(self):
@@ -50,11 +55,15 @@ def with_host(schedule, names, n):
 
 @functools.lru_cache(maxsize=64)
 def plan_offload(cfg, batch, seq, budget, drop=frozenset(), bandwidth=DEFAULT_HOST_BANDWIDTH,
-                 rate=DEFAULT_COMPUTE_RATE, names=None):
+                 rate=DEFAULT_COMPUTE_RATE, names=None, seconds=None):
     """The fastest schedule (by host_walk.py's model) of the family above whose device peak fits
-    `budget` bytes. names: offload only these (a policy's offload:NAMES); None or {"*"}: the planner's kinds."""
+    `budget` bytes. names: offload only these (a policy's offload:NAMES); None or {"*"}: the planner's kinds.
+    seconds: ((op name, seconds), ...) to price compute by (None: FLOPs at `rate`)."""
     check_rates(bandwidth, rate)
-    chain, costs = model_chain(cfg, batch, seq, drop), model_costs(cfg, batch, seq, drop)
+    flop_chain, flop_costs = model_chain(cfg, batch, seq, drop), model_costs(cfg, batch, seq, drop)
+    chain, costs, rate = (flop_chain, flop_costs, rate) if seconds is None else (
+        price_chain(flop_chain, cfg, batch, seq, dict(seconds), drop), priced_costs(cfg, batch, seq, dict(seconds),
+                                                                                     drop), 1.0)
     kinds = list(KINDS.values()) if names is None or "*" in names else [frozenset(names)]
     if cfg.experts:
         kinds = [kind for kind in kinds if not kind & {"mlp.gate", "mlp.up"}]
@@ -84,7 +93,12 @@ def plan_offload(cfg, batch, seq, budget, drop=frozenset(), bandwidth=DEFAULT_HO
                          f"plan with offloading, {least.device_peak:,} bytes ({least.device_peak / 2**20:.2f} MiB): "
                          f"give a budget of at least that (it is set {peak_words(least)}; {WHY[least.peak_at[0]]})")
     _, result, schedule, base = best
-    return OffloadPlan(schedule, result, two, two_walk, budget, bandwidth, rate, base)
+    if seconds is not None:  # the exact FLOPs beside the modelled seconds
+        result = replace(result, recompute_flops=replay(flop_chain, schedule)[1])
+        two_walk = two_walk and replace(two_walk, recompute_flops=replay(flop_chain, two.schedule)[1])
+        two = two and replace(two, recompute_flops=replay(flop_chain, two.schedule)[1],
+                              recompute_seconds=two.recompute_flops)
+    return OffloadPlan(schedule, result, two, two_walk, budget, bandwidth, rate, base, (chain, rate))
 
 
 WHY = {  # why offloading does not lower a peak set in this part of the step (host_walk.Walk.peak_at's phase)
@@ -130,9 +144,9 @@ def _two_action_plans(chain):
     return tuple(frontier(chain)) + (least_plan(chain),)
 
 
-def actions(plan, chain):
+def actions(plan):
     """Per layer: (action, why), in words, from the plan's schedule and its walk."""
-    schedule, info, rate = plan.schedule, plan.walk.layers, plan.rate
+    schedule, info, (chain, rate) = plan.schedule, plan.walk.layers, plan.clock
     L = len(chain) - 1
     host = schedule.host or (frozenset(),) * L
     recomputed = {k for first, last in schedule.sweeps(L) for k in range(first, last + 1)}

@@ -1,3 +1,5 @@
+import fcntl
+import json
 import os
 
 import pytest
@@ -35,6 +37,42 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def u_curve(tmp_path_factory):
+    """measure(layers, hidden, ffn, seq) -> (cfg, batch, {C: the store's measured peak under every:C, C = 1..L}) of
+    lesson 02's deep, narrow model (its deep() and measure_peaks; batch 2). test_lessons.py and test_formulas.py hold
+    the same sweep to their formulas: it is measured once per test run, under pytest-xdist once for all the workers
+    (a file in the run's shared temporary folder, written under a lock; the other worker reads it)."""
+    from picockpt.reproduce import discover, load
+    [path] = [path for path in discover(kinds=(".py",)) if path.name.startswith("02_segments")]
+    segments = load(path)
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+    cache = {}
+
+    def measure(layers, hidden, ffn, seq):
+        cfg, batch = segments.deep(layers, hidden=hidden, ffn=ffn), 2
+        key = f"u_curve_{layers}_{hidden}_{ffn}_{seq}"
+        if key not in cache:
+            cache[key] = once_per_run(shared, key, lambda: segments.measure_peaks(cfg, batch, seq, range(1, layers + 1)))
+        return cfg, batch, cache[key]
+    return measure
+
+
+def once_per_run(folder, key, compute):
+    """compute() -> {int: int}, computed by the first worker to ask and read from folder/key.json by the others
+    (folder None: this process alone, computed here)."""
+    if folder is None:
+        return compute()
+    with open(folder / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = folder / f"{key}.json"
+        if done.exists():
+            return {int(k): v for k, v in json.loads(done.read_text()).items()}
+        value = compute()
+        done.write_text(json.dumps(value))
+        return value
 
 
 def setup(batch=2, seq=13, seed=0, preset="tiny", **overrides):

@@ -200,18 +200,13 @@ def test_chen_optimum():
 
 
 @pytest.mark.slow
-def test_measured_u_curve_minimum_is_where_the_exact_formula_puts_it(one_thread):
+def test_measured_u_curve_minimum_is_where_the_exact_formula_puts_it(one_thread, u_curve):
     """Every C of a 64-layer model of tiny width: the store's measured peak equals picockpt's exact
     formula for each C, the measured minimum is the formula's, and Chen's continuous optimum
-    sqrt(L x / A) lies within one layer of it (between the two integers around it)."""
-    cfg, b, s = Config(vocab=32, hidden=16, layers=64, heads=2, kv_heads=1, ffn=16, max_seq=16), 1, 8
-    params = init_params(cfg, seed=0)
-    input_ids, targets = make_batch(cfg, b, s, "cpu", 0)
-    measured = {}
-    for C in range(1, cfg.layers + 1):
-        with Tracker("cpu", physical=False, flops=False) as tracker:
-            loss_and_grads(params, cfg, input_ids, targets, f"every:{C}", tracker=tracker)
-        measured[C] = tracker.peak_logical
+    sqrt(L x / A) lies within one layer of it (between the two integers around it). The sweep is
+    test_lessons.py's deepest (conftest.py's u_curve: lesson 02's model, measured once for both files)."""
+    s = 8
+    cfg, b, measured = u_curve(64, 32, 32, s)  # C -> the store's peak under every:C, a Tracker over loss_and_grads
     exact = exact_segment_curve(cfg, b, s)
     assert measured == exact
     lowest = min(measured.values())

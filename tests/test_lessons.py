@@ -181,11 +181,10 @@ def test_lesson_01_legend_names_every_phase(figures):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layers,hidden,ffn,seq", [(32, 32, 64, 16), (64, 32, 32, 8)])
-def test_u_curve_minimum_is_where_the_formula_puts_it(layers, hidden, ffn, seq):
+def test_u_curve_minimum_is_where_the_formula_puts_it(layers, hidden, ffn, seq, u_curve):
     segments = lesson("02_segments")
-    cfg, batch = segments.deep(layers, hidden=hidden, ffn=ffn), 2
+    cfg, batch, measured = u_curve(layers, hidden, ffn, seq)  # lesson 02's measure_peaks, C = 1..L (conftest.py)
     every_c = range(1, layers + 1)
-    measured = segments.measure_peaks(cfg, batch, seq, every_c)
     exact = {C: predicted_peak_bytes(cfg, batch, seq, f"every:{C}") for C in every_c}
     assert measured == exact  # every point of the U, to the byte
     best = segments.argmins(measured)

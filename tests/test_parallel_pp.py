@@ -6,8 +6,10 @@ data-parallel bytes equal their closed forms (picockpt/parallel/pp_inventory.py)
 fits every stage and recomputes no more than the best uniform policy that fits.
 
 Each world size is one launch whose ranks run every job in turn (run_jobs); each job may
-have its own layout (dp x pp x tp). Relative error of a gradient: max |g - g_single| / max |g_single|.
+have its own layout (dp x pp x tp); the jobs are a covering set, not the whole cross product
+(jobs_for). Relative error of a gradient: max |g - g_single| / max |g_single|.
 """
+import itertools
 import multiprocessing
 
 import pytest
@@ -82,30 +84,42 @@ def jobs_for(world):
         job = ParallelJob(params, cfg, input_ids, targets, policy, rng_state=state, **{"pp": 1, **layout})
         out.append((name, job, single[name, batch]))
 
+    rotating = itertools.cycle(["full", "every:2", "selective", "cheap", "every:2+selective"])
     if world == 2:
-        for name in ("fp64 dropout", "fp32 tied chunked"):
-            for M in (1, 2, 5):
-                for schedule in ("afab", "1f1b"):
-                    for policy in POLICIES:
-                        add(name, 10, policy, pp=2, microbatches=M, schedule=schedule)
+        # A covering set of the cross product (2 models x M in {1, 2, 5} x both schedules x 7 policies, 84 jobs).
+        # fp64 dropout: every policy under AFAB (M = 2: w = M on both stages) and 1F1B (M = 5, the budget's rivals
+        # below), and at every other (M, schedule) none (the in-flight closed form), budget (planned for its
+        # micro-batches in flight) and one other policy in turn. fp32 tied chunked (the tied head's gradient summed
+        # across the stages, the chunked loss, fp32): every policy at M = 2, 1F1B; none, budget and one other at
+        # M = 5, AFAB; none and one other at M = 1.
+        cases = [("fp64 dropout", M, schedule, POLICIES if (M, schedule) in ((2, "afab"), (5, "1f1b"))
+                  else ["none", next(rotating), "budget"]) for M in (1, 2, 5) for schedule in ("afab", "1f1b")]
+        cases += [("fp32 tied chunked", 1, "1f1b", ["none", next(rotating)]),
+                  ("fp32 tied chunked", 2, "1f1b", POLICIES),
+                  ("fp32 tied chunked", 5, "afab", ["none", next(rotating), "budget"])]
+        for name, M, schedule, policies in cases:
+            for policy in policies:
+                add(name, 10, policy, pp=2, microbatches=M, schedule=schedule)
         for M in (1, 5):  # data parallel alone, with and without overlap
             for policy, overlap in (("full", True), ("every:2+selective", False), ("budget", True)):
                 add("fp64 dropout", 10, policy, dp=2, microbatches=M, overlap=overlap)
         add("fp64 dropout", 10, "full", pp=2, microbatches=5, recompute_early=True)
         add("fp64 dropout", 10, "every:2", pp=2, microbatches=2, schedule="afab", recompute_early=True)
         add("fp64 dropout", 10, "full", tp=2, microbatches=2)  # gradient accumulation under tensor parallelism
-        for name, policy in (("fp64 dropout", "full"), ("fp64 dropout", "every:2")):  # the budget's uniform rivals
-            for rival in ("none", "selective", "cheap", "full+selective", "every:2+cheap", "full+cheap"):
-                add(name, 10, rival, pp=2, microbatches=5)
-            add(name, 10, "budget", pp=2, microbatches=5)
+        for rival in ("full+selective", "every:2+cheap", "full+cheap"):  # the budget's rivals, beside POLICIES above
+            add("fp64 dropout", 10, rival, pp=2, microbatches=5)
     else:
+        # A covering set of 3 M x both schedules x (4 or 7) policies (30 jobs): every policy under AFAB at M = P and
+        # under 1F1B at M > P; at each other (M, schedule) none, budget and one of the other policies in turn.
+        every_policy = {(4, "afab"), (9, "1f1b")}
         for M in (1, 4, 9):
             for schedule in ("afab", "1f1b"):
-                for policy in (POLICIES if M == 9 else ["none", "full", "every:2+selective", "budget"]):
+                for policy in (POLICIES if (M, schedule) in every_policy else ["none", next(rotating), "budget"]):
                     add("fp64 five layers", M, policy, pp=4, microbatches=M, schedule=schedule)
         add("fp64 five layers", 9, "full", pp=4, microbatches=9, recompute_early=True)
-        for M in (1, 2, 5):
-            for policy in ("full", "every:2+selective", "budget"):
+        # pp x dp: budget at every M (its plan per stage, on B / (dp M) rows), full and every:2+selective alternating
+        for M, policies in ((1, ("full", "budget")), (2, ("every:2+selective", "budget")), (5, ("full", "budget"))):
+            for policy in policies:
                 add("fp64 dropout", 2 * M, policy, pp=2, dp=2, microbatches=M, schedule="1f1b" if M != 2 else "afab")
         add("fp32 tied chunked", 10, "full", pp=2, dp=2, microbatches=5, overlap=False)
         add("fp64 dropout", 4, "every:2", pp=2, tp=2, sp=True, microbatches=2)

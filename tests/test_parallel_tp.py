@@ -4,8 +4,8 @@ equal to none within one (t, sp), and every rank's stored peak, per-layer bytes,
 phase and FLOPs equal to their closed forms (picockpt/parallel/inventory.py).
 
 Each t is one launch of its ranks that runs every (model, sp, policy) job in turn (run_jobs): starting
-ranks is the slow part, so the jobs share it. Relative error of a gradient: max |g - g_single| /
-max |g_single| over the tensor.
+ranks is the slow part, so the jobs share it; they are a covering set, not the whole cross product
+(layouts). Relative error of a gradient: max |g - g_single| / max |g_single| over the tensor.
 """
 import math
 import multiprocessing
@@ -36,6 +36,7 @@ MODELS = {  # name -> Config fields; every t below divides their heads, kv heads
 POLICIES = ["none", "full", "every:2", "selective", "cheap", "every:2+selective", "budget"]
 DISTRIBUTED = ["full", "every:2", "budget"]  # with distribute_saved (sp=False only)
 PER_T = {1: ["mha", "gqa dropout"], 2: list(MODELS), 4: ["mha", "gqa", "gqa dropout", "gqa fp32"]}
+EVERY_JOB = "gqa dropout"  # at each t, every policy in every layout (the other models: layouts() below)
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
@@ -56,6 +57,24 @@ def budget(cfg, t, sp, distributed):
     return f"budget:{least + (most - least) // 4}"
 
 
+def layouts(name, i):
+    """((sp, distributed, policies), ...) of one model at one t, i its place among the t's models other than
+    EVERY_JOB. A covering set of the 3 layouts x 7 (or 3) policies, 17 jobs a model: EVERY_JOB runs all of them at
+    every t; every other model none under both sp (the reference of the bitwise test), one of DISTRIBUTED in turn,
+    and under tiled or fused attention selective (nothing left to drop), cheap, one whole-layer recomputation and
+    budget; a dense model three of the other six policies in turn (so two such models hold all six): 6 or 7 jobs,
+    the policies split between the two sp in turn."""
+    if name == EVERY_JOB:
+        return (False, False, POLICIES), (True, False, POLICIES), (False, True, DISTRIBUTED)
+    if "attention" in MODELS[name]:
+        policies = ["selective", "cheap", "full" if i % 2 else "every:2", "budget"]
+    else:
+        policies = (["full", "every:2", "selective", "cheap", "every:2+selective", "budget"] * 2)[3 * i % 6:][:3]
+    split = tuple((sp, False, ["none"] + [p for j, p in enumerate(policies) if (i + j) % 2 == sp])
+                  for sp in (False, True))
+    return split + ((False, True, [DISTRIBUTED[i % 3]]),)
+
+
 def relative(value, reference):
     return ((value.double() - reference.double()).abs().max() / reference.double().abs().max()).item()
 
@@ -65,13 +84,13 @@ def launch(request):
     """One launch of t ranks: every job for t, and the single-process step of each model."""
     t = request.param
     jobs, single = [], {}
+    others = [name for name in PER_T[t] if name != EVERY_JOB]
     for name in PER_T[t]:
         cfg, params, input_ids, targets = model(name)
         torch.manual_seed(7)
         state = torch.get_rng_state()  # every run starts from this state: the same dropout masks
         single[name] = loss_and_grads(params, cfg, input_ids, targets, "none")
-        layouts = ((False, False, POLICIES), (True, False, POLICIES), (False, True, DISTRIBUTED))  # sp, distributed
-        for sp, distributed, policies in layouts:
+        for sp, distributed, policies in layouts(name, others.index(name) if name in others else None):
             for policy in policies:
                 policy = budget(cfg, t, sp, distributed) if policy == "budget" else policy
                 jobs.append((name, ParallelJob(params, cfg, input_ids, targets, policy, tp=t, sp=sp,

@@ -12,10 +12,12 @@ def test_synthetic_task_is_learned_within_100_steps():
     cfg = Config.from_preset("small")
     task = MarkovTask(cfg.vocab, seed=0)
     torch.manual_seed(0)
-    losses = train(init_params(cfg, seed=0), cfg, task, steps=100, batch=8, seq=64, log=None)
+    # 90 steps, not 100: the mean of the last 10 is 3.1 by then (2.7 at 100, 3.7 at 80; a smaller batch or shorter
+    # sequences stay above 3.5 at 100), so the same bound holds, 0.4 nats to spare
+    losses = train(init_params(cfg, seed=0), cfg, task, steps=90, batch=8, seq=64, log=None)
     print(f"first {losses[0]:.3f}, last {losses[-1]:.3f}, floor {task.loss_floor:.3f}")
     assert losses[0] > 5.0                      # ~ ln(256) = 5.55 at the start
-    assert sum(losses[-10:]) / 10 < 3.5         # clearly falling: 2 nats below the start (2.7 measured)
+    assert sum(losses[-10:]) / 10 < 3.5         # clearly falling: 2 nats below the start (3.1 measured)
 
 
 def test_batches_follow_the_chain():

@@ -6,6 +6,7 @@
     python -m picockpt plan --benchmark                             # planning time, 128 layers
     python -m picockpt plan --budget 24MiB --host-bandwidth 63e9 --compute-rate 989e12   # keep, recompute
                                                                     # or offload, per layer (planner_offload.py)
+    python -m picockpt plan --budget 24MiB --cost measured          # minimise measured seconds (plan_cost.py)
 """
 import json
 import random
@@ -19,6 +20,7 @@ from ..planner_offload import actions, peak_reason, plan_offload
 from ..planner_uniform import binomial_forward_steps, plan_uniform
 from ..policy import OP_LEVEL, parse_policy
 from .common import add_run_args, add_shape_args, config_from_args, fmt_bytes, fmt_flops
+from .plan_cost import add_cost_arguments, check_cost_flags, cost_lines, op_seconds, priced_plan
 from .plan_parts import budget_from_args, measure, sweeps_json
 
 def add_arguments(parser):
@@ -45,12 +47,14 @@ def add_arguments(parser):
     parser.add_argument("--compute-rate", type=float, metavar="R",
                         help=f"FLOP/s of the device (default {DEFAULT_COMPUTE_RATE:.3g}: an H200's dense BF16 "
                              f"Tensor Core rate, NVIDIA's datasheet)")
+    add_cost_arguments(parser)
     add_shape_args(parser)
     add_run_args(parser)
 
 
 def run(args):
     _check_flags(args)
+    check_cost_flags(args)
     if args.chain == "uniform":
         return run_uniform(args)
     if args.benchmark:
@@ -65,14 +69,15 @@ def run(args):
     policy = parse_policy(text, cfg)
     drop = OP_LEVEL.get(args.op_level, frozenset())
     start = time.perf_counter()
-    plan = plan_model(cfg, args.batch, args.seq, budget, drop)
+    plan, extra = (plan_model(cfg, args.batch, args.seq, budget, drop), {}) if args.cost == "flops" else \
+        priced_plan(cfg, args, budget, drop)
     seconds = time.perf_counter() - start
     forward = step_flops(cfg, args.batch, args.seq, "none")["forward"]
     row = {"policy": text, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
            "recompute_flops": plan.recompute_flops, "forward_flops": forward,
            "least_budget_bytes": least_budget(model_chain(cfg, args.batch, args.seq, drop)),
            "slot_bytes": plan.slot_bytes, "exact_grid": plan.exact_grid, "planning_seconds": seconds,
-           "forward": list(plan.schedule.forward), "sweeps": sweeps_json(plan.schedule, cfg.layers)}
+           "forward": list(plan.schedule.forward), "sweeps": sweeps_json(plan.schedule, cfg.layers), **extra}
     if args.measure:
         row.update(measure(cfg, args, policy))
     if args.json:
@@ -87,6 +92,7 @@ def run(args):
              ("memory grid", f"{plan.slot_bytes:,} B/slot", "exact" if plan.exact_grid else
               "sizes rounded up to whole slots: within budget, perhaps not the very cheapest"),
              ("planning time", f"{seconds * 1e3:.1f} ms", "one run, not a benchmark (plan --benchmark)")]
+    lines += cost_lines(extra, fmt_flops) if extra else []
     if args.measure:
         lines += [("measured peak of the store", fmt_bytes(row["measured_peak_bytes"]),
                    "equal" if row["measured_peak_bytes"] == plan.peak_bytes else "DIFFERS"),
@@ -117,8 +123,8 @@ def _check_flags(args):
     else:
         mode, ignored = "--chain model (sized by the shape flags and --budget)", {
             "--length": args.length is not None, "--slots": args.slots is not None}
-    if not args.measure:  # only --measure runs a step: where, and with which weights, means nothing otherwise
-        ignored.update({"--device": args.device != "auto", "--seed": args.seed != 0})
+    if not args.measure:  # only --measure runs a step (and --cost measured times ops): elsewhere they mean nothing
+        ignored.update({"--device": args.device != "auto" and args.cost != "measured", "--seed": args.seed != 0})
     given = [flag for flag, present in ignored.items() if present]
     if given:
         raise ValueError(f"{', '.join(given)}: not used by {mode}; leave {'it' if len(given) == 1 else 'them'} out "
@@ -140,13 +146,16 @@ def run_offload(args):
     drop = OP_LEVEL.get(args.op_level, frozenset())
     text = f"budget:{args.budget}" + ("" if args.op_level == "none" else f"+{args.op_level}") + "+offload"
     policy = parse_policy(text, cfg)
+    prices, priced_by, _ = op_seconds(cfg, args) if args.cost != "flops" else (None, None, None)
     start = time.perf_counter()
-    plan = plan_offload(cfg, args.batch, args.seq, budget, drop, bandwidth, rate)
+    plan = plan_offload(cfg, args.batch, args.seq, budget, drop, bandwidth, rate,
+                        seconds=None if prices is None else tuple(sorted(prices.items())))
     seconds = time.perf_counter() - start
     chain = model_chain(cfg, args.batch, args.seq, drop)
-    rows = actions(plan, chain)
+    rows = actions(plan)
     two, reason = plan.two_action_walk, peak_reason(plan)
-    result = {"policy": text, "budget_bytes": budget, "host_bandwidth": bandwidth, "compute_rate": rate,
+    result = {"policy": text, "budget_bytes": budget, "host_bandwidth": bandwidth,
+              "compute_rate": rate if prices is None else None, "cost": args.cost, "priced_by": priced_by,
               "peak_bytes": plan.peak_bytes, "host_peak_bytes": plan.walk.host_peak,
               "copy_bytes": {"to_host": plan.walk.to_host, "to_device": plan.walk.to_device},
               "recompute_flops": plan.recompute_flops,
@@ -168,7 +177,8 @@ def run_offload(args):
         print(json.dumps(result, indent=1))
         return
     print(f"plan for {text}: keep, recompute or offload, at {bandwidth / 1e9:.3g} GB/s to the host and "
-          f"{rate / 1e12:.4g} TFLOP/s (times modelled, not measured); L={cfg.layers} h={cfg.hidden} {cfg.dtype}, "
+          + (f"{rate / 1e12:.4g} TFLOP/s" if prices is None else f"compute priced by {priced_by}") +
+          f" (times modelled, not measured); L={cfg.layers} h={cfg.hidden} {cfg.dtype}, "
           f"batch {args.batch} x {args.seq} tokens")
     lines = [("budget", fmt_bytes(budget), f"{budget:,} bytes"),
              ("device peak of the store", fmt_bytes(plan.peak_bytes), f"{plan.peak_bytes:,} bytes"),

@@ -10,6 +10,8 @@ which its tracker matches to the byte on shapes that do run.
     python -m picockpt predict --model llama3-8b --seq 4096 --recompute selective
     python -m picockpt predict --model llama3-70b --seq 8192 --tp 8 --sp --json
     python -m picockpt predict --model llama3-70b --seq 8192 --zero 3 --dp 8     (predict_parallel.py)
+    python -m picockpt predict --search --model llama3-405b --seq 8192 --gpus 16384 --tokens-per-batch 16M
+                                                                                 (predict_search.py)
 """
 import argparse
 import json
@@ -24,6 +26,7 @@ from ..policy import SELECTIVE
 from .common import add_shape_args, config_from_args, fmt_bytes
 from .predict_layouts import layouts_for
 from .predict_parallel import add_parallel_arguments, add_parallel_rows, check_parallel, print_parallel
+from .predict_search import add_search_arguments, check_search_flags, run_search
 
 POLICY_OF = {"none": "none", "selective": "selective", "full": "full"}  # --recompute -> picockpt policy
 
@@ -40,6 +43,7 @@ def add_arguments(parser):
                         help="picockpt's per-rank figures with distributed saved activations (without --sp: each "
                              "rank keeps 1/t of every checkpoint, as Megatron's --distribute-saved-activations)")
     add_parallel_arguments(parser)  # --zero/--dp, --cp (predict_parallel.py)
+    add_search_arguments(parser)  # --search and its flags (predict_search.py)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -49,7 +53,10 @@ def run(args):
     recompute = args.recompute.strip().lower()  # any case, as --policy takes it
     if recompute not in RECOMPUTE:
         raise ValueError(f"--recompute={args.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+    check_search_flags(args)
     cfg = config_from_args(args)
+    if args.search:
+        return run_search(args, cfg)
     _check_tp(args.tp, cfg, args.seq)
     if args.sp and args.tp == 1:
         raise ValueError("--sp with --tp 1: sequence parallelism splits the sequence over the tensor-parallel "

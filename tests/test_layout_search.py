@@ -1,0 +1,84 @@
+"""The layout search (picockpt/layout_search.py): its memory is the closed forms the parallel runs are checked
+against, its ranking is by the modelled step, and predict --search refuses what it would ignore."""
+import json
+
+import pytest
+
+from picockpt import Config
+from picockpt.cli import main
+from picockpt.cost import HARDWARE
+from picockpt.layout_search import (LLAMA3_405B_TABLE_4, model_state_bytes, rank_of, search, stage_activation_bytes,
+                                    stage_params)
+from picockpt.parallel.data_parallel.zero_inventory import flat_units
+from picockpt.parallel.data_parallel.zero_inventory import model_state_bytes as zero_state_bytes
+from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+from picockpt.parallel.tensor_parallel.tp_inventory import rank_peak_bytes
+
+CFG = Config.from_preset("tiny", attention="fused", layers=4)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_the_stages_hold_every_parameter_once(pp):
+    assert sum(stage_params(CFG, 1, s, pp) for s in range(pp)) == CFG.num_params()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_state_is_zeros_closed_form(stage):
+    """ZeRO's shards as zero_inventory counts them (which tests/test_parallel_zero.py measures), less AdamW's step
+    counts (one scalar a unit: the search leaves them out)."""
+    exact = sum(zero_state_bytes(CFG, stage, 2).values()) - 4 * len(flat_units(CFG, 2))
+    assert model_state_bytes(CFG.num_params(), str(stage), 2) == exact
+
+
+def test_activations_are_the_tensor_and_pipeline_closed_forms():
+    """pp = 1: M micro-batches of one sequence run one at a time, the tensor-parallel rank's store on one sequence
+    (tp_inventory, measured by tests/test_parallel_tp.py); pp > 1: every stage's 1F1B peak (pp_inventory)."""
+    assert stage_activation_bytes(CFG, 64, 2, 1, 1, 2, "full", 0) == rank_peak_bytes(CFG, 1, 64, "full", 2, True)
+    for s in range(2):
+        assert stage_activation_bytes(CFG, 64, 1, 1, 2, 4, "none", s) == \
+            StageForms(CFG, 4, 64, "none", 2, 4, "1f1b", s).peak_bytes
+
+
+def test_every_layout_kept_fits_and_the_best_comes_first():
+    capacity = 2**19  # 0.5 MiB: some layouts fit (the smallest need 0.14 MiB), some do not (up to 1.3 MiB)
+    rows, considered = search(CFG, 64, 8, 64 * 16, capacity, HARDWARE["h100"])
+    assert 0 < len(rows) < considered
+    assert all(row["peak_bytes"] <= capacity and row["fits"] for row in rows)
+    assert [row["step_seconds"] for row in rows] == sorted(row["step_seconds"] for row in rows)
+    assert all(row["tp"] * row["cp"] * row["pp"] * row["dp"] == 8 for row in rows)
+    assert all(row["dp"] * row["microbatches"] == 16 for row in rows)  # every sequence of the batch, once
+    assert rank_of(rows, (rows[0]["tp"], rows[0]["cp"], rows[0]["pp"], rows[0]["dp"]))[0] == 1
+
+
+def test_llama3_405b_table_4_layouts_fit_and_are_ranked():
+    cfg, hw = Config.from_preset("llama3-405b", dtype="bf16"), HARDWARE["h100"]
+    gpus, seq, layout, _, reported = LLAMA3_405B_TABLE_4[1]
+    rows, _ = search(cfg, seq, gpus, 2**24, 80 * 2**30, hw)
+    rank, row = rank_of(rows, layout)
+    assert rank is not None and row["mfu"] > reported  # a model at datasheet ceilings sits above a real run
+
+
+def test_predict_search_json_and_text(capsys):
+    args = ["predict", "--search", "--model", "llama3-8b", "--seq", "4096", "--gpus", "64",
+            "--tokens-per-batch", "1M", "--gpu-gib", "80"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens_per_batch"] == 2**20 and out["layouts"]
+    assert {"tp", "cp", "pp", "dp", "zero", "microbatches", "schedule", "policy", "peak_bytes", "step_seconds",
+            "mfu"} <= set(out["layouts"][0])
+    assert main(args + ["--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "why the best wins" in text and text.count("\n  ") >= 3
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--search", "--gpus", "8", "--tokens-per-batch", "8K", "--tp", "8"], "--tp with --search"),
+    (["--search", "--gpus", "8"], "--search needs --tokens-per-batch"),
+    (["--gpus", "8"], "--gpus: only --search reads it"),
+    (["--search", "--gpus", "8", "--tokens-per-batch", "5000", "--seq", "4096"], "not a whole number of --seq"),
+    (["--search", "--gpus", "8", "--tokens-per-batch", "1.5x"], "--tokens-per-batch='1.5x'"),
+    (["--search", "--gpus", "0", "--tokens-per-batch", "8K"], "--gpus=0"),
+])
+def test_predict_search_refuses_with_the_flag(flags, message, capsys):
+    assert main(["predict", *flags]) != 0
+    assert message in capsys.readouterr().err
