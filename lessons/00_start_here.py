@@ -19,7 +19,7 @@
 # * **as a notebook**: open the `.ipynb` in Jupyter and run the cells; the flags come from the
 #   environment variable `PICOCKPT_LESSON_ARGS` (unset: the CPU run; `PICOCKPT_LESSON_ARGS="--fast"` for
 #   seconds);
-# * **as a script**: `python lessons/05_the_price.py` (add `--fast`, or `--large --device cuda` on a GPU);
+# * **as a script**: `python lessons/08_the_price.py` (add `--fast`, or `--large --device cuda` on a GPU);
 # * **all of them**: `python -m picockpt reproduce` runs every lesson and prints a table of results;
 #   `python -m picockpt notebooks` remakes every notebook from its source and executes it.
 #
@@ -39,21 +39,22 @@ for path in lessons:
     print(f"{path.name:<42} {title(path)}")
 
 # %% [markdown]
-# A suggested path: lesson 01 (one step, tensor by tensor), 02 and its derivation notebook (where to
-# put checkpoints), 03 and its inventory notebook (what a layer stores, and the $s^2$ term), 04 (cheap
-# ops), 05 (the price), 06 (random numbers), 07 (the same through `torch.utils.checkpoint`), 08 and its
-# notebook (the planner, beyond $\sqrt L$), 09 (FlashAttention and chunked loss as recomputation), 10
-# (tensor and sequence parallelism), 11 (mixture of experts), 12 (pipeline parallelism: micro-batches in
-# flight per stage, a budget per stage, the bubble, and data parallelism's overlapped all-reduces), 13
-# (expert parallelism: what recomputing an expert layer costs in all-to-all bytes), 14 (context
-# parallelism: the sequence split over ranks, K/V round a ring or all-gathered, what recomputing a layer
-# sends again, zigzag's balance), 15 (ZeRO: sharded model state, and the gathers a recomputed layer
-# needs), 16 (offloading: device against host bytes, bytes per FLOP, the three-action frontier), 17 (activations
-# stored in bf16 and fp8), 18 (reading a training run's MFU, HFU and recompute share), 19 (step time from FLOPs
-# and bytes on real links), 20 (tensor-parallel dropout masks and shared experts), 21 (the CUDA caching
-# allocator under recomputation), 22 (the memory hierarchy: why some recomputation is nearly free) and 23
-# (layouts a recomputed matmul runs fast on). The
-# memory explorer (`00_memory_explorer`) answers "what fits on my GPU?" for the real model sizes at any
+# A suggested path: lesson 02 (one step, tensor by tensor), 03 and 04 (where to put checkpoints: the
+# derivation, then every segment length measured), 05 and 06 (what a layer stores, and the $s^2$ term), 07
+# (cheap ops), 08 (the price), 09 (random numbers), 10 (the same through `torch.utils.checkpoint`), 11 and 12
+# (beyond $\sqrt L$, and the planner), 13 (FlashAttention and chunked loss as recomputation), 14 (tensor and
+# sequence parallelism), 15 (mixture of experts), 16 (pipeline parallelism: micro-batches in flight per stage, a
+# budget per stage, the bubble, and data parallelism's overlapped all-reduces), 17 (expert parallelism: what
+# recomputing an expert layer costs in all-to-all bytes), 18 (context parallelism: the sequence split over
+# ranks, K/V round a ring or all-gathered, what recomputing a layer sends again, zigzag's balance), 19 (ZeRO:
+# sharded model state, and the gathers a recomputed layer needs), 20 (offloading: device against host bytes,
+# bytes per FLOP, the three-action frontier), 21 (activations stored in bf16 and fp8), 22 (reading a training
+# run's MFU, HFU and recompute share), 23 (step time from FLOPs and bytes on real links), 24 (tensor-parallel
+# dropout masks and shared experts), 25 (the CUDA caching allocator under recomputation), 26 (the memory
+# hierarchy: why some recomputation is nearly free), 27 (layouts a recomputed matmul runs fast on), 28
+# (profiling the backward to place checkpoints: the planner priced in seconds) and 29 (choosing a parallel
+# layout by its modelled step time, against the Llama 3 paper's). The
+# memory explorer (`01_memory_explorer`) answers "what fits on my GPU?" for the real model sizes at any
 # point.
 #
 # ## Reading the code
@@ -133,12 +134,12 @@ print(f"modules not in the table: {', '.join(others) or 'none'}")
 # | **model FLOPs / hardware FLOPs** | what a step needs without recomputation (forward + backward) / what was executed (plus recompute) |
 # | **MFU / HFU** | model / hardware FLOPs per second over the GPU's peak: model FLOPs utilization counts only useful work, hardware FLOPs utilization counts recomputation too |
 # | **lse** | log-sum-exp of a row: the one number FlashAttention and a chunked loss keep so that the probabilities or logits can be rebuilt |
-# | **RNG replay** | restoring the random generator's state before a recomputation, so that dropout masks (or router noise) come out the same; picockpt's engine does it for every checkpoint (lesson 06) |
-# | **routing replay** | Megatron-LM's `moe_enable_routing_replay` (`megatron/core/transformer/moe/router_replay.py`): each router's `RouterReplay` does what the caller sets. `RECORD` only stores the top-k it computed (`recorded_topk_idx`); `set_target_indices` (indices from another run, or a file) sets those `REPLAY_FORWARD` routes by and queues them; `REPLAY_BACKWARD`, for a recomputation, takes the queued ones. Replaying, the router still computes its scores and the token dispatcher still exchanges the token counts; only the experts are fixed, the same whatever the kernels compute (bf16 near-ties included); 8·N·k bytes a layer (int64). Not RNG replay: picockpt's single-process `full` reruns its router with the generator replayed, its expert-parallel `full` keeps the indices and neither routes nor exchanges counts again (lessons 11, 13) |
+# | **RNG replay** | restoring the random generator's state before a recomputation, so that dropout masks (or router noise) come out the same; picockpt's engine does it for every checkpoint (lesson 09) |
+# | **routing replay** | Megatron-LM's `moe_enable_routing_replay` (`megatron/core/transformer/moe/router_replay.py`): each router's `RouterReplay` does what the caller sets. `RECORD` only stores the top-k it computed (`recorded_topk_idx`); `set_target_indices` (indices from another run, or a file) sets those `REPLAY_FORWARD` routes by and queues them; `REPLAY_BACKWARD`, for a recomputation, takes the queued ones. Replaying, the router still computes its scores and the token dispatcher still exchanges the token counts; only the experts are fixed, the same whatever the kernels compute (bf16 near-ties included); 8·N·k bytes a layer (int64). Not RNG replay: picockpt's single-process `full` reruns its router with the generator replayed, its expert-parallel `full` keeps the indices and neither routes nor exchanges counts again (lessons 15, 17) |
 # | **micro-batch** | the batch one forward and backward processes; activations grow linearly with it |
 # | **in-flight micro-batches** | with pipeline parallelism, micro-batches whose forward has run on a stage and whose backward has not: each holds its stored activations (1F1B: up to $p$ on the first stage) |
 # | **AFAB / 1F1B** | pipeline schedules: all forwards, then all backwards (GPipe), every stage holding all $M$ micro-batches / one forward, one backward (PipeDream-Flush), stage $s$ holding $\min(P - s, M)$ |
-# | **bubble** | a pipeline stage's time not computing, in two conventions (lesson 12): Narayanan et al. 2021 (sec. 2.2.1) and the Ultra-Scale Playbook divide the bubble time by the ideal compute time, $(p - 1)/m$, and $(p - 1)/(v\,m)$ with $v$ interleaved model chunks per stage; as a share of the whole step it is $(p - 1)/(m + p - 1)$, which `bubble_fraction` returns and lesson 12 measures. One converts to the other: share $= b/(1 + b)$ for $b = (p - 1)/m$ |
+# | **bubble** | a pipeline stage's time not computing, in two conventions (lesson 16): Narayanan et al. 2021 (sec. 2.2.1) and the Ultra-Scale Playbook divide the bubble time by the ideal compute time, $(p - 1)/m$, and $(p - 1)/(v\,m)$ with $v$ interleaved model chunks per stage; as a share of the whole step it is $(p - 1)/(m + p - 1)$, which `bubble_fraction` returns and lesson 16 measures. One converts to the other: share $= b/(1 + b)$ for $b = (p - 1)/m$ |
 # | **dispatch, combine** | expert parallelism's two all-to-alls: each (token, expert) pair's row to the rank that holds the expert, and the expert's weighted output back |
 # | **rank, $t$, sp** | one process of a parallel group; the tensor-parallel size; sequence parallelism (the tensors tensor parallelism leaves whole are split along the sequence) |
 #
@@ -153,10 +154,10 @@ print(f"modules not in the table: {', '.join(others) or 'none'}")
 # | `full` (every layer's input) | `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1` | `mode = "full"` | `deepspeed.checkpointing.checkpoint` around each layer | `model.activation_checkpointing_enable()` (4.x: `gradient_checkpointing_enable()`), `TrainingArguments(activation_checkpointing=True)` | `checkpoint(layer, x, use_reentrant=False)` around each layer | ~ `activation_memory_budget = 0.0` (recompute the whole compiled region) |
 # | `every:C` | `--recompute-granularity full --recompute-method uniform --recompute-num-layers C` | | | | `checkpoint_sequential(layers, L/C)` (~: its last segment stays stored) | |
 # | some layers whole, others checkpointed: `budget:SIZE` chooses which | `--recompute-method block --recompute-num-layers N` (the first $N$ layers of each pipeline stage recomputed) | `mode = "selective"`, `selective_ac_option = "N"` (every $N$-th layer checkpointed) | | `activation_checkpointing_enable(every_n_layers=N)` | `checkpoint` around the chosen layers | |
-# | `selective` | ~ `--recompute-granularity selective` (`--recompute-modules core_attn`, the default): it checkpoints the whole core attention, $q k^\top$, softmax, dropout and $P V$, so it recomputes $4 b s^2 h$ FLOPs a layer where picockpt keeps the context and rebuilds $P$ alone from $q$, $k$: $2 b s^2 h$ | | | ~ `attn_implementation="sdpa"` or flash attention: the probabilities are never stored | `create_selective_checkpoint_contexts` with the $T \times T$ ops `PREFER_RECOMPUTE` (lesson 07) | |
+# | `selective` | ~ `--recompute-granularity selective` (`--recompute-modules core_attn`, the default): it checkpoints the whole core attention, $q k^\top$, softmax, dropout and $P V$, so it recomputes $4 b s^2 h$ FLOPs a layer where picockpt keeps the context and rebuilds $P$ alone from $q$, $k$: $2 b s^2 h$ | | | ~ `attn_implementation="sdpa"` or flash attention: the probabilities are never stored | `create_selective_checkpoint_contexts` with the $T \times T$ ops `PREFER_RECOMPUTE` (lesson 10) | |
 # | `cheap` | ~ `--recompute-granularity selective --recompute-modules core_attn layernorm` (+ `moe_act` for the experts): the norm outputs alike, but no Megatron option rebuilds only the dense MLP's SwiGLU product (`mlp` recomputes the whole MLP, its matmuls included; `moe_act` only the experts' activation), and `core_attn` as in the row above | ~ `selective_ac_option = "op"` (saves matmul and attention outputs, but only every other matmul, and recomputes the rest) | | | `create_selective_checkpoint_contexts` saving the matmul outputs (the policy PyTorch's documentation shows) | |
 # | `moe_act` | `--recompute-modules moe_act` (the experts' activation, output-discarding checkpointing) | | | | | |
-# | `moe` | ~ `--recompute-modules moe`: Megatron checkpoints the whole MoE layer, its router, the dispatch and combine all-to-alls, the experts and the shared experts; picockpt's `moe` keeps the router output and the routing and projects only the experts' gate and up again (under expert parallelism it dispatches their rows again, lesson 13) | | | | | |
+# | `moe` | ~ `--recompute-modules moe`: Megatron checkpoints the whole MoE layer, its router, the dispatch and combine all-to-alls, the experts and the shared experts; picockpt's `moe` keeps the router output and the routing and projects only the experts' gate and up again (under expert parallelism it dispatches their rows again, lesson 17) | | | | | |
 # | `shared_experts` | `--recompute-modules shared_experts` | | | | | |
 # | `router` (the router's probabilities, rebuilt by its linear and softmax) | | | | | | |
 # | `full` on an MoE layer, routing kept | ~ `full` with `moe_enable_routing_replay`, the caller setting `REPLAY_FORWARD` (indices from `set_target_indices`) and then `REPLAY_BACKWARD` for the recompute: the experts fixed, the router's scores and the dispatcher's count exchange computed again (picockpt's expert-parallel `full` keeps the indices and runs neither again; its single-process `full` reruns the router with the generator replayed) | | | | | |
@@ -166,7 +167,7 @@ print(f"modules not in the table: {', '.join(others) or 'none'}")
 #
 # DeepSpeed's `number_checkpoints` sizes the buffers of `contiguous_memory_optimization` (one per
 # checkpoint); where the checkpoints go is the model's own code, as in Megatron-DeepSpeed. Where a
-# framework recomputes with FlashAttention, `selective` has nothing left to drop (lesson 09):
+# framework recomputes with FlashAttention, `selective` has nothing left to drop (lesson 13):
 # Megatron's documentation advises comparing `core_attn` against recomputing nothing with fused attention.
 #
 # Sources, each checked for the names above: Megatron-LM, `megatron/training/arguments.py`

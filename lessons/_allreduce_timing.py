@@ -1,4 +1,4 @@
-"""The rank side of lesson 19's all-reduce timing. Spawned ranks import the function they run by name
+"""The rank side of lesson 23's all-reduce timing. Spawned ranks import the function they run by name
 (picockpt.parallel.run_ranks), so it lives in a module of its own rather than in the lesson's cells."""
 import time
 

@@ -1,4 +1,4 @@
-"""The memory explorer's arithmetic (lessons/00_memory_explorer): every number it shows, from picockpt's
+"""The memory explorer's arithmetic (lessons/01_memory_explorer): every number it shows, from picockpt's
 closed forms, so it runs on a CPU in milliseconds and never runs a step.
 
     setup = Setup(model="llama3-70b", seq=8192, layer_level="full", tp=8, sp=True)
@@ -27,7 +27,7 @@ tensor parallelism, parallel/inventory.rank_peak_bytes of one rank. The rest:
 
 With p > 1 pipeline stages the explorer shows the first stage of 1F1B, the one that must fit: ceil(L/p)
 layers and the embedding (the head's weights and activations are on the last stage), holding w
-micro-batches at once (1F1B: w = p; Korthikanti et al. 2022, sec. 4.2.3). As lesson 12 measures, every
+micro-batches at once (1F1B: w = p; Korthikanti et al. 2022, sec. 4.2.3). As lesson 16 measures, every
 backward runs while the w - 1 others hold E each, what one micro-batch's forward leaves stored:
 
     stage peak = (w - 1) * E + one micro-batch's own peak

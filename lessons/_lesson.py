@@ -3,9 +3,9 @@
 A lesson is one file, lessons/NN_name.py, in the percent format (picockpt/notebooks.py): `# %%` starts
 a code cell, `# %% [markdown]` a markdown cell whose lines are comments. The same file runs three ways:
 
-    python lessons/05_the_price.py --fast          a script: the flags from its command line
-    python -m picockpt reproduce --only 05         the same, run in this process (runpy) for every lesson
-    lessons/05_the_price.ipynb in Jupyter          a notebook made from it (python -m picockpt notebooks):
+    python lessons/08_the_price.py --fast          a script: the flags from its command line
+    python -m picockpt reproduce --only 08         the same, run in this process (runpy) for every lesson
+    lessons/08_the_price.ipynb in Jupyter          a notebook made from it (python -m picockpt notebooks):
                                                    the flags from $PICOCKPT_LESSON_ARGS, e.g. "--fast"
 
 Its first code cell imports from this module by its bare name (lessons/ is the script's folder, and

@@ -4,7 +4,7 @@ picockpt's own model has exact closed forms in inventory.py (they equal the trac
 byte). The formulas here are the general ones the literature uses: they describe a
 GPT-style layer (multi-head attention, GeLU MLP with f = 4h, LayerNorm, dropout), in the
 published convention of 16-bit activations and 1-byte dropout masks. They are what
-`python -m picockpt predict` prints, and what lessons 02 and 03 compare picockpt against.
+`python -m picockpt predict` prints, and what lessons 03 and 05 compare picockpt against.
 
     korthikanti_layer_bytes(s, b, h, a, t, sp, recompute)   Korthikanti et al. 2022, Table 2
     playbook_activation_bytes(L, s, b, h, a, ...)           the Ultra-Scale Playbook's charts

@@ -14,7 +14,7 @@ final_norm.output (B,T,h, dropped by `cheap`), and then either
                                    (counted as recompute), forms softmax - one-hot with the kept lse,
                                    and drops them again, as Cut Cross-Entropy does (Liger's fused
                                    linear cross-entropy is another trade: it computes the gradients
-                                   chunk by chunk in the forward and keeps them; lesson 09). At a
+                                   chunk by chunk in the forward and keeps them; lesson 13). At a
                                    128K vocabulary the logits are the largest activation of a step,
                                    and here they never exist whole.
 

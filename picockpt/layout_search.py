@@ -37,7 +37,7 @@ from .schedule import OP_LEVEL
 from .parallel.pipeline_parallel.pp_inventory import StageForms
 from .parallel.pipeline_parallel.pp_schedules import stage_layers
 
-POLICIES = ("none", "cheap", "full")  # selective drops nothing under flash attention (lesson 09): it would repeat none
+POLICIES = ("none", "cheap", "full")  # selective drops nothing under flash attention (lesson 13): it would repeat none
 ZERO_STAGES = ("0", "1", "2", "3", "3+keep")
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
 STATE_BYTES = {"param": 4, "grad": 4, "optimizer": 8}  # fp32 master weights and gradients, AdamW's two moments

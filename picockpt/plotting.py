@@ -7,8 +7,8 @@ so they never replace the committed full-size ones; $PICOCKPT_FIGURES still wins
 A figure is written to a temporary file beside its final name and then renamed over it, so
 an interrupted run leaves the previous PNG whole, never a truncated one.
 
-    path = save_figure(fig, "01_anatomy_of_a_step")    # figures/01_anatomy_of_a_step.png
-    path = save_figure(fig, "01_anatomy_of_a_step", fast=True)   # out/figures/01_anatomy_of_a_step.png
+    path = save_figure(fig, "02_anatomy_of_a_step")    # figures/02_anatomy_of_a_step.png
+    path = save_figure(fig, "02_anatomy_of_a_step", fast=True)   # out/figures/02_anatomy_of_a_step.png
     shade_phases(ax, tracker.timeline)                  # forward / recompute / backward / optimizer
     ax.plot(x, mib(bytes_list), color=policy_color("full"))
 

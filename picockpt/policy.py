@@ -36,7 +36,7 @@ The routing decision (which experts each token went to) stays stored whatever th
 rebuild inside the backward reuses it, never routes again. A layer recomputed whole (full, every:C)
 runs its router again in one process, with the random generator replayed (RNG replay: the same jitter,
 so the same experts); an expert-parallel layer keeps its top-k indices and never routes again
-(lessons 11 and 13; Megatron-LM's routing replay differs: its RECORD mode only records the indices, and a
+(lessons 15 and 17; Megatron-LM's routing replay differs: its RECORD mode only records the indices, and a
 replay takes indices set from outside, while the router still computes its scores).
 
 What the engine runs (layer modes, the Schedule) and the op levels' names are in picockpt/schedule.py.

@@ -12,7 +12,7 @@ cuda      on a CUDA device max_memory_allocated() per phase, relative to the sta
           rebuilt in the backward, 528 a layer at T=4096) counts in the phase around it;
           with cuda_timeline=True also torch.cuda.memory_allocated() at every store event (each
           query costs about 0.2 ms, twice a small step's GPU time, so it is off unless a
-          timeline against the allocator is wanted: lesson 01's figure, the GPU benchmark).
+          timeline against the allocator is wanted: lesson 02's figure, the GPU benchmark).
 host      with an offloading policy (picockpt/offload.py): the host tier's bytes at every store event
           (peak_host), the bytes copied each way in each phase (copy_bytes: "to_host", "to_device"),
           and the host copies' storages, marked "host", kept out of the physical (device) count

@@ -78,7 +78,7 @@ def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="
     recomputation (policy none), and hardware FLOPs per second over the peak, recomputation included.
     The summary adds the peaks per phase (forward, recompute, backward, optimizer). A list passed as
     `record` receives one dict per step: loss, seconds, the rates and shares above, and per phase its
-    seconds and stored and live peaks (the curves lesson 18 reads).
+    seconds and stored and live peaks (the curves lesson 22 reads).
     With a seed, the dropout masks are drawn from it: the same seed gives the same losses, bitwise.
     `optimizer` (make_optimizer(params, lr), or None for a new one) carries AdamW's state from an earlier
     call on: one run whose policy changes between calls is still one run (lr is then the optimizer's)."""

@@ -42,11 +42,11 @@ def one_thread():
 @pytest.fixture(scope="session")
 def u_curve(tmp_path_factory):
     """measure(layers, hidden, ffn, seq) -> (cfg, batch, {C: the store's measured peak under every:C, C = 1..L}) of
-    lesson 02's deep, narrow model (its deep() and measure_peaks; batch 2). test_lessons.py and test_formulas.py hold
+    lesson 04's deep, narrow model (its deep() and measure_peaks; batch 2). test_lessons.py and test_formulas.py hold
     the same sweep to their formulas: it is measured once per test run, under pytest-xdist once for all the workers
     (a file in the run's shared temporary folder, written under a lock; the other worker reads it)."""
     from picockpt.reproduce import discover, load
-    [path] = [path for path in discover(kinds=(".py",)) if path.name.startswith("02_segments")]
+    [path] = [path for path in discover(kinds=(".py",)) if path.name.startswith("04_segments")]
     segments = load(path)
     shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
     cache = {}

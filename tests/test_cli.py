@@ -64,7 +64,7 @@ def test_compare_memory_against_pytorch():
     for name, row in rows.items():
         if row["kind"] == "picockpt" and row["memory_vs_equivalent"] is not None:
             assert row["memory_vs_equivalent"] <= 1.0, name
-    # the same recomputation as torch's: one extra forward of every layer (torch stops early, see lesson 07)
+    # the same recomputation as torch's: one extra forward of every layer (torch stops early, see lesson 10)
     assert rows["picockpt full"]["recompute_flops"] == rows["bridge full"]["recompute_flops"]
     assert rows["torch checkpoint per layer"]["recompute_flops"] < rows["picockpt full"]["recompute_flops"]
 

@@ -39,7 +39,7 @@ def test_min_cut_peer_gradients_and_recompute():
     compiled(ids, targets).backward()
     for name, p in model.named_parameters():
         assert max_relative_diff(p.grad, reference[name]) < GRAD_TOLERANCE["float32"], name
-    order = load(LESSONS / "08_budget_planner.py").backward_order(graphs)  # what lesson 08's sweep table reads
+    order = load(LESSONS / "12_budget_planner.py").backward_order(graphs)  # what lesson 12's sweep table reads
     assert order["from_x0"]  # budget 0 rebuilds x0 from the ids: the embedding lookup is in the backward graph
     assert order["recomputed_matmuls"] == 7 + 2 + 1  # q k v o gate up down, q k^T and P v, and the head
 

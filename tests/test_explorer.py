@@ -1,4 +1,4 @@
-"""The memory explorer (lessons/00_memory_explorer, lessons/_explorer.py): every number it shows is a
+"""The memory explorer (lessons/01_memory_explorer, lessons/_explorer.py): every number it shows is a
 closed form of picockpt's, and its widgets' callbacks show the numbers of the setup they are set to."""
 import sys
 
@@ -58,7 +58,7 @@ def test_model_states_working_memory_and_the_multipliers():
 @pytest.mark.parametrize("policy", ["none", "full", "every:3+selective", "budget"])
 @pytest.mark.parametrize("model,parallel", [("llama3-8b", {}), ("llama3-70b", dict(tp=8, sp=True))])
 def test_a_pipeline_stage_stores_w_minus_one_E_plus_its_own_peak(policy, model, parallel):
-    """Stage 0 of 1F1B as lesson 12 measures it, (w - 1)·E + one micro-batch's peak: the pipeline's own closed
+    """Stage 0 of 1F1B as lesson 16 measures it, (w - 1)·E + one micro-batch's peak: the pipeline's own closed
     form (StageForms), to the byte, for the fixed policies and for the planner at the explorer's room."""
     setup = Setup(model=model, **shape_of(model), seq=4096, stages=4, in_flight=4, capacity=80 * GIB, **parallel)
     t, sp = parallel.get("tp", 1), parallel.get("sp", False)
@@ -138,7 +138,7 @@ def test_bad_setups_say_why():
 @pytest.fixture(scope="module")
 def explorer():
     """The explorer notebook's cells, run as a script (no kernel: the widgets work, nothing is drawn)."""
-    namespace = run_percent(LESSONS / "00_memory_explorer.py", ["--fast", "--device", "cpu"])
+    namespace = run_percent(LESSONS / "01_memory_explorer.py", ["--fast", "--device", "cpu"])
     return namespace
 
 

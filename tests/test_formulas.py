@@ -204,7 +204,7 @@ def test_measured_u_curve_minimum_is_where_the_exact_formula_puts_it(one_thread,
     """Every C of a 64-layer model of tiny width: the store's measured peak equals picockpt's exact
     formula for each C, the measured minimum is the formula's, and Chen's continuous optimum
     sqrt(L x / A) lies within one layer of it (between the two integers around it). The sweep is
-    test_lessons.py's deepest (conftest.py's u_curve: lesson 02's model, measured once for both files)."""
+    test_lessons.py's deepest (conftest.py's u_curve: lesson 04's model, measured once for both files)."""
     s = 8
     cfg, b, measured = u_curve(64, 32, 32, s)  # C -> the store's peak under every:C, a Tracker over loss_and_grads
     exact = exact_segment_curve(cfg, b, s)

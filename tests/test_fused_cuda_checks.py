@@ -113,8 +113,8 @@ def test_the_parallel_command_takes_cp_comm_ring_overlap(capsys):
         capsys.readouterr().err
 
 
-def test_lesson_14_calls_a_timing_inconclusive_when_its_spread_straddles_1():
-    lesson = load(LESSONS / "14_context_parallelism.py")
+def test_lesson_18_calls_a_timing_inconclusive_when_its_spread_straddles_1():
+    lesson = load(LESSONS / "18_context_parallelism.py")
     spread = lesson_helpers().Spread
     straddles = lesson.overlap_claim(spread((0.9, 1.0, 1.2)), "cpu")
     assert not straddles.conclusive and straddles.text == (

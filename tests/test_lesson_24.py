@@ -1,4 +1,4 @@
-"""Lesson 24's statements against the code: a price in seconds moves the planner where FLOPs do not (an elementwise
+"""Lesson 28's statements against the code: a price in seconds moves the planner where FLOPs do not (an elementwise
 rebuild made dearer changes the plan), each plan of the sweep is optimal for its own price, the modelled seconds
 count the head's rebuild as the recurrence does, a plan's step leaves every number as policy none gives it, the
 lesson refuses a work figure on the wrong side of 1, torch.compile's estimator options are what its text names,
@@ -19,7 +19,7 @@ from picockpt.planner import model_chain
 from picockpt.reproduce import LESSONS, checks, load, run_percent
 from picockpt.tracker import Tracker
 
-PATH = next(LESSONS.glob("24_*.py"))
+PATH = next(LESSONS.glob("28_*.py"))
 CPU_LIKE = replace(HARDWARE["h100"], name="cpu-like", matmul=2e11, memory=2e10,
                    source="a fixed CPU-like roofline: 200 GFLOP/s, 20 GB/s")
 

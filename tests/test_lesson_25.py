@@ -1,4 +1,4 @@
-"""Lesson 25's statements against the code: the numbers its prose states (the ridge point, the bubble shares, the
+"""Lesson 29's statements against the code: the numbers its prose states (the ridge point, the bubble shares, the
 collectives' crossovers, the pipeline's send) recomputed, and what it says holds in all three Table 4 cases (the
 reported MFU below the modelled one, context parallelism in the model's best at 8K, what the published split must
 recompute to fit); the roofline's bound for a matmul, the K/V projections and SwiGLU at the lesson's
@@ -19,7 +19,7 @@ from picockpt.layout_search import (LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, ZE
 from picockpt.notebooks import cells
 from picockpt.reproduce import LESSONS, load
 
-PATH = next(LESSONS.glob("25_*.py"))
+PATH = next(LESSONS.glob("29_*.py"))
 H100 = HARDWARE["h100"]
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""What lessons 00_start_here, 11, 13, 14 and 15 and the FSDP2 peer say of other frameworks and of their own
+"""What lessons 00_start_here, 15, 17, 18 and 19 and the FSDP2 peer say of other frameworks and of their own
 numbers, read from their sources: each sentence is looked up as written, and where it carries a number that
 number is recomputed by picockpt's code, so that a wrong statement cannot come back unnoticed.
 
@@ -24,7 +24,7 @@ from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from picockpt.reproduce import load
 
 LESSONS = pathlib.Path(__file__).resolve().parents[1] / "lessons"
-SEQ = 131072  # lesson 14's Llama 3 sequence
+SEQ = 131072  # lesson 18's Llama 3 sequence
 
 
 def prose(text):
@@ -52,10 +52,10 @@ def outputs(name):
             for line in "".join(out.get("text", "")).splitlines()]
 
 
-# --- lesson 15 and the FSDP2 peer: which hook gathers under which nesting ---------------------------------
+# --- lesson 19 and the FSDP2 peer: which hook gathers under which nesting ---------------------------------
 
-def test_lesson_15_puts_each_fsdp2_mechanism_under_its_own_nesting():
-    text = lesson("15_zero_and_recomputation.py")
+def test_lesson_19_puts_each_fsdp2_mechanism_under_its_own_nesting():
+    text = lesson("19_zero_and_recomputation.py")
     titan = between(text, "**torchtitan's nesting", "**the opposite nesting")
     opposite = between(text, "**the opposite nesting", "`picockpt/parallel/data_parallel/fsdp_peer.py` builds both")
     assert "fully_shard(checkpoint_wrapper(block))" in titan and "torchtitan/models/llama3/parallelize.py" in titan
@@ -81,9 +81,9 @@ def test_lesson_15s_notebook_shows_both_nestings_gathers_beside_picockpts():
     """The committed run (8 layers): FSDP2 gathers every unit once in the forward (the root one unit) and every
     layer once in the backward under both nestings, as picockpt does with keep_gathered; torchtitan's nesting
     runs no unit forward in the backward, the other one per layer; every recompute finds its layer gathered."""
-    layers = Config.from_preset("small").layers  # lesson 15's CPU shape
+    layers = Config.from_preset("small").layers  # lesson 19's CPU shape
     rows = {}
-    for line in outputs("15_zero_and_recomputation.ipynb"):
+    for line in outputs("19_zero_and_recomputation.ipynb"):
         match = re.match(r"(picockpt 3 full(?: keep)?|FSDP2 \S+)\s+(\d+)\s+([\d,]+)\s+(\d+)\s+([\d,]+)(.*)", line)
         if match:
             label, *numbers, rest = match.groups()
@@ -104,7 +104,7 @@ WRONG_REPLAY = ("records the top-k indices in the forward and reuses", "recorded
                 "(nor exchanges counts): what Megatron", "recorded and reused")
 
 
-@pytest.mark.parametrize("name", ["11_mixture_of_experts.py", "13_expert_parallel.py", "00_start_here.py"])
+@pytest.mark.parametrize("name", ["15_mixture_of_experts.py", "17_expert_parallel.py", "00_start_here.py"])
 def test_routing_replay_is_said_as_router_replay_py_does_it(name):
     text = lesson(name)
     for wrong in WRONG_REPLAY:
@@ -114,7 +114,7 @@ def test_routing_replay_is_said_as_router_replay_py_does_it(name):
 
 
 def test_replay_still_computes_the_scores_and_the_dispatch_still_exchanges_counts():
-    eleven, thirteen = lesson("11_mixture_of_experts.py"), lesson("13_expert_parallel.py")
+    eleven, thirteen = lesson("15_mixture_of_experts.py"), lesson("17_expert_parallel.py")
     assert "`RECORD` only stores the top-k the router computed (`recorded_topk_idx`)" in eleven
     assert "the router still computes its logits and scores" in eleven
     assert "under `REPLAY_BACKWARD` the router still computes its logits and scores" in thirteen
@@ -128,10 +128,10 @@ def test_replay_still_computes_the_scores_and_the_dispatch_still_exchanges_count
     assert "REPLAY_FORWARD" in row and "set_target_indices" in row and "count exchange computed again" in row
 
 
-# --- lesson 14 -------------------------------------------------------------------------------------------
+# --- lesson 18 -------------------------------------------------------------------------------------------
 
-def test_lesson_14_says_which_126_layer_split_it_uses_and_the_papers():
-    text = lesson("14_context_parallelism.py")
+def test_lesson_18_says_which_126_layer_split_it_uses_and_the_papers():
+    text = lesson("18_context_parallelism.py")
     assert "8 of the 126 layers" not in text
     ours = re.search(r"`stage_layers` \(`[^`]+`\) gives the first (\d+) stages (\d+) layers and the last two (\d+)",
                      text)
@@ -142,11 +142,11 @@ def test_lesson_14_says_which_126_layer_split_it_uses_and_the_papers():
                       r"(\d+) on the (\d+) between", text)
     end, middle, between_stages = map(int, paper.groups())
     assert 2 * end + between_stages * middle == 126 and end == middle - 1 and between_stages == 14
-    assert "stage_plan(\"full\", llama405" in (LESSONS / "14_context_parallelism.py").read_text()  # computed
+    assert "stage_plan(\"full\", llama405" in (LESSONS / "18_context_parallelism.py").read_text()  # computed
 
 
-def test_lesson_14_gives_the_logits_true_share_of_full():
-    text = lesson("14_context_parallelism.py")
+def test_lesson_18_gives_the_logits_true_share_of_full():
+    text = lesson("18_context_parallelism.py")
     assert "most of full's bytes are the head's logits" not in text
     assert "{logits_share:.1%} of it, less than half" in text
     llama = Config.from_preset("llama3-8b", dtype="bfloat16", attention="fused")
@@ -154,8 +154,8 @@ def test_lesson_14_gives_the_logits_true_share_of_full():
     assert share < 0.5
 
 
-def test_lesson_14_separates_the_flop_counters_square_from_the_kernels_causal_skip():
-    text = lesson("14_context_parallelism.py")
+def test_lesson_18_separates_the_flop_counters_square_from_the_kernels_causal_skip():
+    text = lesson("18_context_parallelism.py")
     assert "The fused kernel counts the causal block's whole square" not in text
     assert "FlopCounterMode counts the fused kernel's whole square, causal or not" in text
     assert "The flash kernel itself skips the key blocks above the causal diagonal" in text
@@ -164,13 +164,13 @@ def test_lesson_14_separates_the_flop_counters_square_from_the_kernels_causal_sk
     llama = Config.from_preset("llama3-8b", dtype="bfloat16", attention="fused")
     counts = [rank_attention_flops(llama, 1, SEQ, 4, "contiguous", r) for r in range(4)]  # FlopCounterMode's
     assert counter == max(counts) / np.mean(counts)
-    skipping = load(LESSONS / "14_context_parallelism.py").kernel_imbalance  # the lesson's own kernel count
+    skipping = load(LESSONS / "18_context_parallelism.py").kernel_imbalance  # the lesson's own kernel count
     assert kernel == (2 * 4 - 1) / 4 == round(skipping(llama, 4), 2)
     assert all(abs(skipping(llama, cp) - (2 * cp - 1) / cp) < 1e-3 for cp in (2, 8, 16))
 
 
-def test_lesson_14_calls_the_kv_head_limit_picockpts_choice_and_says_what_megatron_does():
-    text = lesson("14_context_parallelism.py")
+def test_lesson_18_calls_the_kv_head_limit_picockpts_choice_and_says_what_megatron_does():
+    text = lesson("18_context_parallelism.py")
     assert "Its 8 key/value heads cap it" not in text
     assert "(a choice of this codebase, not a law)" in text
     assert "Megatron-LM goes on past the head count by replicating K/V heads" in text
@@ -179,8 +179,8 @@ def test_lesson_14_calls_the_kv_head_limit_picockpts_choice_and_says_what_megatr
         check_tensor_parallel(Config.from_preset("llama3-405b", dtype="bf16", attention="fused"), 16, True, SEQ)
 
 
-def test_lesson_14_attaches_megatrons_ring_description_to_the_ring():
-    text = lesson("14_context_parallelism.py")
+def test_lesson_18_attaches_megatrons_ring_description_to_the_ring():
+    text = lesson("18_context_parallelism.py")
     ring = between(text, "* **ring**", "* **all-gather**")
     gather = between(text, "* **all-gather**", "Causal attention makes")
     assert "`--cp-comm-type p2p`, its default" in ring and "context_parallel.md" in ring

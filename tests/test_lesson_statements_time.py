@@ -1,4 +1,4 @@
-"""What lessons 16, 17 and 19 and the README say about time, links and number formats, read from their text
+"""What lessons 20, 21 and 23 and the README say about time, links and number formats, read from their text
 and checked against picockpt's code and picockpt/hardware.py, so that a corrected statement cannot quietly
 come back: an offloaded tensor's two copies, fp8's error bound and its subnormals, Megatron's overlap of
 tensor-parallel collectives, what recomputation does to a data-parallel step, the sources cited, and one
@@ -47,13 +47,13 @@ def shown(value, digits=1):
 
 
 @pytest.fixture(scope="module")
-def l16():
-    return load(lesson_path("16"))
+def l20():
+    return load(lesson_path("20"))
 
 
 @pytest.fixture(scope="module")
-def l19():
-    return load(lesson_path("19"))
+def l23():
+    return load(lesson_path("23"))
 
 
 # ---- one place for link and device numbers ---------------------------------------------------------------
@@ -79,15 +79,15 @@ def test_no_lesson_or_module_restates_a_hardware_number():
     assert not found, "\n".join(found)
 
 
-def test_lessons_16_and_19_take_their_rates_from_hardware(l16, l19):
-    assert l16.LINKS == {"PCIe Gen5 x16": hardware.PCIE_GEN5_X16, "NVLink-C2C": hardware.NVLINK_C2C}
-    assert l16.RATES == {"H100 SXM": hardware.H100_SXM_BF16, "H200 SXM": hardware.H200_SXM_BF16}
-    assert l19.LINKS == {"NVLink 4": hardware.NVLINK_4, "PCIe Gen5 x16": hardware.PCIE_GEN5_X16,
+def test_lessons_20_and_23_take_their_rates_from_hardware(l20, l23):
+    assert l20.LINKS == {"PCIe Gen5 x16": hardware.PCIE_GEN5_X16, "NVLink-C2C": hardware.NVLINK_C2C}
+    assert l20.RATES == {"H100 SXM": hardware.H100_SXM_BF16, "H200 SXM": hardware.H200_SXM_BF16}
+    assert l23.LINKS == {"NVLink 4": hardware.NVLINK_4, "PCIe Gen5 x16": hardware.PCIE_GEN5_X16,
                          "InfiniBand NDR": hardware.INFINIBAND_NDR}
-    assert l19.H100_BF16 == hardware.H100_SXM_BF16
+    assert l23.H100_BF16 == hardware.H100_SXM_BF16
 
 
-@pytest.mark.parametrize("prefix", ["16", "19"])
+@pytest.mark.parametrize("prefix", ["20", "23"])
 def test_every_link_figure_in_the_prose_is_hardwares(prefix):
     """Each 'N GB/s' is one direction of a hardware.py link, or a datasheet figure it halves: NVLink's and
     NVLink-C2C's 900 GB/s, PCIe Gen5's 128 GB/s (both directions of 32 GT/s x 16 lanes, before encoding)."""
@@ -100,49 +100,49 @@ def test_every_link_figure_in_the_prose_is_hardwares(prefix):
     assert pcie in prose(prefix), f"lesson {prefix} does not give PCIe Gen5's {pcie}"
 
 
-@pytest.mark.parametrize("prefix", ["16", "19"])
+@pytest.mark.parametrize("prefix", ["20", "23"])
 def test_every_compute_rate_in_the_prose_is_hardwares(prefix):
     for figure in re.findall(r"(\d[\d,]*(?:\.\d+)?) TFLOP", prose(prefix)):
         assert float(figure.replace(",", "")) * 1e12 == hardware.H100_SXM_BF16 == hardware.H200_SXM_BF16, \
             f"lesson {prefix}: {figure} TFLOP/s"
 
 
-# ---- lesson 16: two copies, the sources -----------------------------------------------------------------
+# ---- lesson 20: two copies, the sources -----------------------------------------------------------------
 
-def test_16_unhidden_break_even_counts_both_copies(l16):
+def test_20_unhidden_break_even_counts_both_copies(l20):
     """Moved, a tensor crosses the link twice; with neither copy hidden it beats recomputing below W/(2R)."""
     W, R = hardware.PCIE_GEN5_X16, hardware.H200_SXM_BF16
-    assert l16.break_even(W, R) == W / (2 * R) and l16.break_even(W, R, hidden=True) == W / R
-    text = prose("16")
+    assert l20.break_even(W, R) == W / (2 * R) and l20.break_even(W, R, hidden=True) == W / R
+    text = prose("20")
     unhidden = sentence(text, "beats it only below")
     assert "$W/(2R)$" in unhidden and "$W/R$" not in unhidden and "crosses the link twice" in text
     pcie, c2c = re.search(r"\$W/\(2R\)\$: ([\d.e-]+) B/FLOP for PCIe .*?, ([\d.e-]+) B/FLOP over NVLink-C2C",
                           unhidden).groups()
-    assert float(pcie) == shown(l16.break_even(W, R))
-    assert float(c2c) == shown(l16.break_even(hardware.NVLINK_C2C, R))
+    assert float(pcie) == shown(l20.break_even(W, R))
+    assert float(c2c) == shown(l20.break_even(hardware.NVLINK_C2C, R))
     hidden = sentence(text, "both copies cost nothing")
     pcie, c2c = re.search(r"below \$W/R\$ \(([\d.e-]+) B/FLOP for PCIe, ([\d.e-]+) over NVLink-C2C\)", hidden).groups()
     assert float(pcie) == shown(W / R) and float(c2c) == shown(hardware.NVLINK_C2C / R)
 
 
-def test_16_projections_are_cheaper_to_rebuild_over_both_links_unless_hidden(l16):
+def test_20_projections_are_cheaper_to_rebuild_over_both_links_unless_hidden(l20):
     """'The projections' ratio is 1/h ... above both': checked on Llama 3 8B's q projection."""
     llama = Config.from_preset("llama3-8b", dtype="bf16", attention="eager", max_seq=4096)
-    ratio = l16.bytes_per_flop(llama, 4096)["attn.q"]
+    ratio = l20.bytes_per_flop(llama, 4096)["attn.q"]
     assert ratio == pytest.approx(1 / llama.hidden)
-    assert f"$1/h$ = {shown(ratio):.1e}".replace("e-04", "e-4") in prose("16")
-    for W in l16.LINKS.values():
-        assert ratio > l16.break_even(W, hardware.H200_SXM_BF16)
+    assert f"$1/h$ = {shown(ratio):.1e}".replace("e-04", "e-4") in prose("20")
+    for W in l20.LINKS.values():
+        assert ratio > l20.break_even(W, hardware.H200_SXM_BF16)
 
 
-def test_16_exercise_asks_about_both_copies():
-    question = sentence(prose("16"), "would moving a Llama 3 8B layer's `mlp.gate` be cheaper")
+def test_20_exercise_asks_about_both_copies():
+    question = sentence(prose("20"), "would moving a Llama 3 8B layer's `mlp.gate` be cheaper")
     assert "if nothing hid either copy" in question
-    assert "break_even(PCIE_GEN5_X16, H200_SXM_BF16)" in lesson_path("16").read_text(encoding="utf-8")
+    assert "break_even(PCIE_GEN5_X16, H200_SXM_BF16)" in lesson_path("20").read_text(encoding="utf-8")
 
 
-def test_16_cites_the_deepspeed_issue_that_asks_and_megatrons_offloading_docs():
-    text = prose("16")
+def test_20_cites_the_deepspeed_issue_that_asks_and_megatrons_offloading_docs():
+    text = prose("20")
     deepspeed = sentence(text, "It once required partitioning")
     assert "#541" in deepspeed and "#522" not in text  # #541 asks why CPU checkpointing needed partitioning
     for path in ("megatron/core/transformer/moe/README.md",
@@ -152,23 +152,23 @@ def test_16_cites_the_deepspeed_issue_that_asks_and_megatrons_offloading_docs():
     assert "`--fine-grained-activation-offloading --offload-modules ...`" in text
 
 
-def test_16_c2c_figure_is_gb200s_in_te_and_gh200s_in_its_datasheet():
-    text = prose("16")
+def test_20_c2c_figure_is_gb200s_in_te_and_gh200s_in_its_datasheet():
+    text = prose("20")
     te = sentence(text, "Transformer Engine's CPU-offloading docs")
     assert "GB200" in te and "900 GB/s" in te and "GH200 datasheet" in te
-    assert "Grace superchip" not in text and "Grace Hopper's 900" not in lesson_path("16").read_text()
+    assert "Grace superchip" not in text and "Grace Hopper's 900" not in lesson_path("20").read_text()
 
 
-# ---- lesson 17: the fp8 bound and subnormals ------------------------------------------------------------
+# ---- lesson 21: the fp8 bound and subnormals ------------------------------------------------------------
 
 def power(x):
     """2^{-6} for 0.015625, as the lesson's TeX writes it."""
     return f"2^{{{math.log2(x):.0f}}}"
 
 
-def test_17_fp8_bound_holds_for_normals_and_says_where_subnormals_start():
+def test_21_fp8_bound_holds_for_normals_and_says_where_subnormals_start():
     e4m3, e5m2 = torch.finfo(torch.float8_e4m3fn), torch.finfo(torch.float8_e5m2)
-    text = prose("17")
+    text = prose("21")
     bound = sentence(text, "That bound holds")
     assert "normal numbers only" in bound
     subnormal = text[text.index("## Where the"):]
@@ -178,9 +178,9 @@ def test_17_fp8_bound_holds_for_normals_and_says_where_subnormals_start():
         assert figure in subnormal, figure
 
 
-def test_17_narrow_store_counts_where_the_bound_fails():
+def test_21_narrow_store_counts_where_the_bound_fails():
     """Normal values keep 2^-4 of themselves; a subnormal one may lose more, and a tiny one all of itself."""
-    m = load(lesson_path("17"))
+    m = load(lesson_path("21"))
     x = torch.tensor([448.0, 1.0, 3.3, 1.3 * 2**-9, 2**-12, -0.02], dtype=torch.float32)  # amax 448: scale 1
     store = m.NarrowStore({"x"}, torch.float32)
     store.put(0, "x", x)
@@ -191,37 +191,37 @@ def test_17_narrow_store_counts_where_the_bound_fails():
     assert relative[3] > 2**-4 and relative[4] == 1.0  # a subnormal beyond it; 2^-12 rounded to zero
 
 
-# ---- lesson 19: Megatron's overlap, recomputation and the data-parallel step ----------------------------
+# ---- lesson 23: Megatron's overlap, recomputation and the data-parallel step ----------------------------
 
-def test_19_tp_comm_overlap_needs_sequence_parallelism():
+def test_23_tp_comm_overlap_needs_sequence_parallelism():
     """megatron/training/arguments.py asserts sequence_parallel when tp_comm_overlap is set."""
-    text = prose("19")
+    text = prose("23")
     refused = sentence(text, "is refused without sequence parallelism")
     assert "`tp_comm_overlap`" in refused and "megatron/training/arguments.py" in refused
     assert "unless `tp_comm_overlap`" not in text
 
 
-def test_19_recomputation_widens_the_window_and_never_shortens_the_step(l19):
+def test_23_recomputation_widens_the_window_and_never_shortens_the_step(l23):
     IB, F = hardware.INFINIBAND_NDR, hardware.H100_SXM_BF16
-    text = prose("19")
+    text = prose("23")
     assert "recomputation helps" not in text and "It never makes a step shorter" in text
     window = sentence(text, "gives the gradient all-reduce a longer window")
     full, none = re.search(r"d = 8: ([\d,]+) with `full` against ([\d,]+) without", window).groups()
-    assert full == f"{l19.hiding_tokens(8, F, IB, policy='full'):,.0f}"
-    assert none == f"{l19.hiding_tokens(8, F, IB):,.0f}"
+    assert full == f"{l23.hiding_tokens(8, F, IB, policy='full'):,.0f}"
+    assert none == f"{l23.hiding_tokens(8, F, IB):,.0f}"
     grows = sentence(text, "still grows")
     growth = {int(k.replace(",", "")): float(r) for k, r in re.findall(r"at ([\d,]+) (?:tokens per GPU, .*? )?by "
                                                                        r"(?:the recomputed forward, 8/6 = )?([\d.]+)",
                                                                        grows)}
     assert set(growth) == {32768, 16384}
     for tokens, ratio in growth.items():
-        step = l19.dp_step_seconds(tokens, 8, F, IB, policy="full") / l19.dp_step_seconds(tokens, 8, F, IB)
+        step = l23.dp_step_seconds(tokens, 8, F, IB, policy="full") / l23.dp_step_seconds(tokens, 8, F, IB)
         assert f"{step:.3f}" == f"{ratio:.3f}", tokens
     assert "at 8,192 and below" in grows and "by nothing" in grows
     for tokens in (2**k for k in range(8, 14)):  # 8,192 and below: the all-reduce outlasts both backwards
-        assert l19.dp_step_seconds(tokens, 8, F, IB, policy="full") == l19.dp_step_seconds(tokens, 8, F, IB)
+        assert l23.dp_step_seconds(tokens, 8, F, IB, policy="full") == l23.dp_step_seconds(tokens, 8, F, IB)
     for tokens in (2**k for k in range(8, 20)):
-        assert l19.dp_step_seconds(tokens, 8, F, IB, policy="full") >= l19.dp_step_seconds(tokens, 8, F, IB)
+        assert l23.dp_step_seconds(tokens, 8, F, IB, policy="full") >= l23.dp_step_seconds(tokens, 8, F, IB)
 
 
 # ---- README: what picockpt builds -------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from picockpt.reproduce import LESSONS, checks, discover, kind, load, run_lesson
 
 SCRIPTS = discover(kinds=(".py",))
 PERCENT = [path for path in SCRIPTS if kind(path) == "percent"]
-AS_SCRIPTS = [path for path in SCRIPTS if kind(path) != "percent" or path.name[:2] in ("00", "01")
+AS_SCRIPTS = [path for path in SCRIPTS if kind(path) != "percent" or path.name[:2] in ("00", "01", "02")
               or "spawning_ranks(" in path.read_text()]  # the rest run as notebooks (test_notebooks.py)
 PNG = b"\x89PNG\r\n\x1a\n"
 FAST = ["--fast", "--device", "cpu"]
@@ -75,7 +75,7 @@ def test_lessons_are_found():
     names = [path.name for path in SCRIPTS]
     assert len(PERCENT) >= 16, names  # 00 x2, 01-11 and the three derivation notebooks
     assert names == sorted(names)
-    assert {"00_start_here.py", "00_memory_explorer.py", "02_deriving_L_over_C_plus_C.py"} <= set(names)
+    assert {"00_start_here.py", "01_memory_explorer.py", "03_deriving_L_over_C_plus_C.py"} <= set(names)
 
 
 @pytest.mark.notebooks
@@ -99,14 +99,14 @@ def test_lesson_runs_as_a_script(script, figures):
 @pytest.mark.notebooks
 def test_reproduce_command(tmp_path):
     env = {**os.environ, "PICOCKPT_FIGURES": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "picockpt", "reproduce", "--fast", "--only", "01", "--device", "cpu",
+    out = subprocess.run([sys.executable, "-m", "picockpt", "reproduce", "--fast", "--only", "02", "--device", "cpu",
                           "--threads", "1"],
                          capture_output=True, text=True, env=env, cwd=LESSONS.parent)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "[1/1] 01_anatomy_of_a_step.py" in out.stdout
+    assert "[1/1] 02_anatomy_of_a_step.py" in out.stdout
     assert "stored = formula: True" in out.stdout  # the results table
     assert "exercises right: 3 of 3" in out.stdout
-    assert_png(tmp_path / "01_anatomy_of_a_step.png", tmp_path)
+    assert_png(tmp_path / "02_anatomy_of_a_step.png", tmp_path)
 
 
 def test_reproduce_rejects_an_unknown_lesson():
@@ -114,7 +114,7 @@ def test_reproduce_rejects_an_unknown_lesson():
     assert out.returncode == 2 and "there is no lesson 99" in out.stderr and "Traceback" not in out.stderr
 
 
-OLD_SCRIPT = '''"""Lesson 01: a script in the older format."""
+OLD_SCRIPT = '''"""Lesson 02: a script in the older format."""
 def main(argv):
     return {"figures": [], "summary": {"argv": " ".join(argv)}}
 '''
@@ -160,7 +160,7 @@ def test_load_runs_definitions_only(tmp_path):
 
 @pytest.mark.parametrize("policy", ["none", "full"])
 def test_anatomy_peak_is_the_exact_formula(policy):
-    anatomy = lesson("01_anatomy")
+    anatomy = lesson("02_anatomy")
     cfg, batch, seq = anatomy.shape("fast")
     tracker = anatomy.watch_step(cfg, batch, seq, policy, "cpu")
     assert tracker.peak_logical == predicted_peak_bytes(cfg, batch, seq, policy)
@@ -170,9 +170,9 @@ def test_anatomy_peak_is_the_exact_formula(policy):
     assert len(recomputes) == (cfg.layers if policy == "full" else 0)  # one micro-spike per layer
 
 
-def test_lesson_01_legend_names_every_phase(figures):
-    namespace = run_percent(next(p for p in SCRIPTS if p.name.startswith("01")), FAST)
-    assert namespace["RESULT"]["figures"] == [str(figures / "01_anatomy_of_a_step.png")]
+def test_lesson_02_legend_names_every_phase(figures):
+    namespace = run_percent(next(p for p in SCRIPTS if p.name.startswith("02")), FAST)
+    assert namespace["RESULT"]["figures"] == [str(figures / "02_anatomy_of_a_step.png")]
     top = namespace["fig"].axes[0]  # the legend sits in the first panel (none), which has no recompute phase itself
     labels = [text.get_text() for text in top.get_legend().get_texts()]
     assert {"forward", "recompute", "backward", "optimizer"} <= set(labels), labels
@@ -182,8 +182,8 @@ def test_lesson_01_legend_names_every_phase(figures):
 @pytest.mark.slow
 @pytest.mark.parametrize("layers,hidden,ffn,seq", [(32, 32, 64, 16), (64, 32, 32, 8)])
 def test_u_curve_minimum_is_where_the_formula_puts_it(layers, hidden, ffn, seq, u_curve):
-    segments = lesson("02_segments")
-    cfg, batch, measured = u_curve(layers, hidden, ffn, seq)  # lesson 02's measure_peaks, C = 1..L (conftest.py)
+    segments = lesson("04_segments")
+    cfg, batch, measured = u_curve(layers, hidden, ffn, seq)  # lesson 04's measure_peaks, C = 1..L (conftest.py)
     every_c = range(1, layers + 1)
     exact = {C: predicted_peak_bytes(cfg, batch, seq, f"every:{C}") for C in every_c}
     assert measured == exact  # every point of the U, to the byte
@@ -195,7 +195,7 @@ def test_u_curve_minimum_is_where_the_formula_puts_it(layers, hidden, ffn, seq, 
 
 
 def test_selective_removes_exactly_the_square_term():
-    sequence = lesson("03_selective")
+    sequence = lesson("06_selective")
     cfg, batch, seqs = sequence.shape("fast")
     cfg = cfg.replace(max_seq=max(seqs))
     peaks = sequence.measure(cfg, batch, seqs, ("none", "selective"))
@@ -209,7 +209,7 @@ def test_selective_removes_exactly_the_square_term():
 
 
 def test_dropout_needs_the_rng_replay():
-    rng = lesson("06_rng")
+    rng = lesson("09_rng")
     cfg, batch, seq = rng.shape("fast")
     params = init_params(cfg, seed=0)
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", 0)
@@ -222,7 +222,7 @@ def test_dropout_needs_the_rng_replay():
 
 
 def test_the_price_in_flops_is_exact():
-    price = lesson("05_the_price")
+    price = lesson("08_the_price")
     cfg, batch, seq, _ = price.shape("fast")
     rows = price.measure(cfg, batch, seq, ("none", "full"), repeats=1)
     for policy, row in rows.items():
@@ -236,10 +236,10 @@ def test_the_price_in_flops_is_exact():
 
 
 def test_liger_holds_the_gradients_and_cut_cross_entropy_recomputes_the_logits():
-    """Lesson 09's two schemes of a chunked head: Liger's forward makes the input and weight gradients and holds
+    """Lesson 13's two schemes of a chunked head: Liger's forward makes the input and weight gradients and holds
     them (N·h + V·h numbers), Cut Cross-Entropy's (picockpt's loss_chunk) holds the lse and computes the logits
     again in the backward: the same loss and gradients, 2·N·h·V FLOPs apart."""
-    head = lesson("09_flash")
+    head = lesson("13_flash")
     cfg = Config(vocab=2048, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64, max_seq=64)
     N, h, V = 32, cfg.hidden, cfg.vocab
     rows = head.head_schemes(cfg, N, 8)
@@ -257,10 +257,22 @@ def test_liger_holds_the_gradients_and_cut_cross_entropy_recomputes_the_logits()
 
 @pytest.mark.parametrize("stages,microbatches", [(2, 1), (4, 8), (8, 16)])
 def test_the_two_bubble_conventions_convert(stages, microbatches):
-    """Lesson 12: Narayanan et al.'s bubble over ideal time b = (p - 1)/m is the share of the step b/(1 + b) that
+    """Lesson 16: Narayanan et al.'s bubble over ideal time b = (p - 1)/m is the share of the step b/(1 + b) that
     bubble_fraction returns and the lesson measures; v interleaved chunks divide b by v."""
-    pipeline = lesson("12_pipeline")
+    pipeline = lesson("16_pipeline")
     b = pipeline.bubble_over_ideal(stages, microbatches)
     assert b == (stages - 1) / microbatches
     assert b / (1 + b) == pytest.approx(pipeline.bubble_fraction(stages, microbatches), rel=1e-12)
     assert pipeline.bubble_over_ideal(stages, microbatches, 2) == pytest.approx(b / 2, rel=1e-12)
+
+
+def test_every_lesson_has_its_own_number_and_the_suggested_path_visits_each_in_order():
+    """Lessons are numbered once each (00, 01, ..., no two alike), and 00_start_here's suggested path names every
+    lesson after the map and the memory explorer, in order: a lesson added without a place in the path fails."""
+    import re
+    numbers = [path.name[:2] for path in discover(kinds=(".py",))]
+    assert len(numbers) == len(set(numbers)), sorted(n for n in numbers if numbers.count(n) > 1)
+    assert numbers == [f"{i:02d}" for i in range(len(numbers))]
+    start = (LESSONS / "00_start_here.py").read_text(encoding="utf-8")
+    path = start[start.index("A suggested path"):start.index("memory explorer (`01_memory_explorer`)")]
+    assert re.findall(r"\b\d\d\b", path) == numbers[2:]

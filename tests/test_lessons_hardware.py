@@ -1,4 +1,4 @@
-"""The hardware arithmetic of lessons 22 and 23 against hand calculations: this machine's cache sizes (read
+"""The hardware arithmetic of lessons 26 and 27 against hand calculations: this machine's cache sizes (read
 from sysfs or lscpu, and the fallback where neither answers), arithmetic intensity and the roofline, the
 bytes of each recompute, the eager rebuilds against picockpt's ops, and the tile and wave quantization of
 NVIDIA's Matrix Multiplication Background User's Guide."""
@@ -26,12 +26,12 @@ EXPECTED = {"L1d": 32768, "L1i": 65536, "L2": 524288, "L3": 8388608}
 
 @pytest.fixture(scope="module")
 def memory():
-    return load(next(LESSONS.glob("22_*.py")))
+    return load(next(LESSONS.glob("26_*.py")))
 
 
 @pytest.fixture(scope="module")
 def layouts():
-    return load(next(LESSONS.glob("23_*.py")))
+    return load(next(LESSONS.glob("27_*.py")))
 
 
 def fake_sysfs(folder, caches):
@@ -93,7 +93,7 @@ def test_this_machine_is_read_from_sysfs():
     assert all(a < b for (_, a), (_, b) in zip(sizes.data_levels, sizes.data_levels[1:]))
 
 
-# ---- lesson 22: intensity, the roofline, the bytes of each recompute ------------------------------------------
+# ---- lesson 26: intensity, the roofline, the bytes of each recompute ------------------------------------------
 
 def test_intensity_and_roofline_against_hand_calculations(memory):
     assert memory.arithmetic_intensity(5, 6) == pytest.approx(5 / 6)
@@ -140,7 +140,7 @@ def test_levels_and_timed_steps(memory):
     assert len(steps[64 * 2**10]()) == times  # the step runs the rebuild that many times
 
 
-# ---- lesson 23: tile and wave quantization, padding, alignment -------------------------------------------------
+# ---- lesson 27: tile and wave quantization, padding, alignment -------------------------------------------------
 
 def test_tile_quantization_is_the_guides_example(layouts):
     assert layouts.tiles(256, 256, (128, 128)) == 4 and layouts.tiles(257, 256, (128, 128)) == 6

@@ -1,4 +1,4 @@
-"""Lessons 17, 19 and 20: their committed exercise answers against picockpt's code, and the functions the
+"""Lessons 21, 23 and 24: their committed exercise answers against picockpt's code, and the functions the
 lessons measure with, on small shapes (the lessons' experiments do not run here: reproduce.load).
 
     17  mixed precision of stored and recomputed activations (NarrowStore: fp8 with a per-tensor scale)
@@ -35,16 +35,16 @@ def close(answer, expected, rel=0.01):
     return math.isclose(answer, expected, rel_tol=rel)
 
 
-# ---- lesson 17 --------------------------------------------------------------------------------------
+# ---- lesson 21 --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def l17():
-    return lesson("17")
+def l21():
+    return lesson("21")
 
 
 @pytest.mark.slow
-def test_17_answers(l17):
-    path, m = l17
+def test_21_answers(l21):
+    path, m = l21
     fp32_bytes, saved, bitwise = answers(path)
     cfg = m.small(dtype="bf16")
     params = init_params(cfg, seed=0)
@@ -57,8 +57,8 @@ def test_17_answers(l17):
     assert bitwise == all(torch.equal(full_grads[k], none_grads[k]) for k in none_grads)
 
 
-def test_17_store_inventory_and_fp8_bytes(l17):
-    _, m = l17
+def test_21_store_inventory_and_fp8_bytes(l21):
+    _, m = l21
     cfg = Config.from_preset("tiny", dtype="bf16")
     params = init_params(cfg, seed=0)
     ids, targets = make_batch(cfg, 2, 16, "cpu", 0)
@@ -77,8 +77,8 @@ def test_17_store_inventory_and_fp8_bytes(l17):
     assert store.bytes == 0 and all(torch.isfinite(g).all() for g in grads.values())
 
 
-def test_17_fp8_costs_accuracy_and_recomputation_none(l17):
-    _, m = l17
+def test_21_fp8_costs_accuracy_and_recomputation_none(l21):
+    _, m = l21
     cfg = Config.from_preset("tiny", dtype="bf16")
     params = init_params(cfg, seed=0)
     ids, targets = make_batch(cfg, 2, 32, "cpu", 0)
@@ -91,8 +91,8 @@ def test_17_fp8_costs_accuracy_and_recomputation_none(l17):
     assert results["fp8 all but stream and stats"][0] < results["fp8 MLP (gate, up, act)"][0] < base[0]
 
 
-def test_17_narrow_store_round_trip(l17):
-    _, m = l17
+def test_21_narrow_store_round_trip(l21):
+    _, m = l21
     store = m.NarrowStore({"x"}, torch.bfloat16)
     x = (torch.randn(64, 32) * 7).to(torch.bfloat16)
     store.put(0, "x", x)
@@ -104,15 +104,15 @@ def test_17_narrow_store_round_trip(l17):
     assert store.inventory(0)["z"][1] == "bfloat16"
 
 
-# ---- lesson 19 --------------------------------------------------------------------------------------
+# ---- lesson 23 --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def l19():
-    return lesson("19")
+def l23():
+    return lesson("23")
 
 
-def test_19_answers(l19):
-    path, m = l19
+def test_23_answers(l23):
+    path, m = l23
     tp_ratio, tokens, pcie = answers(path)
     assert close(tp_ratio, m.tp_overlap_ratio(8192, 8, m.H100_BF16, m.LINKS["NVLink 4"]))
     assert close(tokens, m.hiding_tokens(8, m.H100_BF16, m.LINKS["InfiniBand NDR"], policy="full"))
@@ -121,8 +121,8 @@ def test_19_answers(l19):
     assert close(pcie, sum(v[1] for v in phases.values()) / sum(v[0] for v in phases.values()))
 
 
-def test_19_model(l19):
-    _, m = l19
+def test_23_model(l23):
+    _, m = l23
     assert m.tp_overlap_ratio(8192, 8, 989e12, 450e9) == pytest.approx(2 * 7 / (2 * 8192) * 989e12 / 450e9)
     none, full = (m.hiding_tokens(8, 989e12, 50e9, policy=p) for p in ("none", "full"))
     assert full == pytest.approx(none * 4 / 6)
@@ -134,8 +134,8 @@ def test_19_model(l19):
     assert none_layer["backward"][0] == pytest.approx(2 * none_layer["forward"][0])
 
 
-def test_19_fit_and_comm_pricing(l19):
-    _, m = l19
+def test_23_fit_and_comm_pricing(l23):
+    _, m = l23
     sizes = [2**k for k in range(10, 22, 2)]
     alpha, beta = m.fit_latency_bandwidth(sizes, [50e-6 + s / 2e9 for s in sizes])
     assert alpha == pytest.approx(50e-6) and beta == pytest.approx(2e9)
@@ -147,15 +147,15 @@ def test_19_fit_and_comm_pricing(l19):
     assert priced == pytest.approx({"forward": 3e-3 + (2000 + 500) / 1e3, "backward": 1e-3 + 1000 / 1e3})
 
 
-# ---- lesson 20 --------------------------------------------------------------------------------------
+# ---- lesson 24 --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def l20():
-    return lesson("20")
+def l24():
+    return lesson("24")
 
 
-def test_20_answers(l20):
-    path, m = l20
+def test_24_answers(l24):
+    path, m = l24
     agree, shared_bytes, flops = answers(path)
     r0, r1 = m.rank_masks(m.SCHEMES[1], (4, 8, 128, 128), 1, seed=0)
     assert close(agree, m.agreement(r0, r1))
@@ -164,8 +164,8 @@ def test_20_answers(l20):
     assert flops == rebuild_flops(exercise, 4, 128, m.SHARED)
 
 
-def test_20_mask_schemes(l20):
-    _, m = l20
+def test_24_mask_schemes(l24):
+    _, m = l24
     state = torch.get_rng_state()
     for label, whole, dim in m.regions(m.small(), 2, 64):
         single = m.single_mask(whole, 3)
@@ -181,8 +181,8 @@ def test_20_mask_schemes(l20):
     assert torch.equal(torch.get_rng_state(), state)  # the generator is put back
 
 
-def test_20_shared_expert_rows_equal_closed_form(l20):
-    _, m = l20
+def test_24_shared_expert_rows_equal_closed_form(l24):
+    _, m = l24
     cfg = Config.from_preset("tiny", experts=4)
     rows = m.shared_rows(cfg, 2, 16, torch.device("cpu"), 0, (0, 16, 40))
     assert rows[0]["measured"] == rows[0]["predicted"] == 0

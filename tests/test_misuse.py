@@ -340,25 +340,25 @@ def test_ctrl_c_stops_reproduce_with_exit_code_130(kind, tmp_path):
 
 @pytest.mark.notebooks  # a lesson's own process
 def test_a_fast_lesson_leaves_the_committed_figures_alone():
-    committed = REPO / "figures" / "01_anatomy_of_a_step.png"
+    committed = REPO / "figures" / "02_anatomy_of_a_step.png"
     before = (committed.stat().st_mtime_ns, committed.read_bytes())
     env = {k: v for k, v in ENV.items() if k != "PICOCKPT_FIGURES"}
-    out = subprocess.run([sys.executable, "lessons/01_anatomy_of_a_step.py", "--fast", "--device", "cpu"],
+    out = subprocess.run([sys.executable, "lessons/02_anatomy_of_a_step.py", "--fast", "--device", "cpu"],
                          capture_output=True, text=True, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr
-    assert f"wrote {FAST_FIGURES / '01_anatomy_of_a_step.png'}" in out.stdout
+    assert f"wrote {FAST_FIGURES / '02_anatomy_of_a_step.png'}" in out.stdout
     assert (committed.stat().st_mtime_ns, committed.read_bytes()) == before
-    assert not list((REPO / "figures").glob(".01_anatomy_of_a_step.png.*"))  # nor a temporary file beside it
+    assert not list((REPO / "figures").glob(".02_anatomy_of_a_step.png.*"))  # nor a temporary file beside it
 
 
 @pytest.mark.notebooks  # a lesson's own process
 def test_reproduce_fast_says_where_its_figures_go():
     env = {k: v for k, v in ENV.items() if k != "PICOCKPT_FIGURES"}
-    out = subprocess.run([sys.executable, "-m", "picockpt", "reproduce", "--fast", "--only", "01", "--device", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "picockpt", "reproduce", "--fast", "--only", "02", "--device", "cpu"],
                          capture_output=True, text=True, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr
     assert f"figures go to {FAST_FIGURES} (fast figures never replace the committed ones in figures/)" in out.stdout
-    assert (FAST_FIGURES / "01_anatomy_of_a_step.png").stat().st_mtime > time.time() - 300
+    assert (FAST_FIGURES / "02_anatomy_of_a_step.png").stat().st_mtime > time.time() - 300
 
 
 # ---- the CUDA timeline is read only when asked for -----------------------------------------------
@@ -383,7 +383,7 @@ def test_memory_allocated_is_read_only_for_the_cuda_timeline(timeline, monkeypat
 # ---- a lesson's part on more ranks than GPUs; lesson flags -------------------------------------------------
 
 def test_a_multi_rank_part_on_fewer_gpus_than_ranks_runs_on_gloo_and_says_so(monkeypatch, capsys):
-    """reproduce --device cuda on one GPU: lessons 10, 12 and 13 plan their 4-, 2- and 2-rank parts from
+    """reproduce --device cuda on one GPU: lessons 14, 16 and 17 plan their 4-, 2- and 2-rank parts from
     torch.cuda.device_count() (mocked to 1 here) and run them on the CPU over gloo, saying so in one line."""
     from picockpt.reproduce import rank_device
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -399,7 +399,7 @@ def test_a_multi_rank_part_on_fewer_gpus_than_ranks_runs_on_gloo_and_says_so(mon
     assert "4 ranks need 4 GPUs" in capsys.readouterr().out
 
 
-LESSON = pathlib.Path(__file__).resolve().parents[1] / "lessons" / "04_cheap_ops.py"
+LESSON = pathlib.Path(__file__).resolve().parents[1] / "lessons" / "07_cheap_ops.py"
 
 
 @pytest.mark.notebooks  # a lesson's own process

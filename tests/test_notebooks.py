@@ -179,7 +179,7 @@ def test_drift_is_found(tmp_path):
 def test_the_notebooks_command_writes_executes_and_checks(tmp_path):
     lessons = tmp_path / "lessons"
     lessons.mkdir()
-    (lessons / "01_tiny.py").write_text("# %% [markdown]\n# # Lesson 01: tiny\n\n# %%\nimport os\n"
+    (lessons / "01_tiny.py").write_text("# %% [markdown]\n# # Lesson 02: tiny\n\n# %%\nimport os\n"
                                         f"print('flags:', repr(os.environ['{ARGS_VARIABLE}']))\n")
     runner = textwrap.dedent(f"""
         import pathlib, sys

@@ -72,7 +72,7 @@ def test_a_claim_against_its_own_count_is_refused(mode):
 # ---- each lesson's printing code, with a timing that contradicts its claim ---------------------------
 
 def _price_inputs(price, full):
-    """Lesson 05's explain() inputs for the small shape, with full / none time ratios `full` injected."""
+    """Lesson 08's explain() inputs for the small shape, with full / none time ratios `full` injected."""
     cfg = _lesson.small()
     rows = {p: {"hardware": sum(step_flops(cfg, 4, 128, p).values())} for p in price.POLICIES}
     model = rows["none"]["hardware"]
@@ -82,8 +82,8 @@ def _price_inputs(price, full):
 
 
 @pytest.mark.parametrize("full", [Spread((0.71, 0.80, 0.93)), Spread((0.710, 1.485, 2.914))], ids=["faster", "across"])
-def test_lesson_05_prints_no_price_from_a_contradictory_timing(capsys, full):
-    price = lesson("05")
+def test_lesson_08_prints_no_price_from_a_contradictory_timing(capsys, full):
+    price = lesson("08")
     rows, model, ratio = _price_inputs(price, full)
     claims = price.time_claims("cpu", ratio, rows, model)
     price.explain("cpu", claims, ratio, Spread((0.95, 1.02, 1.10)), (0, 100),
@@ -95,8 +95,8 @@ def test_lesson_05_prints_no_price_from_a_contradictory_timing(capsys, full):
     assert "faster in every repeat" not in out and "working set" not in out  # nor why full's own passes are faster
 
 
-def test_lesson_05_reads_a_timing_that_holds(capsys):
-    price = lesson("05")
+def test_lesson_08_reads_a_timing_that_holds(capsys):
+    price = lesson("08")
     rows, model, ratio = _price_inputs(price, Spread((1.04, 1.28, 1.42)))
     claims = price.time_claims("cpu", ratio, rows, model)
     price.explain("cpu", claims, ratio, Spread((0.80, 0.90, 0.95)), (0, 100),
@@ -107,8 +107,8 @@ def test_lesson_05_reads_a_timing_that_holds(capsys):
 
 
 @pytest.mark.parametrize("conclusive", [False, True])
-def test_lesson_04_reads_the_rebuilds_price_only_when_cheap_is_slower(capsys, conclusive):
-    cheap = lesson("04")
+def test_lesson_07_reads_the_rebuilds_price_only_when_cheap_is_slower(capsys, conclusive):
+    cheap = lesson("07")
     ratio = {p: Spread((1.0, 1.0, 1.0)) if p == "none" else Spread((1.05, 1.1, 1.2)) for p in cheap.POLICIES}
     versus = Spread((1.02, 1.04, 1.08)) if conclusive else Spread((0.86, 0.93, 0.97))  # cheap / selective
     work = {p: 1.0 if p == "none" else 1.1 for p in cheap.POLICIES}
@@ -130,8 +130,8 @@ def _pair_rows():
 
 
 @pytest.mark.parametrize("full_over_none", [Spread((0.18, 0.74, 2.64)), Spread((0.8, 0.9, 0.95))])
-def test_lesson_07_reads_no_time_between_implementations_when_its_checks_fail(capsys, full_over_none):
-    side = lesson("07")
+def test_lesson_10_reads_no_time_between_implementations_when_its_checks_fail(capsys, full_over_none):
+    side = lesson("10")
     rows = _pair_rows()
     checks = {"picockpt full / picockpt none": full_over_none,
               "torch checkpoint per layer / autograd": Spread((1.2, 1.3, 1.4))}
@@ -144,8 +144,8 @@ def test_lesson_07_reads_no_time_between_implementations_when_its_checks_fail(ca
     assert "in every repeat" not in out  # no ranking of the two implementations
 
 
-def test_lesson_07_ranks_the_implementations_when_its_checks_hold(capsys):
-    side = lesson("07")
+def test_lesson_10_ranks_the_implementations_when_its_checks_hold(capsys):
+    side = lesson("10")
     rows = _pair_rows()
     checks = {name: Spread((1.1, 1.2, 1.3)) for name in side.SANITY}
     claims = side.sanity_claims("cpu", checks, {row["name"]: row for row in rows})
@@ -154,7 +154,7 @@ def test_lesson_07_ranks_the_implementations_when_its_checks_hold(capsys):
 
 
 def _rounds(full, cheap_share):
-    """Lesson 18's rounds_of(policy, key) over three rounds: none 100 ms a step, full `full` times that."""
+    """Lesson 22's rounds_of(policy, key) over three rounds: none 100 ms a step, full `full` times that."""
     none = [0.100, 0.150, 0.090]  # the machine drifts from round to round
     seconds = {"none": none, "full": [n * r for n, r in zip(none, full)],
                "cheap": [n * 1.02 for n in none]}  # cheap a little slower than none in every round
@@ -165,8 +165,8 @@ def _rounds(full, cheap_share):
 FLOPS = {"none": 1.0, "full": 1.328, "cheap": 1.021}
 
 
-def test_lesson_18_draws_no_diagnosis_when_full_is_not_slower(capsys):
-    monitor = lesson("18")
+def test_lesson_22_draws_no_diagnosis_when_full_is_not_slower(capsys):
+    monitor = lesson("22")
     claims = monitor.diagnose("cpu", _rounds([0.95, 1.4, 0.9], [0.02, 0.03, 0.019]), FLOPS)
     out = capsys.readouterr().out
     assert not claims["full"].conclusive and not claims["cheap recompute share"].conclusive
@@ -176,16 +176,16 @@ def test_lesson_18_draws_no_diagnosis_when_full_is_not_slower(capsys):
     assert "elementwise work the FLOP count does not see" not in out
 
 
-def test_lesson_18_diagnoses_a_timing_that_holds(capsys):
-    monitor = lesson("18")
+def test_lesson_22_diagnoses_a_timing_that_holds(capsys):
+    monitor = lesson("22")
     claims = monitor.diagnose("cpu", _rounds([1.30, 1.33, 1.35], [0.09, 0.1, 0.08]), FLOPS)
     out = capsys.readouterr().out
     assert claims["full"].conclusive and claims["cheap"].conclusive
     assert "the slowdown is the extra work" in out and "elementwise work the FLOP count does not see" in out
 
 
-def test_lesson_12_finds_the_moved_recomputation_in_a_timeline():
-    pipeline = lesson("12")
+def test_lesson_16_finds_the_moved_recomputation_in_a_timeline():
+    pipeline = lesson("16")
     timeline = [("forward", 0, 0.0, 1.0), ("backward", 0, 1.0, 1.1), ("recompute", 0, 1.1, 1.4), ("wait", 0, 1.4, 2.0),
                 ("recompute", 0, 2.0, 2.3), ("backward", 0, 2.3, 3.0)]  # top layer before the wait, the rest after
     assert pipeline.moved_seconds({"timeline": timeline}) == {0: pytest.approx(0.3)}
@@ -200,15 +200,15 @@ def _early(ratio, change, moved):
                                           ((0.93, 1.02, 1.07), (-0.045, 0.013, 0.045)),  # across 1
                                           ((0.90, 0.92, 0.95), (-0.064, -0.051, -0.032))],  # faster by more than moved
                          ids=["slower", "across", "faster-than-possible"])
-def test_lesson_12_says_no_gain_from_a_timing_the_schedule_cannot_explain(capsys, ratio, change):
-    pipeline = lesson("12")
+def test_lesson_16_says_no_gain_from_a_timing_the_schedule_cannot_explain(capsys, ratio, change):
+    pipeline = lesson("16")
     claim = pipeline.early_verdict("cpu", 8, _early(ratio, change, (0.030, 0.030, 0.030)))
     out = capsys.readouterr().out
     assert not claim.conclusive and INCONCLUSIVE in out and "1.000" in out
     assert "hid in the wait" not in out
 
 
-def test_lesson_12_reads_a_gain_the_moved_work_can_explain(capsys):
-    pipeline = lesson("12")
+def test_lesson_16_reads_a_gain_the_moved_work_can_explain(capsys):
+    pipeline = lesson("16")
     claim = pipeline.early_verdict("cpu", 1, _early((0.95, 0.96, 0.97), (-0.020, -0.015, -0.010), (0.03, 0.03, 0.03)))
     assert claim.conclusive and "hid in the wait" in capsys.readouterr().out

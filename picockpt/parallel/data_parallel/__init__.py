@@ -10,7 +10,7 @@
     fsdp_peer.py torch's FSDP2 (fully_shard) beside it, its all-gathers counted
 
 The replicas are layout.py's dp dimension, run by rank.py. ZeRO has its own rank step for now, over dp ranks alone, not
-composed with other layouts (zero_step.zero_rank_step, via parallel.loss_and_grads(..., dp=D, zero=S); lesson 15).
+composed with other layouts (zero_step.zero_rank_step, via parallel.loss_and_grads(..., dp=D, zero=S); lesson 19).
 
     losses, params, reports = zero_train(params, cfg, batches, "full", dp=2, zero=3)
 """

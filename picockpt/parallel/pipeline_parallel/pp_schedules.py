@@ -64,7 +64,7 @@ def in_flight(schedule, stages, microbatches, stage):
 
 def bubble_fraction(stages, microbatches):
     """(P - 1) / (M + P - 1): each stage's idle share with equal stage times. Narayanan et al. 2021 (sec. 2.2.1) and
-    the Ultra-Scale Playbook's bubble is over ideal compute time, b = (P - 1) / M: idle = b / (1 + b) (lesson 12)."""
+    the Ultra-Scale Playbook's bubble is over ideal compute time, b = (P - 1) / M: idle = b / (1 + b) (lesson 16)."""
     return (stages - 1) / (microbatches + stages - 1)
 
 

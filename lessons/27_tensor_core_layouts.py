@@ -1,0 +1,311 @@
+# %% [markdown]
+# # Lesson 27: tensor-core-friendly layouts for recomputed ops
+#
+# A recompute runs the forward's matmuls again: `full` re-runs every projection of a layer, `selective` the
+# $Q K^\top$ of attention, a chunked loss (lesson 13) the logits. Whatever a shape or a layout costs, a
+# recomputed matmul pays it twice. NVIDIA's *Matrix Multiplication Background User's Guide* gives the rules:
+#
+# - **Tensor Core requirements** (sec. 2.2): performance is best when $M$, $N$ and $K$ are multiples of 16
+#   bytes, 8 elements in fp16 / bf16 (on an A100, 128 bytes: 64 elements). With cuBLAS before 11.0 this was a
+#   requirement for using tensor cores at all; since, it is a matter of speed.
+# - **Tile quantization** (sec. 3.1): cuBLAS splits the output into tiles (256 x 128 and 128 x 256 the most
+#   efficient, 64 x 64 the least) and every tile costs the same. A 256 x 256 output takes four 128 x 128
+#   tiles, a 257 x 256 output six: a third of the work computed is thrown away.
+# - **Wave quantization** (sec. 3.2): tiles run in waves of one per SM (for 256 x 128 tiles). An A100 has 108
+#   SMs, so 109 tiles take two waves, the second nearly empty. An H100 SXM has 132 SMs (NVIDIA H100 Tensor
+#   Core GPU architecture whitepaper).
+# - **Layout**: cuBLAS takes either operand transposed by a flag, so `x @ w.T` costs no copy. A stride that is
+#   not a plain transpose (the heads of a (B, T, H, hd) tensor viewed as (B, H, T, hd)) cannot be passed as
+#   it is: PyTorch copies it first, and the copy is an elementwise pass priced by its bytes (lesson 26).
+#   `picockpt/layer.py` copies q, k and v into (B, H, T, hd) once, with `.contiguous()`, right after RoPE.
+#
+# This lesson measures on this CPU what a CPU shows of it (an odd inner dimension against a padded one; a
+# strided operand against a contiguous copy), models what only a GPU would show (tile and wave
+# quantization, on the guide's tile sizes and the H100's SM count), and applies both to picockpt's shapes.
+#
+# **Run it** as a script, `python lessons/27_tensor_core_layouts.py` (the CPU run, well under a minute;
+# `--fast` for seconds), or step through this notebook, where the same flags come from the environment variable
+# `PICOCKPT_LESSON_ARGS` (unset: the CPU run). The measured part always runs on this machine's CPU; the
+# tensor-core part is a model of the guide's rules.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+from _check import check
+from _lesson import (FAST_TIMING, callouts, choose, device_name, interleaved_seconds, lesson_args, paired_ratios, small,
+                     timed_claim, wrote)
+from picockpt import Config
+from picockpt.ops.linear import linear_forward
+from picockpt.plotting import save_figure
+
+H100_SMS = 132  # streaming multiprocessors of an H100 SXM5: NVIDIA H100 Tensor Core GPU architecture whitepaper
+A100_SMS = 108  # of an A100: the Matrix Multiplication Background User's Guide, sec. 3.2
+TILE = (256, 128)  # rows x columns of the output a thread block computes: the guide's most efficient tile
+ALIGN_BYTES = 16  # the guide, sec. 2.2: dimensions in multiples of 16 bytes (8 elements of fp16 / bf16)
+
+# %% [markdown]
+# ## The rules as arithmetic
+#
+# `tiles` and `tile_efficiency` count the output tiles of an $M \times N$ product and the share of their area
+# that is real output; `waves` and `wave_efficiency` how many rounds of `sms` tiles they take and the share
+# of those SM slots that hold a tile; `pad_to_multiple` rounds a dimension up; `aligned` checks the guide's
+# 16-byte rule.
+
+# %%
+def tiles(m, n, tile=TILE):
+    """Output tiles of an (m, n) product: ceil(m / tile rows) x ceil(n / tile columns)."""
+    if m < 1 or n < 1:
+        raise ValueError(f"m={m}, n={n}: a product's output has at least one row and one column")
+    return math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+
+
+def tile_efficiency(m, n, tile=TILE):
+    """The share of the computed tile area that is real output: m n / (tiles x tile area)."""
+    return m * n / (tiles(m, n, tile) * tile[0] * tile[1])
+
+
+def waves(tile_count, sms=H100_SMS, per_sm=1):
+    """Rounds the GPU runs tile_count tiles in, per_sm tiles on each of its sms at a time."""
+    return math.ceil(tile_count / (sms * per_sm))
+
+
+def wave_efficiency(tile_count, sms=H100_SMS, per_sm=1):
+    """The share of the SM slots of all waves that hold a tile."""
+    return tile_count / (waves(tile_count, sms, per_sm) * sms * per_sm)
+
+
+def pad_to_multiple(n, multiple):
+    """The least multiple of `multiple` that is at least n (a padded vocabulary, a padded ffn)."""
+    if multiple < 1:
+        raise ValueError(f"multiple={multiple}: pad to a positive multiple, e.g. 8 or 64")
+    return -(-n // multiple) * multiple
+
+
+def aligned(n, element_bytes=2, alignment=ALIGN_BYTES):
+    """Whether n elements of element_bytes fill whole `alignment`-byte units (the guide's sec. 2.2 rule)."""
+    return n * element_bytes % alignment == 0
+
+
+# %% [markdown]
+# ## picockpt's shapes under the rules
+#
+# The matmuls a recompute re-runs, as (output rows $M$, output columns $N$, inner $K$), for the `small`
+# preset at batch 4 x 128 and for Llama 3 8B at one sequence of 4096 tokens: the seven projections of a
+# layer, one head's $Q K^\top$ (rebuilt by `selective` and by FlashAttention's backward) and the logits (rebuilt
+# by a chunked loss). For each: whether $N$ and $K$ are multiples of 8 (16 bytes in bf16) and of 64 (128 bytes),
+# the tile efficiency with 256 x 128 tiles, and the waves on an H100's 132 SMs.
+
+# %%
+def recomputed_matmuls(cfg, tokens, seq):
+    """{name: (M, N, K)} of the matmuls a recompute of one layer (and the logits) runs again."""
+    h, f, hd = cfg.hidden, cfg.ffn, cfg.head_dim
+    return {"q": (tokens, cfg.heads * hd, h), "k, v": (tokens, cfg.kv_heads * hd, h), "o": (tokens, h, h),
+            "gate, up": (tokens, f, h), "down": (tokens, h, f), "q k^T (a head)": (seq, seq, hd),
+            "p v (a head)": (seq, hd, seq), "logits": (tokens, cfg.vocab, h)}
+
+
+def shape_table(cfg, tokens, seq):
+    """{name: row of the table below}."""
+    rows = {}
+    for name, (m, n, k) in recomputed_matmuls(cfg, tokens, seq).items():
+        count = tiles(m, n)
+        rows[name] = {"shape": (m, n, k), "x8": aligned(n) and aligned(k), "x64": aligned(n, alignment=128)
+                      and aligned(k, alignment=128), "tile": tile_efficiency(m, n), "tiles": count,
+                      "waves": waves(count), "wave": wave_efficiency(count)}
+    return rows
+
+
+models = {"small, 4 x 128": (small(dtype="bf16"), 4 * 128, 128),
+          "Llama 3 8B, 1 x 4096": (Config.from_preset("llama3-8b", dtype="bf16"), 4096, 4096)}
+tables = {label: shape_table(cfg, tokens, seq) for label, (cfg, tokens, seq) in models.items()}
+for label, table in tables.items():
+    print(f"\n{label} (modelled: 256 x 128 tiles, {H100_SMS} SMs):")
+    print(f"{'matmul':<16}{'M x N x K':>22}{'x8':>5}{'x64':>5}{'tile eff.':>10}{'tiles':>8}{'waves':>6}"
+          f"{'wave eff.':>10}")
+    for name, row in table.items():
+        m, n, k = row["shape"]
+        print(f"{name:<16}{f'{m} x {n} x {k}':>22}{'yes' if row['x8'] else 'NO':>5}{'yes' if row['x64'] else 'no':>5}"
+              f"{row['tile']:>10.1%}{row['tiles']:>8,}{row['waves']:>6}{row['wave']:>10.1%}")
+few = [row["tiles"] for row in tables["small, 4 x 128"].values()]
+print(f"the small preset's matmuls make {min(few)} to {max(few)} tiles of 256 x 128 for {H100_SMS} SMs")
+for vocab in (128256, 50257, pad_to_multiple(50257, 64)):
+    print(f"vocab {vocab:,}: multiple of 8 {'yes' if vocab % 8 == 0 else 'NO'}, "
+          f"of 64 {'yes' if vocab % 64 == 0 else 'no'}, "
+          f"logits tile efficiency at 4096 tokens {tile_efficiency(4096, vocab):.2%}")
+
+# %% [markdown]
+# Every dimension of Llama 3 8B is a multiple of 64, its vocabulary of 128,256 included (1,002 x 128), so its
+# tile efficiency is 100% everywhere; the `small` preset's are multiples of 8, its head dimension of 32 not of
+# 64. GPT-2's 50,257 is not a multiple of 8; nanoGPT pads it to 50,304, "the nearest multiple of 64 for
+# efficiency". Its tile waste is a tenth of a percent: what the odd size costs is alignment (rows of the
+# weight that do not start on 16-byte boundaries), which the guide measures and this model does not. The
+# `small` shapes make a handful of tiles for an H100's 132 SMs (the line above): a model this size cannot
+# occupy the GPU (cuBLAS would choose smaller tiles, which trade efficiency for parallelism), and its
+# recomputes cost launch latency more than arithmetic.
+#
+# ## Measured on this CPU: an odd inner dimension, a strided operand
+#
+# Two pairs, timed in interleaved repeats. The down projection of the `small` preset at batch 4 x 128
+# (`linear_forward`, $x W^\top$ with $W$ of shape (h, f)) with an odd $f = 447$ against $f = 448$; and the
+# scores $q k^\top$ of every head with q and k as strided views of the projections' output, (B, T, H, hd)
+# viewed as (B, H, T, hd), against the contiguous copies `picockpt/layer.py` makes.
+
+# %%
+def odd_and_padded(tokens, hidden, ffn, odd_by=1):
+    """{name: step()}: the down projection with ffn - odd_by and with ffn inputs."""
+    steps = {}
+    for name, f in (("odd", ffn - odd_by), ("padded", ffn)):
+        x, w = torch.randn(tokens, f), torch.randn(hidden, f)  # (tokens, f), (h, f)
+        steps[name] = lambda x=x, w=w: linear_forward(x, w)  # (tokens, h)
+    return steps
+
+
+def strided_and_contiguous(batch, seq, heads, head_dim):
+    """{name: step()}: q k^T over (B, H, T, hd) strided views of (B, T, H, hd), and over contiguous copies."""
+    q = torch.randn(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, hd) a strided view
+    k = torch.randn(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, hd) a strided view
+    qc, kc = q.contiguous(), k.contiguous()  # (B, H, T, hd) each, as layer.py keeps them
+    return {"strided": lambda: q @ k.transpose(-1, -2), "contiguous": lambda: qc @ kc.transpose(-1, -2)}  # (B, H, T, T)
+
+
+# %%
+args = lesson_args()
+fast = args.mode == "fast"
+if args.device.type != "cpu":
+    print(f"--device {args.device}: the measured part runs on the CPU")
+cfg = small()
+batch, seq, repeats = choose(args.mode, fast=(1, 32, 1), cpu=(4, 128, 15), large=(4, 128, 25))
+cpu = torch.device("cpu")
+steps = {**odd_and_padded(batch * seq, cfg.hidden, cfg.ffn), **strided_and_contiguous(batch, seq, cfg.heads,
+                                                                                      cfg.head_dim)}
+timing = interleaved_seconds(steps, cpu, repeats)
+print(f"measured on {device_name(cpu)}, fp32, median [min..max] of {repeats} interleaved repeats:")
+for name, spread in timing.items():
+    print(f"  {name:<11}{spread.text('{:.3f}', 1e3)} ms")
+odd_ratio = paired_ratios(timing["odd"], timing["padded"])
+odd_claim = timed_claim(args.mode, odd_ratio, f"time, inner dimension f = {cfg.ffn - 1} / f = {cfg.ffn}", ">1")
+print(odd_claim.text)
+print(f"  by FLOPs the odd shape does {(cfg.ffn - 1) / cfg.ffn:.4f}x the padded one's work")
+if odd_claim.conclusive:
+    print(f"  the odd inner dimension costs {odd_ratio.median - 1:.1%} more time for less work")
+stride_ratio = paired_ratios(timing["strided"], timing["contiguous"])
+stride_claim = timed_claim(args.mode, stride_ratio, "time, q k^T on strided / contiguous heads", ">1", work=1.0)
+print(stride_claim.text)
+if stride_claim.conclusive:
+    print(f"  the same FLOPs take {stride_ratio.median - 1:.1%} longer from the strided views: the copy PyTorch "
+          f"makes of them first (layer.py makes it once in the forward; a `selective` rebuild of P reads the kept "
+          f"contiguous q and k)")
+
+# %% [markdown]
+# The CPU's BLAS works on its own register tiles (a few rows by a few columns), with no tensor cores and no
+# 16-byte rule for an odd inner dimension to break; whether it costs anything on this machine is what the
+# first line says, when the repeats allow it to say anything. What the strided heads can cost is the copy
+# they need, bytes, which lesson 26 prices; the second line says whether this machine shows it. On a GPU the
+# same two shapes would also meet the rules above: the odd dimension's rows misaligned for the tensor cores,
+# the strided views copied by a separate kernel before the matmul.
+#
+# ## The figure
+#
+# Left, tile efficiency against a dimension (256 x 128 tiles, modelled), with picockpt's dimensions marked.
+# Middle, wave efficiency of Llama 3 8B's down projection on an H100 against the tokens in the batch
+# (modelled). Right, the two measured time ratios of this CPU, with their spreads.
+
+# %%
+fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [1.2, 1.2, 0.8]})
+dims = list(range(16, 4097))
+left.plot(dims, [tile_efficiency(TILE[0], n) for n in dims], color="#4C72B0", lw=0.8, label="N: 128-wide tiles")
+left.plot(dims, [tile_efficiency(m, TILE[1]) for m in dims], color="#DD8452", lw=0.8, alpha=0.7,
+          label="M: 256-tall tiles")
+marks = {"small: head_dim 32": 32, "small: h 128": 128, "small: f 448": 448, "odd: f 447": 447,
+         "8B: kv heads x hd 1024": 1024, "8B: h 4096": 4096}
+for label, n in marks.items():
+    left.plot(n, tile_efficiency(TILE[0], n), "o", ms=5, color="#C44E52" if "odd" in label else "#333333")
+left.set_xscale("log", base=2)
+left.set_xlim(16, 2**16)  # room right of the curves for the names
+left.set_xlabel("output dimension")
+left.set_ylabel("tile efficiency (real output / computed)")
+left.set_title("tile quantization, 256 x 128 tiles (modelled, the guide's rule)", fontsize=10)
+left.legend(fontsize=7, loc="lower right")
+left.grid(alpha=0.3)
+
+llama8 = models["Llama 3 8B, 1 x 4096"][0]
+token_counts = list(range(128, 16385, 128))
+middle.plot(token_counts, [wave_efficiency(tiles(t, llama8.hidden)) for t in token_counts], color="#55A868", lw=1,
+            label=f"H100, {H100_SMS} SMs")
+middle.plot(token_counts, [wave_efficiency(tiles(t, llama8.hidden), A100_SMS) for t in token_counts], color="0.6",
+            lw=0.8, label=f"A100, {A100_SMS} SMs")
+middle.plot(4096, wave_efficiency(tiles(4096, llama8.hidden)), "o", color="#333333")
+middle.annotate("s = 4096", (4096, wave_efficiency(tiles(4096, llama8.hidden))), fontsize=8, xytext=(5, -12),
+                textcoords="offset points")
+middle.set_xlabel("tokens in the batch (M)")
+middle.set_ylabel("wave efficiency (SM slots used)")
+middle.set_title(f"wave quantization, Llama 3 8B down projection (N = {llama8.hidden}),\n256 x 128 tiles, one per "
+                 f"SM (modelled)", fontsize=10)
+middle.legend(fontsize=7, loc="lower right")
+middle.grid(alpha=0.3)
+
+names = [f"f = {cfg.ffn - 1} / {cfg.ffn}", "strided / contiguous\nheads, q k^T"]
+for x, ratio in enumerate((odd_ratio, stride_ratio)):
+    right.bar(x, ratio.median, color="#8172B3", width=0.55)
+    right.errorbar(x, ratio.median, yerr=[[ratio.median - ratio.low], [ratio.high - ratio.median]], color="black",
+                   capsize=4)
+right.axhline(1, color="0.4", lw=0.8)
+right.set_xticks([0, 1], names, fontsize=8)
+right.set_ylabel("time ratio (median, bar: min..max)")
+right.set_title(f"measured on this CPU, fp32,\n{repeats} interleaved repeats" + (f"\n({FAST_TIMING})" if fast else ""),
+                fontsize=10)
+fig.suptitle("Layouts for recomputed matmuls: the tensor cores' quantization (modelled) and this CPU (measured)")
+fig.tight_layout()
+callouts(left, [(label, (n, tile_efficiency(TILE[0], n)), "#C44E52" if "odd" in label else "#333333")
+                for label, n in marks.items()], x=6000, fontsize=7)
+path = save_figure(fig, "27_tensor_core_layouts")
+wrote(path)
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** The guide's tile-quantization example: a 257 x 256 output in 128 x 128 tiles. What fraction of the
+# area the tiles compute is thrown away?
+
+# %%
+answer = 0.3307
+
+# %%
+check("the wasted share of a 257 x 256 output in 128 x 128 tiles", answer, 1 - tile_efficiency(257, 256, (128, 128)),
+      why=f"{tiles(257, 256, (128, 128))} tiles of 128 x 128 = {tiles(257, 256, (128, 128)) * 128 * 128:,} computed "
+          f"for {257 * 256:,} real outputs (256 x 256 needs {tiles(256, 256, (128, 128))} tiles)")
+
+# %% [markdown]
+# **2.** Llama 3 8B's down projection at one sequence of 4096 tokens (output 4096 x 4096) on an H100 SXM, with
+# 256 x 128 tiles, one per SM at a time: what share of the SM slots of its waves does it use?
+
+# %%
+answer = 0.9697
+
+# %%
+count = tiles(4096, llama8.hidden)
+check("wave efficiency of Llama 3 8B's down projection at 4096 tokens on an H100", answer, wave_efficiency(count),
+      why=f"(4096 / 256) x (4096 / 128) = {count} tiles on {H100_SMS} SMs: {waves(count)} waves, "
+          f"{count} of {waves(count) * H100_SMS} slots")
+
+# %% [markdown]
+# **3.** nanoGPT pads GPT-2's vocabulary of 50,257 to the nearest multiple of 64. To what size?
+
+# %%
+answer = 50304
+
+# %%
+check("GPT-2's vocabulary padded to a multiple of 64", answer, pad_to_multiple(50257, 64), rel=0,
+      why=f"ceil(50257 / 64) = {pad_to_multiple(50257, 64) // 64} rows of 64: {pad_to_multiple(50257, 64) - 50257} "
+          f"unused token ids, a multiple of 8 (16 bytes in bf16) as the tensor cores like it")
+
+# %%
+RESULT = {"figures": [str(path)],
+          "summary": {"time f-1 / f (odd / padded)": odd_claim.short,
+                      "time strided / contiguous heads": stride_claim.short,
+                      "8B down proj. wave efficiency": round(wave_efficiency(count), 4),
+                      "every 8B dim = multiple of 64": all(row["x64"] for row in
+                                                            tables["Llama 3 8B, 1 x 4096"].values())}}
