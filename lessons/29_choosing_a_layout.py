@@ -197,8 +197,10 @@ for name, idle in bubbles.items():
 # ## 4. The search, and the Llama 3 paper's three layouts
 #
 # `search(cfg, seq, gpus, tokens, capacity_bytes, hw)` tries every split of the GPUs into $t \times c \times p
-# \times d$ (tensor, context, pipeline, data) that the model's shape allows, with every ZeRO stage, 1F1B or
-# interleaved with $V$ = 2 or 4, and each recompute policy in `layout_search.POLICIES` (`none`; `cheap`, the
+# \times d$ (tensor, context, pipeline, data) that the model's shape allows, with every ZeRO stage, 1F1B,
+# interleaved with $V$ = 2 or 4, or ZB-H1 (each backward split into the input's gradient and the weights', the
+# weights' waiting to fill the bubble: idle $(p-1)/(3m+p-1)$ with equal times, stage $s$ holding what $s$ waiting
+# weight passes read; `pipeline_parallel/pp_orders.py` runs both orders on one clock), and each recompute policy in `layout_search.POLICIES` (`none`; `cheap`, the
 # norms and SwiGLU's product rebuilt; `full`, the whole forward again), in the Llama 3 paper's placement order
 # [TP, CP, PP, DP] (tensor parallelism innermost, inside a node). It keeps the layouts whose busiest rank fits
 # in 80 GiB (stage 0: the most layers, the embedding and the most micro-batches in flight; or the last: the
@@ -382,7 +384,8 @@ def split_variants(cfg, seq, gpus, layout):
     search_cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
     return [evaluate(search_cfg, seq, gpus, TOKENS, CAPACITY, HW, tp, cp, pp, dp, M, zero, schedule, V, policy)
             for zero in ZERO_STAGES for schedule, V in SCHEDULES for policy in POLICIES
-            if not (schedule == "interleaved" and (M % pp or cfg.layers < pp * V))]
+            if not (schedule == "interleaved" and (M % pp or cfg.layers < pp * V)) and not (schedule == "zb-h1"
+                                                                                       and (M < pp or pp == 1))]
 
 
 case = cases[1]  # 16,384 GPUs at 8K tokens

@@ -259,6 +259,10 @@ def collective_seconds(kind, nbytes, ranks, hw, across_nodes):
 
 def bubble_idle(pp, microbatches, schedule="1f1b", virtual_stages=1):
     """The idle share of a pipeline step, equal stage times: 1F1B and AFAB (p-1)/(m+p-1); interleaved 1F1B
-    (p-1)/(V m+p-1), each of the V chunks a rank holds 1/V of its layers."""
+    (p-1)/(V m+p-1), each of the V chunks a rank holds 1/V of its layers; ZB-H1 with equal F, B and W times
+    (p-1)/(3m+p-1), its idle (p-1)(F+B-W) against a step of m(F+B+W) (Qi et al. 2023), m >= p. Each is what
+    pipeline_parallel/pp_orders.py's clock gives (tests/test_pp_orders.py)."""
+    if schedule == "zb-h1":
+        return (pp - 1) / (3 * microbatches + pp - 1)
     v = virtual_stages if schedule == "interleaved" else 1
     return (pp - 1) / (v * microbatches + pp - 1)

@@ -14,7 +14,8 @@ A step of one rank, per micro-batch, in the equal-time pipeline model:
                  again in the backward (picockpt's default: the gathered K/V are not kept) and in a full recompute,
                  and a reduce-scatter of their gradients (exposed)
     pp           a send of the stage's output and one of its input's gradient, V times under interleaving (exposed)
-    bubble       the pipeline is paced by its slowest stage: step = t_mb (M + (p-1)/V) (cost.bubble_idle)
+    bubble       the pipeline is paced by its slowest stage: step = t_mb (M + (p-1)/V) (cost.bubble_idle); ZB-H1
+                 (B and W apart, W as long as F and B) t_mb (M + (p-1)/3), holding s waiting W's on stage s
     dp           gradients reduce-scattered (fp32) and parameters all-gathered (16-bit) over the dp x cp ranks that
                  hold the same weights (torchtitan's dp_shard_cp and mixed-precision defaults), hidden behind the last micro-batch's backward and the first's
                  forward; ZeRO-3 gathers every micro-batch again unless the stage keeps them ("3+keep")
@@ -35,11 +36,12 @@ from .config import BYTES
 from .cost import bubble_idle, collective_seconds, head_ops, layer_ops, rebuild_seconds, roofline_seconds
 from .schedule import OP_LEVEL
 from .parallel.pipeline_parallel.pp_inventory import StageForms
+from .parallel.pipeline_parallel.pp_orders import w_pending_bytes
 from .parallel.pipeline_parallel.pp_schedules import stage_layers
 
 POLICIES = ("none", "cheap", "full")  # selective drops nothing under flash attention (lesson 13): it would repeat none
 ZERO_STAGES = ("0", "1", "2", "3", "3+keep")
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1))
 STATE_BYTES = {"param": 4, "grad": 4, "optimizer": 8}  # fp32 master weights and gradients, AdamW's two moments
 REDUCE_BYTES = 4  # gradients reduced in fp32 and weights gathered in the compute dtype: torchtitan's defaults
 #                   (mixed_precision_reduce = "float32", mixed_precision_param = "bfloat16")
@@ -167,6 +169,8 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, sche
         act = stage_activation_bytes(cfg, seq, tp, cp, pp, M, policy, s)
         if schedule == "interleaved" and s == 0:
             act = int(act * (1 + (pp - 1) / (pp * V)))
+        if schedule == "zb-h1":  # stage s also holds what its s waiting W's read (pp_orders.py)
+            act += s * layers * w_pending_bytes(cfg, 1, seq // cp, tp)
         kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * BYTES[cfg.dtype] if cp > 1 else 0  # one layer's gather
         peaks[s] = int(model_state_bytes(params, zero, shards)) + weights + act + kv
         times[s] = microbatch_seconds(cfg, seq, tp, cp, pp, s, policy, hw)
@@ -207,7 +211,7 @@ def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=
     for (tp, cp, pp, dp, M), zero, (schedule, V), policy in itertools.product(
             candidates(cfg, seq, gpus, tokens, hw.node), zero_stages, schedules, policies):
         if (zero != "0" and dp * cp == 1) or (pp == 1 and schedule != "1f1b") or \
-                (schedule == "interleaved" and (M % pp or cfg.layers < pp * V)):
+                (schedule == "interleaved" and (M % pp or cfg.layers < pp * V)) or (schedule == "zb-h1" and M < pp):
             continue  # ZeRO needs ranks to shard over; interleaving needs stages, M a multiple of p, V p layers
         considered += 1
         row = evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy)

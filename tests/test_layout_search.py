@@ -82,3 +82,16 @@ def test_predict_search_json_and_text(capsys):
 def test_predict_search_refuses_with_the_flag(flags, message, capsys):
     assert main(["predict", *flags]) != 0
     assert message in capsys.readouterr().err
+
+
+def test_zb_h1_holds_what_its_waiting_weight_passes_read():
+    """Against 1F1B, ZB-H1 leaves stage 0's bytes as they are and adds, on stage s, s waiting W's of its layers
+    (pp_orders.w_pending_bytes), and steps (p-1)/3 micro-batches' time after the last one, not p-1."""
+    from picockpt.layout_search import evaluate
+    from picockpt.parallel.pipeline_parallel.pp_orders import w_pending_bytes
+    hw, cfg = HARDWARE["h100"], CFG.replace(dtype="bfloat16")
+    rows = {schedule: evaluate(cfg, 64, 4, 64 * 8, 2**40, hw, 1, 1, 2, 2, 4, "1", schedule, 1, "none")
+            for schedule in ("1f1b", "zb-h1")}
+    one, zb = (rows[s]["stage_peak_bytes"] for s in ("1f1b", "zb-h1"))
+    assert zb["0"] == one["0"] and zb["1"] - one["1"] == 1 * 2 * w_pending_bytes(cfg, 1, 64)
+    assert rows["zb-h1"]["terms_seconds"]["bubble"] == pytest.approx(rows["1f1b"]["terms_seconds"]["bubble"] / 3)

@@ -182,11 +182,12 @@ def test_the_split_variants_are_the_searchs_rows(lesson, cfg, table_4):
 
 
 def test_the_step_is_the_bubble_formula_plus_the_exposed_traffic(table_4):
-    """layout_search's docstring: step = t_mb (M + (p-1)/V) + what of dp does not hide."""
+    """layout_search's docstring: step = t_mb (M + (p-1)/V) + what of dp does not hide; ZB-H1 t_mb (M + (p-1)/3)."""
     for rows, _, row, _ in table_4.values():
         for r in (rows[0], row):
             t = r["terms_seconds"]
-            M, p, V = r["microbatches"], r["pp"], r["virtual_stages"]
+            M, p = r["microbatches"], r["pp"]
+            V = 3 if r["schedule"] == "zb-h1" else r["virtual_stages"]
             per_mb = sum(t[k] for k in ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm")) / M
             assert math.isclose(r["step_seconds"], per_mb * (M + (p - 1) / V) + t["dp_exposed"], rel_tol=1e-9)
 
@@ -212,8 +213,10 @@ def enumerate_space(cfg, seq, gpus, tokens, node):
         for zero in ("0", "1", "2", "3", "3+keep"):
             if zero != "0" and dp * cp == 1:  # nothing to shard over
                 continue
-            for schedule, V in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4)):
+            for schedule, V in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)):
                 if schedule == "interleaved" and (pp == 1 or M % pp or pp * V > cfg.layers):
+                    continue
+                if schedule == "zb-h1" and (pp == 1 or M < pp):  # a pipeline, every stage busy once warm
                     continue
                 for policy in ("none", "cheap", "full"):
                     out.append((tp, cp, pp, dp, M, zero, schedule, V, policy))
@@ -227,7 +230,7 @@ def key(row):
 
 def test_the_space_is_the_one_written_here():
     assert ZERO_STAGES == ("0", "1", "2", "3", "3+keep")
-    assert SCHEDULES == (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
+    assert SCHEDULES == (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1))
     assert POLICIES == ("none", "cheap", "full")
 
 

@@ -58,6 +58,7 @@ def test_zb_h1_leaves_a_third_of_1f1bs_bubble(P, M):
     assert result["step"] <= 3 * (M + P - 1)  # never slower than 1F1B
     if M >= P:
         assert result["step"] == 3 * M + P - 1
+        assert result["idle"] == pytest.approx([bubble_idle(P, M, "zb-h1")] * P)  # the search's closed form
         assert result["held"] == [in_flight("1f1b", P, M, s) + 0.5 * s for s in range(P)]
         assert max(result["held"]) == in_flight("1f1b", P, M, 0)
 

@@ -136,11 +136,12 @@ def zb_h1_actions(stages, microbatches, stage):
     return order
 
 
-def w_pending_bytes(cfg, batch, seq):
-    """Bytes one layer holds from its B to its W under ZB-H1: each linear's input (x for q, k, v; the attention
-    context for o; the MLP's normed input for gate and up; the SwiGLU product for down) and the gradient of its
-    output (B T (h + 2 kv) + B T h + 2 B T f + B T h elements), in the activation dtype."""
-    BT, h, f, kv, e = batch * seq, cfg.hidden, cfg.ffn, cfg.kv_dim, BYTES[cfg.dtype]
-    inputs = BT * (h + h + h + f)
-    output_grads = BT * (h + 2 * kv) + BT * h + 2 * BT * f + BT * h
+def w_pending_bytes(cfg, batch, seq, t=1):
+    """Bytes one layer holds from its B to its W under ZB-H1, on one of t tensor-parallel ranks (sequence
+    parallel): each linear's input (x for q, k, v and the MLP's normed input for gate and up, both gathered to all
+    seq tokens; the attention context for o and the SwiGLU product for down, 1/t of their width) and the gradient
+    of its output (q, k, v's and gate, up's 1/t wide; o's and down's h wide), in the activation dtype."""
+    BT, h, f, kv, e = batch * seq, cfg.hidden, cfg.ffn // t, cfg.kv_dim // t, BYTES[cfg.dtype]
+    inputs = BT * (h + h // t + h + f)
+    output_grads = BT * (h // t + 2 * kv) + BT * h + 2 * BT * f + BT * h
     return e * (inputs + output_grads)
