@@ -621,6 +621,52 @@ paths.append(plot_llama())
 wrote(paths[-1])
 
 # %% [markdown]
+# ## Beyond 1F1B, modelled: interleaving and zero-bubble on one clock
+#
+# picockpt's ranks run AFAB and 1F1B. Two schedules go further, and `pipeline_parallel/pp_orders.py` writes out
+# their orders and runs them on one clock with 1F1B's (no ranks: each action takes its modelled time, and waits
+# for the message it needs):
+#
+# - **interleaved 1F1B** (Narayanan et al. 2021; Megatron-LM's order): each rank holds $V$ chunks of layers, so
+#   a forward is $1/V$ as long and the fill and drain shrink: idle $(p-1)/(Vm+p-1)$, for stage 0 holding
+#   $1 + (p-1)/(pV)$ times 1F1B's micro-batches;
+# - **ZB-H1** (Qi et al. 2023): each backward split into B, the input's gradient that the previous stage waits
+#   for, and W, the weights' gradients that nobody waits for. Stage $s$ lets $s$ of its W's wait until the end,
+#   where 1F1B would idle: with equal F, B, W times, idle $(p-1)/(3m+p-1)$, a third of 1F1B's. picockpt's
+#   backward already computes them as separate lines (`linear_backward`'s input and weight gradients).
+#
+# What a waiting W costs is memory: from its B to its W, a layer holds what W reads, each linear's input and
+# the gradient of its output (`w_pending_bytes`). Recomputation does not shrink it: under `full` the layer is
+# recomputed before its B, and W reads those same recomputed inputs, so they stay until W runs.
+
+# %%
+from picockpt.parallel.pipeline_parallel.pp_orders import (interleaved_actions, one_f_one_b_orders, run_orders,
+                                                           w_pending_bytes, zb_h1_actions)
+from picockpt.closed_forms import layer_inventory, total
+
+P_, M_ = 4, 8
+clock = {"1F1B": run_orders(one_f_one_b_orders(P_, M_), P_, times={"F": 1, "B": 2}),
+         "interleaved V=2": run_orders([interleaved_actions(P_, M_, 2, s) for s in range(P_)], P_, 2,
+                                       times={"F": 0.5, "B": 1.0}),
+         "ZB-H1": run_orders([zb_h1_actions(P_, M_, s) for s in range(P_)], P_)}
+formula = {"1F1B": (P_ - 1) / (M_ + P_ - 1), "interleaved V=2": (P_ - 1) / (2 * M_ + P_ - 1),
+           "ZB-H1": (P_ - 1) / (3 * M_ + P_ - 1)}
+print(f"P = {P_}, M = {M_}, equal stage times (modelled): idle share of the step on the clock, and by formula")
+for name, result in clock.items():
+    print(f"  {name:<16} clock {result['idle'][0]:.3f}   formula {formula[name]:.3f}")
+assert all(abs(clock[n]["idle"][0] - formula[n]) < 1e-12 for n in clock)
+llama = Config.from_preset("llama3-8b", dtype="bf16", attention="fused")
+pending, stored = w_pending_bytes(llama, 1, 4096), total(layer_inventory(llama, 1, 4096))
+checkpoint = layer_inventory(llama, 1, 4096)["input"][2]
+print(f"Llama 3 8B, one layer, 1 x 4096 tokens, bf16: a waiting W holds {pending / 2**20:.0f} MiB; the layer stores "
+      f"{stored / 2**20:.0f} MiB under none and {checkpoint / 2**20:.0f} MiB (its input) under full, so under full a "
+      f"waiting W holds {pending / checkpoint:.1f} times what the layer's checkpoint does (predicted)")
+held_zb = clock["ZB-H1"]["held"]  # micro-batches from F to W: a waiting W counted whole, an upper bound here
+print(f"a waiting W holds {pending / stored:.0%} of what the layer stores under none: ZB-H1's stage s holds about "
+      f"s more micro-batches' worth than 1F1B ({held_zb} against {clock['1F1B']['held']} from F to W), and its peak "
+      f"stays 1F1B's only because stage 0, the busiest, lets none of its W's wait")
+
+# %% [markdown]
 # ## Exercises
 #
 # **1.** A 1F1B pipeline of $P = 8$ stages runs $M = 16$ micro-batches. How many micro-batches does
