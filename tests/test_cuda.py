@@ -406,3 +406,20 @@ def bucket_times(comm):
     timeline.finish()
     (_, _, start, end), = buckets.events
     return start, end
+
+
+def test_a_measured_profile_and_rates_on_cuda():
+    """plan --cost measured on a GPU: every op of the table timed by CUDA events (positive, a spread that holds
+    its median), the measured plan fitting its budget; the GPU's measured rates below the H100/H200 datasheet's."""
+    from picockpt.cost import HARDWARE, measured_rates, plan_priced, price_chain
+    from picockpt.op_times import measure_op_seconds
+    from picockpt.planner import least_budget, model_chain
+    cfg = Config.from_preset("small", attention="fused", dtype="bf16")
+    profile = measure_op_seconds(cfg, 4, 256, "cuda", repeats=3)
+    assert profile.seconds and all(0 < lo <= profile.seconds[op] <= hi for op, (lo, hi) in profile.spread.items())
+    chain = model_chain(cfg, 4, 256)
+    budget = (least_budget(chain) + sum(max(a for _, a, _ in s.variants) for s in chain)) // 2
+    plan = plan_priced(chain, price_chain(chain, cfg, 4, 256, profile.seconds), budget)
+    assert plan.peak_bytes <= budget and plan.recompute_seconds >= 0
+    rates = measured_rates("cuda", "bfloat16", repeats=3)
+    assert 0 < rates.matmul <= 1.05 * HARDWARE["h200"].matmul and 0 < rates.memory <= 1.05 * HARDWARE["h200"].memory
