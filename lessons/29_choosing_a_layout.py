@@ -37,7 +37,7 @@ from picockpt import Config
 from picockpt.cost import (HARDWARE, NCCL_BASE_LATENCY, NCCL_NVLINK_STEP, WIRE, bubble_idle, collective_seconds,
                            head_ops, layer_ops, roofline_seconds)
 from picockpt.layout_search import (LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, STATE_BYTES, ZERO_STAGES, evaluate,
-                                    rank_of, search, stage_params)
+                                    rank_of, runs, search, stage_params)
 from picockpt.plotting import save_figure
 
 HW = HARDWARE["h100"]  # datasheet ceilings (picockpt/hardware.py), 8 GPUs a node
@@ -384,8 +384,7 @@ def split_variants(cfg, seq, gpus, layout):
     search_cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
     return [evaluate(search_cfg, seq, gpus, TOKENS, CAPACITY, HW, tp, cp, pp, dp, M, zero, schedule, V, policy)
             for zero in ZERO_STAGES for schedule, V in SCHEDULES for policy in POLICIES
-            if not (schedule == "interleaved" and (M % pp or cfg.layers < pp * V)) and not (schedule == "zb-h1"
-                                                                                       and (M < pp or pp == 1))]
+            if runs(search_cfg, cp, pp, dp, M, zero, schedule, V)]
 
 
 case = cases[1]  # 16,384 GPUs at 8K tokens

@@ -203,6 +203,16 @@ def model_forward_flops(cfg, seq):
     return cfg.layers * sum(op.flops for op in ops) + 2 * seq * cfg.hidden * cfg.vocab
 
 
+def runs(cfg, cp, pp, dp, M, zero, schedule, V):
+    """Whether a split can take this ZeRO stage and schedule: ZeRO needs ranks to shard over; interleaving and
+    ZB-H1 need stages, interleaving M a multiple of p and V layers a stage, ZB-H1 at least p micro-batches."""
+    if zero != "0" and dp * cp == 1 or pp == 1 and schedule != "1f1b":
+        return False
+    if schedule == "interleaved":
+        return M % pp == 0 and cfg.layers >= pp * V
+    return schedule != "zb-h1" or M >= pp
+
+
 def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=ZERO_STAGES, schedules=SCHEDULES):
     """(every layout that fits, best first; how many were considered). Attention is priced as a flash kernel."""
     cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
@@ -210,9 +220,8 @@ def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=
     rows, considered = [], 0
     for (tp, cp, pp, dp, M), zero, (schedule, V), policy in itertools.product(
             candidates(cfg, seq, gpus, tokens, hw.node), zero_stages, schedules, policies):
-        if (zero != "0" and dp * cp == 1) or (pp == 1 and schedule != "1f1b") or \
-                (schedule == "interleaved" and (M % pp or cfg.layers < pp * V)) or (schedule == "zb-h1" and M < pp):
-            continue  # ZeRO needs ranks to shard over; interleaving needs stages, M a multiple of p, V p layers
+        if not runs(cfg, cp, pp, dp, M, zero, schedule, V):
+            continue
         considered += 1
         row = evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy)
         if row["fits"]:
