@@ -5,32 +5,28 @@ phase equal to their closed forms (picockpt/parallel/data_parallel/zero_inventor
 one gather fewer per recomputed layer, AdamW on the shards equal to the single process's after 3 steps,
 training on a new batch each step (zero_train) equal to picockpt/train.py's, and torch's FSDP2 beside it.
 
-One launch of 4 ranks runs every job in turn (zero_rank_steps): the dp=2 jobs and the training runs on two
-pairs of ranks, the dp=4 jobs on all four; one launch of 2 ranks runs torch's FSDP2, both nestings of
+One launch of 2 ranks runs every dp=2 job and the training runs in turn (parallel.step.run_collected: the one rank
+step of every layout, rank.py), one of 4 ranks the dp=4 jobs; one launch of 2 ranks runs torch's FSDP2, both nestings of
 checkpoint and FSDP unit. hidden=30, vocab=65, ffn=25: units of 1950, 4710 and 1980 elements, so at dp=4
 the embedding and every layer are padded and shards cut through parameters. Relative error:
 max |g - g_single| / max |g_single| over the tensor.
 """
 import functools
-import json
 import multiprocessing
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import predicted_peak_bytes
 from picockpt.measure import make_batch
 from picockpt.ops.cross_entropy import IGNORE_INDEX
 from picockpt.params import param_shapes
-from picockpt.parallel import Comm, run_ranks
+from picockpt.parallel import ParallelJob, run_ranks
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_step, fsdp2_rank_steps
+from picockpt.parallel.data_parallel.zero_check import check_zero
 from picockpt.parallel.data_parallel.zero_inventory import zero_comm_bytes, zero_paper_bytes
-from picockpt.parallel.data_parallel.zero_params import whole
-from picockpt.parallel.data_parallel.zero_step import check_zero, zero_grads, zero_rank_steps, zero_rank_train
-from picockpt.parallel.data_parallel.zero_train import checked_training, trained
+from picockpt.parallel.step import run_collected
 from picockpt.train import MarkovTask, make_optimizer, train_step
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -61,10 +57,13 @@ def budget(cfg, dp):
 
 def job(name, policy, zero, dp, keep=False, prefetch=True, steps=1):
     cfg, params, input_ids, targets = model(name)
-    return SimpleNamespace(name=name, params=params, cfg=cfg, input_ids=input_ids, targets=targets, zero=zero,
-                           policy=budget(cfg, dp) if policy == "budget" else policy, keep_gathered=keep,
-                           prefetch=prefetch, rng_state=torch.manual_seed(7).get_state(), lr=3e-3,
-                           weight_decay=0.1, steps=steps)
+    return ParallelJob(params, cfg, input_ids, targets, budget(cfg, dp) if policy == "budget" else policy, dp=dp,
+                       zero=zero, keep_gathered=keep, prefetch=prefetch, rng_state=torch.manual_seed(7).get_state(),
+                       lr=3e-3, weight_decay=0.1, steps=steps)
+
+
+def name_of(j):
+    return "dropout" if j.cfg.dropout else "fp32 ignored targets"
 
 
 def jobs_for(dp):
@@ -104,7 +103,7 @@ TRAINING = [(1, "none", False), (2, "none", False), (3, "none", False), (3, "ful
 
 
 def training_jobs():
-    """zero_train's checked runs (dp=2, 3 steps): MarkovTask batches, a new one each step, with dropout (the
+    """zero_train's runs (dp=2, 3 steps): MarkovTask batches, a new one each step, with dropout (the
     masks of every step the single process's); step 1 counts 3 targets of its first row: unequal shares."""
     cfg = Config(**BASE, dropout=0.1, dtype="float64")  # fp64: why, in the test below
     task = MarkovTask(cfg.vocab, seed=3)
@@ -112,39 +111,22 @@ def training_jobs():
     targets = batches[1][1].clone()  # (ids and targets are views of one stream)
     targets[0, 3:] = IGNORE_INDEX
     batches[1] = (batches[1][0], targets)
-    return [checked_training(init_params(cfg, seed=1), cfg, batches, policy, 2, zero, lr=3e-3, weight_decay=0.1,
-                             keep_gathered=keep, rng_state=torch.manual_seed(7).get_state())
+    params = init_params(cfg, seed=1)
+    return [ParallelJob(params, cfg, *batches[0], policy, dp=2, zero=zero, keep_gathered=keep, batches=batches,
+                        lr=3e-3, weight_decay=0.1, rng_state=torch.manual_seed(7).get_state())
             for zero, policy, keep in TRAINING]
-
-
-def every_layout(comm, pair_jobs, world_jobs, train_jobs):
-    """One launch of 4 ranks: two data-parallel pairs (ranks 0, 1 and 2, 3) share the dp=2 jobs and the
-    training runs, all four run the dp=4 jobs."""
-    groups = [dist.new_group(ranks, timeout=comm.timeout) for ranks in ([0, 1], [2, 3])]  # every rank makes both
-    pair = Comm(groups[comm.rank // 2], comm.device, timeout=comm.timeout)
-    return {2: zero_rank_steps(pair, pair_jobs[comm.rank // 2::2]), 4: zero_rank_steps(comm, world_jobs),
-            "train": [zero_rank_train(pair, job) for job in train_jobs[comm.rank // 2::2]]}
 
 
 @pytest.fixture(scope="module")
 def launched():
-    jobs = {dp: jobs_for(dp) for dp in (2, 4)}
-    train_jobs = training_jobs()
-    results = run_ranks(every_layout, 4, jobs[2], jobs[4], train_jobs, start_method=START, timeout_s=120)
-    out = {}
-    pairs = [(0, 1), (2, 3)]  # training run i ran on pair i % 2, as its (i // 2)-th
-    out["train"] = [(job, trained([results[rank]["train"][index // 2] for rank in pairs[index % 2]], job.params))
-                    for index, job in enumerate(train_jobs)]
-    for dp, dp_jobs in jobs.items():
-        out[dp] = []
-        for index, j in enumerate(dp_jobs):
-            ranks = [0, 1, 2, 3] if dp == 4 else [2 * (index % 2), 2 * (index % 2) + 1]  # the pair that ran it
-            per_rank = [results[rank][dp][index if dp == 4 else index // 2] for rank in ranks]
-            shapes = param_shapes(j.cfg)
-            grads = zero_grads([r["grads"] for r in per_rank], j.zero, shapes)
-            params = whole([r["params"] for r in per_rank], shapes)
-            loss = sum(r["losses"][-1] for r in per_rank)  # the ranks' shares of the whole batch's mean
-            out[dp].append((j, loss, grads, params, [r["report"] for r in per_rank], per_rank[0]["rng_state"]))
+    """Two launches: 2 ranks run the dp=2 jobs and the training runs, 4 ranks the dp=4 jobs."""
+    jobs, train_jobs = {dp: jobs_for(dp) for dp in (2, 4)}, training_jobs()
+    pair = run_collected(jobs[2] + train_jobs, start_method=START, timeout_s=120)
+    four = run_collected(jobs[4], start_method=START, timeout_s=120)
+    out = {"train": list(zip(train_jobs, pair[len(jobs[2]):]))}
+    for dp, runs in ((2, pair[:len(jobs[2])]), (4, four)):
+        out[dp] = [(j, run["loss"], run["grads"], run["params"], run["reports"], run["rng_state"])
+                   for j, run in zip(jobs[dp], runs)]
     return out
 
 
@@ -172,15 +154,15 @@ def relative(value, reference):
 def test_loss_gradients_and_updated_parameters_equal_the_single_process(launch):
     _, runs = launch
     for j, loss, grads, params, _, rng_state in runs:
-        where = (j.name, j.zero, j.policy, j.keep_gathered, j.prefetch, j.steps)
-        loss0, grads0, params0, rng_state0 = single(j.name, j.steps)
+        where = (name_of(j), j.zero, j.policy, j.keep_gathered, j.prefetch, j.steps)
+        loss0, grads0, params0, rng_state0 = single(name_of(j), j.steps)
         if j.steps == 1:  # the first step's (later ones start from parameters updated a little differently)
             assert abs(loss.item() - loss0.item()) <= 1e-5 * abs(loss0.item()), where
             assert set(grads) == set(grads0)
             for name in grads0:
                 assert grads[name].shape == grads0[name].shape, (where, name)
                 assert relative(grads[name], grads0[name]) <= 1e-5, (where, name, relative(grads[name], grads0[name]))
-        for name in params0:
+        for name in params0 if params is not None else ():
             assert relative(params[name], params0[name]) <= 1e-5, (where, name, relative(params[name], params0[name]))
         assert torch.equal(rng_state, rng_state0), where  # the generator left where the single process leaves it
 
@@ -188,13 +170,13 @@ def test_loss_gradients_and_updated_parameters_equal_the_single_process(launch):
 @pytest.mark.ranks
 def test_every_policy_keep_and_prefetch_is_bitwise_equal_to_none_within_a_stage(launch):
     _, runs = launch
-    none = {(j.name, j.zero): (loss, grads, params) for j, loss, grads, params, *_ in runs
+    none = {(name_of(j), j.zero): (loss, grads, params) for j, loss, grads, params, *_ in runs
             if j.policy == "none" and j.steps == 1}
     for j, loss, grads, params, *_ in runs:
-        if j.steps != 1 or (j.name, j.zero) not in none:
+        if j.steps != 1 or (name_of(j), j.zero) not in none:
             continue
-        loss0, grads0, params0 = none[(j.name, j.zero)]
-        where = (j.name, j.zero, j.policy, j.keep_gathered, j.prefetch)
+        loss0, grads0, params0 = none[(name_of(j), j.zero)]
+        where = (name_of(j), j.zero, j.policy, j.keep_gathered, j.prefetch)
         assert torch.equal(loss, loss0), where
         for name in grads0:
             assert torch.equal(grads[name], grads0[name]), (where, name)
@@ -206,7 +188,7 @@ def test_model_state_and_activations_per_rank_equal_their_closed_forms(launch):
     dp, runs = launch
     for j, *_, reports, _ in runs:
         for r in reports:
-            where = (j.name, j.zero, j.policy, j.keep_gathered, r["rank"])
+            where = (name_of(j), j.zero, j.policy, j.keep_gathered, r["rank"])
             for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "gathered_peak_bytes"):
                 assert r[key] == r[f"predicted_{key}"], (where, key, r[key], r[f"predicted_{key}"])
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
@@ -229,9 +211,9 @@ def test_communication_per_phase_equals_its_closed_form(launch):
     _, runs = launch
     for j, *_, reports, _ in runs:
         for r in reports:
-            where = (j.name, j.zero, j.policy, j.keep_gathered, j.prefetch, r["rank"])
-            assert r["comm_bytes_by_kind"] == r["predicted_comm_bytes_by_kind"], where
-            assert r["comm_bytes"] == r["predicted_comm_bytes"], where
+            where = (name_of(j), j.zero, j.policy, j.keep_gathered, j.prefetch, r["rank"])
+            assert r["zero_bytes_by_kind"] == r["predicted_zero_bytes_by_kind"], where
+            assert r["dp_bytes"] == r["predicted_dp_bytes"], where
 
 
 @pytest.mark.ranks
@@ -245,16 +227,16 @@ def test_stage_3_recompute_gathers_each_layer_once_and_keep_gathered_saves_the_b
                             if n.startswith("model.layers.0.")) // dp)  # one layer's gathered fp32 bytes
     found = {}
     for j, *_, reports, _ in runs:
-        if j.zero == 3 and j.name == "fp32 ignored targets" and j.steps == 1:
+        if j.zero == 3 and name_of(j) == "fp32 ignored targets" and j.steps == 1:
             found[(j.policy, j.keep_gathered, j.prefetch)] = reports[0]
     for prefetch in (True, False) if dp == 2 else (True,):
         plain, kept = found[("full", False, prefetch)], found[("full", True, prefetch)]
-        assert plain["comm_bytes_by_kind"]["recompute"] == {"all_gather": cfg.layers * layer}
-        assert kept["comm_bytes_by_kind"]["recompute"] == {"all_gather": cfg.layers * layer}
-        assert plain["comm_bytes_by_kind"]["backward"]["all_gather"] == cfg.layers * layer
-        assert "all_gather" not in kept["comm_bytes_by_kind"]["backward"]
-        assert sum(plain["comm_bytes"].values()) - sum(kept["comm_bytes"].values()) == cfg.layers * layer
-        assert plain["comm_calls"]["backward"] - kept["comm_calls"]["backward"] == cfg.layers
+        assert plain["zero_bytes_by_kind"]["recompute"] == {"all_gather": cfg.layers * layer}
+        assert kept["zero_bytes_by_kind"]["recompute"] == {"all_gather": cfg.layers * layer}
+        assert plain["zero_bytes_by_kind"]["backward"]["all_gather"] == cfg.layers * layer
+        assert "all_gather" not in kept["zero_bytes_by_kind"]["backward"]
+        assert plain["dp_bytes"] - kept["dp_bytes"] == cfg.layers * layer
+        assert plain["zero_calls_by_kind"]["backward"]["all_gather"] == cfg.layers
     if dp == 2:
         plain, kept = found[("every:2", False, False)], found[("every:2", True, False)]
         assert plain["gathered_peak_bytes"]["recompute"] == layer
@@ -338,15 +320,16 @@ def test_training_with_zero_equals_training_in_one_process(launched):
     optimizer = make_optimizer(params0, job.lr, job.weight_decay)
     torch.set_rng_state(job.rng_state)
     losses0 = [train_step(params0, optimizer, job.cfg, ids, targets, "none") for ids, targets in job.batches]
-    for job, (losses, params, reports) in runs:
+    for job, run in runs:
+        losses, params, reports = run["losses"], run["params"], run["reports"]
         where = (job.zero, job.policy, job.keep_gathered)
         assert len(losses) == STEPS and all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(losses, losses0)), where
         for name in params0:
             assert relative(params[name], params0[name]) <= 1e-10, (where, name, relative(params[name], params0[name]))
-            assert torch.equal(params[name], runs[0][1][1][name]), (where, name)
+            assert torch.equal(params[name], runs[0][1]["params"][name]), (where, name)
         for r in reports:
-            assert len(r["step_seconds"]) == STEPS, where
-            for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm_bytes", "gathered_peak_bytes"):
+            assert len(r["seconds_per_step"]) == STEPS, where
+            for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "zero_bytes_by_kind", "gathered_peak_bytes"):
                 assert r[key] == r[f"predicted_{key}"], (where, key)
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
 
@@ -359,100 +342,8 @@ def test_stages_are_bitwise_equal_to_each_other_at_dp_2(launched):
     bits: the batch's two halves are summed apart, then added.)"""
     trained = {j.zero: params for j, _, _, params, *_ in launched[2] if j.steps == STEPS}
     none = {j.zero: grads for j, _, grads, *_ in launched[2] if j.steps == 1 and j.policy == "none"
-            and j.name == "fp32 ignored targets" and j.prefetch}
+            and name_of(j) == "fp32 ignored targets" and j.prefetch}
     for zero in (2, 3):
         for name in trained[1]:
             assert torch.equal(trained[zero][name], trained[1][name]), (zero, name)
             assert torch.equal(none[zero][name], none[1][name]), (zero, name)
-
-
-@pytest.mark.ranks
-def test_the_api_and_the_command_run_zero_and_refuse_what_it_cannot(capsys):
-    """parallel.loss_and_grads(..., dp=2, zero=3) and `python -m picockpt parallel --dp 2 --zero 3 --json`: the
-    single process's gradients, every rank's model state, stored peak and bytes per phase equal to their
-    closed forms, one AdamW step's state on the command line; a clear error for a layout not supported yet."""
-    from picockpt import parallel
-    from picockpt.cli import main
-    cfg = Config(**BASE)
-    params = init_params(cfg, seed=0)
-    input_ids, targets = make_batch(cfg, BATCH, SEQ, "cpu", seed=0)
-    with pytest.raises(ValueError, match=r"^zero=3 with pp=2 is not supported yet"):
-        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", dp=2, pp=2, zero=3)
-    with pytest.raises(ValueError, match=r"^keep_gathered=True without zero"):
-        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", dp=2, keep_gathered=True)
-    _, grads0 = loss_and_grads(params, cfg, input_ids, targets, "none")
-    _, grads, ranks = parallel.loss_and_grads(params, cfg, input_ids, targets, "every:2", dp=2, zero=3,
-                                              keep_gathered=True, start_method=START)
-    assert max(((grads[k] - grads0[k]).abs().max() / grads0[k].abs().max()).item() for k in grads0) <= 1e-5
-    for r in ranks:
-        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm_bytes", "gathered_peak_bytes"):
-            assert r[key] == r["predicted_" + key], (r["rank"], key)
-        assert r["peak_activation_bytes"] == r["predicted_activation_bytes"] and r["optimizer_bytes"] == 0
-    assert main(["parallel", "--dp", "2", "--zero", "3", "--keep-gathered", "--policy", "full", "--preset", "tiny",
-                 "--batch", "2", "--seq", "8", "--device", "cpu", "--json"]) == 0
-    row = json.loads(capsys.readouterr().out)
-    assert row["zero"] == 3 and row["grad_max_rel_diff_vs_single"] <= 1e-5
-    assert {key: row[key] for key in ("tp", "pp", "microbatches", "ep", "cp", "cp_comm", "keep_gathered")} == \
-        dict(tp=1, pp=1, microbatches=1, ep=1, cp=1, cp_comm="ring", keep_gathered=True)  # every layout's keys
-    for r in row["ranks"]:
-        assert r["optimizer_bytes"] == r["predicted_optimizer_bytes"] > 0  # after one AdamW step on the shards
-        assert r["comm_bytes"] == r["predicted_comm_bytes"] and r["comm_bytes"]["optimizer"] == 0  # stage 3
-        assert r["comm_bytes_by_kind"]["backward"].get("all_gather", 0) == 0  # keep_gathered: none again
-
-
-@pytest.mark.ranks
-def test_the_train_command_on_zero_ranks_prints_the_losses_of_training_in_one_process(capsys):
-    """`train --dp 2 --zero 2` draws the single-process command's batches and weights for the seed: the same
-    losses (to their 4 printed decimals, +-1 in the last), --log-every honoured, every rank's report equal to
-    its closed forms."""
-    from picockpt.cli import main
-    flags = ["train", "--preset", "tiny", "--batch", "2", "--seq", "8", "--steps", "3", "--log-every", "2",
-             "--device", "cpu"]
-    assert main(flags) == 0
-    alone = capsys.readouterr().out
-    assert main(flags + ["--dp", "2", "--zero", "2"]) == 0
-    sharded = capsys.readouterr().out
-
-    def losses(text):
-        return {line.split()[1]: float(line.split()[3]) for line in text.splitlines() if line.startswith("step ")}
-
-    assert set(losses(sharded)) == set(losses(alone)) == {"0", "2"}
-    assert all(abs(losses(sharded)[step] - loss) <= 1.5e-4 for step, loss in losses(alone).items())
-    assert "over 2 ZeRO-2 ranks" in sharded and "closed forms (picockpt/parallel/data_parallel/zero_inventory.py): " \
-                                                "yes" in sharded
-    assert [line.split()[0] for line in sharded.splitlines() if line[:2] in ("0 ", "1 ")] == ["0", "1"]  # a row each
-
-
-def test_zero_training_refuses_what_it_cannot_before_any_rank_starts(capsys):
-    from picockpt.cli import main
-    cfg = Config(**BASE)
-    params = init_params(cfg)
-    batch = make_batch(cfg, BATCH, SEQ, "cpu", seed=0)
-    wrong = (batch[0].clone(), batch[1])
-    wrong[0][0, 0] = cfg.vocab
-    for kwargs, words in ((dict(dp=1), "nothing to shard"), (dict(dp=0), r"dp=0: use a whole number"),
-                          (dict(zero=4), "stages are 1"), (dict(batches=[]), "non-empty list"),
-                          (dict(batches=[batch, (batch[0][:, :4], batch[1][:, :4])]), r"batches\[1\] is \(4, 4\)"),
-                          (dict(batches=[batch, wrong]), r"batches\[1\]: input_ids hold token ids from \d+ to 65"),
-                          (dict(lr=0), "lr=0: AdamW"), (dict(weight_decay=-0.1), "weight_decay=-0.1"),
-                          (dict(policy="full+offload:input"), "ZeRO training has no host tier")):
-        args = {"batches": [batch, batch], "policy": "none", "dp": 2, "zero": 1, **kwargs}
-        with pytest.raises(ValueError, match=words):
-            checked_training(params, cfg, args.pop("batches"), args.pop("policy"), args.pop("dp"), args.pop("zero"),
-                             **args)
-    tiny = ["train", "--preset", "tiny", "--steps", "1", "--batch", "2", "--seq", "8"]
-    for flags, words in ((["--dp", "2"], "plain data-parallel training is not built; --zero 1 holds"),
-                         (["--zero", "2"], "--zero 2 without --dp"), (["--zero", "2", "--dp", "1"], "with --dp 1"),
-                         (["--no-prefetch"], "--no-prefetch without --zero 3"),
-                         (["--dp", "2", "--zero", "1", "--keep-gathered"], "only stage 3 gathers"),
-                         (["--dp", "2", "--zero", "1", "--watch-live"], "--watch-live with --dp"),
-                         (["--dp", "2", "--zero", "1", "--peak-tflops", "5"], "--peak-tflops with --dp"),
-                         (["--dp", "2", "--zero", "3", "--dtype", "bf16"], "mixed precision"),
-                         (["--dp", "64", "--zero", "3", "--batch", "64", "--device", "cuda"],
-                          "CUDA was asked for" if not torch.cuda.is_available() else "take one GPU each")):
-        assert main(tiny + flags) == 2, flags
-        assert words in capsys.readouterr().err, flags
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert "ZeRO stage over the --dp ranks: 1 shards the AdamW state" in text and "--keep-gathered --zero 3" in text

@@ -18,6 +18,8 @@ from .context_parallel.cp_inventory import (cp_flops, cp_peak_bytes, kept_kv_byt
                                             stage_comm_bytes)
 from .expert_parallel.ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes,
                                            ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, received_rows)
+from .data_parallel.zero_inventory import gather_forms, reduce_bytes_by_kind, stage_uses, unit_state_bytes
+from .data_parallel.zero_shards import stage_units
 from .expert_parallel.ep_shard import is_expert
 from .job import stage_forms
 from .pipeline_parallel.pp_schedules import actions, bubble_fraction
@@ -34,6 +36,8 @@ def predicted(job, report, routing=None):
     out = {"predicted_p2p_bytes": forms.p2p_bytes(state_bytes, forms.b // job.ep),
            "predicted_dp_bytes": reduced_bytes(job, forms),
            "predicted_bubble": bubble_fraction(job.pp, job.microbatches)}
+    if job.zero:
+        out.update(zero_forms(job, forms, report))
     if job.ep > 1:
         return {**out, **expert_forms(job, forms, report, routing)}
     out.update({"predicted_activation_bytes": forms.peak_bytes,
@@ -118,17 +122,59 @@ def in_flight_peak(order, stored, peaks):
     return peak
 
 
-def reduced_bytes(job, forms):
-    """The bytes the stage's data-parallel buckets all-reduce: every gradient once, where its group has more
-    than one rank (under ep the experts' over their dp x cp ranks, every other over dp x ep x cp: layout.py)."""
-    cfg, dense, experts = job.cfg, 0, 0
+def rank_param_shapes(job, forms):
+    """{name: shape} of what a rank of the stage holds: its tensor-parallel slices, its E/ep experts."""
+    cfg, out = job.cfg, {}
     for name in stage_param_names(cfg, forms.layers, forms.first, forms.last):
-        n = math.prod(job.params[EMBED if name == HEAD and cfg.tie_embeddings else name].shape)
+        shape = list(job.params[EMBED if name == HEAD and cfg.tie_embeddings else name].shape)
         if job.tp > 1 and split_dim(name) is not None:
-            n //= job.tp
+            shape[split_dim(name)] //= job.tp
         if job.ep > 1 and is_expert(name):
-            experts += n // job.ep
+            shape[0] //= job.ep
+        out[name] = tuple(shape)
+    return out
+
+
+def reduced_bytes(job, forms):
+    """The bytes the stage's data-parallel groups move: every gradient once, all-reduced where its group has more
+    than one rank (under ep the experts' over their dp x cp ranks, every other over dp x ep x cp: layout.py);
+    under ZeRO every one of its collectives (zero_forms)."""
+    if job.zero:
+        return sum(n for kinds in zero_forms(job, forms, None)["predicted_zero_bytes_by_kind"].values()
+                   for n in kinds.values())
+    dense = experts = 0
+    for name, shape in rank_param_shapes(job, forms).items():
+        if job.ep > 1 and is_expert(name):
+            experts += math.prod(shape)
         else:
-            dense += n
-    size = BYTES[cfg.dtype_names[2]]  # the gradients': the master weights' dtype
+            dense += math.prod(shape)
+    size = BYTES[job.cfg.dtype_names[2]]  # the gradients': the master weights' dtype
     return size * ((dense if job.dp * job.ep * job.cp > 1 else 0) + (experts if job.dp * job.cp > 1 else 0))
+
+
+def zero_forms(job, forms, report):
+    """ZeRO's closed forms on a rank of any layout (data_parallel/zero_inventory.py on its stage's units): model
+    state, the gathers of every use in the schedule's order, the reductions, the gathered peak per phase."""
+    cfg, steps = job.cfg, job.steps or len(job.batches or ())
+    sizes = {False: job.dp * job.ep * job.cp, True: job.dp * job.cp}  # the dense and the experts' groups
+    units = stage_units(rank_param_shapes(job, forms), forms.layers, forms.first, forms.last, sizes,
+                        is_expert if job.ep > 1 else None)
+    every = [unit for parts in units.values() for unit in parts]
+    p, c = BYTES[cfg.dtype_names[2]], BYTES[cfg.dtype]
+    state = unit_state_bytes(every, job.zero, p)
+    if not steps:  # AdamW's moments exist from its first step on
+        state["optimizer_bytes"] = 0
+    by_kind = {phase: {} for phase in PHASES + ("optimizer",)}
+    for phase, kinds in reduce_bytes_by_kind(every, job.zero, p, optimizer=bool(steps)).items():
+        by_kind[phase].update(kinds)
+    peaks = dict.fromkeys(PHASES, 0)
+    if job.zero == 3:
+        order = actions(job.schedule, job.pp, job.microbatches, forms.stage)
+        uses = stage_uses(order, forms.layers, forms.first, forms.last, forms.local_schedule)
+        gathered = {key: sum(u.padded * c for u in parts if u.world_size > 1) for key, parts in units.items()}
+        moved, peaks = gather_forms(uses, gathered, job.keep_gathered, job.prefetch)
+        for phase, nbytes in moved.items():
+            by_kind[phase]["all_gather"] = nbytes
+    by_kind = {phase: {kind: n for kind, n in kinds.items() if n} for phase, kinds in by_kind.items()}
+    return {**{f"predicted_{key}": value for key, value in state.items()},
+            "predicted_zero_bytes_by_kind": by_kind, "predicted_gathered_peak_bytes": peaks}

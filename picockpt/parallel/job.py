@@ -18,7 +18,7 @@ from ..params import check_params
 from ..policy import parse_policy
 from .context_parallel.cp_check import check_context_job
 from .context_parallel.cp_inventory import recompute_comm_flops
-from .data_parallel.zero_step import check_zero_job
+from .data_parallel.zero_check import check_zero_job
 from .expert_parallel.ep_shard import check_expert_parallel
 from .launch import check_rank_count, ranks_generator
 from .layout import check_layout
@@ -52,10 +52,11 @@ class ParallelJob:
     cp_comm: str = "ring"          # "ring" (K/V passed round), "ring_overlap" (each hop sent while the block before
     #                                computes) or "allgather" (K/V gathered once per layer)
     cp_keep_kv: bool = False       # allgather: keep the other ranks' K/V for the recomputation and backward
-    zero: int = 0                  # ZeRO stage over the dp ranks: 1, 2 or 3 (0: plain data parallelism)
+    zero: int = 0                  # ZeRO stage over the dp (x ep x cp) ranks: 1, 2 or 3 (0: plain data parallelism)
     keep_gathered: bool = False    # zero=3: a recomputed layer's gathered parameters kept for its backward
     prefetch: bool = True          # zero=3: the next use's parameters gathered while this one computes
     steps: int = 0                 # zero: AdamW steps on the shards (0: forward and backward only)
+    batches: list = None           # zero: one AdamW step on each (input_ids, targets) in turn, in place of steps
     lr: float = 3e-3               # zero, steps > 0: AdamW's (picockpt/train.py: make_optimizer)
     weight_decay: float = 0.0
     measure: bool = True           # live bytes and FLOPs too (slower); False: store bytes and times only
@@ -84,7 +85,7 @@ def checked_job(job, device, world_size):
         raise ValueError("recompute_early=True without pp: it recomputes a stage's top segment while the stage "
                          "waits for its gradient; use it with pp >= 2, or leave it out")
     check_context_job(job, policy, device)  # context_parallel/cp_check.py
-    check_zero_job(job)  # data_parallel/zero_step.py
+    check_zero_job(job)  # data_parallel/zero_check.py
     if not job.overlap and job.dp * job.ep * job.cp == 1:
         raise ValueError("overlap=False with dp=1, ep=1 and cp=1: it all-reduces the gradients after the backward "
                          "instead of as each is final, and there are no replicas to reduce over; set dp >= 2, or "
@@ -151,12 +152,32 @@ def checked_batch(job, device):
     check_params(job.params, job.cfg)
     input_ids, targets = check_batch(job.cfg, job.input_ids, job.targets, job.params)
     state = job.rng_state if job.rng_state is not None else ranks_generator(device).get_state()
-    return replace(job, input_ids=input_ids, targets=targets, policy=policy.text, rng_state=state)
+    batches = None
+    if job.batches is not None:  # training: one step per batch, every one of the first batch's shape
+        if not isinstance(job.batches, (list, tuple)) or not job.batches:
+            raise ValueError(f"batches={type(job.batches).__name__}: give a non-empty list of (input_ids, targets), "
+                             f"one (batch, seq) pair per step")
+        batches = []
+        for step, pair in enumerate(job.batches):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"batches[{step}] is a {type(pair).__name__}: each step's batch is one pair "
+                                 f"(input_ids, targets)")
+            try:
+                ids, tgt = check_batch(job.cfg, *pair, job.params)
+            except ValueError as error:
+                raise ValueError(f"batches[{step}]: {error}") from None
+            if ids.shape != input_ids.shape:
+                raise ValueError(f"batches[{step}] is {tuple(ids.shape)}, the first {tuple(input_ids.shape)}: every "
+                                 f"step's batch must have one (batch, seq) shape (the ranks plan one schedule and "
+                                 f"split every batch alike); draw them all at one shape")
+            batches.append((ids, tgt))
+    return replace(job, input_ids=input_ids, targets=targets, policy=policy.text, rng_state=state, batches=batches)
 
 
 # ---- what the ranks are sent ----------------------------------------------------------------------------------
 def on_cpu(job):
     """The job as the ranks receive it: parameters, batch and generator state on the CPU."""
     params = {name: tensor.detach().cpu() for name, tensor in job.params.items()}
-    return replace(job, params=params, input_ids=job.input_ids.cpu(), targets=job.targets.cpu(),
+    batches = [(ids.cpu(), tgt.cpu()) for ids, tgt in job.batches] if job.batches else None
+    return replace(job, params=params, input_ids=job.input_ids.cpu(), targets=job.targets.cpu(), batches=batches,
                    rng_state=job.rng_state.cpu())

@@ -17,6 +17,7 @@ gradients are summed, and each expert over the dp x cp ranks holding it (the exp
 """
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from .comm import Comm
@@ -89,6 +90,7 @@ class RankGroups:
     ep_rank: int
     cp_rank: int
     tp_rank: int
+    device: object = None  # the rank's torch.device
     tp_comm: Comm = None
     cp_comm: Comm = None
     ep_comm: Comm = None
@@ -107,7 +109,7 @@ def build_groups(layout, rank, device, made=None, timeout=None):
                         for kind, groups in layout.groups().items()}
     group_of = made[layout]
     stage, d, e, c, t = layout.coordinates(rank)
-    groups = RankGroups(layout, rank, stage, d, e, c, t,
+    groups = RankGroups(layout, rank, stage, d, e, c, t, torch.device(device),
                         previous=layout.rank_of(stage - 1, d, t, e, c) if stage > 0 else None,
                         next=layout.rank_of(stage + 1, d, t, e, c) if stage < layout.pp - 1 else None)
     for kind, key in layout.group_keys(rank).items():

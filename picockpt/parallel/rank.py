@@ -29,7 +29,8 @@ from .comm import PHASES, CommLog
 from .context_parallel.cp_layout import SequenceLayout
 from .context_parallel.cp_model import ContextParallelModel, TensorContextParallelModel
 from .data_parallel.dp_comm import ExpertAndDenseBuckets, GradientBuckets
-from .data_parallel.zero_step import zero_rank_step
+from .data_parallel.zero_inventory import stage_uses
+from .data_parallel.zero_shards import ZeroShards
 from .expert_parallel.ep_model import ExpertParallelModel
 from .expert_parallel.ep_shard import is_expert, shard_experts
 from .job import stage_forms
@@ -63,25 +64,69 @@ def trace_lines(rank_label, trace):
 
 def rank_steps(comm, jobs, trace=False):
     made = {}  # process groups, per layout, made once per launch
-    return [zero_rank_step(comm, job) if job.zero else rank_step(comm, job, made, trace) for job in jobs]
+    return [rank_step(comm, job, made, trace) for job in jobs]
 
 
 def rank_step(comm, job, made, trace=False):
-    """One job on this rank; returns CPU tensors and plain numbers only."""
+    """One job on this rank: its steps (one, or under ZeRO with an optimizer one per batch), each rank_one_step;
+    returns CPU tensors and plain numbers only."""
     layout = Layout(job.dp, job.pp, job.tp, job.ep, job.cp)
     groups = build_groups(layout, comm.rank, comm.device, made, comm.timeout)
-    cfg, device = job.cfg, comm.device
-    B, T = job.input_ids.shape
     forms = stage_forms(job, groups.stage)
+    params = rank_params(job, forms, groups, comm.device)
+    shards = zero_shards(job, forms, groups, params) if job.zero else None
+    generator = device_generator(comm.device)
+    generator.set_state(job.rng_state)
+    batches = job.batches or [(job.input_ids, job.targets)] * max(job.steps, 1)
+    losses, seconds, rng_start = [], [], job.rng_state
+    for input_ids, targets in batches:
+        loss, rng_end, report = rank_one_step(job, groups, forms, params, shards, input_ids, targets, rng_start,
+                                              trace)
+        losses.append(loss.cpu() if forms.last else None)
+        seconds.append(report["timeline_seconds"]["total"])
+        if job.cfg.draws_random:  # the next step draws on from where this one leaves the generator (pp = 1)
+            rng_start = rng_end
+    first = groups.dp_rank == groups.cp_rank == 0  # the replicas all hold the same, reduced gradients
+    if shards is None:
+        grads, trained = report.pop("grads"), None
+    else:  # each rank's whole tensors from its group's shards, for the caller's check (after the measured step)
+        grads = shards.whole_tensors(grads=True)
+        trained = shards.whole_tensors() if job.steps or job.batches else None
+    report["seconds_per_step"] = seconds  # this rank's, step by step (the report is the last step's)
+    rng_state = rng_start if job.cfg.draws_random else job.rng_state
+    cpu = (lambda tensors: {name: t.cpu() for name, t in tensors.items()} if first and tensors is not None else None)
+    return {"loss": losses[-1], "losses": losses, "grads": cpu(grads), "params": cpu(trained), "report": report,
+            "rng_state": rng_state.cpu() if forms.last and rng_state is not None else None}
+
+
+def rank_params(job, forms, groups, device):
+    """{name: tensor} this rank holds of its stage: its tensor-parallel slices, or its experts, or all whole."""
+    cfg = job.cfg
     names = stage_param_names(cfg, forms.layers, forms.first, forms.last)
     params = {name: job.params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
     if job.tp > 1:
-        params = shard_params(params, groups.tp_rank, job.tp, device)  # its slices
-    elif job.ep > 1:
-        params = shard_experts(params, groups.ep_rank, job.ep, device)  # its experts, every other weight whole
-    else:
-        params = {name: tensor.to(device) for name, tensor in params.items()}
-    input_ids, targets = job.input_ids.to(device), job.targets.to(device)
+        return shard_params(params, groups.tp_rank, job.tp, device)  # its slices
+    if job.ep > 1:
+        return shard_experts(params, groups.ep_rank, job.ep, device)  # its experts, every other weight whole
+    return {name: tensor.to(device) for name, tensor in params.items()}
+
+
+def zero_shards(job, forms, groups, params):
+    """ZeRO's state of this rank's stage (data_parallel/zero_shards.py): every weight but the experts' sharded over
+    the data-parallel group (dp x ep x cp), the experts' over theirs, in the order of its stage's uses."""
+    order = actions(job.schedule, job.pp, job.microbatches, groups.stage)
+    uses = stage_uses(order, forms.layers, forms.first, forms.last, forms.local_schedule) if job.zero == 3 else None
+    return ZeroShards(params, job.cfg, job.zero, forms.layers, forms.first, forms.last,
+                      {False: groups.dp_comm, True: groups.expert_dp_comm}, is_expert if job.ep > 1 else None, uses,
+                      job.keep_gathered, job.prefetch, job.lr, job.weight_decay)
+
+
+def rank_one_step(job, groups, forms, params, shards, input_ids, targets, rng_start, trace=False):
+    """One forward and backward of the stage's micro-batches (and under ZeRO with steps, AdamW on the shards):
+    (loss share, the generator where the step leaves it, the report)."""
+    cfg, device = job.cfg, groups.device
+    B, T = input_ids.shape
+    input_ids, targets = input_ids.to(device), targets.to(device)
     counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets
     M, b = job.microbatches, forms.b // job.ep  # b: the rows this rank computes of each micro-batch
     tokens = SequenceLayout(job.cp_layout, job.cp, T) if job.cp > 1 else None  # which tokens of a row it holds
@@ -103,9 +148,7 @@ def rank_step(comm, job, made, trace=False):
             return ContextParallelModel(params, cfg, ids, tgt, groups.cp_comm, tokens, job.cp_comm, job.cp_keep_kv)
         return Model(params, cfg, ids, tgt)
 
-    generator = device_generator(device)
-    generator.set_state(job.rng_state)
-    say = trace_lines(f"rank {comm.rank}" + (f" stage {groups.stage}" if job.pp > 1 else ""), trace)
+    say = trace_lines(f"rank {groups.rank}" + (f" stage {groups.stage}" if job.pp > 1 else ""), trace)
     layer_comms = [group for group in (groups.tp_comm, groups.ep_comm, groups.cp_comm) if group is not None]
     layer_log = CommLog()  # the layers' own collectives (tp, ep, cp), this step's bytes only
     reducing = [group for group in (groups.dp_comm, groups.expert_dp_comm) if group is not None]
@@ -118,10 +161,13 @@ def rank_step(comm, job, made, trace=False):
             group.tracker, group.log = tracker, layer_log
         for group in reducing:
             group.tracker, group.log = tracker, CommLog()
-        buckets = _buckets(job, forms, groups, params, device, timeline, tracker)
+        if shards is not None:
+            shards.begin(tracker)
+        buckets = shards or _buckets(job, forms, groups, params, device, timeline, tracker)
         stage = PipelineStage(cfg, params, forms.layers, forms.first, forms.last, pipe, buckets, counted, M,
-                              groups.dp_rank, job.dp, forms.activation_shape(b), make_inner, job.recompute_early)
-        stage.rng_start = job.rng_state if forms.first else None
+                              groups.dp_rank, job.dp, forms.activation_shape(b), make_inner, job.recompute_early,
+                              shards)
+        stage.rng_start = rng_start if forms.first else None
         stage.start(tracker, device, T)
         timeline.begin()
         steps, loss, held, received = {}, None, {}, dict.fromkeys(forms.layers, 0)
@@ -147,6 +193,11 @@ def rank_step(comm, job, made, trace=False):
                 steps.pop(m).backward()
         pipe.finish()
         buckets.finish()
+        state = shards.bytes() if shards is not None else None  # the model state the step ends with
+        if shards is not None and (job.steps or job.batches):
+            with tracker.phase("optimizer"):
+                shards.step(tracker)
+            state["optimizer_bytes"] = shards.bytes()["optimizer_bytes"]  # AdamW's moments exist from now on
         timeline.finish()
         rng_end = stage.rng_end  # the generator where the single process's step leaves it (last stage)
         del stage, steps
@@ -156,11 +207,24 @@ def rank_step(comm, job, made, trace=False):
     report.update(held, received_rows=[received[k] for k in forms.layers] if job.ep > 1 else None,
                   chunks=tokens.chunks(groups.cp_rank) if tokens else None,
                   chunk_tokens=tokens.chunk if tokens else None)
-    first = groups.dp_rank == groups.cp_rank == 0  # the replicas all hold the same, reduced gradients
-    grads = {name: grad.cpu() for name, grad in buckets.grads().items()} if first else None
-    rng_state = rng_end if cfg.draws_random else job.rng_state
-    return {"loss": loss.cpu() if forms.last else None, "grads": grads, "report": report,
-            "rng_state": rng_state.cpu() if forms.last and rng_state is not None else None}
+    if shards is None:
+        report["grads"] = buckets.grads()
+    else:
+        report.update(state, zero=job.zero, keep_gathered=job.keep_gathered, prefetch=job.prefetch,
+                      gathered_peak_bytes=dict(shards.gathered_peak),
+                      zero_bytes_by_kind=merged([group.log.bytes for group in reducing], PHASES + ("optimizer",)),
+                      zero_calls_by_kind=merged([group.log.calls for group in reducing], PHASES + ("optimizer",)))
+    return loss, rng_end, report
+
+
+def merged(tables, phases):
+    """{phase: {kind: n}} of several groups' logs (CommLog.bytes or .calls) together."""
+    out = {phase: {} for phase in phases}
+    for table in tables:
+        for phase, kinds in table.items():
+            for kind, nbytes in kinds.items():
+                out[phase][kind] = out[phase].get(kind, 0) + nbytes
+    return out
 
 
 def _buckets(job, forms, groups, params, device, timeline, tracker):

@@ -30,7 +30,6 @@ import os
 
 from ..params import EMBED, HEAD
 from ..routing import step_routing
-from .data_parallel.zero_step import zero_collected
 from .expert_parallel.ep_shard import gather_expert_grads
 from .forms import predicted
 from .job import ParallelJob, checked_job, on_cpu
@@ -52,13 +51,13 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=T
     pp, microbatches, schedule ("afab" | "1f1b"), recompute_early: pipeline stages; dp, overlap: data-
     parallel replicas, all-reducing each layer's gradients as soon as they are final.
     ep, keep_dispatched: expert parallelism, its ranks carved out of the data-parallel ones.
-    zero (1, 2, 3), keep_gathered, prefetch: ZeRO over the dp ranks (data_parallel/zero_step.py);
+    zero (1, 2, 3), keep_gathered, prefetch: ZeRO over the dp x ep x cp ranks (data_parallel/zero_shards.py);
     optimizer_step=True: one AdamW step on the shards after the backward (its state and gathers reported).
     cp, cp_layout ("zigzag" | "contiguous"), cp_comm ("ring" | "ring_overlap" | "allgather"), cp_keep_kv: context
     parallelism, every activation split along the sequence over cp ranks, K/V passed round a ring or all-gathered.
     device "cpu" (gloo) or "cuda" (NCCL, one GPU per rank); timeout_s bounds every collective;
     trace=True prints each rank's engine trace lines to stderr, prefixed with the rank."""
-    alone = (pp, microbatches, dp, ep, cp, zero) == (1, 1, 1, 1, 1, 0)  # ZeRO's ranks are dp's: never tp's 2
+    alone = (pp, microbatches, dp, ep, cp, zero) == (1, 1, 1, 1, 1, 0)  # tp's 2 only when nothing else is asked
     job = ParallelJob(params, cfg, input_ids, targets, policy, tp=(2 if alone else 1) if tp is None else tp, sp=sp,
                       distribute_saved=distribute_saved, pp=pp, microbatches=microbatches, schedule=schedule,
                       recompute_early=recompute_early, dp=dp, overlap=overlap, ep=ep, keep_dispatched=keep_dispatched,
@@ -70,16 +69,20 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=T
 def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False):
     """[(loss, grads, reports)] of every ParallelJob, all run by one launch of world_size ranks (each job's
     dp x pp x ep x cp x tp; None: the first job's, or torchrun's WORLD_SIZE); trace as in loss_and_grads."""
+    return [(out["loss"], out["grads"], out["reports"])
+            for out in run_collected(jobs, world_size, device, timeout_s, port, start_method, trace)]
+
+
+def run_collected(jobs, world_size=None, device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False):
+    """run_jobs' launch, each job's results as {"loss", "grads", "reports", "losses" (every step's loss, a
+    float each), "params" (after a ZeRO job's optimizer steps, else None), "rng_state" (where the job leaves the
+    generator: the single process's after the same steps)}."""
     if not jobs:
         raise ValueError("jobs=[]: give at least one ParallelJob")
     check_timeout(timeout_s)
     if world_size is None:
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else jobs[0].world_size
     jobs = [checked_job(job, device, world_size) for job in jobs]
-    zero = next((job.zero for job in jobs if job.zero), 0)
-    if trace and zero:  # data_parallel/zero_step.py runs its own step, without the engine's say
-        raise ValueError(f"trace=True with zero={zero}: ZeRO's ranks print no engine trace yet; leave trace out, "
-                         f"or trace the same step without zero")
     generator = ranks_generator(device)
     before = generator.get_state()
     routings = [_routing(job, generator) for job in jobs]  # the single process's, for the closed forms
@@ -90,22 +93,20 @@ def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, star
     out, state = [], jobs[-1].rng_state
     for index, (job, routing) in enumerate(zip(jobs, routings)):
         per_rank = [rank_results[index] for rank_results in results]
-        if job.zero:  # its own rank step for now (data_parallel/zero_step.py)
-            out.append(zero_collected(job, per_rank))
-            state = per_rank[0]["rng_state"]
-            continue
         last = [r for r in per_rank if r["report"]["stage"] == job.pp - 1 and r["report"]["tp_rank"] == 0]
         loss = sum((r["loss"] for r in last[1:]), last[0]["loss"])  # the dp, ep and cp ranks' shares of the mean
+        losses = [sum(r["losses"][step] for r in last).item() for step in range(len(last[0]["losses"]))]
         where = job.params[EMBED].device
-        grads = _gathered(job, per_rank)
         reports = [dict(r["report"], **predicted(job, r["report"], routing)) for r in per_rank]
         start = min(r["timeline_start"] for r in reports)  # the step: the first rank's start to the last one's end
         step = max(r["timeline_start"] + r["timeline_seconds"]["total"] for r in reports) - start
         for r in reports:  # a rank's bubble counts the whole step: a stage done early idles until the others are
             r["step_seconds"], r["bubble"] = step, 1.0 - r["computing_seconds"] / step if step > 0 else 0.0
-        out.append((loss.to(where), {name: grad.to(job.params[name].dtype).to(where) for name, grad in grads.items()},
-                    reports))
-        state = last[0]["rng_state"] if last[0]["rng_state"] is not None else state
+        home = lambda tensors: {name: t.to(job.params[name].dtype).to(where) for name, t in tensors.items()}  # noqa
+        trained = home(_gathered(job, per_rank, "params")) if per_rank[0]["params"] is not None else None
+        state = last[0]["rng_state"] if last[0]["rng_state"] is not None else job.rng_state
+        out.append({"loss": loss.to(where), "grads": home(_gathered(job, per_rank)), "reports": reports,
+                    "losses": losses, "params": trained, "rng_state": state})
     generator.set_state(state)  # where a single process's steps would leave it
     return out
 
@@ -120,12 +121,13 @@ def _routing(job, generator):
     return step_routing(job.params, job.cfg, job.input_ids, ranks=job.dp * job.microbatches * job.ep)
 
 
-def _gathered(job, per_rank):
-    """The full gradients: each stage's from its dp and cp rank 0, tensor- or expert-parallel parts put together."""
+def _gathered(job, per_rank, key="grads"):
+    """The full gradients (or key="params": parameters): each stage's from its dp and cp rank 0, tensor- or
+    expert-parallel parts put together."""
     cfg, grads, head_copy = job.cfg, {}, None
     for stage, layers in enumerate(stage_layers(cfg.layers, job.pp)):
         names = stage_param_names(cfg, layers, stage == 0, stage == job.pp - 1)
-        ranks = sorted(((r["report"]["tp_rank"], r["report"]["ep_rank"]), r["grads"]) for r in per_rank
+        ranks = sorted(((r["report"]["tp_rank"], r["report"]["ep_rank"]), r[key]) for r in per_rank
                        if r["report"]["stage"] == stage and r["report"]["dp_rank"] == r["report"]["cp_rank"] == 0)
         parts = [g for _, g in ranks]
         if job.tp > 1:

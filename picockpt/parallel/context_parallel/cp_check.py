@@ -47,12 +47,10 @@ def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_k
 def check_context_job(job, policy, device):
     """The context-parallel fields of a picockpt.parallel job (job.py: ParallelJob), with its parsed policy."""
     M, T = job.microbatches, job.input_ids.shape[1]
-    if job.cp > 1:  # context parallelism composes with tp, dp and pp
-        others = [f"{name}={value}" for name, value, alone in (("ep", job.ep, 1), ("zero", job.zero, 0))
-                  if value != alone]
-        if others:
-            raise ValueError(f"cp={job.cp} with {', '.join(others)} is not supported yet: context parallelism "
-                             f"composes with tp, dp and pp here; use cp with tp, dp, pp and microbatches")
+    if job.cp > 1:  # context parallelism composes with tp, dp (ZeRO too) and pp
+        if job.ep > 1:
+            raise ValueError(f"cp={job.cp} with ep={job.ep} is not supported yet: context parallelism composes with "
+                             f"tp, dp, zero and pp here; use cp with those, or ep without cp")
         if job.cp_keep_kv and policy.budget is not None:
             raise ValueError(f"cp_keep_kv=True with policy={policy.text!r} is not supported yet: the planner's chain "
                              f"does not hold the kept K/V; use a budget without cp_keep_kv, or keep_kv with none, "

@@ -31,11 +31,16 @@ padded numel times the compute dtype's bytes):
 and one reduce-scatter of every unit's gradient in the backward (its padded numel times p), which under
 stages 1 and 2 are an all-reduce and a reduce-scatter; those stages then all-gather every unit's updated
 shards in the optimizer phase (padded numel times p).
+
+Under another layout (zero_shards.py) the same forms run on what a rank holds: its stage's units, of its tp slices
+and experts, each over its own group (unit_state_bytes, stage_uses, gather_forms, reduce_bytes_by_kind); under pp
+every micro-batch's forward and backward walk its stage's units again, in the schedule's order.
 """
 import torch
 
 from ...inventory import predicted_peak_bytes
 from ...policy import parse_policy
+from ..pipeline_parallel.pp_schedules import Action
 from .zero_params import flat_units
 
 STAGES = (1, 2, 3)
@@ -54,27 +59,43 @@ def zero_paper_bytes(psi, K=12, N_d=64):
     return {stage: sum(zero_paper_parts(psi, stage, K, N_d).values()) for stage in (0, 1, 2, 3)}
 
 
-def model_state_bytes(cfg, stage, world_size):
-    """{param_bytes, grad_bytes, optimizer_bytes} one rank holds under `stage`."""
-    p = torch.empty((), dtype=cfg.param_dtype).element_size()
+def unit_state_bytes(units, stage, p):
+    """{param_bytes, grad_bytes, optimizer_bytes} one rank holds under `stage`; units: [FlatUnit], each over its
+    group (a unit of world_size 1 is held whole); p: the master dtype's bytes."""
     step = torch.tensor(0.0).element_size()  # AdamW's step count: a scalar tensor of the default dtype
-    units = flat_units(cfg, world_size)
     padded, shards = sum(u.padded for u in units), sum(u.shard_numel for u in units)
     return {"param_bytes": (padded if stage < 3 else shards) * p,
             "grad_bytes": (padded if stage < 2 else shards) * p,
             "optimizer_bytes": 2 * shards * p + step * len(units)}
 
 
-def gather_uses(cfg, schedule):
-    """[(phase, unit)]: every use of a unit's gathered weights in one step, in order (stage 3)."""
-    L = cfg.layers
-    uses = [("forward", "embed")] + [("forward", k) for k in range(L)] + [("forward", "head"), ("backward", "head")]
-    sweep_to = {last: first for first, last in schedule.sweeps(L)}  # the sweep that runs before layer i's backward
-    for i in reversed(range(L)):
-        if i in sweep_to:
-            uses += [("recompute", k) for k in range(sweep_to[i], i + 1)]
-        uses.append(("backward", i))
+def model_state_bytes(cfg, stage, world_size):
+    """{param_bytes, grad_bytes, optimizer_bytes} one rank holds under `stage`, every unit over the dp ranks."""
+    p = torch.empty((), dtype=cfg.param_dtype).element_size()
+    return unit_state_bytes(flat_units(cfg, world_size), stage, p)
+
+
+def stage_uses(order, layers, first, last, schedule):
+    """[(phase, unit)]: every use of a unit's gathered weights in one step of a stage, in order (stage 3): each
+    action of its schedule (pp_schedules.actions) walks its micro-batch's forward or backward; schedule: the
+    stage's own (its layers numbered from 0), whose sweeps say which layers a backward recomputes."""
+    sweep_to = {layers[0] + last_k: layers[0] + first_k for first_k, last_k in schedule.sweeps(len(layers))}
+    uses = []
+    for action in order:
+        if action.kind == "F":
+            uses += [("forward", "embed")] * first + [("forward", k) for k in layers] + [("forward", "head")] * last
+            continue
+        uses += [("backward", "head")] * last  # the embedding's backward needs its shape only
+        for i in reversed(layers):
+            if i in sweep_to:
+                uses += [("recompute", k) for k in range(sweep_to[i], i + 1)]
+            uses.append(("backward", i))
     return uses
+
+
+def gather_uses(cfg, schedule):
+    """[(phase, unit)]: every use of a unit's gathered weights in one step of the whole model (stage 3)."""
+    return stage_uses([Action("F", 0), Action("B", 0)], range(cfg.layers), True, True, schedule)
 
 
 def kept_after(phase, unit, keep_gathered):
@@ -83,46 +104,58 @@ def kept_after(phase, unit, keep_gathered):
     return (unit == "head" and phase == "forward") or (keep_gathered and phase == "recompute")
 
 
+def gather_forms(uses, sizes, keep_gathered=False, prefetch=True):
+    """({phase: bytes all-gathered}, {phase: the most gathered bytes alive during a use}) of a stage 3 step: the
+    units in use or kept, and with prefetch the next use's unit, gathering while this one computes (unless it is
+    the unit in use: a second copy would be gathered; it is gathered again after the release). sizes: {unit:
+    its gathered bytes}; a gather is booked under the phase of the use it serves."""
+    moved = dict.fromkeys(("forward", "recompute", "backward"), 0)
+    peaks, live = dict(moved), set()
+    for n, (phase, unit) in enumerate(uses):
+        upcoming = [uses[n]] + ([uses[n + 1]] if prefetch and n + 1 < len(uses) else [])
+        for use_phase, key in upcoming:
+            if key not in live:
+                live.add(key)
+                moved[use_phase] += sizes[key]
+        peaks[phase] = max(peaks[phase], sum(sizes[u] for u in live))
+        if not kept_after(phase, unit, keep_gathered):
+            live.discard(unit)
+    return moved, peaks
+
+
 def gathered_peak_bytes(cfg, batch, seq, policy, world_size, keep_gathered=False, prefetch=True):
-    """{phase: the most gathered parameter bytes alive during a use of that phase}, stage 3: the units
-    in use or kept, and with prefetch the next use's unit, gathering while this one computes (unless
-    it is the unit in use: a second copy would be gathered; it is gathered again after the release)."""
+    """{phase: the most gathered parameter bytes alive during a use of that phase}, stage 3, dp ranks alone."""
     schedule = _schedule(cfg, batch, seq, policy, world_size)
     element = torch.empty((), dtype=cfg.torch_dtype).element_size()
     sizes = {u.key: u.padded * element for u in flat_units(cfg, world_size)}
-    uses, live, peaks = gather_uses(cfg, schedule), set(), dict.fromkeys(("forward", "recompute", "backward"), 0)
-    for n, (phase, unit) in enumerate(uses):
-        live.add(unit)
-        peaks[phase] = max(peaks[phase], sum(sizes[u] for u in live))
-        if prefetch and n + 1 < len(uses) and uses[n + 1][1] not in live:
-            live.add(uses[n + 1][1])  # launched now, for the next use
-            peaks[phase] = max(peaks[phase], sum(sizes[u] for u in live))
-        if not kept_after(phase, unit, keep_gathered):
-            live.discard(unit)
-    return peaks
+    return gather_forms(gather_uses(cfg, schedule), sizes, keep_gathered, prefetch)[1]
+
+
+def reduce_bytes_by_kind(units, stage, p, optimizer=True):
+    """{phase: {kind: bytes}} of the gradients' reductions and (optimizer=True, stages 1, 2) the optimizer's
+    gather of the updated shards, over every unit of a group of more than one rank."""
+    padded = sum(u.padded for u in units if u.world_size > 1) * p
+    out = {"backward": {"all_reduce" if stage == 1 else "reduce_scatter": padded}}
+    if stage < 3 and optimizer:
+        out["optimizer"] = {"all_gather": padded}
+    return out
 
 
 def zero_comm_bytes(cfg, batch, seq, policy, stage, world_size, keep_gathered=False, optimizer=True):
-    """{phase: {kind: bytes}} one rank's collectives move in one step under `stage` (ZeRO's own: the
-    gathers, the gradient reductions, the optimizer's gather of updated shards; optimizer=False: a step
+    """{phase: {kind: bytes}} one rank's collectives move in one step under `stage`, dp ranks alone (ZeRO's own:
+    the gathers, the gradient reductions, the optimizer's gather of updated shards; optimizer=False: a step
     without the optimizer's, forward and backward only)."""
     units = flat_units(cfg, world_size)
     p = torch.empty((), dtype=cfg.param_dtype).element_size()
     c = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    padded = sum(u.padded for u in units)
     out = {phase: {} for phase in PHASES}
-    if stage < 3:
-        out["backward"]["all_reduce" if stage == 1 else "reduce_scatter"] = padded * p
-        out["optimizer"]["all_gather"] = padded * p if optimizer else 0
-        return _drop_zeros(out)
-    layer = units[1].padded * c  # every layer's unit has the same size
-    recomputed = [k for first, last in _schedule(cfg, batch, seq, policy, world_size).sweeps(cfg.layers)
-                  for k in range(first, last + 1)]
-    distinct = len(set(recomputed))
-    out["forward"]["all_gather"] = padded * c
-    out["recompute"]["all_gather"] = (distinct if keep_gathered else len(recomputed)) * layer
-    out["backward"]["all_gather"] = (cfg.layers - (distinct if keep_gathered else 0)) * layer
-    out["backward"]["reduce_scatter"] = padded * p
+    for phase, kinds in reduce_bytes_by_kind(units, stage, p, optimizer).items():
+        out[phase].update(kinds)
+    if stage == 3:
+        uses = gather_uses(cfg, _schedule(cfg, batch, seq, policy, world_size))
+        moved = gather_forms(uses, {u.key: u.padded * c for u in units}, keep_gathered)[0]
+        for phase, nbytes in moved.items():
+            out[phase]["all_gather"] = nbytes
     return _drop_zeros(out)
 
 

@@ -10,6 +10,9 @@ the engine's docstring says a stage's would:
     embed_backward   first stage: the embedding's gradient; later ones: send dx back to the previous stage
     layer_forward/backward, keep_input/load_input   the inner model's (one process's, tp's, ep's, cp's: rank.py)
 
+Under ZeRO (data_parallel/zero_shards.py) the stage's weights and buckets are its shards': every part that reads a
+unit's weights runs inside `weights_for(unit)`, which under stage 3 gathers the unit for that one use.
+
 The mean over all tokens: the single process's loss is (sum of the counted tokens' losses) / N, N the whole batch's
 counted (not IGNORE_INDEX) targets. A micro-batch's head takes the mean over its n_m counted targets, so its loss and
 gradients are scaled by n_m / N, and the shares of the micro-batches (and data- and context-parallel ranks) sum to the
@@ -21,6 +24,8 @@ layer and draws the *whole batch's* masks, keeping its rows (rng.py's full-size 
 of dp*M), so replaying a checkpoint's state redraws them; the price is M*dp times the random numbers. Stage s > 0 starts
 from stage s-1's state after its first micro-batch's forward, sent with it (send_rng_state, 5 KB on the CPU).
 """
+import contextlib
+
 from ...engine import device_generator
 from ...params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
 from ...ops import rope_tables
@@ -34,22 +39,43 @@ class PipelineStage:
     buckets (data_parallel/dp_comm.py), the counted targets of the whole batch, the RNG states."""
 
     def __init__(self, cfg, params, layers, first, last, pipe, buckets, counted, microbatches, dp_rank, dp,
-                 activation_shape, make_inner, recompute_early=False):
+                 activation_shape, make_inner, recompute_early=False, shards=None):
         self.cfg, self.params, self.layers, self.first, self.last = cfg, params, layers, first, last
         self.step_cfg = cfg.replace(tie_embeddings=False)  # a tied matrix's two uses are summed by the caller
         self.pipe, self.buckets, self.counted = pipe, buckets, counted
         self.M, self.dp_rank, self.dp = microbatches, dp_rank, dp
         self.activation_shape, self.make_inner, self.recompute_early = activation_shape, make_inner, recompute_early
+        self.shards = shards  # ZeRO's (data_parallel/zero_shards.py), or None
         self.rng_start = self.rng_end = None  # the generator at the stage's first layer / after its last
 
     def start(self, tracker, device, seq):
-        """The stage's weights for every micro-batch (16-bit copies under mixed precision), once."""
+        """The stage's weights for every micro-batch (16-bit copies under mixed precision), once; under ZeRO the
+        shards' (whole, or under stage 3 shapes only until each use gathers them)."""
         dtype = self.cfg.torch_dtype
-        self.weights = {name: tensor.to(dtype) for name, tensor in self.params.items()}
+        self.weights = self.shards.weights() if self.shards else \
+            {name: tensor.to(dtype) for name, tensor in self.params.items()}
         for tensor in self.weights.values():
-            tracker.mark(tensor, "weights")
+            if tensor.device.type != "meta":
+                tracker.mark(tensor, "weights")
         self.rope = rope_tables(self.cfg, seq, device, dtype)  # (T, hd) x2
         self.weights_of = {k: layer_weights(self.weights, k) for k in self.layers}
+
+    @contextlib.contextmanager
+    def weights_for(self, unit):
+        """Unit "embed", k or "head" readable for one use: under ZeRO-3 gathered for it, its views in the weights
+        the inner model reads, then its shapes again (the gathered buffer freed, or kept, as zero_shards.py says)."""
+        if self.shards is None:
+            yield
+            return
+        with self.shards.use(unit) as views:
+            before = {name: self.weights[name] for name in views}
+            self.weights.update(views)
+            if unit in self.weights_of:
+                self.weights_of[unit] = layer_weights(self.weights, unit)
+            yield
+            self.weights.update(before)
+            if unit in self.weights_of:
+                self.weights_of[unit] = layer_weights(self.weights, unit)
 
     def microbatch(self, m, input_ids, targets):
         return StageModel(self, m, self.make_inner(input_ids, targets))
@@ -75,8 +101,11 @@ class StageModel:
         stage, draws = self.stage, self.cfg.draws_random
         if draws and not stage.first and self.m == 0:  # the state the single process has at this stage's first layer
             stage.rng_start = receive_rng_state(stage.pipe, self.generator.get_state())
-        x = self.inner.embed() if stage.first else \
-            from_previous_stage_forward(stage.pipe, stage.activation_shape, self.cfg.torch_dtype)  # (b, n, h)
+        if stage.first:
+            with stage.weights_for("embed"):
+                x = self.inner.embed()  # (b, n, h)
+        else:
+            x = from_previous_stage_forward(stage.pipe, stage.activation_shape, self.cfg.torch_dtype)  # (b, n, h)
         if draws:  # every micro-batch draws the whole batch's masks again, from rng_start (stage 0: the caller's)
             self.generator.set_state(stage.rng_start)
         return x
@@ -88,11 +117,13 @@ class StageModel:
         return self.inner.load_input(store, k, whole)
 
     def layer_forward(self, k, x, store, drop, tail):
-        with full_size_draws(self.rows, dim=0, dropout=1.0 if self.cfg.draws_random else 0):  # its rows of each mask
+        with full_size_draws(self.rows, dim=0, dropout=1.0 if self.cfg.draws_random else 0), \
+                self.stage.weights_for(k):  # its rows of each mask; layer k's weights
             return self.inner.layer_forward(k, x, store, drop, tail)  # (b, n, h)
 
     def layer_backward(self, k, dx, store):
-        dx, grads = self.inner.layer_backward(k, dx, store)  # (b, n, h), LayerWeights
+        with self.stage.weights_for(k):
+            dx, grads = self.inner.layer_backward(k, dx, store)  # (b, n, h), LayerWeights
         for role, grad in grads._asdict().items():
             self.stage.buckets.add(layer_key(k, role), grad)
         if self.m == self.stage.M - 1:  # the last micro-batch's backward: layer k's gradients are final
@@ -108,7 +139,8 @@ class StageModel:
             return x.new_zeros(())  # no loss on this stage
         if self.cfg.draws_random and self.m == 0:
             stage.rng_end = self.generator.get_state()  # where the single process's step leaves the generator
-        loss = self.inner.head_forward(x, store, drop)  # the mean over this micro-batch's counted targets
+        with stage.weights_for("head"):
+            loss = self.inner.head_forward(x, store, drop)  # the mean over this micro-batch's counted targets
         return loss * self.share if self.share else loss.new_zeros(())  # its share of the whole batch's mean
 
     def head_backward(self, store):
@@ -118,7 +150,8 @@ class StageModel:
             if stage.recompute_early:
                 self.recompute_top(store)  # while the gradient travels
             return receive.wait(), {}  # (b, n, h)
-        dx, grads = self.inner.head_backward(store)  # (b, n, h) for this micro-batch's mean
+        with stage.weights_for("head"):
+            dx, grads = self.inner.head_backward(store)  # (b, n, h) for this micro-batch's mean
         for name, grad in grads.items():
             stage.buckets.add(name, grad.mul_(self.share))  # in place: grads holds the whole batch's too
         if self.m == stage.M - 1:

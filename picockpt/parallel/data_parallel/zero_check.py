@@ -1,0 +1,55 @@
+"""What ZeRO refuses, before any rank starts: a ValueError naming the parameter, the value and what would work."""
+from .zero_inventory import STAGES
+
+WORKS = "zero 1, 2 or 3 over 2 or more ranks (dp x ep x cp), fp32 or fp64, untied embeddings"
+
+
+def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
+    """zero's own values; dp: the ranks the weights are sharded over (dp x ep x cp); batch: the whole batch."""
+    if isinstance(zero, bool) or zero not in STAGES:
+        raise ValueError(f"zero={zero!r}: ZeRO's stages are 1 (optimizer state sharded), 2 (and gradients) and "
+                         f"3 (and parameters); use one of them, or leave zero out for plain data parallelism")
+    if dp == 1:
+        raise ValueError(f"zero={zero} with dp=1: ZeRO shards the model state over data-parallel ranks (dp x ep x "
+                         f"cp of them), and with one rank there is nothing to shard; use dp >= 2, or leave zero out")
+    for name, value in (("keep_gathered", keep_gathered), ("prefetch", prefetch)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: use True or False")
+    for refused, name in ((keep_gathered, "keep_gathered=True"), (not prefetch, "prefetch=False")):
+        if refused and zero != 3:
+            raise ValueError(f"{name} with zero={zero}: only stage 3 gathers parameters (stages 1 and 2 hold them "
+                             f"whole); use zero=3, or leave {name.split('=')[0]} out")
+    if batch % dp:
+        raise ValueError(f"batch={batch} is not divisible by dp={dp}: each rank computes batch/dp whole sequences; use "
+                         f"a batch that is a multiple of {dp}")
+    unsupported = [(cfg.dtype not in ("float32", "float64"), f"dtype={cfg.dtype!r} (mixed precision)"),
+                   (cfg.tie_embeddings, "tie_embeddings=True (one matrix in two units)"),
+                   (cfg.router_jitter > 0, f"router_jitter={cfg.router_jitter} (jitter drawn per rank's rows)"),
+                   (cfg.attention == "tiled" and cfg.dropout > 0,
+                    "attention='tiled' with dropout (tile masks seeded at the rank's shape)")]
+    for refused, what in unsupported:
+        if refused:
+            raise ValueError(f"zero={zero} with {what} is not supported yet; what works: {WORKS}")
+
+
+def check_zero_job(job):
+    """The ZeRO fields of a picockpt.parallel job (job.py: ParallelJob), with any layout beside."""
+    steps = job.steps or len(job.batches or ())
+    if job.zero:
+        if not job.overlap:
+            raise ValueError(f"overlap=False with zero={job.zero}: ZeRO reduces each unit's gradients as soon as they "
+                             f"are final, always (plain data parallelism's buckets are what overlap switches); leave "
+                             f"overlap out")
+        shard_ranks = job.dp * job.ep * job.cp  # the group every weight but the experts' is sharded over
+        check_zero(job.zero, shard_ranks, job.cfg, job.input_ids.shape[0] * shard_ranks // job.dp,
+                   job.keep_gathered, job.prefetch)
+        if steps > 1 and job.pp > 1 and job.cfg.draws_random:
+            raise ValueError(f"{steps} steps with pp={job.pp} and dropout: the next step's first stage would need the "
+                             f"generator state the last stage ends with; train with pp=1, or dropout=0")
+    elif steps:
+        raise ValueError(f"{'batches' if job.batches else f'steps={job.steps}'} without zero: AdamW on the shards is "
+                         f"ZeRO's; add zero=1, 2 or 3 (and dp >= 2), or leave it out")
+    elif job.keep_gathered or not job.prefetch:
+        raise ValueError(f"{'keep_gathered=True' if job.keep_gathered else 'prefetch=False'} without zero: it changes "
+                         f"when ZeRO-3 gathers parameters, and there is none here; add zero=3 (and dp >= 2), or leave "
+                         f"it out")

@@ -1,0 +1,242 @@
+"""ZeRO inside the one rank step (rank.py): what a rank holds of its stage's weights, their gathers around each use,
+and their gradients reduced as soon as they are final. It takes the place of the stage's data-parallel buckets
+(dp_comm.py) and of its whole weights; everything else of the step (the engine's loop, the stage's micro-batches,
+the layers' own crossings) is unchanged, so ZeRO stacks on tensor, pipeline, context and expert parallelism.
+
+What is sharded is whatever the rank holds: its stage's units (the embedding on the first, layers k, the final norm
+and head on the last), of its tensor-parallel slices (shards of the tp shards), its experts. A unit (zero_params.py's
+FlatUnit) is sharded over the group its gradients are summed over (layout.py): every weight but the experts' over
+the dp x ep x cp ranks (torchtitan's dp_shard_cp mesh under cp), an expert's over the dp x cp ranks that hold it
+(its expert-data-parallel group). A layer under ep is two units, one per group; a group of one shards nothing.
+
+Weights:
+    stages 1, 2   every unit whole, as plain data parallelism: nothing gathered
+    stage 3       the rank's shard of each unit; before each use the unit is all-gathered, after it freed. A use is
+                  the embedding's forward, a layer's forward, its recompute (every sweep that runs it again) and its
+                  backward, the head's forward and backward; the embedding's backward needs only its shape. The head
+                  stays gathered from its forward to its backward (torchtitan's apply_fsdp_to_decoder does not
+                  reshard the final norm and output after the forward); keep_gathered=True keeps a layer gathered
+                  by a recompute sweep until its backward (one gather fewer per recomputed layer, for holding a
+                  sweep's layers at once). FSDP2 gathers a recomputed block once in the backward under either
+                  nesting of checkpoint and fully_shard (fsdp_peer.py counts both). prefetch=True starts the next
+                  use's gather, asynchronously, before this use computes, as FSDP's forward and backward prefetch.
+                  Under pp every micro-batch's uses gather again, in the schedule's order (zero_inventory.stage_uses).
+Gradients, accumulated whole over the stage's micro-batches (as torch.distributed.pipelining runs FSDP: gradient sync
+only in the last backward) and reduced once final (the last micro-batch's backward of the unit):
+    stage 1       one all-reduce of the unit's flat gradient: every rank holds the sum
+    stages 2, 3   one reduce-scatter: the rank keeps the sum of its shard, the whole flat gradient is freed
+Optimizer (steps > 0): picockpt/train.py's AdamW on the rank's shards only (elementwise: bit for bit the whole
+tensor's update of those elements); stages 1 and 2 then all-gather the updated shards into the whole weights.
+"""
+import contextlib
+
+import torch
+
+from ...params import EMBED, FINAL_NORM, HEAD
+from ...train import make_optimizer
+from ..comm import all_reduce, reduce_scatter
+from .zero_params import FlatUnit, gather_flat
+
+
+def unit_names(names, layers, first, last):
+    """{key: [names]} of a stage's units in the order a forward uses them: "embed", its layers k, "head"."""
+    units = {"embed": [EMBED]} if first else {}
+    units.update({k: [name for name in names if name.startswith(f"model.layers.{k}.")] for k in layers})
+    if last:
+        units["head"] = [FINAL_NORM, HEAD]
+    return units
+
+
+def stage_units(shapes, layers, first, last, sizes, split=None):
+    """{key: [FlatUnit]}: a key's parameters over the group of size sizes[False], those split(name) marks
+    (the experts) apart, over the group of size sizes[True]."""
+    units = {}
+    for key, names in unit_names(list(shapes), layers, first, last).items():
+        parts = {False: [n for n in names if not (split and split(n))], True: [n for n in names if split and split(n)]}
+        units[key] = [FlatUnit(key, members, shapes, sizes[part]) for part, members in parts.items() if members]
+    return units
+
+
+class Sharded:
+    """One unit on this rank over its group (comm None: a group of one): the flat weights whole (stages 1, 2) or
+    its shard, and after the backward the gradient of its shard."""
+
+    def __init__(self, unit, comm, params, stage, dtype):
+        self.unit, self.comm, self.stage = unit, comm, stage
+        self.rank = comm.rank if comm is not None else 0
+        flat = unit.flatten(params, dtype)  # (padded,)
+        self.params = flat if stage < 3 or comm is None else unit.shard(flat, self.rank).clone()  # (padded,) | (s,)
+        self.shard = self.params if self.params.numel() == unit.shard_numel else unit.shard(self.params, self.rank)
+        self.grad = None  # (padded,) accumulating, then the reduced shard (s,)
+
+    def whole(self):
+        return self.params.numel() == self.unit.padded  # held whole: nothing to gather
+
+
+class ZeroShards:
+    """A rank's ZeRO state for its stage, and the stage's gradient buckets (GradientBuckets' add, ready, finish,
+    grads). params: the rank's tensors under the full names; comms: {False: dense group, True: experts' group}
+    (a Comm or None); split: which names are experts'; uses: [(phase, key)] of every gathered use (stage 3)."""
+
+    def __init__(self, params, cfg, stage, layers, first, last, comms, split=None, uses=None, keep_gathered=False,
+                 prefetch=True, lr=3e-3, weight_decay=0.0):
+        self.cfg, self.stage, self.keep_gathered, self.prefetch = cfg, stage, keep_gathered, prefetch
+        sizes = {part: comm.world_size if comm is not None else 1 for part, comm in comms.items()}
+        shapes = {name: tensor.shape for name, tensor in params.items()}
+        self.units = {key: [Sharded(unit, comms[bool(split and split(unit.names[0]))], params, stage, cfg.param_dtype)
+                            for unit in units]
+                      for key, units in stage_units(shapes, layers, first, last, sizes, split).items()}
+        self.optimizer = make_optimizer({f"{key}.{n}": part.shard for key, parts in self.units.items()
+                                         for n, part in enumerate(parts)}, lr, weight_decay)
+        self.owner = {name: part for parts in self.units.values() for part in parts for name in part.unit.names}
+        self.uses, self.next_use = uses, 0
+        self.gathered, self.pending = {}, {}  # key -> [flat]; key -> [(work, flat)] under way
+        self.gathered_peak = dict.fromkeys(("forward", "recompute", "backward"), 0)  # bytes, as measured
+        self.tracker = None
+
+    # -- weights ---------------------------------------------------------------------------------
+    def weights(self):
+        """{name: weight} the stage starts from: whole units as views of their flat buffers; a gathered unit's
+        names as meta tensors of their shapes (read for the shape only, replaced by views during each use)."""
+        out = {}
+        for parts in self.units.values():
+            for part in parts:
+                views = part.unit.views(part.params) if part.whole() else \
+                    {name: torch.empty(shape, device="meta") for name, shape in zip(part.unit.names, part.unit.shapes)}
+                out.update(views)
+        return out
+
+    def begin(self, tracker):
+        """A step starts: the first use again (stage 3), the tracker its gathers are marked in, no gradients."""
+        self.tracker, self.next_use = tracker, 0
+        for parts in self.units.values():
+            for part in parts:
+                part.grad = None
+
+    @contextlib.contextmanager
+    def use(self, key):
+        """{name: weight} of unit `key` for one use: whole, or gathered for it (stage 3)."""
+        parts = [part for part in self.units[key] if not part.whole()]  # a whole one is in the stage's weights
+        if not parts:
+            yield {}
+            return
+        phase = self.tracker.phase_name
+        expected = self.uses[self.next_use]
+        if expected != (phase, key):
+            raise RuntimeError(f"ZeRO-3 use {self.next_use}: the loop asked for ({phase!r}, {key!r}), the schedule "
+                               f"for {expected}: the prefetch order no longer matches the engine's walk")
+        self.next_use += 1
+        flats = self.acquire(key, phase)
+        if self.prefetch and self.next_use < len(self.uses):
+            self.launch(*self.uses[self.next_use])
+        live = sum(f.nbytes for fs in self.gathered.values() for f in fs) + \
+            sum(f.nbytes for pending in self.pending.values() for _, f in pending)
+        self.gathered_peak[phase] = max(self.gathered_peak[phase], live)
+        views = {}
+        for part, flat in zip(parts, flats):
+            views.update(part.unit.views(flat))  # views into the gathered buffer
+        yield views
+        del views, flats
+        if not ((key == "head" and phase == "forward") or (self.keep_gathered and phase == "recompute")):
+            del self.gathered[key]  # freed (the views die with the caller's)
+
+    def acquire(self, key, phase):
+        if key not in self.gathered:
+            if key in self.pending:  # prefetched
+                flats = []
+                for work, flat in self.pending.pop(key):
+                    if work is not None:
+                        work.wait()
+                    flats.append(flat)
+            else:
+                flats = [flat for _, flat in self.gather(key, phase, async_op=False)]
+            self.gathered[key] = flats
+        return self.gathered[key]
+
+    def launch(self, phase, key):
+        if key not in self.gathered and key not in self.pending:  # the unit in use is gathered: no second copy
+            self.pending[key] = self.gather(key, phase, async_op=True)
+
+    def gather(self, key, phase, async_op):
+        out = []
+        for part in (part for part in self.units[key] if not part.whole()):
+            shard = part.params.to(self.cfg.torch_dtype)  # (s,) in the compute dtype (a no-op in fp32)
+            got = gather_flat(shard, part.comm, phase, part.unit.padded, async_op)  # booked under its use's phase
+            work, flat = got if async_op else (None, got)
+            self.tracker.mark(flat, "weights")
+            out.append((work, flat))
+        return out
+
+    # -- gradients: the stage's buckets ----------------------------------------------------------
+    def add(self, name, grad):
+        part = self.owner[name]
+        if part.grad is None:  # the unit's first gradient this step: its flat buffer, accumulated into
+            part.grad = torch.zeros(part.unit.padded, dtype=self.cfg.param_dtype, device=grad.device)  # (padded,)
+            self.tracker.mark(part.grad, "gradients")
+        part.unit.views(part.grad)[name].add_(grad.to(part.grad.dtype))
+
+    def ready(self, bucket):
+        """The bucket's gradients are final: reduce each of its units (a pp stage's bucket "embedding" is the
+        unit "embed")."""
+        for part in self.units["embed" if bucket == "embedding" else bucket]:
+            if part.comm is None:
+                continue
+            if self.stage == 1:
+                part.grad = all_reduce(part.grad, part.comm)  # (padded,) every rank's sum, in place
+            else:
+                part.grad = reduce_scatter(part.grad, part.comm, dim=0)  # (s,) its shard's sum; the whole is freed
+                self.tracker.mark(part.grad, "gradients")
+
+    def finish(self):
+        pass  # every reduction ran in ready(): ZeRO's are blocking here
+
+    events = ()  # no overlapped buckets to draw on the timeline
+
+    def grads(self):
+        """{name: gradient} as the rank holds it: whole (stage 1, or a group of one), else its pieces."""
+        out = {}
+        for parts in self.units.values():
+            for part in parts:
+                held = part.grad.numel() == part.unit.padded
+                out.update(part.unit.views(part.grad) if held else part.unit.pieces(part.grad, part.rank))
+        return out
+
+    # -- the optimizer ---------------------------------------------------------------------------
+    def step(self, tracker):
+        """One AdamW step on the rank's shards, then (stages 1, 2) every unit whole again."""
+        parts = [part for parts in self.units.values() for part in parts]
+        for part in parts:
+            part.shard.grad = part.grad if part.grad.numel() == part.shard.numel() else \
+                part.unit.shard(part.grad, part.rank)  # (s,)
+        self.optimizer.step()
+        for part in parts:
+            part.shard.grad = None  # part.grad, the step's reduced gradient, lives until the next step begins
+        for value in self.optimizer_tensors():
+            tracker.mark(value, "optimizer")
+        for part in parts:
+            if self.stage < 3 and part.comm is not None:
+                part.params.copy_(gather_flat(part.shard, part.comm, "optimizer", part.unit.padded))  # (padded,)
+
+    def optimizer_tensors(self):
+        return [value for state in self.optimizer.state.values() for value in state.values()
+                if isinstance(value, torch.Tensor)]
+
+    def bytes(self):
+        """{param_bytes, grad_bytes, optimizer_bytes} this rank holds now."""
+        parts = [part for parts in self.units.values() for part in parts]
+        return {"param_bytes": sum(p.params.nbytes for p in parts),
+                "grad_bytes": sum(p.grad.nbytes for p in parts if p.grad is not None),
+                "optimizer_bytes": sum(value.nbytes for value in self.optimizer_tensors())}
+
+    # -- the caller's check, after the measured step ---------------------------------------------
+    def whole_tensors(self, grads=False):
+        """{name: tensor} the rank's whole parameters (or gradients), its group's shards gathered (uncounted):
+        what the caller compares with the single process, put together like plain data parallelism's."""
+        out = {}
+        for parts in self.units.values():
+            for part in parts:
+                flat = part.grad if grads else part.params
+                if flat.numel() != part.unit.padded:  # booked as "check", after the report was made
+                    flat = gather_flat(flat, part.comm, "check", part.unit.padded)  # (padded,)
+                out.update({name: view.clone() for name, view in part.unit.views(flat).items()})
+        return out

@@ -1,0 +1,46 @@
+"""Training with ZeRO on any layout: a new batch every step, every step on the same ranks, in one launch.
+
+    losses, params, reports = zero_train(params, cfg, batches, "full", dp=2, zero=3, lr=3e-3)
+    losses, params, reports = zero_train(params, cfg, batches, "full", dp=2, zero=3, tp=2, pp=2)   # 8 ranks
+    losses[i]     step i's mean loss over its whole batch (the ranks' shares added), a float
+    params        the parameters after the last step, whole, under their HF names, on the device and in the
+                  dtype of the params given
+    reports[r]    rank r's report of the last step (rank.py's, with ZeRO's parameter, gradient, AdamW and
+                  gathered bytes and its collectives per phase, each beside its predicted_ twin)
+
+batches: [(input_ids, targets)], one whole (B, T) batch per step, all of one shape; each rank computes its rows (and
+under cp its tokens) of each, as in one step of the layout (rank.py), its AdamW (picockpt/train.py's make_optimizer:
+lr, weight_decay) stepping only its shards (data_parallel/zero_shards.py). picockpt/train.py's train_step on the same
+batches, in one process, reaches the same parameters up to rounding: tests/test_parallel_zero.py says where they
+are bitwise and where not, and why.
+
+Every argument and every batch is checked before any rank starts (a ValueError naming it). The ranks start from the
+caller's generator (rng_state=None: the default CPU one, or the current CUDA device's), so their dropout masks are
+the single process's, and the caller's generator is left where a single process's training would leave it.
+"""
+import math
+
+from ..device import resolve_device
+from .job import ParallelJob
+from .step import run_collected
+
+
+def zero_train(params, cfg, batches, policy="none", dp=2, zero=1, lr=3e-3, weight_decay=0.0, keep_gathered=False,
+               prefetch=True, device="cpu", timeout_s=120, port=None, start_method="spawn", rng_state=None, **layout):
+    """(losses, params, reports): one AdamW step per batch on ZeRO-`zero` ranks; layout: any of ParallelJob's
+    tp, sp, pp, microbatches, schedule, cp, cp_layout, cp_comm, ep (see above)."""
+    for name, value, positive in (("lr", lr, True), ("weight_decay", weight_decay, False)):
+        real = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        if not real or value < 0 or (positive and value == 0):
+            raise ValueError(f"{name}={value!r}: AdamW's {name} must be a "
+                             + ("positive number, e.g. 3e-3" if positive else "number >= 0, e.g. 0.1"))
+    if not isinstance(batches, (list, tuple)) or not batches or not isinstance(batches[0], (list, tuple)) \
+            or len(batches[0]) != 2:
+        raise ValueError(f"batches={type(batches).__name__}: give a non-empty list of (input_ids, targets), one "
+                         f"(batch, seq) pair per step")
+    job = ParallelJob(params, cfg, *batches[0], policy, dp=dp, zero=zero, keep_gathered=keep_gathered,
+                      prefetch=prefetch, batches=list(batches), lr=float(lr), weight_decay=float(weight_decay),
+                      rng_state=rng_state, **layout)
+    where = resolve_device(device)
+    out = run_collected([job], None, where.type, timeout_s, port, start_method)[0]
+    return out["losses"], out["params"], out["reports"]
