@@ -17,7 +17,8 @@ from picockpt.ops.router import combine_weights
 from picockpt.params import layer_key, layer_weights
 from picockpt.parallel import loss_and_grads, run_ranks
 from picockpt.parallel.expert_parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
-from picockpt.parallel.expert_parallel.ep_model import ExpertParallelModel
+from picockpt.parallel.expert_parallel.ep_model import apply_expert_parallel
+from picockpt.parallel.rank_model import RankModel
 from picockpt.policy import parse_policy
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -84,7 +85,7 @@ def test_route_uses_a_given_routing_decision_and_keeps_it_only_once():
 def recompute_with_another_router(comm, params, cfg, input_ids, targets):
     """Full recomputation on one rank, the routers negated between the forward and the backward: the rows
     each recomputed expert projects, per layer, read from the store's puts."""
-    model = ExpertParallelModel(params, cfg, input_ids, targets, comm, int(targets.numel()))
+    model = apply_expert_parallel(RankModel(params, cfg, input_ids, targets), comm)
     step = Step(model, parse_policy("full", cfg).schedule(cfg, *input_ids.shape))
     model.store = step.store
     with torch.no_grad():

@@ -21,24 +21,25 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..engine import Model, Step, device_generator
+from ..engine import Step, device_generator
 from ..ops.cross_entropy import IGNORE_INDEX
 from ..params import EMBED, FINAL_NORM, HEAD, param_shapes
 from ..tracker import Tracker
 from .comm import PHASES, CommLog
 from .context_parallel.cp_layout import SequenceLayout
-from .context_parallel.cp_model import ContextParallelModel, TensorContextParallelModel
+from .context_parallel.cp_model import apply_context_parallel
 from .data_parallel.dp_comm import ExpertAndDenseBuckets, GradientBuckets
 from .data_parallel.zero_inventory import stage_uses
 from .data_parallel.zero_shards import ZeroShards
-from .expert_parallel.ep_model import ExpertParallelModel
+from .expert_parallel.ep_model import apply_expert_parallel
 from .expert_parallel.ep_shard import is_expert, shard_experts
 from .job import stage_forms
 from .layout import Layout, build_groups
 from .pipeline_parallel.pp_comm import Pipe
 from .pipeline_parallel.pp_schedules import actions
 from .pipeline_parallel.pp_stage import PipelineStage, bucket_names
-from .tensor_parallel.tp_model import TensorParallelModel
+from .rank_model import RankModel
+from .tensor_parallel.tp_model import apply_tensor_parallel
 from .tensor_parallel.tp_shard import shard_params
 from .timeline import StageMemory, Timeline
 
@@ -135,18 +136,15 @@ def rank_one_step(job, groups, forms, params, shards, input_ids, targets, rng_st
         start = (groups.dp_rank * M + m) * forms.b + groups.ep_rank * b
         return input_ids[start:start + b], targets[start:start + b]
 
-    def make_inner(ids, tgt):  # the layers' model: where a layer crosses ranks (picockpt/layer.py's Crossings)
-        if job.tp > 1 and job.cp > 1:  # the tp rank's slices, on its cp tokens
-            return TensorContextParallelModel(params, cfg, ids, tgt, groups.tp_comm, job.sp, job.distribute_saved,
-                                              groups.cp_comm, tokens, job.cp_comm, job.cp_keep_kv)
-        if job.tp > 1:
-            return TensorParallelModel(params, cfg, ids, tgt, groups.tp_comm, job.sp, job.distribute_saved)
-        if job.ep > 1:  # its own mean (the stage scales every micro-batch by its share of the whole batch's)
-            own = max(int((tgt != IGNORE_INDEX).sum()), 1)
-            return ExpertParallelModel(params, cfg, ids, tgt, groups.ep_comm, own, job.keep_dispatched)
-        if job.cp > 1:  # this rank's tokens of the rows; attention crosses the cp ranks
-            return ContextParallelModel(params, cfg, ids, tgt, groups.cp_comm, tokens, job.cp_comm, job.cp_keep_kv)
-        return Model(params, cfg, ids, tgt)
+    def make_inner(ids, tgt):  # the layers' model: each dimension applied to what the ones before made
+        model = RankModel(params, cfg, ids, tgt)
+        if job.cp > 1:  # its tokens of the rows, attention across the cp ranks
+            apply_context_parallel(model, groups.cp_comm, tokens, job.cp_comm, job.cp_keep_kv)
+        if job.tp > 1:  # its slices: the layer's collectives, the vocabulary-parallel embedding and head
+            apply_tensor_parallel(model, groups.tp_comm, job.sp, job.distribute_saved)
+        if job.ep > 1:  # its experts: tokens dispatched to them and combined back
+            apply_expert_parallel(model, groups.ep_comm, job.keep_dispatched)
+        return model
 
     say = trace_lines(f"rank {groups.rank}" + (f" stage {groups.stage}" if job.pp > 1 else ""), trace)
     layer_comms = [group for group in (groups.tp_comm, groups.ep_comm, groups.cp_comm) if group is not None]

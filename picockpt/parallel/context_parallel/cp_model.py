@@ -1,4 +1,4 @@
-"""One context-parallel rank's model, as the engine's loop sees it (picockpt/engine.py: Step).
+"""What context parallelism changes in a rank's model (picockpt/parallel/rank_model.py), as the engine's loop sees it.
 
 The rank holds every weight (replicated) and its n = T/cp tokens of every sequence (cp_layout.py). All
 of the layer but attention works token by token, so picockpt/layer.py's layer runs here unchanged on
@@ -16,8 +16,8 @@ of the layer but attention works token by token, so picockpt/layer.py's layer ru
 A recompute sweep runs the layer's forward again, and so its ring or all-gather (kept K/V: none).
 
 RoPE: the rows of the single process's (T, hd) rotary tables at this rank's global positions. Beside tensor
-parallelism (TensorContextParallelModel) the rank runs the tensor-parallel layer on its n tokens, and its
-attention heads' K/V cross the cp ranks of the same tp rank.
+parallelism (applied after this) the rank runs the tensor-parallel layer on its n tokens, and its attention
+heads' K/V cross the cp ranks of the same tp rank.
 Loss: the head sees this rank's tokens and returns the mean over their counted targets; the stage
 (pipeline_parallel/pp_stage.py) scales it by n_r / N, this rank's counted targets over the whole batch's,
 as it scales a micro-batch, so the ranks' shares add up to the single process's mean. The gradients of the
@@ -26,10 +26,9 @@ dp x cp ranks (picockpt/parallel/layout.py).
 """
 import torch
 
-from ...engine import Model
-from ...layer import Crossings, layer_backward, layer_forward
-from ..tensor_parallel.tp_layer import TensorParallelCrossings
-from ..tensor_parallel.tp_model import TensorParallelModel
+from ...inventory import layer_inventory
+from ...layer import ONE_PROCESS
+from ..rank_model import CrossingsOver
 from .cp_attention import (gathered_attention_backward, gathered_attention_forward, ring_attention_backward,
                            ring_attention_forward)
 from .cp_comm import RINGS, gather_kv_backward, gather_kv_forward
@@ -37,13 +36,30 @@ from .cp_comm import RINGS, gather_kv_backward, gather_kv_forward
 KEPT_KV = "attn.kv_others"  # the other ranks' K/V rows, kept under cp_comm="allgather" with keep_kv
 
 
-class ContextParallelCrossings(Crossings):
-    """The one crossing of a context-parallel layer: its attention core. The model sets store and layer
-    before each layer runs (the kept K/V go to the step's store whatever the layer's mode)."""
+def apply_context_parallel(model, comm, layout, cp_comm="ring", keep_kv=False):
+    """Make a RankModel (picockpt/parallel/rank_model.py) a context-parallel rank's: of the rows it is given it
+    keeps its tokens (layout.rows), the RoPE rows at their global positions, and attention crossing the cp ranks.
+    Apply it before tensor parallelism: the tp rank's names and sp's split are of these tokens."""
+    model.input_ids, model.targets = layout.rows(model.input_ids, comm.rank), layout.rows(model.targets, comm.rank)
+    model.positions = layout.positions(comm.rank, model.input_ids.device)  # (n,) global positions of its rows
+    model.layer_names = list(layer_inventory(model.cfg, *model.input_ids.shape))  # what a layer keeps, at n tokens
+    model.cross = ContextParallelCrossings(comm, layout, cp_comm, keep_kv, model.cross)
+    return model
 
-    def __init__(self, comm, layout, cp_comm="ring", keep_kv=False):
+
+class ContextParallelCrossings(CrossingsOver):
+    """The one crossing of a context-parallel layer: its attention core (beside tensor parallelism, of this rank's
+    heads, crossing the cp ranks of the same tp rank). at() gives it the step's store and the layer before each
+    layer runs (the kept K/V go to the step's store whatever the layer's mode)."""
+
+    def __init__(self, comm, layout, cp_comm="ring", keep_kv=False, inner=ONE_PROCESS):
+        super().__init__(inner)
         self.group, self.layout, self.kind, self.keep_kv = comm, layout, cp_comm, keep_kv  # group: the cp ranks
         self.store, self.layer = None, None
+
+    def at(self, store, k):
+        super().at(store, k)
+        self.store, self.layer = store, k
 
     def attention_core(self, q, k, v, cfg, keep):
         # q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens
@@ -84,61 +100,3 @@ class ContextParallelCrossings(Crossings):
         del kv_all
         dkv = gather_kv_backward(dkv_all, self.group)  # (2, B, KV, n, hd) reduce-scatter: this rank's rows' sum
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-class ContextTokens:
-    """What makes a rank's model context-parallel, beside its crossings: its tokens of the rows it is given
-    (layout.rows), the rotary rows at their global positions, and the step's store for the kept K/V (the
-    model's `store`, attached as model.store = step.store before the forward)."""
-
-    def take_tokens(self, input_ids, targets, comm, layout):
-        self.positions = layout.positions(comm.rank, input_ids.device)  # (n,) global positions of the local rows
-        self.store = None
-        return layout.rows(input_ids, comm.rank), layout.rows(targets, comm.rank)  # (b, n) each
-
-    @property
-    def rope(self):
-        return self.local_rope
-
-    @rope.setter
-    def rope(self, tables):  # the whole sequence's (T, hd) x2, set by the stage: keep the rows of these tokens
-        cos, sin = tables
-        self.local_rope = cos[self.positions], sin[self.positions]  # (n, hd) x2 the single process's rows
-
-    def layer_forward(self, k, x, store, drop, tail):
-        self.cross.store, self.cross.layer = self.store, k
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, tail,
-                             self.cross)  # (b, n, h), or (b, n/t, h) under sp
-
-    def layer_backward(self, k, dx, store):  # -> dx and a LayerWeights of partial gradients
-        self.cross.store, self.cross.layer = self.store, k
-        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, self.cross)
-
-
-class ContextParallelModel(ContextTokens, Model):  # Model.start: this step's weights
-    """params: every weight, whole; input_ids, targets: the rows (b, T) of whole sequences, of which this rank
-    takes its tokens."""
-
-    def __init__(self, params, cfg, input_ids, targets, comm, layout, cp_comm="ring", keep_kv=False):
-        super().__init__(params, cfg, *self.take_tokens(input_ids, targets, comm, layout))
-        self.cross = ContextParallelCrossings(comm, layout, cp_comm, keep_kv)
-
-
-class TensorContextCrossings(ContextParallelCrossings, TensorParallelCrossings):
-    """tp x cp: tensor_parallel/tp_layer.py's crossings (the rank's heads and MLP slice, sp's token split of
-    its n tokens), with the attention core of this rank's heads crossing the cp ranks of the same tp rank."""
-
-    def __init__(self, tp_comm, sp, dropout, comm, layout, cp_comm="ring", keep_kv=False):
-        TensorParallelCrossings.__init__(self, tp_comm, sp, dropout)
-        ContextParallelCrossings.__init__(self, comm, layout, cp_comm, keep_kv)
-
-
-class TensorContextParallelModel(ContextTokens, TensorParallelModel):
-    """A tensor-parallel rank's model (this rank's slices of the weights) over its context-parallel tokens: the
-    vocabulary-parallel embedding and head and the tp layer on n = T/cp tokens, attention over the cp ranks."""
-
-    def __init__(self, params, cfg, input_ids, targets, tp_comm, sp, distribute_saved, comm, layout, cp_comm="ring",
-                 keep_kv=False):
-        super().__init__(params, cfg, *self.take_tokens(input_ids, targets, comm, layout), tp_comm, sp,
-                         distribute_saved)
-        self.cross = TensorContextCrossings(tp_comm, sp, cfg.dropout, comm, layout, cp_comm, keep_kv)

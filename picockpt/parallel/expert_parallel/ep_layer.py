@@ -7,7 +7,8 @@ B/W sequences, its experts' block ep_moe.py's.
 Stored names: layer.py's (at batch B/W), moe.py's and ep_moe.py's. Dropout masks and router jitter are the single
 process's, drawn for the whole batch, this rank's sequences kept (rng.py's full_size_draws along the batch dim).
 """
-from ...layer import Crossings
+from ...layer import ONE_PROCESS
+from ..rank_model import CrossingsOver
 from ..rng import full_size_draws
 from .ep_moe import DISPATCHED, ROUTING, ep_moe_backward, ep_moe_forward
 
@@ -41,12 +42,18 @@ def ep_drop(drop):
     return drop | frozenset(DISPATCHED) if "moe.gate_up" in drop else drop
 
 
-class ExpertParallelCrossings(Crossings):
-    """Where picockpt/layer.py's layer crosses the W ranks of `comm`: only its experts' block (ep_moe.py)."""
+class ExpertParallelCrossings(CrossingsOver):
+    """Where picockpt/layer.py's layer crosses the W ranks of `comm`: its experts' block (ep_moe.py) and the
+    whole-batch draws. at() points it at the layer's routing in the step's store (KeptRouting)."""
 
-    def __init__(self, comm, cfg, kept, first_expert, keep_dispatched=False):
-        self.comm, self.cfg, self.kept = comm, cfg, kept
+    def __init__(self, comm, cfg, first_expert, keep_dispatched=False, received_rows=None, inner=ONE_PROCESS):
+        super().__init__(inner)
+        self.comm, self.cfg, self.kept, self.received_rows = comm, cfg, None, received_rows
         self.first_expert, self.keep_dispatched = first_expert, keep_dispatched
+
+    def at(self, store, k):
+        super().at(store, k)
+        self.kept = KeptRouting(store, k, self.received_rows)  # the step's store, whatever the layer's mode
 
     def layer_draws(self):  # dropout masks and router jitter: the whole batch's, this rank's sequences
         return full_size_draws(self.comm, dim=0, dropout=1.0 if self.cfg.draws_random else 0)

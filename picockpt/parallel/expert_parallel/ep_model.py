@@ -1,45 +1,19 @@
-"""One expert-parallel rank's model for the engine's loop (picockpt/engine.py: Step), the single process's line for
-line: rank r of W computes sequences r*B/W .. (r+1)*B/W - 1 with ep_layer.py's layers, holding ep_shard.py's weights.
-
-The loss: as pp_stage.py's micro-batches, each rank's head mean over its n_r counted targets times n_r / n (n the
-whole batch's), its gradients alike (by 1/2 on two ranks with equal counts: exact); the caller adds the shares.
+"""What expert parallelism changes in a rank's model (picockpt/parallel/rank_model.py), as the engine's loop sees it:
+rank r of W computes its own sequences (rank.py gives it its rows) with ep_layer.py's crossings, holding ep_shard.py's
+weights (E/W experts of each layer, every other weight whole). The loss is the stage's (pp_stage.py): each rank's
+head mean over its counted targets, scaled by its share of the whole batch's.
 """
-import torch
-
-from ...engine import Model
-from ...layer import layer_backward, layer_forward
-from ...head import head_backward, head_forward
-from ...ops.cross_entropy import IGNORE_INDEX
 from .ep_inventory import ep_layer_names
-from .ep_layer import ExpertParallelCrossings, KeptRouting, ep_drop
+from .ep_layer import ExpertParallelCrossings, ep_drop
 
 
-class ExpertParallelModel(Model):  # Model's start (this rank's weights), embed, checkpoints, embed_backward
-    """params: this rank's (shard_experts); input_ids, targets: its sequences (B/W, T); counted: the whole batch's
-    counted targets. Set model.store = step.store after building the Step: every layer keeps its routing there."""
-
-    def __init__(self, params, cfg, input_ids, targets, comm, counted, keep_dispatched=False):
-        super().__init__(params, cfg, input_ids, targets, ep_layer_names(cfg, comm.world_size, comm.rank))
-        self.comm, self.keep_dispatched = comm, keep_dispatched
-        self.first_expert = comm.rank * (cfg.experts // comm.world_size)  # the global id of its first expert
-        self.share = int((targets != IGNORE_INDEX).sum()) / counted  # n_r / n: its share of the whole batch's mean
-        self.store = None
-        self.received_rows = {}  # layer -> rows its experts received (the routing, as measured here)
-
-    def layer_forward(self, k, x, store, drop, tail):
-        kept = KeptRouting(self.store, k, self.received_rows)  # the step's store, whatever the layer's mode
-        cross = ExpertParallelCrossings(self.comm, self.cfg, kept, self.first_expert, self.keep_dispatched)
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, ep_drop(drop), tail,
-                             cross)  # (B_r, T, h)
-
-    def layer_backward(self, k, dx, store):
-        cross = ExpertParallelCrossings(self.comm, self.cfg, None, self.first_expert)  # its backward reads the store
-        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, cross)
-
-    def head_forward(self, x, store, drop):
-        loss = head_forward(x, self.weights, self.cfg, self.targets, store, drop)  # mean over this rank's targets
-        return loss * self.share if self.share else torch.zeros_like(loss)  # its share (none counted here: 0)
-
-    def head_backward(self, store):
-        dx, grads = head_backward(self.weights, self.cfg, self.targets, store)  # of this rank's own mean
-        return dx * self.share, {name: grad * self.share for name, grad in grads.items()}  # of its share
+def apply_expert_parallel(model, comm, keep_dispatched=False):
+    """Make a RankModel an expert-parallel rank's. Every layer keeps its routing in the step's store (model.store),
+    whatever its mode; model.received_rows: layer -> the rows its experts received (the routing, as measured)."""
+    cfg = model.cfg
+    model.layer_names = ep_layer_names(cfg, comm.world_size, comm.rank)
+    model.received_rows = {}
+    first_expert = comm.rank * (cfg.experts // comm.world_size)  # the global id of its first expert
+    model.cross = ExpertParallelCrossings(comm, cfg, first_expert, keep_dispatched, model.received_rows, model.cross)
+    model.drop = ep_drop
+    return model

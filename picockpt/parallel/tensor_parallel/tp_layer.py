@@ -16,18 +16,21 @@ k, v (B, KV/t, T, hd); probs (B, H/t, T, T); context (B, T, h/t); gate, up, act 
 (B, n, h). Under sp the stored norm output is the rank's shard, so the backward all-gathers it again before the
 projections' weight gradients (as Megatron does: the gathered tensor is never kept), counted as backward traffic.
 """
-from ...layer import Crossings
+from ...layer import ONE_PROCESS
 from ..comm import all_reduce_grads
+from ..rank_model import CrossingsOver
 from ..rng import full_size_draws, sliced_mask
 from .tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gather_sequence_backward,
                       gather_sequence_forward, reduce_from_parallel_backward, reduce_from_parallel_forward,
                       scatter_sequence_backward, scatter_sequence_forward)
 
 
-class TensorParallelCrossings(Crossings):
-    """Where layer.py's layer crosses the t ranks of `comm` (sequence parallel when sp); x, h, out: (B, n, h)."""
+class TensorParallelCrossings(CrossingsOver):
+    """Where layer.py's layer crosses the t ranks of `comm` (sequence parallel when sp); x, h, out: (B, n, h).
+    inner: the crossings it is applied over (every point it does not own is theirs)."""
 
-    def __init__(self, comm, sp, dropout):
+    def __init__(self, comm, sp, dropout, inner=ONE_PROCESS):
+        super().__init__(inner)
         self.comm, self.sp, self.dropout = comm, sp, dropout
 
     def attention_draws(self):  # eager attention's mask, (B, H/t, T, T): the single process's, sliced

@@ -1,6 +1,7 @@
-"""One tensor-parallel rank's model, as the engine's loop sees it (picockpt/engine.py: Step). The loop is the single
-process's, line for line (a recompute runs the recomputed layers' collectives again); only the parts differ: the
-embedding and head are vocab.py's, the layers tp_layer.py's, and a checkpoint may be kept as this rank's 1/t of it.
+"""What tensor parallelism changes in a rank's model (picockpt/parallel/rank_model.py), as the engine's loop sees it
+(picockpt/engine.py: Step). The loop is the single process's, line for line (a recompute runs the recomputed layers'
+collectives again); only the parts differ: the embedding and head are vocab.py's, the layer's crossings tp_layer.py's,
+and a checkpoint may be kept as this rank's 1/t of it.
 
 Distributed saved activations (Megatron-LM's --distribute-saved-activations; Korthikanti et al. sec. 5): without sp each
 rank would keep the same whole layer input as its checkpoint, t copies of one tensor; with distribute_saved=True each
@@ -8,8 +9,6 @@ keeps 1/t of it, the flat tensor in t equal parts (Megatron's split_tensor_into_
 recompute sweep before it runs the layer again (gather_split_1d_tensor): memory for communication, counted under
 "recompute". Only checkpoint-only inputs are split: a layer stored whole keeps its whole input (its backward reads it).
 """
-from ...engine import Model
-from ...layer import layer_backward, layer_forward
 from ...params import EMBED
 from .tp_comm import gather_sequence_forward
 from .tp_inventory import rank_layer_inventory
@@ -18,21 +17,45 @@ from .vocab import embedding_backward_parallel, embedding_forward_parallel, head
 from .vocab import head_forward_parallel
 
 
-class TensorParallelModel(Model):  # Model.start: this step's weights (this rank's), rotary tables
-    """params: this rank's slices (tp_shard.py) under the full names; input_ids, targets: the whole batch (B, T)."""
+def apply_tensor_parallel(model, comm, sp=False, distribute_saved=False):
+    """Make a RankModel (picockpt/parallel/rank_model.py) a tensor-parallel rank's: its params are this rank's slices
+    (tp_shard.py); its layer crosses the t ranks of comm, its embedding and head are vocabulary-parallel."""
+    model.layer_names = list(rank_layer_inventory(model.cfg, *model.input_ids.shape, comm.world_size, sp))
+    model.cross = TensorParallelCrossings(comm, sp, model.cfg.dropout, model.cross)
+    model.vocab = VocabParallel(comm, sp)
+    if distribute_saved:
+        model.checkpoints = DistributedSaved(comm)
+    return model
 
-    def __init__(self, params, cfg, input_ids, targets, comm, sp=False, distribute_saved=False):
-        names = list(rank_layer_inventory(cfg, *input_ids.shape, comm.world_size, sp))  # what a layer could keep
-        super().__init__(params, cfg, input_ids, targets, names)
-        self.comm, self.sp, self.distribute_saved = comm, sp, distribute_saved
-        self.split = set()  # layers whose stored input is this rank's 1/t of it (distribute_saved)
-        self.cross = TensorParallelCrossings(comm, sp, cfg.dropout)  # where picockpt/layer.py's layer crosses ranks
 
-    def embed(self):
-        return embedding_forward_parallel(self.input_ids, self.weights[EMBED], self.comm, self.sp)  # (B, n, h)
+class VocabParallel:
+    """The embedding and head of a tensor-parallel rank (vocab.py): its V/t rows of each."""
+
+    def __init__(self, comm, sp):
+        self.comm, self.sp = comm, sp
+
+    def embed(self, model):
+        return embedding_forward_parallel(model.input_ids, model.weights[EMBED], self.comm, self.sp)  # (B, n, h)
+
+    def embed_backward(self, model, dx):
+        shape = model.weights[EMBED].shape  # (V/t, h)
+        return embedding_backward_parallel(dx, model.input_ids, shape, self.comm, self.sp)  # (V/t, h)
+
+    def head_forward(self, model, x, store, drop):
+        return head_forward_parallel(x, model.weights, model.cfg, model.targets, store, self.comm, self.sp, drop)
+
+    def head_backward(self, model, store):
+        return head_backward_parallel(model.weights, model.cfg, model.targets, store, self.comm, self.sp)
+
+
+class DistributedSaved:
+    """distribute_saved=True: a checkpoint-only layer input kept as this rank's 1/t of it."""
+
+    def __init__(self, comm):
+        self.comm, self.split = comm, set()  # layers whose stored input is this rank's 1/t of it
 
     def keep_input(self, store, k, x, whole):
-        if self.distribute_saved and not whole:  # a checkpoint only: keep this rank's 1/t of it
+        if not whole:  # a checkpoint only: keep this rank's 1/t of it
             self.shape = x.shape  # (B, T, h)
             x = x.reshape(-1).chunk(self.comm.world_size)[self.comm.rank].clone()  # (B*T*h/t,) a copy of its own
             self.split.add(k)
@@ -49,19 +72,3 @@ class TensorParallelModel(Model):  # Model.start: this step's weights (this rank
             self.split.discard(k)
             store.put(k, "input", x)
         return x
-
-    def layer_forward(self, k, x, store, drop, tail):
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, tail, self.cross)  # (B, n, h)
-
-    def layer_backward(self, k, dx, store):  # -> dx (B, n, h) and this rank's LayerWeights of gradients
-        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, self.cross)
-
-    def head_forward(self, x, store, drop):
-        return head_forward_parallel(x, self.weights, self.cfg, self.targets, store, self.comm, self.sp, drop)
-
-    def head_backward(self, store):
-        return head_backward_parallel(self.weights, self.cfg, self.targets, store, self.comm, self.sp)
-
-    def embed_backward(self, dx):
-        shape = self.weights[EMBED].shape  # (V/t, h)
-        return embedding_backward_parallel(dx, self.input_ids, shape, self.comm, self.sp)  # (V/t, h)

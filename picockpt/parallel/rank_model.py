@@ -1,0 +1,85 @@
+"""One rank's model for the engine's loop, composed: the one process's Model, and the parts each parallelism replaces
+when it is applied to it (as picotron's apply_tensor_parallel and apply_context_parallel change the model they are
+given). rank.py composes it, one line per dimension:
+
+    model = RankModel(params, cfg, input_ids, targets)
+    apply_context_parallel(model, cp_comm, tokens, ...)       # its tokens, their RoPE rows, attention round the ring
+    apply_tensor_parallel(model, tp_comm, sp, ...)            # its slices: the layer's collectives, vocab-parallel head
+    apply_expert_parallel(model, ep_comm, ...)                # its experts: tokens dispatched and combined
+
+The parts:
+    cross        the layer's crossings (picockpt/layer.py's Crossings): each parallelism's wrap the ones before and
+                 own only their points (tp: enter/leave, regather, masks, norm gradients; cp: the attention core;
+                 ep: the MLP block and the whole-batch draws), delegating the rest (CrossingsOver below)
+    vocab        the embedding and the head (None: picockpt/head.py's; tp: vocab.py's vocabulary-parallel ones)
+    checkpoints  how a layer input is kept and loaded (None: whole; tp's distribute_saved: this rank's 1/t)
+    positions    the global positions of the tokens it holds (None: all; cp: its chunks), for the RoPE rows
+    drop         the policy's op level here (ep also drops the dispatched rows with the experts' tensors)
+The loss needs no part: the stage scales every micro-batch by its share of the whole batch's counted targets
+(pipeline_parallel/pp_stage.py), whichever ranks split it.
+"""
+from ..engine import Model
+from ..layer import ONE_PROCESS, layer_backward, layer_forward
+
+
+class CrossingsOver:
+    """A parallelism's crossings over the ones it is given (inner): it defines the points it owns (layer.py's
+    Crossings names them), every other is inner's; at(store, k) tells each one which layer runs next and the
+    step's store (before its forward and its backward), for what a crossing keeps whatever the layer's mode."""
+
+    def __init__(self, inner=ONE_PROCESS):
+        self.inner = inner
+
+    def __getattr__(self, name):  # a point this parallelism does not own: the crossings below it
+        return getattr(self.inner, name)
+
+    def at(self, store, k):
+        if isinstance(self.inner, CrossingsOver):
+            self.inner.at(store, k)
+
+
+class RankModel(Model):
+    """params: what the rank holds (under the full names); input_ids, targets: the rows it computes. The stage
+    (pp_stage.py) sets weights, weights_of and rope before each forward, and `store` to the step's store."""
+
+    def __init__(self, params, cfg, input_ids, targets):
+        super().__init__(params, cfg, input_ids, targets)
+        self.cross, self.vocab, self.checkpoints, self.positions = CrossingsOver(), None, None, None
+        self.drop = lambda drop: drop
+        self.store = None
+
+    @property
+    def rope(self):
+        return self.local_rope
+
+    @rope.setter
+    def rope(self, tables):  # the whole sequence's (T, hd) x2: the rows of the tokens held here
+        self.local_rope = tables if self.positions is None else tuple(t[self.positions] for t in tables)
+
+    def embed(self):
+        return self.vocab.embed(self) if self.vocab else super().embed()
+
+    def embed_backward(self, dx):
+        return self.vocab.embed_backward(self, dx) if self.vocab else super().embed_backward(dx)
+
+    def head_forward(self, x, store, drop):
+        return self.vocab.head_forward(self, x, store, drop) if self.vocab else super().head_forward(x, store, drop)
+
+    def head_backward(self, store):
+        return self.vocab.head_backward(self, store) if self.vocab else super().head_backward(store)
+
+    def keep_input(self, store, k, x, whole):
+        if self.checkpoints:
+            return self.checkpoints.keep_input(store, k, x, whole)
+        return super().keep_input(store, k, x, whole)
+
+    def load_input(self, store, k, whole):
+        return self.checkpoints.load_input(store, k, whole) if self.checkpoints else super().load_input(store, k, whole)
+
+    def layer_forward(self, k, x, store, drop, tail):
+        self.cross.at(self.store, k)
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, self.drop(drop), tail, self.cross)
+
+    def layer_backward(self, k, dx, store):
+        self.cross.at(self.store, k)
+        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, self.cross)
