@@ -232,4 +232,4 @@ def test_readme_opening_names_context_parallelism_and_zero():
     for word in ("tensor", "sequence", "context", "pipeline", "data", "expert", "ZeRO"):
         assert word in builds, word
     assert (REPO / "picockpt/parallel/context_parallel").is_dir()
-    assert (REPO / "picockpt/parallel/data_parallel/zero_step.py").is_file()
+    assert (REPO / "picockpt/parallel/data_parallel/zero_shards.py").is_file()

@@ -40,9 +40,8 @@ def tiny(batch=4, seq=8, **fields):
                             r"\[1, 2, 4\]$"),
     (dict(), 3, dict(ep=2), r"^batch=3 is not divisible by ep=2: each rank computes batch/ep whole sequences; use a "
                             r"batch that is a multiple of 2, or ep in \[1\]$"),
-    (dict(), 4, dict(ep=2, tp=2), r"^ep=2 with tp=2: expert parallelism here keeps every weight but the experts' "
-                                  r"whole on each rank \(no tensor parallelism beside it\); leave tp out, or use tp "
-                                  r"without ep$"),
+    (dict(shared_expert_ffn=3), 4, dict(ep=2, tp=2), r"^tp=2 does not divide shared_expert_ffn=3: the shared "
+                                                     r"expert is split as the MLP is; use a tp that divides it$"),
     (dict(), 4, dict(ep=2, distribute_saved=True), r"^ep=2 with distribute_saved=True: that splits a "
                                                    r"tensor-parallel checkpoint over tp ranks; leave it out with ep$"),
     (dict(), 4, dict(ep=2, dp=2, microbatches=2), r"^batch=1 \(per replica and micro-batch\) is not divisible by "

@@ -78,8 +78,9 @@ def _variant(stage, mode):
 
 
 def expert_forms(job, forms, report, routing):
-    """ep_inventory.py's forms, one per micro-batch of this rank, over its stage's layers and its rows."""
-    cfg, M, ep, e = job.cfg, job.microbatches, job.ep, report["ep_rank"]
+    """ep_inventory.py's forms, one per micro-batch of this rank, over its stage's layers and its rows; beside tp,
+    at its slices, with tp's collectives (forms.tp_comm_bytes) and each layer's router gradient summed over tp."""
+    cfg, M, ep, e, tp = job.cfg, job.microbatches, job.ep, report["ep_rank"], dict(t=job.tp, sp=job.sp)
     stage_cfg, policy = cfg.replace(layers=len(forms.layers)), parse_policy(job.policy, cfg)
     stored, peaks, total = [], [], {key: dict.fromkeys(PHASES, 0) for key in ("flops", "comm", "sent")}
     received = [0] * len(forms.layers)
@@ -88,18 +89,23 @@ def expert_forms(job, forms, report, routing):
         by_rank = [routing[k][g * ep:(g + 1) * ep] for k in forms.layers]
         counts = [[sum(column) for column in zip(*layer)] for layer in by_rank]  # the block's per-expert counts
         args = (stage_cfg, forms.b, forms.seq, policy, ep, e, counts, job.keep_dispatched)
-        stored.append(ep_stored_bytes(*args, head=forms.last))
-        peaks.append(ep_peak_bytes(*args, head=forms.last))
-        for key, value in (("flops", ep_flops(*args, head=forms.last)), ("comm", ep_comm_bytes(*args)),
+        stored.append(ep_stored_bytes(*args, head=forms.last, **tp))
+        peaks.append(ep_peak_bytes(*args, head=forms.last, **tp))
+        for key, value in (("flops", ep_flops(*args, head=forms.last, t=job.tp)), ("comm", ep_comm_bytes(*args)),
                            ("sent", ep_sent_bytes(stage_cfg, forms.b, forms.seq, policy, ep, e, by_rank,
                                                   job.keep_dispatched))):
             for phase in PHASES:
                 total[key][phase] += value[phase]
         received = [n + received_rows(cfg, layer, ep, e) for n, layer in zip(received, counts)]
         if m == 0:
-            layer = ep_layer_stored_bytes(*args, layer=0)
-            head = ep_head_stored_bytes(stage_cfg, forms.b, forms.seq, policy, ep) if forms.last else 0
+            layer = ep_layer_stored_bytes(*args, layer=0, **tp)
+            head = ep_head_stored_bytes(stage_cfg, forms.b, forms.seq, policy, ep, **tp) if forms.last else 0
     order = actions(job.schedule, job.pp, M, report["stage"])
+    if job.tp > 1:
+        router = M * len(forms.layers) * cfg.experts * cfg.hidden * BYTES[cfg.dtype_names[2]]  # its all-reduces
+        tp_comm = forms.tp_comm_bytes(forms.b // ep)
+        total["comm"] = {phase: n + tp_comm[phase] + (router if phase == "backward" else 0)
+                         for phase, n in total["comm"].items()}
     return {"predicted_activation_bytes": in_flight_peak(order, stored, peaks),
             "predicted_microbatch_stored_bytes": stored[0], "predicted_layer_stored_bytes": layer,
             "predicted_head_stored_bytes": head, "predicted_flops": total["flops"],

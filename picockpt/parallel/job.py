@@ -97,10 +97,9 @@ def checked_job(job, device, world_size):
         raise ValueError(f"batch={B} is not divisible into dp x microbatches = {job.dp} x {M} = {job.dp * M} "
                          f"micro-batches of equal size; use a batch that is a multiple of {job.dp * M}")
     if job.ep > 1:
-        check_expert_parallel(cfg, job.ep, B // (job.dp * M), job.policy, job.tp, job.distribute_saved,
-                              job.dp * M > 1)
+        check_expert_parallel(cfg, job.ep, B // (job.dp * M), job.policy, job.distribute_saved, job.dp * M > 1)
     if job.tp > 1:
-        check_tensor_parallel(cfg, job.tp, job.sp, T // job.cp, job.distribute_saved)  # on a rank's T/cp tokens
+        check_tensor_parallel(cfg, job.tp, job.sp, T // job.cp, job.distribute_saved, experts=True)  # T/cp tokens
     if job.dp * M > 1:
         if cfg.attention == "tiled" and cfg.dropout > 0:
             raise ValueError(f"attention='tiled' with dropout={cfg.dropout} and dp x microbatches = {job.dp * M}: each "

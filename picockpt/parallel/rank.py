@@ -101,14 +101,14 @@ def rank_step(comm, job, made, trace=False):
 
 
 def rank_params(job, forms, groups, device):
-    """{name: tensor} this rank holds of its stage: its tensor-parallel slices, or its experts, or all whole."""
+    """{name: tensor} this rank holds of its stage: its tensor-parallel slices, of them its experts."""
     cfg = job.cfg
     names = stage_param_names(cfg, forms.layers, forms.first, forms.last)
     params = {name: job.params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
     if job.tp > 1:
-        return shard_params(params, groups.tp_rank, job.tp, device)  # its slices
+        params = shard_params(params, groups.tp_rank, job.tp)  # its slices
     if job.ep > 1:
-        return shard_experts(params, groups.ep_rank, job.ep, device)  # its experts, every other weight whole
+        params = shard_experts(params, groups.ep_rank, job.ep)  # its experts (of those slices)
     return {name: tensor.to(device) for name, tensor in params.items()}
 
 
@@ -140,10 +140,10 @@ def rank_one_step(job, groups, forms, params, shards, input_ids, targets, rng_st
         model = RankModel(params, cfg, ids, tgt)
         if job.cp > 1:  # its tokens of the rows, attention across the cp ranks
             apply_context_parallel(model, groups.cp_comm, tokens, job.cp_comm, job.cp_keep_kv)
-        if job.tp > 1:  # its slices: the layer's collectives, the vocabulary-parallel embedding and head
-            apply_tensor_parallel(model, groups.tp_comm, job.sp, job.distribute_saved)
         if job.ep > 1:  # its experts: tokens dispatched to them and combined back
             apply_expert_parallel(model, groups.ep_comm, job.keep_dispatched)
+        if job.tp > 1:  # its slices (of every expert too): the layer's collectives, the vocab-parallel head
+            apply_tensor_parallel(model, groups.tp_comm, job.sp, job.distribute_saved)
         return model
 
     say = trace_lines(f"rank {groups.rank}" + (f" stage {groups.stage}" if job.pp > 1 else ""), trace)

@@ -129,13 +129,9 @@ def _gathered(job, per_rank, key="grads"):
         names = stage_param_names(cfg, layers, stage == 0, stage == job.pp - 1)
         ranks = sorted(((r["report"]["tp_rank"], r["report"]["ep_rank"]), r[key]) for r in per_rank
                        if r["report"]["stage"] == stage and r["report"]["dp_rank"] == r["report"]["cp_rank"] == 0)
-        parts = [g for _, g in ranks]
-        if job.tp > 1:
-            whole = gather_grads(parts, dict.fromkeys(names))
-        elif job.ep > 1:
-            whole = gather_expert_grads(parts, dict.fromkeys(names))
-        else:
-            whole = parts[0]
+        by_ep = [[g for (_, e), g in ranks if e == ep_rank] for ep_rank in range(job.ep)]  # each in tp rank order
+        slices = [gather_grads(parts, dict.fromkeys(names)) if job.tp > 1 else parts[0] for parts in by_ep]
+        whole = gather_expert_grads(slices, dict.fromkeys(names)) if job.ep > 1 else slices[0]
         if cfg.tie_embeddings and stage == job.pp - 1:
             head_copy = whole.pop(HEAD)
         grads.update(whole)

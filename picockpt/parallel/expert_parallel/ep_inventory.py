@@ -6,6 +6,9 @@ applies this per micro-batch). A stored layer (A_l) is picockpt/inventory.py's a
 by every rank's tokens, plus ep_moe.py's table, whose last column gives R_l (always_kept_bytes): what every first
 forward keeps whatever its mode. The peak is closed_forms.segments_peak's with R_l as `always`; the all-to-alls' bytes
 per phase (comm.py's count: this rank's input) are ep_moe.py's tables' (recomputed: its last paragraph).
+Beside tensor parallelism (t ranks, sp: sequence parallel) a rank stores tensor_parallel/tp_inventory.py's split of
+the layer, its experts' rows f/t wide, and runs the block on every token of its sequences (after ENTER), so the
+routing and the all-to-alls are as without tp; every matmul but the router's is 1/t.
 """
 import math
 
@@ -16,6 +19,7 @@ from .ep_layer import ep_drop
 from .ep_shard import is_expert
 from .ep_moe import DISPATCHED, ROUTING
 from ...config import BYTES
+from ..tensor_parallel.tp_inventory import rank_head_inventory, split_inventory
 
 
 def ep_layer_names(cfg, ep, rank):
@@ -45,13 +49,13 @@ def _check(cfg, batch, seq, policy, ep, rank, routing):
     return policy
 
 
-def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep_dispatched=False):
+def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep_dispatched=False, t=1, sp=False):
     """What one layer stored whole keeps on rank `rank` of ep, its input included: name -> (shape, dtype, bytes).
-    batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints."""
+    batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints; t, sp: beside tp."""
     act, stat, _ = cfg.dtype_names
     drop = ep_drop(frozenset(drop))
-    local, f, h = cfg.experts // ep, cfg.ffn, cfg.hidden
-    plain = layer_inventory(cfg, batch // ep, seq, drop)  # its own sequences; the experts' rows replaced below
+    local, f, h = cfg.experts // ep, cfg.ffn // t, cfg.hidden
+    plain = split_inventory(layer_inventory(cfg, batch // ep, seq, drop), t, sp)  # its own sequences (tp's split)
     rows = [(name, shape, dtype) for name, (shape, dtype, _) in plain.items()
             if not name.startswith(("moe.gate_up[", "moe.act["))]
     for e in range(rank * local, (rank + 1) * local):  # its experts, on their rows from every rank
@@ -65,6 +69,11 @@ def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep
             if name in kept or name.partition("[")[0] not in drop}
 
 
+def _input_bytes(cfg, batch, seq, ep, t, sp):
+    """X: a layer input on the rank, its batch/ep sequences (under sp its seq/t tokens of them)."""
+    return (batch // ep) * (seq // t if sp else seq) * cfg.hidden * BYTES[cfg.dtype]
+
+
 def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
     """R: what a layer's first forward keeps whatever its mode (ep_moe.py's table: ROUTING, and DISPATCHED too)."""
     act, stat, _ = cfg.dtype_names
@@ -73,41 +82,44 @@ def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
     return routing + (M * (cfg.hidden * BYTES[act] + BYTES[stat]) if keep_dispatched else 0)
 
 
-def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True):
+def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True, t=1, sp=False):
     """The exact peak of rank r's activation store over one step. head=False: a pipeline stage before the last
     (cfg.layers its layers, routing theirs), which has no head."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
-    A = [total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched))
+    A = [total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched, t, sp))
          for counts in routing]
-    F = ep_head_stored_bytes(cfg, batch, seq, policy, ep) if head else 0
+    F = ep_head_stored_bytes(cfg, batch, seq, policy, ep, t, sp) if head else 0
     if policy.segment is None:
         return sum(A) + F
-    X = (batch // ep) * seq * cfg.hidden * BYTES[cfg.dtype]
+    X = _input_bytes(cfg, batch, seq, ep, t, sp)
     R = [always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched) for counts in routing]
     return segments_peak([X] * cfg.layers, A, F, policy.segment, always=R)
 
 
-def ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, layer=0):
+def ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, layer=0, t=1, sp=False):
     """What one layer holds on rank r at the end of the forward: stored whole, or its checkpoint (its input, under
     every:C the first layer of a segment) and what every first forward keeps."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
     counts = routing[layer]
     if policy.segment is None:
-        return total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched))
-    X = (batch // ep) * seq * cfg.hidden * BYTES[cfg.dtype] if layer % policy.segment == 0 else 0
+        return total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched, t, sp))
+    X = _input_bytes(cfg, batch, seq, ep, t, sp) if layer % policy.segment == 0 else 0
     return X + always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched)
 
 
-def ep_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True):
+def ep_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True, t=1, sp=False):
     """E: what rank r's store holds at the end of the forward (every layer's share, and the head's)."""
-    layers = sum(ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched, k)
+    layers = sum(ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched, k, t, sp)
                  for k in range(cfg.layers))
-    return layers + (ep_head_stored_bytes(cfg, batch, seq, policy, ep) if head else 0)
+    return layers + (ep_head_stored_bytes(cfg, batch, seq, policy, ep, t, sp) if head else 0)
 
 
-def ep_head_stored_bytes(cfg, batch, seq, policy, ep):
-    """What the head holds on a rank after the forward: picockpt's head on its batch/ep sequences."""
-    return total(head_inventory(cfg, batch // ep, seq, parse_policy(policy, cfg).drop))
+def ep_head_stored_bytes(cfg, batch, seq, policy, ep, t=1, sp=False):
+    """What the head holds on a rank after the forward: picockpt's head on its batch/ep sequences (tp's, beside)."""
+    drop = parse_policy(policy, cfg).drop
+    if t > 1:
+        return total(rank_head_inventory(cfg, batch // ep, seq, t, sp, drop))
+    return total(head_inventory(cfg, batch // ep, seq, drop))
 
 
 def replicated_grad_bytes(cfg):
@@ -160,10 +172,19 @@ def ep_comm_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=Fa
     return {phase: sum(layer[phase] for layer in layers) for phase in ("forward", "recompute", "backward")}
 
 
-def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True):
+def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True, t=1):
     """Rank r's matmul FLOPs per phase: the single process's step_flops at batch/ep, its experts on the M_l rows they
     receive instead of the P pairs it sends (each row 2h*3f forward, twice that backward, 2h*2f when moe rebuilds
-    the projections). head=False: a pipeline stage before the last, without the LM head's matmuls."""
+    the projections). head=False: a pipeline stage before the last, without the LM head's matmuls. Beside tp every
+    matmul is 1/t but the router's, whole on every rank (h -> E per token: forward, twice in the backward, again in
+    a recompute or a rebuild)."""
+    if t > 1:
+        one = ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched, head)
+        policy = parse_policy(policy, cfg)
+        router = 2 * (batch // ep) * seq * cfg.hidden * cfg.experts * cfg.layers
+        again = (policy.segment is not None) + ("moe.router_probs" in policy.drop)
+        whole = {"forward": router, "backward": 2 * router, "recompute": again * router}
+        return {phase: (n - whole[phase]) // t + whole[phase] for phase, n in one.items()}
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
     flops = step_flops(cfg, batch // ep, seq, policy)
     if not head:

@@ -25,7 +25,7 @@ def gather_expert_grads(per_rank, params):
             for name in params}
 
 
-def check_expert_parallel(cfg, ep, batch, policy, tp=1, distribute_saved=False, split=False):
+def check_expert_parallel(cfg, ep, batch, policy, distribute_saved=False, split=False):
     """ValueError naming the parameter, the value and what would work, for every split that cannot be. batch: one
     micro-batch of one replica's sequences (its ep ranks split them); split: dp x microbatches > 1."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
@@ -41,9 +41,6 @@ def check_expert_parallel(cfg, ep, batch, policy, tp=1, distribute_saved=False, 
         per = " (per replica and micro-batch)" if split else ""
         raise ValueError(f"batch={batch}{per} is not divisible by ep={ep}: each rank computes batch/ep whole "
                          f"sequences; use a batch that is a multiple of {ep}, or ep in {fits}")
-    if tp != 1:
-        raise ValueError(f"ep={ep} with tp={tp}: expert parallelism here keeps every weight but the experts' whole "
-                         f"on each rank (no tensor parallelism beside it); leave tp out, or use tp without ep")
     if distribute_saved:
         raise ValueError(f"ep={ep} with distribute_saved=True: that splits a tensor-parallel checkpoint over tp ranks; "
                          f"leave it out with ep")

@@ -29,7 +29,8 @@ SPLIT = (dict.fromkeys(("input", "attn_norm.rstd", "attn_norm.output", "attn.dro
                        "final_norm.output"), "tokens")
          | dict.fromkeys(("attn.q", "attn.k", "attn.v", "attn.probs", "attn.probs_mask", "attn.probs_dropped",
                           "attn.lse"), "heads")
-         | dict.fromkeys(("attn.context", "mlp.gate", "mlp.up", "mlp.act", "lm_head.logits"), "columns"))
+         | dict.fromkeys(("attn.context", "mlp.gate", "mlp.up", "mlp.act", "lm_head.logits", "moe.shared_gate",
+                          "moe.shared_up", "moe.shared_act"), "columns"))  # a router's tensors: whole (all tokens)
 
 
 def split_inventory(inventory, t, sp):

@@ -15,6 +15,8 @@ Stored per rank (n = T/t with sp, else T): input, norm rstd/output and mlp_norm.
 k, v (B, KV/t, T, hd); probs (B, H/t, T, T); context (B, T, h/t); gate, up, act (B, T, f/t); dropout masks
 (B, n, h). Under sp the stored norm output is the rank's shard, so the backward all-gathers it again before the
 projections' weight gradients (as Megatron does: the gathered tensor is never kept), counted as backward traffic.
+A mixture of experts runs between the same ENTER and LEAVE, each expert on its f/t slice (its output partial, as the
+MLP's), its router whole: the router's gradient, from partial outputs, is summed over the ranks (an all-reduce).
 """
 from ...layer import ONE_PROCESS
 from ..comm import all_reduce_grads
@@ -61,6 +63,12 @@ class TensorParallelCrossings(CrossingsOver):
         B, n, h = shape
         whole = (B, n * self.comm.world_size if self.sp else n, h)
         return sliced_mask(whole, p, device, self.comm, 1 if self.sp else None)  # (B, n, h) bool
+
+    def mlp_backward(self, grad, normed, w, cfg, take):
+        dxn2, grads = self.inner.mlp_backward(grad, normed, w, cfg, take)  # the block (or the experts' ranks')
+        if cfg.experts:  # the router is whole here, its gradient from this rank's slice of each expert: partial
+            grads["router"] = all_reduce_grads({"router": grads["router"].to(cfg.param_dtype)}, self.comm)["router"]
+        return dxn2, grads
 
     def norm_grads(self, d_attn_norm, d_mlp_norm, cfg):
         if not self.sp:  # the norms ran on every token on every rank: the same gradient everywhere

@@ -12,6 +12,12 @@ Megatron-LM's split (Shoeybi et al. 2019), for t ranks, rank r:
     model.embed_tokens.weight           (V, h)      vocab-parallel  rows (token ids) r*V/t .. (r+1)*V/t - 1
     lm_head.weight                      (V, h)      vocab-parallel  rows r*V/t ..
     the three RMSNorm weights           (h,)        replicated      all of it
+  with a mixture of experts, every expert split as the MLP is (Megatron's expert tensor parallelism, whose size
+  defaults to the tensor-parallel size):
+    mlp.experts.gate_up_proj            (E, 2f, h)  column-parallel rows r*f/t .. of its gate half and of its up half
+    mlp.experts.down_proj               (E, h, f)   row-parallel    columns r*f/t ..
+    mlp.shared_experts.* (fs)                       as the MLP's gate, up, down
+    mlp.gate.weight (the router)        (E, h)      replicated      all of it (its gradient summed: tp_layer.py)
 
 A column-parallel linear y = x W^T splits W's rows: rank r computes its columns of y from the whole x. A row-parallel
 one splits W's columns: rank r computes the partial product of its slice of x; the ranks' partial products sum to y.
@@ -20,9 +26,22 @@ key/value heads: t must divide H and KV (Megatron replicates key/value heads bey
 """
 import torch
 
-from ...params import EMBED, FINAL_NORM, HEAD, LAYER_NAMES, LayerWeights
+from ...params import EMBED, FINAL_NORM, HEAD, ROLE_NAMES
 
-SPLIT_DIM = LayerWeights(attn_norm=None, q=0, k=0, v=0, o=1, mlp_norm=None, gate=0, up=0, down=1)  # by role
+SPLIT_DIM = dict(attn_norm=None, q=0, k=0, v=0, o=1, mlp_norm=None, gate=0, up=0, down=1, router=None,
+                 experts_gate_up=1, experts_down=2, shared_gate=0, shared_up=0, shared_down=1)  # by role
+ROLES = {name: role for role, name in ROLE_NAMES.items()}
+HALVES = "mlp.experts.gate_up_proj"  # [gate; up] along dim 1: a rank's slice of each half
+
+
+def slice_of(tensor, name, rank, tp):
+    """rank's slice of a parameter (a view; of [gate; up] its rows of each half, side by side: a copy)."""
+    dim = split_dim(name)
+    if dim is None:
+        return tensor
+    if name.endswith(HALVES):
+        return torch.cat([half.chunk(tp, dim)[rank] for half in tensor.chunk(2, dim)], dim)
+    return tensor.chunk(tp, dim)[rank]
 
 
 def split_dim(name):
@@ -31,30 +50,34 @@ def split_dim(name):
         return 0  # vocabulary rows
     if name == FINAL_NORM:
         return None
-    role = LAYER_NAMES._fields[LAYER_NAMES.index(name.split(".", 3)[3])]  # "model.layers.{i}.<name>" -> role
-    return getattr(SPLIT_DIM, role)
+    return SPLIT_DIM[ROLES[name.split(".", 3)[3]]]  # "model.layers.{i}.<name>" -> its role's dim
 
 
 def shard_params(params, rank, tp, device=None):
     """{name: rank's slice} of every parameter (a copy of its own, so the full tensors can go)."""
-    dims = {name: split_dim(name) for name in params}
-    shards = {name: tensor if dims[name] is None else tensor.chunk(tp, dims[name])[rank]  # (.., n/t, ..) a view
-              for name, tensor in params.items()}
+    shards = {name: slice_of(tensor, name, rank, tp) for name, tensor in params.items()}  # (.., n/t, ..)
     return {name: shard.to(device).clone() if device is not None else shard.clone() for name, shard in shards.items()}
 
 
 def gather_grads(per_rank, params):
     """Every rank's gradient slices -> full gradients under the params' names, in their order (replicated: rank 0's)."""
-    dims = {name: split_dim(name) for name in params}
-    return {name: per_rank[0][name] if dim is None else torch.cat([g[name] for g in per_rank], dim)  # (full shape)
-            for name, dim in dims.items()}
+    def whole(name, dim):
+        if name.endswith(HALVES):  # every rank's gate rows, then every rank's up rows
+            return torch.cat([torch.cat([g[name].chunk(2, dim)[half] for g in per_rank], dim) for half in (0, 1)], dim)
+        return torch.cat([g[name] for g in per_rank], dim)
+    return {name: per_rank[0][name] if split_dim(name) is None else whole(name, split_dim(name))  # (full shape)
+            for name in params}
 
 
-def check_tensor_parallel(cfg, tp, sp=False, seq=None, distribute_saved=False):
-    """ValueError naming the parameter, the value and what would work, for every split that cannot be."""
+def check_tensor_parallel(cfg, tp, sp=False, seq=None, distribute_saved=False, experts=False):
+    """ValueError naming the parameter, the value and what would work, for every split that cannot be. experts:
+    the caller splits a mixture of experts too (a parallel job does; the closed forms of predict's tables not)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r}: use a whole number of tensor-parallel ranks, 1 or more")
-    if getattr(cfg, "experts", 0):
+    if getattr(cfg, "experts", 0) and experts and cfg.shared_expert_ffn % tp:
+        raise ValueError(f"tp={tp} does not divide shared_expert_ffn={cfg.shared_expert_ffn}: the shared expert is "
+                         f"split as the MLP is; use a tp that divides it")
+    if getattr(cfg, "experts", 0) and not experts:
         raise ValueError(f"Config.experts={cfg.experts}: tensor parallelism here splits the dense MLP; a mixture "
                          f"of experts is not split over tensor-parallel ranks: split its experts over ranks with "
                          f"expert parallelism (ep=N, --ep N), or use experts=0")
