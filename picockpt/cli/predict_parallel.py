@@ -1,10 +1,11 @@
 """predict's data- and context-parallel rows: ZeRO's model state per GPU, context parallelism's activations per rank.
 
     python -m picockpt predict --model llama3-70b --seq 8192 --zero 3 --dp 8
+    python -m picockpt predict --model llama3-405b --seq 8192 --zero 1 --dp 8 --tp 8 --sp --pp 16 --batch 16
     python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --recompute full
 
 --zero N --dp D: one GPU's parameters, gradients and AdamW state under ZeRO stage N over D data-parallel
-ranks, twice: as the ZeRO paper counts them (zero_inventory.zero_paper_parts: fp16 parameters and
+ranks (beside --tp, --cp and --pp: the busiest stage's rank, its tp slices sharded over D x C ranks), twice: as the ZeRO paper counts them (zero_inventory.zero_paper_parts: fp16 parameters and
 gradients, K = 12 bytes of Adam state per parameter) and as picockpt holds them (model_state_bytes: fp32
 parameters and gradients, AdamW's two fp32 moments, flat units padded to a multiple of D), beside the
 activations of one rank's micro-batch (--batch sequences per rank: data parallelism does not split them)
@@ -24,10 +25,10 @@ T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its
 import math
 
 from ..formulas import GIB
-from ..inventory import predicted_peak_bytes
 from ..parallel.context_parallel.cp_inventory import cp_peak_bytes, stage_comm_bytes
 from ..parallel.context_parallel.cp_check import check_context_parallel
-from ..parallel.data_parallel.zero_inventory import gathered_peak_bytes, model_state_bytes, zero_paper_parts
+from ..parallel.data_parallel.zero_inventory import zero_paper_parts
+from ..parallel.forms import rank_param_shapes, zero_stage_forms
 from ..parallel.pipeline_parallel.pp_inventory import StageForms
 from ..parallel.tensor_parallel.tp_inventory import rank_peak_bytes
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
@@ -70,11 +71,6 @@ def check_parallel(args, cfg, policy):
     if args.zero is None and args.dp != 1:
         raise ValueError(f"--dp {args.dp} without --zero: plain data parallelism keeps the whole model state on "
                          f"every rank and does not split the activations; add --zero 1, 2 or 3 to shard it")
-    if args.zero is not None and (args.tp > 1 or args.cp > 1):
-        other = f"--tp {args.tp}" if args.tp > 1 else f"--cp {args.cp}"
-        raise ValueError(f"--zero {args.zero} with {other}: predict cannot compute this combination "
-                         f"(zero_inventory.py counts ZeRO over data-parallel ranks alone, each holding the whole "
-                         f"model, as picockpt runs it); leave out {other.split()[0]} or --zero")
     if args.cp < 1:
         raise ValueError(f"--cp={args.cp}: give a whole number of context-parallel ranks, 1 or more")
     check_pipeline(args, cfg)
@@ -83,6 +79,8 @@ def check_parallel(args, cfg, policy):
                          "K/V; add --cp C >= 2, or leave them out")
     if args.cp > 1:
         check_context(args, cfg, policy)
+    elif args.zero is not None and args.tp > 1:
+        check_tensor_parallel(cfg, args.tp, args.sp, args.seq, args.distribute_saved)
 
 
 def check_pipeline(args, cfg):
@@ -98,10 +96,10 @@ def check_pipeline(args, cfg):
                          f"--microbatches out")
     if pp == 1:
         return
-    if args.cp == 1:
-        raise ValueError(f"--pp {pp}: predict splits stages beside --cp only (parallel/pipeline_parallel's closed "
-                         f"forms for one rank of each); {_pipeline_example(args, cfg)}, or run `python -m picockpt "
-                         f"parallel --pp {pp}` to measure a pipeline")
+    if args.cp == 1 and args.zero is None:
+        raise ValueError(f"--pp {pp}: predict splits stages beside --cp or --zero only (parallel/pipeline_parallel's "
+                         f"closed forms for one rank of each); {_pipeline_example(args, cfg)}, or run `python -m "
+                         f"picockpt parallel --pp {pp}` to measure a pipeline")
     M = M or pp
     divisors = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
     if batch % M and args.microbatches is None:
@@ -165,22 +163,34 @@ def check_context(args, cfg, policy):
     check_context_parallel(cfg, cp, seq, "zigzag", args.cp_comm, args.keep_kv, policy)
 
 
-def zero_row(cfg, batch, seq, policy, stage, dp):
-    """One GPU under ZeRO `stage` over `dp` ranks, `batch` sequences per rank: the paper's and picockpt's
-    model state by part, picockpt's activations and (stage 3) gathered parameters, their totals."""
-    psi = cfg.num_params()
-    paper = zero_paper_parts(psi, stage, K=12, N_d=dp)
-    own = model_state_bytes(cfg, stage, dp)
-    gathered = max(gathered_peak_bytes(cfg, batch * dp, seq, policy, dp).values()) if stage == 3 else 0
-    activations = predicted_peak_bytes(cfg, batch, seq, policy)
-    by_stage = {s: sum(model_state_bytes(cfg, max(s, 1), dp if s else 1).values())  # stage 0: one rank's whole
-                for s in (0, 1, 2, 3)}
-    return {"stage": stage, "dp": dp, "parameters": psi, "policy": policy,
-            "paper": paper, "paper_model_state_bytes": sum(paper.values()),
-            "picockpt": own, "picockpt_model_state_bytes": sum(own.values()),
-            "picockpt_gathered_bytes": gathered, "picockpt_activation_bytes": activations,
-            "picockpt_total_bytes": sum(own.values()) + gathered + activations,
-            "picockpt_model_state_by_stage": by_stage}
+def zero_row(cfg, batch, seq, policy, stage, dp, tp=1, sp=False, cp=1, pp=1, microbatches=None,
+             distribute_saved=False):
+    """One GPU under ZeRO `stage` over dp x cp ranks (beside tp, cp and pp: a rank of each stage, its tp slices of
+    the stage's weights on its seq/cp tokens), `batch` sequences per rank: the paper's and picockpt's model state by
+    part, picockpt's activations and (stage 3) gathered parameters and their gathers per phase (recomputation's
+    included: parallel/forms.py's zero_stage_forms), their totals; the busiest stage's, and under pp every one's."""
+    M, n = microbatches or pp, seq // cp
+    rows = []
+    for s in range(pp):
+        forms = StageForms(cfg, batch, n, policy, pp, M, "1f1b", s, 1, tp, sp, distribute_saved)
+        own = zero_stage_forms(cfg, forms, stage, tp, 1, dp, cp, "1f1b", pp, M)
+        state = {key: own[key] for key in STATE}
+        psi = sum(math.prod(shape) for shape in rank_param_shapes(cfg, forms, tp).values())  # this rank's
+        paper = zero_paper_parts(psi, stage, K=12, N_d=dp * cp)
+        gathered = max(own["gathered_peak_bytes"].values())
+        by_stage = {z: sum(zero_stage_forms(cfg, forms, max(z, 1), tp, 1, dp if z else 1, cp if z else 1, "1f1b",
+                                            pp, M)[key] for key in STATE) for z in (0, 1, 2, 3)}  # 0: one rank whole
+        rows.append({"pipeline_stage": s, "parameters": psi, "paper": paper,
+                     "paper_model_state_bytes": sum(paper.values()), "picockpt": state,
+                     "picockpt_model_state_bytes": sum(state.values()), "picockpt_gathered_bytes": gathered,
+                     "picockpt_gathered_by_phase": {phase: kinds.get("all_gather", 0) for phase, kinds in
+                                                    own["zero_bytes_by_kind"].items() if phase != "optimizer"},
+                     "picockpt_activation_bytes": forms.peak_bytes,
+                     "picockpt_total_bytes": sum(state.values()) + gathered + forms.peak_bytes,
+                     "picockpt_model_state_by_stage": by_stage})
+    busiest = max(rows, key=lambda row: row["picockpt_total_bytes"])
+    return {"stage": stage, "dp": dp, "tp": tp, "sp": sp, "cp": cp, "pp": pp, "microbatches": M, "policy": policy,
+            **busiest, "stages": rows if pp > 1 else None}
 
 
 def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=False, distribute_saved=False,
@@ -211,7 +221,8 @@ def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=
 
 def add_parallel_rows(row, args, cfg, policy):
     if args.zero is not None:
-        row["zero"] = zero_row(cfg, args.batch, args.seq, policy, args.zero, args.dp)
+        row["zero"] = zero_row(cfg, args.batch, args.seq, policy, args.zero, args.dp, args.tp, args.sp, args.cp,
+                               args.pp, args.microbatches, args.distribute_saved)
     if args.cp > 1:
         row["cp"] = cp_row(cfg, args.batch, args.seq, policy, args.cp, args.cp_comm, args.keep_kv, args.tp, args.sp,
                            args.distribute_saved, args.pp, args.microbatches)
@@ -231,23 +242,37 @@ def print_parallel(row):
     capacity = row["gpu_bytes"]
     if "zero" in row:
         z, stage, dp = row["zero"], row["zero"]["stage"], row["zero"]["dp"]
-        print(f"ZeRO stage {stage} over {dp} data-parallel ranks, model state per GPU of Psi = {z['parameters']:,} "
-              f"parameters (parallel/data_parallel/zero_inventory.py):")
+        over = f"{dp} x cp {z['cp']} = {dp * z['cp']}" if z["cp"] > 1 else f"{dp}"
+        beside = "".join(f", {name} {z[name]}" for name in ("tp", "pp") if z[name] > 1)
+        busiest = f" (stage {z['pipeline_stage']} of {z['pp']}, the busiest)" if z["pp"] > 1 else ""
+        print(f"ZeRO stage {stage} over {over} data-parallel ranks{beside}, model state per GPU{busiest} of "
+              f"Psi = {z['parameters']:,} parameters held (parallel/forms.py: zero_stage_forms):")
         print(f"  {'':<26}{'ZeRO paper: fp16 + K=12 Adam':>30}{'picockpt: fp32, AdamW':>26}")
         names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optimizer_bytes": "optimizer state"}
         for key, name in names.items():
             print(f"  {name:<26}{_gib(z['paper'][key]):>30}{_gib(z['picockpt'][key]):>26}")
         paper, own = _gib(z['paper_model_state_bytes']), _gib(z['picockpt_model_state_bytes'])
         print(f"  {'model state':<26}{paper:>30}{own:>26}")
-        print(f"  by stage (picockpt, over {dp}): " + ", ".join(
+        print(f"  by stage (picockpt, over {dp * z['cp']}): " + ", ".join(
             f"{s} {_gib(n)}" for s, n in z["picockpt_model_state_by_stage"].items()))
         if stage == 3:
-            print(f"  gathered parameters in flight (stage 3, with prefetch): {_gib(z['picockpt_gathered_bytes'])}")
-        print(f"  activations of one rank's micro-batch (picockpt's store, {z['policy']}): "
-              f"{_gib(z['picockpt_activation_bytes'])}; Korthikanti's: {_gib(row['activation_bytes'])}")
-        total, published = z["picockpt_total_bytes"], z["paper_model_state_bytes"] + row["activation_bytes"]
-        print(f"  total per GPU: picockpt {_gib(total)} ({_verdict(total, capacity)} in {_gib(capacity)}); "
-              f"the paper's state + Korthikanti's activations {_gib(published)} ({_verdict(published, capacity)}); "
+            moved = ", ".join(f"{phase} {_gib(n)}" for phase, n in z["picockpt_gathered_by_phase"].items())
+            print(f"  gathered parameters in flight (stage 3, with prefetch): {_gib(z['picockpt_gathered_bytes'])}; "
+                  f"all-gathered per step: {moved}")
+        for other in z["stages"] or ():
+            print(f"  pipeline stage {other['pipeline_stage']}: model state {_gib(other['picockpt_model_state_bytes'])}"
+                  f", activations {_gib(other['picockpt_activation_bytes'])}, total "
+                  f"{_gib(other['picockpt_total_bytes'])}")
+        if z["pp"] > 1 or z["cp"] > 1:  # a stage's micro-batches in flight, or a rank's tokens: picockpt's alone
+            print(f"  activations of one rank (picockpt's store, {z['policy']}): {_gib(z['picockpt_activation_bytes'])}")
+        else:
+            print(f"  activations of one rank's micro-batch (picockpt's store, {z['policy']}): "
+                  f"{_gib(z['picockpt_activation_bytes'])}; Korthikanti's: {_gib(row['activation_bytes'])}")
+        total = z["picockpt_total_bytes"]
+        published = "" if z["pp"] > 1 or z["cp"] > 1 else \
+            f"; the paper's state + Korthikanti's activations {_gib(z['paper_model_state_bytes'] + row['activation_bytes'])}" \
+            f" ({_verdict(z['paper_model_state_bytes'] + row['activation_bytes'], capacity)})"
+        print(f"  total per GPU: picockpt {_gib(total)} ({_verdict(total, capacity)} in {_gib(capacity)}){published}; "
               f"working memory not counted")
     if "cp" in row:
         c = row["cp"]

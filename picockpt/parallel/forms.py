@@ -11,7 +11,7 @@ process's routing of them), and the stage's peak replays the schedule over the m
 import math
 
 from ..config import BYTES
-from ..params import EMBED, HEAD
+from ..params import EMBED, HEAD, param_shapes
 from ..policy import parse_policy
 from .comm import PHASES
 from .context_parallel.cp_inventory import (cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops,
@@ -128,15 +128,15 @@ def in_flight_peak(order, stored, peaks):
     return peak
 
 
-def rank_param_shapes(job, forms):
+def rank_param_shapes(cfg, forms, tp=1, ep=1):
     """{name: shape} of what a rank of the stage holds: its tensor-parallel slices, its E/ep experts."""
-    cfg, out = job.cfg, {}
+    shapes, out = param_shapes(cfg), {}
     for name in stage_param_names(cfg, forms.layers, forms.first, forms.last):
-        shape = list(job.params[EMBED if name == HEAD and cfg.tie_embeddings else name].shape)
-        if job.tp > 1 and split_dim(name) is not None:
-            shape[split_dim(name)] //= job.tp
-        if job.ep > 1 and is_expert(name):
-            shape[0] //= job.ep
+        shape = list(shapes[EMBED if name == HEAD and cfg.tie_embeddings else name])
+        if tp > 1 and split_dim(name) is not None:
+            shape[split_dim(name)] //= tp
+        if ep > 1 and is_expert(name):
+            shape[0] //= ep
         out[name] = tuple(shape)
     return out
 
@@ -149,7 +149,7 @@ def reduced_bytes(job, forms):
         return sum(n for kinds in zero_forms(job, forms, None)["predicted_zero_bytes_by_kind"].values()
                    for n in kinds.values())
     dense = experts = 0
-    for name, shape in rank_param_shapes(job, forms).items():
+    for name, shape in rank_param_shapes(job.cfg, forms, job.tp, job.ep).items():
         if job.ep > 1 and is_expert(name):
             experts += math.prod(shape)
         else:
@@ -159,28 +159,36 @@ def reduced_bytes(job, forms):
 
 
 def zero_forms(job, forms, report):
-    """ZeRO's closed forms on a rank of any layout (data_parallel/zero_inventory.py on its stage's units): model
-    state, the gathers of every use in the schedule's order, the reductions, the gathered peak per phase."""
-    cfg, steps = job.cfg, job.steps or len(job.batches or ())
-    sizes = {False: job.dp * job.ep * job.cp, True: job.dp * job.cp}  # the dense and the experts' groups
-    units = stage_units(rank_param_shapes(job, forms), forms.layers, forms.first, forms.last, sizes,
-                        is_expert if job.ep > 1 else None)
+    """ZeRO's closed forms on a rank of a job (zero_stage_forms), as its report's predicted_ twins."""
+    out = zero_stage_forms(job.cfg, forms, job.zero, job.tp, job.ep, job.dp, job.cp, job.schedule, job.pp,
+                           job.microbatches, job.keep_gathered, job.prefetch, job.steps or len(job.batches or ()))
+    return {f"predicted_{key}": value for key, value in out.items()}
+
+
+def zero_stage_forms(cfg, forms, zero, tp=1, ep=1, dp=1, cp=1, schedule="1f1b", pp=1, microbatches=1,
+                     keep_gathered=False, prefetch=True, steps=1):
+    """ZeRO's closed forms on a rank of stage `forms` (a StageForms) of any layout (data_parallel/zero_inventory.py
+    on its stage's units, every weight but the experts' over dp x ep x cp ranks, the experts' over dp x cp): model
+    state, the gathers of every use in the schedule's order (recomputation's included), the reductions, and the
+    gathered peak per phase."""
+    sizes = {False: dp * ep * cp, True: dp * cp}  # the dense and the experts' groups
+    units = stage_units(rank_param_shapes(cfg, forms, tp, ep), forms.layers, forms.first, forms.last, sizes,
+                        is_expert if ep > 1 else None)
     every = [unit for parts in units.values() for unit in parts]
     p, c = BYTES[cfg.dtype_names[2]], BYTES[cfg.dtype]
-    state = unit_state_bytes(every, job.zero, p)
+    state = unit_state_bytes(every, zero, p)
     if not steps:  # AdamW's moments exist from its first step on
         state["optimizer_bytes"] = 0
     by_kind = {phase: {} for phase in PHASES + ("optimizer",)}
-    for phase, kinds in reduce_bytes_by_kind(every, job.zero, p, optimizer=bool(steps)).items():
+    for phase, kinds in reduce_bytes_by_kind(every, zero, p, optimizer=bool(steps)).items():
         by_kind[phase].update(kinds)
     peaks = dict.fromkeys(PHASES, 0)
-    if job.zero == 3:
-        order = actions(job.schedule, job.pp, job.microbatches, forms.stage)
+    if zero == 3:
+        order = actions(schedule, pp, microbatches, forms.stage)
         uses = stage_uses(order, forms.layers, forms.first, forms.last, forms.local_schedule)
         gathered = {key: sum(u.padded * c for u in parts if u.world_size > 1) for key, parts in units.items()}
-        moved, peaks = gather_forms(uses, gathered, job.keep_gathered, job.prefetch)
+        moved, peaks = gather_forms(uses, gathered, keep_gathered, prefetch)
         for phase, nbytes in moved.items():
             by_kind[phase]["all_gather"] = nbytes
     by_kind = {phase: {kind: n for kind, n in kinds.items() if n} for phase, kinds in by_kind.items()}
-    return {**{f"predicted_{key}": value for key, value in state.items()},
-            "predicted_zero_bytes_by_kind": by_kind, "predicted_gathered_peak_bytes": peaks}
+    return {**state, "zero_bytes_by_kind": by_kind, "gathered_peak_bytes": peaks}
