@@ -16,12 +16,17 @@
 #
 # picockpt shards flat units (the embedding, each layer, the head), padded to a multiple of $N_d$, as FSDP1's
 # FlatParameter and DeepSpeed do (`picockpt/parallel/data_parallel/zero_params.py`), and steps the single
-# process's AdamW (`picockpt/train.py`) on each rank's shards. Under stage 3 a layer's parameters exist whole
-# only around their uses: gathered before its forward, freed after, gathered again for its backward, and,
-# if the policy recomputes it, once more for the recompute sweep, unless the sweep keeps them for the
-# backward (`keep_gathered`): one gather fewer per recomputed layer, for holding a whole sweep's layers at
-# once (C of them under `every:C`). torch's FSDP2 gives that saving without a flag, whichever way the
-# checkpoint and the FSDP unit nest; the mechanism differs:
+# process's AdamW (`picockpt/train.py`) on each rank's shards. ZeRO runs inside the one rank step of every
+# layout (`picockpt/parallel/rank.py`; `data_parallel/zero_shards.py` takes the place of the gradient buckets and
+# the whole weights), so it stacks on tensor, pipeline, context and expert parallelism: a rank shards what it
+# holds of its stage (its tensor-parallel slices too) over its data-parallel group, the dp x ep x cp ranks (an
+# expert over the dp x cp ranks that hold it). This lesson runs it over dp alone.
+#
+# Under stage 3 a layer's parameters exist whole only around their uses: gathered before its forward, freed
+# after, gathered again for its backward, and, if the policy recomputes it, once more for the recompute sweep,
+# unless the sweep keeps them for the backward (`keep_gathered`): one gather fewer per recomputed layer, for
+# holding a whole sweep's layers at once (C of them under `every:C`). torch's FSDP2 gives that saving without a
+# flag, whichever way the checkpoint and the FSDP unit nest; the mechanism differs:
 #
 # * **torchtitan's nesting, `fully_shard(checkpoint_wrapper(block))`**: `torchtitan/models/llama3/parallelize.py`
 #   applies activation checkpointing first (`torchtitan/distributed/activation_checkpoint.py` wraps each block in
@@ -57,7 +62,6 @@
 
 # %%
 import multiprocessing
-from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -67,12 +71,10 @@ from _check import check
 from _lesson import choose, large, lesson_args, ranks_device, shape_line, small, spawning_ranks, wrote
 from picockpt import init_params
 from picockpt.measure import make_batch, max_relative_diff
-from picockpt.parallel import run_ranks
-from picockpt.parallel.data_parallel import zero_train
+from picockpt.parallel import ParallelJob, run_jobs, run_ranks
+from picockpt.parallel.training import zero_train
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_inventory import gather_uses, model_state_bytes, zero_paper_bytes
-from picockpt.parallel.data_parallel.zero_params import flat_units
-from picockpt.parallel.data_parallel.zero_step import zero_rank_steps
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
 from picockpt.policy import parse_policy
 from picockpt.train import MarkovTask, make_optimizer, train_step
@@ -101,20 +103,27 @@ def shape(mode):
 # %% [markdown]
 # ## One launch of 2 ranks, every choice
 #
-# Each job runs one training step (forward, backward, AdamW) on the same batch; stage 3 without prefetch, so the
-# gathered bytes alive at once are those of the units in use or kept (stages 1 and 2 gather no parameters).
+# Each job is a `picockpt.parallel.ParallelJob` with `zero=` (the job that takes `tp=`, `pp=`, `cp=`, `ep=` beside
+# it), one training step (forward, backward, AdamW) on the same batch, and `run_jobs` runs them all in one launch;
+# stage 3 without prefetch, so the gathered bytes alive at once are those of the units in use or kept (stages 1 and
+# 2 gather no parameters). A report's `zero_bytes_by_kind` is ZeRO's own traffic (its all-gathers and reductions)
+# per phase; `comm_bytes` stays the layers' own collectives (none here).
 
 # %%
 def measure(cfg, batch, seq, device):
     params = init_params(cfg, seed=0)
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed=0)
     state = torch.manual_seed(0).get_state()
-    jobs = [SimpleNamespace(params=params, cfg=cfg, input_ids=input_ids, targets=targets, policy=policy, zero=stage,
-                            keep_gathered=keep, prefetch=stage != 3, rng_state=state, lr=3e-3, weight_decay=0.0, steps=1)
-            for _, stage, policy, keep in CHOICES]
+    jobs = [ParallelJob(params, cfg, input_ids, targets, policy, dp=DP, zero=stage, keep_gathered=keep,
+                        prefetch=stage != 3, steps=1, rng_state=state) for _, stage, policy, keep in CHOICES]
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
-        results = run_ranks(zero_rank_steps, DP, jobs, device=device.type, start_method=START, timeout_s=300)
-    return {label: [rank[index]["report"] for rank in results] for index, (label, *_) in enumerate(CHOICES)}
+        results = run_jobs(jobs, device=device.type, start_method=START, timeout_s=300)
+    return {label: reports for (label, *_), (_, _, reports) in zip(CHOICES, results)}
+
+
+def moved(report, phase):
+    """Bytes ZeRO's collectives moved on a rank in one phase, every kind together."""
+    return sum(report["zero_bytes_by_kind"][phase].values())
 
 
 # %%
@@ -124,19 +133,20 @@ print(f"lesson 19, ZeRO on {DP} ranks: {shape_line(cfg, batch, seq, args.device)
 reports = measure(cfg, batch, seq, ranks_device(args.device, DP))
 keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_activation_bytes")
 exact = all(r[key] == r[f"predicted_{key.replace('peak_', '')}"] for ranks in reports.values() for r in ranks
-            for key in keys) and all(r["comm_bytes"] == r["predicted_comm_bytes"] and r["gathered_peak_bytes"] ==
-                                     r["predicted_gathered_peak_bytes"] for ranks in reports.values() for r in ranks)
+            for key in keys) and all(r["zero_bytes_by_kind"] == r["predicted_zero_bytes_by_kind"] and
+                                     r["gathered_peak_bytes"] == r["predicted_gathered_peak_bytes"]
+                                     for ranks in reports.values() for r in ranks)
 print(f"\nrank 0, bytes (every one equal to its closed form on both ranks: {exact}):")
 print(f"{'stage, policy':<17}{'params':>10}{'grads':>10}{'optimizer':>11}{'stored peak':>13}{'gathered peak':>15}"
       + "".join(f"{phase:>11}" for phase in PHASES))
 for label, (r, _) in reports.items():
     print(f"{label:<17}{r['param_bytes']:>10,}{r['grad_bytes']:>10,}{r['optimizer_bytes']:>11,}"
           f"{r['peak_activation_bytes']:>13,}{max(r['gathered_peak_bytes'].values()):>15,}"
-          + "".join(f"{r['comm_bytes'][phase]:>11,}" for phase in PHASES))
-layer_bytes = reports["3 full"][0]["comm_bytes_by_kind"]["recompute"]["all_gather"] // cfg.layers
+          + "".join(f"{moved(r, phase):>11,}" for phase in PHASES))
+layer_bytes = reports["3 full"][0]["zero_bytes_by_kind"]["recompute"]["all_gather"] // cfg.layers
 print(f"one layer gathered: {layer_bytes:,} bytes; under full the backward gathers every layer again "
-      f"({reports['3 full'][0]['comm_bytes_by_kind']['backward']['all_gather']:,} bytes), with keep_gathered "
-      f"not at all ({reports['3 full keep'][0]['comm_bytes_by_kind']['backward'].get('all_gather', 0):,})")
+      f"({reports['3 full'][0]['zero_bytes_by_kind']['backward']['all_gather']:,} bytes), with keep_gathered "
+      f"not at all ({reports['3 full keep'][0]['zero_bytes_by_kind']['backward'].get('all_gather', 0):,})")
 
 # %% [markdown]
 # Left: a rank's model state per stage. Right: stage 3's bytes per phase (gathers, and the backward's
@@ -157,7 +167,7 @@ def plot(cfg, batch, seq, reports):
     labels = [label for label, stage, *_ in CHOICES if stage == 3]
     x, bottom = np.arange(len(labels)), np.zeros(len(labels))
     for phase in ("forward", "recompute", "backward"):
-        values = np.array([mib(reports[label][0]["comm_bytes"][phase]) for label in labels])
+        values = np.array([mib(moved(reports[label][0], phase)) for label in labels])
         comm_ax.bar(x, values, 0.6, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
         bottom += values
     peak_ax = comm_ax.twinx()
@@ -210,18 +220,18 @@ def measure_fsdp2(cfg, batch, seq, device):
     return {label: run for (label, _), run in zip(NESTINGS, results[0])}
 
 
-def picockpt_gathers(report, units):
-    """(forward calls, bytes), (recompute + backward calls, bytes) of one of picockpt's ZeRO-3 reports."""
-    kinds, calls = report["comm_bytes_by_kind"], report["comm_calls"]
-    backward_calls = calls["recompute"] + calls["backward"] - units  # less the backward's reduce-scatters
-    return ((calls["forward"], kinds["forward"]["all_gather"]),
-            (backward_calls, kinds["recompute"].get("all_gather", 0) + kinds["backward"].get("all_gather", 0)))
+def picockpt_gathers(report):
+    """(forward calls, bytes), (recompute + backward calls, bytes) of one of picockpt's ZeRO-3 reports' all-gathers
+    (the backward's reduce-scatters left out)."""
+    calls, nbytes = ({phase: table[phase].get("all_gather", 0) for phase in PHASES}
+                     for table in (report["zero_calls_by_kind"], report["zero_bytes_by_kind"]))
+    return ((calls["forward"], nbytes["forward"]),
+            (calls["recompute"] + calls["backward"], nbytes["recompute"] + nbytes["backward"]))
 
 
 fsdp2 = measure_fsdp2(cfg, batch, seq, ranks_device(args.device, DP))
-units = len(flat_units(cfg, DP))  # picockpt's: the embedding, each layer, the head
-gathers = {f"picockpt 3 full{' keep' if keep else ''}": picockpt_gathers(reports[f"3 full{' keep' if keep else ''}"][0],
-                                                                            units) for keep in (False, True)}
+gathers = {f"picockpt 3 full{' keep' if keep else ''}": picockpt_gathers(reports[f"3 full{' keep' if keep else ''}"][0])
+           for keep in (False, True)}
 gathers.update({label: tuple((run[phase]["calls"], run[phase]["bytes"]) for phase in ("forward", "backward"))
                 for label, run in fsdp2.items()})
 print(f"rank 0's all-gathers, {cfg.layers} layers, every one recomputed:")
@@ -243,10 +253,11 @@ print(f"FSDP2's backward gathers, both nestings, equal picockpt's with keep_gath
 # %% [markdown]
 # ## Training with ZeRO is training
 #
-# `zero_train` (`picockpt/parallel/data_parallel/zero_train.py`, and `python -m picockpt train --dp 2 --zero 3`)
-# keeps the same ranks for every step and gives them a new batch each time; each rank steps AdamW on its
-# shards only. Against `picockpt/train.py`'s training in one process, on the same batches from the same
-# weights, only the order of additions differs: each rank sums the gradient over its half of the batch and
+# `zero_train` (`picockpt/parallel/training.py`, and `python -m picockpt train --dp 2 --zero 3`) keeps the same
+# ranks for every step and gives them a new batch each time; each rank steps AdamW on its shards only (any layout
+# beside it: `tp=`, `pp=`, `cp=`, `ep=`; on the command line `--tp`, `--pp`, `--cp`, `--ep`). Against
+# `picockpt/train.py`'s training in one process, on the same batches from the same weights, only the order of
+# additions differs: each rank sums the gradient over its half of the batch and
 # the reduce-scatter adds the two halves, where one process sums every row at once. Three steps at the
 # `--fast` shape, in fp64 and in fp32. In fp32 the parameters can drift further apart than the losses do:
 # AdamW divides each gradient element by the root of its own running square, so an element whose gradient

@@ -33,7 +33,7 @@ def tiny(**fields):
 
 # ---- the API: refused by parameter, before any rank starts ---------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(cp=2, dp=2, zero=1), "cp=2 with zero=1 is not supported yet: context parallelism composes with tp, dp"),
+    (dict(cp=2, zero=1, keep_gathered=True), "keep_gathered=True with zero=1: only stage 3 gathers parameters"),
     (dict(dp=2, zero=1, cp_comm="allgather"), "cp_comm='allgather' without cp: it chooses how context-parallel"),
     (dict(dp=2, zero=1, cp_layout="contiguous", cp_keep_kv=True),
      "cp_layout='contiguous', cp_keep_kv=True without cp: they choose how"),
@@ -41,7 +41,7 @@ def tiny(**fields):
     (dict(dp=2, zero=1, prefetch=False), "prefetch=False with zero=1: only stage 3 gathers parameters"),
     (dict(dp=2, zero=2, prefetch=False), "prefetch=False with zero=2: only stage 3 gathers parameters"),
     (dict(dp=2, zero=3, overlap=False), "overlap=False with zero=3: ZeRO reduces each unit's gradients"),
-    (dict(dp=2, zero=3, trace=True), "trace=True with zero=3: ZeRO's ranks print no engine trace yet"),
+    (dict(cp=2, ep=2, zero=3), "cp=2 with ep=2 is not supported yet: context parallelism composes with tp, dp, zero"),
     (dict(dp=2, timeout_s=True), f"timeout_s=True: {WORKS}"),
     (dict(dp=2, timeout_s=float("inf")), f"timeout_s=inf: {WORKS}"),
     (dict(dp=2, timeout_s=1e-9), f"timeout_s=1e-09: {WORKS}"),
@@ -56,16 +56,16 @@ def test_the_api_refuses_what_a_layout_does_not_use_naming_the_parameter(kwargs,
 
 # ---- the command: the same refusals in flags, one line each --------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
-    (["--zero", "1", "--dp", "2", "--cp", "2", "--attention", "tiled"], "--cp 2 with --zero 1 is not supported yet"),
+    (["--zero", "1", "--cp", "2", "--ep", "2", "--experts", "4", "--attention", "tiled"],
+     "--cp 2 with --ep 2 is not supported yet"),
     (["--zero", "1", "--dp", "2", "--cp-comm", "allgather"], "--cp-comm allgather without --cp: it chooses how"),
     (["--zero", "3", "--dp", "2", "--cp-layout", "contiguous"], "--cp-layout contiguous without --cp: it chooses"),
     (["--zero", "3", "--dp", "2", "--cp-keep-kv"], "--cp-keep-kv without --cp: it chooses how context-parallel"),
-    (["--zero", "3", "--dp", "2", "--trace"], "--trace with --zero 3: ZeRO's ranks print no engine trace yet; leave "
-                                              "--trace out"),
+    (["--zero", "3", "--tp", "2"], "--zero without --dp D, --ep N or --cp N (more than one rank in dp x ep x cp)"),
     (["--zero", "3", "--dp", "2", "--no-overlap"], "--no-overlap with --zero 3: ZeRO reduces each unit's gradients"),
-    (["--zero", "3", "--dp", "2", "--tp", "2"], "--zero 3 with --tp 2 is not supported yet"),
-    (["--zero", "3", "--dp", "2", "--microbatches", "2"], "--zero 3 with --microbatches 2 is not supported yet"),
-    (["--zero", "2", "--dp", "2", "--ep", "2", "--experts", "4"], "--zero 2 with --ep 2 is not supported yet"),
+    (["--zero", "3", "--dp", "2", "--tp", "2", "--dtype", "bf16"],
+     "--zero 3 with --dtype bfloat16 (mixed precision) is not supported yet"),
+    (["--zero", "2", "--dp", "2", "--pp", "2", "--keep-gathered"], "--keep-gathered without --zero 3"),
     (["--cp", "2", "--attention", "tiled", "--cp-comm", "allgather", "--cp-keep-kv", "--pp", "2", "--microbatches",
       "2"], "--cp-keep-kv with --pp 2, --microbatches 2, --tp 1 is not supported yet"),
     (["--cp", "2"], "--attention eager under context parallelism"),

@@ -1,15 +1,18 @@
-"""python -m picockpt parallel: one tensor-parallel step (optionally sequence parallel), measured per rank.
+"""python -m picockpt parallel: one step of a parallel layout (tensor parallel alone by default), measured per rank.
 
-Spawns --tp ranks on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per rank), or runs as one of
-torchrun's processes, and prints per rank: the activation store's peak and its closed form, the
+Spawns dp x pp x ep x cp x tp ranks on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per rank), or runs as one
+of torchrun's processes, and prints per rank: the activation store's peak and its closed form, the
 peak of live bytes, the bytes its collectives moved in each phase (with their closed form), and
 its FLOPs by phase; then the loss, and how far the gradients are from the single-process engine's.
+--zero S stacks on any of them: the same step with the model state sharded over the dp x ep x cp ranks
+and one AdamW step on the shards, ZeRO's own table below the layout's (parallel_zero.py).
 
     python -m picockpt parallel --tp 2 --sp --policy selective
     python -m picockpt parallel --tp 2 --policy full --distribute-saved --json
     torchrun --nproc-per-node 2 -m picockpt parallel --tp 2
     python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched   # expert parallel
     python -m picockpt parallel --dp 2 --zero 3 --policy full --keep-gathered        # ZeRO-3
+    python -m picockpt parallel --dp 2 --zero 2 --tp 2 --pp 2 --microbatches 2       # ZeRO-2 on 8 ranks
     python -m picockpt parallel --cp 2 --attention tiled --policy full                # context parallel
 """
 from .common import add_run_args, add_shape_args, fmt_bytes, fmt_flops
@@ -17,7 +20,6 @@ from .common import rank_columns, table
 from ..parallel.launch import check_timeout
 from .parallel_cp import run_context
 from .parallel_ep import run_expert
-from .parallel_zero import run_zero
 from .parallel_run import measured_step, one_line_errors, prepared, printed
 
 def add_arguments(parser):
@@ -35,8 +37,7 @@ def add_arguments(parser):
                         "86400 (default 120)")
     parser.add_argument("--port", type=int, help="spawned ranks: the 127.0.0.1 port to meet on (default: a free one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--trace", action="store_true", help="print every rank's engine events, prefixed by rank "
-                        "(not with --zero)")
+    parser.add_argument("--trace", action="store_true", help="print every rank's engine events, prefixed by rank")
     parser.add_argument("--verbose", action="store_true", help="a rank's failure with every failed rank's traceback "
                         "below it (without: one line, naming the rank and its last frame)")
     pipeline = parser.add_argument_group("pipeline and data parallelism (dp x pp x tp ranks)")
@@ -50,8 +51,9 @@ def add_arguments(parser):
                           "recomputes that micro-batch's top segment meanwhile")
     pipeline.add_argument("--no-overlap", action="store_true", help="data parallel: all-reduce the gradients after "
                           "the backward instead of each layer's as soon as it is final")
-    pipeline.add_argument("--zero", type=int, default=0, choices=(1, 2, 3), help="ZeRO over the --dp ranks: 1 shards "
-                          "the AdamW state, 2 also the gradients, 3 also the parameters (gathered around each use)")
+    pipeline.add_argument("--zero", type=int, default=0, choices=(1, 2, 3), help="ZeRO over the data-parallel ranks "
+                          "(dp x ep x cp of them; beside --tp, --pp, --microbatches too): 1 shards the AdamW state, "
+                          "2 also the gradients, 3 also the parameters (gathered around each use); one AdamW step")
     pipeline.add_argument("--keep-gathered", action="store_true", help="--zero 3: a recomputed layer's gathered "
                           "parameters are kept from its recompute through its backward (one gather fewer)")
     pipeline.add_argument("--no-prefetch", action="store_true", help="--zero 3: gather each use's parameters only "
@@ -88,7 +90,9 @@ def check_flags(args):
             ("--recompute-early", args.recompute_early, args.pp > 1, "--pp P (P > 1)", "a pipeline stage's waits"),
             ("--no-overlap", args.no_overlap, args.dp * args.ep * args.cp > 1, "--dp D (D > 1) or --ep/--cp N (N > 1)",
              "a data-parallel all-reduce"),  # under --zero the job refuses it
-            ("--zero", args.zero, args.dp > 1, "--dp D (D > 1)", "how the data-parallel ranks shard the model state"),
+            ("--zero", args.zero, args.dp * args.ep * args.cp > 1, "--dp D, --ep N or --cp N (more than one rank "
+             "in dp x ep x cp)", "how the model state is sharded over the data-parallel ranks (ZeRO shards over "
+             "dp x ep x cp of them)"),
             ("--keep-gathered", args.keep_gathered, args.zero == 3, "--zero 3", "when ZeRO-3 gathers parameters"),
             ("--no-prefetch", args.no_prefetch, args.zero == 3, "--zero 3", "when ZeRO-3 gathers parameters")):
         if given and not needs:
@@ -111,9 +115,7 @@ def run(args):
 
 
 def run_layout(args):
-    check_flags(args)
-    if args.zero:
-        return run_zero(args)  # picockpt/cli/parallel_zero.py
+    check_flags(args)  # --zero goes with whichever layout runs: ZeRO's table follows its own (parallel_run.printed)
     if args.cp != 1 or args.cp_keep_kv or args.cp_layout != "zigzag" or args.cp_comm != "ring":
         return run_context(args)  # picockpt/cli/parallel_cp.py
     if args.ep != 1 or args.keep_dispatched:
@@ -180,7 +182,7 @@ def _print_pipeline(row):
     bubbles = [r["bubble"] for r in row["ranks"]]
     print(f"bubble (1 - computing / step time) per rank: {', '.join(f'{b:.0%}' for b in bubbles)}; "
           f"(P - 1) / (M + P - 1) = {row['ranks'][0]['predicted_bubble']:.0%} for equal stages")
-    if row["dp"] > 1:
+    if row["dp"] > 1 and not row["zero"]:  # ZeRO reduces each unit as it is final, blocking: its table follows
         exposed = max(r["timeline_seconds"]["reduce"] for r in row["ranks"])
         print(f"data-parallel all-reduce left exposed at the end of the step: {exposed * 1e3:.1f} ms "
               f"({'overlapped with the backward' if row['overlap'] else 'after the backward, not overlapped'})")

@@ -17,6 +17,7 @@ from ..parallel import RankError, loss_and_grads, under_torchrun
 from ..parallel.watch import Terminated, sigterm_raises
 from ..policy import parse_policy
 from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff
+from .parallel_zero import print_zero
 
 LAYOUT = ("tp", "sp", "distribute_saved", "pp", "microbatches", "schedule", "recompute_early", "dp", "overlap", "ep",
           "keep_dispatched", "cp", "cp_layout", "cp_comm", "cp_keep_kv", "zero", "keep_gathered", "prefetch")
@@ -87,7 +88,8 @@ def measured_step(args, cfg, policy, device):
 def printed(args, cfg, policy, device, row, measured, print_table, ranks=None):
     """The command's row: every layout's keys (the same in every layout, each with the value that ran) and the
     model's, then `row`'s own, completed by the step's outcome (the loss, the single process's, the gradients'
-    largest relative difference, the ranks' reports, or `ranks`): one JSON object with --json, else the table."""
+    largest relative difference, the ranks' reports, or `ranks`): one JSON object with --json, else the table
+    (and under --zero ZeRO's table below it)."""
     loss, reports, single_loss, worst, _, _ = measured
     row = {**layout_of(args), "policy": policy.text, "device": str(device), "dtype": cfg.dtype,
            "attention": cfg.attention, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
@@ -99,6 +101,8 @@ def printed(args, cfg, policy, device, row, measured, print_table, ranks=None):
         print(json.dumps(row, indent=1))
     else:
         print_table(row)
+        if row["zero"]:  # under any layout's table, ZeRO's own (parallel_zero.py)
+            print_zero(row)
 
 
 def rank_failure(error, verbose=False):

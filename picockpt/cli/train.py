@@ -2,12 +2,14 @@
 
     python -m picockpt train --preset tiny --steps 50 --policy full
     python -m picockpt train --preset tiny --steps 50 --policy full --dp 2 --zero 3 --keep-gathered
+    python -m picockpt train --preset tiny --steps 50 --policy full --dp 2 --zero 2 --tp 2 --pp 2   # 8 ranks
 
-With --dp and --zero the same batches (the same seed draws the same MarkovTask streams and the same initial
-weights) train on D data-parallel ranks (picockpt/parallel/data_parallel/zero_train.py): each rank computes
-batch/D of every step's sequences and steps AdamW on its shards only. The losses are printed once the ranks
-are done, then each rank's model state, stored and gathered peaks and bytes moved in the last step, beside
-their closed forms.
+With --zero the same batches (the same seed draws the same MarkovTask streams and the same initial weights)
+train on ZeRO ranks (picockpt/parallel/training.py: zero_train): each of the D data-parallel ranks computes
+batch/D of every step's sequences, and every rank steps AdamW on its shards only. ZeRO stacks on the other
+layouts (--tp, --sp, --pp, --microbatches, --cp, --ep: dp x tp x pp x cp x ep ranks in all) and shards over
+the dp x ep x cp of them. The losses are printed once the ranks are done, then each rank's model state,
+stored and gathered peaks and bytes moved in the last step, beside their closed forms.
 """
 import math
 import os
@@ -18,8 +20,8 @@ from ..fit import check_fits
 from ..hardware import H200_SXM_BF16
 from ..params import init_params
 from ..parallel import RankError, under_torchrun
-from ..parallel.data_parallel import zero_train
-from ..parallel.data_parallel.zero_step import check_zero
+from ..parallel.training import zero_train
+from ..parallel.data_parallel.zero_check import check_zero
 from ..parallel.launch import check_rank_count
 from ..policy import parse_policy
 from ..train import MarkovTask, train
@@ -47,14 +49,28 @@ def add_arguments(parser):
                              "on CPU none (give your CPU's peak to see them)")
     zero = parser.add_argument_group("ZeRO data parallelism (spawned ranks: gloo on the CPU, NCCL with a GPU each; "
                                      "or torchrun's)")
-    zero.add_argument("--dp", type=int, help="data-parallel ranks D (2 or more; needs --zero): each trains on "
-                      "batch/D of every step's sequences, the same batches as without --dp")
-    zero.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage over the --dp ranks: 1 shards the "
-                      "AdamW state, 2 also the gradients, 3 also the parameters (all-gathered around each use)")
+    zero.add_argument("--dp", type=int, help="data-parallel ranks D (needs --zero; 2 or more, or 1 beside --ep or "
+                      "--cp): each trains on batch/D of every step's sequences, the same batches as without --dp")
+    zero.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage over the data-parallel ranks "
+                      "(--dp x --ep x --cp of them): 1 shards the AdamW state, 2 also the gradients, 3 also the "
+                      "parameters (all-gathered around each use)")
     zero.add_argument("--keep-gathered", action="store_true", help="--zero 3: a recomputed layer's gathered "
                       "parameters stay from its recompute through its backward (one gather fewer per layer)")
     zero.add_argument("--no-prefetch", action="store_true", help="--zero 3: gather each use's parameters only when "
                       "it starts, not while the use before computes")
+    layouts = parser.add_argument_group("layouts beside ZeRO (need --zero; picockpt/parallel/, as in `picockpt "
+                                        "parallel`; dp x tp x pp x cp x ep ranks in all)")
+    layouts.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1); with --sp, sequence "
+                         "parallel too")
+    layouts.add_argument("--sp", action="store_true", help="--tp N: sequence parallelism (norms, residual adds and "
+                         "dropout on T/N tokens per rank)")
+    layouts.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); layers split over them")
+    layouts.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (default 1, 1F1B); "
+                         "--batch a multiple of dp x microbatches")
+    layouts.add_argument("--cp", type=int, default=1, help="context-parallel ranks (default 1; tiled or fused "
+                         "attention): each holds 1/cp of every sequence's tokens; ZeRO shards over them too")
+    layouts.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1; needs --experts): "
+                         "each holds experts/ep experts; ZeRO shards every other weight over them too")
     zero.add_argument("--verbose", action="store_true", help="--dp/--zero: a rank's failure with every failed rank's "
                       "traceback below it (without: one line, naming the rank and its last frame)")
 
@@ -85,7 +101,8 @@ def train_command(args):
         CUDA_PEAK_TFLOPS if device.type == "cuda" else None  # a CPU has no datasheet peak: no MFU/HFU unless given
     check_fits(cfg, device, args.batch, args.seq, policy)
     task = MarkovTask(cfg.vocab, seed=args.seed)
-    over = f" over {args.dp} ZeRO-{args.zero} ranks" if zero else ""
+    words = layout_words(args) if zero else ""
+    over = f" over {world_size(args)} ZeRO-{args.zero} ranks{' = ' + words if words else ''}" if zero else ""
     print(f"training {cfg.num_params():,} parameters on {device}{over} ({cfg.dtype}), policy {policy.text}, "
           f"batch {args.batch} x {args.seq} tokens; loss starts near ln(vocab) = "
           f"{math.log(cfg.vocab):.3f}, the task's floor is ln({task.branching}) = {task.loss_floor:.3f}")
@@ -100,13 +117,38 @@ def train_command(args):
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")
 
 
+LAYOUTS = (("--tp", "tp"), ("--pp", "pp"), ("--microbatches", "microbatches"), ("--cp", "cp"), ("--ep", "ep"))
+
+
+def world_size(args):
+    """Every rank of the layout: dp x tp x pp x cp x ep (--dp left out: 1)."""
+    return (args.dp or 1) * args.tp * args.pp * args.cp * args.ep
+
+
+def layout_words(args):
+    """'dp 2 x tp 2, 2 micro-batches, sequence parallel' for a layout other than --dp alone, else ''."""
+    sizes = [f"{name} {value}" for name, value in (("dp", args.dp or 1), ("tp", args.tp), ("pp", args.pp),
+                                                   ("cp", args.cp), ("ep", args.ep)) if value > 1]
+    extra = [f"{args.microbatches} micro-batches"] * (args.microbatches > 1) + ["sequence parallel"] * args.sp
+    if not extra and [size.split()[0] for size in sizes] in (["dp"], []):
+        return ""  # --dp alone: said by the count of ranks
+    return ", ".join([" x ".join(sizes)] + extra)
+
+
 def check_zero_flags(args, cfg):
-    """True with --dp and --zero; a ValueError for a ZeRO flag without them, or one the ZeRO ranks ignore."""
+    """True with --zero (and --dp, --ep or --cp); a ValueError for a ZeRO or layout flag without it, or one the ZeRO
+    ranks ignore."""
+    layouts = [f"{flag} {getattr(args, name)}" for flag, name in LAYOUTS if getattr(args, name) != 1]
+    layouts += ["--sp"] if args.sp else []
     if args.dp is None and args.zero is None:
         for flag, given in (("--keep-gathered", args.keep_gathered), ("--no-prefetch", args.no_prefetch)):
             if given:
                 raise ValueError(f"{flag} without --zero 3 (and --dp D): it changes when ZeRO-3 gathers parameters, "
                                  f"and there is none here; add --dp 2 --zero 3, or leave {flag} out")
+        if layouts:
+            raise ValueError(f"{layouts[0]} without --zero: the parallel layouts train on ZeRO ranks here (one "
+                             f"process trains without them); add --dp 2 --zero 1, or leave {layouts[0].split()[0]} "
+                             f"out")
         if args.verbose:
             raise ValueError("--verbose without --dp/--zero: it adds a failed rank's traceback, and one process "
                              "trains here (its own errors say where); add --dp 2 --zero 1, or leave --verbose out")
@@ -115,9 +157,20 @@ def check_zero_flags(args, cfg):
         raise ValueError(f"--dp {args.dp} without --zero: plain data-parallel training is not built; --zero 1 holds "
                          f"what plain data parallelism holds (whole parameters and gradients on every rank) with "
                          f"the AdamW state sharded; add --zero 1, 2 or 3")
-    if args.dp is None or args.dp < 2:
+    for flag, name in (("--dp", "dp"),) + LAYOUTS:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: give a whole number of ranks (micro-batches for --microbatches), "
+                             f"1 or more")
+    dp = args.dp or 1
+    shard = dp * args.ep * args.cp  # the ranks ZeRO shards every weight but the experts' over
+    if shard < 2:
         raise ValueError(f"--zero {args.zero} {'without --dp' if args.dp is None else f'with --dp {args.dp}'}: ZeRO "
-                         f"shards the model state over data-parallel ranks; add --dp D with D >= 2")
+                         f"shards the model state over data-parallel ranks (dp x ep x cp of them), and here there "
+                         f"is one; add --dp D with D >= 2 (or --ep N, --cp N beside it)")
+    if args.sp and args.tp == 1:
+        raise ValueError("--sp with a tensor-parallel size of 1 (--tp 1): it splits a tensor-parallel rank's "
+                         "tokens, and there is none here; add --tp N (N > 1), or leave --sp out")
     for flag, given in (("--keep-gathered", args.keep_gathered), ("--no-prefetch", args.no_prefetch)):
         if given and args.zero != 3:
             raise ValueError(f"{flag} with --zero {args.zero}: only stage 3 gathers parameters; use --zero 3, or "
@@ -128,22 +181,31 @@ def check_zero_flags(args, cfg):
                               "MFU or HFU")):
         if given:
             raise ValueError(f"{flag} with --dp/--zero: {why}; leave {flag} out, or train without --dp")
-    check_zero(args.zero, args.dp, cfg, args.batch, args.keep_gathered, not args.no_prefetch)  # bf16, fp16 too
-    check_rank_count("--dp", args.dp, rank_device(args))  # CUDA: a GPU per rank; torchrun: WORLD_SIZE processes
+    rows = dp * args.microbatches  # micro-batches of the whole batch: each data-parallel rank's, one after another
+    if shard != dp and args.batch % rows:  # ZeRO's own check counts whole sequences per rank of dp alone
+        raise ValueError(f"--batch {args.batch} is not divisible into --dp x --microbatches = {dp} x "
+                         f"{args.microbatches} = {rows} micro-batches of equal size; use a batch that is a multiple "
+                         f"of {rows}")
+    check_zero(args.zero, shard, cfg, args.batch * shard // dp, args.keep_gathered, not args.no_prefetch)  # bf16 too
+    sizes = [flag for flag, value in (("--dp", dp), ("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp),
+                                      ("--ep", args.ep)) if value > 1]
+    check_rank_count(" x ".join(sizes), world_size(args), rank_device(args))  # CUDA: a GPU per rank; torchrun's
     policy = parse_policy(args.policy, cfg).refuse_offload("ZeRO training")
-    policy.schedule(cfg, args.batch // args.dp, args.seq)  # a budget too small for a rank's rows
+    if world_size(args) == dp and args.microbatches == 1:  # dp alone: a rank's rows; other layouts: the job plans
+        policy.schedule(cfg, args.batch // dp, args.seq)  # a budget too small for a rank's rows
     return True
 
 
 def train_with_zero(args, cfg, task, params, policy, device):
-    """The single process's batches and weights on --dp ZeRO ranks: the losses (printed per --log-every, once
+    """The single process's batches and weights on the ZeRO ranks: the losses (printed per --log-every, once
     the ranks are done) and each rank's report of the last step; None in torchrun's processes but rank 0."""
     batches = [task.batch(args.batch, args.seq, device) for _ in range(args.steps)]  # train()'s draws, in order
     torch.manual_seed(args.seed)  # the dropout masks: train()'s generator state
+    layout = dict(tp=args.tp, sp=args.sp, pp=args.pp, microbatches=args.microbatches, cp=args.cp, ep=args.ep)
     try:
-        losses, _, ranks = zero_train(params, cfg, batches, policy.text, args.dp, args.zero, args.lr,
+        losses, _, ranks = zero_train(params, cfg, batches, policy.text, args.dp or 1, args.zero, args.lr,
                                       keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch,
-                                      device=device.type)
+                                      device=device.type, **layout)
     except RankError as error:
         raise ValueError(rank_failure(error, args.verbose)) from None
     if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process trained; one prints
@@ -151,9 +213,12 @@ def train_with_zero(args, cfg, task, params, policy, device):
     tokens = args.batch * args.seq
     for step, loss in enumerate(losses):
         if step % args.log_every == 0 or step == args.steps - 1:
-            seconds = max(r["step_seconds"][step] for r in ranks)  # the slowest rank's
+            seconds = max(r["seconds_per_step"][step] for r in ranks)  # the slowest rank's
             print(f"step {step:4d}  loss {loss:7.4f}  {tokens / seconds:10,.0f} tokens/s")
-    print(f"ZeRO stage {args.zero} over {args.dp} ranks ({args.batch // args.dp} sequences each), each rank after "
-          f"the last step:")
+    dp = args.dp or 1
+    shard = dp * args.ep * args.cp
+    words = layout_words(args)
+    print(f"ZeRO stage {args.zero} over {shard} ranks{'' if shard == dp else ' (dp x ep x cp)'} ({args.batch // dp} "
+          f"sequences per data-parallel rank){', layout ' + words if words else ''}; each rank after the last step:")
     print_ranks(ranks)
     return losses

@@ -5,7 +5,8 @@ WORKS = "zero 1, 2 or 3 over 2 or more ranks (dp x ep x cp), fp32 or fp64, untie
 
 
 def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
-    """zero's own values; dp: the ranks the weights are sharded over (dp x ep x cp); batch: the whole batch."""
+    """zero's own values; dp: the ranks the weights are sharded over (dp x ep x cp); batch: the whole batch, each
+    rank's share of it whole sequences (None: the caller's layout checks how the batch splits)."""
     if isinstance(zero, bool) or zero not in STAGES:
         raise ValueError(f"zero={zero!r}: ZeRO's stages are 1 (optimizer state sharded), 2 (and gradients) and "
                          f"3 (and parameters); use one of them, or leave zero out for plain data parallelism")
@@ -19,7 +20,7 @@ def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
         if refused and zero != 3:
             raise ValueError(f"{name} with zero={zero}: only stage 3 gathers parameters (stages 1 and 2 hold them "
                              f"whole); use zero=3, or leave {name.split('=')[0]} out")
-    if batch % dp:
+    if batch is not None and batch % dp:
         raise ValueError(f"batch={batch} is not divisible by dp={dp}: each rank computes batch/dp whole sequences; use "
                          f"a batch that is a multiple of {dp}")
     unsupported = [(cfg.dtype not in ("float32", "float64"), f"dtype={cfg.dtype!r} (mixed precision)"),
@@ -41,8 +42,7 @@ def check_zero_job(job):
                              f"are final, always (plain data parallelism's buckets are what overlap switches); leave "
                              f"overlap out")
         shard_ranks = job.dp * job.ep * job.cp  # the group every weight but the experts' is sharded over
-        check_zero(job.zero, shard_ranks, job.cfg, job.input_ids.shape[0] * shard_ranks // job.dp,
-                   job.keep_gathered, job.prefetch)
+        check_zero(job.zero, shard_ranks, job.cfg, None, job.keep_gathered, job.prefetch)  # rows: job.py's check
         if steps > 1 and job.pp > 1 and job.cfg.draws_random:
             raise ValueError(f"{steps} steps with pp={job.pp} and dropout: the next step's first stage would need the "
                              f"generator state the last stage ends with; train with pp=1, or dropout=0")
