@@ -3,7 +3,7 @@
 (with and without the kept K/V), tiled and fused attention, and cp = 2 beside tp = 2, dp = 2 and pp = 2; every
 policy bitwise equal to `none` within a layout and variant; every rank's stored peak, communication bytes per
 phase, gradient reduction and FLOPs equal to their closed forms (picockpt/parallel/context_parallel/
-cp_inventory.py, through picockpt/parallel/forms.py); zigzag's attention balanced, contiguous's not.
+cp_inventory.py, through picockpt/parallel/predictions.py); zigzag's attention balanced, contiguous's not.
 
 One launch per world size (2 ranks: cp = 2, the whole matrix; 4 ranks: cp = 4 and cp = 2 with tp, dp or pp),
 every job in turn.

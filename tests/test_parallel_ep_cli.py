@@ -163,4 +163,4 @@ def test_parallel_command_refuses_a_split_that_cannot_be(capsys):
     assert capsys.readouterr().err == "error: --ep 3 does not divide --experts 4: each rank holds E/ep whole " \
                                       "experts; use --ep in [1, 2, 4]\n"
     assert main(["parallel", "--ep", "2", "--experts", "4", "--sp", "--preset", "tiny", "--device", "cpu"]) == 2
-    assert re.match(r"error: --sp with --ep 2: sequence parallelism", capsys.readouterr().err)
+    assert re.match(r"error: --sp with --ep 2 and no --tp: sequence parallelism", capsys.readouterr().err)

@@ -114,7 +114,7 @@ def test_context_parallel_per_rank_is_cp_inventorys(capsys):
 
 def test_context_parallel_beside_tensor_parallel_is_a_tp_rank_on_t_over_cp_tokens(capsys):
     """--cp 16 --tp 8 --sp (Llama 3 405B at 128K tokens): a rank's store is a tensor-parallel rank's on T/cp
-    tokens, the form the composed step's tp x cp ranks are measured against (parallel/forms.py: StageForms
+    tokens, the form the composed step's tp x cp ranks are measured against (parallel/predictions.py: StageForms
     at T/cp, tests/test_parallel_cp.py), and its communication the ring's K/V of KV/t heads plus tp's."""
     from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
     from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes

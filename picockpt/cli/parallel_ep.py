@@ -14,7 +14,7 @@ the loss, and how far the gradients are from the single-process engine's.
 """
 import torch
 
-from ..parallel.forms import predicted
+from ..parallel.predictions import predicted
 from ..parallel.job import ParallelJob
 from ..routing import step_routing
 from .common import fmt_bytes, rank_columns, table
@@ -22,9 +22,10 @@ from .parallel_run import layout_of, measured_step, prepared, printed
 
 def run_expert(args):
     """--ep N (and --keep-dispatched): the expert-parallel step and its report."""
-    if args.sp:
-        raise ValueError(f"--sp with --ep {args.ep}: sequence parallelism splits a tensor-parallel rank's tokens, and "
-                         f"expert parallelism here has no tensor parallelism; leave --sp out")
+    if args.sp and args.tp == 1:
+        raise ValueError(f"--sp with --ep {args.ep} and no --tp: sequence parallelism splits a tensor-parallel rank's "
+                         f"tokens, and there are none here; add --tp 2 (each expert split over tp too), or leave --sp "
+                         f"out")
     cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
     measured = measured_step(args, cfg, policy, device)
     if measured is None:
@@ -46,7 +47,8 @@ def run_expert(args):
 
 def _print_table(row):
     choice = "keeping the dispatched rows" if row["keep_dispatched"] else "dispatching again to recompute"
-    beside = "".join(f", {key}={row[key]}" for key in ("dp", "pp", "microbatches") if row[key] > 1)
+    beside = "".join(f", {key}={row[key]}" for key in ("tp", "dp", "pp", "microbatches") if row[key] > 1)
+    beside += ", sequence parallel" if row["sp"] else ""
     print(f"expert parallel ep={row['ep']}{beside}, {choice}, policy {row['policy']} on {row['device']}, "
           f"{row['dtype']}: L={row['layers']} h={row['hidden']} E={row['experts']} k={row['experts_per_token']} "
           f"f={row['ffn']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")

@@ -5,7 +5,8 @@
     python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --recompute full
 
 --zero N --dp D: one GPU's parameters, gradients and AdamW state under ZeRO stage N over D data-parallel
-ranks (beside --tp, --cp and --pp: the busiest stage's rank, its tp slices sharded over D x C ranks), twice: as the ZeRO paper counts them (zero_inventory.zero_paper_parts: fp16 parameters and
+ranks (beside --tp, --cp and --pp: the busiest stage's rank, its tp slices sharded over D x C ranks), twice:
+as the ZeRO paper counts them (zero_inventory.zero_paper_parts: fp16 parameters and
 gradients, K = 12 bytes of Adam state per parameter) and as picockpt holds them (model_state_bytes: fp32
 parameters and gradients, AdamW's two fp32 moments, flat units padded to a multiple of D), beside the
 activations of one rank's micro-batch (--batch sequences per rank: data parallelism does not split them)
@@ -28,7 +29,7 @@ from ..formulas import GIB
 from ..parallel.context_parallel.cp_inventory import cp_peak_bytes, stage_comm_bytes
 from ..parallel.context_parallel.cp_check import check_context_parallel
 from ..parallel.data_parallel.zero_inventory import zero_paper_parts
-from ..parallel.forms import rank_param_shapes, zero_stage_forms
+from ..parallel.predictions import rank_param_shapes, zero_stage_forms
 from ..parallel.pipeline_parallel.pp_inventory import StageForms
 from ..parallel.tensor_parallel.tp_inventory import rank_peak_bytes
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
@@ -168,25 +169,26 @@ def zero_row(cfg, batch, seq, policy, stage, dp, tp=1, sp=False, cp=1, pp=1, mic
     """One GPU under ZeRO `stage` over dp x cp ranks (beside tp, cp and pp: a rank of each stage, its tp slices of
     the stage's weights on its seq/cp tokens), `batch` sequences per rank: the paper's and picockpt's model state by
     part, picockpt's activations and (stage 3) gathered parameters and their gathers per phase (recomputation's
-    included: parallel/forms.py's zero_stage_forms), their totals; the busiest stage's, and under pp every one's."""
+    included: parallel/predictions.py's zero_stage_forms), their totals; the busiest stage's, and under pp every
+    one's."""
     M, n = microbatches or pp, seq // cp
     rows = []
     for s in range(pp):
-        forms = StageForms(cfg, batch, n, policy, pp, M, "1f1b", s, 1, tp, sp, distribute_saved)
-        own = zero_stage_forms(cfg, forms, stage, tp, 1, dp, cp, "1f1b", pp, M)
+        stage_forms = StageForms(cfg, batch, n, policy, pp, M, "1f1b", s, 1, tp, sp, distribute_saved)
+        own = zero_stage_forms(cfg, stage_forms, stage, tp, 1, dp, cp, "1f1b", pp, M)
         state = {key: own[key] for key in STATE}
-        psi = sum(math.prod(shape) for shape in rank_param_shapes(cfg, forms, tp).values())  # this rank's
+        psi = sum(math.prod(shape) for shape in rank_param_shapes(cfg, stage_forms, tp).values())  # this rank's
         paper = zero_paper_parts(psi, stage, K=12, N_d=dp * cp)
         gathered = max(own["gathered_peak_bytes"].values())
-        by_stage = {z: sum(zero_stage_forms(cfg, forms, max(z, 1), tp, 1, dp if z else 1, cp if z else 1, "1f1b",
+        by_stage = {z: sum(zero_stage_forms(cfg, stage_forms, max(z, 1), tp, 1, dp if z else 1, cp if z else 1, "1f1b",
                                             pp, M)[key] for key in STATE) for z in (0, 1, 2, 3)}  # 0: one rank whole
         rows.append({"pipeline_stage": s, "parameters": psi, "paper": paper,
                      "paper_model_state_bytes": sum(paper.values()), "picockpt": state,
                      "picockpt_model_state_bytes": sum(state.values()), "picockpt_gathered_bytes": gathered,
                      "picockpt_gathered_by_phase": {phase: kinds.get("all_gather", 0) for phase, kinds in
                                                     own["zero_bytes_by_kind"].items() if phase != "optimizer"},
-                     "picockpt_activation_bytes": forms.peak_bytes,
-                     "picockpt_total_bytes": sum(state.values()) + gathered + forms.peak_bytes,
+                     "picockpt_activation_bytes": stage_forms.peak_bytes,
+                     "picockpt_total_bytes": sum(state.values()) + gathered + stage_forms.peak_bytes,
                      "picockpt_model_state_by_stage": by_stage})
     busiest = max(rows, key=lambda row: row["picockpt_total_bytes"])
     return {"stage": stage, "dp": dp, "tp": tp, "sp": sp, "cp": cp, "pp": pp, "microbatches": M, "policy": policy,
@@ -246,7 +248,7 @@ def print_parallel(row):
         beside = "".join(f", {name} {z[name]}" for name in ("tp", "pp") if z[name] > 1)
         busiest = f" (stage {z['pipeline_stage']} of {z['pp']}, the busiest)" if z["pp"] > 1 else ""
         print(f"ZeRO stage {stage} over {over} data-parallel ranks{beside}, model state per GPU{busiest} of "
-              f"Psi = {z['parameters']:,} parameters held (parallel/forms.py: zero_stage_forms):")
+              f"Psi = {z['parameters']:,} parameters held (parallel/predictions.py: zero_stage_forms):")
         print(f"  {'':<26}{'ZeRO paper: fp16 + K=12 Adam':>30}{'picockpt: fp32, AdamW':>26}")
         names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optimizer_bytes": "optimizer state"}
         for key, name in names.items():
@@ -264,14 +266,15 @@ def print_parallel(row):
                   f", activations {_gib(other['picockpt_activation_bytes'])}, total "
                   f"{_gib(other['picockpt_total_bytes'])}")
         if z["pp"] > 1 or z["cp"] > 1:  # a stage's micro-batches in flight, or a rank's tokens: picockpt's alone
-            print(f"  activations of one rank (picockpt's store, {z['policy']}): {_gib(z['picockpt_activation_bytes'])}")
+            print(f"  activations of one rank (picockpt's store, {z['policy']}): "
+                  f"{_gib(z['picockpt_activation_bytes'])}")
         else:
             print(f"  activations of one rank's micro-batch (picockpt's store, {z['policy']}): "
                   f"{_gib(z['picockpt_activation_bytes'])}; Korthikanti's: {_gib(row['activation_bytes'])}")
         total = z["picockpt_total_bytes"]
+        theirs = z["paper_model_state_bytes"] + row["activation_bytes"]
         published = "" if z["pp"] > 1 or z["cp"] > 1 else \
-            f"; the paper's state + Korthikanti's activations {_gib(z['paper_model_state_bytes'] + row['activation_bytes'])}" \
-            f" ({_verdict(z['paper_model_state_bytes'] + row['activation_bytes'], capacity)})"
+            f"; the paper's state + Korthikanti's activations {_gib(theirs)} ({_verdict(theirs, capacity)})"
         print(f"  total per GPU: picockpt {_gib(total)} ({_verdict(total, capacity)} in {_gib(capacity)}){published}; "
               f"working memory not counted")
     if "cp" in row:

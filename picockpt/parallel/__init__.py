@@ -13,7 +13,7 @@ Read step.py first (loss_and_grads: how the layouts wrap the one engine). Shared
     comm.py       the counting base: Comm, its log of bytes per phase, the counted collectives
     job.py        the caller's side: the job, its checks, what the ranks are sent, their generator
     rank.py       one rank's step, for any layout: its stage's micro-batches, each the engine's loop
-    forms.py      the closed forms beside every rank's measurements
+    predictions.py the closed forms beside every rank's measurements
     rng.py        random draws equal to the single process's: drawn whole, each rank keeps its slice
     launch.py     where the processes come from (torchrun's, or spawned on 127.0.0.1); watch.py: how a failure ends them
     timeline.py   what each rank did when, for Gantt figures

@@ -112,7 +112,7 @@ def checked_job(job, device, world_size):
                              f"router_jitter=0 or one micro-batch on one replica")
     for stage, layers in enumerate(stage_layers(cfg.layers, job.pp)):
         try:  # an impossible budget says which stage it does not fit, before any rank starts
-            stage_forms(replace(job, policy=policy.text), stage)
+            closed_forms(replace(job, policy=policy.text), stage)
         except ValueError as error:
             if job.pp == 1:
                 raise
@@ -120,7 +120,7 @@ def checked_job(job, device, world_size):
     return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
 
 
-def stage_forms(job, stage):
+def closed_forms(job, stage):
     """The closed forms of one stage's rank (pipeline_parallel/pp_inventory.py), on its T/cp tokens; under cp a
     budget plans with the communication a recomputed layer repeats (cp_inventory.recompute_comm_flops)."""
     (B, T), cp = job.input_ids.shape, job.cp

@@ -57,7 +57,7 @@ class Layout:
         for rank in range(self.world_size):
             for kind, key in self.group_keys(rank).items():
                 out.setdefault(kind, {}).setdefault(key, []).append(rank)
-        return {kind: {key: ranks for key, ranks in made.items() if len(ranks) > 1} for kind, made in out.items()}
+        return {kind: {key: ranks for key, ranks in by_key.items() if len(ranks) > 1} for kind, by_key in out.items()}
 
 
 def check_layout(dp, pp, tp, world_size=None, ep=1, cp=1):
@@ -100,14 +100,14 @@ class RankGroups:
     next: int = None
 
 
-def build_groups(layout, rank, device, made=None, timeout=None):
+def build_groups(layout, rank, device, process_groups=None, timeout=None):
     """This rank's RankGroups. Every rank must call it with the same layout at the same point. made: a dict kept across
     calls, so a layout's groups are made once per launch. timeout: the job's (a timedelta), for these groups too."""
-    made = {} if made is None else made
-    if layout not in made:  # every rank makes every group (those it is not in too), in one order: new_group's rule
-        made[layout] = {kind: {key: dist.new_group(ranks, timeout=timeout) for key, ranks in groups.items()}
+    process_groups = {} if process_groups is None else process_groups
+    if layout not in process_groups:  # every rank makes every group (those it is not in too), in one order
+        process_groups[layout] = {kind: {key: dist.new_group(ranks, timeout=timeout) for key, ranks in groups.items()}
                         for kind, groups in layout.groups().items()}
-    group_of = made[layout]
+    group_of = process_groups[layout]
     stage, d, e, c, t = layout.coordinates(rank)
     groups = RankGroups(layout, rank, stage, d, e, c, t, torch.device(device),
                         previous=layout.rank_of(stage - 1, d, t, e, c) if stage > 0 else None,

@@ -33,7 +33,7 @@ from .data_parallel.zero_inventory import stage_uses
 from .data_parallel.zero_shards import ZeroShards
 from .expert_parallel.ep_model import apply_expert_parallel
 from .expert_parallel.ep_shard import is_expert, shard_experts
-from .job import stage_forms
+from .job import closed_forms
 from .layout import Layout, build_groups
 from .pipeline_parallel.pp_comm import Pipe
 from .pipeline_parallel.pp_schedules import actions
@@ -64,26 +64,26 @@ def trace_lines(rank_label, trace):
 
 
 def rank_steps(comm, jobs, trace=False):
-    made = {}  # process groups, per layout, made once per launch
-    return [rank_step(comm, job, made, trace) for job in jobs]
+    process_groups = {}  # process groups, per layout, made once per launch
+    return [rank_step(comm, job, process_groups, trace) for job in jobs]
 
 
-def rank_step(comm, job, made, trace=False):
+def rank_step(comm, job, process_groups, trace=False):
     """One job on this rank: its steps (one, or under ZeRO with an optimizer one per batch), each rank_one_step;
     returns CPU tensors and plain numbers only."""
     layout = Layout(job.dp, job.pp, job.tp, job.ep, job.cp)
-    groups = build_groups(layout, comm.rank, comm.device, made, comm.timeout)
-    forms = stage_forms(job, groups.stage)
-    params = rank_params(job, forms, groups, comm.device)
-    shards = zero_shards(job, forms, groups, params) if job.zero else None
+    groups = build_groups(layout, comm.rank, comm.device, process_groups, comm.timeout)
+    stage_forms = closed_forms(job, groups.stage)
+    params = rank_params(job, stage_forms, groups, comm.device)
+    shards = zero_shards(job, stage_forms, groups, params) if job.zero else None
     generator = device_generator(comm.device)
     generator.set_state(job.rng_state)
     batches = job.batches or [(job.input_ids, job.targets)] * max(job.steps, 1)
     losses, seconds, rng_start = [], [], job.rng_state
     for input_ids, targets in batches:
-        loss, rng_end, report = rank_one_step(job, groups, forms, params, shards, input_ids, targets, rng_start,
+        loss, rng_end, report = rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, rng_start,
                                               trace)
-        losses.append(loss.cpu() if forms.last else None)
+        losses.append(loss.cpu() if stage_forms.last else None)
         seconds.append(report["timeline_seconds"]["total"])
         if job.cfg.draws_random:  # the next step draws on from where this one leaves the generator (pp = 1)
             rng_start = rng_end
@@ -97,13 +97,13 @@ def rank_step(comm, job, made, trace=False):
     rng_state = rng_start if job.cfg.draws_random else job.rng_state
     cpu = (lambda tensors: {name: t.cpu() for name, t in tensors.items()} if first and tensors is not None else None)
     return {"loss": losses[-1], "losses": losses, "grads": cpu(grads), "params": cpu(trained), "report": report,
-            "rng_state": rng_state.cpu() if forms.last and rng_state is not None else None}
+            "rng_state": rng_state.cpu() if stage_forms.last and rng_state is not None else None}
 
 
-def rank_params(job, forms, groups, device):
+def rank_params(job, stage_forms, groups, device):
     """{name: tensor} this rank holds of its stage: its tensor-parallel slices, of them its experts."""
     cfg = job.cfg
-    names = stage_param_names(cfg, forms.layers, forms.first, forms.last)
+    names = stage_param_names(cfg, stage_forms.layers, stage_forms.first, stage_forms.last)
     params = {name: job.params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
     if job.tp > 1:
         params = shard_params(params, groups.tp_rank, job.tp)  # its slices
@@ -112,28 +112,29 @@ def rank_params(job, forms, groups, device):
     return {name: tensor.to(device) for name, tensor in params.items()}
 
 
-def zero_shards(job, forms, groups, params):
+def zero_shards(job, stage_forms, groups, params):
     """ZeRO's state of this rank's stage (data_parallel/zero_shards.py): every weight but the experts' sharded over
     the data-parallel group (dp x ep x cp), the experts' over theirs, in the order of its stage's uses."""
     order = actions(job.schedule, job.pp, job.microbatches, groups.stage)
-    uses = stage_uses(order, forms.layers, forms.first, forms.last, forms.local_schedule) if job.zero == 3 else None
-    return ZeroShards(params, job.cfg, job.zero, forms.layers, forms.first, forms.last,
+    uses = stage_uses(order, stage_forms.layers, stage_forms.first, stage_forms.last, stage_forms.local_schedule) \
+        if job.zero == 3 else None
+    return ZeroShards(params, job.cfg, job.zero, stage_forms.layers, stage_forms.first, stage_forms.last,
                       {False: groups.dp_comm, True: groups.expert_dp_comm}, is_expert if job.ep > 1 else None, uses,
                       job.keep_gathered, job.prefetch, job.lr, job.weight_decay)
 
 
-def rank_one_step(job, groups, forms, params, shards, input_ids, targets, rng_start, trace=False):
+def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, rng_start, trace=False):
     """One forward and backward of the stage's micro-batches (and under ZeRO with steps, AdamW on the shards):
     (loss share, the generator where the step leaves it, the report)."""
     cfg, device = job.cfg, groups.device
     B, T = input_ids.shape
     input_ids, targets = input_ids.to(device), targets.to(device)
     counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets
-    M, b = job.microbatches, forms.b // job.ep  # b: the rows this rank computes of each micro-batch
+    M, b = job.microbatches, stage_forms.b // job.ep  # b: the rows this rank computes of each micro-batch
     tokens = SequenceLayout(job.cp_layout, job.cp, T) if job.cp > 1 else None  # which tokens of a row it holds
 
     def rows(m):  # micro-batch m of this replica: block d*M + m of B / (dp M) rows, this ep rank's part of it
-        start = (groups.dp_rank * M + m) * forms.b + groups.ep_rank * b
+        start = (groups.dp_rank * M + m) * stage_forms.b + groups.ep_rank * b
         return input_ids[start:start + b], targets[start:start + b]
 
     def make_inner(ids, tgt):  # the layers' model: each dimension applied to what the ones before made
@@ -161,14 +162,14 @@ def rank_one_step(job, groups, forms, params, shards, input_ids, targets, rng_st
             group.tracker, group.log = tracker, CommLog()
         if shards is not None:
             shards.begin(tracker)
-        buckets = shards or _buckets(job, forms, groups, params, device, timeline, tracker)
-        stage = PipelineStage(cfg, params, forms.layers, forms.first, forms.last, pipe, buckets, counted, M,
-                              groups.dp_rank, job.dp, forms.activation_shape(b), make_inner, job.recompute_early,
-                              shards)
-        stage.rng_start = rng_start if forms.first else None
+        buckets = shards or _buckets(job, stage_forms, groups, params, device, timeline, tracker)
+        stage = PipelineStage(cfg, params, stage_forms.layers, stage_forms.first, stage_forms.last, pipe, buckets,
+                              counted, M, groups.dp_rank, job.dp, stage_forms.activation_shape(b), make_inner,
+                              job.recompute_early, shards)
+        stage.rng_start = rng_start if stage_forms.first else None
         stage.start(tracker, device, T)
         timeline.begin()
-        steps, loss, held, received = {}, None, {}, dict.fromkeys(forms.layers, 0)
+        steps, loss, first_stored, received = {}, None, {}, dict.fromkeys(stage_forms.layers, 0)
         order = actions(job.schedule, job.pp, M, groups.stage)
         for index, action in enumerate(order):
             m = action.microbatch
@@ -176,15 +177,16 @@ def rank_one_step(job, groups, forms, params, shards, input_ids, targets, rng_st
             pipe.pair_with = {"F": groups.previous, "B": groups.next}.get(following)  # action's receive: one group
             if action.kind == "F":
                 model = stage.microbatch(m, *rows(m))
-                step = model.step = Step(model, forms.schedule, forms.policy.drop, memory.for_microbatch(m), say)
-                model.inner.store = step.store  # where an expert-parallel layer keeps its routing, whatever its mode
+                step = model.step = Step(model, stage_forms.schedule, stage_forms.policy.drop,
+                                         memory.for_microbatch(m), say)
+                model.rank_model.store = step.store  # where an ep layer keeps its routing, whatever its mode
                 part = step.forward()  # this micro-batch's share of the whole batch's mean (last stage)
                 loss = part if loss is None else loss + part
                 memory.end_of_forward[m] = memory.held.get(m, 0)
                 if m == 0:  # what the stage's first layer and the head hold after a forward
-                    held = {"layer_stored_bytes": step.store.layer_bytes(forms.layers[0]),
+                    first_stored = {"layer_stored_bytes": step.store.layer_bytes(stage_forms.layers[0]),
                             "head_stored_bytes": step.store.layer_bytes(None)}
-                for k, rows_in in getattr(model.inner, "received_rows", {}).items():
+                for k, rows_in in getattr(model.rank_model, "received_rows", {}).items():
                     received[k] += rows_in  # the rows this rank's experts got, over its micro-batches
                 steps[m] = step
             else:
@@ -201,8 +203,8 @@ def rank_one_step(job, groups, forms, params, shards, input_ids, targets, rng_st
         del stage, steps
     for group in layer_comms + reducing:
         group.tracker = None
-    report = _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reducing)
-    report.update(held, received_rows=[received[k] for k in forms.layers] if job.ep > 1 else None,
+    report = _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reducing)
+    report.update(first_stored, received_rows=[received[k] for k in stage_forms.layers] if job.ep > 1 else None,
                   chunks=tokens.chunks(groups.cp_rank) if tokens else None,
                   chunk_tokens=tokens.chunk if tokens else None)
     if shards is None:
@@ -225,10 +227,10 @@ def merged(tables, phases):
     return out
 
 
-def _buckets(job, forms, groups, params, device, timeline, tracker):
+def _buckets(job, stage_forms, groups, params, device, timeline, tracker):
     """The stage's gradient buckets, all-reduced over the data-parallel group as they become final; under
     ep the experts' apart, over their expert-data-parallel group (picockpt/parallel/layout.py)."""
-    names = bucket_names(job.cfg, params, forms.layers, forms.first, forms.last)
+    names = bucket_names(job.cfg, params, stage_forms.layers, stage_forms.first, stage_forms.last)
     shapes = {name: tensor.shape for name, tensor in params.items()}
 
     def make(comm, keep):
@@ -241,7 +243,7 @@ def _buckets(job, forms, groups, params, device, timeline, tracker):
                                  make(groups.expert_dp_comm, is_expert), is_expert)
 
 
-def _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reducing):
+def _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reducing):
     seconds = timeline.totals()
     busy = seconds["forward"] + seconds["recompute"] + seconds["backward"]
     local = job.cfg.experts // job.ep if job.ep > 1 else 0
@@ -250,9 +252,9 @@ def _report(job, forms, groups, tracker, timeline, memory, pipe, buckets, layer_
         "cp_rank": groups.cp_rank, "tp_rank": groups.tp_rank, "pp": job.pp, "dp": job.dp, "ep": job.ep, "cp": job.cp,
         "tp": job.tp, "cp_layout": job.cp_layout, "cp_comm": job.cp_comm, "cp_keep_kv": job.cp_keep_kv,
         "sp": job.sp and job.tp > 1, "distribute_saved": job.distribute_saved, "keep_dispatched": job.keep_dispatched,
-        "microbatches": job.microbatches, "schedule": job.schedule, "policy": forms.policy.text,
-        "stage_schedule": forms.source, "layers": [forms.layers[0], forms.layers[-1]],
-        "microbatches_in_flight": forms.in_flight, "recompute_early": job.recompute_early, "overlap": job.overlap,
+        "microbatches": job.microbatches, "schedule": job.schedule, "policy": stage_forms.policy.text,
+        "stage_schedule": stage_forms.source, "layers": [stage_forms.layers[0], stage_forms.layers[-1]],
+        "microbatches_in_flight": stage_forms.in_flight, "recompute_early": job.recompute_early, "overlap": job.overlap,
         "experts": list(range(groups.ep_rank * local, (groups.ep_rank + 1) * local)),
         "peak_activation_bytes": tracker.peak_logical,
         "microbatch_stored_bytes": memory.end_of_forward.get(0, 0),  # what micro-batch 0 held after its forward

@@ -35,7 +35,7 @@ def sliced_mask(shape, p, device, comm, dim=None):
     return mask.narrow(dim, comm.rank * size, size).clone()  # (.., shape[dim]/t, ..) bool, compact
 
 
-Part = collections.namedtuple("Part", "rank world_size")  # a slice r of W, where no Comm stands for it
+RowBlock = collections.namedtuple("RowBlock", "rank world_size")  # a slice r of W, where no Comm stands for it
 
 
 class FullSizeDraws(TorchFunctionMode):

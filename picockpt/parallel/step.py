@@ -9,7 +9,7 @@
                                 replicas (and the context-parallel ranks)
 
 so the loop and the layer are written once. Full parameters and batch in; the loss, full gradients under
-the parameters' names and one report per rank (its measurements beside their closed forms, forms.py) out.
+the parameters' names and one report per rank (its measurements beside their closed forms, predictions.py) out.
 
     from picockpt import parallel
     loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, policy="full", tp=2, sp=True)
@@ -31,7 +31,7 @@ import os
 from ..params import EMBED, HEAD
 from ..routing import step_routing
 from .expert_parallel.ep_shard import gather_expert_grads
-from .forms import predicted
+from .predictions import predicted
 from .job import ParallelJob, checked_job, on_cpu
 from .launch import check_timeout, ranks_generator, run_ranks, under_torchrun
 from .pipeline_parallel.pp_schedules import stage_layers

@@ -36,7 +36,7 @@ each rank on its chain at n tokens with every recomputed layer also paying its r
 the same time (its bytes over CP_BANDWIDTH at DEFAULT_COMPUTE_RATE). Dense layers under tiled or fused
 attention rebuild nothing that costs FLOPs, so the least-FLOP plan already recomputes the fewest layers and
 the ring never changes it; a layer whose rebuilds cost FLOPs would trade them for fewer ring repeats. The replicated
-weights' gradients are summed over the dp x cp ranks by the data-parallel buckets (parallel/forms.py).
+weights' gradients are summed over the dp x cp ranks by the data-parallel buckets (parallel/predictions.py).
 
 FLOPs: a rank's projections, MLP and head are the single process's on n tokens (inventory.layer_flops at
 n; a schedule that stops early skips each sweep's last tail); its attention is a sum of blocks (cp_attention.py):

@@ -1,7 +1,7 @@
 """Data parallelism: replicas of a stage on their own share of the batch, their gradients summed.
 
-    dp_comm.py        gradient buckets all-reduced over the replicas as soon as a layer's are final, overlapping the
-                      recomputation and backward below (every layout's one reduction; under ep, the experts' over theirs)
+    dp_comm.py        gradient buckets all-reduced over the replicas as soon as a layer's are final, overlapping
+                      the recomputation and backward below (every layout's reduction; under ep the experts' apart)
     zero_shards.py    ZeRO stages 1/2/3 (Rajbhandari et al. 2020) in the same rank step, beside any other layout: a
                       rank's stage units, flat and padded (zero_params.py), sharded over its data-parallel group,
                       gathered around each use (keep_gathered; prefetch), reduced once final, its sharded AdamW;

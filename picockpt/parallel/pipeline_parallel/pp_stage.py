@@ -31,7 +31,7 @@ from ...params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
 from ...ops import rope_tables
 from .pp_comm import (from_previous_stage_backward, from_previous_stage_forward, receive_rng_state, send_rng_state,
                   to_next_stage_backward, to_next_stage_forward)
-from ..rng import Part, full_size_draws
+from ..rng import RowBlock, full_size_draws
 
 
 class PipelineStage:
@@ -84,18 +84,19 @@ class PipelineStage:
 class StageModel:
     """Micro-batch m of a PipelineStage; `step` is set to the Step that runs it (recompute-early uses its loop)."""
 
-    def __init__(self, stage, m, inner):
-        self.stage, self.m, self.inner = stage, m, inner
+    def __init__(self, stage, m, rank_model):
+        self.stage, self.m, self.rank_model = stage, m, rank_model
         self.cfg, self.params, self.layers = stage.step_cfg, stage.params, stage.layers
-        self.input_ids, self.targets, self.layer_names = inner.input_ids, inner.targets, inner.layer_names
-        self.share = int((inner.targets != -100).sum()) / stage.counted  # n_m / N
+        self.input_ids, self.targets = rank_model.input_ids, rank_model.targets
+        self.layer_names = rank_model.layer_names
+        self.mean_share = int((rank_model.targets != -100).sum()) / stage.counted  # n_m / N
         self.step = None
-        self.rows = Part(stage.dp_rank * stage.M + m, stage.dp * stage.M)  # its rows of the whole batch
-        self.generator = device_generator(inner.input_ids.device)
+        self.rows = RowBlock(stage.dp_rank * stage.M + m, stage.dp * stage.M)  # its rows of the whole batch
+        self.generator = device_generator(rank_model.input_ids.device)
 
     def start(self, tracker):  # the inner model reads the stage's weights (picockpt/engine.py: Model.start)
-        inner, stage = self.inner, self.stage
-        inner.weights, inner.rope, inner.weights_of = stage.weights, stage.rope, stage.weights_of
+        rank_model, stage = self.rank_model, self.stage
+        rank_model.weights, rank_model.rope, rank_model.weights_of = stage.weights, stage.rope, stage.weights_of
 
     def embed(self):
         stage, draws = self.stage, self.cfg.draws_random
@@ -103,7 +104,7 @@ class StageModel:
             stage.rng_start = receive_rng_state(stage.pipe, self.generator.get_state())
         if stage.first:
             with stage.weights_for("embed"):
-                x = self.inner.embed()  # (b, n, h)
+                x = self.rank_model.embed()  # (b, n, h)
         else:
             x = from_previous_stage_forward(stage.pipe, stage.activation_shape, self.cfg.torch_dtype)  # (b, n, h)
         if draws:  # every micro-batch draws the whole batch's masks again, from rng_start (stage 0: the caller's)
@@ -111,19 +112,19 @@ class StageModel:
         return x
 
     def keep_input(self, store, k, x, whole):
-        self.inner.keep_input(store, k, x, whole)
+        self.rank_model.keep_input(store, k, x, whole)
 
     def load_input(self, store, k, whole):
-        return self.inner.load_input(store, k, whole)
+        return self.rank_model.load_input(store, k, whole)
 
     def layer_forward(self, k, x, store, drop, tail):
         with full_size_draws(self.rows, dim=0, dropout=1.0 if self.cfg.draws_random else 0), \
                 self.stage.weights_for(k):  # its rows of each mask; layer k's weights
-            return self.inner.layer_forward(k, x, store, drop, tail)  # (b, n, h)
+            return self.rank_model.layer_forward(k, x, store, drop, tail)  # (b, n, h)
 
     def layer_backward(self, k, dx, store):
         with self.stage.weights_for(k):
-            dx, grads = self.inner.layer_backward(k, dx, store)  # (b, n, h), LayerWeights
+            dx, grads = self.rank_model.layer_backward(k, dx, store)  # (b, n, h), LayerWeights
         for role, grad in grads._asdict().items():
             self.stage.buckets.add(layer_key(k, role), grad)
         if self.m == self.stage.M - 1:  # the last micro-batch's backward: layer k's gradients are final
@@ -140,8 +141,8 @@ class StageModel:
         if self.cfg.draws_random and self.m == 0:
             stage.rng_end = self.generator.get_state()  # where the single process's step leaves the generator
         with stage.weights_for("head"):
-            loss = self.inner.head_forward(x, store, drop)  # the mean over this micro-batch's counted targets
-        return loss * self.share if self.share else loss.new_zeros(())  # its share of the whole batch's mean
+            loss = self.rank_model.head_forward(x, store, drop)  # the mean over this micro-batch's counted targets
+        return loss * self.mean_share if self.mean_share else loss.new_zeros(())  # its share of the whole batch's mean
 
     def head_backward(self, store):
         stage = self.stage
@@ -151,19 +152,19 @@ class StageModel:
                 self.recompute_top(store)  # while the gradient travels
             return receive.wait(), {}  # (b, n, h)
         with stage.weights_for("head"):
-            dx, grads = self.inner.head_backward(store)  # (b, n, h) for this micro-batch's mean
+            dx, grads = self.rank_model.head_backward(store)  # (b, n, h) for this micro-batch's mean
         for name, grad in grads.items():
-            stage.buckets.add(name, grad.mul_(self.share))  # in place: grads holds the whole batch's too
+            stage.buckets.add(name, grad.mul_(self.mean_share))  # in place: grads holds the whole batch's too
         if self.m == stage.M - 1:
             stage.buckets.ready("head")
-        return dx.mul_(self.share), grads  # (b, n, h) for the whole batch's mean
+        return dx.mul_(self.mean_share), grads  # (b, n, h) for the whole batch's mean
 
     def embed_backward(self, dx):
         stage = self.stage
         if not stage.first:
             from_previous_stage_backward(dx, stage.pipe)
             return dx.new_zeros(())  # no embedding on this stage
-        grad = self.inner.embed_backward(dx)  # (V, h), or (V/t, h)
+        grad = self.rank_model.embed_backward(dx)  # (V, h), or (V/t, h)
         stage.buckets.add(EMBED, grad)
         if self.m == stage.M - 1:
             stage.buckets.ready("embedding")

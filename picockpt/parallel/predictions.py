@@ -21,7 +21,7 @@ from .expert_parallel.ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stor
 from .data_parallel.zero_inventory import gather_forms, reduce_bytes_by_kind, stage_uses, unit_state_bytes
 from .data_parallel.zero_shards import stage_units
 from .expert_parallel.ep_shard import is_expert
-from .job import stage_forms
+from .job import closed_forms
 from .pipeline_parallel.pp_schedules import actions, bubble_fraction
 from .rank import stage_param_names
 from .tensor_parallel.tp_shard import split_dim
@@ -31,45 +31,46 @@ def predicted(job, report, routing=None):
     """The closed forms of one rank's report (its stage, dp and ep rank); routing: run_jobs' single-process
     routing by rows under ep (None otherwise)."""
     B, T = job.input_ids.shape
-    forms = stage_forms(job, report["stage"])
+    stage_forms = closed_forms(job, report["stage"])
     state_bytes = job.rng_state.numel() if job.cfg.draws_random else 0
-    out = {"predicted_p2p_bytes": forms.p2p_bytes(state_bytes, forms.b // job.ep),
-           "predicted_dp_bytes": reduced_bytes(job, forms),
+    out = {"predicted_p2p_bytes": stage_forms.p2p_bytes(state_bytes, stage_forms.b // job.ep),
+           "predicted_dp_bytes": reduced_bytes(job, stage_forms),
            "predicted_bubble": bubble_fraction(job.pp, job.microbatches)}
     if job.zero:
-        out.update(zero_forms(job, forms, report))
+        out.update(zero_forms(job, stage_forms, report))
     if job.ep > 1:
-        return {**out, **expert_forms(job, forms, report, routing)}
-    out.update({"predicted_activation_bytes": forms.peak_bytes,
-                "predicted_microbatch_stored_bytes": forms.microbatch_stored_bytes,
-                "predicted_layer_stored_bytes": first_layer_bytes(forms),
-                "predicted_head_stored_bytes": _variant(forms.chain[-1], forms.local_schedule.head),
-                "predicted_flops": forms.flops(), "predicted_comm_bytes": forms.tp_comm_bytes()})
-    return {**out, **context_forms(job, forms, report, T)} if job.cp > 1 else out
+        return {**out, **expert_forms(job, stage_forms, report, routing)}
+    out.update({"predicted_activation_bytes": stage_forms.peak_bytes,
+                "predicted_microbatch_stored_bytes": stage_forms.microbatch_stored_bytes,
+                "predicted_layer_stored_bytes": first_layer_bytes(stage_forms),
+                "predicted_head_stored_bytes": _variant(stage_forms.chain[-1], stage_forms.local_schedule.head),
+                "predicted_flops": stage_forms.flops(), "predicted_comm_bytes": stage_forms.tp_comm_bytes()})
+    return {**out, **context_forms(job, stage_forms, report, T)} if job.cp > 1 else out
 
 
-def context_forms(job, forms, report, seq):
+def context_forms(job, stage_forms, report, seq):
     """cp_inventory.py's forms on the stage's layers, for its M micro-batches of b whole sequences (seq tokens);
     beside tp, its K/V and matmuls are its heads' (1/t), and the tensor-parallel collectives at T/cp tokens
     (forms.tp_comm_bytes) add to the ring's or all-gather's bytes."""
-    cfg, cp, M, rank, t = job.cfg.replace(layers=len(forms.layers)), job.cp, forms.M, report["cp_rank"], job.tp
-    args, schedule = (cfg, forms.b, seq, forms.policy, cp), forms.local_schedule
-    flops = cp_flops(*args, job.cp_layout, rank, head=forms.last, schedule=schedule, t=t)
-    out = {"predicted_comm_bytes": stage_comm_bytes(forms, seq, cp, job.cp_comm, job.cp_keep_kv),
+    cfg, cp, M, rank, t = (job.cfg.replace(layers=len(stage_forms.layers)), job.cp, stage_forms.M, report["cp_rank"],
+                           job.tp)
+    args, schedule = (cfg, stage_forms.b, seq, stage_forms.policy, cp), stage_forms.local_schedule
+    flops = cp_flops(*args, job.cp_layout, rank, head=stage_forms.last, schedule=schedule, t=t)
+    out = {"predicted_comm_bytes": stage_comm_bytes(stage_forms, seq, cp, job.cp_comm, job.cp_keep_kv),
            "predicted_flops": {phase: M * n for phase, n in flops.items()},
-           "predicted_attention_flops": rank_attention_flops(cfg, forms.b, seq, cp, job.cp_layout, rank) // t}
+           "predicted_attention_flops": rank_attention_flops(cfg, stage_forms.b, seq, cp, job.cp_layout, rank) // t}
     if job.cp_keep_kv:  # one micro-batch on one stage (job.py): every layer also keeps the other ranks' K/V
-        kept = kept_kv_bytes(cfg, forms.b, seq, cp, job.cp_comm, True)
-        peak = cp_peak_bytes(job.cfg, forms.b, seq, forms.policy, cp, job.cp_comm, True)
+        kept = kept_kv_bytes(cfg, stage_forms.b, seq, cp, job.cp_comm, True)
+        peak = cp_peak_bytes(job.cfg, stage_forms.b, seq, stage_forms.policy, cp, job.cp_comm, True)
         out.update({"predicted_activation_bytes": peak,
-                    "predicted_microbatch_stored_bytes": forms.microbatch_stored_bytes + cfg.layers * kept,
-                    "predicted_layer_stored_bytes": first_layer_bytes(forms) + kept})
+                    "predicted_microbatch_stored_bytes": stage_forms.microbatch_stored_bytes + cfg.layers * kept,
+                    "predicted_layer_stored_bytes": first_layer_bytes(stage_forms) + kept})
     return out
 
 
-def first_layer_bytes(forms):
+def first_layer_bytes(stage_forms):
     """What the stage's first layer holds after a micro-batch's forward: stored whole, its input, or nothing."""
-    first, mode = forms.chain[0], forms.local_schedule.forward[0]
+    first, mode = stage_forms.chain[0], stage_forms.local_schedule.forward[0]
     return _variant(first, mode) if mode.stored else (first.input_bytes if mode.keeps_input else 0)
 
 
@@ -77,33 +78,34 @@ def _variant(stage, mode):
     return next(nbytes for name, nbytes, _ in stage.variants if name == mode)  # a stage stored whole in `mode`
 
 
-def expert_forms(job, forms, report, routing):
+def expert_forms(job, stage_forms, report, routing):
     """ep_inventory.py's forms, one per micro-batch of this rank, over its stage's layers and its rows; beside tp,
     at its slices, with tp's collectives (forms.tp_comm_bytes) and each layer's router gradient summed over tp."""
     cfg, M, ep, e, tp = job.cfg, job.microbatches, job.ep, report["ep_rank"], dict(t=job.tp, sp=job.sp)
-    stage_cfg, policy = cfg.replace(layers=len(forms.layers)), parse_policy(job.policy, cfg)
+    stage_cfg, policy = cfg.replace(layers=len(stage_forms.layers)), parse_policy(job.policy, cfg)
     stored, peaks, total = [], [], {key: dict.fromkeys(PHASES, 0) for key in ("flops", "comm", "sent")}
-    received = [0] * len(forms.layers)
+    received = [0] * len(stage_forms.layers)
     for m in range(M):
         g = report["dp_rank"] * M + m  # its block of rows: run_jobs' routing has one slice per (block, ep rank)
-        by_rank = [routing[k][g * ep:(g + 1) * ep] for k in forms.layers]
+        by_rank = [routing[k][g * ep:(g + 1) * ep] for k in stage_forms.layers]
         counts = [[sum(column) for column in zip(*layer)] for layer in by_rank]  # the block's per-expert counts
-        args = (stage_cfg, forms.b, forms.seq, policy, ep, e, counts, job.keep_dispatched)
-        stored.append(ep_stored_bytes(*args, head=forms.last, **tp))
-        peaks.append(ep_peak_bytes(*args, head=forms.last, **tp))
-        for key, value in (("flops", ep_flops(*args, head=forms.last, t=job.tp)), ("comm", ep_comm_bytes(*args)),
-                           ("sent", ep_sent_bytes(stage_cfg, forms.b, forms.seq, policy, ep, e, by_rank,
+        args = (stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, e, counts, job.keep_dispatched)
+        stored.append(ep_stored_bytes(*args, head=stage_forms.last, **tp))
+        peaks.append(ep_peak_bytes(*args, head=stage_forms.last, **tp))
+        for key, value in (("flops", ep_flops(*args, head=stage_forms.last, t=job.tp)), ("comm", ep_comm_bytes(*args)),
+                           ("sent", ep_sent_bytes(stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, e, by_rank,
                                                   job.keep_dispatched))):
             for phase in PHASES:
                 total[key][phase] += value[phase]
         received = [n + received_rows(cfg, layer, ep, e) for n, layer in zip(received, counts)]
         if m == 0:
             layer = ep_layer_stored_bytes(*args, layer=0, **tp)
-            head = ep_head_stored_bytes(stage_cfg, forms.b, forms.seq, policy, ep, **tp) if forms.last else 0
+            head = ep_head_stored_bytes(stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, **tp) \
+                if stage_forms.last else 0
     order = actions(job.schedule, job.pp, M, report["stage"])
     if job.tp > 1:
-        router = M * len(forms.layers) * cfg.experts * cfg.hidden * BYTES[cfg.dtype_names[2]]  # its all-reduces
-        tp_comm = forms.tp_comm_bytes(forms.b // ep)
+        router = M * len(stage_forms.layers) * cfg.experts * cfg.hidden * BYTES[cfg.dtype_names[2]]  # its all-reduces
+        tp_comm = stage_forms.tp_comm_bytes(stage_forms.b // ep)
         total["comm"] = {phase: n + tp_comm[phase] + (router if phase == "backward" else 0)
                          for phase, n in total["comm"].items()}
     return {"predicted_activation_bytes": in_flight_peak(order, stored, peaks),
@@ -128,10 +130,10 @@ def in_flight_peak(order, stored, peaks):
     return peak
 
 
-def rank_param_shapes(cfg, forms, tp=1, ep=1):
+def rank_param_shapes(cfg, stage_forms, tp=1, ep=1):
     """{name: shape} of what a rank of the stage holds: its tensor-parallel slices, its E/ep experts."""
     shapes, out = param_shapes(cfg), {}
-    for name in stage_param_names(cfg, forms.layers, forms.first, forms.last):
+    for name in stage_param_names(cfg, stage_forms.layers, stage_forms.first, stage_forms.last):
         shape = list(shapes[EMBED if name == HEAD and cfg.tie_embeddings else name])
         if tp > 1 and split_dim(name) is not None:
             shape[split_dim(name)] //= tp
@@ -141,15 +143,15 @@ def rank_param_shapes(cfg, forms, tp=1, ep=1):
     return out
 
 
-def reduced_bytes(job, forms):
+def reduced_bytes(job, stage_forms):
     """The bytes the stage's data-parallel groups move: every gradient once, all-reduced where its group has more
     than one rank (under ep the experts' over their dp x cp ranks, every other over dp x ep x cp: layout.py);
     under ZeRO every one of its collectives (zero_forms)."""
     if job.zero:
-        return sum(n for kinds in zero_forms(job, forms, None)["predicted_zero_bytes_by_kind"].values()
+        return sum(n for kinds in zero_forms(job, stage_forms, None)["predicted_zero_bytes_by_kind"].values()
                    for n in kinds.values())
     dense = experts = 0
-    for name, shape in rank_param_shapes(job.cfg, forms, job.tp, job.ep).items():
+    for name, shape in rank_param_shapes(job.cfg, stage_forms, job.tp, job.ep).items():
         if job.ep > 1 and is_expert(name):
             experts += math.prod(shape)
         else:
@@ -158,21 +160,22 @@ def reduced_bytes(job, forms):
     return size * ((dense if job.dp * job.ep * job.cp > 1 else 0) + (experts if job.dp * job.cp > 1 else 0))
 
 
-def zero_forms(job, forms, report):
+def zero_forms(job, stage_forms, report):
     """ZeRO's closed forms on a rank of a job (zero_stage_forms), as its report's predicted_ twins."""
-    out = zero_stage_forms(job.cfg, forms, job.zero, job.tp, job.ep, job.dp, job.cp, job.schedule, job.pp,
+    out = zero_stage_forms(job.cfg, stage_forms, job.zero, job.tp, job.ep, job.dp, job.cp, job.schedule, job.pp,
                            job.microbatches, job.keep_gathered, job.prefetch, job.steps or len(job.batches or ()))
     return {f"predicted_{key}": value for key, value in out.items()}
 
 
-def zero_stage_forms(cfg, forms, zero, tp=1, ep=1, dp=1, cp=1, schedule="1f1b", pp=1, microbatches=1,
+def zero_stage_forms(cfg, stage_forms, zero, tp=1, ep=1, dp=1, cp=1, schedule="1f1b", pp=1, microbatches=1,
                      keep_gathered=False, prefetch=True, steps=1):
     """ZeRO's closed forms on a rank of stage `forms` (a StageForms) of any layout (data_parallel/zero_inventory.py
     on its stage's units, every weight but the experts' over dp x ep x cp ranks, the experts' over dp x cp): model
     state, the gathers of every use in the schedule's order (recomputation's included), the reductions, and the
     gathered peak per phase."""
     sizes = {False: dp * ep * cp, True: dp * cp}  # the dense and the experts' groups
-    units = stage_units(rank_param_shapes(cfg, forms, tp, ep), forms.layers, forms.first, forms.last, sizes,
+    units = stage_units(rank_param_shapes(cfg, stage_forms, tp, ep), stage_forms.layers, stage_forms.first,
+                        stage_forms.last, sizes,
                         is_expert if ep > 1 else None)
     every = [unit for parts in units.values() for unit in parts]
     p, c = BYTES[cfg.dtype_names[2]], BYTES[cfg.dtype]
@@ -184,8 +187,8 @@ def zero_stage_forms(cfg, forms, zero, tp=1, ep=1, dp=1, cp=1, schedule="1f1b", 
         by_kind[phase].update(kinds)
     peaks = dict.fromkeys(PHASES, 0)
     if zero == 3:
-        order = actions(schedule, pp, microbatches, forms.stage)
-        uses = stage_uses(order, forms.layers, forms.first, forms.last, forms.local_schedule)
+        order = actions(schedule, pp, microbatches, stage_forms.stage)
+        uses = stage_uses(order, stage_forms.layers, stage_forms.first, stage_forms.last, stage_forms.local_schedule)
         gathered = {key: sum(u.padded * c for u in parts if u.world_size > 1) for key, parts in units.items()}
         moved, peaks = gather_forms(uses, gathered, keep_gathered, prefetch)
         for phase, nbytes in moved.items():
