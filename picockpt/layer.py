@@ -40,8 +40,9 @@ picockpt/inventory.py computes the same table in closed form.
 import contextlib
 
 from .attention import attention_core_backward, attention_core_forward, needs_output
-from .ops import (dropout_backward, dropout_forward, dropout_mask, linear_backward, linear_forward, rmsnorm_apply,
-                  rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
+from .ops import (cross_entropy_backward, cross_entropy_forward, dropout_backward, dropout_forward, dropout_mask,
+                  linear_backward, linear_forward, rmsnorm_apply, rmsnorm_backward, rmsnorm_forward, rope_backward,
+                  rope_forward, swiglu_backward, swiglu_forward)
 from .moe import moe_block_backward, moe_block_forward
 from .tail import RUN_TAIL
 
@@ -64,7 +65,13 @@ class Crossings:
         norm_grads(d_attn, d_mlp, cfg)    the norm weights' gradients (SP: summed over the ranks' tokens)
         attention_core / _backward        the attention core (picockpt/attention.py), or attention over ranks
                                           that hold the sequence's other tokens (context parallel: a ring)
+    and the head's (picockpt/head.py), around the same enter / enter_backward / regather:
+        cross_entropy / _backward         the loss over the vocabulary, or over its columns split over ranks
+                                          (tensor parallel: the row statistics all-reduced); keeps_lse: the
+                                          head keeps each row's log-sum-exp for its backward even unchunked
+        final_norm_grad(d, cfg)           the final norm's gradient (SP: summed over the ranks' tokens)
     """
+    keeps_lse = False
 
     def layer_draws(self):
         return contextlib.nullcontext()
@@ -109,6 +116,15 @@ class Crossings:
 
     def attention_core_backward(self, dout, q, k, v, out, cfg, take, recomputing):
         return attention_core_backward(dout, q, k, v, out, cfg, take, recomputing)  # dq, dk, dv as q, k, v
+
+    def cross_entropy(self, logits, targets, stat_dtype):
+        return cross_entropy_forward(logits, targets, stat_dtype)  # (sum of the counted rows' losses, lse (n,))
+
+    def cross_entropy_backward(self, scale, logits, targets, stat_dtype, lse=None, inplace=False):
+        return cross_entropy_backward(scale, logits, targets, stat_dtype, lse, inplace)  # (n, V)
+
+    def final_norm_grad(self, d_norm, cfg):
+        return d_norm
 
 
 ONE_PROCESS = Crossings()

@@ -11,7 +11,8 @@ The parts:
     cross        the layer's crossings (picockpt/layer.py's Crossings): each parallelism's wrap the ones before and
                  own only their points (tp: enter/leave, regather, masks, norm gradients; cp: the attention core;
                  ep: the MLP block and the whole-batch draws), delegating the rest (CrossingsOver below)
-    vocab        the embedding and the head (None: picockpt/head.py's; tp: vocab.py's vocabulary-parallel ones)
+    vocab        the embedding (None: the one process's; tp: vocab.py's rows); the head is picockpt/head.py's,
+                 crossing where cross says (tp: its loss over the vocabulary's columns)
     checkpoints  how a layer input is kept and loaded (None: whole; tp's distribute_saved: this rank's 1/t)
     positions    the global positions of the tokens it holds (None: all; cp: its chunks), for the RoPE rows
     drop         the policy's op level here (ep also drops the dispatched rows with the experts' tensors)
@@ -19,6 +20,7 @@ The loss needs no part: the stage scales every micro-batch by its share of the w
 (pipeline_parallel/pp_stage.py), whichever ranks split it.
 """
 from ..engine import Model
+from ..head import head_backward, head_forward
 from ..layer import ONE_PROCESS, layer_backward, layer_forward
 
 
@@ -62,11 +64,11 @@ class RankModel(Model):
     def embed_backward(self, dx):
         return self.vocab.embed_backward(self, dx) if self.vocab else super().embed_backward(dx)
 
-    def head_forward(self, x, store, drop):
-        return self.vocab.head_forward(self, x, store, drop) if self.vocab else super().head_forward(x, store, drop)
+    def head_forward(self, x, store, drop):  # picockpt/head.py's, crossing where the crossings say
+        return head_forward(x, self.weights, self.cfg, self.targets, store, drop, self.cross)  # scalar
 
     def head_backward(self, store):
-        return self.vocab.head_backward(self, store) if self.vocab else super().head_backward(store)
+        return head_backward(self.weights, self.cfg, self.targets, store, self.cross)  # dx, {name: grad}
 
     def keep_input(self, store, k, x, whole):
         if self.checkpoints:

@@ -1,30 +1,19 @@
-"""picockpt.parallel.loss_and_grads: the single-process call, split over ranks, for any layout
-
-    dp x pp x ep x cp x tp      layout.py: the grid and its process groups
-    each rank                   rank.py: its stage's micro-batches (one, without pp), each the engine's own
-                                loop (picockpt/engine.py: Step) over a model whose layers cross ranks at named
-                                points (picockpt/layer.py's Crossings): tensor_parallel/, expert_parallel/
-                                or context_parallel/ fills them in; pipeline_parallel/ sends and receives
-                                between stages; data_parallel/ all-reduces each gradient bucket over the
-                                replicas (and the context-parallel ranks)
-
-so the loop and the layer are written once. Full parameters and batch in; the loss, full gradients under
-the parameters' names and one report per rank (its measurements beside their closed forms, predictions.py) out.
+"""picockpt.parallel.loss_and_grads: the single-process call, split over ranks, for any layout. The loop and the
+layer are written once: each rank (rank.py) runs the engine's own loop over its stage's micro-batches, on a model
+whose layers cross ranks where the layout says (rank_model.py); this side checks the job, launches the ranks and
+puts their results together. Full parameters and batch in; the loss, full gradients under the parameters' names and
+one report per rank out, each measurement beside its closed form (predictions.py: the predicted_ twin of every count).
 
     from picockpt import parallel
     loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, policy="full", tp=2, sp=True)
     loss, grads, ranks = parallel.loss_and_grads(..., pp=2, microbatches=4, dp=2)      # 4 ranks
-    loss, grads, ranks = parallel.loss_and_grads(..., ep=2, dp=2)                      # experts split in 2, x2
-    loss, grads, ranks = parallel.loss_and_grads(..., cp=2, dp=2)                      # sequences split in 2, x2
+    loss, grads, ranks = parallel.loss_and_grads(..., ep=2, tp=2, dp=2, zero=3)        # 8 ranks, stacked
     ranks[r]["peak_activation_bytes"] == ranks[r]["predicted_activation_bytes"]        # to the byte
 
-A rank's report: its coordinates (rank, stage, dp_rank, ep_rank, cp_rank, tp_rank) and the layout;
-peak_activation_bytes (all its micro-batches' stores at once), microbatch_stored_bytes, layer_stored_bytes and
-head_stored_bytes (what micro-batch 0, its stage's first layer and its head hold after the forward),
-mean_activation_bytes (time-weighted), peak_live_bytes; flops by phase; comm_bytes, comm_calls,
-comm_bytes_by_kind, all_to_all_sent_bytes (the layers' tp, ep or cp collectives, by phase); p2p_bytes;
-dp_bytes (the gradients' all-reduces); under ep its experts and received_rows, under cp its chunks; the
-timeline, step_seconds and bubble = 1 - computing / step; and the predicted_ twin of every count.
+A rank's report (rank.py's _report names every key): its coordinates and the layout; its stored bytes (peak, per
+micro-batch, first layer, head, time-weighted mean), live peak, FLOPs, the layers' collectives, p2p and data-parallel
+bytes by phase, under ep its experts' rows, under cp its chunks, under ZeRO its model state and gathers; the
+timeline, step_seconds and bubble = 1 - computing / step.
 """
 import os
 
@@ -44,19 +33,11 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=T
                    schedule="1f1b", dp=1, recompute_early=False, overlap=True, ep=1, keep_dispatched=False, zero=0,
                    keep_gathered=False, prefetch=True, optimizer_step=False, cp=1, cp_layout="zigzag", cp_comm="ring",
                    cp_keep_kv=False):
-    """Mean next-token cross-entropy, the gradient of every parameter (full shapes, params' names) and
-    [one report per rank], under `policy` (every policy of picockpt.loss_and_grads; budget:SIZE per rank).
-    tp, sp, distribute_saved: tensor parallelism (tp=None: 2 alone, 1 beside another layout), sequence
-    parallel, each rank keeping 1/t of every checkpoint-only layer input (without sp).
-    pp, microbatches, schedule ("afab" | "1f1b"), recompute_early: pipeline stages; dp, overlap: data-
-    parallel replicas, all-reducing each layer's gradients as soon as they are final.
-    ep, keep_dispatched: expert parallelism, its ranks carved out of the data-parallel ones.
-    zero (1, 2, 3), keep_gathered, prefetch: ZeRO over the dp x ep x cp ranks (data_parallel/zero_shards.py);
-    optimizer_step=True: one AdamW step on the shards after the backward (its state and gathers reported).
-    cp, cp_layout ("zigzag" | "contiguous"), cp_comm ("ring" | "ring_overlap" | "allgather"), cp_keep_kv: context
-    parallelism, every activation split along the sequence over cp ranks, K/V passed round a ring or all-gathered.
-    device "cpu" (gloo) or "cuda" (NCCL, one GPU per rank); timeout_s bounds every collective;
-    trace=True prints each rank's engine trace lines to stderr, prefixed with the rank."""
+    """Mean next-token cross-entropy, the gradient of every parameter (full shapes, params' names) and [one report
+    per rank], under `policy` (every policy of picockpt.loss_and_grads; budget:SIZE per rank). Every layout keyword
+    is a ParallelJob field (job.py says what each does; tp=None: 2 alone, 1 beside another layout);
+    optimizer_step=True: one AdamW step on ZeRO's shards after the backward. device "cpu" (gloo) or "cuda" (NCCL,
+    one GPU per rank); timeout_s bounds every collective; trace=True prints each rank's engine trace to stderr."""
     alone = (pp, microbatches, dp, ep, cp, zero) == (1, 1, 1, 1, 1, 0)  # tp's 2 only when nothing else is asked
     job = ParallelJob(params, cfg, input_ids, targets, policy, tp=(2 if alone else 1) if tp is None else tp, sp=sp,
                       distribute_saved=distribute_saved, pp=pp, microbatches=microbatches, schedule=schedule,

@@ -19,26 +19,12 @@ keeps the step count as a tensor of the default dtype). In fp32 that is the pape
 read as 4 + 4 + 8, every Psi rounded up to whole shards (flat units padded to a multiple of N_d,
 zero_params.py), plus 4 bytes per unit.
 
-Gathers under stage 3, per rank (bytes as comm.py counts an all-gather: the gathered output, each unit's
-padded numel times the compute dtype's bytes):
-    forward     every unit once: the embedding, each layer, the head
-    recompute   each layer a recompute sweep runs (Schedule.sweeps), once per sweep it appears in;
-                keep_gathered: once per layer, the first time (it stays gathered until its backward)
-    backward    each layer again (keep_gathered: only those never recomputed); the head is kept
-                gathered from its forward to its backward (torchtitan's apply_fsdp_to_decoder leaves the final
-                norm and output unsharded after the forward), and the embedding's backward needs only
-                its shape, so neither is gathered again
-and one reduce-scatter of every unit's gradient in the backward (its padded numel times p), which under
-stages 1 and 2 are an all-reduce and a reduce-scatter; those stages then all-gather every unit's updated
-shards in the optimizer phase (padded numel times p).
-
-Under another layout (zero_shards.py) the same forms run on what a rank holds: its stage's units, of its tp slices
-and experts, each over its own group (unit_state_bytes, stage_uses, gather_forms, reduce_bytes_by_kind); under pp
-every micro-batch's forward and backward walk its stage's units again, in the schedule's order.
+The gathers and reductions follow zero_shards.py's rules use by use (stage_uses: every use of a gathered unit in
+a stage's schedule order, recompute sweeps included; gather_forms replays them), so the forms hold on any layout:
+a rank's stage units, of its tp slices and experts, each over its own group.
 """
 import torch
 
-from ...inventory import predicted_peak_bytes
 from ...policy import parse_policy
 from ..pipeline_parallel.pp_schedules import Action
 from .zero_params import flat_units
@@ -123,14 +109,6 @@ def gather_forms(uses, sizes, keep_gathered=False, prefetch=True):
     return moved, peaks
 
 
-def gathered_peak_bytes(cfg, batch, seq, policy, world_size, keep_gathered=False, prefetch=True):
-    """{phase: the most gathered parameter bytes alive during a use of that phase}, stage 3, dp ranks alone."""
-    schedule = _schedule(cfg, batch, seq, policy, world_size)
-    element = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    sizes = {u.key: u.padded * element for u in flat_units(cfg, world_size)}
-    return gather_forms(gather_uses(cfg, schedule), sizes, keep_gathered, prefetch)[1]
-
-
 def reduce_bytes_by_kind(units, stage, p, optimizer=True):
     """{phase: {kind: bytes}} of the gradients' reductions and (optimizer=True, stages 1, 2) the optimizer's
     gather of the updated shards, over every unit of a group of more than one rank."""
@@ -157,21 +135,6 @@ def zero_comm_bytes(cfg, batch, seq, policy, stage, world_size, keep_gathered=Fa
         for phase, nbytes in moved.items():
             out[phase]["all_gather"] = nbytes
     return _drop_zeros(out)
-
-
-def zero_predictions(cfg, batch, seq, policy, stage, world_size, keep_gathered=False, prefetch=True, optimizer=True):
-    """Every predicted_* entry of a rank's report (picockpt/parallel/data_parallel/zero_step.py)."""
-    by_kind = zero_comm_bytes(cfg, batch, seq, policy, stage, world_size, keep_gathered, optimizer)
-    gathered = gathered_peak_bytes(cfg, batch, seq, policy, world_size, keep_gathered, prefetch) if stage == 3 \
-        else dict.fromkeys(("forward", "recompute", "backward"), 0)
-    state = model_state_bytes(cfg, stage, world_size)
-    if not optimizer:  # AdamW's moments exist from its first step on
-        state["optimizer_bytes"] = 0
-    return {**{f"predicted_{key}": value for key, value in state.items()},
-            "predicted_activation_bytes": predicted_peak_bytes(cfg, batch // world_size, seq, policy),
-            "predicted_comm_bytes_by_kind": by_kind,
-            "predicted_comm_bytes": {phase: sum(kinds.values()) for phase, kinds in by_kind.items()},
-            "predicted_gathered_peak_bytes": gathered}
 
 
 def _schedule(cfg, batch, seq, policy, world_size):

@@ -17,7 +17,6 @@ parameter along dim 0 instead, padding dim 0 to a multiple of N_d: the same byte
     unit.views(flat)                             # {name: tensor of its shape}, views into flat
     unit.shard(flat, rank)                       # (s,) rank's part of it, a view
     unit.pieces(shard, rank)                     # {name: (n_r,)} the part of each parameter inside the shard
-    whole(pieces_by_rank, shapes)                # the caller's side: every name's pieces, rank after rank
 
 A piece is a name's elements that fall in one rank's shard (empty when none do); a parameter is its
 pieces concatenated in rank order, so reassembling needs only the shapes. Under ZeRO-2 and -3 a
@@ -78,12 +77,6 @@ def flat_units(cfg, world_size):
     units += [FlatUnit(k, names, shapes, world_size) for k, names in enumerate(layer_names)]
     units.append(FlatUnit("head", [FINAL_NORM, HEAD], shapes, world_size))
     return units
-
-
-def whole(pieces_by_rank, shapes):
-    """{name: full tensor} from every rank's {name: piece} (rank order): the caller's reassembly."""
-    return {name: torch.cat([pieces[name] for pieces in pieces_by_rank]).view(shape)
-            for name, shape in shapes.items()}
 
 
 def gather_flat(shard, comm, phase, padded, async_op=False):

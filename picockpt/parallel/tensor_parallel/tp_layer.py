@@ -22,6 +22,7 @@ from ...layer import ONE_PROCESS
 from ..comm import all_reduce_grads
 from ..rank_model import CrossingsOver
 from ..rng import full_size_draws, sliced_mask
+from .vocab import parallel_cross_entropy_backward, parallel_cross_entropy_forward
 from .tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gather_sequence_backward,
                       gather_sequence_forward, reduce_from_parallel_backward, reduce_from_parallel_forward,
                       scatter_sequence_backward, scatter_sequence_forward)
@@ -63,6 +64,20 @@ class TensorParallelCrossings(CrossingsOver):
         B, n, h = shape
         whole = (B, n * self.comm.world_size if self.sp else n, h)
         return sliced_mask(whole, p, device, self.comm, 1 if self.sp else None)  # (B, n, h) bool
+
+    keeps_lse = True  # the head keeps each row's log-sum-exp: rebuilding it would cost two all-reduces again
+
+    def cross_entropy(self, logits, targets, stat_dtype):  # this rank's V/t columns: the row statistics all-reduced
+        start = self.comm.rank * logits.shape[1]  # its first token id
+        return parallel_cross_entropy_forward(logits, targets, start, self.comm, stat_dtype)  # (sum, lse (n,))
+
+    def cross_entropy_backward(self, scale, logits, targets, stat_dtype, lse=None, inplace=False):
+        start = self.comm.rank * logits.shape[1]
+        return parallel_cross_entropy_backward(scale, logits, targets, start, lse, stat_dtype)  # (n, V/t): no comm
+
+    def final_norm_grad(self, d_norm, cfg):  # sp: each rank's sums over its own tokens only: all-reduce it
+        return all_reduce_grads({"final_norm": d_norm.to(cfg.param_dtype)}, self.comm)["final_norm"] if self.sp \
+            else d_norm
 
     def mlp_backward(self, grad, normed, w, cfg, take):
         dxn2, grads = self.inner.mlp_backward(grad, normed, w, cfg, take)  # the block (or the experts' ranks')

@@ -13,8 +13,7 @@ from ...params import EMBED
 from .tp_comm import gather_sequence_forward
 from .tp_inventory import rank_layer_inventory
 from .tp_layer import TensorParallelCrossings
-from .vocab import embedding_backward_parallel, embedding_forward_parallel, head_backward_parallel
-from .vocab import head_forward_parallel
+from .vocab import embedding_backward_parallel, embedding_forward_parallel
 
 
 def apply_tensor_parallel(model, comm, sp=False, distribute_saved=False):
@@ -29,7 +28,8 @@ def apply_tensor_parallel(model, comm, sp=False, distribute_saved=False):
 
 
 class VocabParallel:
-    """The embedding and head of a tensor-parallel rank (vocab.py): its V/t rows of each."""
+    """The embedding of a tensor-parallel rank (vocab.py): its V/t rows (its head: picockpt/head.py's, crossing
+    where tp_layer.py says)."""
 
     def __init__(self, comm, sp):
         self.comm, self.sp = comm, sp
@@ -40,12 +40,6 @@ class VocabParallel:
     def embed_backward(self, model, dx):
         shape = model.weights[EMBED].shape  # (V/t, h)
         return embedding_backward_parallel(dx, model.input_ids, shape, self.comm, self.sp)  # (V/t, h)
-
-    def head_forward(self, model, x, store, drop):
-        return head_forward_parallel(x, model.weights, model.cfg, model.targets, store, self.comm, self.sp, drop)
-
-    def head_backward(self, model, store):
-        return head_backward_parallel(model.weights, model.cfg, model.targets, store, self.comm, self.sp)
 
 
 class DistributedSaved:

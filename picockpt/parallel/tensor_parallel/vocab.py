@@ -1,6 +1,8 @@
-"""The model around the layers on one tensor-parallel rank, as picockpt/head.py is for one process: a vocabulary-
-parallel embedding, final norm, LM head and cross-entropy (Megatron-LM's VocabParallelEmbedding and
-vocab_parallel_cross_entropy). Rank r holds the rows V_r = [r*V/t, (r+1)*V/t) of the embedding and the LM head.
+"""The vocabulary split over a tensor-parallel rank's neighbours: its embedding rows and its cross-entropy columns
+(Megatron-LM's VocabParallelEmbedding and vocab_parallel_cross_entropy). picockpt/head.py's head runs unchanged on
+this rank's LM head rows, crossing the ranks where tp_layer.py's crossings say (ENTER before the LM head, this loss,
+ENTER's backward, the final norm's gradient). Rank r holds the rows V_r = [r*V/t, (r+1)*V/t) of the embedding and the
+LM head.
 
     embedding  x    = all-reduce(x_r) (sp: reduce-scatter), x_r = embed_r[ids] where the id is in V_r, else 0
     LM head    z_r  = ENTER(rmsnorm(x_L)) @ lm_head_r.T    (B, T, V/t) this rank's columns; ENTER as in tp_layer.py
@@ -16,15 +18,11 @@ backward moves nothing: dz_r = scale * (exp(z_r - lse) - onehot_r(target)), oneh
 """
 import torch
 
-from ...head import row_chunks
-from ...ops import embedding_backward, embedding_forward, linear_backward, linear_forward, rmsnorm_apply
-from ...ops import rmsnorm_backward, rmsnorm_forward
+from ...ops import embedding_backward, embedding_forward
 from ...ops.cross_entropy import IGNORE_INDEX
-from ...params import FINAL_NORM, HEAD
-from ..comm import all_reduce_grads, all_reduce_max
-from .tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gather_sequence_backward,
-                      gather_sequence_forward, reduce_from_parallel_backward, reduce_from_parallel_forward,
-                      scatter_sequence_backward, scatter_sequence_forward)
+from ..comm import all_reduce_max
+from .tp_comm import reduce_from_parallel_backward, reduce_from_parallel_forward, scatter_sequence_backward
+from .tp_comm import scatter_sequence_forward
 
 
 # ---- the embedding -----------------------------------------------------------------------------
@@ -74,78 +72,3 @@ def parallel_cross_entropy_backward(scale, logits, targets, start, lse, stat_dty
     dz.scatter_add_(-1, ((targets - start) * mine)[:, None], minus_one)  # (n, V/t)
     dz.mul_(torch.where(targets != IGNORE_INDEX, scale, 0.0)[:, None])  # (n, V/t) ignored rows: 0
     return dz.to(logits.dtype)  # (n, V/t)
-
-
-# ---- final norm + LM head + loss -----------------------------------------------------------------
-def head_forward_parallel(x, weights, cfg, targets, store, comm, sp, drop=frozenset()):
-    """x (B, n, h): the last layer's output on this rank -> scalar loss, the same on every rank."""
-    def keep(name, tensor):
-        if name not in drop:
-            store.put(None, name, tensor)
-
-    keep("final_norm.input", x)
-    xn, rstd = rmsnorm_forward(x, weights[FINAL_NORM], cfg.norm_eps, cfg.stat_dtype)  # (B, n, h), (B, n, 1)
-    keep("final_norm.rstd", rstd)
-    keep("final_norm.output", xn)
-    # ENTER: all-gather the tokens (sp) | identity (its backward all-reduces)
-    xn = gather_sequence_forward(xn, comm) if sp else copy_to_parallel_forward(xn, comm)  # (B, T, h)
-    B, T, h = xn.shape
-    rows, ys, W = xn.view(B * T, h), targets.reshape(B * T), weights[HEAD]  # (N, h), (N,), (V/t, h)
-    start = comm.rank * W.shape[0]  # this rank's first token id (its rows: V/t of them)
-    count = (ys != IGNORE_INDEX).sum()  # () the tokens the loss averages over
-    if cfg.loss_chunk == 0:
-        logits = linear_forward(rows, W)  # (N, V/t) this rank's columns
-        keep("lm_head.logits", logits.view(B, T, -1))
-        total, lse = parallel_cross_entropy_forward(logits, ys, start, comm, cfg.stat_dtype)  # scalar, (N,)
-    else:
-        lse = torch.empty(B * T, dtype=cfg.stat_dtype, device=x.device)  # (N,)
-        total = 0.0
-        for first, end in row_chunks(B * T, cfg.loss_chunk):
-            logits = linear_forward(rows[first:end], W)  # (c, V/t) one chunk's columns, dropped at once
-            part, lse[first:end] = parallel_cross_entropy_forward(logits, ys[first:end], start, comm, cfg.stat_dtype)
-            total = total + part
-            del logits
-    keep("lm_head.lse", lse.view(B, T))
-    return total / count
-
-
-def head_backward_parallel(weights, cfg, targets, store, comm, sp):
-    """-> d loss / d x_L (B, n, h) on this rank, and {name: gradient}: its LM head rows', the whole final norm's."""
-    def take(name, rebuild=None):
-        return store.pop(None, name, rebuild)
-
-    x, rstd = take("final_norm.input"), take("final_norm.rstd")  # (B, n, h), (B, n, 1)
-    xn = take("final_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, weights[FINAL_NORM]))  # (B, n, h)
-    xn = gather_sequence_forward(xn, comm) if sp else xn  # (B, T, h) all-gather again (sp): it is kept as a shard
-    B, T, h = xn.shape
-    rows, ys, W = xn.view(B * T, h), targets.reshape(B * T), weights[HEAD]  # (N, h), (N,), (V/t, h)
-    start = comm.rank * W.shape[0]  # this rank's first token id (its rows: V/t of them)
-    scale = 1.0 / (ys != IGNORE_INDEX).sum().to(cfg.stat_dtype)  # () d loss / d (sum of the token losses)
-    lse = take("lm_head.lse").view(B * T)  # (N,)
-    if cfg.loss_chunk == 0:
-        logits = take("lm_head.logits").view(B * T, -1)  # (N, V/t)
-        dlogits = parallel_cross_entropy_backward(scale, logits, ys, start, lse, cfg.stat_dtype)  # (N, V/t)
-        del logits
-        dxn, d_head = linear_backward(dlogits, rows, W)  # (N, h) partial: this rank's columns, (V/t, h)
-        del dlogits
-    else:
-        dxn = torch.empty_like(rows)  # (N, h) partial
-        d_head = torch.zeros(W.shape, dtype=cfg.param_dtype, device=W.device)  # (V/t, h) summed over chunks
-        for first, end in row_chunks(B * T, cfg.loss_chunk):
-            chunk = rows[first:end]  # (c, h)
-            logits = store.rebuild(None, "lm_head.logits", lambda: linear_forward(chunk, W))  # (c, V/t) again
-            dlogits = parallel_cross_entropy_backward(scale, logits, ys[first:end], start, lse[first:end],
-                                                      cfg.stat_dtype)  # (c, V/t)
-            del logits
-            dxn[first:end], d_chunk = linear_backward(dlogits, chunk, W)  # (c, h), (V/t, h)
-            del dlogits
-            d_head += d_chunk  # (V/t, h)
-            del d_chunk
-    del xn, rows, lse
-    # ENTER's backward: reduce-scatter the ranks' partial gradients (sp) | all-reduce them
-    dxn = dxn.view(B, T, h)  # (B, T, h)
-    dxn = gather_sequence_backward(dxn, comm) if sp else copy_to_parallel_backward(dxn, comm)  # (B, n, h)
-    dx, d_norm = rmsnorm_backward(dxn, x, rstd, weights[FINAL_NORM])  # (B, n, h), (h,)
-    if sp:  # each rank's norm gradient sums over its own tokens only: all-reduce it (in the master dtype)
-        d_norm = all_reduce_grads({FINAL_NORM: d_norm.to(cfg.param_dtype)}, comm)[FINAL_NORM]  # (h,)
-    return dx, {HEAD: d_head, FINAL_NORM: d_norm}
