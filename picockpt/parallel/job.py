@@ -68,9 +68,31 @@ class ParallelJob:
 
 
 # ---- the checks, before any rank starts ------------------------------------------------------------------
+# What does not stack yet, in one place: (refused when, what it is, why, what works). Every other combination of
+# dp, pp, tp (sp), cp, ep and zero runs in the one rank step.
+NOT_YET = [
+    (lambda job: job.cp > 1 and job.ep > 1, lambda job: f"cp={job.cp} with ep={job.ep}",
+     "a rank's experts would receive the tokens of its sequence chunks, and the routing and its closed forms are "
+     "by whole rows", "use cp with tp, dp, zero and pp, or ep without cp"),
+    (lambda job: job.cp_keep_kv and (job.pp > 1 or job.microbatches > 1 or job.tp > 1),
+     lambda job: f"cp_keep_kv=True with pp={job.pp}, microbatches={job.microbatches}, tp={job.tp}",
+     "the kept K/V are closed-formed for one micro-batch per rank without tp", "use it with pp=1, microbatches=1 "
+     "and tp=1"),
+    (lambda job: job.ep > 1 and job.distribute_saved, lambda job: f"ep={job.ep} with distribute_saved=True",
+     "its closed forms split no expert-parallel checkpoint", "leave distribute_saved out with ep"),
+    (lambda job: job.zero and (job.steps > 1 or len(job.batches or ()) > 1) and job.pp > 1 and job.cfg.draws_random,
+     lambda job: f"{job.steps or len(job.batches)} steps with pp={job.pp} and dropout",
+     "the next step's first stage would need the generator state the last stage ends with",
+     "train with pp=1, or dropout=0"),
+]
+
+
 def checked_job(job, device, world_size):
     """The job with its policy parsed and batch checked; a ValueError naming the value before any rank starts."""
     check_flags(job)
+    for refused, what, why, works in NOT_YET:
+        if refused(job):
+            raise ValueError(f"{what(job)} is not supported yet: {why}; {works}")
     job = checked_batch(job, device)
     cfg, policy, (B, T), M = job.cfg, parse_policy(job.policy, job.cfg), job.input_ids.shape, job.microbatches
     check_schedule(job.schedule)
@@ -97,7 +119,7 @@ def checked_job(job, device, world_size):
         raise ValueError(f"batch={B} is not divisible into dp x microbatches = {job.dp} x {M} = {job.dp * M} "
                          f"micro-batches of equal size; use a batch that is a multiple of {job.dp * M}")
     if job.ep > 1:
-        check_expert_parallel(cfg, job.ep, B // (job.dp * M), job.policy, job.distribute_saved, job.dp * M > 1)
+        check_expert_parallel(cfg, job.ep, B // (job.dp * M), job.policy, job.dp * M > 1)
     if job.tp > 1:
         check_tensor_parallel(cfg, job.tp, job.sp, T // job.cp, job.distribute_saved, experts=True)  # T/cp tokens
     if job.dp * M > 1:

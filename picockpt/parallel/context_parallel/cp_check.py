@@ -47,18 +47,11 @@ def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_k
 def check_context_job(job, policy, device):
     """The context-parallel fields of a picockpt.parallel job (job.py: ParallelJob), with its parsed policy."""
     M, T = job.microbatches, job.input_ids.shape[1]
-    if job.cp > 1:  # context parallelism composes with tp, dp (ZeRO too) and pp
-        if job.ep > 1:
-            raise ValueError(f"cp={job.cp} with ep={job.ep} is not supported yet: context parallelism composes with "
-                             f"tp, dp, zero and pp here; use cp with those, or ep without cp")
+    if job.cp > 1:  # what does not stack yet: job.py's NOT_YET
         if job.cp_keep_kv and policy.budget is not None:
             raise ValueError(f"cp_keep_kv=True with policy={policy.text!r} is not supported yet: the planner's chain "
                              f"does not hold the kept K/V; use a budget without cp_keep_kv, or keep_kv with none, "
                              f"full, every:C, selective or cheap")
-        if job.cp_keep_kv and (job.pp > 1 or M > 1 or job.tp > 1):
-            raise ValueError(f"cp_keep_kv=True with pp={job.pp}, microbatches={M}, tp={job.tp} is not supported yet: "
-                             f"the kept K/V are closed-formed for one micro-batch per rank without tp; use it with "
-                             f"pp=1, microbatches=1 and tp=1")
         check_context_parallel(job.cfg, job.cp, T, job.cp_layout, job.cp_comm, job.cp_keep_kv, job.policy, device)
     else:
         given = [f"{name}={value!r}" for name, value, default in (("cp_layout", job.cp_layout, "zigzag"), (

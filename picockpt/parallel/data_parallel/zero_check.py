@@ -43,9 +43,6 @@ def check_zero_job(job):
                              f"overlap out")
         shard_ranks = job.dp * job.ep * job.cp  # the group every weight but the experts' is sharded over
         check_zero(job.zero, shard_ranks, job.cfg, None, job.keep_gathered, job.prefetch)  # rows: job.py's check
-        if steps > 1 and job.pp > 1 and job.cfg.draws_random:
-            raise ValueError(f"{steps} steps with pp={job.pp} and dropout: the next step's first stage would need the "
-                             f"generator state the last stage ends with; train with pp=1, or dropout=0")
     elif steps:
         raise ValueError(f"{'batches' if job.batches else f'steps={job.steps}'} without zero: AdamW on the shards is "
                          f"ZeRO's; add zero=1, 2 or 3 (and dp >= 2), or leave it out")

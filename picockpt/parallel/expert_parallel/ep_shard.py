@@ -25,7 +25,7 @@ def gather_expert_grads(per_rank, params):
             for name in params}
 
 
-def check_expert_parallel(cfg, ep, batch, policy, distribute_saved=False, split=False):
+def check_expert_parallel(cfg, ep, batch, policy, split=False):
     """ValueError naming the parameter, the value and what would work, for every split that cannot be. batch: one
     micro-batch of one replica's sequences (its ep ranks split them); split: dp x microbatches > 1."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
@@ -41,9 +41,6 @@ def check_expert_parallel(cfg, ep, batch, policy, distribute_saved=False, split=
         per = " (per replica and micro-batch)" if split else ""
         raise ValueError(f"batch={batch}{per} is not divisible by ep={ep}: each rank computes batch/ep whole "
                          f"sequences; use a batch that is a multiple of {ep}, or ep in {fits}")
-    if distribute_saved:
-        raise ValueError(f"ep={ep} with distribute_saved=True: that splits a tensor-parallel checkpoint over tp ranks; "
-                         f"leave it out with ep")
     if parse_policy(policy, cfg).budget is not None:
         raise ValueError(f"policy {policy!r} with ep={ep}: a budget is planned per rank, but a rank's bytes "
                          f"depend on the tokens routed to its experts, and every rank must recompute the same layers "
