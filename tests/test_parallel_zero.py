@@ -25,7 +25,9 @@ from picockpt.params import param_shapes
 from picockpt.parallel import ParallelJob, run_ranks
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_step, fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_check import check_zero
-from picockpt.parallel.data_parallel.zero_inventory import zero_comm_bytes, zero_paper_bytes
+from picockpt.parallel.data_parallel.zero_inventory import zero_paper_bytes
+from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+from picockpt.parallel.predictions import zero_stage_forms
 from picockpt.parallel.step import run_collected
 from picockpt.train import MarkovTask, make_optimizer, train_step
 
@@ -145,6 +147,12 @@ def launch(request, launched):
     return request.param, launched[request.param]
 
 
+def zero_comm_bytes(cfg, policy, keep=False):
+    """ZeRO-3's collectives per phase on one of 2 ranks (predictions.zero_stage_forms on the one stage's rank)."""
+    stage = StageForms(cfg, BATCH, SEQ, policy, 1, 1, "1f1b", 0, 2)
+    return zero_stage_forms(cfg, stage, 3, dp=2, keep_gathered=keep, steps=0)["zero_bytes_by_kind"]
+
+
 def relative(value, reference):
     scale = reference.double().abs().max().item()
     return (value.double() - reference.double()).abs().max().item() / (scale or 1.0)
@@ -249,7 +257,7 @@ def test_the_zero_papers_example_and_what_stage_3_moves():
     gb = {stage: round(n / 1e9, 1) for stage, n in zero_paper_bytes(7.5e9, K=12, N_d=64).items()}
     assert gb == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
     cfg = Config(**BASE)
-    none, full = (zero_comm_bytes(cfg, BATCH, SEQ, p, 3, 2) for p in ("none", "full"))
+    none, full = (zero_comm_bytes(cfg, p) for p in ("none", "full"))
     assert "all_gather" not in none["recompute"] and full["recompute"]["all_gather"] == full["backward"]["all_gather"]
 
 
@@ -275,7 +283,7 @@ def test_fsdp2_gathers_beside_picockpts(fsdp2_launched):
     backward's): picockpt's full + keep_gathered. torchtitan's fsdp(ac(layer)) recomputes without running the
     unit's forward (FSDP's hooks); ac(fsdp(layer)) runs it in every recompute; either finds the layer gathered."""
     cfg, params, input_ids, targets, (default, plain, always, never, outside) = fsdp2_launched
-    ours, ours_plain = (zero_comm_bytes(cfg, BATCH, SEQ, "full", 3, 2, keep) for keep in (True, False))
+    ours, ours_plain = (zero_comm_bytes(cfg, "full", keep) for keep in (True, False))
     L = cfg.layers
     for nesting, run in (("fsdp(ac(layer))", default), ("ac(fsdp(layer))", outside)):
         assert (run["forward"]["calls"], run["forward"]["bytes"]) == (1 + L, ours["forward"]["all_gather"]), nesting

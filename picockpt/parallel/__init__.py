@@ -8,16 +8,12 @@ beside the layer that calls it.
         return parallel.gather_sequence_forward(shards[comm.rank], comm, dim=1)   # (B, T/2, h) -> (B, T, h)
     results = parallel.run_ranks(step, 2, x.chunk(2, dim=1))   # spawned local ranks on gloo, or torchrun's
 
-Read step.py first (loss_and_grads: how the layouts wrap the one engine). Shared by every layout:
-    layout.py     the rank grid dp x pp x ep x cp x tp and its process groups (passed explicitly, never global)
-    comm.py       the counting base: Comm, its log of bytes per phase, the counted collectives
-    job.py        the caller's side: the job, its checks, what the ranks are sent, their generator
-    rank.py       one rank's step, for any layout: its stage's micro-batches, each the engine's loop
-    predictions.py the closed forms beside every rank's measurements
-    rng.py        random draws equal to the single process's: drawn whole, each rank keeps its slice
-    launch.py     where the processes come from (torchrun's, or spawned on 127.0.0.1); watch.py: how a failure ends them
-    timeline.py   what each rank did when, for Gantt figures
-and one folder per parallelism, each opening with what it holds and which file to read first:
+Read step.py first (the caller's side), then rank.py (one rank's step, for any layout) and rank_model.py (its model:
+each dimension applied over the ones before). Shared: layout.py (the grid and its groups, passed explicitly, never
+global), comm.py (the counted collectives), job.py (the job and its checks), predictions.py (the closed forms beside
+every report), rng.py (random draws equal to the single process's), launch.py and watch.py (where the processes come
+from, how a failure ends them), timeline.py (what each rank did when), training.py (zero_train); and one folder per
+parallelism, each opening with what it holds and which file to read first:
     tensor_parallel/    Megatron-style column/row-parallel layers, sequence parallelism, vocab-parallel head
     pipeline_parallel/  stages, AFAB and 1F1B schedules, paired point-to-point sends, per-stage budgets
     data_parallel/      gradient buckets all-reduced over replicas as soon as they are final; ZeRO 1/2/3

@@ -1,6 +1,7 @@
 """One rank's step of any layout, dp x pp x ep x cp x tp (step.py shows how each parallelism wraps the engine):
 its stage's micro-batches, forwards and backwards in the schedule's order, each one the engine's own loop over a
-model whose layers cross ranks where its layout says (make_inner below).
+model whose layers cross ranks where its layout says (make_inner below: each dimension applied over the ones before);
+under ZeRO the stage's weights and buckets are its shards' (data_parallel/zero_shards.py).
 
     for action in actions(schedule, P, M, stage):          # pipeline_parallel/pp_schedules.py; P = M = 1: one step
         if action.kind == "F":                              # a Step per micro-batch (picockpt/engine.py)
@@ -158,8 +159,9 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
         pipe = Pipe(groups.previous, groups.next, device, timeline, tracker)
         for group in layer_comms:
             group.tracker, group.log = tracker, layer_log
+        reduce_log = CommLog()  # the data-parallel groups' collectives (the buckets', or ZeRO's), this step's
         for group in reducing:
-            group.tracker, group.log = tracker, CommLog()
+            group.tracker, group.log = tracker, reduce_log
         if shards is not None:
             shards.begin(tracker)
         buckets = shards or _buckets(job, stage_forms, groups, params, device, timeline, tracker)
@@ -203,7 +205,7 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
         del stage, steps
     for group in layer_comms + reducing:
         group.tracker = None
-    report = _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reducing)
+    report = _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reduce_log)
     report.update(first_stored, received_rows=[received[k] for k in stage_forms.layers] if job.ep > 1 else None,
                   chunks=tokens.chunks(groups.cp_rank) if tokens else None,
                   chunk_tokens=tokens.chunk if tokens else None)
@@ -212,19 +214,9 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
     else:
         report.update(state, zero=job.zero, keep_gathered=job.keep_gathered, prefetch=job.prefetch,
                       gathered_peak_bytes=dict(shards.gathered_peak),
-                      zero_bytes_by_kind=merged([group.log.bytes for group in reducing], PHASES + ("optimizer",)),
-                      zero_calls_by_kind=merged([group.log.calls for group in reducing], PHASES + ("optimizer",)))
+                      **{f"zero_{what}_by_kind": {phase: dict(table.get(phase, {})) for phase in PHASES + ("optimizer",)}
+                         for what, table in (("bytes", reduce_log.bytes), ("calls", reduce_log.calls))})
     return loss, rng_end, report
-
-
-def merged(tables, phases):
-    """{phase: {kind: n}} of several groups' logs (CommLog.bytes or .calls) together."""
-    out = {phase: {} for phase in phases}
-    for table in tables:
-        for phase, kinds in table.items():
-            for kind, nbytes in kinds.items():
-                out[phase][kind] = out[phase].get(kind, 0) + nbytes
-    return out
 
 
 def _buckets(job, stage_forms, groups, params, device, timeline, tracker):
@@ -243,7 +235,7 @@ def _buckets(job, stage_forms, groups, params, device, timeline, tracker):
                                  make(groups.expert_dp_comm, is_expert), is_expert)
 
 
-def _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reducing):
+def _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reduce_log):
     seconds = timeline.totals()
     busy = seconds["forward"] + seconds["recompute"] + seconds["backward"]
     local = job.cfg.experts // job.ep if job.ep > 1 else 0
@@ -264,7 +256,7 @@ def _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, 
         "p2p_bytes": {phase: dict(pipe.log.bytes.get(phase, {})) for phase in ("forward", "backward")},
         "p2p_posted": pipe.posted,  # every group of sends and receives, in the order posted
         **layer_log.report(PHASES),  # the layers' collectives (tp, ep or cp): bytes and calls per phase, by kind
-        "dp_bytes": sum(group.log.total() for group in reducing),
+        "dp_bytes": reduce_log.total(),
         "timeline_start": timeline.start,
         "timeline": timeline.relative(),
         "timeline_seconds": seconds,

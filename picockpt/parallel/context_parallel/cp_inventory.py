@@ -1,15 +1,6 @@
 """Closed forms per context-parallel rank: the bytes it stores, the bytes it moves, the FLOPs it computes.
 
-The same exactness as picockpt/inventory.py (the tracker equals these to the byte), for one rank of cp:
-
-    cp_layer_inventory(cfg, B, T, cp, drop, cp_comm, keep_kv)   name -> (shape, dtype, bytes) of one stored layer
-    cp_head_inventory(cfg, B, T, cp, drop)                      the same of the final norm and the logits (or lse)
-    cp_peak_bytes(cfg, B, T, policy, cp, cp_comm, keep_kv)      the rank's activation store's peak in one step
-    cp_comm_bytes(cfg, B, T, policy, cp, cp_comm, keep_kv)      bytes its ring or all-gather moves, per phase
-    stage_comm_bytes(forms, T, cp, cp_comm, keep_kv)            the same for a stage's rank, with its tp collectives
-    recompute_comm_flops(cfg, B, T, cp, cp_comm, keep_kv)       a recomputed layer's ring, priced as FLOPs (budgets)
-    rank_attention_flops(cfg, B, T, cp, layout, rank)           one of its attention core's two matmuls, per layer
-    cp_flops(cfg, B, T, policy, cp, layout, rank)               matmul FLOPs per phase
+The same exactness as picockpt/inventory.py (the tracker equals these to the byte), for one rank of cp.
 
 Stored bytes: every tensor a layer or the head keeps under tiled or fused attention is linear in its tokens
 (eager's (T, T) probabilities are refused under cp), and a rank runs the very layer on its n = T/cp tokens:

@@ -25,7 +25,6 @@ a rank's stage units, of its tp slices and experts, each over its own group.
 """
 import torch
 
-from ...policy import parse_policy
 from ..pipeline_parallel.pp_schedules import Action
 from .zero_params import flat_units
 
@@ -117,29 +116,3 @@ def reduce_bytes_by_kind(units, stage, p, optimizer=True):
     if stage < 3 and optimizer:
         out["optimizer"] = {"all_gather": padded}
     return out
-
-
-def zero_comm_bytes(cfg, batch, seq, policy, stage, world_size, keep_gathered=False, optimizer=True):
-    """{phase: {kind: bytes}} one rank's collectives move in one step under `stage`, dp ranks alone (ZeRO's own:
-    the gathers, the gradient reductions, the optimizer's gather of updated shards; optimizer=False: a step
-    without the optimizer's, forward and backward only)."""
-    units = flat_units(cfg, world_size)
-    p = torch.empty((), dtype=cfg.param_dtype).element_size()
-    c = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    out = {phase: {} for phase in PHASES}
-    for phase, kinds in reduce_bytes_by_kind(units, stage, p, optimizer).items():
-        out[phase].update(kinds)
-    if stage == 3:
-        uses = gather_uses(cfg, _schedule(cfg, batch, seq, policy, world_size))
-        moved = gather_forms(uses, {u.key: u.padded * c for u in units}, keep_gathered)[0]
-        for phase, nbytes in moved.items():
-            out[phase]["all_gather"] = nbytes
-    return _drop_zeros(out)
-
-
-def _schedule(cfg, batch, seq, policy, world_size):
-    return parse_policy(policy, cfg).schedule(cfg, batch // world_size, seq)  # the rank's rows: b = B / N_d
-
-
-def _drop_zeros(table):
-    return {phase: {kind: n for kind, n in kinds.items() if n} for phase, kinds in table.items()}

@@ -12,15 +12,8 @@ FlatParameter of FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, use_ori
 and DeepSpeed ZeRO's flat, padded partitions. (FSDP2, torch.distributed.fsdp.fully_shard, cuts each
 parameter along dim 0 instead, padding dim 0 to a multiple of N_d: the same bytes up to padding.)
 
-    unit = FlatUnit(key, names, shapes, world_size)
-    flat = unit.flatten(tensors, dtype)          # (padded,) the unit's tensors in one buffer, zero-padded
-    unit.views(flat)                             # {name: tensor of its shape}, views into flat
-    unit.shard(flat, rank)                       # (s,) rank's part of it, a view
-    unit.pieces(shard, rank)                     # {name: (n_r,)} the part of each parameter inside the shard
-
 A piece is a name's elements that fall in one rank's shard (empty when none do); a parameter is its
-pieces concatenated in rank order, so reassembling needs only the shapes. Under ZeRO-2 and -3 a
-rank's gradients come back as its pieces under the parameters' names.
+pieces concatenated in rank order, so reassembling needs only the shapes.
 
 The all-gather of a unit (gather_flat) is a counted collective as picockpt/parallel/comm.py counts
 one (the gathered output's bytes), with two differences: it can run asynchronously (a prefetch), and

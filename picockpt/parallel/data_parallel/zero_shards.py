@@ -9,22 +9,17 @@ FlatUnit) is sharded over the group its gradients are summed over (layout.py): e
 the dp x ep x cp ranks (torchtitan's dp_shard_cp mesh under cp), an expert's over the dp x cp ranks that hold it
 (its expert-data-parallel group). A layer under ep is two units, one per group; a group of one shards nothing.
 
-Weights:
-    stages 1, 2   every unit whole, as plain data parallelism: nothing gathered
-    stage 3       the rank's shard of each unit; before each use the unit is all-gathered, after it freed. A use is
-                  the embedding's forward, a layer's forward, its recompute (every sweep that runs it again) and its
-                  backward, the head's forward and backward; the embedding's backward needs only its shape. The head
-                  stays gathered from its forward to its backward (torchtitan's apply_fsdp_to_decoder does not
-                  reshard the final norm and output after the forward); keep_gathered=True keeps a layer gathered
-                  by a recompute sweep until its backward (one gather fewer per recomputed layer, for holding a
-                  sweep's layers at once). FSDP2 gathers a recomputed block once in the backward under either
-                  nesting of checkpoint and fully_shard (fsdp_peer.py counts both). prefetch=True starts the next
-                  use's gather, asynchronously, before this use computes, as FSDP's forward and backward prefetch.
-                  Under pp every micro-batch's uses gather again, in the schedule's order (zero_inventory.stage_uses).
-Gradients, accumulated whole over the stage's micro-batches (as torch.distributed.pipelining runs FSDP: gradient sync
-only in the last backward) and reduced once final (the last micro-batch's backward of the unit):
-    stage 1       one all-reduce of the unit's flat gradient: every rank holds the sum
-    stages 2, 3   one reduce-scatter: the rank keeps the sum of its shard, the whole flat gradient is freed
+Weights: under stages 1 and 2 every unit whole, as plain data parallelism; under stage 3 the rank's shard of each,
+all-gathered before each use and freed after it. A use is the embedding's forward, a layer's forward, each recompute
+sweep that runs it again and its backward, the head's forward and backward (the embedding's backward needs its shape
+only). The head stays gathered from its forward to its backward (torchtitan's apply_fsdp_to_decoder does not reshard
+the final norm and output after the forward); keep_gathered=True keeps a layer a recompute sweep gathered until its
+backward, one gather fewer for holding a sweep's layers at once (FSDP2 gathers a recomputed block once in the backward:
+fsdp_peer.py). prefetch=True starts the next use's gather before this use computes, as FSDP's prefetch does. Under pp
+every micro-batch's uses gather again, in the schedule's order (zero_inventory.stage_uses).
+Gradients accumulate whole over the stage's micro-batches (as torch.distributed.pipelining runs FSDP: gradient sync
+only in the last backward) and are reduced once final: stage 1 all-reduces a unit's flat gradient (every rank holds
+the sum), stages 2 and 3 reduce-scatter it (the rank keeps its shard's sum, the whole is freed).
 Optimizer (steps > 0): picockpt/train.py's AdamW on the rank's shards only (elementwise: bit for bit the whole
 tensor's update of those elements); stages 1 and 2 then all-gather the updated shards into the whole weights.
 """

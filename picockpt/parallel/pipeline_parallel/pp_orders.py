@@ -1,10 +1,5 @@
-"""Pipeline orders beyond AFAB and 1F1B, and a clock that runs any order: interleaved 1F1B and ZB-H1, modelled.
-
-    interleaved_actions(P=4, M=8, V=2, stage=0)   Megatron-LM's interleaved 1F1B: V chunks of layers a rank
-    zb_h1_actions(P=4, M=8, stage=1)              ZB-H1: each backward split into B (input gradient) and W (weight
-                                                  gradient), some W's waiting to fill what would be bubble
-    run_orders(orders, P, V, times)               every stage's actions on one clock: its idle share, the most
-                                                  micro-batches each stage holds, and when
+"""Pipeline orders beyond AFAB and 1F1B, and a clock that runs any order (run_orders): interleaved 1F1B and ZB-H1,
+modelled.
 
 An Action is (kind, microbatch, chunk): "F" a forward, "B" a backward (the whole backward under AFAB, 1F1B and
 interleaving; only the input gradient under ZB-H1), "W" the weight gradients. Chunk c of rank s is virtual stage
