@@ -81,13 +81,43 @@ def single(name):
     return loss, grads, trained
 
 
+TRAINING = dict(zero=3, dp=2, tp=2, sp=True)  # zero_train's job on a stacked layout: a new batch each step
+
+
+def training_batches(cfg):
+    return [make_batch(cfg, BATCH, SEQ, "cpu", seed=seed) for seed in (3, 4)]
+
+
 @pytest.fixture(scope="module")
 def launched():
     out = []
     for world, cases in ((4, FOUR), (8, EIGHT)):
         jobs = [job(*case) for case in cases]
-        out += list(zip(cases, run_collected(jobs, start_method=START, timeout_s=180)))
+        if world == 4:  # and the training run, in the same launch
+            cfg, params, *_ = model("dense")
+            batches = training_batches(cfg)
+            jobs.append(ParallelJob(params, cfg, *batches[0], "full", batches=batches, lr=3e-3, weight_decay=0.1,
+                                    rng_state=torch.manual_seed(7).get_state(), **TRAINING))
+        runs = run_collected(jobs, start_method=START, timeout_s=180)
+        out += list(zip(cases, runs))
+        if world == 4:
+            out.append((("training", "full", TRAINING), runs[-1]))
     return out
+
+
+@pytest.mark.ranks
+def test_training_a_stacked_layout_equals_training_in_one_process(launched):
+    """zero_train's job (ParallelJob with batches: one AdamW step on each) on ZeRO-3 x tp x sp: every step's loss
+    and the parameters after 2 steps as picockpt/train.py's train_step reaches them (fp64, rel 1e-10)."""
+    run = dict((case[0], run) for case, run in launched)["training"]
+    cfg, params, *_ = model("dense")
+    trained = {key: tensor.clone() for key, tensor in params.items()}
+    optimizer = make_optimizer(trained, 3e-3, 0.1)
+    torch.manual_seed(7)
+    losses = [train_step(trained, optimizer, cfg, ids, tgt, "none") for ids, tgt in training_batches(cfg)]
+    assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(run["losses"], losses)) and len(run["losses"]) == 2
+    for key in trained:
+        assert relative(run["params"][key], trained[key]) <= 1e-10, key
 
 
 def relative(value, reference):
@@ -101,6 +131,8 @@ def test_stacked_layouts_equal_the_single_process(launched):
     element whose gradient is near zero in fp32 steps where its last bits say (tests/test_parallel_zero.py's
     training test measures it); in fp64 the ranks' sums and the single process's agree far below that."""
     for (name, policy, layout), run in launched:
+        if name == "training":
+            continue
         loss0, grads0, trained0 = single(name)
         where = (name, policy, layout)
         assert abs(run["loss"].item() - loss0.item()) <= 1e-10 * abs(loss0.item()), where
@@ -114,7 +146,7 @@ def test_stacked_layouts_equal_the_single_process(launched):
 @pytest.mark.ranks
 def test_every_ranks_bytes_equal_their_closed_forms(launched):
     for (name, policy, layout), run in launched:
-        for r in run["reports"]:
+        for r in run["reports"]:  # (the training run's: its last step's)
             where = (name, policy, layout, r["rank"])
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
             keys = KEYS + (ZERO_KEYS if layout.get("zero") else ()) + (EXPERT_KEYS if layout.get("ep") else ())
