@@ -58,7 +58,7 @@
 # * **communication**: under `full`, the bytes per phase of the ring, the all-gather and the kept all-gather.
 # * **balance**: per-rank attention FLOPs, zigzag against contiguous, and Llama 3 8B at 128K tokens.
 # * **beside tensor parallelism**: Llama 3 405B at 128K tokens with $tp = 8$, where $cp$ goes on after $tp$
-#   runs out of K/V heads.
+#   runs out of K/V heads, and a rank's model state with FSDP's sharding over $dp$ or over $dp \times cp$.
 #
 # Context parallelism runs through the same rank step as every other layout (`picockpt/parallel/rank.py`):
 # beside tensor parallelism a rank runs the tensor-parallel layer on its $T/cp$ tokens and passes the K/V of
@@ -74,6 +74,7 @@
 # `PICOCKPT_LESSON_ARGS` (unset: the CPU run).
 
 # %%
+import math
 import multiprocessing
 
 import matplotlib.pyplot as plt
@@ -90,8 +91,10 @@ from picockpt.measure import make_batch
 from picockpt.parallel import ParallelJob, run_jobs
 from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes, kept_kv_bytes
 from picockpt.parallel.context_parallel.cp_inventory import rank_attention_flops
+from picockpt.parallel.data_parallel.zero_shards import stage_units
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms, stage_plan
 from picockpt.parallel.pipeline_parallel.pp_schedules import in_flight, stage_layers
+from picockpt.parallel.predictions import rank_param_shapes, zero_stage_forms
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
@@ -435,6 +438,102 @@ print(f"the paper's layout, cp = 16 beside tp = 8 and pp = 16 (1F1B over 16 sequ
       f"checkpoints), the last stage ({split[-1]} layers) {stages[-1] / GIB:.2f} GiB; with the paper's split "
       f"({paper_split[0]} layers on the first stage, {paper_split[1]} on each of the 14 between, {paper_split[-1]} "
       f"on the last: {sum(paper_split)}), stage 0 holds {paper_stage0 / GIB:.2f} GiB")
+
+# %% [markdown]
+# ### Its fourth dimension, FSDP
+#
+# The paper's 4D parallelism has data parallelism as its fourth dimension, run as FSDP (sec. 3.3.2), and for
+# this 131072-token stage its table of configurations (Table 4 of the arXiv v3 text) puts $dp = 8$ beside the
+# other three: $tp \times cp \times pp \times dp = 8 \times 16 \times 16 \times 8 = 16{,}384$, the GPU count.
+# FSDP shards what ZeRO (lesson 19) calls the model state, in ZeRO's stages: ZeRO-1 the optimizer state,
+# ZeRO-2 the gradients as well, ZeRO-3 the parameters too, a layer's all-gathered around each of its uses.
+# The paper's FSDP shards the optimizer state and the gradients, and of the parameters it says: "for model
+# shards we do not reshard after forward computation to avoid an extra all-gather communication during
+# backward passes". Over which ranks? A layer's $cp$ ranks hold the same weights and sum the same gradients
+# (the $dp \times cp$ group above), so the shards can spread over all $dp \times cp = 128$ of them: torchtitan
+# shards FSDP that way (its `dp_shard_cp` mesh, `dp_shard` flattened with `cp`).
+#
+# Below, one rank of pipeline stage 0 (the embedding and 8 layers, its $tp = 8$ slices, its 16 micro-batches'
+# checkpoints from above), in picockpt's dtypes: fp32 master weights, fp32 gradients, AdamW's two fp32
+# moments and a 4-byte step count per unit, and under ZeRO-3 the gathered weights in bf16, the compute dtype
+# (`zero_stage_forms`, `picockpt/parallel/predictions.py`: the closed forms lesson 19 measures to the byte, in
+# fp32: picockpt runs ZeRO in fp32 and fp64 only, so these bf16 rows are closed forms, not measurements).
+# ZeRO-0, nothing sharded, is `zero_stage_forms` at `zero=1` over a group of one rank: each unit is then its
+# own single shard, unpadded, and no collective moves anything, so every byte is held whole. "gathered" is the
+# most bf16 weights gathered at once: under ZeRO-3 the unit in use and the next one, prefetched; with the
+# parameters kept after the forward (the paper's choice) every unit of the stage. "activations" is the stage's
+# store peak above. The totals count only these closed forms: no allocator slack, no communication buffers,
+# no kernel workspaces.
+
+# %%
+def zero_state(zero, dp, cp, forms):
+    """ZeRO's closed forms on a rank of pipeline stage `forms` beside tp = 8 and pp = 16 (1F1B, 16 micro-batches),
+    every weight sharded over dp x cp ranks (parallel/predictions.py)."""
+    return zero_stage_forms(llama405, forms, zero, 8, 1, dp, cp, "1f1b", 16, 16)
+
+
+def whole_stage_bytes(forms, ranks):
+    """Bytes of every unit of the stage's rank gathered at once, in the compute dtype (bf16), each unit padded to
+    a multiple of `ranks` as its shards are."""
+    units = stage_units(rank_param_shapes(llama405, forms, 8), forms.layers, forms.first, forms.last,
+                        {False: ranks, True: ranks})
+    return sum(unit.padded for parts in units.values() for unit in parts) * llama405.torch_dtype.itemsize
+
+
+first_stage = StageForms(llama405, 16, LLAMA_SEQ // 16, "full", 16, 16, "1f1b", 0, 1, 8, True)
+assert first_stage.peak_bytes == stages[0]  # the stage above
+master = llama405.param_dtype.itemsize  # 4 bytes: fp32 master weights under bf16 compute
+stage_params = sum(math.prod(shape) for shape in rank_param_shapes(llama405, first_stage, 8).values())
+stage_units_count = len(first_stage.layers) + 1  # the embedding and 8 layers, one flat unit each
+unsharded = zero_state(1, 1, 1, first_stage)  # one rank: nothing padded, nothing moved
+assert unsharded["param_bytes"] == unsharded["grad_bytes"] == master * stage_params
+assert unsharded["optimizer_bytes"] == 2 * master * stage_params + 4 * stage_units_count  # two moments, step counts
+assert not any(unsharded["zero_bytes_by_kind"].values())
+rows = {"ZeRO-0, nothing sharded": (unsharded["param_bytes"], unsharded["grad_bytes"], unsharded["optimizer_bytes"],
+                                     0)}
+sharded = {}
+for ranks, (group_dp, group_cp), group in ((8, (8, 1), "dp = 8"), (128, (8, 16), "dp x cp = 128")):
+    for zero in (1, 2, 3):
+        forms = sharded[zero, ranks] = zero_state(zero, group_dp, group_cp, first_stage)
+        rows[f"ZeRO-{zero} over {group}"] = (forms["param_bytes"], forms["grad_bytes"], forms["optimizer_bytes"],
+                                             max(forms["gathered_peak_bytes"].values()))
+    three = sharded[3, ranks]
+    rows[f"kept after forward, over {group}"] = (three["param_bytes"], three["grad_bytes"],
+                                                 three["optimizer_bytes"], whole_stage_bytes(first_stage, ranks))
+print(f"one rank of pipeline stage 0 ({stage_params:,} parameters: its tp = 8 slices), GiB:")
+print(f"{'':<40}{'params':>7}{'grads':>7}{'AdamW':>7}{'gathered':>9}{'activations':>12}{'total':>7}"
+      f"{'of 80 GiB':>10}")
+totals = {}
+for label, parts in rows.items():
+    totals[label] = sum(parts) + first_stage.peak_bytes
+    print(f"{label:<40}" + "".join(f"{part / GIB:>7.2f}" for part in parts[:3]) + f"{parts[3] / GIB:>9.2f}"
+          f"{first_stage.peak_bytes / GIB:>12.2f}{totals[label] / GIB:>7.2f}{totals[label] / (80 * GIB):>10.0%}")
+state_of = {key: sum(forms[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+            for key, forms in sharded.items()}
+assert state_of[3, 128] < state_of[3, 8] < state_of[2, 8] < state_of[1, 8] < sum(rows["ZeRO-0, nothing sharded"])
+assert sharded[2, 128]["param_bytes"] == unsharded["param_bytes"]  # ZeRO-1 and 2 keep the parameters whole
+step_counts = 4 * stage_units_count  # each unit's AdamW step count, whole on every rank
+padding = 128 * sharded[1, 128]["optimizer_bytes"] - unsharded["optimizer_bytes"] - 127 * step_counts
+assert 0 <= padding <= 2 * master * 127 * stage_units_count  # 1/128 of the moments, up to each unit's padding
+gathers = {phase: kinds.get("all_gather", 0) for phase, kinds in sharded[3, 128]["zero_bytes_by_kind"].items()}
+assert gathers["forward"] == 16 * whole_stage_bytes(first_stage, 128)  # every micro-batch gathers every unit
+no_reshard = rows["kept after forward, over dp x cp = 128"]
+print(f"parameters not resharded after the forward (Llama 3's FSDP), over 128 ranks: at rest the rank stores "
+      f"ZeRO-3's fp32 shards ({no_reshard[0] / GIB:.2f} GiB), but each layer stays whole from its forward to its "
+      f"backward, so during the step it holds its stage's whole parameters ({no_reshard[3] / GIB:.2f} GiB in bf16; "
+      f"ZeRO-2 holds them whole in fp32, {unsharded['param_bytes'] / GIB:.2f} GiB) while gradients "
+      f"({no_reshard[1] / GIB:.2f}) and AdamW state ({no_reshard[2] / GIB:.2f}) stay sharded: "
+      f"{sum(no_reshard) / GIB:.2f} GiB of model state, {totals['kept after forward, over dp x cp = 128'] / GIB:.2f} "
+      f"GiB with the activations")
+print(f"what it saves: ZeRO-3 as picockpt runs it gathers {gathers['forward'] / GIB:.2f} GiB a step in the forwards "
+      f"(16 micro-batches x {whole_stage_bytes(first_stage, 128) / GIB:.2f}), {gathers['recompute'] / GIB:.2f} GiB "
+      f"in the recomputes and {gathers['backward'] / GIB:.2f} GiB in the backwards (every layer; the embedding's "
+      f"backward needs its shape only); with each layer kept from its forward to its backward the last two are "
+      f"not gathered")
+fits = all(total < 80 * GIB for total in totals.values())
+assert fits  # what the line below says
+print(f"every row fits in 80 GiB: {fits}, ZeRO-0's too ({totals['ZeRO-0, nothing sharded'] / GIB:.2f} GiB): by these "
+      f"counts sharding frees room at this stage rather than making it fit")
 
 # %% [markdown]
 # Every doubling of $cp$ halves a rank's stored activations and its tensor-parallel traffic (both are linear

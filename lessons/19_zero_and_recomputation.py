@@ -20,7 +20,7 @@
 # layout (`picockpt/parallel/rank.py`; `data_parallel/zero_shards.py` takes the place of the gradient buckets and
 # the whole weights), so it stacks on tensor, pipeline, context and expert parallelism: a rank shards what it
 # holds of its stage (its tensor-parallel slices too) over its data-parallel group, the dp x ep x cp ranks (an
-# expert over the dp x cp ranks that hold it). This lesson runs it over dp alone.
+# expert over the dp x cp ranks that hold it). This lesson runs it over dp alone, and then once beside tp and pp.
 #
 # Under stage 3 a layer's parameters exist whole only around their uses: gathered before its forward, freed
 # after, gathered again for its backward, and, if the policy recomputes it, once more for the recompute sweep,
@@ -47,17 +47,19 @@
 # FSDP2 beside it" counts their gathers. FSDP2's `reshard_after_forward=False` is the same trade one step
 # earlier: keep the forward's gather until the backward.
 #
-# What to look at (measured on 2 gloo ranks, every number equal to the closed forms of
-# `picockpt/parallel/data_parallel/zero_inventory.py` to the byte):
+# What to look at (measured on 2 gloo ranks, and 8 in the stacked section, every number equal to the closed
+# forms of `picockpt/parallel/data_parallel/zero_inventory.py` to the byte):
 #
 # * **model state**: a rank's parameter, gradient and optimizer bytes under each stage.
 # * **gathers**: stage 3's all-gather bytes per phase under `none`, `full` and `every:2`, with and without
 #   `keep_gathered`, and the most gathered bytes alive at once (without prefetch).
 # * **FSDP2's gathers**: torch's `fully_shard` under both nestings, per phase, beside picockpt's.
 # * **training**: a few steps of ZeRO-3 training, a new batch each step, against one process's training.
+# * **beside tp and pp**: ZeRO-3 on $dp \times tp \times pp = 2 \times 2 \times 2$ ranks, every rank's bytes
+#   against its closed form, and what more pipeline micro-batches cost in gathers.
 #
-# **Run it** as a script, `python lessons/19_zero_and_recomputation.py` (the CPU run: 2 gloo ranks, under a
-# minute; `--fast` for seconds, what the tests run), or step through this notebook, where the same flags
+# **Run it** as a script, `python lessons/19_zero_and_recomputation.py` (the CPU run: 2 gloo ranks, then 8,
+# about a minute; `--fast` for less, what the tests run), or step through this notebook, where the same flags
 # come from the environment variable `PICOCKPT_LESSON_ARGS` (unset: the CPU run).
 
 # %%
@@ -69,12 +71,14 @@ import torch
 
 from _check import check
 from _lesson import choose, large, lesson_args, ranks_device, shape_line, small, spawning_ranks, wrote
-from picockpt import init_params
+from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch, max_relative_diff
 from picockpt.parallel import ParallelJob, run_jobs, run_ranks
 from picockpt.parallel.training import zero_train
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_inventory import gather_uses, model_state_bytes, zero_paper_bytes
+from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+from picockpt.parallel.predictions import zero_stage_forms
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
 from picockpt.policy import parse_policy
 from picockpt.train import MarkovTask, make_optimizer, train_step
@@ -289,6 +293,112 @@ for dtype, (loss_diff, param_diff) in trained_diff.items():
           f"parameters within {param_diff:.1e} (relative)")
 
 # %% [markdown]
+# ## ZeRO beside tensor and pipeline parallelism, measured
+#
+# ZeRO runs inside the one rank step of every layout, so it stacks: one job on 8 gloo ranks, $dp = 2$,
+# $tp = 2$, $pp = 2$ with 2 micro-batches (1F1B), ZeRO-3 under `full`, one AdamW step. A rank shards what it
+# holds, its pipeline stage's units of its tensor-parallel slices (stage 0: the embedding and layers 0 and 1;
+# stage 1: layers 2 and 3, the final norm and the head), over its 2 data-parallel ranks, and under $pp$ every
+# micro-batch's forward, recompute and backward gather its stage's units again, in the schedule's order. The
+# model is a tiny one (4 layers, $h = 32$, fp32) so that the 8 ranks fit on a few cores: 4 sequences of 16
+# tokens, one sequence per micro-batch and data-parallel rank. Beside each measured number stands its closed
+# form, `zero_stage_forms` (`picockpt/parallel/predictions.py`) on the rank's `StageForms`
+# (`picockpt/parallel/pipeline_parallel/pp_inventory.py`), computed here without any rank; the loss and
+# gradients are held to the single process's within a relative $10^{-5}$ (fp32).
+
+# %%
+def stacked_cfg():
+    """The tiny model of this section, fp32: 4 layers over 2 pipeline stages, every width split by tp = 2."""
+    return Config(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=24, max_seq=64)
+
+
+def stacked_forms(cfg, batch, seq, stage, microbatches, dp=2, tp=2, pp=2, keep=False):
+    """ZeRO-3's closed forms on a rank of pipeline stage `stage` (full, 1F1B, sequence parallel, one AdamW step),
+    no rank launched; keep: keep_gathered (True, "step" or False)."""
+    forms = StageForms(cfg, batch, seq, "full", pp, microbatches, "1f1b", stage, dp, tp, True)
+    return zero_stage_forms(cfg, forms, 3, tp, 1, dp, 1, "1f1b", pp, microbatches, keep_gathered=keep, steps=1)
+
+
+def measure_stacked(cfg, batch, seq, device):
+    """(loss, grads, reports) of one ZeRO-3 step on dp x tp x pp = 2 x 2 x 2 ranks, 2 micro-batches."""
+    params = init_params(cfg, seed=1)
+    input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed=1)
+    job = ParallelJob(params, cfg, input_ids, targets, "full", dp=2, tp=2, pp=2, microbatches=2, zero=3, steps=1)
+    with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
+        [result] = run_jobs([job], device=device.type, start_method=START, timeout_s=300)
+    return result
+
+
+tiny = stacked_cfg()
+tiny_batch, tiny_seq = 4, 16
+stacked_loss, stacked_grads, stacked = measure_stacked(tiny, tiny_batch, tiny_seq, ranks_device(args.device, 8))
+tiny_params = init_params(tiny, seed=1)
+tiny_ids, tiny_targets = make_batch(tiny, tiny_batch, tiny_seq, "cpu", seed=1)
+single_loss, single_grads = loss_and_grads(tiny_params, tiny, tiny_ids, tiny_targets, "none")
+loss_diff = abs(stacked_loss.item() - single_loss.item()) / abs(single_loss.item())
+grad_diff = max(max_relative_diff(stacked_grads[name], single_grads[name]) for name in single_grads)
+assert loss_diff <= 1e-5 and grad_diff <= 1e-5, (loss_diff, grad_diff)
+state_keys = ("param_bytes", "grad_bytes", "optimizer_bytes")
+stacked_exact = True
+print("ZeRO-3 on dp x tp x pp = 2 x 2 x 2 ranks, 2 micro-batches, full, one AdamW step; bytes, measured | closed "
+      "form (per phase every kind: the gathers, and in the backward the gradients' reduce-scatter too):")
+print(f"{'rank':>4}{'stage':>6}{'tp':>3}{'dp':>3}{'params':>16}{'grads':>16}{'AdamW':>16}{'gathered peak':>16}"
+      + "".join(f"{phase:>20}" for phase in PHASES[:3]))
+for r in stacked:
+    form = stacked_forms(tiny, tiny_batch, tiny_seq, r["stage"], 2)
+    pairs = [(r[key], form[key]) for key in state_keys]
+    pairs.append((max(r["gathered_peak_bytes"].values()), max(form["gathered_peak_bytes"].values())))
+    pairs += [(sum(r["zero_bytes_by_kind"][phase].values()), sum(form["zero_bytes_by_kind"][phase].values()))
+              for phase in PHASES[:3]]
+    print(f"{r['rank']:>4}{r['stage']:>6}{r['tp_rank']:>3}{r['dp_rank']:>3}"
+          + "".join(f"{f'{measured:,} | {closed:,}':>{16 if n < 4 else 20}}" for n, (measured, closed)
+                    in enumerate(pairs)))
+    same = all(r[key] == form[key] for key in state_keys + ("gathered_peak_bytes", "zero_bytes_by_kind"))
+    twins = all(r[f"predicted_{key}"] == form[key] for key in state_keys + ("gathered_peak_bytes",
+                                                                             "zero_bytes_by_kind"))
+    assert same and twins, r["rank"]
+    stacked_exact = stacked_exact and same
+print(f"every rank equals its closed form (model state, gathered peak per phase, ZeRO's bytes per phase and kind): "
+      f"{stacked_exact}; loss and gradients against one process (policy none): within {loss_diff:.1e} and "
+      f"{grad_diff:.1e} (relative)")
+
+# %% [markdown]
+# What the micro-batches cost ZeRO-3, from the closed forms alone: the same model on the same per-rank shapes
+# (one sequence of 16 tokens per micro-batch and data-parallel rank, so the step's batch is $2M$ sequences),
+# $pp = 2$, at $M = 1, 2, 4, 8$ micro-batches. Every micro-batch's forward, recompute and backward gathers the
+# stage's units again, so a rank's all-gathered bytes per step grow with $M$, while its parameter bytes, the
+# shards it stores, do not change. That growth is the reason torchtitan and `torch.distributed.pipelining`
+# keep a stage's parameters gathered across its micro-batches (torchtitan does not reshard after the forward
+# beside pp; pipelining reshards after the last backward only), trading the stage's whole parameters held
+# through the step for one gather of each unit. picockpt runs it as `keep_gathered="step"` (`parallel
+# --keep-gathered step`): the last two columns, the bytes it gathers per step and the most it holds gathered.
+
+# %%
+by_microbatches = {(stage, M): stacked_forms(tiny, 2 * M, tiny_seq, stage, M)
+                   for stage in (0, 1) for M in (1, 2, 4, 8)}
+print("ZeRO-3 per step on one rank of each stage, closed forms, bytes: the shards of parameters it stores, and "
+      "what it all-gathers in each phase")
+kept_step = {key: stacked_forms(tiny, 2 * key[1], tiny_seq, *key, keep="step") for key in by_microbatches}
+print(f"{'':<16}{'params':>8}" + "".join(f"{phase:>11}" for phase in PHASES[:3]) + f"{'gathered':>11}"
+      f"{'step: gathered':>16}{'step: peak':>12}")
+for (stage, M), form in by_microbatches.items():
+    gathered = {phase: form["zero_bytes_by_kind"][phase].get("all_gather", 0) for phase in PHASES[:3]}
+    step = kept_step[stage, M]
+    step_gathered = sum(step["zero_bytes_by_kind"][phase].get("all_gather", 0) for phase in PHASES[:3])
+    print(f"{f'stage {stage}, M = {M}':<16}{form['param_bytes']:>8,}" + "".join(f"{n:>11,}" for n in gathered.values())
+          + f"{sum(gathered.values()):>11,}{step_gathered:>16,}{max(step['gathered_peak_bytes'].values()):>12,}")
+for stage in (0, 1):
+    one = by_microbatches[stage, 1]
+    for M in (2, 4, 8):
+        form = by_microbatches[stage, M]
+        assert form["param_bytes"] == one["param_bytes"]  # the shards it stores do not grow
+        forward, once = (f["zero_bytes_by_kind"]["forward"]["all_gather"] for f in (form, one))
+        assert forward == M * once  # every micro-batch's forward gathers every unit of the stage
+        assert kept_step[stage, M]["zero_bytes_by_kind"]["forward"] == {"all_gather": once}  # step: each unit once
+        assert "all_gather" not in kept_step[stage, M]["zero_bytes_by_kind"]["backward"]
+    assert by_microbatches[stage, 2] == stacked_forms(tiny, tiny_batch, tiny_seq, stage, 2)  # the measured job's
+
+# %% [markdown]
 # ## Exercises
 #
 # **1.** The ZeRO paper's 7.5B model with $K = 12$ at $N_d = 64$: how many GB does a rank hold under stage 2?
@@ -335,4 +445,5 @@ RESULT = {"figures": paths, "summary": {"closed forms exact": exact, "layer gath
                                        "FSDP2 backward gathers (both nestings) = picockpt keep_gathered": fsdp2_is_keep,
                                        "ZeRO-3 training = one process in fp64 (rel <= 1e-10)":
                                            trained_diff["float64"][1] <= 1e-10,
-                                       "fp32 trained parameters max rel diff": trained_diff["float32"][1]}}
+                                       "fp32 trained parameters max rel diff": trained_diff["float32"][1],
+                                       "ZeRO-3 beside tp and pp (8 ranks) = closed forms": stacked_exact}}

@@ -36,6 +36,7 @@ FOUR = [("dense", "none", dict(zero=1, dp=2, tp=2, sp=True)),
         ("dense", "every:2", dict(zero=3, dp=2, tp=2, sp=False, keep_gathered=True)),
         ("dense", "full", dict(zero=1, dp=2, pp=2, microbatches=2)),
         ("dense", "every:2", dict(zero=3, dp=2, pp=2, microbatches=2, schedule="afab")),
+        ("dense", "full", dict(zero=3, dp=2, pp=2, microbatches=2, keep_gathered="step")),
         ("tiled", "full", dict(zero=2, dp=2, cp=2)),
         ("tiled", "full", dict(zero=3, dp=1, cp=2, tp=2)),  # sharded over the cp ranks alone (dp_shard_cp)
         ("moe", "none", dict(zero=1, dp=2, ep=2)),
@@ -173,3 +174,16 @@ def test_zero_shards_what_each_rank_holds_over_its_group(launched):
     for r in moe["reports"]:
         assert set(r["zero_bytes_by_kind"]["backward"]) == {"all_reduce"}
         assert r["zero_bytes_by_kind"]["optimizer"] == {"all_gather": r["param_bytes"]}
+
+
+@pytest.mark.ranks
+def test_keeping_a_stages_units_gathered_for_the_step_gathers_each_once(launched):
+    """keep_gathered="step" (torchtitan's default beside pp): a stage's rank gathers each of its units once, at its
+    first use, whatever the micro-batches and the recomputation: its forward gathers every unit's whole padded bytes,
+    dp = 2 times its shard bytes, and nothing is gathered again in the recompute or the backward; without it every
+    micro-batch's forward, recompute and backward gather them again."""
+    runs = {(name, tuple(sorted(layout.items()))): run for (name, _, layout), run in launched}
+    once = runs[("dense", tuple(sorted(dict(zero=3, dp=2, pp=2, microbatches=2, keep_gathered="step").items())))]
+    for r in once["reports"]:
+        assert r["zero_bytes_by_kind"]["forward"] == {"all_gather": 2 * r["param_bytes"]}, r["rank"]
+        assert "all_gather" not in r["zero_bytes_by_kind"]["recompute"] | r["zero_bytes_by_kind"]["backward"]

@@ -101,6 +101,13 @@ def test_every_zero_layout_flag_reaches_the_job_and_zero_shards_over_dp_ep_and_c
     assert {key: seen[key] for key in ("zero", "dp", "cp", "cp_layout", "cp_comm", "cp_keep_kv", "tp", "prefetch")} \
         == dict(zero=3, dp=1, cp=2, cp_layout="contiguous", cp_comm="allgather", cp_keep_kv=True, tp=2, prefetch=False)
     assert seen["optimizer_step"] is True
+    for flag, kept in (["--keep-gathered"], True), (["--keep-gathered", "step"], "step"):  # with pp: torchtitan's
+        with pytest.raises(Captured):
+            main(tiny + ["--zero", "3", "--dp", "2", "--pp", "2", "--microbatches", "2", *flag])
+        assert seen["keep_gathered"] == kept
+    with pytest.raises(SystemExit):  # argparse's own refusal
+        main(tiny + ["--zero", "3", "--dp", "2", "--keep-gathered", "always"])
+    assert "invalid choice: 'always'" in capsys.readouterr().err
     assert main(tiny + ["--zero", "1", "--tp", "2"]) == 2
     assert capsys.readouterr().err.startswith("error: --zero without --dp D, --ep N or --cp N (more than one rank in "
                                               "dp x ep x cp)")

@@ -54,8 +54,11 @@ def add_arguments(parser):
     pipeline.add_argument("--zero", type=int, default=0, choices=(1, 2, 3), help="ZeRO over the data-parallel ranks "
                           "(dp x ep x cp of them; beside --tp, --pp, --microbatches too): 1 shards the AdamW state, "
                           "2 also the gradients, 3 also the parameters (gathered around each use); one AdamW step")
-    pipeline.add_argument("--keep-gathered", action="store_true", help="--zero 3: a recomputed layer's gathered "
-                          "parameters are kept from its recompute through its backward (one gather fewer)")
+    pipeline.add_argument("--keep-gathered", nargs="?", const=True, default=False, choices=("step",),
+                          help="--zero 3: a recomputed layer's gathered parameters are kept from its recompute "
+                          "through its backward (one gather fewer); --keep-gathered step: every unit kept from its "
+                          "first use of the step to its last, so no micro-batch gathers it again (torchtitan's "
+                          "default beside --pp)")
     pipeline.add_argument("--no-prefetch", action="store_true", help="--zero 3: gather each use's parameters only "
                           "when it starts, not while the one before computes")
     experts = parser.add_argument_group("expert parallelism (picockpt/parallel/expert_parallel/; needs --experts; "

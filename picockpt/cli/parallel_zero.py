@@ -24,7 +24,8 @@ def print_zero(row):
     """ZeRO's part of the command's report: the group it shards over, every rank's table, the gathers."""
     r0 = row["ranks"][0]
     group = " x ".join(f"{name} {row[name]}" for name in ("dp", "ep", "cp") if row[name] > 1)
-    choice = ", keeping a recomputed layer's gather for its backward" if row["keep_gathered"] else ""
+    choice = {True: ", keeping a recomputed layer's gather for its backward",
+              "step": ", every unit gathered once per step"}.get(row["keep_gathered"], "")
     experts = f", the experts' over dp x cp = {row['dp'] * row['cp']}" if row["ep"] > 1 else ""
     print(f"ZeRO stage {row['zero']} over the data-parallel group ({group} = {row['dp'] * row['ep'] * row['cp']} "
           f"ranks{experts}){choice}{'' if row['prefetch'] else ', no prefetch'}, one AdamW step on the shards:")

@@ -53,7 +53,7 @@ class ParallelJob:
     #                                computes) or "allgather" (K/V gathered once per layer)
     cp_keep_kv: bool = False       # allgather: keep the other ranks' K/V for the recomputation and backward
     zero: int = 0                  # ZeRO stage over the dp (x ep x cp) ranks: 1, 2 or 3 (0: plain data parallelism)
-    keep_gathered: bool = False    # zero=3: a recomputed layer's gathered parameters kept for its backward
+    keep_gathered: bool = False    # zero=3: a recomputed layer's gather kept for its backward ("step": zero_inventory)
     prefetch: bool = True          # zero=3: the next use's parameters gathered while this one computes
     steps: int = 0                 # zero: AdamW steps on the shards (0: forward and backward only)
     batches: list = None           # zero: one AdamW step on each (input_ids, targets) in turn, in place of steps
@@ -158,7 +158,7 @@ def check_flags(job):
         if isinstance(getattr(job, name), bool):
             raise ValueError(f"{name}={getattr(job, name)!r}: give a whole number of ranks (micro-batches for "
                              f"microbatches), 1 or more, not True or False")
-    for name in ("sp", "distribute_saved", "recompute_early", "overlap", "keep_dispatched", "keep_gathered", "prefetch",
+    for name in ("sp", "distribute_saved", "recompute_early", "overlap", "keep_dispatched", "prefetch",
                  "cp_keep_kv"):
         if not isinstance(getattr(job, name), bool):
             yes, no = (" (keep the dispatched rows)", " (dispatch them again when recomputing)") \

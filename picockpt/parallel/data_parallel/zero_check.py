@@ -13,10 +13,12 @@ def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
     if dp == 1:
         raise ValueError(f"zero={zero} with dp=1: ZeRO shards the model state over data-parallel ranks (dp x ep x "
                          f"cp of them), and with one rank there is nothing to shard; use dp >= 2, or leave zero out")
-    for name, value in (("keep_gathered", keep_gathered), ("prefetch", prefetch)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r}: use True or False")
-    for refused, name in ((keep_gathered, "keep_gathered=True"), (not prefetch, "prefetch=False")):
+    if not isinstance(prefetch, bool):
+        raise ValueError(f"prefetch={prefetch!r}: use True or False")
+    if not isinstance(keep_gathered, bool) and keep_gathered != "step":
+        raise ValueError(f"keep_gathered={keep_gathered!r}: use True (a recomputed layer's gather kept for its "
+                         f"backward), \"step\" (every unit kept from its first use to its last) or False")
+    for refused, name in ((keep_gathered, f"keep_gathered={keep_gathered!r}"), (not prefetch, "prefetch=False")):
         if refused and zero != 3:
             raise ValueError(f"{name} with zero={zero}: only stage 3 gathers parameters (stages 1 and 2 hold them "
                              f"whole); use zero=3, or leave {name.split('=')[0]} out")
@@ -47,6 +49,6 @@ def check_zero_job(job):
         raise ValueError(f"{'batches' if job.batches else f'steps={job.steps}'} without zero: AdamW on the shards is "
                          f"ZeRO's; add zero=1, 2 or 3 (and dp >= 2), or leave it out")
     elif job.keep_gathered or not job.prefetch:
-        raise ValueError(f"{'keep_gathered=True' if job.keep_gathered else 'prefetch=False'} without zero: it changes "
-                         f"when ZeRO-3 gathers parameters, and there is none here; add zero=3 (and dp >= 2), or leave "
-                         f"it out")
+        raise ValueError(f"{f'keep_gathered={job.keep_gathered!r}' if job.keep_gathered else 'prefetch=False'} "
+                         f"without zero: it changes when ZeRO-3 gathers parameters, and there is none here; add zero=3 "
+                         f"(and dp >= 2), or leave it out")

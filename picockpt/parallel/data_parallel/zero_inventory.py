@@ -83,9 +83,13 @@ def gather_uses(cfg, schedule):
     return stage_uses([Action("F", 0), Action("B", 0)], range(cfg.layers), True, True, schedule)
 
 
-def kept_after(phase, unit, keep_gathered):
-    """Does a unit stay gathered after this use? The head from its forward to its backward; a
-    recomputed layer until its backward, with keep_gathered."""
+def kept_after(uses, n, keep_gathered):
+    """Does use n's unit stay gathered after it? The head from its forward to its backward; keep_gathered=True: a
+    recomputed layer until its backward; "step": every unit until its last use of the step (torchtitan's default
+    beside pp, with torch.distributed.pipelining resharding after the last backward only)."""
+    phase, unit = uses[n]
+    if keep_gathered == "step":
+        return any(other == unit for _, other in uses[n + 1:])
     return (unit == "head" and phase == "forward") or (keep_gathered and phase == "recompute")
 
 
@@ -103,7 +107,7 @@ def gather_forms(uses, sizes, keep_gathered=False, prefetch=True):
                 live.add(key)
                 moved[use_phase] += sizes[key]
         peaks[phase] = max(peaks[phase], sum(sizes[u] for u in live))
-        if not kept_after(phase, unit, keep_gathered):
+        if not kept_after(uses, n, keep_gathered):
             live.discard(unit)
     return moved, peaks
 

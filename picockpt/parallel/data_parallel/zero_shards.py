@@ -15,7 +15,7 @@ sweep that runs it again and its backward, the head's forward and backward (the 
 only). The head stays gathered from its forward to its backward (torchtitan's apply_fsdp_to_decoder does not reshard
 the final norm and output after the forward); keep_gathered=True keeps a layer a recompute sweep gathered until its
 backward, one gather fewer for holding a sweep's layers at once (FSDP2 gathers a recomputed block once in the backward:
-fsdp_peer.py). prefetch=True starts the next use's gather before this use computes, as FSDP's prefetch does. Under pp
+fsdp_peer.py); keep_gathered="step" keeps every unit from its first use to its last (zero_inventory.kept_after). prefetch=True starts the next use's gather before this use computes, as FSDP's prefetch does. Under pp
 every micro-batch's uses gather again, in the schedule's order (zero_inventory.stage_uses).
 Gradients accumulate whole over the stage's micro-batches (as torch.distributed.pipelining runs FSDP: gradient sync
 only in the last backward) and are reduced once final: stage 1 all-reduces a unit's flat gradient (every rank holds
@@ -30,6 +30,7 @@ import torch
 from ...params import EMBED, FINAL_NORM, HEAD
 from ...train import make_optimizer
 from ..comm import all_reduce, reduce_scatter
+from .zero_inventory import kept_after
 from .zero_params import FlatUnit, gather_flat
 
 
@@ -132,7 +133,7 @@ class ZeroShards:
             views.update(part.unit.views(flat))  # views into the gathered buffer
         yield views
         del views, flats
-        if not ((key == "head" and phase == "forward") or (self.keep_gathered and phase == "recompute")):
+        if not kept_after(self.uses, self.next_use - 1, self.keep_gathered):
             del self.gathered[key]  # freed (the views die with the caller's)
 
     def acquire(self, key, phase):

@@ -10,8 +10,7 @@ the engine's docstring says a stage's would:
     embed_backward   first stage: the embedding's gradient; later ones: send dx back to the previous stage
     layer_forward/backward, keep_input/load_input   the inner model's (one process's, tp's, ep's, cp's: rank.py)
 
-Under ZeRO (data_parallel/zero_shards.py) the stage's weights and buckets are its shards': every part that reads a
-unit's weights runs inside `weights_for(unit)`, which under stage 3 gathers the unit for that one use.
+Under ZeRO (data_parallel/zero_shards.py) every part that reads a unit's weights runs inside `weights_for(unit)`.
 
 The mean over all tokens: the single process's loss is (sum of the counted tokens' losses) / N, N the whole batch's
 counted (not IGNORE_INDEX) targets. A micro-batch's head takes the mean over its n_m counted targets, so its loss and
