@@ -168,7 +168,25 @@ def test_zero_beside_tp_cp_and_pp_is_the_busiest_stages_rank(capsys):
     assert len(zero["stages"]) == 16 and zero["stages"][0]["picockpt"] == zero["picockpt"]
 
 
+def test_zero_beside_ep_shards_the_experts_over_dp_and_the_rest_over_dp_x_ep(capsys):
+    """Mixtral 8x7B, ZeRO-3 over dp 2 beside ep 4: a rank holds 2 of the 8 experts of every layer, sharded over its
+    2 data-parallel ranks, and every other weight sharded over dp x ep = 8 (fp32 shards, written from the shapes;
+    AdamW's two moments and a step count per unit); its activations are ep_inventory.py's for balanced routing."""
+    row = predict_json(capsys, "--model", "mixtral-8x7b", "--seq", "1024", "--recompute", "full", "--zero", "3",
+                       "--dp", "2", "--ep", "4")
+    zero, cfg = row["zero"], Config.from_preset("mixtral-8x7b")
+    h, kv, f, E, V = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.experts, cfg.vocab
+    dense = [V * h] + [2 * h * h + 2 * kv * h + 2 * h + E * h] * cfg.layers + [h + V * h]  # units over 8 ranks
+    experts = [E // 4 * 3 * f * h] * cfg.layers  # each layer's 2 experts, over 2 ranks
+    shards = sum(-(-n // 8) for n in dense) + sum(-(-n // 2) for n in experts)
+    assert zero["picockpt"] == {"param_bytes": 4 * shards, "grad_bytes": 4 * shards,
+                                "optimizer_bytes": 8 * shards + 4 * (len(dense) + len(experts))}
+    assert zero["ep"] == 4 and zero["picockpt_activation_bytes"] > 0
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--ep", "2", "--experts", "4"], "--ep 2 without --zero: predict computes expert parallelism beside ZeRO"),
+    (["--ep", "3", "--experts", "4", "--zero", "1", "--dp", "2"], "--ep 3 with --experts 4: each rank holds E/ep"),
     (["--zero", "2"], "--zero 2 with --dp 1"),
     (["--zero", "4", "--dp", "8"], "invalid choice: 4"),
     (["--dp", "8"], "--dp 8 without --zero"),

@@ -2,6 +2,7 @@
 
     python -m picockpt predict --model llama3-70b --seq 8192 --zero 3 --dp 8
     python -m picockpt predict --model llama3-405b --seq 8192 --zero 1 --dp 8 --tp 8 --sp --pp 16 --batch 16
+    python -m picockpt predict --model mixtral-8x7b --seq 4096 --zero 3 --dp 2 --ep 8 --tp 2 --sp --recompute full
     python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --recompute full
 
 --zero N --dp D: one GPU's parameters, gradients and AdamW state under ZeRO stage N over D data-parallel
@@ -29,6 +30,7 @@ from ..formulas import GIB
 from ..parallel.context_parallel.cp_inventory import cp_peak_bytes, stage_comm_bytes
 from ..parallel.context_parallel.cp_check import check_context_parallel
 from ..parallel.data_parallel.zero_inventory import zero_paper_parts
+from ..parallel.expert_parallel.ep_inventory import ep_peak_bytes, ep_stored_bytes
 from ..parallel.predictions import rank_param_shapes, zero_stage_forms
 from ..parallel.pipeline_parallel.pp_inventory import StageForms
 from ..parallel.tensor_parallel.tp_inventory import rank_peak_bytes
@@ -43,6 +45,10 @@ def add_parallel_arguments(parser):
                         help="ZeRO stage: 1 shards the optimizer state over the --dp ranks, 2 the gradients too, "
                              "3 the parameters too (needs --dp D >= 2)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks D that --zero shards over (default 1)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="with --zero and --experts E: expert-parallel ranks, E/ep experts each (carved out of the "
+                             "data-parallel ranks: the experts' shards over dp, every other weight's over dp x ep); "
+                             "the activations for balanced routing, each expert N k / E rows (default 1)")
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel ranks: every activation split over them along the sequence "
                              "(needs --attention tiled or fused; default 1)")
@@ -72,6 +78,8 @@ def check_parallel(args, cfg, policy):
     if args.zero is None and args.dp != 1:
         raise ValueError(f"--dp {args.dp} without --zero: plain data parallelism keeps the whole model state on "
                          f"every rank and does not split the activations; add --zero 1, 2 or 3 to shard it")
+    if args.ep != 1:
+        check_expert_flag(args, cfg)
     if args.cp < 1:
         raise ValueError(f"--cp={args.cp}: give a whole number of context-parallel ranks, 1 or more")
     check_pipeline(args, cfg)
@@ -81,7 +89,43 @@ def check_parallel(args, cfg, policy):
     if args.cp > 1:
         check_context(args, cfg, policy)
     elif args.zero is not None and args.tp > 1:
-        check_tensor_parallel(cfg, args.tp, args.sp, args.seq, args.distribute_saved)
+        check_tensor_parallel(cfg, args.tp, args.sp, args.seq, args.distribute_saved, experts=args.ep > 1)
+
+
+def check_expert_flag(args, cfg):
+    """--ep: beside --zero, on a mixture of experts it divides, not beside --cp."""
+    ep, E = args.ep, cfg.experts
+    if ep < 1:
+        raise ValueError(f"--ep={ep}: give a whole number of expert-parallel ranks, 1 or more")
+    if args.zero is None:
+        raise ValueError(f"--ep {ep} without --zero: predict computes expert parallelism beside ZeRO only; add "
+                         f"--zero 1, 2 or 3 (and --dp D), or run `python -m picockpt parallel --ep {ep}` to measure it")
+    if not E or E % ep:
+        raise ValueError(f"--ep {ep} with --experts {E}: each rank holds E/ep whole experts; give --experts a "
+                         f"multiple of {ep}")
+    if args.cp > 1:
+        raise ValueError(f"--ep {ep} with --cp {args.cp}: expert parallelism beside context parallelism is not built; "
+                         f"leave out one of them")
+    if args.keep_kv or args.distribute_saved:
+        raise ValueError(f"--ep {ep} with {'--keep-kv' if args.keep_kv else '--distribute-saved'}: not closed-formed "
+                         f"beside expert parallelism; leave it out")
+
+
+def balanced_routing(cfg, batch, seq, layers):
+    """Every layer's per-expert token counts when each expert receives an equal share of the N k pairs (the rest,
+    when E does not divide them, one more each on the first experts)."""
+    pairs, E = batch * seq * cfg.experts_per_token, cfg.experts
+    return [[pairs // E + (e < pairs % E) for e in range(E)] for _ in range(layers)]
+
+
+def expert_activation_bytes(cfg, stage_forms, ep, tp, sp):
+    """A stage's store peak on ep rank 0 for balanced routing: ep_inventory.py's forms per micro-batch of b x ep
+    sequences (the rank computes b of them), (in flight - 1) micro-batches stored beside one at its peak."""
+    stage_cfg, b, seq = cfg.replace(layers=len(stage_forms.layers)), stage_forms.b * ep, stage_forms.seq
+    routing = balanced_routing(cfg, b, seq, stage_cfg.layers)
+    args = (stage_cfg, b, seq, stage_forms.policy.text, ep, 0, routing)
+    stored = ep_stored_bytes(*args, head=stage_forms.last, t=tp, sp=sp)
+    return (stage_forms.in_flight - 1) * stored + ep_peak_bytes(*args, head=stage_forms.last, t=tp, sp=sp)
 
 
 def check_pipeline(args, cfg):
@@ -165,7 +209,7 @@ def check_context(args, cfg, policy):
 
 
 def zero_row(cfg, batch, seq, policy, stage, dp, tp=1, sp=False, cp=1, pp=1, microbatches=None,
-             distribute_saved=False):
+             distribute_saved=False, ep=1):
     """One GPU under ZeRO `stage` over dp x cp ranks (beside tp, cp and pp: a rank of each stage, its tp slices of
     the stage's weights on its seq/cp tokens), `batch` sequences per rank: the paper's and picockpt's model state by
     part, picockpt's activations and (stage 3) gathered parameters and their gathers per phase (recomputation's
@@ -175,23 +219,25 @@ def zero_row(cfg, batch, seq, policy, stage, dp, tp=1, sp=False, cp=1, pp=1, mic
     rows = []
     for s in range(pp):
         stage_forms = StageForms(cfg, batch, n, policy, pp, M, "1f1b", s, 1, tp, sp, distribute_saved)
-        own = zero_stage_forms(cfg, stage_forms, stage, tp, 1, dp, cp, "1f1b", pp, M)
+        own = zero_stage_forms(cfg, stage_forms, stage, tp, ep, dp, cp, "1f1b", pp, M)
         state = {key: own[key] for key in STATE}
-        psi = sum(math.prod(shape) for shape in rank_param_shapes(cfg, stage_forms, tp).values())  # this rank's
+        psi = sum(math.prod(shape) for shape in rank_param_shapes(cfg, stage_forms, tp, ep).values())  # this rank's
         paper = zero_paper_parts(psi, stage, K=12, N_d=dp * cp)
         gathered = max(own["gathered_peak_bytes"].values())
-        by_stage = {z: sum(zero_stage_forms(cfg, stage_forms, max(z, 1), tp, 1, dp if z else 1, cp if z else 1, "1f1b",
-                                            pp, M)[key] for key in STATE) for z in (0, 1, 2, 3)}  # 0: one rank whole
+        by_stage = {z: sum(zero_stage_forms(cfg, stage_forms, max(z, 1), tp, ep, dp if z else 1, cp if z else 1,
+                                            "1f1b", pp, M)[key] for key in STATE) for z in (0, 1, 2, 3)}  # 0: whole
+        activations = expert_activation_bytes(cfg, stage_forms, ep, tp, sp) if ep > 1 else stage_forms.peak_bytes
         rows.append({"pipeline_stage": s, "parameters": psi, "paper": paper,
                      "paper_model_state_bytes": sum(paper.values()), "picockpt": state,
                      "picockpt_model_state_bytes": sum(state.values()), "picockpt_gathered_bytes": gathered,
                      "picockpt_gathered_by_phase": {phase: kinds.get("all_gather", 0) for phase, kinds in
                                                     own["zero_bytes_by_kind"].items() if phase != "optimizer"},
-                     "picockpt_activation_bytes": stage_forms.peak_bytes,
-                     "picockpt_total_bytes": sum(state.values()) + gathered + stage_forms.peak_bytes,
+                     "picockpt_activation_bytes": activations,
+                     "picockpt_total_bytes": sum(state.values()) + gathered + activations,
                      "picockpt_model_state_by_stage": by_stage})
     busiest = max(rows, key=lambda row: row["picockpt_total_bytes"])
-    return {"stage": stage, "dp": dp, "tp": tp, "sp": sp, "cp": cp, "pp": pp, "microbatches": M, "policy": policy,
+    return {"stage": stage, "dp": dp, "tp": tp, "sp": sp, "cp": cp, "pp": pp, "ep": ep, "microbatches": M,
+            "policy": policy,
             **busiest, "stages": rows if pp > 1 else None}
 
 
@@ -224,7 +270,7 @@ def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=
 def add_parallel_rows(row, args, cfg, policy):
     if args.zero is not None:
         row["zero"] = zero_row(cfg, args.batch, args.seq, policy, args.zero, args.dp, args.tp, args.sp, args.cp,
-                               args.pp, args.microbatches, args.distribute_saved)
+                               args.pp, args.microbatches, args.distribute_saved, args.ep)
     if args.cp > 1:
         row["cp"] = cp_row(cfg, args.batch, args.seq, policy, args.cp, args.cp_comm, args.keep_kv, args.tp, args.sp,
                            args.distribute_saved, args.pp, args.microbatches)
@@ -244,7 +290,8 @@ def print_parallel(row):
     capacity = row["gpu_bytes"]
     if "zero" in row:
         z, stage, dp = row["zero"], row["zero"]["stage"], row["zero"]["dp"]
-        over = f"{dp} x cp {z['cp']} = {dp * z['cp']}" if z["cp"] > 1 else f"{dp}"
+        over = f"{dp} x cp {z['cp']} = {dp * z['cp']}" if z["cp"] > 1 else \
+            f"{dp} x ep {z['ep']} = {dp * z['ep']} (the experts' over {dp})" if z["ep"] > 1 else f"{dp}"
         beside = "".join(f", {name} {z[name]}" for name in ("tp", "pp") if z[name] > 1)
         busiest = f" (stage {z['pipeline_stage']} of {z['pp']}, the busiest)" if z["pp"] > 1 else ""
         print(f"ZeRO stage {stage} over {over} data-parallel ranks{beside}, model state per GPU{busiest} of "
@@ -265,15 +312,16 @@ def print_parallel(row):
             print(f"  pipeline stage {other['pipeline_stage']}: model state {_gib(other['picockpt_model_state_bytes'])}"
                   f", activations {_gib(other['picockpt_activation_bytes'])}, total "
                   f"{_gib(other['picockpt_total_bytes'])}")
-        if z["pp"] > 1 or z["cp"] > 1:  # a stage's micro-batches in flight, or a rank's tokens: picockpt's alone
-            print(f"  activations of one rank (picockpt's store, {z['policy']}): "
+        if z["pp"] > 1 or z["cp"] > 1 or z["ep"] > 1:  # micro-batches in flight, its tokens, its experts' rows
+            balanced = ", its experts' rows for balanced routing" if z["ep"] > 1 else ""
+            print(f"  activations of one rank (picockpt's store, {z['policy']}{balanced}): "
                   f"{_gib(z['picockpt_activation_bytes'])}")
         else:
             print(f"  activations of one rank's micro-batch (picockpt's store, {z['policy']}): "
                   f"{_gib(z['picockpt_activation_bytes'])}; Korthikanti's: {_gib(row['activation_bytes'])}")
         total = z["picockpt_total_bytes"]
         theirs = z["paper_model_state_bytes"] + row["activation_bytes"]
-        published = "" if z["pp"] > 1 or z["cp"] > 1 else \
+        published = "" if z["pp"] > 1 or z["cp"] > 1 or z["ep"] > 1 else \
             f"; the paper's state + Korthikanti's activations {_gib(theirs)} ({_verdict(theirs, capacity)})"
         print(f"  total per GPU: picockpt {_gib(total)} ({_verdict(total, capacity)} in {_gib(capacity)}){published}; "
               f"working memory not counted")
