@@ -126,7 +126,7 @@ def test_the_cheapest_fit_is_the_planners():
 def test_bad_setups_say_why():
     with pytest.raises(ValueError) as error:
         memory_parts(Setup(model="mixtral-8x7b", tp=2))
-    assert str(error.value).startswith("Config.experts=8: tensor parallelism here splits the dense MLP")
+    assert str(error.value).startswith("Config.experts=8: these tensor-parallel closed forms split the dense MLP")
     with pytest.raises(ValueError) as error:
         memory_parts(Setup(model="llama3-8b", stages=40))
     assert str(error.value) == "stages=40: use 1 to L=32 pipeline stages"

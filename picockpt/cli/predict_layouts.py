@@ -44,7 +44,7 @@ def layouts_for(cfg, seq, ranks, sp=False):
     if not isinstance(ranks, int) or ranks < 2:
         return "one rank needs no layout: leave --tp, --cp and --dp out"
     attention = "" if cfg.attention != "eager" else " --attention fused"
-    dense = " (Korthikanti's dense rows: picockpt does not split experts over tp)" if cfg.experts else ""
+    dense = " (Korthikanti's dense rows: these forms do not split experts over tp)" if cfg.experts else ""
     found = [f"--tp {ranks}{dense}"] if cfg.heads % ranks == 0 else []
     found += [f"--cp {ranks}{attention}"] if cp_fits(cfg, seq, ranks) else []
     found += [f"--tp {t} --cp {ranks // t}{attention}" for t in range(2, ranks // 2 + 1)

@@ -78,9 +78,9 @@ def check_tensor_parallel(cfg, tp, sp=False, seq=None, distribute_saved=False, e
         raise ValueError(f"tp={tp} does not divide shared_expert_ffn={cfg.shared_expert_ffn}: the shared expert is "
                          f"split as the MLP is; use a tp that divides it")
     if getattr(cfg, "experts", 0) and not experts:
-        raise ValueError(f"Config.experts={cfg.experts}: tensor parallelism here splits the dense MLP; a mixture "
-                         f"of experts is not split over tensor-parallel ranks: split its experts over ranks with "
-                         f"expert parallelism (ep=N, --ep N), or use experts=0")
+        raise ValueError(f"Config.experts={cfg.experts}: these tensor-parallel closed forms split the dense MLP; a "
+                         f"mixture of experts split over tp (each expert's f, beside ep) runs as a parallel job "
+                         f"(`python -m picockpt parallel --ep N --tp t`), not here; or use experts=0")
     H, KV = cfg.heads, cfg.kv_heads
     fits = [t for t in range(1, KV + 1) if H % t == 0 and KV % t == 0 and cfg.ffn % t == 0 and cfg.vocab % t == 0]
     if tp > KV:
