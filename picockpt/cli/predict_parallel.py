@@ -1,4 +1,5 @@
-"""predict's data- and context-parallel rows: ZeRO's model state per GPU, context parallelism's activations per rank.
+"""predict's data- and context-parallel rows: ZeRO's model state per GPU (its row: predict_zero.py), context
+parallelism's activations per rank.
 
     python -m picockpt predict --model llama3-70b --seq 8192 --zero 3 --dp 8
     python -m picockpt predict --model llama3-405b --seq 8192 --zero 1 --dp 8 --tp 8 --sp --pp 16 --batch 16
@@ -29,15 +30,11 @@ import math
 from ..formulas import GIB
 from ..parallel.context_parallel.cp_inventory import cp_peak_bytes, stage_comm_bytes
 from ..parallel.context_parallel.cp_check import check_context_parallel
-from ..parallel.data_parallel.zero_inventory import zero_paper_parts
-from ..parallel.expert_parallel.ep_inventory import ep_peak_bytes, ep_stored_bytes
-from ..parallel.predictions import rank_param_shapes, zero_stage_forms
 from ..parallel.pipeline_parallel.pp_inventory import StageForms
 from ..parallel.tensor_parallel.tp_inventory import rank_peak_bytes
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from .predict_layouts import cp_fits, cp_refusal, layouts_for
-
-STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
+from .predict_zero import gib, print_zero, zero_row
 
 
 def add_parallel_arguments(parser):
@@ -109,23 +106,6 @@ def check_expert_flag(args, cfg):
     if args.keep_kv or args.distribute_saved:
         raise ValueError(f"--ep {ep} with {'--keep-kv' if args.keep_kv else '--distribute-saved'}: not closed-formed "
                          f"beside expert parallelism; leave it out")
-
-
-def balanced_routing(cfg, batch, seq, layers):
-    """Every layer's per-expert token counts when each expert receives an equal share of the N k pairs (the rest,
-    when E does not divide them, one more each on the first experts)."""
-    pairs, E = batch * seq * cfg.experts_per_token, cfg.experts
-    return [[pairs // E + (e < pairs % E) for e in range(E)] for _ in range(layers)]
-
-
-def expert_activation_bytes(cfg, stage_forms, ep, tp, sp):
-    """A stage's store peak on ep rank 0 for balanced routing: ep_inventory.py's forms per micro-batch of b x ep
-    sequences (the rank computes b of them), (in flight - 1) micro-batches stored beside one at its peak."""
-    stage_cfg, b, seq = cfg.replace(layers=len(stage_forms.layers)), stage_forms.b * ep, stage_forms.seq
-    routing = balanced_routing(cfg, b, seq, stage_cfg.layers)
-    args = (stage_cfg, b, seq, stage_forms.policy.text, ep, 0, routing)
-    stored = ep_stored_bytes(*args, head=stage_forms.last, t=tp, sp=sp)
-    return (stage_forms.in_flight - 1) * stored + ep_peak_bytes(*args, head=stage_forms.last, t=tp, sp=sp)
 
 
 def check_pipeline(args, cfg):
@@ -208,39 +188,6 @@ def check_context(args, cfg, policy):
     check_context_parallel(cfg, cp, seq, "zigzag", args.cp_comm, args.keep_kv, policy)
 
 
-def zero_row(cfg, batch, seq, policy, stage, dp, tp=1, sp=False, cp=1, pp=1, microbatches=None,
-             distribute_saved=False, ep=1):
-    """One GPU under ZeRO `stage` over dp x cp ranks (beside tp, cp and pp: a rank of each stage, its tp slices of
-    the stage's weights on its seq/cp tokens), `batch` sequences per rank: the paper's and picockpt's model state by
-    part, picockpt's activations and (stage 3) gathered parameters and their gathers per phase (recomputation's
-    included: parallel/predictions.py's zero_stage_forms), their totals; the busiest stage's, and under pp every
-    one's."""
-    M, n = microbatches or pp, seq // cp
-    rows = []
-    for s in range(pp):
-        stage_forms = StageForms(cfg, batch, n, policy, pp, M, "1f1b", s, 1, tp, sp, distribute_saved)
-        own = zero_stage_forms(cfg, stage_forms, stage, tp, ep, dp, cp, "1f1b", pp, M)
-        state = {key: own[key] for key in STATE}
-        psi = sum(math.prod(shape) for shape in rank_param_shapes(cfg, stage_forms, tp, ep).values())  # this rank's
-        paper = zero_paper_parts(psi, stage, K=12, N_d=dp * cp)
-        gathered = max(own["gathered_peak_bytes"].values())
-        by_stage = {z: sum(zero_stage_forms(cfg, stage_forms, max(z, 1), tp, ep, dp if z else 1, cp if z else 1,
-                                            "1f1b", pp, M)[key] for key in STATE) for z in (0, 1, 2, 3)}  # 0: whole
-        activations = expert_activation_bytes(cfg, stage_forms, ep, tp, sp) if ep > 1 else stage_forms.peak_bytes
-        rows.append({"pipeline_stage": s, "parameters": psi, "paper": paper,
-                     "paper_model_state_bytes": sum(paper.values()), "picockpt": state,
-                     "picockpt_model_state_bytes": sum(state.values()), "picockpt_gathered_bytes": gathered,
-                     "picockpt_gathered_by_phase": {phase: kinds.get("all_gather", 0) for phase, kinds in
-                                                    own["zero_bytes_by_kind"].items() if phase != "optimizer"},
-                     "picockpt_activation_bytes": activations,
-                     "picockpt_total_bytes": sum(state.values()) + gathered + activations,
-                     "picockpt_model_state_by_stage": by_stage})
-    busiest = max(rows, key=lambda row: row["picockpt_total_bytes"])
-    return {"stage": stage, "dp": dp, "tp": tp, "sp": sp, "cp": cp, "pp": pp, "ep": ep, "microbatches": M,
-            "policy": policy,
-            **busiest, "stages": rows if pp > 1 else None}
-
-
 def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=False, distribute_saved=False,
            pp=1, microbatches=None):
     """One of `cp` context-parallel ranks (of tp ranks each, beside tensor parallelism): its store's peak under
@@ -277,54 +224,10 @@ def add_parallel_rows(row, args, cfg, policy):
     row["gpu_bytes"] = int(args.gpu_gib * GIB)
 
 
-def _gib(n):
-    return f"{n / GIB:,.2f} GiB"
-
-
-def _verdict(total, capacity):
-    return f"fits, {_gib(capacity - total)} to spare" if total <= capacity else \
-        f"does not fit, {_gib(total - capacity)} over"
-
-
 def print_parallel(row):
     capacity = row["gpu_bytes"]
     if "zero" in row:
-        z, stage, dp = row["zero"], row["zero"]["stage"], row["zero"]["dp"]
-        over = f"{dp} x cp {z['cp']} = {dp * z['cp']}" if z["cp"] > 1 else \
-            f"{dp} x ep {z['ep']} = {dp * z['ep']} (the experts' over {dp})" if z["ep"] > 1 else f"{dp}"
-        beside = "".join(f", {name} {z[name]}" for name in ("tp", "pp") if z[name] > 1)
-        busiest = f" (stage {z['pipeline_stage']} of {z['pp']}, the busiest)" if z["pp"] > 1 else ""
-        print(f"ZeRO stage {stage} over {over} data-parallel ranks{beside}, model state per GPU{busiest} of "
-              f"Psi = {z['parameters']:,} parameters held (parallel/predictions.py: zero_stage_forms):")
-        print(f"  {'':<26}{'ZeRO paper: fp16 + K=12 Adam':>30}{'picockpt: fp32, AdamW':>26}")
-        names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optimizer_bytes": "optimizer state"}
-        for key, name in names.items():
-            print(f"  {name:<26}{_gib(z['paper'][key]):>30}{_gib(z['picockpt'][key]):>26}")
-        paper, own = _gib(z['paper_model_state_bytes']), _gib(z['picockpt_model_state_bytes'])
-        print(f"  {'model state':<26}{paper:>30}{own:>26}")
-        print(f"  by stage (picockpt, over {dp * z['cp']}): " + ", ".join(
-            f"{s} {_gib(n)}" for s, n in z["picockpt_model_state_by_stage"].items()))
-        if stage == 3:
-            moved = ", ".join(f"{phase} {_gib(n)}" for phase, n in z["picockpt_gathered_by_phase"].items())
-            print(f"  gathered parameters in flight (stage 3, with prefetch): {_gib(z['picockpt_gathered_bytes'])}; "
-                  f"all-gathered per step: {moved}")
-        for other in z["stages"] or ():
-            print(f"  pipeline stage {other['pipeline_stage']}: model state {_gib(other['picockpt_model_state_bytes'])}"
-                  f", activations {_gib(other['picockpt_activation_bytes'])}, total "
-                  f"{_gib(other['picockpt_total_bytes'])}")
-        if z["pp"] > 1 or z["cp"] > 1 or z["ep"] > 1:  # micro-batches in flight, its tokens, its experts' rows
-            balanced = ", its experts' rows for balanced routing" if z["ep"] > 1 else ""
-            print(f"  activations of one rank (picockpt's store, {z['policy']}{balanced}): "
-                  f"{_gib(z['picockpt_activation_bytes'])}")
-        else:
-            print(f"  activations of one rank's micro-batch (picockpt's store, {z['policy']}): "
-                  f"{_gib(z['picockpt_activation_bytes'])}; Korthikanti's: {_gib(row['activation_bytes'])}")
-        total = z["picockpt_total_bytes"]
-        theirs = z["paper_model_state_bytes"] + row["activation_bytes"]
-        published = "" if z["pp"] > 1 or z["cp"] > 1 or z["ep"] > 1 else \
-            f"; the paper's state + Korthikanti's activations {_gib(theirs)} ({_verdict(theirs, capacity)})"
-        print(f"  total per GPU: picockpt {_gib(total)} ({_verdict(total, capacity)} in {_gib(capacity)}){published}; "
-              f"working memory not counted")
+        print_zero(row, capacity)
     if "cp" in row:
         c = row["cp"]
         every = c["every_peak_bytes"]
@@ -336,14 +239,14 @@ def print_parallel(row):
         print(f"context parallel over {c['cp']} ranks ({c['cp_comm']}{', K/V kept' if c['keep_kv'] else ''}, "
               f"zigzag{beside}), per rank: {c['rank_tokens']:,} tokens (parallel/context_parallel/cp_inventory.py: "
               f"the activation store only, no weights, working memory or K/V blocks in flight):")
-        print(f"  {c['policy']}: {_gib(c['peak_bytes'])} stored{' on stage 0, the busiest' if c['pp'] > 1 else ''}; "
-              f"communication forward {_gib(comm['forward'])}, recompute {_gib(comm['recompute'])}, backward "
-              f"{_gib(comm['backward'])}")
+        print(f"  {c['policy']}: {gib(c['peak_bytes'])} stored{' on stage 0, the busiest' if c['pp'] > 1 else ''}; "
+              f"communication forward {gib(comm['forward'])}, recompute {gib(comm['recompute'])}, backward "
+              f"{gib(comm['backward'])}")
         if c["pp"] > 1:
-            print("  per stage: " + ", ".join(f"{s} {_gib(n)}" for s, n in enumerate(c["stage_peak_bytes"])))
-        print(f"  every:C: least at C = {best}, {_gib(every[best])}; C = 1 (full) {_gib(every[1])}; "
-              f"C = {len(every)} {_gib(every[len(every)])}")
-        print(f"  activations alone in {_gib(capacity)}: " + (
+            print("  per stage: " + ", ".join(f"{s} {gib(n)}" for s, n in enumerate(c["stage_peak_bytes"])))
+        print(f"  every:C: least at C = {best}, {gib(every[best])}; C = 1 (full) {gib(every[1])}; "
+              f"C = {len(every)} {gib(every[len(every)])}")
+        print(f"  activations alone in {gib(capacity)}: " + (
             f"every:C fits for C = {_ranges(fitting)}" if fitting else "no every:C fits"))
 
 

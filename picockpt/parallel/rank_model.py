@@ -4,8 +4,8 @@ given). rank.py composes it, one line per dimension:
 
     model = RankModel(params, cfg, input_ids, targets)
     apply_context_parallel(model, cp_comm, tokens, ...)       # its tokens, their RoPE rows, attention round the ring
-    apply_tensor_parallel(model, tp_comm, sp, ...)            # its slices: the layer's collectives, vocab-parallel head
     apply_expert_parallel(model, ep_comm, ...)                # its experts: tokens dispatched and combined
+    apply_tensor_parallel(model, tp_comm, sp, ...)            # its slices (of the experts too), vocab-parallel head
 
 The parts:
     cross        the layer's crossings (picockpt/layer.py's Crossings): each parallelism's wrap the ones before and
@@ -16,8 +16,7 @@ The parts:
     checkpoints  how a layer input is kept and loaded (None: whole; tp's distribute_saved: this rank's 1/t)
     positions    the global positions of the tokens it holds (None: all; cp: its chunks), for the RoPE rows
     drop         the policy's op level here (ep also drops the dispatched rows with the experts' tensors)
-The loss needs no part: the stage scales every micro-batch by its share of the whole batch's counted targets
-(pipeline_parallel/pp_stage.py), whichever ranks split it.
+The loss needs no part: the stage (pipeline_parallel/pp_stage.py) scales each micro-batch by its share of the mean.
 """
 from ..engine import Model
 from ..head import head_backward, head_forward

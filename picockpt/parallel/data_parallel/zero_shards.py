@@ -15,8 +15,8 @@ sweep that runs it again and its backward, the head's forward and backward (the 
 only). The head stays gathered from its forward to its backward (torchtitan's apply_fsdp_to_decoder does not reshard
 the final norm and output after the forward); keep_gathered=True keeps a layer a recompute sweep gathered until its
 backward, one gather fewer for holding a sweep's layers at once (FSDP2 gathers a recomputed block once in the backward:
-fsdp_peer.py); keep_gathered="step" keeps every unit from its first use to its last (zero_inventory.kept_after). prefetch=True starts the next use's gather before this use computes, as FSDP's prefetch does. Under pp
-every micro-batch's uses gather again, in the schedule's order (zero_inventory.stage_uses).
+fsdp_peer.py); "step" every unit from its first use to its last (zero_inventory.kept_after). prefetch=True starts the
+next use's gather before this use computes, as FSDP's does. Under pp every micro-batch's uses gather again, in order.
 Gradients accumulate whole over the stage's micro-batches (as torch.distributed.pipelining runs FSDP: gradient sync
 only in the last backward) and are reduced once final: stage 1 all-reduces a unit's flat gradient (every rank holds
 the sum), stages 2 and 3 reduce-scatter it (the rank keeps its shard's sum, the whole is freed).
@@ -76,7 +76,7 @@ class ZeroShards:
 
     def __init__(self, params, cfg, stage, layers, first, last, comms, split=None, uses=None, keep_gathered=False,
                  prefetch=True, lr=3e-3, weight_decay=0.0):
-        self.cfg, self.stage, self.keep_gathered, self.prefetch = cfg, stage, keep_gathered, prefetch
+        self.cfg, self.stage, self.prefetch = cfg, stage, prefetch
         sizes = {part: comm.world_size if comm is not None else 1 for part, comm in comms.items()}
         shapes = {name: tensor.shape for name, tensor in params.items()}
         self.units = {key: [Sharded(unit, comms[bool(split and split(unit.names[0]))], params, stage, cfg.param_dtype)
@@ -86,6 +86,7 @@ class ZeroShards:
                                          for n, part in enumerate(parts)}, lr, weight_decay)
         self.owner = {name: part for parts in self.units.values() for part in parts for name in part.unit.names}
         self.uses, self.next_use = uses, 0
+        self.kept = [kept_after(uses, n, keep_gathered) for n in range(len(uses or ()))]  # per use: stays gathered?
         self.gathered, self.pending = {}, {}  # key -> [flat]; key -> [(work, flat)] under way
         self.gathered_peak = dict.fromkeys(("forward", "recompute", "backward"), 0)  # bytes, as measured
         self.tracker = None
@@ -133,7 +134,7 @@ class ZeroShards:
             views.update(part.unit.views(flat))  # views into the gathered buffer
         yield views
         del views, flats
-        if not kept_after(self.uses, self.next_use - 1, self.keep_gathered):
+        if not self.kept[self.next_use - 1]:
             del self.gathered[key]  # freed (the views die with the caller's)
 
     def acquire(self, key, phase):
@@ -193,8 +194,8 @@ class ZeroShards:
         out = {}
         for parts in self.units.values():
             for part in parts:
-                held = part.grad.numel() == part.unit.padded
-                out.update(part.unit.views(part.grad) if held else part.unit.pieces(part.grad, part.rank))
+                whole = part.grad.numel() == part.unit.padded
+                out.update(part.unit.views(part.grad) if whole else part.unit.pieces(part.grad, part.rank))
         return out
 
     # -- the optimizer ---------------------------------------------------------------------------
