@@ -192,8 +192,9 @@ def roofline_op_seconds(cfg, batch, seq, hw, t=1, sp=False, cp=1):
 
 # ---- the planner's chain in seconds ------------------------------------------------------------------------------
 def rebuild_seconds(seconds, names):
-    """What a layer's backward spends rebuilding the dropped `names`: each rebuilding op once."""
-    return sum(seconds[op] for op in {REBUILT_BY[name] for name in names if name in REBUILT_BY})
+    """What a layer's backward spends rebuilding the dropped `names`: each rebuilding op once, summed in a fixed
+    order (a set's order changes with Python's hash seed, and a float sum's last bit with the order)."""
+    return sum(seconds[op] for op in sorted({REBUILT_BY[name] for name in names if name in REBUILT_BY}))
 
 
 def price_chain(chain, cfg, batch, seq, seconds, drop=frozenset()):

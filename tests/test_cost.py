@@ -1,5 +1,8 @@
 """The cost model (picockpt/cost.py) against hand calculations, the planner priced by it, and plan --cost."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -70,6 +73,27 @@ def test_a_profile_proportional_to_flops_gives_the_flop_plans(attention):
         by_flops, by_time = plan_chain(chain, budget), plan_priced(chain, priced, budget)
         assert by_time.recompute_flops == by_flops.recompute_flops
         assert by_time.recompute_seconds == pytest.approx(by_flops.recompute_flops * 1e-12)
+
+
+PRICED = """
+from dataclasses import replace
+from picockpt import Config
+from picockpt.cost import HARDWARE, price_chain, roofline_op_seconds
+from picockpt.planner import model_chain
+cfg, hw = Config.from_preset("small", layers=4), replace(HARDWARE["h100"], matmul=2e11, memory=2e10)
+seconds = roofline_op_seconds(cfg, 2, 64, hw)
+seconds["swiglu"] *= 100  # cheap's three rebuilding ops: a sum whose order shows in its last bit
+chain = price_chain(model_chain(cfg, 2, 64), cfg, 2, 64, seconds)
+print([float(r).hex() for stage in chain for _, _, r in stage.variants])
+"""
+
+
+def test_priced_chains_are_the_same_to_the_last_bit_under_every_hash_seed():
+    """A set's order follows Python's hash seed: a rebuild's seconds summed over one would round differently from
+    run to run, and break the planner's ties differently."""
+    printed = {subprocess.run([sys.executable, "-c", PRICED], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "2")}
+    assert len(printed) == 1
 
 
 def test_dear_elementwise_ops_change_the_plan_and_the_priced_plan_is_never_dearer():
