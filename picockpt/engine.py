@@ -191,7 +191,8 @@ class Step:
                 if self.trace:
                     self.say(f"backward layer {i}: dropped its activations; stored {store.bytes:,} bytes")
                 for role, grad in layer_grads._asdict().items():
-                    keep_grad(layer_key(i, role), grad)
+                    if grad is not None:  # None: computed later, by a zero-bubble pipeline's W (parallel/)
+                        keep_grad(layer_key(i, role), grad)
             keep_grad(EMBED, model.embed_backward(dx))  # (V, h)
             if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses
                 keep_grad(EMBED, grads[EMBED] + grads[HEAD])  # (V, h)

@@ -312,9 +312,10 @@ def frontier(chain, max_slots=None):
 
 
 # ---- the exact walk ------------------------------------------------------------------------------
-def replay(chain, schedule):
+def replay(chain, schedule, left=None):
     """(peak bytes of the store, recompute FLOPs) of running `schedule`, by the engine's own loop
-    (picockpt/engine.py) over byte counts: every put adds, every layer's backward pops it all."""
+    (picockpt/engine.py) over byte counts: every put adds, every layer's backward pops it all (and, with
+    left[i], leaves that many bytes behind: a zero-bubble pipeline's deferred weight gradients, parallel/)."""
     L = len(chain) - 1
     inputs, whole = set(), {}  # layers whose input is stored; layers stored whole -> (bytes, rebuild)
     live = peak = recompute = 0
@@ -345,7 +346,8 @@ def replay(chain, schedule):
             run_layers(first_of[i], i, lambda k: schedule.sweep(k, i), counted=True)
         a, r = whole.pop(i)
         inputs.discard(i)
-        live -= a
+        live -= a - (left[i] if left else 0)
+        peak = max(peak, live)
         recompute += r + chain[i].inner_flops
-    assert live == 0 and not inputs, "the schedule leaves tensors stored"
+    assert live == sum(left or ()) and not inputs, "the schedule leaves tensors stored"
     return peak, recompute

@@ -97,8 +97,8 @@ class Captured(Exception):
     pass
 
 
-DEFAULTS = dict(tp=1, sp=False, distribute_saved=False, pp=1, microbatches=1, schedule="1f1b", recompute_early=False,
-                dp=1, overlap=True, ep=1, keep_dispatched=False, cp=1, cp_layout="zigzag", cp_comm="ring",
+DEFAULTS = dict(tp=1, sp=False, distribute_saved=False, pp=1, microbatches=1, schedule="1f1b", virtual_stages=1,
+                recompute_early=False, dp=1, overlap=True, ep=1, keep_dispatched=False, cp=1, cp_layout="zigzag", cp_comm="ring",
                 cp_keep_kv=False, zero=0, keep_gathered=False, prefetch=True)  # the command's, flags left out
 
 
@@ -106,6 +106,8 @@ DEFAULTS = dict(tp=1, sp=False, distribute_saved=False, pp=1, microbatches=1, sc
     (["--tp", "2", "--sp"], dict(tp=2, sp=True)),
     (["--pp", "2", "--microbatches", "2", "--schedule", "afab", "--recompute-early", "--dp", "2", "--no-overlap"],
      dict(pp=2, microbatches=2, schedule="afab", recompute_early=True, dp=2, overlap=False)),
+    (["--pp", "2", "--microbatches", "4", "--schedule", "interleaved", "--virtual-stages", "2"],
+     dict(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)),
     (["--ep", "2", "--experts", "4", "--pp", "2", "--dp", "2", "--batch", "8", "--recompute-early", "--no-overlap"],
      dict(ep=2, pp=2, dp=2, recompute_early=True, overlap=False)),
     (["--cp", "2", "--tp", "2", "--attention", "tiled", "--cp-layout", "contiguous"],

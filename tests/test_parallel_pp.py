@@ -24,6 +24,7 @@ from picockpt.parallel.pipeline_parallel.pp_schedules import bubble_fraction, st
 from picockpt.parallel.pipeline_parallel.pp_plan import end_of_forward_bytes
 from picockpt.planner import replay
 
+from nccl_order import nccl_order_completes
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
@@ -205,39 +206,6 @@ def test_point_to_point_and_collective_bytes_equal_their_closed_forms(launch):
                 S = job.input_ids.shape[0] // (job.dp * job.microbatches) * SEQ * job.cfg.hidden // (
                     job.tp if job.sp and job.tp > 1 else 1) * torch.empty((), dtype=job.cfg.torch_dtype).element_size()
                 assert r["p2p_bytes"]["forward"]["receive"] == job.microbatches * S, where(job, r)
-
-
-def nccl_order_completes(posted):
-    """Run every rank's posted point-to-point groups as NCCL does: each rank starts its next group only
-    when the one before has completed; a group completes when each of its sends has met the matching
-    receive on the peer, and each receive the matching send, matched in order per pair of ranks.
-    posted: {rank: [[("send" | "recv", peer), ...], ...]}. False if the ranks would hang."""
-    at = dict.fromkeys(posted, 0)  # each rank's current group
-    done = {rank: set() for rank in posted}  # the (kind, peer, n) ops of its current group that matched
-    count = {rank: {} for rank in posted}  # (kind, peer) -> how many such ops this rank has posted so far
-
-    def current(rank):  # the current group's ops, numbered per (kind, peer) in posting order
-        seen, ops = dict(count[rank]), []
-        for kind, peer in posted[rank][at[rank]] if at[rank] < len(posted[rank]) else []:
-            ops.append((kind, peer, seen.get((kind, peer), 0)))
-            seen[kind, peer] = seen.get((kind, peer), 0) + 1
-        return ops
-
-    moved = True
-    while moved:
-        moved = False
-        for rank in posted:
-            for kind, peer, n in current(rank):
-                other = "recv" if kind == "send" else "send"
-                if (kind, peer, n) not in done[rank] and (other, rank, n) in current(peer):
-                    done[rank].add((kind, peer, n))
-                    done[peer].add((other, rank, n))
-                    moved = True
-            if current(rank) and set(current(rank)) <= done[rank]:  # the group completed: the next one starts
-                for kind, peer, _ in current(rank):
-                    count[rank][kind, peer] = count[rank].get((kind, peer), 0) + 1
-                at[rank], done[rank], moved = at[rank] + 1, set(), True
-    return all(at[rank] == len(posted[rank]) for rank in posted)
 
 
 def test_the_nccl_order_checker_finds_the_one_by_one_deadlock():  # the test below can fail

@@ -34,7 +34,7 @@ def tiny(batch=4, seq=8, **fields):
     (dict(), 6, dict(pp=2, microbatches=4), r"^batch=6 is not divisible into dp x microbatches = 1 x 4 = 4 "
                                             r"micro-batches of equal size; use a batch that is a multiple of 4$"),
     (dict(), 4, dict(pp=1, dp=2, microbatches=4), r"^batch=4 is not divisible into dp x microbatches = 2 x 4 = 8 "),
-    (dict(), 4, dict(pp=2, schedule="gpipe"), r"^schedule='gpipe': use one of 'afab', '1f1b' "),
+    (dict(), 4, dict(pp=2, schedule="gpipe"), r"^schedule='gpipe': use one of 'afab' \(all forward then all backward\), '1f1b' "),
     (dict(), 4, dict(pp=0), r"^pp=0: use a whole number of pipeline stages, 1 or more$"),
     (dict(), 4, dict(pp=2, dp=0), r"^dp=0: use a whole number of data-parallel replicas, 1 or more$"),
     (dict(attention="tiled", dropout=0.1), 4, dict(pp=2, microbatches=2),

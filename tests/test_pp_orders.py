@@ -5,9 +5,8 @@ import pytest
 
 from picockpt import Config
 from picockpt.cost import bubble_idle
-from picockpt.parallel.pipeline_parallel.pp_orders import (interleaved_actions, one_f_one_b_orders, run_orders,
-                                                           w_pending_bytes, zb_h1_actions)
-from picockpt.parallel.pipeline_parallel.pp_schedules import bubble_fraction, in_flight
+from picockpt.parallel.pipeline_parallel.pp_orders import one_f_one_b_orders, run_orders, w_pending_bytes
+from picockpt.parallel.pipeline_parallel.pp_schedules import bubble_fraction, in_flight, interleaved_actions, zb_h1_actions
 
 SHAPES = [(1, 3), (2, 3), (4, 4), (4, 8), (8, 16), (3, 7)]
 

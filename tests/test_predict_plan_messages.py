@@ -81,7 +81,7 @@ def test_a_cp_and_pp_layout_blames_the_batch_and_its_fix_runs(capsys):
     assert code == 0 and json.loads(out)["cp"]["microbatches"] == 2
 
 
-@pytest.mark.parametrize("argv", [["--microbatches", "4"], ["--pp", "4"], ["--microbatches", "3", "--batch", "2"]])
+@pytest.mark.parametrize("argv", [["--microbatches", "4"], ["--microbatches", "3", "--batch", "2"]])
 def test_micro_batches_or_stages_without_their_partner_suggest_flags_that_run(capsys, argv):
     code, _, err = run(capsys, "predict", "--seq", "1024", *argv)
     assert code == 2 and "--pp 1" not in err

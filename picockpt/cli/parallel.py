@@ -13,8 +13,11 @@ and one AdamW step on the shards, ZeRO's own table below the layout's (parallel_
     python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched   # expert parallel
     python -m picockpt parallel --dp 2 --zero 3 --policy full --keep-gathered        # ZeRO-3
     python -m picockpt parallel --dp 2 --zero 2 --tp 2 --pp 2 --microbatches 2       # ZeRO-2 on 8 ranks
+    python -m picockpt parallel --pp 2 --microbatches 4 --schedule zb-h1            # B and W apart
+    python -m picockpt parallel --pp 2 --microbatches 4 --schedule interleaved --virtual-stages 2
     python -m picockpt parallel --cp 2 --attention tiled --policy full                # context parallel
 """
+from ..parallel.pipeline_parallel.pp_schedules import SCHEDULES
 from .common import add_run_args, add_shape_args, fmt_bytes, fmt_flops
 from .common import rank_columns, table
 from ..parallel.launch import check_timeout
@@ -44,8 +47,13 @@ def add_arguments(parser):
     pipeline.add_argument("--pp", type=int, default=1, help="pipeline stages P (default 1); layers split over them")
     pipeline.add_argument("--microbatches", type=int, default=1, help="micro-batches M per step (default 1); "
                           "--batch must be a multiple of dp x M")
-    pipeline.add_argument("--schedule", default=None, choices=("afab", "1f1b"), help="all forwards then all "
-                          "backwards, or one forward one backward (default 1f1b; needs --pp)")
+    pipeline.add_argument("--schedule", default=None, choices=SCHEDULES, help="afab: all forwards then all "
+                          "backwards; 1f1b: one forward one backward (the default); interleaved: 1F1B over "
+                          "--virtual-stages chunks of layers per rank (M a multiple of P); zb-h1: 1F1B with each "
+                          "backward split into B (input gradient) and W (weight gradients), the W's filling the "
+                          "bubble (needs --pp)")
+    pipeline.add_argument("--virtual-stages", type=int, default=1, help="--schedule interleaved: chunks of layers V "
+                          "per rank, chunk c of rank s being virtual stage c P + s (default 1; P x V <= --layers)")
     pipeline.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     pipeline.add_argument("--recompute-early", action="store_true", help="a stage waiting for a gradient "
                           "recomputes that micro-batch's top segment meanwhile")
@@ -90,6 +98,8 @@ def check_flags(args):
     for flag, given, needs, wanted, what in (
             ("--schedule", args.schedule is not None, args.pp > 1 or args.microbatches > 1,
              "--pp P or --microbatches M (> 1)", "the order of micro-batches' forwards and backwards"),
+            ("--virtual-stages", args.virtual_stages != 1, args.schedule == "interleaved",
+             "--schedule interleaved", "how many chunks of layers an interleaved pipeline's rank holds"),
             ("--recompute-early", args.recompute_early, args.pp > 1, "--pp P (P > 1)", "a pipeline stage's waits"),
             ("--no-overlap", args.no_overlap, args.dp * args.ep * args.cp > 1, "--dp D (D > 1) or --ep/--cp N (N > 1)",
              "a data-parallel all-reduce"),  # under --zero the job refuses it
@@ -164,12 +174,17 @@ def run_pipeline(args):
     printed(args, cfg, policy, device, {}, measured, _print_pipeline, ranks=shown)
 
 
+BUBBLE_FORMS = {"afab": "(P - 1) / (M + P - 1)", "1f1b": "(P - 1) / (M + P - 1)",
+                "interleaved": "(P - 1) / (V M + P - 1)", "zb-h1": "(P - 1) / (3 M + P - 1) (F = B = W)"}
+
+
 def _print_pipeline(row):
-    print(f"pipeline P={row['pp']}, M={row['microbatches']} micro-batches, {row['schedule']}, dp={row['dp']}, "
+    virtual = f" (V={row['virtual_stages']} chunks a rank)" if row["virtual_stages"] > 1 else ""
+    print(f"pipeline P={row['pp']}, M={row['microbatches']} micro-batches, {row['schedule']}{virtual}, dp={row['dp']}, "
           f"tp={row['tp']}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
           f"h={row['hidden']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
     columns = [("rank", lambda r: str(r["rank"])), ("stage", lambda r: str(r["stage"])),
-               ("layers", lambda r: f"{r['layers'][0]}..{r['layers'][1]}"),
+               ("layers", lambda r: ", ".join(f"{a}..{b}" for a, b in r["chunk_layers"])),
                ("in flight", lambda r: str(r["microbatches_in_flight"])),
                ("stored peak", lambda r: f"{r['peak_activation_bytes']:,} B"),
                ("predicted", lambda r: f"{r['predicted_activation_bytes']:,} B"),
@@ -180,11 +195,15 @@ def _print_pipeline(row):
     columns += [("bubble", lambda r: f"{r['bubble']:.0%}")]
     print(table(row["ranks"], columns))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] for r in row["ranks"])
-    print(f"stored peaks equal their closed forms, (in flight - 1) x stored per micro-batch + one micro-batch's "
-          f"peak (picockpt/parallel/pipeline_parallel/pp_inventory.py): {'yes' if exact else 'NO'}")
+    form = {"zb-h1": "the order walked: each forward adds what a micro-batch stores, each B its peak over the "
+                     "others' and leaves what its W reads (W frees it)",
+            "interleaved": "the order walked, micro-batch-chunk by micro-batch-chunk"}.get(
+        row["schedule"], "(in flight - 1) x stored per micro-batch + one micro-batch's peak")
+    print(f"stored peaks equal their closed forms, {form} (picockpt/parallel/pipeline_parallel/pp_inventory.py): "
+          f"{'yes' if exact else 'NO'}")
     bubbles = [r["bubble"] for r in row["ranks"]]
     print(f"bubble (1 - computing / step time) per rank: {', '.join(f'{b:.0%}' for b in bubbles)}; "
-          f"(P - 1) / (M + P - 1) = {row['ranks'][0]['predicted_bubble']:.0%} for equal stages")
+          f"{BUBBLE_FORMS[row['schedule']]} = {row['ranks'][0]['predicted_bubble']:.0%} with equal stage times")
     if row["dp"] > 1 and not row["zero"]:  # ZeRO reduces each unit as it is final, blocking: its table follows
         exposed = max(r["timeline_seconds"]["reduce"] for r in row["ranks"])
         print(f"data-parallel all-reduce left exposed at the end of the step: {exposed * 1e3:.1f} ms "

@@ -19,8 +19,8 @@ from ..policy import parse_policy
 from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff
 from .parallel_zero import print_zero
 
-LAYOUT = ("tp", "sp", "distribute_saved", "pp", "microbatches", "schedule", "recompute_early", "dp", "overlap", "ep",
-          "keep_dispatched", "cp", "cp_layout", "cp_comm", "cp_keep_kv", "zero", "keep_gathered", "prefetch")
+LAYOUT = ("tp", "sp", "distribute_saved", "pp", "microbatches", "schedule", "virtual_stages", "recompute_early",
+          "dp", "overlap", "ep", "keep_dispatched", "cp", "cp_layout", "cp_comm", "cp_keep_kv", "zero", "keep_gathered", "prefetch")
 SWITCHES = {"sp", "distribute_saved", "recompute_early", "keep_dispatched", "cp_keep_kv", "keep_kv", "keep_gathered",
             "trace", "verbose"}  # store_true flags: name=True is the flag given
 NEGATED = {"overlap": "--no-overlap", "prefetch": "--no-prefetch"}  # the flag that makes them False

@@ -34,6 +34,7 @@ from ..parallel.pipeline_parallel.pp_inventory import StageForms
 from ..parallel.tensor_parallel.tp_inventory import rank_peak_bytes
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from .predict_layouts import cp_fits, cp_refusal, layouts_for
+from .predict_pipeline import add_pipeline_arguments, check_schedule_flags, pipeline_row, print_pipeline
 from .predict_zero import gib, print_zero, zero_row
 
 
@@ -55,11 +56,13 @@ def add_parallel_arguments(parser):
     parser.add_argument("--keep-kv", action="store_true",
                         help="--cp-comm allgather: keep the gathered K/V for the recomputation and the backward")
     parser.add_argument("--pp", type=int, default=1,
-                        help="with --cp: pipeline stages beside it (1F1B; stage s holds min(P - s, M) micro-batches), "
-                             "each stage's store per rank (default 1)")
+                        help="pipeline stages: alone (beside --tp/--sp) every stage's store under --schedule and "
+                             "the schedules side by side; beside --cp or --zero under 1F1B (stage s holds min(P - s, "
+                             "M) micro-batches) (default 1)")
     parser.add_argument("--microbatches", type=int, default=None,
                         help="with --pp: micro-batches per step, splitting --batch (default: --pp, one sequence each "
                              "when --batch equals it)")
+    add_pipeline_arguments(parser)  # --schedule, --virtual-stages (predict_pipeline.py)
     parser.add_argument("--gpu-gib", type=float, default=80.0,
                         help="GiB of one GPU for the totals: a positive finite number (default 80)")
 
@@ -85,7 +88,7 @@ def check_parallel(args, cfg, policy):
                          "K/V; add --cp C >= 2, or leave them out")
     if args.cp > 1:
         check_context(args, cfg, policy)
-    elif args.zero is not None and args.tp > 1:
+    elif (args.zero is not None or args.pp > 1) and args.tp > 1:
         check_tensor_parallel(cfg, args.tp, args.sp, args.seq, args.distribute_saved, experts=args.ep > 1)
 
 
@@ -119,12 +122,9 @@ def check_pipeline(args, cfg):
         raise ValueError(f"--microbatches {M} without --pp: micro-batches are what pipeline stages pass along, and "
                          f"predict computes them beside --pp P >= 2 only; {_pipeline_example(args, cfg)}, or leave "
                          f"--microbatches out")
+    check_schedule_flags(args, cfg)  # predict_pipeline.py
     if pp == 1:
         return
-    if args.cp == 1 and args.zero is None:
-        raise ValueError(f"--pp {pp}: predict splits stages beside --cp or --zero only (parallel/pipeline_parallel's "
-                         f"closed forms for one rank of each); {_pipeline_example(args, cfg)}, or run `python -m "
-                         f"picockpt parallel --pp {pp}` to measure a pipeline")
     M = M or pp
     divisors = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
     if batch % M and args.microbatches is None:
@@ -221,6 +221,9 @@ def add_parallel_rows(row, args, cfg, policy):
     if args.cp > 1:
         row["cp"] = cp_row(cfg, args.batch, args.seq, policy, args.cp, args.cp_comm, args.keep_kv, args.tp, args.sp,
                            args.distribute_saved, args.pp, args.microbatches)
+    if args.pp > 1 and args.cp == 1 and args.zero is None:
+        row["pipeline"] = pipeline_row(cfg, args.batch, args.seq, policy, args.pp, args.microbatches, args.schedule,
+                                       args.virtual_stages, args.tp, args.sp, args.distribute_saved)
     row["gpu_bytes"] = int(args.gpu_gib * GIB)
 
 
@@ -228,6 +231,8 @@ def print_parallel(row):
     capacity = row["gpu_bytes"]
     if "zero" in row:
         print_zero(row, capacity)
+    if "pipeline" in row:
+        print_pipeline(row)
     if "cp" in row:
         c = row["cp"]
         every = c["every_peak_bytes"]

@@ -22,8 +22,8 @@ from .data_parallel.zero_check import check_zero_job
 from .expert_parallel.ep_shard import check_expert_parallel
 from .launch import check_rank_count, ranks_generator
 from .layout import check_layout
-from .pipeline_parallel.pp_inventory import StageForms
-from .pipeline_parallel.pp_schedules import check_schedule, stage_layers
+from .pipeline_parallel.pp_inventory import rank_forms
+from .pipeline_parallel.pp_schedules import check_interleaving, check_schedule, stage_layers
 from .tensor_parallel.tp_shard import check_tensor_parallel
 
 
@@ -41,7 +41,8 @@ class ParallelJob:
     distribute_saved: bool = False  # each tp rank keeps 1/t of a checkpoint-only layer input (without sp)
     pp: int = 1                    # pipeline stages
     microbatches: int = 1
-    schedule: str = "1f1b"         # "afab" or "1f1b"
+    schedule: str = "1f1b"         # "afab", "1f1b", "interleaved" or "zb-h1" (pipeline_parallel/pp_schedules.py)
+    virtual_stages: int = 1        # interleaved: chunks of layers per rank (virtual stage c * pp + s on rank s)
     recompute_early: bool = False  # a stage recomputes its top segment while it waits for the gradient
     dp: int = 1                    # data-parallel replicas
     overlap: bool = True           # all-reduce each gradient bucket as soon as it is final
@@ -80,6 +81,12 @@ NOT_YET = [
      "and tp=1"),
     (lambda job: job.ep > 1 and job.distribute_saved, lambda job: f"ep={job.ep} with distribute_saved=True",
      "its closed forms split no expert-parallel checkpoint", "leave distribute_saved out with ep"),
+    (lambda job: job.virtual_stages > 1 and (job.zero or job.ep > 1 or job.cp > 1),
+     lambda job: f"schedule='interleaved' with zero={job.zero}, ep={job.ep}, cp={job.cp}",
+     "ZeRO's, ep's and cp's closed forms are per stage, not per chunk", "interleave with dp and tp (sp)"),
+    (lambda job: job.schedule == "zb-h1" and job.cfg.experts > 0, lambda job: f"schedule='zb-h1' with experts",
+     "a mixture of experts' weight gradients are not deferred apart from its input gradient",
+     "use zb-h1 with a dense model, or 1f1b"),
     (lambda job: job.zero and (job.steps > 1 or len(job.batches or ()) > 1) and job.pp > 1 and job.cfg.draws_random,
      lambda job: f"{job.steps or len(job.batches)} steps with pp={job.pp} and dropout",
      "the next step's first stage would need the generator state the last stage ends with",
@@ -90,12 +97,12 @@ NOT_YET = [
 def checked_job(job, device, world_size):
     """The job with its policy parsed and batch checked; a ValueError naming the value before any rank starts."""
     check_flags(job)
+    check_schedule(job.schedule, job.virtual_stages)
     for refused, what, why, works in NOT_YET:
         if refused(job):
             raise ValueError(f"{what(job)} is not supported yet: {why}; {works}")
     job = checked_batch(job, device)
     cfg, policy, (B, T), M = job.cfg, parse_policy(job.policy, job.cfg), job.input_ids.shape, job.microbatches
-    check_schedule(job.schedule)
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
         raise ValueError(f"microbatches={M!r}: use a whole number of micro-batches per step, 1 or more")
     check_layout(job.dp, job.pp, job.tp, None, job.ep, job.cp)  # each a whole number >= 1
@@ -103,6 +110,12 @@ def checked_job(job, device, world_size):
     check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp x cp", job.world_size, device)  # torchrun
     check_layout(job.dp, job.pp, job.tp, world_size, job.ep, job.cp)
     stage_layers(cfg.layers, job.pp)
+    if job.schedule == "interleaved":
+        check_interleaving(job.pp, M, job.virtual_stages)
+        if job.pp * job.virtual_stages > cfg.layers:
+            raise ValueError(f"pp={job.pp} x virtual_stages={job.virtual_stages} = {job.pp * job.virtual_stages} "
+                             f"virtual stages for L={cfg.layers} layers: every chunk needs a layer; use pp x "
+                             f"virtual_stages <= {cfg.layers}")
     if job.recompute_early and job.pp == 1:
         raise ValueError("recompute_early=True without pp: it recomputes a stage's top segment while the stage "
                          "waits for its gradient; use it with pp >= 2, or leave it out")
@@ -132,23 +145,26 @@ def checked_job(job, device, world_size):
             raise ValueError(f"router_jitter={cfg.router_jitter} with dp x microbatches = {job.dp * M}: the jitter "
                              f"noise is drawn at a micro-batch's shape, not sliced from the whole batch's; use "
                              f"router_jitter=0 or one micro-batch on one replica")
-    for stage, layers in enumerate(stage_layers(cfg.layers, job.pp)):
+    chunks = stage_layers(cfg.layers, job.pp * job.virtual_stages)  # virtual stage c pp + s: rank s's chunk c
+    for stage in range(job.pp):
         try:  # an impossible budget says which stage it does not fit, before any rank starts
             closed_forms(replace(job, policy=policy.text), stage)
         except ValueError as error:
             if job.pp == 1:
                 raise
-            raise ValueError(f"stage {stage} (layers {layers[0]}..{layers[-1]}): {error}") from None
+            layers = ", ".join(f"{r[0]}..{r[-1]}" for r in chunks[stage::job.pp])
+            raise ValueError(f"stage {stage} (layers {layers}): {error}") from None
     return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
 
 
 def closed_forms(job, stage):
     """The closed forms of one stage's rank (pipeline_parallel/pp_inventory.py), on its T/cp tokens; under cp a
-    budget plans with the communication a recomputed layer repeats (cp_inventory.recompute_comm_flops)."""
-    (B, T), cp = job.input_ids.shape, job.cp
+    budget plans with the communication a recomputed layer repeats (cp_inventory.recompute_comm_flops); under
+    interleaving its chunks' (RankForms)."""
+    (B, T), cp, V = job.input_ids.shape, job.cp, job.virtual_stages
     ring = recompute_comm_flops(job.cfg, B // (job.dp * job.microbatches), T, cp, job.cp_comm, job.cp_keep_kv, job.tp)
-    return StageForms(job.cfg, B, T // cp, job.policy, job.pp, job.microbatches, job.schedule, stage, job.dp, job.tp,
-                      job.sp, job.distribute_saved, layer_comm_flops=ring)
+    return rank_forms(job.cfg, B, T // cp, job.policy, job.pp, job.microbatches, job.schedule, stage, job.dp,
+                      job.tp, job.sp, job.distribute_saved, ring, V)
 
 
 def check_flags(job):

@@ -11,6 +11,7 @@ process's routing of them), and the stage's peak replays the schedule over the m
 import math
 
 from ..config import BYTES
+from ..cost import bubble_idle
 from ..params import EMBED, HEAD, param_shapes
 from ..policy import parse_policy
 from .comm import PHASES
@@ -22,7 +23,8 @@ from .data_parallel.zero_inventory import gather_forms, reduce_bytes_by_kind, st
 from .data_parallel.zero_shards import stage_units
 from .expert_parallel.ep_shard import is_expert
 from .job import closed_forms
-from .pipeline_parallel.pp_schedules import actions, bubble_fraction
+from .pipeline_parallel.pp_plan import in_flight_peak
+from .pipeline_parallel.pp_schedules import actions
 from .rank import stage_param_names
 from .tensor_parallel.tp_shard import split_dim
 
@@ -35,15 +37,16 @@ def predicted(job, report, routing=None):
     state_bytes = job.rng_state.numel() if job.cfg.draws_random else 0
     out = {"predicted_p2p_bytes": stage_forms.p2p_bytes(state_bytes, stage_forms.b // job.ep),
            "predicted_dp_bytes": reduced_bytes(job, stage_forms),
-           "predicted_bubble": bubble_fraction(job.pp, job.microbatches)}
+           "predicted_bubble": bubble_idle(job.pp, job.microbatches, job.schedule, job.virtual_stages)}
     if job.zero:
         out.update(zero_forms(job, stage_forms, report))
     if job.ep > 1:
         return {**out, **expert_forms(job, stage_forms, report, routing)}
+    head = getattr(stage_forms, "chunks", [stage_forms])[-1]  # interleaved: the rank's last chunk holds any head
     out.update({"predicted_activation_bytes": stage_forms.peak_bytes,
                 "predicted_microbatch_stored_bytes": stage_forms.microbatch_stored_bytes,
                 "predicted_layer_stored_bytes": first_layer_bytes(stage_forms),
-                "predicted_head_stored_bytes": _variant(stage_forms.chain[-1], stage_forms.local_schedule.head),
+                "predicted_head_stored_bytes": _variant(head.chain[-1], head.local_schedule.head),
                 "predicted_flops": stage_forms.flops(), "predicted_comm_bytes": stage_forms.tp_comm_bytes()})
     return {**out, **context_forms(job, stage_forms, report, T)} if job.cp > 1 else out
 
@@ -108,26 +111,11 @@ def expert_forms(job, stage_forms, report, routing):
         tp_comm = stage_forms.tp_comm_bytes(stage_forms.b // ep)
         total["comm"] = {phase: n + tp_comm[phase] + (router if phase == "backward" else 0)
                          for phase, n in total["comm"].items()}
-    return {"predicted_activation_bytes": in_flight_peak(order, stored, peaks),
+    return {"predicted_activation_bytes": in_flight_peak(order, lambda m, c: stored[m], lambda m, c: peaks[m]),
             "predicted_microbatch_stored_bytes": stored[0], "predicted_layer_stored_bytes": layer,
             "predicted_head_stored_bytes": head, "predicted_flops": total["flops"],
             "predicted_comm_bytes": total["comm"], "predicted_all_to_all_sent_bytes": total["sent"],
             "predicted_received_rows": received}
-
-
-def in_flight_peak(order, stored, peaks):
-    """The stage's store peak over the schedule's actions when micro-batch m holds stored[m] after its forward
-    and peaks at peaks[m] during its own backward (its recompute sweeps), with the others held meanwhile.
-    With equal micro-batches: (w - 1) E + peak (pp_inventory.py)."""
-    held, peak = {}, 0
-    for action in order:
-        m = action.microbatch
-        if action.kind == "F":
-            held[m] = stored[m]
-            peak = max(peak, sum(held.values()))
-        else:
-            peak = max(peak, sum(held.values()) - held.pop(m) + peaks[m])
-    return peak
 
 
 def rank_param_shapes(cfg, stage_forms, tp=1, ep=1):

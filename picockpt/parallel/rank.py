@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..engine import Step, device_generator
 from ..ops.cross_entropy import IGNORE_INDEX
+from ..store import ActivationStore
 from ..params import EMBED, FINAL_NORM, HEAD, param_shapes
 from ..tracker import Tracker
 from .comm import PHASES, CommLog
@@ -36,8 +37,8 @@ from .expert_parallel.ep_model import apply_expert_parallel
 from .expert_parallel.ep_shard import is_expert, shard_experts
 from .job import closed_forms
 from .layout import Layout, build_groups
-from .pipeline_parallel.pp_comm import Pipe
-from .pipeline_parallel.pp_schedules import actions
+from .pipeline_parallel.pp_comm import Pipe, neighbours, receives
+from .pipeline_parallel.pp_schedules import actions, interleaved_steps
 from .pipeline_parallel.pp_stage import PipelineStage, bucket_names
 from .rank_model import RankModel
 from .tensor_parallel.tp_model import apply_tensor_parallel
@@ -156,7 +157,7 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
     timeline = Timeline(device)  # its times: seconds since now (machines' monotonic clocks share no origin)
     with Tracker(device, physical=job.measure, flops=job.measure) as tracker, torch.no_grad():
         memory = StageMemory(tracker, timeline)
-        pipe = Pipe(groups.previous, groups.next, device, timeline, tracker)
+        pipe = Pipe(*neighbours(groups, job.pp, job.virtual_stages), device, timeline, tracker)
         for group in layer_comms:
             group.tracker, group.log = tracker, layer_log
         reduce_log = CommLog()  # the data-parallel groups' collectives (the buckets', or ZeRO's), this step's
@@ -165,34 +166,60 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
         if shards is not None:
             shards.begin(tracker)
         buckets = shards or _buckets(job, stage_forms, groups, params, device, timeline, tracker)
-        stage = PipelineStage(cfg, params, stage_forms.layers, stage_forms.first, stage_forms.last, pipe, buckets,
-                              counted, M, groups.dp_rank, job.dp, stage_forms.activation_shape(b), make_inner,
-                              job.recompute_early, shards)
-        stage.rng_start = rng_start if stage_forms.first else None
-        stage.start(tracker, device, T)
+        chunk_forms = getattr(stage_forms, "chunks", [stage_forms])  # interleaved: the rank's V chunks
+        chunks = [PipelineStage(cfg, params, forms.layers, forms.first, forms.last, pipe, buckets, counted, M,
+                                groups.dp_rank, job.dp, stage_forms.activation_shape(b), make_inner,
+                                job.recompute_early, shards, split_backward=job.schedule == "zb-h1")
+                  for forms in chunk_forms]
+        chunks[0].rng_start = rng_start if stage_forms.first else None
+        for chunk in chunks:
+            chunk.start(tracker, device, T, like=chunks[0])
         timeline.begin()
-        steps, loss, first_stored, received = {}, None, {}, dict.fromkeys(stage_forms.layers, 0)
-        order = actions(job.schedule, job.pp, M, groups.stage)
+        steps, waiting, loss, first_stored, received = {}, {}, None, {}, dict.fromkeys(stage_forms.layers, 0)
+        order = actions(job.schedule, job.pp, M, groups.stage, job.virtual_stages)
+        rng_like = device_generator(device).get_state()  # what a generator state sent between stages looks like
+        talking = [action for action in order if action.kind != "W"]  # the actions that send and receive
+
+        def receives_from(action):  # the neighbour this action receives from (its input or its gradient), or None
+            chunk = chunks[action.chunk]
+            return None if action.kind == "W" or (chunk.first if action.kind == "F" else chunk.last) else \
+                pipe.previous if action.kind == "F" else pipe.next
+        pipe.stepwise = job.virtual_stages > 1  # interleaved: Megatron-LM's steps (pp_comm.py)
+        starts, index = {}, 0  # the index of each step's first action -> the step
+        for step_actions in interleaved_steps(order) if pipe.stepwise else ():
+            starts[index], index = step_actions, index + len(step_actions)
         for index, action in enumerate(order):
-            m = action.microbatch
-            following = order[index + 1].kind if index + 1 < len(order) else None  # a send just before the next
-            pipe.pair_with = {"F": groups.previous, "B": groups.next}.get(following)  # action's receive: one group
+            m, c = action.microbatch, action.chunk
+            stage, forms = chunks[c], chunk_forms[c]
+            if index in starts:  # the previous step's sends and every receive this step reads, one group
+                pipe.exchange([(receives_from(a), shape, dtype, kind) for a in starts[index]
+                               if receives_from(a) is not None
+                               for kind, shape, dtype in receives(a, cfg, rng_like, forms.activation_shape(b))])
+            if action.kind == "W":  # ZB-H1: the weight gradients its B left (no send, no receive)
+                waiting.pop((m, c)).weight_backward()
+                continue
+            talking.pop(0)  # a send just before the next action's receive from the same peer: one group
+            pipe.pair_with = receives_from(talking[0]) if talking else None
             if action.kind == "F":
-                model = stage.microbatch(m, *rows(m))
-                step = model.step = Step(model, stage_forms.schedule, stage_forms.policy.drop,
-                                         memory.for_microbatch(m), say)
+                w_store = ActivationStore(listener=memory.for_microbatch(m, (c, "W"))) if stage.split_backward \
+                    else None
+                model = stage.microbatch(m, *rows(m), w_store)
+                step = model.step = Step(model, forms.schedule, forms.policy.drop, memory.for_microbatch(m, c), say)
                 model.rank_model.store = step.store  # where an ep layer keeps its routing, whatever its mode
                 part = step.forward()  # this micro-batch's share of the whole batch's mean (last stage)
                 loss = part if loss is None else loss + part
-                memory.end_of_forward[m] = memory.held.get(m, 0)
-                if m == 0:  # what the stage's first layer and the head hold after a forward
-                    first_stored = {"layer_stored_bytes": step.store.layer_bytes(stage_forms.layers[0]),
-                            "head_stored_bytes": step.store.layer_bytes(None)}
+                memory.end_of_forward[m, c] = memory.held.get((m, c), 0)
+                if m == 0:  # what the rank's first layer and the head hold after a forward
+                    first_stored.setdefault("layer_stored_bytes", step.store.layer_bytes(stage_forms.layers[0]))
+                    first_stored["head_stored_bytes"] = step.store.layer_bytes(None)
                 for k, rows_in in getattr(model.rank_model, "received_rows", {}).items():
                     received[k] += rows_in  # the rows this rank's experts got, over its micro-batches
-                steps[m] = step
+                steps[m, c] = step
             else:
-                steps.pop(m).backward()
+                step = steps.pop((m, c))
+                step.backward()
+                if stage.split_backward:
+                    waiting[m, c] = step.model
         pipe.finish()
         buckets.finish()
         state = shards.bytes() if shards is not None else None  # the model state the step ends with
@@ -201,8 +228,8 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
                 shards.step(tracker)
             state["optimizer_bytes"] = shards.bytes()["optimizer_bytes"]  # AdamW's moments exist from now on
         timeline.finish()
-        rng_end = stage.rng_end  # the generator where the single process's step leaves it (last stage)
-        del stage, steps
+        rng_end = chunks[-1].rng_end  # the generator where the single process's step leaves it (last stage)
+        del stage, chunks, steps, waiting
     for group in layer_comms + reducing:
         group.tracker = None
     report = _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, layer_log, reduce_log)
@@ -246,10 +273,12 @@ def _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, 
         "sp": job.sp and job.tp > 1, "distribute_saved": job.distribute_saved, "keep_dispatched": job.keep_dispatched,
         "microbatches": job.microbatches, "schedule": job.schedule, "policy": stage_forms.policy.text,
         "stage_schedule": stage_forms.source, "layers": [stage_forms.layers[0], stage_forms.layers[-1]],
+        "virtual_stages": job.virtual_stages,
+        "chunk_layers": [[forms.layers[0], forms.layers[-1]] for forms in getattr(stage_forms, "chunks", [stage_forms])],
         "microbatches_in_flight": stage_forms.in_flight, "recompute_early": job.recompute_early, "overlap": job.overlap,
         "experts": list(range(groups.ep_rank * local, (groups.ep_rank + 1) * local)),
         "peak_activation_bytes": tracker.peak_logical,
-        "microbatch_stored_bytes": memory.end_of_forward.get(0, 0),  # what micro-batch 0 held after its forward
+        "microbatch_stored_bytes": memory.end_of_forward.get((0, 0), 0),  # micro-batch 0's, after its forward
         "mean_activation_bytes": memory.mean_bytes(),
         "peak_live_bytes": tracker.peak_physical if job.measure else None,
         "flops": {phase: tracker.flops[phase] for phase in PHASES} if job.measure else None,

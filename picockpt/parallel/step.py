@@ -21,16 +21,15 @@ from ..params import EMBED, HEAD
 from ..routing import step_routing
 from .expert_parallel.ep_shard import gather_expert_grads
 from .predictions import predicted
-from .job import ParallelJob, checked_job, on_cpu
+from .job import ParallelJob, checked_job, closed_forms, on_cpu
 from .launch import check_timeout, ranks_generator, run_ranks, under_torchrun
-from .pipeline_parallel.pp_schedules import stage_layers
 from .rank import rank_steps, stage_param_names
 from .tensor_parallel.tp_shard import gather_grads
 
 
 def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=True, distribute_saved=False,
                    device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False, pp=1, microbatches=1,
-                   schedule="1f1b", dp=1, recompute_early=False, overlap=True, ep=1, keep_dispatched=False, zero=0,
+                   schedule="1f1b", virtual_stages=1, dp=1, recompute_early=False, overlap=True, ep=1, keep_dispatched=False, zero=0,
                    keep_gathered=False, prefetch=True, optimizer_step=False, cp=1, cp_layout="zigzag", cp_comm="ring",
                    cp_keep_kv=False):
     """Mean next-token cross-entropy, the gradient of every parameter (full shapes, params' names) and [one report
@@ -41,8 +40,8 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=T
     alone = (pp, microbatches, dp, ep, cp, zero) == (1, 1, 1, 1, 1, 0)  # tp's 2 only when nothing else is asked
     job = ParallelJob(params, cfg, input_ids, targets, policy, tp=(2 if alone else 1) if tp is None else tp, sp=sp,
                       distribute_saved=distribute_saved, pp=pp, microbatches=microbatches, schedule=schedule,
-                      recompute_early=recompute_early, dp=dp, overlap=overlap, ep=ep, keep_dispatched=keep_dispatched,
-                      zero=zero, keep_gathered=keep_gathered, prefetch=prefetch, steps=int(optimizer_step), cp=cp,
+                      virtual_stages=virtual_stages, recompute_early=recompute_early, dp=dp, overlap=overlap, ep=ep,
+                      keep_dispatched=keep_dispatched, zero=zero, keep_gathered=keep_gathered, prefetch=prefetch, steps=int(optimizer_step), cp=cp,
                       cp_layout=cp_layout, cp_comm=cp_comm, cp_keep_kv=cp_keep_kv)
     return run_jobs([job], None, device, timeout_s, port, start_method, trace)[0]
 
@@ -106,14 +105,15 @@ def _gathered(job, per_rank, key="grads"):
     """The full gradients (or key="params": parameters): each stage's from its dp and cp rank 0, tensor- or
     expert-parallel parts put together."""
     cfg, grads, head_copy = job.cfg, {}, None
-    for stage, layers in enumerate(stage_layers(cfg.layers, job.pp)):
-        names = stage_param_names(cfg, layers, stage == 0, stage == job.pp - 1)
+    for stage in range(job.pp):
+        forms = closed_forms(job, stage)  # its layers (interleaved: its chunks'), first and last
+        names = stage_param_names(cfg, forms.layers, forms.first, forms.last)
         ranks = sorted(((r["report"]["tp_rank"], r["report"]["ep_rank"]), r[key]) for r in per_rank
                        if r["report"]["stage"] == stage and r["report"]["dp_rank"] == r["report"]["cp_rank"] == 0)
         by_ep = [[g for (_, e), g in ranks if e == ep_rank] for ep_rank in range(job.ep)]  # each in tp rank order
         slices = [gather_grads(parts, dict.fromkeys(names)) if job.tp > 1 else parts[0] for parts in by_ep]
         whole = gather_expert_grads(slices, dict.fromkeys(names)) if job.ep > 1 else slices[0]
-        if cfg.tie_embeddings and stage == job.pp - 1:
+        if cfg.tie_embeddings and forms.last:
             head_copy = whole.pop(HEAD)
         grads.update(whole)
     if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses (as the engine adds them)

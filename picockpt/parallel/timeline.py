@@ -129,12 +129,13 @@ class StageMemory:
 
     def __init__(self, tracker, timeline):
         self.tracker, self.timeline = tracker, timeline
-        self.held, self.bytes = {}, 0  # micro-batch -> bytes its store holds now; their sum
+        self.held, self.bytes = {}, 0  # (micro-batch, chunk) -> bytes its store holds now; their sum
         self.samples = []   # (time, bytes) at every store event, the time a Timeline mark
-        self.end_of_forward = {}  # micro-batch -> bytes its store held when its forward ended
+        self.end_of_forward = {}  # (micro-batch, chunk) -> bytes its store held when its forward ended
 
-    def for_microbatch(self, microbatch):
-        return MicroBatchTracker(self, microbatch)
+    def for_microbatch(self, microbatch, chunk=0):
+        """A tracker for one store: micro-batch m's (of an interleaved rank's chunk c; (c, "W"): its W's)."""
+        return MicroBatchTracker(self, microbatch, chunk)
 
     def mean_bytes(self):
         """The time-weighted mean of the stage's stored bytes from the timeline's start to its end."""
@@ -153,8 +154,8 @@ class StageMemory:
 class MicroBatchTracker:
     """What one micro-batch's Step and store talk to (as picockpt/tracker.py's Tracker)."""
 
-    def __init__(self, memory, microbatch):
-        self.memory, self.microbatch = memory, microbatch
+    def __init__(self, memory, microbatch, chunk=0):
+        self.memory, self.microbatch, self.key = memory, microbatch, (microbatch, chunk)  # spans say m, held the key
         self.pending = []  # phases entered inside another, no span yet: [kind, span depth at entry, span opened]
 
     @contextlib.contextmanager
@@ -180,7 +181,7 @@ class MicroBatchTracker:
 
     def on_event(self, event):
         memory = self.memory
-        memory.held[self.microbatch] = event.live_bytes
+        memory.held[self.key] = event.live_bytes
         memory.bytes = sum(memory.held.values())
         memory.samples.append((memory.timeline.mark(), memory.bytes))
         for entry in self.pending:  # the store moved: a phase entered inside another gets its span from here

@@ -67,6 +67,8 @@ def stage_uses(order, layers, first, last, schedule):
     sweep_to = {layers[0] + last_k: layers[0] + first_k for first_k, last_k in schedule.sweeps(len(layers))}
     uses = []
     for action in order:
+        if action.kind == "W":  # ZB-H1's weight gradients read no weights: dW = dy.T x
+            continue
         if action.kind == "F":
             uses += [("forward", "embed")] * first + [("forward", k) for k in layers] + [("forward", "head")] * last
             continue

@@ -13,6 +13,13 @@ send_forward_recv_backward and send_backward_recv_forward do), both stages posti
 it at once. Receives block, but post_receive returns at once: a stage can recompute while its gradient travels
 (recompute-early). Bytes per rank and phase, one tensor per call: "send", "receive", "rng_state" (pp_stage.py's
 generator state). gloo and NCCL both run isend/irecv; on NCCL every tensor, rng state included, is on the GPU.
+
+Interleaved, a rank's previous and next stage are the same two ranks for every chunk (round a ring; with P = 2 the
+same one rank), and pairing a send with the next receive no longer lines the two sides up. There the ranks go step by
+step as Megatron-LM's interleaved schedule does (its send_forward_backward_recv_forward_backward): a step is a warm-up
+forward, a steady-state forward and backward, or a cool-down backward (pp_schedules.interleaved_steps); every send of a step is
+held (stepwise), and at the next step's start one group posts them with every receive that step will read
+(exchange), the forward's input first, then the backward's gradient.
 """
 import torch
 import torch.distributed as dist
@@ -27,20 +34,34 @@ class Pipe:
         self.previous, self.next, self.log = previous, next, CommLog()
         self.device, self.timeline, self.tracker = torch.device(device), timeline, tracker
         self.in_flight = []  # (work, tensor): a sent tensor lives until its send completes
-        self.held = None  # a send not posted yet (a dist.P2POp), paired with the next receive from its peer
+        self.held = []  # sends not posted yet (dist.P2POp): paired with the next receive from their peer
         self.pair_with = None  # the peer of this stage's next receive, set by the schedule's loop (parallel/rank.py)
+        self.stepwise = False  # interleaved: every send held until the next step's exchange (docstring)
+        self.expected = []  # the Receives an exchange posted, in the order the step's actions read them
         self.posted = []  # every group in order, [("send" | "recv", peer), ...]: a test can check no order deadlocks
 
     phase = Comm.phase  # the tracker's phase name, "outside" without one
 
     def post(self, receive=None):
-        """Post the held send and `receive` (P2POp or None), one group if same peer. Returns the receive's work."""
-        send, self.held = self.held, None
-        if send is not None and (receive is None or receive.peer != send.peer):
-            self.group([send])  # not a pair: the send goes on its own
-            send = None
-        works = self.group([op for op in (send, receive) if op is not None])
+        """Post the held sends and `receive` (P2POp or None), one group if same peer. Returns the receive's work."""
+        sends, self.held = self.held, []
+        for send in sends:
+            if receive is None or receive.peer != send.peer:
+                self.group([send])  # not a pair: the send goes on its own
+        paired = [send for send in sends if receive is not None and receive.peer == send.peer]
+        works = self.group(paired + ([receive] if receive is not None else []))
         return works[-1] if receive is not None else None
+
+    def exchange(self, receives):
+        """Stepwise: one group of every held send and `receives` [(source, shape, dtype, kind)], in order; the
+        step's actions take them from `expected` as they read them (post_receive)."""
+        buffers = [(source, torch.empty(shape, dtype=dtype, device=self.device), kind)  # filled as messages land
+                   for source, shape, dtype, kind in receives]
+        ops = self.held + [dist.P2POp(dist.irecv, buffer, source) for source, buffer, _ in buffers]
+        self.held = []
+        works = self.group(ops)[len(ops) - len(buffers):]
+        self.expected += [(source, kind, Receive(self, buffer, work)) for (source, buffer, kind), work
+                          in zip(buffers, works)]
 
     def group(self, ops):
         if not ops:
@@ -74,14 +95,21 @@ class Receive:
 
 def _send(x, pipe, to, kind="send"):
     x = x.contiguous()  # (...) no copy for a layer's output or gradient: already contiguous
-    pipe.post()  # an earlier held send goes first
-    pipe.held = dist.P2POp(dist.isend, x, to)
-    if to != pipe.pair_with or kind != "send":  # no receive from `to` comes next: send it now
+    if not pipe.stepwise:
+        pipe.post()  # an earlier held send goes first
+    pipe.held.append(dist.P2POp(dist.isend, x, to))
+    if not pipe.stepwise and (to != pipe.pair_with or kind != "send"):  # no receive from `to` next: send it now
         pipe.post()
     pipe.log.record(pipe.phase, kind, x.nbytes)
 
 
 def post_receive(pipe, source, shape, dtype, kind="receive"):
+    if pipe.stepwise:  # posted by the step's exchange
+        expected_source, expected_kind, receive = pipe.expected.pop(0)
+        assert (expected_source, expected_kind, tuple(receive.buffer.shape)) == (source, kind, tuple(shape)), \
+            f"the step expected a {expected_kind} from rank {expected_source}, not a {kind} from rank {source}"
+        pipe.log.record(pipe.phase, kind, receive.buffer.nbytes)
+        return receive
     buffer = torch.empty(shape, dtype=dtype, device=pipe.device)  # (shape) filled when the message lands
     work = pipe.post(dist.P2POp(dist.irecv, buffer, source))  # with the held send to `source`, as one group
     pipe.log.record(pipe.phase, kind, buffer.nbytes)
@@ -112,3 +140,22 @@ def send_rng_state(state, pipe):
 
 def receive_rng_state(pipe, like):
     return post_receive(pipe, pipe.previous, like.shape, like.dtype, kind="rng_state").wait().cpu()  # (n,) uint8
+
+
+def neighbours(groups, pp, virtual=1):
+    """(previous, next): the global ranks of this rank's pipeline neighbours (layout.py's RankGroups); interleaved,
+    round a ring (chunk c of the last stage sends to chunk c + 1 of the first), else None at either end."""
+    if virtual == 1:
+        return groups.previous, groups.next
+    def rank_of(stage):  # the same dp, tp, ep and cp rank of pipeline stage `stage` (mod pp)
+        return groups.layout.rank_of(stage % pp, groups.dp_rank, groups.tp_rank, groups.ep_rank, groups.cp_rank)
+    return rank_of(groups.stage - 1), rank_of(groups.stage + 1)
+
+
+def receives(action, cfg, rng_like, shape):
+    """[(kind, shape, dtype)] an action receives, in order (a stepwise exchange posts them): a forward of
+    micro-batch 0 the generator state first when the model draws random numbers (pp_stage.py), then its input;
+    a backward its output's gradient."""
+    state = [("rng_state", tuple(rng_like.shape), rng_like.dtype)] if action.kind == "F" and action.microbatch == 0 \
+        and cfg.draws_random else []
+    return state + [("receive", shape, cfg.torch_dtype)]

@@ -19,11 +19,12 @@ from dataclasses import replace
 
 from ...inventory import layer_flops
 from ...planner import Stage, model_chain, plan_chain, replay
-from .pp_plan import end_of_forward_bytes, plan_in_flight
+from .pp_orders import w_pending_bytes
+from .pp_plan import end_of_forward_bytes, in_flight_peak, plan_chunks, plan_in_flight, walk_peak
 from ...policy import parse_policy
 from ...schedule import Mode, Schedule
 from ..tensor_parallel.tp_inventory import rank_chain, rank_comm_bytes
-from .pp_schedules import in_flight, stage_layers
+from .pp_schedules import actions, in_flight, stage_layers
 from ...config import BYTES
 
 NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothing stored after the layers
@@ -53,10 +54,13 @@ def uniform_schedules(chain):
 
 @functools.lru_cache(maxsize=1024)
 def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=False, distribute_saved=False,
-               layer_comm_flops=0):
+               layer_comm_flops=0, order=None, w_layer_bytes=0):
     """(Schedule of one micro-batch in the stage's layer numbers 0.., stage peak, E, own peak, recompute FLOPs, where
     the schedule came from). layer_comm_flops: the communication a recomputed layer forward also costs, as FLOPs of
-    the same time (context parallelism's ring): a budget plans with it; the FLOPs returned leave it out."""
+    the same time (context parallelism's ring): a budget plans with it; the FLOPs returned leave it out. order: the
+    stage's Actions, w_layer_bytes what each layer's B leaves for its W (ZB-H1): the stage peak walks the order
+    (pp_plan.in_flight_peak); without them it is (in_flight_count - 1) E + peak."""
+    left = (w_layer_bytes,) * layers if w_layer_bytes else None
     policy = parse_policy(policy, cfg)
     chain = stage_chain(cfg, batch, seq, layers, last, t, sp, distribute_saved, policy.drop)
     planned = tuple(replace(stage, forward_flops=stage.forward_flops + layer_comm_flops) for stage in chain[:-1]) + \
@@ -64,13 +68,15 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=F
     if policy.budget is not None and in_flight_count == 1 and layers == cfg.layers:  # no pipeline: one step
         schedule, source = plan_chain(planned, policy.budget).schedule, "the planner (picockpt/planner.py)"
     elif policy.budget is not None:
-        plan = plan_in_flight(planned, policy.budget, in_flight_count, uniform_schedules(planned))
+        plan = plan_in_flight(planned, policy.budget, in_flight_count, uniform_schedules(planned), order=order,
+                              left=left)
         schedule, source = plan.schedule, plan.source
     else:
         schedule, source = policy.schedule(cfg.replace(layers=layers), batch, seq), policy.text
-    peak, recompute = replay(chain, schedule)
+    peak, recompute = replay(chain, schedule, left)
     held = end_of_forward_bytes(chain, schedule)
-    return schedule, (in_flight_count - 1) * held + peak, held, peak, recompute, source
+    stage = walk_peak(order, held, peak, left) if order else (in_flight_count - 1) * held + peak
+    return schedule, stage, held, peak, recompute, source
 
 
 def shifted(schedule, first, total_layers):
@@ -82,24 +88,35 @@ def shifted(schedule, first, total_layers):
 
 
 class StageForms:
-    """Every closed form of one rank of a pipeline job (batch, seq: the whole step's batch)."""
+    """Every closed form of one rank of a pipeline job (batch, seq: the whole step's batch); under interleaving
+    (virtual > 1) of one of its chunks, virtual stage chunk * pp + stage (RankForms puts them together)."""
 
     def __init__(self, cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp=1, t=1, sp=False,
-                 distribute_saved=False, layer_comm_flops=0):
+                 distribute_saved=False, layer_comm_flops=0, virtual=1, chunk=0, planned=None):
         self.cfg, self.stage, self.t = cfg, stage, t
         self.sp, self.distribute_saved = sp and t > 1, distribute_saved and t > 1
-        self.layers = stage_layers(cfg.layers, pp)[stage]
-        self.first, self.last = stage == 0, stage == pp - 1
+        self.layers = stage_layers(cfg.layers, pp * virtual)[chunk * pp + stage]
+        self.first, self.last = chunk * pp + stage == 0, chunk * pp + stage == pp * virtual - 1
         self.b, self.seq, self.M = batch // (dp * microbatches), seq, microbatches
-        self.in_flight = in_flight(schedule, pp, microbatches, stage)
+        self.in_flight = in_flight(schedule, pp, microbatches, stage, virtual)  # micro-batch-chunks, interleaved
         self.policy = parse_policy(policy, cfg)
-        (self.local_schedule, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes,
-         self.recompute_flops, self.source) = stage_plan(self.policy.text, cfg, self.b, seq, len(self.layers),
-                                                         self.last, self.in_flight, t, self.sp, self.distribute_saved,
-                                                         layer_comm_flops)
-        self.schedule = shifted(self.local_schedule, self.layers[0], cfg.layers)
+        split = schedule == "zb-h1"  # B and W apart: each layer's B leaves what its W reads (pp_orders.py)
+        self.w_layer_bytes = w_pending_bytes(cfg, self.b, seq, t) if split else 0
+        order = tuple(actions(schedule, pp, microbatches, stage)) if split else None
         self.chain = stage_chain(cfg, self.b, seq, len(self.layers), self.last, t, self.sp, self.distribute_saved,
                                  self.policy.drop)
+        if planned is None:
+            (self.local_schedule, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes,
+             self.recompute_flops, self.source) = stage_plan(self.policy.text, cfg, self.b, seq, len(self.layers),
+                                                             self.last, self.in_flight, t, self.sp,
+                                                             self.distribute_saved, layer_comm_flops, order,
+                                                             self.w_layer_bytes)
+        else:  # a chunk of an interleaved rank under a budget, planned with its other chunks (pp_plan.plan_chunks)
+            self.local_schedule, self.source = planned
+            self.microbatch_peak_bytes, self.recompute_flops = replay(self.chain, self.local_schedule)
+            self.microbatch_stored_bytes = end_of_forward_bytes(self.chain, self.local_schedule)
+            self.peak_bytes = None  # the rank's, walked over all its chunks (RankForms)
+        self.schedule = shifted(self.local_schedule, self.layers[0], cfg.layers)
 
     def activation_shape(self, rows=None):
         """(b, n, h): what crosses from one stage to the next, per rank (n = T/t under sequence parallelism;
@@ -114,6 +131,15 @@ class StageForms:
                                                                    else 0)
         backward = 2 * forward + (len(self.layers) * parts["scores"] // t if cfg.attention == "fused" else 0)
         return {"forward": self.M * forward, "recompute": self.M * self.recompute_flops, "backward": self.M * backward}
+
+    def action_flops(self):
+        """{"F", "B", "W"}: one micro-batch's matmul FLOPs per action on this rank: F its forward; W (ZB-H1) every
+        projection's dW, the layers' projection FLOPs again; B the rest of its backward and the recomputation that
+        runs first (without ZB-H1 the whole backward, W = 0)."""
+        total, parts = self.flops(), layer_flops(self.cfg, self.b, self.seq)
+        weights = len(self.layers) * (parts["qkvo"] + parts["mlp"]) // self.t if self.w_layer_bytes else 0
+        B = (total["backward"] + total["recompute"]) // self.M - weights
+        return {"F": total["forward"] // self.M, "B": B, "W": weights}
 
     def p2p_bytes(self, state_bytes=0, rows=None):
         """{"forward": {kind: bytes}, "backward": {kind: bytes}} of this rank's sends and receives.
@@ -137,3 +163,60 @@ class StageForms:
         one = rank_comm_bytes(self.cfg.replace(layers=len(self.layers)), rows or self.b, self.seq, self.policy.text,
                               self.t, self.sp, self.distribute_saved, self.first, self.last, self.local_schedule)
         return {phase: self.M * n for phase, n in one.items()}
+
+
+def rank_forms(cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp=1, t=1, sp=False,
+               distribute_saved=False, layer_comm_flops=0, virtual=1):
+    """Stage `stage`'s rank: its StageForms, or interleaved its V chunks' RankForms (under a budget the chunks
+    planned together, their walk within it: pp_plan.plan_chunks)."""
+    args = (cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp, t, sp, distribute_saved, layer_comm_flops)
+    if virtual == 1:
+        return StageForms(*args)
+    order, parsed, planned = actions(schedule, pp, microbatches, stage, virtual), parse_policy(policy, cfg), \
+        [None] * virtual
+    if parsed.budget is not None:
+        split = stage_layers(cfg.layers, pp * virtual)
+        chains = [stage_chain(cfg, batch // (dp * microbatches), seq, len(split[c * pp + stage]),
+                              c * pp + stage == pp * virtual - 1, t, sp and t > 1, distribute_saved and t > 1,
+                              parsed.drop) for c in range(virtual)]
+        planned = plan_chunks(chains, parsed.budget, order, [uniform_schedules(chain) for chain in chains])
+    return RankForms([StageForms(*args, virtual=virtual, chunk=c, planned=planned[c]) for c in range(virtual)], order)
+
+
+class RankForms:
+    """Every closed form of one rank of an interleaved job: its chunks' StageForms (chunks[c]: virtual stage
+    c P + s), and over them the rank's. Its store peak walks the rank's order, micro-batch-chunk by micro-batch-chunk
+    (pp_plan.in_flight_peak); FLOPs and bytes moved add up over the chunks."""
+
+    def __init__(self, chunks, order):
+        self.chunks, first, last = chunks, chunks[0], chunks[-1]
+        self.cfg, self.stage, self.t, self.sp, self.b, self.seq, self.M = (first.cfg, first.stage, first.t, first.sp,
+                                                                           first.b, first.seq, first.M)
+        self.layers = [k for chunk in chunks for k in chunk.layers]  # not contiguous: V ranges
+        self.first, self.last, self.policy, self.in_flight = first.first, last.last, first.policy, first.in_flight
+        self.chain, self.local_schedule = first.chain, first.local_schedule  # the first layer's (head: chunks[-1])
+        self.source = first.source
+        self.microbatch_stored_bytes = first.microbatch_stored_bytes  # micro-batch 0's, after chunk 0's forward
+        self.peak_bytes = in_flight_peak(order, lambda m, c: chunks[c].microbatch_stored_bytes,
+                                         lambda m, c: chunks[c].microbatch_peak_bytes)
+
+    def activation_shape(self, rows=None):
+        return self.chunks[0].activation_shape(rows)
+
+    def flops(self):
+        return _summed(chunk.flops() for chunk in self.chunks)
+
+    def p2p_bytes(self, state_bytes=0, rows=None):
+        each = [chunk.p2p_bytes(state_bytes, rows) for chunk in self.chunks]
+        return {phase: _summed(one[phase] for one in each) for phase in ("forward", "backward")}
+
+    def tp_comm_bytes(self, rows=None):
+        return _summed(chunk.tp_comm_bytes(rows) for chunk in self.chunks)
+
+
+def _summed(tables):
+    out = {}
+    for table in tables:
+        for key, value in table.items():
+            out[key] = out.get(key, 0) + value
+    return out

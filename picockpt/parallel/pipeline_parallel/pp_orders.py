@@ -1,59 +1,18 @@
-"""Pipeline orders beyond AFAB and 1F1B, and a clock that runs any order (run_orders): interleaved 1F1B and ZB-H1,
-modelled.
+"""A clock that runs any pipeline order (run_orders), and what ZB-H1's waiting W's hold (w_pending_bytes).
 
-An Action is (kind, microbatch, chunk): "F" a forward, "B" a backward (the whole backward under AFAB, 1F1B and
-interleaving; only the input gradient under ZB-H1), "W" the weight gradients. Chunk c of rank s is virtual stage
-c P + s: a micro-batch's forward runs chunk 0 on ranks 0..P-1, then chunk 1, ..., and its backward the reverse.
+The orders are pp_schedules.py's: an Action is (kind, microbatch, chunk), "F" a forward, "B" a backward (the whole
+backward under AFAB, 1F1B and interleaving; only the input gradient under ZB-H1), "W" the weight gradients. Chunk c of
+rank s is virtual stage c P + s: a micro-batch's forward runs chunk 0 on ranks 0..P-1, then chunk 1, ..., and its
+backward the reverse. The clock starts each action when its rank is free and its input (or gradient) has arrived, and
+times the step; the ranks run the same orders (rank.py) and their timelines measure what this models.
 
-Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2; Megatron-LM's forward_backward_pipelining_with_interleaving):
-rank s warms up with (P - s - 1) 2 + (V - 1) P forwards, M a multiple of P; forward k is micro-batch
-(k // (P V)) P + k % P of chunk (k // P) % V, backward k the same micro-batch of chunk V - 1 - (k // P) % V.
-Each chunk holds 1/V of the rank's layers, so a forward is 1/V of 1F1B's: the bubble shrinks to
-(P - 1) / (V M + P - 1) of the step, for more micro-batch-chunks in flight: 1 + (P - 1) / (P V) times 1F1B's bytes
-on stage 0 (Korthikanti et al. 2022, sec. 4.2.3).
-
-ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3; the order of sail-sg/zero-bubble-pipeline-
-parallelism's ZeroBubbleH1Pipeline, exact semantics): rank s runs 1F1B's P - s - 1 warm-up forwards, then s
-pairs F, B whose W waits, then F, B, W together while forwards remain, B, W while backwards remain, and the s
-waiting W's last. With equal F, B, W times the bubble falls from 1F1B's (P - 1)(F + B + W) to (P - 1)(F + B - W),
-a third of it. It holds 1F1B's activations (a micro-batch's until its B) and, besides, what the waiting W's read:
-each linear's input and its output's gradient (w_pending_bytes), for up to s micro-batches on rank s.
-
-Nothing here runs ranks: picockpt's ranks run AFAB and 1F1B (pp_schedules.py); these orders are what a pipeline
-would run, timed by the same clock that times those two.
+Interleaving holds more micro-batch-chunks in flight: 1 + (P - 1) / (P V) times 1F1B's bytes on stage 0 (Korthikanti
+et al. 2022, sec. 4.2.3). ZB-H1 holds 1F1B's activations (a micro-batch's until its B) and, besides, what the
+waiting W's read: each linear's input and its output's gradient (w_pending_bytes), for up to s micro-batches on rank
+s (pp_inventory.py's closed form walks the order with them).
 """
-from collections import namedtuple
-
 from ...config import BYTES
-from .pp_schedules import actions
-
-Action = namedtuple("Action", "kind microbatch chunk", defaults=(0,))
-
-
-def check_interleaving(stages, microbatches, virtual):
-    for name, value in (("pp", stages), ("microbatches", microbatches), ("virtual_stages", virtual)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: give a whole number, 1 or more")
-    if microbatches % stages:
-        raise ValueError(f"microbatches={microbatches} with pp={stages} and virtual_stages={virtual}: interleaving "
-                         f"runs micro-batches in groups of pp (Megatron-LM requires M % pp == 0); use a multiple of "
-                         f"{stages}, e.g. {stages * max(1, microbatches // stages)}")
-
-
-def interleaved_actions(stages, microbatches, virtual, stage):
-    """Rank `stage`'s Actions under interleaved 1F1B with `virtual` chunks a rank."""
-    check_interleaving(stages, microbatches, virtual)
-    P, total = stages, microbatches * virtual
-
-    def which(k, backward):
-        chunk = (k // P) % virtual
-        return (k // (P * virtual)) * P + k % P, virtual - 1 - chunk if backward else chunk
-
-    warmup = total if microbatches == P else min(total, (P - stage - 1) * 2 + (virtual - 1) * P)
-    order = [Action("F", *which(k, False)) for k in range(warmup)]
-    for k in range(total - warmup):  # steady state: the next forward, then the oldest backward
-        order += [Action("F", *which(warmup + k, False)), Action("B", *which(k, True))]
-    return order + [Action("B", *which(k, True)) for k in range(total - warmup, total)]
+from .pp_schedules import Action, actions
 
 
 def one_f_one_b_orders(stages, microbatches, schedule="1f1b"):
@@ -74,12 +33,13 @@ def _ready(action, s, P, V, done):
     return 0.0 if source is None else done.get((source[1],) + source[0])
 
 
-def run_orders(orders, stages, virtual=1, times=None, held=(1.0, 1.0)):
+def run_orders(orders, stages, virtual=1, times=None, held=(1.0, 1.0), seconds=None):
     """Run each stage's order on one clock; times {"F", "B", "W"} seconds of one action (a chunk's, under
-    interleaving; default 1 each). Returns {"step", "idle": [share per stage], "held": [the most a stage holds:
-    held[0] a micro-batch-chunk from its F to its B, held[1] from its B to its W], "spans": [[(kind, m, c, start,
-    end)]]}."""
+    interleaving; default 1 each), or seconds(stage, action) each its own (unequal stages, chunks). Returns
+    {"step", "idle": [share per stage], "held": [the most a stage holds: held[0] a micro-batch-chunk from its F to its
+    B, held[1] from its B to its W], "spans": [[(kind, m, c, start, end)]]}."""
     times = {"F": 1.0, "B": 1.0, "W": 1.0, **(times or {})}
+    seconds = seconds or (lambda stage, action: times[action.kind])
     weight = {"F": held[0], "B": held[1] - held[0], "W": -held[1]}
     if not any(a.kind == "W" for order in orders for a in order):  # a whole backward frees it all
         weight["B"] = -held[0]
@@ -94,7 +54,7 @@ def run_orders(orders, stages, virtual=1, times=None, held=(1.0, 1.0)):
                 if arrives is None:
                     break
                 start = max(free[s], arrives)
-                end = start + times[action.kind]
+                end = start + seconds(s, action)
                 done[(s,) + tuple(action)] = free[s] = end
                 spans[s].append((*action, start, end))
                 holding[s] += weight[action.kind]
@@ -106,29 +66,6 @@ def run_orders(orders, stages, virtual=1, times=None, held=(1.0, 1.0)):
     step = max(free)
     busy = [sum(end - start for *_, start, end in stage) for stage in spans]
     return {"step": step, "idle": [1 - b / step for b in busy], "held": most, "spans": spans}
-
-
-def zb_h1_actions(stages, microbatches, stage):
-    """Rank `stage`'s Actions under ZB-H1: 1F1B's warm-up, then `stage` forward-backward pairs whose W waits,
-    then F, B, W together while forwards remain, B and W while backwards remain, and the waiting W's last."""
-    P, M, s = stages, microbatches, stage
-    order, n = [], {"F": 0, "B": 0, "W": 0}
-
-    def run(*kinds):
-        for kind in kinds:
-            order.append(Action(kind, n[kind]))
-            n[kind] += 1
-    for _ in range(min(P - s - 1, M)):
-        run("F")
-    for _ in range(min(s, M - n["F"])):
-        run("F", "B")
-    while n["F"] < M:
-        run("F", "B", "W")
-    while n["B"] < M:
-        run("B", "W")
-    while n["W"] < M:
-        run("W")
-    return order
 
 
 def w_pending_bytes(cfg, batch, seq, t=1):

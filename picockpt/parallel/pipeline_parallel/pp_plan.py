@@ -21,6 +21,30 @@ def end_of_forward_bytes(chain, schedule):
     return held + next(a for name, a, _ in chain[-1].variants if name == schedule.head)
 
 
+def in_flight_peak(order, stored, peaks, left=None):
+    """The most a stage's store holds over its actions in order (pp_schedules.Action: kind "F", "B" or "W",
+    microbatch, chunk), each a function of (microbatch, chunk): a forward leaves stored(m, c); a backward peaks at
+    peaks(m, c) above what the others hold and leaves left(m, c) (ZB-H1: what its W reads), which the W frees.
+    Equal micro-batches, one chunk, no W: (in flight - 1) E + peak, the 1F1B form."""
+    held, peak = {}, 0
+    for kind, m, c in order:
+        if kind == "F":
+            held[m, c] = stored(m, c)
+        elif kind == "B":
+            peak = max(peak, sum(held.values()) - held[m, c] + peaks(m, c))
+            held[m, c] = left(m, c) if left else 0
+        else:
+            held.pop((m, c))
+        peak = max(peak, sum(held.values()))
+    return peak
+
+
+def walk_peak(order, held, peak, left=None):
+    """in_flight_peak with every micro-batch alike: E, its own peak and (per layer) what its B leaves."""
+    w = sum(left or ())
+    return in_flight_peak(order, lambda m, c: held, lambda m, c: peak, lambda m, c: w)
+
+
 @dataclass(frozen=True)
 class InFlightPlan:
     schedule: Schedule       # one micro-batch's schedule
@@ -33,16 +57,18 @@ class InFlightPlan:
     source: str              # "planner" (a plan of the frontier) or the name of a given schedule
 
 
-def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None):
+def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None, order=None, left=None):
     """The least-recompute schedule whose (in_flight - 1) * E + peak fits `budget`, from the frontier and `candidates`,
-    ((name, Schedule), ...) such as the uniform policies (a frontier plan may keep more in its first forward)."""
+    ((name, Schedule), ...) such as the uniform policies (a frontier plan may keep more in its first forward).
+    order, left: the stage's Actions and what each layer's B leaves for its W (ZB-H1): every plan priced by
+    in_flight_peak, W's bytes a fixed cost that every plan keeps around."""
     seen = []  # every plan considered, in order
 
     def consider(schedule, source):
-        peak, recompute = replay(chain, schedule)
+        peak, recompute = replay(chain, schedule, left)
         held = end_of_forward_bytes(chain, schedule)
-        seen.append(InFlightPlan(schedule, (in_flight - 1) * held + peak, peak, held, recompute, in_flight, budget,
-                                 source))
+        stage = walk_peak(order, held, peak, left) if order else (in_flight - 1) * held + peak
+        seen.append(InFlightPlan(schedule, stage, peak, held, recompute, in_flight, budget, source))
         return seen[-1]
 
     for name, schedule in candidates:
@@ -51,10 +77,10 @@ def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None):
     consider(least_plan(chain).schedule, "planner")
     room = min(budget, sum(max(a for _, a, _ in stage.variants) for stage in chain))
     while room >= least:  # down the frontier: recompute only grows, so the first plan that fits is its cheapest
-        plan = consider(plan_chain(chain, room, max_slots).schedule, "planner")
-        if plan.peak_bytes <= budget:
+        frontier = plan_chain(chain, room, max_slots)
+        if consider(frontier.schedule, "planner").peak_bytes <= budget:
             break
-        room = plan.microbatch_peak - 1
+        room = frontier.peak_bytes - 1  # its own peak, W's bytes left out: the next room is always smaller
     options = [plan for plan in seen if plan.peak_bytes <= budget]
     if not options:
         least_seen = min(plan.peak_bytes for plan in seen)
@@ -63,3 +89,38 @@ def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None):
                          f"{least_seen:,} bytes; use budget:{math.ceil(least_seen / 2**20 * 100) / 100}MiB or more, "
                          f"or fewer micro-batches in flight")
     return min(options, key=lambda plan: (plan.recompute_flops, plan.peak_bytes))
+
+
+def plan_chunks(chains, budget, order, candidates):
+    """Interleaved under budget:SIZE: one schedule per chunk of a rank (chains[c]), their walk along the rank's
+    order (in_flight_peak) within `budget`, the least recompute over all its chunks. Tried: every uniform policy
+    all the chunks have (candidates[c]: uniform_schedules), applied to all alike, and the planner's frontier at one
+    room for every chunk, walked down from the budget. Returns [(Schedule, where it came from)] per chunk."""
+    seen = []  # (rank peak, recompute FLOPs, schedules, source)
+
+    def consider(schedules, source):
+        held = [end_of_forward_bytes(chain, schedule) for chain, schedule in zip(chains, schedules)]
+        own = [replay(chain, schedule) for chain, schedule in zip(chains, schedules)]
+        peak = in_flight_peak(order, lambda m, c: held[c], lambda m, c: own[c][0])
+        seen.append((peak, sum(recompute for _, recompute in own), schedules, source))
+        return peak, own
+
+    shared = set.intersection(*(set(dict(named)) for named in candidates))
+    for name in sorted(shared):
+        consider([dict(named)[name] for named in candidates], name)
+    consider([least_plan(chain).schedule for chain in chains], "planner")
+    room = min(budget, max(sum(max(a for _, a, _ in stage.variants) for stage in chain) for chain in chains))
+    least = max(least_budget(chain) for chain in chains)
+    while room >= least:
+        peak, own = consider([plan_chain(chain, room).schedule for chain in chains], "planner")
+        if peak <= budget:
+            break
+        room = max(p for p, _ in own) - 1
+    fits = [one for one in seen if one[0] <= budget]
+    if not fits:
+        least_seen = min(one[0] for one in seen)
+        raise ValueError(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what this rank's "
+                         f"{len(chains)} chunks need together: the least found is {least_seen:,} bytes; use "
+                         f"budget:{math.ceil(least_seen / 2**20 * 100) / 100}MiB or more, or fewer micro-batches")
+    _, _, schedules, source = min(fits, key=lambda one: (one[1], one[0]))
+    return [(schedule, source) for schedule in schedules]

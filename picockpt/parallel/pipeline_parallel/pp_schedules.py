@@ -3,6 +3,8 @@
     stage_layers(L=8, P=3)               [range(0, 3), range(3, 6), range(6, 8)]
     actions("1f1b", P=4, M=6, stage=1)   [F0, F1, F2, B0, F3, B1, F4, B2, F5, B3, B4, B5]
     in_flight("1f1b", P=4, M=6, stage=1) 3
+    actions("zb-h1", P=2, M=3, stage=1)  [F0, B0, F1, B1, W0, F2, B2, W1, W2]
+    actions("interleaved", P=2, M=2, stage=0, virtual=2)   [F0.0, F1.0, F0.1, F1.1, B0.1, B1.1, B0.0, B1.0]
 
 AFAB ("all forward, all backward", GPipe: Huang et al. 2019; Picotron's train_step_pipeline_afab): every stage runs its
 M forwards, then its M backwards in the same order, holding M micro-batches. 1F1B (PipeDream-Flush, Narayanan et al.
@@ -13,19 +15,50 @@ the most (P, about L layers' activations whatever P is: Korthikanti et al. 2022,
 
 Both have the bubble (P - 1) / (M + P - 1) with equal stage times: each stage waits P - 1 of the M + P - 1 forward slots
 and as many backward ones (Narayanan et al. 2021, sec. 2.2). 1F1B's smaller memory costs nothing; AFAB reads simpler.
+
+Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2; Megatron-LM's forward_backward_pipelining_with_interleaving): each
+rank holds V chunks of layers, chunk c of rank s being virtual stage c P + s, so a micro-batch's forward goes round the
+ranks V times. Rank s warms up with (P - s - 1) 2 + (V - 1) P forwards (M a multiple of P); forward k is micro-batch
+(k // (P V)) P + k % P of chunk (k // P) % V, backward k the same micro-batch of chunk V - 1 - (k // P) % V. A forward
+is 1/V of 1F1B's, so the bubble shrinks to (P - 1) / (V M + P - 1), for more micro-batch-chunks in flight.
+
+ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3; the order of sail-sg/zero-bubble-pipeline-
+parallelism's ZeroBubbleH1Pipeline): the backward split in two, B (the input gradient, what the previous stage waits
+for) and W (the weight gradients, which nobody waits for). Rank s runs 1F1B's P - s - 1 warm-up forwards, then s pairs
+F, B whose W waits, then F, B, W while forwards remain, B, W while backwards remain, and the s waiting W's last: with
+equal F, B, W times the bubble falls from 1F1B's (P - 1)(F + B + W) to (P - 1)(F + B - W), a third of it.
 """
 from collections import namedtuple
 
-SCHEDULES = ("afab", "1f1b")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
+EXPLAINED = {"afab": "all forward then all backward", "1f1b": "one forward one backward",
+             "interleaved": "1F1B over virtual_stages chunks a rank", "zb-h1": "1F1B with weight gradients deferred"}
 
-Action = namedtuple("Action", "kind microbatch")  # kind "F" (forward) or "B" (backward)
+# kind "F" (forward), "B" (backward: the whole of it, or under ZB-H1 the input gradient only) or "W" (ZB-H1's
+# weight gradients); chunk: which of the rank's virtual stages (0 but under interleaving)
+Action = namedtuple("Action", "kind microbatch chunk", defaults=(0,))
 
 
-def check_schedule(schedule):
+def check_schedule(schedule, virtual=1):
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(repr(s) for s in SCHEDULES)} "
-                         f"(all forward then all backward, or one forward one backward)")
+        raise ValueError(f"schedule={schedule!r}: use one of "
+                         f"{', '.join(f'{s!r} ({EXPLAINED[s]})' for s in SCHEDULES)}")
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"virtual_stages={virtual!r}: give a whole number of layer chunks per rank, 1 or more")
+    if (virtual > 1) != (schedule == "interleaved"):
+        raise ValueError(f"virtual_stages={virtual} with schedule={schedule!r}: virtual stages are interleaving's "
+                         f"chunks; use schedule='interleaved' with virtual_stages >= 2, or virtual_stages=1")
     return schedule
+
+
+def check_interleaving(stages, microbatches, virtual):
+    for name, value in (("pp", stages), ("microbatches", microbatches), ("virtual_stages", virtual)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: give a whole number, 1 or more")
+    if microbatches % stages:
+        raise ValueError(f"microbatches={microbatches} with pp={stages} and virtual_stages={virtual}: interleaving "
+                         f"runs micro-batches in groups of pp (Megatron-LM requires M % pp == 0); use a multiple of "
+                         f"{stages}, e.g. {stages * max(1, microbatches // stages)}")
 
 
 def stage_layers(layers, stages):
@@ -40,10 +73,15 @@ def stage_layers(layers, stages):
     return [range(start, end) for start, end in zip(starts, starts[1:])]
 
 
-def actions(schedule, stages, microbatches, stage):
-    """The forwards (F) and backwards (B) stage `stage` runs, in order, one Action each."""
-    check_schedule(schedule)
+def actions(schedule, stages, microbatches, stage, virtual=1):
+    """The forwards (F), backwards (B) and weight gradients (W, ZB-H1) stage `stage` runs, in order, one Action
+    each; virtual: interleaving's chunks per rank."""
+    check_schedule(schedule, virtual)
     M = microbatches
+    if schedule == "interleaved":
+        return interleaved_actions(stages, M, virtual, stage)
+    if schedule == "zb-h1":
+        return zb_h1_actions(stages, M, stage)
     if schedule == "afab":
         return [Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
     warmup = min(stages - stage - 1, M)
@@ -53,11 +91,65 @@ def actions(schedule, stages, microbatches, stage):
     return order + [Action("B", m) for m in range(M - warmup, M)]  # cool-down
 
 
-def in_flight(schedule, stages, microbatches, stage):
-    """The most micro-batches whose activations stage `stage` stores at once (read off its actions)."""
+def interleaved_actions(stages, microbatches, virtual, stage):
+    """Rank `stage`'s Actions under interleaved 1F1B with `virtual` chunks a rank."""
+    check_interleaving(stages, microbatches, virtual)
+    P, total = stages, microbatches * virtual
+
+    def which(k, backward):
+        chunk = (k // P) % virtual
+        return (k // (P * virtual)) * P + k % P, virtual - 1 - chunk if backward else chunk
+
+    warmup = total if microbatches == P else min(total, (P - stage - 1) * 2 + (virtual - 1) * P)
+    order = [Action("F", *which(k, False)) for k in range(warmup)]
+    for k in range(total - warmup):  # steady state: the next forward, then the oldest backward
+        order += [Action("F", *which(warmup + k, False)), Action("B", *which(k, True))]
+    return order + [Action("B", *which(k, True)) for k in range(total - warmup, total)]
+
+
+def zb_h1_actions(stages, microbatches, stage):
+    """Rank `stage`'s Actions under ZB-H1: 1F1B's warm-up, then `stage` forward-backward pairs whose W waits,
+    then F, B, W together while forwards remain, B and W while backwards remain, and the waiting W's last."""
+    P, M, s = stages, microbatches, stage
+    order, n = [], {"F": 0, "B": 0, "W": 0}
+
+    def run(*kinds):
+        for kind in kinds:
+            order.append(Action(kind, n[kind]))
+            n[kind] += 1
+    for _ in range(min(P - s - 1, M)):
+        run("F")
+    for _ in range(min(s, M - n["F"])):
+        run("F", "B")
+    while n["F"] < M:
+        run("F", "B", "W")
+    while n["B"] < M:
+        run("B", "W")
+    while n["W"] < M:
+        run("W")
+    return order
+
+
+def interleaved_steps(order):
+    """The order as Megatron-LM's interleaved loop runs it, [[Action, ...], ...]: a forward followed by a backward
+    is one step (the steady state), any other action a step of its own (warm-up forwards, cool-down backwards).
+    With M = P every forward is a warm-up one (Megatron's all_warmup_microbatches): no steady state, no pair."""
+    kinds = "".join(action.kind for action in order)
+    steady = kinds != "F" * kinds.count("F") + "B" * kinds.count("B")
+    out, index = [], 0
+    while index < len(order):
+        pair = steady and order[index].kind == "F" and index + 1 < len(order) and order[index + 1].kind == "B"
+        out.append(order[index:index + 1 + pair])
+        index += 1 + pair
+    return out
+
+
+def in_flight(schedule, stages, microbatches, stage, virtual=1):
+    """The most micro-batches (micro-batch-chunks, interleaved) whose activations stage `stage` stores at once,
+    from a forward to its backward (read off its actions; ZB-H1's W holds what it needs apart: pp_inventory.py)."""
     held = most = 0
-    for action in actions(schedule, stages, microbatches, stage):
-        held += 1 if action.kind == "F" else -1
+    for action in actions(schedule, stages, microbatches, stage, virtual):
+        held += {"F": 1, "B": -1, "W": 0}[action.kind]
         most = max(most, held)
     return most
 

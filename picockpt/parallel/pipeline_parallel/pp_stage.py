@@ -9,6 +9,8 @@ the engine's docstring says a stage's would:
                      (recompute-early: the top segment is recomputed while it travels)
     embed_backward   first stage: the embedding's gradient; later ones: send dx back to the previous stage
     layer_forward/backward, keep_input/load_input   the inner model's (one process's, tp's, ep's, cp's: rank.py)
+    weight_backward  ZB-H1's W (split_backward): layer_backward ran B only, each matmul's dW deferred
+                     (ops/linear.py: deferred_weight_grads); what dW reads waited in `waiting`, a store of its own
 
 Under ZeRO (data_parallel/zero_shards.py) every part that reads a unit's weights runs inside `weights_for(unit)`.
 
@@ -28,6 +30,7 @@ import contextlib
 from ...engine import device_generator
 from ...params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
 from ...ops import rope_tables
+from ...ops.linear import WeightGrad, deferred_weight_grads, weight_grad
 from .pp_comm import (from_previous_stage_backward, from_previous_stage_forward, receive_rng_state, send_rng_state,
                   to_next_stage_backward, to_next_stage_forward)
 from ..rng import RowBlock, full_size_draws
@@ -38,19 +41,25 @@ class PipelineStage:
     buckets (data_parallel/dp_comm.py), the counted targets of the whole batch, the RNG states."""
 
     def __init__(self, cfg, params, layers, first, last, pipe, buckets, counted, microbatches, dp_rank, dp,
-                 activation_shape, make_inner, recompute_early=False, shards=None):
+                 activation_shape, make_inner, recompute_early=False, shards=None, split_backward=False):
         self.cfg, self.params, self.layers, self.first, self.last = cfg, params, layers, first, last
         self.step_cfg = cfg.replace(tie_embeddings=False)  # a tied matrix's two uses are summed by the caller
         self.pipe, self.buckets, self.counted = pipe, buckets, counted
         self.M, self.dp_rank, self.dp = microbatches, dp_rank, dp
         self.activation_shape, self.make_inner, self.recompute_early = activation_shape, make_inner, recompute_early
         self.shards = shards  # ZeRO's (data_parallel/zero_shards.py), or None
+        self.split_backward = split_backward  # ZB-H1: a backward's B and W run as two actions
         self.rng_start = self.rng_end = None  # the generator at the stage's first layer / after its last
 
-    def start(self, tracker, device, seq):
+    def start(self, tracker, device, seq, like=None):
         """The stage's weights for every micro-batch (16-bit copies under mixed precision), once; under ZeRO the
-        shards' (whole, or under stage 3 shapes only until each use gathers them)."""
+        shards' (whole, or under stage 3 shapes only until each use gathers them). like: another chunk of the same
+        rank (interleaved), whose weights and rotary tables this one shares."""
         dtype = self.cfg.torch_dtype
+        if like is not None and like is not self:
+            self.weights, self.rope = like.weights, like.rope
+            self.weights_of = {k: layer_weights(self.weights, k) for k in self.layers}
+            return
         self.weights = self.shards.weights() if self.shards else \
             {name: tensor.to(dtype) for name, tensor in self.params.items()}
         for tensor in self.weights.values():
@@ -76,15 +85,16 @@ class PipelineStage:
             if unit in self.weights_of:
                 self.weights_of[unit] = layer_weights(self.weights, unit)
 
-    def microbatch(self, m, input_ids, targets):
-        return StageModel(self, m, self.make_inner(input_ids, targets))
+    def microbatch(self, m, input_ids, targets, waiting=None):
+        return StageModel(self, m, self.make_inner(input_ids, targets), waiting)
 
 
 class StageModel:
     """Micro-batch m of a PipelineStage; `step` is set to the Step that runs it (recompute-early uses its loop)."""
 
-    def __init__(self, stage, m, rank_model):
+    def __init__(self, stage, m, rank_model, waiting=None):
         self.stage, self.m, self.rank_model = stage, m, rank_model
+        self.waiting = waiting  # split_backward: an ActivationStore for what its W reads
         self.cfg, self.params, self.layers = stage.step_cfg, stage.params, stage.layers
         self.input_ids, self.targets = rank_model.input_ids, rank_model.targets
         self.layer_names = rank_model.layer_names
@@ -122,13 +132,33 @@ class StageModel:
             return self.rank_model.layer_forward(k, x, store, drop, tail)  # (b, n, h)
 
     def layer_backward(self, k, dx, store):
-        with self.stage.weights_for(k):
+        stage = self.stage
+        with stage.weights_for(k), deferred_weight_grads(stage.split_backward):
             dx, grads = self.rank_model.layer_backward(k, dx, store)  # (b, n, h), LayerWeights
         for role, grad in grads._asdict().items():
-            self.stage.buckets.add(layer_key(k, role), grad)
-        if self.m == self.stage.M - 1:  # the last micro-batch's backward: layer k's gradients are final
-            self.stage.buckets.ready(k)
+            if isinstance(grad, WeightGrad):  # B only: what dW reads waits for the W (the store counts x once)
+                self.waiting.put(k, f"{role}.output_grad", grad.output_grad)  # (b, n, out)
+                self.waiting.put(k, f"{role}.input", grad.input)  # (b, n, in)
+                grads = grads._replace(**{role: None})
+            else:
+                stage.buckets.add(layer_key(k, role), grad)
+        if self.m == stage.M - 1 and not stage.split_backward:  # the last backward: layer k's gradients are final
+            stage.buckets.ready(k)
         return dx, grads
+
+    def weight_backward(self):
+        """ZB-H1's W: every weight gradient its B deferred, layers from the top, dW = dy.T x each (no weights
+        read: under ZeRO-3 nothing is gathered), added to the buckets, final after the last micro-batch's."""
+        stage, waiting = self.stage, self.waiting
+        with self.step.tracker.phase("backward"):
+            for k in reversed(self.layers):
+                for role in dict.fromkeys(name.rpartition(".")[0] for name in waiting.names(k)):
+                    dy, x = waiting.pop(k, f"{role}.output_grad"), waiting.pop(k, f"{role}.input")
+                    stage.buckets.add(layer_key(k, role), weight_grad(dy, x))  # (out, in)
+                    del dy, x
+                if self.m == stage.M - 1:
+                    stage.buckets.ready(k)
+        assert waiting.bytes == 0, f"the W left {waiting.names(None)} stored"
 
     def head_forward(self, x, store, drop):
         stage = self.stage
