@@ -1,0 +1,186 @@
+"""The peer for pipeline schedules: torch's own torch.distributed.pipelining running its interleaved schedules on the
+autograd reference model (picockpt/reference.py), split into P*V stage modules, one launch of P gloo ranks.
+
+    results = run_ranks(pipelining_rank_steps, 2, params, cfg, input_ids, targets, SCHEDULES, 2, 4)
+    results[r][v] == {"schedule": name, "stages": [virtual stages on rank r], "loss": float (None off the last
+                      stage's rank), "grads": {full name: gradient} of the parameters rank r holds,
+                      "peak_saved_bytes": b, "actions": ["0F0", "2F0", "2I0", "2W0", ...]}
+                     # or {"schedule": name, "error": "..."} when it did not run; one fresh model per schedule
+
+actions: this rank's compute actions in the order the schedule runs them (schedule.pipeline_order[rank], str of
+torch's _Action: stage, F forward / B full backward / I input-only backward / W weight backward, micro-batch).
+
+Stages. Virtual stage k of S = P*V holds layers [k*L//S, (k+1)*L//S); stage 0 also the embedding, stage S-1 the
+final norm and LM head (output: logits). Which rank holds which (torch 2.13, pipelining/_utils.py:
+generate_stage_to_rank_mapping): "loop" style, stage k on rank k % P (PipelineScheduleMulti.__init__, which the
+interleaved schedules' _PipelineScheduleRuntime inherits), so rank s holds stages s, P+s, ...; "v" style for
+ScheduleZBVZeroBubble (its __init__ replaces the mapping and needs V = 2): rank s holds s and 2P-1-s.
+Each PipelineStage gets example input_args and output_args, so every stage votes STATIC (_utils.py:
+InferenceMode.needs_dynamic, no DTensors) and no metadata-inference forward runs (stage.py:
+_forward_metadata_inference would run the real module on torch.empty inputs, its saved tensors in the count).
+
+Loss and gradient scaling, as torch 2.13's source has it: the schedule calls loss_fn(output, target_mb) once per
+micro-batch (schedules.py: _PipelineSchedule._maybe_compute_loss), backpropagates that loss unscaled (stage.py:
+backward_one_chunk, "stage_output": loss), and after the last backward of each stage its REDUCE_GRAD action
+(_PipelineScheduleRuntime._step_microbatches) calls stage.perform_reduce_grad(n_microbatches if scale_grads else 1),
+which divides every .grad of the stage's submodule by that factor (_PipelineStageBase.scale_grads). The default,
+scale_grads=True with a mean loss_fn, equals the whole batch's mean only when every micro-batch counts as many
+targets. Here scale_grads=False and the scaling in loss_fn, as torchtitan's build_pipeline_schedule does
+(torchtitan/distributed/pipeline_parallel.py; there rescale_accumulated_loss's 1/n_microbatches), the share as
+picockpt's own stages take it (pp_stage.py): the micro-batch's summed cross-entropy / N, N the whole batch's counted
+(not IGNORE_INDEX) targets. The micro-batch losses (step(losses=[...])) sum to the whole batch's mean and the
+gradients are its gradients, whatever the split. (torchtitan's pipeline_module_split picks the same stages per rank.)
+
+peak_saved_bytes: the most bytes autograd held saved for backward at once on the rank, over the whole step
+(torch.autograd.graph.saved_tensors_hooks around schedule.step): pack counts a storage's bytes once however many
+saved tensors view it, the packed holder's __del__ (run when autograd frees the node that saved it) gives them back
+when its last one goes. Storages of the model's parameters (what F.linear and the norms save of their weights) are
+not counted: activations only. The holder keeps tensor.detach(): holding a saved *output* as given holds its grad_fn,
+a cycle through C++ that the garbage collector cannot see and only the node's release of its saved variables breaks;
+zero bubble's W never runs (so never releases) the nodes that only lead to the stage's input, and about half of each
+micro-batch's bytes stayed held after the step (measured; none with the detached copy: every step ends at 0).
+Zero bubble splits the backward in I (input gradients: _backward.py: stage_backward_input, autograd.grad with
+retain_graph=True; the first stage skips it) and W (weights, stage_backward_weight, later; the first stage's W is
+its full backward): an I frees nothing of the stage's layers (only the loss's, which it detaches), a micro-batch's
+saved tensors stay until its W. Measured, P=2, V=2, M=4, one layer per stage: each stage-micro-batch in flight
+(after its F, before its B or W) holds about the same bytes (one layer's; the last stage's, head and loss with it,
+about a third more), and the peak follows the most in flight the rank's actions allow: rank 0 holds 5 under
+Interleaved1F1B (4 warm-up forwards and 0F2 before 2B0 can start) but 4 under InterleavedZeroBubble (each W right
+after its I, before the next F); rank 1 holds 3 under 1F1B (3B0 right after 3F0) but 4 under zero bubble (3W0
+deferred past 3F1).
+
+fp32 only in earnest: a 16-bit config runs, each weight cast at each use (WeightCasts' fallback, none made ahead).
+Dropout and router jitter raise (each stage's micro-batches would draw masks in another order than the single
+process), as do tied embeddings (embedding and LM head on different ranks). A schedule that raises (constructor or
+step) is reported as {"error": ...}; one that fails in step() on one rank can leave its peer waiting on a p2p op until
+comm.timeout, so ScheduleZBVZeroBubble runs last.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...reference import ReferenceLlama, run_plain
+
+SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+
+
+class StageModule(nn.Module):
+    """One virtual stage of the reference model: its layers (and embedding, or final norm and LM head), the very
+    modules of `model`, so the stage's parameters are the model's own."""
+
+    def __init__(self, model, first_layer, end_layer, first, last):
+        super().__init__()
+        self.layers = nn.ModuleList(model.model.layers[first_layer:end_layer])
+        self.embed = model.embed if first else None  # a bound method, not a submodule: embed_tokens below
+        self.logits = model.logits if last else None
+        if first:
+            self.embed_tokens = model.model.embed_tokens  # registered: the schedule's W and scaling see it
+        if last:
+            self.norm, self.lm_head = model.model.norm, model.lm_head
+
+    def forward(self, x):  # (b, T) token ids on the first stage, (b, T, h) after
+        if self.embed is not None:
+            x = self.embed(x)  # (b, T, h)
+        x = run_plain(self.layers, x)  # (b, T, h)
+        return x if self.logits is None else self.logits(x)  # (b, T, V) on the last stage
+
+
+class SavedBytes:
+    """saved_tensors_hooks that track the bytes of distinct storages autograd holds for backward, and their peak."""
+
+    def __init__(self, skip_storages):
+        self.skip = set(skip_storages)  # data_ptr of storages not counted (the parameters')
+        self.held = {}  # data_ptr -> [saved tensors holding it, its bytes]
+        self.now = self.peak = 0
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.skip:
+            entry = self.held.setdefault(key, [0, storage.nbytes()])
+            if entry[0] == 0:  # the storage's first saved view: its bytes start counting
+                self.now += entry[1]
+                self.peak = max(self.peak, self.now)
+            entry[0] += 1
+        return _Packed(tensor.detach(), self, key)  # detached: a saved output would hold its own grad_fn
+
+    def release(self, key):  # a holder was freed
+        entry = self.held.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:  # its last saved view gone
+            self.now -= entry[1]
+            del self.held[key]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda packed: packed.tensor)
+
+
+class _Packed:
+    """What autograd keeps for one saved tensor; its __del__ runs when the node holding it is freed."""
+
+    def __init__(self, tensor, counter, key):
+        self.tensor, self.counter, self.key = tensor, counter, key
+
+    def __del__(self):
+        self.counter.release(self.key)
+
+
+def stage_indices(schedule, rank, P, V):
+    """The virtual stages rank `rank` holds under `schedule` (see the module docstring)."""
+    if schedule == "ScheduleZBVZeroBubble":
+        if V != 2:
+            raise ValueError(f"ScheduleZBVZeroBubble needs exactly 2 stages per rank, V={V}")
+        return [rank, 2 * P - 1 - rank]  # the "v" mapping
+    return [c * P + rank for c in range(V)]  # the "loop" mapping: stage k on rank k % P
+
+
+def pipelining_rank_steps(comm, params, cfg, input_ids, targets, schedules=SCHEDULES, V=2, M=4):
+    return [pipelining_rank_step(comm, params, cfg, input_ids, targets, name, V, M) for name in schedules]
+
+
+def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M=4):
+    import torch.distributed.pipelining as pipelining
+
+    if cfg.dropout > 0 or (cfg.experts and cfg.router_jitter > 0) or cfg.tie_embeddings:
+        raise ValueError("pipelining peer: use a config without dropout, router jitter or tied embeddings")
+    P, r = comm.world_size, comm.rank
+    S, L, (B, T) = P * V, cfg.layers, input_ids.shape
+    if L < S or B % M:
+        raise ValueError(f"pipelining peer: layers={L} must be >= P*V={S} and batch {B} a multiple of M={M}")
+    try:
+        model = ReferenceLlama(cfg, params)  # a fresh model per schedule: gradients start at None
+        names = {id(p): name for name, p in model.named_parameters()}
+        b, dtype = B // M, cfg.torch_dtype
+        stages, modules = [], []
+        for k in stage_indices(schedule, r, P, V):
+            first, last = k == 0, k == S - 1
+            module = StageModule(model, k * L // S, (k + 1) * L // S, first, last)
+            # static metadata keeps requires_grad too: a received activation, and every output, needs its gradient
+            example_in = (torch.zeros(b, T, dtype=torch.long) if first  # (b, T) token ids
+                          else torch.zeros(b, T, cfg.hidden, dtype=dtype, requires_grad=True))  # (b, T, h)
+            example_out = torch.zeros(b, T, cfg.vocab if last else cfg.hidden, dtype=dtype, requires_grad=True)
+            stages.append(pipelining.PipelineStage(module, k, S, comm.device, input_args=example_in,
+                                                   output_args=example_out))
+            modules.append(module)
+        counted = (targets != -100).sum().item()  # N: the whole batch's counted targets (IGNORE_INDEX is -100)
+
+        def loss_fn(logits, target):  # (b, T, V), (b, T): this micro-batch's share of the whole-batch mean
+            return F.cross_entropy(logits.to(cfg.stat_dtype).flatten(0, 1), target.flatten(), reduction="sum") / counted
+
+        runner = getattr(pipelining, schedule)(stages, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
+        saved = SavedBytes(p.untyped_storage().data_ptr() for p in model.parameters())
+        losses = []
+        with saved.hooks():
+            if any(stage.is_first for stage in stages):
+                runner.step(input_ids, target=targets, losses=losses)  # (B, T) split into M micro-batches
+            else:
+                runner.step(target=targets, losses=losses)
+    except Exception as error:  # noqa: BLE001 -- a schedule that does not run here is reported, not invented
+        return {"schedule": schedule, "error": f"{type(error).__name__}: {error}"}
+    grads = {names[id(p)]: p.grad.detach().clone() for module in modules for p in module.parameters()}
+    loss = float(sum(loss.item() for loss in losses)) if losses else None  # the last stage's rank only
+    actions = [str(action) for action in runner.pipeline_order[r] if action is not None]  # None: an idle step
+    return {"schedule": schedule, "stages": [stage.stage_index for stage in stages], "loss": loss, "grads": grads,
+            "peak_saved_bytes": saved.peak, "actions": actions}
