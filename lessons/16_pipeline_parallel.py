@@ -623,9 +623,9 @@ wrote(paths[-1])
 # %% [markdown]
 # ## Beyond 1F1B, modelled: interleaving and zero-bubble on one clock
 #
-# picockpt's ranks run AFAB and 1F1B. Two schedules go further, and `pipeline_parallel/pp_orders.py` writes out
-# their orders and runs them on one clock with 1F1B's (no ranks: each action takes its modelled time, and waits
-# for the message it needs):
+# Two schedules go further; here `pipeline_parallel/pp_orders.py`'s clock runs their orders beside 1F1B's (no
+# ranks: each action takes its modelled time, and waits for the message it needs). Lesson 30 runs both on ranks
+# and measures what they store:
 #
 # - **interleaved 1F1B** (Narayanan et al. 2021; Megatron-LM's order): each rank holds $V$ chunks of layers, so
 #   a forward is $1/V$ as long and the fill and drain shrink: idle $(p-1)/(Vm+p-1)$, for stage 0 holding
@@ -640,8 +640,8 @@ wrote(paths[-1])
 # recomputed before its B, and W reads those same recomputed inputs, so they stay until W runs.
 
 # %%
-from picockpt.parallel.pipeline_parallel.pp_orders import (interleaved_actions, one_f_one_b_orders, run_orders,
-                                                           w_pending_bytes, zb_h1_actions)
+from picockpt.parallel.pipeline_parallel.pp_orders import one_f_one_b_orders, run_orders, w_pending_bytes
+from picockpt.parallel.pipeline_parallel.pp_schedules import interleaved_actions, zb_h1_actions
 from picockpt.closed_forms import layer_inventory, total
 
 P_, M_ = 4, 8
@@ -663,8 +663,8 @@ print(f"Llama 3 8B, one layer, 1 x 4096 tokens, bf16: a waiting W holds {pending
       f"waiting W holds {pending / checkpoint:.1f} times what the layer's checkpoint does (predicted)")
 held_zb = clock["ZB-H1"]["held"]  # micro-batches from F to W: a waiting W counted whole, an upper bound here
 print(f"a waiting W holds {pending / stored:.0%} of what the layer stores under none: ZB-H1's stage s holds about "
-      f"s more micro-batches' worth than 1F1B ({held_zb} against {clock['1F1B']['held']} from F to W), and its peak "
-      f"stays 1F1B's only because stage 0, the busiest, lets none of its W's wait")
+      f"s more micro-batches' worth than 1F1B ({held_zb} against {clock['1F1B']['held']} from F to W); under none "
+      f"stage 0's peak stays 1F1B's, under full not even there: each B leaves its W's bytes until the W (lesson 30)")
 
 # %% [markdown]
 # ## Exercises
