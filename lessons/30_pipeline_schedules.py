@@ -200,7 +200,7 @@ def paced(s, V, ranks):
     forms = [closed_forms_for(s, V, "full", stage) for stage in range(P)]
     seconds = []
     for f, r in zip(forms, ranks):
-        chunks = getattr(f, "chunks", [f])
+        chunks = f.chunks
         flops = [c.action_flops() for c in chunks]
         t = r["timeline_seconds"]
         back = (t["backward"] + t["recompute"]) / sum(x["B"] + x["W"] for x in flops) / M  # seconds per FLOP

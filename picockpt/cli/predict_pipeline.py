@@ -39,10 +39,7 @@ def check_schedule_flags(args, cfg):
                              f"1f1b for a pipeline alone (with --tp/--sp); leave out --cp/--zero, or the schedule")
     check_schedule(args.schedule, args.virtual_stages)
     if args.schedule == "interleaved":
-        check_interleaving(args.pp, args.microbatches or args.pp, args.virtual_stages)
-        if args.pp * args.virtual_stages > cfg.layers:
-            raise ValueError(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = "
-                             f"{args.pp * args.virtual_stages} chunks for {cfg.layers} layers: each needs a layer")
+        check_interleaving(args.pp, args.microbatches or args.pp, args.virtual_stages, cfg.layers)
     if args.schedule == "zb-h1" and cfg.experts:
         raise ValueError("--schedule zb-h1 with --experts: a mixture of experts' weight gradients are not split "
                          "from its input gradient; use a dense model, or --schedule 1f1b")
@@ -50,7 +47,7 @@ def check_schedule_flags(args, cfg):
 
 def paced_bubble(forms, schedule, pp, M, V):
     """Each stage's idle share on the clock, every action as long as its matmul FLOPs (its chunk's)."""
-    flops = [[chunk.action_flops() for chunk in getattr(rank, "chunks", [rank])] for rank in forms]
+    flops = [[chunk.action_flops() for chunk in rank.chunks] for rank in forms]
     orders = [actions(schedule, pp, M, s, V) for s in range(pp)]
     return run_orders(orders, pp, V, seconds=lambda s, a: flops[s][a.chunk][a.kind])["idle"]
 
@@ -62,7 +59,7 @@ def pipeline_row(cfg, batch, seq, policy, pp, microbatches, schedule="1f1b", vir
     under none, selective and full, side by side (interleaved at --virtual-stages, or 2 where it fits)."""
     M, layout = microbatches or pp, (tp, sp, distribute_saved)
     forms = [rank_forms(cfg, batch, seq, policy, pp, M, schedule, s, 1, *layout, virtual=virtual) for s in range(pp)]
-    stages = [{"stage": s, "chunk_layers": [[c.layers[0], c.layers[-1]] for c in getattr(f, "chunks", [f])],
+    stages = [{"stage": s, "chunk_layers": [[c.layers[0], c.layers[-1]] for c in f.chunks],
                "in_flight": f.in_flight, "peak_bytes": f.peak_bytes,
                "w_pending_bytes": getattr(f, "w_layer_bytes", 0) * len(f.layers)} for s, f in enumerate(forms)]
     V2 = virtual if virtual > 1 else 2

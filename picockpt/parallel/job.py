@@ -23,7 +23,7 @@ from .expert_parallel.ep_shard import check_expert_parallel
 from .launch import check_rank_count, ranks_generator
 from .layout import check_layout
 from .pipeline_parallel.pp_inventory import rank_forms
-from .pipeline_parallel.pp_schedules import check_interleaving, check_schedule, stage_layers
+from .pipeline_parallel.pp_schedules import check_interleaving, check_schedule, rank_layers, stage_layers
 from .tensor_parallel.tp_shard import check_tensor_parallel
 
 
@@ -111,11 +111,7 @@ def checked_job(job, device, world_size):
     check_layout(job.dp, job.pp, job.tp, world_size, job.ep, job.cp)
     stage_layers(cfg.layers, job.pp)
     if job.schedule == "interleaved":
-        check_interleaving(job.pp, M, job.virtual_stages)
-        if job.pp * job.virtual_stages > cfg.layers:
-            raise ValueError(f"pp={job.pp} x virtual_stages={job.virtual_stages} = {job.pp * job.virtual_stages} "
-                             f"virtual stages for L={cfg.layers} layers: every chunk needs a layer; use pp x "
-                             f"virtual_stages <= {cfg.layers}")
+        check_interleaving(job.pp, M, job.virtual_stages, cfg.layers)
     if job.recompute_early and job.pp == 1:
         raise ValueError("recompute_early=True without pp: it recomputes a stage's top segment while the stage "
                          "waits for its gradient; use it with pp >= 2, or leave it out")
@@ -145,14 +141,13 @@ def checked_job(job, device, world_size):
             raise ValueError(f"router_jitter={cfg.router_jitter} with dp x microbatches = {job.dp * M}: the jitter "
                              f"noise is drawn at a micro-batch's shape, not sliced from the whole batch's; use "
                              f"router_jitter=0 or one micro-batch on one replica")
-    chunks = stage_layers(cfg.layers, job.pp * job.virtual_stages)  # virtual stage c pp + s: rank s's chunk c
     for stage in range(job.pp):
         try:  # an impossible budget says which stage it does not fit, before any rank starts
             closed_forms(replace(job, policy=policy.text), stage)
         except ValueError as error:
             if job.pp == 1:
                 raise
-            layers = ", ".join(f"{r[0]}..{r[-1]}" for r in chunks[stage::job.pp])
+            layers = ", ".join(f"{r[0]}..{r[-1]}" for r in rank_layers(cfg.layers, job.pp, stage, job.virtual_stages))
             raise ValueError(f"stage {stage} (layers {layers}): {error}") from None
     return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
 

@@ -42,7 +42,7 @@ def predicted(job, report, routing=None):
         out.update(zero_forms(job, stage_forms, report))
     if job.ep > 1:
         return {**out, **expert_forms(job, stage_forms, report, routing)}
-    head = getattr(stage_forms, "chunks", [stage_forms])[-1]  # interleaved: the rank's last chunk holds any head
+    head = stage_forms.chunks[-1]  # interleaved: the rank's last chunk holds any head
     out.update({"predicted_activation_bytes": stage_forms.peak_bytes,
                 "predicted_microbatch_stored_bytes": stage_forms.microbatch_stored_bytes,
                 "predicted_layer_stored_bytes": first_layer_bytes(stage_forms),

@@ -166,7 +166,7 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
         if shards is not None:
             shards.begin(tracker)
         buckets = shards or _buckets(job, stage_forms, groups, params, device, timeline, tracker)
-        chunk_forms = getattr(stage_forms, "chunks", [stage_forms])  # interleaved: the rank's V chunks
+        chunk_forms = stage_forms.chunks  # interleaved: the rank's V chunks
         chunks = [PipelineStage(cfg, params, forms.layers, forms.first, forms.last, pipe, buckets, counted, M,
                                 groups.dp_rank, job.dp, stage_forms.activation_shape(b), make_inner,
                                 job.recompute_early, shards, split_backward=job.schedule == "zb-h1")
@@ -274,7 +274,7 @@ def _report(job, stage_forms, groups, tracker, timeline, memory, pipe, buckets, 
         "microbatches": job.microbatches, "schedule": job.schedule, "policy": stage_forms.policy.text,
         "stage_schedule": stage_forms.source, "layers": [stage_forms.layers[0], stage_forms.layers[-1]],
         "virtual_stages": job.virtual_stages,
-        "chunk_layers": [[forms.layers[0], forms.layers[-1]] for forms in getattr(stage_forms, "chunks", [stage_forms])],
+        "chunk_layers": [[forms.layers[0], forms.layers[-1]] for forms in stage_forms.chunks],
         "microbatches_in_flight": stage_forms.in_flight, "recompute_early": job.recompute_early, "overlap": job.overlap,
         "experts": list(range(groups.ep_rank * local, (groups.ep_rank + 1) * local)),
         "peak_activation_bytes": tracker.peak_logical,

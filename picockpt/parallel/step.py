@@ -21,17 +21,18 @@ from ..params import EMBED, HEAD
 from ..routing import step_routing
 from .expert_parallel.ep_shard import gather_expert_grads
 from .predictions import predicted
-from .job import ParallelJob, checked_job, closed_forms, on_cpu
+from .job import ParallelJob, checked_job, on_cpu
 from .launch import check_timeout, ranks_generator, run_ranks, under_torchrun
+from .pipeline_parallel.pp_schedules import rank_layers
 from .rank import rank_steps, stage_param_names
 from .tensor_parallel.tp_shard import gather_grads
 
 
 def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=True, distribute_saved=False,
                    device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False, pp=1, microbatches=1,
-                   schedule="1f1b", virtual_stages=1, dp=1, recompute_early=False, overlap=True, ep=1, keep_dispatched=False, zero=0,
-                   keep_gathered=False, prefetch=True, optimizer_step=False, cp=1, cp_layout="zigzag", cp_comm="ring",
-                   cp_keep_kv=False):
+                   schedule="1f1b", virtual_stages=1, dp=1, recompute_early=False, overlap=True, ep=1,
+                   keep_dispatched=False, zero=0, keep_gathered=False, prefetch=True, optimizer_step=False, cp=1,
+                   cp_layout="zigzag", cp_comm="ring", cp_keep_kv=False):
     """Mean next-token cross-entropy, the gradient of every parameter (full shapes, params' names) and [one report
     per rank], under `policy` (every policy of picockpt.loss_and_grads; budget:SIZE per rank). Every layout keyword
     is a ParallelJob field (job.py says what each does; tp=None: 2 alone, 1 beside another layout);
@@ -41,8 +42,8 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=T
     job = ParallelJob(params, cfg, input_ids, targets, policy, tp=(2 if alone else 1) if tp is None else tp, sp=sp,
                       distribute_saved=distribute_saved, pp=pp, microbatches=microbatches, schedule=schedule,
                       virtual_stages=virtual_stages, recompute_early=recompute_early, dp=dp, overlap=overlap, ep=ep,
-                      keep_dispatched=keep_dispatched, zero=zero, keep_gathered=keep_gathered, prefetch=prefetch, steps=int(optimizer_step), cp=cp,
-                      cp_layout=cp_layout, cp_comm=cp_comm, cp_keep_kv=cp_keep_kv)
+                      keep_dispatched=keep_dispatched, zero=zero, keep_gathered=keep_gathered, prefetch=prefetch,
+                      steps=int(optimizer_step), cp=cp, cp_layout=cp_layout, cp_comm=cp_comm, cp_keep_kv=cp_keep_kv)
     return run_jobs([job], None, device, timeout_s, port, start_method, trace)[0]
 
 
@@ -106,14 +107,14 @@ def _gathered(job, per_rank, key="grads"):
     expert-parallel parts put together."""
     cfg, grads, head_copy = job.cfg, {}, None
     for stage in range(job.pp):
-        forms = closed_forms(job, stage)  # its layers (interleaved: its chunks'), first and last
-        names = stage_param_names(cfg, forms.layers, forms.first, forms.last)
+        layers = [k for chunk in rank_layers(cfg.layers, job.pp, stage, job.virtual_stages) for k in chunk]
+        names = stage_param_names(cfg, layers, stage == 0, stage == job.pp - 1)
         ranks = sorted(((r["report"]["tp_rank"], r["report"]["ep_rank"]), r[key]) for r in per_rank
                        if r["report"]["stage"] == stage and r["report"]["dp_rank"] == r["report"]["cp_rank"] == 0)
         by_ep = [[g for (_, e), g in ranks if e == ep_rank] for ep_rank in range(job.ep)]  # each in tp rank order
         slices = [gather_grads(parts, dict.fromkeys(names)) if job.tp > 1 else parts[0] for parts in by_ep]
         whole = gather_expert_grads(slices, dict.fromkeys(names)) if job.ep > 1 else slices[0]
-        if cfg.tie_embeddings and forms.last:
+        if cfg.tie_embeddings and stage == job.pp - 1:
             head_copy = whole.pop(HEAD)
         grads.update(whole)
     if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses (as the engine adds them)

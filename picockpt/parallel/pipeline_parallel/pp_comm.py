@@ -17,8 +17,8 @@ generator state). gloo and NCCL both run isend/irecv; on NCCL every tensor, rng 
 Interleaved, a rank's previous and next stage are the same two ranks for every chunk (round a ring; with P = 2 the
 same one rank), and pairing a send with the next receive no longer lines the two sides up. There the ranks go step by
 step as Megatron-LM's interleaved schedule does (its send_forward_backward_recv_forward_backward): a step is a warm-up
-forward, a steady-state forward and backward, or a cool-down backward (pp_schedules.interleaved_steps); every send of a step is
-held (stepwise), and at the next step's start one group posts them with every receive that step will read
+forward, a steady-state forward and backward, or a cool-down backward (pp_schedules.interleaved_steps); every send of
+a step is held (stepwise), and at the next step's start one group posts them with every receive that step will read
 (exchange), the forward's input first, then the backward's gradient.
 """
 import torch

@@ -24,7 +24,7 @@ from .pp_plan import end_of_forward_bytes, in_flight_peak, plan_chunks, plan_in_
 from ...policy import parse_policy
 from ...schedule import Mode, Schedule
 from ..tensor_parallel.tp_inventory import rank_chain, rank_comm_bytes
-from .pp_schedules import actions, in_flight, stage_layers
+from .pp_schedules import actions, in_flight, rank_layers
 from ...config import BYTES
 
 NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothing stored after the layers
@@ -95,7 +95,7 @@ class StageForms:
                  distribute_saved=False, layer_comm_flops=0, virtual=1, chunk=0, planned=None):
         self.cfg, self.stage, self.t = cfg, stage, t
         self.sp, self.distribute_saved = sp and t > 1, distribute_saved and t > 1
-        self.layers = stage_layers(cfg.layers, pp * virtual)[chunk * pp + stage]
+        self.layers = rank_layers(cfg.layers, pp, stage, virtual)[chunk]
         self.first, self.last = chunk * pp + stage == 0, chunk * pp + stage == pp * virtual - 1
         self.b, self.seq, self.M = batch // (dp * microbatches), seq, microbatches
         self.in_flight = in_flight(schedule, pp, microbatches, stage, virtual)  # micro-batch-chunks, interleaved
@@ -117,6 +117,11 @@ class StageForms:
             self.microbatch_stored_bytes = end_of_forward_bytes(self.chain, self.local_schedule)
             self.peak_bytes = None  # the rank's, walked over all its chunks (RankForms)
         self.schedule = shifted(self.local_schedule, self.layers[0], cfg.layers)
+
+    @property
+    def chunks(self):
+        """The rank's chunks, as RankForms has them: this stage alone."""
+        return [self]
 
     def activation_shape(self, rows=None):
         """(b, n, h): what crosses from one stage to the next, per rank (n = T/t under sequence parallelism;
@@ -175,10 +180,9 @@ def rank_forms(cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp=1,
     order, parsed, planned = actions(schedule, pp, microbatches, stage, virtual), parse_policy(policy, cfg), \
         [None] * virtual
     if parsed.budget is not None:
-        split = stage_layers(cfg.layers, pp * virtual)
-        chains = [stage_chain(cfg, batch // (dp * microbatches), seq, len(split[c * pp + stage]),
-                              c * pp + stage == pp * virtual - 1, t, sp and t > 1, distribute_saved and t > 1,
-                              parsed.drop) for c in range(virtual)]
+        chains = [stage_chain(cfg, batch // (dp * microbatches), seq, len(layers), c == virtual - 1 and stage == pp - 1,
+                              t, sp and t > 1, distribute_saved and t > 1, parsed.drop)
+                  for c, layers in enumerate(rank_layers(cfg.layers, pp, stage, virtual))]
         planned = plan_chunks(chains, parsed.budget, order, [uniform_schedules(chain) for chain in chains])
     return RankForms([StageForms(*args, virtual=virtual, chunk=c, planned=planned[c]) for c in range(virtual)], order)
 

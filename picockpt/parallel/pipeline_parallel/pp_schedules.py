@@ -51,7 +51,9 @@ def check_schedule(schedule, virtual=1):
     return schedule
 
 
-def check_interleaving(stages, microbatches, virtual):
+def check_interleaving(stages, microbatches, virtual, layers=None):
+    """ValueError naming the value unless interleaving can run: whole numbers, M a multiple of P, a layer for each
+    of the P V chunks (of `layers`, where given)."""
     for name, value in (("pp", stages), ("microbatches", microbatches), ("virtual_stages", virtual)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: give a whole number, 1 or more")
@@ -59,6 +61,9 @@ def check_interleaving(stages, microbatches, virtual):
         raise ValueError(f"microbatches={microbatches} with pp={stages} and virtual_stages={virtual}: interleaving "
                          f"runs micro-batches in groups of pp (Megatron-LM requires M % pp == 0); use a multiple of "
                          f"{stages}, e.g. {stages * max(1, microbatches // stages)}")
+    if layers is not None and stages * virtual > layers:
+        raise ValueError(f"pp={stages} x virtual_stages={virtual} = {stages * virtual} chunks for {layers} layers: "
+                         f"every chunk needs a layer; use pp x virtual_stages <= {layers}")
 
 
 def stage_layers(layers, stages):
@@ -71,6 +76,11 @@ def stage_layers(layers, stages):
                          f"one layer; use pp <= {layers}")
     starts = [s * (layers // stages) + min(s, layers % stages) for s in range(stages + 1)]  # stage s's first layer
     return [range(start, end) for start, end in zip(starts, starts[1:])]
+
+
+def rank_layers(layers, stages, stage, virtual=1):
+    """The layer ranges rank `stage` runs, one per chunk: virtual stages stage, P + stage, .. of P V (interleaved)."""
+    return stage_layers(layers, stages * virtual)[stage::stages]
 
 
 def actions(schedule, stages, microbatches, stage, virtual=1):
