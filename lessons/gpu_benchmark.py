@@ -47,12 +47,17 @@ import contextlib
 import dataclasses
 import gc
 import json
+import os
 import pathlib
 import statistics
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # lessons/: _gpu_criteria
+# cuBLAS reads this when it makes its handle: a fixed workspace, so that the deterministic pass (below) may ask
+# torch.use_deterministic_algorithms(True) of its matmuls (8 workspaces of 4 MiB; set before torch's first GEMM)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import matplotlib
 matplotlib.use("Agg")
@@ -70,9 +75,12 @@ from picockpt.ops.attention_fused import check_fused
 from picockpt.inventory import predicted_peak_bytes, step_flops
 from picockpt.measure import make_batch
 from picockpt.params import init_params
+from picockpt import peers_hf
 from picockpt.plotting import figures_dir, policy_color, save_figure
 from picockpt.reference import ReferenceLlama
 from picockpt.tracker import Tracker
+
+from _gpu_criteria import LIMITS, SPREAD_MULTIPLE, criteria  # noqa: E402  (lessons/, beside this file)
 
 # Llama 3.2 1B's depth, width and MLP (L=16, h=2048, f=8192), the attention of the lessons' --large shape
 # (16 heads of 128 over 4 key/value heads) and Llama 2's 32000-token vocabulary: 1.10 B parameters. This attention
@@ -81,8 +89,6 @@ from picockpt.tracker import Tracker
 # nothing), and the smaller vocabulary keeps the (B, T, V) logits modest.
 ONE_B = dict(vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=4, ffn=8192, max_seq=4096, dtype="bf16")
 TINY = dict(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=80, max_seq=64, dtype="bf16")
-LIMITS = {"memory": 0.05, "full": 1.40, "selective": 1.10, "equivalent": 1.10}
-FUSED_GRAD_TOLERANCE = 1e-2  # max-norm relative: atomics reorder fp32 sums (~1e-3); a wrong recompute moves O(1)
 CAUSAL_TILE = 128  # the causal convention's block: FlashAttention-2 skips key blocks wholly above the diagonal
 PEAK_TFLOPS = H200_SXM_BF16 / 1e12  # 989.5: H200 SXM (as H100 SXM) dense bf16 tensor-core peak (picockpt/hardware.py)
 
@@ -97,9 +103,10 @@ def benchmark(cfg, seqs, tokens, device, repeats=5, segment=4, peak_tflops=PEAK_
     params = init_params(cfg, seed=seed, device=device)
     with torch.device(device):  # the autograd reference, built where it runs, with the same weights
         model = ReferenceLlama(cfg, params)
+        hf = hf_runs(cfg, params, device)  # Hugging Face's peers of fused none and full
     rows = []
     for seq in seqs:
-        rows += measure_seq(cfg, params, model, seq, tokens // seq, device, repeats, segment, seed, peak_tflops)
+        rows += measure_seq(cfg, params, model, seq, tokens // seq, device, repeats, segment, seed, peak_tflops, hf)
         print(f"  ... {time.perf_counter() - started:.0f} s so far")
     for row in rows:  # the timeline figure shows the longest sequence only
         if row["seq"] != max(seqs):
@@ -112,15 +119,16 @@ def benchmark(cfg, seqs, tokens, device, repeats=5, segment=4, peak_tflops=PEAK_
     return results
 
 
-def measure_seq(cfg, params, model, seq, batch, device, repeats, segment, seed, peak_tflops):
+def measure_seq(cfg, params, model, seq, batch, device, repeats, segment, seed, peak_tflops, hf=()):
     """One sequence length, in rounds that each run every run in turn: a warm-up (which also checks
     every policy against none), one tracked step (memory, FLOPs), then `repeats` timed steps."""
     input_ids, targets = make_batch(cfg, batch, seq, device, seed)  # (B, T) each
-    runs = plan_runs(cfg, batch, seq, segment)
+    runs = plan_runs(cfg, batch, seq, segment) + [dict(run) for run in hf]
     for run in runs:
         run.update(seq=seq, batch=batch, error=None, times=[],
                    step=make_step(run, cfg, params, model, input_ids, targets))
     warm_up(runs)
+    deterministic_pass(runs)
     for run in runs:
         attempt(run, lambda: run.update(track(run, cfg, device)))
     for _ in range(repeats):
@@ -148,15 +156,43 @@ def warm_up(runs):
         if result is not None and run["kind"] == "picockpt":
             first = run["attention"] not in nones
             none = nones.setdefault(run["attention"], result)
-            if first:
+            if first:  # the spread the default kernels give none against itself (0: it repeats bitwise)
                 again = attempt(run, lambda: run["step"]())
                 run["deterministic"] = again is not None and all(torch.equal(g, again[1][k]) for k, g in none[1].items())
+                if again is not None:
+                    run["grads_spread_none"] = max(relative(g, none[1][k]) for k, g in again[1].items())
                 del again
             run["loss_bitwise_equal_to_none"] = torch.equal(result[0], none[0])
             run["grads_not_bitwise_equal_to_none"] = [k for k, g in result[1].items() if not torch.equal(g, none[1][k])]
             run["grads_worst_relative_to_none"] = max(relative(g, none[1][k]) for k, g in result[1].items())
         del result
     nones.clear()
+
+
+def deterministic_pass(runs):
+    """Every picockpt run once more under torch.use_deterministic_algorithms(True), warn_only=False (with
+    warn_only the flash backward only warns and keeps its atomics): its loss and gradients bitwise against none's
+    of the same attention kind, run the same way. An op with no deterministic kernel here raises: noted."""
+    nones = {}  # attention kind -> none's (loss, grads) under deterministic algorithms
+    torch.use_deterministic_algorithms(True)
+    try:
+        for run in runs:
+            if run["kind"] != "picockpt":
+                continue
+            try:
+                result = attempt(run, lambda: run["step"]())
+            except RuntimeError as error:  # e.g. "... does not have a deterministic implementation"
+                run["deterministic_error"] = str(error).strip().splitlines()[0][:200]
+                continue
+            if result is None:
+                continue
+            loss, grads = nones.setdefault(run["attention"], result)
+            run["deterministic_bitwise_equal_to_none"] = (torch.equal(result[0], loss)
+                                                          and all(torch.equal(g, grads[k]) for k, g in result[1].items()))
+            del result, loss, grads
+    finally:
+        torch.use_deterministic_algorithms(False)
+        nones.clear()
 
 
 def relative(a, b):
@@ -166,7 +202,7 @@ def relative(a, b):
 
 def summary(run, model_flops, model_flops_causal, peak_flops, cfg):
     """The JSON row of one run (and its line on the screen)."""
-    row = {key: value for key, value in run.items() if key not in ("step", "how", "times")}
+    row = {key: value for key, value in run.items() if key not in ("step", "how", "times", "model")}
     if run["error"] is None:
         seconds = statistics.median(t for t, *_ in run["times"])
         causal = None  # fused runs only: the flash kernel skips the blocks above the diagonal
@@ -215,11 +251,26 @@ def run_config(run, cfg):
     return cfg.replace(attention=run["attention"])
 
 
+def hf_runs(cfg, params, device):
+    """Hugging Face's LlamaForCausalLM with the same weights, sdpa attention under autocast (fp32 master weights),
+    without and with its activation checkpointing: the peers of picockpt's fused none and full. None where
+    transformers is missing."""
+    if not peers_hf.available():
+        print("  (no Hugging Face rows: transformers is not installed)")
+        return []
+    return [dict(name="hf sdpa" + (" + checkpointing" if checkpointing else ""), kind="hf", how=checkpointing,
+                 equivalent=None, policy=None, attention="sdpa",
+                 model=peers_hf.hf_llama(cfg, params, "sdpa", checkpointing, device, autocast=True))
+            for checkpointing in (False, True)]  # built inside `with torch.device(device)`: its init runs there
+
+
 def make_step(run, cfg, params, model, input_ids, targets):
     """step(tracker=None) -> (loss, grads): one forward + backward of `run`; nothing else outlives it."""
     if run["kind"] == "picockpt":
         shape = run_config(run, cfg)
         return lambda tracker=None: loss_and_grads(params, shape, input_ids, targets, run["how"], tracker=tracker)
+    if run["kind"] == "hf":
+        return hf_step(run["model"], input_ids, targets)
 
     def step(tracker=None):
         phase = tracker.phase if tracker else lambda name: contextlib.nullcontext()
@@ -234,6 +285,22 @@ def make_step(run, cfg, params, model, input_ids, targets):
             return loss.detach(), grads
         finally:  # also after running out of memory
             model.release_weights()
+            model.zero_grad(set_to_none=True)  # the returned dict is now the gradients' only holder
+    return step
+
+
+def hf_step(model, input_ids, targets):
+    def step(tracker=None):
+        phase = tracker.phase if tracker else lambda name: contextlib.nullcontext()
+        try:
+            with phase("forward"):
+                loss = peers_hf.hf_loss(model, input_ids, targets)  # scalar; autocast casts each weight at use
+            with phase("backward"):
+                loss.backward()
+                grads = peers_hf.hf_grads(model)  # name -> fp32 gradient
+                mark(tracker, grads.values(), "gradients")
+            return loss.detach(), grads
+        finally:
             model.zero_grad(set_to_none=True)  # the returned dict is now the gradients' only holder
     return step
 
@@ -266,6 +333,10 @@ def track(run, cfg, device):
                    timeline=[[e["total"], e["cuda"]] for e in tracker.timeline if e["kind"] == "event"])
     if tracker.cuda:
         row["tracker_vs_cuda"] = abs(row["tracker_peak_bytes"] - tracker.peak_cuda) / tracker.peak_cuda
+        if run["kind"] == "torch":  # the eager reference: CUDA's softmax backward's fp32 (B, H, T, T) buffer
+            row["known_scratch_bytes"] = run["batch"] * cfg.heads * run["seq"] ** 2 * 4
+            with_scratch = row["tracker_peak_bytes"] + row["known_scratch_bytes"]
+            row["tracker_vs_cuda_with_scratch"] = abs(with_scratch - tracker.peak_cuda) / tracker.peak_cuda
         if run["kind"] == "picockpt":  # at every store event, as a fraction of the step's peak
             row["timeline_worst"] = max(abs(total - cuda) for total, cuda in row["timeline"]) / tracker.peak_cuda
     return row
@@ -302,71 +373,6 @@ def attempt(run, action):
     gc.collect()  # outside the except block: no traceback holds the step's tensors any more
     torch.cuda.empty_cache()
     return None
-
-
-def criteria(rows, on_cuda):
-    """[(PASS | FAIL | SKIP | INFO, text)], one per criterion, with its value at every sequence length."""
-    by, seqs = {(row["name"], row["seq"]): row for row in rows}, sorted({row["seq"] for row in rows})
-
-    def ratio(name, over, seq, key="step_seconds"):
-        top, bottom = by.get((name, seq), {}).get(key), by.get((over, seq), {}).get(key)
-        return None if top is None or bottom is None else top / bottom
-
-    def line(text, values, limit):  # values: [(where, number or None)]; a time limit: a GPU's
-        passed = all(value is not None and value <= limit for _, value in values)
-        shown = ", ".join(f"{'not measured' if v is None else format(v, '.3f')} ({where})" for where, v in values)
-        if not on_cuda:
-            return "SKIP", f"{text} <= {limit:.2f}: needs CUDA (measured here, not judged: {shown})"
-        return "PASS" if passed else "FAIL", f"{text} <= {limit:.2f}: {shown}"
-
-    def worst(text, kind, key):  # the largest relative difference over the runs of one kind
-        if not on_cuda:
-            return "SKIP", f"{text}: needs CUDA (torch.cuda.max_memory_allocated)"
-        values = [(f"{row['name']}, T={row['seq']}", row.get(key)) for row in rows if row["kind"] == kind]
-        status, _ = line(text, values, LIMITS["memory"])
-        where, top = max(((w, v) for w, v in values if v is not None), key=lambda wv: wv[1], default=("-", 0.0))
-        return status, f"{text} <= 5%: worst {top:.2%} ({where}); {sum(v is None for _, v in values)} not measured"
-
-    lines = [worst("tracker peak vs max_memory_allocated, every picockpt policy", "picockpt", "tracker_vs_cuda"),
-             worst("tracker peak vs max_memory_allocated, every torch run", "torch", "tracker_vs_cuda"),
-             worst("tracker timeline vs memory_allocated at every store event, of the peak", "picockpt",
-                   "timeline_worst"),
-             worst("tracker peak vs requested_bytes.all.peak (what was asked for; beyond the tracker: the flash "
-                   "backward's dq accumulator, cross-entropy's and cuBLAS's scratch), every picockpt policy",
-                   "picockpt", "tracker_vs_requested")]
-    lines.append(line("step time of fused full / fused none", [(f"T={s}", ratio("picockpt fused full",
-                                                                                 "picockpt fused none", s))
-                                                            for s in seqs], LIMITS["full"]))
-    for policy in ("full", "selective"):
-        lines.append(line(f"step time of {policy} / none", [(f"T={s}", ratio(f"picockpt {policy}", "picockpt none", s))
-                                                           for s in seqs], LIMITS[policy]))
-    for row in rows:
-        if row["seq"] == seqs[0] and row["equivalent"]:
-            lines.append(line(f"step time of {row['name']} / {row['equivalent']}",
-                              [(f"T={s}", ratio(row["name"], row["equivalent"], s)) for s in seqs],
-                              LIMITS["equivalent"]))
-    ours = [row for row in rows if row["kind"] == "picockpt" and row["error"] is None]
-    deterministic = {(row.get("attention"), row["seq"]): row["deterministic"] for row in ours if "deterministic" in row}
-
-    def grads_ok(row):  # bitwise, unless this kind's none did not repeat itself bitwise (flash atomics)
-        if deterministic.get((row.get("attention"), row["seq"]), True):
-            return row["grads_not_bitwise_equal_to_none"] == []
-        return row.get("grads_worst_relative_to_none", float("inf")) < FUSED_GRAD_TOLERANCE
-    failing = sorted({f"{row['name']}, T={row['seq']}" for row in ours if not grads_ok(row)})
-    loose = sorted({f"{kind}, T={seq}" for (kind, seq), same in deterministic.items() if not same})
-    lines.append(("PASS" if all(row["loss_bitwise_equal_to_none"] and grads_ok(row) for row in ours) else "FAIL",
-                  f"every picockpt policy's loss bitwise equal to none's, and its gradients: bitwise, or within "
-                  f"{FUSED_GRAD_TOLERANCE:g} (max-norm relative) where none itself does not repeat bitwise "
-                  f"({', '.join(loose) or 'nowhere'}); gradients failing: {failing or 'none'}"))
-    lines.append(("PASS" if all(r["stored_peak_bytes"] == r["predicted_stored_peak_bytes"] for r in ours) else "FAIL",
-                  "every picockpt policy's stored bytes equal to the closed form's"))
-    for label, name in (("MFU of fused none", "picockpt fused none"), ("MFU of none", "picockpt none")):
-        mfu = [(s, by.get((name, s), {}).get("mfu"), by.get((name, s), {}).get("mfu_causal")) for s in seqs]
-        lines.append(("INFO" if on_cuda else "SKIP", f"{label}: T x T matmuls in full | causal blocks only: " + ", ".join(
-            "not measured" if v is None else f"{v:.1%} | {'-' if c is None else format(c, '.1%')} (T={s})"
-            for s, v, c in mfu)
-            + ("" if on_cuda else " (needs CUDA: a CPU measured against a GPU's peak has no meaning)")))
-    return lines
 
 
 def plot(results, prefix):

@@ -8,6 +8,21 @@ import os
 
 import torch
 
+# The oldest torch picockpt runs on: the one GPU images ship (2.11, its CUDA path measured on an H200) and CI's
+# 2.13 (tests/torch_211.py simulates on 2.13 what 2.11 lacks or does differently). pyproject.toml and
+# requirements.txt declare the same floor.
+TORCH_FLOOR = (2, 11)
+
+
+def check_torch(version=None):
+    """A clear error on a torch older than TORCH_FLOOR (version: a torch.__version__ string; None: this one)."""
+    version = version or torch.__version__
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    if (major, minor) < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise ValueError(f"torch {version} is older than {floor}, the oldest picockpt runs on: "
+                         f"pip install 'torch>={floor}'")
+
 
 def resolve_device(name="auto"):
     name = str(name).strip().lower()

@@ -47,9 +47,12 @@ def time_steps(step, device, repeats):
     return times
 
 
-def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, baseline=None, trace=False):
+def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, baseline=None, trace=False,
+                   optimizer=True):
     """One row of measurements. `baseline` (loss, grads) of policy none may be passed in
-    when several policies are measured on the same shape; otherwise it is computed."""
+    when several policies are measured on the same shape; otherwise it is computed. optimizer=False: the
+    step is a forward and backward alone (no AdamW step, no optimizer state): fp32 master weights and their
+    gradients, the 16-bit copies, the activations, as a model whose AdamW state would not fit is measured."""
     policy = parse_policy(policy, cfg)
     cfg.check_seq(seq)
     params = init_params(cfg, seed=seed, device=device)
@@ -59,21 +62,33 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
         torch.manual_seed(seed)  # the same dropout masks for every policy
         return loss_and_grads(params, cfg, input_ids, targets, name, **kwargs)
 
-    if baseline is None:
-        baseline = grads_of("none")
+    if baseline is None:  # on the host: a second set of fp32 gradients on the device would double their bytes
+        loss, grads = grads_of("none")
+        baseline = loss, {name: grad.cpu() for name, grad in grads.items()}
+        del loss, grads
     loss, grads = grads_of(policy, trace=trace)
-    diff = max((grads[k].double() - baseline[1][k].double()).abs().max().item() for k in grads)
+    diff = max((grads[k].cpu().double() - baseline[1][k].cpu().double()).abs().max().item() for k in grads)
+    del grads, baseline  # nothing of these steps stays on the device for the tracked one
 
-    # one tracked training step (on a copy of the parameters: the optimizer changes them)
-    copy = {name: p.clone() for name, p in params.items()}
-    optimizer = make_optimizer(copy)
+    # one tracked step: a training step on a copy of the parameters (the optimizer changes them), or without one
+    copy = {name: p.clone() for name, p in params.items()} if optimizer else params
+    adamw = make_optimizer(copy) if optimizer else None
     torch.manual_seed(seed)
     with Tracker(device) as tracker:
-        train_step(copy, optimizer, cfg, input_ids, targets, policy, tracker)
-    del copy, optimizer
+        if optimizer:
+            train_step(copy, adamw, cfg, input_ids, targets, policy, tracker)
+        else:
+            loss_and_grads(params, cfg, input_ids, targets, policy, tracker=tracker)  # its gradients dropped here
+    state_bytes = sum(value.nbytes for state in adamw.state.values() for value in state.values()
+                      if isinstance(value, torch.Tensor)) if optimizer else 0
+    del copy, adamw
 
-    optimizer = make_optimizer(params)
-    times = time_steps(lambda: train_step(params, optimizer, cfg, input_ids, targets, policy), device, repeats)
+    if optimizer:
+        adamw = make_optimizer(params)
+        step = lambda: train_step(params, adamw, cfg, input_ids, targets, policy)  # noqa: E731
+    else:
+        step = lambda: loss_and_grads(params, cfg, input_ids, targets, policy)[0].item()  # noqa: E731
+    times = time_steps(step, device, repeats)
     row = {
         "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "batch": batch, "seq": seq,
         "layers": cfg.layers, "hidden": cfg.hidden, "attention": cfg.attention, "loss_chunk": cfg.loss_chunk,
@@ -86,6 +101,7 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
         "step_seconds": statistics.median(times), "step_seconds_min_max": [min(times), max(times)],
         "loss": loss.item(), "grad_max_abs_diff_vs_none": diff,
         "phase_peaks": tracker.peaks,
+        "optimizer": "AdamW" if optimizer else None, "optimizer_state_bytes": state_bytes,
     }
     if tracker.cuda:
         row["cuda_peak_bytes"] = tracker.peak_cuda

@@ -6,7 +6,9 @@ physical  the bytes of every tensor storage created during the step and still al
           transient products of each op, rebuilt tensors). Found by watching every op's
           outputs through a TorchDispatchMode and a weakref.finalize on each new storage,
           so the micro-spikes of recomputation show. Storages marked "weights",
-          "gradients" or "optimizer" are kept out of the physical activation count.
+          "gradients" or "optimizer" are kept out of the physical activation count. Only the
+          tracked device's storages count (physical, and "total" with every category): a tensor the
+          step makes on another device (a CUDA step's host copy of a scalar) is in peak_elsewhere.
 cuda      on a CUDA device max_memory_allocated() per phase, relative to the start of the step, read and reset
           at phase changes only: a phase inside another from its first store event; one with none (a tile
           rebuilt in the backward, 528 a layer at T=4096) counts in the phase around it;
@@ -21,8 +23,8 @@ host      with an offloading policy (picockpt/offload.py): the host tier's bytes
 
 Phases: forward, recompute, backward, optimizer.
 
-FLOPs per phase: torch.utils.flop_counter's formulas (flop_registry: 2*m*n*k per matmul, the attention
-kernels' matmuls) applied to every op by the same dispatch mode that watches the storages, one Python hop per
+FLOPs per phase: torch.utils.flop_counter's formulas (flop_registry: 2*m*n*k per matmul), and for the attention
+kernels picockpt's own (picockpt/attention_flops.py: at the query's heads, on every torch), applied to every op by the same dispatch mode that watches the storages, one Python hop per
 op. FlopCounterMode counts the same (tests/test_formulas.py) at twice the cost (module hooks, decompositions).
 With times=True also the seconds spent in each phase (wall seconds on the CPU; on CUDA the GPU's: a
 timing event is recorded at every phase switch, and the GPU is synchronised once, when the step ends: the
@@ -43,6 +45,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from .attention_flops import ATTENTION_FLOPS
+
 PHASES = ("forward", "recompute", "backward", "optimizer")
 OUTSIDE = "outside"  # before, between or after the phases above
 EXCLUDED = ("weights", "gradients", "optimizer", "host")  # not device activation memory ("host": host copies)
@@ -62,8 +66,9 @@ class _OpWatcher(TorchDispatchMode):
         if self.storages:
             inputs = {id(t.untyped_storage()) for t in _tensors((args, tuple(kwargs.values())))}
         out = func(*args, **kwargs)
-        if self.flops:
-            formula = flop_registry.get(func._overloadpacket)
+        if self.flops:  # picockpt's attention formulas first (query heads, any torch), then torch's
+            packet = func._overloadpacket
+            formula = ATTENTION_FLOPS.get(packet) or flop_registry.get(packet)
             if formula is not None:
                 tracker = self.tracker
                 tracker.flops[tracker.phase_name] += formula(*args, **kwargs, out_val=out)
@@ -106,6 +111,7 @@ class Tracker:
         self._hosts = []         # the host tiers of the steps inside (picockpt/offload.py)
         self.exposed_copy_seconds = None  # CUDA: measured once the step ends
         self.peak_host_live = 0  # bytes of live storages marked "host" (host copies), at their highest
+        self.peak_elsewhere = {}  # device type -> peak bytes of the step's storages on devices other than `device`
         self._excursions = []    # per open phase entered inside another: True while no store event came in it
         self._booked = OUTSIDE   # CUDA: the phase the allocator's peak since its last reset is booked to
         self._released = set()   # storage ids of host buffers given back to their pool (picockpt/host_pool.py)
@@ -200,7 +206,8 @@ class Tracker:
     def retained_bytes(self):
         """Bytes created during the step and still alive now (outside the excluded categories)."""
         alive = set(self._alive)
-        return sum(self.sizes[sid] for sid in alive if sid not in self.categories)
+        return sum(self.sizes[sid] for sid in alive if sid not in self.categories
+                   and self.devices[sid] == self.device.type)
 
     # -- internals -------------------------------------------------------------
     def _seen(self, tensor):
@@ -268,7 +275,7 @@ class Tracker:
         """Turn the raw log into the timeline and the per-phase peaks, now that every
         storage's category is known."""
         phase, logical, physical, total, host = OUTSIDE, 0, 0, 0, 0
-        alive = set()
+        alive, elsewhere, self.peak_elsewhere = set(), {}, {}
         peaks = {name: {"logical": 0, "physical": 0, "total": 0} for name in PHASES + (OUTSIDE,)}
         self.timeline = []
         for record in self.log:
@@ -277,16 +284,21 @@ class Tracker:
                 phase = record[1]
             elif kind in ("alloc", "free"):
                 sid = record[1]
-                sign = 1 if kind == "alloc" else -1
+                size = self.sizes[sid] if kind == "alloc" else -self.sizes[sid]
                 if kind == "free" and sid not in alive:
                     continue
                 (alive.add if kind == "alloc" else alive.discard)(sid)
-                total += sign * self.sizes[sid]
-                if sid not in self.categories:
-                    physical += sign * self.sizes[sid]
-                elif self.categories[sid] == "host":
-                    host += sign * self.sizes[sid]
+                if self.categories.get(sid) == "host":  # host copies: counted apart, whichever device they are on
+                    host += size
                     self.peak_host_live = max(self.peak_host_live, host)
+                where = self.devices[sid]
+                if where != self.device.type:  # another device's memory (a host copy of a CUDA scalar, say)
+                    elsewhere[where] = elsewhere.get(where, 0) + size
+                    self.peak_elsewhere[where] = max(self.peak_elsewhere.get(where, 0), elsewhere[where])
+                    continue  # this device's totals did not move
+                total += size
+                if sid not in self.categories:
+                    physical += size
             else:  # a store event
                 logical = record[2]
             if kind == "phase":

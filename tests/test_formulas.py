@@ -172,13 +172,13 @@ def test_the_trackers_flops_are_flop_counter_modes(one_thread):
             with Tracker("cpu", physical=False) as tracker:
                 loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
             torch.manual_seed(0)
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as counter:
                 loss_and_grads(params, cfg, ids, targets, policy)
             assert sum(tracker.flops.values()) == counter.get_total_flops() > 0, (extra, policy)
     model = ReferenceLlama(cfg, params)
     for run_layers in (autograd, per_layer):
         counts = []
-        for mode in (Tracker("cpu", physical=False), FlopCounterMode(display=False)):
+        for mode in (Tracker("cpu", physical=False), FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)):
             with mode:
                 model(ids, targets, run_layers).backward()
             model.zero_grad(set_to_none=True)

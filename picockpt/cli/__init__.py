@@ -64,6 +64,7 @@ def main(argv=None):
     if signal.getsignal(signal.SIGINT) is exit_while_starting:  # from here on Ctrl-C is a KeyboardInterrupt
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        importlib.import_module("..device", __name__).check_torch()  # torch is loaded by now
         return module.run(args) or 0
     except ValueError as error:  # a user mistake: say what and how to fix it, no traceback
         print(f"error: {error}", file=sys.stderr)

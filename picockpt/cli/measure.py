@@ -16,6 +16,10 @@ def add_arguments(parser):
     parser.add_argument("--repeats", type=int, default=3, help="timed steps, median reported (default 3, at least 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--trace", action="store_true", help="print the engine's events of one step")
+    parser.add_argument("--no-optimizer", dest="optimizer", action="store_false",
+                        help="measure a forward and backward alone: no AdamW step and no optimizer state (8 bytes a "
+                             "parameter less), as for a model whose AdamW state would not fit, e.g. "
+                             "--preset llama3-8b --seq 8192 --dtype bf16 --attention fused on one 141 GB GPU")
     parser.add_argument("--memory-snapshot", metavar="FILE",
                         help="CUDA only: record the allocator history of one step to FILE (a pickle that "
                              "https://pytorch.org/memory_viz opens)")
@@ -26,21 +30,22 @@ def run(args):
     check_repeats(args)
     policy = parse_policy(args.policy, cfg)
     device = device_from_args(args)
-    check_fits(cfg, device, args.batch, args.seq, policy)
+    check_fits(cfg, device, args.batch, args.seq, policy, optimizer=args.optimizer)
     check_fits(cfg, device, args.batch, args.seq, "none", advice="use a smaller --batch or --seq",
                note=" (measure also runs policy none once: its gradients are the baseline every policy is "
-                    "compared with)")
+                    "compared with)", optimizer=args.optimizer)
     if args.memory_snapshot:
         from ..snapshot import record_snapshot
         record_snapshot(args.memory_snapshot, cfg, args.policy, args.batch, args.seq, device, args.seed)
     row = measure_policy(cfg, args.policy, args.batch, args.seq, device, args.seed, args.repeats,
                          trace=(lambda line: print(line, file=sys.stderr)) if args.json and args.trace
-                         else args.trace)
+                         else args.trace, optimizer=args.optimizer)
     if args.json:
         print(json.dumps(row, indent=1))
         return
     print(f"policy {row['policy']} on {row['device']}, {row['dtype']}: L={cfg.layers} h={cfg.hidden} "
-          f"H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} V={cfg.vocab}, batch {args.batch} x {args.seq} tokens")
+          f"H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} V={cfg.vocab}, batch {args.batch} x {args.seq} tokens; "
+          + ("a training step (AdamW)" if args.optimizer else "forward + backward alone (--no-optimizer)"))
     lines = [
         ("peak stored activations (logical)", fmt_bytes(row["peak_activation_bytes"]),
          f"{row['peak_activation_bytes']:,} bytes"),
@@ -56,8 +61,12 @@ def run(args):
         ("loss", f"{row['loss']:.6f}", ""),
         ("max |grad - grad(none)|", f"{row['grad_max_abs_diff_vs_none']:.3g}", "0 means bitwise equal"),
     ]
+    if args.optimizer:
+        lines.append(("optimizer state (AdamW)", fmt_bytes(row["optimizer_state_bytes"]),
+                      "two fp32 moments a parameter, made by the first step: in the optimizer phase's peak"))
     if "cuda_peak_bytes" in row:
-        lines.append(("CUDA max_memory_allocated", fmt_bytes(row["cuda_peak_bytes"]), "step's increase"))
+        lines.append(("CUDA max_memory_allocated", fmt_bytes(row["cuda_peak_bytes"]),
+                      "the step's increase, its largest phase (per phase below)"))
     if "host_peak_bytes" in row:
         from ..host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
         lines.append(("peak host bytes (offloaded)", fmt_bytes(row["host_peak_bytes"]),
@@ -77,4 +86,9 @@ def run(args):
         if phase == "outside":
             continue
         print(f"  peak in {phase:<10} logical {fmt_bytes(peaks['logical']):>12}  "
-              f"physical {fmt_bytes(peaks['physical']):>12}")
+              f"physical {fmt_bytes(peaks['physical']):>12}"
+              + ("" if peaks.get("cuda") is None else f"  tracked total {fmt_bytes(peaks['total']):>12}  "
+                                                       f"CUDA max_memory_allocated {fmt_bytes(peaks['cuda']):>12}"))
+    if "cuda_peak_bytes" in row:
+        print("  (tracked total: every storage the step made on this GPU, weights' 16-bit copies, gradients and "
+              "optimizer state too; CUDA: the allocator's peak above the step's start, per phase)")

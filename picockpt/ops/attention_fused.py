@@ -21,31 +21,13 @@ What is stored: out (as the layer's attn.context: a view, no extra bytes) and ls
 random state would be a third tensor to keep and replay. With dropout 0 the CUDA backward does
 not read its seed and offset, so empty placeholders are passed.
 
-FLOPs: FlopCounterMode knows the CUDA kernels (2 T x T matmuls forward, 5 backward: one is the
-recomputed q k^T, inside the kernel, so it counts as backward). It does not know the CPU kernel,
-whose formula, the same, is registered below.
+FLOPs: picockpt/attention_flops.py counts every one of these kernels (2 T x T matmuls forward, 5 backward: one
+is the recomputed q k^T, inside the kernel, so it counts as backward), at the query's heads.
 """
 import torch
-from torch.utils import flop_counter
 
 aten = torch.ops.aten
 
-
-def _register_cpu_flops():
-    """The CPU flash kernel computes what the CUDA ones do: give FlopCounterMode the same formulas."""
-    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
-        return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)  # q k^T and P v
-
-    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
-        return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-
-    for op, formula in ((aten._scaled_dot_product_flash_attention_for_cpu, forward),
-                        (aten._scaled_dot_product_flash_attention_for_cpu_backward, backward)):
-        if op not in flop_counter.flop_registry:
-            flop_counter.register_flop_formula(op)(formula)
-
-
-_register_cpu_flops()
 
 FLASH_HEAD_STEP, FLASH_HEAD_MAX = 8, 256  # the CUDA flash kernel's head dimensions: multiples of 8, up to 256
 

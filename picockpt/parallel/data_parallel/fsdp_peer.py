@@ -36,9 +36,9 @@ on the unit, ahead of FSDP's own pre-forward hook, so it fires whenever FSDP's d
 the decoder layers themselves during the backward; recomputes_found_gathered, those that began with their
 weights already gathered (the layer's parameters plain tensors, not FSDP's sharded DTensors).
 
-Counting: FSDP2 gathers each unit with one torch.distributed.all_gather_single call (torch 2.13's
-_fsdp_collectives.py: DefaultAllGather); the step here wraps that function while it runs, booking the
-output's bytes (as picockpt/parallel/comm.py counts an all-gather) under "forward" before loss.backward()
+Counting: FSDP2 gathers each unit with one torch.distributed call, all_gather_single in torch 2.13's
+_fsdp_collectives.py (DefaultAllGather), all_gather_into_tensor before (FSDP_GATHER); the step here wraps that
+function while it runs, booking the output's bytes (as picockpt/parallel/comm.py counts an all-gather) under "forward" before loss.backward()
 and "backward" after. Its shards are per parameter along dim 0 (padded), not flat per unit: the bytes
 equal picockpt's when no dim needs padding.
 """
@@ -46,6 +46,9 @@ import torch.distributed as dist
 
 from ...reference import ReferenceLlama, run_plain
 
+# the function FSDP2 gathers with: torch 2.13's all_gather_single, all_gather_into_tensor before it (2.11's
+# _fsdp_collectives.py), looked up on the module at each call, so wrapping the module's attribute counts it
+FSDP_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 NESTINGS = ("fsdp(ac(layer))", "ac(fsdp(layer))")  # the first is torchtitan's, and the default
 WRAPPED = "_checkpoint_wrapped_module."  # the name checkpoint_wrapper puts before its block's parameters
 
@@ -101,20 +104,20 @@ def fsdp2_rank_step(comm, params, cfg, input_ids, targets, reshard_after_forward
             x = checkpoint(layer, x, use_reentrant=False)  # (b, T, h)
         return x
 
-    original = dist.all_gather_single
+    original = getattr(dist, FSDP_GATHER)
 
     def counted(output, *args, **kwargs):
         counts[phase[0]]["calls"] += 1
         counts[phase[0]]["bytes"] += output.nbytes
         return original(output, *args, **kwargs)
 
-    dist.all_gather_single = counted
+    setattr(dist, FSDP_GATHER, counted)
     try:
         loss = model(input_ids[mine], targets[mine], run_layers=run_layers)  # this rank's mean (FSDP2 averages grads)
         phase[0] = "backward"
         loss.backward()
     finally:
-        dist.all_gather_single = original
+        setattr(dist, FSDP_GATHER, original)
     grads = {name.replace(WRAPPED, ""): p.grad.full_tensor() for name, p in model.named_parameters()}  # whole
     if cfg.tie_embeddings:
         grads["lm_head.weight"] = grads["model.embed_tokens.weight"]

@@ -52,8 +52,11 @@ deferred past 3F1).
 fp32 only in earnest: a 16-bit config runs, each weight cast at each use (WeightCasts' fallback, none made ahead).
 Dropout and router jitter raise (each stage's micro-batches would draw masks in another order than the single
 process), as do tied embeddings (embedding and LM head on different ranks). A schedule that raises (constructor or
-step) is reported as {"error": ...}; one that fails in step() on one rank can leave its peer waiting on a p2p op until
-comm.timeout, so ScheduleZBVZeroBubble runs last.
+step) raises on its rank, and the launcher ends every rank with that one line: a rank that went on to the next
+schedule alone would post its receives against its peer's sends of another schedule. The batch is made contiguous
+first: a (B, T) view of a (B, T + 1) buffer has strides (T + 1, 1), and torch <= 2.11 (later torch under
+TORCH_DISTRIBUTED_DEBUG=DETAIL) checks each micro-batch's strides against the stage's contiguous metadata. A
+schedule this torch lacks is reported as {"error": ...}, the same on every rank, before any rank starts it.
 """
 import torch
 import torch.nn.functional as F
@@ -149,36 +152,37 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
     S, L, (B, T) = P * V, cfg.layers, input_ids.shape
     if L < S or B % M:
         raise ValueError(f"pipelining peer: layers={L} must be >= P*V={S} and batch {B} a multiple of M={M}")
-    try:
-        model = ReferenceLlama(cfg, params)  # a fresh model per schedule: gradients start at None
-        names = {id(p): name for name, p in model.named_parameters()}
-        b, dtype = B // M, cfg.torch_dtype
-        stages, modules = [], []
-        for k in stage_indices(schedule, r, P, V):
-            first, last = k == 0, k == S - 1
-            module = StageModule(model, k * L // S, (k + 1) * L // S, first, last)
-            # static metadata keeps requires_grad too: a received activation, and every output, needs its gradient
-            example_in = (torch.zeros(b, T, dtype=torch.long) if first  # (b, T) token ids
-                          else torch.zeros(b, T, cfg.hidden, dtype=dtype, requires_grad=True))  # (b, T, h)
-            example_out = torch.zeros(b, T, cfg.vocab if last else cfg.hidden, dtype=dtype, requires_grad=True)
-            stages.append(pipelining.PipelineStage(module, k, S, comm.device, input_args=example_in,
-                                                   output_args=example_out))
-            modules.append(module)
-        counted = (targets != -100).sum().item()  # N: the whole batch's counted targets (IGNORE_INDEX is -100)
+    if not hasattr(pipelining, schedule):  # decided alike on every rank, before any p2p
+        return {"schedule": schedule, "error": f"torch {torch.__version__} has no torch.distributed.pipelining."
+                                               f"{schedule}"}
+    model = ReferenceLlama(cfg, params)  # a fresh model per schedule: gradients start at None
+    names = {id(p): name for name, p in model.named_parameters()}
+    b, dtype = B // M, cfg.torch_dtype
+    stages, modules = [], []
+    for k in stage_indices(schedule, r, P, V):
+        first, last = k == 0, k == S - 1
+        module = StageModule(model, k * L // S, (k + 1) * L // S, first, last)
+        # static metadata keeps requires_grad too: a received activation, and every output, needs its gradient
+        example_in = (torch.zeros(b, T, dtype=torch.long) if first  # (b, T) token ids
+                      else torch.zeros(b, T, cfg.hidden, dtype=dtype, requires_grad=True))  # (b, T, h)
+        example_out = torch.zeros(b, T, cfg.vocab if last else cfg.hidden, dtype=dtype, requires_grad=True)
+        stages.append(pipelining.PipelineStage(module, k, S, comm.device, input_args=example_in,
+                                               output_args=example_out))
+        modules.append(module)
+    counted = (targets != -100).sum().item()  # N: the whole batch's counted targets (IGNORE_INDEX is -100)
 
-        def loss_fn(logits, target):  # (b, T, V), (b, T): this micro-batch's share of the whole-batch mean
-            return F.cross_entropy(logits.to(cfg.stat_dtype).flatten(0, 1), target.flatten(), reduction="sum") / counted
+    def loss_fn(logits, target):  # (b, T, V), (b, T): this micro-batch's share of the whole-batch mean
+        return F.cross_entropy(logits.to(cfg.stat_dtype).flatten(0, 1), target.flatten(), reduction="sum") / counted
 
-        runner = getattr(pipelining, schedule)(stages, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
-        saved = SavedBytes(p.untyped_storage().data_ptr() for p in model.parameters())
-        losses = []
-        with saved.hooks():
-            if any(stage.is_first for stage in stages):
-                runner.step(input_ids, target=targets, losses=losses)  # (B, T) split into M micro-batches
-            else:
-                runner.step(target=targets, losses=losses)
-    except Exception as error:  # noqa: BLE001 -- a schedule that does not run here is reported, not invented
-        return {"schedule": schedule, "error": f"{type(error).__name__}: {error}"}
+    runner = getattr(pipelining, schedule)(stages, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
+    saved = SavedBytes(p.untyped_storage().data_ptr() for p in model.parameters())
+    losses = []
+    input_ids, targets = input_ids.contiguous(), targets.contiguous()  # a view's strides fail the stage's check
+    with saved.hooks():
+        if any(stage.is_first for stage in stages):
+            runner.step(input_ids, target=targets, losses=losses)  # (B, T) split into M micro-batches
+        else:
+            runner.step(target=targets, losses=losses)
     grads = {names[id(p)]: p.grad.detach().clone() for module in modules for p in module.parameters()}
     loss = float(sum(loss.item() for loss in losses)) if losses else None  # the last stage's rank only
     actions = [str(action) for action in runner.pipeline_order[r] if action is not None]  # None: an idle step
