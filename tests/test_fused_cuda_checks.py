@@ -127,3 +127,75 @@ def test_lesson_18_calls_a_timing_inconclusive_when_its_spread_straddles_1():
     slower = lesson.overlap_claim(spread((1.1, 1.2)), "cpu")
     assert not slower.conclusive and "inconclusive on this machine" in slower.text
     assert lesson.overlap_claim(spread((0.5,)), "fast").text.endswith("timing not meaningful at --fast shapes")
+
+
+@pytest.mark.parametrize("dout_like_out", [False, True])
+def test_where_sdpa_would_pick_cudnn_the_cudnn_kernel_runs_with_k_and_v_at_their_kv_heads(monkeypatch, dout_like_out):
+    """The cuDNN branch on meta tensors, sdpa's choice patched to cuDNN (what it picks on an H100/H200): the cuDNN
+    ops receive k, v at KV heads; the lse comes back (B, H, T) (a view of cuDNN's (B, H, T, 1)) and goes back to
+    the backward as (B, H, T, 1); dO is handed over in O's layout (copied only when it is not)."""
+    from picockpt.ops import attention_fused
+    monkeypatch.setattr(attention_fused, "sdpa_choice", lambda q, k, v, causal=True: "cudnn")
+    B, H, KV, T, hd = 2, 8, 2, 16, 64
+    q = torch.empty(B, H, T, hd, device="meta", dtype=torch.bfloat16)
+    k, v = (torch.empty(B, KV, T, hd, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    assert attention_fused.fused_kernel(q, k, v) == "cudnn"
+    with Ops() as ops:
+        out, lse = fused_attention_forward(q, k, v)
+    assert [name for name, _ in ops.calls] == ["_scaled_dot_product_cudnn_attention", "squeeze"]
+    assert ops.calls[0][1] == [(B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd)]
+    assert (out.shape, lse.shape, lse.dtype) == ((B, H, T, hd), (B, H, T), torch.float32)
+    dout = torch.empty_like(out) if dout_like_out else torch.empty(B, T, H, hd, device="meta",
+                                                                   dtype=torch.bfloat16).transpose(1, 2)
+    with Ops() as ops:
+        dq, dk, dv = fused_attention_backward(dout, q, k, v, out, lse)
+    names = [name for name, _ in ops.calls]
+    copy = [] if dout.stride() == out.stride() else ["empty_like", "copy_"]
+    assert names == ["empty", "empty", *copy, "unsqueeze", "_scaled_dot_product_cudnn_attention_backward"], names
+    assert ops.calls[-1][1][:6] == [(B, H, T, hd), (B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd), (B, H, T, hd),
+                                    (B, H, T, 1)]
+    assert (dq.shape, dk.shape, dv.shape) == ((B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd))
+
+
+def test_the_fused_kernel_is_named_the_cpu_keeps_its_flash_kernel_and_cuda_follows_sdpa(monkeypatch):
+    from picockpt.ops import attention_fused
+    cfg = Config.from_preset("tiny", attention="fused")
+    assert attention_fused.fused_kernel_for(cfg, 16, "cpu") == "flash_cpu"
+    q, k = torch.randn(1, 4, 9, 8), torch.randn(1, 2, 9, 8)
+    assert attention_fused.sdpa_choice(q, k, k) is None  # not CUDA: torch's chooser is not asked
+    with Ops() as ops:
+        fused_attention_forward(q, k, k)
+    assert [name for name, _ in ops.calls] == ["_scaled_dot_product_flash_attention_for_cpu"]
+    meta = torch.empty(1, 4, 16, 8, device="meta", dtype=torch.bfloat16)
+    assert attention_fused.fused_kernel(meta, meta, meta) == "flash"  # no CUDA device to ask: FlashAttention-2
+    for choice, kernel in (("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "flash"), ("math", "flash")):
+        monkeypatch.setattr(attention_fused, "sdpa_choice", lambda q, k, v, causal=True, c=choice: c)
+        assert attention_fused.fused_kernel(meta, meta, meta) == kernel
+    monkeypatch.setattr(attention_fused, "sdpa_choice", lambda q, k, v, causal=True: "cudnn")
+    monkeypatch.setattr(attention_fused, "HAS_CUDNN_OP", False)  # a torch without the cuDNN op's current form
+    assert attention_fused.fused_kernel(meta, meta, meta) == "flash"
+
+
+def test_sdpa_s_choice_is_asked_of_torch_s_own_chooser_or_else_of_its_public_checks(monkeypatch):
+    """torch._fused_sdp_choice (what sdpa calls) answers by SDPBackend number; before enable_gqa it takes none;
+    without it, torch.backends.cuda's can_use_cudnn_attention and sdpa's preference for cuDNN on sm90 / sm100."""
+    from types import SimpleNamespace
+
+    from picockpt.ops import attention_fused
+    on_cuda = SimpleNamespace(device=CUDA)  # stands for a CUDA tensor: only its device is read before the chooser
+    asked = []
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *args, **kwargs: asked.append(kwargs) or 3, raising=False)
+    assert attention_fused.sdpa_choice(on_cuda, on_cuda, on_cuda) == "cudnn" and asked == [{"enable_gqa": True}]
+
+    def older(q, k, v, mask, dropout, causal, **kwargs):
+        if kwargs:
+            raise TypeError("_fused_sdp_choice() got an unexpected keyword argument 'enable_gqa'")
+        return 1
+    monkeypatch.setattr(torch, "_fused_sdp_choice", older)
+    assert attention_fused.sdpa_choice(on_cuda, on_cuda, on_cuda) == "flash"
+    monkeypatch.delattr(torch, "_fused_sdp_choice")
+    monkeypatch.setattr(torch.backends.cuda, "SDPAParams", lambda *args: args)
+    monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention", lambda params: params[5] is True)
+    for major, want in ((9, "cudnn"), (10, "cudnn"), (8, "flash")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, m=major: (m, 0))
+        assert attention_fused.sdpa_choice(on_cuda, on_cuda, on_cuda) == want

@@ -124,6 +124,34 @@ def test_rmsnorm_weight_gradient_stays_in_the_statistics_dtype():
     assert (dw.double() - exact).abs().max() < (dw.bfloat16().double() - exact).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_elementwise_backwards_are_bitwise_their_written_out_formulas(dtype):
+    """SwiGLU's backward is autograd's own kernels (silu, silu_backward); RMSNorm's widens 16-bit inputs inside
+    each kernel instead of through fp32 copies; RoPE's adds and subtracts halves in place instead of building
+    rotate_half: each gives the bits of the formula in its docstring, computed the plain way, in every dtype."""
+    g = torch.Generator().manual_seed(0)
+    gate, up, dact = (3 * torch.randn(2, 17, 40, generator=g).to(dtype) for _ in range(3))
+    want = autograd_grads(ops.swiglu_forward, [gate, up], dact)
+    assert all(torch.equal(got, w) for got, w in zip(ops.swiglu_backward(dact, gate, up), want))
+
+    stat = torch.float64 if dtype == torch.float64 else torch.float32
+    x, dy = (torch.randn(2, 17, 24, generator=g).to(dtype) for _ in range(2))
+    w = torch.rand(24, generator=g).to(dtype) + 0.5
+    _, rstd = ops.rmsnorm_forward(x, w, 1e-6, stat)
+    xs, dys = x.to(stat), dy.to(stat)  # (B, T, h) the fp32 copies the formula reads
+    dn = dys * w.to(stat)
+    want_dx = (rstd * (dn - xs * rstd.pow(2) * (dn * xs).mean(-1, keepdim=True))).to(dtype)
+    dx, dw = ops.rmsnorm_backward(dy, x, rstd, w)
+    assert torch.equal(dx, want_dx) and torch.equal(dw, (dys * (xs * rstd)).sum(dim=(0, 1)))
+
+    cfg = Config.from_preset("tiny")
+    cos, sin = ops.rope_tables(cfg, 17, "cpu", dtype)
+    dq = torch.randn(2, 3, 17, cfg.head_dim, generator=g).to(dtype).transpose(1, 2)  # (B, T, H, hd) as the layer
+    c, s = cos[:, None, :], sin[:, None, :]
+    got = ops.rope_backward(dq, cos, sin)
+    assert torch.equal(got, dq * c - ops.rope.rotate_half(dq * s)) and got.is_contiguous()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_eager_attention_probs_are_bitwise_the_unfused_chain(dtype):
     """baddbmm folds the causal mask into the matmul (0 / -inf added before rounding): the scores are bitwise

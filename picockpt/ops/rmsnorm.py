@@ -27,11 +27,15 @@ def rmsnorm_backward(dy, x, rstd, weight):
     dr/dx_j = -1/2 (ms + eps)^(-3/2) * 2 x_j / h = -r^3 x_j / h
     dx_j  = dn_j * r + sum_i dn_i x_i * (-r^3 x_j / h)
           = r * (dn_j - x_j * r^2 * mean_i(dn_i x_i))
+
+    Every line runs in the statistics precision (fp32 for 16-bit activations) without an fp32 copy of x
+    or dy: a 16-bit tensor times an fp32 one is widened inside the kernel (exactly: every 16-bit value is
+    an fp32 value), so the only 16-bit result is dx, rounded once, by the last product's kernel.
     """
-    xs, dys = x.to(rstd.dtype), dy.to(rstd.dtype)  # (B, T, h) in statistics precision
-    n = xs * rstd  # (B, T, h)
-    dweight = (dys * n).sum(dim=(0, 1))  # (h,) in statistics precision: a sum over B*T tokens, never rounded
+    n = x * rstd  # (B, T, h) statistics dtype: the normalised input before rounding
+    dweight = (dy * n).sum(dim=(0, 1))  # (h,) in statistics precision: a sum over B*T tokens, never rounded
     # to the 16-bit compute dtype on its way to the fp32 master gradient
-    dn = dys * weight.to(rstd.dtype)  # (B, T, h)
-    dx = rstd * (dn - xs * rstd.pow(2) * (dn * xs).mean(-1, keepdim=True))  # (B, T, h)
-    return dx.to(x.dtype), dweight
+    dn = dy * weight.to(rstd.dtype)  # (B, T, h) statistics dtype
+    mean_dn_x = (dn * x).mean(-1, keepdim=True)  # (B, T, 1) mean_i(dn_i x_i)
+    inner = dn - x * rstd.pow(2) * mean_dn_x  # (B, T, h) dn_j - x_j * r^2 * mean_i(dn_i x_i)
+    return torch.mul(rstd, inner, out=torch.empty_like(x)), dweight  # (B, T, h) dx = r * inner, rounded to x's dtype

@@ -37,9 +37,19 @@ def rope_backward(dy, cos, sin):
 
     dx1 = dy1 c + dy2 s,   dx2 = dy2 c - dy1 s   (the inverse rotation), i.e.
     dx  = dy * cos + [ (dy*sin)2, -(dy*sin)1 ]  = dy * cos - rotate_half(dy * sin)
+
+    Computed as the first form, half by half in place: dy * cos, dy * sin, then each half of dx adds or
+    subtracts the other half of dy * sin (no negated copy, no concatenation: three passes where the
+    rotate_half line takes five). The same roundings as that line, so the same bits. dx comes back
+    contiguous, so the layer's reshape of it to (B, T, heads*hd) is a view, not a copy.
     """
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd)
-    return dy * cos - rotate_half(dy * sin)  # (B, T, heads, hd)
+    dx = torch.mul(dy, cos, out=dy.new_empty(dy.shape))  # (B, T, heads, hd) dy * cos, contiguous
+    dx1, dx2 = dx.chunk(2, dim=-1)  # (B, T, heads, hd/2) each: views into dx
+    dy_sin1, dy_sin2 = (dy * sin).chunk(2, dim=-1)  # (B, T, heads, hd/2) each
+    dx1.add_(dy_sin2)  # dx1 = dy1 c + dy2 s
+    dx2.sub_(dy_sin1)  # dx2 = dy2 c - dy1 s
+    return dx  # (B, T, heads, hd)
 
 
 def _llama3_scaling(inv_freq, scaling):
