@@ -201,6 +201,17 @@ def test_23_tp_comm_overlap_needs_sequence_parallelism():
     assert "unless `tp_comm_overlap`" not in text
 
 
+def test_23_megatron_overlaps_the_backward_all_reduce_without_sequence_parallelism():
+    """megatron/core/tensor_parallel/layers.py: without sequence parallelism the column-parallel linear's backward
+    launches the input gradient's all-reduce with async_op=True and computes the weight gradient under it."""
+    text = prose("23")
+    assert "Megatron-LM does not" not in text and "each all-reduce sits between" not in text
+    launched = sentence(text, "`async_op=True`")
+    for words in ("megatron/core/tensor_parallel/layers.py", "weight gradient", "not self.sequence_parallel"):
+        assert words in launched, words
+    assert "overlaps half of them: the backward's" in text
+
+
 def test_23_recomputation_widens_the_window_and_never_shortens_the_step(l23):
     IB, F = hardware.INFINIBAND_NDR, hardware.H100_SXM_BF16
     text = prose("23")
