@@ -7,6 +7,7 @@ batched attention products fill a GPU's waves.
 import re
 
 import pytest
+import torch
 
 from picockpt import Config
 from picockpt.reproduce import load
@@ -20,6 +21,38 @@ def sentence(text, words):
     found = [s for s in re.split(r"(?<=\.)\s+(?=[A-Z*(`-])", text) if words in s]
     assert len(found) == 1, f"{len(found)} sentences hold {words!r}: {found}"
     return found[0]
+
+
+# ---- lesson 21: where e4m3 turns subnormal, and where it rounds to zero ---------------------------------------
+
+def test_21_zero_starts_at_1_over_458752_of_the_amax_not_at_the_subnormal_threshold():
+    """Scaled onto 448, an element below 448 / 2^-6 turns subnormal; only below 448 / 2^-10 (half the subnormal
+    step 2^-9) does it round to zero, as torch's own cast shows."""
+    e4m3 = torch.finfo(torch.float8_e4m3fn)
+    subnormal, zero = e4m3.max / e4m3.smallest_normal, e4m3.max / (e4m3.smallest_normal * e4m3.eps / 2)
+    assert (subnormal, zero) == (28672, 458752)
+    amax = torch.tensor(448.0)
+    assert (amax / (zero * 0.99)).to(torch.float8_e4m3fn).float() > 0  # just above: the smallest subnormal
+    assert (amax / (zero * 1.01)).to(torch.float8_e4m3fn).float() == 0  # just below: zero
+    said = sentence(prose("21"), "rounds to zero only once")
+    assert f"{subnormal:,.0f} times smaller" in said and f"{zero:,.0f} times smaller" in said
+
+
+# ---- lesson 26: a working set's level by its size, and by its measured speed ----------------------------------
+
+def test_26_a_working_set_is_labelled_by_its_measured_speed_beside_its_size():
+    """The committed run's 32-256 MiB working sets fit its 480 MiB L3 by size and ran at 0.92-0.94 ns an element,
+    its DRAM's 0.89-0.91: the label now comes from the measurement, DRAM speed when no faster than DRAM's
+    fastest repeat."""
+    l26 = load(lesson_path("26"))
+    spread = l26.Spread
+    streamed = 8
+    per_element = {streamed: spread((0.893e-9, 0.886e-9, 1.008e-9)), 1: spread((0.938e-9, 0.914e-9, 0.967e-9)),
+                   2: spread((0.749e-9, 0.713e-9, 0.898e-9))}
+    assert l26.speed_of(1, per_element, streamed) == "DRAM speed"  # 64 MiB in the committed table
+    assert l26.speed_of(2, per_element, streamed) == "faster"  # 16 MiB
+    text = prose("26")
+    assert "runs at" in text and "is the socket's, shared by every core on it" in text
 
 
 @pytest.fixture(scope="module")
