@@ -38,6 +38,21 @@ def test_21_zero_starts_at_1_over_458752_of_the_amax_not_at_the_subnormal_thresh
     assert f"{subnormal:,.0f} times smaller" in said and f"{zero:,.0f} times smaller" in said
 
 
+# ---- lesson 25: the allocator settings torch's own error and notes name ------------------------------------------
+
+def test_25_teaches_the_settings_torchs_out_of_memory_error_and_notes_name():
+    """c10/cuda/CUDACachingAllocator.cpp's out-of-memory message recommends expandable_segments:True; the memory
+    management notes document it and garbage_collection_threshold (added by pytorch/pytorch #74261)."""
+    text = prose("25")
+    section = text[text.index("## The two settings to try first"):text.index("## Against the real allocator")]
+    for words in ("`expandable_segments:True`", "If reserved but unallocated memory is large try setting "
+                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation",
+                  "c10/cuda/CUDACachingAllocator.cpp", "docs/source/notes/cuda.rst",
+                  "`garbage_collection_threshold:t`", "#74261", "without synchronizing the device"):
+        assert words in section, words
+    assert "max_split_size_mb` is the documented last resort" in section
+
+
 # ---- lesson 26: a working set's level by its size, and by its measured speed ----------------------------------
 
 def test_26_a_working_set_is_labelled_by_its_measured_speed_beside_its_size():
