@@ -243,15 +243,15 @@ print(f"matmul 512 x 512 fp32: {matmul_rate.text('{:.1f}', 1e-9)} GFLOP/s"
       + (f" ({FAST_TIMING})" if fast else ""))
 
 # %% [markdown]
-# The same two passes and the same FLOPs per element at every size, and the same bytes per element but for
-# the weight, read once a call; what changes is where the bytes come from. "Fits in" is arithmetic on the
-# sizes sysfs gives; "runs at" is the measurement's verdict, and the two part at the last level. The L3 that
-# sysfs reports is the socket's, shared by every core on it (on a cloud machine, with other tenants' cores),
-# so a working set well under its size can still stream from DRAM: where the column says "DRAM speed" under
-# an L3 label, the measured time, not the label, is what a recompute of that size pays. Three ratios, each taken within a
-# repeat, each through the timing guard: the rebuild from DRAM against in L2; the SwiGLU rebuild against the
-# RMSNorm rebuild, both in L2 (the SwiGLU's passes move twice the bytes per element, and its `exp` is real
-# arithmetic on a CPU core); and the rebuild's time per FLOP against the matmul's.
+# The same two passes and the same FLOPs per element at every size, and the same bytes per element but
+# for the weight, read once a call; what changes is where the bytes come from. "Fits in" is arithmetic on the sizes
+# sysfs gives; "runs at" is the measurement's verdict, and the two part at the last level. The L3 that sysfs reports
+# is the socket's, shared by every core on it (on a cloud machine, with other tenants' cores), so a working set well
+# under its size can still stream from DRAM: where the column says "DRAM speed" under an L3 label, the measured
+# time, not the label, is what a recompute of that size pays. Three ratios, each taken within a repeat, each through
+# the timing guard: the rebuild from DRAM against in L2; the SwiGLU rebuild against the RMSNorm rebuild, both in L2
+# (the SwiGLU's passes move twice the bytes per element, and its `exp` is real arithmetic on a CPU core); and the
+# rebuild's time per FLOP against the matmul's.
 
 # %%
 bytes_per_element = {size: moved[size] / elements[size] for size in working_sets}  # exact: the eager passes' count

@@ -161,16 +161,16 @@ tp_crossover = crossover_bytes("all_gather", 8, HW, False)
 dp_crossover = crossover_bytes("reduce_scatter", 128, HW, True)
 
 # %% [markdown]
-# (modelled) The tensor-parallel all-gather of 268 MB spends 32 µs on latency and half a millisecond on
-# bandwidth; the data-parallel reduce-scatter of a stage's 13.8 GB of gradients spends 1.8 ms on latency
-# (127 ring steps between nodes, 14.0 µs each) and a quarter of a second on bandwidth. Both are bandwidth-bound: at these
-# shapes $\alpha$ is a rounding error. Latency dominates below the crossover, 16.6 MB for the all-gather
-# inside a node and 90.0 MB for the reduce-scatter over 128 nodes: a ring's $\alpha$ grows with its ranks, so
-# the larger the group, the larger a message must be before the link's bandwidth is what it waits for. That is
-# why frameworks bucket gradients into large messages, and why NCCL's tuning model also prices a tree for an
-# all-reduce over many nodes, whose latency grows with the logarithm of the ranks rather than with their number
-# (this model prices every collective as a ring). A pipeline's send of one activation, 33.6 MB over one
-# network hop, is bandwidth-bound too: its $\alpha$ is one step's, 22 µs, and its crossover about a megabyte.
+# (modelled) The tensor-parallel all-gather of 268 MB spends 32 µs on latency and half a millisecond
+# on bandwidth; the data-parallel reduce-scatter of a stage's 13.8 GB of gradients spends 1.8 ms on latency (127
+# ring steps between nodes, 14.0 µs each) and a quarter of a second on bandwidth. Both are bandwidth-bound: at these
+# shapes $\alpha$ is a rounding error. Latency dominates below the crossover, 16.6 MB for the all-gather inside a
+# node and 90.0 MB for the reduce-scatter over 128 nodes: a ring's $\alpha$ grows with its ranks, so the larger the
+# group, the larger a message must be before the link's bandwidth is what it waits for. That is why frameworks
+# bucket gradients into large messages, and why NCCL's tuning model also prices a tree for an all-reduce over many
+# nodes, whose latency grows with the logarithm of the ranks rather than with their number (this model prices every
+# collective as a ring). A pipeline's send of one activation, 33.6 MB over one network hop, is bandwidth-bound too:
+# its $\alpha$ is one step's, 22 µs, and its crossover about a megabyte.
 #
 # The latencies are NCCL's own constants (NVIDIA/nccl, `src/graph/tuning.cc`): a base latency of 8.4 µs a
 # call for the ring's Simple protocol, and a step latency of 3.4 µs over NVLink and 14.0 µs over the network,

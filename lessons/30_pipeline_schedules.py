@@ -17,8 +17,9 @@
 #   1F1B's, $(P-1)(T_F+T_B-T_W)$ against $(P-1)(T_F+T_B+T_W)$ (sec. 3, $T_B$ the input-gradient pass
 #   alone), but not its idle *share*: with equal F, B, W times that is $(P-1)/(3M+P-1)$ against
 #   $(P-1)/(M+P-1)$, at $P = 4$, $M = 8$ 0.111 against 0.273, 0.41 of it (exercise 2 below computes it).
-#   picockpt's backward already computes the two as separate matmuls (`ops/linear.py`): inside `deferred_weight_grads()` each `linear_backward` returns what its $dW$
-#   reads, $dy$ and $x$, and the stage keeps them in a store of their own until its W.
+#   picockpt's backward already computes the two as separate matmuls (`ops/linear.py`): inside
+#   `deferred_weight_grads()` each `linear_backward` returns what its $dW$ reads, $dy$ and $x$, and the stage
+#   keeps them in a store of their own until its W.
 #
 # Then the question recomputation asks of a schedule: **what does deferring W cost in bytes, and does
 # recomputation still save them?** Every number below is measured on the ranks and checked, to the byte,
