@@ -632,8 +632,12 @@ wrote(paths[-1])
 #   $1 + (p-1)/(pV)$ times 1F1B's micro-batches;
 # - **ZB-H1** (Qi et al. 2023): each backward split into B, the input's gradient that the previous stage waits
 #   for, and W, the weights' gradients that nobody waits for. Stage $s$ lets $s$ of its W's wait until the end,
-#   where 1F1B would idle: with equal F, B, W times, idle $(p-1)/(3m+p-1)$, a third of 1F1B's. picockpt's
-#   backward already computes them as separate lines (`linear_backward`'s input and weight gradients).
+#   where 1F1B would idle. Its bubble *time* is a third of 1F1B's: $(p-1)(T_F+T_B-T_W)$ against
+#   $(p-1)(T_F+T_B+T_W)$ (Qi et al. 2023, $T_B$ the input-gradient pass alone), that is $(p-1)$ against
+#   $3(p-1)$ with equal F, B, W times. Its idle *share* of the step is not a third: the
+#   step shrinks with the bubble, and the share is $(p-1)/(3m+p-1)$ against $(p-1)/(m+p-1)$, at $p = 4$,
+#   $m = 8$ 0.111 against 0.273, 0.41 of it (the lines below print both). picockpt's backward already
+#   computes B and W as separate lines (`linear_backward`'s input and weight gradients).
 #
 # What a waiting W costs is memory: from its B to its W, a layer holds what W reads, each linear's input and
 # the gradient of its output (`w_pending_bytes`). Recomputation does not shrink it: under `full` the layer is

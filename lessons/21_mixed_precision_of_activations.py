@@ -240,7 +240,8 @@ recomputed_bitwise = all(torch.equal(results[label][3][k], base[3][k]) for label
 # scaling, at least e4m3's smallest normal, $2^{-6}$. Below it the subnormals have one fixed step,
 # $2^{-6} \cdot 2^{-3} = 2^{-9}$, so the error is at most $2^{-10}$ in absolute terms and grows relative
 # to the value, to all of it for values under $2^{-10}$, which round to zero. With the tensor's amax
-# scaled onto 448, that is every element more than $448 / 2^{-6}$ = 28,672 times smaller than the amax.
+# scaled onto 448, an element turns subnormal once it is more than $448 / 2^{-6}$ = 28,672 times smaller than
+# the amax, and rounds to zero only once it is more than $448 / 2^{-10}$ = 458,752 times smaller.
 # e5m2 (Transformer Engine's `Format.HYBRID` keeps the backward's fp8 tensors in it and the forward's in
 # e4m3, transformer_engine/common/recipe/__init__.py) has range where e4m3 has precision: 3 significant bits, a
 # bound of $2^{-3}$, for normals down to $2^{-14}$ below a largest value of 57,344. (bf16's subnormals

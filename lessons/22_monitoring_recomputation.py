@@ -136,9 +136,13 @@ print(f"peak for MFU/HFU from here on: {peak / 1e9:.1f} GFLOP/s, the best 512^3 
 #    as much as MFU, the work did not change and the machine got slower (contention, throttling, a slow
 #    input pipeline): look elsewhere.
 # 4. **recompute share of time against of FLOPs**: equal shares mean the recomputed work runs at the
-#    speed of the rest. A time share well above the FLOP share means recomputation is slower per FLOP
+#    speed of the rest. A time share well above the FLOP share means the recompute phase is slower per FLOP
 #    (small matmuls, elementwise rebuilds the FLOP count leaves out: `cheap` rebuilds norms and the SwiGLU
-#    product, which `FlopCounterMode` does not count), so FLOP-based estimates understate its price.
+#    product, which `FlopCounterMode` does not count). That is a statement about the phase, not about the
+#    price: the time spent in a phase is not its marginal cost. The forward that did not store those
+#    tensors, and the backward that reads them freshly rebuilt, can each run faster for it, so what
+#    recomputation costs a step is the paired whole-step ratio against `none`, and only that ratio, set
+#    against the FLOP ratio, says whether FLOP-based estimates understate the price.
 #
 # Each reading is checked before it is printed. `full` runs the same model FLOPs as `none` and more
 # hardware FLOPs, so its step time over none's must be above 1 in every round (its MFU at most none's);
@@ -198,6 +202,16 @@ def diagnose(mode, rounds_of, flops):
         print(f"cheap: the timing was inconclusive on this machine; by FLOPs, recomputation is "
               f"{statistics.median(rounds_of('cheap', 'recompute_flops_share')):.1%} of its step")
     claims["cheap recompute share"] = cheap
+    priced = timed_claim(mode, Spread(tuple(r / flops["cheap"] for r in ratio["cheap"].samples)),
+                         "cheap: its step time over none's / its FLOP ratio (round by round)", ">1")
+    print(priced.text)
+    if priced.conclusive:
+        print(f"cheap: every round's step ratio is above its FLOP ratio ({flops['cheap']:.3f}): here FLOP-based "
+              f"estimates understate its price")
+    elif mode != "fast":
+        print("cheap: whether FLOP-based estimates understate its price is inconclusive on this machine (the "
+              "whole-step ratio, not the recompute phase's share of time, is the price)")
+    claims["cheap price against FLOPs"] = priced
     return claims
 
 

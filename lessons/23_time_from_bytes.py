@@ -263,11 +263,17 @@ print("data parallel over InfiniBand NDR, d = 8: step under full / step under no
 # Two ratios, two questions. A3's (last column) puts one collective against the single $h \times h$ linear
 # that follows it, the finest overlap there is: above 1 even on NVLink in bf16, so one linear cannot hide
 # one all-gather. The layer model puts all of a layer's communication against all of its compute, MLP
-# included ($3 h f$ weights against $h^2$): 0.36 over NVLink. That share hides only if the framework
-# overlaps collectives with matmuls, and in the layout modelled here, without sequence parallelism,
-# Megatron-LM does not: each all-reduce sits between the two matmuls that need it. Its `tp_comm_overlap`
-# (ModelParallelConfig, megatron/core/model_parallel_config.py: Transformer Engine splits each linear
-# into pieces that overlap an all-gather or a reduce-scatter) is refused without sequence parallelism:
+# included ($3 h f$ weights against $h^2$): 0.36 over NVLink. That share hides only where the framework
+# overlaps collectives with matmuls. In the layout modelled here, without sequence parallelism, Megatron-LM
+# overlaps half of them: the backward's. Its column-parallel linear (megatron/core/tensor_parallel/layers.py,
+# `LinearWithGradAccumulationAndAsyncCommunication`) computes the input gradient, launches its all-reduce
+# with `async_op=True` and computes the weight gradient while it runs, waiting on it only before returning
+# (`allreduce_dgrad` is set when `world_size > 1 and not self.sequence_parallel`); so each of the backward's
+# two all-reduces hides behind a weight-gradient GEMM of the same size as the input-gradient one. The
+# forward's two, after the row-parallel attention output and down projections, do sit between the matmul
+# that makes their input and the next layer's, with nothing to overlap. The finer overlap, `tp_comm_overlap`
+# (ModelParallelConfig, megatron/core/model_parallel_config.py: Transformer Engine splits each linear into
+# pieces that overlap an all-gather or a reduce-scatter), is refused without sequence parallelism:
 # megatron/training/arguments.py asserts `sequence_parallel` whenever `tp_comm_overlap` is set. With
 # sequence parallelism each forward all-reduce becomes an all-gather and a reduce-scatter, $(t-1)/t$ on
 # the wire each, the same bytes (lesson 14: the backward moves more), and those are what the overlap hides.

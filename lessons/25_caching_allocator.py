@@ -266,6 +266,31 @@ for policy in ("none", "full"):
           f"({limited.pool.device_mallocs} segments made instead of {run.pool.device_mallocs})")
 
 # %% [markdown]
+# ## The two settings to try first: `expandable_segments` and `garbage_collection_threshold`
+#
+# `max_split_size_mb` is the documented last resort. Two other settings of the same variable come first, and
+# the model above simulates neither (both need a GPU; the section below is where a GPU run would show them):
+#
+# - **`expandable_segments:True`** is what torch's own out-of-memory error recommends: "If reserved but
+#   unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid
+#   fragmentation" (`c10/cuda/CUDACachingAllocator.cpp`; recent versions spell the variable
+#   `PYTORCH_ALLOC_CONF`). torch's memory-management notes (docs/source/notes/cuda.rst, "Optimizing memory
+#   usage with PYTORCH_CUDA_ALLOC_CONF") describe it: instead of one `cudaMalloc` per segment, sized to the
+#   rounded request, the allocator reserves a virtual address range per stream and maps physical memory into
+#   it as the segment grows. A freed block at a segment's end and the next, larger request then join; the
+#   fixed-size segments of this model (2 MiB small, 20 MiB, or the request rounded to 2 MiB) and the
+#   orphaned tails they leave stop being the shape of "reserved". The rounding of each block stays.
+# - **`garbage_collection_threshold:t`** ($0 < t < 1$): when a request cannot be served from the cached
+#   blocks and the reserved memory is above $t$ of what the process may use, the allocator releases the
+#   cached blocks that have gone longest without reuse, without synchronizing the device, until usage is
+#   back under $t$ (pytorch/pytorch pull request #74261, which added it; the same notes). It trims
+#   "reserved", not "allocated", and it returns whole unused segments only: it does nothing for a segment
+#   that one live block keeps.
+#
+# Both act on the gap between "reserved" and "allocated". Recomputation acts on "allocated" itself: the
+# three numbers above show which of the two a job is short of before either knob is worth turning.
+
+# %% [markdown]
 # ## Against the real allocator (a GPU)
 #
 # On CUDA, `step_on_cuda` runs one warm-up step, empties the cache, starts the model from the real pool

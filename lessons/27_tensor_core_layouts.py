@@ -13,11 +13,23 @@
 #   tiles, a 257 x 256 output six: a third of the work computed is thrown away.
 # - **Wave quantization** (sec. 3.2): tiles run in waves of one per SM (for 256 x 128 tiles). An A100 has 108
 #   SMs, so 109 tiles take two waves, the second nearly empty. An H100 SXM has 132 SMs (NVIDIA H100 Tensor
-#   Core GPU architecture whitepaper).
-# - **Layout**: cuBLAS takes either operand transposed by a flag, so `x @ w.T` costs no copy. A stride that is
-#   not a plain transpose (the heads of a (B, T, H, hd) tensor viewed as (B, H, T, hd)) cannot be passed as
-#   it is: PyTorch copies it first, and the copy is an elementwise pass priced by its bytes (lesson 26).
-#   `picockpt/layer.py` copies q, k and v into (B, H, T, hd) once, with `.contiguous()`, right after RoPE.
+#   Core GPU architecture whitepaper). The guide's rule is the A100-era picture of one tile per thread block
+#   launched in a grid. On Hopper, CUTLASS 3.0's warp-specialized *persistent* kernels (its release notes,
+#   NVIDIA/cutlass CHANGELOG.md) launch one block per SM that loops over tiles, and *stream-K* scheduling
+#   (Osama et al. 2023, "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication
+#   on the GPU") splits the last wave's tiles along $K$ across the idle SMs: the tail is softened, so the wave
+#   efficiency below is a worst case, not a prediction of an H100's time.
+# - **Layout**: cuBLAS takes either operand transposed by a flag, so `x @ w.T` costs no copy, and its
+#   strided-batched GEMM takes any stride between the matrices of a batch and any leading dimension. The
+#   heads of a (B, T, H, hd) tensor viewed as (B, H, T, hd) are such a batch, with one catch in PyTorch:
+#   `torch.matmul` folds the two batch dimensions (B, H) into one before calling `bmm`, and that fold needs
+#   the stride of B to be H times the stride of H. The view's is T times too large, so at B > 1 matmul copies
+#   each operand first (an elementwise pass priced by its bytes, lesson 26); at B = 1 the fold is free and no
+#   copy is made (the section below records which ops each call dispatches). `scaled_dot_product_attention`
+#   takes the strided views as they are, and FlashAttention's own layout is (batch, seqlen, heads, headdim)
+#   (`flash_attn_func`'s docstring, Dao-AILab/flash-attention flash_attn/flash_attn_interface.py), the
+#   projections' output without any transpose. `picockpt/layer.py` copies q, k and v into (B, H, T, hd) once,
+#   with `.contiguous()`, right after RoPE, so its eager attention's matmuls never copy.
 #
 # This lesson measures on this CPU what a CPU shows of it (an odd inner dimension against a padded one; a
 # strided operand against a contiguous copy), models what only a GPU would show (tile and wave
@@ -33,6 +45,8 @@ import math
 
 import matplotlib.pyplot as plt
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _check import check
 from _lesson import (FAST_TIMING, callouts, choose, device_name, interleaved_seconds, lesson_args, paired_ratios, small,
@@ -96,22 +110,26 @@ def aligned(n, element_bytes=2, alignment=ALIGN_BYTES):
 # preset at batch 4 x 128 and for Llama 3 8B at one sequence of 4096 tokens: the seven projections of a
 # layer, one head's $Q K^\top$ (rebuilt by `selective` and by FlashAttention's backward) and the logits (rebuilt
 # by a chunked loss). For each: whether $N$ and $K$ are multiples of 8 (16 bytes in bf16) and of 64 (128 bytes),
-# the tile efficiency with 256 x 128 tiles, and the waves on an H100's 132 SMs.
+# the tile efficiency with 256 x 128 tiles, and the waves on an H100's 132 SMs. Attention's two products are
+# batched: one launch runs every (sequence, head) pair's product in one grid, so their tiles are counted for
+# all B·H heads together (the shape shown is one head's).
 
 # %%
 def recomputed_matmuls(cfg, tokens, seq):
-    """{name: (M, N, K)} of the matmuls a recompute of one layer (and the logits) runs again."""
+    """{name: (M, N, K, products in one launch)} of the matmuls a recompute of one layer (and the logits) runs
+    again: attention's are batched over the B sequences and H heads, one grid for all of them."""
     h, f, hd = cfg.hidden, cfg.ffn, cfg.head_dim
-    return {"q": (tokens, cfg.heads * hd, h), "k, v": (tokens, cfg.kv_heads * hd, h), "o": (tokens, h, h),
-            "gate, up": (tokens, f, h), "down": (tokens, h, f), "q k^T (a head)": (seq, seq, hd),
-            "p v (a head)": (seq, hd, seq), "logits": (tokens, cfg.vocab, h)}
+    heads = tokens // seq * cfg.heads  # B·H products of one head's shape, in one launch
+    return {"q": (tokens, cfg.heads * hd, h, 1), "k, v": (tokens, cfg.kv_heads * hd, h, 1), "o": (tokens, h, h, 1),
+            "gate, up": (tokens, f, h, 1), "down": (tokens, h, f, 1), "q k^T (B·H heads)": (seq, seq, hd, heads),
+            "p v (B·H heads)": (seq, hd, seq, heads), "logits": (tokens, cfg.vocab, h, 1)}
 
 
 def shape_table(cfg, tokens, seq):
     """{name: row of the table below}."""
     rows = {}
-    for name, (m, n, k) in recomputed_matmuls(cfg, tokens, seq).items():
-        count = tiles(m, n)
+    for name, (m, n, k, batched) in recomputed_matmuls(cfg, tokens, seq).items():
+        count = batched * tiles(m, n)  # every product's tiles in the one grid
         rows[name] = {"shape": (m, n, k), "x8": aligned(n) and aligned(k), "x64": aligned(n, alignment=128)
                       and aligned(k, alignment=128), "tile": tile_efficiency(m, n), "tiles": count,
                       "waves": waves(count), "wave": wave_efficiency(count)}
@@ -140,8 +158,12 @@ for vocab in (128256, 50257, pad_to_multiple(50257, 64)):
 # Every dimension of Llama 3 8B is a multiple of 64, its vocabulary of 128,256 included (1,002 x 128), so its
 # tile efficiency is 100% everywhere; the `small` preset's are multiples of 8, its head dimension of 32 not of
 # 64. GPT-2's 50,257 is not a multiple of 8; nanoGPT pads it to 50,304, "the nearest multiple of 64 for
-# efficiency". Its tile waste is a tenth of a percent: what the odd size costs is alignment (rows of the
-# weight that do not start on 16-byte boundaries), which the guide measures and this model does not. The
+# efficiency". Its tile waste is a tenth of a percent: what the odd size costs is alignment, which the guide
+# measures and this model does not. Not in the weight: it is (V, h), each of its rows h = 768 elements long,
+# so every row starts on a 16-byte boundary. The misaligned dimension is V where it is a *leading* dimension:
+# the logits (tokens, V) and their gradient, whose row $i$ starts $i \cdot V \cdot 2$ bytes in bf16, a
+# multiple of 16 only when V is a multiple of 8; the logits' matmul writes them and the gradient's two matmuls
+# (into the hidden states and into the weight) read them with that stride. The
 # `small` shapes make a handful of tiles for an H100's 132 SMs (the line above): a model this size cannot
 # occupy the GPU (cuBLAS would choose smaller tiles, which trade efficiency for parallelism), and its
 # recomputes cost launch latency more than arithmetic.
@@ -171,6 +193,33 @@ def strided_and_contiguous(batch, seq, heads, head_dim):
     return {"strided": lambda: q @ k.transpose(-1, -2), "contiguous": lambda: qc @ kc.transpose(-1, -2)}  # (B, H, T, T)
 
 
+class Dispatched(TorchDispatchMode):
+    """Records the name of every aten op that runs under it (below autograd: what the kernels are asked to do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def copies_of_strided_heads(batch, seq, heads, head_dim):
+    """{call: copies dispatched}: q k^T by torch.matmul and scaled_dot_product_attention on (B, H, T, hd) strided
+    views of (B, T, H, hd); a copy is a `clone` or a `copy_` (matmul's fold of (B, H) into one batch dimension)."""
+    q = torch.randn(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, hd) a strided view
+    k = torch.randn(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, hd) a strided view
+    calls = {"matmul": lambda: q @ k.transpose(-1, -2),  # (B, H, T, T)
+             "sdpa": lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True)}  # (B, H, T, hd)
+    copies = {}
+    for name, call in calls.items():
+        with Dispatched() as seen:
+            call()
+        copies[name] = sum(op in ("clone", "copy_", "contiguous") for op in seen.ops)
+    return copies
+
+
 # %%
 args = lesson_args()
 fast = args.mode == "fast"
@@ -195,17 +244,22 @@ stride_ratio = paired_ratios(timing["strided"], timing["contiguous"])
 stride_claim = timed_claim(args.mode, stride_ratio, "time, q k^T on strided / contiguous heads", ">1", work=1.0)
 print(stride_claim.text)
 if stride_claim.conclusive:
-    print(f"  the same FLOPs take {stride_ratio.median - 1:.1%} longer from the strided views: the copy PyTorch "
-          f"makes of them first (layer.py makes it once in the forward; a `selective` rebuild of P reads the kept "
-          f"contiguous q and k)")
+    why = ("the copies torch.matmul makes to fold (B, H) into one batch dimension" if batch > 1 else
+           "no copy at B = 1 (the fold is free): the strided reads themselves")
+    print(f"  the same FLOPs take {stride_ratio.median - 1:.1%} longer from the strided views: {why}")
+fold = {b: copies_of_strided_heads(b, seq, cfg.heads, cfg.head_dim) for b in (1, 4)}
+for b, copies in fold.items():
+    print(f"  B = {b}, T = {seq}, H = {cfg.heads}: copies dispatched for q k^T on the strided views: matmul "
+          f"{copies['matmul']}, scaled_dot_product_attention {copies['sdpa']}")
 
 # %% [markdown]
 # The CPU's BLAS works on its own register tiles (a few rows by a few columns), with no tensor cores and no
 # 16-byte rule for an odd inner dimension to break; whether it costs anything on this machine is what the
 # first line says, when the repeats allow it to say anything. What the strided heads can cost is the copy
-# they need, bytes, which lesson 26 prices; the second line says whether this machine shows it. On a GPU the
-# same two shapes would also meet the rules above: the odd dimension's rows misaligned for the tensor cores,
-# the strided views copied by a separate kernel before the matmul.
+# they need, bytes, which lesson 26 prices; the second line says whether this machine shows it. The last two
+# lines are not timings but the ops each call dispatches: at B = 4 `torch.matmul` copies both strided operands
+# (two copies) before its `bmm`, at B = 1 none, and `scaled_dot_product_attention` none at either. On a GPU
+# the odd dimension would also meet the rules above: its logits' rows misaligned for the tensor cores.
 #
 # ## The figure
 #

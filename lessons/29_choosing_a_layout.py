@@ -44,6 +44,7 @@ HW = HARDWARE["h100"]  # datasheet ceilings (picockpt/hardware.py), 8 GPUs a nod
 CAPACITY = 80 * 2**30  # bytes of one H100's memory, as `--gpu-gib 80` gives it
 TOKENS = 2**24  # 16M tokens a step, the Llama 3 paper's batch: 2,048 sequences of 8,192
 SEQ, TP = 8192, 8
+H200_GIB = 140  # nvidia-smi: 143,771 MiB on an H200, rounded down (lesson 01's explorer uses the same)
 TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_exposed")
 TERM_COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "tp_comm": "#55A868", "cp_comm": "#64B5CD",
                "pp_comm": "#8172B3", "bubble": "#C44E52", "dp_exposed": "#937860"}
@@ -116,8 +117,13 @@ print(f"  the layer: {sum(row[5] for row in layer) * 1e3:.2f} ms modelled, {memo
 # multiplies nothing on the tensor cores: memory-bound, and so are both norms and both residual adds. The
 # `qkv` row is the surprise: the query projection is compute-bound, but at $t = 8$ each rank holds one of the
 # 8 K/V heads, so the k and v projections have $n = 128$ and an intensity of 125 FLOP per byte, under the
-# ridge: splitting a grouped-query model's K/V heads eight ways turns two of its matmuls memory-bound. The
-# elementwise kernels are a few percent of the layer's modelled time; the matmuls' FLOPs are the step.
+# ridge, *as this model prices them*: `layer_ops` runs q, k and v as three separate matmuls, as
+# `picockpt/layer.py` does. Megatron-LM does not: its attention has one fused `linear_qkv` projection
+# (megatron/core/transformer/attention.py, `SelfAttention`), a single column-parallel matmul whose output is
+# each rank's query heads and its K/V heads side by side, $n = (128 + 2 \cdot 8) \cdot 128 / 8$ = 2,304 columns
+# a rank, well above the ridge. So the grouped-query split makes k and v memory-bound only in an unfused layer;
+# a framework that fuses them pays nothing for it. The elementwise kernels are a few percent of the layer's
+# modelled time; the matmuls' FLOPs are the step.
 #
 # ## 2. One collective: latency against bandwidth
 #
@@ -155,16 +161,24 @@ tp_crossover = crossover_bytes("all_gather", 8, HW, False)
 dp_crossover = crossover_bytes("reduce_scatter", 128, HW, True)
 
 # %% [markdown]
-# (modelled) The tensor-parallel all-gather of 268 MB spends 32 µs on latency and half a millisecond on
-# bandwidth; the data-parallel reduce-scatter of a stage's 13.8 GB of gradients spends 1.2 ms on latency
-# (127 ring steps between nodes) and a quarter of a second on bandwidth. Both are bandwidth-bound: at these
-# shapes $\alpha$ is a rounding error. Latency dominates below the crossover, 16.6 MB for the all-gather
-# inside a node and 61.9 MB for the reduce-scatter over 128 nodes: a ring's $\alpha$ grows with its ranks, so
-# the larger the group, the larger a message must be before the link's bandwidth is what it waits for. That is
-# why frameworks bucket gradients into large messages, and why NCCL's tuning model also prices a tree for an
-# all-reduce over many nodes, whose latency grows with the logarithm of the ranks rather than with their number
-# (this model prices every collective as a ring). A pipeline's send of one activation, 33.6 MB over one
-# network hop, is bandwidth-bound too: its $\alpha$ is one step's, 18 µs, and its crossover under a megabyte.
+# (modelled) The tensor-parallel all-gather of 268 MB spends 32 µs on latency and half a millisecond
+# on bandwidth; the data-parallel reduce-scatter of a stage's 13.8 GB of gradients spends 1.8 ms on latency (127
+# ring steps between nodes, 14.0 µs each) and a quarter of a second on bandwidth. Both are bandwidth-bound: at these
+# shapes $\alpha$ is a rounding error. Latency dominates below the crossover, 16.6 MB for the all-gather inside a
+# node and 90.0 MB for the reduce-scatter over 128 nodes: a ring's $\alpha$ grows with its ranks, so the larger the
+# group, the larger a message must be before the link's bandwidth is what it waits for. That is why frameworks
+# bucket gradients into large messages, and why NCCL's tuning model also prices a tree for an all-reduce over many
+# nodes, whose latency grows with the logarithm of the ranks rather than with their number (this model prices every
+# collective as a ring). A pipeline's send of one activation, 33.6 MB over one network hop, is bandwidth-bound too:
+# its $\alpha$ is one step's, 22 µs, and its crossover about a megabyte.
+#
+# The latencies are NCCL's own constants (NVIDIA/nccl, `src/graph/tuning.cc`): a base latency of 8.4 µs a
+# call for the ring's Simple protocol, and a step latency of 3.4 µs over NVLink and 14.0 µs over the network,
+# the value since NCCL 2.18.1 (9.6 µs before). Two refinements are not modelled. Since NCCL 2.23 a group with
+# one GPU a node takes the network step latency of the tree (also 14 µs for Simple), and for such groups
+# NCCL may run an all-gather or a reduce-scatter with PAT (its parallel aggregated trees, latency logarithmic
+# in the nodes) rather than a ring; a group with several GPUs a node runs its ring over NVLink inside the
+# node and uses all of the node's NICs between nodes.
 #
 # ## 3. The bubble
 #
@@ -262,7 +276,7 @@ for gpus, seq, layout, tflops, reported in LLAMA3_405B_TABLE_4:
 # things hold in all of them. The reported MFU is below the modelled one, since the model runs every kernel at
 # the datasheet's ceiling. And at 8K tokens the model's best layout has context parallelism where the paper's
 # has none: the model prices its K/V all-gathers as a small share of the step, and the activations it splits
-# $c$ ways buy micro-batches that store everything.
+# $c$ ways buy micro-batches that store everything or rebuild only the elementwise outputs (`none` or `cheap`).
 
 # %%
 print("summary (modelled, H100 datasheet ceilings; reported: Llama 3 paper, Table 4):")
@@ -428,8 +442,13 @@ print("  reported MFU / modelled MFU of the published layout: "
 # second, and drops enough to fit. `full` repeats the whole forward and its tensor-parallel collectives. The
 # model's best layouts instead add context parallelism where they can, which splits every activation $c$ ways
 # at a modelled cost of a few percent of the step. That is the model's opinion, and it rests on the things the
-# model does not see. Table 4 gives the layouts and their throughput, not the recompute policy, the ZeRO stage
-# or the schedule behind them; nothing here says which the paper's run used.
+# model does not see. Table 4 gives the layouts and their throughput, not the ZeRO stage or the schedule
+# behind them. It does say what the 8K runs recomputed: nothing. Section 3.3.2 of the paper (Grattafiori et al.
+# 2024, "Pipeline parallelism improvements") says the pipeline changes let it pre-train on 8K-token sequences
+# *without activation checkpointing*. So at 8K the model above is wrong where it says the published split must
+# recompute to fit: its memory model of that layout (stage 0's in-flight micro-batches at 8 layers each, the
+# paper's lighter first and last stages and its FSDP not modelled) overstates what the run stored, and a
+# measurement of the real layout, not the model's verdict, is the reference.
 #
 # What the model leaves out, each of which moves the ranking:
 #
@@ -482,7 +501,8 @@ check("the modelled best (tp, cp, pp, dp) of Llama 3 70B, 8K tokens, 1,024 H100s
           f"{layout_text(next(r for r in small_rows if split_of(r) != split_of(small_rows[0])))}")
 
 # %% [markdown]
-# **2.** On H200s (141 GB, `--hardware h200 --gpu-gib 131.3`: the same matmul rate, more memory and
+# **2.** On H200s (141 GB on the datasheet; nvidia-smi reports 143,771 MiB, about 140 GiB, the capacity lesson
+# 01's explorer uses: `--hardware h200 --gpu-gib 140`; the same matmul rate, more memory and
 # bandwidth), which recompute policy does the Llama 3 paper's 16,384-GPU split at 8K, TP8 CP1 PP16 DP128, use
 # in its best variant, and why does it change from the H100's?
 
@@ -491,12 +511,13 @@ answer = "none"
 
 # %%
 h200 = HARDWARE["h200"]
-h200_rows, _ = search(cfg, SEQ, 16384, TOKENS, 141e9, h200)
+h200_rows, _ = search(cfg, SEQ, 16384, TOKENS, H200_GIB * 2**30, h200)
 _, h200_published = rank_of(h200_rows, (8, 1, 16, 128))
-check("the recompute policy of TP8 CP1 PP16 DP128's best variant on H200 (141 GB)", answer, h200_published["policy"],
+check(f"the recompute policy of TP8 CP1 PP16 DP128's best variant on H200 ({H200_GIB} GiB)", answer,
+      h200_published["policy"],
       why=f"its best variant stores everything: ZeRO {h200_published['zero']}, {h200_published['schedule']} "
           f"V={h200_published['virtual_stages']}, {h200_published['peak_bytes'] / 2**30:.1f} GiB, which 80 GiB "
-          f"cannot hold and 141 GB can; recomputing nothing, it models "
+          f"cannot hold and {H200_GIB} GiB can; recomputing nothing, it models "
           f"{h200_published['mfu']:.1%} MFU, rank #{rank_of(h200_rows, (8, 1, 16, 128))[0]} of {len(h200_rows):,}")
 
 # %% [markdown]

@@ -5,7 +5,7 @@
     collective   alpha + wire bytes / link bandwidth: ring algorithms put 2(n-1)/n of an all-reduce's size on each
                  rank's link and (n-1)/n of an all-gather's or reduce-scatter's (nccl-tests' bus-bandwidth factors);
                  alpha is NCCL's own tuning model for its ring, Simple protocol (src/graph/tuning.cc: 8.4 us of
-                 base latency, then 3.4 us a step over NVLink, 9.6 us a step over the network)
+                 base latency, then 3.4 us a step over NVLink, 14.0 us a step over the network, NCCL 2.18.1 on)
     bubble       the idle share of a pipeline step with equal stage times: (p-1)/(m+p-1) for 1F1B, (p-1)/(V m+p-1)
                  interleaved over V virtual stages a rank (Narayanan et al. 2021, sec. 2.2)
 
@@ -32,7 +32,7 @@ from .schedule import Mode
 # ---- NCCL's latency model (src/graph/tuning.cc, ring algorithm, Simple protocol), seconds ----------------------
 NCCL_BASE_LATENCY = 8.4e-6  # baseLat[ring][simple]: paid once a collective
 NCCL_NVLINK_STEP = 3.4e-6  # hwLat[NVLINK][ring][simple]: each of the ring's steps inside a node
-NCCL_NETWORK_STEP = 9.6e-6  # hwLat[NET][ring][simple]: each step that crosses between nodes
+NCCL_NETWORK_STEP = 14.0e-6  # hwLat[NET][ring][simple]: each step that crosses between nodes (9.6 before 2.18.1)
 
 
 @dataclass(frozen=True)

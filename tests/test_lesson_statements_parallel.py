@@ -1,4 +1,4 @@
-"""What lessons 00_start_here, 15, 17, 18 and 19 and the FSDP2 peer say of other frameworks and of their own
+"""What lessons 00_start_here, 15 to 19 and 30, the README and the FSDP2 peer say of other frameworks and of their own
 numbers, read from their sources: each sentence is looked up as written, and where it carries a number that
 number is recomputed by picockpt's code, so that a wrong statement cannot come back unnoticed.
 
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from picockpt import Config
+from picockpt.cost import bubble_idle
 from picockpt.parallel.context_parallel.cp_inventory import cp_peak_bytes, rank_attention_flops
 from picockpt.parallel.data_parallel import fsdp_peer
-from picockpt.parallel.pipeline_parallel.pp_schedules import stage_layers
+from picockpt.parallel.pipeline_parallel.pp_schedules import SCHEDULES, stage_layers
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from picockpt.reproduce import load
 
@@ -187,3 +188,40 @@ def test_lesson_18_attaches_megatrons_ring_description_to_the_ring():
     assert "gathering the rest again in the backward" in ring
     assert "context_parallel.md" not in gather and "gathers KV again" not in gather
     assert "--cp-comm-type allgather" in gather and "cp_comm_type" in gather
+
+
+# --- lessons 16 and 30: ZB-H1's bubble time against its idle share; lesson 30's verdict; the README -----------
+
+@pytest.mark.parametrize("name", ["16_pipeline_parallel.py", "30_pipeline_schedules.py"])
+def test_zb_h1s_bubble_time_is_a_third_of_1f1bs_but_its_idle_share_is_not(name):
+    """Qi et al. 2023: bubble (p-1)(T_F+T_B-T_W) against 1F1B's (p-1)(T_F+T_B+T_W); the shares at p=4, m=8 are
+    bubble_idle's (p-1)/(3m+p-1) and (p-1)/(m+p-1)."""
+    text = lesson(name)
+    assert "a third of 1F1B's." not in text and "a third of 1F1B's. " not in text
+    said = between(text, "bubble *time* is a third", "picockpt's backward")
+    zb, one = bubble_idle(4, 8, "zb-h1"), bubble_idle(4, 8)
+    assert f"{zb:.3f} against {one:.3f}, {zb / one:.2f} of it" in said
+    assert "T_F+T_B+T_W" in said and "idle *share*" in said
+
+
+def test_30_names_a_measured_order_only_when_every_repeat_agrees():
+    source = (LESSONS / "30_pipeline_schedules.py").read_text()
+    text = prose(source)
+    assert "is the fairer model" not in text
+    assert "the models' order" not in source  # the fallback once printed the equal-times order as if measured
+    assert 'print("measured order of the bubbles: inconclusive on this machine (the repeats overlap)")' in source
+    assert "Neither model is the verdict: the measured line is" in text
+
+
+def test_30_exercise_compares_bubble_time_and_share():
+    text = lesson("30_pipeline_schedules.py")
+    assert "three times as long\")" not in text and "is three times ZB-H1's 3, its share" in text
+
+
+def test_readme_counts_the_lessons_and_lists_every_schedule():
+    readme = (LESSONS.parent / "README.md").read_text()
+    lessons = sorted(LESSONS.glob("[0-9][0-9]_*.py"))
+    assert f"runs all {len(lessons)} lessons" in readme and len(lessons) == 31
+    assert f"`--schedule {'|'.join(SCHEDULES)}`" in readme and "`--virtual-stages`" in readme
+    [row] = [line for line in readme.splitlines() if line.startswith("| `16_pipeline_parallel`")]
+    assert "interleaved 1F1B and ZB-H1" in row

@@ -1,4 +1,4 @@
-"""What lessons 20, 21 and 23 and the README say about time, links and number formats, read from their text
+"""What lessons 20 to 23 and the README say about time, links and number formats, read from their text
 and checked against picockpt's code and picockpt/hardware.py, so that a corrected statement cannot quietly
 come back: an offloaded tensor's two copies, fp8's error bound and its subnormals, Megatron's overlap of
 tensor-parallel collectives, what recomputation does to a data-parallel step, the sources cited, and one
@@ -191,6 +191,35 @@ def test_21_narrow_store_counts_where_the_bound_fails():
     assert relative[3] > 2**-4 and relative[4] == 1.0  # a subnormal beyond it; 2^-12 rounded to zero
 
 
+# ---- lesson 22: the price of recomputation is the whole step's, not its phase's time ---------------------------
+
+def committed_rounds(cheap_over_none):
+    """rounds_of(policy, key) for lesson 22's diagnose(): none at 100 ms a round, full 1.109x, cheap as given, and
+    cheap's recompute phase 9.1% of its time against 2.1% of its FLOPs (the committed CPU run's medians)."""
+    seconds = {"none": [0.1] * len(cheap_over_none), "full": [0.1109] * len(cheap_over_none),
+               "cheap": [0.1 * r for r in cheap_over_none]}
+    share = {"recompute_time": 0.091, "recompute_flops_share": 0.021}
+    return lambda policy, key: seconds[policy] if key == "seconds" else [share[key]] * len(cheap_over_none)
+
+
+def test_22_names_flops_understating_cheaps_price_only_from_the_paired_step_ratio(capsys):
+    """The committed run: cheap / none 0.968 [0.956..1.008] against a FLOP ratio of 1.021, while its recompute
+    phase took 4.4x the time share its FLOPs would. The phase's share is not the price: no conclusion."""
+    l22 = load(lesson_path("22"))
+    flops = {"none": 1.0, "full": 1.328, "cheap": 1.021}
+    claims = l22.diagnose("cpu", committed_rounds((0.968, 0.956, 1.008, 0.97, 0.96)), flops)
+    out = capsys.readouterr().out
+    assert claims["cheap recompute share"].conclusive and not claims["cheap price against FLOPs"].conclusive
+    assert "here FLOP-based estimates understate its price" not in out
+    assert "understate its price is inconclusive on this machine" in out
+    claims = l22.diagnose("cpu", committed_rounds((1.05, 1.06, 1.04, 1.05, 1.07)), flops)  # every round above 1.021
+    assert claims["cheap price against FLOPs"].conclusive
+    assert "here FLOP-based estimates understate its price" in capsys.readouterr().out
+    text = prose("22")
+    assert "so FLOP-based estimates understate its price" not in text
+    assert "the time spent in a phase is not its marginal cost" in text
+
+
 # ---- lesson 23: Megatron's overlap, recomputation and the data-parallel step ----------------------------
 
 def test_23_tp_comm_overlap_needs_sequence_parallelism():
@@ -199,6 +228,17 @@ def test_23_tp_comm_overlap_needs_sequence_parallelism():
     refused = sentence(text, "is refused without sequence parallelism")
     assert "`tp_comm_overlap`" in refused and "megatron/training/arguments.py" in refused
     assert "unless `tp_comm_overlap`" not in text
+
+
+def test_23_megatron_overlaps_the_backward_all_reduce_without_sequence_parallelism():
+    """megatron/core/tensor_parallel/layers.py: without sequence parallelism the column-parallel linear's backward
+    launches the input gradient's all-reduce with async_op=True and computes the weight gradient under it."""
+    text = prose("23")
+    assert "Megatron-LM does not" not in text and "each all-reduce sits between" not in text
+    launched = sentence(text, "`async_op=True`")
+    for words in ("megatron/core/tensor_parallel/layers.py", "weight gradient", "not self.sequence_parallel"):
+        assert words in launched, words
+    assert "overlaps half of them: the backward's" in text
 
 
 def test_23_recomputation_widens_the_window_and_never_shortens_the_step(l23):

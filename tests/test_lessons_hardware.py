@@ -173,7 +173,7 @@ def test_picockpts_shapes_under_the_rules(layouts):
     table = layouts.shape_table(Config.from_preset("small", dtype="bf16"), 512, 128)
     assert table["gate, up"]["shape"] == (512, 448, 128) and table["down"]["shape"] == (512, 128, 448)
     assert table["gate, up"]["tile"] == pytest.approx(448 / 512)  # 448 columns in four 128-wide tiles
-    assert table["q k^T (a head)"]["x8"] and not table["q k^T (a head)"]["x64"]  # head_dim 32: 64 bytes in bf16
+    assert table["q k^T (B·H heads)"]["x8"] and not table["q k^T (B·H heads)"]["x64"]  # head_dim 32: 64 bytes in bf16
     assert table["q"]["tiles"] == 2 and table["q"]["wave"] == pytest.approx(2 / 132)
     steps = layouts.odd_and_padded(64, 16, 48)
     assert steps["odd"]().shape == steps["padded"]().shape == (64, 16)
