@@ -5,8 +5,10 @@ Designed from what a GPU does, not from what a CPU does:
 memory     picockpt's tracker sees every op's outputs, so its peak is the allocator's within 5%. What it cannot see
            is scratch a kernel takes from the pool and gives back inside one op. For the autograd reference (the
            torch runs, eager attention) one such buffer is large and known: CUDA's softmax backward on 16-bit
-           probabilities makes an fp32 (B, H, T, T) buffer (exactly 2^30 B at B=4, H=16, T=2048). Those runs are
-           judged with it added (known_scratch_bytes), and the bare figure is printed beside.
+           probabilities makes an fp32 (B, H, T, T) buffer (exactly 2^30 B at B=4, H=16, T=2048; measured on an
+           H200, torch 2.11: the allocator's peak is the tracker's plus 1.003 GiB at T=2048, plus 0.002 at T=1024,
+           where the step peaks elsewhere). Those runs are judged by whether the allocator's peak lies between the
+           tracker's and the tracker's plus that buffer (known_scratch_bytes); the bare figure is printed beside.
 exactness  A policy changes what is stored, never what is computed: its loss and gradients are none's. Under
            torch.use_deterministic_algorithms(True) that is checked bitwise (the flash backward then takes its
            deterministic path). With the default kernels the flash backward sums dq over key blocks by fp32
@@ -49,8 +51,9 @@ def criteria(rows, on_cuda):
 
     bare = [row.get("tracker_vs_cuda") for row in rows if row["kind"] == "torch" and row.get("tracker_vs_cuda")]
     lines = [worst("tracker peak vs max_memory_allocated, every picockpt policy", ("picockpt",), "tracker_vs_cuda"),
-             worst("tracker peak + the softmax backward's fp32 (B, H, T, T) scratch vs max_memory_allocated, every "
-                   f"torch run (without it: worst {max(bare, default=0):.2%})", ("torch",), "tracker_vs_cuda_with_scratch"),
+             worst("max_memory_allocated outside [tracker peak, tracker peak + the softmax backward's fp32 (B, H, T, T) "
+                   f"scratch], every torch run (the bare tracker: worst {max(bare, default=0):.2%})", ("torch",),
+                   "tracker_vs_cuda_with_scratch"),
              worst("tracker peak vs max_memory_allocated, Hugging Face's runs", ("hf",), "tracker_vs_cuda"),
              worst("tracker timeline vs memory_allocated at every store event, of the peak", ("picockpt",),
                    "timeline_worst"),

@@ -334,9 +334,11 @@ def track(run, cfg, device):
     if tracker.cuda:
         row["tracker_vs_cuda"] = abs(row["tracker_peak_bytes"] - tracker.peak_cuda) / tracker.peak_cuda
         if run["kind"] == "torch":  # the eager reference: CUDA's softmax backward's fp32 (B, H, T, T) buffer
-            row["known_scratch_bytes"] = run["batch"] * cfg.heads * run["seq"] ** 2 * 4
-            with_scratch = row["tracker_peak_bytes"] + row["known_scratch_bytes"]
-            row["tracker_vs_cuda_with_scratch"] = abs(with_scratch - tracker.peak_cuda) / tracker.peak_cuda
+            row["known_scratch_bytes"] = scratch = run["batch"] * cfg.heads * run["seq"] ** 2 * 4
+            low, high, cuda = row["tracker_peak_bytes"], row["tracker_peak_bytes"] + scratch, tracker.peak_cuda
+            # the allocator's peak lies between the tracker's and the tracker's plus the scratch (its peak may come
+            # while the scratch is held, or not): how far outside that range, relative
+            row["tracker_vs_cuda_with_scratch"] = max(low - cuda, cuda - high, 0) / cuda
         if run["kind"] == "picockpt":  # at every store event, as a fraction of the step's peak
             row["timeline_worst"] = max(abs(total - cuda) for total, cuda in row["timeline"]) / tracker.peak_cuda
     return row

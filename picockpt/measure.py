@@ -67,7 +67,7 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
         baseline = loss, {name: grad.cpu() for name, grad in grads.items()}
         del loss, grads
     loss, grads = grads_of(policy, trace=trace)
-    diff = max((grads[k].cpu().double() - baseline[1][k].cpu().double()).abs().max().item() for k in grads)
+    diff = max((grads[k].double() - baseline[1][k].to(grads[k].device).double()).abs().max().item() for k in grads)
     del grads, baseline  # nothing of these steps stays on the device for the tracked one
 
     # one tracked step: a training step on a copy of the parameters (the optimizer changes them), or without one
