@@ -128,6 +128,9 @@ def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="
         middle.update(stored=max(row["stored"] for row in rows), live=rows[-1]["live"] and max(
             row["live"] for row in rows[1:]))
         log(f"summary over steps 1..{steps - 1} (medians; peaks: largest): " + _line(middle, flops))
+        state = sum(value.nbytes for values in optimizer.state.values() for value in values.values()
+                    if isinstance(value, torch.Tensor))
+        log(f"optimizer state (AdamW: two fp32 moments a parameter, a step count a tensor; made by step 0, kept): {state / 2**20:.3f} MiB")
         log(f"per phase, largest over steps 1..{steps - 1}: " + "; ".join(
             f"{name} stored {max(p[name]['stored'] for p in phase_rows[1:]) / 2**20:.3f} MiB"
             + ("" if view is None else f", live {max(p[name]['live'] for p in phase_rows[1:]) / 2**20:.3f} MiB")

@@ -6,6 +6,7 @@ import pytest
 from commands import picockpt as run_command
 from picockpt import Config
 from picockpt.compare import compare
+from picockpt.params import param_shapes
 
 
 def picockpt(*args, check=True):
@@ -31,6 +32,29 @@ def test_measure_table_and_trace():
     out = picockpt("measure", "--preset", "tiny", "--seq", "8", "--policy", "full", "--trace", "--repeats", "1")
     assert "recompute segment [1..1] from the input of layer 1" in out.stdout
     assert "peak stored activations (logical)" in out.stdout and "bytes" in out.stdout
+
+
+def test_measure_without_an_optimizer_is_a_forward_and_backward_alone(monkeypatch):
+    """--no-optimizer: no AdamW step (no optimizer phase, no state), the same stored bytes and gradients; the fit
+    check then asks 8 bytes a parameter less (AdamW's two fp32 moments)."""
+    from picockpt import fit
+    args = ("measure", "--preset", "tiny", "--seq", "16", "--policy", "full", "--device", "cpu", "--repeats", "1",
+            "--json")
+    with_adamw, alone = (json.loads(picockpt(*args, *extra).stdout) for extra in ((), ("--no-optimizer",)))
+    assert (with_adamw["optimizer"], alone["optimizer"]) == ("AdamW", None)
+    tiny = Config.from_preset("tiny")  # AdamW: two fp32 moments a parameter and an fp32 step count a tensor
+    assert with_adamw["optimizer_state_bytes"] == 8 * tiny.num_params() + 4 * len(param_shapes(tiny))
+    assert alone["optimizer_state_bytes"] == 0
+    assert "optimizer" in with_adamw["phase_peaks"] and "optimizer" not in alone["phase_peaks"]
+    assert alone["peak_activation_bytes"] == with_adamw["peak_activation_bytes"] == alone["predicted_activation_bytes"]
+    assert alone["grad_max_abs_diff_vs_none"] == 0.0
+    cfg = Config.from_preset("llama3-8b", dtype="bf16", attention="fused", max_seq=8192)
+    whole, forward_backward = (fit.step_bytes(cfg, 1, 8192, "none", optimizer) for optimizer in (True, False))
+    assert whole["state"] - forward_backward["state"] == 8 * cfg.num_params()
+    monkeypatch.setattr(fit, "available_bytes", lambda device: (140 * 2**30, "a 140 GiB device"))
+    with pytest.raises(ValueError, match="weights, gradients and AdamW state"):
+        fit.check_fits(cfg, "cpu", 1, 8192, "none")  # 186 GiB with AdamW's state
+    fit.check_fits(cfg, "cpu", 1, 8192, "none", optimizer=False)  # 127 GiB without: Llama 3 8B at T=8192 fits
 
 
 @pytest.mark.parametrize("args,message", [

@@ -81,6 +81,14 @@ def test_tiny_run_writes_the_json_the_figures_and_every_criterion(tmp_path, monk
     assert not any(line.startswith("FAIL") for line in lines)
 
 
+def test_the_profile_runs_both_contenders_on_the_cpu(capsys):
+    from lessons import gpu_profile
+    assert gpu_profile.main(["--tiny", "--policy", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "picockpt fused full:" in out and "hf sdpa + checkpointing:" in out and "launches" in out
+    assert gpu_profile.main(["--tiny", "--seq", "48"]) == 2 and "--seq=48" in capsys.readouterr().err
+
+
 def test_the_default_run_wants_a_gpu_and_says_so(capsys):
     if CUDA:
         pytest.skip("there is a GPU here")

@@ -3,6 +3,7 @@ import torch
 
 from commands import picockpt
 from picockpt import Config, init_params
+from picockpt.params import param_shapes
 from picockpt.inventory import predicted_peak_bytes, step_flops
 from picockpt.train import MarkovTask, train
 
@@ -43,14 +44,16 @@ def test_train_reports_what_recomputation_costs():
           watch_live=True)
     flops = step_flops(cfg, 2, 16, "full")
     share = f"recompute {flops['recompute'] / sum(flops.values()):5.1%} of FLOPs"
-    assert len(lines) == 5 and all(share in line for line in lines[:4]), lines  # 3 steps, the summary, the phases
+    assert len(lines) == 6 and all(share in line for line in lines[:4]), lines  # 3 steps, summary, state, phases
     stored = f"stored {predicted_peak_bytes(cfg, 2, 16, 'full') / 2**20:8.3f} MiB"
     assert all(stored in line for line in lines[:4])
     for line in lines[:4]:
         live = float(line.split(" live ")[1].split()[0])
         time_share = float(line.split("of FLOPs, ")[1].split("%")[0])
         assert live * 2**20 > predicted_peak_bytes(cfg, 2, 16, "full") and 0 < time_share < 100
-    assert lines[-2].startswith("summary over steps 1..2") and "MFU" not in lines[-2]  # no peak given, no utilisation
+    assert lines[-3].startswith("summary over steps 1..2") and "MFU" not in lines[-3]  # no peak given, no utilisation
+    state = 8 * cfg.num_params() + 4 * len(param_shapes(cfg))  # two fp32 moments a parameter, a step count a tensor
+    assert lines[-2].startswith("optimizer state (AdamW") and f"{state / 2**20:.3f} MiB" in lines[-2]
     assert "backward stored" in lines[-1] and ", live " in lines[-1]  # per phase, live too (watch_live)
 
 
@@ -77,7 +80,7 @@ def test_train_records_mfu_hfu_and_per_phase_memory():
         assert set(row["phases"]) == {"forward", "recompute", "backward", "optimizer"}
         assert max(phase["stored"] for phase in row["phases"].values()) == predicted_peak_bytes(cfg, 2, 16, "full")
         assert row["phases"]["recompute"]["seconds"] > 0 and row["phases"]["forward"]["live"] is None  # no watch
-    assert "MFU" in lines[-2] and "HFU" in lines[-2]  # given a peak, on CPU too
+    assert "MFU" in lines[-3] and "HFU" in lines[-3]  # given a peak, on CPU too
     assert lines[-1].startswith("per phase, largest over steps 1..2: forward stored")
 
 

@@ -63,7 +63,7 @@ def run(args):
     ]
     if args.optimizer:
         lines.append(("optimizer state (AdamW)", fmt_bytes(row["optimizer_state_bytes"]),
-                      "two fp32 moments a parameter, made by the first step: in the optimizer phase's peak"))
+                      "two fp32 moments a parameter, a step count a tensor; made by the first step, in the optimizer phase"))
     if "cuda_peak_bytes" in row:
         lines.append(("CUDA max_memory_allocated", fmt_bytes(row["cuda_peak_bytes"]),
                       "the step's increase, its largest phase (per phase below)"))
