@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
+from picockpt.attention_flops import ATTENTION_FLOPS
 from picockpt.config import PRESETS
 from picockpt.formulas import (GIB, PLAYBOOK_PUBLISHED_GIB, PLAYBOOK_WIDGET_PRESET, chen_memory, chen_optimum,
                                exact_segment_curve, korthikanti_flops, korthikanti_layer_bytes,
