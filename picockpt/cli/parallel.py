@@ -26,7 +26,8 @@ from .parallel_ep import run_expert
 from .parallel_run import measured_step, one_line_errors, prepared, printed
 
 def add_arguments(parser):
-    add_shape_args(parser)
+    add_shape_args(parser, batch_help="sequences in the whole batch, split over the dp x ep ranks and --microbatches "
+                   "(a rank computes batch / (dp x ep x M) of them at a time)")
     add_run_args(parser)
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks t (default 2 alone, 1 with --pp, "
                         "--dp or --microbatches); t must divide the heads, the kv heads, the ffn and the vocabulary")
