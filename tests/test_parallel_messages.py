@@ -23,7 +23,8 @@ from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
 TINY = ["--preset", "tiny", "--seq", "16", "--batch", "4", "--device", "cpu"]
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny steps, steady on a busy CPU
-WORKS = "use a number of seconds from 0.001 (the collectives count whole milliseconds) to 86400 (a day), e.g. 120"
+WORKS = "use a number of seconds from 1 (the groups' connect waits as long as a collective, and needs that much) to " \
+    "86400 (a day), e.g. 120"
 
 
 def tiny(**fields):

@@ -36,6 +36,13 @@ def test_a_negative_value_is_read_and_refused_by_its_flag(args, flag):
     assert "expected one argument" not in message and flag in message and "positive" in message
 
 
+def test_a_timeout_too_short_to_connect_is_refused_before_any_rank_starts():
+    start = time.perf_counter()
+    assert refused("parallel", "--preset", "tiny", "--dp", "2", "--timeout", "0.001", "--device", "cpu").startswith(
+        "error: --timeout 0.001: use a number of seconds from 1")
+    assert time.perf_counter() - start < 5.0
+
+
 # ---- predict --search: what it does not read is refused ----------------------------------------------------------
 @pytest.mark.parametrize("flags, named", [(["--schedule", "zb-h1"], "--schedule"), (["--schedule", "afab"], "--schedule"),
                                           (["--virtual-stages", "2"], "--virtual-stages"),

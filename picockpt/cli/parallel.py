@@ -37,7 +37,7 @@ def add_arguments(parser):
                         "budget:SIZE is per rank")
     parser.add_argument("--distribute-saved", action="store_true", help="without --sp: each rank keeps 1/t of "
                         "every checkpoint (Megatron's --distribute-saved-activations), all-gathered to recompute")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait, 0.001 to "
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait, 1 to "
                         "86400 (default 120)")
     parser.add_argument("--port", type=int, help="spawned ranks: the 127.0.0.1 port to meet on (default: a free one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
