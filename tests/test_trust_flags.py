@@ -160,3 +160,24 @@ def test_predict_refuses_a_walk_of_minutes():
     assert "--microbatches 2,048 or fewer" in refused("predict", "--model", "llama3-8b", "--pp", "32", "--microbatches",
                                                       "100000", "--batch", "100000")
     assert time.perf_counter() - start < 10.0
+
+
+# ---- the headers: the layout said from the row the step ran --------------------------------------------------------
+def layout_row(**given):
+    from picockpt.cli.parallel_run import LAYOUT
+    row = {name: 1 for name in ("tp", "pp", "microbatches", "virtual_stages", "dp", "ep", "cp")}
+    row.update({name: False for name in LAYOUT if name not in row}, overlap=True, prefetch=True, zero=0,
+               schedule="1f1b", cp_layout="zigzag", cp_comm="ring")
+    return {**row, **given}
+
+
+@pytest.mark.parametrize("given, words", [
+    (dict(cp=2, pp=2, microbatches=2, schedule="zb-h1"), ("pp=2", "cp=2", "M=2 micro-batches", "zb-h1", "K/V by ring")),
+    (dict(cp=2, tp=2, sp=True), ("cp=2", "tp=2", "sequence parallel")),
+    (dict(ep=2, pp=2, microbatches=2, schedule="afab"), ("ep=2", "pp=2", "afab")),
+    (dict(pp=2, microbatches=2, sp=True, tp=2, recompute_early=True), ("tp=2", "sequence parallel", "recompute early")),
+    (dict(dp=2, zero=3, keep_gathered="step", prefetch=False), ("dp=2", "ZeRO-3", "gathers kept (step)", "no prefetch"))])
+def test_the_header_names_every_layout_choice_that_ran(given, words):
+    from picockpt.cli.parallel_run import layout_words
+    text = layout_words(layout_row(**given))
+    assert all(word in text for word in words), text

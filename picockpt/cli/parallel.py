@@ -23,7 +23,7 @@ from .common import rank_columns, table
 from ..parallel.launch import check_timeout
 from .parallel_cp import run_context
 from .parallel_ep import run_expert
-from .parallel_run import measured_step, one_line_errors, prepared, printed
+from .parallel_run import layout_words, measured_step, one_line_errors, prepared, printed
 
 def add_arguments(parser):
     add_shape_args(parser, batch_help="sequences in the whole batch, split over the dp x ep ranks and --microbatches "
@@ -143,9 +143,7 @@ def run_layout(args):
 
 
 def _print_table(row):
-    layout = f"t={row['tp']}" + (", sequence parallel" if row["sp"] else "") + \
-        (", distributed saved activations" if row["distribute_saved"] else "")
-    print(f"tensor parallel {layout}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
+    print(f"tensor parallel {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
           f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} f={row['ffn']} V={row['vocab']}, "
           f"batch {row['batch']} x {row['seq']} tokens")
     print(table(row["ranks"], rank_columns()))
@@ -180,9 +178,7 @@ BUBBLE_FORMS = {"afab": "(P - 1) / (M + P - 1)", "1f1b": "(P - 1) / (M + P - 1)"
 
 
 def _print_pipeline(row):
-    virtual = f" (V={row['virtual_stages']} chunks a rank)" if row["virtual_stages"] > 1 else ""
-    print(f"pipeline P={row['pp']}, M={row['microbatches']} micro-batches, {row['schedule']}{virtual}, dp={row['dp']}, "
-          f"tp={row['tp']}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
+    print(f"pipeline {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
           f"h={row['hidden']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
     columns = [("rank", lambda r: str(r["rank"])), ("stage", lambda r: str(r["stage"])),
                ("layers", lambda r: ", ".join(f"{a}..{b}" for a, b in r["chunk_layers"])),

@@ -13,7 +13,7 @@ balance) and its FLOPs by phase; then the loss, and the gradients against the si
     python -m picockpt parallel --cp 2 --dp 2 --attention tiled --policy full        # beside dp (or --pp 2, --tp 2)
 """
 from .common import rank_columns, table
-from .parallel_run import measured_step, prepared, printed
+from .parallel_run import layout_words, measured_step, prepared, printed
 
 
 def run_context(args):
@@ -25,8 +25,7 @@ def run_context(args):
 
 
 def _print_table(row):
-    kept = ", the gathered K/V kept" if row["cp_keep_kv"] else ""
-    print(f"context parallel cp={row['cp']}, {row['cp_layout']} layout, K/V by {row['cp_comm']}{kept}, policy "
+    print(f"context parallel {layout_words(row)}, policy "
           f"{row['policy']} on {row['device']}, {row['dtype']}, {row['attention']} attention: L={row['layers']} "
           f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} V={row['vocab']}, batch {row['batch']} x "
           f"{row['seq']} tokens")
