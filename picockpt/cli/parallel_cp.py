@@ -39,6 +39,12 @@ def _print_table(row):
                 for r in row["ranks"])
     print(f"stored peaks, K/V bytes per phase and FLOPs equal their closed forms "
           f"(picockpt/parallel/context_parallel/cp_inventory.py): {'yes' if exact else 'NO'}")
+    cp = row["cp"]  # the two ways count one traffic by what a rank holds: say which, and what crossed the wire
+    print(f"K/V bytes count the gathered buffer, {cp} x a rank's K/V with its own block, of which {cp - 1}/{cp} "
+          f"crossed the wire (the ring's count)" if row["cp_comm"] == "allgather" else
+          f"K/V bytes count the {cp - 1} block{'s' if cp > 2 else ''} each rank received, a rank's K/V each "
+          f"(what crossed the wire; "
+          f"--cp-comm allgather counts its {cp}-block buffer)")
     attention = [r["predicted_attention_flops"] for r in row["ranks"]]  # one matmul per layer, closed form
     print(f"attention FLOPs, busiest rank / mean: {max(attention) * len(attention) / sum(attention):.3f} "
           f"({row['cp_layout']}); recomputation moves {row['ranks'][0]['comm_bytes']['recompute']:,} B of K/V"
