@@ -57,7 +57,7 @@ P = 2
 
 def shapes(mode):
     """(cfg, batch, seq, M) of the memory runs, and repeats of the timing runs."""
-    tiny = Config(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, max_seq=64, dropout=0.1)
+    tiny = Config(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, ffn=64, max_seq=64, dropout=0.1)
     cpu = Config(vocab=256, hidden=128, layers=8, heads=4, kv_heads=2, ffn=384, max_seq=128, dropout=0.1)
     return choose(mode, fast=dict(run=(tiny, 4, 16, 4), repeats=1), cpu=dict(run=(cpu, 8, 64, 8), repeats=3),
                   large=dict(run=(large(layers=8, dropout=0.1), 8, 512, 8), repeats=3))

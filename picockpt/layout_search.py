@@ -66,7 +66,19 @@ def check_search(cfg, seq, gpus, tokens, capacity, hw):
 
 
 def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of n, ascending, from its prime factors (trial division up to sqrt(n)): a count of GPUs as
+    large as 2**40 takes microseconds, not a loop over 1..n."""
+    factors, rest, p = {}, n, 2
+    while p * p <= rest:
+        while rest % p == 0:
+            factors[p], rest = factors.get(p, 0) + 1, rest // p
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        factors[rest] = factors.get(rest, 0) + 1
+    out = [1]
+    for prime, power in factors.items():
+        out = [d * prime ** k for d in out for k in range(power + 1)]
+    return sorted(out)
 
 
 def candidates(cfg, seq, gpus, tokens, node):

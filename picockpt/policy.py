@@ -126,14 +126,14 @@ class Policy:
 
 def parse_size(text):
     """'48MiB' -> 50331648, '1.5GiB', '2GB', '1000000' -> bytes (int)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in UNITS:
         raise ValueError(f"size {text!r} is not understood: write a number with an optional unit "
                          f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 48MiB or 1.5GiB")
     value = float(match.group(1)) * UNITS[unit]
     if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+        raise ValueError(f"size {text!r} must be positive: give a number of bytes above 0, e.g. 48MiB")
     if value < 1:  # int() would make it 0 bytes
         raise ValueError(f"size {text!r} is {value:g} bytes, less than one byte: give a unit (e.g. {text.strip()}MiB) "
                          f"or a whole number of bytes")

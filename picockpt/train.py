@@ -146,4 +146,7 @@ def _line(row, flops):
             + f"  recompute {share:5.1%} of FLOPs, {row['recompute_time']:5.1%} of time")
     if row["mfu"] is not None:  # PaLM's convention: model FLOPs leave recomputation out, hardware FLOPs count it
         text += f"  MFU {row['mfu']:5.1%}  HFU {row['hfu']:5.1%}"
+        if row["hfu"] > 1:  # more FLOPs a second than the peak allows: the peak given is not this device's
+            text += "  (above 100%: the peak given, --peak-tflops, is below what this device just did; give its " \
+                    "dense datasheet peak)"
     return text

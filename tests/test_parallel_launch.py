@@ -199,8 +199,8 @@ def test_a_port_already_taken_is_a_value_error_naming_it():
     (lambda: run_ranks(rank_info, 0), r"^world_size=0: use a whole number of ranks, 1 or more"),
     (lambda: run_ranks(rank_info, 2, backend="nccl"), r"^backend='nccl' with device='cpu': NCCL moves CUDA"),
     (lambda: run_ranks(rank_info, 2, backend="mpi"), r"^backend='mpi': use 'gloo'"),
-    (lambda: run_ranks(rank_info, 2, timeout_s=0), r"^timeout_s=0: use a number of seconds from 0\.001 \(the "
-                                                   r"collectives count whole milliseconds\) to 86400 \(a day\)"),
+    (lambda: run_ranks(rank_info, 2, timeout_s=0), r"^timeout_s=0: use a number of seconds from 1 \(the groups' "
+                                                   r"connect waits as long as a collective.*\) to 86400 \(a day\)"),
     (lambda: run_ranks(rank_info, 2, start_method="fork"), r"^start_method='fork': use one of \['spawn'"),
     (lambda: run_ranks(rank_info, 2, port=70000), r"^port=70000: use a TCP port number 1\.\.65535"),
 ])

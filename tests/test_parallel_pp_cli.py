@@ -100,7 +100,7 @@ def test_parallel_command_table_with_data_parallel_overlap(capsys):
             "--batch", "4", "--device", "cpu"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert out.startswith("pipeline P=1, M=2 micro-batches, 1f1b, dp=2, tp=1, policy every:2 on cpu, float32: L=2")
+    assert out.startswith("pipeline dp=2, M=2 micro-batches, 1f1b, policy every:2 on cpu, float32: L=2")
     assert "stored peaks equal their closed forms, (in flight - 1) x stored per micro-batch + one micro-batch's peak " \
            "(picockpt/parallel/pipeline_parallel/pp_inventory.py): yes" in out
     assert "data-parallel all-reduce left exposed at the end of the step: " in out

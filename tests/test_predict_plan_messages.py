@@ -55,7 +55,7 @@ def run(capsys, *argv):
     (["plan", *TINY, "--budget", "inf"], "--budget='inf': size 'inf' is not understood"),
     (["plan", *TINY, "--budget", "nan"], "--budget='nan': size 'nan' is not understood"),
     (["plan", *TINY, "--budget", "True"], "--budget='True': size 'True' is not understood"),
-    (["plan", *TINY, "--budget", "1MiB", "--offload", "--budget", "-1"], "--budget='-1': size '-1' is not understood"),
+    (["plan", *TINY, "--budget", "1MiB", "--offload", "--budget", "-1"], "--budget='-1': size '-1' must be positive"),
     (["plan", *TINY, "--budget", "1MiB", "--host-bandwidth", "inf"], "--host-bandwidth=inf: give a positive number"),
     (["plan", *TINY, "--budget", "1MiB", "--host-bandwidth", "nan"], "--host-bandwidth=nan: give a positive number"),
     (["plan", *TINY, "--budget", "1MiB", "--compute-rate", "0"], "--compute-rate=0: give a positive number"),

@@ -6,6 +6,7 @@ command asked for is imported.
 import argparse
 import importlib
 import os
+import re
 import signal
 import sys
 
@@ -35,7 +36,13 @@ commands:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (as every other user mistake here), not the whole usage."""
+    """argparse, with its errors on one line (as every other user mistake here), not the whole usage; a word that
+    starts with a minus and a digit (-5MiB, -64K, -1e3) is a value, as argparse reads -5 and -0.5, never a flag, so the
+    flag it follows refuses it in its own words (no flag here starts with a digit)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message):
         self.exit(2, f"error: {message} (`{self.prog} --help` explains every flag)\n")

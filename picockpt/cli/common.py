@@ -4,7 +4,7 @@ from ..device import resolve_device
 from ..measure import max_relative_diff  # noqa: F401 (the commands import it from here)
 
 
-def add_shape_args(parser, preset="small", batch=4, seq=128, dtype=None):
+def add_shape_args(parser, preset="small", batch=4, seq=128, dtype=None, batch_help="sequences per batch"):
     group = parser.add_argument_group("model and batch shape")
     group.add_argument("--preset", default=preset, choices=list(PRESETS),
                        help=f"starting shape (default {preset}); the flags below override it")
@@ -36,7 +36,7 @@ def add_shape_args(parser, preset="small", batch=4, seq=128, dtype=None):
                        help="the MoE input times U(1 - j, 1 + j) noise in training, as Mixtral's router_jitter_noise "
                             "(default 0)")
     group.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
-    group.add_argument("--batch", type=int, default=batch, help=f"sequences per batch (default {batch})")
+    group.add_argument("--batch", type=int, default=batch, help=f"{batch_help} (default {batch})")
     return group
 
 

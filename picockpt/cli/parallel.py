@@ -23,10 +23,11 @@ from .common import rank_columns, table
 from ..parallel.launch import check_timeout
 from .parallel_cp import run_context
 from .parallel_ep import run_expert
-from .parallel_run import measured_step, one_line_errors, prepared, printed
+from .parallel_run import layout_words, measured_step, one_line_errors, prepared, printed
 
 def add_arguments(parser):
-    add_shape_args(parser)
+    add_shape_args(parser, batch_help="sequences in the whole batch, split over the dp x ep ranks and --microbatches "
+                   "(a rank computes batch / (dp x ep x M) of them at a time)")
     add_run_args(parser)
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks t (default 2 alone, 1 with --pp, "
                         "--dp or --microbatches); t must divide the heads, the kv heads, the ffn and the vocabulary")
@@ -36,7 +37,7 @@ def add_arguments(parser):
                         "budget:SIZE is per rank")
     parser.add_argument("--distribute-saved", action="store_true", help="without --sp: each rank keeps 1/t of "
                         "every checkpoint (Megatron's --distribute-saved-activations), all-gathered to recompute")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait, 0.001 to "
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait, 1 to "
                         "86400 (default 120)")
     parser.add_argument("--port", type=int, help="spawned ranks: the 127.0.0.1 port to meet on (default: a free one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -142,9 +143,7 @@ def run_layout(args):
 
 
 def _print_table(row):
-    layout = f"t={row['tp']}" + (", sequence parallel" if row["sp"] else "") + \
-        (", distributed saved activations" if row["distribute_saved"] else "")
-    print(f"tensor parallel {layout}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
+    print(f"tensor parallel {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
           f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} f={row['ffn']} V={row['vocab']}, "
           f"batch {row['batch']} x {row['seq']} tokens")
     print(table(row["ranks"], rank_columns()))
@@ -179,9 +178,7 @@ BUBBLE_FORMS = {"afab": "(P - 1) / (M + P - 1)", "1f1b": "(P - 1) / (M + P - 1)"
 
 
 def _print_pipeline(row):
-    virtual = f" (V={row['virtual_stages']} chunks a rank)" if row["virtual_stages"] > 1 else ""
-    print(f"pipeline P={row['pp']}, M={row['microbatches']} micro-batches, {row['schedule']}{virtual}, dp={row['dp']}, "
-          f"tp={row['tp']}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
+    print(f"pipeline {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
           f"h={row['hidden']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
     columns = [("rank", lambda r: str(r["rank"])), ("stage", lambda r: str(r["stage"])),
                ("layers", lambda r: ", ".join(f"{a}..{b}" for a, b in r["chunk_layers"])),

@@ -13,7 +13,7 @@ balance) and its FLOPs by phase; then the loss, and the gradients against the si
     python -m picockpt parallel --cp 2 --dp 2 --attention tiled --policy full        # beside dp (or --pp 2, --tp 2)
 """
 from .common import rank_columns, table
-from .parallel_run import measured_step, prepared, printed
+from .parallel_run import layout_words, measured_step, prepared, printed
 
 
 def run_context(args):
@@ -25,8 +25,7 @@ def run_context(args):
 
 
 def _print_table(row):
-    kept = ", the gathered K/V kept" if row["cp_keep_kv"] else ""
-    print(f"context parallel cp={row['cp']}, {row['cp_layout']} layout, K/V by {row['cp_comm']}{kept}, policy "
+    print(f"context parallel {layout_words(row)}, policy "
           f"{row['policy']} on {row['device']}, {row['dtype']}, {row['attention']} attention: L={row['layers']} "
           f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} V={row['vocab']}, batch {row['batch']} x "
           f"{row['seq']} tokens")
@@ -40,6 +39,12 @@ def _print_table(row):
                 for r in row["ranks"])
     print(f"stored peaks, K/V bytes per phase and FLOPs equal their closed forms "
           f"(picockpt/parallel/context_parallel/cp_inventory.py): {'yes' if exact else 'NO'}")
+    cp = row["cp"]  # the two ways count one traffic by what a rank holds: say which, and what crossed the wire
+    print(f"K/V bytes count the gathered buffer, {cp} x a rank's K/V with its own block, of which {cp - 1}/{cp} "
+          f"crossed the wire (the ring's count)" if row["cp_comm"] == "allgather" else
+          f"K/V bytes count the {cp - 1} block{'s' if cp > 2 else ''} each rank received, a rank's K/V each "
+          f"(what crossed the wire; "
+          f"--cp-comm allgather counts its {cp}-block buffer)")
     attention = [r["predicted_attention_flops"] for r in row["ranks"]]  # one matmul per layer, closed form
     print(f"attention FLOPs, busiest rank / mean: {max(attention) * len(attention) / sum(attention):.3f} "
           f"({row['cp_layout']}); recomputation moves {row['ranks'][0]['comm_bytes']['recompute']:,} B of K/V"

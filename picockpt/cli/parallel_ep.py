@@ -18,7 +18,7 @@ from ..parallel.predictions import predicted
 from ..parallel.job import ParallelJob
 from ..routing import step_routing
 from .common import fmt_bytes, rank_columns, table
-from .parallel_run import layout_of, measured_step, prepared, printed
+from .parallel_run import layout_of, layout_words, measured_step, prepared, printed
 
 def run_expert(args):
     """--ep N (and --keep-dispatched): the expert-parallel step and its report."""
@@ -46,10 +46,8 @@ def run_expert(args):
 
 
 def _print_table(row):
-    choice = "keeping the dispatched rows" if row["keep_dispatched"] else "dispatching again to recompute"
-    beside = "".join(f", {key}={row[key]}" for key in ("tp", "dp", "pp", "microbatches") if row[key] > 1)
-    beside += ", sequence parallel" if row["sp"] else ""
-    print(f"expert parallel ep={row['ep']}{beside}, {choice}, policy {row['policy']} on {row['device']}, "
+    again = "" if row["keep_dispatched"] else ", dispatching again to recompute"
+    print(f"expert parallel {layout_words(row)}{again}, policy {row['policy']} on {row['device']}, "
           f"{row['dtype']}: L={row['layers']} h={row['hidden']} E={row['experts']} k={row['experts_per_token']} "
           f"f={row['ffn']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
     where = [("stage", lambda r: str(r["stage"]))] if row["pp"] > 1 else []

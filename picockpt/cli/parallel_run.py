@@ -105,6 +105,29 @@ def printed(args, cfg, policy, device, row, measured, print_table, ranks=None):
             print_zero(row)
 
 
+def layout_words(row):
+    """Every layout choice the step ran with, from the row's own keys (layout_of): 'pp=2, cp=2, tp=2, M=2
+    micro-batches, zb-h1, sequence parallel, ring K/V (zigzag)'; what is left at its default is left out. Every
+    header says the layout this way, so none can leave out a dimension that ran."""
+    words = [f"{name}={row[name]}" for name in ("dp", "pp", "ep", "cp", "tp") if row[name] > 1]
+    if row["microbatches"] > 1:
+        words.append(f"M={row['microbatches']} micro-batches")
+    if row["pp"] > 1 or row["microbatches"] > 1:
+        words.append(row["schedule"] + (f" (V={row['virtual_stages']} chunks a rank)" if row["virtual_stages"] > 1
+                                         else ""))
+    if row["cp"] > 1:
+        words.append(f"K/V by {row['cp_comm']} ({row['cp_layout']})" + (", kept" if row["cp_keep_kv"] else ""))
+    if row["zero"]:
+        words.append(f"ZeRO-{row['zero']}" + (f", gathers kept ({row['keep_gathered']})" if row["keep_gathered"] is
+                                               not False else "") + ("" if row["prefetch"] else ", no prefetch"))
+    words += [text for key, text in (("sp", "sequence parallel"), ("distribute_saved", "distributed saved "
+              "activations"), ("recompute_early", "recompute early"), ("keep_dispatched", "the dispatched rows "
+              "kept")) if row[key]]
+    if not row["overlap"]:
+        words.append("all-reduce after the backward")
+    return ", ".join(words) or "one rank"
+
+
 def rank_failure(error, verbose=False):
     """A RankError as the command's one line, the rank's last frame named; verbose: every rank's traceback below."""
     first, _, rest = str(error).partition("\n")

@@ -52,8 +52,8 @@ def op_seconds(cfg, args, progress=print):
     if not args.json:
         progress(f"timing each op of one layer and the head on {device}, 7 interleaved rounds ...", flush=True)
     profile = measure_op_seconds(cfg, args.batch, args.seq, device)
-    return (profile.seconds, f"measured on {device}: each op's median of {profile.repeats} interleaved rounds",
-            profile.spread)
+    return (profile.seconds, f"measured on {device}: each op's median of {profile.repeats} interleaved rounds (times "
+            f"move with the machine's load, so a measured plan can change between runs)", profile.spread)
 
 
 def priced_plan(cfg, args, budget, drop):

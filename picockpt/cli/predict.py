@@ -32,7 +32,8 @@ POLICY_OF = {"none": "none", "selective": "selective", "full": "full"}  # --reco
 
 
 def add_arguments(parser):
-    add_shape_args(parser, preset="llama3-8b", batch=1, seq=4096, dtype="bf16")  # the published 16-bit convention
+    add_shape_args(parser, preset="llama3-8b", batch=1, seq=4096, dtype="bf16",  # the published 16-bit convention
+                   batch_help="sequences per rank (a data-parallel rank's own; --pp's micro-batches split it)")
     parser.add_argument("--model", dest="preset", default=argparse.SUPPRESS,
                         help="the shape to start from: llama3-8b (default), llama3-70b, llama3-405b, "
                              "or a picockpt preset; the shape flags override it (same as --preset)")

@@ -38,6 +38,9 @@ from .predict_pipeline import add_pipeline_arguments, check_schedule_flags, pipe
 from .predict_zero import gib, print_zero, zero_row
 
 
+WALK_LIMIT = 2**16  # pp x microbatches x virtual stages that predict walks in a few seconds (pp 8, M 8192: ~5 s)
+
+
 def add_parallel_arguments(parser):
     parser.add_argument("--zero", type=int, choices=(1, 2, 3),
                         help="ZeRO stage: 1 shards the optimizer state over the --dp ranks, 2 the gradients too, "
@@ -69,9 +72,7 @@ def add_parallel_arguments(parser):
 
 def check_parallel(args, cfg, policy):
     """One-line ValueErrors for what predict cannot compute, before any work: each names the flag that is wrong."""
-    if not 0 < args.gpu_gib < float("inf"):
-        raise ValueError(f"--gpu-gib={args.gpu_gib:g}: give one GPU's memory as a positive finite number of GiB, "
-                         f"e.g. --gpu-gib 80")
+    gpu_bytes(args.gpu_gib)
     if args.zero is not None and args.dp < 2:
         raise ValueError(f"--zero {args.zero} with --dp {args.dp}: ZeRO shards over data-parallel ranks; "
                          f"give --dp D >= 2, e.g. --zero {args.zero} --dp 8")
@@ -90,6 +91,15 @@ def check_parallel(args, cfg, policy):
         check_context(args, cfg, policy)
     elif (args.zero is not None or args.pp > 1) and args.tp > 1:
         check_tensor_parallel(cfg, args.tp, args.sp, args.seq, args.distribute_saved, experts=args.ep > 1)
+
+
+def gpu_bytes(gib):
+    """--gpu-gib in bytes, a whole number; a ValueError naming the flag unless it is positive and finite in bytes too
+    (1e308 GiB is a finite float, and infinite once counted in bytes)."""
+    if not 0 < gib * GIB < float("inf"):
+        raise ValueError(f"--gpu-gib={gib:g}: give one GPU's memory as a positive finite number of GiB (finite in "
+                         f"bytes too), e.g. --gpu-gib 80")
+    return int(gib * GIB)
 
 
 def check_expert_flag(args, cfg):
@@ -126,6 +136,13 @@ def check_pipeline(args, cfg):
     if pp == 1:
         return
     M = M or pp
+    if pp * M * args.virtual_stages > WALK_LIMIT:
+        most = WALK_LIMIT // (pp * args.virtual_stages)
+        raise ValueError(f"--microbatches {M} with --pp {pp}" + (f" and --virtual-stages {args.virtual_stages}" if
+                         args.virtual_stages > 1 else "") + f": predict walks every stage's order of forwards and "
+                         f"backwards, for each schedule it compares, and past {WALK_LIMIT:,} micro-batch-stages that "
+                         f"takes minutes; use --microbatches {most:,} or fewer (its bubble is already "
+                         f"{(pp - 1) / (most + pp - 1):.2%} of the step)")
     divisors = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
     if batch % M and args.microbatches is None:
         raise ValueError(f"--batch {batch} with --pp {pp}: --pp's {pp} micro-batches (--microbatches defaults to "
@@ -224,7 +241,7 @@ def add_parallel_rows(row, args, cfg, policy):
     if args.pp > 1 and args.cp == 1 and args.zero is None:
         row["pipeline"] = pipeline_row(cfg, args.batch, args.seq, policy, args.pp, args.microbatches, args.schedule,
                                        args.virtual_stages, args.tp, args.sp, args.distribute_saved)
-    row["gpu_bytes"] = int(args.gpu_gib * GIB)
+    row["gpu_bytes"] = gpu_bytes(args.gpu_gib)
 
 
 def print_parallel(row):

@@ -10,12 +10,17 @@ import time
 
 from ..cost import HARDWARE, hardware
 from ..layout_search import published_for, rank_of, search
+from .predict_parallel import gpu_bytes
 
 TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}  # 16M = 2048 sequences of 8,192 (powers of two)
 TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_exposed")
 CHOSEN = ("--tp", "tp", 1), ("--sp", "sp", False), ("--cp", "cp", 1), ("--pp", "pp", 1), ("--dp", "dp", 1), \
     ("--zero", "zero", None), ("--microbatches", "microbatches", None), ("--recompute", "recompute", "none"), \
-    ("--batch", "batch", 1), ("--distribute-saved", "distribute_saved", False)
+    ("--batch", "batch", 1), ("--distribute-saved", "distribute_saved", False), ("--schedule", "schedule", "1f1b"), \
+    ("--virtual-stages", "virtual_stages", 1)
+PRICED = ("--cp-comm", "cp_comm", "ring", "each layer's K/V all-gathered over the cp ranks"), \
+    ("--keep-kv", "keep_kv", False, "the gathered K/V not kept (gathered again in the backward)"), \
+    ("--attention", "attention", (None, "fused"), "attention as a flash kernel (fused)")  # what the search prices
 
 
 def add_search_arguments(parser):
@@ -39,7 +44,7 @@ def parse_tokens(text):
     except ValueError:
         value = 0
     if not value >= 1 or value != int(value) or value == float("inf"):
-        raise ValueError(f"--tokens-per-batch={text!r}: give a whole number of tokens, e.g. 16M (16 x 2**20) or "
+        raise ValueError(f"--tokens-per-batch={text!r}: give a positive whole number of tokens, e.g. 16M (16 x 2**20) or "
                          f"16777216")
     return int(value)
 
@@ -55,9 +60,14 @@ def check_search_flags(args):
         return
     chosen = [flag for flag, name, default in CHOSEN if getattr(args, name) != default]
     if chosen:
-        raise ValueError(f"{', '.join(chosen)} with --search: the search chooses the layout, the policy and the "
-                         f"micro-batches itself; leave {'it' if len(chosen) == 1 else 'them'} out (give --gpus, "
+        raise ValueError(f"{', '.join(chosen)} with --search: XX; leave {'it' if len(chosen) == 1 else 'them'} out (give --gpus, "
                          f"--tokens-per-batch, --seq, --gpu-gib)")
+    for flag, name, default, priced in PRICED:  # not chosen, and not read either: the search prices one way
+        value = getattr(args, name)
+        if value not in (default if isinstance(default, tuple) else (default,)):
+            given = flag if value is True else f"{flag} {value}"
+            raise ValueError(f"{given} with --search: the search prices {priced} in every layout; leave {flag} "
+                             f"out")
     for flag, name in (("--gpus", "gpus"), ("--tokens-per-batch", "tokens_per_batch")):
         if getattr(args, name) is None:
             raise ValueError(f"--search needs {flag}, e.g. --gpus 16384 --tokens-per-batch 16M")
@@ -67,7 +77,7 @@ def check_search_flags(args):
 
 def run_search(args, cfg):
     tokens, hw = parse_tokens(args.tokens_per_batch), hardware(args.hardware)
-    capacity = args.gpu_gib * 2**30
+    capacity = gpu_bytes(args.gpu_gib)
     start = time.perf_counter()
     rows, considered = search(cfg, args.seq, args.gpus, tokens, capacity, hw)
     seconds = time.perf_counter() - start

@@ -23,7 +23,8 @@ from .expert_parallel.ep_shard import check_expert_parallel
 from .launch import check_rank_count, ranks_generator
 from .layout import check_layout
 from .pipeline_parallel.pp_inventory import rank_forms
-from .pipeline_parallel.pp_schedules import check_interleaving, check_schedule, rank_layers, stage_layers
+from .pipeline_parallel.pp_schedules import (check_interleaving, check_schedule, check_segment, rank_layers,
+                                             stage_layers)
 from .tensor_parallel.tp_shard import check_tensor_parallel
 
 
@@ -76,13 +77,13 @@ NOT_YET = [
      "a rank's experts would receive the tokens of its sequence chunks, and the routing and its closed forms are "
      "by whole rows", "use cp with tp, dp, zero and pp, or ep without cp"),
     (lambda job: job.cp_keep_kv and (job.pp > 1 or job.microbatches > 1 or job.tp > 1),
-     lambda job: f"cp_keep_kv=True with pp={job.pp}, microbatches={job.microbatches}, tp={job.tp}",
+     lambda job: f"cp_keep_kv=True with {given(job, 'pp', 'microbatches', 'tp')}",
      "the kept K/V are closed-formed for one micro-batch per rank without tp", "use it with pp=1, microbatches=1 "
      "and tp=1"),
     (lambda job: job.ep > 1 and job.distribute_saved, lambda job: f"ep={job.ep} with distribute_saved=True",
      "its closed forms split no expert-parallel checkpoint", "leave distribute_saved out with ep"),
     (lambda job: job.virtual_stages > 1 and (job.zero or job.ep > 1 or job.cp > 1),
-     lambda job: f"schedule='interleaved' with zero={job.zero}, ep={job.ep}, cp={job.cp}",
+     lambda job: f"schedule='interleaved' with {given(job, 'zero', 'ep', 'cp')}",
      "ZeRO's, ep's and cp's closed forms are per stage, not per chunk", "interleave with dp and tp (sp)"),
     (lambda job: job.schedule == "zb-h1" and job.cfg.experts > 0, lambda job: f"schedule='zb-h1' with experts",
      "a mixture of experts' weight gradients are not deferred apart from its input gradient",
@@ -94,10 +95,22 @@ NOT_YET = [
 ]
 
 
+def given(job, *names):
+    """'ep=2, cp=2': those of the names whose value is not the default (0 or 1), as the caller gave them."""
+    return ", ".join(f"{name}={getattr(job, name)}" for name in names if getattr(job, name) not in (0, 1))
+
+
+# Switches that change only what a recomputation does: under a policy that recomputes nothing they would do nothing.
+RECOMPUTE_SWITCHES = {"distribute_saved": "each tp rank keeps 1/t of a checkpoint, all-gathered to recompute",
+                      "recompute_early": "a waiting stage recomputes its top segment early",
+                      "keep_gathered": "a recomputed layer's gathered parameters are kept for its backward",
+                      "keep_dispatched": "a recomputed layer reads the rows it dispatched instead of dispatching again"}
+
+
 def checked_job(job, device, world_size):
     """The job with its policy parsed and batch checked; a ValueError naming the value before any rank starts."""
     check_flags(job)
-    check_schedule(job.schedule, job.virtual_stages)
+    check_schedule(job.schedule, job.virtual_stages, job.pp)
     for refused, what, why, works in NOT_YET:
         if refused(job):
             raise ValueError(f"{what(job)} is not supported yet: {why}; {works}")
@@ -110,8 +123,15 @@ def checked_job(job, device, world_size):
     check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp x cp", job.world_size, device)  # torchrun
     check_layout(job.dp, job.pp, job.tp, world_size, job.ep, job.cp)
     stage_layers(cfg.layers, job.pp)
+    if policy.segment is None and policy.budget is None and policy.op_level is None:  # none: nothing recomputed
+        for name, what in RECOMPUTE_SWITCHES.items():
+            if getattr(job, name):
+                raise ValueError(f"{name}=True with policy {policy.text!r}: it changes what a recomputation does "
+                                 f"({what}), and policy {policy.text!r} recomputes nothing; use a policy that "
+                                 f"recomputes (full, every:C, budget:SIZE), or leave {name} out")
     if job.schedule == "interleaved":
         check_interleaving(job.pp, M, job.virtual_stages, cfg.layers)
+    check_segment(policy.segment, policy.text, cfg.layers, job.pp, job.virtual_stages)
     if job.recompute_early and job.pp == 1:
         raise ValueError("recompute_early=True without pp: it recomputes a stage's top segment while the stage "
                          "waits for its gradient; use it with pp >= 2, or leave it out")
@@ -141,14 +161,22 @@ def checked_job(job, device, world_size):
             raise ValueError(f"router_jitter={cfg.router_jitter} with dp x microbatches = {job.dp * M}: the jitter "
                              f"noise is drawn at a micro-batch's shape, not sliced from the whole batch's; use "
                              f"router_jitter=0 or one micro-batch on one replica")
+    failed = []  # an impossible budget says which stage it does not fit, before any rank starts
     for stage in range(job.pp):
-        try:  # an impossible budget says which stage it does not fit, before any rank starts
+        try:
             closed_forms(replace(job, policy=policy.text), stage)
         except ValueError as error:
             if job.pp == 1:
                 raise
-            layers = ", ".join(f"{r[0]}..{r[-1]}" for r in rank_layers(cfg.layers, job.pp, stage, job.virtual_stages))
-            raise ValueError(f"stage {stage} (layers {layers}): {error}") from None
+            failed.append((stage, error))
+    if failed:  # the largest need over every stage at once: following it, no other stage fails next
+        stage, error = max(failed, key=lambda one: getattr(one[1], "least", -1))
+        layers = ", ".join(f"{r[0]}..{r[-1]}" for r in rank_layers(cfg.layers, job.pp, stage, job.virtual_stages))
+        others = [s for s, _ in failed if s != stage]
+        also = f" (the largest need of the {job.pp} stages; stage{'s' if len(others) > 1 else ''} " \
+            f"{', '.join(map(str, others))}, short of this budget too, need{'' if len(others) > 1 else 's'} less)" \
+            if others else ""
+        raise ValueError(f"stage {stage} (layers {layers}): {error}{also}") from None
     return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
 
 

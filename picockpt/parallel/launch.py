@@ -31,7 +31,9 @@ from .watch import STOP_GRACE_S, RankError, collect, sigterm_raises, stop  # noq
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LOCALHOST = "127.0.0.1"
-TIMEOUT_RANGE_S = (0.001, 86400.0)  # gloo and NCCL count whole milliseconds; a day is longer than any wait here
+TIMEOUT_RANGE_S = (1.0, 86400.0)  # below a second the groups' own connect (gloo's full mesh, bounded by the same
+#                                    timeout) fails on a busy machine before any step; a day is longer than any wait
+JOIN_S = 60.0  # the rendezvous: ranks start seconds apart (each imports torch), whatever the collectives may wait
 
 
 def ranks_generator(device):
@@ -63,8 +65,8 @@ def check_timeout(timeout_s):
     """ValueError naming timeout_s unless it is a number of seconds a collective can wait (TIMEOUT_RANGE_S)."""
     low, high = TIMEOUT_RANGE_S
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not low <= timeout_s <= high:
-        raise ValueError(f"timeout_s={timeout_s!r}: use a number of seconds from {low:g} (the collectives count whole "
-                         f"milliseconds) to {high:g} (a day), e.g. 120")
+        raise ValueError(f"timeout_s={timeout_s!r}: use a number of seconds from {low:g} (the groups' connect waits as "
+                         f"long as a collective, and needs that much) to {high:g} (a day), e.g. 120")
 
 
 def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, port=None, start_method="spawn",
@@ -72,8 +74,8 @@ def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, p
     """fn(comm, *args, **kwargs) on every rank (other keywords go to fn); returns [rank 0's result, rank 1's, ...].
     world_size: the number of ranks (under torchrun: None, or its WORLD_SIZE). backend: None picks "nccl" for
     device="cuda", "gloo" otherwise. device: "cpu" or "cuda" (each rank takes cuda:LOCAL_RANK; an index given is not
-    used). timeout_s: seconds, the limit on the rendezvous and every collective, sub-groups' too (Comm.timeout: one made
-    without it waits torch's 30 minutes). Spawned ranks only: port (127.0.0.1's; None: a free one), start_method."""
+    used). timeout_s: seconds, the limit on every collective, sub-groups' too (Comm.timeout: one made without
+    it waits torch's 30 minutes), and on the rendezvous, which waits at least JOIN_S for ranks still starting. Spawned ranks only: port (127.0.0.1's; None: a free one), start_method."""
     if not callable(fn):
         raise ValueError(f"fn={fn!r}: give a function fn(comm, *args, **kwargs)")
     if world_size is None and not under_torchrun():
@@ -196,7 +198,8 @@ def _serve_rendezvous(port, world_size, timeout_s):
         raise ValueError(f"port={port}: cannot listen on {LOCALHOST}:{port} ({error.strerror}); another process holds "
                          f"it. Leave port out (on the command line: no --port) and a free one is picked") from None
     chosen = listener.getsockname()[1]
-    return dist.TCPStore(LOCALHOST, chosen, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+    return dist.TCPStore(LOCALHOST, chosen, world_size, is_master=True,
+                         timeout=timedelta(seconds=max(timeout_s, JOIN_S)),
                          wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True)
 
 
@@ -214,7 +217,10 @@ def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox
         if backend == "gloo":
             os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # gloo's own sockets on 127.0.0.1 only
         device, bound = _rank_device(device_type, rank)
-        store = dist.TCPStore(LOCALHOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(LOCALHOST, port, world_size, is_master=False,
+                              timeout=timedelta(seconds=max(timeout_s, JOIN_S)))
+        store.set(f"joined/{rank}", "1")  # every rank here before any group connects: the connect itself is quick
+        store.wait([f"joined/{r}" for r in range(world_size)])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s), **bound)
         joined = True

@@ -10,6 +10,15 @@ from ...planner import least_budget, least_plan, plan_chain, replay
 from ...schedule import Schedule
 
 
+class BudgetTooSmall(ValueError):
+    """A budget below what a stage (or an interleaved rank's chunks) needs; .least: the fewest bytes found to fit, so
+    a caller planning every stage can name the largest need over all of them at once."""
+
+    def __init__(self, message, least):
+        super().__init__(message)
+        self.least = least
+
+
 def end_of_forward_bytes(chain, schedule):
     """E: the bytes a schedule's first forward leaves stored (checkpoints, layers kept whole, the head)."""
     held = 0
@@ -26,16 +35,19 @@ def in_flight_peak(order, stored, peaks, left=None):
     microbatch, chunk), each a function of (microbatch, chunk): a forward leaves stored(m, c); a backward peaks at
     peaks(m, c) above what the others hold and leaves left(m, c) (ZB-H1: what its W reads), which the W frees.
     Equal micro-batches, one chunk, no W: (in flight - 1) E + peak, the 1F1B form."""
-    held, peak = {}, 0
+    held, total, peak = {}, 0, 0  # total: sum(held.values()), kept as it changes (the walk linear in M)
     for kind, m, c in order:
         if kind == "F":
             held[m, c] = stored(m, c)
+            total += held[m, c]
         elif kind == "B":
-            peak = max(peak, sum(held.values()) - held[m, c] + peaks(m, c))
+            peak = max(peak, total - held[m, c] + peaks(m, c))
+            total -= held[m, c]
             held[m, c] = left(m, c) if left else 0
+            total += held[m, c]
         else:
-            held.pop((m, c))
-        peak = max(peak, sum(held.values()))
+            total -= held.pop((m, c))
+        peak = max(peak, total)
     return peak
 
 
@@ -84,10 +96,10 @@ def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None, orde
     options = [plan for plan in seen if plan.peak_bytes <= budget]
     if not options:
         least_seen = min(plan.peak_bytes for plan in seen)
-        raise ValueError(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what this stage needs with "
+        raise BudgetTooSmall(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what this stage needs with "
                          f"{in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight: the least found is "
                          f"{least_seen:,} bytes; use budget:{math.ceil(least_seen / 2**20 * 100) / 100}MiB or more, "
-                         f"or fewer micro-batches in flight")
+                         f"or fewer micro-batches in flight", least_seen)
     return min(options, key=lambda plan: (plan.recompute_flops, plan.peak_bytes))
 
 
@@ -119,8 +131,9 @@ def plan_chunks(chains, budget, order, candidates):
     fits = [one for one in seen if one[0] <= budget]
     if not fits:
         least_seen = min(one[0] for one in seen)
-        raise ValueError(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what this rank's "
+        raise BudgetTooSmall(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what this rank's "
                          f"{len(chains)} chunks need together: the least found is {least_seen:,} bytes; use "
-                         f"budget:{math.ceil(least_seen / 2**20 * 100) / 100}MiB or more, or fewer micro-batches")
+                         f"budget:{math.ceil(least_seen / 2**20 * 100) / 100}MiB or more, or fewer micro-batches",
+                             least_seen)
     _, _, schedules, source = min(fits, key=lambda one: (one[1], one[0]))
     return [(schedule, source) for schedule in schedules]

@@ -28,6 +28,7 @@ for) and W (the weight gradients, which nobody waits for). Rank s runs 1F1B's P 
 F, B whose W waits, then F, B, W while forwards remain, B, W while backwards remain, and the s waiting W's last: with
 equal F, B, W times the bubble falls from 1F1B's (P - 1)(F + B + W) to (P - 1)(F + B - W), a third of it.
 """
+import functools
 from collections import namedtuple
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
@@ -39,7 +40,9 @@ EXPLAINED = {"afab": "all forward then all backward", "1f1b": "one forward one b
 Action = namedtuple("Action", "kind microbatch chunk", defaults=(0,))
 
 
-def check_schedule(schedule, virtual=1):
+def check_schedule(schedule, virtual=1, stages=None):
+    """ValueError naming the value unless the schedule is known, its virtual stages fit it, and (stages given) a
+    schedule of a pipeline's stages has more than one stage to order."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: use one of "
                          f"{', '.join(f'{s!r} ({EXPLAINED[s]})' for s in SCHEDULES)}")
@@ -48,6 +51,9 @@ def check_schedule(schedule, virtual=1):
     if (virtual > 1) != (schedule == "interleaved"):
         raise ValueError(f"virtual_stages={virtual} with schedule={schedule!r}: virtual stages are interleaving's "
                          f"chunks; use schedule='interleaved' with virtual_stages >= 2, or virtual_stages=1")
+    if stages == 1 and schedule in ("interleaved", "zb-h1"):  # afab and 1f1b order one stage's micro-batches too
+        raise ValueError(f"schedule={schedule!r} with pp=1: {EXPLAINED[schedule]} orders the stages of a pipeline, "
+                         f"and there is one stage; use pp >= 2, or schedule='1f1b'")
     return schedule
 
 
@@ -78,6 +84,17 @@ def stage_layers(layers, stages):
     return [range(start, end) for start, end in zip(starts, starts[1:])]
 
 
+def check_segment(segment, text, layers, stages, virtual=1):
+    """every:C splits each stage's chunk of layers into segments of C (the single process's every:C on the chunk):
+    a C longer than every chunk would silently be the chunk's length, as the single process refuses C > L."""
+    longest = max(len(chunk) for chunk in stage_layers(layers, stages * virtual))
+    if segment is not None and stages * virtual > 1 and segment > longest:
+        chunks = f"pp={stages} x virtual_stages={virtual} chunks" if virtual > 1 else f"pp={stages} stages"
+        raise ValueError(f"policy {text!r}: C={segment} is longer than the {longest} layers of the longest of "
+                         f"{chunks} (of L={layers}), so each would run every:{longest}; use every:C with "
+                         f"C <= {longest}")
+
+
 def rank_layers(layers, stages, stage, virtual=1):
     """The layer ranges rank `stage` runs, one per chunk: virtual stages stage, P + stage, .. of P V (interleaved)."""
     return stage_layers(layers, stages * virtual)[stage::stages]
@@ -86,6 +103,11 @@ def rank_layers(layers, stages, stage, virtual=1):
 def actions(schedule, stages, microbatches, stage, virtual=1):
     """The forwards (F), backwards (B) and weight gradients (W, ZB-H1) stage `stage` runs, in order, one Action
     each; virtual: interleaving's chunks per rank."""
+    return list(_actions(schedule, stages, microbatches, stage, virtual))
+
+
+@functools.lru_cache(maxsize=256)  # predict walks each order once per policy and schedule compared: made once
+def _actions(schedule, stages, microbatches, stage, virtual):
     check_schedule(schedule, virtual)
     M = microbatches
     if schedule == "interleaved":
@@ -154,6 +176,7 @@ def interleaved_steps(order):
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def in_flight(schedule, stages, microbatches, stage, virtual=1):
     """The most micro-batches (micro-batch-chunks, interleaved) whose activations stage `stage` stores at once,
     from a forward to its backward (read off its actions; ZB-H1's W holds what it needs apart: pp_inventory.py)."""
