@@ -123,8 +123,8 @@ def hf_rows(cfg):
     return True
 
 
-BASES = ("picockpt none", "autograd")
-FP32 = "picockpt none in float32"  # the reference of Hugging Face's rows under autocast  # always run: the gradient references and the FLOP base
+BASES = ("picockpt none", "autograd")  # always run: the gradient references and the FLOP base
+FP32 = "picockpt none in float32"  # the reference of Hugging Face's rows under autocast
 
 
 def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=print, min_cut=(), only=None):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from picockpt import loss_and_grads
+from picockpt.alloc_trace import live_peak, only, trace_of
 from picockpt.fit import step_bytes
 from picockpt.params import copy_bytes
 from picockpt.policy import parse_policy
@@ -30,18 +31,8 @@ def _one_thread():  # 16-bit ops this small run fastest on one thread
 
 
 def weights_peak(tracker):
-    """The highest bytes held at once by the storages the step marked "weights" (its 16-bit copies),
-    replayed from the tracker's log of allocations and frees."""
-    live = peak = 0
-    alive = set()
-    for record in tracker.log:
-        if record[0] in ("alloc", "free") and tracker.categories.get(record[1]) == "weights":
-            sid, alloc = record[1], record[0] == "alloc"
-            if alloc != (sid in alive):
-                live += tracker.sizes[sid] if alloc else -tracker.sizes[sid]
-                (alive.add if alloc else alive.discard)(sid)
-                peak = max(peak, live)
-    return peak
+    """The highest bytes held at once by the storages the step marked "weights" (its 16-bit copies)."""
+    return live_peak(only(trace_of(tracker), ("weights",)))
 
 
 def test_spellings():
