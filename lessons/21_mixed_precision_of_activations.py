@@ -36,12 +36,15 @@ import torch
 
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
-from picockpt import ActivationStore, init_params
+from picockpt import ActivationStore, Config, init_params, loss_and_grads
+from picockpt.alloc_trace import live_peak, only, trace_of
 from picockpt.engine import Model, Step
 from picockpt.inventory import layer_inventory, step_flops
 from picockpt.measure import make_batch
+from picockpt.params import copy_bytes, layer_shapes
 from picockpt.plotting import mib, policy_color, save_figure
 from picockpt.policy import parse_policy
+from picockpt.tracker import Tracker
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: the largest e4m3 number; a tensor's amax is scaled onto it
@@ -317,6 +320,56 @@ path = save_figure(fig, "21_mixed_precision_of_activations")
 wrote(path)
 
 # %% [markdown]
+# ## The 16-bit weight copies: memory like an activation, recomputed like one
+#
+# A bf16 step computes with 16-bit weights, and its master weights are fp32: somebody makes the 16-bit
+# copies. Unless the policy says otherwise, `Model.start` casts every weight once, at the start of the
+# step, and keeps the copies to its end: 2 bytes a parameter (16 GB for Llama 3 8B), held through the
+# whole step like a stored activation that is never dropped. The policy's `+recast` treats them as one:
+# a layer's copies are made when the layer runs and dropped after it, made again in its recompute and in
+# its backward, as `torch.autocast` does (it caches a cast only inside one autocast region, and a
+# checkpoint's recompute is a new region). Live at once: the embedding's, final norm's and head's copies
+# and one layer's (`params.copy_bytes`). The price is a cast per layer in each recompute and backward, a
+# memory-bound pass that reads 4 and writes 2 bytes a parameter, and no FLOPs; the bits are the same, a
+# cast being deterministic.
+#
+# The tracker marks the copies "weights", out of its physical activation count; `alloc_trace` replays its
+# log for their peak, and the tracked total is every storage of the step, copies and gradients included.
+
+# %%
+copy_rows = {}  # policy -> (stored peak, weight copies' peak, tracked total's peak, loss, grads)
+for policy in ("none", "recast", "full", "full+recast"):
+    with Tracker(args.device, flops=False) as tracker:
+        loss, grads = loss_and_grads(params, cfg, input_ids, targets, policy, tracker=tracker)
+    copies = live_peak(only(trace_of(tracker, tracker.device.type), ("weights",)))
+    copy_rows[policy] = (tracker.peak_logical, copies, max(p["total"] for p in tracker.peaks.values()), loss, grads)
+print(f"{'policy':<14}{'stored peak':>14}{'weight copies':>15}{'copy_bytes':>13}{'tracked total':>15}")
+for policy, (stored, copies, total, _, _) in copy_rows.items():
+    closed = copy_bytes(cfg, parse_policy(policy, cfg).recast)
+    print(f"{policy:<14}{stored:>14,}{copies:>15,}{closed:>13,}{total:>15,}")
+copies_closed = all(row[1] == copy_bytes(cfg, parse_policy(policy, cfg).recast) for policy, row in copy_rows.items())
+recast_bitwise = all(torch.equal(copy_rows[kept][3], copy_rows[recast][3]) and
+                     all(torch.equal(copy_rows[kept][4][n], copy_rows[recast][4][n]) for n in params)
+                     for kept, recast in (("none", "recast"), ("full", "full+recast")))
+print(f"weight copies = copy_bytes, kept and recast: {copies_closed}; loss and gradients with recast bitwise "
+      f"those without: {recast_bitwise}")
+full_total, recast_total = copy_rows["full"][2], copy_rows["full+recast"][2]
+print(f"full's tracked total {mib(full_total):.2f} MiB -> full+recast's {mib(recast_total):.2f} MiB "
+      f"({recast_total / full_total:.2f}x); the stored activations do not move")
+billion = Config(vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=4, ffn=8192, dtype="bfloat16")
+for name, model in (("1.1B (L=16, h=2048, f=8192, V=32000)", billion),
+                    ("Llama 3 8B", Config.from_preset("llama3-8b", dtype="bfloat16"))):
+    layer_params = sum(math.prod(size) for size in layer_shapes(model).values())
+    print(f"{name}: copies kept {copy_bytes(model) / 2**30:.2f} GiB, recast {copy_bytes(model, True) / 2**30:.2f} "
+          f"GiB; a layer's cast moves {6 * layer_params / 2**20:.0f} MiB (4 bytes read, 2 written a parameter)")
+
+# %% [markdown]
+# Under `full` the stored activations are one layer input each, so at a small batch the kept copies can
+# outweigh them; `full+recast` gives all but one layer's back, for two more casts per layer (one in the
+# recompute, one in the backward; the forward's was always made). The planner does not weigh this yet:
+# a `budget:SIZE` counts the activation store, and `fit.step_bytes` counts the copies beside it.
+
+# %% [markdown]
 # ## Exercises
 #
 # These use the `small` model in bf16 at batch 4 × 128 tokens, whatever shape the run above used.
@@ -372,5 +425,8 @@ check("full's bf16 gradients are bitwise none's", answer, all(torch.equal(full_g
 RESULT = {"figures": [str(path)],
           "summary": {"stored layer = layer_inventory": same,
                       "recomputed gradients = stored (bitwise)": recomputed_bitwise,
+                      "weight copies = copy_bytes (kept, recast)": copies_closed,
+                      "recast gradients = kept (bitwise)": recast_bitwise,
+                      "full+recast tracked total / full's": f"{recast_total / full_total:.2f}",
                       "fp8 MLP saves": f"{1 - results['fp8 MLP (gate, up, act)'][0] / base[0]:.0%}",
                       "grad error bf16 / fp8 MLP": f"{base[1]:.2e} / {results['fp8 MLP (gate, up, act)'][1]:.2e}"}}

@@ -68,6 +68,16 @@ def only(trace, categories=(None,)):
     return [event for event in trace if event.category in categories]
 
 
+def live_peak(events):
+    """The most bytes the events' storages hold at once, e.g. live_peak(only(trace, ("weights",))): the
+    16-bit weight copies of a mixed-precision step at their highest (params.copy_bytes in closed form)."""
+    live = peak = 0
+    for event in events:
+        live += event.size if event.kind == "alloc" else -event.size
+        peak = max(peak, live)
+    return peak
+
+
 # -- on a GPU ------------------------------------------------------------------------------------
 
 def check_native(device):

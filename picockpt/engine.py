@@ -28,7 +28,7 @@ from .inventory import layer_inventory
 from .layer import layer_backward, layer_forward
 from .offload import host_tier, offloading, prefetch_for
 from .ops import embedding_backward, embedding_forward, rope_tables
-from .params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_weights
+from .params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_names, layer_weights, model_names
 from .policy import parse_policy
 from .store import ActivationStore
 from .tail import RUN_TAIL, SKIP_TAIL
@@ -56,7 +56,8 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
     input_ids, targets = check_batch(cfg, input_ids, targets, params)
     B, T = input_ids.shape
     with torch.no_grad():
-        step = Step(Model(params, cfg, input_ids, targets), policy.schedule(cfg, B, T), policy.drop, tracker, trace)
+        model = Model(params, cfg, input_ids, targets, recast=policy.recast)
+        step = Step(model, policy.schedule(cfg, B, T), policy.drop, tracker, trace)
         loss = step.forward()
         return loss, step.backward()
 
@@ -65,21 +66,35 @@ class Model:
     """picockpt's model as the loop sees it, in one process: the embedding, L layers, the head.
     What any model gives the loop: cfg, params, input_ids, layers (a range) and layer_names;
     start(tracker), embed(), keep_input/load_input, layer_forward/layer_backward,
-    head_forward/head_backward and embed_backward."""
+    head_forward/head_backward and embed_backward.
+    recast (the policy's +recast): a layer's 16-bit weight copies are made each time it runs and dropped
+    after, instead of every weight's at the start of the step, kept to its end."""
 
-    def __init__(self, params, cfg, input_ids, targets, layer_names=None):
+    def __init__(self, params, cfg, input_ids, targets, layer_names=None, recast=False):
         self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
+        self.recast = recast
         self.layers = range(cfg.layers)  # the layers this model runs, in order
         # what a layer could keep (--trace): picockpt's layer's names, or those a parallel rank's model gives
         self.layer_names = list(layer_inventory(cfg, *input_ids.shape)) if layer_names is None else layer_names
 
     def start(self, tracker):  # first thing in the forward: the weights of this step, the rotary tables
         cfg = self.cfg
-        self.weights = compute_weights(self.params, cfg)  # 16-bit copies under mixed precision
-        for tensor in self.weights.values():
-            tracker.mark(tensor, "weights")
+        self.tracker = tracker
+        names = model_names(cfg) if self.recast else None  # recast: the layers' come in layer_weights_for
+        self.weights = self.cast(names)  # 16-bit copies under mixed precision, kept to the step's end
         self.rope = rope_tables(cfg, self.input_ids.shape[1], self.input_ids.device, cfg.torch_dtype)  # (T, hd) x2
-        self.weights_of = [layer_weights(self.weights, i) for i in self.layers]  # per layer, by role
+        self.weights_of = None if self.recast else [layer_weights(self.weights, i) for i in self.layers]  # by role
+
+    def cast(self, names):  # the master weights named (None: all) in the compute dtype, marked as weights
+        weights = compute_weights(self.params, self.cfg, names)
+        for tensor in weights.values():
+            self.tracker.mark(tensor, "weights")
+        return weights
+
+    def layer_weights_for(self, k):  # layer k's weights for one forward or backward: kept, or cast now
+        if self.weights_of is not None:
+            return self.weights_of[k]
+        return layer_weights(self.cast(layer_names(self.cfg, k)), k)  # freed when the caller lets go
 
     def embed(self):
         return embedding_forward(self.input_ids, self.weights[EMBED])  # (B, T, h)
@@ -91,10 +106,10 @@ class Model:
         return store.get(k, "input")  # (B, T, h)
 
     def layer_forward(self, k, x, store, drop, tail):  # tail: RUN_TAIL, or SKIP_TAIL (None out; picockpt/tail.py)
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, drop, tail)  # (B, T, h)
+        return layer_forward(x, self.layer_weights_for(k), self.cfg, self.rope, store, k, drop, tail)  # (B, T, h)
 
     def layer_backward(self, k, dx, store):  # -> dx (B, T, h) and a LayerWeights of weight gradients
-        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k)
+        return layer_backward(dx, self.layer_weights_for(k), self.cfg, self.rope, store, k)
 
     def head_forward(self, x, store, drop):
         return head_forward(x, self.weights, self.cfg, self.targets, store, drop)  # scalar

@@ -8,6 +8,7 @@ import torch
 
 from .device import available_bytes
 from .inventory import predicted_peak_bytes
+from .params import copy_bytes
 from .policy import parse_policy
 
 WORKING_COPIES = 4  # working memory: this many fp32 copies of a step's largest intermediate tensor
@@ -18,15 +19,16 @@ def step_bytes(cfg, batch, seq, policy, optimizer=True):
 
     state       fp32 weights, their gradients and AdamW's two moments (16 bytes per parameter; 8 with
                 optimizer=False: a forward and backward alone, no optimizer state),
-                plus the 16-bit compute copy of every weight when the activations are 16-bit
+                plus the 16-bit compute copies when the activations are 16-bit: every weight's, or under
+                the policy's recast the embedding's, final norm's and head's and one layer's (copy_bytes)
     stored      the activation store's exact peak under `policy` (inventory.predicted_peak_bytes)
     working     WORKING_COPIES fp32 copies of the largest tensor a step makes besides the stored
                 ones: the (B, T, V) logits, the (B, H, T, T) attention scores or the (B, T, f) MLP
                 product. The gradients of activations and each op's transient outputs; measured on
                 the CPU (tracker, physical peak minus stored peak) at most 3.4 such copies.
     """
-    params = cfg.num_params()
-    state = params * (4 + 4 + (8 if optimizer else 0)) + (params * 2 if cfg.dtype in ("bfloat16", "float16") else 0)
+    policy = parse_policy(policy, cfg)
+    state = cfg.num_params() * (4 + 4 + (8 if optimizer else 0)) + copy_bytes(cfg, policy.recast)
     tokens = batch * seq
     logit_rows = min(tokens, getattr(cfg, "loss_chunk", 0) or tokens)  # a chunked loss makes one chunk at a time
     key_rows = seq if getattr(cfg, "attention", "eager") == "eager" else min(seq, getattr(cfg, "attention_tile", seq))

@@ -13,6 +13,7 @@ names it, so a Mixtral state_dict() is valid too:
   name their ungated shared experts):
     model.layers.{i}.mlp.shared_experts.{gate_proj,up_proj}.weight (fs, h), .down_proj.weight (h, fs)
 """
+import math
 from collections import namedtuple
 
 import torch
@@ -139,14 +140,38 @@ def _same_memory(a, b):
                       and a.storage_offset() == b.storage_offset())
 
 
-def compute_weights(params, cfg):
+def compute_weights(params, cfg, names=None):
     """The weights the step computes with: the master weights cast to the activation dtype
-    (a no-op in fp32/fp64; one 16-bit copy per step under mixed precision)."""
+    (a no-op in fp32/fp64; one 16-bit copy per step under mixed precision). names: only these
+    (model_names(cfg) or layer_names(cfg, i), for the policy's recast); None: every weight."""
     dtype = cfg.torch_dtype
-    weights = {name: params[name].to(dtype) for name in param_shapes(cfg)}
-    if cfg.tie_embeddings:
+    weights = {name: params[name].to(dtype) for name in (param_shapes(cfg) if names is None else names)}
+    if cfg.tie_embeddings and EMBED in weights:
         weights[HEAD] = weights[EMBED]
     return weights
+
+
+def model_names(cfg):
+    """The weights outside the layers: the embedding, the final norm, the head (unless tied)."""
+    return [name for name in param_shapes(cfg) if not name.startswith("model.layers.")]
+
+
+def layer_names(cfg, i):
+    """Layer i's weights, under their full names."""
+    return [layer_key(i, role) for role in layer_shapes(cfg)]
+
+
+def copy_bytes(cfg, recast=False):
+    """The bytes of 16-bit weight copies live at once in a step: every weight's when the step keeps them
+    (2 bytes a parameter), the model's (embedding, final norm, head) and one layer's when it casts each
+    layer at its use (recast); 0 in fp32/fp64, which computes with the master weights themselves."""
+    if cfg.torch_dtype == cfg.param_dtype:
+        return 0
+    size = torch.empty((), dtype=cfg.torch_dtype).element_size()  # 2
+    layer = sum(math.prod(shape) for shape in layer_shapes(cfg).values())
+    shapes = param_shapes(cfg)
+    model = sum(math.prod(shapes[name]) for name in model_names(cfg))
+    return size * (model + (1 if recast else cfg.layers) * layer)
 
 
 def layer_weights(weights, i):

@@ -59,6 +59,12 @@ gives peak_bytes and recompute_flops, which the Tracker then measures.
     plan.schedule, plan.peak_bytes, plan.recompute_flops        # what the engine runs and measures
 
 Priced by time: picockpt/cost.py's plan_priced runs this recurrence on seconds instead of FLOPs.
+
+Not in the chain: the 16-bit weight copies of mixed precision. A budget counts the activation store; the
+copies sit beside it (fit.step_bytes's state, params.copy_bytes: every weight's, or under the policy's
++recast the embedding's, final norm's and head's and one layer's). budget:SIZE+recast plans the store as
+without it; what recast costs (a cast per layer in each recompute and backward, 4 + 2 bytes a parameter,
+no FLOPs) is not priced here, nor traded against recomputing activations.
 """
 import functools
 import math

@@ -30,7 +30,14 @@ Host memory (picockpt/offload.py: moved off the device in the forward, prefetche
                   keeping, recomputing and offloading (picockpt/planner_offload.py)
     offload:NAMES only the named tensors, comma separated (e.g. offload:mlp.gate,mlp.up), of the layers
                   the first forward stores whole (none, unless a layer level is given)
-Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective,  selective+moe,
+The 16-bit weight copies (mixed precision: Config.dtype bfloat16 or float16 over fp32 master weights):
+    recast        cast a layer's weights to 16 bits when it runs (forward, recompute, backward) and drop
+                  them after, as torch.autocast does, instead of casting every weight once at the start of
+                  the step and keeping the copies until it ends. Live copies: the embedding's, final norm's
+                  and head's, plus one layer's, instead of 2 bytes for every parameter; the price is a
+                  cast (a pass over 4 + 2 bytes a parameter) per layer in each recompute and backward.
+                  Refused in float32/float64, which have no copies to drop
+Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective,  selective+moe,  full+recast,
                    cheap+moe+shared_experts+router.
 The routing decision (which experts each token went to) stays stored whatever the policy: an op-level
 rebuild inside the backward reuses it, never routes again. A layer recomputed whole (full, every:C)
@@ -51,7 +58,10 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 EXAMPLES = ("none, full, every:4, selective, cheap, every:2+selective, budget:48MiB, offload, none+offload, "
-            "offload:mlp.gate,mlp.up, selective+moe (with experts)")
+            "offload:mlp.gate,mlp.up, full+recast (16-bit), selective+moe (with experts)")
+POLICY_HELP = ("recomputation policy (default none), e.g. full, every:4+selective, budget:48MiB, full+recast "
+               "(16-bit weight copies cast at each layer's use, with --dtype bf16)")
+RECAST = "recast"  # the 16-bit weight copies cast at each use instead of kept for the step
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ class Policy:
     budget: int = None           # bytes, for budget:SIZE
     op_level: str = None         # None or a key of OP_LEVEL: "selective", "cheap", "moe", "cheap+moe_act" ...
     offload: frozenset = None    # names whose first-forward puts go to the host ("*": all); None: none do
+    recast: bool = False         # 16-bit weight copies cast at each layer's use (True) or kept for the step
 
     @property
     def drop(self):
@@ -80,6 +91,10 @@ class Policy:
                              f"(Config.shared_expert_ffn=0); leave it out or set shared_expert_ffn > 0")
         if self.offload is not None:
             self._check_offload(cfg)
+        if self.recast and cfg.torch_dtype == cfg.param_dtype:
+            raise ValueError(f"policy {self.text!r}: recast drops the 16-bit copies of the weights, and with "
+                             f"dtype={cfg.dtype!r} the step computes with the {cfg.dtype} weights themselves "
+                             f"(no copies); leave out recast, or use dtype='bfloat16' or 'float16'")
         return self
 
     def refuse_offload(self, layout):
@@ -88,6 +103,15 @@ class Policy:
             without = self.text.rsplit("+", 1)[0]  # the canonical text ends with the offload part
             raise ValueError(f"policy {self.text!r}: offloading to host memory runs in one process only; {layout} "
                              f"has no host tier: leave out offload (e.g. policy {without!r})")
+        return self
+
+    def refuse_recast(self, layout):
+        """For the layouts that build their own weights (the parallel ones): a ValueError if this policy recasts."""
+        if self.recast:
+            without = "+".join(part for part in self.text.split("+") if part != RECAST) or "none"
+            raise ValueError(f"policy {self.text!r}: recast (16-bit weight copies cast at each layer's use) runs in "
+                             f"one process only; {layout} keeps its copies for the step: leave out recast "
+                             f"(e.g. policy {without!r})")
         return self
 
     def _check_offload(self, cfg):
@@ -155,6 +179,7 @@ def parse_policy(text, cfg=None):
     if not text.strip():
         raise ValueError(f"policy {text!r} is empty: use one of {EXAMPLES}")
     segment = budget = offload = None
+    recast = False
     op_parts = [None] * len(CHOICES)  # the op-level choice of each group
     layer_level = None
     for original in text.strip().split("+"):
@@ -165,6 +190,11 @@ def parse_policy(text, cfg=None):
                 raise ValueError(f"policy {text!r}: offload is given twice; name it once "
                                  f"(offload:a,b for several names)")
             offload = _offload_names(text, original)
+            continue
+        if part == RECAST:
+            if recast:
+                raise ValueError(f"policy {text!r}: recast is given twice; name it once")
+            recast = True
             continue
         group = next((g for g, names in enumerate(CHOICES) if part in names), None)
         if group is not None:
@@ -201,8 +231,10 @@ def parse_policy(text, cfg=None):
     layer_text = _layer_text(segment, budget, layer_level)
     if offload is not None and layer_text is None:
         layer_text = "none"  # none+offload, offload:NAMES: said, as the layer level is not the default here
-    canonical = "+".join(p for p in (layer_text, op_level, offload_text) if p) or "none"
-    policy = Policy(text=canonical, segment=segment, budget=budget, op_level=op_level, offload=offload)
+    recast_text = RECAST if recast else None  # before offload: refuse_offload reads the offload part last
+    canonical = "+".join(p for p in (layer_text, op_level, recast_text, offload_text) if p) or "none"
+    policy = Policy(text=canonical, segment=segment, budget=budget, op_level=op_level, offload=offload,
+                    recast=recast)
     return policy.check(cfg) if cfg is not None else policy
 
 

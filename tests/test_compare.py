@@ -18,8 +18,8 @@ from picockpt.reproduce import LESSONS, load
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-def rows_by_name(cfg, **kwargs):
-    rows = compare(cfg, 2, 16, repeats=1, log=None, **kwargs)
+def rows_by_name(cfg, seq=16, **kwargs):
+    rows = compare(cfg, 2, seq, repeats=1, log=None, **kwargs)
     return {row["name"]: row for row in rows}
 
 
@@ -110,3 +110,21 @@ def test_cli_min_cut_flag(capsys):
         assert main(["compare", "--preset", "tiny", "--dtype", "bf16", "--min-cut", flag]) == 2
         out = capsys.readouterr()
         assert message in out.err and "comparing on" not in out.out, out  # refused before any work
+
+
+def test_bf16_hugging_face_rows_under_autocast():
+    """In bf16 Hugging Face runs under torch.autocast over fp32 master weights: its rows are listed, their
+    gradients checked against picockpt's fp32 step within twice picockpt bf16's own distance from it, and
+    picockpt full with the weight copies recast holds no more, by the tracked total, than HF sdpa with its
+    checkpointing (which recasts in the recompute), on the same shape."""
+    pytest.importorskip("transformers")
+    cfg = Config.from_preset("tiny", dtype="bfloat16", attention="fused", layers=4)
+    runs = ["picockpt full", "picockpt full+recast", "HF sdpa + checkpointing"]
+    rows = rows_by_name(cfg, seq=64, only=runs)
+    assert all(row["grad_ok"] for row in rows.values()), \
+        {name: (row["grad_max_rel_diff"], row["grad_tolerance"]) for name, row in rows.items()}
+    peer = rows["HF sdpa + checkpointing"]
+    assert peer["grad_checked_against"] == "picockpt none in float32" and 0 < peer["grad_tolerance"] < 0.1
+    totals = {name: rows[name]["peak_total_bytes"] for name in runs}
+    assert totals["picockpt full+recast"] <= totals["HF sdpa + checkpointing"], totals
+    assert rows["picockpt full+recast"]["memory_compared"] == "peak_total_bytes"

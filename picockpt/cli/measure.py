@@ -4,7 +4,7 @@ import sys
 
 from ..fit import check_fits
 from ..measure import measure_policy
-from ..policy import parse_policy
+from ..policy import POLICY_HELP, parse_policy
 from .common import (add_run_args, add_shape_args, check_repeats, config_from_args, device_from_args, fmt_bytes,
                      fmt_flops)
 
@@ -12,7 +12,7 @@ from .common import (add_run_args, add_shape_args, check_repeats, config_from_ar
 def add_arguments(parser):
     add_shape_args(parser)
     add_run_args(parser)
-    parser.add_argument("--policy", default="none", help="recomputation policy (default none)")
+    parser.add_argument("--policy", default="none", help=POLICY_HELP)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps, median reported (default 3, at least 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--trace", action="store_true", help="print the engine's events of one step")

@@ -23,7 +23,7 @@ from ..parallel import RankError, under_torchrun
 from ..parallel.training import zero_train
 from ..parallel.data_parallel.zero_check import check_zero
 from ..parallel.launch import check_rank_count
-from ..policy import parse_policy
+from ..policy import POLICY_HELP, parse_policy
 from ..train import MarkovTask, train
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args
 from .parallel_run import one_line_errors, rank_device, rank_failure
@@ -36,7 +36,7 @@ CUDA_PEAK_TFLOPS = H200_SXM_BF16 / 1e12  # 989.5: H100/H200 SXM dense bf16 (pico
 def add_arguments(parser):
     add_shape_args(parser, batch=8, seq=128)
     add_run_args(parser)
-    parser.add_argument("--policy", default="none", help="recomputation policy (default none)")
+    parser.add_argument("--policy", default="none", help=POLICY_HELP)
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--log-every", type=int, default=1, help="print every N steps, and the last (default 1)")

@@ -208,7 +208,8 @@ def check_flags(job):
 def checked_batch(job, device):
     """The job with its policy parsed (canonical text), params and batch checked, and the generator state
     its ranks start from (the caller's now, unless the job names one). ValueError before any rank starts."""
-    policy = parse_policy(job.policy, job.cfg).refuse_offload("a parallel layout")
+    layout = "a parallel layout"
+    policy = parse_policy(job.policy, job.cfg).refuse_offload(layout).refuse_recast(layout)
     check_params(job.params, job.cfg)
     input_ids, targets = check_batch(job.cfg, job.input_ids, job.targets, job.params)
     state = job.rng_state if job.rng_state is not None else ranks_generator(device).get_state()
