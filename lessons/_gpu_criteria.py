@@ -23,7 +23,8 @@ LIMITS = {"memory": 0.05, "full": 1.40, "selective": 1.10, "equivalent": 1.10,
           "hf none": 0.95, "hf full": 1.00, "hf memory": 1.00}
 SPREAD_MULTIPLE = 4  # a policy's gradients within 4x the max-norm relative distance of none from none
 HF_PEERS = {"picockpt fused none": ("hf sdpa", "hf none"),
-            "picockpt fused full": ("hf sdpa + checkpointing", "hf full")}
+            "picockpt fused full": ("hf sdpa + checkpointing", "hf full"),
+            "picockpt fused full+recast": ("hf sdpa + checkpointing", "hf full")}  # casting at use, as autocast does
 
 
 def criteria(rows, on_cuda):

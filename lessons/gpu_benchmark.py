@@ -231,7 +231,8 @@ def plan_runs(cfg, batch, seq, segment):
     pairs them (the autograd reference materialises the probabilities too), and the torch runs."""
     fused = cfg.replace(attention="fused")
     runs = [dict(name=f"picockpt fused {policy}", kind="picockpt", how=policy, equivalent=None, policy=policy,
-                 attention="fused") for policy in ("none", "full", f"every:{segment}", "cheap")]
+                 attention="fused") for policy in ("none", "full", f"every:{segment}", "cheap")
+            + (("full+recast",) if cfg.dtype in ("bfloat16", "float16") else ())]  # 16-bit copies cast per layer
     runs += [dict(name=name, kind=kind, how=how, equivalent=equivalent, policy=how if kind == "picockpt" else None,
                   attention=cfg.attention if kind == "picockpt" else "eager")
              for name, kind, how, equivalent in contenders(cfg, seq, segment) if kind not in ("bridge", "hf")

@@ -45,6 +45,7 @@ def test_tiny_run_writes_the_json_the_figures_and_every_criterion(tmp_path, monk
         assert key in results, key
     names = {row["name"] for row in results["runs"]}
     expected = {"picockpt fused none", "picockpt fused full", "picockpt fused every:2", "picockpt fused cheap",
+                "picockpt fused full+recast", "picockpt recast",
                 "picockpt fused budget", "picockpt none", "picockpt full", "picockpt every:2", "picockpt selective",
                 "picockpt cheap", "picockpt budget", "autograd", "torch checkpoint per layer",
                 "torch checkpoint_sequential(2)", "torch selective checkpoint", "torch checkpoint saving matmuls",
