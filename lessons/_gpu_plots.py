@@ -27,9 +27,9 @@ def plot(results, prefix):
         bottom.bar(x, [get(name, "peak_cuda_bytes" if cuda else "tracker_peak_bytes") / unit for name in names], **bars)
         bottom.plot(x, [get(name, "tracker_peak_bytes") / unit for name in names], "k_", ms=9, mew=2,
                     label="tracker peak (total)" if k == 0 else None)
-    for limit in (LIMITS["selective"], LIMITS["full"]):
-        top.axhline(limit, color="0.4", lw=0.8, ls="--")
-    top.set(ylabel="step time / picockpt none's", title=f"{title}\nstep time (dashed: 1.10 and 1.40)")
+    top.axhline(LIMITS["full"], color="0.4", lw=0.8, ls="--")
+    top.set(ylabel="step time / picockpt none's", title=f"{title}\nstep time (dashed: fused full's limit, "
+                                                         f"{LIMITS['full']:.2f}; eager rows: their roofline)")
     bottom.set(ylabel=unit_name, title="peak above the step's start: bars " +
                ("max_memory_allocated" if cuda else "the tracker's total (no CUDA here)") + ", ticks the tracker's")
     bottom.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)

@@ -81,7 +81,7 @@ from picockpt.plotting import figures_dir
 from picockpt.reference import ReferenceLlama
 from picockpt.tracker import Tracker
 
-from _gpu_criteria import criteria  # noqa: E402  (lessons/, beside this file)
+from _gpu_criteria import criteria, eager_roofline  # noqa: E402  (lessons/, beside this file)
 from _gpu_plots import plot  # noqa: E402
 
 # Llama 3.2 1B's depth, width and MLP (L=16, h=2048, f=8192), the attention of the lessons' --large shape
@@ -205,6 +205,7 @@ def relative(a, b):
 def summary(run, model_flops, model_flops_causal, peak_flops, cfg):
     """The JSON row of one run (and its line on the screen)."""
     row = {key: value for key, value in run.items() if key not in ("step", "how", "times", "model")}
+    judged_fields(row, cfg, peak_flops)
     if run["error"] is None:
         seconds = statistics.median(t for t, *_ in run["times"])
         causal = None  # fused runs only: the flash kernel skips the blocks above the diagonal
@@ -222,6 +223,33 @@ def summary(run, model_flops, model_flops_causal, peak_flops, cfg):
           f"{row['step_seconds'] * 1e3:9.1f} ms {row['tokens_per_second']:11,.0f} tokens/s  MFU {row['mfu']:6.1%}  "
           f"peak: tracker {fmt_bytes(row['tracker_peak_bytes'])}, CUDA {fmt_bytes(row['peak_cuda_bytes'])}")))
     return row
+
+
+def judged_fields(row, cfg, peak_flops):
+    """What the criteria judge beside the measured numbers: the roofline's ratio of an eager full or selective row;
+    for a torch row on CUDA, the softmax backward's known fp32 (B, H, T, T) scratch and how far the allocator's
+    peak lies outside [tracker peak, tracker peak + scratch] (the peak may come while the scratch is held, or not)."""
+    if row["kind"] == "picockpt" and row["attention"] == "eager" and row["policy"] in ("full", "selective"):
+        row["roofline_ratio"] = eager_roofline(cfg, row["batch"], row["seq"], peak_flops)[row["policy"]]
+    if row["kind"] == "torch" and row.get("peak_cuda_bytes"):
+        row["known_scratch_bytes"] = scratch = row["batch"] * cfg.heads * row["seq"] ** 2 * 4
+        low, cuda = row["tracker_peak_bytes"], row["peak_cuda_bytes"]
+        row["tracker_vs_cuda_with_scratch"] = max(low - cuda, cuda - (low + scratch), 0) / cuda
+
+
+def rejudge(path):
+    """A committed run's JSON judged again by today's criteria from its measured numbers: its verdicts as run move to
+    "criteria_as_run" (kept from the first rejudging on), today's go to "criteria". Returns them."""
+    results = json.loads(pathlib.Path(path).read_text())
+    shape = {key: value for key, value in results["config"].items() if key != "parameters"}
+    cfg = Config(**shape)
+    for row in results["runs"]:
+        judged_fields(row, cfg, results["peak_tflops"] * 1e12)
+    results.setdefault("criteria_as_run", results["criteria"])
+    results["criteria"] = [dict(status=status, text=text)
+                           for status, text in criteria(results["runs"], results["device"].startswith("cuda"))]
+    pathlib.Path(path).write_text(json.dumps(results, indent=1))
+    return results["criteria"]
 
 
 def plan_runs(cfg, batch, seq, segment):
@@ -336,12 +364,6 @@ def track(run, cfg, device):
                    timeline=[[e["total"], e["cuda"]] for e in tracker.timeline if e["kind"] == "event"])
     if tracker.cuda:
         row["tracker_vs_cuda"] = abs(row["tracker_peak_bytes"] - tracker.peak_cuda) / tracker.peak_cuda
-        if run["kind"] == "torch":  # the eager reference: CUDA's softmax backward's fp32 (B, H, T, T) buffer
-            row["known_scratch_bytes"] = scratch = run["batch"] * cfg.heads * run["seq"] ** 2 * 4
-            low, high, cuda = row["tracker_peak_bytes"], row["tracker_peak_bytes"] + scratch, tracker.peak_cuda
-            # the allocator's peak lies between the tracker's and the tracker's plus the scratch (its peak may come
-            # while the scratch is held, or not): how far outside that range, relative
-            row["tracker_vs_cuda_with_scratch"] = max(low - cuda, cuda - high, 0) / cuda
         if run["kind"] == "picockpt":  # at every store event, as a fraction of the step's peak
             row["timeline_worst"] = max(abs(total - cuda) for total, cuda in row["timeline"]) / tracker.peak_cuda
     return row
@@ -394,7 +416,13 @@ def main(argv=None):
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
                         help=f"the GPU's dense bf16 peak in TFLOP/s (default {PEAK_TFLOPS}: H200 / H100 SXM)")
     parser.add_argument("--out", help="where the JSON goes (default: beside the figures)")
+    parser.add_argument("--rejudge", metavar="JSON", help="run nothing: judge a committed run's JSON again by today's "
+                                                          "criteria from its numbers, and rewrite it")
     args = parser.parse_args(argv)
+    if args.rejudge:
+        for criterion in rejudge(args.rejudge):
+            print(f"{criterion['status']:<5} {criterion['text']}")
+        return 0
     threads = torch.get_num_threads()
     try:
         device = resolve_device(args.device or ("cpu" if args.tiny else "auto"))
