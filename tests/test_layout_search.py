@@ -72,7 +72,7 @@ def test_predict_search_json_and_text(capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--search", "--gpus", "8", "--tokens-per-batch", "8K", "--tp", "8"], "--tp with --search"),
+    (["--search", "--gpus", "8", "--tokens-per-batch", "8K", "--tp", "8"], "--tp with --search: the search chooses it for every layout"),
     (["--search", "--gpus", "8"], "--search needs --tokens-per-batch"),
     (["--gpus", "8"], "--gpus: only --search reads it"),
     (["--search", "--gpus", "8", "--tokens-per-batch", "5000", "--seq", "4096"], "not a whole number of --seq"),

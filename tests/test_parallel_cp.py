@@ -82,7 +82,7 @@ def job(name, policy, layout="zigzag", comm="ring", keep=False, cp=2, **layout_s
 def steps_4_ranks():
     """cp = 4 on its own, then cp = 2 beside tp = 2 (the tensor-parallel layer on a rank's T/cp tokens, with and
     without sp), beside dp = 2 (the gradients summed over dp x cp ranks) and beside pp = 2 (2 micro-batches;
-    every:2 on a stage of one layer: its own schedule)."""
+    selective and full: a stage of one layer, where every:C has no C but full's)."""
     out = [(name, job(name, policy, layout, comm, keep, cp=4))
            for name, layout, comm, keep, policy in [("gqa fp64 tiled", "zigzag", "ring", False, "none"),
                                                     ("gqa fp64 tiled", "zigzag", "ring", False, "full"),
@@ -95,7 +95,7 @@ def steps_4_ranks():
                                                 tp=2, sp=False)),
             ("gqa fp64 tiled", job("gqa fp64 tiled", "full", dp=2)),
             ("mha fp32 tiled ignored", job("mha fp32 tiled ignored", "none", "contiguous", "allgather", True, dp=2)),
-            ("gqa fp64 tiled", job("gqa fp64 tiled", "every:2", pp=2, microbatches=2)),
+            ("gqa fp64 tiled", job("gqa fp64 tiled", "selective", pp=2, microbatches=2)),
             ("mha fp64 fused", job("mha fp64 fused", "full", "contiguous", "allgather", pp=2, microbatches=2))]
     return out
 
@@ -333,7 +333,7 @@ def test_the_api_and_the_command_run_context_parallelism(capsys):
     input_ids, targets = make_batch(cfg, 2, SEQ, "cpu", seed=0)
     with pytest.raises(ValueError, match=r"^cp=2 with ep=2 is not supported yet"):
         parallel.loss_and_grads(params, cfg, input_ids, targets, "full", cp=2, ep=2)
-    with pytest.raises(ValueError, match=r"^cp_keep_kv=True with pp=2, microbatches=2, tp=1 is not supported yet"):
+    with pytest.raises(ValueError, match=r"^cp_keep_kv=True with pp=2, microbatches=2 is not supported yet"):
         parallel.loss_and_grads(params, cfg, input_ids, targets, "full", cp=2, pp=2, microbatches=2,
                                 cp_comm="allgather", cp_keep_kv=True)
     loss0, grads0 = loss_and_grads(params, cfg, input_ids, targets, "none")

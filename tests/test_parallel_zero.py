@@ -72,10 +72,11 @@ def jobs_for(dp):
     if dp == 4:
         return [job("fp32 ignored targets", p, z, 4, keep) for z, p, keep in
                 ((1, "none", False), (2, "every:2", False), (3, "full", False), (3, "full", True), (3, "budget", True))]
+    recomputes = lambda z, p: z == 3 and p != "none"  # noqa: E731  keep_gathered keeps what a recompute gathers
     jobs = [job("fp32 ignored targets", p, z, 2, keep) for z in (1, 2, 3) for p in POLICIES
-            for keep in ((False, True) if z == 3 else (False,))]
+            for keep in ((False, True) if recomputes(z, p) else (False,))]
     jobs += [job("fp32 ignored targets", p, 3, 2, keep, prefetch=False) for p in ("none", "full", "every:2")
-             for keep in (False, True)]
+             for keep in ((False, True) if recomputes(3, p) else (False,))]
     jobs += [job("dropout", p, z, 2) for z, p in ((1, "none"), (3, "none"), (3, "every:2"))]
     jobs += [job("fp32 ignored targets", "full", z, 2, keep=z == 3, steps=STEPS) for z in (1, 2, 3)]
     return jobs

@@ -60,8 +60,10 @@ def check_search_flags(args):
         return
     chosen = [flag for flag, name, default in CHOSEN if getattr(args, name) != default]
     if chosen:
-        raise ValueError(f"{', '.join(chosen)} with --search: XX; leave {'it' if len(chosen) == 1 else 'them'} out (give --gpus, "
-                         f"--tokens-per-batch, --seq, --gpu-gib)")
+        raise ValueError(f"{', '.join(chosen)} with --search: the search chooses "
+                         f"{'it' if len(chosen) == 1 else 'them'} for every layout it ranks; leave "
+                         f"{'it' if len(chosen) == 1 else 'them'} out (give --gpus, --tokens-per-batch, --seq, "
+                         f"--gpu-gib)")
     for flag, name, default, priced in PRICED:  # not chosen, and not read either: the search prices one way
         value = getattr(args, name)
         if value not in (default if isinstance(default, tuple) else (default,)):
