@@ -63,8 +63,8 @@ Priced by time: picockpt/cost.py's plan_priced runs this recurrence on seconds i
 Not in the chain: the 16-bit weight copies of mixed precision. A budget counts the activation store; the
 copies sit beside it (fit.step_bytes's state, params.copy_bytes: every weight's, or under the policy's
 +recast the embedding's, final norm's and head's and one layer's). budget:SIZE+recast plans the store as
-without it; what recast costs (a cast per layer in each recompute and backward, 4 + 2 bytes a parameter,
-no FLOPs) is not priced here, nor traded against recomputing activations.
+without it. Trading the copies against recomputed activations (a total for both, each choice priced: casts'
+bytes against recomputed FLOPs) is planner_copies.py's, on top of this planner (plan --with-copies).
 """
 import functools
 import math

@@ -132,12 +132,12 @@ class Policy:
 
     def schedule(self, cfg, batch, seq):
         L = cfg.layers
-        if self.budget is not None:
-            from .planner import plan_model  # the planner turns a byte budget into a schedule
-            return plan_model(cfg, batch, seq, self.budget, self.drop).schedule
         if self.budget is not None and self.offload is not None:
             from .planner_offload import plan_offload  # keep, recompute or offload, per layer
             return plan_offload(cfg, batch, seq, self.budget, self.drop, names=self.offload).schedule
+        if self.budget is not None:
+            from .planner import plan_model  # the planner turns a byte budget into a schedule
+            return plan_model(cfg, batch, seq, self.budget, self.drop).schedule
         host = None if self.offload is None else (self.offload,) * L
         if self.segment is None:
             return Schedule(forward=("all",) * L, host=host)

@@ -20,6 +20,7 @@ from ..planner_offload import actions, peak_reason, plan_offload
 from ..planner_uniform import binomial_forward_steps, plan_uniform
 from ..policy import OP_LEVEL, parse_policy
 from .common import add_run_args, add_shape_args, config_from_args, fmt_bytes, fmt_flops
+from .plan_copies import add_copies_arguments, check_copies_flags, run_copies
 from .plan_cost import add_cost_arguments, check_cost_flags, cost_lines, op_seconds, priced_plan
 from .plan_parts import budget_from_args, measure, sweeps_json
 
@@ -40,14 +41,16 @@ def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--offload", action="store_true",
                         help="--chain model: three actions per layer (keep, recompute, offload to host memory), "
-                             "at the modelled time of --host-bandwidth and --compute-rate (either one implies it)")
+                             "at the modelled time of --host-bandwidth and --compute-rate (either implies it; "
+                             "--compute-rate not beside --with-copies)")
     parser.add_argument("--host-bandwidth", type=float, metavar="B",
                         help=f"bytes/s of the device-host link, per direction (default {DEFAULT_HOST_BANDWIDTH:.3g}: "
                              f"PCIe Gen5 x16, theoretical)")
     parser.add_argument("--compute-rate", type=float, metavar="R",
-                        help=f"FLOP/s of the device (default {DEFAULT_COMPUTE_RATE:.3g}: an H200's dense BF16 "
-                             f"Tensor Core rate, NVIDIA's datasheet)")
+                        help=f"FLOP/s of the device, for --offload and --with-copies (default "
+                             f"{DEFAULT_COMPUTE_RATE:.3g}: an H200's dense BF16 Tensor Core rate, NVIDIA's datasheet)")
     add_cost_arguments(parser)
+    add_copies_arguments(parser)
     add_shape_args(parser)
     add_run_args(parser)
 
@@ -55,12 +58,15 @@ def add_arguments(parser):
 def run(args):
     _check_flags(args)
     check_cost_flags(args)
+    check_copies_flags(args)
     if args.chain == "uniform":
         return run_uniform(args)
     if args.benchmark:
         return run_benchmark(args)
     if args.budget is None:
         raise ValueError("--budget is required with --chain model: give a size such as --budget 24MiB")
+    if args.with_copies:
+        return run_copies(args)
     if args.offload or args.host_bandwidth is not None or args.compute_rate is not None:
         return run_offload(args)
     cfg = config_from_args(args)
