@@ -42,6 +42,7 @@ from picockpt.engine import Model, Step
 from picockpt.inventory import layer_inventory, step_flops
 from picockpt.measure import make_batch
 from picockpt.params import copy_bytes, layer_shapes
+from picockpt.planner_copies import plan_copies
 from picockpt.plotting import mib, policy_color, save_figure
 from picockpt.policy import parse_policy
 from picockpt.tracker import Tracker
@@ -366,8 +367,39 @@ for name, model in (("1.1B (L=16, h=2048, f=8192, V=32000)", billion),
 # %% [markdown]
 # Under `full` the stored activations are one layer input each, so at a small batch the kept copies can
 # outweigh them; `full+recast` gives all but one layer's back, for two more casts per layer (one in the
-# recompute, one in the backward; the forward's was always made). The planner does not weigh this yet:
-# a `budget:SIZE` counts the activation store, and `fit.step_bytes` counts the copies beside it.
+# recompute, one in the backward; the forward's was always made). A `budget:SIZE` counts the activation
+# store, and `fit.step_bytes` counts the copies beside it. Given one total for both (`plan --with-copies`,
+# `picockpt/planner_copies.py`), the planner weighs the trade: it plans the store in the room kept copies
+# leave and in the larger room recast ones leave, and prices what differs, the recomputed FLOPs at a
+# compute rate against the casts' bytes (4 read and 2 written a parameter, each time a layer runs) at a
+# memory bandwidth. Modelled at an H200's datasheet rates (989.5 TFLOP/s dense BF16, 4.8 TB/s HBM):
+
+# %%
+for name, model, batch, seq, total in (("1.1B, 4 x 2048, 12 GiB", billion, 4, 2048, 12 * 2**30),
+                                       ("Llama 3 8B, 1 x 8192, 40 GiB", Config.from_preset("llama3-8b",
+                                                                                          dtype="bfloat16"),
+                                        1, 8192, 40 * 2**30),
+                                       ("Llama 3 8B, 1 x 8192, 20 GiB", Config.from_preset("llama3-8b",
+                                                                                          dtype="bfloat16"),
+                                        1, 8192, 20 * 2**30)):
+    chosen, both = plan_copies(model, batch, seq, total)
+    print(name)
+    for option in both:
+        fits = option.plan is not None
+        print(f"  copies {'recast' if option.recast else 'kept  '}: {copy_bytes(model, option.recast) / 2**30:6.2f} GiB, "
+              f"store room {max(option.store_budget, 0) / 2**30:6.2f} GiB, recompute "
+              + (f"{option.plan.recompute_flops / 1e12:7.3f} TFLOP, {option.casts:3d} layer casts "
+                 f"({option.cast_bytes / 2**30:6.2f} GiB): {option.seconds * 1e3:6.2f} ms" if fits else "(does not fit)"))
+    other = both[0] if chosen.recast else both[1]
+    change = (other.plan.recompute_flops - chosen.plan.recompute_flops) / 1e12 if other.plan else None
+    print(f"  chosen: {'recast' if chosen.recast else 'kept'} (--policy {chosen.policy})"
+          + ("" if change is None else f"; the other would change recompute by {change:+.3f} TFLOP and the "
+                                       f"casts by {(other.cast_bytes - chosen.cast_bytes) / 2**30:+.2f} GiB"))
+
+# %% [markdown]
+# Which side wins depends on the room, as the rows above print: a layer's cast moves the same bytes
+# whatever the shape, while what the freed room saves is the recomputation of whatever it can now store;
+# where kept copies squeeze the store down to recomputing most layers, that is worth the casts.
 
 # %% [markdown]
 # ## Exercises
