@@ -33,7 +33,8 @@ import itertools
 
 from .closed_forms import layer_inventory
 from .config import BYTES
-from .cost import bubble_idle, collective_seconds, head_ops, layer_ops, rebuild_seconds, roofline_seconds
+from .collectives import collective_seconds, members_per_node, per_layer_seconds
+from .cost import bubble_idle, head_ops, layer_ops, rebuild_seconds, roofline_seconds
 from .schedule import OP_LEVEL
 from .parallel.pipeline_parallel.pp_inventory import StageForms
 from .parallel.pipeline_parallel.pp_orders import w_pending_bytes
@@ -137,12 +138,13 @@ def microbatch_seconds(cfg, seq, tp, cp, pp, stage, policy, hw):
     rebuild = {"none": 0.0, "cheap": cheap, "full": layer - ops["down"]}[policy]
     reruns = 1 if policy == "full" else 0  # a full recompute runs the forward's collectives again
     block = n * h * e  # one block's input or output, the whole sequence's n tokens
-    gather = collective_seconds("all_gather", block, tp, hw, False)  # tp stays inside a node (candidates)
-    tp_pair = gather + collective_seconds("reduce_scatter", block, tp, hw, False)
+    gather = collective_seconds("all_gather", block, tp, hw, tp)  # tp stays inside a node (candidates)
+    tp_pair = gather + collective_seconds("reduce_scatter", block, tp, hw, tp)
     kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * e  # K and V of the whole sequence, this rank's heads
-    cp_ag = collective_seconds("all_gather", kv, cp, hw, tp * cp > hw.node)
-    cp_rs = collective_seconds("reduce_scatter", kv, cp, hw, tp * cp > hw.node)
-    send = collective_seconds("p2p", block // tp, 2, hw, tp * cp * pp > hw.node) if pp > 1 else 0.0
+    cp_node = members_per_node(((cp, tp),), hw.node)
+    cp_ag = collective_seconds("all_gather", kv, cp, hw, cp_node)
+    cp_rs = collective_seconds("reduce_scatter", kv, cp, hw, cp_node)
+    send = collective_seconds("p2p", block // tp, 2, hw, members_per_node(((2, tp * cp),), hw.node)) if pp > 1 else 0.0
     forward = layers * layer + head
     return {"compute": 3 * forward, "recompute": layers * rebuild,
             "tp_comm": layers * 2 * (tp_pair * (2 + reruns) + gather) if tp > 1 else 0.0,  # + the input regathered
@@ -150,15 +152,16 @@ def microbatch_seconds(cfg, seq, tp, cp, pp, stage, policy, hw):
             "pp_comm": 2 * send, "forward": forward}
 
 
-def dp_exposed_seconds(params, zero, shards, microbatches, policy, forward, backward, hw, across_nodes, e=2):
-    """Gradient and weight traffic over the `shards` ranks that hold the same weights, less what hides: gradients
-    reduced in fp32, weights gathered in the compute dtype (e bytes)."""
+def dp_exposed_seconds(params, zero, shards, microbatches, policy, forward, backward, hw, per_node, e=2, layers=1):
+    """Gradient and weight traffic over the `shards` ranks that hold the same weights (per_node of them in a node),
+    less what hides: gradients reduced in fp32, weights gathered in the compute dtype (e bytes), one collective a
+    layer (collectives.per_layer_seconds)."""
     if shards == 1:
         return 0.0
     nbytes = params * REDUCE_BYTES
-    ar = collective_seconds("all_reduce", nbytes, shards, hw, across_nodes)
-    rs = collective_seconds("reduce_scatter", nbytes, shards, hw, across_nodes)
-    ag = collective_seconds("all_gather", params * e, shards, hw, across_nodes)
+    ar = per_layer_seconds("all_reduce", nbytes, layers, shards, hw, per_node)
+    rs = per_layer_seconds("reduce_scatter", nbytes, layers, shards, hw, per_node)
+    ag = per_layer_seconds("all_gather", params * e, layers, shards, hw, per_node)
     if zero == "0":
         return max(0.0, ar - backward)  # all-reduced behind the last micro-batch's backward
     if zero != "3":  # 1, 2, 3+keep: one reduce-scatter behind the last backward, one gather before the first forward
@@ -193,9 +196,10 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, sche
     per_mb = sum(v for k, v in t.items() if k != "forward")
     idle = bubble_idle(pp, M, schedule, V)
     pipeline = M * per_mb / (1 - idle)
-    across = gpus > hw.node if dp > 1 else tp * cp > hw.node  # the dp x cp group's ring leaves the node
+    per_node = members_per_node(((cp, tp), (dp, tp * cp * pp)), hw.node)  # the dp x cp group's members in a node
     dp_exposed = dp_exposed_seconds(stage_params(cfg, tp, slowest, pp), zero, shards, M, policy, t["forward"],
-                                    2 * t["forward"], hw, across, BYTES[cfg.dtype])
+                                    2 * t["forward"], hw, per_node, BYTES[cfg.dtype],
+                                    len(stage_layers(cfg.layers, pp)[slowest]))
     step = pipeline + dp_exposed
     model_flops = 3 * model_forward_flops(cfg, seq) * (tokens // seq)
     terms = {k: M * v for k, v in t.items() if k != "forward"}
