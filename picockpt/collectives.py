@@ -26,6 +26,7 @@
 
 Bandwidths are datasheet ceilings (picockpt/hardware.py): a measured bus bandwidth sits below them.
 """
+import functools
 import math
 
 # ---- NCCL's tuning constants (NVIDIA/nccl src/graph/tuning.cc, ncclTunerConstantsDefaults), Simple protocol, s ----
@@ -46,12 +47,13 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
 ALGORITHMS = {"all_reduce": ("ring", "tree"), "all_gather": ("ring", "pat"), "reduce_scatter": ("ring", "pat")}
 
 
+@functools.lru_cache(maxsize=None)
 def members_per_node(dims, node):
     """How many members of one group share a node: dims = ((size, stride), ...) in global ranks (a grid's dimension of
     `size` ranks `stride` apart), nodes of `node` consecutive ranks. The group of rank 0 is every group's shape."""
     ranks = [0]
-    for size, stride in dims:
-        ranks = [r + i * stride for r in ranks for i in range(size)]
+    for size, stride in dims:  # only the members below `node` can share rank 0's node
+        ranks = [r + i * stride for r in ranks for i in range(min(size, node // stride + 1))]
     return max(1, sum(1 for r in ranks if r < node))
 
 
@@ -103,6 +105,7 @@ def chosen_algorithm(kind, nbytes, ranks, hw, per_node):
     return min(times.items(), key=lambda item: (item[1], item[0]))
 
 
+@functools.lru_cache(maxsize=2**16)
 def collective_seconds(kind, nbytes, ranks, hw, per_node):
     """One collective's seconds: the algorithm NCCL would choose for it (chosen_algorithm); "p2p" is one send of nbytes
     between two ranks, per_node 2 when both are in one node, 1 when the send crosses to another."""

@@ -89,10 +89,18 @@ def model_state_bytes(params, zero, shards, layers=1):
 
 
 @functools.lru_cache(maxsize=None)
+def microbatch_store(cfg, seq, tp, sp, cp, layers, last, policy):
+    """(E, own peak) of one micro-batch of one sequence (seq/cp tokens) on a stage of `layers` layers (the head if
+    last): what its forward leaves stored, and its peak during its own step (pp_inventory.stage_plan)."""
+    _, _, held, peak, _, _ = stage_plan(policy, cfg, 1, seq // cp, layers, last, 1, tp, sp and tp > 1)
+    return held, peak
+
+
 def stage_activation_bytes(cfg, seq, tp, sp, cp, layers, last, in_flight, policy):
-    """The store's peak of one rank of a stage of `layers` layers (and the head if last) with `in_flight` micro-batches
-    of one sequence (seq/cp tokens) under 1F1B (pp_inventory.stage_plan, exact to the parallel runs)."""
-    return stage_plan(policy, cfg, 1, seq // cp, layers, last, in_flight, tp, sp and tp > 1)[1]
+    """The store's peak of one rank of such a stage with `in_flight` micro-batches under 1F1B: (w - 1) E + own peak,
+    exact to the parallel runs (tests/test_parallel_pp.py)."""
+    held, peak = microbatch_store(cfg, seq, tp, sp, cp, layers, last, policy)
+    return (in_flight - 1) * held + peak
 
 
 def stage_bytes(cfg, seq, tp, sp, cp, counts, stage, M, zero, shards, schedule, V, policy):
