@@ -66,16 +66,24 @@ def test_llama3_405b_table_4_layouts_fit_and_are_ranked():
 
 
 def test_predict_search_json_and_text(capsys):
+    """--json gives the top N distinct splits only; the text puts distinct splits first, in rows under 110
+    characters, with a legend for every abbreviation."""
     args = ["predict", "--search", "--model", "llama3-8b", "--seq", "4096", "--gpus", "64",
             "--tokens-per-batch", "1M", "--gpu-gib", "80"]
-    assert main(args + ["--json"]) == 0
+    assert main(args + ["--json", "--top", "4"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tokens_per_batch"] == 2**20 and out["layouts"]
-    assert {"tp", "cp", "pp", "dp", "zero", "microbatches", "schedule", "policy", "peak_bytes", "step_seconds",
-            "mfu"} <= set(out["layouts"][0])
+    assert out["tokens_per_batch"] == 2**20 and len(out["layouts"]) == 4 < out["distinct_splits"] <= out["fit"]
+    assert len({(r["tp"], r["cp"], r["pp"], r["dp"]) for r in out["layouts"]}) == 4
+    assert {"tp", "cp", "pp", "dp", "sp", "zero", "microbatches", "schedule", "policy", "split", "peak_bytes",
+            "step_seconds", "mfu"} <= set(out["layouts"][0])
     assert main(args + ["--top", "3"]) == 0
     text = capsys.readouterr().out
-    assert "why the best wins" in text and text.count("\n  ") >= 3
+    assert "why the best wins" in text and "sequence parallel" in text and "lighter first and last" in text
+    table = text.split("fastest splits:\n")[1].split("\n")[:4]
+    assert all(len(line) < 110 for line in text.splitlines())
+    assert [line.split()[0] for line in table[1:]] == ["1", "2", "3"]
+    splits = [tuple(line.split()[1:5]) for line in table[1:]]
+    assert len(set(splits)) == 3
 
 
 @pytest.mark.parametrize("flags,message", [
