@@ -2,10 +2,7 @@
 
     op           max(FLOPs / matmul rate, bytes moved / memory bandwidth), summed over its kernels (roofline:
                  Williams et al. 2009); a matmul is priced by FLOPs, an elementwise op by bytes
-    collective   alpha + wire bytes / link bandwidth: ring algorithms put 2(n-1)/n of an all-reduce's size on each
-                 rank's link and (n-1)/n of an all-gather's or reduce-scatter's (nccl-tests' bus-bandwidth factors);
-                 alpha is NCCL's own tuning model for its ring, Simple protocol (src/graph/tuning.cc: 8.4 us of
-                 base latency, then 3.4 us a step over NVLink, 14.0 us a step over the network, NCCL 2.18.1 on)
+    collective   picockpt/collectives.py: NCCL's own tuning model of ring, tree and PAT over a group's nodes
     bubble       the idle share of a pipeline step with equal stage times: (p-1)/(m+p-1) for 1F1B, (p-1)/(V m+p-1)
                  interleaved over V virtual stages a rank (Narayanan et al. 2021, sec. 2.2)
 
@@ -28,12 +25,6 @@ from .host_walk import model_costs
 from .hardware import (A100_SXM_BF16, A100_SXM_HBM, H100_SXM_BF16, H100_SXM_HBM, H200_SXM_BF16, H200_SXM_HBM,
                        INFINIBAND_HDR, INFINIBAND_NDR, NVLINK_3, NVLINK_4)
 from .schedule import Mode
-
-# ---- NCCL's latency model (src/graph/tuning.cc, ring algorithm, Simple protocol), seconds ----------------------
-NCCL_BASE_LATENCY = 8.4e-6  # baseLat[ring][simple]: paid once a collective
-NCCL_NVLINK_STEP = 3.4e-6  # hwLat[NVLINK][ring][simple]: each of the ring's steps inside a node
-NCCL_NETWORK_STEP = 14.0e-6  # hwLat[NET][ring][simple]: each step that crosses between nodes (9.6 before 2.18.1)
-
 
 @dataclass(frozen=True)
 class Hardware:
@@ -242,22 +233,7 @@ def plan_priced(chain, priced, budget, max_slots=None):
     return replace(plan, recompute_flops=flops, recompute_seconds=plan.recompute_flops)
 
 
-# ---- collectives and the bubble -----------------------------------------------------------------------------------
-WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-        "reduce_scatter": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
-STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
-         "p2p": lambda n: 1}
-
-
-def collective_seconds(kind, nbytes, ranks, hw, across_nodes):
-    """One collective over `ranks` GPUs: nbytes is the whole tensor (an all-gather's output, a reduce-scatter's input,
-    what a send carries). across_nodes: the ring's hops go over the network, else over NVLink."""
-    if ranks == 1 and kind != "p2p":
-        return 0.0
-    link, step = (hw.network, NCCL_NETWORK_STEP) if across_nodes else (hw.nvlink, NCCL_NVLINK_STEP)
-    return NCCL_BASE_LATENCY + STEPS[kind](ranks) * step + WIRE[kind](ranks) * nbytes / link
-
-
+# ---- the bubble ---------------------------------------------------------------------------------------------
 def bubble_idle(pp, microbatches, schedule="1f1b", virtual_stages=1):
     """The idle share of a pipeline step, equal stage times: 1F1B and AFAB (p-1)/(m+p-1); interleaved 1F1B
     (p-1)/(V m+p-1), each of the V chunks a rank holds 1/V of its layers; ZB-H1 with equal F, B and W times

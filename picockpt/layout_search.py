@@ -1,50 +1,56 @@
 """Which layout to train with: every split of G GPUs into tensor (tp), context (cp), pipeline (pp) and data (dp)
-parallelism, with a ZeRO stage, a pipeline schedule and a recompute policy, each rank's memory from picockpt's closed
-forms and each step's time from picockpt/cost.py, the layouts that fit ranked by modelled step time.
+parallelism, with or without sequence parallelism, a ZeRO stage, a pipeline schedule, a split of the layers over the
+stages and a recompute policy; every stage's memory from picockpt/layout_memory.py, each step's time from the terms
+below; the layouts that fit ranked by modelled step time.
 
-A step of one rank, per micro-batch, in the equal-time pipeline model:
-    compute      the stage's layers (and the head on the last stage), forward F by the roofline, backward 2F
-                 (each matmul's backward is two of its size), recompute under the policy (full: F less the down
-                 projection each layer; cheap: the norms' outputs and SwiGLU's product rebuilt, by their bytes)
-    tp           sequence parallel: an all-gather before and a reduce-scatter after each block, the reverse pair in
-                 the backward and the block's input gathered again for its weight gradients (Korthikanti et al.
-                 2022, sec. 4.2.2; picockpt's Crossings.regather), the forward's pair again in a full recompute,
-                 over NVLink inside a node (exposed: not overlapped)
+A micro-batch on one rank of a stage (every stage is priced; the pipeline is paced by the slowest):
+    compute      the stage's layers (and the head on the last), forward F by the roofline (cost.py), backward 2F
+    recompute    none; cheap: the norms' outputs and SwiGLU's product rebuilt, by their bytes; full: the whole forward
+                 again, with its tensor- and context-parallel collectives (Megatron's and torch's full recompute rerun
+                 the layer from its input)
+    tp           two blocks a layer, each a column-parallel then a row-parallel linear (Megatron-LM's
+                 megatron/core/tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication):
+                   with sequence parallelism: forward an all-gather before and a reduce-scatter after (exposed);
+                   backward the output gradient's all-gather (exposed), the input's all-gather again for the weight
+                   gradient, launched async under the input-gradient GEMM, and the input gradient's reduce-scatter
+                   launched async under the weight-gradient GEMM (each exposed only by what it outlasts them)
+                   without: forward one all-reduce after (exposed); backward the column-parallel input gradient's
+                   all-reduce, launched async under the weight-gradient GEMM
     cp           an all-gather of the layer's K/V over the cp ranks (the Llama 3 paper's choice) in the forward,
-                 again in the backward (picockpt's default: the gathered K/V are not kept) and in a full recompute,
-                 and a reduce-scatter of their gradients (exposed)
-    pp           a send of the stage's output and one of its input's gradient, V times under interleaving (exposed)
-    bubble       the pipeline is paced by its slowest stage: step = t_mb (M + (p-1)/V) (cost.bubble_idle); ZB-H1
-                 (B and W apart, W as long as F and B) t_mb (M + (p-1)/3), holding s waiting W's on stage s
-    dp           gradients reduce-scattered (fp32) and parameters all-gathered (16-bit) over the dp x cp ranks that
-                 hold the same weights (torchtitan's dp_shard_cp and mixed-precision defaults), hidden behind the last micro-batch's backward and the first's
-                 forward; ZeRO-3 gathers every micro-batch again unless the stage keeps them ("3+keep")
-and the memory of the busiest ranks (stage 0: most layers, embedding, the most micro-batches in flight; the last
-stage: the head and its logits): model state (16 bytes a parameter, ZeRO-sharded), the 16-bit weights the step
-computes with, the store's peak (pipeline_parallel/pp_inventory.py's StageForms on the rank's seq/cp tokens; an
-interleaved stage 0 holds 1 + (p-1)/(p V) times 1F1B's: Korthikanti et al. 2022, sec. 4.2.3).
+                 again in the backward and in a full recompute, and a reduce-scatter of their gradients (exposed)
+    pp           per micro-batch, the two blocking exchanges of 1F1B's steady state (Megatron's p2p_communication.py:
+                 send_forward_recv_backward, send_backward_recv_forward), each one activation's send with its NCCL
+                 latency; V times under interleaving: the per-micro-batch overhead a pipeline pays
+    bubble       step = M t_max + (p-1) t_mean / V: the slowest stage paces the M micro-batches, the fill and drain
+                 pass once through every stage (V chunks a rank interleaved, Narayanan et al. 2021; ZB-H1: a third,
+                 its W's fill the bubble, Qi et al. 2023); equal stages give cost.bubble_idle's share
+    dp           over the dp x cp ranks that hold the same weights (torchtitan's dp_shard_cp), one collective a layer
+                 (collectives.per_layer_seconds), gradients reduced in fp32, weights gathered in bf16 (torchtitan's
+                 mixed-precision defaults): ZeRO 0 an all-reduce, 1 and 3+keep a reduce-scatter, hidden behind the
+                 last micro-batch's backward, and a gather behind the first forward; ZeRO 2 a reduce-scatter every
+                 micro-batch behind its backward; ZeRO 3 every micro-batch two gathers (forward, backward: a
+                 recompute nested inside FSDP's unit shares the backward's, torchtitan's fully_shard(checkpoint(block)))
+                 and a reduce-scatter. Each collective is exposed by what it outlasts the compute it hides behind.
 
-Placement: tp innermost, then cp, pp, dp outermost (the Llama 3 paper's order, [TP, CP, PP, DP]): a group of n
-ranks s apart leaves its node when n s exceeds the node, and its ring then runs at the network's rate. What the model leaves out: kernel efficiency below the datasheet
-(its MFU is a ceiling), overlap of tp/cp communication, stragglers, the optimizer step's own time.
+Placement: tp innermost, then cp, pp, dp outermost (the Llama 3 paper's order, [TP, CP, PP, DP]); a group's members
+in a node (collectives.members_per_node) decide its links. What the model leaves out: kernel efficiency below the
+datasheet (its MFU is a ceiling), stragglers, the optimizer step's own time, kernel-launch gaps.
 """
 import functools
 import itertools
 
-from .closed_forms import layer_inventory
+from .collectives import collective_seconds, members_per_node, per_layer_seconds
 from .config import BYTES
-from .cost import bubble_idle, collective_seconds, head_ops, layer_ops, rebuild_seconds, roofline_seconds
+from .cost import head_ops, layer_ops, rebuild_seconds, roofline_seconds
+from .closed_forms import layer_inventory
+from .layout_memory import ZERO_STAGES, split_layers, splits_for, stage_bytes, stage_params
 from .schedule import OP_LEVEL
-from .parallel.pipeline_parallel.pp_inventory import StageForms
-from .parallel.pipeline_parallel.pp_orders import w_pending_bytes
-from .parallel.pipeline_parallel.pp_schedules import stage_layers
 
 POLICIES = ("none", "cheap", "full")  # selective drops nothing under flash attention (lesson 13): it would repeat none
-ZERO_STAGES = ("0", "1", "2", "3", "3+keep")
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1))
-STATE_BYTES = {"param": 4, "grad": 4, "optimizer": 8}  # fp32 master weights and gradients, AdamW's two moments
 REDUCE_BYTES = 4  # gradients reduced in fp32 and weights gathered in the compute dtype: torchtitan's defaults
 #                   (mixed_precision_reduce = "float32", mixed_precision_param = "bfloat16")
+TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_exposed")
 
 
 def check_search(cfg, seq, gpus, tokens, capacity, hw):
@@ -56,7 +62,7 @@ def check_search(cfg, seq, gpus, tokens, capacity, hw):
         raise ValueError(f"--tokens-per-batch={tokens:,} is not a whole number of --seq={seq:,} sequences: use a "
                          f"multiple of {seq:,}, e.g. {max(1, tokens // seq) * seq:,}")
     if not capacity > 0 or capacity == float("inf"):
-        raise ValueError(f"--gpu-gib: give a positive finite size of one GPU's memory, e.g. --gpu-gib 80")
+        raise ValueError("--gpu-gib: give a positive finite size of one GPU's memory, e.g. --gpu-gib 80")
     if hw.nvlink is None:
         raise ValueError(f"--hardware {hw.name}: one process has no links to price collectives over; use one of "
                          f"h100, h200, a100")
@@ -98,114 +104,108 @@ def candidates(cfg, seq, gpus, tokens, node):
                     yield tp, cp, pp, dp, sequences // dp
 
 
-def stage_params(cfg, tp, stage, pp):
-    """Parameters one rank of `stage` holds: its layers' matrices split tp ways (norms whole), the embedding on
-    stage 0, the final norm and LM head on the last (vocab-parallel)."""
-    h, hd = cfg.hidden, cfg.head_dim
-    matrices = h * cfg.heads * hd * 2 + 2 * h * cfg.kv_heads * hd + 3 * h * cfg.ffn
-    layers = len(stage_layers(cfg.layers, pp)[stage])
-    vocab = cfg.vocab * h // tp
-    return (layers * (matrices // tp + 2 * h) + (vocab if stage == 0 else 0)
-            + (vocab * (1 if cfg.tie_embeddings and pp == 1 else 0 if cfg.tie_embeddings else 1) + h
-               if stage == pp - 1 else 0))
-
-
-def model_state_bytes(params, zero, shards):
-    """Bytes of fp32 weights, gradients and AdamW's moments: ZeRO 1 shards the moments over `shards` ranks, 2 the
-    gradients too, 3 the weights too (Rajbhandari et al. 2020)."""
-    p, g, o = STATE_BYTES["param"], STATE_BYTES["grad"], STATE_BYTES["optimizer"]
-    stage = int(zero[0])
-    return params * (p / (shards if stage >= 3 else 1) + g / (shards if stage >= 2 else 1)
-                     + o / (shards if stage >= 1 else 1))
-
-
 @functools.lru_cache(maxsize=None)
-def stage_activation_bytes(cfg, seq, tp, cp, pp, microbatches, policy, stage):
-    """The store's peak of one rank of `stage` under 1F1B (StageForms, on seq/cp tokens, sequence parallel)."""
-    return StageForms(cfg, microbatches, seq // cp, policy, pp, microbatches, "1f1b", stage, 1, tp, tp > 1).peak_bytes
-
-
-@functools.lru_cache(maxsize=None)
-def microbatch_seconds(cfg, seq, tp, cp, pp, stage, policy, hw):
-    """{term: seconds} of one micro-batch's forward, backward and recompute on one rank of `stage`."""
+def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node):
+    """{term: seconds} of one micro-batch's forward, backward and recompute on one rank of a stage of `layers` layers
+    (the head if last); "forward" its forward alone. send_node: 2 when the next stage is in the same node, else 1."""
     e, n, h = BYTES[cfg.dtype], seq // cp, cfg.hidden
-    ops = {op.name: roofline_seconds(op, hw) for op in layer_ops(cfg, 1, seq, tp, tp > 1, cp, causal_skip=True)}
+    sp = sp and tp > 1
+    ops = {op.name: roofline_seconds(op, hw) for op in layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)}
     layer = sum(v for name, v in ops.items() if name != "probs")
-    layers = len(stage_layers(cfg.layers, pp)[stage])
-    head = sum(roofline_seconds(op, hw) for op in head_ops(cfg, 1, n, tp, tp > 1)) if stage == pp - 1 else 0.0
-    cheap = rebuild_seconds(ops, set(layer_inventory(cfg, 1, n)) & OP_LEVEL["cheap"])  # norms, SwiGLU again
-    rebuild = {"none": 0.0, "cheap": cheap, "full": layer - ops["down"]}[policy]
-    reruns = 1 if policy == "full" else 0  # a full recompute runs the forward's collectives again
-    block = n * h * e  # one block's input or output, the whole sequence's n tokens
-    gather = collective_seconds("all_gather", block, tp, hw, False)  # tp stays inside a node (candidates)
-    tp_pair = gather + collective_seconds("reduce_scatter", block, tp, hw, False)
+    head = sum(roofline_seconds(op, hw) for op in head_ops(cfg, 1, n, tp, sp)) if last else 0.0
+    block = n * h * e  # one block's input or output, the rank's n tokens
+    tp_forward = tp_backward = 0.0
+    if tp > 1:
+        for column in ("qkv", "gate_up"):  # a block: its column-parallel GEMM's backward hides what it can
+            hide = ops[column]  # the input-gradient GEMM and the weight-gradient GEMM: each as long as the forward's
+            if sp:
+                gather = collective_seconds("all_gather", block, tp, hw, tp)
+                scatter = collective_seconds("reduce_scatter", block, tp, hw, tp)
+                tp_forward += gather + scatter
+                tp_backward += gather + max(0.0, gather - hide) + max(0.0, scatter - hide)
+            else:
+                reduce = collective_seconds("all_reduce", block, tp, hw, tp)
+                tp_forward += reduce
+                tp_backward += max(0.0, reduce - hide)
     kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * e  # K and V of the whole sequence, this rank's heads
-    cp_ag = collective_seconds("all_gather", kv, cp, hw, tp * cp > hw.node)
-    cp_rs = collective_seconds("reduce_scatter", kv, cp, hw, tp * cp > hw.node)
-    send = collective_seconds("p2p", block // tp, 2, hw, tp * cp * pp > hw.node) if pp > 1 else 0.0
+    cp_node = members_per_node(((cp, tp),), hw.node)
+    cp_ag = collective_seconds("all_gather", kv, cp, hw, cp_node) if cp > 1 else 0.0
+    cp_rs = collective_seconds("reduce_scatter", kv, cp, hw, cp_node) if cp > 1 else 0.0
+    cheap = rebuild_seconds(ops, set(layer_inventory(cfg, 1, n)) & OP_LEVEL["cheap"])  # norms, SwiGLU again
+    rebuild = {"none": 0.0, "cheap": cheap, "full": layer}[policy]
+    reruns = 1 if policy == "full" else 0  # a full recompute runs the forward's collectives again
+    send = collective_seconds("p2p", block // (tp if sp else 1), 2, hw, send_node)
     forward = layers * layer + head
     return {"compute": 3 * forward, "recompute": layers * rebuild,
-            "tp_comm": layers * 2 * (tp_pair * (2 + reruns) + gather) if tp > 1 else 0.0,  # + the input regathered
-            "cp_comm": layers * (cp_ag * (2 + reruns) + cp_rs) if cp > 1 else 0.0,
-            "pp_comm": 2 * send, "forward": forward}
+            "tp_comm": layers * (tp_forward * (1 + reruns) + tp_backward),
+            "cp_comm": layers * (cp_ag * (2 + reruns) + cp_rs), "pp_comm": 2 * send, "forward": forward}
 
 
-def dp_exposed_seconds(params, zero, shards, microbatches, policy, forward, backward, hw, across_nodes, e=2):
-    """Gradient and weight traffic over the `shards` ranks that hold the same weights, less what hides: gradients
-    reduced in fp32, weights gathered in the compute dtype (e bytes)."""
+def extreme_stages(counts):
+    """Stage 0, the last, and the first and last of every run of stages with as many layers: along a run the stages
+    differ only by their micro-batches in flight (fewer) and ZB-H1's waiting W's (more), both linear in s."""
+    out = {0, len(counts) - 1}
+    for s in range(len(counts)):
+        if s == 0 or counts[s] != counts[s - 1]:
+            out.add(s)
+        if s == len(counts) - 1 or counts[s] != counts[s + 1]:
+            out.add(s)
+    return sorted(out)
+
+
+@functools.lru_cache(maxsize=2**16)
+def dp_exposed_seconds(params, zero, shards, microbatches, forward, backward, hw, per_node, layers=1, e=2):
+    """Gradient and weight traffic over the `shards` ranks that hold the same weights (per_node of them in a node),
+    one collective a layer, less what hides (the module's docstring)."""
     if shards == 1:
         return 0.0
-    nbytes = params * REDUCE_BYTES
-    ar = collective_seconds("all_reduce", nbytes, shards, hw, across_nodes)
-    rs = collective_seconds("reduce_scatter", nbytes, shards, hw, across_nodes)
-    ag = collective_seconds("all_gather", params * e, shards, hw, across_nodes)
+    grads = params * REDUCE_BYTES
+    ar = per_layer_seconds("all_reduce", grads, layers, shards, hw, per_node)
+    rs = per_layer_seconds("reduce_scatter", grads, layers, shards, hw, per_node)
+    ag = per_layer_seconds("all_gather", params * e, layers, shards, hw, per_node)
     if zero == "0":
-        return max(0.0, ar - backward)  # all-reduced behind the last micro-batch's backward
-    if zero != "3":  # 1, 2, 3+keep: one reduce-scatter behind the last backward, one gather before the first forward
+        return max(0.0, ar - backward)
+    if zero in ("1", "3+keep"):
         return max(0.0, rs - backward) + max(0.0, ag - forward)
-    gathers = 3 if policy == "full" else 2  # forward, backward (and the recompute) of every micro-batch
-    return microbatches * (max(0.0, ag - forward) + (gathers - 1) * max(0.0, ag - backward) + max(0.0, rs - backward))
+    if zero == "2":
+        return microbatches * max(0.0, rs - backward) + max(0.0, ag - forward)
+    return microbatches * (max(0.0, ag - forward) + max(0.0, ag - backward) + max(0.0, rs - backward))
 
 
-def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy):
+def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy, sp=True,
+             split="even"):
     """One layout's row: its busiest rank's bytes, its modelled step and the terms that make it."""
-    shards = dp * cp
-    stages = sorted({0, pp - 1})  # the busiest: stage 0 (layers, embedding, in flight) and the last (the head)
-    peaks, times = {}, {}
-    for s in stages:
-        params = stage_params(cfg, tp, s, pp)
-        layers = len(stage_layers(cfg.layers, pp)[s])
-        weights = 2 * (params if zero != "3" else min(2, layers) * params // max(1, layers))  # 16-bit copies
-        if zero == "3+keep":
-            weights += STATE_BYTES["param"] * params  # the stage's gathered fp32 weights, kept
-        act = stage_activation_bytes(cfg, seq, tp, cp, pp, M, policy, s)
-        if schedule == "interleaved" and s == 0:
-            act = int(act * (1 + (pp - 1) / (pp * V)))
-        if schedule == "zb-h1":  # stage s also holds what its s waiting W's read (pp_orders.py)
-            act += s * layers * w_pending_bytes(cfg, 1, seq // cp, tp)
-        kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * BYTES[cfg.dtype] if cp > 1 else 0  # one layer's gather
-        peaks[s] = int(model_state_bytes(params, zero, shards)) + weights + act + kv
-        times[s] = microbatch_seconds(cfg, seq, tp, cp, pp, s, policy, hw)
-    for s in stages:  # interleaved: a micro-batch crosses V times as many stage boundaries (V chunks a rank)
-        times[s] = {**times[s], "pp_comm": times[s]["pp_comm"] * V}
-    slowest = max(stages, key=lambda s: sum(v for k, v in times[s].items() if k != "forward"))
-    t = times[slowest]
-    per_mb = sum(v for k, v in t.items() if k != "forward")
-    idle = bubble_idle(pp, M, schedule, V)
-    pipeline = M * per_mb / (1 - idle)
-    across = gpus > hw.node if dp > 1 else tp * cp > hw.node  # the dp x cp group's ring leaves the node
-    dp_exposed = dp_exposed_seconds(stage_params(cfg, tp, slowest, pp), zero, shards, M, policy, t["forward"],
-                                    2 * t["forward"], hw, across, BYTES[cfg.dtype])
+    shards, sp = dp * cp, sp and tp > 1
+    counts = split_layers(cfg.layers, pp, split)
+    send_node = members_per_node(((2, tp * cp),), hw.node)
+    dp_node = members_per_node(((cp, tp), (dp, tp * cp * pp)), hw.node)  # the dp x cp group's members in a node
+    peaks, parts, times, dps = {}, {}, [], []
+    for s in extreme_stages(counts):  # the busiest rank is one of these (memory is linear in s within a run)
+        parts[s] = stage_bytes(cfg, seq, tp, sp, cp, counts, s, M, zero, shards, schedule, V, policy)
+        peaks[s] = sum(parts[s].values())
+    for s in range(pp):
+        t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node))
+        t["pp_comm"] = t["pp_comm"] * V if pp > 1 else 0.0
+        times.append(t)
+        dps.append(dp_exposed_seconds(stage_params(cfg, tp, counts, s), zero, shards, M, t["forward"],
+                                      2 * t["forward"], hw, dp_node, counts[s], BYTES[cfg.dtype]))
+    per_mb = [sum(v for k, v in t.items() if k != "forward") for t in times]
+    slowest = max(range(pp), key=per_mb.__getitem__)
+    fill = (pp - 1) * (sum(per_mb) / pp) / (3 if schedule == "zb-h1" else V if schedule == "interleaved" else 1)
+    pipeline = M * per_mb[slowest] + fill
+    dp_exposed = max(dps)
     step = pipeline + dp_exposed
     model_flops = 3 * model_forward_flops(cfg, seq) * (tokens // seq)
-    terms = {k: M * v for k, v in t.items() if k != "forward"}
-    terms.update(bubble=pipeline - M * per_mb, dp_exposed=dp_exposed)
-    peak = max(peaks.values())
-    return {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "zero": zero, "schedule": schedule, "virtual_stages": V,
-            "microbatches": M, "policy": policy, "peak_bytes": peak, "fits": peak <= capacity,
-            "stage_peak_bytes": {str(s): b for s, b in peaks.items()}, "step_seconds": step,
-            "mfu": model_flops / (gpus * hw.matmul * step), "tokens_per_second": tokens / step,
-            "bubble_idle": idle, "terms_seconds": terms}
+    terms = {k: M * v for k, v in times[slowest].items() if k != "forward"}
+    terms.update(bubble=fill, dp_exposed=dp_exposed)
+    busiest = max(peaks, key=peaks.get)
+    peak = peaks[busiest]
+    return {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "sp": sp, "zero": zero, "schedule": schedule,
+            "virtual_stages": V, "microbatches": M, "policy": policy, "split": split, "stage_layers": list(counts),
+            "peak_bytes": peak, "fits": peak <= capacity, "busiest_stage": busiest,
+            "peak_parts": parts[busiest], "stage_peak_bytes": {str(s): b for s, b in peaks.items()},
+            "slowest_stage": slowest, "step_seconds": step, "mfu": model_flops / (gpus * hw.matmul * step),
+            "tokens_per_second": tokens / step, "terms_seconds": terms}
 
 
 def model_forward_flops(cfg, seq):
@@ -215,13 +215,16 @@ def model_forward_flops(cfg, seq):
     return cfg.layers * sum(op.flops for op in ops) + 2 * seq * cfg.hidden * cfg.vocab
 
 
-def runs(cfg, cp, pp, dp, M, zero, schedule, V):
-    """Whether a split can take this ZeRO stage and schedule: ZeRO needs ranks to shard over; interleaving and
-    ZB-H1 need stages, interleaving M a multiple of p and V layers a stage, ZB-H1 at least p micro-batches."""
+def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even"):
+    """Whether a split can take this ZeRO stage and schedule: ZeRO needs ranks to shard over; interleaving needs
+    equal chunks, M a multiple of p and the layers in whole chunks: L % (p V) == 0 for the even split (Megatron's
+    virtual stages), (L + 2) % (p V) == 0 for the lighter ends, where the embedding and the head each take a
+    layer's place (the Llama 3 paper, sec. 3.3.2: its first chunk holds only the embedding, its last only the output
+    projection and the loss); ZB-H1 at least p micro-batches."""
     if zero != "0" and dp * cp == 1 or pp == 1 and schedule != "1f1b":
         return False
     if schedule == "interleaved":
-        return M % pp == 0 and cfg.layers >= pp * V
+        return M % pp == 0 and (cfg.layers + (2 if split == "lighter ends" else 0)) % (pp * V) == 0
     return schedule != "zb-h1" or M >= pp
 
 
@@ -232,14 +235,30 @@ def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=
     rows, considered = [], 0
     for (tp, cp, pp, dp, M), zero, (schedule, V), policy in itertools.product(
             candidates(cfg, seq, gpus, tokens, hw.node), zero_stages, schedules, policies):
-        if not runs(cfg, cp, pp, dp, M, zero, schedule, V):
-            continue
-        considered += 1
-        row = evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy)
-        if row["fits"]:
-            rows.append(row)
+        for split, sp in itertools.product(splits_for(cfg.layers, pp), (True, False) if tp > 1 else (False,)):
+            if not runs(cfg, cp, pp, dp, M, zero, schedule, V, split):
+                continue
+            considered += 1
+            row = evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy, sp,
+                           split)
+            if row["fits"]:
+                rows.append(row)
     rows.sort(key=lambda r: (r["step_seconds"], r["peak_bytes"]))
     return rows, considered
+
+
+def split_of(row):
+    return row["tp"], row["cp"], row["pp"], row["dp"]
+
+
+def distinct_splits(rows):
+    """The best variant of each (tp, cp, pp, dp) split, in the order of `rows`."""
+    seen, out = set(), []
+    for row in rows:
+        if split_of(row) not in seen:
+            seen.add(split_of(row))
+            out.append(row)
+    return out
 
 
 # The Llama 3 paper (Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 4): 405B on H100 80 GB, 16M tokens
@@ -256,6 +275,6 @@ def published_for(model, seq, gpus, tokens):
 
 
 def rank_of(rows, layout):
-    """(rank from 1, row) of the best-ranked variant of a (tp, cp, pp, dp) split among `rows`, or (None, None)."""
-    return next(((i, row) for i, row in enumerate(rows, 1) if (row["tp"], row["cp"], row["pp"], row["dp"]) == layout),
-                (None, None))
+    """(rank from 1, row) of the best-ranked variant of a (tp, cp, pp, dp) split among `rows`, or (None, None):
+    among distinct splits when `rows` is distinct_splits()."""
+    return next(((i, row) for i, row in enumerate(rows, 1) if split_of(row) == layout), (None, None))

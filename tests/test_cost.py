@@ -9,10 +9,9 @@ import pytest
 from picockpt import Config
 from picockpt.cli import main
 from picockpt.closed_forms import layer_flops
-from picockpt.cost import (HARDWARE, NCCL_BASE_LATENCY, NCCL_NETWORK_STEP, NCCL_NVLINK_STEP, Op, bubble_idle,
-                           collective_seconds, layer_ops, plan_priced, price_chain, roofline_op_seconds,
+from picockpt.cost import (HARDWARE, Op, bubble_idle, layer_ops, plan_priced, price_chain, roofline_op_seconds,
                            roofline_seconds)
-from picockpt.hardware import H100_SXM_BF16, H100_SXM_HBM, INFINIBAND_NDR, NVLINK_4
+from picockpt.hardware import H100_SXM_BF16, H100_SXM_HBM
 from picockpt.op_times import layer_op_calls
 from picockpt.planner import least_budget, model_chain, plan_chain, replay
 
@@ -37,17 +36,6 @@ def test_layer_ops_count_the_layers_matmul_flops(attention, t):
         "final_norm", "logits", "loss", "probs")]  # the measured profile times the same ops
     swiglu = next(op for op in ops if op.name == "swiglu")  # reads gate and up, writes their product
     assert swiglu.bytes == 3 * 4 * 4 * 64 * (cfg.ffn // t) and swiglu.flops == 0
-
-
-def test_collectives_by_hand():
-    n, nbytes = 8, 10**9
-    assert collective_seconds("all_reduce", nbytes, n, H100, False) == pytest.approx(
-        NCCL_BASE_LATENCY + 14 * NCCL_NVLINK_STEP + 2 * 7 / 8 * nbytes / NVLINK_4)
-    assert collective_seconds("reduce_scatter", nbytes, 64, H100, True) == pytest.approx(
-        NCCL_BASE_LATENCY + 63 * NCCL_NETWORK_STEP + 63 / 64 * nbytes / INFINIBAND_NDR)
-    assert collective_seconds("all_gather", nbytes, 1, H100, False) == 0.0  # one rank: nothing moves
-    assert collective_seconds("p2p", 100, 2, H100, True) == pytest.approx(
-        NCCL_BASE_LATENCY + NCCL_NETWORK_STEP + 100 / INFINIBAND_NDR)  # a small message: latency is all of it
 
 
 def test_bubble():

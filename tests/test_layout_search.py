@@ -7,40 +7,47 @@ import pytest
 from picockpt import Config
 from picockpt.cli import main
 from picockpt.cost import HARDWARE
-from picockpt.layout_search import (LLAMA3_405B_TABLE_4, model_state_bytes, rank_of, search, stage_activation_bytes,
+from picockpt.layout_memory import (model_state_bytes, reserve_bytes, split_layers, stage_activation_bytes, stage_bytes,
                                     stage_params)
-from picockpt.parallel.data_parallel.zero_inventory import flat_units
-from picockpt.parallel.data_parallel.zero_inventory import model_state_bytes as zero_state_bytes
+from picockpt.layout_search import LLAMA3_405B_TABLE_4, rank_of, search
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_peak_bytes
 
 CFG = Config.from_preset("tiny", attention="fused", layers=4)
 
 
-@pytest.mark.parametrize("pp", [1, 2, 3, 4])
-def test_the_stages_hold_every_parameter_once(pp):
-    assert sum(stage_params(CFG, 1, s, pp) for s in range(pp)) == CFG.num_params()
+@pytest.mark.parametrize("split", ["even", "lighter ends"])
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_the_stages_hold_every_parameter_once(pp, split):
+    counts = split_layers(CFG.layers, pp, split)
+    assert sum(counts) == CFG.layers
+    assert sum(stage_params(CFG, 1, counts, s) for s in range(pp)) == CFG.num_params()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_model_state_is_zeros_closed_form(stage):
-    """ZeRO's shards as zero_inventory counts them (which tests/test_parallel_zero.py measures), less AdamW's step
-    counts (one scalar a unit: the search leaves them out)."""
-    exact = sum(zero_state_bytes(CFG, stage, 2).values()) - 4 * len(flat_units(CFG, 2))
-    assert model_state_bytes(CFG.num_params(), str(stage), 2) == exact
+def test_model_state_bytes_a_parameter():
+    """DDP 18; Megatron's distributed optimizer 6 + 12/d (its docs' bf16-param, fp32-grad row); gradients sharded
+    2 + 16/d; FSDP 16/d (and two layers gathered in bf16); FSDP2 keeping its bf16 gather, fp32 gradients unsharded
+    until the last micro-batch, 6 + 16/d."""
+    params, d = 10**6, 8
+    assert model_state_bytes(params, "0", d) == 18 * params
+    assert model_state_bytes(params, "1", d) == (6 + 12 / d) * params
+    assert model_state_bytes(params, "2", d) == (2 + 16 / d) * params
+    assert model_state_bytes(params, "3", d, layers=4) == 16 / d * params + 2 * params * 2 // 4
+    assert model_state_bytes(params, "3+keep", d) == (6 + 16 / d) * params
 
 
 def test_activations_are_the_tensor_and_pipeline_closed_forms():
-    """pp = 1: M micro-batches of one sequence run one at a time, the tensor-parallel rank's store on one sequence
-    (tp_inventory, measured by tests/test_parallel_tp.py); pp > 1: every stage's 1F1B peak (pp_inventory)."""
-    assert stage_activation_bytes(CFG, 64, 2, 1, 1, 2, "full", 0) == rank_peak_bytes(CFG, 1, 64, "full", 2, True)
+    """pp = 1: one micro-batch in flight, the tensor-parallel rank's store on one sequence (tp_inventory, measured by
+    tests/test_parallel_tp.py); pp > 1: every stage's 1F1B peak (pp_inventory), w = min(p - s, M) in flight."""
+    assert stage_activation_bytes(CFG, 64, 2, True, 1, 4, True, 1, "full") == \
+        rank_peak_bytes(CFG, 1, 64, "full", 2, True)
     for s in range(2):
-        assert stage_activation_bytes(CFG, 64, 1, 1, 2, 4, "none", s) == \
+        assert stage_activation_bytes(CFG, 64, 1, False, 1, 2, s == 1, min(2 - s, 4), "none") == \
             StageForms(CFG, 4, 64, "none", 2, 4, "1f1b", s).peak_bytes
 
 
 def test_every_layout_kept_fits_and_the_best_comes_first():
-    capacity = 2**19  # 0.5 MiB: some layouts fit (the smallest need 0.14 MiB), some do not (up to 1.3 MiB)
+    capacity = reserve_bytes(0) + 2**19  # the fixed reserve and 0.5 MiB: some layouts fit, some do not
     rows, considered = search(CFG, 64, 8, 64 * 16, capacity, HARDWARE["h100"])
     assert 0 < len(rows) < considered
     assert all(row["peak_bytes"] <= capacity and row["fits"] for row in rows)
@@ -59,16 +66,24 @@ def test_llama3_405b_table_4_layouts_fit_and_are_ranked():
 
 
 def test_predict_search_json_and_text(capsys):
+    """--json gives the top N distinct splits only; the text puts distinct splits first, in rows under 110
+    characters, with a legend for every abbreviation."""
     args = ["predict", "--search", "--model", "llama3-8b", "--seq", "4096", "--gpus", "64",
             "--tokens-per-batch", "1M", "--gpu-gib", "80"]
-    assert main(args + ["--json"]) == 0
+    assert main(args + ["--json", "--top", "4"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tokens_per_batch"] == 2**20 and out["layouts"]
-    assert {"tp", "cp", "pp", "dp", "zero", "microbatches", "schedule", "policy", "peak_bytes", "step_seconds",
-            "mfu"} <= set(out["layouts"][0])
+    assert out["tokens_per_batch"] == 2**20 and len(out["layouts"]) == 4 < out["distinct_splits"] <= out["fit"]
+    assert len({(r["tp"], r["cp"], r["pp"], r["dp"]) for r in out["layouts"]}) == 4
+    assert {"tp", "cp", "pp", "dp", "sp", "zero", "microbatches", "schedule", "policy", "split", "peak_bytes",
+            "step_seconds", "mfu"} <= set(out["layouts"][0])
     assert main(args + ["--top", "3"]) == 0
     text = capsys.readouterr().out
-    assert "why the best wins" in text and text.count("\n  ") >= 3
+    assert "why the best wins" in text and "sequence parallel" in text and "lighter first and last" in text
+    table = text.split("fastest splits:\n")[1].split("\n")[:4]
+    assert all(len(line) < 110 for line in text.splitlines())
+    assert [line.split()[0] for line in table[1:]] == ["1", "2", "3"]
+    splits = [tuple(line.split()[1:5]) for line in table[1:]]
+    assert len(set(splits)) == 3
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -85,13 +100,15 @@ def test_predict_search_refuses_with_the_flag(flags, message, capsys):
 
 
 def test_zb_h1_holds_what_its_waiting_weight_passes_read():
-    """Against 1F1B, ZB-H1 leaves stage 0's bytes as they are and adds, on stage s, s waiting W's of its layers
-    (pp_orders.w_pending_bytes), and steps (p-1)/3 micro-batches' time after the last one, not p-1."""
+    """Against 1F1B, ZB-H1 leaves stage 0's activations as they are and adds, on stage s, s waiting W's of its layers
+    (pp_orders.w_pending_bytes), and fills the bubble to a third of 1F1B's."""
     from picockpt.layout_search import evaluate
     from picockpt.parallel.pipeline_parallel.pp_orders import w_pending_bytes
     hw, cfg = HARDWARE["h100"], CFG.replace(dtype="bfloat16")
+    counts = split_layers(cfg.layers, 2)
+    acts = {schedule: [stage_bytes(cfg, 64, 1, False, 1, counts, s, 4, "1", 2, schedule, 1, "none")["activations"]
+                       for s in range(2)] for schedule in ("1f1b", "zb-h1")}
+    assert acts["zb-h1"][0] == acts["1f1b"][0] and acts["zb-h1"][1] - acts["1f1b"][1] == 2 * w_pending_bytes(cfg, 1, 64)
     rows = {schedule: evaluate(cfg, 64, 4, 64 * 8, 2**40, hw, 1, 1, 2, 2, 4, "1", schedule, 1, "none")
             for schedule in ("1f1b", "zb-h1")}
-    one, zb = (rows[s]["stage_peak_bytes"] for s in ("1f1b", "zb-h1"))
-    assert zb["0"] == one["0"] and zb["1"] - one["1"] == 1 * 2 * w_pending_bytes(cfg, 1, 64)
     assert rows["zb-h1"]["terms_seconds"]["bubble"] == pytest.approx(rows["1f1b"]["terms_seconds"]["bubble"] / 3)

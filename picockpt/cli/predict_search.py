@@ -9,11 +9,12 @@ import json
 import time
 
 from ..cost import HARDWARE, hardware
-from ..layout_search import published_for, rank_of, search
+from ..layout_search import TERMS, distinct_splits, published_for, rank_of, search, split_of
 from .predict_parallel import gpu_bytes
 
 TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}  # 16M = 2048 sequences of 8,192 (powers of two)
-TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_exposed")
+TERM_SHORT = {"compute": "comp", "recompute": "recmp", "tp_comm": "tp", "cp_comm": "cp", "pp_comm": "pp",
+              "bubble": "bubbl", "dp_exposed": "dp"}
 CHOSEN = ("--tp", "tp", 1), ("--sp", "sp", False), ("--cp", "cp", 1), ("--pp", "pp", 1), ("--dp", "dp", 1), \
     ("--zero", "zero", None), ("--microbatches", "microbatches", None), ("--recompute", "recompute", "none"), \
     ("--batch", "batch", 1), ("--distribute-saved", "distribute_saved", False), ("--schedule", "schedule", "1f1b"), \
@@ -34,7 +35,8 @@ def add_search_arguments(parser):
     group.add_argument("--hardware", choices=tuple(HARDWARE), default="h100",
                        help="--search: the GPU's datasheet rates (default h100; 8 a node, NVLink inside, one "
                             "InfiniBand port a GPU between nodes)")
-    group.add_argument("--top", type=int, default=10, help="--search: layouts printed (default 10; --json: all)")
+    group.add_argument("--top", type=int, default=10, help="--search: the fastest distinct tp x cp x pp x dp splits printed, each by its best variant "
+                            "(default 10; --json too)")
 
 
 def parse_tokens(text):
@@ -83,52 +85,90 @@ def run_search(args, cfg):
     start = time.perf_counter()
     rows, considered = search(cfg, args.seq, args.gpus, tokens, capacity, hw)
     seconds = time.perf_counter() - start
+    splits = distinct_splits(rows)
+    published = published_for(args.preset, args.seq, args.gpus, tokens)
     if args.json:
-        print(json.dumps({"model": args.preset, "seq": args.seq, "gpus": args.gpus, "tokens_per_batch": tokens,
-                          "gpu_bytes": capacity, "hardware": hw.name, "considered": considered,
-                          "search_seconds": seconds, "layouts": rows}, indent=1))
+        out = {"model": args.preset, "seq": args.seq, "gpus": args.gpus, "tokens_per_batch": tokens,
+               "gpu_bytes": capacity, "hardware": hw.name, "considered": considered, "fit": len(rows),
+               "distinct_splits": len(splits), "search_seconds": seconds, "top": args.top,
+               "layouts": splits[:args.top]}
+        if published:
+            out["published"] = published_summary(splits, published)
+        print(json.dumps(out, indent=1))
         return
     print(f"{args.preset} at {args.seq:,} tokens a sequence, {tokens:,} tokens a step on {args.gpus:,} {hw.name} "
-          f"GPUs of {args.gpu_gib:g} GiB ({hw.source})")
-    print(f"{considered:,} layouts considered in {seconds:.1f} s, {len(rows):,} fit; attention priced as a flash "
-          f"kernel; times modelled at datasheet rates (a ceiling: MFU measured on real runs sits below)")
+          f"GPUs of {args.gpu_gib:g} GiB")
+    print(f"  ({hw.source})")
+    print(f"{considered:,} layouts considered in {seconds:.1f} s, {len(rows):,} fit, {len(splits):,} distinct "
+          f"tp x cp x pp x dp splits;")
+    print("times at datasheet rates: a ceiling, measured MFU sits below")
     if not rows:
         print("no layout fits: add GPUs, raise --gpu-gib, or shorten --seq")
         return
-    print(f"\n{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'zero':>6} {'schedule':>14} {'M':>4} {'policy':>6} "
-          f"{'peak GiB':>9} {'step s':>7} {'MFU':>6}   " + " ".join(f"{t:>10}" for t in TERMS))
-    for i, row in enumerate(rows[:args.top], 1):
-        print(f"{i:>3} " + _row_text(row))
+    print(f"\nthe best variant of each of the {min(args.top, len(splits))} fastest splits:")
+    print(HEADER)
+    for i, row in enumerate(splits[:args.top], 1):
+        print(f"{i:>2} " + _row_text(row))
+    print(LEGEND)
     print("\n" + why_best(rows))
-    published = published_for(args.preset, args.seq, args.gpus, tokens)
     if published:
-        print(published_line(rows, published))
+        print(published_line(splits, published))
 
 
-def published_line(rows, published):
-    """Where the Llama 3 paper's own layout for this case ranks, and its modelled MFU beside the reported one."""
+HEADER = (f" # {'tp':>2} {'cp':>3} {'pp':>3} {'dp':>4} sp {'Z':>6} {'sched':>5} {'M':>4} {'rc':>5} {'lay':>3} "
+          f"{'GiB':>5} {'step':>5} {'MFU':>5}" + "".join(f"{short:>6}" for short in TERM_SHORT.values()))
+LEGEND = "\n".join((
+    "  sp: sequence parallel (y/n); Z: ZeRO stage (3+keep: FSDP keeping its gather); sched: 1f1b, i2/i4",
+    "  interleaved V=2/4, zb ZB-H1; M: micro-batches; rc: recompute (none, cheap: norms and SwiGLU rebuilt,",
+    "  full); lay: layers over stages (ev even, le lighter first and last); GiB: the busiest rank with the",
+    "  reserve; step in s; then the terms of the step, in s, from its slowest stage:",
+    "  " + ", ".join(f"{short} {term}" for term, short in TERM_SHORT.items())))
+SCHEDULE_SHORT = {"1f1b": "1f1b", "zb-h1": "zb"}
+
+
+def published_summary(splits, published):
+    """{rank among distinct splits, ratio to the fastest, modelled and reported MFU, the variant} of Table 4's row."""
+    rank, row = rank_of(splits, published[2])
+    out = {"layout": dict(zip(("tp", "cp", "pp", "dp"), published[2])), "reported_mfu": published[4],
+           "distinct_splits": len(splits), "rank": rank}
+    if row is not None:
+        out.update(ratio_to_fastest=row["step_seconds"] / splits[0]["step_seconds"], modelled_mfu=row["mfu"],
+                   variant=row)
+    return out
+
+
+def published_line(splits, published):
+    """Where the Llama 3 paper's own layout for this case ranks among the distinct splits, its step against the
+    fastest, and its modelled MFU beside the reported one."""
     (tp, cp, pp, dp), reported = published[2], published[4]
-    rank, row = rank_of(rows, (tp, cp, pp, dp))
+    summary = published_summary(splits, published)
     head = f"the Llama 3 paper's layout here (Table 4): TP{tp} CP{cp} PP{pp} DP{dp}, {reported:.0%} BF16 MFU reported"
-    if rank is None:
-        return head + ": it does not fit in this model's memory"
-    return (head + f"; #{rank} of {len(rows):,} here, modelled {row['mfu']:.1%} at datasheet rates (its best variant: "
-            f"ZeRO {row['zero']}, {row['schedule']}" + (f" V={row['virtual_stages']}" if row["virtual_stages"] > 1
-                                                         else "") + f", {row['policy']})")
+    if summary["rank"] is None:
+        return head + ";\n  it does not fit in this model's memory"
+    row = summary["variant"]
+    return (head + f";\n  #{summary['rank']} of {len(splits):,} splits, {summary['ratio_to_fastest']:.2f}x the "
+            f"fastest's step, modelled {row['mfu']:.1%} MFU;\n  its best variant: {variant_text(row)}")
+
+
+def variant_text(row):
+    schedule = row["schedule"] + (f" V={row['virtual_stages']}" if row["schedule"] == "interleaved" else "")
+    return (f"{'SP, ' if row['sp'] else ''}ZeRO {row['zero']}, {schedule}, {row['microbatches']} micro-batches, "
+            f"{row['policy']}, {row['split']} layers")
 
 
 def _row_text(row):
-    schedule = row["schedule"] + (f" V={row['virtual_stages']}" if row["schedule"] == "interleaved" else "")
-    return (f"{row['tp']:>3} {row['cp']:>3} {row['pp']:>3} {row['dp']:>5} {row['zero']:>6} {schedule:>14} "
-            f"{row['microbatches']:>4} {row['policy']:>6} {row['peak_bytes'] / 2**30:>9.1f} {row['step_seconds']:>7.2f} "
-            f"{row['mfu']:>6.1%}   " + " ".join(f"{row['terms_seconds'][t]:>9.2f}s" for t in TERMS))
+    schedule = f"i{row['virtual_stages']}" if row["schedule"] == "interleaved" else SCHEDULE_SHORT[row["schedule"]]
+    return (f"{row['tp']:>2} {row['cp']:>3} {row['pp']:>3} {row['dp']:>4} {'y' if row['sp'] else 'n':>2} "
+            f"{row['zero']:>6} {schedule:>5} {row['microbatches']:>4} {row['policy']:>5} "
+            f"{'le' if row['split'] == 'lighter ends' else 'ev':>3} {row['peak_bytes'] / 2**30:>5.1f} "
+            f"{row['step_seconds']:>5.2f} {row['mfu']:>5.1%}"
+            + "".join(f"{row['terms_seconds'][t]:>6.2f}" for t in TERM_SHORT))
 
 
 def why_best(rows):
     """The terms that decide: the best against the best of another tp x cp x pp split."""
     best = rows[0]
-    split = (best["tp"], best["cp"], best["pp"])
-    other = next((r for r in rows if (r["tp"], r["cp"], r["pp"]) != split), None)
+    other = next((r for r in rows if split_of(r)[:3] != split_of(best)[:3]), None)
     lines = [f"why the best wins: of its {best['step_seconds']:.2f} s, " + ", ".join(
         f"{t} {best['terms_seconds'][t] / best['step_seconds']:.0%}" for t in TERMS if best["terms_seconds"][t] > 0)]
     if other is not None:

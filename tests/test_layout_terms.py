@@ -1,0 +1,103 @@
+"""The layout model's terms as frameworks run them: full recomputation reruns the whole forward, Megatron hides its
+backward tensor-parallel collectives under the GEMMs they overlap, a pipeline pays its exchanges every micro-batch,
+interleaving needs whole chunks, every stage is priced, and the Llama 3 paper's 8K layout fits without
+recomputation the way the paper shards it."""
+import pytest
+
+from picockpt import Config
+from picockpt.collectives import collective_seconds
+from picockpt.cost import HARDWARE, layer_ops, roofline_seconds
+from picockpt.layout_memory import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, reserve_bytes, split_layers, stage_bytes
+from picockpt.layout_search import evaluate, microbatch_seconds, runs
+
+H100 = HARDWARE["h100"]
+GIB = 2**30
+BIG = Config.from_preset("llama3-405b", dtype="bf16").replace(attention="fused")
+
+
+def layer_seconds(cfg, seq, tp, sp, cp=1):
+    return sum(roofline_seconds(op, H100) for op in layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)
+               if op.name != "probs")
+
+
+def test_full_recomputation_is_the_whole_forward():
+    """Megatron's --recompute-granularity full and torch's checkpoint rerun the layer from its input: every op."""
+    t = microbatch_seconds(BIG, 8192, 8, True, 1, 8, False, "full", H100, 1)
+    assert t["recompute"] == pytest.approx(8 * layer_seconds(BIG, 8192, 8, True))
+    assert t["recompute"] == pytest.approx(t["forward"])  # not the last stage: no head
+
+
+def test_full_recomputation_reruns_the_forwards_collectives():
+    none, full = (microbatch_seconds(BIG, 8192, 8, True, 1, 8, False, p, H100, 1) for p in ("none", "full"))
+    block = 8192 * BIG.hidden * 2
+    forward = 2 * (collective_seconds("all_gather", block, 8, H100, 8)
+                   + collective_seconds("reduce_scatter", block, 8, H100, 8))
+    assert full["tp_comm"] - none["tp_comm"] == pytest.approx(8 * forward)
+
+
+def test_megatron_hides_the_async_backward_collectives_under_their_gemms():
+    """Without sequence parallelism the column-parallel input gradient's all-reduce runs under the weight-gradient
+    GEMM: at 405B's shapes the MLP's gate/up GEMM hides it whole, the attention's q/k/v GEMM (one K/V head a rank)
+    only in part. With it, the output gradient's all-gather is exposed, the re-gather hides under the input-gradient
+    GEMM and the reduce-scatter under the weight-gradient GEMM, as far as they last."""
+    block = 8192 * BIG.hidden * 2
+    gather = collective_seconds("all_gather", block, 8, H100, 8)
+    scatter = collective_seconds("reduce_scatter", block, 8, H100, 8)
+    reduce = collective_seconds("all_reduce", block, 8, H100, 8)
+    ops = {op.name: roofline_seconds(op, H100) for op in layer_ops(BIG, 1, 8192, 8, False, 1, causal_skip=True)}
+    assert ops["qkv"] < reduce < ops["gate_up"]
+    no_sp = microbatch_seconds(BIG, 8192, 8, False, 1, 1, False, "none", H100, 1)
+    assert no_sp["tp_comm"] == pytest.approx(2 * reduce + (reduce - ops["qkv"]))
+    sp_ops = {op.name: roofline_seconds(op, H100) for op in layer_ops(BIG, 1, 8192, 8, True, 1, causal_skip=True)}
+    sp = microbatch_seconds(BIG, 8192, 8, True, 1, 1, False, "none", H100, 1)
+    hidden = sum(max(0, gather - sp_ops[c]) + max(0, scatter - sp_ops[c]) for c in ("qkv", "gate_up"))
+    assert sp["tp_comm"] == pytest.approx(2 * (gather + scatter) + 2 * gather + hidden)
+
+
+def test_a_pipeline_pays_its_exchanges_every_micro_batch_and_v_times_interleaved():
+    rows = {V: evaluate(BIG, 8192, 8192, 2**24, 10**15, H100, 8, 1, 16, 64, 32, "1", s, V, "none")
+            for s, V in (("1f1b", 1), ("interleaved", 2))}
+    send = collective_seconds("p2p", 8192 * BIG.hidden * 2 // 8, 2, H100, 1)
+    assert rows[1]["terms_seconds"]["pp_comm"] == pytest.approx(32 * 2 * send)
+    assert rows[2]["terms_seconds"]["pp_comm"] == pytest.approx(2 * rows[1]["terms_seconds"]["pp_comm"])
+
+
+def test_interleaving_needs_whole_chunks():
+    """126 layers: no even split into 16 x 2 chunks; the lighter ends (the embedding and the head in a layer's place,
+    128 places) split into 16 x 2 and 16 x 4, as the Llama 3 paper's schedule does."""
+    assert not runs(BIG, 1, 16, 64, 32, "1", "interleaved", 2, "even")
+    assert runs(BIG, 1, 16, 64, 32, "1", "interleaved", 2, "lighter ends")
+    assert runs(BIG, 1, 16, 64, 32, "1", "interleaved", 4, "lighter ends")
+    assert runs(BIG.replace(layers=128), 1, 16, 64, 32, "1", "interleaved", 4, "even")
+    assert not runs(BIG, 1, 16, 64, 30, "1", "interleaved", 2, "lighter ends")  # M a multiple of p
+
+
+def test_the_papers_split_and_every_stage():
+    assert split_layers(126, 16, "lighter ends") == (7,) + (8,) * 14 + (7,)
+    assert split_layers(126, 16, "even") == (8,) * 14 + (7, 7)
+    with pytest.raises(ValueError, match="split='lighter ends' with pp=126"):
+        split_layers(126, 126, "lighter ends")
+    row = evaluate(BIG, 8192, 8192, 2**24, 80 * GIB, H100, 8, 1, 16, 64, 32, "2", "1f1b", 1, "none", True,
+                   "lighter ends")
+    assert row["busiest_stage"] == 1  # 8 layers and 15 micro-batches in flight outweigh stage 0's 7 and 16
+    assert len(row["stage_peak_bytes"]) >= 3
+
+
+def test_the_reserve_is_stated_and_in_the_peak():
+    assert reserve_bytes(0) == CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES == 1.5 * GIB
+    parts = stage_bytes(BIG, 8192, 8, True, 1, split_layers(126, 16), 0, 32, "1", 64, "1f1b", 1, "none")
+    assert parts["reserve"] == reserve_bytes(sum(v for k, v in parts.items() if k != "reserve"))
+
+
+def test_the_papers_8k_layout_fits_without_recomputation_as_the_paper_shards_it():
+    """Sec. 3.3.2: 8K sequences trained without activation checkpointing; its FSDP shards the optimizer state and
+    the gradients and keeps the gathered weights (ZeRO 2 here). At 1F1B with the lighter ends the busiest rank fits
+    80 GB with nothing recomputed; with the distributed optimizer's whole fp32 gradients (ZeRO 1) it does not, nor
+    interleaved (Korthikanti's 1 + (p-1)/(pV) more in flight on stage 0)."""
+    def peak(zero, schedule="1f1b", V=1, gpus=8192, dp=64, M=32):
+        return evaluate(BIG, 8192, gpus, 2**24, 80 * GIB, H100, 8, 1, 16, dp, M, zero, schedule, V, "none", True,
+                        "lighter ends")["peak_bytes"] / GIB
+    for gpus, dp, M in ((8192, 64, 32), (16384, 128, 16)):
+        assert peak("2", gpus=gpus, dp=dp, M=M) < 74.5 and peak("3", gpus=gpus, dp=dp, M=M) < 74.5  # 80 GB
+        assert peak("1", gpus=gpus, dp=dp, M=M) > 80
+        assert peak("2", "interleaved", 4, gpus, dp, M) > 74.5
