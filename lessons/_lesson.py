@@ -266,21 +266,29 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def interleaved_seconds(steps, device, repeats):
+def interleaved_seconds(steps, device, repeats, before=None):
     """{name: Spread of wall seconds} of each step in {name: step()}, after one warm-up call of
     each. Each repeat runs every step once, in turn, so a slow moment of a shared machine slows
-    them all alike; paired_ratios(a, b) divides them repeat by repeat."""
-    for step in steps.values():
+    them all alike; paired_ratios(a, b) divides them repeat by repeat. before: {name: setup()}, run
+    untimed just before each call of that step (e.g. to evict its operands from the caches)."""
+    before = before or {}
+    for name, step in steps.items():
+        before.get(name, _nothing)()
         step()
     times = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
+            before.get(name, _nothing)()
             _sync(device)
             start = time.perf_counter()
             step()
             _sync(device)
             times[name].append(time.perf_counter() - start)
     return {name: Spread(tuple(values)) for name, values in times.items()}
+
+
+def _nothing():
+    pass
 
 
 @dataclass(frozen=True)
