@@ -44,8 +44,8 @@ import matplotlib.pyplot as plt
 import torch
 
 from _check import check
-from _lesson import (FAST_TIMING, Spread, choose, interleaved_seconds, lesson_args, paired_ratios, timed_claim,
-                     timing_verdict, wrote)
+from _lesson import (FAST_TIMING, Spread, choose, clock_words, compute_clock, interleaved_seconds, lesson_args,
+                     paired_ratios, timed_claim, timing_verdict, wrote)
 from picockpt import Config
 from picockpt.cpu_caches import read_cache_sizes
 from picockpt.hardware import H100_SXM_BF16, H100_SXM_HBM
@@ -225,11 +225,12 @@ steps["swiglu"] = lambda: [swiglu_rebuild(gate, up, product) for _ in range(time
 elements["swiglu"] = times * gate.numel()
 a, b = torch.randn(512, 512), torch.randn(512, 512)  # (512, 512) each
 steps["matmul"] = lambda: a @ b  # (512, 512): 2 * 512^3 FLOPs
-timing = interleaved_seconds(steps, torch.device("cpu"), repeats)
+timing = interleaved_seconds(steps, torch.device("cpu"), repeats, clock=compute_clock("cpu"))
 per_element = {name: Spread(tuple(t / elements[name] for t in timing[name].samples)) for name in elements}
 bandwidth = {size: Spread(tuple(moved[size] / t for t in timing[size].samples)) for size in working_sets}
 matmul_rate = Spread(tuple(2 * 512**3 / t for t in timing["matmul"].samples))  # FLOP/s of each repeat
-print(f"\nRMSNorm rebuild (eager, two passes), h = {HIDDEN}, fp32, {repeats} interleaved repeats, median [min..max]:")
+print(f"\nRMSNorm rebuild (eager, two passes), h = {HIDDEN}, fp32, {repeats} interleaved repeats, "
+      f"{clock_words(compute_clock('cpu'))}, median [min..max]:")
 print(f"{'working set':>12}{'fits in':>9}{'runs at':>14}{'ns per element':>26}{'GB/s read + written':>26}")
 for size in working_sets:
     speed = "-" if fast else speed_of(size, per_element, streamed)  # --fast: one short repeat says nothing
@@ -345,11 +346,12 @@ def cache_steps(size, evict_bytes, h=HIDDEN):
 tensor_bytes = caches.size("L2") // 4  # y, dy and out together: three quarters of L2
 cache_repeats = choose(args.mode, fast=1, cpu=15, large=25)
 steps_cold, before_cold, kept = cache_steps(tensor_bytes, 2 * last_size)
-cold = interleaved_seconds(steps_cold, torch.device("cpu"), cache_repeats, before=before_cold)
+cold = interleaved_seconds(steps_cold, torch.device("cpu"), cache_repeats, before=before_cold,
+                           clock=compute_clock("cpu"))
 rebuilt_equal = torch.equal(kept["y"], kept["rebuilt"])  # the rebuild is bitwise the stored y
 print(f"a consumer of y, {tensor_bytes // 2**10} KiB (y, dy and out: {3 * tensor_bytes // 2**10} KiB, within L2), "
-      f"each call after a pass over {2 * last_size // 2**20} MiB; {cache_repeats} interleaved repeats, median "
-      f"[min..max], microseconds:")
+      f"each call after a pass over {2 * last_size // 2**20} MiB; {cache_repeats} interleaved repeats, "
+      f"{clock_words(compute_clock('cpu'))}, median [min..max], microseconds:")
 for name, spread in cold.items():
     print(f"  {name:<30}{spread.text('{:.1f}', 1e6)}")
 print(f"  the rebuilt y equals the stored one bitwise: {rebuilt_equal}")

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _check import check
-from _lesson import (FAST_TIMING, Spread, callouts, choose, device_name, interleaved_seconds, lesson_args, paired_ratios,
-                     small, timed_claim, timing_verdict, wrote)
+from _lesson import (FAST_TIMING, Spread, callouts, choose, clock_words, compute_clock, device_name,
+                     interleaved_seconds, lesson_args, paired_ratios, small, timed_claim, timing_verdict, wrote)
 from picockpt import Config
 from picockpt.ops.linear import linear_forward
 from picockpt.plotting import save_figure
@@ -246,12 +246,12 @@ def timed_pair(pair, device, repeats, calls, least=5e-3):
     """{name: Spread of seconds a call} of the two steps of `pair`, interleaved with each other only; each timed
     step repeats its call so that it lasts at least `least` seconds (one call of microseconds is mostly the
     clock's and the dispatcher's), and calls[name] records how many times."""
-    once = interleaved_seconds(pair, device, 3)  # a first look: how long one call takes
+    once = interleaved_seconds(pair, device, 3, clock=compute_clock(device))  # a first look: how long one call takes
     n = max(1, math.ceil(least / min(spread.median for spread in once.values())))
     steps = {name: (lambda step=step: [step() for _ in range(n)]) for name, step in pair.items()}
     calls.update({name: n for name in pair})
     return {name: Spread(tuple(t / n for t in spread.samples))
-            for name, spread in interleaved_seconds(steps, device, repeats).items()}
+            for name, spread in interleaved_seconds(steps, device, repeats, clock=compute_clock(device)).items()}
 
 
 class Dispatched(TorchDispatchMode):
@@ -296,7 +296,8 @@ timing, calls = {}, {}
 for pair in pairs.values():  # each pair interleaved on its own: a big step just before a small one would evict its
     timing.update(timed_pair(pair, cpu, repeats, calls))  # operands from the caches, a cost of the order, not of it
 print(f"measured on {device_name(cpu)}, fp32, T = {seq}, H = {cfg.heads}, hd = {cfg.head_dim}, median [min..max] of "
-      f"{repeats} interleaved repeats of each pair, a call's time (a step repeats the call to last 5 ms or more):")
+      f"{repeats} interleaved repeats of each pair, {clock_words(compute_clock(cpu))}, a call's time (a step repeats "
+      f"the call to last 5 ms or more):")
 for name, spread in timing.items():
     print(f"  {name:<16}{spread.text('{:.4f}', 1e3)} ms   ({calls[name]} call{'s' * (calls[name] > 1)} a step)")
 odd_ratio = paired_ratios(timing["odd f"], timing["padded f"])

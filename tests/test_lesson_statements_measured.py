@@ -23,9 +23,10 @@ CLAIM = re.compile(rf"(?P<what>[^\n]*?): (?P<inconclusive>inconclusive on this m
                    r"| \(every repeat (?P<side>above|below) 1\))")
 VERDICT = re.compile(rf"(?P<what>[^\n]*?): (?P<med>{NUMBER})% \[(?P<low>{NUMBER})%\.\.(?P<high>{NUMBER})%\] over \d+ "
                      r"repeats \((?P<said>every repeat agrees on the sign|the repeats straddle 0: within the noise)\)")
-# {lesson: [(the start of a claim's line, a words the conclusion drawn from it prints)]}
+# {lesson: [(the start of a claim's or a verdict's line, words the conclusion drawn from it prints)]}
 CONCLUSIONS = {"24": [("moe / none, step time", "recomputing the experts' projections made the step slower"),
-                      ("shared_experts / none, step time", "recomputing the shared expert made the step slower")],
+                      ("shared_experts / none, step time", "recomputing the shared expert made the step slower"),
+                      ("moe / shared_experts, step time", "the step that rebuilds the experts took")],
                "26": [("RMSNorm rebuild, time per element from DRAM / in L2", "is priced by where its bytes come from"),
                       ("consumer's read, stored (from DRAM) / rebuilt just before (in cache)",
                        "the rebuilt copy is read from cache")],
@@ -72,11 +73,14 @@ def test_each_printed_verdict_agrees_with_its_spread_and_a_conclusion_follows_on
         low, high = number(match["low"]), number(match["high"])
         agrees = low > 0 or high < 0
         assert agrees == (match["said"] == "every repeat agrees on the sign"), match[0]
+    verdicts = {match["what"].strip(): match["said"] == "every repeat agrees on the sign"
+                for match in VERDICT.finditer(text)}
     for start, conclusion in CONCLUSIONS[prefix]:
-        mine = [conclusive for what, conclusive, _, _ in found if what.startswith(start)]
-        assert len(mine) == 1, f"lesson {prefix}: {len(mine)} claims start {start!r}"
-        assert (conclusion in text) == mine[0], \
-            f"lesson {prefix}: {'a conclusion without' if not mine[0] else 'no conclusion after'} a conclusive {start!r}"
+        mine = [conclusive for what, conclusive, _, _ in found if what.startswith(start)] + \
+               [agrees for what, agrees in verdicts.items() if what.startswith(start)]
+        assert len(mine) == 1, f"lesson {prefix}: {len(mine)} verdicts start {start!r}"
+        said = "a conclusion without" if not mine[0] else "no conclusion after"
+        assert (conclusion in text) == mine[0], f"lesson {prefix}: {said} a conclusive {start!r}"
 
 
 def test_the_claim_parser_can_fail():
@@ -156,3 +160,21 @@ def test_interleaved_seconds_runs_each_setup_untimed_just_before_its_step():
     timing = interleaved_seconds(steps, "cpu", 3, before={"b": lambda: order.append("setup b")})
     assert order == ["a", "setup b", "b"] * 4  # the warm-up round, then 3 repeats
     assert all(len(spread.samples) == 3 for spread in timing.values())
+
+
+# ---- lesson 24: the experts' rebuild against the shared expert's -----------------------------------------------
+
+def test_the_two_timed_rebuilds_are_the_same_flops_and_bytes():
+    lesson = load(next(LESSONS.glob("24_*.py")))
+    from picockpt.inventory import predicted_peak_bytes, rebuild_flops, step_flops
+    from picockpt.schedule import MOE, SHARED_EXPERTS
+    cfg = lesson.small(layers=2, experts=4, attention="fused")
+    timing, facts, shared = lesson.rebuild_timing(cfg, 2, 32, torch.device("cpu"), 0, 1)
+    assert shared.shared_expert_ffn == cfg.experts_per_token * cfg.ffn
+    assert rebuild_flops(shared, 2, 32, MOE) == rebuild_flops(shared, 2, 32, SHARED_EXPERTS) > 0
+    assert facts["moe"] == facts["shared_experts"] == (step_flops(shared, 2, 32, "moe")["recompute"],
+                                                       predicted_peak_bytes(shared, 2, 32, "moe"))
+    assert facts["none"][0] == 0 and facts["none"][1] > facts["moe"][1]
+    assert set(timing) == {"none", "moe", "shared_experts"} and all(len(t.samples) == 1 for t in timing.values())
+    narrower = cfg.replace(shared_expert_ffn=cfg.ffn)  # the comparison can fail: a narrower shared expert is less work
+    assert rebuild_flops(narrower, 2, 32, SHARED_EXPERTS) < rebuild_flops(narrower, 2, 32, MOE)
