@@ -48,7 +48,8 @@ import matplotlib.pyplot as plt
 import torch
 
 from _check import check
-from _lesson import choose, large, lesson_args, shape_line, small, spawning_ranks, wrote
+from _lesson import (FAST_TIMING, choose, clock_words, compute_clock, interleaved_seconds, large, lesson_args,
+                     paired_ratios, shape_line, small, spawning_ranks, timed_claim, timing_verdict, wrote)
 from picockpt import Config, init_params, loss_and_grads, parallel
 from picockpt.inventory import layer_inventory, predicted_peak_bytes, rebuild_flops, step_flops
 from picockpt.measure import PutRecorder, make_batch
@@ -259,7 +260,76 @@ shared_exact = all(r["measured"] == r["predicted"] for r in shared.values()) and
 # `shared_experts` policy takes them out of the peak and pays two of the shared expert's three
 # projections again ($2 \cdot N \cdot h \cdot 2 f_s$ FLOPs a layer, `rebuild_flops`); its down projection
 # needs no rerun, since its input (the product) is rebuilt elementwise. Gradients stay bitwise.
+
+# %% [markdown]
+# ## Timed: the experts' rebuild against the shared expert's, at the same FLOPs and bytes
 #
+# Counting says what a rebuild costs in FLOPs; the clock says what it costs here. Two policies drop the
+# same bytes for the same FLOPs when the shared expert is $k$ experts wide ($f_s = k f$): `moe` drops every
+# expert's gate/up projections and product ($3 N k f$ elements a layer) and runs the experts' gate/up
+# projections again ($2 N k \cdot h \cdot 2 f$ FLOPs), `shared_experts` drops the shared expert's ($3 N f_s$)
+# and runs its projections again ($2 N h \cdot 2 f_s$). The FLOPs and the stored peak are checked equal
+# below (`step_flops`, `predicted_peak_bytes`, and the tracker). What differs is how the work is cut: the
+# experts' rebuild gathers each expert's tokens and runs $E$ smaller matmuls; the shared expert's runs one
+# over every token. Attention is `fused` here, so that the MLP, where the two rebuilds differ, is most of
+# the step. The three steps (`none`, `moe`, `shared_experts`) are timed in interleaved repeats and
+# each ratio is taken within a repeat; on the CPU with one thread the clock is the CPU time of this thread
+# (`compute_clock`), which leaves out the moments a shared machine gives the core to another program.
+
+# %%
+def rebuild_timing(cfg, batch, seq, device, seed, repeats):
+    """({policy: Spread of step seconds}, {policy: (recompute FLOPs, stored peak bytes)}) of one training step
+    under none, moe and shared_experts, with a shared expert k experts wide (the two rebuilds equal in work)."""
+    c = cfg.replace(shared_expert_ffn=cfg.experts_per_token * cfg.ffn)
+    params = init_params(c, seed=seed, device=device)
+    input_ids, targets = make_batch(c, batch, seq, device, seed)
+    facts = {}
+    for policy in ("none", "moe", "shared_experts"):
+        with Tracker(device) as tracker:
+            loss_and_grads(params, c, input_ids, targets, policy, tracker=tracker)
+        facts[policy] = (tracker.flops["recompute"], tracker.peak_logical)
+    steps = {policy: (lambda policy=policy: loss_and_grads(params, c, input_ids, targets, policy))
+             for policy in ("none", "moe", "shared_experts")}
+    return interleaved_seconds(steps, device, repeats, clock=compute_clock(device)), facts, c
+
+
+# %%
+timed_repeats = choose(args.mode, fast=1, cpu=9, large=7)
+step_time, rebuild_facts, tcfg_shared = rebuild_timing(mcfg.replace(attention="fused"), mbatch, mseq, args.device,
+                                                       args.seed, timed_repeats)
+total = {p: sum(step_flops(tcfg_shared, mbatch, mseq, p).values()) for p in rebuild_facts}
+print(f"f_s = k f = {tcfg_shared.shared_expert_ffn}: {timed_repeats} interleaved steps, "
+      f"{clock_words(compute_clock(args.device))}, median [min..max]")
+print(f"{'policy':<16}{'step ms':>26}{'recompute GFLOP':>17}{'stored peak':>14}{'predicted':>14}")
+for policy, (flops, peak) in rebuild_facts.items():
+    print(f"{policy:<16}{step_time[policy].text('{:.1f}', 1e3):>26}{flops / 1e9:>17.3f}{peak:>14,}"
+          f"{predicted_peak_bytes(tcfg_shared, mbatch, mseq, policy):>14,}")
+same_work = rebuild_facts["moe"] == rebuild_facts["shared_experts"] and total["moe"] == total["shared_experts"]
+print(f"the two rebuilds recompute the same FLOPs and leave the same stored peak: {same_work}")
+moe_claim = timed_claim(args.mode, paired_ratios(step_time["moe"], step_time["none"]), "moe / none, step time",
+                        ">1", work=total["moe"] / total["none"])
+print(moe_claim.text)
+if moe_claim.conclusive:
+    print(f"  recomputing the experts' projections made the step slower in every repeat, "
+          f"{paired_ratios(step_time['moe'], step_time['none']).median - 1:+.1%} (median) for "
+          f"{total['moe'] / total['none'] - 1:+.1%} FLOPs")
+shared_claim = timed_claim(args.mode, paired_ratios(step_time["shared_experts"], step_time["none"]),
+                           "shared_experts / none, step time", ">1", work=total["shared_experts"] / total["none"])
+print(shared_claim.text)
+if shared_claim.conclusive:
+    print(f"  recomputing the shared expert made the step slower in every repeat, "
+          f"{paired_ratios(step_time['shared_experts'], step_time['none']).median - 1:+.1%} (median) for "
+          f"{total['shared_experts'] / total['none'] - 1:+.1%} FLOPs")
+cut_ratio = paired_ratios(step_time["moe"], step_time["shared_experts"])
+print(timing_verdict(args.mode, cut_ratio, "moe / shared_experts, step time (the same FLOPs and bytes)"))
+if args.mode != "fast" and cut_ratio.excludes(1.0):
+    print(f"  at the same FLOPs and bytes, the step that rebuilds the experts took {cut_ratio.median:.3f}x the one "
+          f"that rebuilds the shared expert (median), "
+          f"{'more' if cut_ratio.low > 1 else 'less'} in every repeat: how the rebuild is cut "
+          f"({mcfg.experts} experts' gathers and smaller matmuls, or one matmul over every token) shows on this "
+          f"machine's clock")
+
+# %% [markdown]
 # ## The figure
 
 # %%
@@ -352,4 +422,9 @@ RESULT = {"figures": [str(path)],
           "summary": {"tp=2 grads = single process (fp32 roundoff)": tp_matches,
                       "picockpt masks = single process's": all(table[label, SCHEMES[2]][1] for label in labels),
                       "shared expert stored and recomputed = closed form": shared_exact,
-                      "tp=2 max rel diff": f"{max(tp_diff.values()):.1e}"}}
+                      "tp=2 max rel diff": f"{max(tp_diff.values()):.1e}",
+                      "moe, shared_experts: same recompute FLOPs and peak": same_work,
+                      "moe / none step time": moe_claim.short,
+                      "shared_experts / none step time": shared_claim.short,
+                      "moe / shared_experts step time":
+                          FAST_TIMING if args.mode == "fast" else cut_ratio.text("{:.3f}")}}

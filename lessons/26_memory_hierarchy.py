@@ -30,8 +30,9 @@
 # paper's sec. 2.1.)
 #
 # This CPU has a hierarchy too, and this lesson measures it: picockpt's RMSNorm rebuild over working sets from
-# inside the L1 cache to far beyond the last-level cache (sizes read from this machine at run time), and a
-# matmul, which is FLOP-bound, for contrast.
+# inside the L1 cache to far beyond the last-level cache (sizes read from this machine at run time), a
+# matmul, which is FLOP-bound, for contrast, and what recomputation gains from the caches: a consumer reading a
+# tensor rebuilt just before it (warm) against one stored long before (back from DRAM).
 #
 # **Run it** as a script, `python lessons/26_memory_hierarchy.py` (the CPU run, well under a minute; `--fast`
 # for seconds), or step through this notebook, where the same flags come from the environment variable
@@ -43,7 +44,8 @@ import matplotlib.pyplot as plt
 import torch
 
 from _check import check
-from _lesson import FAST_TIMING, Spread, choose, interleaved_seconds, lesson_args, paired_ratios, timed_claim, wrote
+from _lesson import (FAST_TIMING, Spread, choose, clock_words, compute_clock, interleaved_seconds, lesson_args,
+                     paired_ratios, timed_claim, timing_verdict, wrote)
 from picockpt import Config
 from picockpt.cpu_caches import read_cache_sizes
 from picockpt.hardware import H100_SXM_BF16, H100_SXM_HBM
@@ -223,11 +225,12 @@ steps["swiglu"] = lambda: [swiglu_rebuild(gate, up, product) for _ in range(time
 elements["swiglu"] = times * gate.numel()
 a, b = torch.randn(512, 512), torch.randn(512, 512)  # (512, 512) each
 steps["matmul"] = lambda: a @ b  # (512, 512): 2 * 512^3 FLOPs
-timing = interleaved_seconds(steps, torch.device("cpu"), repeats)
+timing = interleaved_seconds(steps, torch.device("cpu"), repeats, clock=compute_clock("cpu"))
 per_element = {name: Spread(tuple(t / elements[name] for t in timing[name].samples)) for name in elements}
 bandwidth = {size: Spread(tuple(moved[size] / t for t in timing[size].samples)) for size in working_sets}
 matmul_rate = Spread(tuple(2 * 512**3 / t for t in timing["matmul"].samples))  # FLOP/s of each repeat
-print(f"\nRMSNorm rebuild (eager, two passes), h = {HIDDEN}, fp32, {repeats} interleaved repeats, median [min..max]:")
+print(f"\nRMSNorm rebuild (eager, two passes), h = {HIDDEN}, fp32, {repeats} interleaved repeats, "
+      f"{clock_words(compute_clock('cpu'))}, median [min..max]:")
 print(f"{'working set':>12}{'fits in':>9}{'runs at':>14}{'ns per element':>26}{'GB/s read + written':>26}")
 for size in working_sets:
     speed = "-" if fast else speed_of(size, per_element, streamed)  # --fast: one short repeat says nothing
@@ -288,6 +291,81 @@ else:
     print(f"  modelled: the matmul does {matmul_intensity:.0f} FLOPs per byte, the eager rebuild "
           f"{norm_intensity:.3f}")
 cpu_peak, cpu_bandwidth = matmul_rate.median, bandwidth[streamed].median  # this CPU's roofline, measured
+
+# %% [markdown]
+# ## Measured on this CPU: a rebuilt tensor is read warm, a stored one cold
+#
+# A stored activation is written in the forward and read in the backward, with the rest of the step's
+# working set (every later layer's activations, and their backwards) passing through the caches in
+# between: it comes back from DRAM. A rebuilt one is written just before its consumer reads it: it is read
+# from the cache it was just written to. Three steps time this, each preceded (untimed) by a pass over a
+# buffer twice the last-level cache, which evicts what the step will read (the stand-in for the layers in
+# between), and by a pass over the consumer's other operands, which leaves them warm in both:
+#
+# - **stored**: the consumer, $dy \cdot y$ into a kept buffer (the elementwise product the RMSNorm weight's
+#   gradient sums), reads the norm output $y$ the forward stored: cold;
+# - **rebuilt, the consumer alone**: $y$ was rebuilt from the stored $x$ and $r$ (`norm_rebuild`, untimed)
+#   just before the same consumer reads it: warm;
+# - **rebuilt, the rebuild and the consumer**: both timed, the rebuild reading $x$ and $r$ cold.
+#
+# The first two read the same bytes and do the same FLOPs: what differs is only where $y$ comes from. The
+# third against the first says what the rebuild adds in all: it reads $x$ from DRAM where the stored path
+# reads $y$ (the same bytes, and $r$'s few more), and adds its own two passes, which run in cache.
+
+# %%
+def consumer(y, dy, out):
+    """A pointwise consumer of y: dy * y into `out` (the product the RMSNorm weight's gradient sums)."""
+    return torch.mul(dy, y, out=out)  # (N, h): read dy and y, write out
+
+
+def cache_steps(size, evict_bytes, h=HIDDEN):
+    """({name: step()}, {name: untimed setup before each call}) of the stored and rebuilt consumers, on tensors
+    of `size` bytes each (y, dy, out and x: (N, h) fp32), after a pass over `evict_bytes` of other memory."""
+    rows = max(1, size // (h * 4))
+    x, rstd, w = torch.randn(rows, h), torch.rand(rows, 1) + 0.5, torch.randn(h)  # what the forward kept
+    stored = norm_rebuild(x, rstd, w, torch.empty(rows, h))  # (N, h): y as the forward stored it
+    rebuilt, dy, out = torch.empty(rows, h), torch.randn(rows, h), torch.empty(rows, h)  # (N, h) each
+    sweep = torch.zeros(max(1, evict_bytes // 4))  # the working set of the layers in between
+
+    def evict():
+        sweep.add_(1.0)  # read and write every byte of it: what was in the caches before is gone
+        dy.mul_(1.0), out.zero_()  # the consumer's other operands warm again, in both
+
+    def evict_and_rebuild():
+        evict()
+        norm_rebuild(x, rstd, w, rebuilt)  # y rebuilt just before its use: in cache
+
+    steps = {"stored": lambda: consumer(stored, dy, out),
+             "rebuilt: consumer": lambda: consumer(rebuilt, dy, out),
+             "rebuilt: rebuild + consumer": lambda: consumer(norm_rebuild(x, rstd, w, rebuilt), dy, out)}
+    before = {"stored": evict, "rebuilt: consumer": evict_and_rebuild, "rebuilt: rebuild + consumer": evict}
+    return steps, before, {"y": stored, "rebuilt": rebuilt}
+
+
+# %%
+tensor_bytes = caches.size("L2") // 4  # y, dy and out together: three quarters of L2
+cache_repeats = choose(args.mode, fast=1, cpu=15, large=25)
+steps_cold, before_cold, kept = cache_steps(tensor_bytes, 2 * last_size)
+cold = interleaved_seconds(steps_cold, torch.device("cpu"), cache_repeats, before=before_cold,
+                           clock=compute_clock("cpu"))
+rebuilt_equal = torch.equal(kept["y"], kept["rebuilt"])  # the rebuild is bitwise the stored y
+print(f"a consumer of y, {tensor_bytes // 2**10} KiB (y, dy and out: {3 * tensor_bytes // 2**10} KiB, within L2), "
+      f"each call after a pass over {2 * last_size // 2**20} MiB; {cache_repeats} interleaved repeats, "
+      f"{clock_words(compute_clock('cpu'))}, median [min..max], microseconds:")
+for name, spread in cold.items():
+    print(f"  {name:<30}{spread.text('{:.1f}', 1e6)}")
+print(f"  the rebuilt y equals the stored one bitwise: {rebuilt_equal}")
+warm_ratio = paired_ratios(cold["stored"], cold["rebuilt: consumer"])
+warm_claim = timed_claim(args.mode, warm_ratio,
+                         "consumer's read, stored (from DRAM) / rebuilt just before (in cache)", ">1", work=1.0)
+print(warm_claim.text)
+if warm_claim.conclusive:
+    print(f"  the same consumer, the same bytes: the rebuilt copy is read from cache, in "
+          f"{1 / warm_ratio.median:.2f}x the time the stored one takes to come back from DRAM")
+whole_ratio = paired_ratios(cold["rebuilt: rebuild + consumer"], cold["stored"])
+print(timing_verdict(args.mode, whole_ratio, "rebuild + consumer / stored consumer, time"))
+print(f"  by DRAM bytes the two are the same ({tensor_bytes // 2**10} KiB of x against {tensor_bytes // 2**10} KiB of "
+      f"y, and r's {tensor_bytes // HIDDEN // 2**10} KiB): the rebuild adds its two passes over data already in cache")
 
 # %% [markdown]
 # ## The figure
@@ -411,6 +489,8 @@ RESULT = {"figures": [str(path)],
                       "ns/element in L2": timed(per_element[in_cache], "{:.3f}", 1e9),
                       "ns/element from DRAM": timed(per_element[streamed], "{:.3f}", 1e9),
                       "DRAM / L2 time per element": norm_claim.short,
+                      "consumer of y, stored / rebuilt": warm_claim.short,
+                      "rebuilt y = stored y": rebuilt_equal,
                       "matmul GFLOP/s": timed(matmul_rate, "{:.1f}", 1e-9),
                       "H100 ridge FLOP/byte": round(ridge, 1),
                       "rebuild = rmsnorm_apply": rebuild_matches,

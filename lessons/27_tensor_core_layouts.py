@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _check import check
-from _lesson import (FAST_TIMING, callouts, choose, device_name, interleaved_seconds, lesson_args, paired_ratios, small,
-                     timed_claim, wrote)
+from _lesson import (FAST_TIMING, Spread, callouts, choose, clock_words, compute_clock, device_name,
+                     interleaved_seconds, lesson_args, paired_ratios, small, timed_claim, timing_verdict, wrote)
 from picockpt import Config
 from picockpt.ops.linear import linear_forward
 from picockpt.plotting import save_figure
@@ -168,29 +168,90 @@ for vocab in (128256, 50257, pad_to_multiple(50257, 64)):
 # occupy the GPU (cuBLAS would choose smaller tiles, which trade efficiency for parallelism), and its
 # recomputes cost launch latency more than arithmetic.
 #
-# ## Measured on this CPU: an odd inner dimension, a strided operand
+# ## Measured on this CPU: odd dimensions, strided heads, matmul's fold copy
 #
-# Two pairs, timed in interleaved repeats. The down projection of the `small` preset at batch 4 x 128
-# (`linear_forward`, $x W^\top$ with $W$ of shape (h, f)) with an odd $f = 447$ against $f = 448$; and the
-# scores $q k^\top$ of every head with q and k as strided views of the projections' output, (B, T, H, hd)
-# viewed as (B, H, T, hd), against the contiguous copies `picockpt/layer.py` makes.
+# Five pairs, each timed in its own interleaved repeats (each repeat runs the pair's two steps once each, so a
+# slow moment of the machine slows both alike, and each ratio is taken within a repeat):
+#
+# - the down projection of the `small` preset at batch 4 x 128 (`linear_forward`, $x W^\top$ with $W$ of shape
+#   (h, f)) with an odd inner dimension $f = 447$ against $f = 448$;
+# - the logits of a vocabulary of odd size, $V = 4001$, against the same vocabulary padded to a multiple of 64,
+#   $V = 4032$ (`pad_to_multiple`, as nanoGPT pads GPT-2's): the padded one does 0.8% more FLOPs, and its rows
+#   of logits start on 256-byte boundaries in fp32 where the odd one's start on 4-byte ones;
+# - the scores $q k^\top$ of every head with q and k as strided views of the projections' output, (B, T, H, hd)
+#   viewed as (B, H, T, hd), against the contiguous copies `picockpt/layer.py` makes: once at B = 1, where
+#   `torch.matmul`'s fold of (B, H) into one batch dimension is a view, and once at B = 4, where it is a copy
+#   (`_matmul_impl` in PyTorch's aten/src/ATen/native/LinearAlgebra.cpp expands each operand and calls
+#   `.reshape({expand_batch_product, n, m1})` before `bmm`: `reshape` returns a view when the strides allow
+#   one and copies when they do not);
+# - `scaled_dot_product_attention` on the same strided views at B = 4 against contiguous copies: no copy is
+#   dispatched for it (the fold lines after the timings record what each call dispatches).
 
 # %%
+VOCAB_ODD = 4001  # an odd vocabulary (GPT-2's 50,257 is odd too); padded: pad_to_multiple(4001, 64) = 4032
+
+
 def odd_and_padded(tokens, hidden, ffn, odd_by=1):
     """{name: step()}: the down projection with ffn - odd_by and with ffn inputs."""
     steps = {}
-    for name, f in (("odd", ffn - odd_by), ("padded", ffn)):
+    for name, f in (("odd f", ffn - odd_by), ("padded f", ffn)):
         x, w = torch.randn(tokens, f), torch.randn(hidden, f)  # (tokens, f), (h, f)
         steps[name] = lambda x=x, w=w: linear_forward(x, w)  # (tokens, h)
     return steps
 
 
-def strided_and_contiguous(batch, seq, heads, head_dim):
-    """{name: step()}: q k^T over (B, H, T, hd) strided views of (B, T, H, hd), and over contiguous copies."""
+def odd_and_padded_vocab(tokens, hidden, vocab=VOCAB_ODD, multiple=64):
+    """{name: step()}: the head's logits x W^T with an odd vocabulary, and with it padded to `multiple`."""
+    steps = {}
+    x = torch.randn(tokens, hidden)  # (tokens, h): the final norm's output
+    for name, v in (("odd V", vocab), ("padded V", pad_to_multiple(vocab, multiple))):
+        w = torch.randn(v, hidden)  # (V, h): the head's weight
+        steps[name] = lambda w=w: linear_forward(x, w)  # (tokens, V): row i starts i * V elements in
+    return steps
+
+
+def strided_heads(batch, seq, heads, head_dim):
+    """(q, k): (B, H, T, hd) strided views of two (B, T, H, hd) projections' outputs."""
     q = torch.randn(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, hd) a strided view
     k = torch.randn(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, hd) a strided view
+    return q, k
+
+
+def strided_and_contiguous(batch, seq, heads, head_dim, tag=""):
+    """{name: step()}: q k^T by torch.matmul over (B, H, T, hd) strided views of (B, T, H, hd), and over
+    contiguous copies; each name ends in `tag` (e.g. " B=4")."""
+    q, k = strided_heads(batch, seq, heads, head_dim)
     qc, kc = q.contiguous(), k.contiguous()  # (B, H, T, hd) each, as layer.py keeps them
-    return {"strided": lambda: q @ k.transpose(-1, -2), "contiguous": lambda: qc @ kc.transpose(-1, -2)}  # (B, H, T, T)
+    return {f"strided{tag}": lambda: q @ k.transpose(-1, -2),  # (B, H, T, T)
+            f"contiguous{tag}": lambda: qc @ kc.transpose(-1, -2)}  # (B, H, T, T)
+
+
+def sdpa_strided_and_contiguous(batch, seq, heads, head_dim):
+    """{name: step()}: causal scaled_dot_product_attention over the strided views, and over contiguous copies."""
+    q, k = strided_heads(batch, seq, heads, head_dim)
+    qc, kc = q.contiguous(), k.contiguous()  # (B, H, T, hd) each
+    return {"sdpa strided": lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True),  # (B, H, T, hd)
+            "sdpa contiguous": lambda: F.scaled_dot_product_attention(qc, kc, kc, is_causal=True)}
+
+
+def fold_is_a_view(batch, seq, heads, head_dim):
+    """Whether matmul's fold of a strided (B, H, T, hd) view into (B*H, T, hd) shares the view's memory (the
+    same data pointer: a view) or not (a copy), made as `_matmul_impl` makes it, by reshape."""
+    q, _ = strided_heads(batch, seq, heads, head_dim)
+    folded = q.reshape(batch * heads, seq, head_dim)  # (B*H, T, hd): what bmm is given
+    return folded.data_ptr() == q.data_ptr()
+
+
+def timed_pair(pair, device, repeats, calls, least=5e-3):
+    """{name: Spread of seconds a call} of the two steps of `pair`, interleaved with each other only; each timed
+    step repeats its call so that it lasts at least `least` seconds (one call of microseconds is mostly the
+    clock's and the dispatcher's), and calls[name] records how many times."""
+    once = interleaved_seconds(pair, device, 3, clock=compute_clock(device))  # a first look: how long one call takes
+    n = max(1, math.ceil(least / min(spread.median for spread in once.values())))
+    steps = {name: (lambda step=step: [step() for _ in range(n)]) for name, step in pair.items()}
+    calls.update({name: n for name in pair})
+    return {name: Spread(tuple(t / n for t in spread.samples))
+            for name, spread in interleaved_seconds(steps, device, repeats, clock=compute_clock(device)).items()}
 
 
 class Dispatched(TorchDispatchMode):
@@ -208,8 +269,7 @@ class Dispatched(TorchDispatchMode):
 def copies_of_strided_heads(batch, seq, heads, head_dim):
     """{call: copies dispatched}: q k^T by torch.matmul and scaled_dot_product_attention on (B, H, T, hd) strided
     views of (B, T, H, hd); a copy is a `clone` or a `copy_` (matmul's fold of (B, H) into one batch dimension)."""
-    q = torch.randn(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, hd) a strided view
-    k = torch.randn(batch, seq, heads, head_dim).transpose(1, 2)  # (B, H, T, hd) a strided view
+    q, k = strided_heads(batch, seq, heads, head_dim)
     calls = {"matmul": lambda: q @ k.transpose(-1, -2),  # (B, H, T, T)
              "sdpa": lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True)}  # (B, H, T, hd)
     copies = {}
@@ -226,49 +286,74 @@ fast = args.mode == "fast"
 if args.device.type != "cpu":
     print(f"--device {args.device}: the measured part runs on the CPU")
 cfg = small()
-batch, seq, repeats = choose(args.mode, fast=(1, 32, 1), cpu=(4, 128, 15), large=(4, 128, 25))
+batch, seq, repeats = choose(args.mode, fast=(4, 32, 1), cpu=(4, 128, 21), large=(4, 128, 31))
 cpu = torch.device("cpu")
-steps = {**odd_and_padded(batch * seq, cfg.hidden, cfg.ffn), **strided_and_contiguous(batch, seq, cfg.heads,
-                                                                                      cfg.head_dim)}
-timing = interleaved_seconds(steps, cpu, repeats)
-print(f"measured on {device_name(cpu)}, fp32, median [min..max] of {repeats} interleaved repeats:")
+pairs = {"f": odd_and_padded(batch * seq, cfg.hidden, cfg.ffn), "V": odd_and_padded_vocab(batch * seq, cfg.hidden),
+         "B=1": strided_and_contiguous(1, seq, cfg.heads, cfg.head_dim, " B=1"),
+         f"B={batch}": strided_and_contiguous(batch, seq, cfg.heads, cfg.head_dim, f" B={batch}"),
+         "sdpa": sdpa_strided_and_contiguous(batch, seq, cfg.heads, cfg.head_dim)}
+timing, calls = {}, {}
+for pair in pairs.values():  # each pair interleaved on its own: a big step just before a small one would evict its
+    timing.update(timed_pair(pair, cpu, repeats, calls))  # operands from the caches, a cost of the order, not of it
+print(f"measured on {device_name(cpu)}, fp32, T = {seq}, H = {cfg.heads}, hd = {cfg.head_dim}, median [min..max] of "
+      f"{repeats} interleaved repeats of each pair, {clock_words(compute_clock(cpu))}, a call's time (a step repeats "
+      f"the call to last 5 ms or more):")
 for name, spread in timing.items():
-    print(f"  {name:<11}{spread.text('{:.3f}', 1e3)} ms")
-odd_ratio = paired_ratios(timing["odd"], timing["padded"])
+    print(f"  {name:<16}{spread.text('{:.4f}', 1e3)} ms   ({calls[name]} call{'s' * (calls[name] > 1)} a step)")
+odd_ratio = paired_ratios(timing["odd f"], timing["padded f"])
 odd_claim = timed_claim(args.mode, odd_ratio, f"time, inner dimension f = {cfg.ffn - 1} / f = {cfg.ffn}", ">1")
 print(odd_claim.text)
 print(f"  by FLOPs the odd shape does {(cfg.ffn - 1) / cfg.ffn:.4f}x the padded one's work")
 if odd_claim.conclusive:
     print(f"  the odd inner dimension costs {odd_ratio.median - 1:.1%} more time for less work")
-stride_ratio = paired_ratios(timing["strided"], timing["contiguous"])
-stride_claim = timed_claim(args.mode, stride_ratio, "time, q k^T on strided / contiguous heads", ">1", work=1.0)
+padded_vocab = pad_to_multiple(VOCAB_ODD, 64)
+vocab_ratio = paired_ratios(timing["odd V"], timing["padded V"])
+vocab_claim = timed_claim(args.mode, vocab_ratio, f"time, logits V = {VOCAB_ODD:,} / V = {padded_vocab:,}", ">1")
+print(vocab_claim.text)
+print(f"  by FLOPs the odd vocabulary does {VOCAB_ODD / padded_vocab:.4f}x the padded one's work")
+if vocab_claim.conclusive:
+    print(f"  the padded vocabulary's logits take {1 / vocab_ratio.median:.3f}x the odd one's time for "
+          f"{padded_vocab / VOCAB_ODD:.3f}x its FLOPs: padding pays on this CPU")
+fold = {b: (fold_is_a_view(b, seq, cfg.heads, cfg.head_dim), copies_of_strided_heads(b, seq, cfg.heads, cfg.head_dim))
+        for b in (1, batch)}
+for b, (view, copies) in fold.items():
+    print(f"  B = {b}: matmul's fold of the strided q into (B*H, T, hd) is {'a view' if view else 'a copy'}; copies "
+          f"dispatched for q k^T on the strided views: matmul {copies['matmul']}, scaled_dot_product_attention "
+          f"{copies['sdpa']}")
+stride_ratio = {b: paired_ratios(timing[f"strided B={b}"], timing[f"contiguous B={b}"]) for b in (1, batch)}
+stride_claim = timed_claim(args.mode, stride_ratio[batch],
+                           f"time, q k^T on strided / contiguous heads at B = {batch} (matmul copies)", ">1", work=1.0)
 print(stride_claim.text)
-if stride_claim.conclusive:
-    why = ("the copies torch.matmul makes to fold (B, H) into one batch dimension" if batch > 1 else
-           "no copy at B = 1 (the fold is free): the strided reads themselves")
-    print(f"  the same FLOPs take {stride_ratio.median - 1:.1%} longer from the strided views: {why}")
-fold = {b: copies_of_strided_heads(b, seq, cfg.heads, cfg.head_dim) for b in (1, 4)}
-for b, copies in fold.items():
-    print(f"  B = {b}, T = {seq}, H = {cfg.heads}: copies dispatched for q k^T on the strided views: matmul "
-          f"{copies['matmul']}, scaled_dot_product_attention {copies['sdpa']}")
+print(timing_verdict(args.mode, stride_ratio[1], "time, q k^T on strided / contiguous heads at B = 1 (no copy)"))
+sdpa_ratio = paired_ratios(timing["sdpa strided"], timing["sdpa contiguous"])
+print(timing_verdict(args.mode, sdpa_ratio, f"time, sdpa on strided / contiguous heads at B = {batch} (no copy)"))
+if stride_claim.conclusive and not stride_ratio[1].excludes(1.0):
+    print(f"  the strided views cost {stride_ratio[batch].median - 1:.1%} more at B = {batch}, where matmul copies "
+          f"both operands, and nothing these repeats resolve at B = 1, where it copies neither: the price is the "
+          f"fold's copy")
+elif stride_claim.conclusive:
+    print(f"  the strided views cost {stride_ratio[batch].median - 1:.1%} more at B = {batch}, where matmul copies "
+          f"both operands; at B = 1, with no copy, the repeats agree on {stride_ratio[1].median - 1:+.1%}: what "
+          f"the strided reads themselves cost")
 
 # %% [markdown]
 # The CPU's BLAS works on its own register tiles (a few rows by a few columns), with no tensor cores and no
-# 16-byte rule for an odd inner dimension to break; whether it costs anything on this machine is what the
-# first line says, when the repeats allow it to say anything. What the strided heads can cost is the copy
-# they need, bytes, which lesson 26 prices; the second line says whether this machine shows it. The last two
-# lines are not timings but the ops each call dispatches: at B = 4 `torch.matmul` copies both strided operands
-# (two copies) before its `bmm`, at B = 1 none, and `scaled_dot_product_attention` none at either. On a GPU
-# the odd dimension would also meet the rules above: its logits' rows misaligned for the tensor cores.
+# 16-byte rule for an odd dimension to break; whether an odd $f$ or an odd $V$ costs anything on this machine
+# is what the first two verdicts say, when the repeats allow them to say anything. What the strided heads
+# can cost is the copy they need, bytes, which lesson 26 prices: the fold lines record, by data pointer and by
+# the ops dispatched, that at B = 4 `torch.matmul` copies both strided operands before its `bmm` and at
+# B = 1 neither, and that `scaled_dot_product_attention` dispatches no copy at either; the three lines after
+# them say what this machine's clock shows of it. On a GPU an odd vocabulary would also meet the rules above:
+# its logits' rows misaligned for the tensor cores.
 #
 # ## The figure
 #
 # Left, tile efficiency against a dimension (256 x 128 tiles, modelled), with picockpt's dimensions marked.
 # Middle, wave efficiency of Llama 3 8B's down projection on an H100 against the tokens in the batch
-# (modelled). Right, the two measured time ratios of this CPU, with their spreads.
+# (modelled). Right, the five measured time ratios of this CPU, each with its spread over the repeats.
 
 # %%
-fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [1.2, 1.2, 0.8]})
+fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [1.1, 1.1, 1.1]})
 dims = list(range(16, 4097))
 left.plot(dims, [tile_efficiency(TILE[0], n) for n in dims], color="#4C72B0", lw=0.8, label="N: 128-wide tiles")
 left.plot(dims, [tile_efficiency(m, TILE[1]) for m in dims], color="#DD8452", lw=0.8, alpha=0.7,
@@ -301,13 +386,16 @@ middle.set_title(f"wave quantization, Llama 3 8B down projection (N = {llama8.hi
 middle.legend(fontsize=7, loc="lower right")
 middle.grid(alpha=0.3)
 
-names = [f"f = {cfg.ffn - 1} / {cfg.ffn}", "strided / contiguous\nheads, q k^T"]
-for x, ratio in enumerate((odd_ratio, stride_ratio)):
+ratios = {f"f {cfg.ffn - 1} / {cfg.ffn}": odd_ratio, f"V {VOCAB_ODD} / {padded_vocab}": vocab_ratio,
+          "matmul q k^T\nstrided / contig.\nB = 1 (view)": stride_ratio[1],
+          f"matmul q k^T\nstrided / contig.\nB = {batch} (copy)": stride_ratio[batch],
+          f"sdpa\nstrided / contig.\nB = {batch}": sdpa_ratio}
+for x, ratio in enumerate(ratios.values()):
     right.bar(x, ratio.median, color="#8172B3", width=0.55)
     right.errorbar(x, ratio.median, yerr=[[ratio.median - ratio.low], [ratio.high - ratio.median]], color="black",
                    capsize=4)
 right.axhline(1, color="0.4", lw=0.8)
-right.set_xticks([0, 1], names, fontsize=8)
+right.set_xticks(range(len(ratios)), list(ratios), fontsize=7)
 right.set_ylabel("time ratio (median, bar: min..max)")
 right.set_title(f"measured on this CPU, fp32,\n{repeats} interleaved repeats" + (f"\n({FAST_TIMING})" if fast else ""),
                 fontsize=10)
@@ -359,7 +447,9 @@ check("GPT-2's vocabulary padded to a multiple of 64", answer, pad_to_multiple(5
 # %%
 RESULT = {"figures": [str(path)],
           "summary": {"time f-1 / f (odd / padded)": odd_claim.short,
-                      "time strided / contiguous heads": stride_claim.short,
+                      "time odd / padded V": vocab_claim.short,
+                      f"time strided / contiguous heads, B={batch}": stride_claim.short,
+                      f"matmul fold is a view at B=1, a copy at B={batch}": fold[1][0] and not fold[batch][0],
                       "8B down proj. wave efficiency": round(wave_efficiency(count), 4),
                       "every 8B dim = multiple of 64": all(row["x64"] for row in
                                                             tables["Llama 3 8B, 1 x 4096"].values())}}

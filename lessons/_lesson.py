@@ -266,21 +266,45 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def interleaved_seconds(steps, device, repeats):
-    """{name: Spread of wall seconds} of each step in {name: step()}, after one warm-up call of
+def interleaved_seconds(steps, device, repeats, before=None, clock=time.perf_counter):
+    """{name: Spread of seconds} of each step in {name: step()}, after one warm-up call of
     each. Each repeat runs every step once, in turn, so a slow moment of a shared machine slows
-    them all alike; paired_ratios(a, b) divides them repeat by repeat."""
-    for step in steps.values():
+    them all alike; paired_ratios(a, b) divides them repeat by repeat. before: {name: setup()}, run
+    untimed just before each call of that step (e.g. to evict its operands from the caches).
+    clock: wall time by default; compute_clock(device) for the CPU time of this thread."""
+    before = before or {}
+    for name, step in steps.items():
+        before.get(name, _nothing)()
         step()
     times = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
+            before.get(name, _nothing)()
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             step()
             _sync(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: Spread(tuple(values)) for name, values in times.items()}
+
+
+def _nothing():
+    pass
+
+
+def compute_clock(device):
+    """The clock that leaves out the moments a shared machine gives this core to another program: on the CPU
+    with one torch thread (--threads 1, the default), the CPU time of this thread (time.thread_time: torch
+    computes in the calling thread); otherwise (a GPU, whose kernels run while the CPU waits, or several
+    threads) wall time, time.perf_counter."""
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def clock_words(clock):
+    """What a Spread from interleaved_seconds(..., clock=clock) measured, in words for a table's heading."""
+    return "this thread's CPU time" if clock is time.thread_time else "wall time"
 
 
 @dataclass(frozen=True)

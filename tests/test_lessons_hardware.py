@@ -176,6 +176,6 @@ def test_picockpts_shapes_under_the_rules(layouts):
     assert table["q k^T (B·H heads)"]["x8"] and not table["q k^T (B·H heads)"]["x64"]  # head_dim 32: 64 bytes in bf16
     assert table["q"]["tiles"] == 2 and table["q"]["wave"] == pytest.approx(2 / 132)
     steps = layouts.odd_and_padded(64, 16, 48)
-    assert steps["odd"]().shape == steps["padded"]().shape == (64, 16)
+    assert steps["odd f"]().shape == steps["padded f"]().shape == (64, 16)
     pair = layouts.strided_and_contiguous(2, 8, 4, 16)
     torch.testing.assert_close(pair["strided"](), pair["contiguous"]())
