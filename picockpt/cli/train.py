@@ -8,8 +8,8 @@ With --zero the same batches (the same seed draws the same MarkovTask streams an
 train on ZeRO ranks (picockpt/parallel/training.py: zero_train): each of the D data-parallel ranks computes
 batch/D of every step's sequences, and every rank steps AdamW on its shards only. ZeRO stacks on the other
 layouts (--tp, --sp, --pp, --microbatches, --cp, --ep: dp x tp x pp x cp x ep ranks in all) and shards over
-the dp x ep x cp of them. The losses are printed once the ranks are done, then each rank's model state,
-stored and gathered peaks and bytes moved in the last step, beside their closed forms.
+the dp x ep x cp of them. Each step's loss is printed as the ranks end it (under torchrun, once they are done), then
+each rank's model state, stored and gathered peaks and bytes moved in the last step, beside their closed forms.
 """
 import math
 import os
@@ -197,24 +197,28 @@ def check_zero_flags(args, cfg):
 
 
 def train_with_zero(args, cfg, task, params, policy, device):
-    """The single process's batches and weights on the ZeRO ranks: the losses (printed per --log-every, once
-    the ranks are done) and each rank's report of the last step; None in torchrun's processes but rank 0."""
+    """The single process's batches and weights on the ZeRO ranks: the losses (printed per --log-every as each step
+    ends) and each rank's report of the last step; None in torchrun's processes but rank 0."""
     batches = [task.batch(args.batch, args.seq, device) for _ in range(args.steps)]  # train()'s draws, in order
     torch.manual_seed(args.seed)  # the dropout masks: train()'s generator state
     layout = dict(tp=args.tp, sp=args.sp, pp=args.pp, microbatches=args.microbatches, cp=args.cp, ep=args.ep)
-    try:
+    printed = set()
+
+    def print_step(step, loss, seconds):  # seconds: the slowest rank's
+        if step % args.log_every == 0 or step == args.steps - 1:
+            print(f"step {step:4d}  loss {loss:7.4f}  {args.batch * args.seq / seconds:10,.0f} tokens/s", flush=True)
+        printed.add(step)
+    try:  # spawned ranks: each step printed as it ends (zero_train's on_step), as one process prints it
         losses, _, ranks = zero_train(params, cfg, batches, policy.text, args.dp or 1, args.zero, args.lr,
                                       keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch,
-                                      device=device.type, **layout)
+                                      device=device.type, on_step=print_step, **layout)
     except RankError as error:
         raise ValueError(rank_failure(error, args.verbose)) from None
     if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process trained; one prints
         return None
-    tokens = args.batch * args.seq
-    for step, loss in enumerate(losses):
-        if step % args.log_every == 0 or step == args.steps - 1:
-            seconds = max(r["seconds_per_step"][step] for r in ranks)  # the slowest rank's
-            print(f"step {step:4d}  loss {loss:7.4f}  {tokens / seconds:10,.0f} tokens/s")
+    for step, loss in enumerate(losses):  # under torchrun: every step's line once the ranks are done
+        if step not in printed:
+            print_step(step, loss, max(r["seconds_per_step"][step] for r in ranks))
     dp = args.dp or 1
     shard = dp * args.ep * args.cp
     words = layout_words(args)

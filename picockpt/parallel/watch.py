@@ -1,7 +1,7 @@
 """The parent's side of spawned ranks: collect each rank's one message, find the first failure, stop the rest.
 
-Each rank sends one message down its pipe: ("ok", result) or ("error", when, type name, message, traceback,
-is_value_error); one that dies without it (os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel, and
+Each rank sends one last message down its pipe: ("ok", result) or ("error", when, type name, message, traceback,
+is_value_error), after any number of ("progress", payload), each handed on as it arrives; one that dies without it (os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel, and
 one that dies before picockpt's code runs (a script without a main guard, which the rank re-imports) as a ValueError
 that says so. The first failure ends the wait; LINGER_S later the root cause among all failures is raised (_error).
 SIGTERM to the caller while it waits raises Terminated (sigterm_raises), so the ranks are stopped as on Ctrl-C.
@@ -52,9 +52,10 @@ def sigterm_raises():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def collect(ranks, pipes, started=None):
+def collect(ranks, pipes, started=None, progress=None):
     """Each rank's result, by rank; the first failure (or death) raises at once. started[r] (a shared
-    array, or None) is set once rank r runs picockpt's code: a rank that dies before is named as such."""
+    array, or None) is set once rank r runs picockpt's code: a rank that dies before is named as such.
+    progress(rank, payload) is called with each progress message as it comes."""
     results, pending, failures, linger_until = [None] * len(ranks), set(range(len(ranks))), {}, None
     while pending:
         timeout = None if linger_until is None else max(0.0, linger_until - time.monotonic())
@@ -71,6 +72,10 @@ def collect(ranks, pipes, started=None):
             elif not ranks[r].is_alive():
                 message = None
             else:
+                continue
+            if message is not None and message[0] == "progress":
+                if progress is not None and not failures:  # after a failure only the root cause matters
+                    progress(r, message[1])
                 continue
             pending.discard(r)
             if message is not None and message[0] == "ok":
