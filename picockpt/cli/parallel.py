@@ -23,7 +23,7 @@ from .common import rank_columns, table
 from ..parallel.launch import check_timeout
 from .parallel_cp import run_context
 from .parallel_ep import run_expert
-from .parallel_run import layout_words, measured_step, one_line_errors, prepared, printed
+from .parallel_run import add_timeout, layout_words, measured_step, one_line_errors, prepared, printed
 
 def add_arguments(parser):
     add_shape_args(parser, batch_help="sequences in the whole batch, split over the dp x ep ranks and --microbatches "
@@ -37,8 +37,7 @@ def add_arguments(parser):
                         "budget:SIZE is per rank")
     parser.add_argument("--distribute-saved", action="store_true", help="without --sp: each rank keeps 1/t of "
                         "every checkpoint (Megatron's --distribute-saved-activations), all-gathered to recompute")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait, 1 to "
-                        "86400 (default 120)")
+    add_timeout(parser)
     parser.add_argument("--port", type=int, help="spawned ranks: the 127.0.0.1 port to meet on (default: a free one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--trace", action="store_true", help="print every rank's engine events, prefixed by rank")

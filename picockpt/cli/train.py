@@ -22,11 +22,11 @@ from ..params import init_params
 from ..parallel import RankError, under_torchrun
 from ..parallel.training import zero_train
 from ..parallel.data_parallel.zero_check import check_zero
-from ..parallel.launch import check_rank_count
+from ..parallel.launch import check_rank_count, check_timeout
 from ..policy import POLICY_HELP, parse_policy
 from ..train import MarkovTask, train
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args
-from .parallel_run import one_line_errors, rank_device, rank_failure
+from .parallel_run import TIMEOUT_S, add_timeout, one_line_errors, rank_device, rank_failure
 from .parallel_zero import print_ranks
 
 
@@ -71,6 +71,7 @@ def add_arguments(parser):
                          "attention): each holds 1/cp of every sequence's tokens; ZeRO shards over them too")
     layouts.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1; needs --experts): "
                          "each holds experts/ep experts; ZeRO shards every other weight over them too")
+    add_timeout(zero, default=None)
     zero.add_argument("--verbose", action="store_true", help="--dp/--zero: a rank's failure with every failed rank's "
                       "traceback below it (without: one line, naming the rank and its last frame)")
 
@@ -149,10 +150,13 @@ def check_zero_flags(args, cfg):
             raise ValueError(f"{layouts[0]} without --zero: the parallel layouts train on ZeRO ranks here (one "
                              f"process trains without them); add --dp 2 --zero 1, or leave {layouts[0].split()[0]} "
                              f"out")
-        if args.verbose:
-            raise ValueError("--verbose without --dp/--zero: it adds a failed rank's traceback, and one process "
-                             "trains here (its own errors say where); add --dp 2 --zero 1, or leave --verbose out")
+        for flag, given, what in (("--verbose", args.verbose, "adds a failed rank's traceback"),
+                                  ("--timeout", args.timeout is not None, "bounds the ranks' collectives")):
+            if given:
+                raise ValueError(f"{flag} without --dp/--zero: it {what}, and one process trains here (its own errors "
+                                 f"say where); add --dp 2 --zero 1, or leave {flag} out")
         return False
+    check_timeout(TIMEOUT_S if args.timeout is None else args.timeout)  # timeout_s, said as --timeout
     if args.zero is None:
         raise ValueError(f"--dp {args.dp} without --zero: plain data-parallel training is not built; --zero 1 holds "
                          f"what plain data parallelism holds (whole parameters and gradients on every rank) with "
@@ -211,9 +215,10 @@ def train_with_zero(args, cfg, task, params, policy, device):
     try:  # spawned ranks: each step printed as it ends (zero_train's on_step), as one process prints it
         losses, _, ranks = zero_train(params, cfg, batches, policy.text, args.dp or 1, args.zero, args.lr,
                                       keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch,
-                                      device=device.type, on_step=print_step, **layout)
+                                      device=device.type, on_step=print_step,
+                                      timeout_s=TIMEOUT_S if args.timeout is None else args.timeout, **layout)
     except RankError as error:
-        raise ValueError(rank_failure(error, args.verbose)) from None
+        raise rank_failure(error, args.verbose) from None
     if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process trained; one prints
         return None
     for step, loss in enumerate(losses):  # under torchrun: every step's line once the ranks are done

@@ -182,7 +182,7 @@ def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, 
             except OSError:  # BrokenPipeError: the rank is gone; collect() says how and why
                 pass
             outbox.close()
-        results = collect(ranks, pipes, started, progress)
+        results = collect(ranks, pipes, started, progress, timeout_s)
         finished = True
         return results
     finally:  # whatever happened (a failure, KeyboardInterrupt): no rank outlives this call

@@ -79,7 +79,8 @@ class Timeline:
             self.start, self.end = self.seconds(self.start), self.seconds(self.end)
             timed = [(kind, m, self.seconds(start), self.seconds(end)) for kind, m, start, end in self.segments]
             self.segments = [segment for segment in timed if segment[3] > segment[2]]
-            self.moved = [(kind, outer, self.seconds(start), self.seconds(end)) for kind, outer, start, end in self.moved]
+            self.moved = [(kind, outer, self.seconds(start), self.seconds(end))
+                          for kind, outer, start, end in self.moved]
 
     @contextlib.contextmanager
     def span(self, kind, microbatch=None):

@@ -30,8 +30,8 @@ from .step import run_collected
 
 
 def zero_train(params, cfg, batches, policy="none", dp=2, zero=1, lr=3e-3, weight_decay=0.0, keep_gathered=False,
-               prefetch=True, device="cpu", timeout_s=120, port=None, start_method="spawn", rng_state=None, on_step=None,
-               **layout):
+               prefetch=True, device="cpu", timeout_s=120, port=None, start_method="spawn", rng_state=None,
+               on_step=None, **layout):
     """(losses, params, reports): one AdamW step per batch on ZeRO-`zero` ranks; layout: any of ParallelJob's
     tp, sp, pp, microbatches, schedule, cp, cp_layout, cp_comm, ep (see above)."""
     for name, value, positive in (("lr", lr, True), ("weight_decay", weight_decay, False)):
