@@ -77,12 +77,15 @@ def test_the_pipeline_walk_is_linear_in_the_microbatches():
 def test_batch_help_says_per_rank_or_whole():
     assert "sequences per rank" in " ".join(picockpt("predict", "--help").stdout.split())
     assert "sequences in the whole batch, split over" in " ".join(picockpt("parallel", "--help").stdout.split())
+    assert "s=1024, batch 2 per rank" in picockpt("predict", "--model", "llama3-8b", "--batch", "2", "--seq",
+                                                   "1024").stdout.splitlines()[0]  # parallel's: test_trust_ranks.py
 
 
 def test_measured_plan_says_it_can_change_between_runs():
     out = picockpt("plan", "--preset", "tiny", "--seq", "16", "--batch", "2", "--budget", "1MiB", "--cost",
                    "measured", "--device", "cpu").stdout
     assert "can change between runs" in out
+    assert "a measured plan can change between runs" in " ".join(picockpt("plan", "--help").stdout.split())
 
 
 def test_mfu_above_the_peak_is_flagged():

@@ -29,6 +29,7 @@ def test_context_parallel_says_what_its_kv_bytes_count(comm, label):
     done = picockpt(*CP, "--cp-comm", comm)
     assert done.returncode == 0, done.stderr
     assert label in done.stdout
+    assert "global batch 2 x 16 tokens" in done.stdout.splitlines()[0]  # --batch is the whole batch here
 
 
 # ---- training on ranks: each step said as it ends ------------------------------------------------------------------

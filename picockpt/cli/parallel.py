@@ -144,7 +144,7 @@ def run_layout(args):
 def _print_table(row):
     print(f"tensor parallel {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
           f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} f={row['ffn']} V={row['vocab']}, "
-          f"batch {row['batch']} x {row['seq']} tokens")
+          f"global batch {row['batch']} x {row['seq']} tokens")
     print(table(row["ranks"], rank_columns()))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] for r in row["ranks"])
@@ -178,7 +178,7 @@ BUBBLE_FORMS = {"afab": "(P - 1) / (M + P - 1)", "1f1b": "(P - 1) / (M + P - 1)"
 
 def _print_pipeline(row):
     print(f"pipeline {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
-          f"h={row['hidden']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
+          f"h={row['hidden']} V={row['vocab']}, global batch {row['batch']} x {row['seq']} tokens")
     columns = [("rank", lambda r: str(r["rank"])), ("stage", lambda r: str(r["stage"])),
                ("layers", lambda r: ", ".join(f"{a}..{b}" for a, b in r["chunk_layers"])),
                ("in flight", lambda r: str(r["microbatches_in_flight"])),

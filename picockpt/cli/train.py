@@ -105,7 +105,7 @@ def train_command(args):
     words = layout_words(args) if zero else ""
     over = f" over {world_size(args)} ZeRO-{args.zero} ranks{' = ' + words if words else ''}" if zero else ""
     print(f"training {cfg.num_params():,} parameters on {device}{over} ({cfg.dtype}), policy {policy.text}, "
-          f"batch {args.batch} x {args.seq} tokens; loss starts near ln(vocab) = "
+          f"{'global ' if zero else ''}batch {args.batch} x {args.seq} tokens; loss starts near ln(vocab) = "
           f"{math.log(cfg.vocab):.3f}, the task's floor is ln({task.branching}) = {task.loss_floor:.3f}")
     params = init_params(cfg, seed=args.seed, device=device)
     if zero:
