@@ -151,6 +151,25 @@ def test_a_tiled_step_has_a_span_per_phase_not_per_tile_pair():
     assert sum(record[0] == "phase" for record in tracker.log) == 4 + 2 * 3 + 2 * 36 * 3  # the tracker saw them all
 
 
+@pytest.mark.parametrize("policy, attention", [("selective", "eager"), ("cheap", "eager"), ("none", "tiled")])
+def test_a_rebuild_inside_the_backward_is_timed_as_recompute(policy, attention):
+    """selective's and cheap's recipes, and tiled attention's tiles, rebuild inside the backward with no store event:
+    no span of their own, but their seconds are recompute's (as their FLOPs are), taken from the backward's."""
+    cfg, params, ids, targets = tiled()
+    cfg = cfg.replace(attention=attention)
+    timeline = Timeline("cpu")
+    with Tracker("cpu", physical=False, flops=False) as tracker:
+        memory = StageMemory(tracker, timeline)
+        timeline.begin()
+        step(cfg, params, ids, targets, policy, memory.for_microbatch(0))
+        timeline.finish()
+    assert {kind for kind, *_ in timeline.segments} == {"forward", "backward"}  # still a span per phase
+    seconds = timeline.totals()
+    assert seconds["recompute"] > 0 and seconds["backward"] > 0
+    spans = sum(end - start for _, _, start, end in timeline.segments)
+    assert seconds["forward"] + seconds["recompute"] + seconds["backward"] == pytest.approx(spans)
+
+
 def test_every_rank_s_times_count_from_the_moment_it_left_the_barrier(monkeypatch):
     """Two machines' monotonic clocks read 5000.0 and 12.0 at the same moment (their origins are their own): made
     right after a barrier, each timeline counts from it, so a step that began 0.25 s later begins at 0.25 on both."""

@@ -77,12 +77,15 @@ def test_the_pipeline_walk_is_linear_in_the_microbatches():
 def test_batch_help_says_per_rank_or_whole():
     assert "sequences per rank" in " ".join(picockpt("predict", "--help").stdout.split())
     assert "sequences in the whole batch, split over" in " ".join(picockpt("parallel", "--help").stdout.split())
+    assert "s=1024, batch 2 per rank" in picockpt("predict", "--model", "llama3-8b", "--batch", "2", "--seq",
+                                                   "1024").stdout.splitlines()[0]  # parallel's: test_trust_ranks.py
 
 
 def test_measured_plan_says_it_can_change_between_runs():
     out = picockpt("plan", "--preset", "tiny", "--seq", "16", "--batch", "2", "--budget", "1MiB", "--cost",
                    "measured", "--device", "cpu").stdout
     assert "can change between runs" in out
+    assert "a measured plan can change between runs" in " ".join(picockpt("plan", "--help").stdout.split())
 
 
 def test_mfu_above_the_peak_is_flagged():
@@ -181,3 +184,73 @@ def test_the_header_names_every_layout_choice_that_ran(given, words):
     from picockpt.cli.parallel_run import layout_words
     text = layout_words(layout_row(**given))
     assert all(word in text for word in words), text
+
+
+# ---- a rank's failure: what happened, one line, exit code 1 (a user mistake's is 2) ----------------------------------
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                "1000ms for recv operation to complete")
+
+
+class Process:  # what watch._error reads of a rank's process
+    pass
+
+
+def root_cause(failures, world=2, main_name="picockpt.__main__", timeout_s=None):
+    """watch._error's error for {rank: failure}, with the launching program's __main__ as given."""
+    import sys
+    import types
+    from picockpt.parallel import watch
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name=main_name) if main_name else None
+    main.__file__ = "/home/user/script.py"
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        return watch._error(failures, [Process() for _ in range(world)], set(), timeout_s)
+    finally:
+        sys.modules["__main__"] = saved
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_rank_killed_by_a_signal_is_said_so_not_blamed_on_a_main_guard(started):
+    from picockpt.parallel import RankError
+    error = root_cause({1: ("died", 0.0, "was killed by SIGKILL", started)}, main_name=None)  # even from a script
+    assert isinstance(error, RankError) and "__main__" not in str(error)
+    assert str(error).startswith("rank 1 of 2 was killed by SIGKILL (sent from outside the run: `kill -9`")
+    assert "leaves no traceback" in str(error) and "stderr above" not in str(error)
+
+
+def test_a_rank_that_exits_while_starting_is_blamed_on_a_main_guard_only_where_a_script_was_re_run():
+    from picockpt.parallel import RankError
+    failure = {1: ("died", 0.0, "exited with code 1", False)}
+    assert isinstance(root_cause(failure, main_name="picockpt.__main__"), RankError)  # python -m picockpt
+    assert "if __name__" in str(root_cause(failure, main_name=None))  # python script.py
+    assert "if __name__" in str(root_cause(failure, main_name="train_script"))  # python -m train_script
+
+
+def test_a_collective_s_timeout_names_the_rank_the_operation_and_the_limit():
+    failure = {1: ("error", 0.0, "RuntimeError", GLOO_TIMEOUT, "Traceback ...", False),
+               0: ("error", 0.5, "RuntimeError", "Connection closed by peer [127.0.0.1]:1234", "Traceback ...", False)}
+    message = str(root_cause(failure, timeout_s=1.0)).splitlines()[0]
+    assert message == ("rank 1 of 2 waited longer than timeout_s=1 seconds in a recv, for a rank that was still "
+                       "computing or had stalled; give a larger timeout_s, e.g. 120")
+
+
+@pytest.mark.parametrize("death, said", [
+    (("died", 0.0, "was killed by SIGKILL", True), "error: rank 1 of 2 was killed by SIGKILL"),
+    (("error", 0.0, "RuntimeError", GLOO_TIMEOUT, 'File "pp_comm.py", line 92, in wait\n', False),
+     "error: rank 1 of 2 waited longer than --timeout 1 seconds in a recv")])
+def test_a_rank_s_failure_is_one_line_and_exit_code_1(monkeypatch, death, said):
+    from picockpt.cli import parallel_run
+
+    def fails(*args, **kwargs):
+        raise root_cause({1: death}, timeout_s=kwargs["timeout_s"])
+    monkeypatch.setattr(parallel_run, "loss_and_grads", fails)
+    done = picockpt("parallel", "--preset", "tiny", "--seq", "16", "--dp", "2", "--device", "cpu", "--timeout", "1")
+    assert done.returncode == 1 and done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr
+    assert ("--verbose" in done.stderr) == (death[0] == "error")  # a killed rank has no traceback to offer
+    assert "--timeout" in picockpt("train", "--help").stdout
+
+
+def test_exit_codes_are_in_the_help():
+    assert "1 a rank of a multi-rank run failed" in " ".join(picockpt("--help").stdout.split())

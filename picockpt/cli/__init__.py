@@ -30,6 +30,8 @@ Attention (--attention): eager (stores the T x T probabilities) | tiled | fused 
 log-sum-exp per row and recompute the probabilities inside the op; `selective` has nothing left to drop).
 Loss (--loss-chunk N): the LM head and loss N tokens at a time; the logits are recomputed in the backward.
 Devices (--device): auto (CUDA when present, else CPU) | cpu | cuda | cuda:N.
+Exit codes: 0 done; 2 a user mistake (one line naming the flag); 1 a rank of a multi-rank run failed, timed out or was
+killed (one line naming the rank); 130 Ctrl-C; 143 SIGTERM; 141 a closed pipe (`| head`).
 
 commands:
 """ + "\n".join(f"  {name:<11}{text}" for name, text in COMMANDS.items())
@@ -46,6 +48,11 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"error: {message} (`{self.prog} --help` explains every flag)\n")
+
+
+class RankFailed(Exception):
+    """A rank of the command's run failed, timed out or died: not a user mistake (those are ValueErrors, exit code 2),
+    said in one line, exit code 1."""
 
 
 def main(argv=None):
@@ -76,6 +83,9 @@ def main(argv=None):
     except ValueError as error:  # a user mistake: say what and how to fix it, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except RankFailed as error:  # a rank failed or died: said as plainly, its own exit code
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return interrupted(name)
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as shell tools do

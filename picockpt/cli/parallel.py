@@ -23,7 +23,7 @@ from .common import rank_columns, table
 from ..parallel.launch import check_timeout
 from .parallel_cp import run_context
 from .parallel_ep import run_expert
-from .parallel_run import layout_words, measured_step, one_line_errors, prepared, printed
+from .parallel_run import add_timeout, layout_words, measured_step, one_line_errors, prepared, printed
 
 def add_arguments(parser):
     add_shape_args(parser, batch_help="sequences in the whole batch, split over the dp x ep ranks and --microbatches "
@@ -37,8 +37,7 @@ def add_arguments(parser):
                         "budget:SIZE is per rank")
     parser.add_argument("--distribute-saved", action="store_true", help="without --sp: each rank keeps 1/t of "
                         "every checkpoint (Megatron's --distribute-saved-activations), all-gathered to recompute")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait, 1 to "
-                        "86400 (default 120)")
+    add_timeout(parser)
     parser.add_argument("--port", type=int, help="spawned ranks: the 127.0.0.1 port to meet on (default: a free one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--trace", action="store_true", help="print every rank's engine events, prefixed by rank")
@@ -145,7 +144,7 @@ def run_layout(args):
 def _print_table(row):
     print(f"tensor parallel {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
           f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} f={row['ffn']} V={row['vocab']}, "
-          f"batch {row['batch']} x {row['seq']} tokens")
+          f"global batch {row['batch']} x {row['seq']} tokens")
     print(table(row["ranks"], rank_columns()))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] for r in row["ranks"])
@@ -179,7 +178,7 @@ BUBBLE_FORMS = {"afab": "(P - 1) / (M + P - 1)", "1f1b": "(P - 1) / (M + P - 1)"
 
 def _print_pipeline(row):
     print(f"pipeline {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
-          f"h={row['hidden']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
+          f"h={row['hidden']} V={row['vocab']}, global batch {row['batch']} x {row['seq']} tokens")
     columns = [("rank", lambda r: str(r["rank"])), ("stage", lambda r: str(r["stage"])),
                ("layers", lambda r: ", ".join(f"{a}..{b}" for a, b in r["chunk_layers"])),
                ("in flight", lambda r: str(r["microbatches_in_flight"])),

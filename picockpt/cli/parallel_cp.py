@@ -27,7 +27,7 @@ def run_context(args):
 def _print_table(row):
     print(f"context parallel {layout_words(row)}, policy "
           f"{row['policy']} on {row['device']}, {row['dtype']}, {row['attention']} attention: L={row['layers']} "
-          f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} V={row['vocab']}, batch {row['batch']} x "
+          f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} V={row['vocab']}, global batch {row['batch']} x "
           f"{row['seq']} tokens")
     r0 = row["ranks"][0]
     coordinates = (("stage", "stage", "pp"), ("dp rank", "dp_rank", "dp"), ("tp rank", "tp_rank", "tp"))

@@ -49,7 +49,7 @@ def _print_table(row):
     again = "" if row["keep_dispatched"] else ", dispatching again to recompute"
     print(f"expert parallel {layout_words(row)}{again}, policy {row['policy']} on {row['device']}, "
           f"{row['dtype']}: L={row['layers']} h={row['hidden']} E={row['experts']} k={row['experts_per_token']} "
-          f"f={row['ffn']} V={row['vocab']}, batch {row['batch']} x {row['seq']} tokens")
+          f"f={row['ffn']} V={row['vocab']}, global batch {row['batch']} x {row['seq']} tokens")
     where = [("stage", lambda r: str(r["stage"]))] if row["pp"] > 1 else []
     where += [("dp", lambda r: str(r["dp_rank"]))] if row["dp"] > 1 else []
     print(table(row["ranks"], rank_columns(*where, ("experts", lambda r: f"{r['experts'][0]}..{r['experts'][-1]}"),

@@ -14,8 +14,10 @@ from ..engine import loss_and_grads as single_loss_and_grads
 from ..measure import make_batch
 from ..params import init_params
 from ..parallel import RankError, loss_and_grads, under_torchrun
+from ..parallel.launch import TIMEOUT_RANGE_S
 from ..parallel.watch import Terminated, sigterm_raises
 from ..policy import parse_policy
+from . import RankFailed
 from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff
 from .parallel_zero import print_zero
 
@@ -31,6 +33,18 @@ FLAGS = {name: "--" + name.replace("_", "-") for name in (
 FLAGS.update(NEGATED, keep_kv="--cp-keep-kv", layout="--cp-layout", timeout_s="--timeout")
 NAME = r"(?<![\w.-])(?:Config\.)?(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")"
 VALUE = r"('[^']*'|\"[^\"]*\"|[-+]?[\w.]*\w(?:[-+]\d+)?)"
+
+
+TIMEOUT_S = 120.0  # --timeout's default
+
+
+def add_timeout(parser, default=TIMEOUT_S):
+    """--timeout, as every command that launches ranks has it (default None: the command sees whether it was given,
+    and uses TIMEOUT_S)."""
+    low, high = TIMEOUT_RANGE_S
+    parser.add_argument("--timeout", type=float, default=default, help=f"seconds any collective may wait, {low:g} to "
+                        f"{high:g} (default {TIMEOUT_S:g}); a rank that waits longer ends the run, in one line naming "
+                        f"it, what it waited in and this flag")
 
 
 def rank_device(args):
@@ -71,7 +85,7 @@ def measured_step(args, cfg, policy, device):
                                             timeout_s=args.timeout, port=args.port, trace=args.trace,
                                             optimizer_step=bool(args.zero), **layout_of(args))
     except RankError as error:
-        raise ValueError(rank_failure(error, args.verbose)) from None
+        raise rank_failure(error, args.verbose) from None
     except ValueError as error:  # a rank's own ValueError is one line already; --verbose adds its traceback
         cause = error.__cause__
         if args.verbose and isinstance(cause, RankError):
@@ -129,11 +143,12 @@ def layout_words(row):
 
 
 def rank_failure(error, verbose=False):
-    """A RankError as the command's one line, the rank's last frame named; verbose: every rank's traceback below."""
+    """A RankError as the command's one line (a RankFailed: exit code 1), the rank's last frame named; verbose: every
+    rank's traceback below (a rank killed by a signal has none, and the line does not offer it)."""
     first, _, rest = str(error).partition("\n")
-    if verbose:
-        return f"{first}{last_frame(error)}" + (f"\n{rest}" if rest else "")
-    return f"{first}{last_frame(error)}; --verbose prints the rank's traceback"
+    if verbose or not error.remote_traceback:
+        return RankFailed(f"{first}{last_frame(error)}" + (f"\n{rest}" if rest and verbose else ""))
+    return RankFailed(f"{first}{last_frame(error)}; --verbose prints the rank's traceback")
 
 
 def as_flags(message):
@@ -155,14 +170,15 @@ def as_flags(message):
 
 
 def one_line_errors(command, run, args):
-    """run(args) with its ValueErrors said in flags (as_flags), and SIGTERM stopping every rank and saying so in
-    one line, exit code 143 (128 + SIGTERM, as shells report it); Ctrl-C is the CLI's own (cli/__init__.py).
-    Under torchrun, SIGTERM is left to torchrun, which ends its processes itself."""
+    """run(args) with its ValueErrors and its ranks' failures (RankFailed) said in flags (as_flags: timeout_s=1 is
+    --timeout 1), and SIGTERM stopping every rank and saying so in one line, exit code 143 (128 + SIGTERM, as shells
+    report it); Ctrl-C is the CLI's own (cli/__init__.py). Under torchrun, SIGTERM is left to torchrun, which ends
+    its processes itself."""
     try:
         with contextlib.nullcontext() if under_torchrun() else sigterm_raises():
             return run(args)
-    except ValueError as error:
-        raise ValueError(as_flags(str(error))) from None
+    except (ValueError, RankFailed) as error:
+        raise type(error)(as_flags(str(error))) from None
     except Terminated:
         print(f"terminated: python -m picockpt {command} stopped before it finished (SIGTERM; no rank of it is left "
               f"running)", file=sys.stderr)

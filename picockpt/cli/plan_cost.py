@@ -18,7 +18,8 @@ def add_cost_arguments(parser):
     parser.add_argument("--cost", choices=COSTS, default="flops",
                         help="what the planner minimises: flops (recomputed matmul FLOPs, the default), roofline "
                              "(modelled seconds: each op's FLOPs over the matmul rate or its bytes over the memory "
-                             "bandwidth, whichever is longer, on --hardware), measured (each op timed on --device)")
+                             "bandwidth, whichever is longer, on --hardware), measured (each op timed on --device; times "
+                             "move with the machine's load, so a measured plan can change between runs)")
     parser.add_argument("--hardware", choices=HARDWARE_NAMES, default=None,
                         help="--cost roofline: datasheet rates of h100, h200 or a100 (bf16), or cpu-measured (this "
                              "CPU's matmul rate and copy bandwidth, timed first; the default)")

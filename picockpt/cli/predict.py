@@ -202,7 +202,8 @@ def _gib(n):
 def _print_table(row):
     parallel = f"t={row['tp']}" + (", sequence parallel" if row["sp"] else "")
     print(f"{row['model']}: L={row['layers']} h={row['hidden']} a={row['heads']} (kv {row['kv_heads']}) "
-          f"f={row['ffn']} V={row['vocab']}; s={row['seq']} b={row['batch']}; recompute {row['recompute']}; "
+          f"f={row['ffn']} V={row['vocab']}; s={row['seq']}, batch {row['batch']} per rank (b={row['batch']}); "
+          f"recompute {row['recompute']}; "
           f"{parallel}")
     print("Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks), per device:")
     if row.get("experts"):

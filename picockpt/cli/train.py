@@ -8,8 +8,8 @@ With --zero the same batches (the same seed draws the same MarkovTask streams an
 train on ZeRO ranks (picockpt/parallel/training.py: zero_train): each of the D data-parallel ranks computes
 batch/D of every step's sequences, and every rank steps AdamW on its shards only. ZeRO stacks on the other
 layouts (--tp, --sp, --pp, --microbatches, --cp, --ep: dp x tp x pp x cp x ep ranks in all) and shards over
-the dp x ep x cp of them. The losses are printed once the ranks are done, then each rank's model state,
-stored and gathered peaks and bytes moved in the last step, beside their closed forms.
+the dp x ep x cp of them. Each step's loss is printed as the ranks end it (under torchrun, once they are done), then
+each rank's model state, stored and gathered peaks and bytes moved in the last step, beside their closed forms.
 """
 import math
 import os
@@ -22,11 +22,11 @@ from ..params import init_params
 from ..parallel import RankError, under_torchrun
 from ..parallel.training import zero_train
 from ..parallel.data_parallel.zero_check import check_zero
-from ..parallel.launch import check_rank_count
+from ..parallel.launch import check_rank_count, check_timeout
 from ..policy import POLICY_HELP, parse_policy
 from ..train import MarkovTask, train
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args
-from .parallel_run import one_line_errors, rank_device, rank_failure
+from .parallel_run import TIMEOUT_S, add_timeout, one_line_errors, rank_device, rank_failure
 from .parallel_zero import print_ranks
 
 
@@ -71,6 +71,7 @@ def add_arguments(parser):
                          "attention): each holds 1/cp of every sequence's tokens; ZeRO shards over them too")
     layouts.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1; needs --experts): "
                          "each holds experts/ep experts; ZeRO shards every other weight over them too")
+    add_timeout(zero, default=None)
     zero.add_argument("--verbose", action="store_true", help="--dp/--zero: a rank's failure with every failed rank's "
                       "traceback below it (without: one line, naming the rank and its last frame)")
 
@@ -104,7 +105,7 @@ def train_command(args):
     words = layout_words(args) if zero else ""
     over = f" over {world_size(args)} ZeRO-{args.zero} ranks{' = ' + words if words else ''}" if zero else ""
     print(f"training {cfg.num_params():,} parameters on {device}{over} ({cfg.dtype}), policy {policy.text}, "
-          f"batch {args.batch} x {args.seq} tokens; loss starts near ln(vocab) = "
+          f"{'global ' if zero else ''}batch {args.batch} x {args.seq} tokens; loss starts near ln(vocab) = "
           f"{math.log(cfg.vocab):.3f}, the task's floor is ln({task.branching}) = {task.loss_floor:.3f}")
     params = init_params(cfg, seed=args.seed, device=device)
     if zero:
@@ -149,10 +150,13 @@ def check_zero_flags(args, cfg):
             raise ValueError(f"{layouts[0]} without --zero: the parallel layouts train on ZeRO ranks here (one "
                              f"process trains without them); add --dp 2 --zero 1, or leave {layouts[0].split()[0]} "
                              f"out")
-        if args.verbose:
-            raise ValueError("--verbose without --dp/--zero: it adds a failed rank's traceback, and one process "
-                             "trains here (its own errors say where); add --dp 2 --zero 1, or leave --verbose out")
+        for flag, given, what in (("--verbose", args.verbose, "adds a failed rank's traceback"),
+                                  ("--timeout", args.timeout is not None, "bounds the ranks' collectives")):
+            if given:
+                raise ValueError(f"{flag} without --dp/--zero: it {what}, and one process trains here (its own errors "
+                                 f"say where); add --dp 2 --zero 1, or leave {flag} out")
         return False
+    check_timeout(TIMEOUT_S if args.timeout is None else args.timeout)  # timeout_s, said as --timeout
     if args.zero is None:
         raise ValueError(f"--dp {args.dp} without --zero: plain data-parallel training is not built; --zero 1 holds "
                          f"what plain data parallelism holds (whole parameters and gradients on every rank) with "
@@ -197,24 +201,29 @@ def check_zero_flags(args, cfg):
 
 
 def train_with_zero(args, cfg, task, params, policy, device):
-    """The single process's batches and weights on the ZeRO ranks: the losses (printed per --log-every, once
-    the ranks are done) and each rank's report of the last step; None in torchrun's processes but rank 0."""
+    """The single process's batches and weights on the ZeRO ranks: the losses (printed per --log-every as each step
+    ends) and each rank's report of the last step; None in torchrun's processes but rank 0."""
     batches = [task.batch(args.batch, args.seq, device) for _ in range(args.steps)]  # train()'s draws, in order
     torch.manual_seed(args.seed)  # the dropout masks: train()'s generator state
     layout = dict(tp=args.tp, sp=args.sp, pp=args.pp, microbatches=args.microbatches, cp=args.cp, ep=args.ep)
-    try:
+    printed = set()
+
+    def print_step(step, loss, seconds):  # seconds: the slowest rank's
+        if step % args.log_every == 0 or step == args.steps - 1:
+            print(f"step {step:4d}  loss {loss:7.4f}  {args.batch * args.seq / seconds:10,.0f} tokens/s", flush=True)
+        printed.add(step)
+    try:  # spawned ranks: each step printed as it ends (zero_train's on_step), as one process prints it
         losses, _, ranks = zero_train(params, cfg, batches, policy.text, args.dp or 1, args.zero, args.lr,
                                       keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch,
-                                      device=device.type, **layout)
+                                      device=device.type, on_step=print_step,
+                                      timeout_s=TIMEOUT_S if args.timeout is None else args.timeout, **layout)
     except RankError as error:
-        raise ValueError(rank_failure(error, args.verbose)) from None
+        raise rank_failure(error, args.verbose) from None
     if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process trained; one prints
         return None
-    tokens = args.batch * args.seq
-    for step, loss in enumerate(losses):
-        if step % args.log_every == 0 or step == args.steps - 1:
-            seconds = max(r["seconds_per_step"][step] for r in ranks)  # the slowest rank's
-            print(f"step {step:4d}  loss {loss:7.4f}  {tokens / seconds:10,.0f} tokens/s")
+    for step, loss in enumerate(losses):  # under torchrun: every step's line once the ranks are done
+        if step not in printed:
+            print_step(step, loss, max(r["seconds_per_step"][step] for r in ranks))
     dp = args.dp or 1
     shard = dp * args.ep * args.cp
     words = layout_words(args)

@@ -61,11 +61,14 @@ def _sum(table, phase, kind):
 
 class Comm:
     """One process group as this rank sees it: its rank, size, the device of its tensors, the log of what its
-    collectives moved, and the timeout its job runs under. group=None is every rank (torch's default group)."""
+    collectives moved, and the timeout its job runs under. group=None is every rank (torch's default group).
+    progress: on the Comm a spawned rank's fn gets, when its run_ranks was given progress= (launch.py), a function
+    that sends a small picklable payload to the launching process at once (as each training step ends); else None."""
 
-    def __init__(self, group=None, device="cpu", tracker=None, timeout=None):
+    def __init__(self, group=None, device="cpu", tracker=None, timeout=None, progress=None):
         self.group = group if group is not None else dist.group.WORLD
         self.timeout = timeout  # a timedelta: what a group made from this one must wait at most (new_group's timeout)
+        self.progress = progress
         self.rank = dist.get_rank(self.group)  # this process's rank inside the group
         self.world_size = dist.get_world_size(self.group)
         self.device = torch.device(device)

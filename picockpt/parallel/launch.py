@@ -12,6 +12,12 @@ exits). Neither forks this process (no inherited threads or CUDA state), and not
 runs one thread, sees this process's environment variables and gets its own copy of args and kwargs. The first rank to
 fail or die ends the run, its error raised here (watch.py); no process outlives run_ranks, KeyboardInterrupt included,
 and SIGTERM (raised here as watch.Terminated, as SIGINT raises KeyboardInterrupt).
+
+    results = run_ranks(fn, 2, x, progress=lambda rank, payload: print(rank, payload))
+
+progress (spawned ranks): each payload a rank passes to comm.progress(payload) reaches progress(rank, payload) in
+this process as it is sent, down the same pipe as the rank's result, while the ranks run on (train prints each
+step this way). Under torchrun, comm.progress is None: each process has its own output, and rank 0 prints.
 """
 import os
 import pickle
@@ -70,12 +76,12 @@ def check_timeout(timeout_s):
 
 
 def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, port=None, start_method="spawn",
-              **kwargs):
+              progress=None, **kwargs):
     """fn(comm, *args, **kwargs) on every rank (other keywords go to fn); returns [rank 0's result, rank 1's, ...].
     world_size: the number of ranks (under torchrun: None, or its WORLD_SIZE). backend: None picks "nccl" for
     device="cuda", "gloo" otherwise. device: "cpu" or "cuda" (each rank takes cuda:LOCAL_RANK; an index given is not
     used). timeout_s: seconds, the limit on every collective, sub-groups' too (Comm.timeout: one made without
-    it waits torch's 30 minutes), and on the rendezvous, which waits at least JOIN_S for ranks still starting. Spawned ranks only: port (127.0.0.1's; None: a free one), start_method."""
+    it waits torch's 30 minutes), and on the rendezvous, which waits at least JOIN_S for ranks still starting. Spawned ranks only: port (127.0.0.1's; None: a free one), start_method, progress (above)."""
     if not callable(fn):
         raise ValueError(f"fn={fn!r}: give a function fn(comm, *args, **kwargs)")
     if world_size is None and not under_torchrun():
@@ -108,7 +114,7 @@ def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, p
     if start_method not in methods:
         raise ValueError(f"start_method={start_method!r}: use one of {methods}")
     with sigterm_raises():  # SIGTERM stops the ranks and says so, as Ctrl-C does
-        return _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method)
+        return _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method, progress)
 
 
 # -- torchrun: this process is one rank ---------------------------------------------------------
@@ -141,7 +147,7 @@ def _rank_device(device_type, local_rank):
 
 
 # -- spawned: this process is the parent, the ranks are its children -------------------------------
-def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method):
+def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, start_method, progress):
     try:
         payload = pickle.dumps((fn, args, kwargs, dict(os.environ)))  # by value: each rank its own copy
     except (pickle.PicklingError, AttributeError, TypeError) as error:
@@ -158,11 +164,12 @@ def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, 
     ranks, pipes, outboxes, finished = [], [], [], False
     try:
         for rank in range(world_size):
-            reader, writer = context.Pipe(duplex=False)  # the rank's one message: its result or error
+            reader, writer = context.Pipe(duplex=False)  # the rank's progress, then its result or error
             inbox, outbox = context.Pipe(duplex=False)  # the payload (fn and its arguments, often megabytes)
             # not a daemon: a rank may start processes of its own (torch.compile's workers, say)
             process = context.Process(target=_spawned_rank, name=f"picockpt-rank-{rank}", args=(
-                rank, world_size, store.port, backend, device_type, timeout_s, inbox, writer, parent, started))
+                rank, world_size, store.port, backend, device_type, timeout_s, inbox, writer, parent, started,
+                progress is not None))
             process.start()  # sends only these small arguments: never blocks on a rank that dies starting
             writer.close()  # the parent keeps only the reading end: EOF once the rank is gone
             inbox.close()  # and only the writing end of the payload's pipe: EPIPE once the rank is gone
@@ -175,7 +182,7 @@ def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, 
             except OSError:  # BrokenPipeError: the rank is gone; collect() says how and why
                 pass
             outbox.close()
-        results = collect(ranks, pipes, started)
+        results = collect(ranks, pipes, started, progress, timeout_s)
         finished = True
         return results
     finally:  # whatever happened (a failure, KeyboardInterrupt): no rank outlives this call
@@ -203,8 +210,10 @@ def _serve_rendezvous(port, world_size, timeout_s):
                          wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True)
 
 
-def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox, pipe, parent_pid, started):
-    """The body of one spawned rank: read the payload, join the group, run fn, send back one message, leave."""
+def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox, pipe, parent_pid, started,
+                  reports_progress=False):
+    """The body of one spawned rank: read the payload, join the group, run fn (sending its progress, if asked), send
+    back one message, leave."""
     started[rank] = 1  # past Python's bootstrap (which re-imports the caller's script): picockpt's code runs
     _die_with_parent(parent_pid)
     torch.set_num_threads(1)  # ranks share the machine's cores: one thread each, no oversubscription
@@ -226,7 +235,8 @@ def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox
         joined = True
         dist.barrier()  # gloo's full-mesh connect can finish on one rank before another: a rank that
         #                 left (returned, failed) that early would break its peers' connect
-        result = fn(Comm(device=device, timeout=timedelta(seconds=timeout_s)), *args, **kwargs)
+        progress = (lambda payload: pipe.send_bytes(pickle.dumps(("progress", payload)))) if reports_progress else None
+        result = fn(Comm(device=device, timeout=timedelta(seconds=timeout_s), progress=progress), *args, **kwargs)
         message = pickle.dumps(("ok", result))  # by value; a CUDA tensor would come back on CUDA
     except BaseException as error:  # noqa: BLE001 -- every failure, KeyboardInterrupt too, goes back
         message = pickle.dumps(("error", time.monotonic(), type(error).__name__, str(error),

@@ -67,12 +67,13 @@ def trace_lines(rank_label, trace):
 
 def rank_steps(comm, jobs, trace=False):
     process_groups = {}  # process groups, per layout, made once per launch
-    return [rank_step(comm, job, process_groups, trace) for job in jobs]
+    return [rank_step(comm, job, process_groups, trace, index) for index, job in enumerate(jobs)]
 
 
-def rank_step(comm, job, process_groups, trace=False):
-    """One job on this rank: its steps (one, or under ZeRO with an optimizer one per batch), each rank_one_step;
-    returns CPU tensors and plain numbers only."""
+def rank_step(comm, job, process_groups, trace=False, index=0):
+    """One job on this rank: its steps (one, or under ZeRO with an optimizer one per batch), each rank_one_step,
+    each told to the launching process as it ends when it listens (comm.progress: (index, step, this rank's share of
+    the step's loss or None, its seconds)); returns CPU tensors and plain numbers only."""
     layout = Layout(job.dp, job.pp, job.tp, job.ep, job.cp)
     groups = build_groups(layout, comm.rank, comm.device, process_groups, comm.timeout)
     stage_forms = closed_forms(job, groups.stage)
@@ -87,6 +88,8 @@ def rank_step(comm, job, process_groups, trace=False):
                                               trace)
         losses.append(loss.cpu() if stage_forms.last else None)
         seconds.append(report["timeline_seconds"]["total"])
+        if comm.progress is not None:  # the step is done here: say so now, not when every step is
+            comm.progress((index, len(losses) - 1, losses[-1] if groups.tp_rank == 0 else None, seconds[-1]))
         if job.cfg.draws_random:  # the next step draws on from where this one leaves the generator (pp = 1)
             rng_start = rng_end
     first = groups.dp_rank == groups.cp_rank == 0  # the replicas all hold the same, reduced gradients

@@ -54,10 +54,12 @@ def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, star
             for out in run_collected(jobs, world_size, device, timeout_s, port, start_method, trace)]
 
 
-def run_collected(jobs, world_size=None, device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False):
+def run_collected(jobs, world_size=None, device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False,
+                  progress=None):
     """run_jobs' launch, each job's results as {"loss", "grads", "reports", "losses" (every step's loss, a
     float each), "params" (after a ZeRO job's optimizer steps, else None), "rng_state" (where the job leaves the
-    generator: the single process's after the same steps)}."""
+    generator: the single process's after the same steps)}. progress(rank, (job index, step, loss share, seconds)):
+    called here as each rank ends each step (spawned ranks; rank.py's rank_step says what it sends)."""
     if not jobs:
         raise ValueError("jobs=[]: give at least one ParallelJob")
     check_timeout(timeout_s)
@@ -70,7 +72,7 @@ def run_collected(jobs, world_size=None, device="cpu", timeout_s=120, port=None,
     generator.set_state(before)  # left as it was, should a rank fail
     sent = [on_cpu(job) for job in jobs]  # what the ranks receive; each moves it to its own device
     results = run_ranks(rank_steps, None if under_torchrun() else world_size, sent, trace, device=device,
-                        timeout_s=timeout_s, port=port, start_method=start_method)
+                        timeout_s=timeout_s, port=port, start_method=start_method, progress=progress)
     out, state = [], jobs[-1].rng_state
     for index, (job, routing) in enumerate(zip(jobs, routings)):
         per_rank = [rank_results[index] for rank_results in results]

@@ -28,8 +28,9 @@ listener, a MicroBatchTracker, passes every event to the rank's Tracker with the
 peak: the stage's, every micro-batch in flight); phases go to the Tracker (FLOPs, bytes) and the Timeline. The Timeline
 gets a span per phase of the step, not per op: a phase entered inside another one gets its span at its first store
 event (the engine's recompute, which starts by reading its checkpoint), and one with no store event (a tile of tiled
-attention rebuilt in the backward, a dropped tensor's recipe) stays in the span around it, as picockpt/tracker.py
-books its device memory.
+attention rebuilt in the backward, a dropped tensor's recipe) gets no span: its seconds move from the span around it
+to its own phase (Timeline.move), so a rebuild inside the backward is recompute time, as its FLOPs are recompute FLOPs
+(the single process's Tracker books its seconds the same way), and the timeline keeps one segment per phase.
 """
 import contextlib
 import time
@@ -47,6 +48,7 @@ class Timeline:
         self.cuda = self.device.type == "cuda"
         self.segments = []  # (kind, micro-batch or None, start, end), leaf segments in time order
         self._stack = []    # open spans: [kind, micro-batch, start of its current segment]
+        self.moved = []     # (kind, the span's kind it ran inside, start, end): phases without a span of their own
         self.start = self.end = None
         if self.cuda:  # once: the stream is idle, so the origin event is timed as the host's zero
             torch.cuda.current_stream(self.device).synchronize()
@@ -77,6 +79,8 @@ class Timeline:
             self.start, self.end = self.seconds(self.start), self.seconds(self.end)
             timed = [(kind, m, self.seconds(start), self.seconds(end)) for kind, m, start, end in self.segments]
             self.segments = [segment for segment in timed if segment[3] > segment[2]]
+            self.moved = [(kind, outer, self.seconds(start), self.seconds(end))
+                          for kind, outer, start, end in self.moved]
 
     @contextlib.contextmanager
     def span(self, kind, microbatch=None):
@@ -104,6 +108,13 @@ class Timeline:
         if self._stack:
             self._stack[-1][2] = now  # the outer span resumes
 
+    def move(self, kind, since, segments):
+        """A phase that ran from `since` to now inside the innermost open span, without a span of its own: its seconds
+        are `kind`'s, taken from that span's (segments: len(self.segments) at `since`; a span closed in between
+        booked its own time, and nothing moves)."""
+        if self._stack and len(self.segments) == segments and self._stack[-1][0] != kind:
+            self.moved.append((kind, self._stack[-1][0], since, self.mark()))
+
     def _close(self, entry, now):
         kind, microbatch, since = entry
         if self.cuda or now > since:  # CUDA: empty segments go once timed (finish)
@@ -114,6 +125,9 @@ class Timeline:
         seconds = dict.fromkeys(KINDS, 0.0)
         for kind, _, start, end in self.segments:
             seconds[kind] += end - start
+        for kind, outer, start, end in self.moved:  # a rebuild inside the backward: recompute, not backward time
+            seconds[kind] += end - start
+            seconds[outer] -= end - start
         total = (self.end - self.start) if self.start is not None and self.end is not None else sum(seconds.values())
         seconds["idle"], seconds["total"] = max(0.0, total - sum(seconds.values())), total
         return seconds
@@ -172,12 +186,15 @@ class MicroBatchTracker:
             else:
                 entry = [name, timeline.depth, False]
                 self.pending.append(entry)
+                since, segments = timeline.mark(), len(timeline.segments)
                 try:
                     yield
                 finally:
                     self.pending.pop()
                     if entry[2]:
                         timeline.close()
+                    else:  # no store event: no span, its seconds still its phase's
+                        timeline.move(name, since, segments)
 
     def on_event(self, event):
         memory = self.memory

@@ -17,6 +17,10 @@ are bitwise and where not, and why.
 Every argument and every batch is checked before any rank starts (a ValueError naming it). The ranks start from the
 caller's generator (rng_state=None: the default CPU one, or the current CUDA device's), so their dropout masks are
 the single process's, and the caller's generator is left where a single process's training would leave it.
+
+on_step(step, loss, seconds), if given, is called in this process as soon as every rank has ended step `step`
+(spawned ranks; under torchrun it is not called): its loss as in losses, its seconds the slowest rank's, as
+reports[r]["seconds_per_step"] give them at the end.
 """
 import math
 
@@ -26,7 +30,8 @@ from .step import run_collected
 
 
 def zero_train(params, cfg, batches, policy="none", dp=2, zero=1, lr=3e-3, weight_decay=0.0, keep_gathered=False,
-               prefetch=True, device="cpu", timeout_s=120, port=None, start_method="spawn", rng_state=None, **layout):
+               prefetch=True, device="cpu", timeout_s=120, port=None, start_method="spawn", rng_state=None,
+               on_step=None, **layout):
     """(losses, params, reports): one AdamW step per batch on ZeRO-`zero` ranks; layout: any of ParallelJob's
     tp, sp, pp, microbatches, schedule, cp, cp_layout, cp_comm, ep (see above)."""
     for name, value, positive in (("lr", lr, True), ("weight_decay", weight_decay, False)):
@@ -42,5 +47,24 @@ def zero_train(params, cfg, batches, policy="none", dp=2, zero=1, lr=3e-3, weigh
                       prefetch=prefetch, batches=list(batches), lr=float(lr), weight_decay=float(weight_decay),
                       rng_state=rng_state, **layout)
     where = resolve_device(device)
-    out = run_collected([job], None, where.type, timeout_s, port, start_method)[0]
+    progress = None if on_step is None else StepsAsTheyEnd(job.world_size, on_step)
+    out = run_collected([job], None, where.type, timeout_s, port, start_method, progress=progress)[0]
     return out["losses"], out["params"], out["reports"]
+
+
+class StepsAsTheyEnd:
+    """run_collected's progress: each rank's (job, step, loss share, seconds), put together step by step; once every
+    rank has ended a step, on_step(step, the loss summed over the ranks' shares in rank order, the slowest rank's
+    seconds), the numbers zero_train returns at the end."""
+
+    def __init__(self, world_size, on_step):
+        self.world_size, self.on_step, self.steps = world_size, on_step, {}
+
+    def __call__(self, rank, payload):
+        _, step, share, seconds = payload
+        ended = self.steps.setdefault(step, {})
+        ended[rank] = share, seconds
+        if len(ended) == self.world_size:
+            del self.steps[step]
+            shares = [share for _, (share, _) in sorted(ended.items()) if share is not None]
+            self.on_step(step, sum(shares).item(), max(seconds for _, seconds in ended.values()))

@@ -1,14 +1,19 @@
 """The parent's side of spawned ranks: collect each rank's one message, find the first failure, stop the rest.
 
-Each rank sends one message down its pipe: ("ok", result) or ("error", when, type name, message, traceback,
-is_value_error); one that dies without it (os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel, and
-one that dies before picockpt's code runs (a script without a main guard, which the rank re-imports) as a ValueError
-that says so. The first failure ends the wait; LINGER_S later the root cause among all failures is raised (_error).
+Each rank sends one last message down its pipe: ("ok", result) or ("error", when, type name, message, traceback,
+is_value_error), after any number of ("progress", payload), each handed on as it arrives. One that dies without it
+(os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel: a signal's death is said as the signal (a
+process it kills leaves no traceback), and one that exits before picockpt's code runs where the rank re-imported a
+script as that script's missing main guard, a ValueError. A collective's timeout (gloo's, NCCL's words) is said as
+the rank and operation that waited longer than timeout_s. The first failure ends the wait; LINGER_S later the root
+cause among all failures is raised (_error).
 SIGTERM to the caller while it waits raises Terminated (sigterm_raises), so the ranks are stopped as on Ctrl-C.
 """
 import contextlib
 import pickle
+import re
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import wait
@@ -52,9 +57,11 @@ def sigterm_raises():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def collect(ranks, pipes, started=None):
+def collect(ranks, pipes, started=None, progress=None, timeout_s=None):
     """Each rank's result, by rank; the first failure (or death) raises at once. started[r] (a shared
-    array, or None) is set once rank r runs picockpt's code: a rank that dies before is named as such."""
+    array, or None) is set once rank r runs picockpt's code: a rank that dies before is named as such.
+    progress(rank, payload) is called with each progress message as it comes; timeout_s, the collectives' limit,
+    is named when a rank gave up waiting."""
     results, pending, failures, linger_until = [None] * len(ranks), set(range(len(ranks))), {}, None
     while pending:
         timeout = None if linger_until is None else max(0.0, linger_until - time.monotonic())
@@ -72,6 +79,10 @@ def collect(ranks, pipes, started=None):
                 message = None
             else:
                 continue
+            if message is not None and message[0] == "progress":
+                if progress is not None and not failures:  # after a failure only the root cause matters
+                    progress(r, message[1])
+                continue
             pending.discard(r)
             if message is not None and message[0] == "ok":
                 results[r] = message[1]
@@ -82,7 +93,7 @@ def collect(ranks, pipes, started=None):
         if failures and time.monotonic() >= linger_until:
             break
     if failures:
-        raise _error(failures, ranks, pending)
+        raise _error(failures, ranks, pending, timeout_s)
     return results
 
 
@@ -97,36 +108,75 @@ MAIN_GUARD = ("a rank re-imports the script that started the run (Python's spawn
               "do), and a script without `if __name__ == \"__main__\":` runs its own calls again there, which "
               "fail while the rank is still starting (its traceback is on stderr above); put the script's "
               "calls (loss_and_grads with tp, pp, dp or ep, run_ranks, ...) under `if __name__ == \"__main__\":`")
+TIMED_OUT = re.compile(r"timed out|Watchdog caught collective operation timeout|Socket Timeout|wait timeout after",
+                       re.IGNORECASE)  # gloo's, NCCL's watchdog's, the TCPStore's words for a timeout
+OPERATION = re.compile(r"for (\w+) operation|OpType=(\w+)")  # gloo: "for recv operation"; NCCL: "OpType=ALLREDUCE"
 
 
-def _error(failures, ranks, pending):
-    """The root cause: a rank's own exception before a death, a death before a communication error
-    (a rank whose peer is gone fails in its collective: a consequence, not the cause)."""
+def _reimports_main():
+    """True when a spawned rank re-imports the program that started the run and runs its top level again: a script
+    (python script.py) or a module run with -m, not a package's __main__ (python -m picockpt), as multiprocessing's
+    spawn.py decides (_fixup_main_from_name skips a name that is or ends with __main__; a path is run again)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return not (spec.name == "__main__" or spec.name.endswith(".__main__"))
+    return getattr(main, "__file__", None) is not None
+
+
+def _error(failures, ranks, pending, timeout_s=None):
+    """The root cause: a rank's own exception before a death, a death before a timeout, a timeout before a
+    communication error (a rank whose peer is gone fails in its collective: a consequence, not the cause)."""
     def order(item):
         rank, failure = item
         if failure[0] == "died":
             return 1, failure[1], rank
+        if TIMED_OUT.search(failure[3]):
+            return 2, failure[1], rank
         victim = failure[2].startswith("Dist") or any(sign in failure[3] for sign in PEER_GONE)
-        return (2 if victim else 0), failure[1], rank
+        return (3 if victim else 0), failure[1], rank
     rank, failure = min(failures.items(), key=order)
     world = len(ranks)
     others = [f"rank {r} {f[2]}" if f[0] == "died" else f"rank {r} raised {f[2]}: {(f[3] or ' ').splitlines()[0]}"
               for r, f in sorted(failures.items()) if r != rank]
     others += [f"rank {r} was stopped" for r in sorted(pending)]
     tail = ("\nthe other ranks: " + "; ".join(others)) if others else ""
-    if failure[0] == "died" and not failure[3]:  # it never reached picockpt's code: a user mistake, said as one
-        return ValueError(f"rank {rank} of {world} {failure[2]} before it started: {MAIN_GUARD}")
     if failure[0] == "died":
-        return RankError(f"rank {rank} of {world} {failure[2]} before returning a result{tail}", rank,
-                         failed_at=failure[1])
+        return _death_error(rank, world, failure, tail)
     _, failed_at, type_name, text, remote_traceback, is_value_error = failure
-    cause = RankError(f"rank {rank} of {world} raised {type_name}: {text}\n\ntraceback of rank {rank}:\n"
-                      f"{remote_traceback}{tail}", rank, type_name, remote_traceback, failed_at)
+    said = f"raised {type_name}: {text}"
+    if TIMED_OUT.search(text) and not is_value_error:  # the backend's words (a C++ path, "1000ms") said plainly
+        operation = next((name for name in OPERATION.search(text).groups() if name), None) \
+            if OPERATION.search(text) else None
+        called = re.findall(r'distributed_c10d\.py", line \d+, in (\w+)', remote_traceback)  # torch's call
+        operation = f"{operation or 'wait'} (of {called[-1]})" if called and called[-1] != operation else operation
+        limit = f"timeout_s={timeout_s:g} seconds" if timeout_s is not None else "the job's timeout"
+        larger = f", e.g. {min(max(120.0, 10 * timeout_s), 86400.0):g}" if timeout_s is not None else ""
+        said = (f"waited longer than {limit} in {'a ' + operation.lower() if operation else 'a collective'}, for a "
+                f"rank that was still computing or had stalled; give a larger timeout_s{larger}")
+    cause = RankError(f"rank {rank} of {world} {said}\n\ntraceback of rank {rank}:\n{remote_traceback}{tail}", rank,
+                      type_name, remote_traceback, failed_at)
     if is_value_error:  # a user mistake: the same ValueError, with the rank named, traceback chained
         error = ValueError(f"rank {rank} of {world}: {text}")
         error.__cause__ = cause
         return error
     return cause
+
+
+def _death_error(rank, world, failure, tail):
+    """A rank that died without a message: killed by a signal (no traceback: a signal leaves none), or exited; one
+    that never reached picockpt's code and exited is a script's missing main guard only where a script was re-run."""
+    _, failed_at, how, started = failure
+    if "killed by" in how:
+        source = " (sent from outside the run: `kill -9`, or the kernel's out-of-memory killer)" \
+            if how.endswith("SIGKILL") else ""
+        when = "before returning a result" if started else "while it was starting"
+        return RankError(f"rank {rank} of {world} {how}{source} {when}; a process killed by a signal leaves no "
+                         f"traceback{tail}", rank, failed_at=failed_at)
+    if not started and _reimports_main():  # a user mistake, said as one
+        return ValueError(f"rank {rank} of {world} {how} before it started: {MAIN_GUARD}")
+    when = "before returning a result" if started else "while it was starting, before picockpt's code ran"
+    return RankError(f"rank {rank} of {world} {how} {when}{tail}", rank, failed_at=failed_at)
 
 
 def stop(ranks, grace_s):
