@@ -30,7 +30,9 @@ def test_a_gpu_too_large_to_count_in_bytes_is_refused():
 
 
 @pytest.mark.parametrize("args, flag", [(["plan", "--budget", "-5MiB"], "-5MiB"),
-                                        ([*SEARCH[:-1], "-64K"], "--tokens-per-batch")])
+                                        ([*SEARCH[:-1], "-64K"], "--tokens-per-batch"),
+                                        (["train", "--peak-tflops", "-inf"], "--peak-tflops"),
+                                        (["train", "--lr", "-Infinity"], "--lr")])
 def test_a_negative_value_is_read_and_refused_by_its_flag(args, flag):
     message = refused(*args)
     assert "expected one argument" not in message and flag in message and "positive" in message
