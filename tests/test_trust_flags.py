@@ -45,6 +45,12 @@ def test_a_timeout_too_short_to_connect_is_refused_before_any_rank_starts():
     assert time.perf_counter() - start < 5.0
 
 
+def test_train_on_ranks_takes_a_timeout_and_one_process_refuses_it():
+    assert refused("train", "--preset", "tiny", "--timeout", "5").startswith("error: --timeout without --dp/--zero")
+    assert refused("train", "--preset", "tiny", "--dp", "2", "--zero", "1", "--timeout", "0.01").startswith(
+        "error: --timeout 0.01: use a number of seconds from 1")
+
+
 # ---- predict --search: what it does not read is refused ----------------------------------------------------------
 @pytest.mark.parametrize("flags, named", [(["--schedule", "zb-h1"], "--schedule"), (["--schedule", "afab"], "--schedule"),
                                           (["--virtual-stages", "2"], "--virtual-stages"),
