@@ -228,6 +228,12 @@ def test_a_rank_killed_by_a_signal_is_said_so_not_blamed_on_a_main_guard(started
     assert "leaves no traceback" in str(error) and "stderr above" not in str(error)
 
 
+def test_an_aborted_rank_points_at_nccl_s_watchdog_and_the_timeout():
+    error = root_cause({1: ("died", 0.0, "was killed by SIGABRT", True)}, timeout_s=1.0)
+    assert str(error).startswith("rank 1 of 2 was killed by SIGABRT (NCCL's watchdog aborts a rank whose collective "
+                                 "waited longer than timeout_s=1 seconds")
+
+
 def test_a_rank_that_exits_while_starting_is_blamed_on_a_main_guard_only_where_a_script_was_re_run():
     from picockpt.parallel import RankError
     failure = {1: ("died", 0.0, "exited with code 1", False)}
