@@ -40,11 +40,12 @@
 # | | forward | backward | recompute (each recomputed layer) | stored besides |
 # |---|---|---|---|---|
 # | ring | $(cp-1)\,KV$ | $(cp-1)\,KV + cp\,G$ | $(cp-1)\,KV$ | nothing |
-# | all-gather | $cp\,KV$ | $cp\,KV + cp\,G$ | $cp\,KV$ | nothing |
-# | all-gather, `keep_kv` | $cp\,KV$ | $cp\,G$ | $0$ | $(cp-1)\,KV$ |
+# | all-gather | $(cp-1)\,KV$ | $(cp-1)\,KV + (cp-1)\,G$ | $(cp-1)\,KV$ | nothing |
+# | all-gather, `keep_kv` | $(cp-1)\,KV$ | $(cp-1)\,G$ | $0$ | $(cp-1)\,KV$ |
 #
-# (each all-gather counted as its gathered output, each reduce-scatter as its full input, the ring as what
-# a rank passes on: `picockpt/parallel/comm.py`). `full` and `every:C` recompute a layer's forward, and so
+# (both ways counted alike, as the bytes that reach a rank from the others: the ring's blocks received, the
+# all-gather's other $cp - 1$ blocks, not its whole buffer, which holds the rank's own block too, and the
+# reduce-scatter's $cp - 1$ partial gradients of the rank's block: `picockpt/parallel/comm.py`). `full` and `every:C` recompute a layer's forward, and so
 # its ring or gather again; `selective` and `cheap` rebuild inside a layer and move nothing. `budget:SIZE`
 # plans each rank with a recomputed layer's ring priced as compute time (its bytes over a 400 Gb/s link,
 # at an H200's 989 TFLOP/s); with tiled or fused attention no rebuild inside a dense layer costs FLOPs, so the
@@ -208,11 +209,10 @@ wrote(paths[-1])
 # The recompute phase repeats the forward's bytes, ring or all-gather; with the gathered K/V kept it moves
 # nothing, and the kept rows show in the store's peak instead: $(cp-1)/cp$ of every layer's K/V.
 #
-# The all-gather's bars are taller partly by the counting: its buffer holds the rank's own block too. On the
-# wire a ring all-gather sends $(cp-1)/cp$ of its buffer (nccl-tests' bus-bandwidth factor,
-# `picockpt/parallel/comm.py`), $(cp-1)\,KV$, the ring's bytes exactly, and a reduce-scatter $(cp-1)\,G$
-# against the ring's $cp\,G$ (its gradients take one hop more to get home). What differs is when the bytes
-# move: a ring can overlap each step with the attention of the block it has (`ring` runs them one after the
+# Counted as what reaches a rank, the all-gather's forward moves the ring's bytes exactly, $(cp-1)\,KV$ (its
+# buffer, $cp$ blocks, holds the rank's own block too: nccl-tests' bus-bandwidth factor $(cp-1)/cp$,
+# `picockpt/parallel/comm.py`), and its reduce-scatter $(cp-1)\,G$ against the ring's $cp\,G$ (the ring's
+# gradients take one hop more to get home). What differs is when the bytes move: a ring can overlap each step with the attention of the block it has (`ring` runs them one after the
 # other, `ring_overlap` overlaps them: timed below), an all-gather moves everything before the layer's attention
 # starts.
 
@@ -244,7 +244,7 @@ def plot_comm(runs, big):
     closed = [mib(sum(runs[big]["full", "zigzag", label][0]["predicted_comm_bytes"].values())) for label in labels]
     ax.plot(x, closed, "_", color="black", markersize=40, mew=2, label="closed form (total)")
     ax.set_xticks(x, labels)
-    ax.set_ylabel("MiB moved by rank 0 in one step")
+    ax.set_ylabel("MiB received by rank 0 in one step")
     ax.grid(alpha=0.3, axis="y")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.3)
     ax.legend(fontsize=8, ncol=4, loc="upper center")

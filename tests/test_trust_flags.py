@@ -30,7 +30,9 @@ def test_a_gpu_too_large_to_count_in_bytes_is_refused():
 
 
 @pytest.mark.parametrize("args, flag", [(["plan", "--budget", "-5MiB"], "-5MiB"),
-                                        ([*SEARCH[:-1], "-64K"], "--tokens-per-batch")])
+                                        ([*SEARCH[:-1], "-64K"], "--tokens-per-batch"),
+                                        (["train", "--peak-tflops", "-inf"], "--peak-tflops"),
+                                        (["train", "--lr", "-Infinity"], "--lr")])
 def test_a_negative_value_is_read_and_refused_by_its_flag(args, flag):
     message = refused(*args)
     assert "expected one argument" not in message and flag in message and "positive" in message
@@ -41,6 +43,12 @@ def test_a_timeout_too_short_to_connect_is_refused_before_any_rank_starts():
     assert refused("parallel", "--preset", "tiny", "--dp", "2", "--timeout", "0.001", "--device", "cpu").startswith(
         "error: --timeout 0.001: use a number of seconds from 1")
     assert time.perf_counter() - start < 5.0
+
+
+def test_train_on_ranks_takes_a_timeout_and_one_process_refuses_it():
+    assert refused("train", "--preset", "tiny", "--timeout", "5").startswith("error: --timeout without --dp/--zero")
+    assert refused("train", "--preset", "tiny", "--dp", "2", "--zero", "1", "--timeout", "0.01").startswith(
+        "error: --timeout 0.01: use a number of seconds from 1")
 
 
 # ---- predict --search: what it does not read is refused ----------------------------------------------------------
@@ -218,6 +226,12 @@ def test_a_rank_killed_by_a_signal_is_said_so_not_blamed_on_a_main_guard(started
     assert isinstance(error, RankError) and "__main__" not in str(error)
     assert str(error).startswith("rank 1 of 2 was killed by SIGKILL (sent from outside the run: `kill -9`")
     assert "leaves no traceback" in str(error) and "stderr above" not in str(error)
+
+
+def test_an_aborted_rank_points_at_nccl_s_watchdog_and_the_timeout():
+    error = root_cause({1: ("died", 0.0, "was killed by SIGABRT", True)}, timeout_s=1.0)
+    assert str(error).startswith("rank 1 of 2 was killed by SIGABRT (NCCL's watchdog aborts a rank whose collective "
+                                 "waited longer than timeout_s=1 seconds")
 
 
 def test_a_rank_that_exits_while_starting_is_blamed_on_a_main_guard_only_where_a_script_was_re_run():

@@ -39,12 +39,13 @@ commands:
 
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line (as every other user mistake here), not the whole usage; a word that
-    starts with a minus and a digit (-5MiB, -64K, -1e3) is a value, as argparse reads -5 and -0.5, never a flag, so the
-    flag it follows refuses it in its own words (no flag here starts with a digit)."""
+    starts with a minus and a digit (-5MiB, -64K, -1e3), or is minus infinity (-inf, -Infinity), is a value, as argparse
+    reads -5 and -0.5, never a flag, so the flag it follows refuses it in its own words (no flag here starts with a
+    digit or "inf")."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._negative_number_matcher = re.compile(r"^-\.?\d")
+        self._negative_number_matcher = re.compile(r"^-(\.?\d|inf(inity)?$)", re.IGNORECASE)
 
     def error(self, message):
         self.exit(2, f"error: {message} (`{self.prog} --help` explains every flag)\n")

@@ -39,12 +39,9 @@ def _print_table(row):
                 for r in row["ranks"])
     print(f"stored peaks, K/V bytes per phase and FLOPs equal their closed forms "
           f"(picockpt/parallel/context_parallel/cp_inventory.py): {'yes' if exact else 'NO'}")
-    cp = row["cp"]  # the two ways count one traffic by what a rank holds: say which, and what crossed the wire
-    print(f"K/V bytes count the gathered buffer, {cp} x a rank's K/V with its own block, of which {cp - 1}/{cp} "
-          f"crossed the wire (the ring's count)" if row["cp_comm"] == "allgather" else
-          f"K/V bytes count the {cp - 1} block{'s' if cp > 2 else ''} each rank received, a rank's K/V each "
-          f"(what crossed the wire; "
-          f"--cp-comm allgather counts its {cp}-block buffer)")
+    cp = row["cp"]  # ring or all-gather, one traffic counted one way: what reached the rank
+    print(f"K/V bytes count the {cp - 1} block{'s' if cp > 2 else ''} of K/V each rank received from the others "
+          f"(ring and all-gather alike; the all-gather's buffer also holds the rank's own block)")
     attention = [r["predicted_attention_flops"] for r in row["ranks"]]  # one matmul per layer, closed form
     print(f"attention FLOPs, busiest rank / mean: {max(attention) * len(attention) / sum(attention):.3f} "
           f"({row['cp_layout']}); recomputation moves {row['ranks'][0]['comm_bytes']['recompute']:,} B of K/V"

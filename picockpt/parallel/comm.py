@@ -8,7 +8,8 @@ nccl-tests' doc/PERFORMANCE.md, whose algorithm bandwidth is S / time), whatever
     reduce-scatter  the full input's = world_size x the output's
     all-to-all      this rank's input, its own chunk included (CommLog.sent: less that chunk, which stays here)
 A ring puts 2(n-1)/n of the all-reduce size and (n-1)/n of the all-gather and reduce-scatter sizes on the wire (n =
-world_size): nccl-tests' "bus bandwidth" factors. Calls that move nothing (the identities, split_sequence's forward)
+world_size): nccl-tests' "bus bandwidth" factors. received=True counts an all-gather or a reduce-scatter as that
+(n-1)/n instead, the bytes that reach this rank from the others: context parallelism's K/V, counted as its ring's. Calls that move nothing (the identities, split_sequence's forward)
 are not counted; each call is booked under the `phase_name` of `comm.tracker` (a Tracker), "outside" without one.
 
 torch 2.13's gloo has every collective used here, uneven all-to-all too: nothing is emulated. An all-reduce is in place
@@ -99,7 +100,7 @@ def all_reduce_max(x, comm):
     return all_reduce(x, comm, dist.ReduceOp.MAX)  # (...) elementwise max over ranks
 
 
-def all_gather(x, comm, dim):
+def all_gather(x, comm, dim, received=False):
     dim = check_dim(x, dim)
     if comm.world_size == 1:  # the one shard is the whole
         return x
@@ -107,12 +108,12 @@ def all_gather(x, comm, dim):
     W = comm.world_size
     flat = x.new_empty((W * shard.shape[0],) + tuple(shard.shape[1:]))  # (W*d0, ...)
     _all_gather_flat(flat, shard, group=comm.group)  # the shards one after another, along dim 0
-    comm.log.record(comm.phase, "all_gather", flat.nbytes)
+    comm.log.record(comm.phase, "all_gather", flat.nbytes - shard.nbytes if received else flat.nbytes)
     gathered = flat.unflatten(0, (W, shard.shape[0]))  # (W, ..., n, ...) a view: gathered[r] = rank r's shard
     return gathered.movedim(0, dim).flatten(dim, dim + 1)  # (..., W*n, ...) a copy when dim > 0, a view for 0
 
 
-def reduce_scatter(x, comm, dim):
+def reduce_scatter(x, comm, dim, received=False):
     dim = check_divisible(x, comm, check_dim(x, dim))
     if comm.world_size == 1:  # the one chunk, summed over one rank
         return x
@@ -121,7 +122,7 @@ def reduce_scatter(x, comm, dim):
     shard = x.new_empty(chunks.shape[1:])  # (..., n, ...)
     flat = chunks.flatten(0, 1)  # (W*d0, ...) a view: chunk r (for rank r) is the r-th block along dim 0
     _reduce_scatter_flat(shard, flat, op=dist.ReduceOp.SUM, group=comm.group)  # shard = sum over ranks of chunk[rank]
-    comm.log.record(comm.phase, "reduce_scatter", chunks.nbytes)
+    comm.log.record(comm.phase, "reduce_scatter", chunks.nbytes - shard.nbytes if received else chunks.nbytes)
     return shard
 
 

@@ -142,7 +142,7 @@ def _error(failures, ranks, pending, timeout_s=None):
     others += [f"rank {r} was stopped" for r in sorted(pending)]
     tail = ("\nthe other ranks: " + "; ".join(others)) if others else ""
     if failure[0] == "died":
-        return _death_error(rank, world, failure, tail)
+        return _death_error(rank, world, failure, tail, timeout_s)
     _, failed_at, type_name, text, remote_traceback, is_value_error = failure
     said = f"raised {type_name}: {text}"
     if TIMED_OUT.search(text) and not is_value_error:  # the backend's words (a C++ path, "1000ms") said plainly
@@ -163,13 +163,15 @@ def _error(failures, ranks, pending, timeout_s=None):
     return cause
 
 
-def _death_error(rank, world, failure, tail):
+def _death_error(rank, world, failure, tail, timeout_s=None):
     """A rank that died without a message: killed by a signal (no traceback: a signal leaves none), or exited; one
     that never reached picockpt's code and exited is a script's missing main guard only where a script was re-run."""
     _, failed_at, how, started = failure
     if "killed by" in how:
-        source = " (sent from outside the run: `kill -9`, or the kernel's out-of-memory killer)" \
-            if how.endswith("SIGKILL") else ""
+        limit = f"timeout_s={timeout_s:g} seconds" if timeout_s is not None else "the job's timeout"
+        source = {"SIGKILL": " (sent from outside the run: `kill -9`, or the kernel's out-of-memory killer)",
+                  "SIGABRT": f" (NCCL's watchdog aborts a rank whose collective waited longer than {limit}, and says "
+                             f"so on stderr above; a larger timeout_s if so)"}.get(how.split()[-1], "")
         when = "before returning a result" if started else "while it was starting"
         return RankError(f"rank {rank} of {world} {how}{source} {when}; a process killed by a signal leaves no "
                          f"traceback{tail}", rank, failed_at=failed_at)

@@ -25,9 +25,10 @@ the bytes travel while the block is computed (its sender only reads kv meanwhile
 in a buffer of its own). Its gradient hop cannot start early: dkv is still being summed by that attention.
 One step in flight at a time, posted in the same order on every rank: the same pairing as above.
 
-Bytes are booked under the tracker's phase (picockpt/parallel/comm.py): "ring_kv" and "ring_dkv", the
-bytes this rank passes on per step (it receives as many); the all-gather and reduce-scatter as comm.py
-counts them (the gathered output, the full input). Gradients travel in the statistics dtype (fp32 or
+Bytes are booked under the tracker's phase (picockpt/parallel/comm.py), both ways counted alike, as the bytes
+that reach a rank from the others: "ring_kv" and "ring_dkv", the bytes this rank passes on per step (it receives
+as many); the all-gather the cp - 1 other ranks' blocks (not the gathered buffer, which holds its own block too),
+the reduce-scatter the cp - 1 other ranks' partial gradients of its block (comm.py's received=True). Gradients travel in the statistics dtype (fp32 or
 wider: summed over up to cp ranks), the keys and values in the activation dtype.
 """
 from typing import NamedTuple
@@ -103,11 +104,11 @@ def ring_backward(kv, dkv, comm):
 
 def gather_kv_forward(kv, comm):
     # kv (2, B, KV, n, hd) this rank's rows -> every rank's, one after another (2, B, KV, cp*n, hd)
-    return all_gather(kv, comm, dim=3)
+    return all_gather(kv, comm, dim=3, received=True)  # booked: the cp - 1 blocks received
 
 
 def gather_kv_backward(dkv, comm):
     """Forward was kv_all = cat(kv_0, ..., kv_{cp-1}) along the tokens, the same on every rank, each rank's
     queries reading it. Each rank's gradient of kv_all is partial; kv_r's is slice r of their sum:
         dkv_r = (sum_s dkv_all_s)[slice r]     -> reduce-scatter along the tokens"""
-    return reduce_scatter(dkv, comm, dim=3)  # (2, B, KV, n, hd)
+    return reduce_scatter(dkv, comm, dim=3, received=True)  # (2, B, KV, n, hd); booked: cp - 1 partial blocks

@@ -15,13 +15,15 @@ so, with X, A, F the bytes of a layer input, a layer stored whole and the head a
     every:C (full: C=1)  max(n_seg X + L K + F,  max_k (k X + s_k K + n_k (A + K)))   s_k: layers below segment k
 
 Communication per rank and layer, with KV = 2 B KV n hd e the bytes of this rank's K/V block (activation
-dtype) and G = 2 B KV n hd s those of its gradient (statistics dtype), counted as cp_comm.py books them:
+dtype) and G = 2 B KV n hd s those of its gradient (statistics dtype), counted as cp_comm.py books them (the
+bytes that reach the rank from the others, ring and all-gather alike):
 
                     forward       backward                       recompute (each layer a sweep recomputes)
     ring            (cp-1) KV     (cp-1) KV + cp G               (cp-1) KV
       ring_overlap  the same: the same hops, each posted before the block's attention instead of after it
-    allgather       cp KV         cp KV + cp G                   cp KV
-    + keep_kv       cp KV         cp G                           0
+    allgather       (cp-1) KV     (cp-1) KV + (cp-1) G           (cp-1) KV
+    + keep_kv       (cp-1) KV     (cp-1) G                       0
+The ring's gradients take one hop more than the reduce-scatter's: each block's sum rides home (cp_comm.py).
 The embedding, the norms, the MLP and the head move nothing: they work token by token. budget:SIZE plans
 each rank on its chain at n tokens with every recomputed layer also paying its ring again, as the FLOPs of
 the same time (its bytes over CP_BANDWIDTH at DEFAULT_COMPUTE_RATE). Dense layers under tiled or fused
@@ -118,8 +120,8 @@ def layer_comm_bytes(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False, t=1):
     KV, G = block * act, block * stat
     if cp_comm in RINGS:  # overlapped or not: the same hops
         forward, backward = (cp - 1) * KV, (cp - 1) * KV + cp * G
-    else:
-        forward, backward = cp * KV, (0 if keep_kv else cp * KV) + cp * G
+    else:  # the other cp - 1 ranks' blocks, and their partial gradients of this rank's block
+        forward, backward = (cp - 1) * KV, (0 if keep_kv else (cp - 1) * KV) + (cp - 1) * G
     return forward, backward, 0 if cp_comm == "allgather" and keep_kv else forward
 
 
