@@ -178,3 +178,41 @@ def test_the_two_timed_rebuilds_are_the_same_flops_and_bytes():
     assert set(timing) == {"none", "moe", "shared_experts"} and all(len(t.samples) == 1 for t in timing.values())
     narrower = cfg.replace(shared_expert_ffn=cfg.ffn)  # the comparison can fail: a narrower shared expert is less work
     assert rebuild_flops(narrower, 2, 32, SHARED_EXPERTS) < rebuild_flops(narrower, 2, 32, MOE)
+
+
+# ---- lesson 28: a shape where the FLOP price is blind to a large part of the time ------------------------------
+
+def cheap_share(cfg, batch, seq, hardware):
+    """(FLOPs, roofline seconds) of what `cheap` adds to a layer's rebuilds, the seconds as a share of the layer's
+    roofline forward."""
+    from picockpt.cost import FORWARD_EXCLUDES, layer_ops, rebuild_seconds, roofline_op_seconds
+    seconds = roofline_op_seconds(cfg, batch, seq, hardware)
+    ops = {op.name: op for op in layer_ops(cfg, batch, seq)}
+    forward = sum(seconds[name] for name in ops if name not in FORWARD_EXCLUDES)
+    rebuilt = {"attn_norm.output", "mlp_norm.output", "mlp.act"}
+    flops = sum(ops[name].flops for name in ("attn_norm", "mlp_norm", "swiglu"))
+    return flops, rebuild_seconds(seconds, rebuilt) / forward
+
+
+def test_28s_shape_makes_the_elementwise_rebuilds_a_larger_share_at_zero_flops():
+    from dataclasses import replace
+    from picockpt.cost import HARDWARE
+    lesson = load(next(LESSONS.glob("28_*.py")))
+    cpu_like = replace(HARDWARE["h100"], name="cpu-like", matmul=2e11, memory=2e10)
+    cfg, batch, seq, *_ = lesson.shape("cpu")
+    assert (cfg.attention, cfg.hidden, cfg.ffn) == ("fused", 32, 1024)
+    flops, share = cheap_share(cfg, batch, seq, cpu_like)
+    old_flops, old_share = cheap_share(lesson.small(attention="eager"), 4, 256, cpu_like)
+    assert flops == old_flops == 0 and share > 2 * old_share  # blind to twice the share of the layer's time
+    assert [mode for mode, _, _ in lesson.model_chain(cfg, batch, seq)[0].variants] == ["all", "all:cheap"]
+
+
+def test_28_stops_at_an_inconclusive_timing():
+    text = notebook_text("28")
+    (what, conclusive, _, _), = [c for c in claims(text) if c[0].startswith("measured plan / FLOP plan")]
+    after = text[text.index("measured plan / FLOP plan, step time"):].split("\n", 1)[1]
+    before_exercises = after.split("✓")[0].split("✗")[0]
+    if conclusive:
+        assert "ran faster in every repeat" in before_exercises
+    else:
+        assert before_exercises.strip() == "", f"lesson 28 goes on after an inconclusive timing: {before_exercises!r}"
