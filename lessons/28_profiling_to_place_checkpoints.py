@@ -370,7 +370,8 @@ if chosen is not None:
     print(f"(median [min..max] of {repeats} interleaved samples of {STEPS_PER_SAMPLE} steps each, "
           f"{clock_words(clock)}, on {device_name(device)}); by FLOPs the measured plan's step is {work:.4f} of the "
           f"FLOP plan's, by the measured prices its recompute "
-          f"{chosen['seconds']['measured'] / chosen['seconds']['FLOPs']:.3f} of it, {saving(chosen) * 1e3:.2f} ms less: "
+          f"{chosen['seconds']['measured'] / chosen['seconds']['FLOPs']:.3f} of it, {saving(chosen) * 1e3:.2f} ms "
+          f"less: "
           f"{saving(chosen) * STEPS_PER_SAMPLE / timing['FLOP plan'].median:.1%} of the FLOP plan's step (modelled)"
           + (f" ({FAST_TIMING})" if fast else ""))
     claim = timed_claim(args.mode, ratio, "measured plan / FLOP plan, step time", "<1", work=None)
@@ -384,7 +385,8 @@ if chosen is not None:
               + ": at this budget the FLOP price placed the checkpoints where the time is not least")
         if ratio.low > 1 - modelled:
             print(f"  every repeat saved less than the {modelled:.1%} of a step the op profile modelled (at most "
-                  f"{1 - ratio.low:.1%}): its prices, each op timed alone, overstate the difference between these plans")
+                  f"{1 - ratio.low:.1%}): its prices, each op timed alone, overstate the difference between these "
+                  f"plans")
         elif ratio.high < 1 - modelled:
             print(f"  every repeat saved more than the {modelled:.1%} of a step the op profile modelled (at least "
                   f"{1 - ratio.high:.1%}): its prices understate the difference between these plans")
