@@ -58,6 +58,7 @@ H100_L2 = 50 * 10**6  # bytes: NVIDIA H100 Tensor Core GPU architecture whitepap
 H100_SFU = 3.9e12  # exp/s: FlashAttention-3 (Shah et al. 2024), "only 3.9 TFLOPS of special functions"
 SWIGLU_OPS = 5  # FLOPs per element of silu(g) * u = g / (1 + exp(-g)) * u: an exp, an add, a divide, two multiplies
 HIDDEN = 128  # the `small` preset's h: the rows the measured RMSNorm rebuild normalises
+CALLS_PER_SAMPLE = 8  # consumer calls (each after its own eviction) averaged into one sample of the cache experiment
 
 # %% [markdown]
 # ## The roofline, in three functions
@@ -298,23 +299,25 @@ cpu_peak, cpu_bandwidth = matmul_rate.median, bandwidth[streamed].median  # this
 # A stored activation is written in the forward and read in the backward, with the rest of the step's
 # working set (every later layer's activations, and their backwards) passing through the caches in
 # between: it comes back from DRAM. A rebuilt one is written just before its consumer reads it: it is read
-# from the cache it was just written to. Three steps time this, each preceded (untimed) by a pass over a
+# from the cache it was just written to. Three steps time this, each call preceded (untimed) by a pass over a
 # buffer twice the last-level cache, which evicts what the step will read (the stand-in for the layers in
 # between), and by a pass over the consumer's other operands, which leaves them warm in both:
 #
-# - **stored**: the consumer, $dy \cdot y$ into a kept buffer (the elementwise product the RMSNorm weight's
-#   gradient sums), reads the norm output $y$ the forward stored: cold;
+# - **stored**: the consumer, $dy \cdot y$ into a kept buffer (a pointwise op of the backward that reads an
+#   activation beside a gradient), reads the norm output $y$ the forward stored: cold;
 # - **rebuilt, the consumer alone**: $y$ was rebuilt from the stored $x$ and $r$ (`norm_rebuild`, untimed)
 #   just before the same consumer reads it: warm;
 # - **rebuilt, the rebuild and the consumer**: both timed, the rebuild reading $x$ and $r$ cold.
 #
 # The first two read the same bytes and do the same FLOPs: what differs is only where $y$ comes from. The
 # third against the first says what the rebuild adds in all: it reads $x$ from DRAM where the stored path
-# reads $y$ (the same bytes, and $r$'s few more), and adds its own two passes, which run in cache.
+# reads $y$ (the same bytes, and $r$'s few more), and adds its own two passes, which run in cache. A call
+# takes tens of microseconds, so each sample is the mean of 8 calls in a row (each after its own eviction),
+# and the ratios are taken sample by sample.
 
 # %%
 def consumer(y, dy, out):
-    """A pointwise consumer of y: dy * y into `out` (the product the RMSNorm weight's gradient sums)."""
+    """A pointwise consumer of y: dy * y into `out` (a backward's elementwise product of a gradient and y)."""
     return torch.mul(dy, y, out=out)  # (N, h): read dy and y, write out
 
 
@@ -346,12 +349,15 @@ def cache_steps(size, evict_bytes, h=HIDDEN):
 tensor_bytes = caches.size("L2") // 4  # y, dy and out together: three quarters of L2
 cache_repeats = choose(args.mode, fast=1, cpu=15, large=25)
 steps_cold, before_cold, kept = cache_steps(tensor_bytes, 2 * last_size)
-cold = interleaved_seconds(steps_cold, torch.device("cpu"), cache_repeats, before=before_cold,
-                           clock=compute_clock("cpu"))
+calls = interleaved_seconds(steps_cold, torch.device("cpu"), cache_repeats * CALLS_PER_SAMPLE,
+                            before=before_cold, clock=compute_clock("cpu"))  # each call after its own eviction
+cold = {name: Spread(tuple(sum(spread.samples[i:i + CALLS_PER_SAMPLE]) / CALLS_PER_SAMPLE  # a sample: the mean of
+                           for i in range(0, len(spread.samples), CALLS_PER_SAMPLE)))  # calls in a row, still paired
+        for name, spread in calls.items()}
 rebuilt_equal = torch.equal(kept["y"], kept["rebuilt"])  # the rebuild is bitwise the stored y
 print(f"a consumer of y, {tensor_bytes // 2**10} KiB (y, dy and out: {3 * tensor_bytes // 2**10} KiB, within L2), "
-      f"each call after a pass over {2 * last_size // 2**20} MiB; {cache_repeats} interleaved repeats, "
-      f"{clock_words(compute_clock('cpu'))}, median [min..max], microseconds:")
+      f"each call after a pass over {2 * last_size // 2**20} MiB; {cache_repeats} interleaved repeats, each the mean "
+      f"of {CALLS_PER_SAMPLE} calls, {clock_words(compute_clock('cpu'))}, median [min..max], microseconds a call:")
 for name, spread in cold.items():
     print(f"  {name:<30}{spread.text('{:.1f}', 1e6)}")
 print(f"  the rebuilt y equals the stored one bitwise: {rebuilt_equal}")
