@@ -166,9 +166,14 @@ def swiglu_rebuild(gate, up, out):
     return out.mul_(gate).mul_(up)  # (N, f) passes 2 and 3: times g (silu), times u
 
 
+def norm_rows(working_set, h=HIDDEN):
+    """Rows N of the rebuild whose x and out (N, h), rstd (N, 1) and w (h,) fp32 fill working_set bytes."""
+    return max(1, working_set // ((2 * h + 1) * 4))
+
+
 def norm_operands(working_set, h=HIDDEN):
     """(x, rstd, weight, out) whose bytes, x and out (N, h), rstd (N, 1) and w (h,) fp32, fill working_set."""
-    rows = max(1, working_set // ((2 * h + 1) * 4))
+    rows = norm_rows(working_set, h)
     return torch.randn(rows, h), torch.rand(rows, 1) + 0.5, torch.randn(h), torch.empty(rows, h)
 
 
@@ -194,9 +199,11 @@ def level_of(size, caches):
 
 
 def speed_of(size, per_element, streamed):
-    """'DRAM speed' when a working set's median time per element is no faster than the fastest repeat of the one
-    that streams from DRAM (what the measurement says, whatever the cache sizes promise), else 'faster'."""
-    return "DRAM speed" if per_element[size].median >= per_element[streamed].low else "faster"
+    """What the measurement says of a working set, whatever the cache sizes promise: its time per element over that
+    of the one that streams from DRAM, repeat by repeat: 'faster' when every repeat is below 1, 'slower' when
+    every one is above (the smallest sets: a call's fixed cost over too few bytes), else 'DRAM speed'."""
+    ratio = paired_ratios(per_element[size], per_element[streamed])
+    return "faster" if ratio.high < 1 else "slower" if ratio.low > 1 else "DRAM speed"
 
 
 # %%
@@ -238,18 +245,28 @@ for size in working_sets:
     print(f"{size / 2**10:>9,.0f} KiB{level_of(size, caches):>9}{speed:>14}"
           f"{per_element[size].text('{:.3f}', 1e9):>26}{bandwidth[size].text('{:.1f}', 1e-9):>26}")
 slow_in_last = [size for size in working_sets if not fast and level_of(size, caches) == last_name
-                and speed_of(size, per_element, streamed) == "DRAM speed"]
+                and speed_of(size, per_element, streamed) != "faster"]
+slowest = [size for size in working_sets if not fast and level_of(size, caches) not in (last_name, "DRAM")
+           and speed_of(size, per_element, streamed) == "slower"]  # within a core's own caches, yet slower
 if slow_in_last:
-    print(f"{min(slow_in_last) / 2**10:,.0f} to {max(slow_in_last) / 2**10:,.0f} KiB fit the {last_name} by its "
+    sizes = sorted({min(slow_in_last), max(slow_in_last)})
+    print(f"{' to '.join(f'{size / 2**10:,.0f}' for size in sizes)} KiB fit the {last_name} by its "
           f"size ({last_size / 2**10:,.0f} KiB) and run at DRAM speed: that cache is the socket's, shared by every "
           f"core on it, and this process gets a share")
+if slowest:
+    call_us = [timing[size].median / (elements[size] / (norm_rows(size) * HIDDEN)) * 1e6 for size in slowest]
+    print(", ".join(f"{size / 2**10:,.0f} KiB" for size in slowest) + " ran slower an element than from DRAM in "
+          f"every repeat: a call there takes " + ", ".join(f"{us:.1f} us" for us in call_us) + " for "
+          + ", ".join(f"{norm_rows(size) * HIDDEN:,}" for size in slowest) + " elements, a fixed cost (Python and "
+          f"the dispatcher) that so few bytes cannot hide")
 print(f"matmul 512 x 512 fp32: {matmul_rate.text('{:.1f}', 1e-9)} GFLOP/s"
       + (f" ({FAST_TIMING})" if fast else ""))
 
 # %% [markdown]
 # The same two passes and the same FLOPs per element at every size, and the same bytes per element but
 # for the weight, read once a call; what changes is where the bytes come from. "Fits in" is arithmetic on the sizes
-# sysfs gives; "runs at" is the measurement's verdict, and the two part at the last level. The L3 that sysfs reports
+# sysfs gives; "runs at" is the measurement's verdict (each size's time per element against the DRAM-sized set's,
+# repeat by repeat: faster or slower in every repeat, or DRAM speed), and the two can part. The L3 that sysfs reports
 # is the socket's, shared by every core on it (on a cloud machine, with other tenants' cores), so a working set well
 # under its size can still stream from DRAM: where the column says "DRAM speed" under an L3 label, the measured
 # time, not the label, is what a recompute of that size pays. Three ratios, each taken within a repeat, each through

@@ -216,3 +216,26 @@ def test_28_stops_at_an_inconclusive_timing():
         assert "ran faster in every repeat" in before_exercises
     else:
         assert before_exercises.strip() == "", f"lesson 28 goes on after an inconclusive timing: {before_exercises!r}"
+
+
+def test_a_working_sets_speed_is_judged_repeat_by_repeat_against_dram(memory):
+    spread, dram = memory.Spread, 8
+    per_element = {dram: memory.Spread((1.0, 1.1, 0.9)), 1: spread((1.2, 1.3, 1.05)), 2: spread((0.9, 1.15, 0.8)),
+                   3: spread((0.5, 0.6, 0.4))}
+    assert [memory.speed_of(n, per_element, dram) for n in (1, 2, 3)] == ["slower", "DRAM speed", "faster"]
+
+
+def test_the_cpu_clock_is_this_threads_cpu_time_only_on_one_thread():
+    import sys
+    import time
+    sys.path.insert(0, str(LESSONS))
+    from _lesson import clock_words, compute_clock
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert compute_clock("cpu") is time.thread_time and clock_words(time.thread_time) == "this thread's CPU time"
+        assert compute_clock(torch.device("cuda")) is time.perf_counter  # a GPU's kernels run while the CPU waits
+        torch.set_num_threads(2)
+        assert compute_clock("cpu") is time.perf_counter and clock_words(time.perf_counter) == "wall time"
+    finally:
+        torch.set_num_threads(before)
