@@ -40,6 +40,9 @@
 # are what it reads; the GPU's figures are datasheet values.
 
 # %%
+import contextlib
+import os
+
 import matplotlib.pyplot as plt
 import torch
 
@@ -330,12 +333,29 @@ cpu_peak, cpu_bandwidth = matmul_rate.median, bandwidth[streamed].median  # this
 # third against the first says what the rebuild adds in all: it reads $x$ from DRAM where the stored path
 # reads $y$ (the same bytes, and $r$'s few more), and adds its own two passes, which run in cache. A call
 # takes tens of microseconds, so each sample is the mean of 8 calls in a row (each after its own eviction),
-# and the ratios are taken sample by sample.
+# and the ratios are taken sample by sample. The thread is kept on one core meanwhile (`one_core`): L2 is a
+# core's own, and the scheduler of a busy machine may otherwise move the thread between a rebuild and its read.
 
 # %%
 def consumer(y, dy, out):
     """A pointwise consumer of y: dy * y into `out` (a backward's elementwise product of a gradient and y)."""
     return torch.mul(dy, y, out=out)  # (N, h): read dy and y, write out
+
+
+@contextlib.contextmanager
+def one_core():
+    """Keep this thread on one core (Linux's sched_setaffinity) while the block runs, and say which: L2 is a core's
+    own, and a thread the scheduler moves to another core between a rebuild and its read finds a cold L2 there.
+    None where the system has no affinity call."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        yield min(allowed)
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def cache_steps(size, evict_bytes, h=HIDDEN):
@@ -366,13 +386,15 @@ def cache_steps(size, evict_bytes, h=HIDDEN):
 tensor_bytes = caches.size("L2") // 4  # y, dy and out together: three quarters of L2
 cache_repeats = choose(args.mode, fast=1, cpu=15, large=25)
 steps_cold, before_cold, kept = cache_steps(tensor_bytes, 2 * last_size)
-calls = interleaved_seconds(steps_cold, torch.device("cpu"), cache_repeats * CALLS_PER_SAMPLE,
-                            before=before_cold, clock=compute_clock("cpu"))  # each call after its own eviction
+with one_core() as core:  # a rebuilt y stays in the L2 of the core that wrote it only if the reader stays there too
+    calls = interleaved_seconds(steps_cold, torch.device("cpu"), cache_repeats * CALLS_PER_SAMPLE,
+                                before=before_cold, clock=compute_clock("cpu"))  # each call after its own eviction
 cold = {name: Spread(tuple(sum(spread.samples[i:i + CALLS_PER_SAMPLE]) / CALLS_PER_SAMPLE  # a sample: the mean of
                            for i in range(0, len(spread.samples), CALLS_PER_SAMPLE)))  # calls in a row, still paired
         for name, spread in calls.items()}
 rebuilt_equal = torch.equal(kept["y"], kept["rebuilt"])  # the rebuild is bitwise the stored y
-print(f"a consumer of y, {tensor_bytes // 2**10} KiB (y, dy and out: {3 * tensor_bytes // 2**10} KiB, within L2), "
+print(("this thread kept on one core" if core is None else f"this thread kept on core {core}") + "; "
+      f"a consumer of y, {tensor_bytes // 2**10} KiB (y, dy and out: {3 * tensor_bytes // 2**10} KiB, within L2), "
       f"each call after a pass over {2 * last_size // 2**20} MiB; {cache_repeats} interleaved repeats, each the mean "
       f"of {CALLS_PER_SAMPLE} calls, {clock_words(compute_clock('cpu'))}, median [min..max], microseconds a call:")
 for name, spread in cold.items():

@@ -239,3 +239,13 @@ def test_the_cpu_clock_is_this_threads_cpu_time_only_on_one_thread():
         assert compute_clock("cpu") is time.perf_counter and clock_words(time.perf_counter) == "wall time"
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_cache_experiment_keeps_its_thread_on_one_core_and_gives_the_rest_back(memory):
+    import os
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity on this system")
+    before = os.sched_getaffinity(0)
+    with memory.one_core() as core:
+        assert os.sched_getaffinity(0) == {core} and core in before
+    assert os.sched_getaffinity(0) == before
