@@ -62,6 +62,7 @@ MEGATRON_OFFSET = 2718  # model_parallel_cuda_manual_seed: the tensor-parallel s
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 SCHEMES = ("one generator, slice-sized draws", "Megatron: tracker seeded per rank", "picockpt: whole mask, sliced")
 SHARED = frozenset({"moe.shared_gate", "moe.shared_up", "moe.shared_act"})
+STEPS_PER_SAMPLE = 2  # steps in one timed sample: a moment another program takes weighs half as much
 
 # %% [markdown]
 # ## Two ranks' masks, three ways
@@ -273,8 +274,9 @@ shared_exact = all(r["measured"] == r["predicted"] for r in shared.values()) and
 # experts' rebuild gathers each expert's tokens and runs $E$ smaller matmuls; the shared expert's runs one
 # over every token. Attention is `fused` here, so that the MLP, where the two rebuilds differ, is most of
 # the step. The three steps (`none`, `moe`, `shared_experts`) are timed in interleaved repeats and
-# each ratio is taken within a repeat; on the CPU with one thread the clock is the CPU time of this thread
-# (`compute_clock`), which leaves out the moments a shared machine gives the core to another program.
+# each ratio is taken within a repeat (each sample two steps long); on the CPU with one thread the clock is
+# the CPU time of this thread (`compute_clock`), which leaves out the moments a shared machine gives the core
+# to another program.
 
 # %%
 def rebuild_timing(cfg, batch, seq, device, seed, repeats):
@@ -288,7 +290,8 @@ def rebuild_timing(cfg, batch, seq, device, seed, repeats):
         with Tracker(device) as tracker:
             loss_and_grads(params, c, input_ids, targets, policy, tracker=tracker)
         facts[policy] = (tracker.flops["recompute"], tracker.peak_logical)
-    steps = {policy: (lambda policy=policy: loss_and_grads(params, c, input_ids, targets, policy))
+    steps = {policy: (lambda policy=policy: [loss_and_grads(params, c, input_ids, targets, policy)
+                                             for _ in range(STEPS_PER_SAMPLE)])
              for policy in ("none", "moe", "shared_experts")}
     return interleaved_seconds(steps, device, repeats, clock=compute_clock(device)), facts, c
 
@@ -298,9 +301,9 @@ timed_repeats = choose(args.mode, fast=1, cpu=9, large=7)
 step_time, rebuild_facts, tcfg_shared = rebuild_timing(mcfg.replace(attention="fused"), mbatch, mseq, args.device,
                                                        args.seed, timed_repeats)
 total = {p: sum(step_flops(tcfg_shared, mbatch, mseq, p).values()) for p in rebuild_facts}
-print(f"f_s = k f = {tcfg_shared.shared_expert_ffn}: {timed_repeats} interleaved steps, "
-      f"{clock_words(compute_clock(args.device))}, median [min..max]")
-print(f"{'policy':<16}{'step ms':>26}{'recompute GFLOP':>17}{'stored peak':>14}{'predicted':>14}")
+print(f"f_s = k f = {tcfg_shared.shared_expert_ffn}, {tcfg_shared.attention} attention: {timed_repeats} interleaved "
+      f"samples of {STEPS_PER_SAMPLE} steps, {clock_words(compute_clock(args.device))}, median [min..max]")
+print(f"{'policy':<16}{f'{STEPS_PER_SAMPLE} steps, ms':>26}{'recompute GFLOP':>17}{'stored peak':>14}{'predicted':>14}")
 for policy, (flops, peak) in rebuild_facts.items():
     print(f"{policy:<16}{step_time[policy].text('{:.1f}', 1e3):>26}{flops / 1e9:>17.3f}{peak:>14,}"
           f"{predicted_peak_bytes(tcfg_shared, mbatch, mseq, policy):>14,}")

@@ -40,6 +40,9 @@
 # are what it reads; the GPU's figures are datasheet values.
 
 # %%
+import contextlib
+import os
+
 import matplotlib.pyplot as plt
 import torch
 
@@ -58,6 +61,7 @@ H100_L2 = 50 * 10**6  # bytes: NVIDIA H100 Tensor Core GPU architecture whitepap
 H100_SFU = 3.9e12  # exp/s: FlashAttention-3 (Shah et al. 2024), "only 3.9 TFLOPS of special functions"
 SWIGLU_OPS = 5  # FLOPs per element of silu(g) * u = g / (1 + exp(-g)) * u: an exp, an add, a divide, two multiplies
 HIDDEN = 128  # the `small` preset's h: the rows the measured RMSNorm rebuild normalises
+CALLS_PER_SAMPLE = 8  # consumer calls (each after its own eviction) averaged into one sample of the cache experiment
 
 # %% [markdown]
 # ## The roofline, in three functions
@@ -165,9 +169,14 @@ def swiglu_rebuild(gate, up, out):
     return out.mul_(gate).mul_(up)  # (N, f) passes 2 and 3: times g (silu), times u
 
 
+def norm_rows(working_set, h=HIDDEN):
+    """Rows N of the rebuild whose x and out (N, h), rstd (N, 1) and w (h,) fp32 fill working_set bytes."""
+    return max(1, working_set // ((2 * h + 1) * 4))
+
+
 def norm_operands(working_set, h=HIDDEN):
     """(x, rstd, weight, out) whose bytes, x and out (N, h), rstd (N, 1) and w (h,) fp32, fill working_set."""
-    rows = max(1, working_set // ((2 * h + 1) * 4))
+    rows = norm_rows(working_set, h)
     return torch.randn(rows, h), torch.rand(rows, 1) + 0.5, torch.randn(h), torch.empty(rows, h)
 
 
@@ -193,9 +202,11 @@ def level_of(size, caches):
 
 
 def speed_of(size, per_element, streamed):
-    """'DRAM speed' when a working set's median time per element is no faster than the fastest repeat of the one
-    that streams from DRAM (what the measurement says, whatever the cache sizes promise), else 'faster'."""
-    return "DRAM speed" if per_element[size].median >= per_element[streamed].low else "faster"
+    """What the measurement says of a working set, whatever the cache sizes promise: its time per element over that
+    of the one that streams from DRAM, repeat by repeat: 'faster' when every repeat is below 1, 'slower' when
+    every one is above (the smallest sets: a call's fixed cost over too few bytes), else 'DRAM speed'."""
+    ratio = paired_ratios(per_element[size], per_element[streamed])
+    return "faster" if ratio.high < 1 else "slower" if ratio.low > 1 else "DRAM speed"
 
 
 # %%
@@ -237,18 +248,28 @@ for size in working_sets:
     print(f"{size / 2**10:>9,.0f} KiB{level_of(size, caches):>9}{speed:>14}"
           f"{per_element[size].text('{:.3f}', 1e9):>26}{bandwidth[size].text('{:.1f}', 1e-9):>26}")
 slow_in_last = [size for size in working_sets if not fast and level_of(size, caches) == last_name
-                and speed_of(size, per_element, streamed) == "DRAM speed"]
+                and speed_of(size, per_element, streamed) != "faster"]
+slowest = [size for size in working_sets if not fast and level_of(size, caches) not in (last_name, "DRAM")
+           and speed_of(size, per_element, streamed) == "slower"]  # within a core's own caches, yet slower
 if slow_in_last:
-    print(f"{min(slow_in_last) / 2**10:,.0f} to {max(slow_in_last) / 2**10:,.0f} KiB fit the {last_name} by its "
+    sizes = sorted({min(slow_in_last), max(slow_in_last)})
+    print(f"{' to '.join(f'{size / 2**10:,.0f}' for size in sizes)} KiB fit the {last_name} by its "
           f"size ({last_size / 2**10:,.0f} KiB) and run at DRAM speed: that cache is the socket's, shared by every "
           f"core on it, and this process gets a share")
+if slowest:
+    call_us = [timing[size].median / (elements[size] / (norm_rows(size) * HIDDEN)) * 1e6 for size in slowest]
+    print(", ".join(f"{size / 2**10:,.0f} KiB" for size in slowest) + " ran slower an element than from DRAM in "
+          f"every repeat: a call there takes " + ", ".join(f"{us:.1f} us" for us in call_us) + " for "
+          + ", ".join(f"{norm_rows(size) * HIDDEN:,}" for size in slowest) + " elements, a fixed cost (Python and "
+          f"the dispatcher) that so few bytes cannot hide")
 print(f"matmul 512 x 512 fp32: {matmul_rate.text('{:.1f}', 1e-9)} GFLOP/s"
       + (f" ({FAST_TIMING})" if fast else ""))
 
 # %% [markdown]
 # The same two passes and the same FLOPs per element at every size, and the same bytes per element but
 # for the weight, read once a call; what changes is where the bytes come from. "Fits in" is arithmetic on the sizes
-# sysfs gives; "runs at" is the measurement's verdict, and the two part at the last level. The L3 that sysfs reports
+# sysfs gives; "runs at" is the measurement's verdict (each size's time per element against the DRAM-sized set's,
+# repeat by repeat: faster or slower in every repeat, or DRAM speed), and the two can part. The L3 that sysfs reports
 # is the socket's, shared by every core on it (on a cloud machine, with other tenants' cores), so a working set well
 # under its size can still stream from DRAM: where the column says "DRAM speed" under an L3 label, the measured
 # time, not the label, is what a recompute of that size pays. Three ratios, each taken within a repeat, each through
@@ -298,24 +319,43 @@ cpu_peak, cpu_bandwidth = matmul_rate.median, bandwidth[streamed].median  # this
 # A stored activation is written in the forward and read in the backward, with the rest of the step's
 # working set (every later layer's activations, and their backwards) passing through the caches in
 # between: it comes back from DRAM. A rebuilt one is written just before its consumer reads it: it is read
-# from the cache it was just written to. Three steps time this, each preceded (untimed) by a pass over a
+# from the cache it was just written to. Three steps time this, each call preceded (untimed) by a pass over a
 # buffer twice the last-level cache, which evicts what the step will read (the stand-in for the layers in
 # between), and by a pass over the consumer's other operands, which leaves them warm in both:
 #
-# - **stored**: the consumer, $dy \cdot y$ into a kept buffer (the elementwise product the RMSNorm weight's
-#   gradient sums), reads the norm output $y$ the forward stored: cold;
+# - **stored**: the consumer, $dy \cdot y$ into a kept buffer (a pointwise op of the backward that reads an
+#   activation beside a gradient), reads the norm output $y$ the forward stored: cold;
 # - **rebuilt, the consumer alone**: $y$ was rebuilt from the stored $x$ and $r$ (`norm_rebuild`, untimed)
 #   just before the same consumer reads it: warm;
 # - **rebuilt, the rebuild and the consumer**: both timed, the rebuild reading $x$ and $r$ cold.
 #
 # The first two read the same bytes and do the same FLOPs: what differs is only where $y$ comes from. The
 # third against the first says what the rebuild adds in all: it reads $x$ from DRAM where the stored path
-# reads $y$ (the same bytes, and $r$'s few more), and adds its own two passes, which run in cache.
+# reads $y$ (the same bytes, and $r$'s few more), and adds its own two passes, which run in cache. A call
+# takes tens of microseconds, so each sample is the mean of 8 calls in a row (each after its own eviction),
+# and the ratios are taken sample by sample. The thread is kept on one core meanwhile (`one_core`): L2 is a
+# core's own, and the scheduler of a busy machine may otherwise move the thread between a rebuild and its read.
 
 # %%
 def consumer(y, dy, out):
-    """A pointwise consumer of y: dy * y into `out` (the product the RMSNorm weight's gradient sums)."""
+    """A pointwise consumer of y: dy * y into `out` (a backward's elementwise product of a gradient and y)."""
     return torch.mul(dy, y, out=out)  # (N, h): read dy and y, write out
+
+
+@contextlib.contextmanager
+def one_core():
+    """Keep this thread on one core (Linux's sched_setaffinity) while the block runs, and say which: L2 is a core's
+    own, and a thread the scheduler moves to another core between a rebuild and its read finds a cold L2 there.
+    None where the system has no affinity call."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        yield min(allowed)
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def cache_steps(size, evict_bytes, h=HIDDEN):
@@ -346,12 +386,17 @@ def cache_steps(size, evict_bytes, h=HIDDEN):
 tensor_bytes = caches.size("L2") // 4  # y, dy and out together: three quarters of L2
 cache_repeats = choose(args.mode, fast=1, cpu=15, large=25)
 steps_cold, before_cold, kept = cache_steps(tensor_bytes, 2 * last_size)
-cold = interleaved_seconds(steps_cold, torch.device("cpu"), cache_repeats, before=before_cold,
-                           clock=compute_clock("cpu"))
+with one_core() as core:  # a rebuilt y stays in the L2 of the core that wrote it only if the reader stays there too
+    calls = interleaved_seconds(steps_cold, torch.device("cpu"), cache_repeats * CALLS_PER_SAMPLE,
+                                before=before_cold, clock=compute_clock("cpu"))  # each call after its own eviction
+cold = {name: Spread(tuple(sum(spread.samples[i:i + CALLS_PER_SAMPLE]) / CALLS_PER_SAMPLE  # a sample: the mean of
+                           for i in range(0, len(spread.samples), CALLS_PER_SAMPLE)))  # calls in a row, still paired
+        for name, spread in calls.items()}
 rebuilt_equal = torch.equal(kept["y"], kept["rebuilt"])  # the rebuild is bitwise the stored y
-print(f"a consumer of y, {tensor_bytes // 2**10} KiB (y, dy and out: {3 * tensor_bytes // 2**10} KiB, within L2), "
-      f"each call after a pass over {2 * last_size // 2**20} MiB; {cache_repeats} interleaved repeats, "
-      f"{clock_words(compute_clock('cpu'))}, median [min..max], microseconds:")
+print(("this thread kept on one core" if core is None else f"this thread kept on core {core}") + "; "
+      f"a consumer of y, {tensor_bytes // 2**10} KiB (y, dy and out: {3 * tensor_bytes // 2**10} KiB, within L2), "
+      f"each call after a pass over {2 * last_size // 2**20} MiB; {cache_repeats} interleaved repeats, each the mean "
+      f"of {CALLS_PER_SAMPLE} calls, {clock_words(compute_clock('cpu'))}, median [min..max], microseconds a call:")
 for name, spread in cold.items():
     print(f"  {name:<30}{spread.text('{:.1f}', 1e6)}")
 print(f"  the rebuilt y equals the stored one bitwise: {rebuilt_equal}")

@@ -31,8 +31,9 @@
 #   projections' output without any transpose. `picockpt/layer.py` copies q, k and v into (B, H, T, hd) once,
 #   with `.contiguous()`, right after RoPE, so its eager attention's matmuls never copy.
 #
-# This lesson measures on this CPU what a CPU shows of it (an odd inner dimension against a padded one; a
-# strided operand against a contiguous copy), models what only a GPU would show (tile and wave
+# This lesson measures on this CPU what a CPU shows of it (an odd inner dimension and an odd vocabulary
+# against padded ones; strided heads against contiguous copies, for `torch.matmul` where its fold copies and
+# where it does not, and for `scaled_dot_product_attention`), models what only a GPU would show (tile and wave
 # quantization, on the guide's tile sizes and the H100's SM count), and applies both to picockpt's shapes.
 #
 # **Run it** as a script, `python lessons/27_tensor_core_layouts.py` (the CPU run, well under a minute;

@@ -31,6 +31,14 @@
 # layer's ops, sweeps budgets from the least feasible to storing everything with the
 # three prices, then takes the budget where the measured price is modelled to save the most recompute time
 # over the FLOP plan, and runs both plans' whole training steps, interleaved, to see whether the saving shows.
+#
+# **The shape** is chosen where a FLOP price is blindest, so that the two plans can differ by more than a
+# shared machine's noise: a narrow residual stream and a wide SwiGLU (h = 32, f = 1024, one head of 32; Llama's
+# f is about 3.5 h) with fused attention, which never stores the probabilities (lesson 13). There the
+# elementwise rebuilds `cheap` adds (both norm outputs, SwiGLU's product over f = 1024 columns) are a large
+# part of a layer's time and 0 of its FLOPs. At the `small` preset's shape with eager attention (4 x 256) the
+# largest saving the profile models is a few percent of a step, less than the spread of paired repeats on a
+# shared machine.
 # The command line does the same for one budget: `python -m picockpt plan --budget 20MiB --cost measured`,
 # or `--cost roofline --hardware h100`.
 #
@@ -47,8 +55,8 @@ import numpy as np
 import torch
 
 from _check import check
-from _lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, large, lesson_args, paired_ratios,
-                     shape_line, small, timed_claim, wrote)
+from _lesson import (FAST_TIMING, choose, clock_words, compute_clock, device_name, interleaved_seconds, large,
+                     lesson_args, paired_ratios, shape_line, small, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.cost import (FORWARD_EXCLUDES, HARDWARE, head_ops, layer_ops, measured_rates, plan_priced,
                            price_chain, rebuild_seconds, roofline_op_seconds)
@@ -63,8 +71,10 @@ from picockpt.tracker import Tracker
 PRICES = ("FLOPs", "roofline", "measured")  # what each plan minimised
 LABEL = {"FLOPs": "FLOP", "roofline": "roofline", "measured": "measured"}  # "the FLOP plan"
 COLORS = {"FLOPs": "#4C72B0", "roofline": "#DD8452", "measured": "#C44E52"}
+STEPS_PER_SAMPLE = 2  # steps in one timed sample: a moment another program takes weighs half as much
+NARROW = dict(attention="fused", hidden=32, heads=1, kv_heads=1, ffn=1024)  # elementwise rebuilds a large share
 REBUILDS = {"all": "nothing dropped", "all:selective": "the attention probabilities",
-            "all:cheap": "the probabilities, both norm outputs and the SwiGLU product"}
+            "all:cheap": "both norm outputs and the SwiGLU product (and the probabilities where attention keeps them)"}
 
 # %% [markdown]
 # ## One layer's ops: FLOPs, bytes, roofline, measured
@@ -78,9 +88,8 @@ REBUILDS = {"all": "nothing dropped", "all:selective": "the attention probabilit
 # %%
 def shape(mode):
     """(Config, batch, seq, profile rounds, budgets swept, timed step repeats) of each run mode."""
-    return choose(mode, fast=(small(layers=4, attention="eager"), 2, 32, 1, 40, 1),
-                  cpu=(small(attention="eager"), 4, 256, 9, 40, 9),
-                  large=(large(attention="eager"), 4, 1024, 9, 40, 5))
+    return choose(mode, fast=(small(layers=4, **NARROW), 2, 32, 1, 40, 1), cpu=(small(**NARROW), 8, 256, 9, 40, 9),
+                  large=(large(attention="fused", hidden=256, heads=2, kv_heads=2, ffn=8192), 4, 1024, 9, 40, 5))
 
 
 def forward_ops(cfg, batch, seq):
@@ -128,9 +137,11 @@ print(f"the elementwise ops ({', '.join(elementwise)}): 0 FLOPs, "
 
 # %% [markdown]
 # What the chain's variants cost to rebuild, by each price: a layer stored whole keeps everything (`all`),
-# or drops what its backward can rebuild. `all:selective` and `all:cheap` rebuild the same matmul (one
-# $q k^\top$ for the probabilities), so to the FLOP price `all:cheap` is never dearer and always smaller;
-# the two prices in seconds add what the norms and SwiGLU's product cost to rebuild.
+# or drops what its backward can rebuild. `all:cheap` rebuilds its norm outputs and SwiGLU's product with no
+# matmul, so to the FLOP price it costs what `all:selective` costs (one $q k^\top$ for the probabilities, under
+# eager attention) or, under fused attention, where nothing is left for `selective` to drop, nothing at all:
+# to that price it is never dearer and always smaller. The two prices in seconds add what the norms and
+# SwiGLU's product cost to rebuild.
 
 # %%
 chain = model_chain(cfg, batch, seq)
@@ -142,8 +153,9 @@ for (mode, nbytes, flops), (_, _, roof_s), (_, _, meas_s) in zip(chain[0].varian
     print(f"{mode:<15}{mib(nbytes):>11.3f}{flops / 1e6:>15.1f}{roof_s * 1e6:>13.1f}{meas_s * 1e6:>13.1f}  "
           f"{REBUILDS.get(mode, mode)}")
 cheap_extra = rebuild_seconds(measured, {"attn_norm.output", "mlp_norm.output", "mlp.act"})
-print(f"cheap over selective, a layer: 0 more FLOPs, {cheap_extra * 1e6:.1f} us more measured "
-      f"({cheap_extra / priced['measured'][0].forward_flops:.1%} of the layer's measured forward)")
+print(f"what cheap adds to a layer's rebuilds (the norm outputs, SwiGLU's product): 0 FLOPs, "
+      f"{cheap_extra * 1e6:.1f} us measured ({cheap_extra / priced['measured'][0].forward_flops:.1%} of the layer's "
+      f"measured forward)")
 
 # %% [markdown]
 # ## The figure: where a layer's time goes, against where its FLOPs are
@@ -304,7 +316,9 @@ wrote(sweep_path)
 # must hold whatever the timing says: the loss and every gradient bitwise equal to those of policy `none`
 # (recomputation replays the same kernels on the same inputs), the stored peak equal to the planner's
 # prediction and within the budget, the recompute FLOPs equal to the plan's. Then both are timed in
-# interleaved repeats, and the ratio measured plan / FLOP plan is taken within each repeat.
+# interleaved repeats, each sample two steps long (on the CPU with one thread, this thread's CPU time:
+# `compute_clock`), and the ratio measured plan / FLOP plan is taken within each repeat. If the repeats
+# straddle 1 the lesson says the timing was inconclusive on this machine, and draws nothing from it.
 #
 # By FLOPs the measured plan does at least the FLOP plan's work, more wherever it recomputes more (the FLOP
 # plan has the fewest recompute FLOPs), so a FLOP count predicts it no faster. The claim that it runs faster (a ratio
@@ -344,32 +358,38 @@ if chosen is not None:
     assert all(f["bitwise"] for f in facts.values()), "a plan changed the numbers"
     assert all(facts[n]["stored"] == p.peak_bytes <= chosen["budget"] for n, p in plans.items())
     assert all(facts[n]["flops"] == p.recompute_flops for n, p in plans.items())
-    steps = {name: (lambda plan=plan: run_schedule(params, cfg, input_ids, targets, plan.schedule))
-             for name, plan in plans.items()}
-    timing = interleaved_seconds(steps, device, repeats)
+    steps = {name: (lambda plan=plan: [run_schedule(params, cfg, input_ids, targets, plan.schedule)
+                                       for _ in range(STEPS_PER_SAMPLE)]) for name, plan in plans.items()}
+    clock = compute_clock(device)
+    timing = interleaved_seconds(steps, device, repeats, clock=clock)
     ratio = paired_ratios(timing["measured plan"], timing["FLOP plan"])
     none_flops = sum(step_flops(cfg, batch, seq, "none").values())
     work = (none_flops + time_plan.recompute_flops) / (none_flops + flop_plan.recompute_flops)
     for name in plans:
-        print(f"{name:<14} step {timing[name].text('{:.1f}', scale=1e3)} ms")
-    print(f"(median [min..max] of {repeats} interleaved steps on {device_name(device)}); by FLOPs the measured plan's "
-          f"step is {work:.4f} of the FLOP plan's, by the measured prices its recompute "
-          f"{chosen['seconds']['measured'] / chosen['seconds']['FLOPs']:.3f} of it, "
-          f"{saving(chosen) * 1e3:.2f} ms less: {saving(chosen) / timing['FLOP plan'].median:.1%} of the FLOP plan's "
-          f"step" + (f" ({FAST_TIMING})" if fast else ""))
+        print(f"{name:<14} {STEPS_PER_SAMPLE} steps {timing[name].text('{:.1f}', scale=1e3)} ms")
+    print(f"(median [min..max] of {repeats} interleaved samples of {STEPS_PER_SAMPLE} steps each, "
+          f"{clock_words(clock)}, on {device_name(device)}); by FLOPs the measured plan's step is {work:.4f} of the "
+          f"FLOP plan's, by the measured prices its recompute "
+          f"{chosen['seconds']['measured'] / chosen['seconds']['FLOPs']:.3f} of it, {saving(chosen) * 1e3:.2f} ms "
+          f"less: "
+          f"{saving(chosen) * STEPS_PER_SAMPLE / timing['FLOP plan'].median:.1%} of the FLOP plan's step (modelled)"
+          + (f" ({FAST_TIMING})" if fast else ""))
     claim = timed_claim(args.mode, ratio, "measured plan / FLOP plan, step time", "<1", work=None)
     print(claim.text)
     if claim.conclusive:
+        extra = time_plan.recompute_flops - flop_plan.recompute_flops
+        modelled = saving(chosen) * STEPS_PER_SAMPLE / timing["FLOP plan"].median  # the saving, a share of a step
         print(f"the plan priced by measured op times ran faster in every repeat ({ratio.median:.3f} of the FLOP "
-              f"plan's step, median) while recomputing {time_plan.recompute_flops / flop_plan.recompute_flops - 1:+.1%}"
-              f" FLOPs: at this budget the FLOP price placed the checkpoints where the time is not least")
-    elif not fast:
-        print(f"the timing was inconclusive on this machine: the FLOP count puts the measured plan's step at "
-              f"{work:.4f} of the FLOP plan's ({'more' if work > 1 else 'the same'} work), the measured prices its "
-              f"recompute at "
-              f"{chosen['seconds']['measured'] / chosen['seconds']['FLOPs']:.3f} of it; the modelled saving, "
-              f"{saving(chosen) * 1e3:.2f} ms, is {saving(chosen) / timing['FLOP plan'].median:.1%} of a step here, "
-              f"which these repeats do not resolve")
+              f"plan's step, median) while recomputing "
+              + (f"{extra / 1e9:.3f} GFLOP more" if extra else "the same FLOPs")
+              + ": at this budget the FLOP price placed the checkpoints where the time is not least")
+        if ratio.low > 1 - modelled:
+            print(f"  every repeat saved less than the {modelled:.1%} of a step the op profile modelled (at most "
+                  f"{1 - ratio.low:.1%}): its prices, each op timed alone, overstate the difference between these "
+                  f"plans")
+        elif ratio.high < 1 - modelled:
+            print(f"  every repeat saved more than the {modelled:.1%} of a step the op profile modelled (at least "
+                  f"{1 - ratio.high:.1%}): its prices understate the difference between these plans")
 
 # %% [markdown]
 # ## Exercises

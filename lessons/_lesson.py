@@ -35,7 +35,9 @@ Timings are Spreads (median [min..max] over interleaved repeats), never a single
 concludes from a time ratio first asks timed_claim(mode, ratio, what, expect, work): the sentence
 that draws the conclusion is printed only when the claim is conclusive (every repeat on the side
 of 1 the claim expects); otherwise the lesson prints that the timing was inconclusive on this
-machine, with the exact work ratio (FLOPs or bytes) in its place.
+machine, with the exact work ratio (FLOPs or bytes) in its place. On the CPU with one torch thread a
+lesson may time with clock=compute_clock(device), the CPU time of this thread, which leaves out the
+moments a shared machine gives the core to another program (not what the caches lose to it).
 
 Turning a lesson written in the older script format (a docstring and main(argv) returning
 {"figures", "summary"}) into this one takes the same steps for every lesson:

@@ -178,3 +178,74 @@ def test_the_two_timed_rebuilds_are_the_same_flops_and_bytes():
     assert set(timing) == {"none", "moe", "shared_experts"} and all(len(t.samples) == 1 for t in timing.values())
     narrower = cfg.replace(shared_expert_ffn=cfg.ffn)  # the comparison can fail: a narrower shared expert is less work
     assert rebuild_flops(narrower, 2, 32, SHARED_EXPERTS) < rebuild_flops(narrower, 2, 32, MOE)
+
+
+# ---- lesson 28: a shape where the FLOP price is blind to a large part of the time ------------------------------
+
+def cheap_share(cfg, batch, seq, hardware):
+    """(FLOPs, roofline seconds) of what `cheap` adds to a layer's rebuilds, the seconds as a share of the layer's
+    roofline forward."""
+    from picockpt.cost import FORWARD_EXCLUDES, layer_ops, rebuild_seconds, roofline_op_seconds
+    seconds = roofline_op_seconds(cfg, batch, seq, hardware)
+    ops = {op.name: op for op in layer_ops(cfg, batch, seq)}
+    forward = sum(seconds[name] for name in ops if name not in FORWARD_EXCLUDES)
+    rebuilt = {"attn_norm.output", "mlp_norm.output", "mlp.act"}
+    flops = sum(ops[name].flops for name in ("attn_norm", "mlp_norm", "swiglu"))
+    return flops, rebuild_seconds(seconds, rebuilt) / forward
+
+
+def test_28s_shape_makes_the_elementwise_rebuilds_a_larger_share_at_zero_flops():
+    from dataclasses import replace
+    from picockpt.cost import HARDWARE
+    lesson = load(next(LESSONS.glob("28_*.py")))
+    cpu_like = replace(HARDWARE["h100"], name="cpu-like", matmul=2e11, memory=2e10)
+    cfg, batch, seq, *_ = lesson.shape("cpu")
+    assert (cfg.attention, cfg.hidden, cfg.ffn) == ("fused", 32, 1024)
+    flops, share = cheap_share(cfg, batch, seq, cpu_like)
+    old_flops, old_share = cheap_share(lesson.small(attention="eager"), 4, 256, cpu_like)
+    assert flops == old_flops == 0 and share > 2 * old_share  # blind to twice the share of the layer's time
+    assert [mode for mode, _, _ in lesson.model_chain(cfg, batch, seq)[0].variants] == ["all", "all:cheap"]
+
+
+def test_28_stops_at_an_inconclusive_timing():
+    text = notebook_text("28")
+    (what, conclusive, _, _), = [c for c in claims(text) if c[0].startswith("measured plan / FLOP plan")]
+    after = text[text.index("measured plan / FLOP plan, step time"):].split("\n", 1)[1]
+    before_exercises = after.split("✓")[0].split("✗")[0]
+    if conclusive:
+        assert "ran faster in every repeat" in before_exercises
+    else:
+        assert before_exercises.strip() == "", f"lesson 28 goes on after an inconclusive timing: {before_exercises!r}"
+
+
+def test_a_working_sets_speed_is_judged_repeat_by_repeat_against_dram(memory):
+    spread, dram = memory.Spread, 8
+    per_element = {dram: memory.Spread((1.0, 1.1, 0.9)), 1: spread((1.2, 1.3, 1.05)), 2: spread((0.9, 1.15, 0.8)),
+                   3: spread((0.5, 0.6, 0.4))}
+    assert [memory.speed_of(n, per_element, dram) for n in (1, 2, 3)] == ["slower", "DRAM speed", "faster"]
+
+
+def test_the_cpu_clock_is_this_threads_cpu_time_only_on_one_thread():
+    import sys
+    import time
+    sys.path.insert(0, str(LESSONS))
+    from _lesson import clock_words, compute_clock
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert compute_clock("cpu") is time.thread_time and clock_words(time.thread_time) == "this thread's CPU time"
+        assert compute_clock(torch.device("cuda")) is time.perf_counter  # a GPU's kernels run while the CPU waits
+        torch.set_num_threads(2)
+        assert compute_clock("cpu") is time.perf_counter and clock_words(time.perf_counter) == "wall time"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_cache_experiment_keeps_its_thread_on_one_core_and_gives_the_rest_back(memory):
+    import os
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity on this system")
+    before = os.sched_getaffinity(0)
+    with memory.one_core() as core:
+        assert os.sched_getaffinity(0) == {core} and core in before
+    assert os.sched_getaffinity(0) == before
