@@ -69,6 +69,23 @@ def check_search(cfg, seq, gpus, tokens, capacity, hw):
     if cfg.experts:
         raise ValueError(f"--experts {cfg.experts}: the search splits dense layers (expert parallelism is not in "
                          f"its space); use a dense model")
+    if cfg.dropout:
+        raise ValueError(f"--dropout {cfg.dropout:g} with --search: the search prices attention as a flash kernel "
+                         f"(fused), which picockpt runs without dropout; leave --dropout out")
+
+
+def no_split_reason(cfg, seq, gpus, tokens, node):
+    """Why no (tp, cp, pp, dp) of `gpus` passes candidates(), with the largest power of two below that has one:
+    a sentence for the error, or None when one does."""
+    if next(candidates(cfg, seq, gpus, tokens, node), None) is not None:
+        return None
+    sequences, fewer = tokens // seq, 2 ** (gpus.bit_length() - 1)
+    while fewer > 1 and next(candidates(cfg, seq, fewer, tokens, node), None) is None:
+        fewer //= 2
+    return (f"--gpus {gpus:,}: no split of them into tp x cp x pp x dp suits this model and batch (tp within a node "
+            f"of {node} dividing the heads, K/V heads, ffn and vocab; cp with whole zigzag chunks of the {seq:,} "
+            f"tokens; pp at most the {cfg.layers} layers; dp dividing the {sequences:,} sequences of "
+            f"--tokens-per-batch); use e.g. --gpus {fewer:,}, or more --tokens-per-batch")
 
 
 def divisors(n):
@@ -230,8 +247,8 @@ def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even"):
 
 def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=ZERO_STAGES, schedules=SCHEDULES):
     """(every layout that fits, best first; how many were considered). Attention is priced as a flash kernel."""
+    check_search(cfg, seq, gpus, tokens, capacity, hw)  # before the fused attention that dropout would refuse
     cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
-    check_search(cfg, seq, gpus, tokens, capacity, hw)
     rows, considered = [], 0
     for (tp, cp, pp, dp, M), zero, (schedule, V), policy in itertools.product(
             candidates(cfg, seq, gpus, tokens, hw.node), zero_stages, schedules, policies):

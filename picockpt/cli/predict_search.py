@@ -9,7 +9,7 @@ import json
 import time
 
 from ..cost import HARDWARE, hardware
-from ..layout_search import TERMS, distinct_splits, published_for, rank_of, search, split_of
+from ..layout_search import TERMS, distinct_splits, no_split_reason, published_for, rank_of, search, split_of
 from .predict_parallel import gpu_bytes
 
 TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}  # 16M = 2048 sequences of 8,192 (powers of two)
@@ -84,6 +84,10 @@ def run_search(args, cfg):
     capacity = gpu_bytes(args.gpu_gib)
     start = time.perf_counter()
     rows, considered = search(cfg, args.seq, args.gpus, tokens, capacity, hw)
+    if not considered:  # nothing to rank: the count of GPUs, not their memory, is what fails
+        raise ValueError(no_split_reason(cfg.replace(attention="fused"), args.seq, args.gpus, tokens, hw.node)
+                         or f"--gpus {args.gpus:,}: every split of them leaves a stage without whole layers or "
+                            f"chunks for the search's schedules; use fewer --gpus or more --tokens-per-batch")
     seconds = time.perf_counter() - start
     splits = distinct_splits(rows)
     published = published_for(args.preset, args.seq, args.gpus, tokens)
