@@ -60,8 +60,8 @@ def test_measure_without_an_optimizer_is_a_forward_and_backward_alone(monkeypatc
 @pytest.mark.parametrize("args,message", [
     (["measure", "--policy", "every:0"], "every:C needs a whole number"),
     (["measure", "--preset", "tiny", "--policy", "every:3"], "larger than the number of layers"),
-    (["measure", "--hidden", "130"], "not divisible by heads"),
-    (["measure", "--batch", "0"], "batch=0"),
+    (["measure", "--hidden", "130"], "not divisible by --heads"),
+    (["measure", "--batch", "0"], "--batch 0"),
     (["compare", "--preset", "tiny", "--segment", "5"], "--segment=5"),
     (["inventory", "--preset", "tiny", "--layer", "9"], "--layer=9"),
 ])

@@ -65,7 +65,7 @@ def test_table_names_both_sources(capsys):
     (["--tp", "0"], "--tp=0"),
     (["--model", "llama3-7b"], "--model='llama3-7b'"),
     (["--recompute", "some"], "--recompute='some'"),
-    (["--seq", "0"], "seq=0"),
+    (["--seq", "0"], "--seq 0"),
 ])
 def test_user_mistakes_are_one_line_errors(args, message):
     out = picockpt("predict", *args)
@@ -199,7 +199,7 @@ def test_zero_beside_ep_shards_the_experts_over_dp_and_the_rest_over_dp_x_ep(cap
     (["--keep-kv"], "--keep-kv without --cp"),
     (["--schedule", "zb-h1"], "--schedule zb-h1 without --pp"),
     (["--pp", "2", "--batch", "4", "--microbatches", "4", "--schedule", "interleaved", "--virtual-stages", "3",
-      "--layers", "4"], "pp=2 x virtual_stages=3 = 6 chunks for 4 layers"),
+      "--layers", "4"], "--pp 2 x --virtual-stages 3 = 6 chunks for 4 layers"),
     (["--pp", "4", "--cp", "2", "--attention", "fused", "--batch", "3"], "--batch 3 with --pp 4: --pp's 4 micro-"),
     (["--cp", "3", "--seq", "4096", "--attention", "fused"], "--seq 4096 with --cp 3: zigzag cuts each sequence"),
     (["--gpu-gib", "0"], "--gpu-gib=0"),

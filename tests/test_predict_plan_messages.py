@@ -45,9 +45,9 @@ def run(capsys, *argv):
      "--microbatches 3 does not divide --batch 4: each micro-batch takes --batch / M sequences; use --microbatches "
      "1, 2, 4, or --batch a multiple of 3"),
     (["predict", "--dp", "0", "--zero", "1"], "--zero 1 with --dp 0: ZeRO shards over data-parallel ranks"),
-    (["predict", "--batch", "0"], "batch=0: must be a positive integer"),
-    (["predict", "--seq", "-1"], "seq=-1: must be a positive integer"),
-    (["predict", "--dropout", "nan"], "Config.dropout=nan: must be a finite number"),
+    (["predict", "--batch", "0"], "--batch 0: must be a positive integer"),
+    (["predict", "--seq", "-1"], "--seq -1: must be a positive integer"),
+    (["predict", "--dropout", "nan"], "--dropout nan: must be a finite number"),
     (["predict", "--cp", "2", "--attention", "tiled", "--dropout", "0.1"], "--cp 2 needs --dropout 0"),
     (["predict", "--cp", "2", "--keep-kv", "--attention", "fused"],
      "--keep-kv with --cp-comm ring: it keeps the all-gathered K/V of the other ranks; add --cp-comm allgather"),
@@ -61,8 +61,8 @@ def run(capsys, *argv):
     (["plan", *TINY, "--budget", "1MiB", "--compute-rate", "0"], "--compute-rate=0: give a positive number"),
     (["plan", *TINY, "--budget", "1MiB", "--compute-rate", "-1"], "--compute-rate=-1: give a positive number"),
     (["plan", *TINY, "--budget", "1MiB", "--compute-rate", "True"], "argument --compute-rate: invalid float value"),
-    (["plan", "--chain", "uniform", "--length", "0", "--slots", "3"], "length=0: the chain needs a whole number"),
-    (["plan", "--chain", "uniform", "--length", "10", "--slots", "-1"], "slots=-1: at least 1 slot is needed"),
+    (["plan", "--chain", "uniform", "--length", "0", "--slots", "3"], "--length 0: the chain needs a whole number"),
+    (["plan", "--chain", "uniform", "--length", "10", "--slots", "-1"], "--slots -1: at least 1 slot is needed"),
     (["plan", *TINY, "--budget", "1MiB", "--measure", "--seed", "-1"], "--seed=-1: use a whole number from 0"),
 ])
 def test_bad_values_are_one_line_errors(capsys, argv, phrase):
@@ -97,7 +97,7 @@ def test_micro_batches_or_stages_without_their_partner_suggest_flags_that_run(ca
      "error: --seq 4098 with --cp 2: zigzag cuts each sequence into 2 x cp = 4 equal chunks"),
     (["--cp", "4", "--tp", "8", "--sp", "--seq", "8", "--attention", "fused"],
      "error: --seq 8 with --cp 4 --tp 8 --sp: sequence parallelism splits"),
-    (["--cp", "2", "--tp", "16", "--attention", "fused"], "error: --tp 16 beside --cp 2: tp=16 is larger than allowed"),
+    (["--cp", "2", "--tp", "16", "--attention", "fused"], "error: --tp 16 beside --cp 2: --tp 16 is larger than allowed"),
     (["--cp", "2", "--model", "mixtral-8x7b", "--attention", "fused"], "error: --cp 2 needs a dense MLP, and this "
                                                                         "model has 8 experts (--experts)"),
     (["--cp", "2"], "error: --cp 2 with --attention eager: eager attention keeps the probabilities"),

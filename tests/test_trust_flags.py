@@ -268,3 +268,33 @@ def test_a_rank_s_failure_is_one_line_and_exit_code_1(monkeypatch, death, said):
 
 def test_exit_codes_are_in_the_help():
     assert "1 a rank of a multi-rank run failed" in " ".join(picockpt("--help").stdout.split())
+
+
+# ---- errors in the user's words ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, said, unsaid", [
+    (["predict", "--model", "llama3-8b", "--layers", "0"], "--layers 0: must be a positive integer", "Config."),
+    (["measure", "--preset", "tiny", "--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4: use --kv-heads among",
+     "kv_heads"),
+    (["predict", "--model", "llama3-8b", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved",
+      "--virtual-stages", "1"], "--virtual-stages 1 with --schedule interleaved", "or virtual_stages"),
+])
+def test_a_library_error_is_said_in_the_commands_flags(args, said, unsaid):
+    message = refused(*args)
+    assert said in message and unsaid not in message, message
+
+
+def test_the_translation_leaves_flags_and_unknown_names_alone():
+    from picockpt.cli.flag_words import in_flags
+    flags = {"tp": "--tp", "kv_heads": "--kv-heads", "virtual_stages": "--virtual-stages"}
+    assert in_flags("--tp=3 and tp=4, Config.kv_heads=8 (heads=32)", flags) == "--tp=3 and --tp 4, --kv-heads 8 (heads=32)"
+    assert in_flags("use virtual_stages >= 2 or tp in [1, 2]; stp=2", flags) == \
+        "use --virtual-stages >= 2 or --tp in [1, 2]; stp=2"
+
+
+def test_predict_suggests_only_tensor_parallel_sizes_it_splits():
+    """Llama 3 8B has 8 key/value heads: --tp 16 divides the 32 heads but not the K/V heads, so neither --tp 3's
+    list nor the layouts of 16 ranks offer it."""
+    message = refused("predict", "--model", "llama3-8b", "--tp", "3")
+    assert "use one of 1, 2, 4, 8," in message and "16" not in message.split("use one of")[1].split(",  or")[0][:20]
+    out = picockpt("predict", "--model", "llama3-8b", "--tp", "16").stdout
+    assert "not at t=16" in out and "--tp 16;" not in out and "--tp 16 " not in out.split("layouts of 16 ranks")[1]

@@ -10,6 +10,8 @@ import re
 import signal
 import sys
 
+from .flag_words import flags_of, in_flags
+
 COMMANDS = {  # name -> one-line help; the module picockpt/cli/<name>.py does the work
     "reproduce": "run every lesson's experiment, regenerate figures/ and print the results table",
     "notebooks": "make each lesson's notebook from its source and execute it (--check: do they match?)",
@@ -81,8 +83,8 @@ def main(argv=None):
     try:
         importlib.import_module("..device", __name__).check_torch()  # torch is loaded by now
         return module.run(args) or 0
-    except ValueError as error:  # a user mistake: say what and how to fix it, no traceback
-        print(f"error: {error}", file=sys.stderr)
+    except ValueError as error:  # a user mistake: say what and how to fix it, no traceback, in the user's flags
+        print(f"error: {in_flags(str(error), flags_of(parser))}", file=sys.stderr)
         return 2
     except RankFailed as error:  # a rank failed or died: said as plainly, its own exit code
         print(f"error: {error}", file=sys.stderr)

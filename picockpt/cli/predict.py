@@ -24,7 +24,7 @@ from ..parallel.tensor_parallel.tp_inventory import (rank_comm_bytes, rank_flops
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from ..policy import SELECTIVE
 from .common import add_shape_args, config_from_args, fmt_bytes
-from .predict_layouts import layouts_for
+from .predict_layouts import layouts_for, tp_fits
 from .predict_parallel import add_parallel_arguments, add_parallel_rows, check_parallel, print_parallel
 from .predict_search import add_search_arguments, check_search_flags, run_search
 
@@ -186,7 +186,8 @@ def _formula_text(recompute, tp, sp):
 
 
 def _check_tp(tp, cfg, seq):
-    divisors = ", ".join(str(t) for t in range(1, cfg.heads + 1) if cfg.heads % t == 0)
+    divisors = ", ".join(str(t) for t in range(1, cfg.heads + 1) if cfg.heads % t == 0 and
+                         (cfg.experts or tp_fits(cfg, seq, t)))  # dense: what picockpt's per-rank forms split
     if tp < 1:
         raise ValueError(f"--tp={tp}: give a whole number of tensor-parallel ranks, 1 or more (one of {divisors})")
     if cfg.heads % tp:

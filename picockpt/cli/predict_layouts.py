@@ -45,7 +45,8 @@ def layouts_for(cfg, seq, ranks, sp=False):
         return "one rank needs no layout: leave --tp, --cp and --dp out"
     attention = "" if cfg.attention != "eager" else " --attention fused"
     dense = " (Korthikanti's dense rows: these forms do not split experts over tp)" if cfg.experts else ""
-    found = [f"--tp {ranks}{dense}"] if cfg.heads % ranks == 0 else []
+    tp_splits = cfg.heads % ranks == 0 if cfg.experts else tp_fits(cfg, seq, ranks, sp)  # experts: the dense rows
+    found = [f"--tp {ranks}{dense}"] if tp_splits else []
     found += [f"--cp {ranks}{attention}"] if cp_fits(cfg, seq, ranks) else []
     found += [f"--tp {t} --cp {ranks // t}{attention}" for t in range(2, ranks // 2 + 1)
               if ranks % t == 0 and cp_fits(cfg, seq, ranks // t) and tp_fits(cfg, seq // (ranks // t), t, sp)]

@@ -49,8 +49,10 @@ def check_schedule(schedule, virtual=1, stages=None):
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual_stages={virtual!r}: give a whole number of layer chunks per rank, 1 or more")
     if (virtual > 1) != (schedule == "interleaved"):
+        fix = ("use virtual_stages >= 2 with it, or another schedule such as schedule='1f1b'" if virtual == 1 else
+               "use schedule='interleaved' with them, or virtual_stages=1")
         raise ValueError(f"virtual_stages={virtual} with schedule={schedule!r}: virtual stages are interleaving's "
-                         f"chunks; use schedule='interleaved' with virtual_stages >= 2, or virtual_stages=1")
+                         f"chunks; {fix}")
     if stages == 1 and schedule in ("interleaved", "zb-h1"):  # afab and 1f1b order one stage's micro-batches too
         raise ValueError(f"schedule={schedule!r} with pp=1: {EXPLAINED[schedule]} orders the stages of a pipeline, "
                          f"and there is one stage; use pp >= 2, or schedule='1f1b'")
