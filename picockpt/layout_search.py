@@ -38,8 +38,9 @@ datasheet (its MFU is a ceiling), stragglers, the optimizer step's own time, ker
 """
 import functools
 import itertools
+from dataclasses import dataclass
 
-from .collectives import collective_seconds, members_per_node, per_layer_seconds
+from .collectives import algorithm_seconds, collective_seconds, members_per_node, per_layer_seconds
 from .config import BYTES
 from .cost import head_ops, layer_ops, rebuild_seconds, roofline_seconds
 from .closed_forms import layer_inventory
@@ -51,6 +52,41 @@ SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1))
 REDUCE_BYTES = 4  # gradients reduced in fp32 and weights gathered in the compute dtype: torchtitan's defaults
 #                   (mixed_precision_reduce = "float32", mixed_precision_param = "bfloat16")
 TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_exposed")
+
+
+@dataclass(frozen=True)
+class Model:
+    """Which of the model's corrections are on (all, by default); each off gives back the simpler model it replaced,
+    so a lesson can show what each one moves:
+        topology   collectives by topology, NCCL's choice of ring, tree or PAT, FSDP's one collective a layer;
+                   off: every group that leaves a node a ring at one NIC a member, one collective a stage
+        sharding   each ZeRO stage's bytes and traffic as frameworks hold and move them (layout_memory.py), and the
+                   reserve; off: 16 bytes of fp32 state a parameter sharded by stage, 16-bit copies beside them (fp32
+                   under 3+keep), ZeRO 2's gradients reduced once, ZeRO 3 gathering again for a full recompute
+        recompute  full recomputation reruns the whole forward; off: the forward less the down projection
+        stages     every stage priced, the lighter-ends split, interleaving over whole chunks only; off: the even
+                   split, stage 0 and the last alone, interleaving wherever p V <= L
+        overlap    Megatron's async backward tensor-parallel collectives, and layouts without sequence parallelism;
+                   off: every tensor-parallel collective exposed, sequence parallelism always"""
+    topology: bool = True
+    sharding: bool = True
+    recompute: bool = True
+    stages: bool = True
+    overlap: bool = True
+
+
+FULL_MODEL = Model()
+
+
+def group_seconds(kind, nbytes, ranks, hw, per_node, model=FULL_MODEL, layers=1):
+    """`layers` collectives of nbytes / layers over `ranks` GPUs (per_node of them in a node), by the model's rules."""
+    if ranks <= 1 and kind != "p2p":
+        return 0.0
+    if kind == "p2p":
+        return collective_seconds(kind, nbytes, ranks, hw, per_node)
+    if model.topology:
+        return per_layer_seconds(kind, nbytes, layers, ranks, hw, per_node)
+    return algorithm_seconds(kind, nbytes, ranks, hw, 1 if per_node < ranks else ranks)["ring"]
 
 
 def check_search(cfg, seq, gpus, tokens, capacity, hw):
@@ -105,7 +141,7 @@ def candidates(cfg, seq, gpus, tokens, node):
 
 
 @functools.lru_cache(maxsize=None)
-def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node):
+def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node, model=FULL_MODEL):
     """{term: seconds} of one micro-batch's forward, backward and recompute on one rank of a stage of `layers` layers
     (the head if last); "forward" its forward alone. send_node: 2 when the next stage is in the same node, else 1."""
     e, n, h = BYTES[cfg.dtype], seq // cp, cfg.hidden
@@ -117,24 +153,24 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
     tp_forward = tp_backward = 0.0
     if tp > 1:
         for column in ("qkv", "gate_up"):  # a block: its column-parallel GEMM's backward hides what it can
-            hide = ops[column]  # the input-gradient GEMM and the weight-gradient GEMM: each as long as the forward's
+            hide = ops[column] if model.overlap else 0.0  # the input- and weight-gradient GEMMs: as long as F's
             if sp:
-                gather = collective_seconds("all_gather", block, tp, hw, tp)
-                scatter = collective_seconds("reduce_scatter", block, tp, hw, tp)
+                gather = group_seconds("all_gather", block, tp, hw, tp, model)
+                scatter = group_seconds("reduce_scatter", block, tp, hw, tp, model)
                 tp_forward += gather + scatter
                 tp_backward += gather + max(0.0, gather - hide) + max(0.0, scatter - hide)
             else:
-                reduce = collective_seconds("all_reduce", block, tp, hw, tp)
+                reduce = group_seconds("all_reduce", block, tp, hw, tp, model)
                 tp_forward += reduce
                 tp_backward += max(0.0, reduce - hide)
     kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * e  # K and V of the whole sequence, this rank's heads
     cp_node = members_per_node(((cp, tp),), hw.node)
-    cp_ag = collective_seconds("all_gather", kv, cp, hw, cp_node) if cp > 1 else 0.0
-    cp_rs = collective_seconds("reduce_scatter", kv, cp, hw, cp_node) if cp > 1 else 0.0
+    cp_ag = group_seconds("all_gather", kv, cp, hw, cp_node, model)
+    cp_rs = group_seconds("reduce_scatter", kv, cp, hw, cp_node, model)
     cheap = rebuild_seconds(ops, set(layer_inventory(cfg, 1, n)) & OP_LEVEL["cheap"])  # norms, SwiGLU again
-    rebuild = {"none": 0.0, "cheap": cheap, "full": layer}[policy]
+    rebuild = {"none": 0.0, "cheap": cheap, "full": layer if model.recompute else layer - ops["down"]}[policy]
     reruns = 1 if policy == "full" else 0  # a full recompute runs the forward's collectives again
-    send = collective_seconds("p2p", block // (tp if sp else 1), 2, hw, send_node)
+    send = group_seconds("p2p", block // (tp if sp else 1), 2, hw, send_node, model)
     forward = layers * layer + head
     return {"compute": 3 * forward, "recompute": layers * rebuild,
             "tp_comm": layers * (tp_forward * (1 + reruns) + tp_backward),
@@ -154,44 +190,47 @@ def extreme_stages(counts):
 
 
 @functools.lru_cache(maxsize=2**16)
-def dp_exposed_seconds(params, zero, shards, microbatches, forward, backward, hw, per_node, layers=1, e=2):
+def dp_exposed_seconds(params, zero, shards, microbatches, forward, backward, hw, per_node, layers=1, e=2,
+                       policy="none", model=FULL_MODEL):
     """Gradient and weight traffic over the `shards` ranks that hold the same weights (per_node of them in a node),
     one collective a layer, less what hides (the module's docstring)."""
     if shards == 1:
         return 0.0
     grads = params * REDUCE_BYTES
-    ar = per_layer_seconds("all_reduce", grads, layers, shards, hw, per_node)
-    rs = per_layer_seconds("reduce_scatter", grads, layers, shards, hw, per_node)
-    ag = per_layer_seconds("all_gather", params * e, layers, shards, hw, per_node)
+    ar, rs, ag = (group_seconds(kind, nbytes, shards, hw, per_node, model, layers if model.topology else 1)
+                  for kind, nbytes in (("all_reduce", grads), ("reduce_scatter", grads), ("all_gather", params * e)))
     if zero == "0":
         return max(0.0, ar - backward)
-    if zero in ("1", "3+keep"):
+    if zero in ("1", "3+keep") or zero == "2" and not model.sharding:
         return max(0.0, rs - backward) + max(0.0, ag - forward)
     if zero == "2":
         return microbatches * max(0.0, rs - backward) + max(0.0, ag - forward)
-    return microbatches * (max(0.0, ag - forward) + max(0.0, ag - backward) + max(0.0, rs - backward))
+    gathers = 3 if policy == "full" and not model.sharding else 2
+    return microbatches * (max(0.0, ag - forward) + (gathers - 1) * max(0.0, ag - backward) + max(0.0, rs - backward))
 
 
 def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy, sp=True,
-             split="even"):
+             split="even", model=FULL_MODEL):
     """One layout's row: its busiest rank's bytes, its modelled step and the terms that make it."""
     shards, sp = dp * cp, sp and tp > 1
     counts = split_layers(cfg.layers, pp, split)
     send_node = members_per_node(((2, tp * cp),), hw.node)
     dp_node = members_per_node(((cp, tp), (dp, tp * cp * pp)), hw.node)  # the dp x cp group's members in a node
     peaks, parts, times, dps = {}, {}, [], []
-    for s in extreme_stages(counts):  # the busiest rank is one of these (memory is linear in s within a run)
-        parts[s] = stage_bytes(cfg, seq, tp, sp, cp, counts, s, M, zero, shards, schedule, V, policy)
+    stages = range(pp) if model.stages else sorted({0, pp - 1})
+    for s in extreme_stages(counts) if model.stages else stages:  # the busiest rank is one of these (linear in s)
+        parts[s] = stage_bytes(cfg, seq, tp, sp, cp, counts, s, M, zero, shards, schedule, V, policy, model.sharding)
         peaks[s] = sum(parts[s].values())
-    for s in range(pp):
-        t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node))
+    for s in stages:
+        t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node, model))
         t["pp_comm"] = t["pp_comm"] * V if pp > 1 else 0.0
         times.append(t)
         dps.append(dp_exposed_seconds(stage_params(cfg, tp, counts, s), zero, shards, M, t["forward"],
-                                      2 * t["forward"], hw, dp_node, counts[s], BYTES[cfg.dtype]))
+                                      2 * t["forward"], hw, dp_node, counts[s], BYTES[cfg.dtype], policy, model))
     per_mb = [sum(v for k, v in t.items() if k != "forward") for t in times]
-    slowest = max(range(pp), key=per_mb.__getitem__)
-    fill = (pp - 1) * (sum(per_mb) / pp) / (3 if schedule == "zb-h1" else V if schedule == "interleaved" else 1)
+    slowest = max(range(len(times)), key=per_mb.__getitem__)
+    paced = sum(per_mb) / len(per_mb) if model.stages else per_mb[slowest]  # the fill and drain's stage time
+    fill = (pp - 1) * paced / (3 if schedule == "zb-h1" else V if schedule == "interleaved" else 1)
     pipeline = M * per_mb[slowest] + fill
     dp_exposed = max(dps)
     step = pipeline + dp_exposed
@@ -204,7 +243,7 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, sche
             "virtual_stages": V, "microbatches": M, "policy": policy, "split": split, "stage_layers": list(counts),
             "peak_bytes": peak, "fits": peak <= capacity, "busiest_stage": busiest,
             "peak_parts": parts[busiest], "stage_peak_bytes": {str(s): b for s, b in peaks.items()},
-            "slowest_stage": slowest, "step_seconds": step, "mfu": model_flops / (gpus * hw.matmul * step),
+            "slowest_stage": list(stages)[slowest], "step_seconds": step, "mfu": model_flops / (gpus * hw.matmul * step),
             "tokens_per_second": tokens / step, "terms_seconds": terms}
 
 
@@ -215,7 +254,7 @@ def model_forward_flops(cfg, seq):
     return cfg.layers * sum(op.flops for op in ops) + 2 * seq * cfg.hidden * cfg.vocab
 
 
-def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even"):
+def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even", model=FULL_MODEL):
     """Whether a split can take this ZeRO stage and schedule: ZeRO needs ranks to shard over; interleaving needs
     equal chunks, M a multiple of p and the layers in whole chunks: L % (p V) == 0 for the even split (Megatron's
     virtual stages), (L + 2) % (p V) == 0 for the lighter ends, where the embedding and the head each take a
@@ -223,24 +262,30 @@ def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even"):
     projection and the loss); ZB-H1 at least p micro-batches."""
     if zero != "0" and dp * cp == 1 or pp == 1 and schedule != "1f1b":
         return False
+    if schedule == "interleaved" and not model.stages:
+        return M % pp == 0 and cfg.layers >= pp * V
     if schedule == "interleaved":
         return M % pp == 0 and (cfg.layers + (2 if split == "lighter ends" else 0)) % (pp * V) == 0
     return schedule != "zb-h1" or M >= pp
 
 
-def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=ZERO_STAGES, schedules=SCHEDULES):
-    """(every layout that fits, best first; how many were considered). Attention is priced as a flash kernel."""
+def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
+           model=FULL_MODEL):
+    """(every layout that fits, best first; how many were considered). Attention is priced as a flash kernel; model:
+    which corrections are on (Model)."""
     cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
     check_search(cfg, seq, gpus, tokens, capacity, hw)
     rows, considered = [], 0
     for (tp, cp, pp, dp, M), zero, (schedule, V), policy in itertools.product(
             candidates(cfg, seq, gpus, tokens, hw.node), zero_stages, schedules, policies):
-        for split, sp in itertools.product(splits_for(cfg.layers, pp), (True, False) if tp > 1 else (False,)):
-            if not runs(cfg, cp, pp, dp, M, zero, schedule, V, split):
+        splits = splits_for(cfg.layers, pp) if model.stages else ("even",)
+        sps = ((True, False) if model.overlap else (True,)) if tp > 1 else (False,)
+        for split, sp in itertools.product(splits, sps):
+            if not runs(cfg, cp, pp, dp, M, zero, schedule, V, split, model):
                 continue
             considered += 1
             row = evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy, sp,
-                           split)
+                           split, model)
             if row["fits"]:
                 rows.append(row)
     rows.sort(key=lambda r: (r["step_seconds"], r["peak_bytes"]))
