@@ -243,7 +243,8 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, sche
             "virtual_stages": V, "microbatches": M, "policy": policy, "split": split, "stage_layers": list(counts),
             "peak_bytes": peak, "fits": peak <= capacity, "busiest_stage": busiest,
             "peak_parts": parts[busiest], "stage_peak_bytes": {str(s): b for s, b in peaks.items()},
-            "slowest_stage": list(stages)[slowest], "step_seconds": step, "mfu": model_flops / (gpus * hw.matmul * step),
+            "slowest_stage": list(stages)[slowest], "step_seconds": step,
+            "mfu": model_flops / (gpus * hw.matmul * step),
             "tokens_per_second": tokens / step, "terms_seconds": terms}
 
 
