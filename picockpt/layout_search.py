@@ -4,7 +4,11 @@ stages and a recompute policy; every stage's memory from picockpt/layout_memory.
 below; the layouts that fit ranked by modelled step time.
 
 A micro-batch on one rank of a stage (every stage is priced; the pipeline is paced by the slowest):
-    compute      the stage's layers (and the head on the last), forward F by the roofline (cost.py), backward 2F
+    compute      the stage's layers (and the head on the last), forward F by the roofline (cost.py), backward 2F, and
+                 every micro-batch each weight gradient accumulated into its fp32 buffer: the weight-gradient GEMM
+                 reads and writes 8 bytes a parameter (Megatron's gradient_accumulation_fusion,
+                 fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 into main_grad; FSDP2 accumulates unsharded
+                 gradients in its fp32 reduce dtype too), memory-bound when a micro-batch's rows are few
     recompute    none; cheap: the norms' outputs and SwiGLU's product rebuilt, by their bytes; full: the whole forward
                  again, with its tensor- and context-parallel collectives (Megatron's and torch's full recompute rerun
                  the layer from its input)
@@ -67,15 +71,38 @@ class Model:
         stages     every stage priced, the lighter-ends split, interleaving over whole chunks only; off: the even
                    split, stage 0 and the last alone, interleaving wherever p V <= L
         overlap    Megatron's async backward tensor-parallel collectives, and layouts without sequence parallelism;
-                   off: every tensor-parallel collective exposed, sequence parallelism always"""
+                   off: every tensor-parallel collective exposed, sequence parallelism always
+        accumulation  every micro-batch's weight gradients accumulated into fp32 (8 bytes a parameter read and
+                   written); off: the weight-gradient GEMM writes its 16-bit output once"""
     topology: bool = True
     sharding: bool = True
     recompute: bool = True
     stages: bool = True
     overlap: bool = True
+    accumulation: bool = True
 
 
 FULL_MODEL = Model()
+ACCUMULATOR_BYTES = 4  # the fp32 gradient buffer a weight-gradient GEMM adds into (Megatron's main_grad)
+
+
+def accumulation_seconds(ops, weights, e, hw):
+    """What accumulating the weight gradients into fp32 adds to the backward of `ops`: each weight-gradient GEMM
+    reads and writes its accumulator (2 x 4 bytes a weight) where a plain one writes e bytes, by the roofline.
+    weights: {op name: (weights of each of its kernels, ...)}."""
+    extra = 0.0
+    for op in ops:
+        for (flops, nbytes), count in zip(op.kernels, weights.get(op.name, ())):
+            accumulating = nbytes + (2 * ACCUMULATOR_BYTES - e) * count
+            extra += max(flops / hw.matmul, accumulating / hw.memory) - max(flops / hw.matmul, nbytes / hw.memory)
+    return extra
+
+
+def weight_counts(cfg, tp):
+    """{op name: weights of each matmul kernel} of a layer and the head, on one of tp ranks (as layer_ops splits)."""
+    h, q, kv, f = cfg.hidden, cfg.heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp, cfg.ffn // tp
+    return {"qkv": (h * q, h * kv, h * kv), "o_proj": (q * h,), "gate_up": (h * f, h * f), "down": (f * h,),
+            "logits": (h * cfg.vocab // tp,)}
 
 
 def group_seconds(kind, nbytes, ranks, hw, per_node, model=FULL_MODEL, layers=1):
@@ -146,9 +173,14 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
     (the head if last); "forward" its forward alone. send_node: 2 when the next stage is in the same node, else 1."""
     e, n, h = BYTES[cfg.dtype], seq // cp, cfg.hidden
     sp = sp and tp > 1
-    ops = {op.name: roofline_seconds(op, hw) for op in layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)}
+    layer_kernels = layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)
+    head_kernels = head_ops(cfg, 1, n, tp, sp) if last else ()
+    ops = {op.name: roofline_seconds(op, hw) for op in layer_kernels}
     layer = sum(v for name, v in ops.items() if name != "probs")
-    head = sum(roofline_seconds(op, hw) for op in head_ops(cfg, 1, n, tp, sp)) if last else 0.0
+    head = sum(roofline_seconds(op, hw) for op in head_kernels)
+    weights = weight_counts(cfg, tp)
+    accumulate = (layers * accumulation_seconds(layer_kernels, weights, e, hw)
+                  + accumulation_seconds(head_kernels, weights, e, hw)) if model.accumulation else 0.0
     block = n * h * e  # one block's input or output, the rank's n tokens
     tp_forward = tp_backward = 0.0
     if tp > 1:
@@ -172,7 +204,7 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
     reruns = 1 if policy == "full" else 0  # a full recompute runs the forward's collectives again
     send = group_seconds("p2p", block // (tp if sp else 1), 2, hw, send_node, model)
     forward = layers * layer + head
-    return {"compute": 3 * forward, "recompute": layers * rebuild,
+    return {"compute": 3 * forward + accumulate, "recompute": layers * rebuild,
             "tp_comm": layers * (tp_forward * (1 + reruns) + tp_backward),
             "cp_comm": layers * (cp_ag * (2 + reruns) + cp_rs), "pp_comm": 2 * send, "forward": forward}
 
