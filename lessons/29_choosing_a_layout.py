@@ -314,9 +314,9 @@ for case in cases:
 # since the model runs every kernel at the datasheet's ceiling. And the paper's own choices for its split come
 # out as that split's best variant: interleaving over the lighter first and last stages, with sequence
 # parallelism. At 128K tokens the published split is among the model's fastest, within a few percent of its
-# best. At 8K it is not: the model's best has little or no tensor parallelism and context parallelism in its
-# place, over 64 pipeline stages with ZB-H1, and what separates the two is mostly the tensor-parallel
-# collectives the paper's split pays on every block and the bubble of 16 stages against 64 with ZB-H1.
+# best. At 8K it is not: the model's best has half the tensor parallelism (TP4) and context parallelism (CP4) in
+# its place, over 32 or 64 pipeline stages with ZB-H1, and what separates the two is mostly the tensor-parallel
+# collectives the paper's split pays on every block and the bubble of its 16 interleaved stages against ZB-H1's.
 
 # %%
 print("summary (modelled, H100 datasheet ceilings; reported: Llama 3 paper, Table 4):")
@@ -332,7 +332,7 @@ print(f"  modelled MFU above the reported one in every case: {above}")
 # %% [markdown]
 # ## 5. How the published layouts' ranks move as each term is corrected
 #
-# The model above is the last of six. The first is the simpler model this lesson used to teach; each of the next
+# The model above is the last of seven. The first is the simpler model this lesson used to teach; each of the next
 # turns on one correction (`layout_search.Model`, whose fields name them) and searches again:
 #
 # - **topology**: collectives by the links their group crosses and NCCL's choice of ring, tree or PAT, and FSDP's
@@ -347,10 +347,13 @@ print(f"  modelled MFU above the reported one in every case: {above}")
 # - **stages**: every stage priced, the paper's lighter first and last stages, interleaving only over whole chunks
 #   ($L$ or, with the embedding and the head in a layer's place, $L + 2$ a multiple of $pV$);
 # - **overlap**: Megatron's async backward tensor-parallel collectives hidden under their GEMMs, and layouts without
-#   sequence parallelism.
+#   sequence parallelism;
+# - **accumulation**: every micro-batch's weight gradients added into an fp32 buffer, 8 bytes a weight read and
+#   written (Megatron's `gradient_accumulation_fusion` into `main_grad`), the per-micro-batch cost that grows with
+#   the micro-batches and, on a rank's few rows, makes the weight-gradient GEMM memory-bound.
 
 # %%
-CORRECTIONS = ("topology", "sharding", "recompute", "stages", "overlap")
+CORRECTIONS = ("topology", "sharding", "recompute", "stages", "overlap", "accumulation")
 
 
 def correction_models():
@@ -369,14 +372,15 @@ for name, step in ladder:
 
 # %% [markdown]
 # (modelled) The simpler model put the paper's 8K split 16th and 19th of the distinct splits, at 1.12x and
-# 1.15x the best's step, and its 128K split first. The corrections do not bring the 8K split closer: collectives
-# by topology make data parallelism over whole nodes eight times cheaper and context parallelism's small K/V
-# gathers cheaper still, which helps the layouts the model already preferred more than the paper's; the
-# sharding, recompute and stages corrections move little, since the split's best variant recomputes only the
-# cheap elementwise outputs; and overlap, which hides half of the tensor-parallel backward, lifts the paper's
-# split most (its MFU from 64% to 69% at 8,192 GPUs) and ranks it a few places higher, but not near the top.
-# Each correction is one a framework really makes; none was chosen for the rank it gives. The published 8K
-# split ends at 19th and 25th, 1.18x and 1.23x the best; the 128K split second, 1.03x.
+# 1.15x the best's step, and its 128K split first. Collectives by topology make data parallelism over whole nodes
+# eight times cheaper and context parallelism's small K/V gathers cheaper still, which helps the layouts the model
+# already preferred more than the paper's: 21st and 26th. The sharding, recompute and stages corrections move
+# little, since the split's best variant recomputes only the cheap elementwise outputs; and overlap, which hides
+# half of the tensor-parallel backward, lifts the paper's split most (its MFU from 64% to 69% at 8,192 GPUs).
+# Accumulation, the fp32 gradient traffic every micro-batch pays, takes from the layouts of many micro-batches on
+# few rows (tensor parallelism 1 or 2 with context parallelism 8 or 16) what the datasheet's rates gave them for
+# free. Each correction is one a framework really makes; none was chosen for the rank it gives. The published 8K
+# split ends at 16th and 16th, 1.12x and 1.17x the best; the 128K split second, 1.03x.
 #
 # ## 6. The paper's word against the memory model: 8K without activation checkpointing
 #
@@ -428,7 +432,7 @@ paper_way = next(r for r in no_recompute[8192] if (r["zero"], r["schedule"]) == 
 #
 # - **Datasheet ceilings.** Every kernel runs at the H100's peak matmul rate or peak bandwidth. Real GEMMs
 #   reach a fraction of the peak, different for each shape, lower for short sequence chunks: the model's best 8K
-#   layouts give each rank 512 to 1,024 tokens and the paper's 8,192. The reported MFU of the published layout is
+#   layouts give each rank 2,048 tokens (CP4) and the paper's 8,192. The reported MFU of the published layout is
 #   a fraction of the modelled one (printed below), and that fraction is not the same for every layout.
 # - **Overlap that costs.** The data-parallel traffic hidden behind the compute, and the tensor-parallel
 #   collectives hidden under their GEMMs, share the GPU's memory bandwidth and SMs with it; the model hides them
@@ -436,7 +440,8 @@ paper_way = next(r for r in no_recompute[8192] if (r["zero"], r["schedule"]) == 
 # - **NCCL beyond its tuning table.** NVLink SHARP and CollNet, the LL and LL128 protocols, the topology
 #   search's real channel counts and the network's own latency are left out; the bus rates are datasheet ones.
 # - **Per-micro-batch costs beyond the exchanges.** Kernel launches, the host's scheduling between micro-batches
-#   and the embedding's lookup are not priced: 64 stages with 256 micro-batches pay only their sends.
+#   and the embedding's lookup are not priced: 64 stages with 256 micro-batches pay only their sends and their
+#   gradients' fp32 accumulation.
 # - **Stragglers and the optimizer step.** At 16,384 GPUs the slowest rank paces every collective; the
 #   optimizer's own step is outside the terms.
 # - **The reserve.** The CUDA context, NCCL's buffers and the allocator's fragmentation are an assumption

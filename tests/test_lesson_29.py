@@ -168,7 +168,7 @@ def test_the_things_the_prose_says_hold_in_every_case(prose, table_4):
         assert row["mfu"] > reported and splits[0]["mfu"] >= row["mfu"]
         assert row["schedule"] == "interleaved" and row["split"] == "lighter ends" and row["sp"]
         if seq == 8192:
-            assert splits[0]["cp"] > 1 and row["cp"] == 1 and splits[0]["tp"] < 8 and splits[0]["pp"] == 64
+            assert splits[0]["cp"] > 1 and row["cp"] == 1 and splits[0]["tp"] < 8 and splits[0]["pp"] >= 32
             assert splits[0]["policy"] in ("none", "cheap") and splits[0]["schedule"] == "zb-h1"
         else:
             assert rank <= 3 and row["step_seconds"] / splits[0]["step_seconds"] < 1.05
@@ -188,7 +188,7 @@ def test_the_ladder_of_corrections(lesson, prose, cfg, cases):
     numbers are the ladder's (the overlap rung's MFU at 8,192 GPUs against the stages rung's)."""
     models = dict(lesson.correction_models())
     assert list(models) == ["the simpler model"] + [f"+ {name}" for name in lesson.CORRECTIONS]
-    assert models["+ overlap"] == lesson.Model()
+    assert models["+ accumulation"] == lesson.Model()
     first = lesson.table_4_cases(cfg, models["the simpler model"])
     assert [(c["rank"], round(c["ratio"], 2)) for c in first] == [(16, 1.12), (19, 1.15), (1, 1.0)]
     said = sentence(prose, "The simpler model put the paper's 8K split")
