@@ -39,8 +39,9 @@ from picockpt.collectives import (BASE_LATENCY, BUS_FACTOR, NVLINK_LATENCY, algo
                                   chosen_algorithm, collective_seconds)
 from picockpt.cost import HARDWARE, bubble_idle, head_ops, layer_ops, roofline_seconds
 from picockpt.layout_memory import ZERO_STAGES, split_layers, stage_params
-from picockpt.layout_search import (LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, TERMS, Model, distinct_splits, evaluate,
+from picockpt.layout_search import (LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, TERMS, distinct_splits, evaluate,
                                     rank_of, runs, search, split_of)
+from picockpt.layout_time import Model
 from picockpt.plotting import save_figure
 
 HW = HARDWARE["h100"]  # datasheet ceilings (picockpt/hardware.py), 8 GPUs a node
@@ -264,7 +265,7 @@ for name, idle in bubbles.items():
 # fill and drain pass once through every stage. A row's `terms_seconds` say where its step goes: compute
 # (forward and backward at the roofline), recompute, the exposed tensor-, context- and pipeline-parallel
 # communication (Megatron's async backward collectives hide under their GEMMs as far as they last), the bubble,
-# and the data-parallel traffic that does not hide. (`layout_search.py`'s docstring lists every term, each with
+# and the data-parallel traffic that does not hide. (`layout_time.py`'s docstring lists every term, each with
 # its source.) A split is ranked by its best variant, among the distinct splits.
 
 # %%
@@ -333,7 +334,7 @@ print(f"  modelled MFU above the reported one in every case: {above}")
 # ## 5. How the published layouts' ranks move as each term is corrected
 #
 # The model above is the last of seven. The first is the simpler model this lesson used to teach; each of the next
-# turns on one correction (`layout_search.Model`, whose fields name them) and searches again:
+# turns on one correction (`layout_time.Model`, whose fields name them) and searches again:
 #
 # - **topology**: collectives by the links their group crosses and NCCL's choice of ring, tree or PAT, and FSDP's
 #   one collective a layer (section 2), where the simpler model ran every group that leaves a node as one ring at

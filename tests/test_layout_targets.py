@@ -6,7 +6,7 @@ cases. Where the model misses a target its gap is stated here and asserted as me
     8,192 GPUs, 8K, TP8 CP1 PP16 DP64       16 of 261        1.12        69.0% (43%)
     16,384 GPUs, 8K, TP8 CP1 PP16 DP128     16 of 278        1.17        60.8% (41%)
     16,384 GPUs, 128K, TP8 CP16 PP16 DP8     2 of 220        1.03        60.9% (38%)
-    (before the corrections of layout_search.Model: 16 at 1.12x, 63.5%; 19 at 1.15x, 56.1%; 1 at 1.00x, 57.9%)
+    (before the corrections of layout_time.Model: 16 at 1.12x, 63.5%; 19 at 1.15x, 56.1%; 1 at 1.00x, 57.9%)
 
 At 8K the model prefers less tensor parallelism (TP4) with context parallelism over 32 or 64 pipeline stages: at
 datasheet rates short sequence chunks cost it little (only their weight gradients' fp32 accumulation every

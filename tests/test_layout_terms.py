@@ -8,7 +8,8 @@ from picockpt import Config
 from picockpt.collectives import collective_seconds
 from picockpt.cost import HARDWARE, layer_ops, roofline_seconds
 from picockpt.layout_memory import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, reserve_bytes, split_layers, stage_bytes
-from picockpt.layout_search import evaluate, microbatch_seconds, runs
+from picockpt.layout_search import evaluate, runs
+from picockpt.layout_time import Model, microbatch_seconds
 
 H100 = HARDWARE["h100"]
 GIB = 2**30
@@ -107,7 +108,6 @@ def test_every_micro_batch_accumulates_its_weight_gradients_in_fp32():
     """Megatron's gradient_accumulation_fusion: each weight-gradient GEMM adds into an fp32 main_grad, reading and
     writing 8 bytes a weight. On 8,192 rows a layer's GEMMs stay compute-bound and it costs nothing; on a context-
     parallel rank's 512 rows it is memory-bound and adds about 40% to the micro-batch's compute."""
-    from picockpt.layout_search import Model
     plain = Model(accumulation=False)
     for tp, cp, bound in ((8, 1, 1.001), (1, 16, 1.3)):
         with_it, without = (microbatch_seconds(BIG, 8192, tp, True, cp, 2, False, "none", H100, 1, m)["compute"]
