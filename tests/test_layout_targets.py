@@ -22,7 +22,7 @@ from picockpt.layout_search import LLAMA3_405B_TABLE_4, distinct_splits, rank_of
 H100 = HARDWARE["h100"]
 GIB = 2**30
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # conftest.py; five searches, ~25 s
 
 
 @pytest.fixture(scope="module")
