@@ -12,10 +12,11 @@ its micro-batches in flight store, and a reserve for what no closed form counts.
                                       bf16 weights and fp32 gradients whole, fp32 master and moments sharded
                    2       2 + 16/d   gradients reduce-scattered every micro-batch, so they stay sharded
                    3       16/d       FSDP: everything sharded; the bf16 weights of two layers gathered at a time
-                   3+keep  6 + 16/d   FSDP2 without resharding after the forward (its pipelined default): the gathered
-                                      bf16 weights (its mixed precision's param_dtype) kept for the step, and under
-                                      pipelining the unsharded gradients accumulated in the reduce dtype (fp32)
-                                      until the last micro-batch's backward reduce-scatters them
+                   3+keep  6 + 16/d   FSDP2 without resharding after the forward (torchtitan's default with
+                                      pipelining): the gathered bf16 weights (its mixed precision's param_dtype)
+                                      kept for the step, and under pipelining the unsharded gradients accumulated
+                                      in the reduce dtype (fp32) until the last micro-batch's backward
+                                      reduce-scatters them
     activations  pipeline_parallel/pp_inventory.py's stage_plan on the stage's layers and seq/cp tokens: (w - 1) E +
                  the micro-batch's own peak, w = min(p - s, M) in flight under 1F1B; interleaving adds (p - 1)/(p V)
                  on stage 0 (Korthikanti et al. 2022, sec. 4.2.3); ZB-H1 adds what stage s's s waiting W's read
