@@ -4,18 +4,19 @@
 # Lessons 14 to 19 counted bytes: what each rank of a tensor-, context-, pipeline- or data-parallel layout
 # stores, and what it sends. Bytes decide whether a layout *fits*; among the layouts that fit, time decides
 # which to train with. This lesson prices one training step of Llama 3 405B in seconds, from the bottom up,
-# with the three formulas of `picockpt/cost.py`, and then lets `picockpt/layout_search.py` try every layout
-# of 8,192 and 16,384 GPUs:
+# with the formulas of `picockpt/cost.py` and `picockpt/collectives.py`, and then lets
+# `picockpt/layout_search.py` try every layout of 8,192 and 16,384 GPUs:
 #
 # 1. **an op** takes the longer of its matmul FLOPs over the matmul rate and its bytes moved over the memory
 #    bandwidth (the roofline, Williams et al. 2009, "Roofline: an insightful visual performance model");
-# 2. **a collective** takes $\alpha + \text{wire bytes} / \text{link bandwidth}$: the bus factors of a ring
-#    ($2(n-1)/n$ of an all-reduce's size on each rank's link, $(n-1)/n$ of an all-gather's or a
-#    reduce-scatter's), and for $\alpha$ NCCL's own tuning model of its ring (`src/graph/tuning.cc`: a base
-#    latency a call, then a latency a step, higher between nodes than inside one);
+# 2. **a collective** takes $\alpha + \text{bus bytes} / \text{bus rate}$, for the algorithm NCCL would choose:
+#    the bus factors ($2(n-1)/n$ of an all-reduce's size on each rank's link, $(n-1)/n$ of an all-gather's or a
+#    reduce-scatter's), the rate of the links the group crosses (NVLink inside a node, the node's NICs shared by
+#    the group's members there), and NCCL's own tuning model (`src/graph/tuning.cc`) of its ring, tree and PAT
+#    algorithms for $\alpha$ and the choice;
 # 3. **the pipeline** idles while it fills and drains: the bubble (Narayanan et al. 2021, sec. 2.2).
 #
-# Everything below is **modelled**: no GPU runs, and the whole lesson takes seconds on a CPU. The rates are
+# Everything below is **modelled**: no GPU runs, and the whole lesson takes under a minute on a CPU. The rates are
 # datasheet ceilings from `picockpt/hardware.py`, which cites each (H100 SXM: dense BF16 tensor cores, HBM3
 # bandwidth; one direction of NVLink 4 inside a node of 8; one NDR InfiniBand port a GPU between nodes). A
 # ceiling is never reached, so every modelled time is a lower bound and every modelled MFU an upper one; the
@@ -23,7 +24,7 @@
 # paper's (Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 4): three layouts, each with the
 # TFLOPs a GPU and the BF16 MFU the paper reports.
 #
-# **Run it** as a script, `python lessons/29_choosing_a_layout.py` (seconds; `--fast` is the same
+# **Run it** as a script, `python lessons/29_choosing_a_layout.py` (under a minute; `--fast` is the same
 # model with a coarser size sweep in the figure), or step through this notebook, where the same flags come from
 # the environment variable `PICOCKPT_LESSON_ARGS` (unset: the CPU run).
 
@@ -34,10 +35,13 @@ import numpy as np
 from _check import check
 from _lesson import choose, lesson_args, wrote
 from picockpt import Config
-from picockpt.cost import (HARDWARE, NCCL_BASE_LATENCY, NCCL_NVLINK_STEP, WIRE, bubble_idle, collective_seconds,
-                           head_ops, layer_ops, roofline_seconds)
-from picockpt.layout_search import (LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, STATE_BYTES, ZERO_STAGES, evaluate,
-                                    rank_of, runs, search, stage_params)
+from picockpt.collectives import (BASE_LATENCY, BUS_FACTOR, NVLINK_LATENCY, algorithm_seconds, bus_rate,
+                                  chosen_algorithm, collective_seconds)
+from picockpt.cost import HARDWARE, bubble_idle, head_ops, layer_ops, roofline_seconds
+from picockpt.layout_memory import ZERO_STAGES, split_layers, stage_params
+from picockpt.layout_search import (LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, TERMS, distinct_splits, evaluate,
+                                    rank_of, runs, search, split_of)
+from picockpt.layout_time import Model
 from picockpt.plotting import save_figure
 
 HW = HARDWARE["h100"]  # datasheet ceilings (picockpt/hardware.py), 8 GPUs a node
@@ -45,7 +49,6 @@ CAPACITY = 80 * 2**30  # bytes of one H100's memory, as `--gpu-gib 80` gives it
 TOKENS = 2**24  # 16M tokens a step, the Llama 3 paper's batch: 2,048 sequences of 8,192
 SEQ, TP = 8192, 8
 H200_GIB = 140  # nvidia-smi: 143,771 MiB on an H200, rounded down (lesson 01's explorer uses the same)
-TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_exposed")
 TERM_COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "tp_comm": "#55A868", "cp_comm": "#64B5CD",
                "pp_comm": "#8172B3", "bubble": "#C44E52", "dp_exposed": "#937860"}
 
@@ -125,60 +128,99 @@ print(f"  the layer: {sum(row[5] for row in layer) * 1e3:.2f} ms modelled, {memo
 # a framework that fuses them pays nothing for it. The elementwise kernels are a few percent of the layer's
 # modelled time; the matmuls' FLOPs are the step.
 #
-# ## 2. One collective: latency against bandwidth
+# ## 2. One collective: which links, which algorithm
 #
-# `collective_seconds(kind, nbytes, ranks, hw, across_nodes)` is $\alpha + \text{wire bytes} / \beta$, with
-# $\alpha$ = NCCL's base latency plus a latency for each of the ring's steps ($n - 1$ for an all-gather or a
-# reduce-scatter), a step over NVLink inside a node or over the network between nodes. Two of the step's
-# collectives, at Llama 3 405B's shapes: the all-gather of one block's input over the 8 tensor-parallel ranks
-# of a node (sequence parallelism: $s \cdot h$ bf16 elements gathered), and the reduce-scatter of a pipeline
-# stage's fp32 gradients over the 128 data-parallel ranks that hold the same weights at 16,384 GPUs, one per
-# node. The message size at which the two terms are equal is $\alpha \cdot \beta$ / (the bus factor).
+# `collective_seconds(kind, nbytes, ranks, hw, per_node)` (in `picockpt/collectives.py`) prices one collective
+# over `ranks` GPUs of which `per_node` share each node. Two things decide it.
+#
+# **The links.** Inside a node the ranks talk over NVLink. Between nodes each GPU has its own NIC, one NDR
+# InfiniBand port (DGX H100), and NCCL builds several rings or trees, one a channel, over all of a node's NICs:
+# a group with $k$ members in each node moves $k$ NICs' worth between nodes. A ring enters and leaves each node
+# once a channel, so its bus rate is NVLink's inside one node and $\min(\text{NVLink}, k \cdot \text{NIC})$ across
+# nodes. Data parallelism over whole nodes ($k = 8$) runs at 400 GB/s, eight times a group with one member a node.
+#
+# **The algorithm.** NCCL's tuner (`src/graph/tuning.cc`) gives each algorithm a latency and a bandwidth and
+# runs the one of least predicted time. For the Simple protocol: the *ring* pays a base of 8.4 µs and a latency a
+# step, 3.4 µs over NVLink and 14.0 µs between nodes (the value since NCCL 2.18.1; 9.6 µs before), over $n - 1$
+# steps for an all-gather or a reduce-scatter, $2(n-1)$ for an all-reduce; the *tree* (all-reduce only) pays
+# $2((k-1) \cdot 4.0 + \log_2 N \cdot 14.0)$ µs over $N$ nodes and runs at about half the bus rate; *PAT* (all-gather
+# and reduce-scatter, only with one GPU a node, since NCCL 2.23) pays $\log_2 N \cdot 14.0/3.5 + 2.8 n$ µs and
+# runs at 0.75 of the bus rate. NVLink SHARP and CollNet, which need switch support, and the LL and LL128
+# protocols, which win only on small messages, are left out.
+#
+# Four collectives of a step at Llama 3 405B's shapes: the all-gather of one block's input over the 8
+# tensor-parallel ranks of a node (sequence parallelism: $s \cdot h$ bf16 elements gathered), the pipeline's send
+# of one activation to the next node, and the reduce-scatter of one layer's fp32 gradients of a pipeline stage
+# over 128 data-parallel ranks (FSDP issues one a layer), one a node as in the paper's 16,384-GPU layout and
+# eight a node. The crossover is the size at which the ring's bandwidth term equals its $\alpha$.
 
 # %%
-def split(kind, nbytes, ranks, hw, across):
-    """(alpha seconds, bandwidth seconds) of one collective: the time of an empty one, and the rest."""
-    alpha = collective_seconds(kind, 0, ranks, hw, across)
-    return alpha, collective_seconds(kind, nbytes, ranks, hw, across) - alpha
+def split(kind, nbytes, ranks, hw, per_node):
+    """(algorithm, alpha seconds, bandwidth seconds) of the algorithm NCCL would choose for this collective."""
+    if kind == "p2p":
+        alpha = collective_seconds(kind, 0, ranks, hw, per_node)
+        return "send", alpha, collective_seconds(kind, nbytes, ranks, hw, per_node) - alpha
+    algorithm, total = chosen_algorithm(kind, nbytes, ranks, hw, per_node)
+    alpha = algorithm_seconds(kind, 0, ranks, hw, per_node)[algorithm]
+    return algorithm, alpha, total - alpha
 
 
-def crossover_bytes(kind, ranks, hw, across):
-    """The size at which the bandwidth term equals alpha: below it, latency dominates."""
-    alpha, _ = split(kind, 0, ranks, hw, across)
-    return alpha * (hw.network if across else hw.nvlink) / WIRE[kind](ranks)
+def crossover_bytes(kind, ranks, hw, per_node):
+    """The size at which the ring's bandwidth term equals its alpha: below it, latency dominates."""
+    if kind == "p2p":
+        _, alpha, _ = split(kind, 0, ranks, hw, per_node)
+        return alpha * (hw.nvlink if per_node > 1 else hw.network)
+    alpha = algorithm_seconds(kind, 0, ranks, hw, per_node)["ring"]
+    return alpha * bus_rate(ranks, per_node, hw) / BUS_FACTOR[kind](ranks)
 
 
-stage_grad = stage_params(cfg, TP, 0, 16) * STATE_BYTES["grad"]  # stage 0 of pp = 16: its fp32 gradients
-messages = (("tp all-gather, 8 ranks, NVLink", "all_gather", SEQ * cfg.hidden * 2, 8, False),
-            ("pp send of one activation", "p2p", SEQ * cfg.hidden * 2 // TP, 2, True),
-            ("dp reduce-scatter, 128 ranks, IB", "reduce_scatter", stage_grad, 128, True))
-print(f"  {'collective':<34}{'bytes':>16}{'alpha us':>10}{'bandwidth us':>14}{'alpha share':>13}{'crossover MB':>14}")
-for name, kind, nbytes, ranks, across in messages:
-    alpha, band = split(kind, nbytes, ranks, HW, across)
-    print(f"  {name:<34}{nbytes:>16,}{alpha * 1e6:>10.1f}{band * 1e6:>14.1f}{alpha / (alpha + band):>13.1%}"
-          f"{crossover_bytes(kind, ranks, HW, across) / 1e6:>14.1f}")
-tp_crossover = crossover_bytes("all_gather", 8, HW, False)
-dp_crossover = crossover_bytes("reduce_scatter", 128, HW, True)
+def switch_bytes(kind, ranks, hw, per_node, low=1.0, high=2.0**40):
+    """(size, small's algorithm, large's algorithm): where NCCL's choice changes, by bisection on the size."""
+    small = chosen_algorithm(kind, low, ranks, hw, per_node)[0]
+    for _ in range(80):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if chosen_algorithm(kind, middle, ranks, hw, per_node)[0] == small else (low, middle)
+    return high, small, chosen_algorithm(kind, high, ranks, hw, per_node)[0]
+
+
+counts_16 = split_layers(cfg.layers, 16, "lighter ends")  # 7, 8 x 14, 7: the paper's lighter first and last stages
+layer_grad = stage_params(cfg, TP, counts_16, 1) * 4 // counts_16[1]  # one layer's fp32 gradients, stage 1
+messages = (("tp all-gather, 8 ranks, NVLink", "all_gather", SEQ * cfg.hidden * 2, 8, 8),
+            ("pp send of one activation", "p2p", SEQ * cfg.hidden * 2 // TP, 2, 1),
+            ("dp reduce-scatter, 128, 1 a node", "reduce_scatter", layer_grad, 128, 1),
+            ("dp reduce-scatter, 128, 8 a node", "reduce_scatter", layer_grad, 128, 8))
+print(f"  {'collective':<34}{'bytes':>15}{'algorithm':>10}{'alpha us':>10}{'bandwidth us':>14}{'alpha share':>13}"
+      f"{'crossover MB':>14}")
+for name, kind, nbytes, ranks, per_node in messages:
+    algorithm, alpha, band = split(kind, nbytes, ranks, HW, per_node)
+    print(f"  {name:<34}{nbytes:>15,}{algorithm:>10}{alpha * 1e6:>10.1f}{band * 1e6:>14.1f}"
+          f"{alpha / (alpha + band):>13.1%}{crossover_bytes(kind, ranks, HW, per_node) / 1e6:>14.1f}")
+tp_crossover = crossover_bytes("all_gather", 8, HW, 8)
+dp_one, dp_eight = (split("reduce_scatter", layer_grad, 128, HW, k) for k in (1, 8))
+pat_switch = switch_bytes("reduce_scatter", 128, HW, 1)
+tree_switch = switch_bytes("all_reduce", 1024, HW, 8)
+print(f"  NCCL's choice changes: reduce-scatter over 128 nodes, one GPU each: {pat_switch[1]} below "
+      f"{pat_switch[0] / 1e6:.0f} MB, {pat_switch[2]} above; all-reduce over 1,024 GPUs, 8 a node: {tree_switch[1]} "
+      f"below {tree_switch[0] / 1e9:.1f} GB, {tree_switch[2]} above")
 
 # %% [markdown]
-# (modelled) The tensor-parallel all-gather of 268 MB spends 32 µs on latency and half a millisecond
-# on bandwidth; the data-parallel reduce-scatter of a stage's 13.8 GB of gradients spends 1.8 ms on latency (127
-# ring steps between nodes, 14.0 µs each) and a quarter of a second on bandwidth. Both are bandwidth-bound: at these
-# shapes $\alpha$ is a rounding error. Latency dominates below the crossover, 16.6 MB for the all-gather inside a
-# node and 90.0 MB for the reduce-scatter over 128 nodes: a ring's $\alpha$ grows with its ranks, so the larger the
-# group, the larger a message must be before the link's bandwidth is what it waits for. That is why frameworks
-# bucket gradients into large messages, and why NCCL's tuning model also prices a tree for an all-reduce over many
-# nodes, whose latency grows with the logarithm of the ranks rather than with their number (this model prices every
-# collective as a ring). A pipeline's send of one activation, 33.6 MB over one network hop, is bandwidth-bound too:
-# its $\alpha$ is one step's, 22 µs, and its crossover about a megabyte.
+# (modelled) The tensor-parallel all-gather of 268 MB spends 32 µs on latency and half a millisecond on
+# bandwidth. One layer's gradients of a stage, 1.6 GB in fp32, reduce-scattered over 128 ranks one a node, take
+# 32 ms of bandwidth at one NIC's 50 GB/s; the same over 128 ranks packed eight a node take 4.0 ms, eight times
+# less: the node's eight NICs carry its share. Latency dominates below the crossover, 16.6 MB for the all-gather
+# inside a node and 90.0 MB for the reduce-scatter over 128 nodes: a ring's $\alpha$ grows with its ranks, so
+# the larger the group, the larger a message must be before the link's bandwidth is what it waits for. That is
+# why NCCL also offers algorithms whose latency grows with the logarithm of the nodes: over 128 nodes of one
+# GPU each, PAT's 394 µs of latency beats the ring's 1,786 µs below about 204 MB, and the ring's fuller bandwidth
+# wins above; over 1,024 GPUs eight a node the tree wins an all-reduce below about 30 GB. A pipeline's send of
+# one activation, 33.6 MB over one network hop, is bandwidth-bound too: its $\alpha$ is one step's, 22 µs, and
+# its crossover about a megabyte.
 #
-# The latencies are NCCL's own constants (NVIDIA/nccl, `src/graph/tuning.cc`): a base latency of 8.4 µs a
-# call for the ring's Simple protocol, and a step latency of 3.4 µs over NVLink and 14.0 µs over the network,
-# the value since NCCL 2.18.1 (9.6 µs before). Two refinements are not modelled. Since NCCL 2.23 a group with
-# one GPU a node takes the network step latency of the tree (also 14 µs for Simple), and for such groups
-# NCCL may run an all-gather or a reduce-scatter with PAT (its parallel aggregated trees, latency logarithmic
-# in the nodes) rather than a ring; a group with several GPUs a node runs its ring over NVLink inside the
-# node and uses all of the node's NICs between nodes.
+# The latencies are NCCL's own constants (NVIDIA/nccl, `src/graph/tuning.cc`, `ncclTunerConstantsDefaults`): a
+# base latency of 8.4 µs a call for the ring's Simple protocol, a step latency of 3.4 µs over NVLink and 14.0 µs
+# over the network, the value since NCCL 2.18.1, and PAT's since NCCL 2.23. FSDP pays them once a layer: it
+# issues one all-gather and one reduce-scatter for each unit it wraps, a transformer block in torchtitan
+# (`collectives.per_layer_seconds`).
 #
 # ## 3. The bubble
 #
@@ -211,55 +253,54 @@ for name, idle in bubbles.items():
 # ## 4. The search, and the Llama 3 paper's three layouts
 #
 # `search(cfg, seq, gpus, tokens, capacity_bytes, hw)` tries every split of the GPUs into $t \times c \times p
-# \times d$ (tensor, context, pipeline, data) that the model's shape allows, with every ZeRO stage, 1F1B,
-# interleaved with $V$ = 2 or 4, or ZB-H1 (each backward split into the input's gradient and the weights', the
-# weights' waiting to fill the bubble: idle $(p-1)/(3m+p-1)$ with equal times, stage $s$ holding what $s$ waiting
-# weight passes read; `pipeline_parallel/pp_orders.py` runs both orders on one clock), and each recompute policy in `layout_search.POLICIES` (`none`; `cheap`, the
-# norms and SwiGLU's product rebuilt; `full`, the whole forward again), in the Llama 3 paper's placement order
-# [TP, CP, PP, DP] (tensor parallelism innermost, inside a node). It keeps the layouts whose busiest rank fits
-# in 80 GiB (stage 0: the most layers, the embedding and the most micro-batches in flight; or the last: the
-# head), and ranks them by modelled step time. A row's `terms_seconds` say where its step goes:
-# compute (forward and backward at the roofline), recompute, exposed tensor-, context- and pipeline-parallel
-# communication, the bubble, and the data-parallel traffic that does not hide behind the first forward and
-# the last backward. (`layout_search.py`'s docstring lists every term and what it leaves out.)
+# \times d$ (tensor, context, pipeline, data) that the model's shape allows, with and without sequence
+# parallelism, every ZeRO stage, 1F1B, interleaved with $V$ = 2 or 4, or ZB-H1 (each backward split into the
+# input's gradient and the weights', the weights' waiting to fill the bubble: idle $(p-1)/(3m+p-1)$ with equal
+# times), both splits of the layers over the stages (even, or the paper's lighter first and last stages), and
+# each recompute policy in `layout_search.POLICIES` (`none`; `cheap`, the norms and SwiGLU's product rebuilt;
+# `full`, the whole forward again), in the Llama 3 paper's placement order [TP, CP, PP, DP] (tensor parallelism
+# innermost, inside a node). Every stage is priced (`picockpt/layout_memory.py` for its bytes, with a stated
+# reserve for the CUDA context, NCCL's buffers and the allocator's fragmentation); a layout is kept when its
+# busiest rank fits in 80 GiB, and ranked by modelled step time: the slowest stage paces the micro-batches, the
+# fill and drain pass once through every stage. A row's `terms_seconds` say where its step goes: compute
+# (forward and backward at the roofline), recompute, the exposed tensor-, context- and pipeline-parallel
+# communication (Megatron's async backward collectives hide under their GEMMs as far as they last), the bubble,
+# and the data-parallel traffic that does not hide. (`layout_time.py`'s docstring lists every term, each with
+# its source.) A split is ranked by its best variant, among the distinct splits.
 
 # %%
-def split_of(row):
-    return row["tp"], row["cp"], row["pp"], row["dp"]
-
-
 def layout_text(row):
     schedule = row["schedule"] + (f" V={row['virtual_stages']}" if row["schedule"] == "interleaved" else "")
-    return (f"TP{row['tp']} CP{row['cp']} PP{row['pp']} DP{row['dp']}, ZeRO {row['zero']}, {schedule}, "
-            f"M={row['microbatches']}, {row['policy']}")
+    return (f"TP{row['tp']} CP{row['cp']} PP{row['pp']} DP{row['dp']}{' SP' if row['sp'] else ''}, ZeRO "
+            f"{row['zero']}, {schedule}, M={row['microbatches']}, {row['policy']}, {row['split']}")
 
 
-def split_rank(rows, layout):
-    """The rank of a (tp, cp, pp, dp) split among the distinct splits, each at its best variant."""
-    order = list(dict.fromkeys(split_of(row) for row in rows))
-    return order.index(layout) + 1 if layout in order else None, len(order)
+def table_4_cases(cfg, model=Model(), table=LLAMA3_405B_TABLE_4):
+    """Each Table 4 row searched under `model`: its distinct splits, the published split's rank and row."""
+    out = []
+    for gpus, seq, layout, tflops, reported in table:
+        rows, considered = search(cfg, seq, gpus, TOKENS, CAPACITY, HW, model=model)
+        splits = distinct_splits(rows)
+        rank, published = rank_of(splits, layout)
+        out.append(dict(gpus=gpus, seq=seq, layout=layout, tflops=tflops, reported=reported, rows=rows,
+                        considered=considered, splits=splits, rank=rank, published=published, best=splits[0],
+                        ratio=published["step_seconds"] / splits[0]["step_seconds"]))
+    return out
 
 
-cases = []
-for gpus, seq, layout, tflops, reported in LLAMA3_405B_TABLE_4:
-    rows, considered = search(cfg, seq, gpus, TOKENS, CAPACITY, HW)
+cases = table_4_cases(cfg)
+for case in cases:
+    rows, best, published = case["rows"], case["best"], case["published"]
     assert all(row["fits"] and row["peak_bytes"] <= CAPACITY for row in rows)  # every row kept fits
     assert all(a["step_seconds"] <= b["step_seconds"] for a, b in zip(rows, rows[1:]))  # best first
-    rank, published = rank_of(rows, layout)
-    assert published is not None  # the published split fits in this memory model
-    cases.append(dict(gpus=gpus, seq=seq, layout=layout, tflops=tflops, reported=reported, rows=rows,
-                      considered=considered, rank=rank, published=published, best=rows[0],
-                      split_rank=split_rank(rows, layout)))
-    best = rows[0]
-    print(f"\n{gpus:,} GPUs, {seq:,} tokens a sequence: {considered:,} layouts considered, {len(rows):,} fit "
-          f"(every one within {CAPACITY / 2**30:.0f} GiB: True; sorted by step time: True)")
+    print(f"\n{case['gpus']:,} GPUs, {case['seq']:,} tokens a sequence: {case['considered']:,} layouts considered, "
+          f"{len(rows):,} fit, {len(case['splits'])} distinct splits")
     print(f"  model's best: {layout_text(best)}: peak {best['peak_bytes'] / 2**30:.1f} GiB, step "
           f"{best['step_seconds']:.2f} s, MFU {best['mfu']:.1%} (modelled)")
-    split_place, splits = split_rank(rows, layout)
-    print(f"  published   : {layout_text(published)}: rank #{rank} of {len(rows):,} (split #{split_place} "
-          f"of {splits:,}), peak {published['peak_bytes'] / 2**30:.1f} GiB, step "
-          f"{published['step_seconds']:.2f} s, MFU {published['mfu']:.1%} modelled against {reported:.0%} reported "
-          f"({published['mfu'] * HW.matmul / 1e12:.0f} against {tflops} TFLOPs a GPU)")
+    print(f"  published   : {layout_text(published)}: split #{case['rank']} of {len(case['splits'])}, "
+          f"{case['ratio']:.2f}x the best's step, peak {published['peak_bytes'] / 2**30:.1f} GiB, MFU "
+          f"{published['mfu']:.1%} modelled against {case['reported']:.0%} reported "
+          f"({published['mfu'] * HW.matmul / 1e12:.0f} against {case['tflops']} TFLOPs a GPU)")
     print("  terms, s      " + "".join(f"{t:>11}" for t in TERMS))
     for name, row in (("best", best), ("published", published)):
         print(f"  {name:<14}" + "".join(f"{row['terms_seconds'][t]:>11.3f}" for t in TERMS))
@@ -270,28 +311,155 @@ for gpus, seq, layout, tflops, reported in LLAMA3_405B_TABLE_4:
 
 # %% [markdown]
 # (modelled) The rows above are the model's verdict, and they move whenever one of its terms changes: that
-# is why every term is printed. Read each case for three things: where the published split ranks (`rank_of`
-# gives its best variant), which recompute policy lets it fit, and which terms separate it from the model's
-# best (the last line of each case). The summary below says it in one line a case, from the same rows. Two
-# things hold in all of them. The reported MFU is below the modelled one, since the model runs every kernel at
-# the datasheet's ceiling. And at 8K tokens the model's best layout has context parallelism where the paper's
-# has none: the model prices its K/V all-gathers as a small share of the step, and the activations it splits
-# $c$ ways buy micro-batches that store everything or rebuild only the elementwise outputs (`none` or `cheap`).
+# is why every term is printed. Two things hold in all three cases. The reported MFU is below the modelled one,
+# since the model runs every kernel at the datasheet's ceiling. And the paper's own choices for its split come
+# out as that split's best variant: interleaving over the lighter first and last stages, with sequence
+# parallelism. At 128K tokens the published split is among the model's fastest, within a few percent of its
+# best. At 8K it is not: the model's best has half the tensor parallelism (TP4) and context parallelism (CP4) in
+# its place, over 32 or 64 pipeline stages with ZB-H1, and what separates the two is mostly the tensor-parallel
+# collectives the paper's split pays on every block and the bubble of its 16 interleaved stages against ZB-H1's.
 
 # %%
 print("summary (modelled, H100 datasheet ceilings; reported: Llama 3 paper, Table 4):")
 for c in cases:
     best, pub = c["best"], c["published"]
-    where = ("the model's best split" if c["split_rank"][0] == 1 else
-             f"#{c['rank']} of {len(c['rows']):,} ({c['split_rank'][0]} of {c['split_rank'][1]} splits)")
     print(f"  {c['gpus']:,} GPUs, {c['seq'] // 1024}K: TP{c['layout'][0]} CP{c['layout'][1]} PP{c['layout'][2]} "
-          f"DP{c['layout'][3]} is {where}, policy {pub['policy']}, {pub['mfu']:.1%} MFU modelled against "
-          f"{c['reported']:.0%} reported; the model's best, {layout_text(best)}, {best['mfu']:.1%}")
+          f"DP{c['layout'][3]} is split #{c['rank']} of {len(c['splits'])} at {c['ratio']:.2f}x the best, "
+          f"{pub['mfu']:.1%} MFU modelled against {c['reported']:.0%} reported; the model's best, "
+          f"{layout_text(best)}, {best['mfu']:.1%}")
 above = all(c["published"]["mfu"] > c["reported"] for c in cases)
 print(f"  modelled MFU above the reported one in every case: {above}")
 
+# %% [markdown]
+# ## 5. How the published layouts' ranks move as each term is corrected
+#
+# The model above is the last of seven. The first is the simpler model this lesson used to teach; each of the next
+# turns on one correction (`layout_time.Model`, whose fields name them) and searches again:
+#
+# - **topology**: collectives by the links their group crosses and NCCL's choice of ring, tree or PAT, and FSDP's
+#   one collective a layer (section 2), where the simpler model ran every group that leaves a node as one ring at
+#   one NIC a member, and one collective a stage;
+# - **sharding**: each ZeRO stage's bytes as frameworks hold them (Megatron's distributed optimizer
+#   $6 + 12/d$ bytes a parameter, FSDP2's kept gather in bf16, gradients that stay sharded reduce-scattered every
+#   micro-batch) and the reserve, where the simpler model held 16 bytes of fp32 state a parameter, sharded stage by
+#   stage, beside 16-bit copies;
+# - **recompute**: a full recompute reruns the whole forward, as Megatron's and torch's do, not the forward less
+#   the down projection;
+# - **stages**: every stage priced, the paper's lighter first and last stages, interleaving only over whole chunks
+#   ($L$ or, with the embedding and the head in a layer's place, $L + 2$ a multiple of $pV$);
+# - **overlap**: Megatron's async backward tensor-parallel collectives hidden under their GEMMs, and layouts without
+#   sequence parallelism;
+# - **accumulation**: every micro-batch's weight gradients added into an fp32 buffer, 8 bytes a weight read and
+#   written (Megatron's `gradient_accumulation_fusion` into `main_grad`), the per-micro-batch cost that grows with
+#   the micro-batches and, on a rank's few rows, makes the weight-gradient GEMM memory-bound.
+
 # %%
-fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.2), gridspec_kw={"width_ratios": [2.2, 1]})
+CORRECTIONS = ("topology", "sharding", "recompute", "stages", "overlap", "accumulation")
+
+
+def correction_models():
+    """[(name, Model)]: the simpler model, then each correction turned on in turn, to the full model."""
+    out = [("the simpler model", Model(*(False,) * len(CORRECTIONS)))]
+    for k, name in enumerate(CORRECTIONS, 1):
+        out.append((f"+ {name}", Model(*(True,) * k + (False,) * (len(CORRECTIONS) - k))))
+    return out
+
+
+ladder = [(name, cases if model == Model() else table_4_cases(cfg, model)) for name, model in correction_models()]
+print(f"  {'model':<20}" + "".join(f"{c['gpus']:>7,} GPUs {c['seq'] // 1024:>3}K: split, x best, MFU" for c in cases))
+for name, step in ladder:
+    print(f"  {name:<20}" + "".join(f"{'#' + str(c['rank']):>14} of {len(c['splits'])}, {c['ratio']:.2f}x, "
+                                    f"{c['published']['mfu']:.1%}" for c in step))
+
+# %% [markdown]
+# (modelled) The simpler model put the paper's 8K split 16th and 19th of the distinct splits, at 1.12x and
+# 1.15x the best's step, and its 128K split first. Collectives by topology make data parallelism over whole nodes
+# eight times cheaper and context parallelism's small K/V gathers cheaper still, which helps the layouts the model
+# already preferred more than the paper's: 21st and 26th. The sharding, recompute and stages corrections move
+# little, since the split's best variant recomputes only the cheap elementwise outputs; and overlap, which hides
+# half of the tensor-parallel backward, lifts the paper's split most (its MFU from 64% to 69% at 8,192 GPUs).
+# Accumulation, the fp32 gradient traffic every micro-batch pays, takes from the layouts of many micro-batches on
+# few rows (tensor parallelism 1 or 2 with context parallelism 8 or 16) what the datasheet's rates gave them for
+# free. Each correction is one a framework really makes; none was chosen for the rank it gives. The published 8K
+# split ends at 16th and 16th, 1.12x and 1.17x the best; the 128K split second, 1.03x.
+#
+# ## 6. The paper's word against the memory model: 8K without activation checkpointing
+#
+# Section 3.3.2 of the paper (Grattafiori et al. 2024, "Pipeline parallelism improvements") says the pipeline
+# changes let it pre-train on 8K-token sequences *without activation checkpointing*. Its data parallelism is
+# FSDP that shards the optimizer state and the gradients and does not reshard the weights after the forward:
+# ZeRO 2 in this model. Below, every variant of TP8 CP1 PP16 with the lighter ends and no recomputation, at both
+# sizes: the busiest rank's bytes, part by part.
+
+# %%
+def split_variants(cfg, seq, gpus, layout, policy=None):
+    """Every row evaluate() gives the split under the search's own stages, schedules, policies and splits."""
+    tp, cp, pp, dp = layout
+    M = TOKENS // seq // dp
+    search_cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
+    return [evaluate(search_cfg, seq, gpus, TOKENS, CAPACITY, HW, tp, cp, pp, dp, M, zero, schedule, V, p, sp, split)
+            for zero in ZERO_STAGES for schedule, V in SCHEDULES for p in POLICIES for sp in (True, False)
+            for split in ("even", "lighter ends")
+            if (policy is None or p == policy) and runs(search_cfg, cp, pp, dp, M, zero, schedule, V, split)]
+
+
+no_recompute = {}
+for case in cases[:2]:
+    variants = [r for r in split_variants(cfg, case["seq"], case["gpus"], case["layout"], "none")
+                if r["sp"] and r["split"] == "lighter ends"]
+    no_recompute[case["gpus"]] = variants
+    print(f"TP8 CP1 PP16 DP{case['layout'][3]} at {case['gpus']:,} GPUs, 8K, no recomputation, lighter ends:")
+    for r in sorted(variants, key=lambda r: r["peak_bytes"]):
+        parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in r["peak_parts"].items())
+        schedule = r["schedule"] + (f" V={r['virtual_stages']}" if r["schedule"] == "interleaved" else "")
+        print(f"  ZeRO {r['zero']:<6} {schedule:<16} stage {r['busiest_stage']:>2}: {r['peak_bytes'] / 2**30:5.1f} GiB "
+              f"({parts}) fits: {r['fits']}, MFU {r['mfu']:.1%}")
+paper_way = next(r for r in no_recompute[8192] if (r["zero"], r["schedule"]) == ("2", "1f1b"))
+
+# %% [markdown]
+# (modelled) The memory model agrees with the paper where the paper's sharding is modelled: with ZeRO 2 (or 3)
+# and 1F1B the busiest rank of the 8K split holds about 71 GiB with nothing recomputed, within 80. Its
+# activations are most of it: stage 1 holds 15 micro-batches in flight, each with its 8 layers' activations
+# (Korthikanti et al.'s $34\,sbh/t$ a layer, about half a GiB at $t = 8$). The distributed optimizer (ZeRO 1)
+# keeps the fp32 gradients whole, about 12 GiB more, and does not fit; interleaving, whose stage 0 holds
+# $1 + (p-1)/(pV)$ times as much, fits at $V = 4$ under ZeRO 3, and under ZeRO 2 at 16,384 GPUs but not at 8,192,
+# where it misses by a fraction of a GiB, inside the reserve, which is an assumption. What the model does not
+# reconcile is time: ZeRO 2 reduce-scatters the fp32 gradients every micro-batch, over 64 or 128 nodes one GPU
+# each, which it cannot hide behind one micro-batch's backward, so the search's fastest variant of this split
+# recomputes the cheap elementwise outputs under ZeRO 1 instead. The paper's own schedule, which lets it choose
+# the micro-batches in flight and overlaps its sends, is not in the search's space.
+#
+# ## 7. What the model still cannot see
+#
+# - **Datasheet ceilings.** Every kernel runs at the H100's peak matmul rate or peak bandwidth. Real GEMMs
+#   reach a fraction of the peak, different for each shape, lower for short sequence chunks: the model's best 8K
+#   layouts give each rank 2,048 tokens (CP4) and the paper's 8,192. The reported MFU of the published layout is
+#   a fraction of the modelled one (printed below), and that fraction is not the same for every layout.
+# - **Overlap that costs.** The data-parallel traffic hidden behind the compute, and the tensor-parallel
+#   collectives hidden under their GEMMs, share the GPU's memory bandwidth and SMs with it; the model hides them
+#   for free, as far as they last.
+# - **NCCL beyond its tuning table.** NVLink SHARP and CollNet, the LL and LL128 protocols, the topology
+#   search's real channel counts and the network's own latency are left out; the bus rates are datasheet ones.
+# - **Per-micro-batch costs beyond the exchanges.** Kernel launches, the host's scheduling between micro-batches
+#   and the embedding's lookup are not priced: 64 stages with 256 micro-batches pay only their sends and their
+#   gradients' fp32 accumulation.
+# - **Stragglers and the optimizer step.** At 16,384 GPUs the slowest rank paces every collective; the
+#   optimizer's own step is outside the terms.
+# - **The reserve.** The CUDA context, NCCL's buffers and the allocator's fragmentation are an assumption
+#   (`layout_memory.py` states each), not a measurement of the paper's runs.
+#
+# So: a rank is what this model says of the layouts under its assumptions, a way to ask which terms matter,
+# not a measurement, and not a verdict on a layout that trained a model. To decide between the model's best
+# and the published layout one would profile a few steps of each (lesson 23's measured side; lesson 28's
+# profiling to place checkpoints).
+
+# %%
+efficiency = {f"{c['gpus']:,} GPUs, {c['seq'] // 1024}K": c["reported"] / c["published"]["mfu"] for c in cases}
+print("reported MFU / modelled MFU of the published layout: "
+      + ", ".join(f"{k}: {v:.2f}" for k, v in efficiency.items()))
+
+# %%
+fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 5.2), gridspec_kw={"width_ratios": [2.2, 1, 1]})
 x, labels = 0, []
 for case in cases:
     for name, row in (("best", case["best"]), ("published", case["published"])):
@@ -311,7 +479,7 @@ for i, case in enumerate(cases):
     left.annotate(f"{case['gpus']:,} GPUs, {case['seq'] // 1024}K tokens", (positions[2 * i] + 0.5, 0),
                   xytext=(0, -62), textcoords="offset points", ha="center", fontsize=8, annotation_clip=False)
 left.set_ylabel("seconds a step (modelled, datasheet rates)")
-left.set_title("where a step goes: the model's best layout vs the Llama 3 paper's (Table 4); MFU above each bar",
+left.set_title("where a step goes: the model's best split vs the Llama 3 paper's (Table 4); MFU above each bar",
                fontsize=9)
 left.set_ylim(0, left.get_ylim()[1] * 1.15)
 left.legend(fontsize=7, ncol=7, loc="upper center")
@@ -321,13 +489,27 @@ for j, (what, values, color) in enumerate((
         ("reported (Llama 3 paper, Table 4)", [c["reported"] for c in cases], "#333333"),
         ("published layout, modelled", [c["published"]["mfu"] for c in cases], "#C44E52"),
         ("model's best layout, modelled", [c["best"]["mfu"] for c in cases], "#4C72B0"))):
-    right.bar(np.arange(3) + (j - 1) * width, [v * 100 for v in values], width, color=color, label=what)
-right.set_xticks(range(3), [f"{c['gpus']:,} GPUs\n{c['seq'] // 1024}K" for c in cases], fontsize=8)
-right.set_ylabel("BF16 MFU, %")
-right.set_ylim(0, 85)
-right.legend(fontsize=7, loc="upper left")
-right.grid(alpha=0.3, axis="y")
-right.set_title("MFU: reported vs modelled (a ceiling)", fontsize=9)
+    middle.bar(np.arange(3) + (j - 1) * width, [v * 100 for v in values], width, color=color, label=what)
+middle.set_xticks(range(3), [f"{c['gpus']:,} GPUs\n{c['seq'] // 1024}K" for c in cases], fontsize=8)
+middle.set_ylabel("BF16 MFU, %")
+middle.set_ylim(0, 100)
+middle.legend(fontsize=7, loc="upper left")
+middle.grid(alpha=0.3, axis="y")
+middle.set_title("MFU: reported vs modelled (a ceiling)", fontsize=9)
+steps = np.arange(len(ladder))
+for i, (case, color) in enumerate(zip(cases, ("#4C72B0", "#55A868", "#C44E52"))):
+    ratios = [step[i]["ratio"] for _, step in ladder]
+    right.plot(steps, ratios, "o-", color=color, label=f"{case['gpus']:,} GPUs, {case['seq'] // 1024}K")
+    for k, (_, step) in enumerate(ladder):
+        right.annotate(f"#{step[i]['rank']}", (k, ratios[k]), xytext=(3, 4), textcoords="offset points", fontsize=7,
+                       color=color)
+right.set_xticks(steps, [name.replace("the simpler model", "simpler") for name, _ in ladder], rotation=30,
+                 fontsize=7)
+right.set_ylabel("published split's step / the best split's (modelled)")
+right.set_title("the published split as each correction is turned on\n(its rank among the distinct splits)",
+                fontsize=9)
+right.legend(fontsize=7)
+right.grid(alpha=0.3)
 fig.suptitle("Llama 3 405B on H100 80 GB, 16M tokens a step: every number modelled at datasheet ceilings, "
              "except the reported MFU", fontsize=10)
 fig.tight_layout()
@@ -337,8 +519,9 @@ wrote(paths[-1])
 # %% [markdown]
 # The roofline and the collectives, drawn: each of the layer's kernels at its intensity on the H100's roofline
 # (modelled: attainable FLOP/s = min(matmul rate, intensity x bandwidth); the elementwise kernels, 0 matmul
-# FLOPs, are drawn at their bandwidth-limited time instead), and the two collectives of section 2 against
-# their message size, with $\alpha$ alone as a dashed line.
+# FLOPs, are drawn at their bandwidth-limited time instead), and section 2's all-gather and reduce-scatters
+# against their message size, with each one's $\alpha$ as a dashed line: NCCL's choice, so PAT's lower
+# $\alpha$ shows below the size where the ring takes over.
 
 # %%
 sizes = np.logspace(4, 11, choose(args.mode, fast=15, cpu=57, large=57))
@@ -369,14 +552,14 @@ roof.set_title(f"one Llama 3 405B layer, {SEQ:,} tokens, tp {TP} + sp, on H100 (
                "red: memory-bound)", fontsize=8)
 roof.legend(fontsize=7, loc="upper right")
 roof.grid(alpha=0.3, which="both")
-for (name, kind, _, ranks, across), color in zip(messages[::2], ("#55A868", "#937860")):
-    wire.loglog(sizes, [collective_seconds(kind, s, ranks, HW, across) * 1e6 for s in sizes], "-", color=color,
+for (name, kind, _, ranks, per_node), color in zip(messages[:1] + messages[2:], ("#55A868", "#937860", "#8172B3")):
+    wire.loglog(sizes, [collective_seconds(kind, s, ranks, HW, per_node) * 1e6 for s in sizes], "-", color=color,
                 label=name)
-    wire.axhline(split(kind, 0, ranks, HW, across)[0] * 1e6, color=color, ls="--", lw=1)
-    wire.axvline(crossover_bytes(kind, ranks, HW, across), color=color, ls=":", lw=1)
+    wire.loglog(sizes, [split(kind, s, ranks, HW, per_node)[1] * 1e6 for s in sizes], "--", color=color, lw=1)
+    wire.axvline(crossover_bytes(kind, ranks, HW, per_node), color=color, ls=":", lw=1)
 wire.set_xlabel("message size, bytes (an all-gather's output, a reduce-scatter's input)")
-wire.set_ylabel("µs (modelled: NCCL ring α + bus bytes / link)")
-wire.set_title("one collective: α (dashed) dominates left of the crossover (dotted)", fontsize=9)
+wire.set_ylabel("µs (modelled: NCCL's chosen algorithm, α + bus bytes / bus rate)")
+wire.set_title("one collective: α (dashed) dominates left of the ring's crossover (dotted)", fontsize=9)
 wire.legend(fontsize=7)
 wire.grid(alpha=0.3, which="both")
 fig.tight_layout()
@@ -384,105 +567,6 @@ paths.append(save_figure(fig, "29_roofline_and_collectives"))
 wrote(paths[-1])
 
 # %% [markdown]
-# ## 5. What the model misses, and why it ranks the published layout low
-#
-# First, what the published split must do to fit, at 16,384 GPUs and 8K tokens. The search keeps each split's
-# best variant. Below, every variant of TP8 CP1 PP16 DP128 the search considers, by recompute policy: how many
-# fit, the lowest peak of the busiest rank, and the `none` variants that fit; then the best variant's costs:
-
-# %%
-def split_variants(cfg, seq, gpus, layout):
-    """Every row evaluate() gives the split under the search's own ZeRO stages, schedules and policies."""
-    tp, cp, pp, dp = layout
-    M = TOKENS // seq // dp
-    search_cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
-    return [evaluate(search_cfg, seq, gpus, TOKENS, CAPACITY, HW, tp, cp, pp, dp, M, zero, schedule, V, policy)
-            for zero in ZERO_STAGES for schedule, V in SCHEDULES for policy in POLICIES
-            if runs(search_cfg, cp, pp, dp, M, zero, schedule, V)]
-
-
-case = cases[1]  # 16,384 GPUs at 8K tokens
-variants = split_variants(cfg, case["seq"], case["gpus"], case["layout"])
-print(f"TP8 CP1 PP16 DP128 at 16,384 GPUs (modelled peak of the busiest rank, {CAPACITY / 2**30:.0f} GiB a GPU):")
-for policy in POLICIES:
-    group = [r for r in variants if r["policy"] == policy]
-    fitting = [r for r in group if r["fits"]]
-    lowest = min(group, key=lambda r: r["peak_bytes"])
-    print(f"  {policy:<5} {len(fitting)} of {len(group)} variants fit; lowest peak {lowest['peak_bytes'] / 2**30:.1f} "
-          f"GiB (ZeRO {lowest['zero']}, {lowest['schedule']})" + (
-              "; the fitting ones: " + "; ".join(f"ZeRO {r['zero']} {r['schedule']} V={r['virtual_stages']}: "
-                                                 f"{r['peak_bytes'] / 2**30:.1f} GiB, step {r['step_seconds']:.2f} s "
-                                                 f"(dp_exposed {r['terms_seconds']['dp_exposed']:.2f} s)"
-                                                 for r in fitting) if policy == "none" else ""))
-pub = case["published"]
-none_zero2 = next(r for r in variants if (r["policy"], r["zero"], r["schedule"], r["virtual_stages"])
-                  == ("none", "2", "1f1b", 1))
-print(f"  without recomputation, ZeRO 2, 1F1B, stage 0 would hold {none_zero2['peak_bytes'] / 2**30:.1f} GiB: "
-      f"{TOKENS // case['seq'] // case['layout'][3]} micro-batches in flight, each with every one of its 8 layers' "
-      f"activations")
-print(f"  the best variant, {layout_text(pub)}: {pub['peak_bytes'] / 2**30:.1f} GiB; it spends "
-      f"{pub['terms_seconds']['recompute']:.2f} s recomputing and {pub['terms_seconds']['bubble']:.2f} s in the bubble")
-best = case["best"]
-stores = "without recomputation" if best["policy"] == "none" else f"with {best['policy']} recomputation"
-print(f"  the model's best, {layout_text(best)}: each of its cp = {best['cp']} ranks holds "
-      f"{case['seq'] // best['cp']:,} tokens" + (f" (zigzag halves of {case['seq'] // (2 * best['cp']):,})"
-                                                 if best["cp"] > 1 else "")
-      + f", and {best['microbatches']} micro-batches fit {stores} in {best['peak_bytes'] / 2**30:.1f} GiB; its "
-      f"cp_comm: {best['terms_seconds']['cp_comm']:.2f} s of {best['step_seconds']:.2f} s")
-efficiency = {f"{c['gpus']:,} GPUs, {c['seq'] // 1024}K": c["reported"] / c["published"]["mfu"] for c in cases}
-print("  reported MFU / modelled MFU of the published layout: "
-      + ", ".join(f"{k}: {v:.2f}" for k, v in efficiency.items()))
-
-# %% [markdown]
-# In this memory model the split's stage 0 holds 16 micro-batches in flight, each with 8 layers' activations:
-# without any recomputation that is more than 80 GiB (the `none` line), and the one `none` variant that fits
-# shards its weights with ZeRO 3, whose every micro-batch gathers the stage's weights again over the network
-# (its `dp_exposed`). So the variants that fit recompute something. `cheap` rebuilds the norms' outputs and
-# SwiGLU's product, the memory-bound ops of section 1: their rebuild costs bytes, not FLOPs, hundredths of a
-# second, and drops enough to fit. `full` repeats the whole forward and its tensor-parallel collectives. The
-# model's best layouts instead add context parallelism where they can, which splits every activation $c$ ways
-# at a modelled cost of a few percent of the step. That is the model's opinion, and it rests on the things the
-# model does not see. Table 4 gives the layouts and their throughput, not the ZeRO stage or the schedule
-# behind them. It does say what the 8K runs recomputed: nothing. Section 3.3.2 of the paper (Grattafiori et al.
-# 2024, "Pipeline parallelism improvements") says the pipeline changes let it pre-train on 8K-token sequences
-# *without activation checkpointing*. So at 8K the model above is wrong where it says the published split must
-# recompute to fit: its memory model of that layout (stage 0's in-flight micro-batches at 8 layers each, the
-# paper's lighter first and last stages and its FSDP not modelled) overstates what the run stored, and a
-# measurement of the real layout, not the model's verdict, is the reference.
-#
-# What the model leaves out, each of which moves the ranking:
-#
-# - **Datasheet ceilings.** Every op runs at the H100's peak matmul rate or peak bandwidth. Real GEMMs reach a
-#   fraction of the peak, different for each shape; the reported MFU of the published layout is a fraction of
-#   the modelled one (the ratios printed above), and that fraction is not the same for every layout.
-# - **Short chunks.** Context parallelism at 8K tokens gives each of $c$ ranks $8192/c$ tokens in two zigzag
-#   halves (2,048 at $c = 2$, 1,024 at $c = 4$): flash attention on short query blocks and matmuls with fewer
-#   rows run further below the peak than at 8,192, and each layer waits on K/V all-gathers that the model
-#   prices at the ring's ideal bandwidth. The model treats that as nearly free; a measurement might not.
-# - **Overlap, both ways.** Tensor- and context-parallel collectives are priced as exposed, which frameworks
-#   partly hide behind matmuls (pessimistic); the data-parallel reduce-scatter and gather are priced as hidden
-#   behind one backward and one forward whenever they are shorter (optimistic: they share the network and the
-#   GPU's memory bandwidth with the compute they overlap).
-# - **Stragglers and the optimizer step.** At 16,384 GPUs the slowest rank paces every collective; the
-#   optimizer's own step and the embedding's lookup are outside the terms.
-# - **Interleaving's sends.** The pipeline term counts two sends a micro-batch whatever $V$, where interleaving
-#   sends $V$ times as often (Narayanan et al. 2021); at these shapes `pp_comm` is under a tenth of a second,
-#   a few percent of the step even multiplied by $V$.
-# - **What MFU counts.** The modelled MFU divides the model's FLOPs, the causal half of each attention square
-#   and no recomputation (`layout_search.model_forward_flops`), by the datasheet rate and the modelled step.
-# - **One ring for every collective.** NCCL picks among rings and trees by size and rank count; the model
-#   prices every collective as a ring.
-# - **The layer split.** picockpt's `stage_layers` gives the first 14 of 16 stages 8 layers and the last two 7;
-#   the paper's split holds one layer fewer on the first and last stages. Stage 0 is the busiest rank here,
-#   in memory and in time.
-# - **Memory beyond the closed forms.** The allocator's fragmentation, NCCL's buffers and the CUDA context are
-#   not in the peak; a layout that fits with 2 GiB to spare may not fit on the machine.
-#
-# So: a rank is what this model says of the layouts under its assumptions, a way to ask which terms matter,
-# not a measurement, and not a verdict on a layout that trained a model. To decide between the model's best
-# and the published layout one would profile a few steps of each (lesson 23's measured side; lesson 28's
-# profiling to place checkpoints).
-#
 # ## Exercises
 #
 # **1.** Predict the best layout (tp, cp, pp, dp) for Llama 3 70B at 8,192 tokens a sequence on 1,024 H100s
@@ -490,15 +574,19 @@ print("  reported MFU / modelled MFU of the published layout: "
 # --seq 8192 --gpus 1024 --tokens-per-batch 4M --gpu-gib 80 --hardware h100`.
 
 # %%
-answer = (4, 1, 4, 64)  # (tp, cp, pp, dp)
+answer = (2, 1, 1, 512)  # (tp, cp, pp, dp)
 
 # %%
-small_rows, _ = search(Config.from_preset("llama3-70b", dtype="bf16"), 8192, 1024, 2**22, CAPACITY, HW)
+small_splits = distinct_splits(search(Config.from_preset("llama3-70b", dtype="bf16"), 8192, 1024, 2**22, CAPACITY,
+                                      HW)[0])
+practice = next(i for i, r in enumerate(small_splits, 1) if r["tp"] in (4, 8) and 4 <= r["pp"] <= 8)
 check("the modelled best (tp, cp, pp, dp) of Llama 3 70B, 8K tokens, 1,024 H100s, 4M tokens a step", answer,
-      split_of(small_rows[0]),
-      why=f"search()'s first row: {layout_text(small_rows[0])}, {small_rows[0]['mfu']:.1%} MFU modelled, "
-          f"{small_rows[0]['peak_bytes'] / 2**30:.1f} GiB at its busiest rank; the next other split: "
-          f"{layout_text(next(r for r in small_rows if split_of(r) != split_of(small_rows[0])))}")
+      split_of(small_splits[0]),
+      why=f"search()'s first split: {layout_text(small_splits[0])}, {small_splits[0]['mfu']:.1%} MFU modelled: "
+          f"FSDP's gathers hide behind the compute at datasheet rates. The first split with TP4 or TP8 and 4 to 8 "
+          f"stages, what practice reaches for, is #{practice} of {len(small_splits)}: "
+          f"{layout_text(small_splits[practice - 1])}, "
+          f"{small_splits[practice - 1]['step_seconds'] / small_splits[0]['step_seconds']:.2f}x the best's step")
 
 # %% [markdown]
 # **2.** On H200s (141 GB on the datasheet; nvidia-smi reports 143,771 MiB, about 140 GiB, the capacity lesson
@@ -511,17 +599,17 @@ answer = "none"
 
 # %%
 h200 = HARDWARE["h200"]
-h200_rows, _ = search(cfg, SEQ, 16384, TOKENS, H200_GIB * 2**30, h200)
-_, h200_published = rank_of(h200_rows, (8, 1, 16, 128))
+h200_splits = distinct_splits(search(cfg, SEQ, 16384, TOKENS, H200_GIB * 2**30, h200)[0])
+h200_rank, h200_published = rank_of(h200_splits, (8, 1, 16, 128))
 check(f"the recompute policy of TP8 CP1 PP16 DP128's best variant on H200 ({H200_GIB} GiB)", answer,
       h200_published["policy"],
-      why=f"its best variant stores everything: ZeRO {h200_published['zero']}, {h200_published['schedule']} "
-          f"V={h200_published['virtual_stages']}, {h200_published['peak_bytes'] / 2**30:.1f} GiB, which 80 GiB "
-          f"cannot hold and {H200_GIB} GiB can; recomputing nothing, it models "
-          f"{h200_published['mfu']:.1%} MFU, rank #{rank_of(h200_rows, (8, 1, 16, 128))[0]} of {len(h200_rows):,}")
+      why=f"its best variant stores everything: {layout_text(h200_published)}, "
+          f"{h200_published['peak_bytes'] / 2**30:.1f} GiB, which 80 GiB cannot hold and {H200_GIB} GiB can; "
+          f"recomputing nothing, it models {h200_published['mfu']:.1%} MFU, split #{h200_rank} of "
+          f"{len(h200_splits)}")
 
 # %% [markdown]
-# **3.** Above what message size, in MB, does an all-gather over the 8 GPUs of a node (NVLink 4) spend more
+# **3.** Above what message size, in MB, does a ring all-gather over the 8 GPUs of a node (NVLink 4) spend more
 # time on bandwidth than on latency, in this model?
 
 # %%
@@ -530,8 +618,8 @@ answer = 16.6  # MB
 # %%
 check("the all-gather size, 8 ranks over NVLink, at which alpha equals the bandwidth term (MB)", answer,
       tp_crossover / 1e6,
-      why=f"alpha = {NCCL_BASE_LATENCY * 1e6:.1f} us + 7 x {NCCL_NVLINK_STEP * 1e6:.1f} us (NCCL's ring, Simple "
-          f"protocol) = {split('all_gather', 0, 8, HW, False)[0] * 1e6:.1f} us; the bandwidth term is 7/8 x S / "
+      why=f"alpha = {BASE_LATENCY['ring'] * 1e6:.1f} us + 7 x {NVLINK_LATENCY['ring'] * 1e6:.1f} us (NCCL's ring, "
+          f"Simple protocol) = {split('all_gather', 0, 8, HW, 8)[1] * 1e6:.1f} us; the bandwidth term is 7/8 x S / "
           f"{HW.nvlink / 1e9:.0f} GB/s; equal at S = alpha x link / (7/8)")
 
 # %%
@@ -539,7 +627,9 @@ RESULT = {"figures": [str(p) for p in paths],
           "summary": {"ridge FLOP/byte (H100)": round(ridge),
                       "bubble 1F1B / interleaved V=4, p=m=16":
                           f"{bubbles['1F1B']:.1%} / {bubbles['interleaved V=4']:.1%}",
-                      **{f"published rank, {c['gpus']} GPUs {c['seq'] // 1024}K": c["rank"] for c in cases},
+                      **{f"published split rank, {c['gpus']} GPUs {c['seq'] // 1024}K":
+                         f"{c['rank']} of {len(c['splits'])}, {c['ratio']:.2f}x" for c in cases},
                       **{f"MFU modelled/reported, {c['gpus']} GPUs {c['seq'] // 1024}K":
                          f"{c['published']['mfu']:.1%}/{c['reported']:.0%}" for c in cases},
+                      "the 8K split fits 80 GiB without recomputation (ZeRO 2, 1F1B)": paper_way["fits"],
                       "every printed row fits = True": all(r["fits"] for c in cases for r in c["rows"])}}

@@ -12,11 +12,13 @@
                  Simple protocol) for each algorithm it offers, and the least time chosen, as NCCL's enqueue.cc
                  picks from that table:
                    ring   base 8.4 us; a step inside a node 3.4 us (NVLink), a step between nodes 14.0 us (NCCL
-                          2.18.1 on; 9.6 before); 2(n-1) steps of an all-reduce, 2(N-1) of them between nodes, n-1
-                          and N-1 for an all-gather or reduce-scatter; an all-reduce between nodes x1.4 ("plateau
-                          effect of ring", compute capability 8.0 on)
+                          2.18.1 on; 9.6 before; a step inside a node never under the host's network overhead, 3 us
+                          on Intel hosts, 6 on AMD: the Intel figure kept); 2(n-1) steps of an all-reduce, 2(N-1) of
+                          them between nodes, n-1 and N-1 for an all-gather or reduce-scatter; an all-reduce between
+                          nodes x1.4 ("plateau effect of ring", compute capability 8.0 on)
                    tree   all-reduce only: base 8.4 us + 2((k-1) 4.0 us + log2(N) 14.0 us); half the bus rate as
-                          algorithm rate, the bus rate x0.92, and NCCL's measured correction for medium sizes
+                          algorithm rate, the bus rate x0.92, and NCCL's measured correction for medium sizes (its
+                          per-channel cap, which needs the topology search's channel count, is left out)
                    PAT    all-gather and reduce-scatter only, and only with one GPU a node (since NCCL 2.23): base
                           8.0 us + log2(N) 14.0/3.5 us + n 2.8 us; 0.75 of the bus rate, on the whole tensor
                  NVLink SHARP (NVLS) and CollNet need switch support and are left out; so are the LL and LL128

@@ -12,10 +12,11 @@ its micro-batches in flight store, and a reserve for what no closed form counts.
                                       bf16 weights and fp32 gradients whole, fp32 master and moments sharded
                    2       2 + 16/d   gradients reduce-scattered every micro-batch, so they stay sharded
                    3       16/d       FSDP: everything sharded; the bf16 weights of two layers gathered at a time
-                   3+keep  6 + 16/d   FSDP2 without resharding after the forward (its pipelined default): the gathered
-                                      bf16 weights (its mixed precision's param_dtype) kept for the step, and under
-                                      pipelining the unsharded gradients accumulated in the reduce dtype (fp32)
-                                      until the last micro-batch's backward reduce-scatters them
+                   3+keep  6 + 16/d   FSDP2 without resharding after the forward (torchtitan's default with
+                                      pipelining): the gathered bf16 weights (its mixed precision's param_dtype)
+                                      kept for the step, and under pipelining the unsharded gradients accumulated
+                                      in the reduce dtype (fp32) until the last micro-batch's backward
+                                      reduce-scatters them
     activations  pipeline_parallel/pp_inventory.py's stage_plan on the stage's layers and seq/cp tokens: (w - 1) E +
                  the micro-batch's own peak, w = min(p - s, M) in flight under 1F1B; interleaving adds (p - 1)/(p V)
                  on stage 0 (Korthikanti et al. 2022, sec. 4.2.3); ZB-H1 adds what stage s's s waiting W's read
@@ -80,11 +81,17 @@ def stage_params(cfg, tp, counts, stage):
                if stage == pp - 1 else 0))
 
 
-def model_state_bytes(params, zero, shards, layers=1):
-    """Bytes of model state a rank holds for `params` parameters of `layers` layers (the table above)."""
+def model_state_bytes(params, zero, shards, layers=1, frameworks=True):
+    """Bytes of model state a rank holds for `params` parameters of `layers` layers (the table above). frameworks
+    False: the simpler accounting it replaced, fp32 weights, gradients and moments (16 bytes) sharded stage by stage
+    (Rajbhandari et al. 2020) and 16-bit copies beside them, fp32 under 3+keep."""
     d = shards
-    per_param = {"0": 18, "1": 6 + 12 / d, "2": 2 + 16 / d, "3": 16 / d, "3+keep": 6 + 16 / d}[zero]
     gathered = 2 * params * min(GATHERED_LAYERS, layers) // max(1, layers) if zero == "3" else 0
+    if not frameworks:
+        stage = int(zero[0])
+        fp32 = 4 / (d if stage >= 3 else 1) + 4 / (d if stage >= 2 else 1) + 8 / (d if stage >= 1 else 1)
+        return int(params * fp32) + (gathered if zero == "3" else 2 * params) + (4 * params if zero == "3+keep" else 0)
+    per_param = {"0": 18, "1": 6 + 12 / d, "2": 2 + 16 / d, "3": 16 / d, "3+keep": 6 + 16 / d}[zero]
     return int(params * per_param) + gathered
 
 
@@ -103,8 +110,9 @@ def stage_activation_bytes(cfg, seq, tp, sp, cp, layers, last, in_flight, policy
     return (in_flight - 1) * held + peak
 
 
-def stage_bytes(cfg, seq, tp, sp, cp, counts, stage, M, zero, shards, schedule, V, policy):
-    """{part: bytes} of one rank of `stage`: model state, activations, a K/V gather (cp) and the reserve."""
+def stage_bytes(cfg, seq, tp, sp, cp, counts, stage, M, zero, shards, schedule, V, policy, frameworks=True):
+    """{part: bytes} of one rank of `stage`: model state, activations, a K/V gather (cp) and the reserve (frameworks
+    False: the simpler state accounting, no reserve)."""
     pp = len(counts)
     params = stage_params(cfg, tp, counts, stage)
     act = stage_activation_bytes(cfg, seq, tp, sp, cp, counts[stage], stage == pp - 1, min(pp - stage, M), policy)
@@ -113,6 +121,7 @@ def stage_bytes(cfg, seq, tp, sp, cp, counts, stage, M, zero, shards, schedule, 
     if schedule == "zb-h1":  # stage s also holds what its s waiting W's read (pp_orders.py)
         act += stage * counts[stage] * w_pending_bytes(cfg, 1, seq // cp, tp)
     kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * BYTES[cfg.dtype] if cp > 1 else 0  # one layer's gathered K/V
-    parts = {"model_state": model_state_bytes(params, zero, shards, counts[stage]), "activations": act, "kv_gather": kv}
-    parts["reserve"] = reserve_bytes(sum(parts.values()))
+    parts = {"model_state": model_state_bytes(params, zero, shards, counts[stage], frameworks), "activations": act,
+             "kv_gather": kv}
+    parts["reserve"] = reserve_bytes(sum(parts.values())) if frameworks else 0
     return parts

@@ -3,53 +3,27 @@ parallelism, with or without sequence parallelism, a ZeRO stage, a pipeline sche
 stages and a recompute policy; every stage's memory from picockpt/layout_memory.py, each step's time from the terms
 below; the layouts that fit ranked by modelled step time.
 
-A micro-batch on one rank of a stage (every stage is priced; the pipeline is paced by the slowest):
-    compute      the stage's layers (and the head on the last), forward F by the roofline (cost.py), backward 2F
-    recompute    none; cheap: the norms' outputs and SwiGLU's product rebuilt, by their bytes; full: the whole forward
-                 again, with its tensor- and context-parallel collectives (Megatron's and torch's full recompute rerun
-                 the layer from its input)
-    tp           two blocks a layer, each a column-parallel then a row-parallel linear (Megatron-LM's
-                 megatron/core/tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication):
-                   with sequence parallelism: forward an all-gather before and a reduce-scatter after (exposed);
-                   backward the output gradient's all-gather (exposed), the input's all-gather again for the weight
-                   gradient, launched async under the input-gradient GEMM, and the input gradient's reduce-scatter
-                   launched async under the weight-gradient GEMM (each exposed only by what it outlasts them)
-                   without: forward one all-reduce after (exposed); backward the column-parallel input gradient's
-                   all-reduce, launched async under the weight-gradient GEMM
-    cp           an all-gather of the layer's K/V over the cp ranks (the Llama 3 paper's choice) in the forward,
-                 again in the backward and in a full recompute, and a reduce-scatter of their gradients (exposed)
-    pp           per micro-batch, the two blocking exchanges of 1F1B's steady state (Megatron's p2p_communication.py:
-                 send_forward_recv_backward, send_backward_recv_forward), each one activation's send with its NCCL
-                 latency; V times under interleaving: the per-micro-batch overhead a pipeline pays
+A step (layout_time.py prices a micro-batch on one rank of a stage, term by term, each with its source: compute,
+recompute, tp, cp and pp communication, and the data-parallel traffic that does not hide):
     bubble       step = M t_max + (p-1) t_mean / V: the slowest stage paces the M micro-batches, the fill and drain
                  pass once through every stage (V chunks a rank interleaved, Narayanan et al. 2021; ZB-H1: a third,
-                 its W's fill the bubble, Qi et al. 2023); equal stages give cost.bubble_idle's share
-    dp           over the dp x cp ranks that hold the same weights (torchtitan's dp_shard_cp), one collective a layer
-                 (collectives.per_layer_seconds), gradients reduced in fp32, weights gathered in bf16 (torchtitan's
-                 mixed-precision defaults): ZeRO 0 an all-reduce, 1 and 3+keep a reduce-scatter, hidden behind the
-                 last micro-batch's backward, and a gather behind the first forward; ZeRO 2 a reduce-scatter every
-                 micro-batch behind its backward; ZeRO 3 every micro-batch two gathers (forward, backward: a
-                 recompute nested inside FSDP's unit shares the backward's, torchtitan's fully_shard(checkpoint(block)))
-                 and a reduce-scatter. Each collective is exposed by what it outlasts the compute it hides behind.
+                 its W's fill the bubble, Qi et al. 2023); equal stages give cost.bubble_idle's share; every stage is
+                 priced, and the data-parallel traffic left exposed on the worst stage adds to the step
 
 Placement: tp innermost, then cp, pp, dp outermost (the Llama 3 paper's order, [TP, CP, PP, DP]); a group's members
 in a node (collectives.members_per_node) decide its links. What the model leaves out: kernel efficiency below the
 datasheet (its MFU is a ceiling), stragglers, the optimizer step's own time, kernel-launch gaps.
 """
-import functools
 import itertools
 
-from .collectives import collective_seconds, members_per_node, per_layer_seconds
+from .collectives import members_per_node
 from .config import BYTES
-from .cost import head_ops, layer_ops, rebuild_seconds, roofline_seconds
-from .closed_forms import layer_inventory
+from .cost import layer_ops
 from .layout_memory import ZERO_STAGES, split_layers, splits_for, stage_bytes, stage_params
-from .schedule import OP_LEVEL
+from .layout_time import FULL_MODEL, dp_exposed_seconds, microbatch_seconds
 
 POLICIES = ("none", "cheap", "full")  # selective drops nothing under flash attention (lesson 13): it would repeat none
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1))
-REDUCE_BYTES = 4  # gradients reduced in fp32 and weights gathered in the compute dtype: torchtitan's defaults
-#                   (mixed_precision_reduce = "float32", mixed_precision_param = "bfloat16")
 TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_exposed")
 
 
@@ -121,43 +95,6 @@ def candidates(cfg, seq, gpus, tokens, node):
                     yield tp, cp, pp, dp, sequences // dp
 
 
-@functools.lru_cache(maxsize=None)
-def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node):
-    """{term: seconds} of one micro-batch's forward, backward and recompute on one rank of a stage of `layers` layers
-    (the head if last); "forward" its forward alone. send_node: 2 when the next stage is in the same node, else 1."""
-    e, n, h = BYTES[cfg.dtype], seq // cp, cfg.hidden
-    sp = sp and tp > 1
-    ops = {op.name: roofline_seconds(op, hw) for op in layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)}
-    layer = sum(v for name, v in ops.items() if name != "probs")
-    head = sum(roofline_seconds(op, hw) for op in head_ops(cfg, 1, n, tp, sp)) if last else 0.0
-    block = n * h * e  # one block's input or output, the rank's n tokens
-    tp_forward = tp_backward = 0.0
-    if tp > 1:
-        for column in ("qkv", "gate_up"):  # a block: its column-parallel GEMM's backward hides what it can
-            hide = ops[column]  # the input-gradient GEMM and the weight-gradient GEMM: each as long as the forward's
-            if sp:
-                gather = collective_seconds("all_gather", block, tp, hw, tp)
-                scatter = collective_seconds("reduce_scatter", block, tp, hw, tp)
-                tp_forward += gather + scatter
-                tp_backward += gather + max(0.0, gather - hide) + max(0.0, scatter - hide)
-            else:
-                reduce = collective_seconds("all_reduce", block, tp, hw, tp)
-                tp_forward += reduce
-                tp_backward += max(0.0, reduce - hide)
-    kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * e  # K and V of the whole sequence, this rank's heads
-    cp_node = members_per_node(((cp, tp),), hw.node)
-    cp_ag = collective_seconds("all_gather", kv, cp, hw, cp_node) if cp > 1 else 0.0
-    cp_rs = collective_seconds("reduce_scatter", kv, cp, hw, cp_node) if cp > 1 else 0.0
-    cheap = rebuild_seconds(ops, set(layer_inventory(cfg, 1, n)) & OP_LEVEL["cheap"])  # norms, SwiGLU again
-    rebuild = {"none": 0.0, "cheap": cheap, "full": layer}[policy]
-    reruns = 1 if policy == "full" else 0  # a full recompute runs the forward's collectives again
-    send = collective_seconds("p2p", block // (tp if sp else 1), 2, hw, send_node)
-    forward = layers * layer + head
-    return {"compute": 3 * forward, "recompute": layers * rebuild,
-            "tp_comm": layers * (tp_forward * (1 + reruns) + tp_backward),
-            "cp_comm": layers * (cp_ag * (2 + reruns) + cp_rs), "pp_comm": 2 * send, "forward": forward}
-
-
 def extreme_stages(counts):
     """Stage 0, the last, and the first and last of every run of stages with as many layers: along a run the stages
     differ only by their micro-batches in flight (fewer) and ZB-H1's waiting W's (more), both linear in s."""
@@ -170,45 +107,28 @@ def extreme_stages(counts):
     return sorted(out)
 
 
-@functools.lru_cache(maxsize=2**16)
-def dp_exposed_seconds(params, zero, shards, microbatches, forward, backward, hw, per_node, layers=1, e=2):
-    """Gradient and weight traffic over the `shards` ranks that hold the same weights (per_node of them in a node),
-    one collective a layer, less what hides (the module's docstring)."""
-    if shards == 1:
-        return 0.0
-    grads = params * REDUCE_BYTES
-    ar = per_layer_seconds("all_reduce", grads, layers, shards, hw, per_node)
-    rs = per_layer_seconds("reduce_scatter", grads, layers, shards, hw, per_node)
-    ag = per_layer_seconds("all_gather", params * e, layers, shards, hw, per_node)
-    if zero == "0":
-        return max(0.0, ar - backward)
-    if zero in ("1", "3+keep"):
-        return max(0.0, rs - backward) + max(0.0, ag - forward)
-    if zero == "2":
-        return microbatches * max(0.0, rs - backward) + max(0.0, ag - forward)
-    return microbatches * (max(0.0, ag - forward) + max(0.0, ag - backward) + max(0.0, rs - backward))
-
-
 def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy, sp=True,
-             split="even"):
+             split="even", model=FULL_MODEL):
     """One layout's row: its busiest rank's bytes, its modelled step and the terms that make it."""
     shards, sp = dp * cp, sp and tp > 1
     counts = split_layers(cfg.layers, pp, split)
     send_node = members_per_node(((2, tp * cp),), hw.node)
     dp_node = members_per_node(((cp, tp), (dp, tp * cp * pp)), hw.node)  # the dp x cp group's members in a node
     peaks, parts, times, dps = {}, {}, [], []
-    for s in extreme_stages(counts):  # the busiest rank is one of these (memory is linear in s within a run)
-        parts[s] = stage_bytes(cfg, seq, tp, sp, cp, counts, s, M, zero, shards, schedule, V, policy)
+    stages = range(pp) if model.stages else sorted({0, pp - 1})
+    for s in extreme_stages(counts) if model.stages else stages:  # the busiest rank is one of these (linear in s)
+        parts[s] = stage_bytes(cfg, seq, tp, sp, cp, counts, s, M, zero, shards, schedule, V, policy, model.sharding)
         peaks[s] = sum(parts[s].values())
-    for s in range(pp):
-        t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node))
+    for s in stages:
+        t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node, model))
         t["pp_comm"] = t["pp_comm"] * V if pp > 1 else 0.0
         times.append(t)
         dps.append(dp_exposed_seconds(stage_params(cfg, tp, counts, s), zero, shards, M, t["forward"],
-                                      2 * t["forward"], hw, dp_node, counts[s], BYTES[cfg.dtype]))
+                                      2 * t["forward"], hw, dp_node, counts[s], BYTES[cfg.dtype], policy, model))
     per_mb = [sum(v for k, v in t.items() if k != "forward") for t in times]
-    slowest = max(range(pp), key=per_mb.__getitem__)
-    fill = (pp - 1) * (sum(per_mb) / pp) / (3 if schedule == "zb-h1" else V if schedule == "interleaved" else 1)
+    slowest = max(range(len(times)), key=per_mb.__getitem__)
+    paced = sum(per_mb) / len(per_mb) if model.stages else per_mb[slowest]  # the fill and drain's stage time
+    fill = (pp - 1) * paced / (3 if schedule == "zb-h1" else V if schedule == "interleaved" else 1)
     pipeline = M * per_mb[slowest] + fill
     dp_exposed = max(dps)
     step = pipeline + dp_exposed
@@ -221,7 +141,8 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, sche
             "virtual_stages": V, "microbatches": M, "policy": policy, "split": split, "stage_layers": list(counts),
             "peak_bytes": peak, "fits": peak <= capacity, "busiest_stage": busiest,
             "peak_parts": parts[busiest], "stage_peak_bytes": {str(s): b for s, b in peaks.items()},
-            "slowest_stage": slowest, "step_seconds": step, "mfu": model_flops / (gpus * hw.matmul * step),
+            "slowest_stage": list(stages)[slowest], "step_seconds": step,
+            "mfu": model_flops / (gpus * hw.matmul * step),
             "tokens_per_second": tokens / step, "terms_seconds": terms}
 
 
@@ -232,7 +153,7 @@ def model_forward_flops(cfg, seq):
     return cfg.layers * sum(op.flops for op in ops) + 2 * seq * cfg.hidden * cfg.vocab
 
 
-def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even"):
+def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even", model=FULL_MODEL):
     """Whether a split can take this ZeRO stage and schedule: ZeRO needs ranks to shard over; interleaving needs
     equal chunks, M a multiple of p and the layers in whole chunks: L % (p V) == 0 for the even split (Megatron's
     virtual stages), (L + 2) % (p V) == 0 for the lighter ends, where the embedding and the head each take a
@@ -240,24 +161,30 @@ def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even"):
     projection and the loss); ZB-H1 at least p micro-batches."""
     if zero != "0" and dp * cp == 1 or pp == 1 and schedule != "1f1b":
         return False
+    if schedule == "interleaved" and not model.stages:
+        return M % pp == 0 and cfg.layers >= pp * V
     if schedule == "interleaved":
         return M % pp == 0 and (cfg.layers + (2 if split == "lighter ends" else 0)) % (pp * V) == 0
     return schedule != "zb-h1" or M >= pp
 
 
-def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=ZERO_STAGES, schedules=SCHEDULES):
-    """(every layout that fits, best first; how many were considered). Attention is priced as a flash kernel."""
+def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
+           model=FULL_MODEL):
+    """(every layout that fits, best first; how many were considered). Attention is priced as a flash kernel; model:
+    which corrections are on (layout_time.Model)."""
     check_search(cfg, seq, gpus, tokens, capacity, hw)  # before the fused attention that dropout would refuse
     cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
     rows, considered = [], 0
     for (tp, cp, pp, dp, M), zero, (schedule, V), policy in itertools.product(
             candidates(cfg, seq, gpus, tokens, hw.node), zero_stages, schedules, policies):
-        for split, sp in itertools.product(splits_for(cfg.layers, pp), (True, False) if tp > 1 else (False,)):
-            if not runs(cfg, cp, pp, dp, M, zero, schedule, V, split):
+        splits = splits_for(cfg.layers, pp) if model.stages else ("even",)
+        sps = ((True, False) if model.overlap else (True,)) if tp > 1 else (False,)
+        for split, sp in itertools.product(splits, sps):
+            if not runs(cfg, cp, pp, dp, M, zero, schedule, V, split, model):
                 continue
             considered += 1
             row = evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy, sp,
-                           split)
+                           split, model)
             if row["fits"]:
                 rows.append(row)
     rows.sort(key=lambda r: (r["step_seconds"], r["peak_bytes"]))

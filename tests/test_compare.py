@@ -106,7 +106,7 @@ def test_failing_gradient_check_says_failed_and_exits_non_zero(monkeypatch, caps
 
 def test_cli_min_cut_flag(capsys):
     for flag, message in (("2", "0 <= budget <= 1"), ("0.5,0.5", "given twice"), ("x", "comma separated"),
-                          ("0.5", "dtype=bfloat16")):
+                          ("0.5", "--dtype bfloat16")):
         assert main(["compare", "--preset", "tiny", "--dtype", "bf16", "--min-cut", flag]) == 2
         out = capsys.readouterr()
         assert message in out.err and "comparing on" not in out.out, out  # refused before any work

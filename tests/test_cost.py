@@ -125,7 +125,7 @@ def test_plan_cost_measured_uses_the_measured_profile(monkeypatch, capsys):
     (["--hardware", "h100"], "--hardware h100: only --cost roofline reads it"),
     (["--cost", "roofline", "--compute-rate", "1e12"], "--compute-rate with --cost roofline"),
     (["--cost", "measured", "--hardware", "h100"], "--hardware h100 with --cost measured"),
-    (["--cost", "roofline", "--experts", "4", "--experts-per-token", "2"], "Config.experts=4"),
+    (["--cost", "roofline", "--experts", "4", "--experts-per-token", "2"], "--experts 4"),
     (["--cost", "roofline", "--device", "cpu"], "--device"),
 ])
 def test_plan_cost_refuses_what_it_would_ignore(flags, message, capsys):

@@ -35,8 +35,9 @@ def add_search_arguments(parser):
     group.add_argument("--hardware", choices=tuple(HARDWARE), default="h100",
                        help="--search: the GPU's datasheet rates (default h100; 8 a node, NVLink inside, one "
                             "InfiniBand port a GPU between nodes)")
-    group.add_argument("--top", type=int, default=10, help="--search: the fastest distinct tp x cp x pp x dp splits printed, each by its best variant "
-                            "(default 10; --json too)")
+    group.add_argument("--top", type=int, default=10,
+                       help="--search: the fastest distinct tp x cp x pp x dp splits printed, each by its best "
+                            "variant (default 10; --json too)")
 
 
 def parse_tokens(text):

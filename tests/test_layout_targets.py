@@ -1,0 +1,83 @@
+"""What the layout model says of layouts people trained, held where it holds: the Llama 3 paper's three Table 4
+rows (where each ranks among the distinct splits, its step against the fastest, its modelled MFU) and two sanity
+cases. Where the model misses a target its gap is stated here and asserted as measured, not tuned away:
+
+    row (Table 4)                          rank of splits   x fastest   modelled MFU (reported)
+    8,192 GPUs, 8K, TP8 CP1 PP16 DP64       16 of 261        1.12        69.0% (43%)
+    16,384 GPUs, 8K, TP8 CP1 PP16 DP128     16 of 278        1.17        60.8% (41%)
+    16,384 GPUs, 128K, TP8 CP16 PP16 DP8     2 of 220        1.03        60.9% (38%)
+    (before the corrections of layout_time.Model: 16 at 1.12x, 63.5%; 19 at 1.15x, 56.1%; 1 at 1.00x, 57.9%)
+
+At 8K the model prefers less tensor parallelism (TP4) with context parallelism over 32 or 64 pipeline stages: at
+datasheet rates short sequence chunks cost it little (only their weight gradients' fp32 accumulation every
+micro-batch), where real GEMMs and attention kernels on 2,048-token chunks run further below the peak than on
+8,192. Llama 3 70B on 1,024 GPUs: the model's best is TP2 with FSDP over 512 ranks (its gathers hidden behind the
+compute at datasheet rates); the first TP4 or TP8 split with 4 to 8 stages is 5th of 181, at 1.28x."""
+import pytest
+
+from picockpt import Config
+from picockpt.cost import HARDWARE
+from picockpt.layout_search import LLAMA3_405B_TABLE_4, distinct_splits, rank_of, search, split_of
+
+H100 = HARDWARE["h100"]
+GIB = 2**30
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # conftest.py; five searches, ~25 s
+
+
+@pytest.fixture(scope="module")
+def table_4():
+    """{(gpus, seq): (distinct splits, rank, the published split's best row, reported MFU)}, 80 GiB H100s."""
+    cfg, out = Config.from_preset("llama3-405b", dtype="bf16"), {}
+    for gpus, seq, layout, _, reported in LLAMA3_405B_TABLE_4:
+        splits = distinct_splits(search(cfg, seq, gpus, 2**24, 80 * GIB, H100)[0])
+        rank, row = rank_of(splits, layout)
+        out[gpus, seq] = splits, rank, row, reported
+    return out
+
+
+def ratio(splits, row):
+    return row["step_seconds"] / splits[0]["step_seconds"]
+
+
+def test_every_published_layout_fits_and_models_above_its_reported_mfu(table_4):
+    """A model at datasheet ceilings is an upper bound: every published split fits, above its reported MFU."""
+    for splits, rank, row, reported in table_4.values():
+        assert rank is not None and row["fits"] and row["mfu"] > reported
+
+
+def test_the_128k_layout_is_among_the_fastest(table_4):
+    splits, rank, row, _ = table_4[16384, 131072]
+    assert rank <= 3 and ratio(splits, row) < 1.05
+
+
+def test_the_8k_layouts_gap_as_measured(table_4):
+    """Not met: the published 8K split is not among the model's fastest. Held: within 1.3x of the fastest, whose
+    split has less tensor parallelism and context parallelism in its place."""
+    for key in ((8192, 8192), (16384, 8192)):
+        splits, rank, row, _ = table_4[key]
+        assert 10 < rank <= 30 and 1.1 < ratio(splits, row) < 1.3
+        assert splits[0]["tp"] < 8 and splits[0]["cp"] > 1
+
+
+def test_the_paper_layouts_best_variants_interleave_the_lighter_ends(table_4):
+    """The search reaches the paper's own choices for its split: interleaving (its chunks over the lighter first and
+    last stages) and sequence parallelism."""
+    for splits, rank, row, _ in table_4.values():
+        assert row["schedule"] == "interleaved" and row["split"] == "lighter ends" and row["sp"]
+
+
+def test_llama3_8b_on_8_gpus_takes_fsdp_over_plain_data_parallelism():
+    rows, _ = search(Config.from_preset("llama3-8b", dtype="bf16"), 8192, 8, 2**16, 80 * GIB, H100)
+    assert split_of(rows[0]) == (1, 1, 1, 8) and rows[0]["zero"] == "3"
+    assert not any(r["zero"] == "0" and split_of(r) == (1, 1, 1, 8) for r in rows)  # DP8: 18 bytes a parameter,
+    #                                                           144 GB of state, does not fit 80
+
+
+def test_llama3_70b_on_1024_gpus_gap_as_measured():
+    """Target TP8 or TP4 with 4 to 8 stages: not met. Held: such a split is in the model's top 10 of 181, within
+    1.3x of its best (TP2 FSDP over 512 ranks)."""
+    splits = distinct_splits(search(Config.from_preset("llama3-70b", dtype="bf16"), 8192, 1024, 2**22, 80 * GIB,
+                                    H100)[0])
+    rank = next(i for i, r in enumerate(splits, 1) if r["tp"] in (4, 8) and 4 <= r["pp"] <= 8)
+    assert rank <= 10 and ratio(splits, splits[rank - 1]) < 1.3
