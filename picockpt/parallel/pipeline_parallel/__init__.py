@@ -8,5 +8,6 @@ then pp_stage.py, pp_comm.py.
     pp_inventory.py  per-stage closed forms: stored bytes with micro-batches in flight, p2p bytes, FLOPs
     pp_plan.py       a budget planned per stage (interleaved: per rank's chunks), the order walked for its peak
     pp_orders.py     any order on one clock (the modelled bubble); what a waiting W holds
+    pp_check.py      what pp refuses, before any rank starts (the schedule beside other layouts, its grouping)
     pipelining_peer.py  torch.distributed.pipelining's interleaved and zero-bubble schedules, the peer
 """
