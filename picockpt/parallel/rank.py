@@ -36,7 +36,7 @@ from .measurement import Measurement
 from .pipeline_parallel.pp_comm import Pipe, neighbours
 from .pipeline_parallel.pp_runner import run_actions
 from .pipeline_parallel.pp_schedules import actions
-from .pipeline_parallel.pp_stage import PipelineStage, bucket_names
+from .pipeline_parallel.pp_stage import PipelineStage, StageShared, bucket_names
 from .rank_model import RankModel
 from .tensor_parallel.tp_model import apply_tensor_parallel
 from .tensor_parallel.tp_shard import shard_params
@@ -140,9 +140,10 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
         if shards is not None:
             shards.begin(tracker)
         buckets = shards or _buckets(job, stage_forms, groups, params, device, timeline, tracker)
-        chunks = [PipelineStage(cfg, params, forms.layers, forms.first, forms.last, pipe, buckets, counted, M,
-                                groups.dp_rank, job.dp, stage_forms.activation_shape(b), make_inner,
-                                job.recompute_early, shards, split_backward=job.schedule == "zb-h1")
+        shared = StageShared(cfg, params, pipe, buckets, counted, M, groups.dp_rank, job.dp,
+                             stage_forms.activation_shape(b), make_inner, job.recompute_early, shards,
+                             split_backward=job.schedule == "zb-h1")
+        chunks = [PipelineStage(shared, forms.layers, forms.first, forms.last)
                   for forms in stage_forms.chunks]  # interleaved: the rank's V chunks
         chunks[0].rng_start = rng_start if stage_forms.first else None
         for chunk in chunks:
