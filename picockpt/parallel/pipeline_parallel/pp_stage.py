@@ -219,7 +219,8 @@ class StageModel:
 
     def recompute_top(self, store):
         """Recompute-early: the loop's first work in this micro-batch's backward, done now: the top layer's activations
-        come back from the nearest checkpoint before the gradient arrives, and the loop finds them stored (rank.py)."""
+        come back from the nearest checkpoint before the gradient arrives, and the loop finds them stored
+        (pp_runner.py)."""
         step, i = self.step, self.layers[-1]
         if i not in step.whole:  # not stored whole in the forward: recompute it now, as the loop would
             step.recompute(i)
