@@ -10,10 +10,12 @@ beside the layer that calls it.
 
 Read step.py first (the caller's side), then rank.py (one rank's step, for any layout) and rank_model.py (its model:
 each dimension applied over the ones before). Shared: layout.py (the grid and its groups, passed explicitly, never
-global), comm.py (the counted collectives), job.py (the job and its checks), predictions.py (the closed forms beside
-every report), rng.py (random draws equal to the single process's), launch.py and watch.py (where the processes come
-from, how a failure ends them), timeline.py (what each rank did when), training.py (zero_train); and one folder per
-parallelism, each opening with what it holds and which file to read first:
+global), comm.py (the counted collectives), job.py (the job and its checks: each folder's *_check.py says what that
+dimension refuses, refusals.py what they share), predictions.py (the closed forms beside every report), rng.py
+(random draws equal to the single process's), launch.py and watch.py (where the processes come from, how a failure
+ends them), timeline.py (what each rank did when), measurement.py (what a rank's step measures, and its report),
+training.py (zero_train); and one folder per parallelism, each opening with what it holds and which file to read
+first:
     tensor_parallel/    Megatron-style column/row-parallel layers, sequence parallelism, vocab-parallel head
     pipeline_parallel/  stages, AFAB and 1F1B schedules, paired point-to-point sends, per-stage budgets
     data_parallel/      gradient buckets all-reduced over replicas as soon as they are final; ZeRO 1/2/3

@@ -16,16 +16,16 @@ import torch
 from ..batch import check_batch
 from ..params import check_params
 from ..policy import parse_policy
-from .context_parallel.cp_check import check_context_job
+from .context_parallel import cp_check
 from .context_parallel.cp_inventory import recompute_comm_flops
-from .data_parallel.zero_check import check_zero_job
-from .expert_parallel.ep_shard import check_expert_parallel
+from .data_parallel import dp_check
+from .expert_parallel import ep_check
 from .launch import check_rank_count, ranks_generator
 from .layout import check_layout
+from .pipeline_parallel import pp_check
 from .pipeline_parallel.pp_inventory import rank_forms
-from .pipeline_parallel.pp_schedules import (check_interleaving, check_schedule, check_segment, rank_layers,
-                                             stage_layers)
-from .tensor_parallel.tp_shard import check_tensor_parallel
+from .pipeline_parallel.pp_schedules import check_schedule, rank_layers, stage_layers
+from .tensor_parallel import tp_check
 
 
 @dataclass
@@ -70,35 +70,10 @@ class ParallelJob:
 
 
 # ---- the checks, before any rank starts ------------------------------------------------------------------
-# What does not stack yet, in one place: (refused when, what it is, why, what works). Every other combination of
-# dp, pp, tp (sp), cp, ep and zero runs in the one rank step.
-NOT_YET = [
-    (lambda job: job.cp > 1 and job.ep > 1, lambda job: f"cp={job.cp} with ep={job.ep}",
-     "a rank's experts would receive the tokens of its sequence chunks, and the routing and its closed forms are "
-     "by whole rows", "use cp with tp, dp, zero and pp, or ep without cp"),
-    (lambda job: job.cp_keep_kv and (job.pp > 1 or job.microbatches > 1 or job.tp > 1),
-     lambda job: f"cp_keep_kv=True with {given(job, 'pp', 'microbatches', 'tp')}",
-     "the kept K/V are closed-formed for one micro-batch per rank without tp", "use it with pp=1, microbatches=1 "
-     "and tp=1"),
-    (lambda job: job.ep > 1 and job.distribute_saved, lambda job: f"ep={job.ep} with distribute_saved=True",
-     "its closed forms split no expert-parallel checkpoint", "leave distribute_saved out with ep"),
-    (lambda job: job.virtual_stages > 1 and (job.zero or job.ep > 1 or job.cp > 1),
-     lambda job: f"schedule='interleaved' with {given(job, 'zero', 'ep', 'cp')}",
-     "ZeRO's, ep's and cp's closed forms are per stage, not per chunk", "interleave with dp and tp (sp)"),
-    (lambda job: job.schedule == "zb-h1" and job.cfg.experts > 0, lambda job: f"schedule='zb-h1' with experts",
-     "a mixture of experts' weight gradients are not deferred apart from its input gradient",
-     "use zb-h1 with a dense model, or 1f1b"),
-    (lambda job: job.zero and (job.steps > 1 or len(job.batches or ()) > 1) and job.pp > 1 and job.cfg.draws_random,
-     lambda job: f"{job.steps or len(job.batches)} steps with pp={job.pp} and dropout",
-     "the next step's first stage would need the generator state the last stage ends with",
-     "train with pp=1, or dropout=0"),
-]
-
-
-def given(job, *names):
-    """'ep=2, cp=2': those of the names whose value is not the default (0 or 1), as the caller gave them."""
-    return ", ".join(f"{name}={getattr(job, name)}" for name in names if getattr(job, name) not in (0, 1))
-
+# Each dimension says what it refuses, beside its wrap: its values, its flags without it, and what it does not stack
+# with yet (one line naming both dimensions). Every other combination of dp, pp, tp (sp), cp, ep and zero runs in
+# the one rank step.
+DIMENSIONS = (pp_check, cp_check, dp_check, ep_check, tp_check)
 
 # Switches that change only what a recomputation does: under a policy that recomputes nothing they would do nothing.
 RECOMPUTE_SWITCHES = {"distribute_saved": "each tp rank keeps 1/t of a checkpoint, all-gathered to recompute",
@@ -111,57 +86,37 @@ def checked_job(job, device, world_size):
     """The job with its policy parsed and batch checked; a ValueError naming the value before any rank starts."""
     check_flags(job)
     check_schedule(job.schedule, job.virtual_stages, job.pp)
-    for refused, what, why, works in NOT_YET:
-        if refused(job):
-            raise ValueError(f"{what(job)} is not supported yet: {why}; {works}")
     job = checked_batch(job, device)
-    cfg, policy, (B, T), M = job.cfg, parse_policy(job.policy, job.cfg), job.input_ids.shape, job.microbatches
-    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-        raise ValueError(f"microbatches={M!r}: use a whole number of micro-batches per step, 1 or more")
-    check_layout(job.dp, job.pp, job.tp, None, job.ep, job.cp)  # each a whole number >= 1
-    split = [name for name in ("dp", "pp", "ep", "tp", "cp") if getattr(job, name) > 1]
-    check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp x cp", job.world_size, device)  # torchrun
-    check_layout(job.dp, job.pp, job.tp, world_size, job.ep, job.cp)
-    stage_layers(cfg.layers, job.pp)
+    policy = parse_policy(job.policy, job.cfg)
+    check_ranks(job, device, world_size)
     if policy.segment is None and policy.budget is None and policy.op_level is None:  # none: nothing recomputed
         for name, what in RECOMPUTE_SWITCHES.items():
             if getattr(job, name):
                 raise ValueError(f"{name}=True with policy {policy.text!r}: it changes what a recomputation does "
                                  f"({what}), and policy {policy.text!r} recomputes nothing; use a policy that "
                                  f"recomputes (full, every:C, budget:SIZE), or leave {name} out")
-    if job.schedule == "interleaved":
-        check_interleaving(job.pp, M, job.virtual_stages, cfg.layers)
-    check_segment(policy.segment, policy.text, cfg.layers, job.pp, job.virtual_stages)
-    if job.recompute_early and job.pp == 1:
-        raise ValueError("recompute_early=True without pp: it recomputes a stage's top segment while the stage "
-                         "waits for its gradient; use it with pp >= 2, or leave it out")
-    check_context_job(job, policy, device)  # context_parallel/cp_check.py
-    check_zero_job(job)  # data_parallel/zero_check.py
-    if not job.overlap and job.dp * job.ep * job.cp == 1:
-        raise ValueError("overlap=False with dp=1, ep=1 and cp=1: it all-reduces the gradients after the backward "
-                         "instead of as each is final, and there are no replicas to reduce over; set dp >= 2, or "
-                         "leave overlap out")
-    if job.keep_dispatched and job.ep == 1:
-        raise ValueError("keep_dispatched=True with ep=1: it keeps the rows an expert-parallel layer dispatched to "
-                         "other ranks; set ep > 1, or leave keep_dispatched out")
-    if B % (job.dp * M):
-        raise ValueError(f"batch={B} is not divisible into dp x microbatches = {job.dp} x {M} = {job.dp * M} "
-                         f"micro-batches of equal size; use a batch that is a multiple of {job.dp * M}")
-    if job.ep > 1:
-        check_expert_parallel(cfg, job.ep, B // (job.dp * M), job.policy, job.dp * M > 1)
-    if job.tp > 1:
-        check_tensor_parallel(cfg, job.tp, job.sp, T // job.cp, job.distribute_saved, experts=True)  # T/cp tokens
-    if job.dp * M > 1:
-        if cfg.attention == "tiled" and cfg.dropout > 0:
-            raise ValueError(f"attention='tiled' with dropout={cfg.dropout} and dp x microbatches = {job.dp * M}: each "
-                             f"tile's mask comes from a generator seeded by the tile's index at a micro-batch's shape, "
-                             f"so no micro-batch's masks are rows of the single process's; use attention='eager', "
-                             f"dropout=0, or one micro-batch on one replica")
-        if cfg.router_jitter > 0:
-            raise ValueError(f"router_jitter={cfg.router_jitter} with dp x microbatches = {job.dp * M}: the jitter "
-                             f"noise is drawn at a micro-batch's shape, not sliced from the whole batch's; use "
-                             f"router_jitter=0 or one micro-batch on one replica")
-    failed = []  # an impossible budget says which stage it does not fit, before any rank starts
+    for dimension in DIMENSIONS:  # pipeline_parallel/pp_check.py, context_parallel/cp_check.py, ...
+        dimension.refuses(job, policy, device)
+    check_budget(job, policy)
+    return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
+
+
+def check_ranks(job, device, world_size):
+    """Whole numbers of micro-batches and ranks, as many ranks as the layout's product, a layer for every stage."""
+    M = job.microbatches
+    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+        raise ValueError(f"microbatches={M!r}: use a whole number of micro-batches per step, 1 or more")
+    check_layout(job.dp, job.pp, job.tp, None, job.ep, job.cp)  # each a whole number >= 1
+    split = [name for name in ("dp", "pp", "ep", "tp", "cp") if getattr(job, name) > 1]
+    check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp x cp", job.world_size, device)  # torchrun
+    check_layout(job.dp, job.pp, job.tp, world_size, job.ep, job.cp)
+    stage_layers(job.cfg.layers, job.pp)
+
+
+def check_budget(job, policy):
+    """An impossible budget says which stage it does not fit, before any rank starts: the largest need over every
+    stage at once (following it, no other stage fails next)."""
+    failed = []
     for stage in range(job.pp):
         try:
             closed_forms(replace(job, policy=policy.text), stage)
@@ -169,15 +124,15 @@ def checked_job(job, device, world_size):
             if job.pp == 1:
                 raise
             failed.append((stage, error))
-    if failed:  # the largest need over every stage at once: following it, no other stage fails next
+    if failed:
         stage, error = max(failed, key=lambda one: getattr(one[1], "least", -1))
-        layers = ", ".join(f"{r[0]}..{r[-1]}" for r in rank_layers(cfg.layers, job.pp, stage, job.virtual_stages))
+        layers = ", ".join(f"{r[0]}..{r[-1]}"
+                           for r in rank_layers(job.cfg.layers, job.pp, stage, job.virtual_stages))
         others = [s for s, _ in failed if s != stage]
         also = f" (the largest need of the {job.pp} stages; stage{'s' if len(others) > 1 else ''} " \
             f"{', '.join(map(str, others))}, short of this budget too, need{'' if len(others) > 1 else 's'} less)" \
             if others else ""
         raise ValueError(f"stage {stage} (layers {layers}): {error}{also}") from None
-    return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
 
 
 def closed_forms(job, stage):

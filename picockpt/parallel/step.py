@@ -10,10 +10,10 @@ one report per rank out, each measurement beside its closed form (predictions.py
     loss, grads, ranks = parallel.loss_and_grads(..., ep=2, tp=2, dp=2, zero=3)        # 8 ranks, stacked
     ranks[r]["peak_activation_bytes"] == ranks[r]["predicted_activation_bytes"]        # to the byte
 
-A rank's report (rank.py's _report names every key): its coordinates and the layout; its stored bytes (peak, per
-micro-batch, first layer, head, time-weighted mean), live peak, FLOPs, the layers' collectives, p2p and data-parallel
-bytes by phase, under ep its experts' rows, under cp its chunks, under ZeRO its model state and gathers; the
-timeline, step_seconds and bubble = 1 - computing / step.
+A rank's report (measurement.py: Measurement.report names every key): its coordinates and the layout; its stored
+bytes (peak, per micro-batch, first layer, head, time-weighted mean), live peak, FLOPs, the layers' collectives, p2p
+and data-parallel bytes by phase, under ep its experts' rows, under cp its chunks, under ZeRO its model state and
+gathers; the timeline, step_seconds and bubble = 1 - computing / step.
 """
 import os
 

@@ -11,7 +11,7 @@ picockpt/layer.py's one layer crosses ranks: its attention core alone).
     cp_model.py      one rank's model for the engine's loop: its tokens, RoPE at their positions (and beside
                      tp, the tensor-parallel model on those tokens)
     cp_inventory.py  per-rank closed forms: stored bytes, communication bytes per phase, FLOPs
-    cp_check.py      the checks before any rank starts (check_context_parallel)
+    cp_check.py      what cp refuses, before any rank starts (check_context_parallel; refuses, for a job)
 
 parallel.loss_and_grads(..., cp=N, cp_layout=, cp_comm=, cp_keep_kv=) and `python -m picockpt parallel --cp N`
 run it through the composed rank step (picockpt/parallel/rank.py), beside tp, dp and pp (not yet ep or ZeRO).

@@ -1,4 +1,4 @@
-"""The checks a context-parallel job passes before any rank starts (picockpt/parallel/job.py calls them).
+"""What context parallelism refuses before any rank starts (picockpt/parallel/job.py's checked_job calls `refuses`).
 
 A context-parallel rank runs the composed rank step (picockpt/parallel/rank.py) over its
 ContextParallelModel (cp_model.py): its tokens of every sequence (cp_layout.py), the engine's own loop, its
@@ -7,6 +7,7 @@ replicated weights' partial gradients over the dp x cp ranks (picockpt/parallel/
 """
 from ...policy import parse_policy
 from ..launch import check_rank_count
+from ..refusals import given, not_yet
 from .cp_layout import check_layout
 
 COMMS = ("ring", "ring_overlap", "allgather")
@@ -44,19 +45,27 @@ def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_k
     check_rank_count("cp", cp, device)
 
 
-def check_context_job(job, policy, device):
-    """The context-parallel fields of a picockpt.parallel job (job.py: ParallelJob), with its parsed policy."""
-    M, T = job.microbatches, job.input_ids.shape[1]
-    if job.cp > 1:  # what does not stack yet: job.py's NOT_YET
-        if job.cp_keep_kv and policy.budget is not None:
-            raise ValueError(f"cp_keep_kv=True with policy={policy.text!r} is not supported yet: the planner's chain "
-                             f"does not hold the kept K/V; use a budget without cp_keep_kv, or keep_kv with none, "
-                             f"full, every:C, selective or cheap")
-        check_context_parallel(job.cfg, job.cp, T, job.cp_layout, job.cp_comm, job.cp_keep_kv, job.policy, device)
-    else:
-        given = [f"{name}={value!r}" for name, value, default in (("cp_layout", job.cp_layout, "zigzag"), (
+def refuses(job, policy, device):
+    """The context-parallel fields of a picockpt.parallel job (job.py: ParallelJob), with its parsed policy: cp's own
+    values, its flags without it, and what it does not stack with yet."""
+    if job.cp_keep_kv and (job.pp > 1 or job.microbatches > 1 or job.tp > 1):
+        not_yet(f"cp_keep_kv=True with {given(job, 'pp', 'microbatches', 'tp')}",
+                "the kept K/V are closed-formed for one micro-batch per rank without tp",
+                "use it with pp=1, microbatches=1 and tp=1")
+    if job.cp == 1:
+        flags = [f"{name}={value!r}" for name, value, default in (("cp_layout", job.cp_layout, "zigzag"), (
             "cp_comm", job.cp_comm, "ring"), ("cp_keep_kv", job.cp_keep_kv, False)) if value != default]
-        if given:
-            raise ValueError(f"{', '.join(given)} without cp: {'they choose' if len(given) > 1 else 'it chooses'} how "
+        if flags:
+            raise ValueError(f"{', '.join(flags)} without cp: {'they choose' if len(flags) > 1 else 'it chooses'} how "
                              f"context-parallel ranks split the sequence and share K/V, and there are none here; add "
-                             f"cp >= 2, or leave {'them' if len(given) > 1 else given[0].split('=')[0]} out")
+                             f"cp >= 2, or leave {'them' if len(flags) > 1 else flags[0].split('=')[0]} out")
+        return
+    if job.ep > 1:
+        not_yet(f"cp={job.cp} with ep={job.ep}", "a rank's experts would receive the tokens of its sequence chunks, "
+                "and the routing and its closed forms are by whole rows", "use cp with tp, dp, zero and pp, or ep "
+                "without cp")
+    if job.cp_keep_kv and policy.budget is not None:
+        not_yet(f"cp_keep_kv=True with policy={policy.text!r}", "the planner's chain does not hold the kept K/V",
+                "use a budget without cp_keep_kv, or keep_kv with none, full, every:C, selective or cheap")
+    check_context_parallel(job.cfg, job.cp, job.input_ids.shape[1], job.cp_layout, job.cp_comm, job.cp_keep_kv,
+                           job.policy, device)

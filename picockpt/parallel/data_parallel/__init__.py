@@ -6,7 +6,8 @@
                       rank's stage units, flat and padded (zero_params.py), sharded over its data-parallel group,
                       gathered around each use (keep_gathered; prefetch), reduced once final, its sharded AdamW;
                       read it first
-    zero_inventory.py ZeRO's closed forms; zero_check.py what it refuses
+    zero_inventory.py ZeRO's closed forms; zero_check.py what its values refuse
+    dp_check.py       what dp and ZeRO refuse in a job, before any rank starts
     fsdp_peer.py      torch's FSDP2 (fully_shard) beside it, its all-gathers counted
 
 The replicas are layout.py's dp dimension, run by rank.py; ZeRO takes the place of the stage's buckets and whole

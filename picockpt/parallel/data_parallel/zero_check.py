@@ -1,4 +1,6 @@
-"""What ZeRO refuses, before any rank starts: a ValueError naming the parameter, the value and what would work."""
+"""What ZeRO's own values refuse (data_parallel/dp_check.py calls it for a job; picockpt train too), before any
+rank starts: a ValueError naming the parameter, the value and what would work."""
+from ..refusals import refuse_tiled_dropout
 from .zero_inventory import STAGES
 
 WORKS = "zero 1, 2 or 3 over 2 or more ranks (dp x ep x cp), fp32 or fp64, untied embeddings"
@@ -27,28 +29,8 @@ def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
                          f"a batch that is a multiple of {dp}")
     unsupported = [(cfg.dtype not in ("float32", "float64"), f"dtype={cfg.dtype!r} (mixed precision)"),
                    (cfg.tie_embeddings, "tie_embeddings=True (one matrix in two units)"),
-                   (cfg.router_jitter > 0, f"router_jitter={cfg.router_jitter} (jitter drawn per rank's rows)"),
-                   (cfg.attention == "tiled" and cfg.dropout > 0,
-                    "attention='tiled' with dropout (tile masks seeded at the rank's shape)")]
+                   (cfg.router_jitter > 0, f"router_jitter={cfg.router_jitter} (jitter drawn per rank's rows)")]
     for refused, what in unsupported:
         if refused:
             raise ValueError(f"zero={zero} with {what} is not supported yet; what works: {WORKS}")
-
-
-def check_zero_job(job):
-    """The ZeRO fields of a picockpt.parallel job (job.py: ParallelJob), with any layout beside."""
-    steps = job.steps or len(job.batches or ())
-    if job.zero:
-        if not job.overlap:
-            raise ValueError(f"overlap=False with zero={job.zero}: ZeRO reduces each unit's gradients as soon as they "
-                             f"are final, always (plain data parallelism's buckets are what overlap switches); leave "
-                             f"overlap out")
-        shard_ranks = job.dp * job.ep * job.cp  # the group every weight but the experts' is sharded over
-        check_zero(job.zero, shard_ranks, job.cfg, None, job.keep_gathered, job.prefetch)  # rows: job.py's check
-    elif steps:
-        raise ValueError(f"{'batches' if job.batches else f'steps={job.steps}'} without zero: AdamW on the shards is "
-                         f"ZeRO's; add zero=1, 2 or 3 (and dp >= 2), or leave it out")
-    elif job.keep_gathered or not job.prefetch:
-        raise ValueError(f"{f'keep_gathered={job.keep_gathered!r}' if job.keep_gathered else 'prefetch=False'} "
-                         f"without zero: it changes when ZeRO-3 gathers parameters, and there is none here; add zero=3 "
-                         f"(and dp >= 2), or leave it out")
+    refuse_tiled_dropout(cfg, f"zero={zero}", "the shape of a rank's batch", "equal the", "leave zero out")

@@ -35,7 +35,7 @@ class Pipe:
         self.device, self.timeline, self.tracker = torch.device(device), timeline, tracker
         self.in_flight = []  # (work, tensor): a sent tensor lives until its send completes
         self.held = []  # sends not posted yet (dist.P2POp): paired with the next receive from their peer
-        self.pair_with = None  # the peer of this stage's next receive, set by the schedule's loop (parallel/rank.py)
+        self.pair_with = None  # the peer of this stage's next receive, set by the schedule's loop (pp_runner.py)
         self.stepwise = False  # interleaved: every send held until the next step's exchange (docstring)
         self.expected = []  # the Receives an exchange posted, in the order the step's actions read them
         self.posted = []  # every group in order, [("send" | "recv", peer), ...]: a test can check no order deadlocks

@@ -4,7 +4,7 @@ The orders are pp_schedules.py's: an Action is (kind, microbatch, chunk), "F" a 
 backward under AFAB, 1F1B and interleaving; only the input gradient under ZB-H1), "W" the weight gradients. Chunk c of
 rank s is virtual stage c P + s: a micro-batch's forward runs chunk 0 on ranks 0..P-1, then chunk 1, ..., and its
 backward the reverse. The clock starts each action when its rank is free and its input (or gradient) has arrived, and
-times the step; the ranks run the same orders (rank.py) and their timelines measure what this models.
+times the step; the ranks run the same orders (pp_runner.py) and their timelines measure what this models.
 
 Interleaving holds more micro-batch-chunks in flight: 1 + (P - 1) / (P V) times 1F1B's bytes on stage 0 (Korthikanti
 et al. 2022, sec. 4.2.3). ZB-H1 holds 1F1B's activations (a micro-batch's until its B) and, besides, what the

@@ -26,6 +26,7 @@ of dp*M), so replaying a checkpoint's state redraws them; the price is M*dp time
 from stage s-1's state after its first micro-batch's forward, sent with it (send_rng_state, 5 KB on the CPU).
 """
 import contextlib
+from dataclasses import dataclass
 
 from ...engine import device_generator
 from ...params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
@@ -36,19 +37,36 @@ from .pp_comm import (from_previous_stage_backward, from_previous_stage_forward,
 from ..rng import RowBlock, full_size_draws
 
 
+@dataclass(frozen=True)
+class StageShared:
+    """What every chunk of a rank's stage shares (one chunk but under interleaving)."""
+    cfg: object
+    params: dict                 # {name: tensor} the rank holds (its slices, its experts)
+    pipe: object                 # its neighbours (pp_comm.py: Pipe)
+    buckets: object              # its gradient buckets (data_parallel/dp_comm.py), or ZeRO's shards
+    counted: int                 # N: the whole batch's counted targets
+    microbatches: int
+    dp_rank: int
+    dp: int
+    activation_shape: tuple      # what crosses from one stage to the next, per rank (b, n, h)
+    make_inner: object           # make_inner(ids, tgt): the layers' model (parallel/rank.py: inner_model)
+    recompute_early: bool = False
+    shards: object = None        # ZeRO's (data_parallel/zero_shards.py), or None
+    split_backward: bool = False  # ZB-H1: a backward's B and W run as two actions
+
+
 class PipelineStage:
     """What one rank's micro-batches share: the stage's layers and weights, its neighbours (a Pipe), its gradient
     buckets (data_parallel/dp_comm.py), the counted targets of the whole batch, the RNG states."""
 
-    def __init__(self, cfg, params, layers, first, last, pipe, buckets, counted, microbatches, dp_rank, dp,
-                 activation_shape, make_inner, recompute_early=False, shards=None, split_backward=False):
-        self.cfg, self.params, self.layers, self.first, self.last = cfg, params, layers, first, last
-        self.step_cfg = cfg.replace(tie_embeddings=False)  # a tied matrix's two uses are summed by the caller
-        self.pipe, self.buckets, self.counted = pipe, buckets, counted
-        self.M, self.dp_rank, self.dp = microbatches, dp_rank, dp
-        self.activation_shape, self.make_inner, self.recompute_early = activation_shape, make_inner, recompute_early
-        self.shards = shards  # ZeRO's (data_parallel/zero_shards.py), or None
-        self.split_backward = split_backward  # ZB-H1: a backward's B and W run as two actions
+    def __init__(self, shared, layers, first, last):
+        self.cfg, self.params, self.layers, self.first, self.last = shared.cfg, shared.params, layers, first, last
+        self.step_cfg = shared.cfg.replace(tie_embeddings=False)  # a tied matrix's two uses are summed by the caller
+        self.pipe, self.buckets, self.counted = shared.pipe, shared.buckets, shared.counted
+        self.M, self.dp_rank, self.dp = shared.microbatches, shared.dp_rank, shared.dp
+        self.activation_shape, self.make_inner = shared.activation_shape, shared.make_inner
+        self.recompute_early, self.shards, self.split_backward = shared.recompute_early, shared.shards, \
+            shared.split_backward
         self.rng_start = self.rng_end = None  # the generator at the stage's first layer / after its last
 
     def start(self, tracker, device, seq, like=None):
@@ -201,7 +219,8 @@ class StageModel:
 
     def recompute_top(self, store):
         """Recompute-early: the loop's first work in this micro-batch's backward, done now: the top layer's activations
-        come back from the nearest checkpoint before the gradient arrives, and the loop finds them stored (rank.py)."""
+        come back from the nearest checkpoint before the gradient arrives, and the loop finds them stored
+        (pp_runner.py)."""
         step, i = self.step, self.layers[-1]
         if i not in step.whole:  # not stored whole in the forward: recompute it now, as the loop would
             step.recompute(i)

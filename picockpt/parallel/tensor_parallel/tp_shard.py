@@ -27,6 +27,7 @@ key/value heads: t must divide H and KV (Megatron replicates key/value heads bey
 import torch
 
 from ...params import EMBED, FINAL_NORM, HEAD, ROLE_NAMES
+from ..refusals import refuse_tiled_dropout
 
 SPLIT_DIM = dict(attn_norm=None, q=0, k=0, v=0, o=1, mlp_norm=None, gate=0, up=0, down=1, router=None,
                  experts_gate_up=1, experts_down=2, shared_gate=0, shared_up=0, shared_down=1)  # by role
@@ -99,9 +100,7 @@ def check_tensor_parallel(cfg, tp, sp=False, seq=None, distribute_saved=False, e
     if sp and distribute_saved:
         raise ValueError("distribute_saved=True with sp=True: under sequence parallelism every layer input is "
                          "already split over the ranks; use distribute_saved with sp=False only")
-    if tp > 1 and cfg.attention == "tiled" and cfg.dropout > 0:
-        raise ValueError(f"attention='tiled' with dropout={cfg.dropout} and tp={tp}: each tile's mask comes from a "
-                         f"generator seeded by the tile's index at the shape of a rank's heads, so no rank's masks "
-                         f"equal a slice of the single process's; use attention='eager' (its masks are sliced from "
-                         f"the single process's), dropout=0, or tp=1")
+    if tp > 1:
+        refuse_tiled_dropout(cfg, f"tp={tp}", "the shape of a rank's heads", "equal a slice of the", "tp=1",
+                             eager=" (its masks are sliced from the single process's)")
     return tp

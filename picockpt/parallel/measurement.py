@@ -1,0 +1,111 @@
+"""What one rank's step measures, and the report it makes of it: the rank's Tracker (stored and live bytes, FLOPs
+per phase), its Timeline (what it did when), the stage's stores summed (timeline.py: StageMemory), the bytes its
+collectives moved (comm.py: CommLog), the layers' (tp, ep, cp) apart from the reductions' (dp, ZeRO).
+
+    measured = Measurement(job, groups, stage_forms)
+    with measured.step() as (tracker, timeline, memory):   # after a barrier: the same zero on every rank
+        ...                                               # the step; measured.forward_done after each forward
+    report = measured.report(pipe, buckets, tokens, shards, state)
+
+rank.py's rank_one_step runs the step; predictions.py puts the closed forms beside each report.
+"""
+import contextlib
+
+import torch.distributed as dist
+
+from ..tracker import Tracker
+from .comm import PHASES, CommLog
+from .timeline import StageMemory, Timeline
+
+
+class Measurement:
+    """The step's measuring instruments and what it saw beside them (each micro-batch 0's stored bytes, the rows a
+    rank's experts received)."""
+
+    def __init__(self, job, groups, stage_forms):
+        self.job, self.groups, self.forms = job, groups, stage_forms
+        self.layer_comms = [group for group in (groups.tp_comm, groups.ep_comm, groups.cp_comm) if group is not None]
+        self.reducing = [group for group in (groups.dp_comm, groups.expert_dp_comm) if group is not None]
+        self.layer_log = CommLog()  # the layers' own collectives (tp, ep, cp), this step's bytes only
+        self.reduce_log = CommLog()  # the data-parallel groups' collectives (the buckets', or ZeRO's), this step's
+        self.first_stored, self.received = {}, dict.fromkeys(stage_forms.layers, 0)
+
+    @contextlib.contextmanager
+    def step(self):
+        """(tracker, timeline, memory) for the step: the Timeline's zero right after a barrier every rank leaves at
+        the same moment (across hosts too: machines' monotonic clocks share no origin), every group's collectives
+        booked to the Tracker by phase while it runs, and let go after."""
+        device = self.groups.device
+        dist.barrier()
+        self.timeline = Timeline(device)
+        with Tracker(device, physical=self.job.measure, flops=self.job.measure) as self.tracker:
+            self.memory = StageMemory(self.tracker, self.timeline)
+            for groups, log in ((self.layer_comms, self.layer_log), (self.reducing, self.reduce_log)):
+                for group in groups:
+                    group.tracker, group.log = self.tracker, log
+            yield self.tracker, self.timeline, self.memory
+        for group in self.layer_comms + self.reducing:
+            group.tracker = None
+
+    def forward_done(self, m, c, step, model):
+        """After micro-batch m's forward (of chunk c): what its store holds; micro-batch 0's bytes of the rank's
+        first layer and of the head; the rows its experts received."""
+        self.memory.end_of_forward[m, c] = self.memory.held.get((m, c), 0)
+        if m == 0:  # what the rank's first layer and the head hold after a forward
+            self.first_stored.setdefault("layer_stored_bytes", step.store.layer_bytes(self.forms.layers[0]))
+            self.first_stored["head_stored_bytes"] = step.store.layer_bytes(None)
+        for k, rows_in in getattr(model.rank_model, "received_rows", {}).items():
+            self.received[k] += rows_in  # the rows this rank's experts got, over its micro-batches
+
+    def report(self, pipe, buckets, tokens, shards, state):
+        """The rank's report: its place in the layout, what it stored, computed and moved, when (tokens: its
+        SequenceLayout under cp; shards and state: ZeRO's, with the model state the step ends with)."""
+        job, groups = self.job, self.groups
+        report = {**self.place(), **self.measured(pipe, buckets), **self.first_stored,
+                  "received_rows": [self.received[k] for k in self.forms.layers] if job.ep > 1 else None,
+                  "chunks": tokens.chunks(groups.cp_rank) if tokens else None,
+                  "chunk_tokens": tokens.chunk if tokens else None}
+        if shards is not None:
+            tables = (("bytes", self.reduce_log.bytes), ("calls", self.reduce_log.calls))
+            report.update(state, zero=job.zero, keep_gathered=job.keep_gathered, prefetch=job.prefetch,
+                          gathered_peak_bytes=dict(shards.gathered_peak),
+                          **{f"zero_{what}_by_kind": {phase: dict(table.get(phase, {}))
+                                                      for phase in PHASES + ("optimizer",)} for what, table in tables})
+        return report
+
+    def place(self):
+        """Where the rank sits: its ranks in every dimension, the layout and its switches, its stage's layers."""
+        job, groups, forms = self.job, self.groups, self.forms
+        local = job.cfg.experts // job.ep if job.ep > 1 else 0
+        return {
+            "rank": groups.rank, "stage": groups.stage, "dp_rank": groups.dp_rank, "ep_rank": groups.ep_rank,
+            "cp_rank": groups.cp_rank, "tp_rank": groups.tp_rank, "pp": job.pp, "dp": job.dp, "ep": job.ep,
+            "cp": job.cp, "tp": job.tp, "cp_layout": job.cp_layout, "cp_comm": job.cp_comm,
+            "cp_keep_kv": job.cp_keep_kv, "sp": job.sp and job.tp > 1, "distribute_saved": job.distribute_saved,
+            "keep_dispatched": job.keep_dispatched, "microbatches": job.microbatches, "schedule": job.schedule,
+            "policy": forms.policy.text, "stage_schedule": forms.source, "layers": [forms.layers[0], forms.layers[-1]],
+            "virtual_stages": job.virtual_stages,
+            "chunk_layers": [[chunk.layers[0], chunk.layers[-1]] for chunk in forms.chunks],
+            "microbatches_in_flight": forms.in_flight, "recompute_early": job.recompute_early,
+            "overlap": job.overlap, "experts": list(range(groups.ep_rank * local, (groups.ep_rank + 1) * local))}
+
+    def measured(self, pipe, buckets):
+        """What the rank stored, computed and moved, and when."""
+        tracker, timeline, memory, measure = self.tracker, self.timeline, self.memory, self.job.measure
+        seconds = timeline.totals()
+        return {
+            "peak_activation_bytes": tracker.peak_logical,
+            "microbatch_stored_bytes": memory.end_of_forward.get((0, 0), 0),  # micro-batch 0's, after its forward
+            "mean_activation_bytes": memory.mean_bytes(),
+            "peak_live_bytes": tracker.peak_physical if measure else None,
+            "flops": {phase: tracker.flops[phase] for phase in PHASES} if measure else None,
+            "p2p_bytes": {phase: dict(pipe.log.bytes.get(phase, {})) for phase in ("forward", "backward")},
+            "p2p_posted": pipe.posted,  # every group of sends and receives, in the order posted
+            **self.layer_log.report(PHASES),  # the layers' collectives (tp, ep or cp): bytes and calls per phase
+            "dp_bytes": self.reduce_log.total(),
+            "timeline_start": timeline.start,
+            "timeline": timeline.relative(),
+            "timeline_seconds": seconds,
+            "computing_seconds": seconds["forward"] + seconds["recompute"] + seconds["backward"],
+            "dp_buckets": [(str(bucket), nbytes, start - timeline.start, end - timeline.start)
+                           for bucket, nbytes, start, end in buckets.events]}

@@ -1,0 +1,73 @@
+"""A rank's actions run in its schedule's order (pp_schedules.py: actions), each one the engine's own loop on one
+micro-batch of one chunk of the stage (pp_stage.py):
+
+    for action in order:
+        F   a Step per micro-batch (picockpt/engine.py): receive x, the chunk's layers, send y (or head and loss)
+        B   its backward: receive dy, recompute, backward, send dx (ZB-H1: the input gradient only)
+        W   ZB-H1: the weight gradients its B left (no send, no receive)
+
+A send is held until the stage's next receive from the same peer (pp_comm.py: pair_with); interleaved, the ranks go
+by Megatron-LM's steps (pp_schedules.interleaved_steps), each step's receives posted as one group with the sends
+before them (Pipe.exchange).
+"""
+from ...engine import Step, device_generator
+from ...store import ActivationStore
+from .pp_comm import receives
+from .pp_schedules import interleaved_steps
+
+
+def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_done=None):
+    """Every action of `order` on this rank's chunks (PipelineStage each; forms: their StageForms, whose schedule
+    and op-level drops each Step follows). rows(m): micro-batch m's (input_ids, targets) on this rank; memory: the
+    stage's stores (timeline.py: StageMemory); forward_done(m, c, step, model) after each forward. Returns this
+    rank's share of the loss (the last stage's micro-batches summed), None on earlier stages."""
+    steps, waiting, loss = {}, {}, None  # (micro-batch, chunk) -> its Step until its B / its model until its W
+    rng_like = device_generator(pipe.device).get_state()  # what a generator state sent between stages looks like
+    talking = [action for action in order if action.kind != "W"]  # the actions that send and receive
+    pipe.stepwise = len(chunks) > 1  # interleaved: Megatron-LM's steps (pp_comm.py)
+    starts = step_starts(order) if pipe.stepwise else {}
+    for index, action in enumerate(order):
+        m, c = action.microbatch, action.chunk
+        stage = chunks[c]
+        if index in starts:  # the previous step's sends and every receive this step reads, one group
+            pipe.exchange([(receives_from(a, chunks, pipe), shape, dtype, kind) for a in starts[index]
+                           if receives_from(a, chunks, pipe) is not None
+                           for kind, shape, dtype in receives(a, stage.cfg, rng_like, stage.activation_shape)])
+        if action.kind == "W":  # ZB-H1: the weight gradients its B left
+            waiting.pop((m, c)).weight_backward()
+            continue
+        talking.pop(0)  # a send just before the next action's receive from the same peer: one group
+        pipe.pair_with = receives_from(talking[0], chunks, pipe) if talking else None
+        if action.kind == "F":
+            w_store = ActivationStore(listener=memory.for_microbatch(m, (c, "W"))) if stage.split_backward else None
+            model = stage.microbatch(m, *rows(m), w_store)
+            step = model.step = Step(model, forms[c].schedule, forms[c].policy.drop, memory.for_microbatch(m, c), say)
+            model.rank_model.store = step.store  # where an ep layer keeps its routing, whatever its mode
+            part = step.forward()  # this micro-batch's share of the whole batch's mean (last stage)
+            loss = part if loss is None else loss + part
+            if forward_done is not None:
+                forward_done(m, c, step, model)
+            steps[m, c] = step
+        else:
+            step = steps.pop((m, c))
+            step.backward()
+            if stage.split_backward:
+                waiting[m, c] = step.model
+    return loss
+
+
+def receives_from(action, chunks, pipe):
+    """The neighbour this action receives from (its input or its gradient), or None (a W; the first chunk's F, the
+    last chunk's B)."""
+    chunk = chunks[action.chunk]
+    if action.kind == "W" or (chunk.first if action.kind == "F" else chunk.last):
+        return None
+    return pipe.previous if action.kind == "F" else pipe.next
+
+
+def step_starts(order):
+    """{index of a step's first action: the step's actions}, Megatron-LM's interleaved steps over the order."""
+    starts, index = {}, 0
+    for step_actions in interleaved_steps(order):
+        starts[index], index = step_actions, index + len(step_actions)
+    return starts

@@ -1,0 +1,24 @@
+"""What every dimension's refusals share, said alike by each (job.py's checked_job calls each dimension's
+`refuses` in turn: pipeline_parallel/pp_check.py, context_parallel/cp_check.py, expert_parallel/ep_check.py,
+tensor_parallel/tp_check.py, data_parallel/dp_check.py). Each raises a ValueError naming the user's parameters and
+what would work, before any rank starts."""
+
+
+def given(job, *names):
+    """'ep=2, cp=2': those of the names whose value is not the default (0 or 1), as the caller gave them."""
+    return ", ".join(f"{name}={getattr(job, name)}" for name in names if getattr(job, name) not in (0, 1))
+
+
+def not_yet(what, why, works):
+    """Two dimensions (or a dimension and a flag) that do not stack yet: what was asked, why not, what works."""
+    raise ValueError(f"{what} is not supported yet: {why}; {works}")
+
+
+def refuse_tiled_dropout(cfg, split, shape, relation, instead, part="rank", eager=""):
+    """Tiled attention with dropout under a split of the batch, heads or shards: each tile's mask comes from a
+    generator seeded by the tile's index at the split's shape, so no part's masks are the single process's.
+    split: 'tp=2'; shape: at what shape a tile's seed is drawn; relation: what the masks fail to be."""
+    if cfg.attention == "tiled" and cfg.dropout > 0:
+        raise ValueError(f"attention='tiled' with dropout={cfg.dropout} and {split}: each tile's mask comes from a "
+                         f"generator seeded by the tile's index at {shape}, so no {part}'s masks {relation} single "
+                         f"process's; use attention='eager'{eager}, dropout=0, or {instead}")
