@@ -238,6 +238,12 @@ def parse_policy(text, cfg=None):
     return policy.check(cfg) if cfg is not None else policy
 
 
+def as_policy(policy, cfg=None):
+    """The Policy a function was given, as it is; a policy string parsed (and checked against cfg). For the
+    functions that also take the text: the Policy is parsed once, where the text comes in, and passed on."""
+    return policy if isinstance(policy, Policy) else parse_policy(policy, cfg)
+
+
 def _offload_names(text, part):
     """'offload' -> {"*"} (whatever is stored); 'offload:mlp.gate,mlp.up' -> those names."""
     if part.lower() == "offload":
