@@ -128,7 +128,7 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     forward = (S if first else 0) + L * layer_forward + ((S if sp else 0) + loss if last else 0)
     backward = ((2 * S + h * master if sp else S) if last else 0) + L * layer_backward + (S if sp and first else 0)
     recompute = 0
-    schedule = schedule or rank_schedule(as_policy(policy, cfg), cfg, batch, seq, t, sp, distribute_saved)
+    schedule = schedule or rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved)
     for first, last in schedule.sweeps(cfg.layers):  # the engine's walk (picockpt/schedule.py)
         recompute += (last - first + 1) * layer_forward - (S if schedule.stop_early else 0)  # stopped: a LEAVE less
         recompute += S if distribute_saved else 0  # the checkpoint's all-gather
