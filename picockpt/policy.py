@@ -47,6 +47,8 @@ so the same experts); an expert-parallel layer keeps its top-k indices and never
 replay takes indices set from outside, while the router still computes its scores).
 
 What the engine runs (layer modes, the Schedule) and the op levels' names are in picockpt/schedule.py.
+A policy is parsed once, where its text comes in (parse_policy(text, cfg): a command's --policy, a parallel job's
+checks), and the Policy is what travels on; a function that also takes the text reads it through as_policy.
 """
 import re
 from dataclasses import dataclass
