@@ -29,7 +29,7 @@ from .layer import layer_backward, layer_forward
 from .offload import host_tier, offloading, prefetch_for
 from .ops import embedding_backward, embedding_forward, rope_tables
 from .params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_names, layer_weights, model_names
-from .policy import parse_policy
+from .policy import as_policy
 from .store import ActivationStore
 from .tail import RUN_TAIL, SKIP_TAIL
 
@@ -51,7 +51,7 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
     of -100 (IGNORE_INDEX) is left out of the mean, as in torch and Hugging Face.
     Autograd is off for the whole step (torch.no_grad): params that require grad, as
     LlamaForCausalLM.state_dict(keep_vars=True) gives them, build no graph beside the engine."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     check_params(params, cfg)
     input_ids, targets = check_batch(cfg, input_ids, targets, params)
     B, T = input_ids.shape

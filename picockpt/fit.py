@@ -9,7 +9,7 @@ import torch
 from .device import available_bytes
 from .inventory import predicted_peak_bytes
 from .params import copy_bytes
-from .policy import parse_policy
+from .policy import as_policy
 
 WORKING_COPIES = 4  # working memory: this many fp32 copies of a step's largest intermediate tensor
 
@@ -27,7 +27,7 @@ def step_bytes(cfg, batch, seq, policy, optimizer=True):
                 product. The gradients of activations and each op's transient outputs; measured on
                 the CPU (tracker, physical peak minus stored peak) at most 3.4 such copies.
     """
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     state = cfg.num_params() * (4 + 4 + (8 if optimizer else 0)) + copy_bytes(cfg, policy.recast)
     tokens = batch * seq
     logit_rows = min(tokens, getattr(cfg, "loss_chunk", 0) or tokens)  # a chunked loss makes one chunk at a time
@@ -52,14 +52,14 @@ def check_fits(cfg, device, batch=None, seq=None, policy=None, note="", advice=N
                              f"state need {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {where}. "
                              f"Use a smaller preset or shape flags (the Llama 3 presets are for `predict`).")
         return
-    policy = parse_policy(policy or "none", cfg)
+    policy = as_policy(policy or "none", cfg)
     parts = step_bytes(cfg, batch, seq, policy, optimizer)
     need = parts["state"] + parts["stored"] + parts["working"]
     if need <= have:
         return
     if advice is None:
         advice = "use a smaller --batch or --seq"
-        lighter = parse_policy("full+selective" if getattr(cfg, "attention", "eager") == "eager" else "full", cfg)
+        lighter = as_policy("full+selective" if getattr(cfg, "attention", "eager") == "eager" else "full", cfg)
         stored = step_bytes(cfg, batch, seq, lighter, optimizer)["stored"]
         if stored < parts["stored"] and need - parts["stored"] + stored <= have:
             advice += f", or a recomputation policy (--policy {lighter.text} stores {_gib(stored)} here, and fits)"

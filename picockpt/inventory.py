@@ -30,7 +30,7 @@ from .closed_forms import (  # noqa: F401 (the forms of one layer and the head, 
     chain_sizes, attention_matmul_flops, layer_flops, tail_flops, rebuild_flops, inner_recompute_flops, segments_peak)
 from .host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, model_costs, walk
 from .planner import model_chain, plan_model
-from .policy import parse_policy
+from .policy import as_policy
 
 
 def predicted_peak_bytes(cfg, batch, seq, policy, routing=None):
@@ -38,7 +38,7 @@ def predicted_peak_bytes(cfg, batch, seq, policy, routing=None):
     step's per-expert token counts of every layer (L lists of E ints, picockpt.routing.step_routing), used
     for each layer's bytes; None assumes balanced routing, which gives the very same number, since a
     layer's total does not depend on its routing (see the top of this file)."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     if policy.offload is not None:
         return offload_walk(cfg, batch, seq, policy).device_peak
     if routing is not None and (not cfg.experts or len(routing) != cfg.layers):
@@ -59,14 +59,14 @@ def predicted_peak_bytes(cfg, batch, seq, policy, routing=None):
 
 def predicted_host_bytes(cfg, batch, seq, policy):
     """The host tier's exact peak over one step under `policy` (0 when it offloads nothing)."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     return 0 if policy.offload is None else offload_walk(cfg, batch, seq, policy).host_peak
 
 
 def offload_walk(cfg, batch, seq, policy, bandwidth=None, rate=None):
     """The engine's step under an offloading policy, walked on byte counts and a modelled clock (a Walk:
     device and host peaks, bytes copied each way, modelled seconds; picockpt/host_walk.py)."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     chain = model_chain(cfg, batch, seq, policy.drop)
     return walk(chain, policy.schedule(cfg, batch, seq), model_costs(cfg, batch, seq, policy.drop),
                 bandwidth or DEFAULT_HOST_BANDWIDTH, rate or DEFAULT_COMPUTE_RATE)
@@ -78,7 +78,7 @@ def step_flops(cfg, batch, seq, policy="none"):
     fused attention: its kernel's backward counts 5 T x T matmuls against the forward's 2, the fifth
     being the q k^T it recomputes inside (FlopCounterMode cannot see it apart, so it stays "backward");
     tiled attention's recomputed q k^T is counted as "recompute" (inner_recompute_flops)."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     parts = layer_flops(cfg, batch, seq)
     layer = sum(parts.values())
     head = 2 * batch * seq * cfg.hidden * cfg.vocab

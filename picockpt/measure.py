@@ -20,7 +20,7 @@ import torch
 from .engine import loss_and_grads
 from .inventory import offload_walk, predicted_host_bytes, predicted_peak_bytes
 from .params import init_params
-from .policy import parse_policy
+from .policy import as_policy
 from .tracker import Tracker
 from .train import MarkovTask, make_optimizer, train_step
 
@@ -53,7 +53,7 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
     when several policies are measured on the same shape; otherwise it is computed. optimizer=False: the
     step is a forward and backward alone (no AdamW step, no optimizer state): fp32 master weights and their
     gradients, the 16-bit copies, the activations, as a model whose AdamW state would not fit is measured."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     cfg.check_seq(seq)
     params = init_params(cfg, seed=seed, device=device)
     input_ids, targets = make_batch(cfg, batch, seq, device, seed)

@@ -47,6 +47,8 @@ so the same experts); an expert-parallel layer keeps its top-k indices and never
 replay takes indices set from outside, while the router still computes its scores).
 
 What the engine runs (layer modes, the Schedule) and the op levels' names are in picockpt/schedule.py.
+A policy is parsed once, where its text comes in (parse_policy(text, cfg): a command's --policy, a parallel job's
+checks), and the Policy is what travels on; a function that also takes the text reads it through as_policy.
 """
 import re
 from dataclasses import dataclass
@@ -236,6 +238,12 @@ def parse_policy(text, cfg=None):
     policy = Policy(text=canonical, segment=segment, budget=budget, op_level=op_level, offload=offload,
                     recast=recast)
     return policy.check(cfg) if cfg is not None else policy
+
+
+def as_policy(policy, cfg=None):
+    """The Policy a function was given, as it is; a policy string parsed (and checked against cfg). For the
+    functions that also take the text: the Policy is parsed once, where the text comes in, and passed on."""
+    return policy if isinstance(policy, Policy) else parse_policy(policy, cfg)
 
 
 def _offload_names(text, part):

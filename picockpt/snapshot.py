@@ -19,7 +19,7 @@ import torch
 
 from .measure import make_batch
 from .params import init_params
-from .policy import parse_policy
+from .policy import as_policy
 from .train import make_optimizer, train_step
 
 VIEWER = "https://pytorch.org/memory_viz"
@@ -36,7 +36,7 @@ def record_snapshot(path, cfg, policy, batch, seq, device, seed=0, max_entries=1
     if not folder.is_dir():
         raise ValueError(f"--memory-snapshot={str(path)!r}: the folder {folder} does not exist; "
                          f"create it or write the snapshot somewhere that exists")
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     cfg.check_seq(seq)
     params = init_params(cfg, seed=seed, device=device)
     input_ids, targets = make_batch(cfg, batch, seq, device, seed)  # (B, T) each

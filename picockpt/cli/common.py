@@ -2,6 +2,7 @@
 from ..config import ATTENTIONS, DTYPES, PRESETS, Config
 from ..device import resolve_device
 from ..measure import max_relative_diff  # noqa: F401 (the commands import it from here)
+from ..policy import parse_policy
 
 
 def add_shape_args(parser, preset="small", batch=4, seq=128, dtype=None, batch_help="sequences per batch"):
@@ -43,6 +44,11 @@ def add_shape_args(parser, preset="small", batch=4, seq=128, dtype=None, batch_h
 def add_run_args(parser):
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
+
+
+def policy_from_args(args, cfg):
+    """--policy parsed and checked against the model: the Policy the command passes on (never parsed again)."""
+    return parse_policy(args.policy, cfg)
 
 
 def config_from_args(args):

@@ -6,8 +6,8 @@ from ..inventory import head_inventory, layer_inventory, predicted_peak_bytes, t
 from ..measure import make_batch, measured_inventory
 from ..routing import step_routing
 from ..params import init_params
-from ..policy import parse_policy
-from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes
+from ..policy import Policy
+from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, policy_from_args
 
 
 def add_arguments(parser):
@@ -19,7 +19,7 @@ def add_arguments(parser):
 
 def run(args):
     cfg = config_from_args(args)
-    policy = parse_policy(args.policy, cfg)
+    policy = policy_from_args(args, cfg)
     if not 0 <= args.layer < cfg.layers:
         raise ValueError(f"--layer={args.layer}: use 0 .. {cfg.layers - 1}")
     B, T = args.batch, args.seq
@@ -55,4 +55,4 @@ def _routing(cfg, batch, seq, device, seed, layer):
 
 def _op_only(policy):
     """The same op-level drops, every layer stored: what a stored layer holds."""
-    return parse_policy(policy.op_level or "none")
+    return Policy(text=policy.op_level or "none", op_level=policy.op_level)  # its text: the op level's own

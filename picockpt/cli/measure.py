@@ -4,9 +4,9 @@ import sys
 
 from ..fit import check_fits
 from ..measure import measure_policy
-from ..policy import POLICY_HELP, parse_policy
+from ..policy import POLICY_HELP
 from .common import (add_run_args, add_shape_args, check_repeats, config_from_args, device_from_args, fmt_bytes,
-                     fmt_flops)
+                     fmt_flops, policy_from_args)
 
 
 def add_arguments(parser):
@@ -28,7 +28,7 @@ def add_arguments(parser):
 def run(args):
     cfg = config_from_args(args)
     check_repeats(args)
-    policy = parse_policy(args.policy, cfg)
+    policy = policy_from_args(args, cfg)
     device = device_from_args(args)
     check_fits(cfg, device, args.batch, args.seq, policy, optimizer=args.optimizer)
     check_fits(cfg, device, args.batch, args.seq, "none", advice="use a smaller --batch or --seq",
@@ -36,8 +36,8 @@ def run(args):
                     "compared with)", optimizer=args.optimizer)
     if args.memory_snapshot:
         from ..snapshot import record_snapshot
-        record_snapshot(args.memory_snapshot, cfg, args.policy, args.batch, args.seq, device, args.seed)
-    row = measure_policy(cfg, args.policy, args.batch, args.seq, device, args.seed, args.repeats,
+        record_snapshot(args.memory_snapshot, cfg, policy, args.batch, args.seq, device, args.seed)
+    row = measure_policy(cfg, policy, args.batch, args.seq, device, args.seed, args.repeats,
                          trace=(lambda line: print(line, file=sys.stderr)) if args.json and args.trace
                          else args.trace, optimizer=args.optimizer)
     if args.json:

@@ -35,7 +35,7 @@ def run_expert(args):
     routing = step_routing(params, cfg, input_ids)  # the single process's, as the closed forms take it
     torch.manual_seed(args.seed)
     by_rows = step_routing(params, cfg, input_ids, ranks=args.dp * args.microbatches * args.ep)
-    other = ParallelJob(params, cfg, input_ids, input_ids, policy.text, rng_state=torch.get_rng_state(),
+    other = ParallelJob(params, cfg, input_ids, input_ids, policy, rng_state=torch.get_rng_state(),
                         **{**layout_of(args), "keep_dispatched": not args.keep_dispatched})  # on the same routing
     row = {"routing": routing,
            "other_choice": {"keep_dispatched": other.keep_dispatched,  # predicted on the same routing

@@ -16,9 +16,9 @@ from ..params import init_params
 from ..parallel import RankError, loss_and_grads, under_torchrun
 from ..parallel.launch import TIMEOUT_RANGE_S
 from ..parallel.watch import Terminated, sigterm_raises
-from ..policy import parse_policy
+from ..policy import Policy
 from . import RankFailed
-from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff
+from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff, policy_from_args
 from .parallel_zero import print_zero
 
 LAYOUT = ("tp", "sp", "distribute_saved", "pp", "microbatches", "schedule", "virtual_stages", "recompute_early",
@@ -61,9 +61,9 @@ def prepared(args):
     """(cfg, policy, device) of the command's flags, once the whole step is known to fit there (the command
     also runs it in one process, with policy none, to check the ranks' gradients): a ValueError first."""
     cfg = config_from_args(args)
-    policy = parse_policy(args.policy, cfg)
+    policy = policy_from_args(args, cfg)
     device = rank_device(args)
-    check_parallel_fits(args, cfg, parse_policy("none", cfg), device)
+    check_parallel_fits(args, cfg, Policy("none"), device)
     return cfg, policy, device
 
 
@@ -81,7 +81,7 @@ def measured_step(args, cfg, policy, device):
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
     torch.manual_seed(args.seed)  # the dropout masks and the router jitter: the same state for both runs
     try:
-        loss, grads, ranks = loss_and_grads(params, cfg, input_ids, targets, policy.text, device=device.type,
+        loss, grads, ranks = loss_and_grads(params, cfg, input_ids, targets, policy, device=device.type,
                                             timeout_s=args.timeout, port=args.port, trace=args.trace,
                                             optimizer_step=bool(args.zero), **layout_of(args))
     except RankError as error:

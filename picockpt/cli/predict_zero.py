@@ -24,7 +24,7 @@ def expert_activation_bytes(cfg, stage_forms, ep, tp, sp):
     sequences (the rank computes b of them), (in flight - 1) micro-batches stored beside one at its peak."""
     stage_cfg, b, seq = cfg.replace(layers=len(stage_forms.layers)), stage_forms.b * ep, stage_forms.seq
     routing = balanced_routing(cfg, b, seq, stage_cfg.layers)
-    args = (stage_cfg, b, seq, stage_forms.policy.text, ep, 0, routing)
+    args = (stage_cfg, b, seq, stage_forms.policy, ep, 0, routing)
     stored = ep_stored_bytes(*args, head=stage_forms.last, t=tp, sp=sp)
     return (stage_forms.in_flight - 1) * stored + ep_peak_bytes(*args, head=stage_forms.last, t=tp, sp=sp)
 

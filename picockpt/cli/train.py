@@ -23,9 +23,9 @@ from ..parallel import RankError, under_torchrun
 from ..parallel.training import zero_train
 from ..parallel.data_parallel.zero_check import check_zero
 from ..parallel.launch import check_rank_count, check_timeout
-from ..policy import POLICY_HELP, parse_policy
+from ..policy import POLICY_HELP
 from ..train import MarkovTask, train
-from .common import add_run_args, add_shape_args, config_from_args, device_from_args
+from .common import add_run_args, add_shape_args, config_from_args, device_from_args, policy_from_args
 from .parallel_run import TIMEOUT_S, add_timeout, one_line_errors, rank_device, rank_failure
 from .parallel_zero import print_ranks
 
@@ -96,7 +96,7 @@ def train_command(args):
                          f"(989.5 for an H100/H200 SXM in bf16)")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise ValueError(f"--lr={args.lr}: AdamW's learning rate must be a positive number, e.g. 3e-3")
-    policy = parse_policy(args.policy, cfg)
+    policy = policy_from_args(args, cfg)
     device = rank_device(args) if zero else device_from_args(args)  # under torchrun, this process's own GPU
     peak_tflops = args.peak_tflops if args.peak_tflops is not None else \
         CUDA_PEAK_TFLOPS if device.type == "cuda" else None  # a CPU has no datasheet peak: no MFU/HFU unless given
@@ -194,7 +194,7 @@ def check_zero_flags(args, cfg):
     sizes = [flag for flag, value in (("--dp", dp), ("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp),
                                       ("--ep", args.ep)) if value > 1]
     check_rank_count(" x ".join(sizes), world_size(args), rank_device(args))  # CUDA: a GPU per rank; torchrun's
-    policy = parse_policy(args.policy, cfg).refuse_offload("ZeRO training")
+    policy = policy_from_args(args, cfg).refuse_offload("ZeRO training")
     if world_size(args) == dp and args.microbatches == 1:  # dp alone: a rank's rows; other layouts: the job plans
         policy.schedule(cfg, args.batch // dp, args.seq)  # a budget too small for a rank's rows
     return True
@@ -213,7 +213,7 @@ def train_with_zero(args, cfg, task, params, policy, device):
             print(f"step {step:4d}  loss {loss:7.4f}  {args.batch * args.seq / seconds:10,.0f} tokens/s", flush=True)
         printed.add(step)
     try:  # spawned ranks: each step printed as it ends (zero_train's on_step), as one process prints it
-        losses, _, ranks = zero_train(params, cfg, batches, policy.text, args.dp or 1, args.zero, args.lr,
+        losses, _, ranks = zero_train(params, cfg, batches, policy, args.dp or 1, args.zero, args.lr,
                                       keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch,
                                       device=device.type, on_step=print_step,
                                       timeout_s=TIMEOUT_S if args.timeout is None else args.timeout, **layout)

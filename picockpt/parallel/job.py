@@ -82,12 +82,15 @@ RECOMPUTE_SWITCHES = {"distribute_saved": "each tp rank keeps 1/t of a checkpoin
                       "keep_dispatched": "a recomputed layer reads the rows it dispatched instead of dispatching again"}
 
 
+LAYOUT = "a parallel layout"  # what a refused policy is told it runs in
+
+
 def checked_job(job, device, world_size):
     """The job with its policy parsed and batch checked; a ValueError naming the value before any rank starts."""
     check_flags(job)
     check_schedule(job.schedule, job.virtual_stages, job.pp)
-    job = checked_batch(job, device)
-    policy = parse_policy(job.policy, job.cfg)
+    policy = parse_policy(job.policy, job.cfg).refuse_offload(LAYOUT).refuse_recast(LAYOUT)  # the one parse
+    job = checked_batch(replace(job, policy=policy.text), device)
     check_ranks(job, device, world_size)
     if policy.segment is None and policy.budget is None and policy.op_level is None:  # none: nothing recomputed
         for name, what in RECOMPUTE_SWITCHES.items():
@@ -119,7 +122,7 @@ def check_budget(job, policy):
     failed = []
     for stage in range(job.pp):
         try:
-            closed_forms(replace(job, policy=policy.text), stage)
+            closed_forms(replace(job, policy=policy), stage)
         except ValueError as error:
             if job.pp == 1:
                 raise
@@ -161,10 +164,8 @@ def check_flags(job):
 
 
 def checked_batch(job, device):
-    """The job with its policy parsed (canonical text), params and batch checked, and the generator state
-    its ranks start from (the caller's now, unless the job names one). ValueError before any rank starts."""
-    layout = "a parallel layout"
-    policy = parse_policy(job.policy, job.cfg).refuse_offload(layout).refuse_recast(layout)
+    """The job with its params and batch checked, and the generator state its ranks start from (the caller's now,
+    unless the job names one). ValueError before any rank starts."""
     check_params(job.params, job.cfg)
     input_ids, targets = check_batch(job.cfg, job.input_ids, job.targets, job.params)
     state = job.rng_state if job.rng_state is not None else ranks_generator(device).get_state()
@@ -187,7 +188,7 @@ def checked_batch(job, device):
                                  f"step's batch must have one (batch, seq) shape (the ranks plan one schedule and "
                                  f"split every batch alike); draw them all at one shape")
             batches.append((ids, tgt))
-    return replace(job, input_ids=input_ids, targets=targets, policy=policy.text, rng_state=state, batches=batches)
+    return replace(job, input_ids=input_ids, targets=targets, rng_state=state, batches=batches)
 
 
 # ---- what the ranks are sent ----------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import math
 from ..config import BYTES
 from ..cost import bubble_idle
 from ..params import EMBED, HEAD, param_shapes
-from ..policy import parse_policy
 from .comm import PHASES
 from .context_parallel.cp_inventory import (cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops,
                                             stage_comm_bytes)
@@ -85,7 +84,7 @@ def expert_forms(job, stage_forms, report, routing):
     """ep_inventory.py's forms, one per micro-batch of this rank, over its stage's layers and its rows; beside tp,
     at its slices, with tp's collectives (forms.tp_comm_bytes) and each layer's router gradient summed over tp."""
     cfg, M, ep, e, tp = job.cfg, job.microbatches, job.ep, report["ep_rank"], dict(t=job.tp, sp=job.sp)
-    stage_cfg, policy = cfg.replace(layers=len(stage_forms.layers)), parse_policy(job.policy, cfg)
+    stage_cfg, policy = cfg.replace(layers=len(stage_forms.layers)), stage_forms.policy
     stored, peaks, total = [], [], {key: dict.fromkeys(PHASES, 0) for key in ("flops", "comm", "sent")}
     received = [0] * len(stage_forms.layers)
     for m in range(M):

@@ -5,7 +5,7 @@ ContextParallelModel (cp_model.py): its tokens of every sequence (cp_layout.py),
 own Tracker, to which its Comm books every ring step or all-gather by phase; the data-parallel buckets sum the
 replicated weights' partial gradients over the dp x cp ranks (picockpt/parallel/layout.py).
 """
-from ...policy import parse_policy
+from ...policy import as_policy
 from ..launch import check_rank_count
 from ..refusals import given, not_yet
 from .cp_layout import check_layout
@@ -35,8 +35,8 @@ def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_k
     if cfg.experts or cfg.router_jitter:
         raise ValueError(f"Config.experts={cfg.experts} under context parallelism: not supported here; use a "
                          f"dense MLP (experts=0), or expert parallelism (ep)")
-    parsed = parse_policy(policy, cfg)
-    if getattr(parsed, "offload", None) is not None:
+    parsed = as_policy(policy, cfg)
+    if parsed.offload is not None:
         raise ValueError(f"policy={parsed.text!r} under context parallelism: offloading is not planned per "
                          f"context-parallel rank; use none, full, every:C, selective, cheap or budget:SIZE")
     if cfg.dropout > 0:
@@ -68,4 +68,4 @@ def refuses(job, policy, device):
         not_yet(f"cp_keep_kv=True with policy={policy.text!r}", "the planner's chain does not hold the kept K/V",
                 "use a budget without cp_keep_kv, or keep_kv with none, full, every:C, selective or cheap")
     check_context_parallel(job.cfg, job.cp, job.input_ids.shape[1], job.cp_layout, job.cp_comm, job.cp_keep_kv,
-                           job.policy, device)
+                           policy, device)

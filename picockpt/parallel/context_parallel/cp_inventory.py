@@ -46,7 +46,7 @@ from ...closed_forms import segments_peak, tail_flops
 from ...config import BYTES
 from ...hardware import INFINIBAND_NDR
 from ...host_walk import DEFAULT_COMPUTE_RATE
-from ...policy import parse_policy
+from ...policy import as_policy
 from .cp_comm import RINGS
 from .cp_layout import SequenceLayout
 
@@ -79,7 +79,7 @@ def cp_head_inventory(cfg, batch, seq, cp, drop=frozenset()):
 
 def cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
     """The exact peak of one rank's activation store over one step."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     if policy.budget is not None:
         raise ValueError(f"policy={policy.text!r}: a budget is planned per rank (parallel/job.py: stage_forms gives "
                          f"its peak); cp_peak_bytes takes none, full, every:C, selective or cheap")
@@ -97,7 +97,7 @@ def cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, sc
     if cp == 1:  # one rank: its own block is all there is
         return {"forward": 0, "recompute": 0, "backward": 0}
     forward, backward, again = layer_comm_bytes(cfg, batch, seq, cp, cp_comm, keep_kv, t)
-    schedule = schedule or parse_policy(policy, cfg).schedule(cfg, batch, seq // cp)
+    schedule = schedule or as_policy(policy, cfg).schedule(cfg, batch, seq // cp)
     recomputed = sum(last - first + 1 for first, last in schedule.sweeps(cfg.layers))  # the engine's walk
     return {"forward": cfg.layers * forward, "recompute": recomputed * again, "backward": cfg.layers * backward}
 
@@ -153,7 +153,7 @@ def cp_flops(cfg, batch, seq, policy, cp, layout, rank, head=True, schedule=None
     head = 2 * batch * n * cfg.hidden * cfg.vocab // t if head else 0
     forward = cfg.layers * layer + head
     backward = 2 * forward + (cfg.layers * core if cfg.attention == "fused" else 0)  # fused: the recomputed q k^T
-    schedule = schedule or parse_policy(policy, cfg).schedule(cfg, batch, n)
+    schedule = schedule or as_policy(policy, cfg).schedule(cfg, batch, n)
     sweeps = schedule.sweeps(cfg.layers)
     recompute = sum(last - first + 1 for first, last in sweeps) * layer
     recompute -= len(sweeps) * tail_flops(cfg, batch, n) // t if schedule.stop_early else 0  # each sweep's last tail

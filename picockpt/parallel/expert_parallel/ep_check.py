@@ -1,6 +1,6 @@
 """What expert parallelism refuses, before any rank starts (job.py's checked_job calls `refuses`): a ValueError
 naming the parameter, the value and what would work."""
-from ...policy import parse_policy
+from ...policy import as_policy
 from ..refusals import not_yet, refuse_tiled_dropout
 
 
@@ -17,7 +17,7 @@ def refuses(job, policy, device):
         not_yet(f"ep={job.ep} with distribute_saved=True", "its closed forms split no expert-parallel checkpoint",
                 "leave distribute_saved out with ep")
     parts = job.dp * job.microbatches  # the batch's micro-batches over every replica
-    check_expert_parallel(job.cfg, job.ep, job.input_ids.shape[0] // parts, job.policy, parts > 1)
+    check_expert_parallel(job.cfg, job.ep, job.input_ids.shape[0] // parts, policy, parts > 1)
 
 
 def check_expert_parallel(cfg, ep, batch, policy, split=False):
@@ -36,8 +36,9 @@ def check_expert_parallel(cfg, ep, batch, policy, split=False):
         per = " (per replica and micro-batch)" if split else ""
         raise ValueError(f"batch={batch}{per} is not divisible by ep={ep}: each rank computes batch/ep whole "
                          f"sequences; use a batch that is a multiple of {ep}, or ep in {fits}")
-    if parse_policy(policy, cfg).budget is not None:
-        raise ValueError(f"policy {policy!r} with ep={ep}: a budget is planned per rank, but a rank's bytes "
+    policy = as_policy(policy, cfg)
+    if policy.budget is not None:
+        raise ValueError(f"policy {policy.text!r} with ep={ep}: a budget is planned per rank, but a rank's bytes "
                          f"depend on the tokens routed to its experts, and every rank must recompute the same layers "
                          f"at the same time (their all-to-alls meet); use none, full or every:C, with op-level options")
     refuse_tiled_dropout(cfg, f"ep={ep}", "the shape of a rank's batch", "equal the", "ep=1")

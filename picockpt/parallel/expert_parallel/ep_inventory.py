@@ -14,7 +14,7 @@ import math
 
 from ...inventory import head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops, total
 from ...params import param_shapes
-from ...policy import parse_policy
+from ...policy import as_policy
 from .ep_layer import ep_drop
 from .ep_shard import is_expert
 from .ep_moe import DISPATCHED, ROUTING
@@ -36,7 +36,7 @@ def received_rows(cfg, counts, ep, rank):
 
 
 def _check(cfg, batch, seq, policy, ep, rank, routing):
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     if policy.budget is not None:
         raise ValueError(f"policy {policy.text!r}: expert parallelism has no per-rank budget planner; use none, "
                          f"full or every:C with op-level options")
@@ -116,7 +116,7 @@ def ep_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=
 
 def ep_head_stored_bytes(cfg, batch, seq, policy, ep, t=1, sp=False):
     """What the head holds on a rank after the forward: picockpt's head on its batch/ep sequences (tp's, beside)."""
-    drop = parse_policy(policy, cfg).drop
+    drop = as_policy(policy, cfg).drop
     if t > 1:
         return total(rank_head_inventory(cfg, batch // ep, seq, t, sp, drop))
     return total(head_inventory(cfg, batch // ep, seq, drop))
@@ -132,7 +132,7 @@ def replicated_grad_bytes(cfg):
 def ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched=False):
     """{"forward", "recompute", "backward"}: bytes one layer's all-to-alls move on rank r in one step."""
     P, M = (batch // ep) * seq * cfg.experts_per_token, received_rows(cfg, counts, ep, rank)
-    return _all_to_all_bytes(cfg, parse_policy(policy, cfg), P, M, cfg.experts, keep_dispatched)
+    return _all_to_all_bytes(cfg, as_policy(policy, cfg), P, M, cfg.experts, keep_dispatched)
 
 
 def _all_to_all_bytes(cfg, policy, P, M, E, keep_dispatched):
@@ -153,7 +153,7 @@ def _all_to_all_bytes(cfg, policy, P, M, E, keep_dispatched):
 def ep_sent_bytes(cfg, batch, seq, policy, ep, rank, routing_by_rank, keep_dispatched=False):
     """The bytes rank r's all-to-alls send to other ranks: each buffer less the rows it sends itself, the same forms
     with P = M = S and E/W counts. routing_by_rank: every layer's W lists of E counts (step_routing(..., ranks=W))."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     sent = {"forward": 0, "recompute": 0, "backward": 0}
     for by_rank in routing_by_rank:
         counts = [sum(column) for column in zip(*by_rank)]  # the whole batch's per-expert counts
@@ -180,7 +180,7 @@ def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, 
     a recompute or a rebuild)."""
     if t > 1:
         one = ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched, head)
-        policy = parse_policy(policy, cfg)
+        policy = as_policy(policy, cfg)
         router = 2 * (batch // ep) * seq * cfg.hidden * cfg.experts * cfg.layers
         again = (policy.segment is not None) + ("moe.router_probs" in policy.drop)
         whole = {"forward": router, "backward": 2 * router, "recompute": again * router}

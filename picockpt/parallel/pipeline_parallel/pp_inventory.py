@@ -21,7 +21,7 @@ from ...inventory import layer_flops
 from ...planner import Stage, model_chain, plan_chain, replay
 from .pp_orders import w_pending_bytes
 from .pp_plan import end_of_forward_bytes, in_flight_peak, plan_chunks, plan_in_flight, walk_peak
-from ...policy import parse_policy
+from ...policy import as_policy
 from ...schedule import Mode, Schedule
 from ..tensor_parallel.tp_inventory import rank_chain, rank_comm_bytes
 from .pp_schedules import actions, in_flight, rank_layers
@@ -61,7 +61,7 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=F
     stage's Actions, w_layer_bytes what each layer's B leaves for its W (ZB-H1): the stage peak walks the order
     (pp_plan.in_flight_peak); without them it is (in_flight_count - 1) E + peak."""
     left = (w_layer_bytes,) * layers if w_layer_bytes else None
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     chain = stage_chain(cfg, batch, seq, layers, last, t, sp, distribute_saved, policy.drop)
     planned = tuple(replace(stage, forward_flops=stage.forward_flops + layer_comm_flops) for stage in chain[:-1]) + \
         chain[-1:] if layer_comm_flops else chain
@@ -99,7 +99,7 @@ class StageForms:
         self.first, self.last = chunk * pp + stage == 0, chunk * pp + stage == pp * virtual - 1
         self.b, self.seq, self.M = batch // (dp * microbatches), seq, microbatches
         self.in_flight = in_flight(schedule, pp, microbatches, stage, virtual)  # micro-batch-chunks, interleaved
-        self.policy = parse_policy(policy, cfg)
+        self.policy = as_policy(policy, cfg)
         split = schedule == "zb-h1"  # B and W apart: each layer's B leaves what its W reads (pp_orders.py)
         self.w_layer_bytes = w_pending_bytes(cfg, self.b, seq, t) if split else 0
         order = tuple(actions(schedule, pp, microbatches, stage)) if split else None
@@ -107,7 +107,7 @@ class StageForms:
                                  self.policy.drop)
         if planned is None:
             (self.local_schedule, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes,
-             self.recompute_flops, self.source) = stage_plan(self.policy.text, cfg, self.b, seq, len(self.layers),
+             self.recompute_flops, self.source) = stage_plan(self.policy, cfg, self.b, seq, len(self.layers),
                                                              self.last, self.in_flight, t, self.sp,
                                                              self.distribute_saved, layer_comm_flops, order,
                                                              self.w_layer_bytes)
@@ -165,7 +165,7 @@ class StageForms:
         """{"forward", "recompute", "backward"}: this rank's tensor-parallel collectives over its M micro-batches
         (tp_inventory.rank_comm_bytes on its layers, the embedding on stage 0, the head on the last, its own sweeps);
         rows: b / ep under expert parallelism."""
-        one = rank_comm_bytes(self.cfg.replace(layers=len(self.layers)), rows or self.b, self.seq, self.policy.text,
+        one = rank_comm_bytes(self.cfg.replace(layers=len(self.layers)), rows or self.b, self.seq, self.policy,
                               self.t, self.sp, self.distribute_saved, self.first, self.last, self.local_schedule)
         return {phase: self.M * n for phase, n in one.items()}
 
@@ -174,11 +174,11 @@ def rank_forms(cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp=1,
                distribute_saved=False, layer_comm_flops=0, virtual=1):
     """Stage `stage`'s rank: its StageForms, or interleaved its V chunks' RankForms (under a budget the chunks
     planned together, their walk within it: pp_plan.plan_chunks)."""
-    args = (cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp, t, sp, distribute_saved, layer_comm_flops)
+    parsed = as_policy(policy, cfg)  # the text parsed here, once: every chunk's StageForms takes the Policy
+    args = (cfg, batch, seq, parsed, pp, microbatches, schedule, stage, dp, t, sp, distribute_saved, layer_comm_flops)
     if virtual == 1:
         return StageForms(*args)
-    order, parsed, planned = actions(schedule, pp, microbatches, stage, virtual), parse_policy(policy, cfg), \
-        [None] * virtual
+    order, planned = actions(schedule, pp, microbatches, stage, virtual), [None] * virtual
     if parsed.budget is not None:
         chains = [stage_chain(cfg, batch // (dp * microbatches), seq, len(layers), c == virtual - 1 and stage == pp - 1,
                               t, sp and t > 1, distribute_saved and t > 1, parsed.drop)

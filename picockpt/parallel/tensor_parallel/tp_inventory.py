@@ -19,7 +19,7 @@ import math
 
 from ...inventory import head_inventory, layer_flops, layer_inventory, segments_peak, step_flops
 from ...planner import Stage, plan_chain
-from ...policy import OP_LEVEL, parse_policy
+from ...policy import OP_LEVEL, as_policy
 from ...config import BYTES
 
 # what t divides in each stored tensor: "tokens" (dim 1, under sequence parallelism only), "heads" (dim 1:
@@ -97,7 +97,7 @@ def rank_plan(policy, cfg, batch, seq, t=1, sp=False, distribute_saved=False):
 
 def rank_schedule(policy, cfg, batch, seq, t=1, sp=False, distribute_saved=False):
     """The Schedule a rank's step runs (the same on every rank: their sizes are equal)."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     if policy.budget is not None:
         return rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).schedule
     return policy.schedule(cfg, batch, seq)
@@ -105,7 +105,7 @@ def rank_schedule(policy, cfg, batch, seq, t=1, sp=False, distribute_saved=False
 
 def rank_peak_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
     """The exact peak of one rank's activation store over one step."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     if policy.budget is not None:
         return rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).peak_bytes
     X, Xc, A, F = rank_sizes(cfg, batch, seq, t, sp, distribute_saved, policy.drop)
@@ -128,7 +128,7 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     forward = (S if first else 0) + L * layer_forward + ((S if sp else 0) + loss if last else 0)
     backward = ((2 * S + h * master if sp else S) if last else 0) + L * layer_backward + (S if sp and first else 0)
     recompute = 0
-    schedule = schedule or rank_schedule(parse_policy(policy, cfg), cfg, batch, seq, t, sp, distribute_saved)
+    schedule = schedule or rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved)
     for first, last in schedule.sweeps(cfg.layers):  # the engine's walk (picockpt/schedule.py)
         recompute += (last - first + 1) * layer_forward - (S if schedule.stop_early else 0)  # stopped: a LEAVE less
         recompute += S if distribute_saved else 0  # the checkpoint's all-gather
@@ -137,7 +137,7 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
 
 def rank_flops(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
     """One rank's {phase: matmul FLOPs}: step_flops / t (H/t heads, f/t, V/t columns); budget: its plan's recompute."""
-    policy = parse_policy(policy, cfg)
+    policy = as_policy(policy, cfg)
     flops = {phase: count // t for phase, count in step_flops(cfg, batch, seq, "none").items()}
     flops["recompute"] = (rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).recompute_flops
                           if policy.budget is not None else step_flops(cfg, batch, seq, policy)["recompute"] // t)
