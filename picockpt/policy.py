@@ -241,9 +241,12 @@ def parse_policy(text, cfg=None):
 
 
 def as_policy(policy, cfg=None):
-    """The Policy a function was given, as it is; a policy string parsed (and checked against cfg). For the
-    functions that also take the text: the Policy is parsed once, where the text comes in, and passed on."""
-    return policy if isinstance(policy, Policy) else parse_policy(policy, cfg)
+    """The Policy a function was given, checked against cfg (a few comparisons, no parsing); a policy string
+    parsed and checked. For the functions that also take the text: the Policy is parsed once, where the text
+    comes in, and passed on, and a Policy parsed without a model is still refused where it does not fit one."""
+    if isinstance(policy, Policy):
+        return policy.check(cfg) if cfg is not None else policy
+    return parse_policy(policy, cfg)
 
 
 def _offload_names(text, part):

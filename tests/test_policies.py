@@ -121,3 +121,12 @@ def test_policy_spellings():
     assert parse_policy(" Every:2 + Selective ").text == "every:2+selective"
     assert parse_policy("none+cheap").text == "cheap"
     assert parse_policy("budget:1.5GiB").budget == int(1.5 * 2**30)
+
+
+def test_a_policy_parsed_without_a_model_is_still_checked_where_it_meets_one():
+    """Parsed once, passed on as a Policy: the model it reaches still refuses what does not fit it."""
+    from picockpt.policy import as_policy
+    cfg, params, ids, targets = setup(layers=2)
+    with pytest.raises(ValueError, match=r"C=9 is larger than the number of layers L=2"):
+        loss_and_grads(params, cfg, ids, targets, parse_policy("every:9"))
+    assert as_policy(parse_policy("every:2"), cfg).segment == 2
