@@ -19,6 +19,7 @@ import itertools
 from .collectives import members_per_node
 from .config import BYTES
 from .cost import layer_ops
+from .frameworks import FRAMEWORKS
 from .layout_memory import ZERO_STAGES, split_layers, splits_for, stage_bytes, stage_params
 from .layout_time import FULL_MODEL, dp_exposed_seconds, microbatch_seconds
 
@@ -169,16 +170,20 @@ def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even", model=FULL_MODEL):
 
 
 def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
-           model=FULL_MODEL):
+           model=FULL_MODEL, framework=FRAMEWORKS["any"]):
     """(every layout that fits, best first; how many were considered). Attention is priced as a flash kernel; model:
-    which corrections are on (layout_time.Model)."""
+    which corrections are on (layout_time.Model); framework: the choices it allows (frameworks.py)."""
     check_search(cfg, seq, gpus, tokens, capacity, hw)  # before the fused attention that dropout would refuse
     cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
+    model = framework.model(model)
     rows, considered = [], 0
     for (tp, cp, pp, dp, M), zero, (schedule, V), policy in itertools.product(
             candidates(cfg, seq, gpus, tokens, hw.node), zero_stages, schedules, policies):
+        if not framework.allows(schedule, zero, policy):
+            continue
         splits = splits_for(cfg.layers, pp) if model.stages else ("even",)
         sps = ((True, False) if model.overlap else (True,)) if tp > 1 else (False,)
+        sps = tuple(sp for sp in sps if tp == 1 or framework.allows(sp=sp))
         for split, sp in itertools.product(splits, sps):
             if not runs(cfg, cp, pp, dp, M, zero, schedule, V, split, model):
                 continue
