@@ -41,17 +41,22 @@ def test_the_filter_yields_only_allowed_variants(name):
 
 
 def test_megatron_ranks_the_llama3_405b_8k_layout_among_its_splits():
-    """On the 8,192-GPU row the paper's split is among Megatron's, ranked no better than among every layout's
-    splits (a narrower space removes no split the paper's beats) and modelled above the reported MFU."""
+    """On the 8,192-GPU row the paper's split is among Megatron's, its best variant one Megatron runs, modelled
+    above the reported MFU; Megatron's layouts are a subset of every layout, so neither its fastest step nor the
+    paper's split's is faster than under "any"."""
     cfg = Config.from_preset("llama3-405b", dtype="bf16")
     gpus, seq, layout, _, reported = LLAMA3_405B_TABLE_4[0]
-    ranks = {}
+    ranked = {}
     for name in ("any", "megatron"):
         rows, _ = search(cfg, seq, gpus, 2**24, 80 * 2**30, H100, framework=FRAMEWORKS[name])
-        ranks[name], row = rank_of(distinct_splits(rows), layout)
-        assert ranks[name] is not None and row["mfu"] > reported
-        assert FRAMEWORKS[name].allows_row(row)
-    assert ranks["megatron"] <= ranks["any"] * 2  # loose: the same split, a subset of its variants
+        splits = distinct_splits(rows)
+        rank, row = rank_of(splits, layout)
+        assert rank is not None and row["mfu"] > reported and FRAMEWORKS[name].allows_row(row)
+        ranked[name] = splits[0]["step_seconds"], row["step_seconds"]
+        ratio = row["step_seconds"] / splits[0]["step_seconds"]
+        print(f"{name}: the paper's split #{rank} of {len(splits)}, {ratio:.2f}x the fastest, modelled "
+              f"{row['mfu']:.1%} MFU")
+    assert ranked["megatron"][0] >= ranked["any"][0] and ranked["megatron"][1] >= ranked["any"][1]
 
 
 def test_predict_search_names_the_framework(capsys):

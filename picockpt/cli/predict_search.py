@@ -100,7 +100,8 @@ def run_search(args, cfg):
     published = published_for(args.preset, args.seq, args.gpus, tokens)
     if args.json:
         out = {"model": args.preset, "seq": args.seq, "gpus": args.gpus, "tokens_per_batch": tokens,
-               "gpu_bytes": capacity, "hardware": hw.name, "framework": framework.name, "considered": considered, "fit": len(rows),
+               "gpu_bytes": capacity, "hardware": hw.name, "framework": framework.name, "considered": considered,
+               "fit": len(rows),
                "distinct_splits": len(splits), "search_seconds": seconds, "top": args.top,
                "layouts": splits[:args.top]}
         if published:
