@@ -6,9 +6,9 @@ with the file of the framework's repository that has it (or lacks it).
     schedule      1f1b, interleaved (virtual stages); no         1f1b (Schedule1F1B), interleaved (Interleaved1F1B);
                   zero-bubble schedule                           its zero-bubble schedules need 2+ stages a rank,
                                                                  so not ZB-H1's one
-    zero          0 (DDP), 1 (--use-distributed-optimizer),      0 (DDP over dp_replicate), 3 and 3+keep (FSDP2,
-                  2 and 3 (Megatron-FSDP's optim_grads,          fsdp_reshard_after_forward: "default" keeps the
-                  optim_grads_params)                            gather under pipelining)
+    zero          0 (DDP), 1 (--use-distributed-optimizer),      3 and 3+keep (FSDP2, fsdp_reshard_after_forward:
+                  2 and 3 (Megatron-FSDP's optim_grads,          "default" keeps the gather under pipelining); its
+                  optim_grads_params)                            DDP only on a 1-D mesh (no tp, cp or pp), not here
     policy        none, full (--recompute-granularity full;      none, full (activation_checkpoint.mode); its
                   selective recomputes core attention, which     selective op mode also reruns every second matmul,
                   a flash kernel does not store: none here)      and layer mode every n-th layer: neither is "cheap"
@@ -64,16 +64,19 @@ FRAMEWORKS = {
                   "LinearWithGradAccumulationAndAsyncCommunication",
             "cp": MEGATRON_ARGS + ": --context-parallel-size, --cp-comm-type p2p|a2a|allgather|a2a+p2p"}),
     "torchtitan": Framework(
-        "torchtitan", schedules=("1f1b", "interleaved"), zero_stages=("0", "3", "3+keep"),
+        "torchtitan", schedules=("1f1b", "interleaved"), zero_stages=("3", "3+keep"),
         policies=("none", "full"), sp=(True,), tp_overlap=False, sources={
             "schedule": TITAN_CONFIG + ": pipeline_parallel_schedule (torch's get_schedule_class, torch/distributed/"
                         "pipelining/schedules.py: 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, ...); "
                         "pytorch/torchtitan torchtitan/distributed/pipeline_parallel.py: stages a rank must be >= 2 "
                         "for multi-stage schedules",
-            "zero": TITAN_CONFIG + ": data_parallel_replicate_degree, data_parallel_shard_degree, "
-                    "fsdp_reshard_after_forward default|always|never",
+            "zero": TITAN_CONFIG + ": data_parallel_shard_degree, fsdp_reshard_after_forward "
+                    "default|always|never; pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py: "
+                    "\"default\" is reshard_after_forward = not pp_enabled; apply_ddp raises \"DDP has not "
+                    "supported > 1D parallelism\"",
             "policy": TITAN_CONFIG + ": ActivationCheckpoint.mode selective|full|none, selective_ac_option "
-                      "'op' or an int (every n-th layer)",
+                      "'op' or an int (every n-th layer); pytorch/torchtitan torchtitan/distributed/"
+                      "activation_checkpoint.py: op mode recomputes every second mm",
             "sp": "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py: apply_tp's plan, "
                   "attention_norm SequenceParallel(); " + TITAN_CONFIG + ": enable_async_tensor_parallel (only "
                   "effective with compile; its micro-pipelined GEMMs are not priced here)",

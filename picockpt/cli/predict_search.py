@@ -101,8 +101,7 @@ def run_search(args, cfg):
     if args.json:
         out = {"model": args.preset, "seq": args.seq, "gpus": args.gpus, "tokens_per_batch": tokens,
                "gpu_bytes": capacity, "hardware": hw.name, "framework": framework.name, "considered": considered,
-               "fit": len(rows),
-               "distinct_splits": len(splits), "search_seconds": seconds, "top": args.top,
+               "fit": len(rows), "distinct_splits": len(splits), "search_seconds": seconds, "top": args.top,
                "layouts": splits[:args.top]}
         if published:
             out["published"] = published_summary(splits, published)
