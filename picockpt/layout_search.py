@@ -10,6 +10,9 @@ recompute, tp, cp and pp communication, and the data-parallel traffic that does 
                  its W's fill the bubble, Qi et al. 2023); equal stages give cost.bubble_idle's share; every stage is
                  priced, and the data-parallel traffic left exposed on the worst stage adds to the step
 
+Frameworks: search(framework=...) keeps only the choices one framework has (picockpt/frameworks.py, each with its
+source); the default, "any", is every choice above.
+
 Placement: tp innermost, then cp, pp, dp outermost (the Llama 3 paper's order, [TP, CP, PP, DP]); a group's members
 in a node (collectives.members_per_node) decide its links. What the model leaves out: kernel efficiency below the
 datasheet (its MFU is a ceiling), stragglers, the optimizer step's own time, kernel-launch gaps.
