@@ -10,6 +10,9 @@ recompute, tp, cp and pp communication, and the data-parallel traffic that does 
                  its W's fill the bubble, Qi et al. 2023); equal stages give cost.bubble_idle's share; every stage is
                  priced, and the data-parallel traffic left exposed on the worst stage adds to the step
 
+Frameworks: search(framework=...) keeps only the choices one framework has (picockpt/frameworks.py, each with its
+source); the default, "any", is every choice above.
+
 Placement: tp innermost, then cp, pp, dp outermost (the Llama 3 paper's order, [TP, CP, PP, DP]); a group's members
 in a node (collectives.members_per_node) decide its links. What the model leaves out: kernel efficiency below the
 datasheet (its MFU is a ceiling), stragglers, the optimizer step's own time, kernel-launch gaps.
@@ -19,6 +22,7 @@ import itertools
 from .collectives import members_per_node
 from .config import BYTES
 from .cost import layer_ops
+from .frameworks import FRAMEWORKS
 from .layout_memory import ZERO_STAGES, split_layers, splits_for, stage_bytes, stage_params
 from .layout_time import FULL_MODEL, dp_exposed_seconds, microbatch_seconds
 
@@ -169,16 +173,20 @@ def runs(cfg, cp, pp, dp, M, zero, schedule, V, split="even", model=FULL_MODEL):
 
 
 def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
-           model=FULL_MODEL):
+           model=FULL_MODEL, framework=FRAMEWORKS["any"]):
     """(every layout that fits, best first; how many were considered). Attention is priced as a flash kernel; model:
-    which corrections are on (layout_time.Model)."""
+    which corrections are on (layout_time.Model); framework: the choices it allows (frameworks.py)."""
     check_search(cfg, seq, gpus, tokens, capacity, hw)  # before the fused attention that dropout would refuse
     cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
+    model = framework.model(model)
     rows, considered = [], 0
     for (tp, cp, pp, dp, M), zero, (schedule, V), policy in itertools.product(
             candidates(cfg, seq, gpus, tokens, hw.node), zero_stages, schedules, policies):
+        if not framework.allows(schedule, zero, policy):
+            continue
         splits = splits_for(cfg.layers, pp) if model.stages else ("even",)
         sps = ((True, False) if model.overlap else (True,)) if tp > 1 else (False,)
+        sps = tuple(sp for sp in sps if tp == 1 or framework.allows(sp=sp))
         for split, sp in itertools.product(splits, sps):
             if not runs(cfg, cp, pp, dp, M, zero, schedule, V, split, model):
                 continue

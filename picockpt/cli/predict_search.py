@@ -9,6 +9,7 @@ import json
 import time
 
 from ..cost import HARDWARE, hardware
+from ..frameworks import FRAMEWORKS
 from ..layout_search import TERMS, distinct_splits, no_split_reason, published_for, rank_of, search, split_of
 from .predict_parallel import gpu_bytes
 
@@ -35,6 +36,9 @@ def add_search_arguments(parser):
     group.add_argument("--hardware", choices=tuple(HARDWARE), default="h100",
                        help="--search: the GPU's datasheet rates (default h100; 8 a node, NVLink inside, one "
                             "InfiniBand port a GPU between nodes)")
+    group.add_argument("--framework", choices=tuple(FRAMEWORKS), default="any",
+                       help="--search: only the schedules, ZeRO stages, recompute policies and tensor parallelism "
+                            "this framework has (picockpt/frameworks.py names each one's source); default any")
     group.add_argument("--top", type=int, default=10,
                        help="--search: the fastest distinct tp x cp x pp x dp splits printed, each by its best "
                             "variant (default 10; --json too)")
@@ -56,7 +60,8 @@ def check_search_flags(args):
     """--search chooses the layout: a layout flag beside it is refused, naming it; the search's flags need it."""
     if not args.search:
         given = [flag for flag, name in (("--gpus", "gpus"), ("--tokens-per-batch", "tokens_per_batch"))
-                 if getattr(args, name) is not None] + (["--top"] if args.top != 10 else [])
+                 if getattr(args, name) is not None] + (["--top"] if args.top != 10 else []) + \
+            (["--framework"] if args.framework != "any" else [])
         if given:
             raise ValueError(f"{', '.join(given)}: only --search reads {'it' if len(given) == 1 else 'them'}; add "
                              f"--search, or leave {'it' if len(given) == 1 else 'them'} out")
@@ -83,8 +88,9 @@ def check_search_flags(args):
 def run_search(args, cfg):
     tokens, hw = parse_tokens(args.tokens_per_batch), hardware(args.hardware)
     capacity = gpu_bytes(args.gpu_gib)
+    framework = FRAMEWORKS[args.framework]
     start = time.perf_counter()
-    rows, considered = search(cfg, args.seq, args.gpus, tokens, capacity, hw)
+    rows, considered = search(cfg, args.seq, args.gpus, tokens, capacity, hw, framework=framework)
     if not considered:  # nothing to rank: the count of GPUs, not their memory, is what fails
         raise ValueError(no_split_reason(cfg.replace(attention="fused"), args.seq, args.gpus, tokens, hw.node)
                          or f"--gpus {args.gpus:,}: every split of them leaves a stage without whole layers or "
@@ -94,8 +100,8 @@ def run_search(args, cfg):
     published = published_for(args.preset, args.seq, args.gpus, tokens)
     if args.json:
         out = {"model": args.preset, "seq": args.seq, "gpus": args.gpus, "tokens_per_batch": tokens,
-               "gpu_bytes": capacity, "hardware": hw.name, "considered": considered, "fit": len(rows),
-               "distinct_splits": len(splits), "search_seconds": seconds, "top": args.top,
+               "gpu_bytes": capacity, "hardware": hw.name, "framework": framework.name, "considered": considered,
+               "fit": len(rows), "distinct_splits": len(splits), "search_seconds": seconds, "top": args.top,
                "layouts": splits[:args.top]}
         if published:
             out["published"] = published_summary(splits, published)
@@ -103,6 +109,8 @@ def run_search(args, cfg):
         return
     print(f"{args.preset} at {args.seq:,} tokens a sequence, {tokens:,} tokens a step on {args.gpus:,} {hw.name} "
           f"GPUs of {args.gpu_gib:g} GiB")
+    if framework.name != "any":
+        print(f"only the layouts {framework.name} can run (picockpt/frameworks.py says which, with sources)")
     print(f"  ({hw.source})")
     print(f"{considered:,} layouts considered in {seconds:.1f} s, {len(rows):,} fit, {len(splits):,} distinct "
           f"tp x cp x pp x dp splits;")
