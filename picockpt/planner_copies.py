@@ -20,12 +20,12 @@ its casts' bytes over `bandwidth` (the forward, the backward and the model's own
 import math
 from dataclasses import dataclass
 
-from .hardware import H200_SXM_BF16, H200_SXM_HBM
+from .hardware import H200_SXM_HBM
+from .host_walk import DEFAULT_COMPUTE_RATE
 from .params import copy_bytes, layer_shapes
 from .planner import least_budget, model_chain, plan_model
 
 CAST_BYTES = 4 + 2  # a layer parameter's cast: its fp32 master read, its 16-bit copy written
-DEFAULT_RATE = H200_SXM_BF16  # FLOP/s of the recomputed matmuls (hardware.py: NVIDIA's H200 datasheet, dense)
 DEFAULT_BANDWIDTH = H200_SXM_HBM  # bytes/s the casts stream at (hardware.py: NVIDIA's H200 datasheet)
 
 
@@ -53,7 +53,7 @@ def layer_params(cfg):
     return sum(math.prod(shape) for shape in layer_shapes(cfg).values())
 
 
-def options(cfg, batch, seq, budget, drop=frozenset(), op_text="", rate=DEFAULT_RATE, bandwidth=DEFAULT_BANDWIDTH):
+def options(cfg, batch, seq, budget, drop=frozenset(), op_text="", rate=DEFAULT_COMPUTE_RATE, bandwidth=DEFAULT_BANDWIDTH):
     """Both choices within `budget` bytes for the store plus the copies, each planned and priced."""
     least = least_budget(model_chain(cfg, batch, seq, drop))
     out = []
@@ -69,7 +69,7 @@ def options(cfg, batch, seq, budget, drop=frozenset(), op_text="", rate=DEFAULT_
     return out
 
 
-def plan_copies(cfg, batch, seq, budget, drop=frozenset(), op_text="", rate=DEFAULT_RATE,
+def plan_copies(cfg, batch, seq, budget, drop=frozenset(), op_text="", rate=DEFAULT_COMPUTE_RATE,
                 bandwidth=DEFAULT_BANDWIDTH):
     """(the cheaper option, both options): the one of least modelled seconds; keeping on a tie (no casts to
     repeat). A ValueError, with the least total that fits, when neither does."""

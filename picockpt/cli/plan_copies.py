@@ -3,7 +3,8 @@ plans the store beside kept copies and beside recast ones, prices each (recomput
 casts' bytes at --memory-bandwidth) and prints the policy of the cheaper (picockpt/planner_copies.py)."""
 import json
 
-from ..planner_copies import DEFAULT_BANDWIDTH, DEFAULT_RATE, plan_copies
+from ..host_walk import DEFAULT_COMPUTE_RATE
+from ..planner_copies import DEFAULT_BANDWIDTH, plan_copies
 from ..policy import OP_LEVEL, parse_policy
 from .common import config_from_args, fmt_bytes, fmt_flops
 from .plan_parts import budget_from_args, measure
@@ -39,7 +40,7 @@ def run_copies(args):
         raise ValueError(f"--with-copies with --dtype {cfg.dtype}: the step computes with the master weights, so "
                          f"there are no 16-bit copies to keep or recast; add --dtype bf16 (or fp16)")
     budget = budget_from_args(args)
-    rate = DEFAULT_RATE if args.compute_rate is None else args.compute_rate
+    rate = DEFAULT_COMPUTE_RATE if args.compute_rate is None else args.compute_rate
     bandwidth = DEFAULT_BANDWIDTH if args.memory_bandwidth is None else args.memory_bandwidth
     for flag, value in (("--compute-rate", rate), ("--memory-bandwidth", bandwidth)):
         if not 0 < value < float("inf"):
