@@ -48,7 +48,7 @@ from _lesson import choose, large, lesson_args, ranks_device, shape_line, spawni
 from picockpt import Config, init_params
 from picockpt.formulas import GIB, korthikanti_layer_bytes
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, replicated_and_split
 from picockpt.plotting import PHASE_COLORS, mib, policy_color, save_figure
 from picockpt.policy import SELECTIVE
@@ -97,7 +97,7 @@ def measure(cfg, batch, seq, ts, device):
     start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     reports = {}
     for t in ts:
-        jobs = [ParallelJob(params, cfg, input_ids, targets, policy, tp=t, sp=sp, distribute_saved=distributed,
+        jobs = [ParallelJob(params, cfg, input_ids, targets, policy, Layout(tp=t, sp=sp, distribute_saved=distributed),
                             rng_state=state) for _, policy, sp, distributed in ROWS]
         with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
             results = run_jobs(jobs, t, device.type, start_method=start)

@@ -38,6 +38,7 @@
 
 # %%
 import multiprocessing
+from dataclasses import replace
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -49,7 +50,7 @@ from _lesson import (FAST_TIMING, Claim, Spread, choose, large, lesson_args, ran
 from picockpt import Config, init_params
 from picockpt.formulas import GIB
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_layer_inventory
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.pipeline_parallel.pp_schedules import actions, bubble_fraction, in_flight, unequal_bubble
@@ -95,7 +96,7 @@ def rng(device):
 
 
 def uniform_peaks(cfg, batch, seq, pp, M, schedule, policy):
-    forms = [StageForms(cfg, batch, seq, policy, pp, M, schedule, s) for s in range(pp)]
+    forms = [StageForms(cfg, batch, seq, policy, Layout(pp=pp, microbatches=M, schedule=schedule), s) for s in range(pp)]
     return [f.peak_bytes for f in forms], [f.M * f.recompute_flops for f in forms]
 
 
@@ -116,15 +117,16 @@ def measure_memory(shape, device):
     fitting = [(sum(uniform_peaks(cfg, batch, seq, pp, M, "1f1b", p)[1]), p) for p in RIVALS
                if max(uniform_peaks(cfg, batch, seq, pp, M, "1f1b", p)[0]) <= size]
     best_uniform = min(fitting)[1]
-    layout = dict(pp=pp, microbatches=M, rng_state=state)
-    jobs = [ParallelJob(params, cfg, input_ids, targets, policy, schedule=schedule, measure=False, **layout)
-            for schedule in ("afab", "1f1b") for policy in POLICIES]
-    jobs += [ParallelJob(params, cfg, input_ids, targets, policy, **layout) for policy in (f"budget:{size}", best_uniform)]
-    jobs += [ParallelJob(params, cfg, input_ids, targets, "full", recompute_early=early, **layout)
-             for early in (False, True)]
+    layout = Layout(pp=pp, microbatches=M)
+    jobs = [ParallelJob(params, cfg, input_ids, targets, policy, replace(layout, schedule=schedule), measure=False,
+                        rng_state=state) for schedule in ("afab", "1f1b") for policy in POLICIES]
+    jobs += [ParallelJob(params, cfg, input_ids, targets, policy, layout, rng_state=state)
+             for policy in (f"budget:{size}", best_uniform)]
+    jobs += [ParallelJob(params, cfg, input_ids, targets, "full", replace(layout, recompute_early=early),
+                         rng_state=state) for early in (False, True)]
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
         results = run_jobs(jobs, pp, device.type, start_method=START)
-    reports = {(job.schedule, job.policy, job.recompute_early): sorted(ranks, key=lambda r: r["stage"])
+    reports = {(job.layout.schedule, job.policy, job.layout.recompute_early): sorted(ranks, key=lambda r: r["stage"])
                for job, (_, _, ranks) in zip(jobs, results)}
     return reports, size, best_uniform
 
@@ -204,12 +206,13 @@ def measure_time(shapes_, device, repeats):
         turn = (False, True) if repeat % 2 else (True, False)  # which of a pair runs first alternates, repeat by repeat
         for M in Ms:
             for early in turn:
-                jobs.append(ParallelJob(params, cfg, input_ids, targets, "full", pp=2, microbatches=M,
-                                        recompute_early=early, measure=False, rng_state=state))
+                jobs.append(ParallelJob(params, cfg, input_ids, targets, "full",
+                                        Layout(pp=2, microbatches=M, recompute_early=early), measure=False,
+                                        rng_state=state))
                 keys.append(("pipeline", M, early, repeat))
         for overlap in turn:
-            jobs.append(ParallelJob(dp_params, dp_cfg, dp_ids, dp_targets, "full", microbatches=2, dp=2,
-                                    overlap=overlap, measure=False, rng_state=state))
+            jobs.append(ParallelJob(dp_params, dp_cfg, dp_ids, dp_targets, "full",
+                                    Layout(dp=2, overlap=overlap, microbatches=2), measure=False, rng_state=state))
             keys.append(("dp", 2, overlap, repeat))
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
         results = run_jobs(jobs, 2, device.type, start_method=START)
@@ -715,7 +718,7 @@ answer = 196_608  # bytes
 
 # %%
 memory_cfg, memory_batch, memory_seq, memory_P, memory_M = shapes("cpu")["memory"]
-stage0 = StageForms(memory_cfg, memory_batch, memory_seq, "full", memory_P, memory_M, "1f1b", 0)
+stage0 = StageForms(memory_cfg, memory_batch, memory_seq, "full", Layout(pp=memory_P, microbatches=memory_M), 0)
 check("bytes stage 0 stores beyond one micro-batch's peak (full, 1F1B, P = 4, M = 8)", answer,
       stage0.peak_bytes - stage0.microbatch_peak_bytes, rel=0,
       why=f"(w - 1)·E with w = {stage0.in_flight} in flight and E = its {len(stage0.layers)} layer inputs, "

@@ -67,7 +67,7 @@ from picockpt import Config, init_params
 from picockpt.formulas import GIB
 from picockpt.measure import make_batch
 from picockpt.routing import route_by_token
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.expert_parallel.ep_inventory import (ep_layer_comm_bytes, ep_layer_stored_bytes, ep_sent_bytes,
                                                            received_rows, replicated_grad_bytes)
 from picockpt.plotting import PHASE_COLORS, mib, save_figure
@@ -132,7 +132,8 @@ def measure(cfg, batch, seq, device):
         ids = token_ids(routing, cfg, batch, seq, device)
         for label, policy, keep in CHOICES:
             keys.append((routing, label))
-            jobs.append(ParallelJob(params, cfg, ids, targets, policy, ep=EP, keep_dispatched=keep, rng_state=state))
+            jobs.append(ParallelJob(params, cfg, ids, targets, policy, Layout(ep=EP, keep_dispatched=keep),
+                                    rng_state=state))
     start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
         results = run_jobs(jobs, EP, device.type, start_method=start)

@@ -89,7 +89,7 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.formulas import GIB
 from picockpt.inventory import predicted_peak_bytes
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes, kept_kv_bytes
 from picockpt.parallel.context_parallel.cp_inventory import rank_attention_flops
 from picockpt.parallel.data_parallel.zero_shards import stage_units
@@ -134,12 +134,12 @@ def measure(cfg, batch, seq, sizes, device):
                            "predicted_activation_bytes": predicted_peak_bytes(cfg, batch, seq, policy)}]
     start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     for cp in sizes:
-        steps = {("none", "zigzag", "ring"): ParallelJob(params, cfg, ids, targets, "none", cp=cp),
-                 ("none", "contiguous", "ring"): ParallelJob(params, cfg, ids, targets, "none", cp=cp,
-                                                             cp_layout="contiguous")}
+        steps = {("none", "zigzag", "ring"): ParallelJob(params, cfg, ids, targets, "none", Layout(cp=cp)),
+                 ("none", "contiguous", "ring"): ParallelJob(params, cfg, ids, targets, "none",
+                                                             Layout(cp=cp, cp_layout="contiguous"))}
         for label, comm, keep in VARIANTS:
-            steps["full", "zigzag", label] = ParallelJob(params, cfg, ids, targets, "full", cp=cp, cp_comm=comm,
-                                                         cp_keep_kv=keep)
+            steps["full", "zigzag", label] = ParallelJob(params, cfg, ids, targets, "full",
+                                                         Layout(cp=cp, cp_comm=comm, cp_keep_kv=keep))
         with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
             results = run_jobs(list(steps.values()), cp, device=ranks_device(device, cp).type, start_method=start,
                                timeout_s=300)
@@ -274,7 +274,7 @@ def time_rings(cfg, batch, seq, device, repeats, cp=2):
     pairs of full steps, ring then ring_overlap, in one launch of cp ranks (measure=False: times and bytes)."""
     params = init_params(cfg, seed=0)
     ids, targets = make_batch(cfg, batch, seq, "cpu", seed=0)
-    jobs = [ParallelJob(params, cfg, ids, targets, "full", cp=cp, cp_comm=comm, measure=False)
+    jobs = [ParallelJob(params, cfg, ids, targets, "full", Layout(cp=cp, cp_comm=comm), measure=False)
             for _ in range(repeats + 1) for comm in ("ring", "ring_overlap")]  # the first pair: a warm-up
     start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     with spawning_ranks():
@@ -427,12 +427,12 @@ for cp in (1, 2, 4, 8, 16):
     ring_forward = cp_comm_bytes(llama405, 1, LLAMA_SEQ, "full", cp, t=8)["forward"]
     print(f"{cp:>4} {n:>7,} {full / GIB:>9.2f} {best / GIB:>7.2f} (C={best_C}) {tp_forward / GIB:>15.1f} "
           f"{ring_forward / GIB:>17.1f}")
-stages = [StageForms(llama405, 16, LLAMA_SEQ // 16, "full", 16, 16, "1f1b", s, 1, 8, True).peak_bytes
+stages = [StageForms(llama405, 16, LLAMA_SEQ // 16, "full", Layout(pp=16, tp=8, microbatches=16), s).peak_bytes
           for s in range(16)]
 split = [len(layers) for layers in stage_layers(llama405.layers, 16)]  # picockpt's: 8 x 14, then 7, 7
 paper_split = [split[0] - 1] + [split[0]] * 14 + [split[0] - 1]  # the paper's: one layer fewer on each end
 paper_stage0 = stage_plan("full", llama405, 1, LLAMA_SEQ // 16, paper_split[0], False, in_flight("1f1b", 16, 16, 0),
-                          8, True)[1]  # stage 0 with the paper's 7 layers, the same 16 micro-batches in flight
+                          Layout(tp=8))[1]  # stage 0 with the paper's 7 layers, the same 16 micro-batches in flight
 print(f"the paper's layout, cp = 16 beside tp = 8 and pp = 16 (1F1B over 16 sequences), full: stage 0 of "
       f"picockpt's split ({split[0]} layers) holds {stages[0] / GIB:.2f} GiB per rank (its 16 micro-batches' "
       f"checkpoints), the last stage ({split[-1]} layers) {stages[-1] / GIB:.2f} GiB; with the paper's split "
@@ -469,7 +469,7 @@ print(f"the paper's layout, cp = 16 beside tp = 8 and pp = 16 (1F1B over 16 sequ
 def zero_state(zero, dp, cp, forms):
     """ZeRO's closed forms on a rank of pipeline stage `forms` beside tp = 8 and pp = 16 (1F1B, 16 micro-batches),
     every weight sharded over dp x cp ranks (parallel/predictions.py)."""
-    return zero_stage_forms(llama405, forms, zero, 8, 1, dp, cp, "1f1b", 16, 16)
+    return zero_stage_forms(llama405, forms, Layout(dp=dp, pp=16, tp=8, cp=cp, zero=zero, microbatches=16))
 
 
 def whole_stage_bytes(forms, ranks):
@@ -480,7 +480,7 @@ def whole_stage_bytes(forms, ranks):
     return sum(unit.padded for parts in units.values() for unit in parts) * llama405.torch_dtype.itemsize
 
 
-first_stage = StageForms(llama405, 16, LLAMA_SEQ // 16, "full", 16, 16, "1f1b", 0, 1, 8, True)
+first_stage = StageForms(llama405, 16, LLAMA_SEQ // 16, "full", Layout(pp=16, tp=8, microbatches=16), 0)
 assert first_stage.peak_bytes == stages[0]  # the stage above
 master = llama405.param_dtype.itemsize  # 4 bytes: fp32 master weights under bf16 compute
 stage_params = sum(math.prod(shape) for shape in rank_param_shapes(llama405, first_stage, 8).values())

@@ -73,7 +73,7 @@ from _check import check
 from _lesson import choose, large, lesson_args, ranks_device, shape_line, small, spawning_ranks, wrote
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch, max_relative_diff
-from picockpt.parallel import ParallelJob, run_jobs, run_ranks
+from picockpt.parallel import Layout, ParallelJob, run_jobs, run_ranks
 from picockpt.parallel.training import zero_train
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_inventory import gather_uses, model_state_bytes, zero_paper_bytes
@@ -118,8 +118,9 @@ def measure(cfg, batch, seq, device):
     params = init_params(cfg, seed=0)
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed=0)
     state = torch.manual_seed(0).get_state()
-    jobs = [ParallelJob(params, cfg, input_ids, targets, policy, dp=DP, zero=stage, keep_gathered=keep,
-                        prefetch=stage != 3, steps=1, rng_state=state) for _, stage, policy, keep in CHOICES]
+    jobs = [ParallelJob(params, cfg, input_ids, targets, policy,
+                        Layout(dp=DP, zero=stage, keep_gathered=keep, prefetch=stage != 3), steps=1, rng_state=state)
+            for _, stage, policy, keep in CHOICES]
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
         results = run_jobs(jobs, device=device.type, start_method=START, timeout_s=300)
     return {label: reports for (label, *_), (_, _, reports) in zip(CHOICES, results)}
@@ -276,7 +277,7 @@ def train_both(cfg, batch, seq, device, steps=3):
     batches = [task.batch(batch, seq) for _ in range(steps)]
     params = init_params(cfg, seed=0)
     with spawning_ranks():
-        losses, trained, _ = zero_train(params, cfg, batches, "full", dp=DP, zero=3, keep_gathered=True,
+        losses, trained, _ = zero_train(params, cfg, batches, "full", Layout(dp=DP, zero=3, keep_gathered=True),
                                         device=device.type, start_method=START, timeout_s=300)
     single = {name: tensor.clone() for name, tensor in params.items()}
     optimizer = make_optimizer(single)
@@ -315,15 +316,16 @@ def stacked_cfg():
 def stacked_forms(cfg, batch, seq, stage, microbatches, dp=2, tp=2, pp=2, keep=False):
     """ZeRO-3's closed forms on a rank of pipeline stage `stage` (full, 1F1B, sequence parallel, one AdamW step),
     no rank launched; keep: keep_gathered (True, "step" or False)."""
-    forms = StageForms(cfg, batch, seq, "full", pp, microbatches, "1f1b", stage, dp, tp, True)
-    return zero_stage_forms(cfg, forms, 3, tp, 1, dp, 1, "1f1b", pp, microbatches, keep_gathered=keep, steps=1)
+    layout = Layout(dp=dp, pp=pp, tp=tp, zero=3, keep_gathered=keep, microbatches=microbatches)
+    return zero_stage_forms(cfg, StageForms(cfg, batch, seq, "full", layout, stage), layout, steps=1)
 
 
 def measure_stacked(cfg, batch, seq, device):
     """(loss, grads, reports) of one ZeRO-3 step on dp x tp x pp = 2 x 2 x 2 ranks, 2 micro-batches."""
     params = init_params(cfg, seed=1)
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed=1)
-    job = ParallelJob(params, cfg, input_ids, targets, "full", dp=2, tp=2, pp=2, microbatches=2, zero=3, steps=1)
+    job = ParallelJob(params, cfg, input_ids, targets, "full", Layout(dp=2, pp=2, tp=2, zero=3, microbatches=2),
+                      steps=1)
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
         [result] = run_jobs([job], device=device.type, start_method=START, timeout_s=300)
     return result

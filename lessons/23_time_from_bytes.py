@@ -50,6 +50,7 @@ from picockpt.hardware import H100_SXM_BF16, INFINIBAND_NDR, NVLINK_4, PCIE_GEN5
 from picockpt.inventory import layer_flops, step_flops
 from picockpt.measure import make_batch
 from picockpt.plotting import PHASE_COLORS, save_figure
+from picockpt.parallel import Layout
 
 H100_BF16 = H100_SXM_BF16  # FLOP/s, dense bf16 tensor cores (picockpt/hardware.py)
 LINKS = {"NVLink 4": NVLINK_4, "PCIe Gen5 x16": PCIE_GEN5_X16, "InfiniBand NDR": INFINIBAND_NDR}  # bytes/s, one way
@@ -209,7 +210,8 @@ else:
           f"{cpu_rate / 1e9:.2f} GFLOP/s = {flops / cpu_rate * 1e3:.1f} ms: {explained.text('{:.0%}')} of the step, "
           f"repeat by repeat")
 with spawning_ranks():
-    _, _, reports = parallel.loss_and_grads(params, cfg, input_ids, targets, "full", tp=2, sp=False, start_method=START)
+    _, _, reports = parallel.loss_and_grads(params, cfg, input_ids, targets, "full", Layout(tp=2, sp=False),
+                                            start_method=START)
 report = reports[0]
 comm = modelled_comm_seconds(report, alpha, beta, 2)
 print("  tp = 2, rank 0 (modelled from measured rates; bytes and calls counted by picockpt):")

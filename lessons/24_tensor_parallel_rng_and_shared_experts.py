@@ -56,6 +56,7 @@ from picockpt.measure import PutRecorder, make_batch
 from picockpt.ops import dropout_mask
 from picockpt.plotting import mib, save_figure
 from picockpt.tracker import Tracker
+from picockpt.parallel import Layout
 
 DROPOUT = 0.1
 MEGATRON_OFFSET = 2718  # model_parallel_cuda_manual_seed: the tensor-parallel seed is seed + 2718 + rank
@@ -178,7 +179,7 @@ def tensor_parallel_against_one(cfg, batch, seq, device, seed, sps):
     for sp in sps:
         torch.manual_seed(seed)
         with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
-            _, grads, _ = parallel.loss_and_grads(params, cfg, input_ids, targets, "full", tp=2, sp=sp,
+            _, grads, _ = parallel.loss_and_grads(params, cfg, input_ids, targets, "full", Layout(tp=2, sp=sp),
                                                   device=device.type, start_method=START)
         out[sp] = max_difference(grads, single)
     return out, max_difference(other, single)

@@ -41,7 +41,7 @@ from _lesson import Spread, choose, large, lesson_args, spawning_ranks, wrote
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.cost import bubble_idle
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.job import closed_forms
 from picockpt.parallel.launch import run_ranks
 from picockpt.parallel.pipeline_parallel.pipelining_peer import pipelining_rank_steps
@@ -99,11 +99,9 @@ def measure(cfg, batch, seq, M, repeats):
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed=0)
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    layout = dict(pp=P, microbatches=M, rng_state=state)
-
     def job(policy, schedule, V, **extra):
-        return ParallelJob(params, cfg, input_ids, targets, policy, schedule=schedule, virtual_stages=V,
-                           **layout, **extra)
+        return ParallelJob(params, cfg, input_ids, targets, policy,
+                           Layout(pp=P, microbatches=M, schedule=schedule, virtual_stages=V), rng_state=state, **extra)
     jobs = [job(policy, s, V) for s, V in SCHEDULES for policy in POLICIES]
     for s, V in SCHEDULES:
         size = max(closed_forms(job("every:2", s, V), stage).peak_bytes for stage in range(P))
@@ -116,9 +114,9 @@ def measure(cfg, batch, seq, M, repeats):
     worst = max(((grads[n] - grads0[n]).abs().max() / grads0[n].abs().max()).item()
                 for _, grads, _ in results for n in grads0)
     names = [p for _ in SCHEDULES for p in POLICIES] + ["budget"] * len(SCHEDULES)  # each job's policy, as named
-    memory = {(j.schedule, j.virtual_stages, name): sorted(ranks, key=lambda r: r["stage"])
+    memory = {(j.layout.schedule, j.layout.virtual_stages, name): sorted(ranks, key=lambda r: r["stage"])
               for j, name, (_, _, ranks) in zip(jobs, names, results)}
-    timing = [(j.schedule, j.virtual_stages, sorted(ranks, key=lambda r: r["stage"]))
+    timing = [(j.layout.schedule, j.layout.virtual_stages, sorted(ranks, key=lambda r: r["stage"]))
               for j, (_, _, ranks) in zip(timed, results[len(jobs):])]
     return memory, timing, worst
 
@@ -155,8 +153,8 @@ def closed_forms_for(s, V, policy, stage):
     """The closed forms of one stage's rank (parallel/job.py), the shapes of this lesson's runs."""
     params = init_params(cfg, seed=0)
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed=0)
-    return closed_forms(ParallelJob(params, cfg, input_ids, targets, policy, pp=P, microbatches=M, schedule=s,
-                                    virtual_stages=V), stage)
+    return closed_forms(ParallelJob(params, cfg, input_ids, targets, policy,
+                                    Layout(pp=P, microbatches=M, schedule=s, virtual_stages=V)), stage)
 
 
 one_w = [f.w_layer_bytes * len(f.layers) for f in (closed_forms_for("zb-h1", 1, "full", s) for s in range(P))]

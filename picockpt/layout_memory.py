@@ -25,6 +25,7 @@ its micro-batches in flight store, and a reserve for what no closed form counts.
 import functools
 
 from .config import BYTES
+from .parallel.layout import Layout
 from .parallel.pipeline_parallel.pp_inventory import stage_plan
 from .parallel.pipeline_parallel.pp_orders import w_pending_bytes
 from .parallel.pipeline_parallel.pp_schedules import stage_layers
@@ -99,7 +100,7 @@ def model_state_bytes(params, zero, shards, layers=1, frameworks=True):
 def microbatch_store(cfg, seq, tp, sp, cp, layers, last, policy):
     """(E, own peak) of one micro-batch of one sequence (seq/cp tokens) on a stage of `layers` layers (the head if
     last): what its forward leaves stored, and its peak during its own step (pp_inventory.stage_plan)."""
-    _, _, held, peak, _, _ = stage_plan(policy, cfg, 1, seq // cp, layers, last, 1, tp, sp and tp > 1)
+    _, _, held, peak, _, _ = stage_plan(policy, cfg, 1, seq // cp, layers, last, 1, Layout(tp=tp, sp=sp))
     return held, peak
 
 

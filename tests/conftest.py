@@ -90,3 +90,16 @@ def random_norms(model):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def split_layout(kwargs, alone=None):
+    """(Layout of the keywords that name its fields, the other keywords): a test case written as flat keywords, as
+    picockpt.parallel takes it (the layout one object, the launch's and the job's keywords beside it). alone: the
+    sizes to start from when no keyword names one (loss_and_grads' Layout(tp=2), what it runs given no layout)."""
+    from dataclasses import replace
+    from picockpt.parallel import Layout
+    fields = Layout.__dataclass_fields__
+    given = {k: v for k, v in kwargs.items() if k in fields}
+    sizes = {"dp", "pp", "tp", "ep", "cp", "zero", "microbatches"}
+    base = alone if alone is not None and not sizes & set(given) else Layout()
+    return replace(base, **given), {k: v for k, v in kwargs.items() if k not in fields}

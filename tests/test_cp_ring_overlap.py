@@ -8,7 +8,7 @@ import torch
 
 from picockpt import Config, init_params
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -26,7 +26,7 @@ def test_the_overlapped_ring_gives_the_simple_ring_s_loss_and_gradients_bitwise(
         cfg = Config(**{**BASE, **fields})
         params = init_params(cfg, seed=1)
         ids, targets = make_batch(cfg, 2, 16, "cpu", seed=1)
-        jobs += [ParallelJob(params, cfg, ids, targets, "full", cp=2, cp_comm=comm)
+        jobs += [ParallelJob(params, cfg, ids, targets, "full", Layout(cp=2, cp_comm=comm))
                  for comm in ("ring", "ring_overlap")]
     results = run_jobs(jobs, 2, start_method=START, timeout_s=120)
     for (loss, grads, ring), (loss_o, grads_o, overlapped), fields in zip(results[0::2], results[1::2], MODELS):

@@ -18,6 +18,7 @@ from picockpt import Config, init_params, loss_and_grads  # noqa: E402
 from picockpt.measure import make_batch  # noqa: E402
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms  # noqa: E402
 from picockpt.tracker import Tracker  # noqa: E402
+from picockpt.parallel import Layout
 
 
 def stored(parts):
@@ -67,7 +68,7 @@ def test_a_pipeline_stage_stores_w_minus_one_E_plus_its_own_peak(policy, model, 
         policy = f"budget:{fit['room']}"
         assert fit["plan"].peak_bytes <= fit["room"]
         assert stored(memory_parts(setup, "budget")) == fit["plan"].peak_bytes
-    forms = StageForms(model_config(setup), 8, 4096, policy, 4, 8, "1f1b", 0, t=t, sp=sp)
+    forms = StageForms(model_config(setup), 8, 4096, policy, Layout(pp=4, tp=t, microbatches=8, sp=sp), 0)
     assert forms.in_flight == setup.in_flight
     if not policy.startswith("budget"):
         assert stored(memory_parts(setup, policy)) == forms.peak_bytes

@@ -12,6 +12,7 @@ from picockpt.layout_memory import (model_state_bytes, reserve_bytes, split_laye
 from picockpt.layout_search import LLAMA3_405B_TABLE_4, rank_of, search
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_peak_bytes
+from picockpt.parallel import Layout
 
 CFG = Config.from_preset("tiny", attention="fused", layers=4)
 
@@ -43,7 +44,7 @@ def test_activations_are_the_tensor_and_pipeline_closed_forms():
         rank_peak_bytes(CFG, 1, 64, "full", 2, True)
     for s in range(2):
         assert stage_activation_bytes(CFG, 64, 1, False, 1, 2, s == 1, min(2 - s, 4), "none") == \
-            StageForms(CFG, 4, 64, "none", 2, 4, "1f1b", s).peak_bytes
+            StageForms(CFG, 4, 64, "none", Layout(pp=2, microbatches=4), s).peak_bytes
 
 
 def test_every_layout_kept_fits_and_the_best_comes_first():

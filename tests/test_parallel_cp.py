@@ -18,7 +18,7 @@ import torch
 
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.ops.attention_tiled import tiled_attention_backward, tiled_attention_forward
 from picockpt.parallel.context_parallel.cp_attention import gathered_attention_backward, gathered_attention_forward
 from picockpt.parallel.context_parallel.cp_inventory import kept_kv_bytes, rank_attention_flops
@@ -75,8 +75,8 @@ def steps_cp2():
 
 def job(name, policy, layout="zigzag", comm="ring", keep=False, cp=2, **layout_sizes):
     cfg, params, ids, targets = model(name)
-    return ParallelJob(params, cfg, ids, targets, policy, cp=cp, cp_layout=layout, cp_comm=comm, cp_keep_kv=keep,
-                       **layout_sizes)
+    return ParallelJob(params, cfg, ids, targets, policy,
+                       Layout(cp=cp, cp_layout=layout, cp_comm=comm, cp_keep_kv=keep, **layout_sizes))
 
 
 def steps_4_ranks():
@@ -101,7 +101,7 @@ def steps_4_ranks():
 
 
 def cp_of(step):
-    return (step.cp, step.dp, step.pp, step.tp)
+    return (step.layout.cp, step.layout.dp, step.layout.pp, step.layout.tp)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def relative(value, reference):
 
 
 def label(sizes, name, step):
-    return (sizes, name, step.policy, step.cp_layout, step.cp_comm, step.cp_keep_kv)
+    return (sizes, name, step.policy, step.layout.cp_layout, step.layout.cp_comm, step.layout.cp_keep_kv)
 
 
 @pytest.mark.ranks
@@ -144,11 +144,11 @@ def test_loss_and_gradients_equal_the_single_process(runs):
 @pytest.mark.ranks
 def test_every_policy_is_bitwise_equal_to_none_within_a_layout(runs):
     _, out = runs
-    none = {(sizes, name, step.cp_layout, step.cp_comm, step.cp_keep_kv): result
+    none = {(sizes, name, step.layout.cp_layout, step.layout.cp_comm, step.layout.cp_keep_kv): result
             for sizes, name, step, result in out if step.policy == "none"}
     compared = 0
     for sizes, name, step, (loss, grads, _) in out:
-        base = none.get((sizes, name, step.cp_layout, step.cp_comm, step.cp_keep_kv))
+        base = none.get((sizes, name, step.layout.cp_layout, step.layout.cp_comm, step.layout.cp_keep_kv))
         if base is None or step.policy == "none":
             continue
         compared += 1
@@ -164,8 +164,8 @@ def test_every_rank_stores_moves_and_computes_its_closed_form(runs):
     for sizes, name, step, (_, _, reports) in out:
         assert [r["rank"] for r in reports] == list(range(step.world_size))
         assert sorted((r["stage"], r["dp_rank"], r["cp_rank"], r["tp_rank"]) for r in reports) == [
-            (s, d, c, t) for s in range(step.pp) for d in range(step.dp) for c in range(step.cp)
-            for t in range(step.tp)]
+            (s, d, c, t) for s in range(step.layout.pp) for d in range(step.layout.dp) for c in range(step.layout.cp)
+            for t in range(step.layout.tp)]
         for r in reports:
             where = label(sizes, name, step) + (r["rank"],)
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
@@ -193,8 +193,8 @@ def test_full_recomputation_repeats_the_forwards_communication(runs):
             assert r["comm_bytes"]["forward"] > 0
     for sizes, name, step, (_, _, reports) in out:  # the kept K/V show in the stored peak: (cp-1)/cp per layer
         plain = by.get(label(sizes, name, step)[:5] + (False,))
-        if step.cp_keep_kv and plain is not None:
-            r, cfg, cp = reports[0], step.cfg, step.cp
+        if step.layout.cp_keep_kv and plain is not None:
+            r, cfg, cp = reports[0], step.cfg, step.layout.cp
             kept = kept_kv_bytes(cfg, BATCH, SEQ, cp, "allgather", True)
             assert kept == 2 * BATCH * cfg.kv_dim * SEQ * (cp - 1) // cp * torch.finfo(cfg.torch_dtype).bits // 8
             assert r["peak_activation_bytes"] - plain["peak_activation_bytes"] == cfg.layers * kept
@@ -207,10 +207,10 @@ def test_zigzag_balances_attention_and_contiguous_does_not(runs):
     for sizes, name, step, (_, _, reports) in out:  # the forward's FLOPs, whatever the policy
         if sizes[1:] != (1, 1, 1):
             continue  # beside tp, dp or pp: a rank's FLOPs are its slice's, replica's or stage's
-        cp = step.cp
+        cp = step.layout.cp
         flops = [r["flops"]["forward"] for r in reports]
         attention = [r["predicted_attention_flops"] for r in reports]
-        if step.cp_layout == "zigzag":
+        if step.layout.cp_layout == "zigzag":
             assert max(flops) <= 1.01 * min(flops) and len(set(attention)) == 1, label(sizes, name, step)
         else:  # rank r: its diagonal block and r chunks before it, each c x c
             c, cfg = SEQ // cp, step.cfg
@@ -232,12 +232,12 @@ def test_a_budget_plans_with_the_ring_a_recomputed_layer_repeats():
     def plans(cfg, n):
         ring = recompute_comm_flops(cfg, BATCH, 2 * n, 2)
         assert ring > 0
-        none = StageForms(cfg, BATCH, n, "none", 1, 1, "1f1b", 0)
+        none = StageForms(cfg, BATCH, n, "none", Layout(), 0)
         least = least_budget(none.chain)
         for i in range(24):
             budget = f"budget:{least + (none.peak_bytes - least) * i // 24}"
-            yield (StageForms(cfg, BATCH, n, budget, 1, 1, "1f1b", 0),
-                   StageForms(cfg, BATCH, n, budget, 1, 1, "1f1b", 0, layer_comm_flops=ring))
+            yield (StageForms(cfg, BATCH, n, budget, Layout(), 0),
+                   StageForms(cfg, BATCH, n, budget, Layout(), 0, layer_comm_flops=ring))
 
     def layers_recomputed(forms):
         return sum(last - first + 1 for first, last in forms.local_schedule.sweeps(len(forms.layers)))
@@ -332,13 +332,13 @@ def test_the_api_and_the_command_run_context_parallelism(capsys):
     params = init_params(cfg, seed=0)
     input_ids, targets = make_batch(cfg, 2, SEQ, "cpu", seed=0)
     with pytest.raises(ValueError, match=r"^cp=2 with ep=2 is not supported yet"):
-        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", cp=2, ep=2)
+        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", Layout(ep=2, cp=2))
     with pytest.raises(ValueError, match=r"^cp_keep_kv=True with pp=2, microbatches=2 is not supported yet"):
-        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", cp=2, pp=2, microbatches=2,
-                                cp_comm="allgather", cp_keep_kv=True)
+        parallel.loss_and_grads(params, cfg, input_ids, targets, "full",
+                                Layout(pp=2, cp=2, microbatches=2, cp_comm="allgather", cp_keep_kv=True))
     loss0, grads0 = loss_and_grads(params, cfg, input_ids, targets, "none")
-    loss, grads, ranks = parallel.loss_and_grads(params, cfg, input_ids, targets, "full", cp=2, cp_comm="allgather",
-                                                 cp_keep_kv=True, start_method=START)
+    loss, grads, ranks = parallel.loss_and_grads(params, cfg, input_ids, targets, "full",
+                                                 Layout(cp=2, cp_comm="allgather", cp_keep_kv=True), start_method=START)
     assert abs(loss.item() - loss0.item()) <= 1e-5 * abs(loss0.item())
     assert max(((grads[k] - grads0[k]).abs().max() / grads0[k].abs().max()).item() for k in grads0) <= 1e-5
     for r in ranks:

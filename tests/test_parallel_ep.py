@@ -16,7 +16,7 @@ import torch
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch
 from picockpt.routing import route_by_token, step_routing
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.expert_parallel.ep_inventory import ep_layer_inventory
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -73,7 +73,7 @@ def launch():
         torch.set_rng_state(state)
         single[name] = (loss, grads, step_routing(params, cfg, input_ids), after)  # routing: the step's draws
         policies = POLICIES + (["full+moe+shared_experts"] if cfg.shared_expert_ffn else [])
-        jobs += [(name, ParallelJob(params, cfg, input_ids, targets, policy, ep=EP, keep_dispatched=keep,
+        jobs += [(name, ParallelJob(params, cfg, input_ids, targets, policy, Layout(ep=EP, keep_dispatched=keep),
                                     rng_state=state))
                  for policy in policies for keep in ((False, True) if policy in CHOICES else (False,))]
     results = run_jobs([job for _, job in jobs], EP, start_method=START, timeout_s=120)
@@ -91,7 +91,7 @@ def test_gradients_equal_the_single_process_engine(launch):
         for key in grads0:
             assert grads[key].shape == grads0[key].shape and grads[key].dtype == grads0[key].dtype
             error = relative(grads[key], grads0[key])
-            assert error <= tolerance, (name, job.policy, job.keep_dispatched, key, error)
+            assert error <= tolerance, (name, job.policy, job.layout.keep_dispatched, key, error)
 
 
 def test_the_callers_generator_is_left_where_the_single_process_leaves_it(launch):
@@ -105,12 +105,12 @@ def test_the_callers_generator_is_left_where_the_single_process_leaves_it(launch
 def test_every_policy_and_choice_is_bitwise_equal_to_none(launch):
     _, runs = launch
     none = {name: (loss, grads) for name, job, loss, grads, _ in runs if job.policy == "none" and
-            not job.keep_dispatched}
+            not job.layout.keep_dispatched}
     for name, job, loss, grads, _ in runs:
         loss0, grads0 = none[name]
-        assert torch.equal(loss, loss0), (name, job.policy, job.keep_dispatched)
+        assert torch.equal(loss, loss0), (name, job.policy, job.layout.keep_dispatched)
         for key in grads0:
-            assert torch.equal(grads[key], grads0[key]), (name, job.policy, job.keep_dispatched, key)
+            assert torch.equal(grads[key], grads0[key]), (name, job.policy, job.layout.keep_dispatched, key)
 
 
 def test_every_rank_stores_and_computes_exactly_the_closed_form(launch):
@@ -121,7 +121,7 @@ def test_every_rank_stores_and_computes_exactly_the_closed_form(launch):
         assert [r["experts"] for r in reports] == [list(range(0, job.cfg.experts // 2)),
                                                    list(range(job.cfg.experts // 2, job.cfg.experts))]
         for r in reports:
-            where = (name, job.policy, job.keep_dispatched, r["rank"])
+            where = (name, job.policy, job.layout.keep_dispatched, r["rank"])
             assert r["received_rows"] == r["predicted_received_rows"], where  # the single process's routing
             assert r["received_rows"] == [sum(counts[e] for e in r["experts"]) for counts in routing], where
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
@@ -137,7 +137,8 @@ def test_communication_per_phase_equals_its_closed_form(launch):
     _, runs = launch
     for name, job, _, _, reports in runs:
         for r in reports:
-            assert r["comm_bytes"] == r["predicted_comm_bytes"], (name, job.policy, job.keep_dispatched, r["rank"])
+            assert r["comm_bytes"] == r["predicted_comm_bytes"], (name, job.policy, job.layout.keep_dispatched,
+                                                                  r["rank"])
             # what leaves the rank: every all-to-all's buffer less the rows it sends itself
             assert r["all_to_all_sent_bytes"] == r["predicted_all_to_all_sent_bytes"], (name, job.policy, r["rank"])
             assert all(0 < r["all_to_all_sent_bytes"][phase] <= r["comm_bytes"][phase]
@@ -156,7 +157,7 @@ def test_recomputation_repeats_the_dispatch_or_reads_the_rows_it_kept(launch):
         stat = torch.empty((), dtype=cfg.stat_dtype).element_size()
         P = BATCH // EP * SEQ * cfg.experts_per_token  # pairs a rank sends per layer
         for r in reports:
-            where = (name, job.policy, job.keep_dispatched, r["rank"])
+            where = (name, job.policy, job.layout.keep_dispatched, r["rank"])
             forward = r["comm_bytes_by_kind"]["forward"]
             assert forward == {"all_to_all": sum(8 * cfg.experts + P * (cfg.hidden * act + stat) +
                                                  M * cfg.hidden * act for M in r["received_rows"])}, where
@@ -164,11 +165,11 @@ def test_recomputation_repeats_the_dispatch_or_reads_the_rows_it_kept(launch):
             dispatch = cfg.layers * P * (cfg.hidden * act + stat)
             combine = sum(M * cfg.hidden * act for M in r["received_rows"])
             whole = job.policy.startswith(("full", "every"))  # every layer's forward runs again
-            dropped = "moe" in job.policy.split("+") and not job.keep_dispatched  # the backward dispatches again
-            expected = (combine + (0 if job.keep_dispatched else dispatch) if whole else 0) + (dispatch if dropped
-                                                                                               else 0)
+            dropped = "moe" in job.policy.split("+") and not job.layout.keep_dispatched  # the backward dispatches again
+            kept = 0 if job.layout.keep_dispatched else dispatch
+            expected = (combine + kept if whole else 0) + (dispatch if dropped else 0)
             assert recompute == expected, where
-            assert calls == cfg.layers * ((1 if job.keep_dispatched else 3) * whole + 2 * dropped), where
+            assert calls == cfg.layers * ((1 if job.layout.keep_dispatched else 3) * whole + 2 * dropped), where
 
 
 def test_a_checkpoint_keeps_the_routing_and_with_keep_dispatched_the_rows(launch):
@@ -184,9 +185,9 @@ def test_a_checkpoint_keeps_the_routing_and_with_keep_dispatched_the_rows(launch
         stat = torch.empty((), dtype=cfg.stat_dtype).element_size()
         N = BATCH // EP * SEQ
         for r in reports:
-            rows = r["received_rows"][0] * (cfg.hidden * act + stat) if job.keep_dispatched else 0
+            rows = r["received_rows"][0] * (cfg.hidden * act + stat) if job.layout.keep_dispatched else 0
             assert r["layer_stored_bytes"] == N * cfg.hidden * act + 8 * N * cfg.experts_per_token + \
-                8 * cfg.experts + rows, (name, job.keep_dispatched, r["rank"])
+                8 * cfg.experts + rows, (name, job.layout.keep_dispatched, r["rank"])
             stored = ep_layer_inventory(cfg, BATCH, SEQ, EP, r["rank"], single[name][2][0], keep_dispatched=True)
             assert stored["moe.dispatched"][0] == (r["received_rows"][0], cfg.hidden)
 
@@ -209,8 +210,9 @@ def composed():
     torch.manual_seed(7)
     state = torch.get_rng_state()
     single = loss_and_grads(params, cfg, input_ids, targets, "none")
-    jobs = [(name, ParallelJob(params, cfg, input_ids, targets, policy, ep=EP, keep_dispatched=keep, rng_state=state,
-                               **layout)) for name, layout in COMPOSED.items() for policy, keep in COMPOSED_POLICIES]
+    jobs = [(name, ParallelJob(params, cfg, input_ids, targets, policy, Layout(ep=EP, keep_dispatched=keep, **layout),
+                               rng_state=state))
+            for name, layout in COMPOSED.items() for policy, keep in COMPOSED_POLICIES]
     results = run_jobs([job for _, job in jobs], 4, start_method=START, timeout_s=120)
     return single, [(name, job, *result) for (name, job), result in zip(jobs, results)]
 
@@ -222,8 +224,8 @@ def test_composed_gradients_equal_the_single_process_and_every_policy_equals_non
         assert abs(loss.item() - loss0.item()) <= 1e-10 * abs(loss0.item()), (name, job.policy)
         assert set(grads) == set(grads0)
         for key in grads0:
-            assert relative(grads[key], grads0[key]) <= 1e-10, (name, job.policy, job.keep_dispatched, key)
-            assert torch.equal(grads[key], none[name][1][key]), (name, job.policy, job.keep_dispatched, key)
+            assert relative(grads[key], grads0[key]) <= 1e-10, (name, job.policy, job.layout.keep_dispatched, key)
+            assert torch.equal(grads[key], none[name][1][key]), (name, job.policy, job.layout.keep_dispatched, key)
         assert torch.equal(loss, none[name][0]), (name, job.policy)
 
 
@@ -232,7 +234,7 @@ def test_composed_ranks_store_move_and_compute_exactly_their_closed_forms(compos
     for name, job, _, _, reports in runs:
         assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
         for r in reports:
-            where = (name, job.policy, job.keep_dispatched, r["rank"])
+            where = (name, job.policy, job.layout.keep_dispatched, r["rank"])
             assert r["experts"] == list(range(2 * r["ep_rank"], 2 * r["ep_rank"] + 2)), where
             for key in ("activation_bytes", "microbatch_stored_bytes", "layer_stored_bytes", "head_stored_bytes",
                         "flops", "comm_bytes", "all_to_all_sent_bytes", "received_rows", "p2p_bytes", "dp_bytes"):

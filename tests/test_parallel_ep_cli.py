@@ -22,6 +22,8 @@ from picockpt.parallel.rank_model import RankModel
 from picockpt.policy import parse_policy
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
+from conftest import split_layout
+from picockpt.parallel import Layout
 
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
@@ -60,7 +62,8 @@ def tiny(batch=4, seq=8, **fields):
 def test_user_mistakes_are_value_errors_naming_the_values(fields, batch, kwargs, message):
     cfg, params, input_ids, targets = tiny(batch=batch, **fields)
     with pytest.raises(ValueError, match=message):
-        loss_and_grads(params, cfg, input_ids, targets, **kwargs)
+        layout, kwargs = split_layout(kwargs, Layout(tp=2))
+        loss_and_grads(params, cfg, input_ids, targets, layout=layout, **kwargs)
 
 
 # ---- the routing decision is made once -------------------------------------------------------------

@@ -20,6 +20,7 @@ from picockpt.parallel.layout import Layout
 from picockpt.parallel.watch import Terminated
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
+from conftest import split_layout
 
 TINY = ["--preset", "tiny", "--seq", "16", "--batch", "4", "--device", "cpu"]
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny steps, steady on a busy CPU
@@ -51,7 +52,8 @@ def tiny(**fields):
 def test_the_api_refuses_what_a_layout_does_not_use_naming_the_parameter(kwargs, message):
     cfg, params, input_ids, targets = tiny(attention="tiled")
     with pytest.raises(ValueError) as caught:
-        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", **kwargs)
+        layout, launch = split_layout(kwargs, Layout(tp=2))
+        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", layout, **launch)
     assert str(caught.value).startswith(message), str(caught.value)
 
 
@@ -125,7 +127,7 @@ def test_every_layout_path_hands_every_layout_flag_to_the_job(argv, expected, mo
     monkeypatch.setattr(parallel_run, "loss_and_grads", capture)
     with pytest.raises(Captured):
         main(["parallel", *TINY, *argv])
-    assert {key: seen[key] for key in LAYOUT} == {**DEFAULTS, "tp": 1, **expected}
+    assert {key: getattr(seen["layout"], key) for key in LAYOUT} == {**DEFAULTS, "tp": 1, **expected}
     assert seen["optimizer_step"] is ("--zero" in argv)
 
 

@@ -18,7 +18,7 @@ import torch
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import chain_sizes
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms, stage_chain, uniform_schedules
 from picockpt.parallel.pipeline_parallel.pp_schedules import bubble_fraction, stage_layers, unequal_bubble
 from picockpt.parallel.pipeline_parallel.pp_plan import end_of_forward_bytes
@@ -60,7 +60,8 @@ def budget(cfg, batch, pp, microbatches, schedule, dp=1):
     'every:2', the uniform policy a user would try first."""
     B, peaks = batch, []
     for stage in range(pp):
-        peaks.append(StageForms(cfg, B, SEQ, "every:2", pp, microbatches, schedule, stage, dp).peak_bytes)
+        peaks.append(StageForms(cfg, B, SEQ, "every:2",
+                                Layout(dp=dp, pp=pp, microbatches=microbatches, schedule=schedule), stage).peak_bytes)
     return f"budget:{max(peaks)}"
 
 
@@ -82,7 +83,7 @@ def jobs_for(world):
         if policy == "budget":
             policy = budget(cfg, batch, layout.get("pp", 1), layout["microbatches"], layout.get("schedule", "1f1b"),
                             layout.get("dp", 1))
-        job = ParallelJob(params, cfg, input_ids, targets, policy, rng_state=state, **{"pp": 1, **layout})
+        job = ParallelJob(params, cfg, input_ids, targets, policy, Layout(**layout), rng_state=state)
         out.append((name, job, single[name, batch]))
 
     rotating = itertools.cycle(["full", "every:2", "selective", "cheap", "every:2+selective"])
@@ -138,7 +139,9 @@ def launch(request):
 
 
 def where(job, report=None):
-    return (job.cfg.dtype, job.policy, f"pp={job.pp} M={job.microbatches} {job.schedule} dp={job.dp} tp={job.tp}",
+    layout = job.layout
+    return (job.cfg.dtype, job.policy,
+            f"pp={layout.pp} M={layout.microbatches} {layout.schedule} dp={layout.dp} tp={layout.tp}",
             None if report is None else f"rank {report['rank']} stage {report['stage']}")
 
 
@@ -168,7 +171,7 @@ def test_the_generator_is_left_where_the_single_process_leaves_it(launch):
 def test_every_stage_stores_exactly_its_closed_form(launch):
     _, runs, _ = launch
     for _, job, _, _, _, reports in runs:
-        assert sorted(r["rank"] for r in reports) == list(range(job.dp * job.pp * job.tp))
+        assert sorted(r["rank"] for r in reports) == list(range(job.layout.dp * job.layout.pp * job.layout.tp))
         for r in reports:
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where(job, r)
             assert r["microbatch_stored_bytes"] == r["predicted_microbatch_stored_bytes"], where(job, r)
@@ -182,15 +185,16 @@ def test_the_closed_form_is_in_flight_copies_of_the_layer_inventory(launch):
     stores n A (+ F on the last stage), and a stage holds w of them, w = M (AFAB) or min(P - s, M) (1F1B)."""
     _, runs, _ = launch
     for _, job, _, _, _, reports in runs:
-        if job.policy != "none" or job.tp > 1:
+        if job.policy != "none" or job.layout.tp > 1:
             continue
-        b = job.input_ids.shape[0] // (job.dp * job.microbatches)
+        b = job.input_ids.shape[0] // (job.layout.dp * job.layout.microbatches)
         _, A, F = chain_sizes(job.cfg, b, SEQ)
         for r in reports:
             n = r["layers"][1] - r["layers"][0] + 1
-            w = job.microbatches if job.schedule == "afab" else min(job.pp - r["stage"], job.microbatches)
+            M = job.layout.microbatches
+            w = M if job.layout.schedule == "afab" else min(job.layout.pp - r["stage"], M)
             assert r["microbatches_in_flight"] == w, where(job, r)
-            held = n * A + (F if r["stage"] == job.pp - 1 else 0)
+            held = n * A + (F if r["stage"] == job.layout.pp - 1 else 0)
             assert (r["microbatch_stored_bytes"], r["peak_activation_bytes"]) == (held, w * held), where(job, r)
 
 
@@ -202,10 +206,11 @@ def test_point_to_point_and_collective_bytes_equal_their_closed_forms(launch):
             assert r["p2p_bytes"] == r["predicted_p2p_bytes"], where(job, r)
             assert r["comm_bytes"] == r["predicted_comm_bytes"], where(job, r)
             assert r["dp_bytes"] == r["predicted_dp_bytes"], where(job, r)
-            if job.pp > 1 and r["stage"] > 0:  # one micro-batch's activation per receive, M of them
-                S = job.input_ids.shape[0] // (job.dp * job.microbatches) * SEQ * job.cfg.hidden // (
-                    job.tp if job.sp and job.tp > 1 else 1) * torch.empty((), dtype=job.cfg.torch_dtype).element_size()
-                assert r["p2p_bytes"]["forward"]["receive"] == job.microbatches * S, where(job, r)
+            if job.layout.pp > 1 and r["stage"] > 0:  # one micro-batch's activation per receive, M of them
+                S = job.input_ids.shape[0] // (job.layout.dp * job.layout.microbatches) * SEQ * job.cfg.hidden // (
+                    job.layout.tp if job.layout.sp and job.layout.tp > 1 else 1) * \
+                    torch.empty((), dtype=job.cfg.torch_dtype).element_size()
+                assert r["p2p_bytes"]["forward"]["receive"] == job.layout.microbatches * S, where(job, r)
 
 
 def test_the_nccl_order_checker_finds_the_one_by_one_deadlock():  # the test below can fail
@@ -222,19 +227,21 @@ def test_every_schedule_posts_its_sends_and_receives_in_an_order_nccl_completes(
     for _, job, _, _, _, reports in runs:
         posted = {r["rank"]: [[tuple(op) for op in group] for group in r["p2p_posted"]] for r in reports}
         assert nccl_order_completes(posted), where(job)
-        if job.pp > 1 and job.schedule == "1f1b" and job.microbatches > job.pp:  # the steady state pairs sends
+        pp, M = job.layout.pp, job.layout.microbatches
+        if pp > 1 and job.layout.schedule == "1f1b" and M > pp:  # the steady state pairs sends
             assert any(len(group) == 2 for groups in posted.values() for group in groups), where(job)
 
 
 @pytest.mark.ranks
 def test_recompute_early_changes_neither_results_nor_the_stored_peak(launch):
     _, runs, _ = launch
-    plain = {(name, job.policy, job.pp, job.microbatches, job.schedule): (grads, reports)
-             for name, job, _, _, grads, reports in runs if not job.recompute_early and job.dp == job.tp == 1}
-    early = [(name, job, grads, reports) for name, job, _, _, grads, reports in runs if job.recompute_early]
+    plain = {(name, job.policy, job.layout.pp, job.layout.microbatches, job.layout.schedule): (grads, reports)
+             for name, job, _, _, grads, reports in runs
+             if not job.layout.recompute_early and job.layout.dp == job.layout.tp == 1}
+    early = [(name, job, grads, reports) for name, job, _, _, grads, reports in runs if job.layout.recompute_early]
     assert early
     for name, job, grads, reports in early:
-        grads0, reports0 = plain[name, job.policy, job.pp, job.microbatches, job.schedule]
+        grads0, reports0 = plain[name, job.policy, job.layout.pp, job.layout.microbatches, job.layout.schedule]
         for key in grads0:
             assert torch.equal(grads[key], grads0[key]), (where(job), key)
         for r, r0 in zip(sorted(reports, key=lambda r: r["rank"]), sorted(reports0, key=lambda r: r["rank"])):
@@ -253,8 +260,9 @@ def test_timeline_totals_add_up_and_every_micro_batch_runs_each_phase(launch):
             assert parts == pytest.approx(seconds["total"], rel=1e-9), where(job, r)
             forwards = {m for kind, m, _, _ in r["timeline"] if kind == "forward"}
             backwards = {m for kind, m, _, _ in r["timeline"] if kind == "backward"}
-            assert forwards == backwards == set(range(job.microbatches)), where(job, r)
-            assert 0 <= r["bubble"] < 1 and r["predicted_bubble"] == (job.pp - 1) / (job.microbatches + job.pp - 1)
+            assert forwards == backwards == set(range(job.layout.microbatches)), where(job, r)
+            P, M = job.layout.pp, job.layout.microbatches
+            assert 0 <= r["bubble"] < 1 and r["predicted_bubble"] == (P - 1) / (M + P - 1)
 
 
 @pytest.mark.ranks
@@ -264,8 +272,9 @@ def test_stage_aware_budget_fits_every_stage_and_recomputes_no_more_than_the_bes
         pytest.skip("the rivals run on two ranks")
     rivals = {}
     for name, job, _, _, _, reports in runs:
-        if job.pp == 2 and job.microbatches == 5 and job.schedule == "1f1b" and name == "fp64 dropout" \
-                and not job.recompute_early:
+        layout = job.layout
+        if (layout.pp, layout.microbatches, layout.schedule, name) == (2, 5, "1f1b", "fp64 dropout") \
+                and not layout.recompute_early:
             rivals[job.policy] = reports
     budgets = [policy for policy in rivals if policy.startswith("budget:")]
     assert budgets
@@ -286,7 +295,7 @@ def test_uniform_schedules_are_what_the_policies_run():
     chain = stage_chain(cfg, 2, SEQ, 2, True)
     named = dict(uniform_schedules(chain))
     for policy in ("none", "selective", "cheap", "full", "every:2", "full+selective"):
-        forms = StageForms(cfg, 2, SEQ, policy, 2, 1, "1f1b", 1)
+        forms = StageForms(cfg, 2, SEQ, policy, Layout(pp=2), 1)
         rival_chain = stage_chain(cfg, 2, SEQ, 2, True, drop=forms.policy.drop)
         expected = (end_of_forward_bytes(rival_chain, forms.local_schedule), *replay(rival_chain, forms.local_schedule))
         mine = named[policy]

@@ -10,11 +10,12 @@ import torch
 from picockpt import Config, init_params
 from picockpt.cli import main
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, loss_and_grads, run_jobs, run_ranks
+from picockpt.parallel import Layout, loss_and_grads, ParallelJob, run_jobs, run_ranks
 from picockpt.parallel.job import checked_job, on_cpu
 from picockpt.parallel.rank import rank_steps
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
+from conftest import split_layout
 
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
@@ -47,12 +48,13 @@ def tiny(batch=4, seq=8, **fields):
 def test_user_mistakes_are_value_errors_naming_the_values(fields, batch, kwargs, message):
     cfg, params, input_ids, targets = tiny(batch=batch, **fields)
     with pytest.raises(ValueError, match=message):
-        loss_and_grads(params, cfg, input_ids, targets, **kwargs)
+        layout, kwargs = split_layout(kwargs, Layout(tp=2))
+        loss_and_grads(params, cfg, input_ids, targets, layout=layout, **kwargs)
 
 
 def test_a_process_count_that_does_not_factor_is_refused():
     cfg, params, input_ids, targets = tiny()
-    job = ParallelJob(params, cfg, input_ids, targets, "full", pp=2, microbatches=2)
+    job = ParallelJob(params, cfg, input_ids, targets, "full", Layout(pp=2, microbatches=2))
     with pytest.raises(ValueError, match=r"^3 processes do not factor into dp x pp x tp = 1 x 2 x 1 = 2; choose dp, "
                                          r"pp, tp with product 3, e\.g\. 1x1x3, 1x3x1, 3x1x1$"):
         run_jobs([job], world_size=3)
@@ -68,7 +70,8 @@ def fail_on_the_last_stage(comm, jobs):
 @pytest.mark.ranks
 def test_a_stage_failing_mid_step_stops_the_others_at_once():
     cfg, params, input_ids, targets = tiny()
-    job = on_cpu(checked_job(ParallelJob(params, cfg, input_ids, targets, "full", pp=2, microbatches=2), "cpu", 2))
+    job = on_cpu(checked_job(ParallelJob(params, cfg, input_ids, targets, "full", Layout(pp=2, microbatches=2)), "cpu",
+                             2))
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"^rank 1 of 2: stage 1 stops before its first receive$"):
         run_ranks(fail_on_the_last_stage, 2, [job], timeout_s=60, start_method=START)

@@ -15,7 +15,7 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.inventory import chain_sizes
 from picockpt.measure import make_batch
 from picockpt.ops.linear import WeightGrad, deferred_weight_grads, linear_backward, weight_grad
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.job import checked_job, closed_forms
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.pipeline_parallel.pp_orders import w_pending_bytes
@@ -42,7 +42,7 @@ def model(layers, batch):
 
 def budget_for(job):
     """budget:SIZE every stage can meet, but not by keeping everything: the busiest stage's peak under every:2."""
-    return f"budget:{max(closed_forms(replace(job, policy='every:2'), s).peak_bytes for s in range(job.pp))}"
+    return f"budget:{max(closed_forms(replace(job, policy='every:2'), s).peak_bytes for s in range(job.layout.pp))}"
 
 
 def jobs_for(world):
@@ -54,7 +54,7 @@ def jobs_for(world):
         state = torch.get_rng_state()
         if (layers, batch) not in single:
             single[layers, batch] = loss_and_grads(params, cfg, input_ids, targets, "none")
-        job = ParallelJob(params, cfg, input_ids, targets, policy, rng_state=state, **layout)
+        job = ParallelJob(params, cfg, input_ids, targets, policy, Layout(**layout), rng_state=state)
         out.append((replace(job, policy=budget_for(job)) if policy == "budget" else job, single[layers, batch]))
 
     if world == 2:
@@ -85,8 +85,9 @@ def launch(request):
 
 
 def where(job, report=None):
-    return (job.policy, f"pp={job.pp} M={job.microbatches} {job.schedule} V={job.virtual_stages} dp={job.dp} "
-            f"tp={job.tp} zero={job.zero}", None if report is None else f"rank {report['rank']}")
+    layout = job.layout
+    return (job.policy, f"pp={layout.pp} M={layout.microbatches} {layout.schedule} V={layout.virtual_stages} "
+            f"dp={layout.dp} tp={layout.tp} zero={layout.zero}", None if report is None else f"rank {report['rank']}")
 
 
 def relative(value, reference):
@@ -119,16 +120,17 @@ def test_under_none_the_peak_is_the_inventory_walked_along_the_order(launch):
     """Written from picockpt/inventory.py and the order alone: a micro-batch-chunk of n layers holds n A (+ F with
     the head) from its F to its B; under ZB-H1 it holds n w_pending_bytes from its B to its W instead."""
     for job, _, _, _, reports in launch:
-        if job.policy != "none" or job.tp > 1:
+        if job.policy != "none" or job.layout.tp > 1:
             continue
-        b = job.input_ids.shape[0] // (job.dp * job.microbatches)
+        b = job.input_ids.shape[0] // (job.layout.dp * job.layout.microbatches)
         _, A, F = chain_sizes(job.cfg, b, SEQ)
-        W = w_pending_bytes(job.cfg, b, SEQ) if job.schedule == "zb-h1" else 0
+        W = w_pending_bytes(job.cfg, b, SEQ) if job.layout.schedule == "zb-h1" else 0
         for r in reports:
-            sizes = [(b_ - a + 1, chunk == len(r["chunk_layers"]) - 1 and r["stage"] == job.pp - 1)
+            sizes = [(b_ - a + 1, chunk == len(r["chunk_layers"]) - 1 and r["stage"] == job.layout.pp - 1)
                      for chunk, (a, b_) in enumerate(r["chunk_layers"])]
             held = [n * A + (F if head else 0) for n, head in sizes]
-            order = actions(job.schedule, job.pp, job.microbatches, r["stage"], job.virtual_stages)
+            layout = job.layout
+            order = actions(layout.schedule, layout.pp, layout.microbatches, r["stage"], layout.virtual_stages)
             own = max(held)  # none: a micro-batch's peak is its end of forward (nothing to recompute)
             expected = in_flight_peak(order, lambda m, c: held[c], lambda m, c: held[c],
                                       lambda m, c: W * sizes[c][0])
@@ -149,10 +151,12 @@ def test_zb_h1_holds_more_than_1f1b_under_full_recomputation(launch):
     far more than a full-recompute micro-batch's checkpoints (stage 0 for one micro-batch at a time, stage s for
     up to s + 1), so every stage of ZB-H1 stores more than 1F1B's."""
     for job, _, _, _, reports in launch:
-        if job.schedule == "zb-h1" and job.policy == "full" and job.tp == 1 and not job.zero:
+        if job.layout.schedule == "zb-h1" and job.policy == "full" and job.layout.tp == 1 and not job.layout.zero:
             for r in reports:
                 B, T = job.input_ids.shape
-                one_f = StageForms(job.cfg, B, T, "full", job.pp, job.microbatches, "1f1b", r["stage"], job.dp)
+                one_f = StageForms(job.cfg, B, T, "full",
+                                   Layout(dp=job.layout.dp, pp=job.layout.pp, microbatches=job.layout.microbatches),
+                                   r["stage"])
                 assert r["peak_activation_bytes"] > one_f.peak_bytes, where(job, r)
 
 
@@ -179,7 +183,7 @@ def test_a_zb_h1_budget_plan_fits_although_waiting_w_bytes_exceed_the_room_it_pl
     down the frontier must still step to a smaller room each time, and end at a plan within the budget."""
     cfg = Config(vocab=256, hidden=128, layers=8, heads=4, kv_heads=2, ffn=384, max_seq=128, dropout=0.1)
     params, (input_ids, targets) = init_params(cfg, seed=0), make_batch(cfg, 8, 64, "cpu", seed=0)
-    job = ParallelJob(params, cfg, input_ids, targets, "every:2", pp=2, microbatches=8, schedule="zb-h1")
+    job = ParallelJob(params, cfg, input_ids, targets, "every:2", Layout(pp=2, microbatches=8, schedule="zb-h1"))
     size = int(budget_for(job).split(":")[1])
     for stage in range(2):
         assert closed_forms(replace(job, policy=f"budget:{size}"), stage).peak_bytes <= size
@@ -194,7 +198,7 @@ def test_a_zb_h1_budget_plan_fits_although_waiting_w_bytes_exceed_the_room_it_pl
 ])
 def test_a_schedule_it_cannot_run_is_refused_before_any_rank_starts(layout, message):
     cfg, params, input_ids, targets = model(4, 4)
-    job = ParallelJob(params, cfg, input_ids, targets, "full", **layout)
+    job = ParallelJob(params, cfg, input_ids, targets, "full", Layout(**layout))
     with pytest.raises(ValueError, match=message):
         checked_job(job, "cpu", job.world_size)
 
@@ -203,5 +207,5 @@ def test_zb_h1_refuses_a_mixture_of_experts():
     cfg = Config(**{**BASE, "dropout": 0.0}, layers=4, experts=4, experts_per_token=2)
     params, (input_ids, targets) = init_params(cfg, seed=1), make_batch(cfg, 4, SEQ, "cpu", seed=1)
     with pytest.raises(ValueError, match="zb-h1.*experts"):
-        checked_job(ParallelJob(params, cfg, input_ids, targets, "full", pp=2, microbatches=2, schedule="zb-h1"),
+        checked_job(ParallelJob(params, cfg, input_ids, targets, "full", Layout(pp=2, microbatches=2, schedule="zb-h1")),
                     "cpu", 2)

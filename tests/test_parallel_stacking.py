@@ -24,6 +24,7 @@ from picockpt.parallel.tensor_parallel.tp_shard import shard_params
 from picockpt.train import make_optimizer, train_step
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
+from picockpt.parallel import Layout
 
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 BATCH, SEQ = 8, 8
@@ -66,8 +67,8 @@ def model(name):
 def job(name, policy, layout):
     cfg, params, input_ids, targets = model(name)
     steps = int(bool(layout.get("zero")))  # one AdamW step on the shards (ZeRO's)
-    return ParallelJob(params, cfg, input_ids, targets, policy, steps=steps, lr=3e-3, weight_decay=0.1,
-                       rng_state=torch.manual_seed(7).get_state(), **{"tp": 1, **layout})
+    return ParallelJob(params, cfg, input_ids, targets, policy, Layout(**layout), steps=steps, lr=3e-3,
+                       weight_decay=0.1, rng_state=torch.manual_seed(7).get_state())
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,8 +98,8 @@ def launched():
         if world == 4:  # and the training run, in the same launch
             cfg, params, *_ = model("dense")
             batches = training_batches(cfg)
-            jobs.append(ParallelJob(params, cfg, *batches[0], "full", batches=batches, lr=3e-3, weight_decay=0.1,
-                                    rng_state=torch.manual_seed(7).get_state(), **TRAINING))
+            jobs.append(ParallelJob(params, cfg, *batches[0], "full", Layout(**TRAINING), batches=batches, lr=3e-3,
+                                    weight_decay=0.1, rng_state=torch.manual_seed(7).get_state()))
         runs = run_collected(jobs, start_method=START, timeout_s=180)
         out += list(zip(cases, runs))
         if world == 4:

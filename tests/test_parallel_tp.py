@@ -15,7 +15,7 @@ import torch
 
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, run_jobs
+from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_peak_bytes
 from picockpt.planner import least_budget
 
@@ -93,8 +93,8 @@ def launch(request):
         for sp, distributed, policies in layouts(name, others.index(name) if name in others else None):
             for policy in policies:
                 policy = budget(cfg, t, sp, distributed) if policy == "budget" else policy
-                jobs.append((name, ParallelJob(params, cfg, input_ids, targets, policy, tp=t, sp=sp,
-                                                distribute_saved=distributed, rng_state=state)))
+                jobs.append((name, ParallelJob(params, cfg, input_ids, targets, policy,
+                                               Layout(tp=t, sp=sp, distribute_saved=distributed), rng_state=state)))
     results = run_jobs([job for _, job in jobs], t, start_method=START, timeout_s=120)
     return t, single, [(name, job, *result) for (name, job), result in zip(jobs, results)]
 
@@ -109,18 +109,18 @@ def test_gradients_equal_the_single_process_engine(launch):
         for key in grads0:
             assert grads[key].shape == grads0[key].shape and grads[key].dtype == grads0[key].dtype
             error = relative(grads[key], grads0[key])
-            assert error <= tolerance, (t, name, job.policy, job.sp, job.distribute_saved, key, error)
+            assert error <= tolerance, (t, name, job.policy, job.layout.sp, job.layout.distribute_saved, key, error)
 
 
 def test_every_policy_is_bitwise_equal_to_none_within_one_layout(launch):
     t, _, runs = launch
-    none = {(name, job.sp): (loss, grads) for name, job, loss, grads, _ in runs
-            if job.policy == "none" and not job.distribute_saved}
+    none = {(name, job.layout.sp): (loss, grads) for name, job, loss, grads, _ in runs
+            if job.policy == "none" and not job.layout.distribute_saved}
     for name, job, loss, grads, _ in runs:
-        loss0, grads0 = none[name, job.sp]  # distributed saved activations: against none without sp
-        assert torch.equal(loss, loss0), (t, name, job.policy, job.sp)
+        loss0, grads0 = none[name, job.layout.sp]  # distributed saved activations: against none without sp
+        assert torch.equal(loss, loss0), (t, name, job.policy, job.layout.sp)
         for key in grads0:
-            assert torch.equal(grads[key], grads0[key]), (t, name, job.policy, job.sp, job.distribute_saved, key)
+            assert torch.equal(grads[key], grads0[key]), (t, name, job.policy, job.layout, key)
 
 
 def test_every_rank_stores_exactly_the_closed_form(launch):
@@ -128,7 +128,7 @@ def test_every_rank_stores_exactly_the_closed_form(launch):
     for name, job, _, _, reports in runs:
         assert [r["rank"] for r in reports] == list(range(t))
         for r in reports:
-            where = (t, name, job.policy, job.sp, job.distribute_saved, r["rank"])
+            where = (t, name, job.policy, job.layout.sp, job.layout.distribute_saved, r["rank"])
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
             assert r["layer_stored_bytes"] == r["predicted_layer_stored_bytes"], where
             assert r["head_stored_bytes"] == r["predicted_head_stored_bytes"], where
@@ -140,14 +140,15 @@ def test_communication_per_phase_equals_its_closed_form(launch):
     t, _, runs = launch
     for name, job, _, _, reports in runs:
         for r in reports:
-            assert r["comm_bytes"] == r["predicted_comm_bytes"], (t, name, job.policy, job.sp, r["rank"])
+            assert r["comm_bytes"] == r["predicted_comm_bytes"], (t, name, job.policy, job.layout.sp, r["rank"])
 
 
 def test_recomputation_repeats_exactly_the_forward_collectives_of_the_recomputed_layers(launch):
     """Written from the layer, not from inventory.py: outside the layers the forward moves the embedding's
     sum (S bytes), the loss's three all-reduces of B*T statistics, and under sp the head's all-gather (S)."""
     t, _, runs = launch
-    by_job = {(name, job.policy, job.sp, job.distribute_saved): reports[0] for name, job, _, _, reports in runs}
+    by_job = {(name, job.policy, job.layout.sp, job.layout.distribute_saved): reports[0]
+              for name, job, _, _, reports in runs}
     if t == 1:  # a group of one moves nothing: every collective returns its input at once
         for key, r in by_job.items():
             assert r["comm_bytes"] == {"forward": 0, "recompute": 0, "backward": 0}, key

@@ -17,12 +17,13 @@ from picockpt import Config, init_params
 from picockpt.cli import main
 from picockpt.formulas import korthikanti_layer_bytes
 from picockpt.measure import make_batch
-from picockpt.parallel import ParallelJob, RankError, loss_and_grads, run_jobs, run_ranks
+from picockpt.parallel import Layout, loss_and_grads, ParallelJob, RankError, run_jobs, run_ranks
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, rank_peak_bytes
 from picockpt.parallel.job import on_cpu
 from picockpt.parallel.rank import rank_step
 
 from processes import free_port, no_process_left_behind  # noqa: F401 (a fixture)
+from conftest import split_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
@@ -57,7 +58,8 @@ def tiny(batch=2, seq=8, **fields):
 def test_user_mistakes_are_value_errors_naming_the_values(fields, seq, kwargs, message):
     cfg, params, input_ids, targets = tiny(seq=seq, **fields)
     with pytest.raises(ValueError, match=message):
-        loss_and_grads(params, cfg, input_ids, targets, **kwargs)
+        layout, kwargs = split_layout(kwargs, Layout(tp=2))
+        loss_and_grads(params, cfg, input_ids, targets, layout=layout, **kwargs)
 
 
 def test_more_ranks_than_torchrun_started_is_an_error_naming_tp_or_ep(monkeypatch, capsys):
@@ -66,13 +68,13 @@ def test_more_ranks_than_torchrun_started_is_an_error_naming_tp_or_ep(monkeypatc
     cfg, params, input_ids, targets = tiny(kv_heads=4)
     with pytest.raises(ValueError, match=r"^tp=4: torchrun started 2 processes, one per rank; pass tp=2, or start "
                                          r"torchrun with --nproc-per-node 4$"):
-        loss_and_grads(params, cfg, input_ids, targets, tp=4)
+        loss_and_grads(params, cfg, input_ids, targets, layout=Layout(tp=4))
     assert main(["parallel", "--preset", "tiny", "--kv-heads", "4", "--tp", "4", "--seq", "8", "--batch", "2",
                  "--device", "cpu"]) == 2
     assert capsys.readouterr().err.startswith("error: --tp 4: torchrun started 2 processes, one per rank; pass --tp 2")
     moe_cfg, moe_params, moe_ids, moe_targets = tiny(batch=4, experts=4)
     with pytest.raises(ValueError, match=r"^ep=4: torchrun started 2 processes"):
-        loss_and_grads(moe_params, moe_cfg, moe_ids, moe_targets, ep=4)
+        loss_and_grads(moe_params, moe_cfg, moe_ids, moe_targets, layout=Layout(ep=4))
 
 
 def test_a_port_already_taken_is_a_value_error_naming_it():
@@ -82,7 +84,7 @@ def test_a_port_already_taken_is_a_value_error_naming_it():
         taken.listen(1)
         port = taken.getsockname()[1]
         with pytest.raises(ValueError, match=rf"^port={port}: cannot listen on 127\.0\.0\.1:{port} "):
-            loss_and_grads(params, cfg, input_ids, targets, tp=2, port=port)
+            loss_and_grads(params, cfg, input_ids, targets, layout=Layout(tp=2), port=port)
 
 
 # ---- a failing rank ends the run at once, and no process outlives it ---------------------------------
@@ -95,7 +97,7 @@ def fail_while_the_other_rank_waits(comm, job):
 @pytest.mark.ranks
 def test_a_rank_failing_mid_step_stops_the_others_at_once():
     cfg, params, input_ids, targets = tiny()
-    job = on_cpu(ParallelJob(params, cfg, input_ids, targets, "full", tp=2, rng_state=torch.get_rng_state()))
+    job = on_cpu(ParallelJob(params, cfg, input_ids, targets, "full", Layout(tp=2), rng_state=torch.get_rng_state()))
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"^rank 1 of 2: rank 1 stops before its first collective$"):
         run_ranks(fail_while_the_other_rank_waits, 2, job, timeout_s=60, start_method=START)
@@ -107,7 +109,8 @@ def test_an_error_inside_every_rank_comes_back_with_its_rank():
     cfg, params, input_ids, targets = tiny()
     broken = torch.zeros(3, dtype=torch.uint8)  # not a generator state: each rank fails to set it
     with pytest.raises(RankError, match=r"^rank [01] of 2 raised RuntimeError: .*RNG state") as caught:
-        run_jobs([ParallelJob(params, cfg, input_ids, targets, "full", tp=2, rng_state=broken)], start_method=START)
+        run_jobs([ParallelJob(params, cfg, input_ids, targets, "full", Layout(tp=2), rng_state=broken)],
+                 start_method=START)
     assert "generator.set_state(job.rng_state)" in caught.value.remote_traceback  # where, in the rank
 
 
@@ -191,7 +194,8 @@ def test_predict_prints_table_2_beside_picockpt_per_rank(capsys):
 def test_arguments_of_another_layout_or_type_are_refused(kwargs, message):
     cfg, params, input_ids, targets = tiny()
     with pytest.raises(ValueError, match=message):
-        loss_and_grads(params, cfg, input_ids, targets, **kwargs)
+        layout, kwargs = split_layout(kwargs, Layout(tp=2))
+        loss_and_grads(params, cfg, input_ids, targets, layout=layout, **kwargs)
 
 
 @pytest.mark.parametrize("argv,message", [

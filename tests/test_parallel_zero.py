@@ -22,7 +22,7 @@ from picockpt.inventory import predicted_peak_bytes
 from picockpt.measure import make_batch
 from picockpt.ops.cross_entropy import IGNORE_INDEX
 from picockpt.params import param_shapes
-from picockpt.parallel import ParallelJob, run_ranks
+from picockpt.parallel import Layout, ParallelJob, run_ranks
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_step, fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_check import check_zero
 from picockpt.parallel.data_parallel.zero_inventory import zero_paper_bytes
@@ -59,9 +59,9 @@ def budget(cfg, dp):
 
 def job(name, policy, zero, dp, keep=False, prefetch=True, steps=1):
     cfg, params, input_ids, targets = model(name)
-    return ParallelJob(params, cfg, input_ids, targets, budget(cfg, dp) if policy == "budget" else policy, dp=dp,
-                       zero=zero, keep_gathered=keep, prefetch=prefetch, rng_state=torch.manual_seed(7).get_state(),
-                       lr=3e-3, weight_decay=0.1, steps=steps)
+    return ParallelJob(params, cfg, input_ids, targets, budget(cfg, dp) if policy == "budget" else policy,
+                       Layout(dp=dp, zero=zero, keep_gathered=keep, prefetch=prefetch),
+                       rng_state=torch.manual_seed(7).get_state(), lr=3e-3, weight_decay=0.1, steps=steps)
 
 
 def name_of(j):
@@ -115,7 +115,7 @@ def training_jobs():
     targets[0, 3:] = IGNORE_INDEX
     batches[1] = (batches[1][0], targets)
     params = init_params(cfg, seed=1)
-    return [ParallelJob(params, cfg, *batches[0], policy, dp=2, zero=zero, keep_gathered=keep, batches=batches,
+    return [ParallelJob(params, cfg, *batches[0], policy, Layout(dp=2, zero=zero, keep_gathered=keep), batches=batches,
                         lr=3e-3, weight_decay=0.1, rng_state=torch.manual_seed(7).get_state())
             for zero, policy, keep in TRAINING]
 
@@ -150,8 +150,8 @@ def launch(request, launched):
 
 def zero_comm_bytes(cfg, policy, keep=False):
     """ZeRO-3's collectives per phase on one of 2 ranks (predictions.zero_stage_forms on the one stage's rank)."""
-    stage = StageForms(cfg, BATCH, SEQ, policy, 1, 1, "1f1b", 0, 2)
-    return zero_stage_forms(cfg, stage, 3, dp=2, keep_gathered=keep, steps=0)["zero_bytes_by_kind"]
+    layout = Layout(dp=2, zero=3, keep_gathered=keep)
+    return zero_stage_forms(cfg, StageForms(cfg, BATCH, SEQ, policy, layout, 0), layout, steps=0)["zero_bytes_by_kind"]
 
 
 def relative(value, reference):
@@ -163,7 +163,7 @@ def relative(value, reference):
 def test_loss_gradients_and_updated_parameters_equal_the_single_process(launch):
     _, runs = launch
     for j, loss, grads, params, _, rng_state in runs:
-        where = (name_of(j), j.zero, j.policy, j.keep_gathered, j.prefetch, j.steps)
+        where = (name_of(j), j.layout.zero, j.policy, j.layout.keep_gathered, j.layout.prefetch, j.steps)
         loss0, grads0, params0, rng_state0 = single(name_of(j), j.steps)
         if j.steps == 1:  # the first step's (later ones start from parameters updated a little differently)
             assert abs(loss.item() - loss0.item()) <= 1e-5 * abs(loss0.item()), where
@@ -179,13 +179,13 @@ def test_loss_gradients_and_updated_parameters_equal_the_single_process(launch):
 @pytest.mark.ranks
 def test_every_policy_keep_and_prefetch_is_bitwise_equal_to_none_within_a_stage(launch):
     _, runs = launch
-    none = {(name_of(j), j.zero): (loss, grads, params) for j, loss, grads, params, *_ in runs
+    none = {(name_of(j), j.layout.zero): (loss, grads, params) for j, loss, grads, params, *_ in runs
             if j.policy == "none" and j.steps == 1}
     for j, loss, grads, params, *_ in runs:
-        if j.steps != 1 or (name_of(j), j.zero) not in none:
+        if j.steps != 1 or (name_of(j), j.layout.zero) not in none:
             continue
-        loss0, grads0, params0 = none[(name_of(j), j.zero)]
-        where = (name_of(j), j.zero, j.policy, j.keep_gathered, j.prefetch)
+        loss0, grads0, params0 = none[(name_of(j), j.layout.zero)]
+        where = (name_of(j), j.layout.zero, j.policy, j.layout.keep_gathered, j.layout.prefetch)
         assert torch.equal(loss, loss0), where
         for name in grads0:
             assert torch.equal(grads[name], grads0[name]), (where, name)
@@ -197,7 +197,7 @@ def test_model_state_and_activations_per_rank_equal_their_closed_forms(launch):
     dp, runs = launch
     for j, *_, reports, _ in runs:
         for r in reports:
-            where = (name_of(j), j.zero, j.policy, j.keep_gathered, r["rank"])
+            where = (name_of(j), j.layout.zero, j.policy, j.layout.keep_gathered, r["rank"])
             for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "gathered_peak_bytes"):
                 assert r[key] == r[f"predicted_{key}"], (where, key, r[key], r[f"predicted_{key}"])
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
@@ -210,8 +210,8 @@ def test_model_state_and_activations_per_rank_equal_their_closed_forms(launch):
     shards = sum(-(-n // dp) for n in units)
     for j, *_, reports, _ in runs:
         r = reports[0]
-        assert r["param_bytes"] == 4 * (shards if j.zero == 3 else shards * dp)
-        assert r["grad_bytes"] == 4 * (shards if j.zero >= 2 else shards * dp)
+        assert r["param_bytes"] == 4 * (shards if j.layout.zero == 3 else shards * dp)
+        assert r["grad_bytes"] == 4 * (shards if j.layout.zero >= 2 else shards * dp)
         assert r["optimizer_bytes"] == 4 * 2 * shards + 4 * len(units)  # exp_avg, exp_avg_sq, one step each
 
 
@@ -220,7 +220,7 @@ def test_communication_per_phase_equals_its_closed_form(launch):
     _, runs = launch
     for j, *_, reports, _ in runs:
         for r in reports:
-            where = (name_of(j), j.zero, j.policy, j.keep_gathered, j.prefetch, r["rank"])
+            where = (name_of(j), j.layout.zero, j.policy, j.layout.keep_gathered, j.layout.prefetch, r["rank"])
             assert r["zero_bytes_by_kind"] == r["predicted_zero_bytes_by_kind"], where
             assert r["dp_bytes"] == r["predicted_dp_bytes"], where
 
@@ -236,8 +236,8 @@ def test_stage_3_recompute_gathers_each_layer_once_and_keep_gathered_saves_the_b
                             if n.startswith("model.layers.0.")) // dp)  # one layer's gathered fp32 bytes
     found = {}
     for j, *_, reports, _ in runs:
-        if j.zero == 3 and name_of(j) == "fp32 ignored targets" and j.steps == 1:
-            found[(j.policy, j.keep_gathered, j.prefetch)] = reports[0]
+        if j.layout.zero == 3 and name_of(j) == "fp32 ignored targets" and j.steps == 1:
+            found[(j.policy, j.layout.keep_gathered, j.layout.prefetch)] = reports[0]
     for prefetch in (True, False) if dp == 2 else (True,):
         plain, kept = found[("full", False, prefetch)], found[("full", True, prefetch)]
         assert plain["zero_bytes_by_kind"]["recompute"] == {"all_gather": cfg.layers * layer}
@@ -331,7 +331,7 @@ def test_training_with_zero_equals_training_in_one_process(launched):
     losses0 = [train_step(params0, optimizer, job.cfg, ids, targets, "none") for ids, targets in job.batches]
     for job, run in runs:
         losses, params, reports = run["losses"], run["params"], run["reports"]
-        where = (job.zero, job.policy, job.keep_gathered)
+        where = (job.layout.zero, job.policy, job.layout.keep_gathered)
         assert len(losses) == STEPS and all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(losses, losses0)), where
         for name in params0:
             assert relative(params[name], params0[name]) <= 1e-10, (where, name, relative(params[name], params0[name]))
@@ -349,9 +349,9 @@ def test_stages_are_bitwise_equal_to_each_other_at_dp_2(launched):
     (all-reduce under stage 1, reduce-scatter under 2 and 3): the same bits, and AdamW on shards is elementwise,
     so 3 steps of training end in the same parameters. (Against the single process they differ in the last
     bits: the batch's two halves are summed apart, then added.)"""
-    trained = {j.zero: params for j, _, _, params, *_ in launched[2] if j.steps == STEPS}
-    none = {j.zero: grads for j, _, grads, *_ in launched[2] if j.steps == 1 and j.policy == "none"
-            and name_of(j) == "fp32 ignored targets" and j.prefetch}
+    trained = {j.layout.zero: params for j, _, _, params, *_ in launched[2] if j.steps == STEPS}
+    none = {j.layout.zero: grads for j, _, grads, *_ in launched[2] if j.steps == 1 and j.policy == "none"
+            and name_of(j) == "fp32 ignored targets" and j.layout.prefetch}
     for zero in (2, 3):
         for name in trained[1]:
             assert torch.equal(trained[zero][name], trained[1][name]), (zero, name)

@@ -9,6 +9,7 @@ import torch
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measure import make_batch
 from picockpt.parallel.training import zero_train
+from picockpt.parallel import Layout
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -30,12 +31,12 @@ def test_the_api_and_the_command_run_zero_and_refuse_what_it_cannot(capsys):
     params = init_params(cfg, seed=0)
     input_ids, targets = make_batch(cfg, BATCH, SEQ, "cpu", seed=0)
     with pytest.raises(ValueError, match=r"^zero=3 with dp=1: .*nothing to shard"):  # no dp, ep or cp to shard over
-        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", pp=2, zero=3)
+        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", Layout(pp=2, zero=3))
     with pytest.raises(ValueError, match=r"^keep_gathered=True without zero"):
-        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", dp=2, keep_gathered=True)
+        parallel.loss_and_grads(params, cfg, input_ids, targets, "full", Layout(dp=2, keep_gathered=True))
     _, grads0 = loss_and_grads(params, cfg, input_ids, targets, "none")
-    _, grads, ranks = parallel.loss_and_grads(params, cfg, input_ids, targets, "every:2", dp=2, zero=3,
-                                              keep_gathered=True, start_method=START)
+    _, grads, ranks = parallel.loss_and_grads(params, cfg, input_ids, targets, "every:2",
+                                              Layout(dp=2, zero=3, keep_gathered=True), start_method=START)
     assert max(((grads[k] - grads0[k]).abs().max() / grads0[k].abs().max()).item() for k in grads0) <= 1e-5
     for r in ranks:
         for key in ZERO_KEYS:
@@ -91,7 +92,7 @@ def test_every_zero_layout_flag_reaches_the_job_and_zero_shards_over_dp_ep_and_c
         pass
 
     def capture(*args, **kwargs):
-        seen.update(kwargs)
+        seen.update(kwargs, **vars(kwargs["layout"]))  # the layout's fields, beside the call's own keywords
         raise Captured
     monkeypatch.setattr(parallel_run, "loss_and_grads", capture)
     tiny = ["parallel", "--preset", "tiny", "--batch", "4", "--seq", "16", "--device", "cpu"]
@@ -154,9 +155,9 @@ def test_zero_training_refuses_what_it_cannot_before_any_rank_starts(capsys):
                           (dict(ep=2), "ep=2 with Config.experts=0: expert parallelism"),
                           (dict(pp=2, cfg=cfg.replace(dropout=0.1)), "2 steps with pp=2 and dropout")):
         args = {"batches": [batch, batch], "policy": "none", "dp": 2, "zero": 1, "cfg": cfg, **kwargs}
+        layout = Layout(**{name: args.pop(name) for name in list(args) if name in Layout.__dataclass_fields__})
         with pytest.raises(ValueError, match=words):  # raised by zero_train before any rank starts
-            zero_train(params, args.pop("cfg"), args.pop("batches"), args.pop("policy"), args.pop("dp"),
-                       args.pop("zero"), **args)
+            zero_train(params, args.pop("cfg"), args.pop("batches"), args.pop("policy"), layout, **args)
     tiny = ["train", "--preset", "tiny", "--steps", "1", "--batch", "2", "--seq", "8"]
     for flags, words in ((["--dp", "2"], "plain data-parallel training is not built; --zero 1 holds"),
                          (["--zero", "2"], "--zero 2 without --dp"), (["--zero", "2", "--dp", "1"], "with --dp 1"),

@@ -10,6 +10,7 @@ from picockpt.formulas import korthikanti_layer_bytes
 from picockpt.inventory import predicted_peak_bytes
 from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes
 from picockpt.parallel.data_parallel.zero_inventory import model_state_bytes, zero_paper_bytes, zero_paper_parts
+from picockpt.parallel import Layout
 
 KEYS = ("model", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "recompute", "tp", "sp", "formula",
         "per_layer_bytes", "per_layer_gib", "embedding_dropout_bytes", "activation_bytes", "activation_gib",
@@ -124,7 +125,7 @@ def test_context_parallel_beside_tensor_parallel_is_a_tp_rank_on_t_over_cp_token
     cp, n = row["cp"], 131072 // 16
     assert (cp["rank_tokens"], cp["tp"], cp["sp"]) == (n, 8, True)
     assert cp["peak_bytes"] == rank_peak_bytes(cfg, 1, n, "full", 8, True) == \
-        StageForms(cfg, 1, n, "full", 1, 1, "1f1b", 0, 1, 8, True).peak_bytes
+        StageForms(cfg, 1, n, "full", Layout(tp=8), 0).peak_bytes
     tp_comm = rank_comm_bytes(cfg, 1, n, "full", 8, True)
     ring = cp_comm_bytes(cfg, 1, 131072, "full", 16, t=8)
     assert cp["comm_bytes"] == {phase: ring[phase] + tp_comm[phase] for phase in ring}
@@ -142,7 +143,7 @@ def test_context_parallel_beside_pipeline_stages_is_each_stages_rank(capsys):
     cfg = Config.from_preset("llama3-405b", dtype="bf16", attention="fused")
     cp, n = row["cp"], 131072 // 16
     assert (cp["pp"], cp["microbatches"]) == (16, 16)
-    assert cp["stage_peak_bytes"] == [StageForms(cfg, 16, n, "full", 16, 16, "1f1b", s, 1, 8, True).peak_bytes
+    assert cp["stage_peak_bytes"] == [StageForms(cfg, 16, n, "full", Layout(pp=16, tp=8, microbatches=16), s).peak_bytes
                                       for s in range(16)]
     assert cp["peak_bytes"] == cp["stage_peak_bytes"][0] == max(cp["stage_peak_bytes"])
     assert sorted(map(int, cp["every_peak_bytes"])) == list(range(1, 9))  # 126 layers over 16 stages: 8 at most

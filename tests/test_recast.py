@@ -11,6 +11,7 @@ from picockpt.fit import step_bytes
 from picockpt.params import copy_bytes
 from picockpt.policy import parse_policy
 from picockpt.tracker import Tracker
+from picockpt.parallel import Layout
 
 from conftest import setup
 
@@ -56,7 +57,7 @@ def test_refused_without_copies():
 def test_parallel_layouts_refuse_recast_before_any_rank_starts():
     from picockpt.parallel.job import ParallelJob, checked_job
     cfg, params, ids, targets = setup(dtype="bfloat16", layers=2)
-    job = ParallelJob(params, cfg, ids, targets, "full+recast", tp=2)
+    job = ParallelJob(params, cfg, ids, targets, "full+recast", Layout(tp=2))
     with pytest.raises(ValueError, match=r"policy 'full\+recast': recast .* one process only.*policy 'full'"):
         checked_job(job, "cpu", 2)
 

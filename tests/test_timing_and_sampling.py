@@ -15,6 +15,7 @@ from picockpt.parallel.data_parallel import dp_comm
 from picockpt.parallel.timeline import StageMemory, Timeline
 from picockpt.policy import parse_policy
 from picockpt.tracker import Tracker
+from picockpt.parallel import Layout
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -194,7 +195,7 @@ def test_two_ranks_report_their_start_from_the_common_zero():
     from picockpt.parallel import ParallelJob, run_jobs
     cfg = Config.from_preset("tiny", layers=2)
     ids, targets = make_batch(cfg, 2, 8, "cpu", 0)
-    job = ParallelJob(init_params(cfg, seed=0), cfg, ids, targets, "full", dp=2)
+    job = ParallelJob(init_params(cfg, seed=0), cfg, ids, targets, "full", Layout(dp=2))
     (_, _, reports), = run_jobs([job], 2, start_method=START, timeout_s=120)
     for r in reports:
         total = r["timeline_seconds"]["total"]

@@ -12,6 +12,8 @@ from picockpt.measure import make_batch
 from picockpt.parallel.job import ParallelJob, checked_job
 from picockpt.parallel.pipeline_parallel.pp_plan import in_flight_peak
 from picockpt.parallel.pipeline_parallel.pp_schedules import actions
+from conftest import split_layout
+from picockpt.parallel import Layout
 
 SEARCH = ["predict", "--search", "--model", "llama3-8b", "--seq", "8192", "--gpus", "64", "--tokens-per-batch", "1M"]
 
@@ -106,7 +108,8 @@ def test_mfu_above_the_peak_is_flagged():
 def tiny_job(**fields):
     cfg = Config.from_preset("tiny", layers=fields.pop("layers", 8))
     params = init_params(cfg, seed=0)
-    return ParallelJob(params, cfg, *make_batch(cfg, 4, 16, "cpu", seed=0), fields.pop("policy", "full"), **fields)
+    policy, (layout, fields) = fields.pop("policy", "full"), split_layout(fields)
+    return ParallelJob(params, cfg, *make_batch(cfg, 4, 16, "cpu", seed=0), policy, layout, **fields)
 
 
 def check(**fields):
@@ -133,8 +136,8 @@ def test_switches_that_only_change_a_recomputation_are_refused_under_none(fields
 
 def test_keep_dispatched_is_refused_under_none():
     cfg = Config.from_preset("tiny", experts=4)
-    job = ParallelJob(init_params(cfg, seed=0), cfg, *make_batch(cfg, 4, 16, "cpu", seed=0), "none", ep=2,
-                      keep_dispatched=True)
+    job = ParallelJob(init_params(cfg, seed=0), cfg, *make_batch(cfg, 4, 16, "cpu", seed=0), "none",
+                      Layout(ep=2, keep_dispatched=True))
     with pytest.raises(ValueError, match=r"keep_dispatched=True with policy 'none'"):
         checked_job(job, "cpu", 2)
 
@@ -148,8 +151,8 @@ def test_schedules_of_a_pipeline_need_one(fields):
 
 def test_not_yet_names_only_what_was_given():
     cfg = Config.from_preset("tiny", experts=4)
-    job = ParallelJob(init_params(cfg, seed=0), cfg, *make_batch(cfg, 4, 16, "cpu", seed=0), "full", pp=2, ep=2,
-                      microbatches=2, schedule="interleaved", virtual_stages=2)
+    job = ParallelJob(init_params(cfg, seed=0), cfg, *make_batch(cfg, 4, 16, "cpu", seed=0), "full",
+                      Layout(pp=2, ep=2, microbatches=2, schedule="interleaved", virtual_stages=2))
     with pytest.raises(ValueError, match=r"^schedule='interleaved' with ep=2 is not supported yet") as error:
         checked_job(job, "cpu", 4)
     assert "zero=0" not in str(error.value) and "cp=1" not in str(error.value)
@@ -157,8 +160,8 @@ def test_not_yet_names_only_what_was_given():
 
 def test_a_budget_too_small_names_the_largest_need_of_every_stage():
     cfg = Config.from_preset("small")
-    job = ParallelJob(init_params(cfg, seed=0), cfg, *make_batch(cfg, 4, 128, "cpu", seed=0), "budget:3MiB", pp=2,
-                      microbatches=4, schedule="zb-h1")
+    job = ParallelJob(init_params(cfg, seed=0), cfg, *make_batch(cfg, 4, 128, "cpu", seed=0), "budget:3MiB",
+                      Layout(pp=2, microbatches=4, schedule="zb-h1"))
     with pytest.raises(ValueError) as error:
         checked_job(job, "cpu", 2)
     assert str(error.value).startswith("stage 1 ") and "the largest need of the 2 stages" in str(error.value)

@@ -14,6 +14,7 @@ from commands import picockpt
 from picockpt import Config, init_params
 from picockpt.measure import make_batch
 from picockpt.parallel import RankError, run_ranks
+from picockpt.parallel import Layout
 from picockpt.parallel.training import zero_train
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -48,7 +49,7 @@ def test_each_step_of_ranks_training_reaches_the_caller_as_it_ends():
     params = init_params(cfg, seed=0)
     batches = [make_batch(cfg, 2, 8, "cpu", seed) for seed in range(12)]
     heard = []
-    losses, _, reports = zero_train(params, cfg, batches, "full", dp=2, zero=1,
+    losses, _, reports = zero_train(params, cfg, batches, "full", Layout(dp=2, zero=1),
                                     on_step=lambda *step: heard.append((*step, time.monotonic())))
     done = time.monotonic()
     assert [step for step, *_ in heard] == list(range(len(batches)))

@@ -16,6 +16,7 @@ import torch
 
 from ..parallel.predictions import predicted
 from ..parallel.job import ParallelJob
+from ..parallel.layout import Layout
 from ..routing import step_routing
 from .common import fmt_bytes, rank_columns, table
 from .parallel_run import layout_of, layout_words, measured_step, prepared, printed
@@ -35,10 +36,10 @@ def run_expert(args):
     routing = step_routing(params, cfg, input_ids)  # the single process's, as the closed forms take it
     torch.manual_seed(args.seed)
     by_rows = step_routing(params, cfg, input_ids, ranks=args.dp * args.microbatches * args.ep)
-    other = ParallelJob(params, cfg, input_ids, input_ids, policy, rng_state=torch.get_rng_state(),
-                        **{**layout_of(args), "keep_dispatched": not args.keep_dispatched})  # on the same routing
+    layout = Layout(**{**layout_of(args), "keep_dispatched": not args.keep_dispatched})  # on the same routing
+    other = ParallelJob(params, cfg, input_ids, input_ids, policy, layout, rng_state=torch.get_rng_state())
     row = {"routing": routing,
-           "other_choice": {"keep_dispatched": other.keep_dispatched,  # predicted on the same routing
+           "other_choice": {"keep_dispatched": layout.keep_dispatched,  # predicted on the same routing
                             "ranks": [{"rank": r["rank"], **{key: forms[key] for key in (
                                 "predicted_activation_bytes", "predicted_comm_bytes")}}
                                 for r in ranks for forms in [predicted(other, r, by_rows)]]}}

@@ -3,6 +3,7 @@ torchrun), every layout flag handed to the one job (whose checks refuse what a l
 step itself beside the single-process reference, the JSON row's keys, and errors in the command's words: a
 parameter's name said as its flag, a rank's failure as one line, SIGTERM as one line."""
 import contextlib
+from dataclasses import fields
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import torch
 from ..engine import loss_and_grads as single_loss_and_grads
 from ..measure import make_batch
 from ..params import init_params
-from ..parallel import RankError, loss_and_grads, under_torchrun
+from ..parallel import Layout, RankError, loss_and_grads, under_torchrun
 from ..parallel.launch import TIMEOUT_RANGE_S
 from ..parallel.watch import Terminated, sigterm_raises
 from ..policy import Policy
@@ -21,8 +22,7 @@ from . import RankFailed
 from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff, policy_from_args
 from .parallel_zero import print_zero
 
-LAYOUT = ("tp", "sp", "distribute_saved", "pp", "microbatches", "schedule", "virtual_stages", "recompute_early",
-          "dp", "overlap", "ep", "keep_dispatched", "cp", "cp_layout", "cp_comm", "cp_keep_kv", "zero", "keep_gathered", "prefetch")
+LAYOUT = tuple(field.name for field in fields(Layout))  # every dimension and option, one flag each
 SWITCHES = {"sp", "distribute_saved", "recompute_early", "keep_dispatched", "cp_keep_kv", "keep_kv", "keep_gathered",
             "trace", "verbose"}  # store_true flags: name=True is the flag given
 NEGATED = {"overlap": "--no-overlap", "prefetch": "--no-prefetch"}  # the flag that makes them False
@@ -83,7 +83,7 @@ def measured_step(args, cfg, policy, device):
     try:
         loss, grads, ranks = loss_and_grads(params, cfg, input_ids, targets, policy, device=device.type,
                                             timeout_s=args.timeout, port=args.port, trace=args.trace,
-                                            optimizer_step=bool(args.zero), **layout_of(args))
+                                            optimizer_step=bool(args.zero), layout=Layout(**layout_of(args)))
     except RankError as error:
         raise rank_failure(error, args.verbose) from None
     except ValueError as error:  # a rank's own ValueError is one line already; --verbose adds its traceback

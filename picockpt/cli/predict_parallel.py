@@ -26,8 +26,10 @@ T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its
         --pp 16 --batch 16
 """
 import math
+from dataclasses import replace
 
 from ..formulas import GIB
+from ..parallel.layout import Layout
 from ..parallel.context_parallel.cp_inventory import cp_peak_bytes, stage_comm_bytes
 from ..parallel.context_parallel.cp_check import check_context_parallel
 from ..parallel.pipeline_parallel.pp_inventory import StageForms
@@ -205,25 +207,24 @@ def check_context(args, cfg, policy):
     check_context_parallel(cfg, cp, seq, "zigzag", args.cp_comm, args.keep_kv, policy)
 
 
-def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=False, distribute_saved=False,
-           pp=1, microbatches=None):
-    """One of `cp` context-parallel ranks (of tp ranks each, beside tensor parallelism): its store's peak under
+def cp_row(cfg, batch, seq, policy, layout):
+    """One of layout.cp context-parallel ranks (of tp ranks each, beside tensor parallelism): its store's peak under
     `policy` and under every:C for C = 1..L, and its communication per phase (K/V, and the tp collectives).
     Beside pp, the peak and the communication are stage 0's (1F1B's busiest: it holds the most micro-batches);
     stage_peak_bytes lists every stage's peak."""
-    n, layout, M = seq // cp, (tp, sp, distribute_saved), microbatches or pp
+    cp, tp, sp, pp, M = layout.cp, layout.tp, layout.sp, layout.pp, layout.microbatches
+    cp_comm, keep_kv, n = layout.cp_comm, layout.cp_keep_kv, seq // cp
 
     def stages(p):  # every stage's rank on its n tokens (pipeline_parallel/pp_inventory.py), 1F1B
-        return [StageForms(cfg, batch, n, p, pp, M, "1f1b", s, 1, tp, sp, distribute_saved).peak_bytes
-                for s in range(pp)]
+        return [StageForms(cfg, batch, n, p, layout, s).peak_bytes for s in range(pp)]
 
     def peak(p):  # beside tp: the tensor-parallel rank's store on its n tokens; beside pp: the busiest stage's
         if pp > 1:
             return max(stages(p))
         return cp_peak_bytes(cfg, batch, seq, p, cp, cp_comm, keep_kv) if tp == 1 else \
-            rank_peak_bytes(cfg, batch, n, p, *layout)
+            rank_peak_bytes(cfg, batch, n, p, tp, sp, layout.distribute_saved)
     largest_C = -(-cfg.layers // pp)  # every:C within the largest stage
-    first = StageForms(cfg, batch, n, policy, pp, M, "1f1b", 0, 1, tp, sp, distribute_saved)  # stage 0's rank
+    first = StageForms(cfg, batch, n, policy, layout, 0)  # stage 0's rank
     comm = stage_comm_bytes(first, seq, cp, cp_comm, keep_kv)
     return {"cp": cp, "tp": tp, "sp": sp, "pp": pp, "microbatches": M, "cp_comm": cp_comm, "keep_kv": keep_kv,
             "rank_tokens": n, "policy": policy, "peak_bytes": peak(policy),
@@ -232,15 +233,17 @@ def cp_row(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, tp=1, sp=
 
 
 def add_parallel_rows(row, args, cfg, policy):
+    layout = Layout(dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep, cp=args.cp, zero=args.zero or 0,
+                    microbatches=args.microbatches or args.pp, schedule=args.schedule,
+                    virtual_stages=args.virtual_stages, sp=args.sp, distribute_saved=args.distribute_saved,
+                    cp_comm=args.cp_comm, cp_keep_kv=args.keep_kv)  # one rank of each stage: dp splits no batch
+    one_f_one_b = replace(layout, schedule="1f1b", virtual_stages=1)  # ZeRO's and cp's rows price 1F1B
     if args.zero is not None:
-        row["zero"] = zero_row(cfg, args.batch, args.seq, policy, args.zero, args.dp, args.tp, args.sp, args.cp,
-                               args.pp, args.microbatches, args.distribute_saved, args.ep)
+        row["zero"] = zero_row(cfg, args.batch, args.seq, policy, one_f_one_b)
     if args.cp > 1:
-        row["cp"] = cp_row(cfg, args.batch, args.seq, policy, args.cp, args.cp_comm, args.keep_kv, args.tp, args.sp,
-                           args.distribute_saved, args.pp, args.microbatches)
+        row["cp"] = cp_row(cfg, args.batch, args.seq, policy, replace(one_f_one_b, dp=1))
     if args.pp > 1 and args.cp == 1 and args.zero is None:
-        row["pipeline"] = pipeline_row(cfg, args.batch, args.seq, policy, args.pp, args.microbatches, args.schedule,
-                                       args.virtual_stages, args.tp, args.sp, args.distribute_saved)
+        row["pipeline"] = pipeline_row(cfg, args.batch, args.seq, policy, replace(layout, dp=1))
     row["gpu_bytes"] = gpu_bytes(args.gpu_gib)
 
 

@@ -11,6 +11,8 @@ micro-batches' stores walked along its order (pp_plan.in_flight_peak), ZB-H1's B
 orders (pp_orders.run_orders: F the forward, B the input gradient and the recomputation before it, W the weight
 gradients), which is where recomputation, the embedding and the head make the stages unequal.
 """
+from dataclasses import replace
+
 from ..cost import bubble_idle
 from ..parallel.pipeline_parallel.pp_inventory import rank_forms
 from ..parallel.pipeline_parallel.pp_orders import run_orders
@@ -52,13 +54,12 @@ def paced_bubble(forms, schedule, pp, M, V):
     return run_orders(orders, pp, V, seconds=lambda s, a: flops[s][a.chunk][a.kind])["idle"]
 
 
-def pipeline_row(cfg, batch, seq, policy, pp, microbatches, schedule="1f1b", virtual=1, tp=1, sp=False,
-                 distribute_saved=False):
-    """Every stage's rank of a P-stage pipeline over M micro-batches of batch / M sequences: stored peak (bytes),
-    micro-batches in flight, what its waiting W's hold (ZB-H1); the bubble; and every schedule's busiest stage
-    under none, selective and full, side by side (interleaved at --virtual-stages, or 2 where it fits)."""
-    M, layout = microbatches or pp, (tp, sp, distribute_saved)
-    forms = [rank_forms(cfg, batch, seq, policy, pp, M, schedule, s, 1, *layout, virtual=virtual) for s in range(pp)]
+def pipeline_row(cfg, batch, seq, policy, layout):
+    """Every stage's rank of the layout's P-stage pipeline over M micro-batches of batch / M sequences: stored peak
+    (bytes), micro-batches in flight, what its waiting W's hold (ZB-H1); the bubble; and every schedule's busiest
+    stage under none, selective and full, side by side (interleaved at its virtual stages, or 2 where it fits)."""
+    pp, M, schedule, virtual = layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages
+    forms = [rank_forms(cfg, batch, seq, policy, layout, s) for s in range(pp)]
     stages = [{"stage": s, "chunk_layers": [[c.layers[0], c.layers[-1]] for c in f.chunks],
                "in_flight": f.in_flight, "peak_bytes": f.peak_bytes,
                "w_pending_bytes": getattr(f, "w_layer_bytes", 0) * len(f.layers)} for s, f in enumerate(forms)]
@@ -70,10 +71,9 @@ def pipeline_row(cfg, batch, seq, policy, pp, microbatches, schedule="1f1b", vir
     for name, V in rivals:
         if name == "zb-h1" and cfg.experts:
             continue
-        peaks = {p: max(rank_forms(cfg, batch, seq, p, pp, M, name, s, 1, *layout, virtual=V).peak_bytes
-                        for s in range(pp)) for p in POLICIES}
-        paced = paced_bubble([rank_forms(cfg, batch, seq, policy, pp, M, name, s, 1, *layout, virtual=V)
-                              for s in range(pp)], name, pp, M, V)
+        rival = replace(layout, schedule=name, virtual_stages=V)
+        peaks = {p: max(rank_forms(cfg, batch, seq, p, rival, s).peak_bytes for s in range(pp)) for p in POLICIES}
+        paced = paced_bubble([rank_forms(cfg, batch, seq, policy, rival, s) for s in range(pp)], name, pp, M, V)
         compare.append({"schedule": name, "virtual_stages": V, "busiest_peak_bytes": peaks,
                         "bubble_equal": bubble_idle(pp, M, name, V), "bubble_paced": max(paced)})
     return {"pp": pp, "microbatches": M, "schedule": schedule, "virtual_stages": virtual, "policy": policy,

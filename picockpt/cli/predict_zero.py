@@ -2,6 +2,7 @@
 ep (the busiest pipeline stage's rank, from parallel/predictions.py's zero_stage_forms: the forms the ranks are held
 to), twice: as the ZeRO paper counts it and as picockpt holds it; its activations, gathers per phase and total."""
 import math
+from dataclasses import replace
 
 from ..formulas import GIB
 from ..parallel.data_parallel.zero_inventory import zero_paper_parts
@@ -29,24 +30,25 @@ def expert_activation_bytes(cfg, stage_forms, ep, tp, sp):
     return (stage_forms.in_flight - 1) * stored + ep_peak_bytes(*args, head=stage_forms.last, t=tp, sp=sp)
 
 
-def zero_row(cfg, batch, seq, policy, stage, dp, tp=1, sp=False, cp=1, pp=1, microbatches=None,
-             distribute_saved=False, ep=1):
-    """One GPU under ZeRO `stage` over dp x cp ranks (beside tp, cp and pp: a rank of each stage, its tp slices of
-    the stage's weights on its seq/cp tokens), `batch` sequences per rank: the paper's and picockpt's model state by
-    part, picockpt's activations and (stage 3) gathered parameters and their gathers per phase (recomputation's
+def zero_row(cfg, batch, seq, policy, layout):
+    """One GPU under ZeRO layout.zero over dp x cp ranks (beside tp, cp and pp: a rank of each stage, its tp slices
+    of the stage's weights on its seq/cp tokens), `batch` sequences per rank: the paper's and picockpt's model state
+    by part, picockpt's activations and (stage 3) gathered parameters and their gathers per phase (recomputation's
     included: parallel/predictions.py's zero_stage_forms), their totals; the busiest stage's, and under pp every
-    one's."""
-    M, n = microbatches or pp, seq // cp
+    one's. layout: a Layout (1F1B)."""
+    stage, dp, tp, sp, cp, pp, ep = layout.zero, layout.dp, layout.tp, layout.sp, layout.cp, layout.pp, layout.ep
+    n = seq // cp
     rows = []
     for s in range(pp):
-        stage_forms = StageForms(cfg, batch, n, policy, pp, M, "1f1b", s, 1, tp, sp, distribute_saved)
-        own = zero_stage_forms(cfg, stage_forms, stage, tp, ep, dp, cp, "1f1b", pp, M)
+        stage_forms = StageForms(cfg, batch, n, policy, replace(layout, dp=1), s)  # `batch` sequences a rank
+        own = zero_stage_forms(cfg, stage_forms, layout)
         state = {key: own[key] for key in STATE}
         psi = sum(math.prod(shape) for shape in rank_param_shapes(cfg, stage_forms, tp, ep).values())  # this rank's
         paper = zero_paper_parts(psi, stage, K=12, N_d=dp * cp)
         gathered = max(own["gathered_peak_bytes"].values())
-        by_stage = {z: sum(zero_stage_forms(cfg, stage_forms, max(z, 1), tp, ep, dp if z else 1, cp if z else 1,
-                                            "1f1b", pp, M)[key] for key in STATE) for z in (0, 1, 2, 3)}  # 0: whole
+        by_stage = {z: sum(zero_stage_forms(cfg, stage_forms, replace(layout, zero=max(z, 1), dp=dp if z else 1,
+                                                                      cp=cp if z else 1))[key] for key in STATE)
+                    for z in (0, 1, 2, 3)}  # 0: whole
         activations = expert_activation_bytes(cfg, stage_forms, ep, tp, sp) if ep > 1 else stage_forms.peak_bytes
         rows.append({"pipeline_stage": s, "parameters": psi, "paper": paper,
                      "paper_model_state_bytes": sum(paper.values()), "picockpt": state,
@@ -57,7 +59,8 @@ def zero_row(cfg, batch, seq, policy, stage, dp, tp=1, sp=False, cp=1, pp=1, mic
                      "picockpt_total_bytes": sum(state.values()) + gathered + activations,
                      "picockpt_model_state_by_stage": by_stage})
     busiest = max(rows, key=lambda row: row["picockpt_total_bytes"])
-    return {"stage": stage, "dp": dp, "tp": tp, "sp": sp, "cp": cp, "pp": pp, "ep": ep, "microbatches": M,
+    return {"stage": stage, "dp": dp, "tp": tp, "sp": sp, "cp": cp, "pp": pp, "ep": ep,
+            "microbatches": layout.microbatches,
             "policy": policy, **busiest, "stages": rows if pp > 1 else None}
 
 

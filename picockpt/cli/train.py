@@ -19,7 +19,7 @@ import torch
 from ..fit import check_fits
 from ..hardware import H200_SXM_BF16
 from ..params import init_params
-from ..parallel import RankError, under_torchrun
+from ..parallel import Layout, RankError, under_torchrun
 from ..parallel.training import zero_train
 from ..parallel.data_parallel.zero_check import check_zero
 from ..parallel.launch import check_rank_count, check_timeout
@@ -205,7 +205,9 @@ def train_with_zero(args, cfg, task, params, policy, device):
     ends) and each rank's report of the last step; None in torchrun's processes but rank 0."""
     batches = [task.batch(args.batch, args.seq, device) for _ in range(args.steps)]  # train()'s draws, in order
     torch.manual_seed(args.seed)  # the dropout masks: train()'s generator state
-    layout = dict(tp=args.tp, sp=args.sp, pp=args.pp, microbatches=args.microbatches, cp=args.cp, ep=args.ep)
+    layout = Layout(dp=args.dp or 1, pp=args.pp, tp=args.tp, ep=args.ep, cp=args.cp, zero=args.zero,
+                    keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch, microbatches=args.microbatches,
+                    sp=args.sp)
     printed = set()
 
     def print_step(step, loss, seconds):  # seconds: the slowest rank's
@@ -213,10 +215,8 @@ def train_with_zero(args, cfg, task, params, policy, device):
             print(f"step {step:4d}  loss {loss:7.4f}  {args.batch * args.seq / seconds:10,.0f} tokens/s", flush=True)
         printed.add(step)
     try:  # spawned ranks: each step printed as it ends (zero_train's on_step), as one process prints it
-        losses, _, ranks = zero_train(params, cfg, batches, policy, args.dp or 1, args.zero, args.lr,
-                                      keep_gathered=args.keep_gathered, prefetch=not args.no_prefetch,
-                                      device=device.type, on_step=print_step,
-                                      timeout_s=TIMEOUT_S if args.timeout is None else args.timeout, **layout)
+        losses, _, ranks = zero_train(params, cfg, batches, policy, layout, args.lr, device=device.type,
+                                      on_step=print_step, timeout_s=TIMEOUT_S if args.timeout is None else args.timeout)
     except RankError as error:
         raise rank_failure(error, args.verbose) from None
     if under_torchrun() and os.environ.get("RANK") != "0":  # every torchrun process trained; one prints

@@ -1,7 +1,8 @@
 """picockpt across processes, in the Picotron manner: a folder per parallelism, every collective an explicit line
 beside the layer that calls it.
 
-    jobs = [parallel.ParallelJob(params, cfg, ids, targets, policy, ep=2, dp=2) for policy in ("none", "full")]
+    jobs = [parallel.ParallelJob(params, cfg, ids, targets, policy, parallel.Layout(ep=2, dp=2))
+            for policy in ("none", "full")]
     results = parallel.run_jobs(jobs)                 # one launch of 4 ranks runs both steps in turn
 
     def step(comm, shards):                  # at module level: spawned ranks import it by name
@@ -25,6 +26,7 @@ first:
 from .comm import Comm, CommLog, all_reduce_grads, all_reduce_max
 from .expert_parallel.ep_comm import all_to_all_backward, all_to_all_forward, exchange_splits
 from .job import ParallelJob
+from .layout import Layout
 from .launch import RankError, run_ranks, under_torchrun
 from .pipeline_parallel.pp_comm import (from_previous_stage_backward, from_previous_stage_forward,
                                         to_next_stage_backward, to_next_stage_forward)
@@ -39,5 +41,6 @@ __all__ = ["run_ranks", "under_torchrun", "RankError", "Comm", "CommLog", "copy_
            "gather_sequence_forward", "gather_sequence_backward", "scatter_sequence_forward",
            "scatter_sequence_backward", "split_sequence_forward", "split_sequence_backward", "all_to_all_forward",
            "all_to_all_backward", "exchange_splits", "all_reduce_grads", "all_reduce_max", "loss_and_grads", "run_jobs",
-           "ParallelJob", "from_previous_stage_forward", "from_previous_stage_backward", "to_next_stage_forward",
+           "ParallelJob", "Layout",
+           "from_previous_stage_forward", "from_previous_stage_backward", "to_next_stage_forward",
            "to_next_stage_backward"]

@@ -21,7 +21,7 @@ from .context_parallel.cp_inventory import recompute_comm_flops
 from .data_parallel import dp_check
 from .expert_parallel import ep_check
 from .launch import check_rank_count, ranks_generator
-from .layout import check_layout
+from .layout import Layout, check_layout
 from .pipeline_parallel import pp_check
 from .pipeline_parallel.pp_inventory import rank_forms
 from .pipeline_parallel.pp_schedules import check_schedule, rank_layers, stage_layers
@@ -30,33 +30,15 @@ from .tensor_parallel import tp_check
 
 @dataclass
 class ParallelJob:
-    """One step for the ranks to run: the full params and batch, the policy, the layout."""
+    """One step for the ranks to run: the full params and batch, the policy, the layout (layout.py: the dimensions
+    and their options)."""
     params: dict
     cfg: object
     input_ids: torch.Tensor
     targets: torch.Tensor
     policy: str = "full"
+    layout: Layout = Layout()
     _: KW_ONLY
-    tp: int = 1                    # tensor-parallel ranks
-    sp: bool = True                # sequence parallel (with tp > 1)
-    distribute_saved: bool = False  # each tp rank keeps 1/t of a checkpoint-only layer input (without sp)
-    pp: int = 1                    # pipeline stages
-    microbatches: int = 1
-    schedule: str = "1f1b"         # "afab", "1f1b", "interleaved" or "zb-h1" (pipeline_parallel/pp_schedules.py)
-    virtual_stages: int = 1        # interleaved: chunks of layers per rank (virtual stage c * pp + s on rank s)
-    recompute_early: bool = False  # a stage recomputes its top segment while it waits for the gradient
-    dp: int = 1                    # data-parallel replicas
-    overlap: bool = True           # all-reduce each gradient bucket as soon as it is final
-    ep: int = 1                    # expert-parallel ranks, carved out of the data-parallel ones
-    keep_dispatched: bool = False  # keep the rows a layer dispatched: a recomputation reads them
-    cp: int = 1                    # context-parallel ranks: every activation split along the sequence
-    cp_layout: str = "zigzag"      # "zigzag" (rank r holds chunks r and 2cp - 1 - r) or "contiguous"
-    cp_comm: str = "ring"          # "ring" (K/V passed round), "ring_overlap" (each hop sent while the block before
-    #                                computes) or "allgather" (K/V gathered once per layer)
-    cp_keep_kv: bool = False       # allgather: keep the other ranks' K/V for the recomputation and backward
-    zero: int = 0                  # ZeRO stage over the dp (x ep x cp) ranks: 1, 2 or 3 (0: plain data parallelism)
-    keep_gathered: bool = False    # zero=3: a recomputed layer's gather kept for its backward ("step": zero_inventory)
-    prefetch: bool = True          # zero=3: the next use's parameters gathered while this one computes
     steps: int = 0                 # zero: AdamW steps on the shards (0: forward and backward only)
     batches: list = None           # zero: one AdamW step on each (input_ids, targets) in turn, in place of steps
     lr: float = 3e-3               # zero, steps > 0: AdamW's (picockpt/train.py: make_optimizer)
@@ -66,7 +48,7 @@ class ParallelJob:
 
     @property
     def world_size(self):
-        return self.dp * self.pp * self.ep * self.tp * self.cp
+        return self.layout.world_size
 
 
 # ---- the checks, before any rank starts ------------------------------------------------------------------
@@ -87,52 +69,55 @@ LAYOUT = "a parallel layout"  # what a refused policy is told it runs in
 
 def checked_job(job, device, world_size):
     """The job with its policy parsed and batch checked; a ValueError naming the value before any rank starts."""
+    layout = job.layout
     check_flags(job)
-    check_schedule(job.schedule, job.virtual_stages, job.pp)
+    check_schedule(layout.schedule, layout.virtual_stages, layout.pp)
     policy = parse_policy(job.policy, job.cfg).refuse_offload(LAYOUT).refuse_recast(LAYOUT)  # the one parse
     job = checked_batch(replace(job, policy=policy.text), device)
     check_ranks(job, device, world_size)
     if policy.segment is None and policy.budget is None and policy.op_level is None:  # none: nothing recomputed
         for name, what in RECOMPUTE_SWITCHES.items():
-            if getattr(job, name):
+            if getattr(job.layout, name):
                 raise ValueError(f"{name}=True with policy {policy.text!r}: it changes what a recomputation does "
                                  f"({what}), and policy {policy.text!r} recomputes nothing; use a policy that "
                                  f"recomputes (full, every:C, budget:SIZE), or leave {name} out")
     for dimension in DIMENSIONS:  # pipeline_parallel/pp_check.py, context_parallel/cp_check.py, ...
         dimension.refuses(job, policy, device)
     check_budget(job, policy)
-    return replace(job, sp=bool(job.sp), distribute_saved=bool(job.distribute_saved))
+    return job
 
 
 def check_ranks(job, device, world_size):
     """Whole numbers of micro-batches and ranks, as many ranks as the layout's product, a layer for every stage."""
-    M = job.microbatches
+    layout = job.layout
+    M = layout.microbatches
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
         raise ValueError(f"microbatches={M!r}: use a whole number of micro-batches per step, 1 or more")
-    check_layout(job.dp, job.pp, job.tp, None, job.ep, job.cp)  # each a whole number >= 1
-    split = [name for name in ("dp", "pp", "ep", "tp", "cp") if getattr(job, name) > 1]
+    check_layout(layout.dp, layout.pp, layout.tp, None, layout.ep, layout.cp)  # each a whole number >= 1
+    split = [name for name in ("dp", "pp", "ep", "tp", "cp") if getattr(layout, name) > 1]
     check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp x cp", job.world_size, device)  # torchrun
-    check_layout(job.dp, job.pp, job.tp, world_size, job.ep, job.cp)
-    stage_layers(job.cfg.layers, job.pp)
+    check_layout(layout.dp, layout.pp, layout.tp, world_size, layout.ep, layout.cp)
+    stage_layers(job.cfg.layers, layout.pp)
 
 
 def check_budget(job, policy):
     """An impossible budget says which stage it does not fit, before any rank starts: the largest need over every
     stage at once (following it, no other stage fails next)."""
+    layout = job.layout
     failed = []
-    for stage in range(job.pp):
+    for stage in range(layout.pp):
         try:
             closed_forms(replace(job, policy=policy), stage)
         except ValueError as error:
-            if job.pp == 1:
+            if layout.pp == 1:
                 raise
             failed.append((stage, error))
     if failed:
         stage, error = max(failed, key=lambda one: getattr(one[1], "least", -1))
         layers = ", ".join(f"{r[0]}..{r[-1]}"
-                           for r in rank_layers(job.cfg.layers, job.pp, stage, job.virtual_stages))
+                           for r in rank_layers(job.cfg.layers, layout.pp, stage, layout.virtual_stages))
         others = [s for s, _ in failed if s != stage]
-        also = f" (the largest need of the {job.pp} stages; stage{'s' if len(others) > 1 else ''} " \
+        also = f" (the largest need of the {layout.pp} stages; stage{'s' if len(others) > 1 else ''} " \
             f"{', '.join(map(str, others))}, short of this budget too, need{'' if len(others) > 1 else 's'} less)" \
             if others else ""
         raise ValueError(f"stage {stage} (layers {layers}): {error}{also}") from None
@@ -142,25 +127,29 @@ def closed_forms(job, stage):
     """The closed forms of one stage's rank (pipeline_parallel/pp_inventory.py), on its T/cp tokens; under cp a
     budget plans with the communication a recomputed layer repeats (cp_inventory.recompute_comm_flops); under
     interleaving its chunks' (RankForms)."""
-    (B, T), cp, V = job.input_ids.shape, job.cp, job.virtual_stages
-    ring = recompute_comm_flops(job.cfg, B // (job.dp * job.microbatches), T, cp, job.cp_comm, job.cp_keep_kv, job.tp)
-    return rank_forms(job.cfg, B, T // cp, job.policy, job.pp, job.microbatches, job.schedule, stage, job.dp,
-                      job.tp, job.sp, job.distribute_saved, ring, V)
+    (B, T), layout = job.input_ids.shape, job.layout
+    ring = recompute_comm_flops(job.cfg, B // (layout.dp * layout.microbatches), T, layout.cp, layout.cp_comm,
+                                layout.cp_keep_kv, layout.tp)
+    return rank_forms(job.cfg, B, T // layout.cp, job.policy, layout, stage, ring)
 
 
 def check_flags(job):
     """Counts are numbers, not True (each layout checks its own values), and switches True or False, not
     "no": a ValueError naming the argument, before anything else."""
+    if not isinstance(job.layout, Layout):
+        raise ValueError(f"layout={job.layout!r}: give a picockpt.parallel.Layout, e.g. Layout(tp=2) or "
+                         f"Layout(dp=2, pp=2, microbatches=4)")
+    fields = {**vars(job.layout), "steps": job.steps}
     for name in ("tp", "pp", "microbatches", "dp", "ep", "cp", "zero", "steps"):
-        if isinstance(getattr(job, name), bool):
-            raise ValueError(f"{name}={getattr(job, name)!r}: give a whole number of ranks (micro-batches for "
+        if isinstance(fields[name], bool):
+            raise ValueError(f"{name}={fields[name]!r}: give a whole number of ranks (micro-batches for "
                              f"microbatches), 1 or more, not True or False")
     for name in ("sp", "distribute_saved", "recompute_early", "overlap", "keep_dispatched", "prefetch",
                  "cp_keep_kv"):
-        if not isinstance(getattr(job, name), bool):
+        if not isinstance(fields[name], bool):
             yes, no = (" (keep the dispatched rows)", " (dispatch them again when recomputing)") \
                 if name == "keep_dispatched" else ("", "")
-            raise ValueError(f"{name}={getattr(job, name)!r}: use True{yes} or False{no}")
+            raise ValueError(f"{name}={fields[name]!r}: use True{yes} or False{no}")
 
 
 def checked_batch(job, device):

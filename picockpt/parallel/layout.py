@@ -1,7 +1,11 @@
 """How dp x pp x ep x cp x tp processes are arranged, and the process groups each rank talks in.
 
-    layout = Layout(dp=2, pp=2, tp=1)      # 4 processes: stage 0 is ranks 0, 1 (dp 0, 1), stage 1 ranks 2, 3
-    layout.coordinates(rank=3)             # (stage 1, dp rank 1, ep rank 0, cp rank 0, tp rank 0)
+    layout = Layout(dp=2, pp=2, microbatches=4)   # 4 processes: stage 0 is ranks 0, 1 (dp 0, 1), stage 1 ranks 2, 3
+    layout.coordinates(rank=3)                    # (stage 1, dp rank 1, ep rank 0, cp rank 0, tp rank 0)
+
+A Layout is the whole parallel layout of a step: the five dimensions (the grid of processes) and each one's options,
+grouped below by the dimension they belong to. It is what a job carries (job.py: ParallelJob), what the ranks build
+their groups from and what the closed forms read.
 
 Ranks are numbered in Megatron-LM's default order "tp-cp-ep-dp-pp": tensor-parallel ranks are neighbours (the most
 traffic, the fastest links on a real machine), then context-parallel and expert-parallel ranks, replicas, stages:
@@ -25,11 +29,37 @@ from .comm import Comm
 
 @dataclass(frozen=True)
 class Layout:
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
+    dp: int = 1                    # data-parallel replicas
+    pp: int = 1                    # pipeline stages
+    tp: int = 1                    # tensor-parallel ranks
+    ep: int = 1                    # expert-parallel ranks, carved out of the data-parallel ones
+    cp: int = 1                    # context-parallel ranks: every activation split along the sequence
+    # data parallelism (data_parallel/)
+    zero: int = 0                  # ZeRO stage over the dp (x ep x cp) ranks: 1, 2 or 3 (0: plain data parallelism)
+    overlap: bool = True           # all-reduce each gradient bucket as soon as it is final
+    keep_gathered: bool = False    # zero=3: a recomputed layer's gather kept for its backward ("step": zero_inventory)
+    prefetch: bool = True          # zero=3: the next use's parameters gathered while this one computes
+    # pipeline parallelism (pipeline_parallel/)
+    microbatches: int = 1
+    schedule: str = "1f1b"         # "afab", "1f1b", "interleaved" or "zb-h1" (pipeline_parallel/pp_schedules.py)
+    virtual_stages: int = 1        # interleaved: chunks of layers per rank (virtual stage c * pp + s on rank s)
+    recompute_early: bool = False  # a stage recomputes its top segment while it waits for the gradient
+    # tensor parallelism (tensor_parallel/)
+    sp: bool = True                # sequence parallel (with tp > 1)
+    distribute_saved: bool = False  # each tp rank keeps 1/t of a checkpoint-only layer input (without sp)
+    # expert parallelism (expert_parallel/)
+    keep_dispatched: bool = False  # keep the rows a layer dispatched: a recomputation reads them
+    # context parallelism (context_parallel/)
+    cp_layout: str = "zigzag"      # "zigzag" (rank r holds chunks r and 2cp - 1 - r) or "contiguous"
+    cp_comm: str = "ring"          # "ring" (K/V passed round), "ring_overlap" (each hop sent while the block before
+    #                                computes) or "allgather" (K/V gathered once per layer)
+    cp_keep_kv: bool = False       # allgather: keep the other ranks' K/V for the recomputation and backward
+
+    @property
+    def grid(self):
+        """The processes' arrangement alone, (dp, pp, tp, ep, cp): layouts that differ only in options share it,
+        and its process groups (build_groups)."""
+        return Layout(self.dp, self.pp, self.tp, self.ep, self.cp)
 
     @property
     def world_size(self):
@@ -101,13 +131,15 @@ class RankGroups:
 
 
 def build_groups(layout, rank, device, process_groups=None, timeout=None):
-    """This rank's RankGroups. Every rank must call it with the same layout at the same point. made: a dict kept across
-    calls, so a layout's groups are made once per launch. timeout: the job's (a timedelta), for these groups too."""
+    """This rank's RankGroups. Every rank must call it with the same layout at the same point. process_groups: a dict
+    kept across calls, so a grid's groups are made once per launch. timeout: the job's (a timedelta), for these groups
+    too."""
     process_groups = {} if process_groups is None else process_groups
-    if layout not in process_groups:  # every rank makes every group (those it is not in too), in one order
-        process_groups[layout] = {kind: {key: dist.new_group(ranks, timeout=timeout) for key, ranks in groups.items()}
-                        for kind, groups in layout.groups().items()}
-    group_of = process_groups[layout]
+    grid = layout.grid
+    if grid not in process_groups:  # every rank makes every group (those it is not in too), in one order
+        process_groups[grid] = {kind: {key: dist.new_group(ranks, timeout=timeout) for key, ranks in groups.items()}
+                                for kind, groups in grid.groups().items()}
+    group_of = process_groups[grid]
     stage, d, e, c, t = layout.coordinates(rank)
     groups = RankGroups(layout, rank, stage, d, e, c, t, torch.device(device),
                         previous=layout.rank_of(stage - 1, d, t, e, c) if stage > 0 else None,

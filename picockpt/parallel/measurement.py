@@ -60,14 +60,14 @@ class Measurement:
     def report(self, pipe, buckets, tokens, shards, state):
         """The rank's report: its place in the layout, what it stored, computed and moved, when (tokens: its
         SequenceLayout under cp; shards and state: ZeRO's, with the model state the step ends with)."""
-        job, groups = self.job, self.groups
+        job, groups, layout = self.job, self.groups, self.job.layout
         report = {**self.place(), **self.measured(pipe, buckets), **self.first_stored,
-                  "received_rows": [self.received[k] for k in self.forms.layers] if job.ep > 1 else None,
+                  "received_rows": [self.received[k] for k in self.forms.layers] if layout.ep > 1 else None,
                   "chunks": tokens.chunks(groups.cp_rank) if tokens else None,
                   "chunk_tokens": tokens.chunk if tokens else None}
         if shards is not None:
             tables = (("bytes", self.reduce_log.bytes), ("calls", self.reduce_log.calls))
-            report.update(state, zero=job.zero, keep_gathered=job.keep_gathered, prefetch=job.prefetch,
+            report.update(state, zero=layout.zero, keep_gathered=layout.keep_gathered, prefetch=layout.prefetch,
                           gathered_peak_bytes=dict(shards.gathered_peak),
                           **{f"zero_{what}_by_kind": {phase: dict(table.get(phase, {}))
                                                       for phase in PHASES + ("optimizer",)} for what, table in tables})
@@ -75,19 +75,20 @@ class Measurement:
 
     def place(self):
         """Where the rank sits: its ranks in every dimension, the layout and its switches, its stage's layers."""
-        job, groups, forms = self.job, self.groups, self.forms
-        local = job.cfg.experts // job.ep if job.ep > 1 else 0
+        job, groups, forms, layout = self.job, self.groups, self.forms, self.job.layout
+        local = job.cfg.experts // layout.ep if layout.ep > 1 else 0
         return {
             "rank": groups.rank, "stage": groups.stage, "dp_rank": groups.dp_rank, "ep_rank": groups.ep_rank,
-            "cp_rank": groups.cp_rank, "tp_rank": groups.tp_rank, "pp": job.pp, "dp": job.dp, "ep": job.ep,
-            "cp": job.cp, "tp": job.tp, "cp_layout": job.cp_layout, "cp_comm": job.cp_comm,
-            "cp_keep_kv": job.cp_keep_kv, "sp": job.sp and job.tp > 1, "distribute_saved": job.distribute_saved,
-            "keep_dispatched": job.keep_dispatched, "microbatches": job.microbatches, "schedule": job.schedule,
+            "cp_rank": groups.cp_rank, "tp_rank": groups.tp_rank, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
+            "cp": layout.cp, "tp": layout.tp, "cp_layout": layout.cp_layout, "cp_comm": layout.cp_comm,
+            "cp_keep_kv": layout.cp_keep_kv, "sp": layout.sp and layout.tp > 1,
+            "distribute_saved": layout.distribute_saved,
+            "keep_dispatched": layout.keep_dispatched, "microbatches": layout.microbatches, "schedule": layout.schedule,
             "policy": forms.policy.text, "stage_schedule": forms.source, "layers": [forms.layers[0], forms.layers[-1]],
-            "virtual_stages": job.virtual_stages,
+            "virtual_stages": layout.virtual_stages,
             "chunk_layers": [[chunk.layers[0], chunk.layers[-1]] for chunk in forms.chunks],
-            "microbatches_in_flight": forms.in_flight, "recompute_early": job.recompute_early,
-            "overlap": job.overlap, "experts": list(range(groups.ep_rank * local, (groups.ep_rank + 1) * local))}
+            "microbatches_in_flight": forms.in_flight, "recompute_early": layout.recompute_early,
+            "overlap": layout.overlap, "experts": list(range(groups.ep_rank * local, (groups.ep_rank + 1) * local))}
 
     def measured(self, pipe, buckets):
         """What the rank stored, computed and moved, and when."""

@@ -31,15 +31,16 @@ from .tensor_parallel.tp_shard import split_dim
 def predicted(job, report, routing=None):
     """The closed forms of one rank's report (its stage, dp and ep rank); routing: run_jobs' single-process
     routing by rows under ep (None otherwise)."""
+    layout = job.layout
     B, T = job.input_ids.shape
     stage_forms = closed_forms(job, report["stage"])
     state_bytes = job.rng_state.numel() if job.cfg.draws_random else 0
-    out = {"predicted_p2p_bytes": stage_forms.p2p_bytes(state_bytes, stage_forms.b // job.ep),
+    out = {"predicted_p2p_bytes": stage_forms.p2p_bytes(state_bytes, stage_forms.b // layout.ep),
            "predicted_dp_bytes": reduced_bytes(job, stage_forms),
-           "predicted_bubble": bubble_idle(job.pp, job.microbatches, job.schedule, job.virtual_stages)}
-    if job.zero:
+           "predicted_bubble": bubble_idle(layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages)}
+    if layout.zero:
         out.update(zero_forms(job, stage_forms, report))
-    if job.ep > 1:
+    if layout.ep > 1:
         return {**out, **expert_forms(job, stage_forms, report, routing)}
     head = stage_forms.chunks[-1]  # interleaved: the rank's last chunk holds any head
     out.update({"predicted_activation_bytes": stage_forms.peak_bytes,
@@ -47,23 +48,24 @@ def predicted(job, report, routing=None):
                 "predicted_layer_stored_bytes": first_layer_bytes(stage_forms),
                 "predicted_head_stored_bytes": _variant(head.chain[-1], head.local_schedule.head),
                 "predicted_flops": stage_forms.flops(), "predicted_comm_bytes": stage_forms.tp_comm_bytes()})
-    return {**out, **context_forms(job, stage_forms, report, T)} if job.cp > 1 else out
+    return {**out, **context_forms(job, stage_forms, report, T)} if layout.cp > 1 else out
 
 
 def context_forms(job, stage_forms, report, seq):
     """cp_inventory.py's forms on the stage's layers, for its M micro-batches of b whole sequences (seq tokens);
     beside tp, its K/V and matmuls are its heads' (1/t), and the tensor-parallel collectives at T/cp tokens
     (forms.tp_comm_bytes) add to the ring's or all-gather's bytes."""
-    cfg, cp, M, rank, t = (job.cfg.replace(layers=len(stage_forms.layers)), job.cp, stage_forms.M, report["cp_rank"],
-                           job.tp)
+    layout = job.layout
+    cfg, cp, M, rank, t = (job.cfg.replace(layers=len(stage_forms.layers)), layout.cp, stage_forms.M, report["cp_rank"],
+                           layout.tp)
     args, schedule = (cfg, stage_forms.b, seq, stage_forms.policy, cp), stage_forms.local_schedule
-    flops = cp_flops(*args, job.cp_layout, rank, head=stage_forms.last, schedule=schedule, t=t)
-    out = {"predicted_comm_bytes": stage_comm_bytes(stage_forms, seq, cp, job.cp_comm, job.cp_keep_kv),
+    flops = cp_flops(*args, layout.cp_layout, rank, head=stage_forms.last, schedule=schedule, t=t)
+    out = {"predicted_comm_bytes": stage_comm_bytes(stage_forms, seq, cp, layout.cp_comm, layout.cp_keep_kv),
            "predicted_flops": {phase: M * n for phase, n in flops.items()},
-           "predicted_attention_flops": rank_attention_flops(cfg, stage_forms.b, seq, cp, job.cp_layout, rank) // t}
-    if job.cp_keep_kv:  # one micro-batch on one stage (job.py): every layer also keeps the other ranks' K/V
-        kept = kept_kv_bytes(cfg, stage_forms.b, seq, cp, job.cp_comm, True)
-        peak = cp_peak_bytes(job.cfg, stage_forms.b, seq, stage_forms.policy, cp, job.cp_comm, True)
+           "predicted_attention_flops": rank_attention_flops(cfg, stage_forms.b, seq, cp, layout.cp_layout, rank) // t}
+    if layout.cp_keep_kv:  # one micro-batch on one stage (job.py): every layer also keeps the other ranks' K/V
+        kept = kept_kv_bytes(cfg, stage_forms.b, seq, cp, layout.cp_comm, True)
+        peak = cp_peak_bytes(job.cfg, stage_forms.b, seq, stage_forms.policy, cp, layout.cp_comm, True)
         out.update({"predicted_activation_bytes": peak,
                     "predicted_microbatch_stored_bytes": stage_forms.microbatch_stored_bytes + cfg.layers * kept,
                     "predicted_layer_stored_bytes": first_layer_bytes(stage_forms) + kept})
@@ -83,7 +85,8 @@ def _variant(stage, mode):
 def expert_forms(job, stage_forms, report, routing):
     """ep_inventory.py's forms, one per micro-batch of this rank, over its stage's layers and its rows; beside tp,
     at its slices, with tp's collectives (forms.tp_comm_bytes) and each layer's router gradient summed over tp."""
-    cfg, M, ep, e, tp = job.cfg, job.microbatches, job.ep, report["ep_rank"], dict(t=job.tp, sp=job.sp)
+    layout = job.layout
+    cfg, M, ep, e, tp = job.cfg, layout.microbatches, layout.ep, report["ep_rank"], dict(t=layout.tp, sp=layout.sp)
     stage_cfg, policy = cfg.replace(layers=len(stage_forms.layers)), stage_forms.policy
     stored, peaks, total = [], [], {key: dict.fromkeys(PHASES, 0) for key in ("flops", "comm", "sent")}
     received = [0] * len(stage_forms.layers)
@@ -91,12 +94,13 @@ def expert_forms(job, stage_forms, report, routing):
         g = report["dp_rank"] * M + m  # its block of rows: run_jobs' routing has one slice per (block, ep rank)
         by_rank = [routing[k][g * ep:(g + 1) * ep] for k in stage_forms.layers]
         counts = [[sum(column) for column in zip(*layer)] for layer in by_rank]  # the block's per-expert counts
-        args = (stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, e, counts, job.keep_dispatched)
+        args = (stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, e, counts, layout.keep_dispatched)
         stored.append(ep_stored_bytes(*args, head=stage_forms.last, **tp))
         peaks.append(ep_peak_bytes(*args, head=stage_forms.last, **tp))
-        for key, value in (("flops", ep_flops(*args, head=stage_forms.last, t=job.tp)), ("comm", ep_comm_bytes(*args)),
+        for key, value in (("flops", ep_flops(*args, head=stage_forms.last, t=layout.tp)),
+                           ("comm", ep_comm_bytes(*args)),
                            ("sent", ep_sent_bytes(stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, e, by_rank,
-                                                  job.keep_dispatched))):
+                                                  layout.keep_dispatched))):
             for phase in PHASES:
                 total[key][phase] += value[phase]
         received = [n + received_rows(cfg, layer, ep, e) for n, layer in zip(received, counts)]
@@ -104,8 +108,8 @@ def expert_forms(job, stage_forms, report, routing):
             layer = ep_layer_stored_bytes(*args, layer=0, **tp)
             head = ep_head_stored_bytes(stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, **tp) \
                 if stage_forms.last else 0
-    order = actions(job.schedule, job.pp, M, report["stage"])
-    if job.tp > 1:
+    order = actions(layout.schedule, layout.pp, M, report["stage"])
+    if layout.tp > 1:
         router = M * len(stage_forms.layers) * cfg.experts * cfg.hidden * BYTES[cfg.dtype_names[2]]  # its all-reduces
         tp_comm = stage_forms.tp_comm_bytes(stage_forms.b // ep)
         total["comm"] = {phase: n + tp_comm[phase] + (router if phase == "backward" else 0)
@@ -134,32 +138,33 @@ def reduced_bytes(job, stage_forms):
     """The bytes the stage's data-parallel groups move: every gradient once, all-reduced where its group has more
     than one rank (under ep the experts' over their dp x cp ranks, every other over dp x ep x cp: layout.py);
     under ZeRO every one of its collectives (zero_forms)."""
-    if job.zero:
+    layout = job.layout
+    if layout.zero:
         return sum(n for kinds in zero_forms(job, stage_forms, None)["predicted_zero_bytes_by_kind"].values()
                    for n in kinds.values())
     dense = experts = 0
-    for name, shape in rank_param_shapes(job.cfg, stage_forms, job.tp, job.ep).items():
-        if job.ep > 1 and is_expert(name):
+    for name, shape in rank_param_shapes(job.cfg, stage_forms, layout.tp, layout.ep).items():
+        if layout.ep > 1 and is_expert(name):
             experts += math.prod(shape)
         else:
             dense += math.prod(shape)
     size = BYTES[job.cfg.dtype_names[2]]  # the gradients': the master weights' dtype
-    return size * ((dense if job.dp * job.ep * job.cp > 1 else 0) + (experts if job.dp * job.cp > 1 else 0))
+    dense_group, expert_group = layout.dp * layout.ep * layout.cp, layout.dp * layout.cp
+    return size * ((dense if dense_group > 1 else 0) + (experts if expert_group > 1 else 0))
 
 
 def zero_forms(job, stage_forms, report):
     """ZeRO's closed forms on a rank of a job (zero_stage_forms), as its report's predicted_ twins."""
-    out = zero_stage_forms(job.cfg, stage_forms, job.zero, job.tp, job.ep, job.dp, job.cp, job.schedule, job.pp,
-                           job.microbatches, job.keep_gathered, job.prefetch, job.steps or len(job.batches or ()))
+    out = zero_stage_forms(job.cfg, stage_forms, job.layout, job.steps or len(job.batches or ()))
     return {f"predicted_{key}": value for key, value in out.items()}
 
 
-def zero_stage_forms(cfg, stage_forms, zero, tp=1, ep=1, dp=1, cp=1, schedule="1f1b", pp=1, microbatches=1,
-                     keep_gathered=False, prefetch=True, steps=1):
+def zero_stage_forms(cfg, stage_forms, layout, steps=1):
     """ZeRO's closed forms on a rank of stage `forms` (a StageForms) of any layout (data_parallel/zero_inventory.py
     on its stage's units, every weight but the experts' over dp x ep x cp ranks, the experts' over dp x cp): model
     state, the gathers of every use in the schedule's order (recomputation's included), the reductions, and the
-    gathered peak per phase."""
+    gathered peak per phase. layout: its ZeRO stage, sizes, schedule and ZeRO-3 options (a Layout)."""
+    zero, tp, ep, dp, cp = layout.zero, layout.tp, layout.ep, layout.dp, layout.cp
     sizes = {False: dp * ep * cp, True: dp * cp}  # the dense and the experts' groups
     units = stage_units(rank_param_shapes(cfg, stage_forms, tp, ep), stage_forms.layers, stage_forms.first,
                         stage_forms.last, sizes,
@@ -174,10 +179,10 @@ def zero_stage_forms(cfg, stage_forms, zero, tp=1, ep=1, dp=1, cp=1, schedule="1
         by_kind[phase].update(kinds)
     peaks = dict.fromkeys(PHASES, 0)
     if zero == 3:
-        order = actions(schedule, pp, microbatches, stage_forms.stage)
+        order = actions(layout.schedule, layout.pp, layout.microbatches, stage_forms.stage)
         uses = stage_uses(order, stage_forms.layers, stage_forms.first, stage_forms.last, stage_forms.local_schedule)
         gathered = {key: sum(u.padded * c for u in parts if u.world_size > 1) for key, parts in units.items()}
-        moved, peaks = gather_forms(uses, gathered, keep_gathered, prefetch)
+        moved, peaks = gather_forms(uses, gathered, layout.keep_gathered, layout.prefetch)
         for phase, nbytes in moved.items():
             by_kind[phase]["all_gather"] = nbytes
     by_kind = {phase: {kind: n for kind, n in kinds.items() if n} for phase, kinds in by_kind.items()}

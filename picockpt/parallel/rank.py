@@ -1,12 +1,13 @@
 """One rank's step of any layout, dp x pp x ep x cp x tp (step.py shows how each parallelism wraps the engine):
 its stage's micro-batches, forwards and backwards in the schedule's order, each one the engine's own loop over a
 model whose layers cross ranks where its layout says (inner_model below: each dimension applied over the ones before);
-under ZeRO the stage's weights and buckets are its shards' (data_parallel/zero_shards.py).
+data parallelism or ZeRO wraps the stage alike: the weights it reads and where its gradients go (dp_model.py).
 
     with measured.step() as (tracker, timeline, memory):   # measurement.py: what the step measures, its report
-        chunks = [PipelineStage(...) for each of the rank's chunks]   # its layers, weights, neighbours, buckets
+        data = shards or replicated(...)                    # data parallelism or ZeRO: weights in, gradients out
+        chunks = [PipelineStage(...) for each of the rank's chunks]   # its layers, neighbours, data part
         loss = run_actions(actions(schedule, P, M, stage), chunks, ...)   # pipeline_parallel/pp_runner.py:
-        buckets.finish()                                    #   F: a Step per micro-batch, forward; B: its backward
+        data.finish()                                       #   F: a Step per micro-batch, forward; B: its backward
     report = measured.report(...)
 
 A rank holds its stage's layers (the embedding on the first stage, final norm and head on the last), its
@@ -25,18 +26,18 @@ from ..ops.cross_entropy import IGNORE_INDEX
 from ..params import EMBED, FINAL_NORM, HEAD, param_shapes
 from .context_parallel.cp_layout import SequenceLayout
 from .context_parallel.cp_model import apply_context_parallel
-from .data_parallel.dp_comm import ExpertAndDenseBuckets, GradientBuckets
+from .data_parallel.dp_model import replicated
 from .data_parallel.zero_inventory import stage_uses
 from .data_parallel.zero_shards import ZeroShards
 from .expert_parallel.ep_model import apply_expert_parallel
 from .expert_parallel.ep_shard import is_expert, shard_experts
 from .job import closed_forms
-from .layout import Layout, build_groups
+from .layout import build_groups
 from .measurement import Measurement
 from .pipeline_parallel.pp_comm import Pipe, neighbours
 from .pipeline_parallel.pp_runner import run_actions
 from .pipeline_parallel.pp_schedules import actions
-from .pipeline_parallel.pp_stage import PipelineStage, StageShared, bucket_names
+from .pipeline_parallel.pp_stage import PipelineStage, StageShared
 from .rank_model import RankModel
 from .tensor_parallel.tp_model import apply_tensor_parallel
 from .tensor_parallel.tp_shard import shard_params
@@ -69,11 +70,10 @@ def rank_step(comm, job, process_groups, trace=False, index=0):
     """One job on this rank: its steps (one, or under ZeRO with an optimizer one per batch), each rank_one_step,
     each told to the launching process as it ends when it listens (comm.progress: (index, step, this rank's share of
     the step's loss or None, its seconds)); returns CPU tensors and plain numbers only."""
-    layout = Layout(job.dp, job.pp, job.tp, job.ep, job.cp)
-    groups = build_groups(layout, comm.rank, comm.device, process_groups, comm.timeout)
+    groups = build_groups(job.layout, comm.rank, comm.device, process_groups, comm.timeout)
     stage_forms = closed_forms(job, groups.stage)
     params = rank_params(job, stage_forms, groups, comm.device)
-    shards = zero_shards(job, stage_forms, groups, params) if job.zero else None
+    shards = zero_shards(job, stage_forms, groups, params) if job.layout.zero else None
     generator = device_generator(comm.device)
     generator.set_state(job.rng_state)
     batches = job.batches or [(job.input_ids, job.targets)] * max(job.steps, 1)
@@ -102,70 +102,74 @@ def rank_step(comm, job, process_groups, trace=False, index=0):
 
 def rank_params(job, stage_forms, groups, device):
     """{name: tensor} this rank holds of its stage: its tensor-parallel slices, of them its experts."""
+    layout = job.layout
     cfg = job.cfg
     names = stage_param_names(cfg, stage_forms.layers, stage_forms.first, stage_forms.last)
     params = {name: job.params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
-    if job.tp > 1:
-        params = shard_params(params, groups.tp_rank, job.tp)  # its slices
-    if job.ep > 1:
-        params = shard_experts(params, groups.ep_rank, job.ep)  # its experts (of those slices)
+    if layout.tp > 1:
+        params = shard_params(params, groups.tp_rank, layout.tp)  # its slices
+    if layout.ep > 1:
+        params = shard_experts(params, groups.ep_rank, layout.ep)  # its experts (of those slices)
     return {name: tensor.to(device) for name, tensor in params.items()}
 
 
 def zero_shards(job, stage_forms, groups, params):
     """ZeRO's state of this rank's stage (data_parallel/zero_shards.py): every weight but the experts' sharded over
     the data-parallel group (dp x ep x cp), the experts' over theirs, in the order of its stage's uses."""
-    order = actions(job.schedule, job.pp, job.microbatches, groups.stage)
+    layout = job.layout
+    order = actions(layout.schedule, layout.pp, layout.microbatches, groups.stage)
     uses = stage_uses(order, stage_forms.layers, stage_forms.first, stage_forms.last, stage_forms.local_schedule) \
-        if job.zero == 3 else None
-    return ZeroShards(params, job.cfg, job.zero, stage_forms.layers, stage_forms.first, stage_forms.last,
-                      {False: groups.dp_comm, True: groups.expert_dp_comm}, is_expert if job.ep > 1 else None, uses,
-                      job.keep_gathered, job.prefetch, job.lr, job.weight_decay)
+        if layout.zero == 3 else None
+    return ZeroShards(params, job.cfg, layout.zero, stage_forms.layers, stage_forms.first, stage_forms.last,
+                      {False: groups.dp_comm, True: groups.expert_dp_comm}, is_expert if layout.ep > 1 else None, uses,
+                      layout.keep_gathered, layout.prefetch, job.lr, job.weight_decay)
 
 
 def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, rng_start, trace=False):
     """One forward and backward of the stage's micro-batches (and under ZeRO with steps, AdamW on the shards):
-    (loss share, the generator where the step leaves it, the report)."""
-    cfg, device, M, T = job.cfg, groups.device, job.microbatches, input_ids.shape[1]
+    (loss share, the generator where the step leaves it, the report). The composition, top to bottom: the rows and
+    tokens the rank computes; the layers' model with each dimension's wrap (inner_model: cp, ep, tp); data
+    parallelism or ZeRO (the stage's weights and gradients); the pipeline stage's chunks; the schedule's runner."""
+    layout, cfg, device, T = job.layout, job.cfg, groups.device, input_ids.shape[1]
     input_ids, targets = input_ids.to(device), targets.to(device)
     counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets
-    b = stage_forms.b // job.ep  # the rows this rank computes of each micro-batch
-    tokens = SequenceLayout(job.cp_layout, job.cp, T) if job.cp > 1 else None  # which tokens of a row it holds
+    tokens = SequenceLayout(layout.cp_layout, layout.cp, T) if layout.cp > 1 else None  # its tokens of a row
     rows = microbatch_rows(job, groups, stage_forms.b, input_ids, targets)  # rows(m): micro-batch m's, this rank's
     make_inner = inner_model(job, groups, params, tokens)  # the layers' model: each dimension over the ones before
-    say = trace_lines(f"rank {groups.rank}" + (f" stage {groups.stage}" if job.pp > 1 else ""), trace)
+    say = trace_lines(f"rank {groups.rank}" + (f" stage {groups.stage}" if layout.pp > 1 else ""), trace)
     measured = Measurement(job, groups, stage_forms)  # measurement.py: what the step measures, and its report
     with measured.step() as (tracker, timeline, memory), torch.no_grad():
-        pipe = Pipe(*neighbours(groups, job.pp, job.virtual_stages), device, timeline, tracker)
+        pipe = Pipe(*neighbours(groups, layout.pp, layout.virtual_stages), device, timeline, tracker)
         if shards is not None:
             shards.begin(tracker)
-        buckets = shards or _buckets(job, stage_forms, groups, params, device, timeline, tracker)
-        shared = StageShared(cfg, params, pipe, buckets, counted, M, groups.dp_rank, job.dp,
-                             stage_forms.activation_shape(b), make_inner, job.recompute_early, shards,
-                             split_backward=job.schedule == "zb-h1")
+        data = shards or replicated(cfg, params, stage_forms, groups, layout.overlap, timeline, tracker)  # dp / ZeRO
+        shared = StageShared(cfg, params, pipe, data, counted, layout.microbatches, groups.dp_rank, layout.dp,
+                             stage_forms.activation_shape(stage_forms.b // layout.ep), make_inner,
+                             layout.recompute_early, split_backward=layout.schedule == "zb-h1")
         chunks = [PipelineStage(shared, forms.layers, forms.first, forms.last)
                   for forms in stage_forms.chunks]  # interleaved: the rank's V chunks
         chunks[0].rng_start = rng_start if stage_forms.first else None
         for chunk in chunks:
             chunk.start(tracker, device, T, like=chunks[0])
         timeline.begin()
-        order = actions(job.schedule, job.pp, M, groups.stage, job.virtual_stages)
+        order = actions(layout.schedule, layout.pp, layout.microbatches, groups.stage, layout.virtual_stages)
         loss = run_actions(order, chunks, stage_forms.chunks, pipe, rows, memory, say, measured.forward_done)
         pipe.finish()
-        buckets.finish()
+        data.finish()
         state = optimizer_step(job, shards, tracker)  # ZeRO: the model state the step ends with
         timeline.finish()
         rng_end = chunks[-1].rng_end  # the generator where the single process's step leaves it (last stage)
         del chunks
-    report = measured.report(pipe, buckets, tokens, shards, state)
+    report = measured.report(pipe, data, tokens, shards, state)
     if shards is None:
-        report["grads"] = buckets.grads()
+        report["grads"] = data.grads()
     return loss, rng_end, report
 
 
 def microbatch_rows(job, groups, rows_per_microbatch, input_ids, targets):
     """rows(m): micro-batch m of this replica, block d*M + m of B / (dp M) rows, this ep rank's part of it."""
-    M, b = job.microbatches, rows_per_microbatch // job.ep
+    layout = job.layout
+    M, b = layout.microbatches, rows_per_microbatch // layout.ep
 
     def rows(m):
         start = (groups.dp_rank * M + m) * rows_per_microbatch + groups.ep_rank * b
@@ -175,14 +179,15 @@ def microbatch_rows(job, groups, rows_per_microbatch, input_ids, targets):
 
 def inner_model(job, groups, params, tokens):
     """make_inner(ids, tgt): the layers' model, each dimension applied to what the ones before made."""
+    layout = job.layout
     def make_inner(ids, tgt):
         model = RankModel(params, job.cfg, ids, tgt)
-        if job.cp > 1:  # its tokens of the rows, attention across the cp ranks
-            apply_context_parallel(model, groups.cp_comm, tokens, job.cp_comm, job.cp_keep_kv)
-        if job.ep > 1:  # its experts: tokens dispatched to them and combined back
-            apply_expert_parallel(model, groups.ep_comm, job.keep_dispatched)
-        if job.tp > 1:  # its slices (of every expert too): the layer's collectives, the vocab-parallel head
-            apply_tensor_parallel(model, groups.tp_comm, job.sp, job.distribute_saved)
+        if layout.cp > 1:  # its tokens of the rows, attention across the cp ranks
+            apply_context_parallel(model, groups.cp_comm, tokens, layout.cp_comm, layout.cp_keep_kv)
+        if layout.ep > 1:  # its experts: tokens dispatched to them and combined back
+            apply_expert_parallel(model, groups.ep_comm, layout.keep_dispatched)
+        if layout.tp > 1:  # its slices (of every expert too): the layer's collectives, the vocab-parallel head
+            apply_tensor_parallel(model, groups.tp_comm, layout.sp, layout.distribute_saved)
         return model
     return make_inner
 
@@ -199,18 +204,3 @@ def optimizer_step(job, shards, tracker):
         state["optimizer_bytes"] = shards.bytes()["optimizer_bytes"]
     return state
 
-
-def _buckets(job, stage_forms, groups, params, device, timeline, tracker):
-    """The stage's gradient buckets, all-reduced over the data-parallel group as they become final; under
-    ep the experts' apart, over their expert-data-parallel group (picockpt/parallel/layout.py)."""
-    names = bucket_names(job.cfg, params, stage_forms.layers, stage_forms.first, stage_forms.last)
-    shapes = {name: tensor.shape for name, tensor in params.items()}
-
-    def make(comm, keep):
-        kept = {bucket: [name for name in members if keep(name)] for bucket, members in names.items()}
-        return GradientBuckets({bucket: members for bucket, members in kept.items() if members}, shapes,
-                               job.cfg.param_dtype, device, comm, job.overlap, timeline, tracker)
-    if job.ep == 1:
-        return make(groups.dp_comm, lambda name: True)
-    return ExpertAndDenseBuckets(make(groups.dp_comm, lambda name: not is_expert(name)),
-                                 make(groups.expert_dp_comm, is_expert), is_expert)

@@ -5,8 +5,9 @@ what would work, before any rank starts."""
 
 
 def given(job, *names):
-    """'ep=2, cp=2': those of the names whose value is not the default (0 or 1), as the caller gave them."""
-    return ", ".join(f"{name}={getattr(job, name)}" for name in names if getattr(job, name) not in (0, 1))
+    """'ep=2, cp=2': those of the layout's names whose value is not the default (0 or 1), as the caller gave them."""
+    layout = job.layout
+    return ", ".join(f"{name}={getattr(layout, name)}" for name in names if getattr(layout, name) not in (0, 1))
 
 
 def not_yet(what, why, works):

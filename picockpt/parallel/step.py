@@ -5,9 +5,10 @@ puts their results together. Full parameters and batch in; the loss, full gradie
 one report per rank out, each measurement beside its closed form (predictions.py: the predicted_ twin of every count).
 
     from picockpt import parallel
-    loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, policy="full", tp=2, sp=True)
-    loss, grads, ranks = parallel.loss_and_grads(..., pp=2, microbatches=4, dp=2)      # 4 ranks
-    loss, grads, ranks = parallel.loss_and_grads(..., ep=2, tp=2, dp=2, zero=3)        # 8 ranks, stacked
+    from picockpt.parallel import Layout
+    loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, "full", Layout(tp=2, sp=True))
+    loss, grads, ranks = parallel.loss_and_grads(..., Layout(pp=2, microbatches=4, dp=2))      # 4 ranks
+    loss, grads, ranks = parallel.loss_and_grads(..., Layout(ep=2, tp=2, dp=2, zero=3))        # 8 ranks, stacked
     ranks[r]["peak_activation_bytes"] == ranks[r]["predicted_activation_bytes"]        # to the byte
 
 A rank's report (measurement.py: Measurement.report names every key): its coordinates and the layout; its stored
@@ -22,28 +23,22 @@ from ..routing import step_routing
 from .expert_parallel.ep_shard import gather_expert_grads
 from .predictions import predicted
 from .job import ParallelJob, checked_job, on_cpu
+from .layout import Layout
 from .launch import check_timeout, ranks_generator, run_ranks, under_torchrun
 from .pipeline_parallel.pp_schedules import rank_layers
 from .rank import rank_steps, stage_param_names
 from .tensor_parallel.tp_shard import gather_grads
 
 
-def loss_and_grads(params, cfg, input_ids, targets, policy="full", tp=None, sp=True, distribute_saved=False,
-                   device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False, pp=1, microbatches=1,
-                   schedule="1f1b", virtual_stages=1, dp=1, recompute_early=False, overlap=True, ep=1,
-                   keep_dispatched=False, zero=0, keep_gathered=False, prefetch=True, optimizer_step=False, cp=1,
-                   cp_layout="zigzag", cp_comm="ring", cp_keep_kv=False):
+def loss_and_grads(params, cfg, input_ids, targets, policy="full", layout=None, device="cpu", timeout_s=120,
+                   port=None, start_method="spawn", trace=False, optimizer_step=False):
     """Mean next-token cross-entropy, the gradient of every parameter (full shapes, params' names) and [one report
-    per rank], under `policy` (every policy of picockpt.loss_and_grads; budget:SIZE per rank). Every layout keyword
-    is a ParallelJob field (job.py says what each does; tp=None: 2 alone, 1 beside another layout);
-    optimizer_step=True: one AdamW step on ZeRO's shards after the backward. device "cpu" (gloo) or "cuda" (NCCL,
-    one GPU per rank); timeout_s bounds every collective; trace=True prints each rank's engine trace to stderr."""
-    alone = (pp, microbatches, dp, ep, cp, zero) == (1, 1, 1, 1, 1, 0)  # tp's 2 only when nothing else is asked
-    job = ParallelJob(params, cfg, input_ids, targets, policy, tp=(2 if alone else 1) if tp is None else tp, sp=sp,
-                      distribute_saved=distribute_saved, pp=pp, microbatches=microbatches, schedule=schedule,
-                      virtual_stages=virtual_stages, recompute_early=recompute_early, dp=dp, overlap=overlap, ep=ep,
-                      keep_dispatched=keep_dispatched, zero=zero, keep_gathered=keep_gathered, prefetch=prefetch,
-                      steps=int(optimizer_step), cp=cp, cp_layout=cp_layout, cp_comm=cp_comm, cp_keep_kv=cp_keep_kv)
+    per rank], under `policy` (every policy of picockpt.loss_and_grads; budget:SIZE per rank) and `layout` (a
+    Layout: layout.py says what each dimension and option does; None: Layout(tp=2)); optimizer_step=True: one AdamW
+    step on ZeRO's shards after the backward. device "cpu" (gloo) or "cuda" (NCCL, one GPU per rank); timeout_s
+    bounds every collective; trace=True prints each rank's engine trace to stderr."""
+    job = ParallelJob(params, cfg, input_ids, targets, policy, Layout(tp=2) if layout is None else layout,
+                      steps=int(optimizer_step))
     return run_jobs([job], None, device, timeout_s, port, start_method, trace)[0]
 
 
@@ -76,7 +71,7 @@ def run_collected(jobs, world_size=None, device="cpu", timeout_s=120, port=None,
     out, state = [], jobs[-1].rng_state
     for index, (job, routing) in enumerate(zip(jobs, routings)):
         per_rank = [rank_results[index] for rank_results in results]
-        last = [r for r in per_rank if r["report"]["stage"] == job.pp - 1 and r["report"]["tp_rank"] == 0]
+        last = [r for r in per_rank if r["report"]["stage"] == job.layout.pp - 1 and r["report"]["tp_rank"] == 0]
         loss = sum((r["loss"] for r in last[1:]), last[0]["loss"])  # the dp, ep and cp ranks' shares of the mean
         losses = [sum(r["losses"][step] for r in last).item() for step in range(len(last[0]["losses"]))]
         where = job.params[EMBED].device
@@ -98,25 +93,27 @@ def _routing(job, generator):
     """Under ep: every layer's per-expert token counts in the single process's forward of the whole batch,
     by slices of B / (dp M ep) sequences (one per rank and micro-batch), from the job's generator state
     (the same masks and jitter noise as the step); None without experts split over ranks."""
-    if job.ep == 1:
+    layout = job.layout
+    if layout.ep == 1:
         return None
     generator.set_state(job.rng_state)
-    return step_routing(job.params, job.cfg, job.input_ids, ranks=job.dp * job.microbatches * job.ep)
+    return step_routing(job.params, job.cfg, job.input_ids, ranks=layout.dp * layout.microbatches * layout.ep)
 
 
 def _gathered(job, per_rank, key="grads"):
     """The full gradients (or key="params": parameters): each stage's from its dp and cp rank 0, tensor- or
     expert-parallel parts put together."""
+    layout = job.layout
     cfg, grads, head_copy = job.cfg, {}, None
-    for stage in range(job.pp):
-        layers = [k for chunk in rank_layers(cfg.layers, job.pp, stage, job.virtual_stages) for k in chunk]
-        names = stage_param_names(cfg, layers, stage == 0, stage == job.pp - 1)
+    for stage in range(layout.pp):
+        layers = [k for chunk in rank_layers(cfg.layers, layout.pp, stage, layout.virtual_stages) for k in chunk]
+        names = stage_param_names(cfg, layers, stage == 0, stage == layout.pp - 1)
         ranks = sorted(((r["report"]["tp_rank"], r["report"]["ep_rank"]), r[key]) for r in per_rank
                        if r["report"]["stage"] == stage and r["report"]["dp_rank"] == r["report"]["cp_rank"] == 0)
-        by_ep = [[g for (_, e), g in ranks if e == ep_rank] for ep_rank in range(job.ep)]  # each in tp rank order
-        slices = [gather_grads(parts, dict.fromkeys(names)) if job.tp > 1 else parts[0] for parts in by_ep]
-        whole = gather_expert_grads(slices, dict.fromkeys(names)) if job.ep > 1 else slices[0]
-        if cfg.tie_embeddings and stage == job.pp - 1:
+        by_ep = [[g for (_, e), g in ranks if e == ep_rank] for ep_rank in range(layout.ep)]  # each in tp rank order
+        slices = [gather_grads(parts, dict.fromkeys(names)) if layout.tp > 1 else parts[0] for parts in by_ep]
+        whole = gather_expert_grads(slices, dict.fromkeys(names)) if layout.ep > 1 else slices[0]
+        if cfg.tie_embeddings and stage == layout.pp - 1:
             head_copy = whole.pop(HEAD)
         grads.update(whole)
     if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses (as the engine adds them)

@@ -1,7 +1,7 @@
 """Training with ZeRO on any layout: a new batch every step, every step on the same ranks, in one launch.
 
-    losses, params, reports = zero_train(params, cfg, batches, "full", dp=2, zero=3, lr=3e-3)
-    losses, params, reports = zero_train(params, cfg, batches, "full", dp=2, zero=3, tp=2, pp=2)   # 8 ranks
+    losses, params, reports = zero_train(params, cfg, batches, "full", Layout(dp=2, zero=3), lr=3e-3)
+    losses, params, reports = zero_train(params, cfg, batches, "full", Layout(dp=2, zero=3, tp=2, pp=2))   # 8 ranks
     losses[i]     step i's mean loss over its whole batch (the ranks' shares added), a float
     params        the parameters after the last step, whole, under their HF names, on the device and in the
                   dtype of the params given
@@ -26,14 +26,14 @@ import math
 
 from ..device import resolve_device
 from .job import ParallelJob
+from .layout import Layout
 from .step import run_collected
 
 
-def zero_train(params, cfg, batches, policy="none", dp=2, zero=1, lr=3e-3, weight_decay=0.0, keep_gathered=False,
-               prefetch=True, device="cpu", timeout_s=120, port=None, start_method="spawn", rng_state=None,
-               on_step=None, **layout):
-    """(losses, params, reports): one AdamW step per batch on ZeRO-`zero` ranks; layout: any of ParallelJob's
-    tp, sp, pp, microbatches, schedule, cp, cp_layout, cp_comm, ep (see above)."""
+def zero_train(params, cfg, batches, policy="none", layout=Layout(dp=2, zero=1), lr=3e-3, weight_decay=0.0,
+               rng_state=None, on_step=None, device="cpu", **launch):
+    """(losses, params, reports): one AdamW step per batch on the ranks of `layout` (layout.py: a Layout with zero
+    1, 2 or 3); launch: run_collected's timeout_s, port and start_method (step.py)."""
     for name, value, positive in (("lr", lr, True), ("weight_decay", weight_decay, False)):
         real = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
         if not real or value < 0 or (positive and value == 0):
@@ -43,12 +43,11 @@ def zero_train(params, cfg, batches, policy="none", dp=2, zero=1, lr=3e-3, weigh
             or len(batches[0]) != 2:
         raise ValueError(f"batches={type(batches).__name__}: give a non-empty list of (input_ids, targets), one "
                          f"(batch, seq) pair per step")
-    job = ParallelJob(params, cfg, *batches[0], policy, dp=dp, zero=zero, keep_gathered=keep_gathered,
-                      prefetch=prefetch, batches=list(batches), lr=float(lr), weight_decay=float(weight_decay),
-                      rng_state=rng_state, **layout)
+    job = ParallelJob(params, cfg, *batches[0], policy, layout, batches=list(batches), lr=float(lr),
+                      weight_decay=float(weight_decay), rng_state=rng_state)
     where = resolve_device(device)
     progress = None if on_step is None else StepsAsTheyEnd(job.world_size, on_step)
-    out = run_collected([job], None, where.type, timeout_s, port, start_method, progress=progress)[0]
+    out = run_collected([job], None, where.type, progress=progress, **launch)[0]
     return out["losses"], out["params"], out["reports"]
 
 

@@ -48,24 +48,25 @@ def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_k
 def refuses(job, policy, device):
     """The context-parallel fields of a picockpt.parallel job (job.py: ParallelJob), with its parsed policy: cp's own
     values, its flags without it, and what it does not stack with yet."""
-    if job.cp_keep_kv and (job.pp > 1 or job.microbatches > 1 or job.tp > 1):
+    layout = job.layout
+    if layout.cp_keep_kv and (layout.pp > 1 or layout.microbatches > 1 or layout.tp > 1):
         not_yet(f"cp_keep_kv=True with {given(job, 'pp', 'microbatches', 'tp')}",
                 "the kept K/V are closed-formed for one micro-batch per rank without tp",
                 "use it with pp=1, microbatches=1 and tp=1")
-    if job.cp == 1:
-        flags = [f"{name}={value!r}" for name, value, default in (("cp_layout", job.cp_layout, "zigzag"), (
-            "cp_comm", job.cp_comm, "ring"), ("cp_keep_kv", job.cp_keep_kv, False)) if value != default]
+    if layout.cp == 1:
+        flags = [f"{name}={value!r}" for name, value, default in (("cp_layout", layout.cp_layout, "zigzag"), (
+            "cp_comm", layout.cp_comm, "ring"), ("cp_keep_kv", layout.cp_keep_kv, False)) if value != default]
         if flags:
             raise ValueError(f"{', '.join(flags)} without cp: {'they choose' if len(flags) > 1 else 'it chooses'} how "
                              f"context-parallel ranks split the sequence and share K/V, and there are none here; add "
                              f"cp >= 2, or leave {'them' if len(flags) > 1 else flags[0].split('=')[0]} out")
         return
-    if job.ep > 1:
-        not_yet(f"cp={job.cp} with ep={job.ep}", "a rank's experts would receive the tokens of its sequence chunks, "
-                "and the routing and its closed forms are by whole rows", "use cp with tp, dp, zero and pp, or ep "
+    if layout.ep > 1:
+        not_yet(f"cp={layout.cp} with ep={layout.ep}",
+                "a rank's experts would receive the tokens of its sequence chunks, and the routing and its closed forms are by whole rows", "use cp with tp, dp, zero and pp, or ep "
                 "without cp")
-    if job.cp_keep_kv and policy.budget is not None:
+    if layout.cp_keep_kv and policy.budget is not None:
         not_yet(f"cp_keep_kv=True with policy={policy.text!r}", "the planner's chain does not hold the kept K/V",
                 "use a budget without cp_keep_kv, or keep_kv with none, full, every:C, selective or cheap")
-    check_context_parallel(job.cfg, job.cp, job.input_ids.shape[1], job.cp_layout, job.cp_comm, job.cp_keep_kv,
-                           policy, device)
+    check_context_parallel(job.cfg, layout.cp, job.input_ids.shape[1], layout.cp_layout, layout.cp_comm,
+                           layout.cp_keep_kv, policy, device)

@@ -8,14 +8,15 @@ from .zero_check import check_zero
 def refuses(job, policy, device):
     """The data-parallel and ZeRO fields of a picockpt.parallel job (job.py: ParallelJob), with any layout beside;
     the batch split into dp x microbatches equal micro-batches."""
+    layout = job.layout
     refuses_zero(job)
-    if not job.overlap and job.dp * job.ep * job.cp == 1:
+    if not layout.overlap and layout.dp * layout.ep * layout.cp == 1:
         raise ValueError("overlap=False with dp=1, ep=1 and cp=1: it all-reduces the gradients after the backward "
                          "instead of as each is final, and there are no replicas to reduce over; set dp >= 2, or "
                          "leave overlap out")
-    B, M, parts = job.input_ids.shape[0], job.microbatches, job.dp * job.microbatches
+    B, M, parts = job.input_ids.shape[0], layout.microbatches, layout.dp * layout.microbatches
     if B % parts:
-        raise ValueError(f"batch={B} is not divisible into dp x microbatches = {job.dp} x {M} = {parts} "
+        raise ValueError(f"batch={B} is not divisible into dp x microbatches = {layout.dp} x {M} = {parts} "
                          f"micro-batches of equal size; use a batch that is a multiple of {parts}")
     if parts > 1:  # a micro-batch draws at its own shape what the single process draws at the whole batch's
         refuse_tiled_dropout(job.cfg, f"dp x microbatches = {parts}", "a micro-batch's shape", "are rows of the",
@@ -28,18 +29,20 @@ def refuses(job, policy, device):
 
 def refuses_zero(job):
     """ZeRO's fields: its values over the dp x ep x cp ranks it shards over, or its flags without it."""
+    layout = job.layout
     steps = job.steps or len(job.batches or ())
-    if job.zero:
-        if not job.overlap:
-            raise ValueError(f"overlap=False with zero={job.zero}: ZeRO reduces each unit's gradients as soon as they "
-                             f"are final, always (plain data parallelism's buckets are what overlap switches); leave "
-                             f"overlap out")
-        shard_ranks = job.dp * job.ep * job.cp  # the group every weight but the experts' is sharded over
-        check_zero(job.zero, shard_ranks, job.cfg, None, job.keep_gathered, job.prefetch)  # rows: checked_job's
+    if layout.zero:
+        if not layout.overlap:
+            raise ValueError(f"overlap=False with zero={layout.zero}: ZeRO reduces each unit's gradients as soon as "
+                             f"they are final, always (plain data parallelism's buckets are what overlap switches); "
+                             f"leave overlap out")
+        shard_ranks = layout.dp * layout.ep * layout.cp  # the group every weight but the experts' is sharded over
+        check_zero(layout.zero, shard_ranks, job.cfg, None, layout.keep_gathered,
+                   layout.prefetch)  # its rows: checked_job's
     elif steps:
         raise ValueError(f"{'batches' if job.batches else f'steps={job.steps}'} without zero: AdamW on the shards is "
                          f"ZeRO's; add zero=1, 2 or 3 (and dp >= 2), or leave it out")
-    elif job.keep_gathered or not job.prefetch:
-        raise ValueError(f"{f'keep_gathered={job.keep_gathered!r}' if job.keep_gathered else 'prefetch=False'} "
+    elif layout.keep_gathered or not layout.prefetch:
+        raise ValueError(f"{f'keep_gathered={layout.keep_gathered!r}' if layout.keep_gathered else 'prefetch=False'} "
                          f"without zero: it changes when ZeRO-3 gathers parameters, and there is none here; add zero=3 "
                          f"(and dp >= 2), or leave it out")

@@ -57,13 +57,13 @@ def fsdp2_rank_steps(comm, params, cfg, input_ids, targets, variants):
     return [fsdp2_rank_step(comm, params, cfg, input_ids, targets, *variant) for variant in variants]
 
 
-def fsdp2_rank_step(comm, params, cfg, input_ids, targets, reshard_after_forward=None, checkpointed=True,
-                    nesting=NESTINGS[0]):
+def fsdp2_model(comm, params, cfg, reshard_after_forward, checkpointed, nesting):
+    """(model, its decoder layers, whether the checkpoint wraps the FSDP unit): the reference model with every layer
+    an FSDP2 unit (fully_shard) over all ranks, and the model one too; checkpointed, each layer recomputed in the
+    nesting asked (torchtitan's: the checkpoint_wrapper made the unit; or the checkpoint around the unit)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-    from torch.utils.checkpoint import checkpoint
 
     if nesting not in NESTINGS:
         raise ValueError(f"nesting={nesting!r} is unknown: use {NESTINGS[0]!r} (torchtitan's) or {NESTINGS[1]!r}")
@@ -77,6 +77,15 @@ def fsdp2_rank_step(comm, params, cfg, input_ids, targets, reshard_after_forward
     for unit in model.model.layers:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model, blocks, outer
+
+
+def fsdp2_rank_step(comm, params, cfg, input_ids, targets, reshard_after_forward=None, checkpointed=True,
+                    nesting=NESTINGS[0]):
+    from torch.distributed.tensor import DTensor
+    from torch.utils.checkpoint import checkpoint
+
+    model, blocks, outer = fsdp2_model(comm, params, cfg, reshard_after_forward, checkpointed, nesting)
     B, r, W = input_ids.shape[0], comm.rank, comm.world_size
     mine = slice(r * B // W, (r + 1) * B // W)  # this rank's rows (equal shares: no ignored targets)
 

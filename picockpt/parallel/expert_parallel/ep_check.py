@@ -8,16 +8,17 @@ def refuses(job, policy, device):
     """The expert-parallel fields of a picockpt.parallel job (job.py: ParallelJob): ep's own values, its flags
     without it, and what it does not stack with yet (cp: context_parallel/cp_check.py; interleaving and ZB-H1:
     pipeline_parallel/pp_check.py)."""
-    if job.ep == 1:
-        if job.keep_dispatched:
+    layout = job.layout
+    if layout.ep == 1:
+        if layout.keep_dispatched:
             raise ValueError("keep_dispatched=True with ep=1: it keeps the rows an expert-parallel layer dispatched to "
                              "other ranks; set ep > 1, or leave keep_dispatched out")
         return
-    if job.distribute_saved:
-        not_yet(f"ep={job.ep} with distribute_saved=True", "its closed forms split no expert-parallel checkpoint",
+    if layout.distribute_saved:
+        not_yet(f"ep={layout.ep} with distribute_saved=True", "its closed forms split no expert-parallel checkpoint",
                 "leave distribute_saved out with ep")
-    parts = job.dp * job.microbatches  # the batch's micro-batches over every replica
-    check_expert_parallel(job.cfg, job.ep, job.input_ids.shape[0] // parts, policy, parts > 1)
+    parts = layout.dp * layout.microbatches  # the batch's micro-batches over every replica
+    check_expert_parallel(job.cfg, layout.ep, job.input_ids.shape[0] // parts, policy, parts > 1)
 
 
 def check_expert_parallel(cfg, ep, batch, policy, split=False):

@@ -26,6 +26,7 @@ from ...schedule import Mode, Schedule
 from ..tensor_parallel.tp_inventory import rank_chain, rank_comm_bytes
 from .pp_schedules import actions, in_flight, rank_layers
 from ...config import BYTES
+from ..layout import Layout
 
 NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothing stored after the layers
 
@@ -53,16 +54,18 @@ def uniform_schedules(chain):
 
 
 @functools.lru_cache(maxsize=1024)
-def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, t=1, sp=False, distribute_saved=False,
-               layer_comm_flops=0, order=None, w_layer_bytes=0):
+def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, layout=Layout(), layer_comm_flops=0, order=None,
+               w_layer_bytes=0):
     """(Schedule of one micro-batch in the stage's layer numbers 0.., stage peak, E, own peak, recompute FLOPs, where
-    the schedule came from). layer_comm_flops: the communication a recomputed layer forward also costs, as FLOPs of
-    the same time (context parallelism's ring): a budget plans with it; the FLOPs returned leave it out. order: the
+    the schedule came from). layout: its tensor parallelism (tp, sp, distribute_saved) alone. layer_comm_flops: the
+    communication a recomputed layer forward also costs, as FLOPs of the same time (context parallelism's ring): a
+    budget plans with it; the FLOPs returned leave it out. order: the
     stage's Actions, w_layer_bytes what each layer's B leaves for its W (ZB-H1): the stage peak walks the order
     (pp_plan.in_flight_peak); without them it is (in_flight_count - 1) E + peak."""
     left = (w_layer_bytes,) * layers if w_layer_bytes else None
-    policy = as_policy(policy, cfg)
-    chain = stage_chain(cfg, batch, seq, layers, last, t, sp, distribute_saved, policy.drop)
+    policy, t = as_policy(policy, cfg), layout.tp
+    chain = stage_chain(cfg, batch, seq, layers, last, t, layout.sp and t > 1, layout.distribute_saved and t > 1,
+                        policy.drop)
     planned = tuple(replace(stage, forward_flops=stage.forward_flops + layer_comm_flops) for stage in chain[:-1]) + \
         chain[-1:] if layer_comm_flops else chain
     if policy.budget is not None and in_flight_count == 1 and layers == cfg.layers:  # no pipeline: one step
@@ -91,26 +94,25 @@ class StageForms:
     """Every closed form of one rank of a pipeline job (batch, seq: the whole step's batch); under interleaving
     (virtual > 1) of one of its chunks, virtual stage chunk * pp + stage (RankForms puts them together)."""
 
-    def __init__(self, cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp=1, t=1, sp=False,
-                 distribute_saved=False, layer_comm_flops=0, virtual=1, chunk=0, planned=None):
-        self.cfg, self.stage, self.t = cfg, stage, t
-        self.sp, self.distribute_saved = sp and t > 1, distribute_saved and t > 1
+    def __init__(self, cfg, batch, seq, policy, layout, stage, layer_comm_flops=0, chunk=0, planned=None):
+        pp, microbatches, schedule, virtual = layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages
+        self.cfg, self.stage, self.t, self.layout = cfg, stage, layout.tp, layout
+        self.sp, self.distribute_saved = layout.sp and layout.tp > 1, layout.distribute_saved and layout.tp > 1
         self.layers = rank_layers(cfg.layers, pp, stage, virtual)[chunk]
         self.first, self.last = chunk * pp + stage == 0, chunk * pp + stage == pp * virtual - 1
-        self.b, self.seq, self.M = batch // (dp * microbatches), seq, microbatches
+        self.b, self.seq, self.M = batch // (layout.dp * microbatches), seq, microbatches
         self.in_flight = in_flight(schedule, pp, microbatches, stage, virtual)  # micro-batch-chunks, interleaved
         self.policy = as_policy(policy, cfg)
         split = schedule == "zb-h1"  # B and W apart: each layer's B leaves what its W reads (pp_orders.py)
-        self.w_layer_bytes = w_pending_bytes(cfg, self.b, seq, t) if split else 0
+        self.w_layer_bytes = w_pending_bytes(cfg, self.b, seq, self.t) if split else 0
         order = tuple(actions(schedule, pp, microbatches, stage)) if split else None
-        self.chain = stage_chain(cfg, self.b, seq, len(self.layers), self.last, t, self.sp, self.distribute_saved,
-                                 self.policy.drop)
+        self.chain = stage_chain(cfg, self.b, seq, len(self.layers), self.last, self.t, self.sp,
+                                 self.distribute_saved, self.policy.drop)
         if planned is None:
             (self.local_schedule, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes,
              self.recompute_flops, self.source) = stage_plan(self.policy, cfg, self.b, seq, len(self.layers),
-                                                             self.last, self.in_flight, t, self.sp,
-                                                             self.distribute_saved, layer_comm_flops, order,
-                                                             self.w_layer_bytes)
+                                                             self.last, self.in_flight, tensor_parallel(layout),
+                                                             layer_comm_flops, order, self.w_layer_bytes)
         else:  # a chunk of an interleaved rank under a budget, planned with its other chunks (pp_plan.plan_chunks)
             self.local_schedule, self.source = planned
             self.microbatch_peak_bytes, self.recompute_flops = replay(self.chain, self.local_schedule)
@@ -170,21 +172,27 @@ class StageForms:
         return {phase: self.M * n for phase, n in one.items()}
 
 
-def rank_forms(cfg, batch, seq, policy, pp, microbatches, schedule, stage, dp=1, t=1, sp=False,
-               distribute_saved=False, layer_comm_flops=0, virtual=1):
+def tensor_parallel(layout):
+    """The layout's tensor parallelism alone (tp, sp, distribute_saved): what a stage's chain depends on, the key
+    stage_plan's cache shares between layouts that differ elsewhere."""
+    return Layout(tp=layout.tp, sp=layout.sp, distribute_saved=layout.distribute_saved)
+
+
+def rank_forms(cfg, batch, seq, policy, layout, stage, layer_comm_flops=0):
     """Stage `stage`'s rank: its StageForms, or interleaved its V chunks' RankForms (under a budget the chunks
     planned together, their walk within it: pp_plan.plan_chunks)."""
     parsed = as_policy(policy, cfg)  # the text parsed here, once: every chunk's StageForms takes the Policy
-    args = (cfg, batch, seq, parsed, pp, microbatches, schedule, stage, dp, t, sp, distribute_saved, layer_comm_flops)
-    if virtual == 1:
-        return StageForms(*args)
-    order, planned = actions(schedule, pp, microbatches, stage, virtual), [None] * virtual
+    pp, M, V, t = layout.pp, layout.microbatches, layout.virtual_stages, layout.tp
+    if V == 1:
+        return StageForms(cfg, batch, seq, parsed, layout, stage, layer_comm_flops)
+    order, planned = actions(layout.schedule, pp, M, stage, V), [None] * V
     if parsed.budget is not None:
-        chains = [stage_chain(cfg, batch // (dp * microbatches), seq, len(layers), c == virtual - 1 and stage == pp - 1,
-                              t, sp and t > 1, distribute_saved and t > 1, parsed.drop)
-                  for c, layers in enumerate(rank_layers(cfg.layers, pp, stage, virtual))]
+        chains = [stage_chain(cfg, batch // (layout.dp * M), seq, len(layers), c == V - 1 and stage == pp - 1,
+                              t, layout.sp and t > 1, layout.distribute_saved and t > 1, parsed.drop)
+                  for c, layers in enumerate(rank_layers(cfg.layers, pp, stage, V))]
         planned = plan_chunks(chains, parsed.budget, order, [uniform_schedules(chain) for chain in chains])
-    return RankForms([StageForms(*args, virtual=virtual, chunk=c, planned=planned[c]) for c in range(virtual)], order)
+    return RankForms([StageForms(cfg, batch, seq, parsed, layout, stage, layer_comm_flops, c, planned[c])
+                      for c in range(V)], order)
 
 
 class RankForms:

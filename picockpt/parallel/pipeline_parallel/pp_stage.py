@@ -12,7 +12,9 @@ the engine's docstring says a stage's would:
     weight_backward  ZB-H1's W (split_backward): layer_backward ran B only, each matmul's dW deferred
                      (ops/linear.py: deferred_weight_grads); what dW reads waited in `waiting`, a store of its own
 
-Under ZeRO (data_parallel/zero_shards.py) every part that reads a unit's weights runs inside `weights_for(unit)`.
+Data parallelism or ZeRO is the stage's `data` part (data_parallel/dp_model.py: Replicated, or zero_shards.py's
+ZeroShards): the stage starts from its weights, reads each unit's inside `weights_for(unit)` (ZeRO-3 gathers there),
+adds every gradient to it and says when a unit's are final; which one it is, the stage does not know.
 
 The mean over all tokens: the single process's loss is (sum of the counted tokens' losses) / N, N the whole batch's
 counted (not IGNORE_INDEX) targets. A micro-batch's head takes the mean over its n_m counted targets, so its loss and
@@ -29,7 +31,7 @@ import contextlib
 from dataclasses import dataclass
 
 from ...engine import device_generator
-from ...params import EMBED, FINAL_NORM, HEAD, layer_key, layer_weights
+from ...params import EMBED, layer_key, layer_weights
 from ...ops import rope_tables
 from ...ops.linear import WeightGrad, deferred_weight_grads, weight_grad
 from .pp_comm import (from_previous_stage_backward, from_previous_stage_forward, receive_rng_state, send_rng_state,
@@ -43,7 +45,7 @@ class StageShared:
     cfg: object
     params: dict                 # {name: tensor} the rank holds (its slices, its experts)
     pipe: object                 # its neighbours (pp_comm.py: Pipe)
-    buckets: object              # its gradient buckets (data_parallel/dp_comm.py), or ZeRO's shards
+    data: object                 # data parallelism's part: Replicated or ZeroShards (data_parallel/dp_model.py)
     counted: int                 # N: the whole batch's counted targets
     microbatches: int
     dp_rank: int
@@ -51,22 +53,20 @@ class StageShared:
     activation_shape: tuple      # what crosses from one stage to the next, per rank (b, n, h)
     make_inner: object           # make_inner(ids, tgt): the layers' model (parallel/rank.py: inner_model)
     recompute_early: bool = False
-    shards: object = None        # ZeRO's (data_parallel/zero_shards.py), or None
     split_backward: bool = False  # ZB-H1: a backward's B and W run as two actions
 
 
 class PipelineStage:
-    """What one rank's micro-batches share: the stage's layers and weights, its neighbours (a Pipe), its gradient
-    buckets (data_parallel/dp_comm.py), the counted targets of the whole batch, the RNG states."""
+    """What one rank's micro-batches share: the stage's layers and weights, its neighbours (a Pipe), its data part
+    (weights and gradients: data_parallel/dp_model.py), the counted targets of the whole batch, the RNG states."""
 
     def __init__(self, shared, layers, first, last):
         self.cfg, self.params, self.layers, self.first, self.last = shared.cfg, shared.params, layers, first, last
         self.step_cfg = shared.cfg.replace(tie_embeddings=False)  # a tied matrix's two uses are summed by the caller
-        self.pipe, self.buckets, self.counted = shared.pipe, shared.buckets, shared.counted
+        self.pipe, self.data, self.counted = shared.pipe, shared.data, shared.counted
         self.M, self.dp_rank, self.dp = shared.microbatches, shared.dp_rank, shared.dp
         self.activation_shape, self.make_inner = shared.activation_shape, shared.make_inner
-        self.recompute_early, self.shards, self.split_backward = shared.recompute_early, shared.shards, \
-            shared.split_backward
+        self.recompute_early, self.split_backward = shared.recompute_early, shared.split_backward
         self.rng_start = self.rng_end = None  # the generator at the stage's first layer / after its last
 
     def start(self, tracker, device, seq, like=None):
@@ -78,8 +78,7 @@ class PipelineStage:
             self.weights, self.rope = like.weights, like.rope
             self.weights_of = {k: layer_weights(self.weights, k) for k in self.layers}
             return
-        self.weights = self.shards.weights() if self.shards else \
-            {name: tensor.to(dtype) for name, tensor in self.params.items()}
+        self.weights = self.data.weights()
         for tensor in self.weights.values():
             if tensor.device.type != "meta":
                 tracker.mark(tensor, "weights")
@@ -90,10 +89,10 @@ class PipelineStage:
     def weights_for(self, unit):
         """Unit "embed", k or "head" readable for one use: under ZeRO-3 gathered for it, its views in the weights
         the inner model reads, then its shapes again (the gathered buffer freed, or kept, as zero_shards.py says)."""
-        if self.shards is None:
-            yield
-            return
-        with self.shards.use(unit) as views:
+        with self.data.use(unit) as views:
+            if not views:  # whole already
+                yield
+                return
             before = {name: self.weights[name] for name in views}
             self.weights.update(views)
             if unit in self.weights_of:
@@ -159,9 +158,9 @@ class StageModel:
                 self.waiting.put(k, f"{role}.input", grad.input)  # (b, n, in)
                 grads = grads._replace(**{role: None})
             else:
-                stage.buckets.add(layer_key(k, role), grad)
+                stage.data.add(layer_key(k, role), grad)
         if self.m == stage.M - 1 and not stage.split_backward:  # the last backward: layer k's gradients are final
-            stage.buckets.ready(k)
+            stage.data.ready(k)
         return dx, grads
 
     def weight_backward(self):
@@ -172,10 +171,10 @@ class StageModel:
             for k in reversed(self.layers):
                 for role in dict.fromkeys(name.rpartition(".")[0] for name in waiting.names(k)):
                     dy, x = waiting.pop(k, f"{role}.output_grad"), waiting.pop(k, f"{role}.input")
-                    stage.buckets.add(layer_key(k, role), weight_grad(dy, x))  # (out, in)
+                    stage.data.add(layer_key(k, role), weight_grad(dy, x))  # (out, in)
                     del dy, x
                 if self.m == stage.M - 1:
-                    stage.buckets.ready(k)
+                    stage.data.ready(k)
         assert waiting.bytes == 0, f"the W left {waiting.names(None)} stored"
 
     def head_forward(self, x, store, drop):
@@ -201,9 +200,9 @@ class StageModel:
         with stage.weights_for("head"):
             dx, grads = self.rank_model.head_backward(store)  # (b, n, h) for this micro-batch's mean
         for name, grad in grads.items():
-            stage.buckets.add(name, grad.mul_(self.mean_share))  # in place: grads holds the whole batch's too
+            stage.data.add(name, grad.mul_(self.mean_share))  # in place: grads holds the whole batch's too
         if self.m == stage.M - 1:
-            stage.buckets.ready("head")
+            stage.data.ready("head")
         return dx.mul_(self.mean_share), grads  # (b, n, h) for the whole batch's mean
 
     def embed_backward(self, dx):
@@ -212,9 +211,9 @@ class StageModel:
             from_previous_stage_backward(dx, stage.pipe)
             return dx.new_zeros(())  # no embedding on this stage
         grad = self.rank_model.embed_backward(dx)  # (V, h), or (V/t, h)
-        stage.buckets.add(EMBED, grad)
+        stage.data.add(EMBED, grad)
         if self.m == stage.M - 1:
-            stage.buckets.ready("embedding")
+            stage.data.ready("embedding")
         return grad
 
     def recompute_top(self, store):
@@ -225,14 +224,3 @@ class StageModel:
         if i not in step.whole:  # not stored whole in the forward: recompute it now, as the loop would
             step.recompute(i)
 
-
-def bucket_names(cfg, params, layers, first, last):
-    """{bucket: [parameter names]} of a stage in the order they become final: head, layers from the top, embedding."""
-    buckets = {}
-    if last:
-        buckets["head"] = [name for name in (FINAL_NORM, HEAD) if name in params]
-    for k in reversed(layers):
-        buckets[k] = [name for name in params if name.startswith(f"model.layers.{k}.")]
-    if first:
-        buckets["embedding"] = [EMBED]
-    return buckets

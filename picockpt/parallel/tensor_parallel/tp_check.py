@@ -7,6 +7,7 @@ def refuses(job, policy, device):
     """The tensor-parallel fields of a picockpt.parallel job (job.py: ParallelJob); what tp does not stack with
     yet is refused by the other dimension (context_parallel/cp_check.py: cp_keep_kv; expert_parallel/ep_check.py:
     distribute_saved)."""
-    if job.tp > 1:
-        check_tensor_parallel(job.cfg, job.tp, job.sp, job.input_ids.shape[1] // job.cp, job.distribute_saved,
-                              experts=True)  # T/cp tokens
+    layout = job.layout
+    if layout.tp > 1:
+        check_tensor_parallel(job.cfg, layout.tp, layout.sp, job.input_ids.shape[1] // layout.cp,
+                              layout.distribute_saved, experts=True)  # T/cp tokens
