@@ -42,6 +42,7 @@ from picockpt.layout_memory import ZERO_STAGES, split_layers, stage_params
 from picockpt.layout_search import (LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, TERMS, distinct_splits, evaluate,
                                     rank_of, runs, search, split_of)
 from picockpt.layout_time import Model
+from picockpt.parallel import Layout
 from picockpt.plotting import save_figure
 
 HW = HARDWARE["h100"]  # datasheet ceilings (picockpt/hardware.py), 8 GPUs a node
@@ -397,7 +398,9 @@ def split_variants(cfg, seq, gpus, layout, policy=None):
     tp, cp, pp, dp = layout
     M = TOKENS // seq // dp
     search_cfg = cfg.replace(attention="fused", max_seq=max(cfg.max_seq, seq))
-    return [evaluate(search_cfg, seq, gpus, TOKENS, CAPACITY, HW, tp, cp, pp, dp, M, zero, schedule, V, p, sp, split)
+    return [evaluate(search_cfg, seq, gpus, TOKENS, CAPACITY, HW,
+                     Layout(dp, pp, tp, cp=cp, microbatches=M, schedule=schedule, virtual_stages=V, sp=sp), zero, p,
+                     split)
             for zero in ZERO_STAGES for schedule, V in SCHEDULES for p in POLICIES for sp in (True, False)
             for split in ("even", "lighter ends")
             if (policy is None or p == policy) and runs(search_cfg, cp, pp, dp, M, zero, schedule, V, split)]

@@ -111,10 +111,13 @@ def stage_activation_bytes(cfg, seq, tp, sp, cp, layers, last, in_flight, policy
     return (in_flight - 1) * held + peak
 
 
-def stage_bytes(cfg, seq, tp, sp, cp, counts, stage, M, zero, shards, schedule, V, policy, frameworks=True):
-    """{part: bytes} of one rank of `stage`: model state, activations, a K/V gather (cp) and the reserve (frameworks
-    False: the simpler state accounting, no reserve)."""
-    pp = len(counts)
+def stage_bytes(cfg, seq, layout, counts, stage, zero, policy, frameworks=True):
+    """{part: bytes} of one rank of `stage` (of the layers `counts` split over the layout's stages): model state
+    under `zero` (ZERO_STAGES: the state layouts frameworks hold, sharded over the layout's dp x cp ranks),
+    activations, a K/V gather (cp) and the reserve (frameworks False: the simpler state accounting, no reserve)."""
+    pp, tp, cp, M, V, schedule = len(counts), layout.tp, layout.cp, layout.microbatches, layout.virtual_stages, \
+        layout.schedule
+    sp, shards = layout.sp and tp > 1, layout.dp * cp
     params = stage_params(cfg, tp, counts, stage)
     act = stage_activation_bytes(cfg, seq, tp, sp, cp, counts[stage], stage == pp - 1, min(pp - stage, M), policy)
     if schedule == "interleaved" and stage == 0:

@@ -23,6 +23,7 @@ from .collectives import members_per_node
 from .config import BYTES
 from .cost import layer_ops
 from .frameworks import FRAMEWORKS
+from .parallel.layout import Layout
 from .layout_memory import ZERO_STAGES, split_layers, splits_for, stage_bytes, stage_params
 from .layout_time import FULL_MODEL, dp_exposed_seconds, microbatch_seconds
 
@@ -111,17 +112,19 @@ def extreme_stages(counts):
     return sorted(out)
 
 
-def evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy, sp=True,
-             split="even", model=FULL_MODEL):
-    """One layout's row: its busiest rank's bytes, its modelled step and the terms that make it."""
-    shards, sp = dp * cp, sp and tp > 1
+def evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split="even", model=FULL_MODEL):
+    """One layout's row: its busiest rank's bytes, its modelled step and the terms that make it. layout: a Layout
+    (tp, cp, pp, dp, microbatches, schedule, virtual_stages, sp); zero: its model state's layout, as frameworks
+    hold it (layout_memory.ZERO_STAGES)."""
+    tp, cp, pp, dp, M = layout.tp, layout.cp, layout.pp, layout.dp, layout.microbatches
+    schedule, V, shards, sp = layout.schedule, layout.virtual_stages, dp * cp, layout.sp and tp > 1
     counts = split_layers(cfg.layers, pp, split)
     send_node = members_per_node(((2, tp * cp),), hw.node)
     dp_node = members_per_node(((cp, tp), (dp, tp * cp * pp)), hw.node)  # the dp x cp group's members in a node
     peaks, parts, times, dps = {}, {}, [], []
     stages = range(pp) if model.stages else sorted({0, pp - 1})
     for s in extreme_stages(counts) if model.stages else stages:  # the busiest rank is one of these (linear in s)
-        parts[s] = stage_bytes(cfg, seq, tp, sp, cp, counts, s, M, zero, shards, schedule, V, policy, model.sharding)
+        parts[s] = stage_bytes(cfg, seq, layout, counts, s, zero, policy, model.sharding)
         peaks[s] = sum(parts[s].values())
     for s in stages:
         t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node, model))
@@ -191,8 +194,8 @@ def search(cfg, seq, gpus, tokens, capacity, hw, policies=POLICIES, zero_stages=
             if not runs(cfg, cp, pp, dp, M, zero, schedule, V, split, model):
                 continue
             considered += 1
-            row = evaluate(cfg, seq, gpus, tokens, capacity, hw, tp, cp, pp, dp, M, zero, schedule, V, policy, sp,
-                           split, model)
+            layout = Layout(dp, pp, tp, cp=cp, microbatches=M, schedule=schedule, virtual_stages=V, sp=sp)
+            row = evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split, model)
             if row["fits"]:
                 rows.append(row)
     rows.sort(key=lambda r: (r["step_seconds"], r["peak_bytes"]))

@@ -109,9 +109,10 @@ def test_zb_h1_holds_what_its_waiting_weight_passes_read():
     from picockpt.parallel.pipeline_parallel.pp_orders import w_pending_bytes
     hw, cfg = HARDWARE["h100"], CFG.replace(dtype="bfloat16")
     counts = split_layers(cfg.layers, 2)
-    acts = {schedule: [stage_bytes(cfg, 64, 1, False, 1, counts, s, 4, "1", 2, schedule, 1, "none")["activations"]
-                       for s in range(2)] for schedule in ("1f1b", "zb-h1")}
+    acts = {schedule: [stage_bytes(cfg, 64, Layout(dp=2, pp=2, microbatches=4, schedule=schedule, sp=False), counts, s,
+                                   "1", "none")["activations"] for s in range(2)] for schedule in ("1f1b", "zb-h1")}
     assert acts["zb-h1"][0] == acts["1f1b"][0] and acts["zb-h1"][1] - acts["1f1b"][1] == 2 * w_pending_bytes(cfg, 1, 64)
-    rows = {schedule: evaluate(cfg, 64, 4, 64 * 8, 2**40, hw, 1, 1, 2, 2, 4, "1", schedule, 1, "none")
+    rows = {schedule: evaluate(cfg, 64, 4, 64 * 8, 2**40, hw, Layout(dp=2, pp=2, microbatches=4, schedule=schedule),
+                               "1", "none")
             for schedule in ("1f1b", "zb-h1")}
     assert rows["zb-h1"]["terms_seconds"]["bubble"] == pytest.approx(rows["1f1b"]["terms_seconds"]["bubble"] / 3)

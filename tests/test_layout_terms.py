@@ -10,6 +10,7 @@ from picockpt.cost import HARDWARE, layer_ops, roofline_seconds
 from picockpt.layout_memory import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, reserve_bytes, split_layers, stage_bytes
 from picockpt.layout_search import evaluate, runs
 from picockpt.layout_time import Model, microbatch_seconds
+from picockpt.parallel import Layout
 
 H100 = HARDWARE["h100"]
 GIB = 2**30
@@ -56,7 +57,8 @@ def test_megatron_hides_the_async_backward_collectives_under_their_gemms():
 
 
 def test_a_pipeline_pays_its_exchanges_every_micro_batch_and_v_times_interleaved():
-    rows = {V: evaluate(BIG, 8192, 8192, 2**24, 10**15, H100, 8, 1, 16, 64, 32, "1", s, V, "none")
+    rows = {V: evaluate(BIG, 8192, 8192, 2**24, 10**15, H100,
+                        Layout(dp=64, pp=16, tp=8, microbatches=32, schedule=s, virtual_stages=V), "1", "none")
             for s, V in (("1f1b", 1), ("interleaved", 2))}
     send = collective_seconds("p2p", 8192 * BIG.hidden * 2 // 8, 2, H100, 1)
     assert rows[1]["terms_seconds"]["pp_comm"] == pytest.approx(32 * 2 * send)
@@ -78,7 +80,7 @@ def test_the_papers_split_and_every_stage():
     assert split_layers(126, 16, "even") == (8,) * 14 + (7, 7)
     with pytest.raises(ValueError, match="split='lighter ends' with pp=126"):
         split_layers(126, 126, "lighter ends")
-    row = evaluate(BIG, 8192, 8192, 2**24, 80 * GIB, H100, 8, 1, 16, 64, 32, "2", "1f1b", 1, "none", True,
+    row = evaluate(BIG, 8192, 8192, 2**24, 80 * GIB, H100, Layout(dp=64, pp=16, tp=8, microbatches=32), "2", "none",
                    "lighter ends")
     assert row["busiest_stage"] == 1  # 8 layers and 15 micro-batches in flight outweigh stage 0's 7 and 16
     assert len(row["stage_peak_bytes"]) >= 3
@@ -86,7 +88,7 @@ def test_the_papers_split_and_every_stage():
 
 def test_the_reserve_is_stated_and_in_the_peak():
     assert reserve_bytes(0) == CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES == 1.5 * GIB
-    parts = stage_bytes(BIG, 8192, 8, True, 1, split_layers(126, 16), 0, 32, "1", 64, "1f1b", 1, "none")
+    parts = stage_bytes(BIG, 8192, Layout(dp=64, pp=16, tp=8, microbatches=32), split_layers(126, 16), 0, "1", "none")
     assert parts["reserve"] == reserve_bytes(sum(v for k, v in parts.items() if k != "reserve"))
 
 
@@ -96,8 +98,9 @@ def test_the_papers_8k_layout_fits_without_recomputation_as_the_paper_shards_it(
     80 GB with nothing recomputed; with the distributed optimizer's whole fp32 gradients (ZeRO 1) it does not, nor
     interleaved (Korthikanti's 1 + (p-1)/(pV) more in flight on stage 0)."""
     def peak(zero, schedule="1f1b", V=1, gpus=8192, dp=64, M=32):
-        return evaluate(BIG, 8192, gpus, 2**24, 80 * GIB, H100, 8, 1, 16, dp, M, zero, schedule, V, "none", True,
-                        "lighter ends")["peak_bytes"] / GIB
+        layout = Layout(dp=dp, pp=16, tp=8, microbatches=M, schedule=schedule, virtual_stages=V)
+        row = evaluate(BIG, 8192, gpus, 2**24, 80 * GIB, H100, layout, zero, "none", "lighter ends")
+        return row["peak_bytes"] / GIB
     for gpus, dp, M in ((8192, 64, 32), (16384, 128, 16)):
         assert peak("2", gpus=gpus, dp=dp, M=M) < 74.5 and peak("3", gpus=gpus, dp=dp, M=M) < 74.5  # 80 GB
         assert peak("1", gpus=gpus, dp=dp, M=M) > 80

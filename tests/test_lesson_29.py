@@ -20,6 +20,7 @@ from picockpt.layout_memory import ZERO_STAGES
 from picockpt.layout_search import POLICIES, SCHEDULES, evaluate, search
 from picockpt.notebooks import cells
 from picockpt.reproduce import LESSONS, load
+from picockpt.parallel import Layout
 
 PATH = next(LESSONS.glob("29_*.py"))
 H100 = HARDWARE["h100"]
@@ -253,6 +254,13 @@ def layer_splits(layers, pp):
     return out
 
 
+def as_layout(row):
+    """The Layout of an enumerated (tp, cp, pp, dp, M, zero, schedule, V, policy, sp, split); evaluate takes zero,
+    policy and split beside it."""
+    tp, cp, pp, dp, M, _, schedule, V, _, sp, _ = row
+    return Layout(dp, pp, tp, cp=cp, microbatches=M, schedule=schedule, virtual_stages=V, sp=sp)
+
+
 def enumerate_space(cfg, seq, gpus, tokens, node):
     """Every (tp, cp, pp, dp, M, zero, schedule, V, policy, sp, split) the search's docstrings allow, written out
     anew."""
@@ -299,7 +307,8 @@ def test_search_returns_exactly_the_enumerated_layouts_that_fit(node):
     seq, gpus, tokens = 32, 8, 32 * 16
     space = enumerate_space(TINY, seq, gpus, tokens, node)
     run = TINY.replace(attention="fused")
-    peaks = {layout: evaluate(run, seq, gpus, tokens, 1.0, hw, *layout)["peak_bytes"] for layout in space}
+    peaks = {row: evaluate(run, seq, gpus, tokens, 1.0, hw, as_layout(row), row[5], row[8], row[10])["peak_bytes"]
+             for row in space}
     capacity = statistics.median(peaks.values())  # about half of the space fits
     rows, considered = search(TINY, seq, gpus, tokens, capacity, hw)
     assert considered == len(space) == len(set(space))

@@ -148,8 +148,9 @@ def test_parallel_command_prints_every_rank_and_what_the_other_choice_would_cost
     params = init_params(cfg, seed=0)
     input_ids, _ = make_batch(cfg, 2, 8, "cpu", seed=0)
     routing = step_routing(params, cfg, input_ids)
-    assert out.startswith("expert parallel ep=2, dispatching again to recompute, policy moe on cpu, float32: L=2 h=32 "
-                          "E=4 k=2 f=80 V=64, global batch 2 x 8 tokens")
+    assert out.startswith("parallel step ep=2, policy moe on cpu, float32, eager attention: L=2 h=32 H=4 KV=2 f=80 "
+                          "V=64 E=4 k=2, global batch 2 x 8 tokens")
+    assert out.splitlines()[1] == "expert parallel, dispatching again to recompute: E=4 k=2"
     for rank in (0, 1):
         peak = ep_peak_bytes(cfg, 2, 8, "moe", 2, rank, routing)
         rows = " ".join(str(sum(counts[2 * rank:2 * rank + 2])) for counts in routing)

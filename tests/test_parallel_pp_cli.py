@@ -103,7 +103,9 @@ def test_parallel_command_table_with_data_parallel_overlap(capsys):
             "--batch", "4", "--device", "cpu"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert out.startswith("pipeline dp=2, M=2 micro-batches, 1f1b, policy every:2 on cpu, float32: L=2")
+    assert out.startswith("parallel step dp=2, M=2 micro-batches, 1f1b, policy every:2 on cpu, float32, eager "
+                          "attention: L=2")
+    assert out.splitlines()[1] == "pipeline and data parallelism, P=1 stage, M=2, dp=2, 1f1b:"
     assert "stored peaks equal their closed forms, (in flight - 1) x stored per micro-batch + one micro-batch's peak " \
            "(picockpt/parallel/pipeline_parallel/pp_inventory.py): yes" in out
     assert "data-parallel all-reduce left exposed at the end of the step: " in out

@@ -123,7 +123,9 @@ def test_parallel_command_prints_every_rank_against_its_closed_forms(capsys):
     out = capsys.readouterr().out
     cfg = Config.from_preset("tiny", dropout=0.1)
     peak = rank_peak_bytes(cfg, 2, 8, "selective", 2, True)
-    assert out.startswith("tensor parallel tp=2, sequence parallel, policy selective on cpu, float32: L=2 h=32 H=4")
+    assert out.startswith("parallel step tp=2, sequence parallel, policy selective on cpu, float32, eager attention: "
+                          "L=2 h=32 H=4")
+    assert out.splitlines()[1] == "tensor parallel, t=2, sequence parallel:"  # the one dimension that ran
     for rank in (0, 1):  # measured and predicted, to the byte
         assert re.search(rf"^{rank} +{peak:,} B +{peak:,} B ", out, re.MULTILINE), out
     assert "stored peaks and communication bytes equal their closed forms " \

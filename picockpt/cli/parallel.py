@@ -1,9 +1,10 @@
 """python -m picockpt parallel: one step of a parallel layout (tensor parallel alone by default), measured per rank.
 
 Spawns dp x pp x ep x cp x tp ranks on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per rank), or runs as one
-of torchrun's processes, and prints per rank: the activation store's peak and its closed form, the
-peak of live bytes, the bytes its collectives moved in each phase (with their closed form), and
-its FLOPs by phase; then the loss, and how far the gradients are from the single-process engine's.
+of torchrun's processes, and prints a section for every dimension that ran (tensor, pipeline and data, expert,
+context parallelism: REPORT), each a table per rank: the activation store's peak and its closed form, the peak of
+live bytes, the bytes its collectives moved in each phase (with their closed form), its FLOPs by phase and what
+that dimension adds; then the loss, and how far the gradients are from the single-process engine's.
 --zero S stacks on any of them: the same step with the model state sharded over the dp x ep x cp ranks
 and one AdamW step on the shards, ZeRO's own table below the layout's (parallel_zero.py).
 
@@ -21,8 +22,8 @@ from ..parallel.pipeline_parallel.pp_schedules import SCHEDULES
 from .common import add_run_args, add_shape_args, fmt_bytes, fmt_flops
 from .common import rank_columns, table
 from ..parallel.launch import check_timeout
-from .parallel_cp import run_context
-from .parallel_ep import run_expert
+from .parallel_cp import applies as applies_context, print_context
+from .parallel_ep import applies as applies_expert, check_expert_flags, expert_row, print_expert
 from .parallel_run import add_timeout, layout_words, measured_step, one_line_errors, prepared, printed
 
 def add_arguments(parser):
@@ -128,23 +129,37 @@ def run(args):
 
 
 def run_layout(args):
-    check_flags(args)  # --zero goes with whichever layout runs: ZeRO's table follows its own (parallel_run.printed)
-    if args.cp != 1 or args.cp_keep_kv or args.cp_layout != "zigzag" or args.cp_comm != "ring":
-        return run_context(args)  # picockpt/cli/parallel_cp.py
-    if args.ep != 1 or args.keep_dispatched:
-        return run_expert(args)  # picockpt/cli/parallel_ep.py
-    if (args.pp, args.microbatches, args.dp) != (1, 1, 1):
-        return run_pipeline(args)
+    """One step of the flags' layout, and its report: a section for every dimension that ran (REPORT), then the loss
+    and the gradients against the single process's; under --zero ZeRO's table below (parallel_run.printed)."""
+    check_flags(args)
+    check_expert_flags(args)
     cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
     measured = measured_step(args, cfg, policy, device)
-    if measured is not None:
-        printed(args, cfg, policy, device, {}, measured, _print_table)
+    if measured is None:
+        return
+    row = expert_row(args, cfg, policy, measured) if args.ep != 1 or args.keep_dispatched else {}
+    ranks = measured[1]
+    if args.cp == 1 and not row and (args.pp, args.microbatches, args.dp) != (1, 1, 1):  # the timeline's raw marks
+        ranks = [{key: value for key, value in r.items() if key not in ("timeline", "dp_buckets", "timeline_start")}
+                 for r in ranks]
+    printed(args, cfg, policy, device, row, measured, print_report, ranks=ranks)
 
 
-def _print_table(row):
-    print(f"tensor parallel {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
-          f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} f={row['ffn']} V={row['vocab']}, "
-          f"global batch {row['batch']} x {row['seq']} tokens")
+def print_report(row):
+    experts = f" E={row['experts']} k={row['experts_per_token']}" if row["experts"] else ""
+    print(f"parallel step {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}, "
+          f"{row['attention']} attention: L={row['layers']} h={row['hidden']} H={row['heads']} KV={row['kv_heads']} "
+          f"f={row['ffn']} V={row['vocab']}{experts}, global batch {row['batch']} x {row['seq']} tokens")
+    shown = [section for applies, section in REPORT if applies(row)]
+    for section in shown or [print_tensor]:  # one rank alone (--tp 1): the plain table
+        section(row)
+    print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
+          f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")
+
+
+def print_tensor(row):
+    """The tensor-parallel section: per rank its stored peak, communication and FLOPs against their closed forms."""
+    print(f"tensor parallel, t={row['tp']}" + (", sequence parallel" if row["sp"] else "") + ":")
     print(table(row["ranks"], rank_columns()))
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] for r in row["ranks"])
@@ -155,30 +170,17 @@ def _print_table(row):
     print(f"recomputation moves {fmt_bytes(added)} per rank again "
           f"({added / first['comm_bytes']['forward']:.0%} of the forward's communication)" if added else
           "recomputation moves nothing between ranks under this policy")
-    print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
-          f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")
-
-
-# ---- pipeline and data parallelism -----------------------------------------------------------------
-def run_pipeline(args):
-    """--pp, --microbatches, --dp: one step of dp x pp x tp ranks, per rank: its stage, micro-batches in flight,
-    stored peak against its closed form, and where its time went."""
-    cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
-    measured = measured_step(args, cfg, policy, device)
-    if measured is None:
-        return
-    shown = [{key: value for key, value in r.items() if key not in ("timeline", "dp_buckets", "timeline_start")}
-             for r in measured[1]]
-    printed(args, cfg, policy, device, {}, measured, _print_pipeline, ranks=shown)
 
 
 BUBBLE_FORMS = {"afab": "(P - 1) / (M + P - 1)", "1f1b": "(P - 1) / (M + P - 1)",
                 "interleaved": "(P - 1) / (V M + P - 1)", "zb-h1": "(P - 1) / (3 M + P - 1) (F = B = W)"}
 
 
-def _print_pipeline(row):
-    print(f"pipeline {layout_words(row)}, policy {row['policy']} on {row['device']}, {row['dtype']}: L={row['layers']} "
-          f"h={row['hidden']} V={row['vocab']}, global batch {row['batch']} x {row['seq']} tokens")
+def print_pipeline(row):
+    """The pipeline and data-parallel section: per rank its stage, micro-batches in flight, stored peak against its
+    closed form and where its time went; the bubble; the data-parallel reduction left exposed."""
+    print(f"pipeline and data parallelism, P={row['pp']} stage{'s' if row['pp'] > 1 else ''}, "
+          f"M={row['microbatches']}, dp={row['dp']}, {row['schedule']}:")
     columns = [("rank", lambda r: str(r["rank"])), ("stage", lambda r: str(r["stage"])),
                ("layers", lambda r: ", ".join(f"{a}..{b}" for a, b in r["chunk_layers"])),
                ("in flight", lambda r: str(r["microbatches_in_flight"])),
@@ -204,5 +206,9 @@ def _print_pipeline(row):
         exposed = max(r["timeline_seconds"]["reduce"] for r in row["ranks"])
         print(f"data-parallel all-reduce left exposed at the end of the step: {exposed * 1e3:.1f} ms "
               f"({'overlapped with the backward' if row['overlap'] else 'after the backward, not overlapped'})")
-    print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
-          f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")
+
+
+# Every dimension that ran has its section, in this order (one table each; the ranks' coordinates in each).
+REPORT = ((lambda row: row["tp"] > 1, print_tensor),
+          (lambda row: (row["pp"], row["microbatches"], row["dp"]) != (1, 1, 1), print_pipeline),
+          (applies_expert, print_expert), (applies_context, print_context))

@@ -1,4 +1,4 @@
-"""python -m picockpt parallel --cp N: one context-parallel step, measured per rank.
+"""The context-parallel section of `python -m picockpt parallel` (printed when --cp N ran, beside any other).
 
 Spawns --cp ranks (times --tp, --dp and --pp beside it) on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per
 rank), or runs as one of torchrun's processes; rank r holds its chunks of every sequence (zigzag: chunks r and
@@ -6,29 +6,23 @@ rank), or runs as one of torchrun's processes; rank r holds its chunks of every 
 context_parallel/). Prints per rank the chunks it holds, its activation store's peak and its closed form, the
 K/V bytes its ring steps or all-gathers moved per phase (with their closed form: under full, the recompute
 phase repeats the forward's, unless --cp-keep-kv keeps the gathered K/V), its attention FLOPs (the causal
-balance) and its FLOPs by phase; then the loss, and the gradients against the single-process engine's.
+balance) and its FLOPs by phase.
 
     python -m picockpt parallel --cp 2 --attention tiled --policy full
     python -m picockpt parallel --cp 4 --cp-layout contiguous --cp-comm allgather --cp-keep-kv --json
     python -m picockpt parallel --cp 2 --dp 2 --attention tiled --policy full        # beside dp (or --pp 2, --tp 2)
 """
 from .common import rank_columns, table
-from .parallel_run import layout_words, measured_step, prepared, printed
 
 
-def run_context(args):
-    """--cp N (--cp-layout, --cp-comm, --cp-keep-kv): the context-parallel step and its report."""
-    cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
-    measured = measured_step(args, cfg, policy, device)
-    if measured is not None:
-        printed(args, cfg, policy, device, {}, measured, _print_table)
+def applies(row):
+    return row["cp"] > 1
 
 
-def _print_table(row):
-    print(f"context parallel {layout_words(row)}, policy "
-          f"{row['policy']} on {row['device']}, {row['dtype']}, {row['attention']} attention: L={row['layers']} "
-          f"h={row['hidden']} H={row['heads']} KV={row['kv_heads']} V={row['vocab']}, global batch {row['batch']} x "
-          f"{row['seq']} tokens")
+def print_context(row):
+    """The context-parallel section of the parallel command's report: per rank its chunks and attention FLOPs beside
+    the stored peak, communication and FLOPs, and their closed forms."""
+    print(f"context parallel, K/V by {row['cp_comm']} ({row['cp_layout']}), {row['attention']} attention:")
     r0 = row["ranks"][0]
     coordinates = (("stage", "stage", "pp"), ("dp rank", "dp_rank", "dp"), ("tp rank", "tp_rank", "tp"))
     where = [(name, lambda r, key=key: str(r[key])) for name, key, size in coordinates if r0[size] > 1]
@@ -46,5 +40,3 @@ def _print_table(row):
     print(f"attention FLOPs, busiest rank / mean: {max(attention) * len(attention) / sum(attention):.3f} "
           f"({row['cp_layout']}); recomputation moves {row['ranks'][0]['comm_bytes']['recompute']:,} B of K/V"
           f"{' and tensor-parallel activations' if r0['tp'] > 1 else ''} again per rank")
-    print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
-          f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")

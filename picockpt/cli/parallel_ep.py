@@ -1,12 +1,11 @@
-"""python -m picockpt parallel --ep N: one expert-parallel step, measured per rank.
+"""The expert-parallel section of `python -m picockpt parallel` (printed when --ep N ran, beside any other).
 
 Spawns --ep ranks (times --dp and --pp, when given) on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per
 rank), or runs as one of torchrun's processes; ep rank r holds experts r*E/N .. and its part of each
 micro-batch's sequences (picockpt/parallel/expert_parallel/ep_model.py, picockpt/parallel/rank.py).
 Prints per rank: the experts it holds, the rows they received, the activation store's peak and its
 closed form, the peak of live bytes, the bytes its collectives moved in each phase (with their closed
-form) and its FLOPs; then what the other recompute choice would cost on the same routing (predicted),
-the loss, and how far the gradients are from the single-process engine's.
+form) and its FLOPs; then what the other recompute choice would cost on the same routing (predicted).
 
     python -m picockpt parallel --ep 2 --experts 4 --policy full
     python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched --json
@@ -19,18 +18,24 @@ from ..parallel.job import ParallelJob
 from ..parallel.layout import Layout
 from ..routing import step_routing
 from .common import fmt_bytes, rank_columns, table
-from .parallel_run import layout_of, layout_words, measured_step, prepared, printed
+from .parallel_run import layout_of
 
-def run_expert(args):
-    """--ep N (and --keep-dispatched): the expert-parallel step and its report."""
-    if args.sp and args.tp == 1:
+
+def applies(row):
+    return row["ep"] > 1 or row["keep_dispatched"]
+
+
+def check_expert_flags(args):
+    """--sp needs tensor-parallel ranks beside the experts' (before any rank starts)."""
+    if args.ep > 1 and args.sp and args.tp == 1:
         raise ValueError(f"--sp with --ep {args.ep} and no --tp: sequence parallelism splits a tensor-parallel rank's "
                          f"tokens, and there are none here; add --tp 2 (each expert split over tp too), or leave --sp "
                          f"out")
-    cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
-    measured = measured_step(args, cfg, policy, device)
-    if measured is None:
-        return
+
+
+def expert_row(args, cfg, policy, measured):
+    """The expert-parallel keys of the command's row: the single process's routing, and what the other recompute
+    choice (--keep-dispatched or not) would store and move on the same routing (predicted)."""
     _, ranks, _, _, params, input_ids = measured
     torch.manual_seed(args.seed)
     routing = step_routing(params, cfg, input_ids)  # the single process's, as the closed forms take it
@@ -38,19 +43,18 @@ def run_expert(args):
     by_rows = step_routing(params, cfg, input_ids, ranks=args.dp * args.microbatches * args.ep)
     layout = Layout(**{**layout_of(args), "keep_dispatched": not args.keep_dispatched})  # on the same routing
     other = ParallelJob(params, cfg, input_ids, input_ids, policy, layout, rng_state=torch.get_rng_state())
-    row = {"routing": routing,
-           "other_choice": {"keep_dispatched": layout.keep_dispatched,  # predicted on the same routing
-                            "ranks": [{"rank": r["rank"], **{key: forms[key] for key in (
-                                "predicted_activation_bytes", "predicted_comm_bytes")}}
-                                for r in ranks for forms in [predicted(other, r, by_rows)]]}}
-    printed(args, cfg, policy, device, row, measured, _print_table)
+    return {"routing": routing,
+            "other_choice": {"keep_dispatched": layout.keep_dispatched,  # predicted on the same routing
+                             "ranks": [{"rank": r["rank"], **{key: forms[key] for key in (
+                                 "predicted_activation_bytes", "predicted_comm_bytes")}}
+                                 for r in ranks for forms in [predicted(other, r, by_rows)]]}}
 
 
-def _print_table(row):
-    again = "" if row["keep_dispatched"] else ", dispatching again to recompute"
-    print(f"expert parallel {layout_words(row)}{again}, policy {row['policy']} on {row['device']}, "
-          f"{row['dtype']}: L={row['layers']} h={row['hidden']} E={row['experts']} k={row['experts_per_token']} "
-          f"f={row['ffn']} V={row['vocab']}, global batch {row['batch']} x {row['seq']} tokens")
+def print_expert(row):
+    """The expert-parallel section of the parallel command's report: per rank its experts and the rows they
+    received, its bytes and FLOPs against their closed forms, and what the other recompute choice would cost."""
+    again = "the dispatched rows kept" if row["keep_dispatched"] else "dispatching again to recompute"
+    print(f"expert parallel, {again}: E={row['experts']} k={row['experts_per_token']}")
     where = [("stage", lambda r: str(r["stage"]))] if row["pp"] > 1 else []
     where += [("dp", lambda r: str(r["dp_rank"]))] if row["dp"] > 1 else []
     print(table(row["ranks"], rank_columns(*where, ("experts", lambda r: f"{r['experts'][0]}..{r['experts'][-1]}"),
@@ -66,5 +70,3 @@ def _print_table(row):
         print(f"rank {r['rank']}: recomputation moves {fmt_bytes(added)} again ({added / forward:.0%} of the "
               f"forward's); {flag} --keep-dispatched it would move {fmt_bytes(o['predicted_comm_bytes']['recompute'])} "
               f"and store {fmt_bytes(o['predicted_activation_bytes'])} at its peak (predicted, same routing)")
-    print(f"loss {row['loss']:.6f} (single process {row['single_process_loss']:.6f}); gradients against the "
-          f"single-process engine: max relative difference {row['grad_max_rel_diff_vs_single']:.3g}")

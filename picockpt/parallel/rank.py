@@ -30,7 +30,7 @@ from .data_parallel.dp_model import replicated
 from .data_parallel.zero_inventory import stage_uses
 from .data_parallel.zero_shards import ZeroShards
 from .expert_parallel.ep_model import apply_expert_parallel
-from .expert_parallel.ep_shard import is_expert, shard_experts
+from .expert_parallel.ep_shard import shard_experts
 from .job import closed_forms
 from .layout import build_groups
 from .measurement import Measurement
@@ -120,9 +120,8 @@ def zero_shards(job, stage_forms, groups, params):
     order = actions(layout.schedule, layout.pp, layout.microbatches, groups.stage)
     uses = stage_uses(order, stage_forms.layers, stage_forms.first, stage_forms.last, stage_forms.local_schedule) \
         if layout.zero == 3 else None
-    return ZeroShards(params, job.cfg, layout.zero, stage_forms.layers, stage_forms.first, stage_forms.last,
-                      {False: groups.dp_comm, True: groups.expert_dp_comm}, is_expert if layout.ep > 1 else None, uses,
-                      layout.keep_gathered, layout.prefetch, job.lr, job.weight_decay)
+    return ZeroShards(params, job.cfg, layout, stage_forms, {False: groups.dp_comm, True: groups.expert_dp_comm}, uses,
+                      job.lr, job.weight_decay)
 
 
 def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, rng_start, trace=False):

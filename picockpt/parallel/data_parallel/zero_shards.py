@@ -30,6 +30,7 @@ import torch
 from ...params import EMBED, FINAL_NORM, HEAD
 from ...train import make_optimizer
 from ..comm import all_reduce, reduce_scatter
+from ..expert_parallel.ep_shard import is_expert
 from .zero_inventory import kept_after
 from .zero_params import FlatUnit, gather_flat
 
@@ -70,13 +71,16 @@ class Sharded:
 
 
 class ZeroShards:
-    """A rank's ZeRO state for its stage, and the stage's gradient buckets (GradientBuckets' add, ready, finish,
-    grads). params: the rank's tensors under the full names; comms: {False: dense group, True: experts' group}
-    (a Comm or None); split: which names are experts'; uses: [(phase, key)] of every gathered use (stage 3)."""
+    """A rank's ZeRO state for its stage, and the stage's data part as dp_model.py's Replicated is (weights, use,
+    add, ready, finish, grads). params: the rank's tensors under the full names; layout: the job's Layout (its zero
+    stage, keep_gathered, prefetch; under ep the experts apart); forms: the stage's StageForms (its layers, first,
+    last); comms: {False: dense group, True: experts' group} (a Comm or None); uses: [(phase, key)] of every
+    gathered use (stage 3)."""
 
-    def __init__(self, params, cfg, stage, layers, first, last, comms, split=None, uses=None, keep_gathered=False,
-                 prefetch=True, lr=3e-3, weight_decay=0.0):
-        self.cfg, self.stage, self.prefetch = cfg, stage, prefetch
+    def __init__(self, params, cfg, layout, forms, comms, uses=None, lr=3e-3, weight_decay=0.0):
+        stage, split, keep_gathered = layout.zero, is_expert if layout.ep > 1 else None, layout.keep_gathered
+        self.cfg, self.stage, self.prefetch = cfg, stage, layout.prefetch
+        layers, first, last = forms.layers, forms.first, forms.last
         sizes = {part: comm.world_size if comm is not None else 1 for part, comm in comms.items()}
         shapes = {name: tensor.shape for name, tensor in params.items()}
         self.units = {key: [Sharded(unit, comms[bool(split and split(unit.names[0]))], params, stage, cfg.param_dtype)
