@@ -30,32 +30,36 @@ from .tensor_parallel.tp_shard import split_dim
 
 def predicted(job, report, routing=None):
     """The closed forms of one rank's report (its stage, dp and ep rank); routing: run_jobs' single-process
-    routing by rows under ep (None otherwise)."""
+    routing by rows under ep (None otherwise). Composed as the rank's step is: the stage's forms (pipeline and tensor
+    parallelism), then each dimension that ran adds or replaces its own (FORMS, in order)."""
     layout = job.layout
-    B, T = job.input_ids.shape
     stage_forms = closed_forms(job, report["stage"])
     state_bytes = job.rng_state.numel() if job.cfg.draws_random else 0
     out = {"predicted_p2p_bytes": stage_forms.p2p_bytes(state_bytes, stage_forms.b // layout.ep),
            "predicted_dp_bytes": reduced_bytes(job, stage_forms),
            "predicted_bubble": bubble_idle(layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages)}
-    if layout.zero:
-        out.update(zero_forms(job, stage_forms, report))
-    if layout.ep > 1:
-        return {**out, **expert_forms(job, stage_forms, report, routing)}
+    for applies, forms in FORMS:
+        if applies(layout):
+            out.update(forms(job, stage_forms, report, routing))
+    return out
+
+
+def stage_forms_of(job, stage_forms, report, routing):
+    """The stage's own forms (pipeline_parallel/pp_inventory.py, tensor-parallel slices included): what a rank of
+    dense layers stores, computes and moves."""
     head = stage_forms.chunks[-1]  # interleaved: the rank's last chunk holds any head
-    out.update({"predicted_activation_bytes": stage_forms.peak_bytes,
-                "predicted_microbatch_stored_bytes": stage_forms.microbatch_stored_bytes,
-                "predicted_layer_stored_bytes": first_layer_bytes(stage_forms),
-                "predicted_head_stored_bytes": _variant(head.chain[-1], head.local_schedule.head),
-                "predicted_flops": stage_forms.flops(), "predicted_comm_bytes": stage_forms.tp_comm_bytes()})
-    return {**out, **context_forms(job, stage_forms, report, T)} if layout.cp > 1 else out
+    return {"predicted_activation_bytes": stage_forms.peak_bytes,
+            "predicted_microbatch_stored_bytes": stage_forms.microbatch_stored_bytes,
+            "predicted_layer_stored_bytes": first_layer_bytes(stage_forms),
+            "predicted_head_stored_bytes": _variant(head.chain[-1], head.local_schedule.head),
+            "predicted_flops": stage_forms.flops(), "predicted_comm_bytes": stage_forms.tp_comm_bytes()}
 
 
-def context_forms(job, stage_forms, report, seq):
+def context_forms(job, stage_forms, report, routing=None):
     """cp_inventory.py's forms on the stage's layers, for its M micro-batches of b whole sequences (seq tokens);
     beside tp, its K/V and matmuls are its heads' (1/t), and the tensor-parallel collectives at T/cp tokens
     (forms.tp_comm_bytes) add to the ring's or all-gather's bytes."""
-    layout = job.layout
+    layout, seq = job.layout, job.input_ids.shape[1]
     cfg, cp, M, rank, t = (job.cfg.replace(layers=len(stage_forms.layers)), layout.cp, stage_forms.M, report["cp_rank"],
                            layout.tp)
     args, schedule = (cfg, stage_forms.b, seq, stage_forms.policy, cp), stage_forms.local_schedule
@@ -153,7 +157,7 @@ def reduced_bytes(job, stage_forms):
     return size * ((dense if dense_group > 1 else 0) + (experts if expert_group > 1 else 0))
 
 
-def zero_forms(job, stage_forms, report):
+def zero_forms(job, stage_forms, report, routing=None):
     """ZeRO's closed forms on a rank of a job (zero_stage_forms), as its report's predicted_ twins."""
     out = zero_stage_forms(job.cfg, stage_forms, job.layout, job.steps or len(job.batches or ()))
     return {f"predicted_{key}": value for key, value in out.items()}
@@ -187,3 +191,9 @@ def zero_stage_forms(cfg, stage_forms, layout, steps=1):
             by_kind[phase]["all_gather"] = nbytes
     by_kind = {phase: {kind: n for kind, n in kinds.items() if n} for phase, kinds in by_kind.items()}
     return {**state, "zero_bytes_by_kind": by_kind, "gathered_peak_bytes": peaks}
+
+
+# Each dimension's closed forms over the ones before, in this order (as rank.py composes the step): a dense stage's
+# forms, or under ep its experts' per micro-batch in their place; cp's at T/cp tokens over either; ZeRO's model state.
+FORMS = ((lambda layout: layout.ep == 1, stage_forms_of), (lambda layout: layout.ep > 1, expert_forms),
+         (lambda layout: layout.cp > 1, context_forms), (lambda layout: layout.zero, zero_forms))
