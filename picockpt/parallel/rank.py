@@ -134,7 +134,7 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
     counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets
     tokens = SequenceLayout(layout.cp_layout, layout.cp, T) if layout.cp > 1 else None  # its tokens of a row
     rows = microbatch_rows(job, groups, stage_forms.b, input_ids, targets)  # rows(m): micro-batch m's, this rank's
-    make_inner = inner_model(job, groups, params, tokens)  # the layers' model: each dimension over the ones before
+    model_for_rows = inner_model(job, groups, params, tokens)  # its model: each dimension over the ones before
     say = trace_lines(f"rank {groups.rank}" + (f" stage {groups.stage}" if layout.pp > 1 else ""), trace)
     measured = Measurement(job, groups, stage_forms)  # measurement.py: what the step measures, and its report
     with measured.step() as (tracker, timeline, memory), torch.no_grad():
@@ -143,7 +143,7 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
             shards.begin(tracker)
         data = shards or replicated(cfg, params, stage_forms, groups, layout.overlap, timeline, tracker)  # dp / ZeRO
         shared = StageShared(cfg, params, pipe, data, counted, layout.microbatches, groups.dp_rank, layout.dp,
-                             stage_forms.activation_shape(stage_forms.b // layout.ep), make_inner,
+                             stage_forms.activation_shape(stage_forms.b // layout.ep), model_for_rows,
                              layout.recompute_early, split_backward=layout.schedule == "zb-h1")
         chunks = [PipelineStage(shared, forms.layers, forms.first, forms.last)
                   for forms in stage_forms.chunks]  # interleaved: the rank's V chunks
@@ -177,9 +177,9 @@ def microbatch_rows(job, groups, rows_per_microbatch, input_ids, targets):
 
 
 def inner_model(job, groups, params, tokens):
-    """make_inner(ids, tgt): the layers' model, each dimension applied to what the ones before made."""
+    """model_for_rows(ids, tgt): the layers' model, each dimension applied to what the ones before made."""
     layout = job.layout
-    def make_inner(ids, tgt):
+    def model_for_rows(ids, tgt):
         model = RankModel(params, job.cfg, ids, tgt)
         if layout.cp > 1:  # its tokens of the rows, attention across the cp ranks
             apply_context_parallel(model, groups.cp_comm, tokens, layout.cp_comm, layout.cp_keep_kv)
@@ -188,7 +188,7 @@ def inner_model(job, groups, params, tokens):
         if layout.tp > 1:  # its slices (of every expert too): the layer's collectives, the vocab-parallel head
             apply_tensor_parallel(model, groups.tp_comm, layout.sp, layout.distribute_saved)
         return model
-    return make_inner
+    return model_for_rows
 
 
 def optimizer_step(job, shards, tracker):

@@ -51,7 +51,7 @@ class StageShared:
     dp_rank: int
     dp: int
     activation_shape: tuple      # what crosses from one stage to the next, per rank (b, n, h)
-    make_inner: object           # make_inner(ids, tgt): the layers' model (parallel/rank.py: inner_model)
+    model_for_rows: object       # model_for_rows(ids, tgt): the rank's model of those rows (rank.py: inner_model)
     recompute_early: bool = False
     split_backward: bool = False  # ZB-H1: a backward's B and W run as two actions
 
@@ -65,7 +65,7 @@ class PipelineStage:
         self.step_cfg = shared.cfg.replace(tie_embeddings=False)  # a tied matrix's two uses are summed by the caller
         self.pipe, self.data, self.counted = shared.pipe, shared.data, shared.counted
         self.M, self.dp_rank, self.dp = shared.microbatches, shared.dp_rank, shared.dp
-        self.activation_shape, self.make_inner = shared.activation_shape, shared.make_inner
+        self.activation_shape, self.model_for_rows = shared.activation_shape, shared.model_for_rows
         self.recompute_early, self.split_backward = shared.recompute_early, shared.split_backward
         self.rng_start = self.rng_end = None  # the generator at the stage's first layer / after its last
 
@@ -103,7 +103,7 @@ class PipelineStage:
                 self.weights_of[unit] = layer_weights(self.weights, unit)
 
     def microbatch(self, m, input_ids, targets, waiting=None):
-        return StageModel(self, m, self.make_inner(input_ids, targets), waiting)
+        return StageModel(self, m, self.model_for_rows(input_ids, targets), waiting)
 
 
 class StageModel:
