@@ -30,8 +30,8 @@
 from _check import check
 from _lesson import lesson_args
 from picockpt import Config, parse_policy
-from picockpt.inventory import chain_sizes
-from picockpt.reproduce import LESSONS, discover, title
+from picockpt.planning.inventory import chain_sizes
+from picockpt.teaching.reproduce import LESSONS, discover, title
 
 args = lesson_args()  # nothing here depends on the flags
 lessons = discover()
@@ -60,51 +60,59 @@ for path in lessons:
 #
 # ## Reading the code
 #
-# One file at a time, in this order; each adds one idea to the ones before it. Every tensor line has a
-# shape comment, and every backward function restates its forward and derives each term.
+# The package's folders group it by concern, and the table reads them in this order: `model/` (the config,
+# the parameters, the layer, attention, the head, experts; `ops/` beside it, every op a forward/backward pair),
+# `recompute/` (the store, the policy and its schedule, the engine's loop, offloading), `measurement/` (the
+# tracker, the autograd reference and the peers, the commands' measured step), `planning/` (the closed forms,
+# the published formulas, the planners, cost and layout models), `parallel/` (a folder per dimension), and
+# `teaching/` with `cli/` (what the lessons and commands run). One file at a time; each adds one idea to the
+# ones before it. Every tensor line has a shape comment, and every backward function restates its forward and
+# derives each term.
 #
 # | # | file | what it adds |
 # |---|---|---|
-# | 1 | `picockpt/config.py` | `Config`: every number that decides how many bytes an activation takes (sizes, dtype, dropout, attention kind, loss chunking, experts), the presets (`tiny`, `small`, Llama 3 8B/70B/405B, Mixtral 8x7B), and the checks that name the bad field |
-# | 2 | `picockpt/params.py` | the parameters under Hugging Face `LlamaForCausalLM` names, so real weights load as they are |
+# | 1 | `picockpt/model/config.py` | `Config`: every number that decides how many bytes an activation takes (sizes, dtype, dropout, attention kind, loss chunking, experts), the presets (`tiny`, `small`, Llama 3 8B/70B/405B, Mixtral 8x7B), and the checks that name the bad field |
+# | 2 | `picockpt/model/params.py` | the parameters under Hugging Face `LlamaForCausalLM` names, so real weights load as they are |
 # | 3 | `picockpt/ops/` | every op as a forward/backward pair of plain functions: linear, embedding, RMSNorm, RoPE, attention, SwiGLU, dropout, cross-entropy; the forward returns what its backward needs |
-# | 4 | `picockpt/layer.py` | one decoder layer: its forward `keep`s tensors in the store by name (`attn.probs`, `mlp.gate`, ...); its backward `take`s them back, or rebuilds a dropped one with a one-line recipe; the named points (`Crossings`) where a parallel rank crosses to the others, the identity here; `tail.py`: a block's tail (down projection, dropout, residual), run or skipped as the engine says |
-# | 5 | `picockpt/store.py` | the activation store: bytes counted by unique storage (a view is not counted twice), every put and pop an event |
-# | 6 | `picockpt/policy.py`, `picockpt/schedule.py` | policy strings (`none`, `full`, `every:C`, `selective`, `cheap`, `budget:SIZE`, and the MoE ones) turned into a `Schedule`: each layer's mode (`all`, `input`, `none`), parsed once, and the walk of recompute sweeps it implies |
-# | 7 | `picockpt/engine.py` | the step: forward keeping what the policy says, then for each layer from the last, "nearest checkpoint, recompute, use, drop", with the random generator replayed; no autograd |
-# | 8 | `picockpt/tracker.py` | the two views of memory (logical: the store; physical: every live tensor) at every event, peaks and FLOPs per phase |
-# | 9 | `picockpt/closed_forms.py`, `picockpt/inventory.py` | the closed forms the tests hold the tracker to, to the byte: a layer's inventory, $X$, $A$, $F$, the one every:C peak formula; then the step's `predicted_peak_bytes`, `step_flops` |
-# | 10 | `picockpt/formulas.py` | the published formulas (Korthikanti et al.'s Table 2, the Ultra-Scale Playbook's charts and widget, Chen's optimum) for comparison |
-# | 11 | `picockpt/planner_uniform.py`, `picockpt/planner.py` | binomial checkpointing (revolve) on equal steps; then rotor's dynamic programme on picockpt's own layers: the least recompute under a byte budget |
-# | 12 | `picockpt/offload.py`, `picockpt/host_pool.py`, `picockpt/host_walk.py`, `picockpt/planner_offload.py` | offloading, a third action beside keeping and recomputing: the store's host tier (pinned buffers reused by size from a pool, copies on a side stream ordered by events, the next layer's tensors prefetched during a backward), a step walked with it (exact bytes, a modelled time for copies and compute on two streams) and the planner that chooses among keep, recompute and offload at a modelled time, from a link's bandwidth and a compute rate |
-# | 13 | `picockpt/attention.py`, `picockpt/ops/attention_tiled.py`, `picockpt/ops/attention_fused.py` | the attention kinds: eager (stores the probabilities), tiled (FlashAttention-2 written out), fused (torch's kernels); what each stores |
-# | 14 | `picockpt/head.py` | the final norm, the LM head and the loss; chunked, the logits are recomputed in the backward |
-# | 15 | `picockpt/moe.py`, `picockpt/ops/router.py`, `picockpt/routing.py` | Mixtral-style experts: routing, per-expert stored tensors, what MoE recomputation keeps |
-# | 16 | `picockpt/reference.py`, `picockpt/peers.py`, `picockpt/peers_hf.py`, `picockpt/bridge.py` | the same model in autograd (the oracle for gradients), `torch.utils.checkpoint` and Hugging Face peers, and picockpt's segment loop driving autograd |
+# | 4 | `picockpt/model/layer.py` | one decoder layer: its forward `keep`s tensors in the store by name (`attn.probs`, `mlp.gate`, ...); its backward `take`s them back, or rebuilds a dropped one with a one-line recipe; the named points (`Crossings`) where a parallel rank crosses to the others, the identity here; `tail.py`: a block's tail (down projection, dropout, residual), run or skipped as the engine says |
+# | 5 | `picockpt/model/attention.py`, `picockpt/ops/attention_tiled.py`, `picockpt/ops/attention_fused.py` | the attention kinds: eager (stores the probabilities), tiled (FlashAttention-2 written out), fused (torch's kernels); what each stores |
+# | 6 | `picockpt/model/head.py` | the final norm, the LM head and the loss; chunked, the logits are recomputed in the backward |
+# | 7 | `picockpt/model/moe.py`, `picockpt/ops/router.py`, `picockpt/model/routing.py` | Mixtral-style experts: routing, per-expert stored tensors, what MoE recomputation keeps |
+# | 8 | `picockpt/recompute/store.py` | the activation store: bytes counted by unique storage (a view is not counted twice), every put and pop an event |
+# | 9 | `picockpt/recompute/policy.py`, `picockpt/recompute/schedule.py` | policy strings (`none`, `full`, `every:C`, `selective`, `cheap`, `budget:SIZE`, and the MoE ones) turned into a `Schedule`: each layer's mode (`all`, `input`, `none`), parsed once, and the walk of recompute sweeps it implies |
+# | 10 | `picockpt/recompute/engine.py` | the step: forward keeping what the policy says, then for each layer from the last, "nearest checkpoint, recompute, use, drop", with the random generator replayed; no autograd |
+# | 11 | `picockpt/recompute/offload.py`, `picockpt/recompute/host_pool.py`, `picockpt/planning/host_walk.py`, `picockpt/planning/planner_offload.py` | offloading, a third action beside keeping and recomputing: the store's host tier (pinned buffers reused by size from a pool, copies on a side stream ordered by events, the next layer's tensors prefetched during a backward), a step walked with it (exact bytes, a modelled time for copies and compute on two streams) and the planner that chooses among keep, recompute and offload at a modelled time, from a link's bandwidth and a compute rate |
+# | 12 | `picockpt/measurement/tracker.py` | the two views of memory (logical: the store; physical: every live tensor) at every event, peaks and FLOPs per phase |
+# | 13 | `picockpt/measurement/reference.py`, `picockpt/measurement/peers.py`, `picockpt/measurement/peers_hf.py`, `picockpt/recompute/bridge.py` | the same model in autograd (the oracle for gradients), `torch.utils.checkpoint` and Hugging Face peers, and picockpt's segment loop driving autograd |
+# | 14 | `picockpt/planning/closed_forms.py`, `picockpt/planning/inventory.py` | the closed forms the tests hold the tracker to, to the byte: a layer's inventory, $X$, $A$, $F$, the one every:C peak formula; then the step's `predicted_peak_bytes`, `step_flops` |
+# | 15 | `picockpt/planning/formulas.py` | the published formulas (Korthikanti et al.'s Table 2, the Ultra-Scale Playbook's charts and widget, Chen's optimum) for comparison |
+# | 16 | `picockpt/planning/planner_uniform.py`, `picockpt/planning/planner.py` | binomial checkpointing (revolve) on equal steps; then rotor's dynamic programme on picockpt's own layers: the least recompute under a byte budget |
 # | 17 | `picockpt/parallel/step.py`, `rank.py`, `layout.py`, `comm.py`, `job.py`, `refusals.py`, `predictions.py`, `rank_model.py`, `training.py`, `rng.py`, `measurement.py`, `launch.py`, `watch.py`, `timeline.py` | what every parallelism shares: how dp, pp, ep and tp wrap the one engine (`step.py` on the caller's side, `rank.py` on each rank, read top to bottom), the `Layout` (the dp x pp x ep x cp x tp grid and each dimension's options: the one object a job, the ranks and the closed forms read) and its groups, the counted collectives, one job for every layout, checked by each dimension's own `refuses` (`*_check.py` in its folder; what they share in `refusals.py`), what a rank's step measures and reports (`measurement.py`), the closed forms beside each rank's report, random draws equal to the single process's, where the processes come from and how a failing one ends the run, each rank's timeline |
 # | 18 | `picockpt/parallel/tensor_parallel/` | tensor and sequence parallelism: the layer's crossings (`tp_layer.py`), the collectives as forward/backward pairs (`tp_comm.py`), each rank's slice of the weights (`tp_shard.py`), the vocabulary-parallel head (`vocab.py`), one rank's model (`tp_model.py`), per-rank closed forms split from the single process's (`tp_inventory.py`) |
 # | 19 | `picockpt/parallel/pipeline_parallel/`, `data_parallel/`, `expert_parallel/` | pipeline stages (AFAB, 1F1B, interleaved and ZB-H1 as data in `pp_schedules.py`, sends and receives paired as NCCL needs them in `pp_comm.py`, a stage's micro-batch and ZB-H1's W in `pp_stage.py`, the schedule's actions run in `pp_runner.py`, per-stage closed forms and budgets walked along the order); gradient buckets all-reduced as soon as they are final, for every layout (`dp_comm.py`), and ZeRO 1/2/3 with the gathers a recomputed layer needs (`zero_shards.py` first); experts over ranks, carved out of the data-parallel ones (the all-to-alls in `ep_moe.py`, the layer's crossings in `ep_layer.py`, per-rank closed forms) |
 # | 20 | `picockpt/parallel/context_parallel/` | context parallelism: ring and all-gather attention merged by log-sum-exp (`cp_attention.py`), the layer's one crossing (`cp_model.py`), zigzag and contiguous layouts, the ring and gather pairs (`cp_comm.py`), per-rank closed forms (`cp_inventory.py`) |
-# | 21 | `picockpt/measure.py`, `picockpt/compare.py`, `picockpt/train.py`, `picockpt/cli/` | what the commands run: one measured step, the side-by-side comparison, a training loop |
-# | 22 | `picockpt/device.py`, `picockpt/fit.py`, `picockpt/batch.py`, `picockpt/hf.py`, `picockpt/snapshot.py`, `picockpt/plotting.py`, `picockpt/reproduce.py`, `picockpt/notebooks.py` | the rest: choosing a device and refusing a step that cannot fit, reading a Hugging Face config, a CUDA allocator snapshot, the figures' helpers, and the tooling that runs the lessons and makes their notebooks |
+# | 21 | `picockpt/measurement/measure.py`, `picockpt/measurement/compare.py`, `picockpt/measurement/train.py`, `picockpt/cli/` | what the commands run: one measured step, the side-by-side comparison, a training loop |
+# | 22 | `picockpt/device.py`, `picockpt/planning/fit.py`, `picockpt/model/batch.py`, `picockpt/model/hf.py`, `picockpt/measurement/snapshot.py`, `picockpt/teaching/plotting.py`, `picockpt/teaching/reproduce.py`, `picockpt/teaching/notebooks.py` | the rest: choosing a device and refusing a step that cannot fit, reading a Hugging Face config, a CUDA allocator snapshot, the figures' helpers, and the tooling that runs the lessons and makes their notebooks |
 #
 # The cell below checks that every file of the table exists, and lists the modules the table does not
 # name yet (the code grows faster than a table).
 
 # %%
 READING_ORDER = [
-    "config.py", "params.py", "ops/", "layer.py", "tail.py", "store.py", "schedule.py", "policy.py", "engine.py",
-    "tracker.py",
-    "closed_forms.py", "inventory.py", "formulas.py", "planner_uniform.py", "planner.py", "offload.py",
-    "host_pool.py", "host_walk.py", "planner_offload.py", "planner_copies.py", "attention.py",
-    "ops/attention_tiled.py", "ops/attention_fused.py", "head.py", "moe.py", "ops/router.py", "routing.py",
-    "reference.py", "peers.py", "peers_hf.py", "bridge.py", "parallel/step.py", "parallel/rank.py",
-    "parallel/layout.py", "parallel/comm.py", "parallel/job.py", "parallel/refusals.py", "parallel/predictions.py",
-    "parallel/rng.py", "parallel/measurement.py",
-    "parallel/launch.py", "parallel/watch.py", "parallel/rank_model.py", "parallel/training.py",
-    "parallel/timeline.py", "parallel/tensor_parallel/", "parallel/pipeline_parallel/", "parallel/data_parallel/",
-    "parallel/expert_parallel/", "parallel/context_parallel/", "measure.py", "compare.py", "train.py", "cli/",
-    "device.py", "fit.py", "batch.py", "hf.py", "snapshot.py", "plotting.py", "reproduce.py", "notebooks.py",
+    "model/config.py", "model/params.py", "ops/", "model/layer.py", "model/tail.py", "model/attention.py",
+    "ops/attention_tiled.py", "ops/attention_fused.py", "model/head.py", "model/moe.py", "ops/router.py",
+    "model/routing.py", "recompute/store.py", "recompute/schedule.py", "recompute/policy.py", "recompute/engine.py",
+    "recompute/offload.py", "recompute/host_pool.py", "planning/host_walk.py", "planning/planner_offload.py",
+    "planning/planner_copies.py", "measurement/tracker.py", "measurement/reference.py", "measurement/peers.py",
+    "measurement/peers_hf.py", "recompute/bridge.py", "planning/closed_forms.py", "planning/inventory.py",
+    "planning/formulas.py", "planning/planner_uniform.py", "planning/planner.py", "parallel/step.py",
+    "parallel/rank.py", "parallel/layout.py", "parallel/comm.py", "parallel/job.py", "parallel/refusals.py",
+    "parallel/predictions.py", "parallel/rng.py", "parallel/measurement.py", "parallel/launch.py", "parallel/watch.py",
+    "parallel/rank_model.py", "parallel/training.py", "parallel/timeline.py", "parallel/tensor_parallel/",
+    "parallel/pipeline_parallel/", "parallel/data_parallel/", "parallel/expert_parallel/", "parallel/context_parallel/",
+    "measurement/measure.py", "measurement/compare.py", "measurement/train.py", "cli/", "device.py", "planning/fit.py",
+    "model/batch.py", "model/hf.py", "measurement/snapshot.py", "teaching/plotting.py", "teaching/reproduce.py",
+    "teaching/notebooks.py",
 ]
 package = LESSONS.parent / "picockpt"
 missing = [name for name in READING_ORDER if not (package / name).exists()]

@@ -6,7 +6,7 @@
 # activations (checkpoints, the segment being recomputed, the head's logits) and the working memory,
 # against the GPU's capacity. Beside it, the $P(C)$ curve of `every:C` (lessons 03 and 04) with its minimum, and
 # the cheapest way to fit: the fixed policy of least recompute that fits, and the budget planner's
-# optimum for the room the GPU leaves (`picockpt/planner.py`, lesson 12).
+# optimum for the room the GPU leaves (`picockpt/planning/planner.py`, lesson 12).
 #
 # Everything is a closed form, so it runs on a CPU in milliseconds and nothing is allocated: the stored
 # activations are `inventory.predicted_peak_bytes` on one GPU and `parallel/inventory.rank_peak_bytes`
@@ -45,7 +45,7 @@ from _check import check
 from _explorer import (CAPACITIES, ESTIMATED, GIB, MODELS, PARTS, Setup, cheapest_fit, describe_plan, draw, gib,
                        headline, memory_parts, model_state_by_stage, segment_curve, shape_of, stored_bytes, zero_text)
 from _lesson import in_notebook, lesson_args, wrote
-from picockpt.plotting import save_figure
+from picockpt.teaching.plotting import save_figure
 
 args = lesson_args()  # nothing here depends on the run mode but where the figure goes
 

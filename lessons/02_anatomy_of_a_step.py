@@ -30,11 +30,11 @@ import torch
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import init_params
-from picockpt.inventory import chain_sizes, predicted_peak_bytes
-from picockpt.measure import make_batch
-from picockpt.plotting import mib, phase_spans, save_figure, shade_phases
-from picockpt.tracker import PHASES, Tracker
-from picockpt.train import make_optimizer, train_step
+from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.plotting import mib, phase_spans, save_figure, shade_phases
+from picockpt.measurement.tracker import PHASES, Tracker
+from picockpt.measurement.train import make_optimizer, train_step
 
 POLICIES = ("none", "full")
 STORED_COLOR, LIVE_COLOR = "#2F4858", "#C44E52"

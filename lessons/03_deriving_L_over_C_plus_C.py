@@ -25,13 +25,13 @@ from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 from _check import check
 from _lesson import lesson_args
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.formulas import chen_memory, chen_optimum, exact_segment_curve
-from picockpt.inventory import chain_sizes, head_inventory, layer_inventory, step_flops
-from picockpt.measure import make_batch
-from picockpt.plotting import save_figure
-from picockpt.policy import OP_LEVEL
-from picockpt.store import format_inventory
-from picockpt.tracker import Tracker
+from picockpt.planning.formulas import chen_memory, chen_optimum, exact_segment_curve
+from picockpt.planning.inventory import chain_sizes, head_inventory, layer_inventory, step_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.plotting import save_figure
+from picockpt.recompute.policy import OP_LEVEL
+from picockpt.recompute.store import format_inventory
+from picockpt.measurement.tracker import Tracker
 
 args = lesson_args()  # the device and threads (one: tiny tensors gain nothing from more); shapes are fixed
 

@@ -34,10 +34,10 @@ from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 from _check import check
 from _lesson import choose, lesson_args, shape_line, wrote
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import chain_sizes, predicted_peak_bytes
-from picockpt.measure import make_batch
-from picockpt.plotting import mib, policy_color, save_figure
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.plotting import mib, policy_color, save_figure
+from picockpt.measurement.tracker import Tracker
 
 # %% [markdown]
 # ## A deep, narrow model, and one measurement per C

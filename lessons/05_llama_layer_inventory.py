@@ -37,12 +37,12 @@ import matplotlib.pyplot as plt
 from _check import check
 from _lesson import lesson_args
 from picockpt import Config
-from picockpt.config import PRESETS
-from picockpt.formulas import (GIB, PLAYBOOK_PUBLISHED_GIB, PLAYBOOK_WIDGET_PRESET, korthikanti_flops,
+from picockpt.model.config import PRESETS
+from picockpt.planning.formulas import (GIB, PLAYBOOK_PUBLISHED_GIB, PLAYBOOK_WIDGET_PRESET, korthikanti_flops,
                                korthikanti_layer_bytes, playbook_activation_bytes, playbook_widget_bytes)
-from picockpt.inventory import layer_inventory, predicted_peak_bytes, step_flops, total
-from picockpt.measure import measured_inventory
-from picockpt.plotting import save_figure
+from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, step_flops, total
+from picockpt.measurement.measure import measured_inventory
+from picockpt.teaching.plotting import save_figure
 
 args = lesson_args()  # threads and where figures go; the shapes here are fixed
 llama8b = Config.from_preset("llama3-8b", dtype="bf16")   # true shape, 16-bit activations; never allocated
@@ -88,8 +88,8 @@ assert paper_total * sbh == korthikanti_layer_bytes(s, b, h, a)
 # %% [markdown]
 # ## Every difference, checked against the code
 #
-# Each line below was checked against `picockpt/layer.py` (the `keep(...)` calls of `layer_forward`),
-# `picockpt/ops/` and `picockpt/inventory.py`.
+# Each line below was checked against `picockpt/model/layer.py` (the `keep(...)` calls of `layer_forward`),
+# `picockpt/ops/` and `picockpt/planning/inventory.py`.
 #
 # * **Grouped-query attention shrinks $K$ and $V$.** `attn.k` and `attn.v` are $(B, KV, T, hd)$ with
 #   $KV = 8$ of $H = 32$ heads: $2 \cdot 8/32 = 0.5\,sbh$ each instead of $2sbh$. Saves $3sbh$.

@@ -24,10 +24,10 @@ import numpy as np
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import layer_inventory, predicted_peak_bytes, step_flops, total
-from picockpt.measure import make_batch
-from picockpt.plotting import mib, policy_color, save_figure
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, step_flops, total
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.plotting import mib, policy_color, save_figure
+from picockpt.measurement.tracker import Tracker
 
 POLICIES = ("none", "selective", "full")
 SQUARE = ("attn.probs", "attn.probs_mask", "attn.probs_dropped")  # the (B, H, T, T) names

@@ -12,7 +12,7 @@
 # llm.c trains GPT-2 with `-r 1` by default (rebuild the GELU output in the backward instead of storing
 # it) and `-r 2` (also the LayerNorm outputs). picockpt's `cheap` is the same idea for a Llama layer, on
 # top of `selective`: it drops those tensors and the backward rebuilds each with the line above
-# (`picockpt/layer.py`, the `take(..., rebuild=...)` calls). The rebuild has no matmul in it, so the
+# (`picockpt/model/layer.py`, the `take(..., rebuild=...)` calls). The rebuild has no matmul in it, so the
 # recompute FLOPs that `FlopCounterMode` counts (matmuls) do not move from `selective` to `cheap`; what
 # it costs is a few elementwise passes.
 #
@@ -32,11 +32,11 @@ from _check import check
 from _lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, large, lesson_args, paired_ratios,
                      shape_line, small, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import layer_inventory, predicted_peak_bytes, step_flops, total
-from picockpt.measure import make_batch, measured_inventory
-from picockpt.plotting import label_bars, mib, policy_color, save_figure
-from picockpt.policy import OP_LEVEL
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, step_flops, total
+from picockpt.measurement.measure import make_batch, measured_inventory
+from picockpt.teaching.plotting import label_bars, mib, policy_color, save_figure
+from picockpt.recompute.policy import OP_LEVEL
+from picockpt.measurement.tracker import Tracker
 
 OP_LEVELS = ("none", "selective", "cheap")
 POLICIES = ("none", "selective", "cheap", "full", "full+cheap")
@@ -246,7 +246,7 @@ check("the share of a selective Llama 3 8B layer that cheap drops", answer, 1 - 
 # **3.** `cheap`'s rebuilds add no matmul (step_flops finds the same recompute FLOPs as `selective`), but
 # they are not free: each reads its inputs and writes its output once more, so they cost memory traffic,
 # the limit of any elementwise op. For the same `small` shape, one layer, fp32: how many bytes do the three
-# rebuilds of `picockpt/layer.py` read and write at least (`rmsnorm_apply(x, rstd, w)` twice, each over
+# rebuilds of `picockpt/model/layer.py` read and write at least (`rmsnorm_apply(x, rstd, w)` twice, each over
 # $B T \times h$ with one statistic per token and $h$ weights; `swiglu_forward(gate, up)` over $B T \times f$)?
 
 # %%

@@ -27,11 +27,12 @@ import torch
 
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
-from picockpt import engine, init_params, loss_and_grads
-from picockpt.inventory import layer_inventory
-from picockpt.measure import make_batch
+from picockpt import init_params, loss_and_grads
+from picockpt.recompute import engine
+from picockpt.planning.inventory import layer_inventory
+from picockpt.measurement.measure import make_batch
 from picockpt.ops import dropout_mask
-from picockpt.plotting import policy_color, save_figure
+from picockpt.teaching.plotting import policy_color, save_figure
 
 POLICIES = ("full", "every:2", "selective")
 DROPOUT = 0.1

@@ -3,10 +3,10 @@
 #
 # What most people use is PyTorch's own recomputation, wrapped around an ordinary autograd model. This
 # lesson runs picockpt's policies beside their PyTorch equivalents on the same weights and batch
-# (`picockpt/compare.py`; the PyTorch runs are in `picockpt/peers.py`), beside the bridge
-# (`picockpt/bridge.py`: picockpt's segment loop driving autograd, no `torch.utils.checkpoint`) and,
+# (`picockpt/measurement/compare.py`; the PyTorch runs are in `picockpt/measurement/peers.py`), beside the bridge
+# (`picockpt/recompute/bridge.py`: picockpt's segment loop driving autograd, no `torch.utils.checkpoint`) and,
 # when `transformers` is installed, Hugging Face's `LlamaForCausalLM` with eager and sdpa attention, with
-# and without its gradient checkpointing (`picockpt/peers_hf.py`):
+# and without its gradient checkpointing (`picockpt/measurement/peers_hf.py`):
 #
 # | picockpt | PyTorch |
 # |---|---|
@@ -31,12 +31,13 @@ import matplotlib.pyplot as plt
 from _check import check
 from _lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, large, lesson_args, paired_ratios,
                      shape_line, small, timed_claim, wrote)
-from picockpt import init_params, loss_and_grads, peers
-from picockpt.compare import compare
-from picockpt.inventory import layer_flops, step_flops, tail_flops
-from picockpt.measure import make_batch
-from picockpt.plotting import mib, save_figure
-from picockpt.reference import ReferenceLlama
+from picockpt import init_params, loss_and_grads
+from picockpt.measurement import peers
+from picockpt.measurement.compare import compare
+from picockpt.planning.inventory import layer_flops, step_flops, tail_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.plotting import mib, save_figure
+from picockpt.measurement.reference import ReferenceLlama
 
 KIND_COLORS = {"picockpt": "#C44E52", "torch": "#4C72B0", "bridge": "#DD8452", "hf": "#55A868"}
 SEGMENT = 2  # C of every:C, and checkpoint_sequential(L / C)

@@ -8,9 +8,9 @@
 # tensor-parallel size of the other lessons, and $C$ the layers per segment of `every:C`.)
 #
 # 1. **recursion**: checkpoints inside segments inside segments bring memory down to $\log_2 L$ states for $\tfrac{L}{2}\log_2 L$ recomputed steps;
-# 2. **the exact optimum** between these extremes: Griewank & Walther's *binomial checkpointing* (the `revolve` algorithm, 2000), computed by the planner's uniform chain (`picockpt/planner_uniform.py`) and checked against their closed form;
+# 2. **the exact optimum** between these extremes: Griewank & Walther's *binomial checkpointing* (the `revolve` algorithm, 2000), computed by the planner's uniform chain (`picockpt/planning/planner_uniform.py`) and checked against their closed form;
 # 3. what $\sqrt{L}$ is, seen from there, said honestly;
-# 4. and how picockpt's own planner (`picockpt/planner.py`, rotor's dynamic programme, Beaumont et al. 2019) generalises all of it to layers whose stored activations are much bigger than their input.
+# 4. and how picockpt's own planner (`picockpt/planning/planner.py`, rotor's dynamic programme, Beaumont et al. 2019) generalises all of it to layers whose stored activations are much bigger than their input.
 #
 # Everything here runs on the CPU in seconds. "Checkpoint" means a stored activation (a state), never a saved model file.
 #
@@ -26,8 +26,8 @@ import numpy as np
 
 from _check import check
 from _lesson import lesson_args
-from picockpt.planner_uniform import binomial_forward_steps, forward_steps_table, plan_uniform
-from picockpt.plotting import save_figure
+from picockpt.planning.planner_uniform import binomial_forward_steps, forward_steps_table, plan_uniform
+from picockpt.teaching.plotting import save_figure
 
 args = lesson_args()  # threads and where the figure goes; the chains here are fixed
 
@@ -171,14 +171,14 @@ for L in (16, 64, 100, 256, 1000):
 # %% [markdown]
 # ## picockpt's layers: bytes, not slots
 #
-# For picockpt's model the chain's steps are decoder layers: a checkpoint is a layer input, $X = B\,T\,h\,e$ bytes, and a layer stored whole (its record) is $A$ bytes, many times $X$; a layer can also be stored with its attention probabilities or more dropped (`all:selective`, `all:cheap`), rebuilt in the backward for one $q k^\top$ each. The planner (`picockpt/planner.py`) runs rotor's dynamic programme over (first layer, last layer, bytes) with these options; its uniform special case is the table above (a test in `tests/test_planner.py` recovers the binomial counts from it). Below: its frontier for the `small` model against `every:C`, from the closed forms, and one plan run in the engine and measured.
+# For picockpt's model the chain's steps are decoder layers: a checkpoint is a layer input, $X = B\,T\,h\,e$ bytes, and a layer stored whole (its record) is $A$ bytes, many times $X$; a layer can also be stored with its attention probabilities or more dropped (`all:selective`, `all:cheap`), rebuilt in the backward for one $q k^\top$ each. The planner (`picockpt/planning/planner.py`) runs rotor's dynamic programme over (first layer, last layer, bytes) with these options; its uniform special case is the table above (a test in `tests/test_planner.py` recovers the binomial counts from it). Below: its frontier for the `small` model against `every:C`, from the closed forms, and one plan run in the engine and measured.
 
 # %%
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import chain_sizes, predicted_peak_bytes, step_flops
-from picockpt.measure import make_batch
-from picockpt.planner import frontier, model_chain, plan_model
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes, step_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.planning.planner import frontier, model_chain, plan_model
+from picockpt.measurement.tracker import Tracker
 
 cfg, B, T = Config.from_preset("small"), 2, 128
 X, A, F = chain_sizes(cfg, B, T)

@@ -4,7 +4,7 @@
 # "I have this much memory: what is the cheapest way to fit?" For one model and batch, every policy is
 # a point (recompute FLOPs, peak bytes): `none`, `selective`, `cheap`, `full`, every `every:C` and their
 # combinations with `selective` and `cheap`; the planner (`budget:SIZE`, rotor's dynamic programme,
-# Beaumont et al. 2019, in `picockpt/planner.py`): its whole frontier, every Pareto-optimal plan from the
+# Beaumont et al. 2019, in `picockpt/planning/planner.py`): its whole frontier, every Pareto-optimal plan from the
 # least feasible budget to storing everything; and PyTorch's recomputation on the autograd reference:
 # checkpoint per layer, `checkpoint_sequential` at every segment count, two selective-checkpoint
 # policies, and the min-cut partitioner that `torch.compile` uses, swept over its whole range of
@@ -33,14 +33,14 @@ from _check import check
 from _lesson import FAST_TIMING, Spread, callouts, choose, large, lesson_args, shape_line, small, wrote
 from picockpt import init_params, loss_and_grads, parse_policy
 from picockpt.cli.plan import benchmark
-from picockpt.inventory import chain_sizes, predicted_peak_bytes, step_flops
-from picockpt.measure import make_batch
-from picockpt.peers import min_cut, per_layer, run_plain, save_matmuls, selective, sequential
-from picockpt.planner import frontier, least_budget, model_chain, plan_model
-from picockpt.plotting import mib, policy_color, save_figure
-from picockpt.policy import OP_LEVEL
-from picockpt.reference import ReferenceLlama
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes, step_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.measurement.peers import min_cut, per_layer, run_plain, save_matmuls, selective, sequential
+from picockpt.planning.planner import frontier, least_budget, model_chain, plan_model
+from picockpt.teaching.plotting import mib, policy_color, save_figure
+from picockpt.recompute.policy import OP_LEVEL
+from picockpt.measurement.reference import ReferenceLlama
+from picockpt.measurement.tracker import Tracker
 
 PLANNER_COLOR, TORCH_COLOR, MINCUT_COLOR = "#8172B3", "#7F7F7F", "#2CA02C"
 

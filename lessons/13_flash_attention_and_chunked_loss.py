@@ -54,17 +54,17 @@ from _check import check
 from _lesson import (FAST_TIMING, choose, device_name, dtype_for_device, interleaved_seconds, large, lesson_args,
                      paired_ratios, shape_line, small, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.formulas import chen_optimum, exact_segment_curve
-from picockpt.head import head_backward, head_forward
-from picockpt.inventory import attention_matmul_flops, chain_sizes, head_inventory, predicted_peak_bytes, step_flops
-from picockpt.measure import make_batch
+from picockpt.planning.formulas import chen_optimum, exact_segment_curve
+from picockpt.model.head import head_backward, head_forward
+from picockpt.planning.inventory import attention_matmul_flops, chain_sizes, head_inventory, predicted_peak_bytes, step_flops
+from picockpt.measurement.measure import make_batch
 from picockpt.ops import (cross_entropy_backward, cross_entropy_forward, linear_forward, rmsnorm_backward,
                           rmsnorm_forward)
 from picockpt.ops.cross_entropy import IGNORE_INDEX
-from picockpt.params import FINAL_NORM, HEAD, compute_weights
-from picockpt.plotting import PHASE_COLORS, mib, save_figure
-from picockpt.store import ActivationStore
-from picockpt.tracker import Tracker
+from picockpt.model.params import FINAL_NORM, HEAD, compute_weights
+from picockpt.teaching.plotting import PHASE_COLORS, mib, save_figure
+from picockpt.recompute.store import ActivationStore
+from picockpt.measurement.tracker import Tracker
 
 GIB = 2**30
 KINDS = {"eager": ("eager", ""), "eager+selective": ("eager", "selective"), "tiled": ("tiled", ""),

@@ -46,12 +46,12 @@ from matplotlib.ticker import FuncFormatter, LogLocator
 from _check import check
 from _lesson import choose, large, lesson_args, ranks_device, shape_line, spawning_ranks, wrote
 from picockpt import Config, init_params
-from picockpt.formulas import GIB, korthikanti_layer_bytes
-from picockpt.measure import make_batch
+from picockpt.planning.formulas import GIB, korthikanti_layer_bytes
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, replicated_and_split
-from picockpt.plotting import PHASE_COLORS, mib, policy_color, save_figure
-from picockpt.policy import SELECTIVE
+from picockpt.teaching.plotting import PHASE_COLORS, mib, policy_color, save_figure
+from picockpt.recompute.policy import SELECTIVE
 
 ROWS = (  # (label, policy, sp, distributed saved activations): Table 2's rows, and Megatron's option
     ("no recompute", "none", False, False),

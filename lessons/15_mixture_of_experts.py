@@ -1,9 +1,9 @@
 # %% [markdown]
 # # Lesson 15: mixture-of-experts layers: memory by routing and top-k, what to recompute, RNG and routing replay
 #
-# A Mixtral-style layer (`picockpt/moe.py`) sends each token to $k$ of its $E$ experts. What it stores
+# A Mixtral-style layer (`picockpt/model/moe.py`) sends each token to $k$ of its $E$ experts. What it stores
 # is one set of tensors per expert, sized by the tokens the router sent there: data-dependent. Three
-# questions, each answered by a measurement held to the closed form (`picockpt/inventory.py`):
+# questions, each answered by a measurement held to the closed form (`picockpt/planning/inventory.py`):
 #
 # 1. **Routing imbalance and top-k.** Routers set by the weights (`routing.route_by_token`) give balanced,
 #    skewed and all-to-one routing. The store holds every token $k$ times whichever experts it goes to:
@@ -55,13 +55,15 @@ import torch
 
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
-from picockpt import Config, engine, init_params, loss_and_grads, moe
-from picockpt.inventory import expert_bytes, layer_flops, layer_inventory, predicted_peak_bytes, rebuild_flops, total
-from picockpt.measure import PutRecorder, make_batch
-from picockpt.routing import route_by_token, step_routing
-from picockpt.plotting import mib, save_figure
-from picockpt.policy import parse_policy
-from picockpt.tracker import Tracker
+from picockpt import Config, init_params, loss_and_grads
+from picockpt.model import moe
+from picockpt.recompute import engine
+from picockpt.planning.inventory import expert_bytes, layer_flops, layer_inventory, predicted_peak_bytes, rebuild_flops, total
+from picockpt.measurement.measure import PutRecorder, make_batch
+from picockpt.model.routing import route_by_token, step_routing
+from picockpt.teaching.plotting import mib, save_figure
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.tracker import Tracker
 
 ROUTINGS = ("balanced", "skewed", "all to one")
 CHOICES = ("selective", "moe_act", "cheap", "router", "moe", "cheap+moe", "full")

@@ -48,14 +48,14 @@ from _check import check
 from _lesson import (FAST_TIMING, Claim, Spread, choose, large, lesson_args, ranks_device, shape_line, spawning_ranks,
                      timed_claim, wrote)
 from picockpt import Config, init_params
-from picockpt.formulas import GIB
-from picockpt.measure import make_batch
+from picockpt.planning.formulas import GIB
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_layer_inventory
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.pipeline_parallel.pp_schedules import actions, bubble_fraction, in_flight, unequal_bubble
-from picockpt.plotting import PHASE_COLORS, mib, policy_color, save_figure
-from picockpt.policy import SELECTIVE
+from picockpt.teaching.plotting import PHASE_COLORS, mib, policy_color, save_figure
+from picockpt.recompute.policy import SELECTIVE
 
 POLICIES = ("none", "selective", "every:2", "full")
 RIVALS = ("none", "selective", "cheap", "every:2", "every:2+selective", "every:4", "full", "full+selective")
@@ -649,7 +649,7 @@ wrote(paths[-1])
 # %%
 from picockpt.parallel.pipeline_parallel.pp_orders import one_f_one_b_orders, run_orders, w_pending_bytes
 from picockpt.parallel.pipeline_parallel.pp_schedules import interleaved_actions, zb_h1_actions
-from picockpt.closed_forms import layer_inventory, total
+from picockpt.planning.closed_forms import layer_inventory, total
 
 P_, M_ = 4, 8
 clock = {"1F1B": run_orders(one_f_one_b_orders(P_, M_), P_, times={"F": 1, "B": 2}),

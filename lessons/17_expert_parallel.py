@@ -64,13 +64,13 @@ import torch
 from _check import check
 from _lesson import choose, large, lesson_args, ranks_device, shape_line, small, spawning_ranks, wrote
 from picockpt import Config, init_params
-from picockpt.formulas import GIB
-from picockpt.measure import make_batch
-from picockpt.routing import route_by_token
+from picockpt.planning.formulas import GIB
+from picockpt.measurement.measure import make_batch
+from picockpt.model.routing import route_by_token
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.expert_parallel.ep_inventory import (ep_layer_comm_bytes, ep_layer_stored_bytes, ep_sent_bytes,
                                                            received_rows, replicated_grad_bytes)
-from picockpt.plotting import PHASE_COLORS, mib, save_figure
+from picockpt.teaching.plotting import PHASE_COLORS, mib, save_figure
 
 EP = 2
 ROUTINGS = ("balanced", "skewed")

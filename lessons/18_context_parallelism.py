@@ -86,9 +86,9 @@ from _check import check
 from _lesson import (FAST_TIMING, Spread, choose, dtype_for_device, large, lesson_args, paired_ratios, ranks_device,
                      shape_line, small, spawning_ranks, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.formulas import GIB
-from picockpt.inventory import predicted_peak_bytes
-from picockpt.measure import make_batch
+from picockpt.planning.formulas import GIB
+from picockpt.planning.inventory import predicted_peak_bytes
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes, kept_kv_bytes
 from picockpt.parallel.context_parallel.cp_inventory import rank_attention_flops
@@ -98,8 +98,8 @@ from picockpt.parallel.pipeline_parallel.pp_schedules import in_flight, stage_la
 from picockpt.parallel.predictions import rank_param_shapes, zero_stage_forms
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
-from picockpt.plotting import PHASE_COLORS, mib, save_figure
-from picockpt.tracker import Tracker
+from picockpt.teaching.plotting import PHASE_COLORS, mib, save_figure
+from picockpt.measurement.tracker import Tracker
 
 PHASES = ("forward", "recompute", "backward")
 VARIANTS = (("ring", "ring", False), ("all-gather", "allgather", False), ("all-gather, keep_kv", "allgather", True))

@@ -16,7 +16,7 @@
 #
 # picockpt shards flat units (the embedding, each layer, the head), padded to a multiple of $N_d$, as FSDP1's
 # FlatParameter and DeepSpeed do (`picockpt/parallel/data_parallel/zero_params.py`), and steps the single
-# process's AdamW (`picockpt/train.py`) on each rank's shards. ZeRO runs inside the one rank step of every
+# process's AdamW (`picockpt/measurement/train.py`) on each rank's shards. ZeRO runs inside the one rank step of every
 # layout (`picockpt/parallel/rank.py`; `data_parallel/zero_shards.py` takes the place of the gradient buckets and
 # the whole weights), so it stacks on tensor, pipeline, context and expert parallelism: a rank shards what it
 # holds of its stage (its tensor-parallel slices too) over its data-parallel group, the dp x ep x cp ranks (an
@@ -72,16 +72,16 @@ import torch
 from _check import check
 from _lesson import choose, large, lesson_args, ranks_device, shape_line, small, spawning_ranks, wrote
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.measure import make_batch, max_relative_diff
+from picockpt.measurement.measure import make_batch, max_relative_diff
 from picockpt.parallel import Layout, ParallelJob, run_jobs, run_ranks
 from picockpt.parallel.training import zero_train
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_inventory import gather_uses, model_state_bytes, zero_paper_bytes
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.predictions import zero_stage_forms
-from picockpt.plotting import PHASE_COLORS, mib, save_figure
-from picockpt.policy import parse_policy
-from picockpt.train import MarkovTask, make_optimizer, train_step
+from picockpt.teaching.plotting import PHASE_COLORS, mib, save_figure
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.train import MarkovTask, make_optimizer, train_step
 
 DP = 2
 CHOICES = (  # (label, stage, policy, keep_gathered)
@@ -200,7 +200,7 @@ wrote(paths[-1])
 # %% [markdown]
 # ## torch's FSDP2 beside it
 #
-# The same shape, weights and batch on the autograd reference model (`picockpt/reference.py`), each decoder layer
+# The same shape, weights and batch on the autograd reference model (`picockpt/measurement/reference.py`), each decoder layer
 # an FSDP unit and the root unit the rest (embedding, final norm, head), torch's default `reshard_after_forward`
 # (the layers resharded after their forward, the root kept), every layer recomputed, in each nesting. FSDP2 has
 # no recompute phase of its own: its recompute runs inside the backward, so the table adds picockpt's recompute
@@ -261,7 +261,7 @@ print(f"FSDP2's backward gathers, both nestings, equal picockpt's with keep_gath
 # `zero_train` (`picockpt/parallel/training.py`, and `python -m picockpt train --dp 2 --zero 3`) keeps the same
 # ranks for every step and gives them a new batch each time; each rank steps AdamW on its shards only (any layout
 # beside it: `tp=`, `pp=`, `cp=`, `ep=`; on the command line `--tp`, `--pp`, `--cp`, `--ep`). Against
-# `picockpt/train.py`'s training in one process, on the same batches from the same weights, only the order of
+# `picockpt/measurement/train.py`'s training in one process, on the same batches from the same weights, only the order of
 # additions differs: each rank sums the gradient over its half of the batch and
 # the reduce-scatter adds the two halves, where one process sums every row at once. Three steps at the
 # `--fast` shape, in fp64 and in fp32. In fp32 the parameters can drift further apart than the losses do:

@@ -27,7 +27,7 @@
 # - Transformer Engine's CPU-offloading docs (docs/features/other_optimizations/cpu_offloading) set
 #   PCIe Gen5 x16, 128 GB/s with both directions added, against a GB200's NVLink-C2C, 900 GB/s both
 #   directions per link; NVIDIA's GH200 datasheet gives Grace Hopper's NVLink-C2C the same 900 GB/s.
-#   picockpt/hardware.py holds one direction of each: 63.0 GB/s for PCIe (the 128 GB/s is raw
+#   picockpt/planning/hardware.py holds one direction of each: 63.0 GB/s for PCIe (the 128 GB/s is raw
 #   signalling, before 128b/130b encoding) and 450 GB/s for NVLink-C2C.
 # - DeepSpeed's activation checkpointing configuration has `cpu_checkpointing`: the checkpointed layers'
 #   inputs go to CPU memory, partitioned over model-parallel ranks under `partition_activations` and
@@ -38,7 +38,7 @@
 #   a mixed-integer linear programme over rematerialisation and paging (for energy on tiny devices);
 #   Checkmate (Jain et al. 2020) did the same for recomputation alone.
 #
-# picockpt's version (picockpt/offload.py): the store's put may go to a host tier; on CUDA into pinned
+# picockpt's version (picockpt/recompute/offload.py): the store's put may go to a host tier; on CUDA into pinned
 # buffers, copied on a side stream ordered with events; the engine prefetches layer i-1's tensors while
 # layer i's backward runs. On the CPU the same code runs with the host tier in ordinary memory: the
 # copies are real, their time is **modelled** (host_walk.py) and printed as modelled. Every time
@@ -55,24 +55,24 @@ import torch
 from _check import check
 from _lesson import FAST_TIMING, choose, device_name, lesson_args, shape_line, small, wrote
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import chain_sizes, layer_flops, layer_inventory, predicted_host_bytes, predicted_peak_bytes
-from picockpt.measure import make_batch
-from picockpt.planner import frontier, least_budget, model_chain
-from picockpt.hardware import H100_SXM_BF16, H200_SXM_BF16, NVLINK_C2C, PCIE_GEN5_X16
-from picockpt.host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
-from picockpt.planner_offload import plan_offload
-from picockpt.plotting import save_figure
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import chain_sizes, layer_flops, layer_inventory, predicted_host_bytes, predicted_peak_bytes
+from picockpt.measurement.measure import make_batch
+from picockpt.planning.planner import frontier, least_budget, model_chain
+from picockpt.planning.hardware import H100_SXM_BF16, H200_SXM_BF16, NVLINK_C2C, PCIE_GEN5_X16
+from picockpt.planning.host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
+from picockpt.planning.planner_offload import plan_offload
+from picockpt.teaching.plotting import save_figure
+from picockpt.measurement.tracker import Tracker
 
-LINKS = {"PCIe Gen5 x16": PCIE_GEN5_X16, "NVLink-C2C": NVLINK_C2C}  # bytes/s, one direction (picockpt/hardware.py)
-RATES = {"H100 SXM": H100_SXM_BF16, "H200 SXM": H200_SXM_BF16}  # dense BF16 FLOP/s (picockpt/hardware.py)
+LINKS = {"PCIe Gen5 x16": PCIE_GEN5_X16, "NVLink-C2C": NVLINK_C2C}  # bytes/s, one direction (picockpt/planning/hardware.py)
+RATES = {"H100 SXM": H100_SXM_BF16, "H200 SXM": H200_SXM_BF16}  # dense BF16 FLOP/s (picockpt/planning/hardware.py)
 
 # %% [markdown]
 # ## Device bytes against host bytes, measured
 #
 # One tracked step per policy on the `small` preset. The store counts device bytes and host bytes apart
 # (every store event says where its tensor is); the closed forms (`predicted_peak_bytes`,
-# `predicted_host_bytes`, picockpt/inventory.py) walk the same loop on byte counts and must agree to the
+# `predicted_host_bytes`, picockpt/planning/inventory.py) walk the same loop on byte counts and must agree to the
 # byte. With $X$ one layer input, $A$ one stored layer (input included), $F$ the head's tensors:
 #
 # - `offload` (= `full+offload`): device peak $\max(F + X,\ A + X)$, host $L \cdot X$: a layer is
@@ -185,7 +185,7 @@ for link, W in LINKS.items():
 # %% [markdown]
 # ## The three-action planner beside the two-action one
 #
-# `plan_offload` (picockpt/planner_offload.py) starts from every plan of the two-action frontier
+# `plan_offload` (picockpt/planning/planner_offload.py) starts from every plan of the two-action frontier
 # (rotor's dynamic programme, lesson 12) and tries each with the first $n$ layers' tensors offloaded
 # (all of them, only the checkpoints, or only the MLP's gate and up outputs), keeping the fastest whose
 # device peak, walked exactly, fits the budget. The two-action plan is one of the candidates, so the

@@ -37,15 +37,15 @@ import torch
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import ActivationStore, Config, init_params, loss_and_grads
-from picockpt.alloc_trace import live_peak, only, trace_of
-from picockpt.engine import Model, Step
-from picockpt.inventory import layer_inventory, step_flops
-from picockpt.measure import make_batch
-from picockpt.params import copy_bytes, layer_shapes
-from picockpt.planner_copies import plan_copies
-from picockpt.plotting import mib, policy_color, save_figure
-from picockpt.policy import parse_policy
-from picockpt.tracker import Tracker
+from picockpt.measurement.alloc_trace import live_peak, only, trace_of
+from picockpt.recompute.engine import Model, Step
+from picockpt.planning.inventory import layer_inventory, step_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.model.params import copy_bytes, layer_shapes
+from picockpt.planning.planner_copies import plan_copies
+from picockpt.teaching.plotting import mib, policy_color, save_figure
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.tracker import Tracker
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: the largest e4m3 number; a tensor's amax is scaled onto it
@@ -369,7 +369,7 @@ for name, model in (("1.1B (L=16, h=2048, f=8192, V=32000)", billion),
 # outweigh them; `full+recast` gives all but one layer's back, for two more casts per layer (one in the
 # recompute, one in the backward; the forward's was always made). A `budget:SIZE` counts the activation
 # store, and `fit.step_bytes` counts the copies beside it. Given one total for both (`plan --with-copies`,
-# `picockpt/planner_copies.py`), the planner weighs the trade: it plans the store in the room kept copies
+# `picockpt/planning/planner_copies.py`), the planner weighs the trade: it plans the store in the room kept copies
 # leave and in the larger room recast ones leave, and prices what differs, the recomputed FLOPs at a
 # compute rate against the casts' bytes (4 read and 2 written a parameter, each time a layer runs) at a
 # memory bandwidth. Modelled at an H200's datasheet rates (989.5 TFLOP/s dense BF16, 4.8 TB/s HBM):

@@ -3,7 +3,7 @@
 #
 # A run prints a line per step; this lesson reads those lines as curves and asks the question a
 # practitioner asks when a step is slower than expected: is the machine slower, or is the step doing
-# more work? Three numbers answer it, each printed by `python -m picockpt train` (`picockpt/train.py`):
+# more work? Three numbers answer it, each printed by `python -m picockpt train` (`picockpt/measurement/train.py`):
 #
 # | number | what it is |
 # |---|---|
@@ -39,9 +39,9 @@ import torch
 from _check import check
 from _lesson import FAST_TIMING, Spread, choose, large, lesson_args, shape_line, small, timed_claim, wrote
 from picockpt import Config, init_params
-from picockpt.inventory import step_flops
-from picockpt.plotting import PHASE_COLORS, mib, policy_color, save_figure
-from picockpt.train import MarkovTask, make_optimizer, train
+from picockpt.planning.inventory import step_flops
+from picockpt.teaching.plotting import PHASE_COLORS, mib, policy_color, save_figure
+from picockpt.measurement.train import MarkovTask, make_optimizer, train
 
 SEGMENTS = ("none", "full", "cheap")  # one run, its policy changed in this order, round after round
 

@@ -22,7 +22,7 @@
 # forward's tensor-parallel collectives again, adding communication in the same proportion as compute.
 #
 # Every number below is labelled **measured** (on this machine, now) or **modelled** (the formulas, with
-# datasheet rates from picockpt/hardware.py, which cites each: H100 SXM bf16 989.5 TFLOPS dense, half the
+# datasheet rates from picockpt/planning/hardware.py, which cites each: H100 SXM bf16 989.5 TFLOPS dense, half the
 # datasheet's 1,979 with sparsity; one direction of NVLink 4, 450 GB/s of the datasheet's 900 GB/s both
 # ways; one direction of PCIe Gen5 x16, 63.0 GB/s once 128b/130b encoding is paid, where NVIDIA's
 # 128 GB/s adds both directions' raw signalling; InfiniBand NDR, 400 Gb/s a port, 50 GB/s). A datasheet
@@ -46,13 +46,13 @@ from _lesson import (FAST_TIMING, Spread, choose, device_name, interleaved_secon
                      wrote)
 from _allreduce_timing import all_reduce_seconds
 from picockpt import Config, init_params, loss_and_grads, parallel
-from picockpt.hardware import H100_SXM_BF16, INFINIBAND_NDR, NVLINK_4, PCIE_GEN5_X16
-from picockpt.inventory import layer_flops, step_flops
-from picockpt.measure import make_batch
-from picockpt.plotting import PHASE_COLORS, save_figure
+from picockpt.planning.hardware import H100_SXM_BF16, INFINIBAND_NDR, NVLINK_4, PCIE_GEN5_X16
+from picockpt.planning.inventory import layer_flops, step_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.plotting import PHASE_COLORS, save_figure
 from picockpt.parallel import Layout
 
-H100_BF16 = H100_SXM_BF16  # FLOP/s, dense bf16 tensor cores (picockpt/hardware.py)
+H100_BF16 = H100_SXM_BF16  # FLOP/s, dense bf16 tensor cores (picockpt/planning/hardware.py)
 LINKS = {"NVLink 4": NVLINK_4, "PCIe Gen5 x16": PCIE_GEN5_X16, "InfiniBand NDR": INFINIBAND_NDR}  # bytes/s, one way
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}

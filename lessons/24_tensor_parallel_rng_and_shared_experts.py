@@ -51,11 +51,11 @@ from _check import check
 from _lesson import (FAST_TIMING, choose, clock_words, compute_clock, interleaved_seconds, large, lesson_args,
                      paired_ratios, shape_line, small, spawning_ranks, timed_claim, timing_verdict, wrote)
 from picockpt import Config, init_params, loss_and_grads, parallel
-from picockpt.inventory import layer_inventory, predicted_peak_bytes, rebuild_flops, step_flops
-from picockpt.measure import PutRecorder, make_batch
+from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, rebuild_flops, step_flops
+from picockpt.measurement.measure import PutRecorder, make_batch
 from picockpt.ops import dropout_mask
-from picockpt.plotting import mib, save_figure
-from picockpt.tracker import Tracker
+from picockpt.teaching.plotting import mib, save_figure
+from picockpt.measurement.tracker import Tracker
 from picockpt.parallel import Layout
 
 DROPOUT = 0.1

@@ -18,12 +18,12 @@
 # `torch.cuda.empty_cache`'s documentation), and apart from it only a failing `cudaMalloc` makes the
 # allocator give cached segments back (to retry): reserved bytes otherwise never fall.
 #
-# `picockpt/allocator.py` is a model of the allocator's rules as `c10/cuda/CUDACachingAllocator.cpp`
+# `picockpt/measurement/allocator.py` is a model of the allocator's rules as `c10/cuda/CUDACachingAllocator.cpp`
 # writes them (PyTorch 2.13, the native backend, one stream), each rule one commented line naming its
 # constant: `kMinBlockSize`, `kSmallSize`, `kSmallBuffer`, `kLargeBuffer`, `kMinLargeAlloc`,
 # `kRoundLarge`, the best-fit search, splitting, merging, and `max_split_size_mb`. It replays a
 # *trace*: the allocations and frees of one training step, in order and with their phase, which
-# `picockpt/alloc_trace.py` reads from the same storage-watching the tracker does. A storage's bytes do
+# `picockpt/measurement/alloc_trace.py` reads from the same storage-watching the tracker does. A storage's bytes do
 # not depend on the device, so a trace recorded on a CPU is what a GPU's allocator would be asked for,
 # less the buffers some kernels take for themselves (the last section). The question for recomputation:
 # a recompute phase frees tensors and asks for the same sizes again. Does the pool reuse them, and what
@@ -40,10 +40,10 @@ import matplotlib.pyplot as plt
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import init_params
-from picockpt.alloc_trace import only, record_step, step_on_cuda
-from picockpt.allocator import MIB, CachingAllocator, pool_of, replay, round_size, segment_size, should_split
-from picockpt.measure import make_batch
-from picockpt.plotting import mib, phase_spans, policy_color, save_figure, shade_phases
+from picockpt.measurement.alloc_trace import only, record_step, step_on_cuda
+from picockpt.measurement.allocator import MIB, CachingAllocator, pool_of, replay, round_size, segment_size, should_split
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.plotting import mib, phase_spans, policy_color, save_figure, shade_phases
 
 POLICIES = ("none", "full", "every:2", "selective")
 PHASES = ("forward", "recompute", "backward")
@@ -310,7 +310,7 @@ for policy in ("none", "full"):
 #   of equal size, are modelled as consecutive.
 #
 # To see the real allocator's own history of a step, block by block, `python -m picockpt measure --device
-# cuda --memory-snapshot step.pickle` writes it for PyTorch's memory viewer (`picockpt/snapshot.py`).
+# cuda --memory-snapshot step.pickle` writes it for PyTorch's memory viewer (`picockpt/measurement/snapshot.py`).
 
 # %%
 if args.device.type == "cuda":

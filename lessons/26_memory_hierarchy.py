@@ -50,11 +50,11 @@ from _check import check
 from _lesson import (FAST_TIMING, Spread, choose, clock_words, compute_clock, interleaved_seconds, lesson_args,
                      paired_ratios, timed_claim, timing_verdict, wrote)
 from picockpt import Config
-from picockpt.cpu_caches import read_cache_sizes
-from picockpt.hardware import H100_SXM_BF16, H100_SXM_HBM
+from picockpt.measurement.cpu_caches import read_cache_sizes
+from picockpt.planning.hardware import H100_SXM_BF16, H100_SXM_HBM
 from picockpt.ops.rmsnorm import rmsnorm_apply
 from picockpt.ops.swiglu import swiglu_forward
-from picockpt.plotting import save_figure
+from picockpt.teaching.plotting import save_figure
 
 H100_SMEM_PER_SM = 228 * 2**10  # bytes: NVIDIA Hopper tuning guide, "shared memory capacity per SM is 228 KB"
 H100_L2 = 50 * 10**6  # bytes: NVIDIA H100 Tensor Core GPU architecture whitepaper, "50 MB L2 cache" (H100 SXM5)
@@ -147,7 +147,7 @@ print(f"a 128 x 128 fp32 probability tile is {tile // 2**10} KiB, within the {H1
 #
 # ## Measured on this CPU: the same rebuild in cache and from DRAM
 #
-# The RMSNorm rebuild of `picockpt/layer.py` (`rmsnorm_apply`, $y = w \cdot (x \cdot r)$ over rows of
+# The RMSNorm rebuild of `picockpt/model/layer.py` (`rmsnorm_apply`, $y = w \cdot (x \cdot r)$ over rows of
 # $h = 128$), written into a kept output buffer so that no step allocates (a fresh allocation would add the
 # operating system's page faults to the DRAM sizes). Eager PyTorch runs it as two passes: $x \cdot r$ into the
 # output, then the output times $w$ in place, $4 N h + N + h$ elements read and written. Each timed step runs

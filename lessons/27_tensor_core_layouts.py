@@ -28,7 +28,7 @@
 #   copy is made (the section below records which ops each call dispatches). `scaled_dot_product_attention`
 #   takes the strided views as they are, and FlashAttention's own layout is (batch, seqlen, heads, headdim)
 #   (`flash_attn_func`'s docstring, Dao-AILab/flash-attention flash_attn/flash_attn_interface.py), the
-#   projections' output without any transpose. `picockpt/layer.py` copies q, k and v into (B, H, T, hd) once,
+#   projections' output without any transpose. `picockpt/model/layer.py` copies q, k and v into (B, H, T, hd) once,
 #   with `.contiguous()`, right after RoPE, so its eager attention's matmuls never copy.
 #
 # This lesson measures on this CPU what a CPU shows of it (an odd inner dimension and an odd vocabulary
@@ -54,7 +54,7 @@ from _lesson import (FAST_TIMING, Spread, callouts, choose, clock_words, compute
                      interleaved_seconds, lesson_args, paired_ratios, small, timed_claim, timing_verdict, wrote)
 from picockpt import Config
 from picockpt.ops.linear import linear_forward
-from picockpt.plotting import save_figure
+from picockpt.teaching.plotting import save_figure
 
 H100_SMS = 132  # streaming multiprocessors of an H100 SXM5: NVIDIA H100 Tensor Core GPU architecture whitepaper
 A100_SMS = 108  # of an A100: the Matrix Multiplication Background User's Guide, sec. 3.2
@@ -180,7 +180,7 @@ for vocab in (128256, 50257, pad_to_multiple(50257, 64)):
 #   $V = 4032$ (`pad_to_multiple`, as nanoGPT pads GPT-2's): the padded one does 0.8% more FLOPs, and its rows
 #   of logits start on 256-byte boundaries in fp32 where the odd one's start on 4-byte ones;
 # - the scores $q k^\top$ of every head with q and k as strided views of the projections' output, (B, T, H, hd)
-#   viewed as (B, H, T, hd), against the contiguous copies `picockpt/layer.py` makes: once at B = 1, where
+#   viewed as (B, H, T, hd), against the contiguous copies `picockpt/model/layer.py` makes: once at B = 1, where
 #   `torch.matmul`'s fold of (B, H) into one batch dimension is a view, and once at B = 4, where it is a copy
 #   (`_matmul_impl` in PyTorch's aten/src/ATen/native/LinearAlgebra.cpp expands each operand and calls
 #   `.reshape({expand_batch_product, n, m1})` before `bmm`: `reshape` returns a view when the strides allow

@@ -8,8 +8,8 @@
 # the `cheap` op level of lesson 07) costs 0 FLOPs, yet it reads its inputs and writes its output, and an
 # elementwise op's time is its bytes over the memory bandwidth (lesson 26).
 #
-# The planner's recurrence (rotor's dynamic programme, `picockpt/planner.py`) only adds and compares costs,
-# so it minimises seconds as readily as FLOPs: `picockpt/cost.py`'s `price_chain` puts a price in seconds on
+# The planner's recurrence (rotor's dynamic programme, `picockpt/planning/planner.py`) only adds and compares costs,
+# so it minimises seconds as readily as FLOPs: `picockpt/planning/cost.py`'s `price_chain` puts a price in seconds on
 # every stage of the chain, and `plan_priced` runs the same recurrence on them. This lesson prices the same
 # chain three ways and compares the plans:
 #
@@ -58,15 +58,15 @@ from _check import check
 from _lesson import (FAST_TIMING, choose, clock_words, compute_clock, device_name, interleaved_seconds, large,
                      lesson_args, paired_ratios, shape_line, small, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.cost import (FORWARD_EXCLUDES, HARDWARE, head_ops, layer_ops, measured_rates, plan_priced,
+from picockpt.planning.cost import (FORWARD_EXCLUDES, HARDWARE, head_ops, layer_ops, measured_rates, plan_priced,
                            price_chain, rebuild_seconds, roofline_op_seconds)
-from picockpt.engine import Model, Step
-from picockpt.inventory import step_flops
-from picockpt.measure import make_batch
-from picockpt.op_times import measure_op_seconds
-from picockpt.planner import least_budget, model_chain, plan_chain, replay
-from picockpt.plotting import mib, save_figure
-from picockpt.tracker import Tracker
+from picockpt.recompute.engine import Model, Step
+from picockpt.planning.inventory import step_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.planning.op_times import measure_op_seconds
+from picockpt.planning.planner import least_budget, model_chain, plan_chain, replay
+from picockpt.teaching.plotting import mib, save_figure
+from picockpt.measurement.tracker import Tracker
 
 PRICES = ("FLOPs", "roofline", "measured")  # what each plan minimised
 LABEL = {"FLOPs": "FLOP", "roofline": "roofline", "measured": "measured"}  # "the FLOP plan"
@@ -79,7 +79,7 @@ REBUILDS = {"all": "nothing dropped", "all:selective": "the attention probabilit
 # %% [markdown]
 # ## One layer's ops: FLOPs, bytes, roofline, measured
 #
-# The ops are `cost.layer_ops`' list, kernel by kernel as `picockpt/layer.py` runs them; `probs` is not a
+# The ops are `cost.layer_ops`' list, kernel by kernel as `picockpt/model/layer.py` runs them; `probs` is not a
 # forward op but what rebuilding dropped attention probabilities runs (the scores and their softmax), and
 # `final_norm`, `logits`, `loss` are the head's. The shares compare each forward op with the whole layer's
 # forward: of its FLOPs, of its roofline time and of its measured time (every op timed alone, so the sum is

@@ -4,8 +4,8 @@
 # Lessons 14 to 19 counted bytes: what each rank of a tensor-, context-, pipeline- or data-parallel layout
 # stores, and what it sends. Bytes decide whether a layout *fits*; among the layouts that fit, time decides
 # which to train with. This lesson prices one training step of Llama 3 405B in seconds, from the bottom up,
-# with the formulas of `picockpt/cost.py` and `picockpt/collectives.py`, and then lets
-# `picockpt/layout_search.py` try every layout of 8,192 and 16,384 GPUs:
+# with the formulas of `picockpt/planning/cost.py` and `picockpt/planning/collectives.py`, and then lets
+# `picockpt/planning/layout_search.py` try every layout of 8,192 and 16,384 GPUs:
 #
 # 1. **an op** takes the longer of its matmul FLOPs over the matmul rate and its bytes moved over the memory
 #    bandwidth (the roofline, Williams et al. 2009, "Roofline: an insightful visual performance model");
@@ -17,7 +17,7 @@
 # 3. **the pipeline** idles while it fills and drains: the bubble (Narayanan et al. 2021, sec. 2.2).
 #
 # Everything below is **modelled**: no GPU runs, and the whole lesson takes under a minute on a CPU. The rates are
-# datasheet ceilings from `picockpt/hardware.py`, which cites each (H100 SXM: dense BF16 tensor cores, HBM3
+# datasheet ceilings from `picockpt/planning/hardware.py`, which cites each (H100 SXM: dense BF16 tensor cores, HBM3
 # bandwidth; one direction of NVLink 4 inside a node of 8; one NDR InfiniBand port a GPU between nodes). A
 # ceiling is never reached, so every modelled time is a lower bound and every modelled MFU an upper one; the
 # last section says what else the model leaves out. The published numbers it is set against are the Llama 3
@@ -35,17 +35,17 @@ import numpy as np
 from _check import check
 from _lesson import choose, lesson_args, wrote
 from picockpt import Config
-from picockpt.collectives import (BASE_LATENCY, BUS_FACTOR, NVLINK_LATENCY, algorithm_seconds, bus_rate,
+from picockpt.planning.collectives import (BASE_LATENCY, BUS_FACTOR, NVLINK_LATENCY, algorithm_seconds, bus_rate,
                                   chosen_algorithm, collective_seconds)
-from picockpt.cost import HARDWARE, bubble_idle, head_ops, layer_ops, roofline_seconds
-from picockpt.layout_memory import ZERO_STAGES, split_layers, stage_params
-from picockpt.layout_search import (LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, TERMS, distinct_splits, evaluate,
+from picockpt.planning.cost import HARDWARE, bubble_idle, head_ops, layer_ops, roofline_seconds
+from picockpt.planning.layout_memory import ZERO_STAGES, split_layers, stage_params
+from picockpt.planning.layout_search import (LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, TERMS, distinct_splits, evaluate,
                                     rank_of, runs, search, split_of)
-from picockpt.layout_time import Model
+from picockpt.planning.layout_time import Model
 from picockpt.parallel import Layout
-from picockpt.plotting import save_figure
+from picockpt.teaching.plotting import save_figure
 
-HW = HARDWARE["h100"]  # datasheet ceilings (picockpt/hardware.py), 8 GPUs a node
+HW = HARDWARE["h100"]  # datasheet ceilings (picockpt/planning/hardware.py), 8 GPUs a node
 CAPACITY = 80 * 2**30  # bytes of one H100's memory, as `--gpu-gib 80` gives it
 TOKENS = 2**24  # 16M tokens a step, the Llama 3 paper's batch: 2,048 sequences of 8,192
 SEQ, TP = 8192, 8
@@ -57,7 +57,7 @@ TERM_COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "tp_comm": "#55A868
 # ## 1. One op's roofline
 #
 # An op is a few kernels, each of which reads its inputs from HBM and writes its output there (`layer_ops`
-# lists them the way `picockpt/layer.py` runs them). On a roofline a kernel is **compute-bound** when its
+# lists them the way `picockpt/model/layer.py` runs them). On a roofline a kernel is **compute-bound** when its
 # arithmetic intensity, FLOPs per byte moved, is above the machine's **ridge point**, the matmul rate over the
 # memory bandwidth, and **memory-bound** below it. For an $r \times k$ by $k \times n$ matmul in $e$-byte
 # elements, reading both operands and writing the product once,
@@ -122,7 +122,7 @@ print(f"  the layer: {sum(row[5] for row in layer) * 1e3:.2f} ms modelled, {memo
 # `qkv` row is the surprise: the query projection is compute-bound, but at $t = 8$ each rank holds one of the
 # 8 K/V heads, so the k and v projections have $n = 128$ and an intensity of 125 FLOP per byte, under the
 # ridge, *as this model prices them*: `layer_ops` runs q, k and v as three separate matmuls, as
-# `picockpt/layer.py` does. Megatron-LM does not: its attention has one fused `linear_qkv` projection
+# `picockpt/model/layer.py` does. Megatron-LM does not: its attention has one fused `linear_qkv` projection
 # (megatron/core/transformer/attention.py, `SelfAttention`), a single column-parallel matmul whose output is
 # each rank's query heads and its K/V heads side by side, $n = (128 + 2 \cdot 8) \cdot 128 / 8$ = 2,304 columns
 # a rank, well above the ridge. So the grouped-query split makes k and v memory-bound only in an unfused layer;
@@ -131,7 +131,7 @@ print(f"  the layer: {sum(row[5] for row in layer) * 1e3:.2f} ms modelled, {memo
 #
 # ## 2. One collective: which links, which algorithm
 #
-# `collective_seconds(kind, nbytes, ranks, hw, per_node)` (in `picockpt/collectives.py`) prices one collective
+# `collective_seconds(kind, nbytes, ranks, hw, per_node)` (in `picockpt/planning/collectives.py`) prices one collective
 # over `ranks` GPUs of which `per_node` share each node. Two things decide it.
 #
 # **The links.** Inside a node the ranks talk over NVLink. Between nodes each GPU has its own NIC, one NDR
@@ -260,7 +260,7 @@ for name, idle in bubbles.items():
 # times), both splits of the layers over the stages (even, or the paper's lighter first and last stages), and
 # each recompute policy in `layout_search.POLICIES` (`none`; `cheap`, the norms and SwiGLU's product rebuilt;
 # `full`, the whole forward again), in the Llama 3 paper's placement order [TP, CP, PP, DP] (tensor parallelism
-# innermost, inside a node). Every stage is priced (`picockpt/layout_memory.py` for its bytes, with a stated
+# innermost, inside a node). Every stage is priced (`picockpt/planning/layout_memory.py` for its bytes, with a stated
 # reserve for the CUDA context, NCCL's buffers and the allocator's fragmentation); a layout is kept when its
 # busiest rank fits in 80 GiB, and ranked by modelled step time: the slowest stage paces the micro-batches, the
 # fill and drain pass once through every stage. A row's `terms_seconds` say where its step goes: compute

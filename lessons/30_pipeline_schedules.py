@@ -39,15 +39,15 @@ import torch
 from _check import check
 from _lesson import Spread, choose, large, lesson_args, spawning_ranks, wrote
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.cost import bubble_idle
-from picockpt.measure import make_batch
+from picockpt.planning.cost import bubble_idle
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.job import closed_forms
 from picockpt.parallel.launch import run_ranks
 from picockpt.parallel.pipeline_parallel.pipelining_peer import pipelining_rank_steps
 from picockpt.parallel.pipeline_parallel.pp_orders import run_orders
 from picockpt.parallel.pipeline_parallel.pp_schedules import actions, in_flight
-from picockpt.plotting import save_figure
+from picockpt.teaching.plotting import save_figure
 
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))  # (schedule, virtual stages)

@@ -44,15 +44,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo
 from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
 from picockpt import Config
-from picockpt.config import PRESETS
-from picockpt.fit import WORKING_COPIES
-from picockpt.inventory import chain_sizes, step_flops
+from picockpt.model.config import PRESETS
+from picockpt.planning.fit import WORKING_COPIES
+from picockpt.planning.inventory import chain_sizes, step_flops
 from picockpt.parallel.pipeline_parallel.pp_inventory import stage_chain
 from picockpt.parallel.pipeline_parallel.pp_plan import end_of_forward_bytes, plan_in_flight
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_flops, rank_sizes
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
-from picockpt.planner import least_budget, least_plan, model_chain, plan_chain
-from picockpt.policy import OP_LEVEL
+from picockpt.planning.planner import least_budget, least_plan, model_chain, plan_chain
+from picockpt.recompute.policy import OP_LEVEL
 
 GIB = 2**30
 MODELS = ("tiny", "small", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "custom")
@@ -224,7 +224,7 @@ def memory_parts(setup, policy=None):
             parts["stored activations"] = plan.peak_bytes - (setup.in_flight - 1) * E
             parts["other micro-batches in flight"] = (setup.in_flight - 1) * E
         return parts
-    from picockpt.policy import parse_policy
+    from picockpt.recompute.policy import parse_policy
     parsed = parse_policy(policy, cfg)
     X, A, F = sizes(setup.replace(op_level=parsed.op_level or "none"), cfg)
     parts.update(stored_parts(cfg.layers, parsed.segment, X, A, F))

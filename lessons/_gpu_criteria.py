@@ -23,7 +23,7 @@ time       ratios of medians of interleaved steps; Hugging Face's LlamaForCausal
            1.13, 1.21, 1.31 (selective) at T = 1024, 2048, 4096 (measured there: 1.36, 1.42, 1.51 and 1.13,
            1.22, 1.36): a fixed 1.40 or 1.10 would fail where nothing is wrong.
 """
-from picockpt.hardware import H200_SXM_BF16, H200_SXM_HBM
+from picockpt.planning.hardware import H200_SXM_BF16, H200_SXM_HBM
 
 LIMITS = {"memory": 0.05, "full": 1.40, "roofline": 1.05, "equivalent": 1.10,
           "hf none": 0.95, "hf full": 1.00, "hf memory": 1.00}

@@ -4,7 +4,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from picockpt.plotting import policy_color, save_figure  # noqa: E402
+from picockpt.teaching.plotting import policy_color, save_figure  # noqa: E402
 
 from _gpu_criteria import LIMITS  # noqa: E402
 

@@ -1,6 +1,6 @@
 """What the numbered lessons share: their flags, the shape each run mode uses, and interleaved timing.
 
-A lesson is one file, lessons/NN_name.py, in the percent format (picockpt/notebooks.py): `# %%` starts
+A lesson is one file, lessons/NN_name.py, in the percent format (picockpt/teaching/notebooks.py): `# %%` starts
 a code cell, `# %% [markdown]` a markdown cell whose lines are comments. The same file runs three ways:
 
     python lessons/08_the_price.py --fast          a script: the flags from its command line
@@ -49,7 +49,7 @@ Turning a lesson written in the older script format (a docstring and main(argv) 
      `from _lesson import ...`, listed before any other picockpt import; the sys.path line and
      matplotlib.use("Agg") go (_lesson does both).
   3. Constants and functions stay as they are, one or a few per code cell, each under a markdown
-     cell that says what it is for. Tests keep calling them: picockpt.reproduce.load(path) runs only
+     cell that says what it is for. Tests keep calling them: picockpt.teaching.reproduce.load(path) runs only
      a lesson's imports, definitions and UPPER_CASE constants.
   4. main()'s body becomes top-level cells, in order: `args = parse_args(__doc__, argv)` becomes
      `args = lesson_args()`; each measurement with the table it prints in one cell; each figure in
@@ -83,13 +83,13 @@ import torch
 from _timing import (FAST_TIMING, Claim, Spread, clock_words, compute_clock, interleaved_seconds,  # noqa: F401
                      paired_ratios, timed_claim, timing_verdict)  # the lessons' timing, re-exported from here
 from picockpt.cli import Parser
-from picockpt.config import Config
+from picockpt.model.config import Config
 from picockpt.device import resolve_device
-from picockpt.notebooks import ARGS_VARIABLE, cells
+from picockpt.teaching.notebooks import ARGS_VARIABLE, cells
 from picockpt.ops.attention_fused import check_fused
-from picockpt.params import check_seed
-from picockpt.plotting import FAST_FIGURES, check_writable, figures_dir
-from picockpt.reproduce import rank_device
+from picockpt.model.params import check_seed
+from picockpt.teaching.plotting import FAST_FIGURES, check_writable, figures_dir
+from picockpt.teaching.reproduce import rank_device
 
 
 # the --large shape: a 1B-parameter-class Llama layer stack (h=2048, GQA 16/4, SwiGLU 5632), fp32
@@ -152,7 +152,7 @@ def spawning_ranks():
 
 def ranks_device(device, ranks):
     """The device for a part of a lesson that runs on `ranks` processes: `device`, or the CPU (gloo)
-    when it is CUDA with fewer GPUs than ranks, said in one line (picockpt.reproduce.rank_device)."""
+    when it is CUDA with fewer GPUs than ranks, said in one line (picockpt.teaching.reproduce.rank_device)."""
     chosen, note = rank_device(device, ranks)
     if note:
         print(note)

@@ -8,7 +8,7 @@ length it runs, first, the headline: picockpt with fused attention (the kernel s
 flash; no T x T tensor stored or whole), none, full, every:4, cheap and budget:SIZE halfway between full's and
 none's stored bytes; then the lesson's rows with eager attention (the probabilities materialised):
 none, full, every:4, selective, cheap, budget, beside PyTorch's recomputation on the autograd
-reference (picockpt/peers.py, eager too, paired as in `compare`); then Hugging Face's LlamaForCausalLM with
+reference (picockpt/measurement/peers.py, eager too, paired as in `compare`); then Hugging Face's LlamaForCausalLM with
 sdpa under autocast (fp32 master weights), without and with its activation checkpointing: the model people
 train, the peer of the fused rows. For every run it measures
 
@@ -66,20 +66,20 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch
 
 from picockpt.cli.common import fmt_bytes
-from picockpt.compare import contenders
-from picockpt.config import Config
+from picockpt.measurement.compare import contenders
+from picockpt.model.config import Config
 from picockpt.device import resolve_device
-from picockpt.fit import check_fits
-from picockpt.hardware import H200_SXM_BF16
-from picockpt.engine import loss_and_grads
+from picockpt.planning.fit import check_fits
+from picockpt.planning.hardware import H200_SXM_BF16
+from picockpt.recompute.engine import loss_and_grads
 from picockpt.ops.attention_fused import check_fused
-from picockpt.inventory import predicted_peak_bytes, step_flops
-from picockpt.measure import make_batch
-from picockpt.params import init_params
-from picockpt import peers_hf
-from picockpt.plotting import figures_dir
-from picockpt.reference import ReferenceLlama
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import predicted_peak_bytes, step_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.model.params import init_params
+from picockpt.measurement import peers_hf
+from picockpt.teaching.plotting import figures_dir
+from picockpt.measurement.reference import ReferenceLlama
+from picockpt.measurement.tracker import Tracker
 
 from _gpu_criteria import criteria, eager_roofline  # noqa: E402  (lessons/, beside this file)
 from _gpu_plots import plot  # noqa: E402
@@ -92,7 +92,7 @@ from _gpu_plots import plot  # noqa: E402
 ONE_B = dict(vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=4, ffn=8192, max_seq=4096, dtype="bf16")
 TINY = dict(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=80, max_seq=64, dtype="bf16")
 CAUSAL_TILE = 128  # the causal convention's block: FlashAttention-2 skips key blocks wholly above the diagonal
-PEAK_TFLOPS = H200_SXM_BF16 / 1e12  # 989.5: H200 SXM (as H100 SXM) dense bf16 tensor-core peak (picockpt/hardware.py)
+PEAK_TFLOPS = H200_SXM_BF16 / 1e12  # 989.5: H200 SXM (as H100 SXM) dense bf16 tensor-core peak (picockpt/planning/hardware.py)
 
 
 def benchmark(cfg, seqs, tokens, device, repeats=5, segment=4, peak_tflops=PEAK_TFLOPS, seed=0):
@@ -269,7 +269,7 @@ def plan_runs(cfg, batch, seq, segment):
         low, high = (predicted_peak_bytes(shape, batch, seq, policy) for policy in ("full", "none"))
         budget = f"budget:{(low + high) // 2}"
         try:
-            predicted_peak_bytes(shape, batch, seq, budget)  # plans (picockpt/planner.py)
+            predicted_peak_bytes(shape, batch, seq, budget)  # plans (picockpt/planning/planner.py)
             runs.insert(position, dict(name=label, kind="picockpt", how=budget, equivalent=None, policy=budget,
                                        attention=shape.attention))
         except ValueError as error:
@@ -344,7 +344,7 @@ def mark(tracker, tensors, category):
 def track(run, cfg, device):
     """Memory and FLOPs of one tracked step; on CUDA, the tracker beside the allocator. The torch
     runs count FLOPs in a second step: FlopCounterMode's module hooks keep checkpointed graphs
-    alive until the garbage collector runs (see picockpt/tracker.py), which would inflate memory."""
+    alive until the garbage collector runs (see picockpt/measurement/tracker.py), which would inflate memory."""
     separate = run["kind"] != "picockpt"
     with Tracker(device, flops=not separate, cuda_timeline=True) as tracker:
         loss, grads = run["step"](tracker)

@@ -21,11 +21,11 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # lessons/: gpu_benchmark
 import gpu_benchmark  # noqa: E402  (after the path)
 
-from picockpt.config import Config  # noqa: E402
+from picockpt.model.config import Config  # noqa: E402
 from picockpt.device import resolve_device  # noqa: E402
-from picockpt.measure import make_batch  # noqa: E402
-from picockpt.params import init_params  # noqa: E402
-from picockpt.reference import ReferenceLlama  # noqa: E402
+from picockpt.measurement.measure import make_batch  # noqa: E402
+from picockpt.model.params import init_params  # noqa: E402
+from picockpt.measurement.reference import ReferenceLlama  # noqa: E402
 
 KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
          ("GEMM", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet", "matmul")))

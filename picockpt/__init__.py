@@ -13,8 +13,9 @@ handler (one line, exit code 130) instead of a traceback from inside torch.
 """
 import importlib
 
-WHERE = {"Config": "config", "PRESETS": "config", "loss_and_grads": "engine", "init_params": "params",
-         "param_shapes": "params", "parse_policy": "policy", "parse_size": "policy", "ActivationStore": "store"}
+WHERE = {"Config": "model.config", "PRESETS": "model.config", "loss_and_grads": "recompute.engine",
+         "init_params": "model.params", "param_shapes": "model.params", "parse_policy": "recompute.policy",
+         "parse_size": "recompute.policy", "ActivationStore": "recompute.store"}
 __all__ = list(WHERE)
 
 

@@ -1,5 +1,5 @@
 """Choosing the device: 'auto' picks CUDA when there is one, the CPU otherwise; and how much memory
-is free there (picockpt/fit.py decides whether a step fits in it).
+is free there (picockpt/planning/fit.py decides whether a step fits in it).
 
     device = resolve_device("auto")
     have, where = available_bytes(device)      # bytes, "free memory on cuda:0 (...)" / "available RAM"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 
 
 def pytest_configure(config):
@@ -45,7 +45,7 @@ def u_curve(tmp_path_factory):
     lesson 04's deep, narrow model (its deep() and measure_peaks; batch 2). test_lessons.py and test_formulas.py hold
     the same sweep to their formulas: it is measured once per test run, under pytest-xdist once for all the workers
     (a file in the run's shared temporary folder, written under a lock; the other worker reads it)."""
-    from picockpt.reproduce import discover, load
+    from picockpt.teaching.reproduce import discover, load
     [path] = [path for path in discover(kinds=(".py",)) if path.name.startswith("04_segments")]
     segments = load(path)
     shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None

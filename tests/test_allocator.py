@@ -1,14 +1,14 @@
-"""The caching allocator model (picockpt/allocator.py) rule by rule against hand calculations, its replay of a
-real step's trace (picockpt/alloc_trace.py) against the tracker, its errors, and on a GPU against
+"""The caching allocator model (picockpt/measurement/allocator.py) rule by rule against hand calculations, its replay of a
+real step's trace (picockpt/measurement/alloc_trace.py) against the tracker, its errors, and on a GPU against
 torch.cuda.memory_stats()."""
 import pytest
 import torch
 
 from picockpt import Config, init_params
-from picockpt.alloc_trace import Event, measure_on_cuda, only, pool_from_snapshot, record_step, step_on_cuda
-from picockpt.allocator import (LARGE_BUFFER, MIB, SMALL_BUFFER, CachingAllocator, pool_of, replay, round_size,
+from picockpt.measurement.alloc_trace import Event, measure_on_cuda, only, pool_from_snapshot, record_step, step_on_cuda
+from picockpt.measurement.allocator import (LARGE_BUFFER, MIB, SMALL_BUFFER, CachingAllocator, pool_of, replay, round_size,
                                 segment_size, should_split)
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

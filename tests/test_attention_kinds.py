@@ -3,15 +3,15 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import layer_inventory, predicted_peak_bytes, step_flops
-from picockpt.measure import make_batch
+from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, step_flops
+from picockpt.measurement.measure import make_batch
 from picockpt.ops import attention_backward, attention_forward
 from picockpt.ops.attention_fused import check_fused, fused_attention_backward, fused_attention_forward
 from picockpt.ops.attention_tiled import (tile_pairs, tiled_attention_backward, tiled_attention_forward,
                                           tiled_dropout_mask)
-from picockpt.planner import plan_model
-from picockpt.reference import ReferenceLlama
-from picockpt.tracker import Tracker
+from picockpt.planning.planner import plan_model
+from picockpt.measurement.reference import ReferenceLlama
+from picockpt.measurement.tracker import Tracker
 
 KINDS = ("eager", "tiled", "fused")
 POLICIES = ("none", "full", "every:2", "selective", "cheap", "every:3+cheap")

@@ -5,8 +5,8 @@ import pytest
 
 from commands import picockpt as run_command
 from picockpt import Config
-from picockpt.compare import compare
-from picockpt.params import param_shapes
+from picockpt.measurement.compare import compare
+from picockpt.model.params import param_shapes
 
 
 def picockpt(*args, check=True):
@@ -37,7 +37,7 @@ def test_measure_table_and_trace():
 def test_measure_without_an_optimizer_is_a_forward_and_backward_alone(monkeypatch):
     """--no-optimizer: no AdamW step (no optimizer phase, no state), the same stored bytes and gradients; the fit
     check then asks 8 bytes a parameter less (AdamW's two fp32 moments)."""
-    from picockpt import fit
+    from picockpt.planning import fit
     args = ("measure", "--preset", "tiny", "--seq", "16", "--policy", "full", "--device", "cpu", "--repeats", "1",
             "--json")
     with_adamw, alone = (json.loads(picockpt(*args, *extra).stdout) for extra in ((), ("--no-optimizer",)))

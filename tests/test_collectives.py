@@ -1,14 +1,14 @@
-"""Collectives by topology (picockpt/collectives.py): NVLink inside a node, the node's NICs shared by the group's
+"""Collectives by topology (picockpt/planning/collectives.py): NVLink inside a node, the node's NICs shared by the group's
 members there, and NCCL's own tuning model (src/graph/tuning.cc) choosing among ring, tree and PAT."""
 import math
 
 import pytest
 
-from picockpt.collectives import (BASE_LATENCY, NETWORK_LATENCY, NVLINK_LATENCY, PAT_RANK_LATENCY, RING_PLATEAU,
+from picockpt.planning.collectives import (BASE_LATENCY, NETWORK_LATENCY, NVLINK_LATENCY, PAT_RANK_LATENCY, RING_PLATEAU,
                                   algorithm_seconds, bus_rate, chosen_algorithm, collective_seconds, members_per_node,
                                   per_layer_seconds)
-from picockpt.cost import HARDWARE
-from picockpt.hardware import INFINIBAND_NDR, NVLINK_4
+from picockpt.planning.cost import HARDWARE
+from picockpt.planning.hardware import INFINIBAND_NDR, NVLINK_4
 
 H100 = HARDWARE["h100"]
 

@@ -9,11 +9,11 @@ import pytest
 
 from picockpt import Config, init_params
 from picockpt.cli import main
-from picockpt.compare import GRAD_TOLERANCE, compare, reference_masks_match
-from picockpt.measure import make_batch, max_relative_diff
-from picockpt.peers import min_cut
-from picockpt.reference import ReferenceLlama
-from picockpt.reproduce import LESSONS, load
+from picockpt.measurement.compare import GRAD_TOLERANCE, compare, reference_masks_match
+from picockpt.measurement.measure import make_batch, max_relative_diff
+from picockpt.measurement.peers import min_cut
+from picockpt.measurement.reference import ReferenceLlama
+from picockpt.teaching.reproduce import LESSONS, load
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

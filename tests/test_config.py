@@ -1,7 +1,7 @@
 import pytest
 
 from picockpt import Config
-from picockpt.config import PRESETS
+from picockpt.model.config import PRESETS
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -68,7 +68,7 @@ def test_the_divisibility_hint_suggests_only_values_config_accepts(fields, hint)
 
 
 def test_policy_texts_name_what_is_wrong():
-    from picockpt.policy import parse_policy, parse_size
+    from picockpt.recompute.policy import parse_policy, parse_size
     with pytest.raises(ValueError, match=r"policy 'selective\+selective': selective is given twice; name it once"):
         parse_policy("selective+selective")
     with pytest.raises(ValueError, match=r"policy 3 \(int\) is not a policy string: use one of none, full"):

@@ -1,4 +1,4 @@
-"""The cost model (picockpt/cost.py) against hand calculations, the planner priced by it, and plan --cost."""
+"""The cost model (picockpt/planning/cost.py) against hand calculations, the planner priced by it, and plan --cost."""
 import json
 import os
 import subprocess
@@ -8,12 +8,12 @@ import pytest
 
 from picockpt import Config
 from picockpt.cli import main
-from picockpt.closed_forms import layer_flops
-from picockpt.cost import (HARDWARE, Op, bubble_idle, layer_ops, plan_priced, price_chain, roofline_op_seconds,
+from picockpt.planning.closed_forms import layer_flops
+from picockpt.planning.cost import (HARDWARE, Op, bubble_idle, layer_ops, plan_priced, price_chain, roofline_op_seconds,
                            roofline_seconds)
-from picockpt.hardware import H100_SXM_BF16, H100_SXM_HBM
-from picockpt.op_times import layer_op_calls
-from picockpt.planner import least_budget, model_chain, plan_chain, replay
+from picockpt.planning.hardware import H100_SXM_BF16, H100_SXM_HBM
+from picockpt.planning.op_times import layer_op_calls
+from picockpt.planning.planner import least_budget, model_chain, plan_chain, replay
 
 H100 = HARDWARE["h100"]
 
@@ -66,8 +66,8 @@ def test_a_profile_proportional_to_flops_gives_the_flop_plans(attention):
 PRICED = """
 from dataclasses import replace
 from picockpt import Config
-from picockpt.cost import HARDWARE, price_chain, roofline_op_seconds
-from picockpt.planner import model_chain
+from picockpt.planning.cost import HARDWARE, price_chain, roofline_op_seconds
+from picockpt.planning.planner import model_chain
 cfg, hw = Config.from_preset("small", layers=4), replace(HARDWARE["h100"], matmul=2e11, memory=2e10)
 seconds = roofline_op_seconds(cfg, 2, 64, hw)
 seconds["swiglu"] *= 100  # cheap's three rebuilding ops: a sum whose order shows in its last bit
@@ -102,8 +102,8 @@ def test_dear_elementwise_ops_change_the_plan_and_the_priced_plan_is_never_deare
 
 
 def test_plan_cost_measured_uses_the_measured_profile(monkeypatch, capsys):
-    import picockpt.op_times as op_times
-    from picockpt.op_times import Profile
+    import picockpt.planning.op_times as op_times
+    from picockpt.planning.op_times import Profile
     cfg = Config.from_preset("small", attention="fused")
     roof = roofline_op_seconds(cfg, 2, 64, H100)
     args = ["plan", "--budget", "6MiB", "--batch", "2", "--seq", "64", "--attention", "fused", "--json"]
@@ -136,7 +136,7 @@ def test_plan_cost_refuses_what_it_would_ignore(flags, message, capsys):
 def test_the_offload_planner_times_compute_by_the_same_prices():
     """Its walk's compute clock is the priced chain's: every layer's forward and backward (2x), the head's, and the
     recompute, in seconds; the FLOPs it reports stay exact."""
-    from picockpt.planner_offload import plan_offload
+    from picockpt.planning.planner_offload import plan_offload
     cfg, B, T = Config.from_preset("small", attention="fused"), 2, 64
     prices = roofline_op_seconds(cfg, B, T, H100)
     chain = model_chain(cfg, B, T)
@@ -152,7 +152,7 @@ def test_the_offload_planner_times_compute_by_the_same_prices():
 def test_replay_counts_the_heads_rebuild_as_the_recurrence_does():
     """A head stored "all:cheap" drops the final norm's output: free in FLOPs, its op's seconds in a priced chain;
     replay (what a plan's recompute_seconds and the FLOP plan's price come from) counts it as the recurrence does."""
-    from picockpt.schedule import Schedule
+    from picockpt.recompute.schedule import Schedule
     cfg, B, T = Config.from_preset("small", attention="fused"), 2, 64
     chain = model_chain(cfg, B, T)
     seconds = roofline_op_seconds(cfg, B, T, H100)

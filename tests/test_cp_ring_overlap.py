@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)

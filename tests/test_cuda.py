@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import predicted_peak_bytes
-from picockpt.measure import make_batch
+from picockpt.planning.inventory import predicted_peak_bytes
+from picockpt.measurement.measure import make_batch
 from picockpt.ops.attention_fused import fused_attention_backward, fused_attention_forward
-from picockpt.routing import route_by_token
+from picockpt.model.routing import route_by_token
 from picockpt.parallel import run_ranks
-from picockpt.reproduce import rank_device
+from picockpt.teaching.reproduce import rank_device
 from picockpt.ops import embedding_backward
-from picockpt.tracker import Tracker
+from picockpt.measurement.tracker import Tracker
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 POLICIES = ("none", "full", "every:2", "selective", "cheap")
@@ -206,7 +206,7 @@ def test_embedding_gradient_is_deterministic_on_cuda():
     assert all(torch.equal(first, embedding_backward(dy, ids, (7, 64))) for _ in range(5))
 
 
-# ---- offloading to host memory (picockpt/offload.py): pinned buffers, the side stream, its events ----
+# ---- offloading to host memory (picockpt/recompute/offload.py): pinned buffers, the side stream, its events ----
 OFFLOAD_POLICIES = ("offload", "none+offload", "every:2+offload", "offload:mlp.gate,mlp.up", "cheap+offload")
 
 
@@ -214,7 +214,7 @@ OFFLOAD_POLICIES = ("offload", "none+offload", "every:2+offload", "offload:mlp.g
 def test_offload_policies_bitwise_none_on_cuda_with_exact_device_and_host_bytes(attention):
     cfg, params, ids, targets = setup(attention=attention, attention_tile=32, dtype="bf16")
     base = loss_and_grads(params, cfg, ids, targets, "none")
-    from picockpt.inventory import predicted_host_bytes
+    from picockpt.planning.inventory import predicted_host_bytes
     for policy in OFFLOAD_POLICIES:
         with Tracker("cuda", flops=False) as tracker:
             loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
@@ -226,8 +226,8 @@ def test_offload_policies_bitwise_none_on_cuda_with_exact_device_and_host_bytes(
 
 
 def _tier_with_one_tensor():
-    from picockpt.offload import HostTier
-    from picockpt.store import ActivationStore
+    from picockpt.recompute.offload import HostTier
+    from picockpt.recompute.store import ActivationStore
     store = ActivationStore(host=HostTier("cuda"))
     store.host.rule = lambda layer, name: True
     tensor = torch.arange(1 << 22, dtype=torch.float32, device="cuda")  # 16 MiB
@@ -274,8 +274,8 @@ def test_a_prefetched_tensor_is_never_read_before_its_copy_event():
 def test_the_offload_copy_waits_for_the_tensor_it_copies():
     """The tensor is written by a kernel queued after a long one on the compute stream; the offload copy must
     wait for it (an event), or the host copy would hold the old values."""
-    from picockpt.offload import HostTier
-    from picockpt.store import ActivationStore
+    from picockpt.recompute.offload import HostTier
+    from picockpt.recompute.store import ActivationStore
     store = ActivationStore(host=HostTier("cuda"))
     store.host.rule = lambda layer, name: True
     tensor = torch.zeros(1 << 22, device="cuda")
@@ -366,8 +366,8 @@ def test_a_reused_pinned_buffer_is_not_written_before_its_last_read():
     """Tier a's prefetch reads its host buffer on a stream held up ~1 s, and gives the buffer back; tier b (another
     step's, its own stream) offloads into that same buffer at once: it must wait for a's read (an event), or a
     would bring back b's values."""
-    from picockpt.offload import HostTier
-    from picockpt.store import ActivationStore
+    from picockpt.recompute.offload import HostTier
+    from picockpt.recompute.store import ActivationStore
     a, b = ActivationStore(host=HostTier("cuda")), ActivationStore(host=HostTier("cuda"))
     a.host.rule = b.host.rule = lambda layer, name: True
     x = torch.arange(1 << 22, dtype=torch.float32, device="cuda")  # 16 MiB
@@ -411,9 +411,9 @@ def bucket_times(comm):
 def test_a_measured_profile_and_rates_on_cuda():
     """plan --cost measured on a GPU: every op of the table timed by CUDA events (positive, a spread that holds
     its median), the measured plan fitting its budget; the GPU's measured rates below the H100/H200 datasheet's."""
-    from picockpt.cost import HARDWARE, measured_rates, plan_priced, price_chain
-    from picockpt.op_times import measure_op_seconds
-    from picockpt.planner import least_budget, model_chain
+    from picockpt.planning.cost import HARDWARE, measured_rates, plan_priced, price_chain
+    from picockpt.planning.op_times import measure_op_seconds
+    from picockpt.planning.planner import least_budget, model_chain
     cfg = Config.from_preset("small", attention="fused", dtype="bf16")
     profile = measure_op_seconds(cfg, 4, 256, "cuda", repeats=3)
     assert profile.seconds and all(0 < lo <= profile.seconds[op] <= hi for op, (lo, hi) in profile.spread.items())

@@ -4,20 +4,20 @@ import sys
 
 import pytest
 
-from picockpt.fit import step_bytes
-from picockpt.inventory import predicted_peak_bytes, step_flops
+from picockpt.planning.fit import step_bytes
+from picockpt.planning.inventory import predicted_peak_bytes, step_flops
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_peak_bytes
-from picockpt.planner import least_budget, model_chain, plan_chain
-from picockpt.reproduce import LESSONS, run_percent
+from picockpt.planning.planner import least_budget, model_chain, plan_chain
+from picockpt.teaching.reproduce import LESSONS, run_percent
 
 sys.path.insert(0, str(LESSONS))
 from _explorer import (CAPACITIES, GIB, STORED, WORKING_T2_BYTES, Setup, cheapest_fit, gib, headline,  # noqa: E402
                        memory_parts, model_config, model_state_by_stage, segment_curve, shape_of, stage_config,
                        working_margin, zero_text)
 from picockpt import Config, init_params, loss_and_grads  # noqa: E402
-from picockpt.measure import make_batch  # noqa: E402
+from picockpt.measurement.measure import make_batch  # noqa: E402
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms  # noqa: E402
-from picockpt.tracker import Tracker  # noqa: E402
+from picockpt.measurement.tracker import Tracker  # noqa: E402
 from picockpt.parallel import Layout
 
 

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.attention_flops import ATTENTION_FLOPS
-from picockpt.config import PRESETS
-from picockpt.formulas import (GIB, PLAYBOOK_PUBLISHED_GIB, PLAYBOOK_WIDGET_PRESET, chen_memory, chen_optimum,
+from picockpt.model.attention_flops import ATTENTION_FLOPS
+from picockpt.model.config import PRESETS
+from picockpt.planning.formulas import (GIB, PLAYBOOK_PUBLISHED_GIB, PLAYBOOK_WIDGET_PRESET, chen_memory, chen_optimum,
                                exact_segment_curve, korthikanti_flops, korthikanti_layer_bytes,
                                playbook_activation_bytes, playbook_widget_bytes)
-from picockpt.inventory import chain_sizes, layer_inventory, step_flops, total
-from picockpt.measure import make_batch, measured_inventory
-from picockpt.policy import SELECTIVE
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import chain_sizes, layer_inventory, step_flops, total
+from picockpt.measurement.measure import make_batch, measured_inventory
+from picockpt.recompute.policy import SELECTIVE
+from picockpt.measurement.tracker import Tracker
 
 
 @pytest.fixture
@@ -159,8 +159,8 @@ def test_the_trackers_flops_are_flop_counter_modes(one_thread):
     decompositions): the same totals as FlopCounterMode, for picockpt's engine under every attention kind and
     with experts, and for an nn.Module model under autograd, plain and with torch.utils.checkpoint."""
     from torch.utils.flop_counter import FlopCounterMode
-    from picockpt.peers import autograd, per_layer
-    from picockpt.reference import ReferenceLlama
+    from picockpt.measurement.peers import autograd, per_layer
+    from picockpt.measurement.reference import ReferenceLlama
     base = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, max_seq=64)
     kinds = [dict(dtype="float64", dropout=0.1), dict(attention="tiled", attention_tile=4),
              dict(attention="fused", loss_chunk=5), dict(experts=4, experts_per_token=2)]

@@ -1,4 +1,4 @@
-"""Framework switches (picockpt/frameworks.py): predict --search --framework ranks only the layouts that framework
+"""Framework switches (picockpt/planning/frameworks.py): predict --search --framework ranks only the layouts that framework
 can run, every choice in its table has a source, and an unknown framework is refused."""
 import json
 
@@ -6,10 +6,10 @@ import pytest
 
 from picockpt import Config
 from picockpt.cli import main
-from picockpt.cost import HARDWARE
-from picockpt.frameworks import FRAMEWORKS
-from picockpt.layout_memory import ZERO_STAGES
-from picockpt.layout_search import LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, distinct_splits, rank_of, search
+from picockpt.planning.cost import HARDWARE
+from picockpt.planning.frameworks import FRAMEWORKS
+from picockpt.planning.layout_memory import ZERO_STAGES
+from picockpt.planning.layout_search import LLAMA3_405B_TABLE_4, POLICIES, SCHEDULES, distinct_splits, rank_of, search
 
 CFG = Config.from_preset("tiny", attention="fused", layers=4)
 H100 = HARDWARE["h100"]

@@ -12,7 +12,7 @@ from picockpt import Config
 from picockpt.ops.attention_fused import check_fused, fused_attention_backward, fused_attention_forward
 from picockpt.parallel.context_parallel.cp_check import check_context_parallel
 from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, layer_comm_bytes
-from picockpt.reproduce import load
+from picockpt.teaching.reproduce import load
 
 CUDA = torch.device("cuda")  # a device object: nothing is allocated on it
 LESSONS = Path(__file__).resolve().parents[1] / "lessons"

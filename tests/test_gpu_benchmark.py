@@ -10,10 +10,10 @@ from commands import picockpt
 from lessons import gpu_benchmark  # puts lessons/ on the path: _gpu_criteria
 from picockpt import Config, init_params
 from picockpt.device import resolve_device
-from picockpt.inventory import step_flops
-from picockpt.measure import make_batch
-from picockpt.reference import ReferenceLlama
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import step_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.measurement.reference import ReferenceLlama
+from picockpt.measurement.tracker import Tracker
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -162,7 +162,7 @@ def test_tracker_matches_the_cuda_allocator_within_5_percent():
 
 @needs_cuda
 def test_memory_snapshot_records_one_step(tmp_path):
-    from picockpt.snapshot import record_snapshot
+    from picockpt.measurement.snapshot import record_snapshot
     path = tmp_path / "step.pickle"
     cfg = Config.from_preset("small", dtype="bf16")
     record_snapshot(path, cfg, "full", batch=2, seq=64, device=resolve_device("cuda"), log=None)

@@ -1,4 +1,4 @@
-"""The layout search (picockpt/layout_search.py): its memory is the closed forms the parallel runs are checked
+"""The layout search (picockpt/planning/layout_search.py): its memory is the closed forms the parallel runs are checked
 against, its ranking is by the modelled step, and predict --search refuses what it would ignore."""
 import json
 
@@ -6,10 +6,10 @@ import pytest
 
 from picockpt import Config
 from picockpt.cli import main
-from picockpt.cost import HARDWARE
-from picockpt.layout_memory import (model_state_bytes, reserve_bytes, split_layers, stage_activation_bytes, stage_bytes,
+from picockpt.planning.cost import HARDWARE
+from picockpt.planning.layout_memory import (model_state_bytes, reserve_bytes, split_layers, stage_activation_bytes, stage_bytes,
                                     stage_params)
-from picockpt.layout_search import LLAMA3_405B_TABLE_4, rank_of, search
+from picockpt.planning.layout_search import LLAMA3_405B_TABLE_4, rank_of, search
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_peak_bytes
 from picockpt.parallel import Layout
@@ -105,7 +105,7 @@ def test_predict_search_refuses_with_the_flag(flags, message, capsys):
 def test_zb_h1_holds_what_its_waiting_weight_passes_read():
     """Against 1F1B, ZB-H1 leaves stage 0's activations as they are and adds, on stage s, s waiting W's of its layers
     (pp_orders.w_pending_bytes), and fills the bubble to a third of 1F1B's."""
-    from picockpt.layout_search import evaluate
+    from picockpt.planning.layout_search import evaluate
     from picockpt.parallel.pipeline_parallel.pp_orders import w_pending_bytes
     hw, cfg = HARDWARE["h100"], CFG.replace(dtype="bfloat16")
     counts = split_layers(cfg.layers, 2)

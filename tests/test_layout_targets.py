@@ -16,8 +16,8 @@ compute at datasheet rates); the first TP4 or TP8 split with 4 to 8 stages is 5t
 import pytest
 
 from picockpt import Config
-from picockpt.cost import HARDWARE
-from picockpt.layout_search import LLAMA3_405B_TABLE_4, distinct_splits, rank_of, search, split_of
+from picockpt.planning.cost import HARDWARE
+from picockpt.planning.layout_search import LLAMA3_405B_TABLE_4, distinct_splits, rank_of, search, split_of
 
 H100 = HARDWARE["h100"]
 GIB = 2**30

@@ -5,11 +5,11 @@ recomputation the way the paper shards it."""
 import pytest
 
 from picockpt import Config
-from picockpt.collectives import collective_seconds
-from picockpt.cost import HARDWARE, layer_ops, roofline_seconds
-from picockpt.layout_memory import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, reserve_bytes, split_layers, stage_bytes
-from picockpt.layout_search import evaluate, runs
-from picockpt.layout_time import Model, microbatch_seconds
+from picockpt.planning.collectives import collective_seconds
+from picockpt.planning.cost import HARDWARE, layer_ops, roofline_seconds
+from picockpt.planning.layout_memory import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, reserve_bytes, split_layers, stage_bytes
+from picockpt.planning.layout_search import evaluate, runs
+from picockpt.planning.layout_time import Model, microbatch_seconds
 from picockpt.parallel import Layout
 
 H100 = HARDWARE["h100"]

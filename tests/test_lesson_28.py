@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from picockpt import init_params, loss_and_grads
-from picockpt.cost import HARDWARE, head_ops, layer_ops, price_chain, roofline_op_seconds
-from picockpt.measure import make_batch
-from picockpt.planner import model_chain
-from picockpt.reproduce import LESSONS, checks, load, run_percent
-from picockpt.tracker import Tracker
+from picockpt.planning.cost import HARDWARE, head_ops, layer_ops, price_chain, roofline_op_seconds
+from picockpt.measurement.measure import make_batch
+from picockpt.planning.planner import model_chain
+from picockpt.teaching.reproduce import LESSONS, checks, load, run_percent
+from picockpt.measurement.tracker import Tracker
 
 PATH = next(LESSONS.glob("28_*.py"))
 CPU_LIKE = replace(HARDWARE["h100"], name="cpu-like", matmul=2e11, memory=2e10,

@@ -13,13 +13,14 @@ import statistics
 
 import pytest
 
-from picockpt import Config, collectives
-from picockpt.collectives import algorithm_seconds
-from picockpt.cost import HARDWARE, bubble_idle, layer_ops
-from picockpt.layout_memory import ZERO_STAGES
-from picockpt.layout_search import POLICIES, SCHEDULES, evaluate, search
-from picockpt.notebooks import cells
-from picockpt.reproduce import LESSONS, load
+from picockpt import Config
+from picockpt.planning import collectives
+from picockpt.planning.collectives import algorithm_seconds
+from picockpt.planning.cost import HARDWARE, bubble_idle, layer_ops
+from picockpt.planning.layout_memory import ZERO_STAGES
+from picockpt.planning.layout_search import POLICIES, SCHEDULES, evaluate, search
+from picockpt.teaching.notebooks import cells
+from picockpt.teaching.reproduce import LESSONS, load
 from picockpt.parallel import Layout
 
 PATH = next(LESSONS.glob("29_*.py"))

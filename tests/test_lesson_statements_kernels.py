@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from picockpt import Config
-from picockpt.reproduce import load
+from picockpt.teaching.reproduce import load
 from test_lesson_statements_time import lesson_path, prose  # one reading of a lesson's markdown for both files
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

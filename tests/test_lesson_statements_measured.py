@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from picockpt.reproduce import LESSONS, load
+from picockpt.teaching.reproduce import LESSONS, load
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -166,8 +166,8 @@ def test_interleaved_seconds_runs_each_setup_untimed_just_before_its_step():
 
 def test_the_two_timed_rebuilds_are_the_same_flops_and_bytes():
     lesson = load(next(LESSONS.glob("24_*.py")))
-    from picockpt.inventory import predicted_peak_bytes, rebuild_flops, step_flops
-    from picockpt.schedule import MOE, SHARED_EXPERTS
+    from picockpt.planning.inventory import predicted_peak_bytes, rebuild_flops, step_flops
+    from picockpt.recompute.schedule import MOE, SHARED_EXPERTS
     cfg = lesson.small(layers=2, experts=4, attention="fused")
     timing, facts, shared = lesson.rebuild_timing(cfg, 2, 32, torch.device("cpu"), 0, 1)
     assert shared.shared_expert_ffn == cfg.experts_per_token * cfg.ffn
@@ -185,7 +185,7 @@ def test_the_two_timed_rebuilds_are_the_same_flops_and_bytes():
 def cheap_share(cfg, batch, seq, hardware):
     """(FLOPs, roofline seconds) of what `cheap` adds to a layer's rebuilds, the seconds as a share of the layer's
     roofline forward."""
-    from picockpt.cost import FORWARD_EXCLUDES, layer_ops, rebuild_seconds, roofline_op_seconds
+    from picockpt.planning.cost import FORWARD_EXCLUDES, layer_ops, rebuild_seconds, roofline_op_seconds
     seconds = roofline_op_seconds(cfg, batch, seq, hardware)
     ops = {op.name: op for op in layer_ops(cfg, batch, seq)}
     forward = sum(seconds[name] for name in ops if name not in FORWARD_EXCLUDES)
@@ -196,7 +196,7 @@ def cheap_share(cfg, batch, seq, hardware):
 
 def test_28s_shape_makes_the_elementwise_rebuilds_a_larger_share_at_zero_flops():
     from dataclasses import replace
-    from picockpt.cost import HARDWARE
+    from picockpt.planning.cost import HARDWARE
     lesson = load(next(LESSONS.glob("28_*.py")))
     cpu_like = replace(HARDWARE["h100"], name="cpu-like", matmul=2e11, memory=2e10)
     cfg, batch, seq, *_ = lesson.shape("cpu")

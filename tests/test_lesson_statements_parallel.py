@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from picockpt import Config
-from picockpt.cost import bubble_idle
+from picockpt.planning.cost import bubble_idle
 from picockpt.parallel.context_parallel.cp_inventory import cp_peak_bytes, rank_attention_flops
 from picockpt.parallel.data_parallel import fsdp_peer
 from picockpt.parallel.pipeline_parallel.pp_schedules import SCHEDULES, stage_layers
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
-from picockpt.reproduce import load
+from picockpt.teaching.reproduce import load
 
 LESSONS = pathlib.Path(__file__).resolve().parents[1] / "lessons"
 SEQ = 131072  # lesson 18's Llama 3 sequence

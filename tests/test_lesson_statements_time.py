@@ -1,5 +1,5 @@
 """What lessons 20 to 23 and the README say about time, links and number formats, read from their text
-and checked against picockpt's code and picockpt/hardware.py, so that a corrected statement cannot quietly
+and checked against picockpt's code and picockpt/planning/hardware.py, so that a corrected statement cannot quietly
 come back: an offloaded tensor's two copies, fp8's error bound and its subnormals, Megatron's overlap of
 tensor-parallel collectives, what recomputation does to a data-parallel step, the sources cited, and one
 place for every link and device number.
@@ -12,9 +12,10 @@ import re
 import pytest
 import torch
 
-from picockpt import Config, hardware
-from picockpt.notebooks import cells
-from picockpt.reproduce import LESSONS, load
+from picockpt import Config
+from picockpt.planning import hardware
+from picockpt.teaching.notebooks import cells
+from picockpt.teaching.reproduce import LESSONS, load
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 HARDWARE = {name: value for name, value in vars(hardware).items() if name.isupper()}  # every number it holds
@@ -72,7 +73,7 @@ def test_no_lesson_or_module_restates_a_hardware_number():
     figures = {name: value for name, value in HARDWARE.items()} | {f"2 x {n}": 2 * v for n, v in HARDWARE.items()}
     files = sorted(LESSONS.glob("*.py")) + [p for p in sorted((REPO / "picockpt").rglob("*.py"))
                                             if p.name != "hardware.py"]
-    found = [f"{path.relative_to(REPO)}:{line}: {value:g} is {name} ({figure:g}): import it from picockpt.hardware"
+    found = [f"{path.relative_to(REPO)}:{line}: {value:g} is {name} ({figure:g}): import it from picockpt.planning.hardware"
              for path in files for line, value in literal_numbers(path)
              if abs(value) >= 1e9 and not math.log10(abs(value)).is_integer()
              for name, figure in figures.items() if math.isclose(value, figure, rel_tol=0.02)]

@@ -23,10 +23,10 @@ import torch
 
 from commands import picockpt
 from picockpt import Config, init_params
-from picockpt.inventory import chain_sizes, predicted_peak_bytes, step_flops
-from picockpt.measure import make_batch
-from picockpt.plotting import phase_spans
-from picockpt.reproduce import LESSONS, checks, discover, kind, load, run_lesson, run_percent
+from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes, step_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.plotting import phase_spans
+from picockpt.teaching.reproduce import LESSONS, checks, discover, kind, load, run_lesson, run_percent
 
 SCRIPTS = discover(kinds=(".py",))
 PERCENT = [path for path in SCRIPTS if kind(path) == "percent"]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from picockpt import Config
-from picockpt.cpu_caches import SYSFS, TYPICAL, CacheSizes, from_lscpu, from_sysfs, parse_size, read_cache_sizes
-from picockpt.hardware import H100_SXM_BF16, H100_SXM_HBM
+from picockpt.measurement.cpu_caches import SYSFS, TYPICAL, CacheSizes, from_lscpu, from_sysfs, parse_size, read_cache_sizes
+from picockpt.planning.hardware import H100_SXM_BF16, H100_SXM_HBM
 from picockpt.ops.rmsnorm import rmsnorm_apply
 from picockpt.ops.swiglu import swiglu_forward
-from picockpt.reproduce import LESSONS, load
+from picockpt.teaching.reproduce import LESSONS, load
 
 LSCPU = """NAME ONE-SIZE ALL-SIZE WAYS TYPE        LEVEL SETS PHY-LINE COHERENCY-SIZE
 L1d     32768    65536    8 Data            1   64        1             64

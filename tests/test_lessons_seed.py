@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from picockpt import Config, init_params
-from picockpt.inventory import layer_inventory, predicted_peak_bytes, rebuild_flops
-from picockpt.measure import make_batch
-from picockpt.reproduce import LESSONS, load
+from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, rebuild_flops
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.reproduce import LESSONS, load
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

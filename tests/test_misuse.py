@@ -18,15 +18,16 @@ import pytest
 import torch
 
 from commands import picockpt as run_command
-from picockpt import Config, init_params, peers
+from picockpt import Config, init_params
+from picockpt.measurement import peers
 from picockpt.cli import main
-from picockpt.fit import WORKING_COPIES, check_fits, step_bytes
-from picockpt.inventory import layer_flops, predicted_peak_bytes
-from picockpt.measure import make_batch
-from picockpt.plotting import FAST_FIGURES, REPO, save_figure
-from picockpt.reference import ReferenceLlama
-from picockpt.tracker import Tracker
-from picockpt.train import MarkovTask, train
+from picockpt.planning.fit import WORKING_COPIES, check_fits, step_bytes
+from picockpt.planning.inventory import layer_flops, predicted_peak_bytes
+from picockpt.measurement.measure import make_batch
+from picockpt.teaching.plotting import FAST_FIGURES, REPO, save_figure
+from picockpt.measurement.reference import ReferenceLlama
+from picockpt.measurement.tracker import Tracker
+from picockpt.measurement.train import MarkovTask, train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a lesson's own process
 
@@ -232,7 +233,7 @@ def test_a_step_that_cannot_fit_is_refused_with_the_numbers(command):
 
 
 def test_the_advice_names_a_policy_only_when_it_fits(monkeypatch):
-    monkeypatch.setattr("picockpt.fit.available_bytes", lambda device: (20 * 2**30, "available RAM"))
+    monkeypatch.setattr("picockpt.planning.fit.available_bytes", lambda device: (20 * 2**30, "available RAM"))
     cfg, cpu = Config.from_preset("small", max_seq=4096), torch.device("cpu")
     need = {policy: sum(step_bytes(cfg, 16, 4096, policy)[k] for k in ("state", "stored", "working"))
             for policy in ("none", "full+selective")}
@@ -245,7 +246,7 @@ def test_the_advice_names_a_policy_only_when_it_fits(monkeypatch):
                                      f"{stored / 2**30:.2f} GiB here, and fits)")
     assert need["full+selective"] < 20 * 2**30
     check_fits(cfg, cpu, 16, 4096, "full+selective")  # which it does
-    monkeypatch.setattr("picockpt.fit.available_bytes", lambda device: (10 * 2**30, "available RAM"))
+    monkeypatch.setattr("picockpt.planning.fit.available_bytes", lambda device: (10 * 2**30, "available RAM"))
     with pytest.raises(ValueError) as error:  # now full+selective does not fit either (its scores' working memory)
         check_fits(cfg, cpu, 16, 4096, "none")
     assert str(error.value).endswith(f"To fit, use a smaller --batch or --seq (a recomputation policy is not enough: "
@@ -315,8 +316,8 @@ def test_ctrl_c_stops_reproduce_with_exit_code_130(kind, tmp_path):
     (lessons / "02_after.py").write_text(AFTER_SCRIPT)
     runner = textwrap.dedent(f"""
         import pathlib, sys
-        import picockpt.reproduce
-        picockpt.reproduce.LESSONS = pathlib.Path({str(lessons)!r})
+        import picockpt.teaching.reproduce
+        picockpt.teaching.reproduce.LESSONS = pathlib.Path({str(lessons)!r})
         from picockpt.cli import main
         sys.exit(main(["reproduce", "--device", "cpu"]))""")
     process = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -385,7 +386,7 @@ def test_memory_allocated_is_read_only_for_the_cuda_timeline(timeline, monkeypat
 def test_a_multi_rank_part_on_fewer_gpus_than_ranks_runs_on_gloo_and_says_so(monkeypatch, capsys):
     """reproduce --device cuda on one GPU: lessons 14, 16 and 17 plan their 4-, 2- and 2-rank parts from
     torch.cuda.device_count() (mocked to 1 here) and run them on the CPU over gloo, saying so in one line."""
-    from picockpt.reproduce import rank_device
+    from picockpt.teaching.reproduce import rank_device
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     device, note = rank_device("cuda", 2)
     assert device == torch.device("cpu")

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from picockpt import loss_and_grads, param_shapes
-from picockpt import peers
-from picockpt.inventory import head_inventory, layer_inventory, predicted_peak_bytes
-from picockpt.measure import measured_inventory
-from picockpt.reference import ReferenceLlama
-from picockpt.tracker import Tracker
+from picockpt.measurement import peers
+from picockpt.planning.inventory import head_inventory, layer_inventory, predicted_peak_bytes
+from picockpt.measurement.measure import measured_inventory
+from picockpt.measurement.reference import ReferenceLlama
+from picockpt.measurement.tracker import Tracker
 
 from commands import picockpt as run_command
 from conftest import setup
@@ -111,7 +111,7 @@ def test_stored_bytes_equal_the_closed_form(dtype):
     closed.update({(None, name): row for name, row in head_inventory(cfg, 2, 24).items()})
     assert {key: measured[key] for key in closed} == {key: nbytes for key, (_, _, nbytes) in closed.items()}
     assert closed[(0, "attn.q")][1] == dtype and closed[(0, "attn_norm.rstd")][1] == "float32"
-    planner = importlib.util.find_spec("picockpt.planner") is not None
+    planner = importlib.util.find_spec("picockpt.planning.planner") is not None
     for policy in POLICIES + (["budget:100KiB"] if planner else []):
         with Tracker(physical=False, flops=False) as tracker:  # the store's bytes only
             loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
@@ -138,7 +138,7 @@ def test_reference_casts_each_weight_once_per_step():
 
 def test_peers_and_bridge_give_autograd_gradients_bitwise_in_bf16():
     """The shared 16-bit copies carry every gradient back to the fp32 weights, checkpointed or not."""
-    from picockpt.bridge import segmented_backward
+    from picockpt.recompute.bridge import segmented_backward
     cfg, params, ids, targets = setup(batch=2, seq=19, layers=4, dtype="bfloat16", dropout=0.1)
     model = ReferenceLlama(cfg, params)
 

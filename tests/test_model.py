@@ -4,7 +4,7 @@ import torch
 from torch.testing import assert_close
 
 from picockpt import loss_and_grads
-from picockpt.reference import ReferenceLlama
+from picockpt.measurement.reference import ReferenceLlama
 
 from conftest import setup
 

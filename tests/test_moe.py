@@ -5,12 +5,12 @@ import torch
 from torch.testing import assert_close
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import layer_inventory, predicted_peak_bytes
-from picockpt.measure import make_batch
-from picockpt.routing import step_routing
-from picockpt.params import param_shapes
-from picockpt.policy import parse_policy
-from picockpt.reference import ReferenceLlama
+from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes
+from picockpt.measurement.measure import make_batch
+from picockpt.model.routing import step_routing
+from picockpt.model.params import param_shapes
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.reference import ReferenceLlama
 from conftest import random_norms
 
 transformers = pytest.importorskip("transformers")

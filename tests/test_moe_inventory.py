@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import (balanced_counts, counts_from_puts, expert_bytes, layer_inventory, predicted_peak_bytes,
+from picockpt.planning.inventory import (balanced_counts, counts_from_puts, expert_bytes, layer_inventory, predicted_peak_bytes,
                                 step_flops, total)
-from picockpt.measure import PutRecorder
-from picockpt.routing import route_by_token, step_routing, token_counts
-from picockpt.planner import plan_model
-from picockpt.policy import parse_policy
-from picockpt.tracker import Tracker
+from picockpt.measurement.measure import PutRecorder
+from picockpt.model.routing import route_by_token, step_routing, token_counts
+from picockpt.planning.planner import plan_model
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.tracker import Tracker
 
 B, T = 2, 16  # N = 32 tokens
 

@@ -17,9 +17,9 @@ import textwrap
 import nbformat
 import pytest
 
-from picockpt.notebooks import ARGS_VARIABLE, Cell, cells, differences, execute, notebook, write
-from picockpt.plotting import REPO
-from picockpt.reproduce import LESSONS, discover, kind
+from picockpt.teaching.notebooks import ARGS_VARIABLE, Cell, cells, differences, execute, notebook, write
+from picockpt.teaching.plotting import REPO
+from picockpt.teaching.reproduce import LESSONS, discover, kind
 
 PERCENT = [path for path in discover(kinds=(".py",)) if kind(path) == "percent"]
 CELL_TIMEOUT_S = 120        # one notebook cell
@@ -183,8 +183,8 @@ def test_the_notebooks_command_writes_executes_and_checks(tmp_path):
                                         f"print('flags:', repr(os.environ['{ARGS_VARIABLE}']))\n")
     runner = textwrap.dedent(f"""
         import pathlib, sys
-        import picockpt.reproduce
-        picockpt.reproduce.LESSONS = pathlib.Path({str(lessons)!r})
+        import picockpt.teaching.reproduce
+        picockpt.teaching.reproduce.LESSONS = pathlib.Path({str(lessons)!r})
         from picockpt.cli import main
         sys.exit(main(sys.argv[1:]))""")
 

@@ -1,4 +1,4 @@
-"""Offloading to host memory (picockpt/offload.py, store.py, host_walk.py, planner_offload.py): exactness against none,
+"""Offloading to host memory (picockpt/recompute/offload.py, store.py, host_walk.py, planner_offload.py): exactness against none,
 byte-exact device and host peaks against their closed forms, the three-action planner, clear errors."""
 import json
 
@@ -7,15 +7,15 @@ import torch
 
 from picockpt import ActivationStore, Config, init_params, loss_and_grads
 from picockpt.cli import main
-from picockpt.engine import Model, Step
-from picockpt.inventory import chain_sizes, predicted_host_bytes, predicted_peak_bytes
-from picockpt.measure import make_batch, measure_policy
-from picockpt.offload import HostTier
-from picockpt.planner import least_budget, model_chain
-from picockpt.host_walk import check_rates, model_costs, walk
-from picockpt.planner_offload import plan_offload
-from picockpt.policy import parse_policy
-from picockpt.tracker import Tracker
+from picockpt.recompute.engine import Model, Step
+from picockpt.planning.inventory import chain_sizes, predicted_host_bytes, predicted_peak_bytes
+from picockpt.measurement.measure import make_batch, measure_policy
+from picockpt.recompute.offload import HostTier
+from picockpt.planning.planner import least_budget, model_chain
+from picockpt.planning.host_walk import check_rates, model_costs, walk
+from picockpt.planning.planner_offload import plan_offload
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.tracker import Tracker
 
 B, T = 2, 16
 POLICIES = ("offload", "none+offload", "every:2+offload", "offload:mlp.gate,mlp.up", "cheap+offload",
@@ -150,7 +150,7 @@ def test_plan_cli_refuses_a_zero_bandwidth(capsys):
 
 
 def test_compare_puts_save_on_cpu_beside_the_offload_policies():
-    from picockpt.compare import compare
+    from picockpt.measurement.compare import compare
     names = ["picockpt full+offload", "picockpt none+offload", "autograd + save_on_cpu",
              "torch checkpoint per layer + save_on_cpu"]
     rows = {r["name"]: r for r in compare(Config.from_preset("tiny"), 2, 16, repeats=1, log=None, only=names)}

@@ -16,7 +16,7 @@ from picockpt.parallel import (all_reduce_grads, all_to_all_backward, all_to_all
                                gather_sequence_backward, gather_sequence_forward, reduce_from_parallel_backward,
                                reduce_from_parallel_forward, run_ranks, scatter_sequence_backward,
                                scatter_sequence_forward, split_sequence_backward, split_sequence_forward)
-from picockpt.tracker import Tracker
+from picockpt.measurement.tracker import Tracker
 
 B, N, H = 2, 3, 4  # batch, sequence positions per rank (T = N * world size), hidden
 # ranks forked from a helper that imported torch once: ~0.1 s a run instead of ~1 s of CPU a rank

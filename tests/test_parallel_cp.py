@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.ops.attention_tiled import tiled_attention_backward, tiled_attention_forward
 from picockpt.parallel.context_parallel.cp_attention import gathered_attention_backward, gathered_attention_forward
@@ -227,7 +227,7 @@ def test_a_budget_plans_with_the_ring_a_recomputed_layer_repeats():
     are refused under cp) shows the trade: fewer layers recomputed for more FLOPs, within the same budget."""
     from picockpt.parallel.context_parallel.cp_inventory import recompute_comm_flops
     from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
-    from picockpt.planner import least_budget
+    from picockpt.planning.planner import least_budget
 
     def plans(cfg, n):
         ring = recompute_comm_flops(cfg, BATCH, 2 * n, 2)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.measure import make_batch
-from picockpt.routing import route_by_token, step_routing
+from picockpt.measurement.measure import make_batch
+from picockpt.model.routing import route_by_token, step_routing
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.expert_parallel.ep_inventory import ep_layer_inventory
 

@@ -9,17 +9,17 @@ import torch
 
 from picockpt import Config, init_params
 from picockpt.cli import main
-from picockpt.engine import Step
-from picockpt.measure import make_batch
-from picockpt.moe import route
-from picockpt.routing import step_routing
+from picockpt.recompute.engine import Step
+from picockpt.measurement.measure import make_batch
+from picockpt.model.moe import route
+from picockpt.model.routing import step_routing
 from picockpt.ops.router import combine_weights
-from picockpt.params import layer_key, layer_weights
+from picockpt.model.params import layer_key, layer_weights
 from picockpt.parallel import loss_and_grads, run_ranks
 from picockpt.parallel.expert_parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
 from picockpt.parallel.expert_parallel.ep_model import apply_expert_parallel
 from picockpt.parallel.rank_model import RankModel
-from picockpt.policy import parse_policy
+from picockpt.recompute.policy import parse_policy
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 from conftest import split_layout

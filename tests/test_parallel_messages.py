@@ -14,7 +14,7 @@ from picockpt import parallel
 from picockpt.cli import main
 from picockpt.cli import parallel_run
 from picockpt.cli.parallel_run import LAYOUT, as_flags, rank_failure
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import RankError, run_ranks
 from picockpt.parallel.layout import Layout
 from picockpt.parallel.watch import Terminated

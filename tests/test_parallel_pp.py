@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import chain_sizes
-from picockpt.measure import make_batch
+from picockpt.planning.inventory import chain_sizes
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms, stage_chain, uniform_schedules
 from picockpt.parallel.pipeline_parallel.pp_schedules import bubble_fraction, stage_layers, unequal_bubble
 from picockpt.parallel.pipeline_parallel.pp_plan import end_of_forward_bytes
-from picockpt.planner import replay
+from picockpt.planning.planner import replay
 
 from nccl_order import nccl_order_completes
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -181,7 +181,7 @@ def test_every_stage_stores_exactly_its_closed_form(launch):
 
 @pytest.mark.ranks
 def test_the_closed_form_is_in_flight_copies_of_the_layer_inventory(launch):
-    """Written from picockpt/inventory.py, not pp_inventory.py: under 'none' a micro-batch of b sequences
+    """Written from picockpt/planning/inventory.py, not pp_inventory.py: under 'none' a micro-batch of b sequences
     stores n A (+ F on the last stage), and a stage holds w of them, w = M (AFAB) or min(P - s, M) (1F1B)."""
     _, runs, _ = launch
     for _, job, _, _, _, reports in runs:

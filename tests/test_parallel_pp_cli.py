@@ -9,7 +9,7 @@ import torch
 
 from picockpt import Config, init_params
 from picockpt.cli import main
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, loss_and_grads, ParallelJob, run_jobs, run_ranks
 from picockpt.parallel.job import checked_job, on_cpu
 from picockpt.parallel.rank import rank_steps

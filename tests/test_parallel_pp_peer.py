@@ -14,9 +14,9 @@ import re
 import pytest
 
 from picockpt import loss_and_grads
-from picockpt.config import Config
-from picockpt.measure import make_batch
-from picockpt.params import init_params
+from picockpt.model.config import Config
+from picockpt.measurement.measure import make_batch
+from picockpt.model.params import init_params
 from picockpt.parallel.launch import run_ranks
 from picockpt.parallel.pipeline_parallel.pipelining_peer import SCHEDULES, pipelining_rank_steps
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import chain_sizes
-from picockpt.measure import make_batch
+from picockpt.planning.inventory import chain_sizes
+from picockpt.measurement.measure import make_batch
 from picockpt.ops.linear import WeightGrad, deferred_weight_grads, linear_backward, weight_grad
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.job import checked_job, closed_forms
@@ -117,7 +117,7 @@ def test_every_rank_equals_its_closed_forms(launch):
 
 @pytest.mark.ranks
 def test_under_none_the_peak_is_the_inventory_walked_along_the_order(launch):
-    """Written from picockpt/inventory.py and the order alone: a micro-batch-chunk of n layers holds n A (+ F with
+    """Written from picockpt/planning/inventory.py and the order alone: a micro-batch-chunk of n layers holds n A (+ F with
     the head) from its F to its B; under ZB-H1 it holds n w_pending_bytes from its B to its W instead."""
     for job, _, _, _, reports in launch:
         if job.policy != "none" or job.layout.tp > 1:

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import ParallelJob
-from picockpt.params import EMBED
+from picockpt.model.params import EMBED
 from picockpt.parallel.step import run_collected
 from picockpt.parallel.tensor_parallel.tp_shard import shard_params
-from picockpt.train import make_optimizer, train_step
+from picockpt.measurement.train import make_optimizer, train_step
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 from picockpt.parallel import Layout
@@ -110,7 +110,7 @@ def launched():
 @pytest.mark.ranks
 def test_training_a_stacked_layout_equals_training_in_one_process(launched):
     """zero_train's job (ParallelJob with batches: one AdamW step on each) on ZeRO-3 x tp x sp: every step's loss
-    and the parameters after 2 steps as picockpt/train.py's train_step reaches them (fp64, rel 1e-10)."""
+    and the parameters after 2 steps as picockpt/measurement/train.py's train_step reaches them (fp64, rel 1e-10)."""
     run = dict((case[0], run) for case, run in launched)["training"]
     cfg, params, *_ = model("dense")
     trained = {key: tensor.clone() for key, tensor in params.items()}

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_peak_bytes
-from picockpt.planner import least_budget
+from picockpt.planning.planner import least_budget
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 

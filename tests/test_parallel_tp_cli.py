@@ -15,8 +15,8 @@ import torch
 
 from picockpt import Config, init_params
 from picockpt.cli import main
-from picockpt.formulas import korthikanti_layer_bytes
-from picockpt.measure import make_batch
+from picockpt.planning.formulas import korthikanti_layer_bytes
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, loss_and_grads, ParallelJob, RankError, run_jobs, run_ranks
 from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, rank_peak_bytes
 from picockpt.parallel.job import on_cpu

@@ -3,7 +3,7 @@ loss and gradients (fp32 rel <= 1e-5), every policy bitwise equal to none within
 parameter, gradient, optimizer, activation and gathered bytes and its all-gathers / reduce-scatters per
 phase equal to their closed forms (picockpt/parallel/data_parallel/zero_inventory.py), keep_gathered's
 one gather fewer per recomputed layer, AdamW on the shards equal to the single process's after 3 steps,
-training on a new batch each step (zero_train) equal to picockpt/train.py's, and torch's FSDP2 beside it.
+training on a new batch each step (zero_train) equal to picockpt/measurement/train.py's, and torch's FSDP2 beside it.
 
 One launch of 2 ranks runs every dp=2 job and the training runs in turn (parallel.step.run_collected: the one rank
 step of every layout, rank.py), one of 4 ranks the dp=4 jobs; one launch of 2 ranks runs torch's FSDP2, both nestings of
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.inventory import predicted_peak_bytes
-from picockpt.measure import make_batch
+from picockpt.planning.inventory import predicted_peak_bytes
+from picockpt.measurement.measure import make_batch
 from picockpt.ops.cross_entropy import IGNORE_INDEX
-from picockpt.params import param_shapes
+from picockpt.model.params import param_shapes
 from picockpt.parallel import Layout, ParallelJob, run_ranks
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_step, fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_check import check_zero
@@ -29,7 +29,7 @@ from picockpt.parallel.data_parallel.zero_inventory import zero_paper_bytes
 from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
 from picockpt.parallel.predictions import zero_stage_forms
 from picockpt.parallel.step import run_collected
-from picockpt.train import MarkovTask, make_optimizer, train_step
+from picockpt.measurement.train import MarkovTask, make_optimizer, train_step
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -85,7 +85,7 @@ def jobs_for(dp):
 @functools.lru_cache(maxsize=None)
 def single(name, steps):
     """The single process on the whole batch: loss and gradients of the first step, params after `steps`
-    (picockpt/train.py's AdamW), and where its generator is then. The same for every job of a model."""
+    (picockpt/measurement/train.py's AdamW), and where its generator is then. The same for every job of a model."""
     j = job(name, "none", 1, 2, steps=steps)
     torch.set_rng_state(j.rng_state)
     loss, grads = loss_and_grads(j.params, j.cfg, j.input_ids, j.targets, "none")
@@ -308,7 +308,7 @@ def test_fsdp2_gathers_beside_picockpts(fsdp2_launched):
 @pytest.mark.ranks
 def test_training_with_zero_equals_training_in_one_process(launched):
     """zero_train's runs (stages 1, 2, 3; full with keep_gathered under 3; dropout; a new batch each step) against
-    picockpt/train.py's train_step and make_optimizer on the same batches, lr and weight decay, from the same
+    picockpt/measurement/train.py's train_step and make_optimizer on the same batches, lr and weight decay, from the same
     generator state: every step's loss and the parameters after 3 steps within fp64 rel 1e-10 (measured: the
     parameters 2.1e-15, the losses 2.1e-16), the last step's model state and bytes moved equal to their closed forms.
     Not bitwise: a rank's gradient is the sum over its B/2 rows, scaled by its share of the counted targets,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel.training import zero_train
 from picockpt.parallel import Layout
 

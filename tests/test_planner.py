@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from picockpt import loss_and_grads
-from picockpt.inventory import predicted_peak_bytes, step_flops
-from picockpt.planner import Stage, frontier, least_budget, model_chain, plan_chain, plan_model, replay
-from picockpt.planner_uniform import binomial_forward_steps, forward_steps_table, plan_uniform
-from picockpt.policy import parse_policy
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import predicted_peak_bytes, step_flops
+from picockpt.planning.planner import Stage, frontier, least_budget, model_chain, plan_chain, plan_model, replay
+from picockpt.planning.planner_uniform import binomial_forward_steps, forward_steps_table, plan_uniform
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.tracker import Tracker
 
 from commands import picockpt as run_command
 from conftest import setup

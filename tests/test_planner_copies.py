@@ -4,16 +4,16 @@ import pytest
 import torch
 
 from picockpt import loss_and_grads
-from picockpt.alloc_trace import live_peak, only, trace_of
+from picockpt.measurement.alloc_trace import live_peak, only, trace_of
 from picockpt.cli import main
-from picockpt.config import Config
-from picockpt.engine import Model
-from picockpt.params import copy_bytes
-from picockpt.planner import least_budget, model_chain
-from picockpt.planner_copies import layer_casts, layer_params, options, plan_copies
-from picockpt.planner_offload import plan_offload
-from picockpt.policy import parse_policy
-from picockpt.tracker import Tracker
+from picockpt.model.config import Config
+from picockpt.recompute.engine import Model
+from picockpt.model.params import copy_bytes
+from picockpt.planning.planner import least_budget, model_chain
+from picockpt.planning.planner_copies import layer_casts, layer_params, options, plan_copies
+from picockpt.planning.planner_offload import plan_offload
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.tracker import Tracker
 
 from conftest import setup
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from picockpt import loss_and_grads, parse_policy
-from picockpt.inventory import predicted_peak_bytes, step_flops
-from picockpt.tracker import Tracker
+from picockpt.planning.inventory import predicted_peak_bytes, step_flops
+from picockpt.measurement.tracker import Tracker
 
 from conftest import setup
 
@@ -32,7 +32,7 @@ def test_bitwise_equal_to_none(policy, dropout):
 def test_without_replaying_the_rng_recomputation_is_wrong(monkeypatch):
     """Recomputed dropout masks must equal the first ones; skip the replay and they do not."""
     import contextlib
-    from picockpt import engine
+    from picockpt.recompute import engine
     cfg, params, ids, targets = setup(batch=2, seq=19, layers=4, dropout=0.2)
     _, grads0 = run(cfg, params, ids, targets, "none")
     monkeypatch.setattr(engine, "replay_rng", lambda generator, state: contextlib.nullcontext())
@@ -92,7 +92,7 @@ def test_physical_peaks_are_in_the_order_a_reader_expects():
 
 
 def test_memory_is_flat_over_repeated_steps():
-    from picockpt.train import make_optimizer, train_step
+    from picockpt.measurement.train import make_optimizer, train_step
     cfg, params, ids, targets = setup(batch=2, seq=16, layers=3)
     optimizer = make_optimizer(params)
     retained, store_peaks = [], []
@@ -125,7 +125,7 @@ def test_policy_spellings():
 
 def test_a_policy_parsed_without_a_model_is_still_checked_where_it_meets_one():
     """Parsed once, passed on as a Policy: the model it reaches still refuses what does not fit it."""
-    from picockpt.policy import as_policy
+    from picockpt.recompute.policy import as_policy
     cfg, params, ids, targets = setup(layers=2)
     with pytest.raises(ValueError, match=r"C=9 is larger than the number of layers L=2"):
         loss_and_grads(params, cfg, ids, targets, parse_policy("every:9"))

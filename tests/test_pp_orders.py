@@ -4,7 +4,7 @@ micro-batch's forward, backward (and weight pass) once, in that order, without w
 import pytest
 
 from picockpt import Config
-from picockpt.cost import bubble_idle
+from picockpt.planning.cost import bubble_idle
 from picockpt.parallel.pipeline_parallel.pp_orders import one_f_one_b_orders, run_orders, w_pending_bytes
 from picockpt.parallel.pipeline_parallel.pp_schedules import bubble_fraction, in_flight, interleaved_actions, zb_h1_actions
 

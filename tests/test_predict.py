@@ -6,8 +6,8 @@ import pytest
 from commands import picockpt
 from picockpt import Config
 from picockpt.cli import main
-from picockpt.formulas import korthikanti_layer_bytes
-from picockpt.inventory import predicted_peak_bytes
+from picockpt.planning.formulas import korthikanti_layer_bytes
+from picockpt.planning.inventory import predicted_peak_bytes
 from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes
 from picockpt.parallel.data_parallel.zero_inventory import model_state_bytes, zero_paper_bytes, zero_paper_parts
 from picockpt.parallel import Layout

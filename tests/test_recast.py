@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from picockpt import loss_and_grads
-from picockpt.alloc_trace import live_peak, only, trace_of
-from picockpt.fit import step_bytes
-from picockpt.params import copy_bytes
-from picockpt.policy import parse_policy
-from picockpt.tracker import Tracker
+from picockpt.measurement.alloc_trace import live_peak, only, trace_of
+from picockpt.planning.fit import step_bytes
+from picockpt.model.params import copy_bytes
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.tracker import Tracker
 from picockpt.parallel import Layout
 
 from conftest import setup

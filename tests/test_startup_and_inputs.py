@@ -9,8 +9,8 @@ import time
 import pytest
 
 from picockpt import Config, init_params
-from picockpt.compare import compare
-from picockpt.train import MarkovTask, train
+from picockpt.measurement.compare import compare
+from picockpt.measurement.train import MarkovTask, train
 
 HF = {"model_type": "llama", "vocab_size": 100, "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 6,
       "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
@@ -58,7 +58,7 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
 
 @pytest.mark.parametrize("text", ["1.5", "1.5B", "0.25e1"])
 def test_a_size_of_a_fraction_of_a_byte_is_refused_not_rounded(text):
-    from picockpt.policy import parse_size
+    from picockpt.recompute.policy import parse_size
     with pytest.raises(ValueError, match="not a whole number of bytes: give a unit"):
         parse_size(text)
     assert parse_size("1.5KiB") == 1536 and parse_size("2.0") == 2

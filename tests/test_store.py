@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from picockpt import ActivationStore, Config
-from picockpt.inventory import head_inventory, layer_inventory
-from picockpt.measure import measured_inventory
-from picockpt.policy import CHEAP, SELECTIVE
+from picockpt.planning.inventory import head_inventory, layer_inventory
+from picockpt.measurement.measure import measured_inventory
+from picockpt.recompute.policy import CHEAP, SELECTIVE
 
 
 def test_views_are_counted_once():
@@ -64,7 +64,7 @@ def test_stored_bytes_per_layer_equal_the_closed_form(fields, batch, seq, drop_n
 
 
 def test_inventory_formula_by_hand():
-    # B=2, T=16, h=32, H=4, KV=2, hd=8, f=80, fp32: the table in picockpt/layer.py's docstring
+    # B=2, T=16, h=32, H=4, KV=2, hd=8, f=80, fp32: the table in picockpt/model/layer.py's docstring
     cfg = Config.from_preset("tiny")
     inv = {name: nbytes for name, (_, _, nbytes) in layer_inventory(cfg, 2, 16).items()}
     BTh, e = 2 * 16 * 32, 4

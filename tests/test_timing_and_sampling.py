@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from picockpt import Config, init_params
-from picockpt.engine import Model, Step
-from picockpt.measure import make_batch
+from picockpt.recompute.engine import Model, Step
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel.data_parallel import dp_comm
 from picockpt.parallel.timeline import StageMemory, Timeline
-from picockpt.policy import parse_policy
-from picockpt.tracker import Tracker
+from picockpt.recompute.policy import parse_policy
+from picockpt.measurement.tracker import Tracker
 from picockpt.parallel import Layout
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -252,7 +252,7 @@ def test_cuda_buckets_are_timed_by_events_in_the_streams_the_all_reduce_runs_in(
 
 def test_free_cuda_memory_counts_the_blocks_the_allocator_holds_unused(monkeypatch):
     from picockpt.device import available_bytes
-    from picockpt.fit import check_fits
+    from picockpt.planning.fit import check_fits
     cfg = Config.from_preset("tiny")
     need = cfg.num_params() * 16  # weights, gradients and AdamW's two moments, fp32
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 4096, 80 * 2**30))
@@ -268,8 +268,9 @@ def test_free_cuda_memory_counts_the_blocks_the_allocator_holds_unused(monkeypat
 # ---- offloading's host buffers come from a pool, reused by size ------------------------------------------------
 
 def test_offloaded_host_buffers_are_reused_and_the_host_bytes_stay_exact(monkeypatch):
-    from picockpt import host_pool, loss_and_grads
-    from picockpt.inventory import predicted_host_bytes
+    from picockpt import loss_and_grads
+    from picockpt.recompute import host_pool
+    from picockpt.planning.inventory import predicted_host_bytes
     monkeypatch.setattr(host_pool, "_POOLS", {})  # a fresh pool for this test
     cfg, params, ids, targets = tiled(layers=4)
     peaks = []
@@ -284,7 +285,7 @@ def test_offloaded_host_buffers_are_reused_and_the_host_bytes_stay_exact(monkeyp
 
 
 def test_a_pooled_buffer_is_taken_by_size_and_waits_for_its_last_read():
-    from picockpt.host_pool import MAX_SIZES, HostPool
+    from picockpt.recompute.host_pool import MAX_SIZES, HostPool
     pool = HostPool(pinned=False)
     first = pool.take((4, 8), torch.float32)
     done = object()  # what a CUDA tier gives back: the event of the copy that last read it

@@ -6,15 +6,15 @@ exceed 1 in every repeat. Here it is fed timings a loaded machine can give (more
 spread across 1) and must answer "inconclusive on this machine" with the exact work ratio; and each lesson
 that concludes from a time is run through its printing code with such a timing injected, which must print
 the inconclusive line and no conclusion. Each check also runs with a timing that does hold, so that the
-conclusion it forbids is shown to exist. Functions come from picockpt.reproduce.load: no experiment runs.
+conclusion it forbids is shown to exist. Functions come from picockpt.teaching.reproduce.load: no experiment runs.
 """
 import pathlib
 import sys
 
 import pytest
 
-from picockpt.inventory import step_flops
-from picockpt.reproduce import LESSONS, load
+from picockpt.planning.inventory import step_flops
+from picockpt.teaching.reproduce import LESSONS, load
 
 sys.path.insert(0, str(LESSONS))  # the lessons import _lesson by its bare name
 import _lesson  # noqa: E402

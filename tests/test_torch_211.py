@@ -1,7 +1,7 @@
 """What the first GPU run found, each as a class reproduced on the CPU: torch 2.11's surface simulated
 (tests/torch_211.py), CUDA's attention ops on meta tensors, and a second device inside a tracked step.
 
-- Attention FLOPs at the query's heads on any torch (picockpt/attention_flops.py), where torch < 2.12's own SDPA
+- Attention FLOPs at the query's heads on any torch (picockpt/model/attention_flops.py), where torch < 2.12's own SDPA
   formulas assert as many K/V heads as query heads: a fused grouped-query step, and the CUDA kernels on meta tensors.
 - The peers without the torch.distributed names new in 2.13 (FSDP2's all_gather_single) and under pipelining's
   stride checks (torch <= 2.11 always; here TORCH_DISTRIBUTED_DEBUG=DETAIL): their ranks spawned with the surface.
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.attention_flops import ATTENTION_FLOPS
+from picockpt.model.attention_flops import ATTENTION_FLOPS
 from picockpt.device import check_torch
-from picockpt.inventory import step_flops
-from picockpt.measure import make_batch
+from picockpt.planning.inventory import step_flops
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel.launch import run_ranks
-from picockpt.tracker import Tracker
+from picockpt.measurement.tracker import Tracker
 
 from commands import picockpt
 from processes import no_process_left_behind  # noqa: F401 (a fixture)

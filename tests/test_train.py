@@ -3,9 +3,9 @@ import torch
 
 from commands import picockpt
 from picockpt import Config, init_params
-from picockpt.params import param_shapes
-from picockpt.inventory import predicted_peak_bytes, step_flops
-from picockpt.train import MarkovTask, train
+from picockpt.model.params import param_shapes
+from picockpt.planning.inventory import predicted_peak_bytes, step_flops
+from picockpt.measurement.train import MarkovTask, train
 
 
 @pytest.mark.slow

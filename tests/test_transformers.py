@@ -4,7 +4,7 @@ import torch
 from torch.testing import assert_close
 
 from picockpt import Config, loss_and_grads
-from picockpt.reference import ReferenceLlama
+from picockpt.measurement.reference import ReferenceLlama
 from conftest import random_norms
 
 transformers = pytest.importorskip("transformers")

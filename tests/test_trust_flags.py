@@ -7,8 +7,8 @@ import pytest
 
 from commands import picockpt
 from picockpt import Config, init_params
-from picockpt.layout_search import divisors
-from picockpt.measure import make_batch
+from picockpt.planning.layout_search import divisors
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel.job import ParallelJob, checked_job
 from picockpt.parallel.pipeline_parallel.pp_plan import in_flight_peak
 from picockpt.parallel.pipeline_parallel.pp_schedules import actions

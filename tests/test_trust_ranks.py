@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from commands import picockpt
 from picockpt import Config, init_params
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 from picockpt.parallel import RankError, run_ranks
 from picockpt.parallel import Layout
 from picockpt.parallel.training import zero_train

@@ -4,11 +4,11 @@ import torch
 from torch.testing import assert_close
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.measure import make_batch
+from picockpt.measurement.measure import make_batch
 from picockpt.ops import embedding_backward
-from picockpt.policy import parse_size
-from picockpt.reference import ReferenceLlama
-from picockpt.tracker import Tracker
+from picockpt.recompute.policy import parse_size
+from picockpt.measurement.reference import ReferenceLlama
+from picockpt.measurement.tracker import Tracker
 
 transformers = pytest.importorskip("transformers")
 
@@ -246,7 +246,7 @@ def test_numpy_ids_are_named_as_numpy_arrays():
 
 @pytest.mark.parametrize("segment", [-1, 0, 2.0, True])
 def test_segmented_backward_refuses_a_segment_that_is_not_a_layer_count(segment):
-    from picockpt.bridge import segmented_backward
+    from picockpt.recompute.bridge import segmented_backward
     layers = [torch.nn.Linear(4, 4) for _ in range(3)]
     x = torch.randn(1, 2, 4, requires_grad=True)
     with pytest.raises(ValueError, match=rf"segment={segment!r}: the layers per recomputed segment must be a whole "
@@ -268,7 +268,7 @@ def test_init_params_checks_its_arguments(call, message):
 
 
 def test_route_by_token_keeps_the_embedding_s_device():
-    from picockpt.routing import route_by_token
+    from picockpt.model.routing import route_by_token
     cfg = Config.from_preset("tiny", experts=4, experts_per_token=2)
     params = route_by_token(init_params(cfg, device="meta"), cfg)  # meta stands in for cuda here
     assert {t.device.type for t in params.values()} == {"meta"}

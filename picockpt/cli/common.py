@@ -1,8 +1,8 @@
 """What every command shares: the shape flags, the device flag, numbers with units."""
-from ..config import ATTENTIONS, DTYPES, PRESETS, Config
+from ..model.config import ATTENTIONS, DTYPES, PRESETS, Config
 from ..device import resolve_device
-from ..measure import max_relative_diff  # noqa: F401 (the commands import it from here)
-from ..policy import parse_policy
+from ..measurement.measure import max_relative_diff  # noqa: F401 (the commands import it from here)
+from ..recompute.policy import parse_policy
 
 
 def add_shape_args(parser, preset="small", batch=4, seq=128, dtype=None, batch_help="sequences per batch"):
@@ -123,6 +123,6 @@ def rank_columns(*first):
 def check_parallel_fits(args, cfg, policy, device):
     """The parallel commands also run the whole step in one process (the gradients' reference): refuse,
     with the numbers, a step that cannot fit before any rank starts."""
-    from ..fit import check_fits
+    from ..planning.fit import check_fits
     check_fits(cfg, device, args.batch, args.seq, policy,
                note=" (this command also runs the whole step in one process, to check the ranks' gradients)")

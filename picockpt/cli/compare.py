@@ -3,9 +3,9 @@ import functools
 import json
 import sys
 
-from ..compare import (AUTOCAST_FACTOR, FP32, GRAD_TOLERANCE, check_min_cut, compare, min_cut_supported,
+from ..measurement.compare import (AUTOCAST_FACTOR, FP32, GRAD_TOLERANCE, check_min_cut, compare, min_cut_supported,
                        reference_masks_match)
-from ..fit import check_fits
+from ..planning.fit import check_fits
 from .common import add_run_args, add_shape_args, check_repeats, config_from_args, device_from_args, fmt_bytes, table
 
 

@@ -1,12 +1,12 @@
 """python -m picockpt inventory: one layer's stored tensors, closed form beside measured."""
 import torch
 
-from ..fit import check_fits
-from ..inventory import head_inventory, layer_inventory, predicted_peak_bytes, total
-from ..measure import make_batch, measured_inventory
-from ..routing import step_routing
-from ..params import init_params
-from ..policy import Policy
+from ..planning.fit import check_fits
+from ..planning.inventory import head_inventory, layer_inventory, predicted_peak_bytes, total
+from ..measurement.measure import make_batch, measured_inventory
+from ..model.routing import step_routing
+from ..model.params import init_params
+from ..recompute.policy import Policy
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, policy_from_args
 
 

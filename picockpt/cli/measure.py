@@ -2,9 +2,9 @@
 import json
 import sys
 
-from ..fit import check_fits
-from ..measure import measure_policy
-from ..policy import POLICY_HELP
+from ..planning.fit import check_fits
+from ..measurement.measure import measure_policy
+from ..recompute.policy import POLICY_HELP
 from .common import (add_run_args, add_shape_args, check_repeats, config_from_args, device_from_args, fmt_bytes,
                      fmt_flops, policy_from_args)
 
@@ -35,7 +35,7 @@ def run(args):
                note=" (measure also runs policy none once: its gradients are the baseline every policy is "
                     "compared with)", optimizer=args.optimizer)
     if args.memory_snapshot:
-        from ..snapshot import record_snapshot
+        from ..measurement.snapshot import record_snapshot
         record_snapshot(args.memory_snapshot, cfg, policy, args.batch, args.seq, device, args.seed)
     row = measure_policy(cfg, policy, args.batch, args.seq, device, args.seed, args.repeats,
                          trace=(lambda line: print(line, file=sys.stderr)) if args.json and args.trace
@@ -68,7 +68,7 @@ def run(args):
         lines.append(("CUDA max_memory_allocated", fmt_bytes(row["cuda_peak_bytes"]),
                       "the step's increase, its largest phase (per phase below)"))
     if "host_peak_bytes" in row:
-        from ..host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
+        from ..planning.host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH
         lines.append(("peak host bytes (offloaded)", fmt_bytes(row["host_peak_bytes"]),
                       f"{row['host_peak_bytes']:,} bytes; closed form {row['predicted_host_bytes']:,}"))
         for phase, copied in row["copy_bytes"].items():

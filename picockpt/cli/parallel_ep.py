@@ -16,7 +16,7 @@ import torch
 from ..parallel.predictions import predicted
 from ..parallel.job import ParallelJob
 from ..parallel.layout import Layout
-from ..routing import step_routing
+from ..model.routing import step_routing
 from .common import fmt_bytes, rank_columns, table
 from .parallel_run import layout_of
 

@@ -11,13 +11,13 @@ import sys
 
 import torch
 
-from ..engine import loss_and_grads as single_loss_and_grads
-from ..measure import make_batch
-from ..params import init_params
+from ..recompute.engine import loss_and_grads as single_loss_and_grads
+from ..measurement.measure import make_batch
+from ..model.params import init_params
 from ..parallel import Layout, RankError, loss_and_grads, under_torchrun
 from ..parallel.launch import TIMEOUT_RANGE_S
 from ..parallel.watch import Terminated, sigterm_raises
-from ..policy import Policy
+from ..recompute.policy import Policy
 from . import RankFailed
 from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff, policy_from_args
 from .parallel_zero import print_zero

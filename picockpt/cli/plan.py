@@ -13,12 +13,12 @@ import random
 import statistics
 import time
 
-from ..inventory import step_flops
-from ..planner import Stage, least_budget, model_chain, plan_chain, plan_model
-from ..host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, check_rates
-from ..planner_offload import actions, peak_reason, plan_offload
-from ..planner_uniform import binomial_forward_steps, plan_uniform
-from ..policy import OP_LEVEL, parse_policy
+from ..planning.inventory import step_flops
+from ..planning.planner import Stage, least_budget, model_chain, plan_chain, plan_model
+from ..planning.host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, check_rates
+from ..planning.planner_offload import actions, peak_reason, plan_offload
+from ..planning.planner_uniform import binomial_forward_steps, plan_uniform
+from ..recompute.policy import OP_LEVEL, parse_policy
 from .common import add_run_args, add_shape_args, config_from_args, fmt_bytes, fmt_flops
 from .plan_copies import add_copies_arguments, check_copies_flags, run_copies
 from .plan_cost import add_cost_arguments, check_cost_flags, cost_lines, op_seconds, priced_plan

@@ -1,11 +1,11 @@
 """plan --with-copies: --budget bounds the activation store and the 16-bit weight copies together; the planner
 plans the store beside kept copies and beside recast ones, prices each (recompute FLOPs at --compute-rate, the
-casts' bytes at --memory-bandwidth) and prints the policy of the cheaper (picockpt/planner_copies.py)."""
+casts' bytes at --memory-bandwidth) and prints the policy of the cheaper (picockpt/planning/planner_copies.py)."""
 import json
 
-from ..host_walk import DEFAULT_COMPUTE_RATE
-from ..planner_copies import DEFAULT_BANDWIDTH, plan_copies
-from ..policy import OP_LEVEL, parse_policy
+from ..planning.host_walk import DEFAULT_COMPUTE_RATE
+from ..planning.planner_copies import DEFAULT_BANDWIDTH, plan_copies
+from ..recompute.policy import OP_LEVEL, parse_policy
 from .common import config_from_args, fmt_bytes, fmt_flops
 from .plan_parts import budget_from_args, measure
 

@@ -4,12 +4,12 @@
     python -m picockpt plan --budget 20MiB --cost measured --device cpu     # times every op here first (seconds)
     python -m picockpt plan --budget 20MiB --cost measured --offload        # the three actions at those prices
 
-Under roofline or measured the plan is decided on seconds (picockpt/cost.py's plan_priced); the FLOP plan is priced
+Under roofline or measured the plan is decided on seconds (picockpt/planning/cost.py's plan_priced); the FLOP plan is priced
 by the same seconds beside it, so the output says whether, and by how much, the two prices disagree.
 """
-from ..cost import HARDWARE_NAMES, hardware, plan_priced, price_chain, roofline_op_seconds
+from ..planning.cost import HARDWARE_NAMES, hardware, plan_priced, price_chain, roofline_op_seconds
 from ..device import resolve_device
-from ..planner import model_chain, plan_model, replay
+from ..planning.planner import model_chain, plan_model, replay
 
 COSTS = ("flops", "roofline", "measured")
 
@@ -48,7 +48,7 @@ def op_seconds(cfg, args, progress=print):
     if args.cost == "roofline":
         hw = hardware(args.hardware or "cpu-measured", cfg.dtype)
         return roofline_op_seconds(cfg, args.batch, args.seq, hw), f"roofline on {hw.name} ({hw.source})", None
-    from ..op_times import measure_op_seconds
+    from ..planning.op_times import measure_op_seconds
     device = resolve_device(args.device)
     if not args.json:
         progress(f"timing each op of one layer and the head on {device}, 7 interleaved rounds ...", flush=True)

@@ -1,6 +1,6 @@
 """What plan's two-action and three-action modes share: the --budget flag, the sweeps in JSON, one tracked step."""
-from ..fit import check_fits
-from ..policy import parse_size
+from ..planning.fit import check_fits
+from ..recompute.policy import parse_size
 from .common import device_from_args
 
 
@@ -22,10 +22,10 @@ def measure(cfg, args, policy, schedule=None):
     """One tracked step of the plan: the policy's, or (schedule) the one planned at the flags' rates."""
     import torch
 
-    from ..engine import Model, Step, loss_and_grads
-    from ..measure import make_batch
-    from ..params import init_params
-    from ..tracker import Tracker
+    from ..recompute.engine import Model, Step, loss_and_grads
+    from ..measurement.measure import make_batch
+    from ..model.params import init_params
+    from ..measurement.tracker import Tracker
     device = device_from_args(args)
     check_fits(cfg, device, args.batch, args.seq, policy,
                advice="use a smaller --batch or --seq, or a smaller --budget")

@@ -16,13 +16,13 @@ which its tracker matches to the byte on shapes that do run.
 import argparse
 import json
 
-from ..config import PRESETS
-from ..formulas import GIB, RECOMPUTE, korthikanti_flops, korthikanti_layer_bytes, playbook_activation_bytes
-from ..inventory import chain_sizes, layer_inventory, predicted_peak_bytes, step_flops, total
+from ..model.config import PRESETS
+from ..planning.formulas import GIB, RECOMPUTE, korthikanti_flops, korthikanti_layer_bytes, playbook_activation_bytes
+from ..planning.inventory import chain_sizes, layer_inventory, predicted_peak_bytes, step_flops, total
 from ..parallel.tensor_parallel.tp_inventory import (rank_comm_bytes, rank_flops, rank_peak_bytes, rank_sizes,
                                                     replicated_and_split)
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
-from ..policy import SELECTIVE
+from ..recompute.policy import SELECTIVE
 from .common import add_shape_args, config_from_args, fmt_bytes
 from .predict_layouts import layouts_for, tp_fits
 from .predict_parallel import add_parallel_arguments, add_parallel_rows, check_parallel, print_parallel

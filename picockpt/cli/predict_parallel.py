@@ -28,7 +28,7 @@ T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its
 import math
 from dataclasses import replace
 
-from ..formulas import GIB
+from ..planning.formulas import GIB
 from ..parallel.layout import Layout
 from ..parallel.context_parallel.cp_inventory import cp_peak_bytes, stage_comm_bytes
 from ..parallel.context_parallel.cp_check import check_context_parallel

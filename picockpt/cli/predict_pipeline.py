@@ -13,7 +13,7 @@ gradients), which is where recomputation, the embedding and the head make the st
 """
 from dataclasses import replace
 
-from ..cost import bubble_idle
+from ..planning.cost import bubble_idle
 from ..parallel.pipeline_parallel.pp_inventory import rank_forms
 from ..parallel.pipeline_parallel.pp_orders import run_orders
 from ..parallel.pipeline_parallel.pp_schedules import SCHEDULES, actions, check_interleaving, check_schedule

@@ -3,14 +3,14 @@
     python -m picockpt predict --search --model llama3-405b --seq 8192 --gpus 16384 --tokens-per-batch 16M \\
         --gpu-gib 80 --hardware h100
 
-Memory from picockpt's closed forms, time from picockpt/cost.py (picockpt/layout_search.py says which terms).
+Memory from picockpt's closed forms, time from picockpt/planning/cost.py (picockpt/planning/layout_search.py says which terms).
 """
 import json
 import time
 
-from ..cost import HARDWARE, hardware
-from ..frameworks import FRAMEWORKS
-from ..layout_search import TERMS, distinct_splits, no_split_reason, published_for, rank_of, search, split_of
+from ..planning.cost import HARDWARE, hardware
+from ..planning.frameworks import FRAMEWORKS
+from ..planning.layout_search import TERMS, distinct_splits, no_split_reason, published_for, rank_of, search, split_of
 from .predict_parallel import gpu_bytes
 
 TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}  # 16M = 2048 sequences of 8,192 (powers of two)
@@ -38,7 +38,7 @@ def add_search_arguments(parser):
                             "InfiniBand port a GPU between nodes)")
     group.add_argument("--framework", choices=tuple(FRAMEWORKS), default="any",
                        help="--search: only the schedules, ZeRO stages, recompute policies and tensor parallelism "
-                            "this framework has (picockpt/frameworks.py names each one's source); default any")
+                            "this framework has (picockpt/planning/frameworks.py names each one's source); default any")
     group.add_argument("--top", type=int, default=10,
                        help="--search: the fastest distinct tp x cp x pp x dp splits printed, each by its best "
                             "variant (default 10; --json too)")
@@ -110,7 +110,7 @@ def run_search(args, cfg):
     print(f"{args.preset} at {args.seq:,} tokens a sequence, {tokens:,} tokens a step on {args.gpus:,} {hw.name} "
           f"GPUs of {args.gpu_gib:g} GiB")
     if framework.name != "any":
-        print(f"only the layouts {framework.name} can run (picockpt/frameworks.py says which, with sources)")
+        print(f"only the layouts {framework.name} can run (picockpt/planning/frameworks.py says which, with sources)")
     print(f"  ({hw.source})")
     print(f"{considered:,} layouts considered in {seconds:.1f} s, {len(rows):,} fit, {len(splits):,} distinct "
           f"tp x cp x pp x dp splits;")

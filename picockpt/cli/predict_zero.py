@@ -4,7 +4,7 @@ to), twice: as the ZeRO paper counts it and as picockpt holds it; its activation
 import math
 from dataclasses import replace
 
-from ..formulas import GIB
+from ..planning.formulas import GIB
 from ..parallel.data_parallel.zero_inventory import zero_paper_parts
 from ..parallel.expert_parallel.ep_inventory import ep_peak_bytes, ep_stored_bytes
 from ..parallel.pipeline_parallel.pp_inventory import StageForms

@@ -1,5 +1,5 @@
 """python -m picockpt reproduce: every lesson's experiment, all of figures/, one results table."""
-from ..reproduce import discover, reproduce, select, title
+from ..teaching.reproduce import discover, reproduce, select, title
 
 
 def add_arguments(parser):

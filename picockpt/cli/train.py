@@ -16,21 +16,21 @@ import os
 
 import torch
 
-from ..fit import check_fits
-from ..hardware import H200_SXM_BF16
-from ..params import init_params
+from ..planning.fit import check_fits
+from ..planning.hardware import H200_SXM_BF16
+from ..model.params import init_params
 from ..parallel import Layout, RankError, under_torchrun
 from ..parallel.training import zero_train
 from ..parallel.data_parallel.zero_check import check_zero
 from ..parallel.launch import check_rank_count, check_timeout
-from ..policy import POLICY_HELP
-from ..train import MarkovTask, train
+from ..recompute.policy import POLICY_HELP
+from ..measurement.train import MarkovTask, train
 from .common import add_run_args, add_shape_args, config_from_args, device_from_args, policy_from_args
 from .parallel_run import TIMEOUT_S, add_timeout, one_line_errors, rank_device, rank_failure
 from .parallel_zero import print_ranks
 
 
-CUDA_PEAK_TFLOPS = H200_SXM_BF16 / 1e12  # 989.5: H100/H200 SXM dense bf16 (picockpt/hardware.py)
+CUDA_PEAK_TFLOPS = H200_SXM_BF16 / 1e12  # 989.5: H100/H200 SXM dense bf16 (picockpt/planning/hardware.py)
 
 
 def add_arguments(parser):

@@ -31,7 +31,7 @@ max_q/k, for nested tensors): dropout is refused (Config), since the CPU kernel 
 kernels' random state would be a third tensor to keep and replay; with dropout 0 their backwards do not
 read the seed and offset, so empty placeholders are passed, and max_q, max_k are T and Tk.
 
-FLOPs: picockpt/attention_flops.py counts every one of these kernels (2 T x T matmuls forward, 5 backward: one
+FLOPs: picockpt/model/attention_flops.py counts every one of these kernels (2 T x T matmuls forward, 5 backward: one
 is the recomputed q k^T, inside the kernel, so it counts as backward), at the query's heads.
 """
 import torch

@@ -4,7 +4,7 @@ loss = (1/N) sum over counted n of [ logsumexp_v z[n, v] - z[n, y[n]] ]
 
 A target equal to IGNORE_INDEX (-100, as in torch's and Hugging Face's cross-entropy) is left
 out: it adds nothing to the sum, nothing to N, and gets a zero gradient. N counts the others.
-The pair works on any rows of logits: all B*T at once, or one chunk of them (picockpt/head.py).
+The pair works on any rows of logits: all B*T at once, or one chunk of them (picockpt/model/head.py).
 """
 import torch
 

@@ -2,7 +2,7 @@
 
 The mask is drawn from torch's default generator of the tensor's device, so a
 caller that restores that generator's state replays exactly the same mask:
-this is what recomputation relies on (picockpt/engine.py).
+this is what recomputation relies on (picockpt/recompute/engine.py).
 """
 import torch
 

@@ -18,7 +18,7 @@ on its contiguous argument, as in torch.distributed: callers pass a tensor whose
 import torch
 import torch.distributed as dist
 
-OUTSIDE = "outside"  # the phase when no tracker is attached (as picockpt.tracker.OUTSIDE)
+OUTSIDE = "outside"  # the phase when no tracker is attached (as picockpt.measurement.tracker.OUTSIDE)
 PHASES = ("forward", "recompute", "backward")  # the phases communication and FLOPs are reported by
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

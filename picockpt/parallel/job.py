@@ -13,9 +13,9 @@ from dataclasses import KW_ONLY, dataclass, replace
 
 import torch
 
-from ..batch import check_batch
-from ..params import check_params
-from ..policy import parse_policy
+from ..model.batch import check_batch
+from ..model.params import check_params
+from ..recompute.policy import parse_policy
 from .context_parallel import cp_check
 from .context_parallel.cp_inventory import recompute_comm_flops
 from .data_parallel import dp_check
@@ -41,7 +41,7 @@ class ParallelJob:
     _: KW_ONLY
     steps: int = 0                 # zero: AdamW steps on the shards (0: forward and backward only)
     batches: list = None           # zero: one AdamW step on each (input_ids, targets) in turn, in place of steps
-    lr: float = 3e-3               # zero, steps > 0: AdamW's (picockpt/train.py: make_optimizer)
+    lr: float = 3e-3               # zero, steps > 0: AdamW's (picockpt/measurement/train.py: make_optimizer)
     weight_decay: float = 0.0
     measure: bool = True           # live bytes and FLOPs too (slower); False: store bytes and times only
     rng_state: torch.Tensor = None  # the generator state to start from; None: the caller's now

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..engine import device_generator
+from ..recompute.engine import device_generator
 from .comm import Comm
 from .watch import STOP_GRACE_S, RankError, collect, sigterm_raises, stop  # noqa: F401 (RankError: raised here)
 

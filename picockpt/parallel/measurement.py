@@ -13,7 +13,7 @@ import contextlib
 
 import torch.distributed as dist
 
-from ..tracker import Tracker
+from ..measurement.tracker import Tracker
 from .comm import PHASES, CommLog
 from .timeline import StageMemory, Timeline
 

@@ -10,9 +10,9 @@ process's routing of them), and the stage's peak replays the schedule over the m
 """
 import math
 
-from ..config import BYTES
-from ..cost import bubble_idle
-from ..params import EMBED, HEAD, param_shapes
+from ..model.config import BYTES
+from ..planning.cost import bubble_idle
+from ..model.params import EMBED, HEAD, param_shapes
 from .comm import PHASES
 from .context_parallel.cp_inventory import (cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops,
                                             stage_comm_bytes)

@@ -21,9 +21,9 @@ import sys
 
 import torch
 
-from ..engine import device_generator
+from ..recompute.engine import device_generator
 from ..ops.cross_entropy import IGNORE_INDEX
-from ..params import EMBED, FINAL_NORM, HEAD, param_shapes
+from ..model.params import EMBED, FINAL_NORM, HEAD, param_shapes
 from .context_parallel.cp_layout import SequenceLayout
 from .context_parallel.cp_model import apply_context_parallel
 from .data_parallel.dp_model import replicated

@@ -8,19 +8,19 @@ given). rank.py composes it, one line per dimension:
     apply_tensor_parallel(model, tp_comm, sp, ...)            # its slices (of the experts too), vocab-parallel head
 
 The parts:
-    cross        the layer's crossings (picockpt/layer.py's Crossings): each parallelism's wrap the ones before and
+    cross        the layer's crossings (picockpt/model/layer.py's Crossings): each parallelism's wrap the ones before and
                  own only their points (tp: enter/leave, regather, masks, norm gradients; cp: the attention core;
                  ep: the MLP block and the whole-batch draws), delegating the rest (CrossingsOver below)
-    vocab        the embedding (None: the one process's; tp: vocab.py's rows); the head is picockpt/head.py's,
+    vocab        the embedding (None: the one process's; tp: vocab.py's rows); the head is picockpt/model/head.py's,
                  crossing where cross says (tp: its loss over the vocabulary's columns)
     checkpoints  how a layer input is kept and loaded (None: whole; tp's distribute_saved: this rank's 1/t)
     positions    the global positions of the tokens it holds (None: all; cp: its chunks), for the RoPE rows
     drop         the policy's op level here (ep also drops the dispatched rows with the experts' tensors)
 The loss needs no part: the stage (pipeline_parallel/pp_stage.py) scales each micro-batch by its share of the mean.
 """
-from ..engine import Model
-from ..head import head_backward, head_forward
-from ..layer import ONE_PROCESS, layer_backward, layer_forward
+from ..recompute.engine import Model
+from ..model.head import head_backward, head_forward
+from ..model.layer import ONE_PROCESS, layer_backward, layer_forward
 
 
 class CrossingsOver:
@@ -63,7 +63,7 @@ class RankModel(Model):
     def embed_backward(self, dx):
         return self.vocab.embed_backward(self, dx) if self.vocab else super().embed_backward(dx)
 
-    def head_forward(self, x, store, drop):  # picockpt/head.py's, crossing where the crossings say
+    def head_forward(self, x, store, drop):  # picockpt/model/head.py's, crossing where the crossings say
         return head_forward(x, self.weights, self.cfg, self.targets, store, drop, self.cross)  # scalar
 
     def head_backward(self, store):

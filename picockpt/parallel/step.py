@@ -18,8 +18,8 @@ gathers; the timeline, step_seconds and bubble = 1 - computing / step.
 """
 import os
 
-from ..params import EMBED, HEAD
-from ..routing import step_routing
+from ..model.params import EMBED, HEAD
+from ..model.routing import step_routing
 from .expert_parallel.ep_shard import gather_expert_grads
 from .predictions import predicted
 from .job import ParallelJob, checked_job, on_cpu

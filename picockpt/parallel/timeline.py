@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from ..tracker import OUTSIDE
+from ..measurement.tracker import OUTSIDE
 
 KINDS = ("forward", "recompute", "backward", "wait", "send", "reduce")
 
@@ -166,7 +166,7 @@ class StageMemory:
 
 
 class MicroBatchTracker:
-    """What one micro-batch's Step and store talk to (as picockpt/tracker.py's Tracker)."""
+    """What one micro-batch's Step and store talk to (as picockpt/measurement/tracker.py's Tracker)."""
 
     def __init__(self, memory, microbatch, chunk=0):
         self.memory, self.microbatch, self.key = memory, microbatch, (microbatch, chunk)  # spans say m, held the key

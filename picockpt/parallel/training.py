@@ -9,8 +9,8 @@
                   gathered bytes and its collectives per phase, each beside its predicted_ twin)
 
 batches: [(input_ids, targets)], one whole (B, T) batch per step, all of one shape; each rank computes its rows (and
-under cp its tokens) of each, as in one step of the layout (rank.py), its AdamW (picockpt/train.py's make_optimizer:
-lr, weight_decay) stepping only its shards (data_parallel/zero_shards.py). picockpt/train.py's train_step on the same
+under cp its tokens) of each, as in one step of the layout (rank.py), its AdamW (picockpt/measurement/train.py's make_optimizer:
+lr, weight_decay) stepping only its shards (data_parallel/zero_shards.py). picockpt/measurement/train.py's train_step on the same
 batches, in one process, reaches the same parameters up to rounding: tests/test_parallel_zero.py says where they
 are bitwise and where not, and why.
 

@@ -3,7 +3,7 @@ reading the other ranks' keys and values as they travel round a ring (ring atten
 all-gather (the Llama 3 paper's choice), the partial outputs merged by their log-sum-exp.
 
 Read first: cp_attention.py (ring and all-gather attention, the log-sum-exp merge), then cp_model.py (where
-picockpt/layer.py's one layer crosses ranks: its attention core alone).
+picockpt/model/layer.py's one layer crosses ranks: its attention core alone).
 
     cp_layout.py     which tokens a rank holds: zigzag (chunks r and 2cp-1-r) or contiguous; their positions
     cp_comm.py       the ring step pair and the all-gather / reduce-scatter pair of K/V, counted per phase

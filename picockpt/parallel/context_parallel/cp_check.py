@@ -5,7 +5,7 @@ ContextParallelModel (cp_model.py): its tokens of every sequence (cp_layout.py),
 own Tracker, to which its Comm books every ring step or all-gather by phase; the data-parallel buckets sum the
 replicated weights' partial gradients over the dp x cp ranks (picockpt/parallel/layout.py).
 """
-from ...policy import as_policy
+from ...recompute.policy import as_policy
 from ..launch import check_rank_count
 from ..refusals import given, not_yet
 from .cp_layout import check_layout

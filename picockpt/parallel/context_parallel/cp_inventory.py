@@ -1,10 +1,10 @@
 """Closed forms per context-parallel rank: the bytes it stores, the bytes it moves, the FLOPs it computes.
 
-The same exactness as picockpt/inventory.py (the tracker equals these to the byte), for one rank of cp.
+The same exactness as picockpt/planning/inventory.py (the tracker equals these to the byte), for one rank of cp.
 
 Stored bytes: every tensor a layer or the head keeps under tiled or fused attention is linear in its tokens
 (eager's (T, T) probabilities are refused under cp), and a rank runs the very layer on its n = T/cp tokens:
-its table is picockpt/inventory.py's at n tokens, with one more entry under cp_comm="allgather" with keep_kv,
+its table is picockpt/planning/inventory.py's at n tokens, with one more entry under cp_comm="allgather" with keep_kv,
 
     attn.kv_others   (2, B, KV, T - n, hd)   activation dtype   kept whatever the layer's mode
 
@@ -41,12 +41,12 @@ every rank's count is the same. Contiguous
 rank r computes d + r e: rank 0 the diagonal alone, and the busiest rank against the mean
     max / mean = (d + (cp-1) e) / (d + (cp-1) e / 2)      (-> 2 as cp grows; 3/2 at cp = 2 when d = e/2)
 """
-from ...closed_forms import attention_matmul_flops, chain_sizes, head_inventory, layer_flops, layer_inventory
-from ...closed_forms import segments_peak, tail_flops
-from ...config import BYTES
-from ...hardware import INFINIBAND_NDR
-from ...host_walk import DEFAULT_COMPUTE_RATE
-from ...policy import as_policy
+from ...planning.closed_forms import attention_matmul_flops, chain_sizes, head_inventory, layer_flops, layer_inventory
+from ...planning.closed_forms import segments_peak, tail_flops
+from ...model.config import BYTES
+from ...planning.hardware import INFINIBAND_NDR
+from ...planning.host_walk import DEFAULT_COMPUTE_RATE
+from ...recompute.policy import as_policy
 from .cp_comm import RINGS
 from .cp_layout import SequenceLayout
 

@@ -1,7 +1,7 @@
 """What context parallelism changes in a rank's model (picockpt/parallel/rank_model.py), as the engine's loop sees it.
 
 The rank holds every weight (replicated) and its n = T/cp tokens of every sequence (cp_layout.py). All
-of the layer but attention works token by token, so picockpt/layer.py's layer runs here unchanged on
+of the layer but attention works token by token, so picockpt/model/layer.py's layer runs here unchanged on
 (B, n, h); only its attention core crosses ranks (ContextParallelCrossings below):
 
     cp_comm="ring"        ring attention: cp - 1 steps pass the K/V blocks on (cp_attention.py)
@@ -26,8 +26,8 @@ dp x cp ranks (picockpt/parallel/layout.py).
 """
 import torch
 
-from ...inventory import layer_inventory
-from ...layer import ONE_PROCESS
+from ...planning.inventory import layer_inventory
+from ...model.layer import ONE_PROCESS
 from ..rank_model import CrossingsOver
 from .cp_attention import (gathered_attention_backward, gathered_attention_forward, ring_attention_backward,
                            ring_attention_forward)

@@ -13,7 +13,7 @@ included: its buckets reduce over nobody).
 """
 import contextlib
 
-from ...params import EMBED, FINAL_NORM, HEAD
+from ...model.params import EMBED, FINAL_NORM, HEAD
 from ..expert_parallel.ep_shard import is_expert
 from .dp_comm import ExpertAndDenseBuckets, GradientBuckets
 

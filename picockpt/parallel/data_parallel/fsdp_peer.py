@@ -1,5 +1,5 @@
 """The peer: torch's own FSDP2 (torch.distributed.fsdp.fully_shard) on the autograd reference model
-(picockpt/reference.py), each decoder layer recomputed in the backward, its all-gathers counted.
+(picockpt/measurement/reference.py), each decoder layer recomputed in the backward, its all-gathers counted.
 
     results = run_ranks(fsdp2_rank_steps, 2, params, cfg, input_ids, targets, [(None, True), (True, False)])
     results[r][v] == {"forward": {"calls": n, "bytes": b, "unit_forwards": u, "recomputes": c,
@@ -44,7 +44,7 @@ equal picockpt's when no dim needs padding.
 """
 import torch.distributed as dist
 
-from ...reference import ReferenceLlama, run_plain
+from ...measurement.reference import ReferenceLlama, run_plain
 
 # the function FSDP2 gathers with: torch 2.13's all_gather_single, all_gather_into_tensor before it (2.11's
 # _fsdp_collectives.py), looked up on the module at each call, so wrapping the module's attribute counts it

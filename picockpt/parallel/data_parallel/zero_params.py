@@ -23,7 +23,7 @@ prefetch moves no bytes from one phase to another.
 import torch
 import torch.distributed as dist
 
-from ...params import EMBED, FINAL_NORM, HEAD, param_shapes
+from ...model.params import EMBED, FINAL_NORM, HEAD, param_shapes
 
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch's name
 

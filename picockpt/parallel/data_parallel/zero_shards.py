@@ -20,15 +20,15 @@ next use's gather before this use computes, as FSDP's does. Under pp every micro
 Gradients accumulate whole over the stage's micro-batches (as torch.distributed.pipelining runs FSDP: gradient sync
 only in the last backward) and are reduced once final: stage 1 all-reduces a unit's flat gradient (every rank holds
 the sum), stages 2 and 3 reduce-scatter it (the rank keeps its shard's sum, the whole is freed).
-Optimizer (steps > 0): picockpt/train.py's AdamW on the rank's shards only (elementwise: bit for bit the whole
+Optimizer (steps > 0): picockpt/measurement/train.py's AdamW on the rank's shards only (elementwise: bit for bit the whole
 tensor's update of those elements); stages 1 and 2 then all-gather the updated shards into the whole weights.
 """
 import contextlib
 
 import torch
 
-from ...params import EMBED, FINAL_NORM, HEAD
-from ...train import make_optimizer
+from ...model.params import EMBED, FINAL_NORM, HEAD
+from ...measurement.train import make_optimizer
 from ..comm import all_reduce, reduce_scatter
 from ..expert_parallel.ep_shard import is_expert
 from .zero_inventory import kept_after

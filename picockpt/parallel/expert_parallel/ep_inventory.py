@@ -1,8 +1,8 @@
 """Closed forms per expert-parallel rank r of W, which the tracker equals to the byte: the bytes it stores, the bytes
 its all-to-alls move, its FLOPs. What a rank holds depends on the tokens its experts receive, so these take the step's
-routing: L lists of E per-expert token counts over the whole batch (picockpt.routing.step_routing, from the step's
+routing: L lists of E per-expert token counts over the whole batch (picockpt.model.routing.step_routing, from the step's
 generator state); rank r receives M_l, its experts' counts in layer l summed, and sends P = (B/W) T k pairs
-(predictions.py applies this per micro-batch). A stored layer (A_l) is picockpt/inventory.py's at batch B/W, its experts' rows sized
+(predictions.py applies this per micro-batch). A stored layer (A_l) is picockpt/planning/inventory.py's at batch B/W, its experts' rows sized
 by every rank's tokens, plus ep_moe.py's table, whose last column gives R_l (always_kept_bytes): what every first
 forward keeps whatever its mode. The peak is closed_forms.segments_peak's with R_l as `always`; the all-to-alls' bytes
 per phase (comm.py's count: this rank's input) are ep_moe.py's tables' (recomputed: its last paragraph).
@@ -12,13 +12,13 @@ routing and the all-to-alls are as without tp; every matmul but the router's is 
 """
 import math
 
-from ...inventory import head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops, total
-from ...params import param_shapes
-from ...policy import as_policy
+from ...planning.inventory import head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops, total
+from ...model.params import param_shapes
+from ...recompute.policy import as_policy
 from .ep_layer import ep_drop
 from .ep_shard import is_expert
 from .ep_moe import DISPATCHED, ROUTING
-from ...config import BYTES
+from ...model.config import BYTES
 from ..tensor_parallel.tp_inventory import rank_head_inventory, split_inventory
 
 
@@ -43,7 +43,7 @@ def _check(cfg, batch, seq, policy, ep, rank, routing):
     if routing is None or len(routing) != cfg.layers or any(sum(c) != batch * seq * cfg.experts_per_token
                                                             for c in routing):
         raise ValueError(f"routing: give one list of E={cfg.experts} per-expert token counts per layer (L={cfg.layers})"
-                         f" over the whole batch, each summing to B*T*k (picockpt.routing.step_routing)")
+                         f" over the whole batch, each summing to B*T*k (picockpt.model.routing.step_routing)")
     if not 0 <= rank < ep:
         raise ValueError(f"rank={rank}: use 0 <= rank < ep={ep}")
     return policy

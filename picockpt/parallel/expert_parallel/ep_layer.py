@@ -1,4 +1,4 @@
-"""One decoder layer with a mixture of experts on one expert-parallel rank: picockpt/layer.py's layer on this rank's
+"""One decoder layer with a mixture of experts on one expert-parallel rank: picockpt/model/layer.py's layer on this rank's
 B/W sequences, its experts' block ep_moe.py's.
 
     h   = x + dropout(o_proj(attention(q, k, v)))       every weight here whole (replicated), own sequences
@@ -7,7 +7,7 @@ B/W sequences, its experts' block ep_moe.py's.
 Stored names: layer.py's (at batch B/W), moe.py's and ep_moe.py's. Dropout masks and router jitter are the single
 process's, drawn for the whole batch, this rank's sequences kept (rng.py's full_size_draws along the batch dim).
 """
-from ...layer import ONE_PROCESS
+from ...model.layer import ONE_PROCESS
 from ..rank_model import CrossingsOver
 from ..rng import full_size_draws
 from .ep_moe import DISPATCHED, ROUTING, ep_moe_backward, ep_moe_forward
@@ -43,7 +43,7 @@ def ep_drop(drop):
 
 
 class ExpertParallelCrossings(CrossingsOver):
-    """Where picockpt/layer.py's layer crosses the W ranks of `comm`: its experts' block (ep_moe.py) and the
+    """Where picockpt/model/layer.py's layer crosses the W ranks of `comm`: its experts' block (ep_moe.py) and the
     whole-batch draws. at() points it at the layer's routing in the step's store (KeptRouting)."""
 
     def __init__(self, comm, cfg, first_expert, keep_dispatched=False, received_rows=None, inner=ONE_PROCESS):

@@ -1,6 +1,6 @@
 """A mixture of experts over ep ranks: tokens go to the rank that holds their expert and come back, every all-to-all
 written where it happens. Rank r of W holds experts r*E/W .. (r+1)*E/W - 1 (E_l of them) and its B/W sequences,
-N_r = B*T/W tokens. The block is picockpt/moe.py's, piece by piece, rows moved between ranks in between; a (token,
+N_r = B*T/W tokens. The block is picockpt/model/moe.py's, piece by piece, rows moved between ranks in between; a (token,
 slot) pair is one row, sent twice for two experts of one rank (DeepSpeed-MoE; Megatron's all-to-all token dispatcher).
 
     forward (this rank)                                        bytes counted (comm.py: the input's)
@@ -35,9 +35,9 @@ from collections import namedtuple
 
 import torch
 
-from ...moe import block_input_backward, expert_backward, expert_forward, route
-from ...moe import routed_input, shared_expert_forward, weigh
-from ...tail import RUN_TAIL
+from ...model.moe import block_input_backward, expert_backward, expert_forward, route
+from ...model.moe import routed_input, shared_expert_forward, weigh
+from ...model.tail import RUN_TAIL
 from ...ops.router import combine_weights, expert_counts, expert_groups
 from .ep_comm import all_to_all_backward, all_to_all_forward
 

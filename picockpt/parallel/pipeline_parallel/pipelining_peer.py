@@ -1,5 +1,5 @@
 """The peer for pipeline schedules: torch's own torch.distributed.pipelining running its interleaved schedules on the
-autograd reference model (picockpt/reference.py), split into P*V stage modules, one launch of P gloo ranks.
+autograd reference model (picockpt/measurement/reference.py), split into P*V stage modules, one launch of P gloo ranks.
 
     results = run_ranks(pipelining_rank_steps, 2, params, cfg, input_ids, targets, SCHEDULES, 2, 4)
     results[r][v] == {"schedule": name, "stages": [virtual stages on rank r], "loss": float (None off the last
@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...reference import ReferenceLlama, run_plain
+from ...measurement.reference import ReferenceLlama, run_plain
 
 SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 

@@ -17,15 +17,15 @@ import functools
 import math
 from dataclasses import replace
 
-from ...inventory import layer_flops
-from ...planner import Stage, model_chain, plan_chain, replay
+from ...planning.inventory import layer_flops
+from ...planning.planner import Stage, model_chain, plan_chain, replay
 from .pp_orders import w_pending_bytes
 from .pp_plan import end_of_forward_bytes, in_flight_peak, plan_chunks, plan_in_flight, walk_peak
-from ...policy import as_policy
-from ...schedule import Mode, Schedule
+from ...recompute.policy import as_policy
+from ...recompute.schedule import Mode, Schedule
 from ..tensor_parallel.tp_inventory import rank_chain, rank_comm_bytes
 from .pp_schedules import actions, in_flight, rank_layers
-from ...config import BYTES
+from ...model.config import BYTES
 from ..layout import Layout
 
 NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothing stored after the layers
@@ -69,7 +69,7 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, layout=La
     planned = tuple(replace(stage, forward_flops=stage.forward_flops + layer_comm_flops) for stage in chain[:-1]) + \
         chain[-1:] if layer_comm_flops else chain
     if policy.budget is not None and in_flight_count == 1 and layers == cfg.layers:  # no pipeline: one step
-        schedule, source = plan_chain(planned, policy.budget).schedule, "the planner (picockpt/planner.py)"
+        schedule, source = plan_chain(planned, policy.budget).schedule, "the planner (picockpt/planning/planner.py)"
     elif policy.budget is not None:
         plan = plan_in_flight(planned, policy.budget, in_flight_count, uniform_schedules(planned), order=order,
                               left=left)

@@ -11,7 +11,7 @@ et al. 2022, sec. 4.2.3). ZB-H1 holds 1F1B's activations (a micro-batch's until 
 waiting W's read: each linear's input and its output's gradient (w_pending_bytes), for up to s micro-batches on rank
 s (pp_inventory.py's closed form walks the order with them).
 """
-from ...config import BYTES
+from ...model.config import BYTES
 from .pp_schedules import Action, actions
 
 

@@ -2,7 +2,7 @@
 micro-batch of one chunk of the stage (pp_stage.py):
 
     for action in order:
-        F   a Step per micro-batch (picockpt/engine.py): receive x, the chunk's layers, send y (or head and loss)
+        F   a Step per micro-batch (picockpt/recompute/engine.py): receive x, the chunk's layers, send y (or head and loss)
         B   its backward: receive dy, recompute, backward, send dx (ZB-H1: the input gradient only)
         W   ZB-H1: the weight gradients its B left (no send, no receive)
 
@@ -10,8 +10,8 @@ A send is held until the stage's next receive from the same peer (pp_comm.py: pa
 by Megatron-LM's steps (pp_schedules.interleaved_steps), each step's receives posted as one group with the sends
 before them (Pipe.exchange).
 """
-from ...engine import Step, device_generator
-from ...store import ActivationStore
+from ...recompute.engine import Step, device_generator
+from ...recompute.store import ActivationStore
 from .pp_comm import receives
 from .pp_schedules import interleaved_steps
 

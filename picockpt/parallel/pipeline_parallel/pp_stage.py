@@ -30,8 +30,8 @@ from stage s-1's state after its first micro-batch's forward, sent with it (send
 import contextlib
 from dataclasses import dataclass
 
-from ...engine import device_generator
-from ...params import EMBED, layer_key, layer_weights
+from ...recompute.engine import device_generator
+from ...model.params import EMBED, layer_key, layer_weights
 from ...ops import rope_tables
 from ...ops.linear import WeightGrad, deferred_weight_grads, weight_grad
 from .pp_comm import (from_previous_stage_backward, from_previous_stage_forward, receive_rng_state, send_rng_state,
@@ -120,7 +120,7 @@ class StageModel:
         self.rows = RowBlock(stage.dp_rank * stage.M + m, stage.dp * stage.M)  # its rows of the whole batch
         self.generator = device_generator(rank_model.input_ids.device)
 
-    def start(self, tracker):  # the inner model reads the stage's weights (picockpt/engine.py: Model.start)
+    def start(self, tracker):  # the inner model reads the stage's weights (picockpt/recompute/engine.py: Model.start)
         rank_model, stage = self.rank_model, self.stage
         rank_model.weights, rank_model.rope, rank_model.weights_of = stage.weights, stage.rope, stage.weights_of
 

@@ -1,5 +1,5 @@
 """Closed forms per tensor-parallel rank of t, with or without sequence parallelism (sp) and Megatron's distributed
-saved activations: its stored bytes (to the byte, as picockpt/inventory.py's), communication bytes and FLOPs. A rank
+saved activations: its stored bytes (to the byte, as picockpt/planning/inventory.py's), communication bytes and FLOPs. A rank
 stores tp_layer.py's tensors, inventory.py's with the dim SPLIT names divided by t. In Korthikanti et al.'s terms
 (sec. 4.2), without sp the 10sbh of norm inputs, norm outputs and dropout masks stay whole on every rank
 (replicated_and_split) and the rest divides by t; with sp all of it does. The peak is inventory.py's with this rank's
@@ -17,10 +17,10 @@ Communication per rank (comm.py's count), S = B*T*h*e the bytes of one whole act
 """
 import math
 
-from ...inventory import head_inventory, layer_flops, layer_inventory, segments_peak, step_flops
-from ...planner import Stage, plan_chain
-from ...policy import OP_LEVEL, as_policy
-from ...config import BYTES
+from ...planning.inventory import head_inventory, layer_flops, layer_inventory, segments_peak, step_flops
+from ...planning.planner import Stage, plan_chain
+from ...recompute.policy import OP_LEVEL, as_policy
+from ...model.config import BYTES
 
 # what t divides in each stored tensor: "tokens" (dim 1, under sequence parallelism only), "heads" (dim 1:
 # H/t query, KV/t key/value heads), "columns" (the last dim: h/t of the context, f/t, V/t); the rest whole
@@ -34,7 +34,7 @@ SPLIT = (dict.fromkeys(("input", "attn_norm.rstd", "attn_norm.output", "attn.dro
 
 
 def split_inventory(inventory, t, sp):
-    """picockpt/inventory.py's name -> (shape, dtype, bytes), as one of t ranks holds it (SPLIT above)."""
+    """picockpt/planning/inventory.py's name -> (shape, dtype, bytes), as one of t ranks holds it (SPLIT above)."""
     out = {}
     for name, (shape, dtype, _) in inventory.items():
         dim = {"tokens": 1 if sp else None, "heads": 1, "columns": len(shape) - 1}.get(SPLIT.get(name))
@@ -70,7 +70,7 @@ def rank_sizes(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=froz
 
 
 def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=frozenset()):
-    """The planner's chain (picockpt/planner.py: Stage) of one rank: its own bytes and FLOPs."""
+    """The planner's chain (picockpt/planning/planner.py: Stage) of one rank: its own bytes and FLOPs."""
     drop = frozenset(drop)
     parts = layer_flops(cfg, batch, seq)
     stored = rank_layer_inventory(cfg, batch, seq, t, sp)
@@ -129,7 +129,7 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     backward = ((2 * S + h * master if sp else S) if last else 0) + L * layer_backward + (S if sp and first else 0)
     recompute = 0
     schedule = schedule or rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved)
-    for first, last in schedule.sweeps(cfg.layers):  # the engine's walk (picockpt/schedule.py)
+    for first, last in schedule.sweeps(cfg.layers):  # the engine's walk (picockpt/recompute/schedule.py)
         recompute += (last - first + 1) * layer_forward - (S if schedule.stop_early else 0)  # stopped: a LEAVE less
         recompute += S if distribute_saved else 0  # the checkpoint's all-gather
     return {"forward": forward, "recompute": recompute, "backward": backward}

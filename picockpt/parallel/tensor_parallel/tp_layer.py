@@ -1,5 +1,5 @@
 """One Llama decoder layer on one tensor-parallel rank (Megatron-LM; Korthikanti et al. 2022 with sequence
-parallelism): picockpt/layer.py's one layer, its crossings (layer.py: Crossings) filled in with the collectives.
+parallelism): picockpt/model/layer.py's one layer, its crossings (layer.py: Crossings) filled in with the collectives.
 
     h   = x + dropout(LEAVE(o_proj(attention(q, k, v))))     q, k, v = projections of ENTER(rmsnorm(x))
     out = h + dropout(LEAVE(down(silu(gate) * up)))           gate, up = projections of ENTER(rmsnorm(h))
@@ -18,7 +18,7 @@ projections' weight gradients (as Megatron does: the gathered tensor is never ke
 A mixture of experts runs between the same ENTER and LEAVE, each expert on its f/t slice (its output partial, as the
 MLP's), its router whole: the router's gradient, from partial outputs, is summed over the ranks (an all-reduce).
 """
-from ...layer import ONE_PROCESS
+from ...model.layer import ONE_PROCESS
 from ..comm import all_reduce_grads
 from ..rank_model import CrossingsOver
 from ..rng import full_size_draws, sliced_mask

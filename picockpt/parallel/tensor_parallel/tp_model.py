@@ -1,5 +1,5 @@
 """What tensor parallelism changes in a rank's model (picockpt/parallel/rank_model.py), as the engine's loop sees it
-(picockpt/engine.py: Step). The loop is the single process's, line for line (a recompute runs the recomputed layers'
+(picockpt/recompute/engine.py: Step). The loop is the single process's, line for line (a recompute runs the recomputed layers'
 collectives again); only the parts differ: the embedding and head are vocab.py's, the layer's crossings tp_layer.py's,
 and a checkpoint may be kept as this rank's 1/t of it.
 
@@ -9,7 +9,7 @@ keeps 1/t of it, the flat tensor in t equal parts (Megatron's split_tensor_into_
 recompute sweep before it runs the layer again (gather_split_1d_tensor): memory for communication, counted under
 "recompute". Only checkpoint-only inputs are split: a layer stored whole keeps its whole input (its backward reads it).
 """
-from ...params import EMBED
+from ...model.params import EMBED
 from .tp_comm import gather_sequence_forward
 from .tp_inventory import rank_layer_inventory
 from .tp_layer import TensorParallelCrossings
@@ -28,7 +28,7 @@ def apply_tensor_parallel(model, comm, sp=False, distribute_saved=False):
 
 
 class VocabParallel:
-    """The embedding of a tensor-parallel rank (vocab.py): its V/t rows (its head: picockpt/head.py's, crossing
+    """The embedding of a tensor-parallel rank (vocab.py): its V/t rows (its head: picockpt/model/head.py's, crossing
     where tp_layer.py says)."""
 
     def __init__(self, comm, sp):

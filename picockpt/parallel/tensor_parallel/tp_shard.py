@@ -26,7 +26,7 @@ key/value heads: t must divide H and KV (Megatron replicates key/value heads bey
 """
 import torch
 
-from ...params import EMBED, FINAL_NORM, HEAD, ROLE_NAMES
+from ...model.params import EMBED, FINAL_NORM, HEAD, ROLE_NAMES
 from ..refusals import refuse_tiled_dropout
 
 SPLIT_DIM = dict(attn_norm=None, q=0, k=0, v=0, o=1, mlp_norm=None, gate=0, up=0, down=1, router=None,

@@ -1,5 +1,5 @@
 """The vocabulary split over a tensor-parallel rank's neighbours: its embedding rows and its cross-entropy columns
-(Megatron-LM's VocabParallelEmbedding and vocab_parallel_cross_entropy). picockpt/head.py's head runs unchanged on
+(Megatron-LM's VocabParallelEmbedding and vocab_parallel_cross_entropy). picockpt/model/head.py's head runs unchanged on
 this rank's LM head rows, crossing the ranks where tp_layer.py's crossings say (ENTER before the LM head, this loss,
 ENTER's backward, the final norm's gradient). Rank r holds the rows V_r = [r*V/t, (r+1)*V/t) of the embedding and the
 LM head.

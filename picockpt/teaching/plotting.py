@@ -1,0 +1,116 @@
+"""Where figures go, and the few plotting helpers the lessons and notebooks share.
+
+Figures land in figures/ at the top of the repository, or in $PICOCKPT_FIGURES when it is
+set (the tests point it at a temporary folder so that the committed PNGs stay untouched).
+A --fast run makes small, quick figures: they go to out/figures/ (ignored by git) instead,
+so they never replace the committed full-size ones; $PICOCKPT_FIGURES still wins.
+A figure is written to a temporary file beside its final name and then renamed over it, so
+an interrupted run leaves the previous PNG whole, never a truncated one.
+
+    path = save_figure(fig, "02_anatomy_of_a_step")    # figures/02_anatomy_of_a_step.png
+    path = save_figure(fig, "02_anatomy_of_a_step", fast=True)   # out/figures/02_anatomy_of_a_step.png
+    shade_phases(ax, tracker.timeline)                  # forward / recompute / backward / optimizer
+    ax.plot(x, mib(bytes_list), color=policy_color("full"))
+
+One colour per phase and one per policy, so that every figure reads the same way.
+"""
+import os
+import pathlib
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+FAST_FIGURES = REPO / "out" / "figures"  # where --fast runs write (out/ is in .gitignore)
+
+PHASE_COLORS = {"forward": "#4C72B0", "recompute": "#DD8452", "backward": "#55A868", "optimizer": "#8172B3"}
+
+_POLICY_COLORS = {"none": "#333333", "selective": "#4C72B0", "cheap": "#64B5CD", "full": "#C44E52",
+                  "every": "#DD8452", "budget": "#8172B3"}
+
+
+def figures_dir(fast=False):
+    """$PICOCKPT_FIGURES if set, else out/figures/ for a fast run, else figures/ (created if missing)."""
+    folder = pathlib.Path(os.environ.get("PICOCKPT_FIGURES") or (FAST_FIGURES if fast else REPO / "figures"))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(_unwritable(folder, error)) from None
+    return folder
+
+
+def check_writable(folder):
+    """Raise ValueError, naming the folder and the reason, unless a file can be created in it."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(_unwritable(folder, error)) from None
+    return folder
+
+
+def _unwritable(folder, error):
+    where = "$PICOCKPT_FIGURES" if os.environ.get("PICOCKPT_FIGURES") else "the figures folder"
+    return (f"{where} {str(folder)!r} cannot be written ({error.strerror or error}): "
+            f"point $PICOCKPT_FIGURES at a folder you can write to")
+
+
+def save_figure(fig, name, fast=False):
+    """Save a matplotlib figure as <figures>/<name>.png and return the path. The figure stays
+    open (a notebook still shows it); `reproduce` closes every figure after each lesson.
+    Written to a temporary file in the same folder, then renamed over <name>.png in one step
+    (os.replace): whoever reads the PNG, even after an interrupt, finds a whole file."""
+    folder = figures_dir(fast)
+    path = folder / f"{name}.png"
+    temporary = folder / f".{name}.png.{os.getpid()}.partial"  # one per process: concurrent runs do not collide
+    try:
+        fig.savefig(temporary, format="png", dpi=120, bbox_inches="tight")
+        os.replace(temporary, path)
+    except BaseException:  # an error or an interrupt: the old figure stays, the partial file goes
+        temporary.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def mib(n):
+    """Bytes -> MiB; works on a number or on a list of numbers."""
+    if isinstance(n, (list, tuple)):
+        return [value / 2**20 for value in n]
+    return n / 2**20
+
+
+def policy_color(policy):
+    """A fixed colour for a policy string: the layer-level part decides ("every:4+cheap" -> every),
+    a pure op-level policy gets its own ("selective", "cheap")."""
+    text = str(policy)
+    layer_level = text.split("+")[0].split(":")[0]
+    if layer_level in ("selective", "cheap") or layer_level not in _POLICY_COLORS:
+        return _POLICY_COLORS.get(layer_level, "#937860")
+    return _POLICY_COLORS[layer_level]
+
+
+def phase_spans(timeline):
+    """[(phase, first index, last index)] for each run of consecutive timeline entries in one phase."""
+    spans = []
+    for index, entry in enumerate(timeline):
+        if spans and spans[-1][0] == entry["phase"]:
+            spans[-1][2] = index
+        else:
+            spans.append([entry["phase"], index, index])
+    return [tuple(span) for span in spans]
+
+
+def shade_phases(ax, timeline, alpha=0.13, legend=True):
+    """Colour the background of a timeline plot (x = event index) by phase."""
+    labelled = set()
+    for phase, first, last in phase_spans(timeline):
+        if phase not in PHASE_COLORS:
+            continue  # "outside": before, between or after the phases
+        label = phase if legend and phase not in labelled else None
+        labelled.add(phase)
+        ax.axvspan(first - 0.5, last + 0.5, color=PHASE_COLORS[phase], alpha=alpha, lw=0, label=label)
+
+
+def label_bars(ax, bars, texts, fontsize=8):
+    """Write one text above each bar of a bar chart."""
+    for bar, text in zip(bars, texts):
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=fontsize, xytext=(0, 2), textcoords="offset points")
