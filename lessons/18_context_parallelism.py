@@ -66,8 +66,8 @@
 # its $KV/t$ heads round its ring; beside data parallelism every replicated weight's gradient is summed over
 # the $dp \times cp$ ranks (the data-parallel buckets' group; picotron's `cp_dp_group` is the same group);
 # beside pipeline parallelism each stage splits its micro-batches' sequences the same way and passes on a
-# $(b, T/cp, h)$ activation: `parallel.loss_and_grads(..., cp=2, tp=2)`, `(..., cp=2, dp=2)` or
-# `(..., cp=2, pp=2, microbatches=2)`, every rank held to the same closed forms (`tests/test_parallel_cp.py`).
+# $(b, T/cp, h)$ activation: `parallel.loss_and_grads(..., Layout(cp=2, tp=2))`, `(..., Layout(cp=2, dp=2))` or
+# `(..., Layout(cp=2, pp=2, microbatches=2))`, every rank held to the same closed forms (`tests/test_parallel_cp.py`).
 #
 # **Run it** as a script, `python lessons/18_context_parallelism.py` (the CPU run: 2 and 4 gloo ranks, about
 # a minute; `--fast` for seconds, what the tests run; `--large --device cuda` for NCCL, one GPU per rank),

@@ -1,7 +1,7 @@
 """The caller's side of every layout, written once: one job holds the whole layout (dp x pp x ep x cp x tp), is
 checked before any rank starts and is sent to the ranks on the CPU.
 
-    job = ParallelJob(params, cfg, input_ids, targets, "full", tp=2, sp=True)   # or pp=, microbatches=, dp=, ep=
+    job = ParallelJob(params, cfg, input_ids, targets, "full", Layout(tp=2, sp=True))   # or pp=, dp=, ep=, ...
     job = checked_job(job, "cpu", job.world_size)   # a ValueError naming the argument, before any rank starts
     sent = on_cpu(job)                        # what the ranks receive; each moves it to its own device
 

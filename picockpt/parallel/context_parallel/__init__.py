@@ -13,6 +13,6 @@ picockpt/model/layer.py's one layer crosses ranks: its attention core alone).
     cp_inventory.py  per-rank closed forms: stored bytes, communication bytes per phase, FLOPs
     cp_check.py      what cp refuses, before any rank starts (check_context_parallel; refuses, for a job)
 
-parallel.loss_and_grads(..., cp=N, cp_layout=, cp_comm=, cp_keep_kv=) and `python -m picockpt parallel --cp N`
+parallel.loss_and_grads(..., Layout(cp=N, cp_layout=, cp_comm=, cp_keep_kv=)) and `python -m picockpt parallel --cp N`
 run it through the composed rank step (picockpt/parallel/rank.py), beside tp, dp and pp (not yet ep or ZeRO).
 """
