@@ -3,16 +3,18 @@ rows (where each ranks among the distinct splits, its step against the fastest, 
 cases. Where the model misses a target its gap is stated here and asserted as measured, not tuned away:
 
     row (Table 4)                          rank of splits   x fastest   modelled MFU (reported)
-    8,192 GPUs, 8K, TP8 CP1 PP16 DP64       16 of 261        1.12        69.0% (43%)
-    16,384 GPUs, 8K, TP8 CP1 PP16 DP128     16 of 278        1.17        60.8% (41%)
-    16,384 GPUs, 128K, TP8 CP16 PP16 DP8     2 of 220        1.03        60.9% (38%)
-    (before the corrections of layout_time.Model: 16 at 1.12x, 63.5%; 19 at 1.15x, 56.1%; 1 at 1.00x, 57.9%)
+    8,192 GPUs, 8K, TP8 CP1 PP16 DP64       15 of 261        1.11        56.7% (43%)
+    16,384 GPUs, 8K, TP8 CP1 PP16 DP128     16 of 278        1.15        50.4% (41%)
+    16,384 GPUs, 128K, TP8 CP16 PP16 DP8     3 of 220        1.01        41.6% (38%)
+    (at the datasheet's peak, Model(kernels=False): 16 at 1.12x, 69.0%; 16 at 1.17x, 60.8%; 2 at 1.03x, 60.9%)
 
-At 8K the model prefers less tensor parallelism (TP4) with context parallelism over 32 or 64 pipeline stages: at
-datasheet rates short sequence chunks cost it little (only their weight gradients' fp32 accumulation every
-micro-batch), where real GEMMs and attention kernels on 2,048-token chunks run further below the peak than on
-8,192. Llama 3 70B on 1,024 GPUs: the model's best is TP2 with FSDP over 512 ranks (its gathers hidden behind the
-compute at datasheet rates); the first TP4 or TP8 split with 4 to 8 stages is 5th of 181, at 1.28x."""
+Kernel efficiency (kernel_rates.py: matmuls at the H100's best measured rate, 80% of the datasheet, attention at
+cuDNN's published rates) brings the modelled MFU within 4 points of the reported one at 128K, where attention is
+40% of the FLOPs, and within 10 and 14 points at 8K. At 8K the model still prefers less tensor parallelism (TP2)
+with context parallelism (CP8) over 64 pipeline stages: its kernels on a rank's 1,024 rows run as fast as on
+8,192 as long as their tiles fill the SMs. Llama 3 70B on 1,024 GPUs: the model's best is TP1 CP2 with FSDP over
+512 ranks (its gathers hidden behind the compute at datasheet link rates); the first TP4 or TP8 split with 4 to
+8 stages is 10th of 181, at 1.27x."""
 import pytest
 
 from picockpt import Config
@@ -41,9 +43,17 @@ def ratio(splits, row):
 
 
 def test_every_published_layout_fits_and_models_above_its_reported_mfu(table_4):
-    """A model at datasheet ceilings is an upper bound: every published split fits, above its reported MFU."""
+    """What the model leaves out (stragglers, launch gaps, overlap that slows the kernels it hides under) only
+    slows a step: every published split fits, modelled above its reported MFU."""
     for splits, rank, row, reported in table_4.values():
         assert rank is not None and row["fits"] and row["mfu"] > reported
+
+
+def test_the_modelled_mfu_gaps_as_measured(table_4):
+    """Met at 128K (within 8 points of the reported 38%); not met at 8K, held at the gaps measured."""
+    gaps = {key: row["mfu"] - reported for key, (_, _, row, reported) in table_4.items()}
+    assert gaps[16384, 131072] < 0.08
+    assert 0.08 < gaps[16384, 8192] < 0.11 and 0.12 < gaps[8192, 8192] < 0.15
 
 
 def test_the_128k_layout_is_among_the_fastest(table_4):
@@ -76,7 +86,7 @@ def test_llama3_8b_on_8_gpus_takes_fsdp_over_plain_data_parallelism():
 
 def test_llama3_70b_on_1024_gpus_gap_as_measured():
     """Target TP8 or TP4 with 4 to 8 stages: not met. Held: such a split is in the model's top 10 of 181, within
-    1.3x of its best (TP2 FSDP over 512 ranks)."""
+    1.3x of its best (TP1 CP2 FSDP over 512 ranks)."""
     splits = distinct_splits(search(Config.from_preset("llama3-70b", dtype="bf16"), 8192, 1024, 2**22, 80 * GIB,
                                     H100)[0])
     rank = next(i for i, r in enumerate(splits, 1) if r["tp"] in (4, 8) and 4 <= r["pp"] <= 8)

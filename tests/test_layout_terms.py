@@ -6,7 +6,8 @@ import pytest
 
 from picockpt import Config
 from picockpt.planning.collectives import collective_seconds
-from picockpt.planning.cost import HARDWARE, layer_ops, roofline_seconds
+from picockpt.planning.cost import HARDWARE, layer_ops
+from picockpt.planning.kernel_rates import op_seconds
 from picockpt.planning.layout_memory import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, reserve_bytes, split_layers, stage_bytes
 from picockpt.planning.layout_search import evaluate, runs
 from picockpt.planning.layout_time import Model, microbatch_seconds
@@ -18,8 +19,14 @@ BIG = Config.from_preset("llama3-405b", dtype="bf16").replace(attention="fused")
 
 
 def layer_seconds(cfg, seq, tp, sp, cp=1):
-    return sum(roofline_seconds(op, H100) for op in layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)
+    return sum(op_seconds(op, H100, H100.kernels) for op in layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)
                if op.name != "probs")
+
+
+def gemm_halves(cfg, seq, tp, sp):
+    """{op name: half its backward}: the input-gradient or the weight-gradient GEMM a collective hides under."""
+    return {op.name: op_seconds(op, H100, H100.kernels, "backward") / 2
+            for op in layer_ops(cfg, 1, seq, tp, sp, 1, causal_skip=True)}
 
 
 def test_full_recomputation_is_the_whole_forward():
@@ -46,11 +53,11 @@ def test_megatron_hides_the_async_backward_collectives_under_their_gemms():
     gather = collective_seconds("all_gather", block, 8, H100, 8)
     scatter = collective_seconds("reduce_scatter", block, 8, H100, 8)
     reduce = collective_seconds("all_reduce", block, 8, H100, 8)
-    ops = {op.name: roofline_seconds(op, H100) for op in layer_ops(BIG, 1, 8192, 8, False, 1, causal_skip=True)}
+    ops = gemm_halves(BIG, 8192, 8, False)
     assert ops["qkv"] < reduce < ops["gate_up"]
     no_sp = microbatch_seconds(BIG, 8192, 8, False, 1, 1, False, "none", H100, 1)
     assert no_sp["tp_comm"] == pytest.approx(2 * reduce + (reduce - ops["qkv"]))
-    sp_ops = {op.name: roofline_seconds(op, H100) for op in layer_ops(BIG, 1, 8192, 8, True, 1, causal_skip=True)}
+    sp_ops = gemm_halves(BIG, 8192, 8, True)
     sp = microbatch_seconds(BIG, 8192, 8, True, 1, 1, False, "none", H100, 1)
     hidden = sum(max(0, gather - sp_ops[c]) + max(0, scatter - sp_ops[c]) for c in ("qkv", "gate_up"))
     assert sp["tp_comm"] == pytest.approx(2 * (gather + scatter) + 2 * gather + hidden)
@@ -111,10 +118,10 @@ def test_every_micro_batch_accumulates_its_weight_gradients_in_fp32():
     """Megatron's gradient_accumulation_fusion: each weight-gradient GEMM adds into an fp32 main_grad, reading and
     writing 8 bytes a weight. On 8,192 rows a layer's GEMMs stay compute-bound and it costs nothing; on a context-
     parallel rank's 512 rows it is memory-bound and adds about 40% to the micro-batch's compute."""
-    plain = Model(accumulation=False)
+    plain = Model(accumulation=False, kernels=False)  # the roofline: a backward is twice the forward
     for tp, cp, bound in ((8, 1, 1.001), (1, 16, 1.3)):
         with_it, without = (microbatch_seconds(BIG, 8192, tp, True, cp, 2, False, "none", H100, 1, m)["compute"]
-                            for m in (Model(), plain))
+                            for m in (Model(kernels=False), plain))
         assert without == pytest.approx(3 * microbatch_seconds(BIG, 8192, tp, True, cp, 2, False, "none", H100, 1,
                                                                plain)["forward"])
         assert (with_it / without < bound) if cp == 1 else (with_it / without > bound)

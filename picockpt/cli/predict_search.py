@@ -6,9 +6,13 @@
 Memory from picockpt's closed forms, time from picockpt/planning/cost.py (picockpt/planning/layout_search.py says which terms).
 """
 import json
+import textwrap
 import time
 
+from dataclasses import replace
+
 from ..planning.cost import HARDWARE, hardware
+from ..planning.kernel_rates import ATTENTION_KERNELS, from_json, published
 from ..planning.frameworks import FRAMEWORKS
 from ..planning.layout_search import TERMS, distinct_splits, no_split_reason, published_for, rank_of, search, split_of
 from .predict_parallel import gpu_bytes
@@ -39,6 +43,14 @@ def add_search_arguments(parser):
     group.add_argument("--framework", choices=tuple(FRAMEWORKS), default="any",
                        help="--search: only the schedules, ZeRO stages, recompute policies and tensor parallelism "
                             "this framework has (picockpt/planning/frameworks.py names each one's source); default any")
+    group.add_argument("--kernels", default="published", metavar="published|peak|FILE",
+                       help="--search: how fast each matmul and attention kernel runs: published (the H100's "
+                            "measured matmul ceiling and attention benchmarks, picockpt/planning/kernel_rates.py "
+                            "names them; the default), peak (every kernel at the datasheet's rate: the roofline), "
+                            "or a JSON table lessons/kernel_rates.py measured")
+    group.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="cudnn",
+                       help="--search --kernels published: whose attention rates (cudnn, what sdpa picks on "
+                            "Hopper; flash2; flash3); default cudnn")
     group.add_argument("--top", type=int, default=10,
                        help="--search: the fastest distinct tp x cp x pp x dp splits printed, each by its best "
                             "variant (default 10; --json too)")
@@ -61,7 +73,9 @@ def check_search_flags(args):
     if not args.search:
         given = [flag for flag, name in (("--gpus", "gpus"), ("--tokens-per-batch", "tokens_per_batch"))
                  if getattr(args, name) is not None] + (["--top"] if args.top != 10 else []) + \
-            (["--framework"] if args.framework != "any" else [])
+            (["--framework"] if args.framework != "any" else []) + \
+            (["--kernels"] if args.kernels != "published" else []) + \
+            (["--attention-kernel"] if args.attention_kernel != "cudnn" else [])
         if given:
             raise ValueError(f"{', '.join(given)}: only --search reads {'it' if len(given) == 1 else 'them'}; add "
                              f"--search, or leave {'it' if len(given) == 1 else 'them'} out")
@@ -83,10 +97,31 @@ def check_search_flags(args):
             raise ValueError(f"--search needs {flag}, e.g. --gpus 16384 --tokens-per-batch 16M")
     if args.top < 1:
         raise ValueError(f"--top={args.top}: print at least one layout, e.g. --top 10")
+    if args.attention_kernel != "cudnn" and args.kernels != "published":
+        raise ValueError(f"--attention-kernel {args.attention_kernel} with --kernels {args.kernels}: only the "
+                         f"published rates have a choice of attention kernel; leave --attention-kernel out")
+
+
+def kernel_hardware(args):
+    """The --hardware with the kernel rates --kernels names (hw.kernels None: the roofline)."""
+    hw = hardware(args.hardware)
+    if args.kernels == "peak":
+        return replace(hw, kernels=None)
+    if args.kernels == "published":
+        return replace(hw, kernels=published(hw.name, args.attention_kernel))
+    return replace(hw, kernels=from_json(args.kernels))
+
+
+def kernels_line(hw):
+    """What the kernels run at, in one line (with its sources)."""
+    if hw.kernels is None:
+        return "every kernel at the datasheet's rate (the roofline): a ceiling, measured MFU sits below"
+    return f"kernels at {hw.kernels.name} rates by shape:\n" + textwrap.fill(
+        hw.kernels.source, 100, initial_indent="  (", subsequent_indent="   ") + ")"
 
 
 def run_search(args, cfg):
-    tokens, hw = parse_tokens(args.tokens_per_batch), hardware(args.hardware)
+    tokens, hw = parse_tokens(args.tokens_per_batch), kernel_hardware(args)
     capacity = gpu_bytes(args.gpu_gib)
     framework = FRAMEWORKS[args.framework]
     start = time.perf_counter()
@@ -100,7 +135,8 @@ def run_search(args, cfg):
     published = published_for(args.preset, args.seq, args.gpus, tokens)
     if args.json:
         out = {"model": args.preset, "seq": args.seq, "gpus": args.gpus, "tokens_per_batch": tokens,
-               "gpu_bytes": capacity, "hardware": hw.name, "framework": framework.name, "considered": considered,
+               "gpu_bytes": capacity, "hardware": hw.name, "kernels": kernels_line(hw),
+               "framework": framework.name, "considered": considered,
                "fit": len(rows), "distinct_splits": len(splits), "search_seconds": seconds, "top": args.top,
                "layouts": splits[:args.top]}
         if published:
@@ -114,7 +150,7 @@ def run_search(args, cfg):
     print(f"  ({hw.source})")
     print(f"{considered:,} layouts considered in {seconds:.1f} s, {len(rows):,} fit, {len(splits):,} distinct "
           f"tp x cp x pp x dp splits;")
-    print("times at datasheet rates: a ceiling, measured MFU sits below")
+    print(kernels_line(hw))
     if not rows:
         print("no layout fits: add GPUs, raise --gpu-gib, or shorten --seq")
         return

@@ -22,6 +22,7 @@ from .closed_forms import attention_matmul_flops, dropped, layer_inventory
 from ..model.config import BYTES
 from .planner import plan_chain, replay
 from .host_walk import model_costs
+from .kernel_rates import KernelRates, published
 from .hardware import (A100_SXM_BF16, A100_SXM_HBM, H100_SXM_BF16, H100_SXM_HBM, H200_SXM_BF16, H200_SXM_HBM,
                        INFINIBAND_HDR, INFINIBAND_NDR, NVLINK_3, NVLINK_4)
 from ..recompute.schedule import Mode
@@ -35,13 +36,16 @@ class Hardware:
     network: float  # bytes/s one direction, a GPU to another node (its own NIC)
     node: int  # GPUs a node
     source: str
+    kernels: KernelRates = None  # how far below `matmul` its kernels run, by shape (kernel_rates.py); None: at it
 
 
 HARDWARE = {  # 8 GPUs a node, one 400 Gb/s (H100, H200) or 200 Gb/s (A100) NIC a GPU: the DGX systems' layout
     "h100": Hardware("h100", H100_SXM_BF16, H100_SXM_HBM, NVLINK_4, INFINIBAND_NDR, 8,
-                     "H100 SXM 80 GB datasheet; NVLink 4; NDR InfiniBand, one port a GPU (DGX H100)"),
+                     "H100 SXM 80 GB datasheet; NVLink 4; NDR InfiniBand, one port a GPU (DGX H100)",
+                     published("h100")),
     "h200": Hardware("h200", H200_SXM_BF16, H200_SXM_HBM, NVLINK_4, INFINIBAND_NDR, 8,
-                     "H200 SXM 141 GB datasheet; NVLink 4; NDR InfiniBand, one port a GPU (DGX H200)"),
+                     "H200 SXM 141 GB datasheet; NVLink 4; NDR InfiniBand, one port a GPU (DGX H200)",
+                     published("h200")),
     "a100": Hardware("a100", A100_SXM_BF16, A100_SXM_HBM, NVLINK_3, INFINIBAND_HDR, 8,
                      "A100 SXM 80 GB datasheet; NVLink 3; HDR InfiniBand, one port a GPU (DGX A100)"),
 }
@@ -95,6 +99,8 @@ class Op:
     name: str
     kernels: tuple  # ((matmul FLOPs, bytes read and written), ...): elementwise kernels count 0 FLOPs
     makes: frozenset = frozenset()  # the stored names it writes: what rebuilding a dropped one runs again
+    shapes: tuple = ()  # each kernel's shape, for kernel_rates.op_seconds: ("gemm", rows, d_in, d_out),
+    #                     ("attention", keys a query row runs over) or None (elementwise); () all None
 
     @property
     def flops(self):
@@ -126,6 +132,9 @@ def layer_ops(cfg, batch, seq, t=1, sp=False, cp=1, causal_skip=False):
     def linear(rows, d_in, d_out):  # x (rows, d_in) @ w^T (d_out, d_in): read x and w, write the output
         return 2 * rows * d_in * d_out, e * (rows * d_in + d_in * d_out + rows * d_out)
 
+    def matmuls(name, *dims, makes=()):  # an op of linears, each kernel with its shape
+        return Op(name, tuple(linear(*d) for d in dims), frozenset(makes), tuple(("gemm", *d) for d in dims))
+
     def norm(name, makes):  # read x, write the output and one statistic a row
         return Op(name, ((0, 2 * e * Bt * h + s * Bt),), frozenset(makes))
 
@@ -139,15 +148,16 @@ def layer_ops(cfg, batch, seq, t=1, sp=False, cp=1, causal_skip=False):
     else:  # one flash kernel: q, k, v in and the output out; the T x T tiles never leave on-chip memory
         attention = ((2 * core, e * (2 * BT * q + 2 * batch * seq * kv) + s * batch * H * n),)
     ops = [norm("attn_norm", ("attn_norm.output", "attn_norm.rstd")),
-           Op("qkv", (linear(BT, h, q), linear(BT, h, kv), linear(BT, h, kv))),
+           matmuls("qkv", (BT, h, q), (BT, h, kv), (BT, h, kv)),
            Op("rope", ((0, 2 * e * BT * q), (0, 2 * e * BT * kv))),
-           Op("attention", attention, frozenset({"attn.context", "attn.lse"})),
-           Op("o_proj", (linear(BT, q, h),)),
+           Op("attention", attention, frozenset({"attn.context", "attn.lse"}),
+              () if cfg.attention == "eager" else (("attention", seq),)),
+           matmuls("o_proj", (BT, q, h)),
            Op("attn_residual", ((0, 3 * e * Bt * h),), frozenset({"mlp_norm.input"})),
            norm("mlp_norm", ("mlp_norm.output", "mlp_norm.rstd")),
-           Op("gate_up", (linear(BT, h, f), linear(BT, h, f)), frozenset({"mlp.gate", "mlp.up"})),
+           matmuls("gate_up", (BT, h, f), (BT, h, f), makes=("mlp.gate", "mlp.up")),
            Op("swiglu", ((0, 3 * e * BT * f),), frozenset({"mlp.act"})),
-           Op("down", (linear(BT, f, h),)),
+           matmuls("down", (BT, f, h)),
            Op("mlp_residual", ((0, 3 * e * Bt * h),))]
     if cfg.attention == "eager":
         ops.append(Op("probs", scores, frozenset({"attn.probs"})))  # a rebuild only
@@ -165,7 +175,7 @@ def head_ops(cfg, batch, seq, t=1, sp=False):
     e, s, BT, h, V = BYTES[cfg.dtype], BYTES[cfg.dtype_names[1]], batch * seq, cfg.hidden, cfg.vocab // t
     Bt = BT // (t if sp and t > 1 else 1)
     return (Op("final_norm", ((0, 2 * e * Bt * h + s * Bt),), frozenset({"final_norm.output"})),
-            Op("logits", ((2 * BT * h * V, e * (BT * h + h * V + BT * V)),)),
+            Op("logits", ((2 * BT * h * V, e * (BT * h + h * V + BT * V)),), shapes=(("gemm", BT, h, V),)),
             Op("loss", ((0, (e + s) * BT * V),)))  # read the logits, write the log-softmax's statistics
 
 

@@ -14,8 +14,9 @@ Frameworks: search(framework=...) keeps only the choices one framework has (pico
 source); the default, "any", is every choice above.
 
 Placement: tp innermost, then cp, pp, dp outermost (the Llama 3 paper's order, [TP, CP, PP, DP]); a group's members
-in a node (collectives.members_per_node) decide its links. What the model leaves out: kernel efficiency below the
-datasheet (its MFU is a ceiling), stragglers, the optimizer step's own time, kernel-launch gaps.
+in a node (collectives.members_per_node) decide its links. Kernels run at the rates of the hardware's KernelRates
+(kernel_rates.py: published H100 rates, or a table measured on the GPU). What the model leaves out, each only slowing
+a real step: stragglers, the optimizer step's own time, kernel-launch gaps, overlap that slows what it hides under.
 """
 import itertools
 

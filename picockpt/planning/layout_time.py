@@ -2,7 +2,9 @@
 not hide; each term with its source. layout_search.py composes them into a step.
 
 A micro-batch on one rank of a stage:
-    compute      the stage's layers (and the head on the last), forward F by the roofline (cost.py), backward 2F, and
+    compute      the stage's layers (and the head on the last), forward and backward (twice the forward's FLOPs) kernel
+                 by kernel at the rates kernel_rates.py gives each shape (the roofline, cost.py, with Model.kernels
+                 off), and
                  every micro-batch each weight gradient accumulated into its fp32 buffer: the weight-gradient GEMM
                  reads and writes 8 bytes a parameter (Megatron's gradient_accumulation_fusion,
                  fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 into main_grad; FSDP2 accumulates unsharded
@@ -39,7 +41,8 @@ from dataclasses import dataclass
 from .closed_forms import layer_inventory
 from .collectives import algorithm_seconds, collective_seconds, members_per_node, per_layer_seconds
 from ..model.config import BYTES
-from .cost import head_ops, layer_ops, rebuild_seconds, roofline_seconds
+from .cost import head_ops, layer_ops, rebuild_seconds
+from .kernel_rates import gemm_passes, op_seconds
 from ..recompute.schedule import OP_LEVEL
 
 REDUCE_BYTES = 4  # gradients reduced in fp32 and weights gathered in the compute dtype: torchtitan's defaults
@@ -61,28 +64,32 @@ class Model:
         overlap    Megatron's async backward tensor-parallel collectives, and layouts without sequence parallelism;
                    off: every tensor-parallel collective exposed, sequence parallelism always
         accumulation  every micro-batch's weight gradients accumulated into fp32 (8 bytes a parameter read and
-                   written); off: the weight-gradient GEMM writes its 16-bit output once"""
+                   written); off: the weight-gradient GEMM writes its 16-bit output once
+        kernels    each matmul and flash kernel at the rate its shape reaches (the hardware's KernelRates:
+                   kernel_rates.py); off: every kernel at the datasheet's peak (the roofline)"""
     topology: bool = True
     sharding: bool = True
     recompute: bool = True
     stages: bool = True
     overlap: bool = True
     accumulation: bool = True
+    kernels: bool = True
 
 
 FULL_MODEL = Model()
 ACCUMULATOR_BYTES = 4  # the fp32 gradient buffer a weight-gradient GEMM adds into (Megatron's main_grad)
 
 
-def accumulation_seconds(ops, weights, e, hw):
+def accumulation_seconds(ops, weights, e, hw, rates=None):
     """What accumulating the weight gradients into fp32 adds to the backward of `ops`: each weight-gradient GEMM
-    reads and writes its accumulator (2 x 4 bytes a weight) where a plain one writes e bytes, by the roofline.
-    weights: {op name: (weights of each of its kernels, ...)}."""
+    reads and writes its accumulator (2 x 4 bytes a weight) where a plain one writes e bytes, its math at its
+    shape's rate (the peak when rates is None). weights: {op name: (weights of each of its kernels, ...)}."""
     extra = 0.0
     for op in ops:
-        for (flops, nbytes), count in zip(op.kernels, weights.get(op.name, ())):
+        for (flops, nbytes), shape, count in zip(op.kernels, op.shapes, weights.get(op.name, ())):
+            rate = hw.matmul if rates is None else rates.gemm_rate(*gemm_passes(shape, "backward")[1], hw.matmul)
             accumulating = nbytes + (2 * ACCUMULATOR_BYTES - e) * count
-            extra += max(flops / hw.matmul, accumulating / hw.memory) - max(flops / hw.matmul, nbytes / hw.memory)
+            extra += max(flops / rate, accumulating / hw.memory) - max(flops / rate, nbytes / hw.memory)
     return extra
 
 
@@ -110,19 +117,22 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
     (the head if last); "forward" its forward alone. send_node: 2 when the next stage is in the same node, else 1."""
     e, n, h = BYTES[cfg.dtype], seq // cp, cfg.hidden
     sp = sp and tp > 1
+    rates = hw.kernels if model.kernels else None
     layer_kernels = layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)
     head_kernels = head_ops(cfg, 1, n, tp, sp) if last else ()
-    ops = {op.name: roofline_seconds(op, hw) for op in layer_kernels}
-    layer = sum(v for name, v in ops.items() if name != "probs")
-    head = sum(roofline_seconds(op, hw) for op in head_kernels)
+    ops = {op.name: op_seconds(op, hw, rates) for op in layer_kernels}
+    back = {op.name: op_seconds(op, hw, rates, "backward") for op in layer_kernels}
+    layer, layer_back = (sum(v for name, v in t.items() if name != "probs") for t in (ops, back))
+    head = sum(op_seconds(op, hw, rates) for op in head_kernels)
+    head_back = sum(op_seconds(op, hw, rates, "backward") for op in head_kernels)
     weights = weight_counts(cfg, tp)
-    accumulate = (layers * accumulation_seconds(layer_kernels, weights, e, hw)
-                  + accumulation_seconds(head_kernels, weights, e, hw)) if model.accumulation else 0.0
+    accumulate = (layers * accumulation_seconds(layer_kernels, weights, e, hw, rates)
+                  + accumulation_seconds(head_kernels, weights, e, hw, rates)) if model.accumulation else 0.0
     block = n * h * e  # one block's input or output, the rank's n tokens
     tp_forward = tp_backward = 0.0
     if tp > 1:
         for column in ("qkv", "gate_up"):  # a block: its column-parallel GEMM's backward hides what it can
-            hide = ops[column] if model.overlap else 0.0  # the input- and weight-gradient GEMMs: as long as F's
+            hide = back[column] / 2 if model.overlap else 0.0  # the input- or the weight-gradient GEMM
             if sp:
                 gather = group_seconds("all_gather", block, tp, hw, tp, model)
                 scatter = group_seconds("reduce_scatter", block, tp, hw, tp, model)
@@ -141,7 +151,7 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
     reruns = 1 if policy == "full" else 0  # a full recompute runs the forward's collectives again
     send = group_seconds("p2p", block // (tp if sp else 1), 2, hw, send_node, model)
     forward = layers * layer + head
-    return {"compute": 3 * forward + accumulate, "recompute": layers * rebuild,
+    return {"compute": forward + layers * layer_back + head_back + accumulate, "recompute": layers * rebuild,
             "tp_comm": layers * (tp_forward * (1 + reruns) + tp_backward),
             "cp_comm": layers * (cp_ag * (2 + reruns) + cp_rs), "pp_comm": 2 * send, "forward": forward}
 

@@ -77,7 +77,7 @@ def measure_op_seconds(cfg, batch, seq, device="cpu", repeats=7, progress=None):
     with torch.no_grad():
         for round_ in range(repeats + 1):
             for name, call in calls.items():
-                seconds = _time_once(call, device)
+                seconds = time_once(call, device)
                 if round_:  # round 0 warms up (allocations, kernel selection)
                     times[name].append(seconds)
             if progress and round_:
@@ -86,7 +86,7 @@ def measure_op_seconds(cfg, batch, seq, device="cpu", repeats=7, progress=None):
     return Profile(median, {name: (min(ts), max(ts)) for name, ts in times.items()}, str(device), repeats)
 
 
-def _time_once(call, device):
+def time_once(call, device):
     """Seconds of one call: CUDA events around it on a GPU (the kernels' time, not the launch's), else a timer."""
     if torch.device(device).type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
