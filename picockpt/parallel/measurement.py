@@ -1,13 +1,11 @@
 """What one rank's step measures, and the report it makes of it: the rank's Tracker (stored and live bytes, FLOPs
-per phase), its Timeline (what it did when), the stage's stores summed (timeline.py: StageMemory), the bytes its
-collectives moved (comm.py: CommLog), the layers' (tp, ep, cp) apart from the reductions' (dp, ZeRO).
+per phase), its Timeline, the stage's stores summed (timeline.py: StageMemory), the bytes its collectives moved
+(comm.py: CommLog), the layers' (tp, ep, cp) apart from the reductions' (dp, ZeRO). rank.py runs the step:
 
     measured = Measurement(job, groups, stage_forms)
     with measured.step() as (tracker, timeline, memory):   # after a barrier: the same zero on every rank
         ...                                               # the step; measured.forward_done after each forward
     report = measured.report(pipe, buckets, tokens, shards, state)
-
-rank.py's rank_one_step runs the step; predictions.py puts the closed forms beside each report.
 """
 import contextlib
 

@@ -23,11 +23,12 @@ import torch
 
 from ..recompute.engine import device_generator
 from ..ops.cross_entropy import IGNORE_INDEX
-from ..model.params import EMBED, FINAL_NORM, HEAD, param_shapes
+from ..model.params import EMBED, HEAD, param_shapes
 from .context_parallel.cp_layout import SequenceLayout
 from .context_parallel.cp_model import apply_context_parallel
 from .data_parallel.dp_model import replicated
 from .data_parallel.zero_inventory import stage_uses
+from .data_parallel.zero_params import unit_names
 from .data_parallel.zero_shards import ZeroShards
 from .expert_parallel.ep_model import apply_expert_parallel
 from .expert_parallel.ep_shard import shard_experts
@@ -42,15 +43,12 @@ from .rank_model import RankModel
 from .tensor_parallel.tp_model import apply_tensor_parallel
 from .tensor_parallel.tp_shard import shard_params
 
+
 def stage_param_names(cfg, layers, first, last):
     """The parameters a stage holds, under the full model's names (a tied LM head: the embedding's matrix,
     held by the last stage as lm_head.weight; the caller sums its gradient into the embedding's)."""
-    names = [EMBED] if first else []
-    prefixes = tuple(f"model.layers.{k}." for k in layers)
-    names += [name for name in param_shapes(cfg) if name.startswith(prefixes)]
-    if last:
-        names += [FINAL_NORM, HEAD]
-    return names
+    units = unit_names(list(param_shapes(cfg)), layers, first, last)  # the stage's units (ZeRO's), in order
+    return [name for names in units.values() for name in names]
 
 
 def trace_lines(rank_label, trace):

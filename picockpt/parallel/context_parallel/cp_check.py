@@ -1,10 +1,4 @@
-"""What context parallelism refuses before any rank starts (picockpt/parallel/job.py's checked_job calls `refuses`).
-
-A context-parallel rank runs the composed rank step (picockpt/parallel/rank.py) over its
-ContextParallelModel (cp_model.py): its tokens of every sequence (cp_layout.py), the engine's own loop, its
-own Tracker, to which its Comm books every ring step or all-gather by phase; the data-parallel buckets sum the
-replicated weights' partial gradients over the dp x cp ranks (picockpt/parallel/layout.py).
-"""
+"""What context parallelism refuses before any rank starts (picockpt/parallel/job.py's checked_job calls `refuses`)."""
 from ...recompute.policy import as_policy
 from ..launch import check_rank_count
 from ..refusals import given, not_yet

@@ -1,47 +1,29 @@
 """ZeRO inside the one rank step (rank.py): what a rank holds of its stage's weights, their gathers around each use,
-and their gradients reduced as soon as they are final. It takes the place of the stage's data-parallel buckets
-(dp_comm.py) and of its whole weights; everything else of the step (the engine's loop, the stage's micro-batches,
-the layers' own crossings) is unchanged, so ZeRO stacks on tensor, pipeline, context and expert parallelism.
+and their gradients reduced as soon as they are final. It takes the place of the stage's data-parallel buckets and
+whole weights (dp_model.py); everything else of the step is unchanged, so ZeRO stacks on every other parallelism.
 
-What is sharded is whatever the rank holds: its stage's units (the embedding on the first, layers k, the final norm
-and head on the last), of its tensor-parallel slices (shards of the tp shards), its experts. A unit (zero_params.py's
-FlatUnit) is sharded over the group its gradients are summed over (layout.py): every weight but the experts' over
-the dp x ep x cp ranks (torchtitan's dp_shard_cp mesh under cp), an expert's over the dp x cp ranks that hold it
-(its expert-data-parallel group). A layer under ep is two units, one per group; a group of one shards nothing.
+What is sharded is whatever the rank holds (its stage's units, of its tp slices, its experts). A unit
+(zero_params.py) is sharded over the group its gradients are summed over (layout.py): every weight but the experts'
+over the dp x ep x cp ranks (torchtitan's dp_shard_cp mesh under cp), an expert's over its dp x cp ranks.
 
-Weights: under stages 1 and 2 every unit whole, as plain data parallelism; under stage 3 the rank's shard of each,
-all-gathered before each use and freed after it. A use is the embedding's forward, a layer's forward, each recompute
-sweep that runs it again and its backward, the head's forward and backward (the embedding's backward needs its shape
-only). The head stays gathered from its forward to its backward (torchtitan's apply_fsdp_to_decoder does not reshard
-the final norm and output after the forward); keep_gathered=True keeps a layer a recompute sweep gathered until its
-backward, one gather fewer for holding a sweep's layers at once (FSDP2 gathers a recomputed block once in the backward:
-fsdp_peer.py); "step" every unit from its first use to its last (zero_inventory.kept_after). prefetch=True starts the
-next use's gather before this use computes, as FSDP's does. Under pp every micro-batch's uses gather again, in order.
-Gradients accumulate whole over the stage's micro-batches (as torch.distributed.pipelining runs FSDP: gradient sync
-only in the last backward) and are reduced once final: stage 1 all-reduces a unit's flat gradient (every rank holds
-the sum), stages 2 and 3 reduce-scatter it (the rank keeps its shard's sum, the whole is freed).
-Optimizer (steps > 0): picockpt/measurement/train.py's AdamW on the rank's shards only (elementwise: bit for bit the whole
-tensor's update of those elements); stages 1 and 2 then all-gather the updated shards into the whole weights.
+Weights: under stages 1 and 2 every unit whole; under stage 3 the rank's shard, all-gathered before each use and
+freed after it. The head stays gathered from its forward to its backward (as torchtitan's apply_fsdp_to_decoder);
+keep_gathered=True keeps a layer a recompute sweep gathered until its backward (FSDP2 gathers a recomputed block once
+in the backward: fsdp_peer.py), "step" every unit from its first use to its last (zero_inventory.kept_after).
+prefetch=True starts the next use's gather before this use computes, as FSDP's does. Gradients accumulate whole over
+the stage's micro-batches and are reduced once final: stage 1 all-reduces a unit's flat gradient, stages 2 and 3
+reduce-scatter it. Optimizer (steps > 0): picockpt/measurement/train.py's AdamW on the rank's shards only
+(elementwise: bit for bit the whole tensor's update of those elements); stages 1 and 2 then all-gather them.
 """
 import contextlib
 
 import torch
 
-from ...model.params import EMBED, FINAL_NORM, HEAD
 from ...measurement.train import make_optimizer
 from ..comm import all_reduce, reduce_scatter
 from ..expert_parallel.ep_shard import is_expert
 from .zero_inventory import kept_after
-from .zero_params import FlatUnit, gather_flat
-
-
-def unit_names(names, layers, first, last):
-    """{key: [names]} of a stage's units in the order a forward uses them: "embed", its layers k, "head"."""
-    units = {"embed": [EMBED]} if first else {}
-    units.update({k: [name for name in names if name.startswith(f"model.layers.{k}.")] for k in layers})
-    if last:
-        units["head"] = [FINAL_NORM, HEAD]
-    return units
+from .zero_params import FlatUnit, gather_flat, unit_names
 
 
 def stage_units(shapes, layers, first, last, sizes, split=None):
