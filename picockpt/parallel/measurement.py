@@ -58,7 +58,7 @@ class Measurement:
     def report(self, pipe, buckets, tokens, shards, state):
         """The rank's report: its place in the layout, what it stored, computed and moved, when (tokens: its
         SequenceLayout under cp; shards and state: ZeRO's, with the model state the step ends with)."""
-        job, groups, layout = self.job, self.groups, self.job.layout
+        groups, layout = self.groups, self.job.layout
         report = {**self.place(), **self.measured(pipe, buckets), **self.first_stored,
                   "received_rows": [self.received[k] for k in self.forms.layers] if layout.ep > 1 else None,
                   "chunks": tokens.chunks(groups.cp_rank) if tokens else None,

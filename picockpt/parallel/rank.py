@@ -1,21 +1,11 @@
-"""One rank's step of any layout, dp x pp x ep x cp x tp (step.py shows how each parallelism wraps the engine):
-its stage's micro-batches, forwards and backwards in the schedule's order, each one the engine's own loop over a
-model whose layers cross ranks where its layout says (inner_model below: each dimension applied over the ones before);
-data parallelism or ZeRO wraps the stage alike: the weights it reads and where its gradients go (dp_model.py).
-
-    with measured.step() as (tracker, timeline, memory):   # measurement.py: what the step measures, its report
-        data = shards or replicated(...)                    # data parallelism or ZeRO: weights in, gradients out
-        chunks = [PipelineStage(...) for each of the rank's chunks]   # its layers, neighbours, data part
-        loss = run_actions(actions(schedule, P, M, stage), chunks, ...)   # pipeline_parallel/pp_runner.py:
-        data.finish()                                       #   F: a Step per micro-batch, forward; B: its backward
-    report = measured.report(...)
+"""One rank's step of any layout, dp x pp x ep x cp x tp: its stage's micro-batches, forwards and backwards in the
+schedule's order, each one the engine's own loop over a model whose layers cross ranks where its layout says
+(inner_model: each dimension applied over the ones before); data parallelism or ZeRO wraps the stage alike
+(dp_model.py). rank_one_step reads top to bottom as the composition.
 
 A rank holds its stage's layers (the embedding on the first stage, final norm and head on the last), its
 tensor-parallel slices of them, its experts, and its rows of the batch: micro-batch m of replica d is the block
 d*M + m of B / (dp M) sequences, split over the ep ranks, and under cp its tokens of those rows (cp_layout.py).
-recompute-early (pp_stage.py: recompute_top) fills a stage's wait for a gradient with the top segment's
-recomputation: the same peak, held longer ("mean_activation_bytes", time-weighted), and the received gradient's
-buffer allocated before the recomputation (in "peak_live_bytes").
 """
 import sys
 

@@ -15,6 +15,8 @@ the launch, done an event in a stream of the buckets' own once work.wait() has m
 import torch
 import torch.distributed as dist
 
+from ..comm import all_reduce
+
 
 class GradientBuckets:
     """names: {bucket: [parameter names]} in the order they become final; shapes: {name: shape}."""
@@ -62,8 +64,7 @@ class GradientBuckets:
             if not self.overlap:
                 for bucket, flat in self.flat.items():  # in the order they became final
                     start = self.timeline.mark()
-                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.comm.group)  # blocking (NCCL: the stream)
-                    self.comm.log.record(self.comm.phase, "all_reduce", flat.nbytes)
+                    all_reduce(flat, self.comm)  # blocking (NCCL: the stream), in place, counted
                     self.marks.append((bucket, flat.nbytes, start, self.timeline.mark()))
                 return
             missing = set(self.flat) - set(self.launched)

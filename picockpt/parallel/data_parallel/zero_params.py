@@ -10,11 +10,9 @@ gather_flat counts as comm.py counts an all-gather, but can run asynchronously (
 phase of the use it serves, so a prefetch moves no bytes from one phase to another.
 """
 import torch
-import torch.distributed as dist
 
 from ...model.params import EMBED, FINAL_NORM, HEAD, param_shapes
-
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch's name
+from ..comm import all_gather_flat
 
 
 class FlatUnit:
@@ -72,6 +70,6 @@ def gather_flat(shard, comm, phase, padded, async_op=False):
     `phase` (the phase of the use it serves). async_op=True: returns (work, flat) at once; flat is
     ready after work.wait()."""
     flat = shard.new_empty(padded)  # (N_d * s,)
-    work = _gather_into(flat, shard.contiguous(), group=comm.group, async_op=async_op)  # shards in rank order
+    work = all_gather_flat(flat, shard.contiguous(), group=comm.group, async_op=async_op)  # shards in rank order
     comm.log.record(phase, "all_gather", flat.nbytes)
     return (work, flat) if async_op else flat

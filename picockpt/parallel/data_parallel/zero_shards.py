@@ -70,7 +70,8 @@ class ZeroShards:
                       for key, units in stage_units(shapes, layers, first, last, sizes, split).items()}
         self.optimizer = make_optimizer({f"{key}.{n}": part.shard for key, parts in self.units.items()
                                          for n, part in enumerate(parts)}, lr, weight_decay)
-        self.owner = {name: part for parts in self.units.values() for part in parts for name in part.unit.names}
+        self.parts = [part for parts in self.units.values() for part in parts]  # every unit's, in order
+        self.owner = {name: part for part in self.parts for name in part.unit.names}
         self.uses, self.next_use = uses, 0
         self.kept = [kept_after(uses, n, keep_gathered) for n in range(len(uses or ()))]  # per use: stays gathered?
         self.gathered, self.pending = {}, {}  # key -> [flat]; key -> [(work, flat)] under way
@@ -82,19 +83,16 @@ class ZeroShards:
         """{name: weight} the stage starts from: whole units as views of their flat buffers; a gathered unit's
         names as meta tensors of their shapes (read for the shape only, replaced by views during each use)."""
         out = {}
-        for parts in self.units.values():
-            for part in parts:
-                views = part.unit.views(part.params) if part.whole() else \
-                    {name: torch.empty(shape, device="meta") for name, shape in zip(part.unit.names, part.unit.shapes)}
-                out.update(views)
+        for part in self.parts:
+            meta = {name: torch.empty(shape, device="meta") for name, shape in zip(part.unit.names, part.unit.shapes)}
+            out.update(part.unit.views(part.params) if part.whole() else meta)
         return out
 
     def begin(self, tracker):
         """A step starts: the first use again (stage 3), the tracker its gathers are marked in, no gradients."""
         self.tracker, self.next_use = tracker, 0
-        for parts in self.units.values():
-            for part in parts:
-                part.grad = None
+        for part in self.parts:
+            part.grad = None
 
     @contextlib.contextmanager
     def use(self, key):
@@ -178,25 +176,23 @@ class ZeroShards:
     def grads(self):
         """{name: gradient} as the rank holds it: whole (stage 1, or a group of one), else its pieces."""
         out = {}
-        for parts in self.units.values():
-            for part in parts:
-                whole = part.grad.numel() == part.unit.padded
-                out.update(part.unit.views(part.grad) if whole else part.unit.pieces(part.grad, part.rank))
+        for part in self.parts:
+            whole = part.grad.numel() == part.unit.padded
+            out.update(part.unit.views(part.grad) if whole else part.unit.pieces(part.grad, part.rank))
         return out
 
     # -- the optimizer ---------------------------------------------------------------------------
     def step(self, tracker):
         """One AdamW step on the rank's shards, then (stages 1, 2) every unit whole again."""
-        parts = [part for parts in self.units.values() for part in parts]
-        for part in parts:
+        for part in self.parts:
             part.shard.grad = part.grad if part.grad.numel() == part.shard.numel() else \
                 part.unit.shard(part.grad, part.rank)  # (s,)
         self.optimizer.step()
-        for part in parts:
+        for part in self.parts:
             part.shard.grad = None  # part.grad, the step's reduced gradient, lives until the next step begins
         for value in self.optimizer_tensors():
             tracker.mark(value, "optimizer")
-        for part in parts:
+        for part in self.parts:
             if self.stage < 3 and part.comm is not None:
                 part.params.copy_(gather_flat(part.shard, part.comm, "optimizer", part.unit.padded))  # (padded,)
 
@@ -206,9 +202,8 @@ class ZeroShards:
 
     def bytes(self):
         """{param_bytes, grad_bytes, optimizer_bytes} this rank holds now."""
-        parts = [part for parts in self.units.values() for part in parts]
-        return {"param_bytes": sum(p.params.nbytes for p in parts),
-                "grad_bytes": sum(p.grad.nbytes for p in parts if p.grad is not None),
+        return {"param_bytes": sum(p.params.nbytes for p in self.parts),
+                "grad_bytes": sum(p.grad.nbytes for p in self.parts if p.grad is not None),
                 "optimizer_bytes": sum(value.nbytes for value in self.optimizer_tensors())}
 
     # -- the caller's check, after the measured step ---------------------------------------------
@@ -216,10 +211,9 @@ class ZeroShards:
         """{name: tensor} the rank's whole parameters (or gradients), its group's shards gathered (uncounted):
         what the caller compares with the single process, put together like plain data parallelism's."""
         out = {}
-        for parts in self.units.values():
-            for part in parts:
-                flat = part.grad if grads else part.params
-                if flat.numel() != part.unit.padded:  # booked as "check", after the report was made
-                    flat = gather_flat(flat, part.comm, "check", part.unit.padded)  # (padded,)
-                out.update({name: view.clone() for name, view in part.unit.views(flat).items()})
+        for part in self.parts:
+            flat = part.grad if grads else part.params
+            if flat.numel() != part.unit.padded:  # booked as "check", after the report was made
+                flat = gather_flat(flat, part.comm, "check", part.unit.padded)  # (padded,)
+            out.update({name: view.clone() for name, view in part.unit.views(flat).items()})
         return out
