@@ -15,8 +15,9 @@ class BudgetTooSmall(ValueError):
     a caller planning every stage can name the largest need over all of them at once."""
 
     def __init__(self, budget, least, needs, fewer):
+        fits = math.ceil(least / 2**20 * 100) / 100  # MiB, rounded up
         super().__init__(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what {needs}: the least found "
-                         f"is {least:,} bytes; use budget:{math.ceil(least / 2**20 * 100) / 100}MiB or more, or {fewer}")
+                         f"is {least:,} bytes; use budget:{fits}MiB or more, or {fewer}")
         self.least = least
 
 
