@@ -74,8 +74,9 @@ def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, p
     """fn(comm, *args, **kwargs) on every rank (other keywords go to fn); returns [rank 0's result, rank 1's, ...].
     world_size: the number of ranks (under torchrun: None, or its WORLD_SIZE). backend: None picks "nccl" for
     device="cuda", "gloo" otherwise. device: "cpu" or "cuda" (each rank takes cuda:LOCAL_RANK; an index given is not
-    used). timeout_s: seconds, the limit on every collective, sub-groups' too (Comm.timeout: one made without
-    it waits torch's 30 minutes), and on the rendezvous, which waits at least JOIN_S for ranks still starting. Spawned ranks only: port (127.0.0.1's; None: a free one), start_method, progress (above)."""
+    used). timeout_s: seconds, the limit on every collective, sub-groups' too (Comm.timeout: one made without it waits
+    torch's 30 minutes), and on the rendezvous, which waits at least JOIN_S for ranks still starting. Spawned ranks
+    only: port (127.0.0.1's; None: a free one), start_method, progress (above)."""
     if not callable(fn):
         raise ValueError(f"fn={fn!r}: give a function fn(comm, *args, **kwargs)")
     if world_size is None and not under_torchrun():

@@ -30,9 +30,8 @@ class Measurement:
 
     @contextlib.contextmanager
     def step(self):
-        """(tracker, timeline, memory) for the step: the Timeline's zero right after a barrier every rank leaves at
-        the same moment (across hosts too: machines' monotonic clocks share no origin), every group's collectives
-        booked to the Tracker by phase while it runs, and let go after."""
+        """(tracker, timeline, memory) for the step, the Timeline's zero right after a barrier (timeline.py);
+        every group's collectives booked to the Tracker by phase while it runs, and let go after."""
         device = self.groups.device
         dist.barrier()
         self.timeline = Timeline(device)

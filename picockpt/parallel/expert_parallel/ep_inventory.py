@@ -8,7 +8,8 @@ a rank stores tp_inventory.py's split of the layer, its experts' rows f/t wide; 
 """
 import math
 
-from ...planning.inventory import head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops, total
+from ...planning.inventory import (head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops,
+                                   total)
 from ...model.params import param_shapes
 from ...recompute.policy import as_policy
 from .ep_layer import ep_drop

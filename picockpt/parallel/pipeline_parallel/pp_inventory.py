@@ -54,9 +54,9 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, layout=La
     """(Schedule of one micro-batch in the stage's layer numbers 0.., stage peak, E, own peak, recompute FLOPs, where
     the schedule came from). layout: its tensor parallelism (tp, sp, distribute_saved) alone. layer_comm_flops: the
     communication a recomputed layer forward also costs, as FLOPs of the same time (context parallelism's ring): a
-    budget plans with it; the FLOPs returned leave it out. order: the
-    stage's Actions, w_layer_bytes what each layer's B leaves for its W (ZB-H1): the stage peak walks the order
-    (pp_plan.in_flight_peak); without them it is (in_flight_count - 1) E + peak."""
+    budget plans with it; the FLOPs returned leave it out. order: the stage's Actions, w_layer_bytes what each layer's
+    B leaves for its W (ZB-H1): the stage peak walks the order (pp_plan.in_flight_peak); without them it is
+    (in_flight_count - 1) E + peak."""
     left = (w_layer_bytes,) * layers if w_layer_bytes else None
     policy, t = as_policy(policy, cfg), layout.tp
     chain = stage_chain(cfg, batch, seq, layers, last, t, layout.sp and t > 1, layout.distribute_saved and t > 1,
