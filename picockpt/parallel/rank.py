@@ -6,6 +6,8 @@ schedule's order, each one the engine's own loop over a model whose layers cross
 A rank holds its stage's layers (the embedding on the first stage, final norm and head on the last), its
 tensor-parallel slices of them, its experts, and its rows of the batch: micro-batch m of replica d is the block
 d*M + m of B / (dp M) sequences, split over the ep ranks, and under cp its tokens of those rows (cp_layout.py).
+recompute_early holds the same peak longer ("mean_activation_bytes") and allocates the received gradient's buffer
+before the recomputation (in "peak_live_bytes").
 """
 import sys
 

@@ -51,10 +51,9 @@ def split_dim(name):
     return SPLIT_DIM[ROLES[name.split(".", 3)[3]]]  # "model.layers.{i}.<name>" -> its role's dim
 
 
-def shard_params(params, rank, tp, device=None):
+def shard_params(params, rank, tp):
     """{name: rank's slice} of every parameter (a copy of its own, so the full tensors can go)."""
-    shards = {name: slice_of(tensor, name, rank, tp) for name, tensor in params.items()}  # (.., n/t, ..)
-    return {name: shard.to(device).clone() if device is not None else shard.clone() for name, shard in shards.items()}
+    return {name: slice_of(tensor, name, rank, tp).clone() for name, tensor in params.items()}  # (.., n/t, ..)
 
 
 def gather_grads(per_rank, params):
