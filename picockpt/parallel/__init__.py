@@ -10,18 +10,9 @@ beside the layer that calls it.
     results = parallel.run_ranks(step, 2, x.chunk(2, dim=1))   # spawned local ranks on gloo, or torchrun's
 
 Read step.py first (the caller's side), then rank.py (one rank's step, for any layout) and rank_model.py (its model:
-each dimension applied over the ones before). Shared: layout.py (the grid and its groups, passed explicitly, never
-global), comm.py (the counted collectives), job.py (the job and its checks: each folder's *_check.py says what that
-dimension refuses, refusals.py what they share), predictions.py (the closed forms beside every report), rng.py
-(random draws equal to the single process's), launch.py and watch.py (where the processes come from, how a failure
-ends them), timeline.py (what each rank did when), measurement.py (what a rank's step measures, and its report),
-training.py (zero_train); and one folder per parallelism, each opening with what it holds and which file to read
-first:
-    tensor_parallel/    Megatron-style column/row-parallel layers, sequence parallelism, vocab-parallel head
-    pipeline_parallel/  stages, AFAB and 1F1B schedules, paired point-to-point sends, per-stage budgets
-    data_parallel/      gradient buckets all-reduced over replicas as soon as they are final; ZeRO 1/2/3
-    expert_parallel/    experts split over ranks, tokens dispatched and combined by all-to-all
-    context_parallel/   the sequence split over ranks, K/V round a ring or all-gathered, merged by log-sum-exp
+each dimension applied over the ones before). Every other module opens with what it holds, and so does each folder
+(tensor_parallel/, pipeline_parallel/, data_parallel/, expert_parallel/, context_parallel/), naming the file to
+read first.
 """
 from .comm import Comm, CommLog, all_reduce_grads, all_reduce_max
 from .expert_parallel.ep_comm import all_to_all_backward, all_to_all_forward, exchange_splits

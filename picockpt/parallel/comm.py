@@ -7,20 +7,17 @@ nccl-tests' doc/PERFORMANCE.md, whose algorithm bandwidth is S / time), whatever
     all-gather      the gathered output's = world_size x the input's
     reduce-scatter  the full input's = world_size x the output's
     all-to-all      this rank's input, its own chunk included (CommLog.sent: less that chunk, which stays here)
-A ring puts 2(n-1)/n of the all-reduce size and (n-1)/n of the all-gather and reduce-scatter sizes on the wire (n =
-world_size): nccl-tests' "bus bandwidth" factors. received=True counts an all-gather or a reduce-scatter as that
-(n-1)/n instead, the bytes that reach this rank from the others: context parallelism's K/V, counted as its ring's. Calls that move nothing (the identities, split_sequence's forward)
-are not counted; each call is booked under the `phase_name` of `comm.tracker` (a Tracker), "outside" without one.
-
-torch 2.13's gloo has every collective used here, uneven all-to-all too: nothing is emulated. An all-reduce is in place
-on its contiguous argument, as in torch.distributed: callers pass a tensor whose partial form they no longer need.
+received=True counts an all-gather or a reduce-scatter as (n-1)/n of that instead, the bytes that reach this rank
+from the others (context parallelism's K/V, counted as its ring's). Calls that move nothing are not counted; each
+call is booked under the `phase_name` of `comm.tracker` (a Tracker), "outside" without one. An all-reduce is in
+place on its contiguous argument, as in torch.distributed.
 """
 import torch
 import torch.distributed as dist
 
 OUTSIDE = "outside"  # the phase when no tracker is attached (as picockpt.measurement.tracker.OUTSIDE)
 PHASES = ("forward", "recompute", "backward")  # the phases communication and FLOPs are reported by
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch's name
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -107,7 +104,7 @@ def all_gather(x, comm, dim, received=False):
     shard = x.contiguous()  # (..., n, ...) a copy only if x is a strided view: the collective sends a flat buffer
     W = comm.world_size
     flat = x.new_empty((W * shard.shape[0],) + tuple(shard.shape[1:]))  # (W*d0, ...)
-    _all_gather_flat(flat, shard, group=comm.group)  # the shards one after another, along dim 0
+    all_gather_flat(flat, shard, group=comm.group)  # the shards one after another, along dim 0
     comm.log.record(comm.phase, "all_gather", flat.nbytes - shard.nbytes if received else flat.nbytes)
     gathered = flat.unflatten(0, (W, shard.shape[0]))  # (W, ..., n, ...) a view: gathered[r] = rank r's shard
     return gathered.movedim(0, dim).flatten(dim, dim + 1)  # (..., W*n, ...) a copy when dim > 0, a view for 0

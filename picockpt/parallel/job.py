@@ -1,13 +1,7 @@
 """The caller's side of every layout, written once: one job holds the whole layout (dp x pp x ep x cp x tp), is
-checked before any rank starts and is sent to the ranks on the CPU.
-
-    job = ParallelJob(params, cfg, input_ids, targets, "full", Layout(tp=2, sp=True))   # or pp=, dp=, ep=, ...
-    job = checked_job(job, "cpu", job.world_size)   # a ValueError naming the argument, before any rank starts
-    sent = on_cpu(job)                        # what the ranks receive; each moves it to its own device
-
-Every rank starts from the caller's generator state (or the job's rng_state), so its dropout masks are rows or
-slices of the single process's (rng.py). step.py launches the ranks (several jobs per launch: starting ranks costs
-about a second each) and puts their results together; each rank runs rank.py.
+checked before any rank starts (checked_job: a ValueError naming the argument) and is sent to the ranks on the CPU
+(on_cpu). Every rank starts from the caller's generator state (or the job's rng_state), so its dropout masks are
+rows or slices of the single process's (rng.py). step.py launches the ranks; each runs rank.py.
 """
 from dataclasses import KW_ONLY, dataclass, replace
 

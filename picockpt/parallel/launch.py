@@ -1,23 +1,17 @@
 """Running one function on every rank: spawned local processes, or the processes torchrun made.
 
     results = run_ranks(fn, 4, x, timeout_s=60)   # fn(comm, x) runs on ranks 0..3; results[r] is what rank r returned
+    results = run_ranks(fn, 2, x, progress=lambda rank, payload: print(rank, payload))   # each comm.progress(payload)
 
-fn(comm, *args, **kwargs) gets a Comm (comm.py) and returns anything picklable (CPU tensors are fine). Under torchrun
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set) this process is one rank of its rendezvous, one node or
-many, and a failing rank raises here; torchrun stops the others. Otherwise world_size local processes are spawned, each
-importing fn by name (so fn lives at module level of an importable module: not a lambda, a local function or an
-unguarded __main__). "spawn" starts each as a new interpreter (~0.9 s of CPU, mostly `import torch`); "forkserver" forks
-each from one helper that imported torch once (~0.05 s a rank after the first call; the helper lives until this process
-exits). Neither forks this process (no inherited threads or CUDA state), and nothing listens beyond 127.0.0.1. Each rank
-runs one thread, sees this process's environment variables and gets its own copy of args and kwargs. The first rank to
-fail or die ends the run, its error raised here (watch.py); no process outlives run_ranks, KeyboardInterrupt included,
-and SIGTERM (raised here as watch.Terminated, as SIGINT raises KeyboardInterrupt).
-
-    results = run_ranks(fn, 2, x, progress=lambda rank, payload: print(rank, payload))
-
-progress (spawned ranks): each payload a rank passes to comm.progress(payload) reaches progress(rank, payload) in
-this process as it is sent, down the same pipe as the rank's result, while the ranks run on (train prints each
-step this way). Under torchrun, comm.progress is None: each process has its own output, and rank 0 prints.
+Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set) this process is one rank of its
+rendezvous, one node or many: a failing rank raises here, torchrun stops the others, and comm.progress is None (each
+process has its own output). Otherwise world_size local processes are spawned, each importing fn by name (so fn
+lives at module level of an importable module). "spawn" starts each as a new interpreter (~0.9 s of CPU, mostly
+`import torch`); "forkserver" forks each from one helper that imported torch once (~0.05 s a rank after the first
+call). Neither forks this process (no inherited threads or CUDA state), and nothing listens beyond 127.0.0.1. Each
+rank runs one thread, sees this process's environment variables and gets its own copy of args and kwargs; its
+progress payloads come down the same pipe as its result, as they are sent. The first rank to fail or die ends the
+run (watch.py); no process outlives run_ranks, KeyboardInterrupt and SIGTERM (watch.Terminated) included.
 """
 import os
 import pickle
@@ -80,8 +74,9 @@ def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, p
     """fn(comm, *args, **kwargs) on every rank (other keywords go to fn); returns [rank 0's result, rank 1's, ...].
     world_size: the number of ranks (under torchrun: None, or its WORLD_SIZE). backend: None picks "nccl" for
     device="cuda", "gloo" otherwise. device: "cpu" or "cuda" (each rank takes cuda:LOCAL_RANK; an index given is not
-    used). timeout_s: seconds, the limit on every collective, sub-groups' too (Comm.timeout: one made without
-    it waits torch's 30 minutes), and on the rendezvous, which waits at least JOIN_S for ranks still starting. Spawned ranks only: port (127.0.0.1's; None: a free one), start_method, progress (above)."""
+    used). timeout_s: seconds, the limit on every collective, sub-groups' too (Comm.timeout: one made without it waits
+    torch's 30 minutes), and on the rendezvous, which waits at least JOIN_S for ranks still starting. Spawned ranks
+    only: port (127.0.0.1's; None: a free one), start_method, progress (above)."""
     if not callable(fn):
         raise ValueError(f"fn={fn!r}: give a function fn(comm, *args, **kwargs)")
     if world_size is None and not under_torchrun():

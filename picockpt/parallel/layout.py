@@ -3,21 +3,17 @@
     layout = Layout(dp=2, pp=2, microbatches=4)   # 4 processes: stage 0 is ranks 0, 1 (dp 0, 1), stage 1 ranks 2, 3
     layout.coordinates(rank=3)                    # (stage 1, dp rank 1, ep rank 0, cp rank 0, tp rank 0)
 
-A Layout is the whole parallel layout of a step: the five dimensions (the grid of processes) and each one's options,
-grouped below by the dimension they belong to. It is what a job carries (job.py: ParallelJob), what the ranks build
-their groups from and what the closed forms read.
-
-Ranks are numbered in Megatron-LM's default order "tp-cp-ep-dp-pp": tensor-parallel ranks are neighbours (the most
-traffic, the fastest links on a real machine), then context-parallel and expert-parallel ranks, replicas, stages:
+A Layout is the whole parallel layout of a step: the five dimensions and each one's options, grouped below by
+dimension; what a job carries, the ranks build their groups from and the closed forms read. Ranks are numbered in
+Megatron-LM's default order "tp-cp-ep-dp-pp", tensor-parallel ranks neighbours (the most traffic, the fastest links):
 
     rank = (((stage * dp + dp_rank) * ep + ep_rank) * cp + cp_rank) * tp + tp_rank
 
-A group is the ranks whose other coordinates are equal (Layout.group_keys): a tensor-parallel group, the tp ranks of one
-(stage, dp, ep, cp rank); a pipeline, one (dp, ep, cp, tp rank)'s stages in order. Expert parallelism is carved out of
-the data-parallel ranks, as in Megatron-LM: the ep ranks of a group compute different sequences with the same weights
-but the experts', which they split; cp ranks compute different tokens of the same sequences. So every weight but the
-experts' is replicated over the dp x ep x cp ranks of the data-parallel group (picotron's cp_dp group), over which
-gradients are summed, and each expert over the dp x cp ranks holding it (the expert-data-parallel group).
+A group is the ranks whose other coordinates are equal (Layout.group_keys). Expert parallelism is carved out of the
+data-parallel ranks, as in Megatron-LM: ep ranks compute different sequences with the same weights but the experts',
+which they split; cp ranks compute different tokens of the same sequences. So every weight but the experts' is
+replicated over the dp x ep x cp ranks of the data-parallel group, over which gradients are summed, and each expert
+over the dp x cp ranks holding it (the expert-data-parallel group).
 """
 from dataclasses import dataclass
 

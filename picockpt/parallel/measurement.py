@@ -1,13 +1,11 @@
 """What one rank's step measures, and the report it makes of it: the rank's Tracker (stored and live bytes, FLOPs
-per phase), its Timeline (what it did when), the stage's stores summed (timeline.py: StageMemory), the bytes its
-collectives moved (comm.py: CommLog), the layers' (tp, ep, cp) apart from the reductions' (dp, ZeRO).
+per phase), its Timeline, the stage's stores summed (timeline.py: StageMemory), the bytes its collectives moved
+(comm.py: CommLog), the layers' (tp, ep, cp) apart from the reductions' (dp, ZeRO). rank.py runs the step:
 
     measured = Measurement(job, groups, stage_forms)
     with measured.step() as (tracker, timeline, memory):   # after a barrier: the same zero on every rank
         ...                                               # the step; measured.forward_done after each forward
     report = measured.report(pipe, buckets, tokens, shards, state)
-
-rank.py's rank_one_step runs the step; predictions.py puts the closed forms beside each report.
 """
 import contextlib
 
@@ -32,9 +30,8 @@ class Measurement:
 
     @contextlib.contextmanager
     def step(self):
-        """(tracker, timeline, memory) for the step: the Timeline's zero right after a barrier every rank leaves at
-        the same moment (across hosts too: machines' monotonic clocks share no origin), every group's collectives
-        booked to the Tracker by phase while it runs, and let go after."""
+        """(tracker, timeline, memory) for the step, the Timeline's zero right after a barrier (timeline.py);
+        every group's collectives booked to the Tracker by phase while it runs, and let go after."""
         device = self.groups.device
         dist.barrier()
         self.timeline = Timeline(device)
@@ -60,7 +57,7 @@ class Measurement:
     def report(self, pipe, buckets, tokens, shards, state):
         """The rank's report: its place in the layout, what it stored, computed and moved, when (tokens: its
         SequenceLayout under cp; shards and state: ZeRO's, with the model state the step ends with)."""
-        job, groups, layout = self.job, self.groups, self.job.layout
+        groups, layout = self.groups, self.job.layout
         report = {**self.place(), **self.measured(pipe, buckets), **self.first_stored,
                   "received_rows": [self.received[k] for k in self.forms.layers] if layout.ep > 1 else None,
                   "chunks": tokens.chunks(groups.cp_rank) if tokens else None,

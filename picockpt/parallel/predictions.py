@@ -1,12 +1,8 @@
-"""The closed forms beside every rank's measurements, for any layout: what rank.py's report predicts.
-
-    predicted(job, report, routing)   {"predicted_activation_bytes": ..., "predicted_comm_bytes": ..., ...}
-
-A rank's store holds its stage's micro-batches in flight (pipeline_parallel/pp_inventory.py's StageForms); under
-cp at the rank's T/cp tokens, every stored tensor being linear in its tokens (the ring's bytes and the attention
-FLOPs: context_parallel/cp_inventory.py). Under ep what a micro-batch holds depends on the tokens routed to this
-rank's experts, so each micro-batch is expert_parallel/ep_inventory.py's step over its own rows (the single
-process's routing of them), and the stage's peak replays the schedule over the micro-batches' unequal sizes.
+"""The closed forms beside every rank's measurements, for any layout: predicted(job, report, routing) gives the
+predicted_ twin of each count in rank.py's report. A rank's store holds its stage's micro-batches in flight
+(pipeline_parallel/pp_inventory.py), under cp at its T/cp tokens (context_parallel/cp_inventory.py). Under ep what a
+micro-batch holds depends on the tokens routed to this rank's experts, so each micro-batch is ep_inventory.py's step
+over its own rows, and the stage's peak replays the schedule over the micro-batches' unequal sizes.
 """
 import math
 

@@ -1,21 +1,13 @@
-"""One rank's step of any layout, dp x pp x ep x cp x tp (step.py shows how each parallelism wraps the engine):
-its stage's micro-batches, forwards and backwards in the schedule's order, each one the engine's own loop over a
-model whose layers cross ranks where its layout says (inner_model below: each dimension applied over the ones before);
-data parallelism or ZeRO wraps the stage alike: the weights it reads and where its gradients go (dp_model.py).
-
-    with measured.step() as (tracker, timeline, memory):   # measurement.py: what the step measures, its report
-        data = shards or replicated(...)                    # data parallelism or ZeRO: weights in, gradients out
-        chunks = [PipelineStage(...) for each of the rank's chunks]   # its layers, neighbours, data part
-        loss = run_actions(actions(schedule, P, M, stage), chunks, ...)   # pipeline_parallel/pp_runner.py:
-        data.finish()                                       #   F: a Step per micro-batch, forward; B: its backward
-    report = measured.report(...)
+"""One rank's step of any layout, dp x pp x ep x cp x tp: its stage's micro-batches, forwards and backwards in the
+schedule's order, each one the engine's own loop over a model whose layers cross ranks where its layout says
+(inner_model: each dimension applied over the ones before); data parallelism or ZeRO wraps the stage alike
+(dp_model.py). rank_one_step reads top to bottom as the composition.
 
 A rank holds its stage's layers (the embedding on the first stage, final norm and head on the last), its
 tensor-parallel slices of them, its experts, and its rows of the batch: micro-batch m of replica d is the block
 d*M + m of B / (dp M) sequences, split over the ep ranks, and under cp its tokens of those rows (cp_layout.py).
-recompute-early (pp_stage.py: recompute_top) fills a stage's wait for a gradient with the top segment's
-recomputation: the same peak, held longer ("mean_activation_bytes", time-weighted), and the received gradient's
-buffer allocated before the recomputation (in "peak_live_bytes").
+recompute_early holds the same peak longer ("mean_activation_bytes") and allocates the received gradient's buffer
+before the recomputation (in "peak_live_bytes").
 """
 import sys
 
@@ -23,11 +15,12 @@ import torch
 
 from ..recompute.engine import device_generator
 from ..ops.cross_entropy import IGNORE_INDEX
-from ..model.params import EMBED, FINAL_NORM, HEAD, param_shapes
+from ..model.params import EMBED, HEAD, param_shapes
 from .context_parallel.cp_layout import SequenceLayout
 from .context_parallel.cp_model import apply_context_parallel
 from .data_parallel.dp_model import replicated
 from .data_parallel.zero_inventory import stage_uses
+from .data_parallel.zero_params import unit_names
 from .data_parallel.zero_shards import ZeroShards
 from .expert_parallel.ep_model import apply_expert_parallel
 from .expert_parallel.ep_shard import shard_experts
@@ -42,15 +35,12 @@ from .rank_model import RankModel
 from .tensor_parallel.tp_model import apply_tensor_parallel
 from .tensor_parallel.tp_shard import shard_params
 
+
 def stage_param_names(cfg, layers, first, last):
     """The parameters a stage holds, under the full model's names (a tied LM head: the embedding's matrix,
     held by the last stage as lm_head.weight; the caller sums its gradient into the embedding's)."""
-    names = [EMBED] if first else []
-    prefixes = tuple(f"model.layers.{k}." for k in layers)
-    names += [name for name in param_shapes(cfg) if name.startswith(prefixes)]
-    if last:
-        names += [FINAL_NORM, HEAD]
-    return names
+    units = unit_names(list(param_shapes(cfg)), layers, first, last)  # the stage's units (ZeRO's), in order
+    return [name for names in units.values() for name in names]
 
 
 def trace_lines(rank_label, trace):

@@ -1,22 +1,13 @@
 """One rank's model for the engine's loop, composed: the one process's Model, and the parts each parallelism replaces
 when it is applied to it (as picotron's apply_tensor_parallel and apply_context_parallel change the model they are
-given). rank.py composes it, one line per dimension:
+given; rank.py's inner_model applies them, cp, then ep, then tp). The parts:
 
-    model = RankModel(params, cfg, input_ids, targets)
-    apply_context_parallel(model, cp_comm, tokens, ...)       # its tokens, their RoPE rows, attention round the ring
-    apply_expert_parallel(model, ep_comm, ...)                # its experts: tokens dispatched and combined
-    apply_tensor_parallel(model, tp_comm, sp, ...)            # its slices (of the experts too), vocab-parallel head
-
-The parts:
-    cross        the layer's crossings (picockpt/model/layer.py's Crossings): each parallelism's wrap the ones before and
-                 own only their points (tp: enter/leave, regather, masks, norm gradients; cp: the attention core;
-                 ep: the MLP block and the whole-batch draws), delegating the rest (CrossingsOver below)
-    vocab        the embedding (None: the one process's; tp: vocab.py's rows); the head is picockpt/model/head.py's,
-                 crossing where cross says (tp: its loss over the vocabulary's columns)
+    cross        the layer's crossings (picockpt/model/layer.py's Crossings): each parallelism's wrap the ones before
+                 and own only their points, delegating the rest (CrossingsOver below)
+    vocab        the embedding (None: the one process's; tp: vocab.py's rows)
     checkpoints  how a layer input is kept and loaded (None: whole; tp's distribute_saved: this rank's 1/t)
     positions    the global positions of the tokens it holds (None: all; cp: its chunks), for the RoPE rows
     drop         the policy's op level here (ep also drops the dispatched rows with the experts' tensors)
-The loss needs no part: the stage (pipeline_parallel/pp_stage.py) scales each micro-batch by its share of the mean.
 """
 from ..recompute.engine import Model
 from ..model.head import head_backward, head_forward

@@ -1,20 +1,17 @@
 """Dropout masks under tensor and sequence parallelism, equal to the single process's.
 
 A rank applies dropout to its share of a tensor (its heads of the attention probabilities, (B, H/t, T, T); under
-sequence parallelism its tokens of a residual branch, (B, T/t, h)), but draws the *whole* mask the single process draws
-and keeps its slice. Every rank starts from the caller's generator state (job.py), so its generator advances as the
-single process's: the next mask, and every mask a recomputation draws again after the engine's RNG replay, are equal.
+sequence parallelism its tokens of a residual branch), but draws the *whole* mask the single process draws and keeps
+its slice. Every rank starts from the caller's generator state, so its generator advances as the single process's:
+the next mask, and every mask a recomputation draws again after the engine's RNG replay, are equal.
 
     mask = sliced_mask((B, T, h), p, device, comm, dim=1)   # this rank's tokens of the whole mask
     with full_size_draws(comm, dim=1, dropout=p):           # around code that draws its own masks
         a = attention_block_forward(...)                    # eager attention: (B, H/t, T, T) kept of (B, H, T, T)
 
-The price: each rank draws t times the random numbers it keeps (t x B*H*T^2 for the attention probabilities: cheap next
-to the q k^T that made them, not free), and the ranks' masks are slices of one mask, not independent draws. Megatron-LM
-instead forks to a generator seeded per rank (seed + 2718 + rank, CudaRNGStatesTracker), so each draws only its slice:
-cheaper, as good statistically, but its masks depend on t and its gradients cannot equal a single process's; here
-equality is the point (every test compares the two). Tiled attention's masks come from one stored seed and each tile's
-index, at the rank's heads' shape: no slice of the single process's, so tp refuses it with dropout (tp_shard.py).
+The price: each rank draws t times the random numbers it keeps. Megatron-LM instead forks to a generator seeded per
+rank (CudaRNGStatesTracker), so each draws only its slice: cheaper, as good statistically, but its gradients cannot
+equal a single process's; here equality is the point (every test compares the two).
 """
 import collections
 import contextlib

@@ -1,20 +1,13 @@
-"""picockpt.parallel.loss_and_grads: the single-process call, split over ranks, for any layout. The loop and the
-layer are written once: each rank (rank.py) runs the engine's own loop over its stage's micro-batches, on a model
-whose layers cross ranks where the layout says (rank_model.py); this side checks the job, launches the ranks and
-puts their results together. Full parameters and batch in; the loss, full gradients under the parameters' names and
-one report per rank out, each measurement beside its closed form (predictions.py: the predicted_ twin of every count).
+"""picockpt.parallel.loss_and_grads: the single-process call, split over ranks, for any layout. Each rank (rank.py) runs
+the engine's own loop over its stage's micro-batches, on a model whose layers cross ranks where the layout says;
+this side checks the job, launches the ranks and puts their results together: the loss, full gradients under the
+parameters' names and one report per rank (measurement.py names every key), each measurement beside its closed
+form (predictions.py: the predicted_ twin of every count).
 
-    from picockpt import parallel
-    from picockpt.parallel import Layout
     loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, "full", Layout(tp=2, sp=True))
     loss, grads, ranks = parallel.loss_and_grads(..., Layout(pp=2, microbatches=4, dp=2))      # 4 ranks
     loss, grads, ranks = parallel.loss_and_grads(..., Layout(ep=2, tp=2, dp=2, zero=3))        # 8 ranks, stacked
     ranks[r]["peak_activation_bytes"] == ranks[r]["predicted_activation_bytes"]        # to the byte
-
-A rank's report (measurement.py: Measurement.report names every key): its coordinates and the layout; its stored
-bytes (peak, per micro-batch, first layer, head, time-weighted mean), live peak, FLOPs, the layers' collectives, p2p
-and data-parallel bytes by phase, under ep its experts' rows, under cp its chunks, under ZeRO its model state and
-gathers; the timeline, step_seconds and bubble = 1 - computing / step.
 """
 import os
 

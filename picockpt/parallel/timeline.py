@@ -7,30 +7,17 @@
     timeline.finish()
     timeline.totals()    # {"forward": s, "recompute": s, "backward": s, "wait": s, "send": s, "reduce": s, ...}
 
-Kinds: forward, recompute, backward (the engine's phases); wait (blocked on a neighbour's message: the bubble as this
-rank sees it); send (its last sends leaving); reduce (blocked on a data-parallel all-reduce: what compute did not hide);
-idle the rest (the schedule's own Python); total the step.
+Kinds: the engine's phases; wait (blocked on a neighbour's message: the bubble as this rank sees it); send (its last
+sends leaving); reduce (blocked on a data-parallel all-reduce: what compute did not hide); idle the rest. Every
+rank's zero is the moment all leave one barrier, so timelines line up across hosts, whose clocks share no origin.
+On CUDA a span edge is a torch.cuda.Event in the compute stream (no synchronisation: a span holds the GPU's time),
+made seconds once in finish(); mark() gives such a time for anything else (stored bytes, dp_comm.py's buckets).
 
-One clock for every rank: each rank's times are seconds since its Timeline was made, right after a barrier that every
-rank leaves at the same moment (to the barrier's own latency). Ranks on different machines share no clock
-(time.monotonic() has an arbitrary origin per machine), but they share that moment, so their timelines line up under
-torchrun across hosts as on one machine.
-
-On the CPU a time is the host's clock (time.monotonic()). On CUDA a span edge is a torch.cuda.Event recorded in the
-compute stream, with no synchronisation: the GPU runs on while the host queues, and a span holds the GPU's time
-between its two edges (a "wait" or "reduce" span: the compute stream held up by a receive or an all-reduce). The events
-become seconds once, in finish(), after one synchronisation; the origin is an event recorded when the stream was idle
-(just synchronised), so the GPU's zero is the host's. mark() gives such a time for anything else on the timeline (the
-stage's stored bytes, data_parallel/dp_comm.py's buckets); seconds(mark) reads it after finish().
-
-StageMemory makes one store of a stage's micro-batches: each micro-batch's Step has its own ActivationStore, whose
-listener, a MicroBatchTracker, passes every event to the rank's Tracker with the bytes of *all* the stage's stores (its
-peak: the stage's, every micro-batch in flight); phases go to the Tracker (FLOPs, bytes) and the Timeline. The Timeline
-gets a span per phase of the step, not per op: a phase entered inside another one gets its span at its first store
-event (the engine's recompute, which starts by reading its checkpoint), and one with no store event (a tile of tiled
-attention rebuilt in the backward, a dropped tensor's recipe) gets no span: its seconds move from the span around it
-to its own phase (Timeline.move), so a rebuild inside the backward is recompute time, as its FLOPs are recompute FLOPs
-(the single process's Tracker books its seconds the same way), and the timeline keeps one segment per phase.
+StageMemory sums the stores of a stage's micro-batches: each micro-batch's MicroBatchTracker passes every event to
+the rank's Tracker with the bytes of all of them (the stage's peak). The Timeline gets a span per phase, not per op:
+a phase entered inside another opens its span at its first store event (the engine's recompute, which starts by
+reading its checkpoint); one with no store event (a tile rebuilt in the backward) gets no span, its seconds moved
+to its own phase (Timeline.move), so a rebuild is recompute time, as its FLOPs are recompute FLOPs.
 """
 import contextlib
 import time

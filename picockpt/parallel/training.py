@@ -5,22 +5,16 @@
     losses[i]     step i's mean loss over its whole batch (the ranks' shares added), a float
     params        the parameters after the last step, whole, under their HF names, on the device and in the
                   dtype of the params given
-    reports[r]    rank r's report of the last step (rank.py's, with ZeRO's parameter, gradient, AdamW and
-                  gathered bytes and its collectives per phase, each beside its predicted_ twin)
+    reports[r]    rank r's report of the last step (rank.py's, with ZeRO's bytes beside their predicted_ twins)
 
-batches: [(input_ids, targets)], one whole (B, T) batch per step, all of one shape; each rank computes its rows (and
-under cp its tokens) of each, as in one step of the layout (rank.py), its AdamW (picockpt/measurement/train.py's make_optimizer:
-lr, weight_decay) stepping only its shards (data_parallel/zero_shards.py). picockpt/measurement/train.py's train_step on the same
-batches, in one process, reaches the same parameters up to rounding: tests/test_parallel_zero.py says where they
-are bitwise and where not, and why.
+batches: [(input_ids, targets)], one whole (B, T) batch per step, all of one shape; each rank computes its part of
+each, as in one step of the layout, its AdamW (picockpt/measurement/train.py's make_optimizer) stepping only its
+shards. train.py's train_step on the same batches, in one process, reaches the same parameters up to rounding
+(tests/test_parallel_zero.py says where they are bitwise and why). Every argument and batch is checked before any
+rank starts. The ranks start from the caller's generator, and leave it where a single process's training would.
 
-Every argument and every batch is checked before any rank starts (a ValueError naming it). The ranks start from the
-caller's generator (rng_state=None: the default CPU one, or the current CUDA device's), so their dropout masks are
-the single process's, and the caller's generator is left where a single process's training would leave it.
-
-on_step(step, loss, seconds), if given, is called in this process as soon as every rank has ended step `step`
-(spawned ranks; under torchrun it is not called): its loss as in losses, its seconds the slowest rank's, as
-reports[r]["seconds_per_step"] give them at the end.
+on_step(step, loss, seconds), if given, is called here as soon as every rank has ended step `step` (spawned ranks
+only): its loss as in losses, its seconds the slowest rank's.
 """
 import math
 

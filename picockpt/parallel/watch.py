@@ -2,12 +2,10 @@
 
 Each rank sends one last message down its pipe: ("ok", result) or ("error", when, type name, message, traceback,
 is_value_error), after any number of ("progress", payload), each handed on as it arrives. One that dies without it
-(os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel: a signal's death is said as the signal (a
-process it kills leaves no traceback), and one that exits before picockpt's code runs where the rank re-imported a
-script as that script's missing main guard, a ValueError. A collective's timeout (gloo's, NCCL's words) is said as
-the rank and operation that waited longer than timeout_s. The first failure ends the wait; LINGER_S later the root
-cause among all failures is raised (_error).
-SIGTERM to the caller while it waits raises Terminated (sigterm_raises), so the ranks are stopped as on Ctrl-C.
+(os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel. The first failure ends the wait; LINGER_S
+later the root cause among all failures is raised (_error), each said plainly: a signal's death as the signal, a
+collective's timeout as the rank and operation that waited longer than timeout_s, a script's missing main guard as
+a ValueError.
 """
 import contextlib
 import pickle

@@ -1,28 +1,18 @@
 """Causal attention over tokens that live on several ranks: blocks merged by their log-sum-exp.
 
-A rank's queries are its chunks (cp_layout.py); the keys and values come in blocks of chunks: its own,
-then each other rank's as the ring brings it (ring attention, Liu et al. 2023), or all of them at once
-after an all-gather (the Llama 3 paper's choice). A query chunk against a chunk of keys is
-
-    the same chunk      causal: the single process's kernel on c x c  (tiled or fused, FlashAttention)
-    an earlier chunk    whole: every key before every query, no mask  (the kernel with causal=False)
-    a later chunk       nothing: skipped
-
-and each block's kernel returns its normalised output O_b and its rows' log-sum-exp lse_b, the online
-softmax's state (FlashAttention-2: the same merge its tiles make inside the kernel):
+A rank's queries are its chunks (cp_layout.py); the keys and values come in blocks of chunks: its own, then each
+other rank's as the ring brings it (ring attention, Liu et al. 2023), or all of them after an all-gather. A query
+chunk against a chunk of keys is causal (the same chunk: the single process's kernel on c x c), whole (an earlier
+chunk: the kernel with causal=False) or skipped (a later one). Each block's kernel returns its normalised output O_b
+and its rows' log-sum-exp lse_b, the online softmax's state (FlashAttention-2's merge of its tiles):
 
     lse = log(exp(lse_a) + exp(lse_b))                   = logaddexp(lse_a, lse_b)
     O   = exp(lse_a - lse) O_a + exp(lse_b - lse) O_b    (each block's softmax, re-weighted to the union's)
 
-What is stored is the single process's, on this rank's n tokens: q, k, v, the merged output (as
-attn.context) and the merged lse (B, H, n). The backward needs no per-block statistic: with the merged
-O and lse, each block's kernel backward recomputes its P_b = exp(S_b - lse), exactly the whole softmax's
-columns for those keys, and D = rowsum(dO * O) is the whole row's; so
-
-    dq += dS_b k_b / sqrt(hd),   dk_b += dS_b^T q / sqrt(hd),   dv_b += P_b^T dO      block by block,
-
-dq summed here, dk_b and dv_b summed where the block's owner gets them (the ring carries them home,
-the all-gather's reduce-scatter sums them). Sums run in the statistics dtype, as the tiled kernel's.
+What is stored is the single process's on this rank's n tokens: q, k, v, the merged output and lse. The backward
+needs no per-block statistic: with the merged O and lse each block's kernel backward recomputes exactly the whole
+softmax's columns for its keys, and D = rowsum(dO * O) is the whole row's; dq sums here, dk_b and dv_b where the
+block's owner gets them (the ring carries them home, the all-gather's reduce-scatter sums them).
 """
 import torch
 

@@ -1,10 +1,4 @@
-"""What context parallelism refuses before any rank starts (picockpt/parallel/job.py's checked_job calls `refuses`).
-
-A context-parallel rank runs the composed rank step (picockpt/parallel/rank.py) over its
-ContextParallelModel (cp_model.py): its tokens of every sequence (cp_layout.py), the engine's own loop, its
-own Tracker, to which its Comm books every ring step or all-gather by phase; the data-parallel buckets sum the
-replicated weights' partial gradients over the dp x cp ranks (picockpt/parallel/layout.py).
-"""
+"""What context parallelism refuses before any rank starts (picockpt/parallel/job.py's checked_job calls `refuses`)."""
 from ...recompute.policy import as_policy
 from ..launch import check_rank_count
 from ..refusals import given, not_yet
@@ -62,9 +56,9 @@ def refuses(job, policy, device):
                              f"cp >= 2, or leave {'them' if len(flags) > 1 else flags[0].split('=')[0]} out")
         return
     if layout.ep > 1:
-        not_yet(f"cp={layout.cp} with ep={layout.ep}",
-                "a rank's experts would receive the tokens of its sequence chunks, and the routing and its closed forms are by whole rows", "use cp with tp, dp, zero and pp, or ep "
-                "without cp")
+        not_yet(f"cp={layout.cp} with ep={layout.ep}", "a rank's experts would receive the tokens of its sequence "
+                "chunks, and the routing and its closed forms are by whole rows",
+                "use cp with tp, dp, zero and pp, or ep without cp")
     if layout.cp_keep_kv and policy.budget is not None:
         not_yet(f"cp_keep_kv=True with policy={policy.text!r}", "the planner's chain does not hold the kept K/V",
                 "use a budget without cp_keep_kv, or keep_kv with none, full, every:C, selective or cheap")

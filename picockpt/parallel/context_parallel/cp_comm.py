@@ -1,7 +1,5 @@
-"""The collectives of context parallelism, as forward/backward pairs (tensor_parallel/tp_comm.py's style).
-
-Each rank holds the keys and values of its own tokens, stacked as one block kv = (k, v): (2, B, KV, n, hd).
-Attention needs every earlier token's, so they travel (cp_attention.py says when each is used):
+"""The collectives of context parallelism, as forward/backward pairs (tensor_parallel/tp_comm.py's style). Each rank
+holds the keys and values of its own tokens, stacked as one block kv = (k, v): (2, B, KV, n, hd).
 
     pair          forward                                    backward
     ring          one step of the ring: send kv to rank r+1,  one step back round: kv again and the gradients
@@ -10,26 +8,16 @@ Attention needs every earlier token's, so they travel (cp_attention.py says when
     gather_kv     all-gather every rank's kv (Llama 3's       reduce-scatter of the gradients: each rank
                   choice: one collective per layer)           gets the sum over ranks of its own rows'
 
-Why the backward ring goes on forward. At step s rank r uses kv_{r-s}, which came s hops. Its gradient
-belongs to rank r-s; instead of sending each rank's contribution back the s hops it came, the summed
-gradient rides on with the block the remaining cp-s hops (r + cp - s = r - s mod cp), every rank on the
-way adding its own: one message per step, and after the cp-th hop every block's gradient is home.
+Why the backward ring goes on forward: at step s rank r uses kv_{r-s}, which came s hops. Instead of sending its
+gradient back the s hops it came, the summed gradient rides on with the block the remaining cp-s hops, every rank on
+the way adding its own: one message per step, and after the cp-th hop every block's gradient is home.
 
-NCCL-safe pairing: every ring step is one torch.distributed.batch_isend_irecv, its sends first, then its
-receives, in the same order on every rank, so each send meets a posted receive (never a bare send then
-recv that only gloo's buffered sockets forgive; pipeline_parallel/pp_comm.py says how NCCL hangs).
-
-Overlap (cp_comm="ring_overlap"): ring_post posts a step and returns at once, ring_wait waits for it. The
-overlapped ring posts the next hop of kv before the attention of the block it holds and waits after it, so
-the bytes travel while the block is computed (its sender only reads kv meanwhile; the block arriving lands
-in a buffer of its own). Its gradient hop cannot start early: dkv is still being summed by that attention.
-One step in flight at a time, posted in the same order on every rank: the same pairing as above.
-
-Bytes are booked under the tracker's phase (picockpt/parallel/comm.py), both ways counted alike, as the bytes
-that reach a rank from the others: "ring_kv" and "ring_dkv", the bytes this rank passes on per step (it receives
-as many); the all-gather the cp - 1 other ranks' blocks (not the gathered buffer, which holds its own block too),
-the reduce-scatter the cp - 1 other ranks' partial gradients of its block (comm.py's received=True). Gradients travel in the statistics dtype (fp32 or
-wider: summed over up to cp ranks), the keys and values in the activation dtype.
+Every ring step is one batch_isend_irecv, sends first, in the same order on every rank, so each send meets a posted
+receive (pipeline_parallel/pp_comm.py says how NCCL hangs otherwise). cp_comm="ring_overlap": ring_post posts the
+next hop of kv before the attention of the block held and ring_wait waits after it; the gradient's hop cannot start
+early (dkv is still being summed). Bytes are booked as those that reach a rank from the others: "ring_kv" and
+"ring_dkv" per step; the all-gather's cp - 1 other blocks, the reduce-scatter's cp - 1 partial gradients (comm.py's
+received=True). Gradients travel in the statistics dtype (summed over up to cp ranks), K and V in the activation's.
 """
 from typing import NamedTuple
 

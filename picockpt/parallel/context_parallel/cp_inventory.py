@@ -1,47 +1,29 @@
-"""Closed forms per context-parallel rank: the bytes it stores, the bytes it moves, the FLOPs it computes.
+"""Closed forms per context-parallel rank, which the tracker equals to the byte: stored bytes, bytes moved, FLOPs.
 
-The same exactness as picockpt/planning/inventory.py (the tracker equals these to the byte), for one rank of cp.
-
-Stored bytes: every tensor a layer or the head keeps under tiled or fused attention is linear in its tokens
-(eager's (T, T) probabilities are refused under cp), and a rank runs the very layer on its n = T/cp tokens:
-its table is picockpt/planning/inventory.py's at n tokens, with one more entry under cp_comm="allgather" with keep_kv,
-
-    attn.kv_others   (2, B, KV, T - n, hd)   activation dtype   kept whatever the layer's mode
-
-so, with X, A, F the bytes of a layer input, a layer stored whole and the head at n tokens, K that entry
-(0 without keep_kv), the forms of inventory.py with segments_peak's `always`:
+Stored bytes: under tiled or fused attention every tensor a layer or the head keeps is linear in its tokens, so a
+rank's table is picockpt/planning/inventory.py's at its n = T/cp tokens, with one more entry under
+cp_comm="allgather" with keep_kv: attn.kv_others (2, B, KV, T - n, hd), kept whatever the layer's mode. With X, A, F
+a layer input, a layer stored whole and the head at n tokens, and K that entry (0 without keep_kv):
 
     none / op level      L (A + K) + F
     every:C (full: C=1)  max(n_seg X + L K + F,  max_k (k X + s_k K + n_k (A + K)))   s_k: layers below segment k
 
-Communication per rank and layer, with KV = 2 B KV n hd e the bytes of this rank's K/V block (activation
-dtype) and G = 2 B KV n hd s those of its gradient (statistics dtype), counted as cp_comm.py books them (the
-bytes that reach the rank from the others, ring and all-gather alike):
+Communication per rank and layer (cp_comm.py's count), KV = 2 B KV n hd e the bytes of this rank's K/V block and
+G = 2 B KV n hd s those of its gradient (statistics dtype):
 
                     forward       backward                       recompute (each layer a sweep recomputes)
-    ring            (cp-1) KV     (cp-1) KV + cp G               (cp-1) KV
-      ring_overlap  the same: the same hops, each posted before the block's attention instead of after it
+    ring            (cp-1) KV     (cp-1) KV + cp G               (cp-1) KV      (ring_overlap: the same hops)
     allgather       (cp-1) KV     (cp-1) KV + (cp-1) G           (cp-1) KV
     + keep_kv       (cp-1) KV     (cp-1) G                       0
-The ring's gradients take one hop more than the reduce-scatter's: each block's sum rides home (cp_comm.py).
-The embedding, the norms, the MLP and the head move nothing: they work token by token. budget:SIZE plans
-each rank on its chain at n tokens with every recomputed layer also paying its ring again, as the FLOPs of
-the same time (its bytes over CP_BANDWIDTH at DEFAULT_COMPUTE_RATE). Dense layers under tiled or fused
-attention rebuild nothing that costs FLOPs, so the least-FLOP plan already recomputes the fewest layers and
-the ring never changes it; a layer whose rebuilds cost FLOPs would trade them for fewer ring repeats. The replicated
-weights' gradients are summed over the dp x cp ranks by the data-parallel buckets (parallel/predictions.py).
 
-FLOPs: a rank's projections, MLP and head are the single process's on n tokens (inventory.layer_flops at
-n; a schedule that stops early skips each sweep's last tail); its attention is a sum of blocks (cp_attention.py):
-for each of its chunks j (c tokens), its own chunk causally (the kernel's count on c tokens: tiled skips the
-tiles above the diagonal, fused counts the whole square) and the j c tokens before it whole, 2 B H hd c (j c)
-per matmul. Zigzag: chunks r and 2cp-1-r have r c + (2cp-1-r) c = (2cp-1) c earlier tokens on every rank, so
-every rank's count is the same. Contiguous
-(c = T/cp): rank r's chunk has r c earlier tokens, so with d the diagonal block's count and e = 2 B H hd c^2
-rank r computes d + r e: rank 0 the diagonal alone, and the busiest rank against the mean
+budget:SIZE plans each rank's chain at n tokens with every recomputed layer also paying its ring again, as the
+FLOPs of the same time (recompute_comm_flops). FLOPs: the single process's on n tokens but attention, a sum of
+blocks (cp_attention.py): each of its chunks j against its own chunk causally and the j c tokens before it whole.
+Zigzag gives every rank (2cp-1) c earlier tokens, the same count; contiguous gives rank r r c, so with d the
+diagonal block's count and e = 2 B H hd c^2 the busiest rank against the mean is
     max / mean = (d + (cp-1) e) / (d + (cp-1) e / 2)      (-> 2 as cp grows; 3/2 at cp = 2 when d = e/2)
 """
-from ...planning.closed_forms import attention_matmul_flops, chain_sizes, head_inventory, layer_flops, layer_inventory
+from ...planning.closed_forms import attention_matmul_flops, chain_sizes, layer_flops
 from ...planning.closed_forms import segments_peak, tail_flops
 from ...model.config import BYTES
 from ...planning.hardware import INFINIBAND_NDR
@@ -53,28 +35,12 @@ from .cp_layout import SequenceLayout
 CP_BANDWIDTH = INFINIBAND_NDR  # bytes/s between context-parallel ranks: one 400 Gb/s NIC per GPU (cp spans servers
 #                                once tp fills one; the Llama 3 paper's RoCE and InfiniBand fabrics are 400 Gb/s per GPU)
 
-KEPT_KV = "attn.kv_others"  # as cp_model.py names it
-
 
 def kept_kv_bytes(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False):
     """K: the other ranks' K/V rows one layer keeps (allgather with keep_kv; else 0)."""
     if cp_comm != "allgather" or not keep_kv:
         return 0
     return 2 * batch * cfg.kv_heads * (seq - seq // cp) * cfg.head_dim * BYTES[cfg.dtype]
-
-
-def cp_layer_inventory(cfg, batch, seq, cp, drop=frozenset(), cp_comm="ring", keep_kv=False):
-    """What one fully stored layer keeps on one rank (its input included)."""
-    n = seq // cp
-    inventory = layer_inventory(cfg, batch, n, drop)  # the single process's table at this rank's n tokens
-    if kept_kv_bytes(cfg, batch, seq, cp, cp_comm, keep_kv):
-        inventory[KEPT_KV] = ((2, batch, cfg.kv_heads, seq - n, cfg.head_dim), cfg.dtype,
-                              kept_kv_bytes(cfg, batch, seq, cp, cp_comm, keep_kv))
-    return inventory
-
-
-def cp_head_inventory(cfg, batch, seq, cp, drop=frozenset()):
-    return head_inventory(cfg, batch, seq // cp, drop)  # the head on this rank's tokens
 
 
 def cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
@@ -102,7 +68,6 @@ def cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, sc
     return {"forward": cfg.layers * forward, "recompute": recomputed * again, "backward": cfg.layers * backward}
 
 
-
 def stage_comm_bytes(forms, seq, cp, cp_comm="ring", keep_kv=False):
     """{"forward", "recompute", "backward"}: what one rank of a stage moves in a step: its ring or all-gather on
     the stage's layers for each of its M micro-batches (forms: pipeline_parallel/pp_inventory.py's StageForms at
@@ -111,6 +76,7 @@ def stage_comm_bytes(forms, seq, cp, cp_comm="ring", keep_kv=False):
     ring = cp_comm_bytes(cfg, forms.b, seq, forms.policy, cp, cp_comm, keep_kv, forms.local_schedule, forms.t)
     tp = forms.tp_comm_bytes()
     return {phase: forms.M * nbytes + tp[phase] for phase, nbytes in ring.items()}
+
 
 def layer_comm_bytes(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False, t=1):
     """(forward, backward, again): one layer's bytes on one rank, and what a recomputation of its forward

@@ -1,19 +1,13 @@
 """Which tokens of every sequence a context-parallel rank holds, and where they sit in the sequence.
 
-The sequence of T tokens is cut into equal chunks of c tokens; rank r holds
+    zigzag       2cp chunks (c = T/(2cp)): rank r holds chunks r and 2cp-1-r, one from the front, one from the
+                 back, as Megatron-LM's get_batch_on_this_cp_rank and PyTorch's context_parallel shard them
+    contiguous   cp chunks (c = T/cp): rank r holds chunk r
 
-    zigzag       2cp chunks (c = T/(2cp)): chunks r and 2cp-1-r, one from the front, one from the back,
-                 as Megatron-LM's get_batch_on_this_cp_rank takes them (index [cp_rank, 2*cp_size -
-                 cp_rank - 1]) and PyTorch's context_parallel shards (_HeadTailLoadBalancer, torchtitan's CP)
-    contiguous   cp chunks (c = T/cp): chunk r alone
-
-Under causal attention a query sees the keys at or before it, so with the contiguous layout rank cp-1's
-tokens see the whole sequence and rank 0's only the first chunk; the zigzag pairs a cheap chunk with an
-expensive one, and every rank does the same work (cp_inventory.py: rank_attention_flops).
-
-Rank r's n = T/cp tokens are its chunks one after another (local rows), each chunk in sequence order.
-Their global positions feed RoPE (the rows of the single process's rotary tables) and decide, chunk
-against chunk, which block of attention is causal (the same chunk), whole (an earlier one) or skipped.
+Under causal attention rank cp-1's contiguous tokens see the whole sequence and rank 0's only the first chunk; the
+zigzag pairs a cheap chunk with an expensive one, so every rank does the same work (cp_inventory.py). A rank's
+tokens are its chunks one after another; their global positions feed RoPE and decide, chunk against chunk, which
+block of attention is causal (the same chunk), whole (an earlier one) or skipped.
 """
 from dataclasses import dataclass
 

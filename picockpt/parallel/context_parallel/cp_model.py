@@ -1,28 +1,15 @@
 """What context parallelism changes in a rank's model (picockpt/parallel/rank_model.py), as the engine's loop sees it.
 
-The rank holds every weight (replicated) and its n = T/cp tokens of every sequence (cp_layout.py). All
-of the layer but attention works token by token, so picockpt/model/layer.py's layer runs here unchanged on
-(B, n, h); only its attention core crosses ranks (ContextParallelCrossings below):
+The rank holds every weight (replicated) and its n = T/cp tokens of every sequence (cp_layout.py). All of the layer
+but attention works token by token, so picockpt/model/layer.py's layer runs here unchanged on (B, n, h); only its
+attention core crosses ranks (ContextParallelCrossings): round the ring (cp_attention.py), or after one all-gather
+of K/V per layer, gathered again in the backward (as Megatron-LM's docs say) unless keep_kv keeps the other ranks'
+rows: attn.kv_others, put in the step's store by the layer's first forward whatever its mode, read by every
+recompute sweep, popped by its backward. A recompute sweep runs the layer's ring or all-gather again.
 
-    cp_comm="ring"        ring attention: cp - 1 steps pass the K/V blocks on (cp_attention.py)
-    "ring_overlap"        the same ring, each step's K/V sent while the block it holds is computed
-    cp_comm="allgather"   one all-gather of K/V per layer (the Llama 3 paper's choice); its backward
-                          gathers them again and reduce-scatters their gradients (as Megatron-LM's docs
-                          say: each GPU stores the K/V of its own chunk and gathers them again in the
-                          backward), unless keep_kv keeps the other ranks' rows: attn.kv_others
-                          (2, B, KV, (cp-1) n, hd), put in the step's store by the layer's first forward
-                          whatever its mode, read by every recompute sweep, popped by its backward
-
-A recompute sweep runs the layer's forward again, and so its ring or all-gather (kept K/V: none).
-
-RoPE: the rows of the single process's (T, hd) rotary tables at this rank's global positions. Beside tensor
-parallelism (applied after this) the rank runs the tensor-parallel layer on its n tokens, and its attention
-heads' K/V cross the cp ranks of the same tp rank.
-Loss: the head sees this rank's tokens and returns the mean over their counted targets; the stage
-(pipeline_parallel/pp_stage.py) scales it by n_r / N, this rank's counted targets over the whole batch's,
-as it scales a micro-batch, so the ranks' shares add up to the single process's mean. The gradients of the
-(replicated) weights are partial, from this rank's tokens: the data-parallel buckets sum them over the
-dp x cp ranks (picockpt/parallel/layout.py).
+RoPE: the rows of the single process's rotary tables at this rank's global positions. The loss is the stage's
+(pipeline_parallel/pp_stage.py: scaled by this rank's share of the counted targets); the replicated weights' partial
+gradients are summed over the dp x cp ranks by the data-parallel buckets.
 """
 import torch
 

@@ -1,6 +1,4 @@
-"""What data parallelism and ZeRO refuse, before any rank starts (job.py's checked_job calls `refuses`): ZeRO's
-values (zero_check.py), the flags of either without it, a batch that does not split into dp x microbatches, and
-what micro-batches cannot draw alike. A ValueError naming the parameter, the value and what would work."""
+"""What data parallelism and ZeRO refuse, before any rank starts (job.py's checked_job calls `refuses`)."""
 from ..refusals import refuse_tiled_dropout
 from .zero_check import check_zero
 

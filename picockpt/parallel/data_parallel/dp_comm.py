@@ -1,27 +1,21 @@
 """Data parallelism: a stage's gradients, accumulated over micro-batches in buckets, summed over the replicas by
-all-reduces overlapping the rest of the backward (per replica: its 1/dp of the batch's share of the mean, pp_stage.py).
+all-reduces overlapping the rest of the backward.
 
-Buckets, as in PyTorch's DistributedDataParallel (Li et al. 2020, "PyTorch Distributed"): one layer's gradients (or the
-head's, or the embedding's) side by side in one flat buffer, so one all-reduce moves a whole layer, the micro-batches
-accumulating into its views in place. Once a bucket is final (in the last micro-batch's backward, right after that
-layer's), overlap=True starts its all-reduce (async_op=True): it travels while the layers below recompute and run their
-backward (and, in a pipeline, while the stage waits in its cool-down). The step ends waiting for what has not arrived
-(the exposed communication: a "reduce" span of the Timeline); overlap=False all-reduces every bucket after the backward,
-all exposed. Bytes (comm.py's count): the stage's gradients once per step.
+Buckets, as in PyTorch's DistributedDataParallel (Li et al. 2020): one layer's gradients (or the head's, or the
+embedding's) side by side in one flat buffer, so one all-reduce moves a whole layer. Once a bucket is final (in the
+last micro-batch's backward), overlap=True starts its all-reduce (async_op=True): it travels while the layers below
+recompute and run their backward. The step ends waiting for what has not arrived (the exposed communication: a
+"reduce" span of the Timeline); overlap=False all-reduces every bucket after the backward, all exposed.
 
-Each bucket's (launched, done) times are kept for the timeline figure, on the Timeline's clock (timeline.py):
-    on the CPU  launched: the host's clock when the all-reduce was started; done: the first moment it was seen complete
-                (gloo: polled at every later launch and at the end; blocking, overlap=False: when it returned)
-    on CUDA     an async all-reduce (or wait()) returns once NCCL has queued it, long before it has run, so the host's
-                clock would time the queueing. launched: an event recorded in the compute stream just before the
-                launch (the point NCCL's stream waits for); done: an event recorded in a stream of the buckets' own
-                right after work.wait() has made that stream wait for NCCL's, so it runs when the all-reduce has
-                completed (overlap=False: recorded in the compute stream, which then waits for it too). Both are read
-                once the step ends (Timeline.finish: one synchronisation): the GPU's time, queueing behind the
-                buckets before it on NCCL's stream included.
+Each bucket's (launched, done) times are Timeline marks. On the CPU: the host's clock at the launch, and the first
+moment it was seen complete (polled at every later launch and at the end). On CUDA an all-reduce returns once NCCL
+has queued it, so the host's clock would time the queueing: launched is an event in the compute stream just before
+the launch, done an event in a stream of the buckets' own once work.wait() has made it wait for NCCL's.
 """
 import torch
 import torch.distributed as dist
+
+from ..comm import all_reduce
 
 
 class GradientBuckets:
@@ -70,8 +64,7 @@ class GradientBuckets:
             if not self.overlap:
                 for bucket, flat in self.flat.items():  # in the order they became final
                     start = self.timeline.mark()
-                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.comm.group)  # blocking (NCCL: the stream)
-                    self.comm.log.record(self.comm.phase, "all_reduce", flat.nbytes)
+                    all_reduce(flat, self.comm)  # blocking (NCCL: the stream), in place, counted
                     self.marks.append((bucket, flat.nbytes, start, self.timeline.mark()))
                 return
             missing = set(self.flat) - set(self.launched)

@@ -1,21 +1,18 @@
 """Data parallelism as a wrap of a rank's stage, as ZeRO is (zero_shards.py): what the stage reads its weights from and
 where it puts its gradients. The stage (pipeline_parallel/pp_stage.py) knows neither buckets nor shards, only this
-part's four calls, which ZeroShards makes too:
+part's calls, which ZeroShards makes too:
 
     weights()        {name: weight} the stage starts from (here the whole weights in the compute dtype, cast once)
     use(unit)        a context around every read of unit "embed", k or "head": {name: view} to read instead (ZeRO-3's
                      gathered views; here nothing, every weight is whole)
     add(name, grad)  a micro-batch's gradient, accumulated
     ready(unit)      the unit's gradients are final: here its bucket's all-reduce starts (dp_comm.py)
-
-rank.py picks one: ZeroShards under ZeRO, else Replicated over the stage's gradient buckets (one replica, dp = 1,
-included: its buckets reduce over nobody).
 """
 import contextlib
 
-from ...model.params import EMBED, FINAL_NORM, HEAD
 from ..expert_parallel.ep_shard import is_expert
 from .dp_comm import ExpertAndDenseBuckets, GradientBuckets
+from .zero_params import unit_names
 
 
 class Replicated:
@@ -68,11 +65,5 @@ def replicated(cfg, params, stage_forms, groups, overlap, timeline, tracker):
 
 def bucket_names(params, layers, first, last):
     """{bucket: [parameter names]} of a stage in the order they become final: head, layers from the top, embedding."""
-    buckets = {}
-    if last:
-        buckets["head"] = [name for name in (FINAL_NORM, HEAD) if name in params]
-    for k in reversed(layers):
-        buckets[k] = [name for name in params if name.startswith(f"model.layers.{k}.")]
-    if first:
-        buckets["embedding"] = [EMBED]
-    return buckets
+    units = unit_names(list(params), layers, first, last)
+    return {"embedding" if key == "embed" else key: names for key, names in reversed(units.items())}

@@ -7,39 +7,26 @@
                       "backward": {...}, "loss": ..., "grads": {...}}
                      # variant v = (reshard_after_forward, checkpointed[, nesting]): one fresh model each
 
-Each decoder layer is its own FSDP unit and the root unit holds the rest (embedding, final norm, LM head).
-reshard_after_forward: True (every unit freed after its forward, gathered again for its backward), False
-(kept from forward to backward), or None (torch's default: True for the layers, False for the root).
-nesting (checkpointed only) says which wrapper is outside:
+Each decoder layer is its own FSDP unit and the root unit holds the rest. reshard_after_forward: True, False, or
+None (torch's default: True for the layers, False for the root). nesting (checkpointed only) says which wrapper is
+outside:
 
-    "fsdp(ac(layer))"  torchtitan's (torchtitan/models/llama3/parallelize.py applies activation checkpointing,
-                       torchtitan/distributed/activation_checkpoint.py's checkpoint_wrapper around each block,
-                       before torchtitan/distributed/fsdp.py's apply_fsdp_to_decoder calls fully_shard on the
-                       wrapper): the FSDP unit is the wrapper, the recompute runs only the block inside it, so
-                       FSDP's forward hooks do not fire during the recompute. The backward's one gather of the
-                       unit comes from the pre-backward hook FSDP put on the unit's outputs in the forward
-                       (torch 2.13, _fsdp_state.py: _register_pre_backward_hook): autograd runs it when the
-                       output's gradient arrives, before any node of the block runs, so before the first unpack
-                       of a saved tensor starts the checkpoint's recompute, which finds the weights gathered.
+    "fsdp(ac(layer))"  torchtitan's (torchtitan/models/llama3/parallelize.py: checkpoint_wrapper around each block,
+                       then fully_shard on the wrapper): the recompute runs only the block inside the unit, so
+                       FSDP's forward hooks do not fire during the recompute. The backward's one gather comes from
+                       the pre-backward hook FSDP put on the unit's outputs (torch 2.13, _fsdp_state.py:
+                       _register_pre_backward_hook), which autograd runs before the first unpack of a saved tensor
+                       starts the recompute, so the recompute finds the weights gathered.
     "ac(fsdp(layer))"  torch.utils.checkpoint around an FSDP unit: the recompute runs the unit's forward, FSDP's
-                       hooks included, inside the backward, after the same pre-backward hook has gathered it:
-                       FSDPState._pre_forward, in the PRE_BACKWARD state, gathers only weights freed meanwhile,
-                       and _post_forward returns without resharding (_fsdp_state.py). FSDPParamGroup.post_forward's
-                       `if not is_bw()` (_fsdp_param_group.py, under the comment "for AC(fully_shard(model))") is
-                       the guard for a recompute that does reach it: no reshard, and no entry in the post-forward
-                       order the backward prefetches by.
+                       hooks included, after the same pre-backward hook has gathered it; FSDPParamGroup.post_forward's
+                       `if not is_bw()` (_fsdp_param_group.py) keeps such a recompute from resharding.
 
-Either way, with the layers resharded after their forward, recompute and backward share one gather of a
-unit: picockpt's keep_gathered=True. Each phase
-also counts, to show which mechanism ran: unit_forwards, the forward calls of the layers' FSDP units (a hook
-on the unit, ahead of FSDP's own pre-forward hook, so it fires whenever FSDP's does); recomputes, the runs of
-the decoder layers themselves during the backward; recomputes_found_gathered, those that began with their
-weights already gathered (the layer's parameters plain tensors, not FSDP's sharded DTensors).
-
-Counting: FSDP2 gathers each unit with one torch.distributed call, all_gather_single in torch 2.13's
-_fsdp_collectives.py (DefaultAllGather), all_gather_into_tensor before (FSDP_GATHER); the step here wraps that
-function while it runs, booking the output's bytes (as picockpt/parallel/comm.py counts an all-gather) under "forward" before loss.backward()
-and "backward" after. Its shards are per parameter along dim 0 (padded), not flat per unit: the bytes
+Either way, with the layers resharded after their forward, recompute and backward share one gather of a unit:
+picockpt's keep_gathered=True. unit_forwards (the layers' FSDP units' forward calls), recomputes (the decoder
+layers' runs in the backward) and recomputes_found_gathered (those that found their weights plain tensors, not
+sharded DTensors) show which mechanism ran. Counting: the step wraps the one torch.distributed function FSDP2
+gathers with (FSDP_GATHER), booking the output's bytes as comm.py counts an all-gather, under "forward" before
+loss.backward() and "backward" after. FSDP2 shards each parameter along dim 0 (padded), not flat per unit: the bytes
 equal picockpt's when no dim needs padding.
 """
 import torch.distributed as dist

@@ -1,5 +1,4 @@
-"""What ZeRO's own values refuse (data_parallel/dp_check.py calls it for a job; picockpt train too), before any
-rank starts: a ValueError naming the parameter, the value and what would work."""
+"""What ZeRO's own values refuse, before any rank starts (dp_check.py calls it for a job; picockpt train too)."""
 from ..refusals import refuse_tiled_dropout
 from .zero_inventory import STAGES
 

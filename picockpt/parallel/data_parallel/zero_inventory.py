@@ -1,10 +1,9 @@
-"""ZeRO's per-rank bytes in closed form: model state per stage, the gathered parameters in flight, and
-the all-gathers and reduce-scatters of each phase, for a policy's recomputation.
+"""ZeRO's per-rank bytes in closed form: model state per stage, the gathered parameters in flight, and the all-gathers
+and reduce-scatters of each phase, for a policy's recomputation.
 
-Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 5,
-Figure 1) count the model state of Psi parameters trained with Adam in mixed precision as 2 Psi bytes of
-fp16 parameters, 2 Psi of fp16 gradients and K Psi of optimizer state (K = 12: an fp32 copy of the
-parameters, the momentum and the variance). Over N_d data-parallel ranks each rank holds
+Rajbhandari et al. 2020 (ZeRO, sec. 5, Figure 1) count the model state of Psi parameters trained with Adam in mixed
+precision as 2 Psi bytes of fp16 parameters, 2 Psi of fp16 gradients and K Psi of optimizer state (K = 12). Over N_d
+data-parallel ranks each rank holds
 
     stage 0 (plain data parallel)      (2 + 2 + K) Psi
     stage 1 (optimizer state sharded)  2 Psi + 2 Psi + K Psi / N_d
@@ -12,16 +11,11 @@ parameters, the momentum and the variance). Over N_d data-parallel ranks each ra
     stage 3 (and the parameters)       (2 + 2 + K) Psi / N_d
 
 (zero_paper_bytes; their 7.5B example at N_d = 64: 120, 31.4, 16.6 and 1.9 GB.) picockpt's exact form
-(model_state_bytes) counts what it holds, in its own dtypes: parameters in Config.param_dtype (p bytes;
-fp32 or fp64 here: no 16-bit copy), gradients in the same dtype, and torch's AdamW state: exp_avg and
-exp_avg_sq of every element of the rank's shards (2p), plus one "step" scalar per unit (4 bytes: torch
-keeps the step count as a tensor of the default dtype). In fp32 that is the paper's form with 2 + 2 + K
-read as 4 + 4 + 8, every Psi rounded up to whole shards (flat units padded to a multiple of N_d,
-zero_params.py), plus 4 bytes per unit.
-
-The gathers and reductions follow zero_shards.py's rules use by use (stage_uses: every use of a gathered unit in
-a stage's schedule order, recompute sweeps included; gather_forms replays them), so the forms hold on any layout:
-a rank's stage units, of its tp slices and experts, each over its own group.
+(unit_state_bytes) counts what it holds, in its own dtypes: parameters and gradients in Config.param_dtype (p bytes,
+fp32 or fp64: no 16-bit copy), and torch's AdamW state: exp_avg and exp_avg_sq of every element of the rank's shards
+(2p), plus one "step" scalar per unit. In fp32 that is the paper's form with 2 + 2 + K read as 4 + 4 + 8, every Psi
+rounded up to whole shards, plus 4 bytes per unit. The gathers and reductions follow zero_shards.py's rules use by
+use (stage_uses, gather_forms), so the forms hold on any layout.
 """
 import torch
 

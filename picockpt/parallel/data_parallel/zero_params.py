@@ -1,31 +1,18 @@
 """How ZeRO shards a model over N_d data-parallel ranks: flat units, padded, cut into N_d equal shards.
 
-A unit is what one all-gather brings back whole, the FSDP unit of PyTorch's FullyShardedDataParallel:
+A unit is what one all-gather brings back whole (the FSDP unit): "embed", each decoder layer k, or "head" (final norm
+and LM head). Its parameters lie side by side in one flat buffer, in state-dict order, padded with zeros to a
+multiple of N_d; rank r holds elements r*s .. (r+1)*s - 1 (s = padded / N_d): FSDP1's FlatParameter and DeepSpeed
+ZeRO's partitions. (FSDP2 cuts each parameter along dim 0 instead: the same bytes up to padding.) A piece is a
+name's elements in one rank's shard; a parameter is its pieces in rank order.
 
-    "embed"      model.embed_tokens.weight
-    0 .. L-1     every weight of decoder layer k (its norms, projections, router and experts)
-    "head"       model.norm.weight and lm_head.weight
-
-A unit's parameters lie side by side in one flat 1-D buffer, in state-dict order, padded with zeros
-to a multiple of N_d, and rank r holds elements r*s .. (r+1)*s - 1 of it (s = padded / N_d): the
-FlatParameter of FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, use_orig_params=False),
-and DeepSpeed ZeRO's flat, padded partitions. (FSDP2, torch.distributed.fsdp.fully_shard, cuts each
-parameter along dim 0 instead, padding dim 0 to a multiple of N_d: the same bytes up to padding.)
-
-A piece is a name's elements that fall in one rank's shard (empty when none do); a parameter is its
-pieces concatenated in rank order, so reassembling needs only the shapes.
-
-The all-gather of a unit (gather_flat) is a counted collective as picockpt/parallel/comm.py counts
-one (the gathered output's bytes), with two differences: it can run asynchronously (a prefetch), and
-it is booked under the phase of the use it serves, not the phase in which it was launched, so a
-prefetch moves no bytes from one phase to another.
+gather_flat counts as comm.py counts an all-gather, but can run asynchronously (a prefetch) and is booked under the
+phase of the use it serves, so a prefetch moves no bytes from one phase to another.
 """
 import torch
-import torch.distributed as dist
 
 from ...model.params import EMBED, FINAL_NORM, HEAD, param_shapes
-
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch's name
+from ..comm import all_gather_flat
 
 
 class FlatUnit:
@@ -62,14 +49,20 @@ class FlatUnit:
         return out
 
 
+def unit_names(names, layers, first, last):
+    """{key: [names]} of a stage's units in the order a forward uses them: "embed", its layers k, "head"."""
+    units = {"embed": [EMBED]} if first else {}
+    units.update({k: [name for name in names if name.startswith(f"model.layers.{k}.")] for k in layers})
+    if last:
+        units["head"] = [FINAL_NORM, HEAD]
+    return units
+
+
 def flat_units(cfg, world_size):
     """[FlatUnit] in the order a forward uses them: the embedding, layers 0..L-1, the head."""
     shapes = param_shapes(cfg)
-    layer_names = [[name for name in shapes if name.startswith(f"model.layers.{k}.")] for k in range(cfg.layers)]
-    units = [FlatUnit("embed", [EMBED], shapes, world_size)]
-    units += [FlatUnit(k, names, shapes, world_size) for k, names in enumerate(layer_names)]
-    units.append(FlatUnit("head", [FINAL_NORM, HEAD], shapes, world_size))
-    return units
+    return [FlatUnit(key, names, shapes, world_size)
+            for key, names in unit_names(list(shapes), range(cfg.layers), True, True).items()]
 
 
 def gather_flat(shard, comm, phase, padded, async_op=False):
@@ -77,6 +70,6 @@ def gather_flat(shard, comm, phase, padded, async_op=False):
     `phase` (the phase of the use it serves). async_op=True: returns (work, flat) at once; flat is
     ready after work.wait()."""
     flat = shard.new_empty(padded)  # (N_d * s,)
-    work = _gather_into(flat, shard.contiguous(), group=comm.group, async_op=async_op)  # shards in rank order
+    work = all_gather_flat(flat, shard.contiguous(), group=comm.group, async_op=async_op)  # shards in rank order
     comm.log.record(phase, "all_gather", flat.nbytes)
     return (work, flat) if async_op else flat

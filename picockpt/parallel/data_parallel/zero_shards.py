@@ -1,47 +1,29 @@
 """ZeRO inside the one rank step (rank.py): what a rank holds of its stage's weights, their gathers around each use,
-and their gradients reduced as soon as they are final. It takes the place of the stage's data-parallel buckets
-(dp_comm.py) and of its whole weights; everything else of the step (the engine's loop, the stage's micro-batches,
-the layers' own crossings) is unchanged, so ZeRO stacks on tensor, pipeline, context and expert parallelism.
+and their gradients reduced as soon as they are final. It takes the place of the stage's data-parallel buckets and
+whole weights (dp_model.py); everything else of the step is unchanged, so ZeRO stacks on every other parallelism.
 
-What is sharded is whatever the rank holds: its stage's units (the embedding on the first, layers k, the final norm
-and head on the last), of its tensor-parallel slices (shards of the tp shards), its experts. A unit (zero_params.py's
-FlatUnit) is sharded over the group its gradients are summed over (layout.py): every weight but the experts' over
-the dp x ep x cp ranks (torchtitan's dp_shard_cp mesh under cp), an expert's over the dp x cp ranks that hold it
-(its expert-data-parallel group). A layer under ep is two units, one per group; a group of one shards nothing.
+What is sharded is whatever the rank holds (its stage's units, of its tp slices, its experts). A unit
+(zero_params.py) is sharded over the group its gradients are summed over (layout.py): every weight but the experts'
+over the dp x ep x cp ranks (torchtitan's dp_shard_cp mesh under cp), an expert's over its dp x cp ranks.
 
-Weights: under stages 1 and 2 every unit whole, as plain data parallelism; under stage 3 the rank's shard of each,
-all-gathered before each use and freed after it. A use is the embedding's forward, a layer's forward, each recompute
-sweep that runs it again and its backward, the head's forward and backward (the embedding's backward needs its shape
-only). The head stays gathered from its forward to its backward (torchtitan's apply_fsdp_to_decoder does not reshard
-the final norm and output after the forward); keep_gathered=True keeps a layer a recompute sweep gathered until its
-backward, one gather fewer for holding a sweep's layers at once (FSDP2 gathers a recomputed block once in the backward:
-fsdp_peer.py); "step" every unit from its first use to its last (zero_inventory.kept_after). prefetch=True starts the
-next use's gather before this use computes, as FSDP's does. Under pp every micro-batch's uses gather again, in order.
-Gradients accumulate whole over the stage's micro-batches (as torch.distributed.pipelining runs FSDP: gradient sync
-only in the last backward) and are reduced once final: stage 1 all-reduces a unit's flat gradient (every rank holds
-the sum), stages 2 and 3 reduce-scatter it (the rank keeps its shard's sum, the whole is freed).
-Optimizer (steps > 0): picockpt/measurement/train.py's AdamW on the rank's shards only (elementwise: bit for bit the whole
-tensor's update of those elements); stages 1 and 2 then all-gather the updated shards into the whole weights.
+Weights: under stages 1 and 2 every unit whole; under stage 3 the rank's shard, all-gathered before each use and
+freed after it. The head stays gathered from its forward to its backward (as torchtitan's apply_fsdp_to_decoder);
+keep_gathered=True keeps a layer a recompute sweep gathered until its backward (FSDP2 gathers a recomputed block once
+in the backward: fsdp_peer.py), "step" every unit from its first use to its last (zero_inventory.kept_after).
+prefetch=True starts the next use's gather before this use computes, as FSDP's does. Gradients accumulate whole over
+the stage's micro-batches and are reduced once final: stage 1 all-reduces a unit's flat gradient, stages 2 and 3
+reduce-scatter it. Optimizer (steps > 0): picockpt/measurement/train.py's AdamW on the rank's shards only
+(elementwise: bit for bit the whole tensor's update of those elements); stages 1 and 2 then all-gather them.
 """
 import contextlib
 
 import torch
 
-from ...model.params import EMBED, FINAL_NORM, HEAD
 from ...measurement.train import make_optimizer
 from ..comm import all_reduce, reduce_scatter
 from ..expert_parallel.ep_shard import is_expert
 from .zero_inventory import kept_after
-from .zero_params import FlatUnit, gather_flat
-
-
-def unit_names(names, layers, first, last):
-    """{key: [names]} of a stage's units in the order a forward uses them: "embed", its layers k, "head"."""
-    units = {"embed": [EMBED]} if first else {}
-    units.update({k: [name for name in names if name.startswith(f"model.layers.{k}.")] for k in layers})
-    if last:
-        units["head"] = [FINAL_NORM, HEAD]
-    return units
+from .zero_params import FlatUnit, gather_flat, unit_names
 
 
 def stage_units(shapes, layers, first, last, sizes, split=None):
@@ -88,7 +70,8 @@ class ZeroShards:
                       for key, units in stage_units(shapes, layers, first, last, sizes, split).items()}
         self.optimizer = make_optimizer({f"{key}.{n}": part.shard for key, parts in self.units.items()
                                          for n, part in enumerate(parts)}, lr, weight_decay)
-        self.owner = {name: part for parts in self.units.values() for part in parts for name in part.unit.names}
+        self.parts = [part for parts in self.units.values() for part in parts]  # every unit's, in order
+        self.owner = {name: part for part in self.parts for name in part.unit.names}
         self.uses, self.next_use = uses, 0
         self.kept = [kept_after(uses, n, keep_gathered) for n in range(len(uses or ()))]  # per use: stays gathered?
         self.gathered, self.pending = {}, {}  # key -> [flat]; key -> [(work, flat)] under way
@@ -100,19 +83,16 @@ class ZeroShards:
         """{name: weight} the stage starts from: whole units as views of their flat buffers; a gathered unit's
         names as meta tensors of their shapes (read for the shape only, replaced by views during each use)."""
         out = {}
-        for parts in self.units.values():
-            for part in parts:
-                views = part.unit.views(part.params) if part.whole() else \
-                    {name: torch.empty(shape, device="meta") for name, shape in zip(part.unit.names, part.unit.shapes)}
-                out.update(views)
+        for part in self.parts:
+            meta = {name: torch.empty(shape, device="meta") for name, shape in zip(part.unit.names, part.unit.shapes)}
+            out.update(part.unit.views(part.params) if part.whole() else meta)
         return out
 
     def begin(self, tracker):
         """A step starts: the first use again (stage 3), the tracker its gathers are marked in, no gradients."""
         self.tracker, self.next_use = tracker, 0
-        for parts in self.units.values():
-            for part in parts:
-                part.grad = None
+        for part in self.parts:
+            part.grad = None
 
     @contextlib.contextmanager
     def use(self, key):
@@ -196,25 +176,23 @@ class ZeroShards:
     def grads(self):
         """{name: gradient} as the rank holds it: whole (stage 1, or a group of one), else its pieces."""
         out = {}
-        for parts in self.units.values():
-            for part in parts:
-                whole = part.grad.numel() == part.unit.padded
-                out.update(part.unit.views(part.grad) if whole else part.unit.pieces(part.grad, part.rank))
+        for part in self.parts:
+            whole = part.grad.numel() == part.unit.padded
+            out.update(part.unit.views(part.grad) if whole else part.unit.pieces(part.grad, part.rank))
         return out
 
     # -- the optimizer ---------------------------------------------------------------------------
     def step(self, tracker):
         """One AdamW step on the rank's shards, then (stages 1, 2) every unit whole again."""
-        parts = [part for parts in self.units.values() for part in parts]
-        for part in parts:
+        for part in self.parts:
             part.shard.grad = part.grad if part.grad.numel() == part.shard.numel() else \
                 part.unit.shard(part.grad, part.rank)  # (s,)
         self.optimizer.step()
-        for part in parts:
+        for part in self.parts:
             part.shard.grad = None  # part.grad, the step's reduced gradient, lives until the next step begins
         for value in self.optimizer_tensors():
             tracker.mark(value, "optimizer")
-        for part in parts:
+        for part in self.parts:
             if self.stage < 3 and part.comm is not None:
                 part.params.copy_(gather_flat(part.shard, part.comm, "optimizer", part.unit.padded))  # (padded,)
 
@@ -224,9 +202,8 @@ class ZeroShards:
 
     def bytes(self):
         """{param_bytes, grad_bytes, optimizer_bytes} this rank holds now."""
-        parts = [part for parts in self.units.values() for part in parts]
-        return {"param_bytes": sum(p.params.nbytes for p in parts),
-                "grad_bytes": sum(p.grad.nbytes for p in parts if p.grad is not None),
+        return {"param_bytes": sum(p.params.nbytes for p in self.parts),
+                "grad_bytes": sum(p.grad.nbytes for p in self.parts if p.grad is not None),
                 "optimizer_bytes": sum(value.nbytes for value in self.optimizer_tensors())}
 
     # -- the caller's check, after the measured step ---------------------------------------------
@@ -234,10 +211,9 @@ class ZeroShards:
         """{name: tensor} the rank's whole parameters (or gradients), its group's shards gathered (uncounted):
         what the caller compares with the single process, put together like plain data parallelism's."""
         out = {}
-        for parts in self.units.values():
-            for part in parts:
-                flat = part.grad if grads else part.params
-                if flat.numel() != part.unit.padded:  # booked as "check", after the report was made
-                    flat = gather_flat(flat, part.comm, "check", part.unit.padded)  # (padded,)
-                out.update({name: view.clone() for name, view in part.unit.views(flat).items()})
+        for part in self.parts:
+            flat = part.grad if grads else part.params
+            if flat.numel() != part.unit.padded:  # booked as "check", after the report was made
+                flat = gather_flat(flat, part.comm, "check", part.unit.padded)  # (padded,)
+            out.update({name: view.clone() for name, view in part.unit.views(flat).items()})
         return out

@@ -1,5 +1,4 @@
-"""What expert parallelism refuses, before any rank starts (job.py's checked_job calls `refuses`): a ValueError
-naming the parameter, the value and what would work."""
+"""What expert parallelism refuses, before any rank starts (job.py's checked_job calls `refuses`)."""
 from ...recompute.policy import as_policy
 from ..refusals import not_yet, refuse_tiled_dropout
 

@@ -1,18 +1,15 @@
 """Closed forms per expert-parallel rank r of W, which the tracker equals to the byte: the bytes it stores, the bytes
-its all-to-alls move, its FLOPs. What a rank holds depends on the tokens its experts receive, so these take the step's
-routing: L lists of E per-expert token counts over the whole batch (picockpt.model.routing.step_routing, from the step's
-generator state); rank r receives M_l, its experts' counts in layer l summed, and sends P = (B/W) T k pairs
-(predictions.py applies this per micro-batch). A stored layer (A_l) is picockpt/planning/inventory.py's at batch B/W, its experts' rows sized
-by every rank's tokens, plus ep_moe.py's table, whose last column gives R_l (always_kept_bytes): what every first
-forward keeps whatever its mode. The peak is closed_forms.segments_peak's with R_l as `always`; the all-to-alls' bytes
-per phase (comm.py's count: this rank's input) are ep_moe.py's tables' (recomputed: its last paragraph).
-Beside tensor parallelism (t ranks, sp: sequence parallel) a rank stores tensor_parallel/tp_inventory.py's split of
-the layer, its experts' rows f/t wide, and runs the block on every token of its sequences (after ENTER), so the
-routing and the all-to-alls are as without tp; every matmul but the router's is 1/t.
+its all-to-alls move, its FLOPs. What a rank holds depends on the tokens its experts receive, so these take the
+step's routing: L lists of E per-expert token counts over the whole batch (picockpt.model.routing.step_routing);
+rank r receives M_l, its experts' counts in layer l summed, and sends P = (B/W) T k pairs. A stored layer is
+inventory.py's at batch B/W, its experts' rows sized by every rank's tokens, plus ep_moe.py's table, whose routing
+every first forward keeps whatever its mode (always_kept_bytes: segments_peak's `always`). Beside tensor parallelism
+a rank stores tp_inventory.py's split of the layer, its experts' rows f/t wide; every matmul but the router's is 1/t.
 """
 import math
 
-from ...planning.inventory import head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops, total
+from ...planning.inventory import (head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops,
+                                   total)
 from ...model.params import param_shapes
 from ...recompute.policy import as_policy
 from .ep_layer import ep_drop

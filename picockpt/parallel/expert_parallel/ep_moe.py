@@ -14,22 +14,20 @@ slot) pair is one row, sent twice for two experts of one rank (DeepSpeed-MoE; Me
 
     backward: each all-to-all's adjoint, the inverse all-to-all (ep_comm.py's all_to_all_backward)
     grads        = all-to-all of dm[pairs]    the combine's       P h e
-    (expert_backward: d w and dx of every row, d gate_up_proj and d down_proj of the experts)
     d w[pairs]   = all-to-all of d row_w      the weights'        M s
     dx[pairs]    = all-to-all of d rows       the dispatch's      M h e
 
 The weights travel with the tokens (Megatron-LM's permuted probs): the expert's rank weighs its outputs, and the
-backward finds there what expert_backward needs (u . act for d w). Kept beyond moe.py's router rows and the
-experts' moe.gate_up[e], moe.act[e] (e the global id, n_e its rows from every rank):
+backward finds there what expert_backward needs. Kept beyond moe.py's router rows and the experts' tensors:
 
     name                   shape       bytes    kept
     moe.expert_index       (N_r, k)    8 N_r k  by every layer's first forward, whatever its mode: a recomputed
     moe.received_counts    (W, E_l)    8 E      layer reads them, so no jitter or rounding sends a token elsewhere
-    moe.dispatched         (M, h)      M h e    with the layer's activations (the experts' input, as autograd
-    moe.dispatched_weights (M,)        M s      keeps it); dropped by moe; every first forward's with keep_dispatched
+    moe.dispatched         (M, h)      M h e    with the layer's activations (the experts' input); dropped by moe;
+    moe.dispatched_weights (M,)        M s      every first forward's with keep_dispatched
 
-Without the dispatched rows (full, every:C, or moe) the dispatch runs again, two all-to-alls; keep_dispatched
-trades that for memory. A recomputed layer's combine always runs again.
+Without the dispatched rows the dispatch runs again, two all-to-alls; keep_dispatched trades that for memory. A
+recomputed layer's combine always runs again.
 """
 from collections import namedtuple
 

@@ -10,11 +10,10 @@ def is_expert(name):
     return name.endswith(EXPERT_ROLES)
 
 
-def shard_experts(params, rank, ep, device=None):
+def shard_experts(params, rank, ep):
     """{name: this rank's tensor}: its E/ep experts of each expert weight, every other weight whole (each a copy)."""
-    views = {name: tensor.chunk(ep, 0)[rank] if is_expert(name) else tensor  # (E/ep, ...) a view, or whole
-             for name, tensor in params.items()}
-    return {name: (view.to(device) if device is not None else view).clone() for name, view in views.items()}
+    return {name: (tensor.chunk(ep, 0)[rank] if is_expert(name) else tensor).clone()  # (E/ep, ...), or whole
+            for name, tensor in params.items()}
 
 
 def gather_expert_grads(per_rank, params):

@@ -7,56 +7,31 @@ autograd reference model (picockpt/measurement/reference.py), split into P*V sta
                       "peak_saved_bytes": b, "actions": ["0F0", "2F0", "2I0", "2W0", ...]}
                      # or {"schedule": name, "error": "..."} when it did not run; one fresh model per schedule
 
-actions: this rank's compute actions in the order the schedule runs them (schedule.pipeline_order[rank], str of
-torch's _Action: stage, F forward / B full backward / I input-only backward / W weight backward, micro-batch).
+actions: the rank's compute actions in the schedule's order (str of torch's _Action: stage, F forward, B full
+backward, I input-only backward, W weight backward, micro-batch). Virtual stage k of S = P*V holds layers
+[k*L//S, (k+1)*L//S) (stage 0 the embedding, stage S-1 the final norm and LM head), on rank k % P ("loop" style,
+torch 2.13's generate_stage_to_rank_mapping), or under ScheduleZBVZeroBubble ("v" style, V = 2) rank s holds s and
+2P-1-s. Each PipelineStage gets example input_args and output_args, so every stage is STATIC and no
+metadata-inference forward runs (it would run the real module, its saved tensors in the count).
 
-Stages. Virtual stage k of S = P*V holds layers [k*L//S, (k+1)*L//S); stage 0 also the embedding, stage S-1 the
-final norm and LM head (output: logits). Which rank holds which (torch 2.13, pipelining/_utils.py:
-generate_stage_to_rank_mapping): "loop" style, stage k on rank k % P (PipelineScheduleMulti.__init__, which the
-interleaved schedules' _PipelineScheduleRuntime inherits), so rank s holds stages s, P+s, ...; "v" style for
-ScheduleZBVZeroBubble (its __init__ replaces the mapping and needs V = 2): rank s holds s and 2P-1-s.
-Each PipelineStage gets example input_args and output_args, so every stage votes STATIC (_utils.py:
-InferenceMode.needs_dynamic, no DTensors) and no metadata-inference forward runs (stage.py:
-_forward_metadata_inference would run the real module on torch.empty inputs, its saved tensors in the count).
+Loss scaling: torch's default (scale_grads=True with a mean loss_fn) divides every gradient by n_microbatches, the
+whole batch's mean only when every micro-batch counts as many targets. Here scale_grads=False and the scaling in
+loss_fn, as torchtitan's build_pipeline_schedule does: a micro-batch's summed cross-entropy / N, N the whole batch's
+counted targets, as picockpt's own stages take it (pp_stage.py); the losses sum to the batch's mean, whatever the split.
 
-Loss and gradient scaling, as torch 2.13's source has it: the schedule calls loss_fn(output, target_mb) once per
-micro-batch (schedules.py: _PipelineSchedule._maybe_compute_loss), backpropagates that loss unscaled (stage.py:
-backward_one_chunk, "stage_output": loss), and after the last backward of each stage its REDUCE_GRAD action
-(_PipelineScheduleRuntime._step_microbatches) calls stage.perform_reduce_grad(n_microbatches if scale_grads else 1),
-which divides every .grad of the stage's submodule by that factor (_PipelineStageBase.scale_grads). The default,
-scale_grads=True with a mean loss_fn, equals the whole batch's mean only when every micro-batch counts as many
-targets. Here scale_grads=False and the scaling in loss_fn, as torchtitan's build_pipeline_schedule does
-(torchtitan/distributed/pipeline_parallel.py; there rescale_accumulated_loss's 1/n_microbatches), the share as
-picockpt's own stages take it (pp_stage.py): the micro-batch's summed cross-entropy / N, N the whole batch's counted
-(not IGNORE_INDEX) targets. The micro-batch losses (step(losses=[...])) sum to the whole batch's mean and the
-gradients are its gradients, whatever the split. (torchtitan's pipeline_module_split picks the same stages per rank.)
+peak_saved_bytes: the most bytes autograd held saved for backward at once on the rank (saved_tensors_hooks around
+schedule.step), a storage counted once however many saved tensors view it, the parameters' storages not at all. The
+holder keeps tensor.detach(): a saved *output* held as given holds its grad_fn, a cycle only the node's release
+breaks, and zero bubble's W never releases the nodes that lead only to the stage's input (about half of each
+micro-batch's bytes stayed held after the step; with the detached copy every step ends at 0). Under zero bubble an I
+frees nothing of the stage's layers: a micro-batch's saved tensors stay until its W. Measured (P=2, V=2, M=4, a layer
+per stage), the peak follows the most stage-micro-batches in flight: rank 0 holds 5 under Interleaved1F1B but 4 under
+InterleavedZeroBubble (each W right after its I); rank 1 holds 3 under 1F1B but 4 under zero bubble (3W0 deferred).
 
-peak_saved_bytes: the most bytes autograd held saved for backward at once on the rank, over the whole step
-(torch.autograd.graph.saved_tensors_hooks around schedule.step): pack counts a storage's bytes once however many
-saved tensors view it, the packed holder's __del__ (run when autograd frees the node that saved it) gives them back
-when its last one goes. Storages of the model's parameters (what F.linear and the norms save of their weights) are
-not counted: activations only. The holder keeps tensor.detach(): holding a saved *output* as given holds its grad_fn,
-a cycle through C++ that the garbage collector cannot see and only the node's release of its saved variables breaks;
-zero bubble's W never runs (so never releases) the nodes that only lead to the stage's input, and about half of each
-micro-batch's bytes stayed held after the step (measured; none with the detached copy: every step ends at 0).
-Zero bubble splits the backward in I (input gradients: _backward.py: stage_backward_input, autograd.grad with
-retain_graph=True; the first stage skips it) and W (weights, stage_backward_weight, later; the first stage's W is
-its full backward): an I frees nothing of the stage's layers (only the loss's, which it detaches), a micro-batch's
-saved tensors stay until its W. Measured, P=2, V=2, M=4, one layer per stage: each stage-micro-batch in flight
-(after its F, before its B or W) holds about the same bytes (one layer's; the last stage's, head and loss with it,
-about a third more), and the peak follows the most in flight the rank's actions allow: rank 0 holds 5 under
-Interleaved1F1B (4 warm-up forwards and 0F2 before 2B0 can start) but 4 under InterleavedZeroBubble (each W right
-after its I, before the next F); rank 1 holds 3 under 1F1B (3B0 right after 3F0) but 4 under zero bubble (3W0
-deferred past 3F1).
-
-fp32 only in earnest: a 16-bit config runs, each weight cast at each use (WeightCasts' fallback, none made ahead).
-Dropout and router jitter raise (each stage's micro-batches would draw masks in another order than the single
-process), as do tied embeddings (embedding and LM head on different ranks). A schedule that raises (constructor or
-step) raises on its rank, and the launcher ends every rank with that one line: a rank that went on to the next
-schedule alone would post its receives against its peer's sends of another schedule. The batch is made contiguous
-first: a (B, T) view of a (B, T + 1) buffer has strides (T + 1, 1), and torch <= 2.11 (later torch under
-TORCH_DISTRIBUTED_DEBUG=DETAIL) checks each micro-batch's strides against the stage's contiguous metadata. A
-schedule this torch lacks is reported as {"error": ...}, the same on every rank, before any rank starts it.
+fp32 only in earnest (a 16-bit config casts each weight at each use). Dropout, router jitter and tied embeddings
+raise. A schedule that raises ends every rank (a rank going on alone would post receives against another schedule's
+sends). The batch is made contiguous first: torch <= 2.11 checks each micro-batch's strides against the stage's
+contiguous metadata. A schedule this torch lacks is reported as {"error": ...} on every rank, before any starts it.
 """
 import torch
 import torch.nn.functional as F

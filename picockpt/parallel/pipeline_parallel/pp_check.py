@@ -1,12 +1,11 @@
-"""What pipeline parallelism refuses, before any rank starts (job.py's checked_job calls `refuses`): its schedule
-against the layout beside it, interleaving's grouping, a segment longer than a stage, recompute-early without
-stages. A ValueError naming the parameter, the value and what would work."""
+"""What pipeline parallelism refuses, before any rank starts (job.py's checked_job calls `refuses`)."""
 from ..refusals import given, not_yet
 from .pp_schedules import check_interleaving, check_segment
 
 
 def refuses(job, policy, device):
-    """The pipeline fields of a picockpt.parallel job (job.py: ParallelJob), with its parsed policy."""
+    """The pipeline fields of a picockpt.parallel job, with its parsed policy: its schedule against the layout beside
+    it, interleaving's grouping, a segment longer than a stage, recompute-early without stages."""
     layout = job.layout
     if layout.virtual_stages > 1 and (layout.zero or layout.ep > 1 or layout.cp > 1):
         not_yet(f"schedule='interleaved' with {given(job, 'zero', 'ep', 'cp')}",

@@ -5,21 +5,16 @@
     to_next_stage        send y to the next stage                receive dy from it
 
 Why sends are paired: NCCL runs the point-to-point operations between two ranks in the order posted, and a send
-completes only once its receive is posted. In 1F1B's steady state stage s sends y_{m+1} then receives dy_m, while stage
-s+1 sends dx_m then receives x_{m+1}: posted one by one, each send waits for a receive queued behind the other stage's
-send, and both hang (gloo's buffered sockets hide it). So a send is held until the stage's next point-to-point
-operation: a receive from the same neighbour goes with it as one group (batch_isend_irecv, as Megatron-LM's
-send_forward_recv_backward and send_backward_recv_forward do), both stages posting the send first; anything else posts
-it at once. Receives block, but post_receive returns at once: a stage can recompute while its gradient travels
-(recompute-early). Bytes per rank and phase, one tensor per call: "send", "receive", "rng_state" (pp_stage.py's
-generator state). gloo and NCCL both run isend/irecv; on NCCL every tensor, rng state included, is on the GPU.
+completes only once its receive is posted. In 1F1B's steady state stage s sends y_{m+1} then receives dy_m, while
+stage s+1 sends dx_m then receives x_{m+1}: posted one by one, both hang (gloo's buffered sockets hide it). So a
+send is held until the stage's next point-to-point operation: a receive from the same neighbour goes with it as one
+group (batch_isend_irecv, as Megatron-LM's send_forward_recv_backward does), both stages posting the send first;
+anything else posts it at once. post_receive returns at once: a stage can recompute while its gradient travels.
 
-Interleaved, a rank's previous and next stage are the same two ranks for every chunk (round a ring; with P = 2 the
-same one rank), and pairing a send with the next receive no longer lines the two sides up. There the ranks go step by
-step as Megatron-LM's interleaved schedule does (its send_forward_backward_recv_forward_backward): a step is a warm-up
-forward, a steady-state forward and backward, or a cool-down backward (pp_schedules.interleaved_steps); every send of
-a step is held (stepwise), and at the next step's start one group posts them with every receive that step will read
-(exchange), the forward's input first, then the backward's gradient.
+Interleaved, a rank's neighbours are the same two ranks for every chunk, and pairing a send with the next receive no
+longer lines the two sides up. There the ranks go step by step as Megatron-LM's interleaved schedule does
+(pp_schedules.interleaved_steps): every send of a step is held (stepwise), and at the next step's start one group
+posts them with every receive that step will read (exchange).
 """
 import torch
 import torch.distributed as dist

@@ -1,17 +1,12 @@
 """Closed forms per pipeline stage: the bytes it stores with its micro-batches in flight, sends and receives, its
 FLOPs, and the schedule each micro-batch runs (stage-aware budgets).
 
-A micro-batch of b = B / (dp * M) sequences runs the engine's loop over the stage's layers (and head, if last) under the
-policy applied to them alone: every:C starts its segments at the stage's first layer, whose input (received, or the
-embedding's) is always a checkpoint. From its chain (planner.py's Stages, then the head or NO_HEAD), per micro-batch:
-
-    E     end_of_forward_bytes: what its first forward leaves stored
-    peak  replay: its own peak during its step (E at the end of the forward, or a recompute sweep's)
-
-With w micro-batches in flight (pp_schedules.py: AFAB w = M; 1F1B w = min(P - s, M)), every backward runs while w - 1
-others hold E each: stage peak = (w - 1) * E + peak, to the byte (tests/test_parallel_pp.py), on the last stage too (its
-final norm and logits are among E; 1F1B's w = 1 there). budget:SIZE is per stage: for its own w, the least recomputation
-whose stage peak fits SIZE (pp_plan.py: a frontier plan or a uniform schedule); stage 0 of 1F1B recomputes the most.
+A micro-batch of b = B / (dp * M) sequences runs the engine's loop over the stage's layers (and head, if last) under
+the policy applied to them alone (the stage's first layer input is always a checkpoint). From its chain: E, what its
+first forward leaves stored (end_of_forward_bytes), and peak, its own peak during its step (replay). With w
+micro-batches in flight (pp_schedules.in_flight) every backward runs while w - 1 others hold E each: stage peak =
+(w - 1) * E + peak, to the byte. budget:SIZE is per stage: for its own w, the least recomputation whose stage peak
+fits (pp_plan.py); stage 0 of 1F1B recomputes the most.
 """
 import functools
 import math
@@ -59,9 +54,9 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, layout=La
     """(Schedule of one micro-batch in the stage's layer numbers 0.., stage peak, E, own peak, recompute FLOPs, where
     the schedule came from). layout: its tensor parallelism (tp, sp, distribute_saved) alone. layer_comm_flops: the
     communication a recomputed layer forward also costs, as FLOPs of the same time (context parallelism's ring): a
-    budget plans with it; the FLOPs returned leave it out. order: the
-    stage's Actions, w_layer_bytes what each layer's B leaves for its W (ZB-H1): the stage peak walks the order
-    (pp_plan.in_flight_peak); without them it is (in_flight_count - 1) E + peak."""
+    budget plans with it; the FLOPs returned leave it out. order: the stage's Actions, w_layer_bytes what each layer's
+    B leaves for its W (ZB-H1): the stage peak walks the order (pp_plan.in_flight_peak); without them it is
+    (in_flight_count - 1) E + peak."""
     left = (w_layer_bytes,) * layers if w_layer_bytes else None
     policy, t = as_policy(policy, cfg), layout.tp
     chain = stage_chain(cfg, batch, seq, layers, last, t, layout.sp and t > 1, layout.distribute_saved and t > 1,

@@ -1,15 +1,9 @@
 """A clock that runs any pipeline order (run_orders), and what ZB-H1's waiting W's hold (w_pending_bytes).
 
-The orders are pp_schedules.py's: an Action is (kind, microbatch, chunk), "F" a forward, "B" a backward (the whole
-backward under AFAB, 1F1B and interleaving; only the input gradient under ZB-H1), "W" the weight gradients. Chunk c of
-rank s is virtual stage c P + s: a micro-batch's forward runs chunk 0 on ranks 0..P-1, then chunk 1, ..., and its
-backward the reverse. The clock starts each action when its rank is free and its input (or gradient) has arrived, and
-times the step; the ranks run the same orders (pp_runner.py) and their timelines measure what this models.
-
-Interleaving holds more micro-batch-chunks in flight: 1 + (P - 1) / (P V) times 1F1B's bytes on stage 0 (Korthikanti
-et al. 2022, sec. 4.2.3). ZB-H1 holds 1F1B's activations (a micro-batch's until its B) and, besides, what the
-waiting W's read: each linear's input and its output's gradient (w_pending_bytes), for up to s micro-batches on rank
-s (pp_inventory.py's closed form walks the order with them).
+The orders are pp_schedules.py's Actions; chunk c of rank s is virtual stage c P + s. The clock starts each action
+when its rank is free and its input (or gradient) has arrived, and times the step; the ranks run the same orders
+(pp_runner.py) and their timelines measure what this models. ZB-H1 holds 1F1B's activations and, besides, what the
+waiting W's read (w_pending_bytes), for up to s micro-batches on rank s (pp_inventory.py walks the order with them).
 """
 from ...model.config import BYTES
 from .pp_schedules import Action, actions

@@ -1,8 +1,8 @@
 """A pipeline stage's plan: the least-recompute schedule for one micro-batch when the stage holds w at once, its
 peak (w - 1) * E + the micro-batch's own (pp_inventory.py). A plan that fits a budget alone may not fit it w times
 over, and what a first forward keeps costs w times what a recompute sweep keeps (sweeps run one micro-batch at a
-time). The candidates: the single-process planner's Pareto front (picockpt/planning/planner.py), walked down from the budget.
-"""
+time). The candidates: the single-process planner's Pareto front (picockpt/planning/planner.py), walked down from
+the budget."""
 import math
 from dataclasses import dataclass
 
@@ -14,8 +14,10 @@ class BudgetTooSmall(ValueError):
     """A budget below what a stage (or an interleaved rank's chunks) needs; .least: the fewest bytes found to fit, so
     a caller planning every stage can name the largest need over all of them at once."""
 
-    def __init__(self, message, least):
-        super().__init__(message)
+    def __init__(self, budget, least, needs, fewer):
+        fits = math.ceil(least / 2**20 * 100) / 100  # MiB, rounded up
+        super().__init__(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what {needs}: the least found "
+                         f"is {least:,} bytes; use budget:{fits}MiB or more, or {fewer}")
         self.least = least
 
 
@@ -95,11 +97,8 @@ def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None, orde
         room = frontier.peak_bytes - 1  # its own peak, W's bytes left out: the next room is always smaller
     options = [plan for plan in seen if plan.peak_bytes <= budget]
     if not options:
-        least_seen = min(plan.peak_bytes for plan in seen)
-        raise BudgetTooSmall(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what this stage needs with "
-                         f"{in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight: the least found is "
-                         f"{least_seen:,} bytes; use budget:{math.ceil(least_seen / 2**20 * 100) / 100}MiB or more, "
-                         f"or fewer micro-batches in flight", least_seen)
+        raise BudgetTooSmall(budget, min(plan.peak_bytes for plan in seen), f"this stage needs with {in_flight} "
+                             f"micro-batch{'es' if in_flight > 1 else ''} in flight", "fewer micro-batches in flight")
     return min(options, key=lambda plan: (plan.recompute_flops, plan.peak_bytes))
 
 
@@ -130,10 +129,7 @@ def plan_chunks(chains, budget, order, candidates):
         room = max(p for p, _ in own) - 1
     fits = [one for one in seen if one[0] <= budget]
     if not fits:
-        least_seen = min(one[0] for one in seen)
-        raise BudgetTooSmall(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below what this rank's "
-                         f"{len(chains)} chunks need together: the least found is {least_seen:,} bytes; use "
-                         f"budget:{math.ceil(least_seen / 2**20 * 100) / 100}MiB or more, or fewer micro-batches",
-                             least_seen)
+        raise BudgetTooSmall(budget, min(one[0] for one in seen), f"this rank's {len(chains)} chunks need together",
+                             "fewer micro-batches")
     _, _, schedules, source = min(fits, key=lambda one: (one[1], one[0]))
     return [(schedule, source) for schedule in schedules]

@@ -1,14 +1,6 @@
 """A rank's actions run in its schedule's order (pp_schedules.py: actions), each one the engine's own loop on one
-micro-batch of one chunk of the stage (pp_stage.py):
-
-    for action in order:
-        F   a Step per micro-batch (picockpt/recompute/engine.py): receive x, the chunk's layers, send y (or head and loss)
-        B   its backward: receive dy, recompute, backward, send dx (ZB-H1: the input gradient only)
-        W   ZB-H1: the weight gradients its B left (no send, no receive)
-
-A send is held until the stage's next receive from the same peer (pp_comm.py: pair_with); interleaved, the ranks go
-by Megatron-LM's steps (pp_schedules.interleaved_steps), each step's receives posted as one group with the sends
-before them (Pipe.exchange).
+micro-batch of one chunk of the stage (pp_stage.py): F a Step's forward, B its backward (ZB-H1: the input gradient
+only), W ZB-H1's weight gradients its B left. Sends pair with the next receive from the same peer (pp_comm.py).
 """
 from ...recompute.engine import Step, device_generator
 from ...recompute.store import ActivationStore

@@ -6,27 +6,23 @@
     actions("zb-h1", P=2, M=3, stage=1)  [F0, B0, F1, B1, W0, F2, B2, W1, W2]
     actions("interleaved", P=2, M=2, stage=0, virtual=2)   [F0.0, F1.0, F0.1, F1.1, B0.1, B1.1, B0.0, B1.0]
 
-AFAB ("all forward, all backward", GPipe: Huang et al. 2019; Picotron's train_step_pipeline_afab): every stage runs its
-M forwards, then its M backwards in the same order, holding M micro-batches. 1F1B (PipeDream-Flush, Narayanan et al.
-2021; Megatron-LM, Picotron's train_step_pipeline_1f1b): stage s runs min(P - s - 1, M) warm-up forwards, alternates one
-forward and one backward, then runs the backwards left (the cool-down). A backward starts as soon as its gradient can
-come back, so stage s holds at most min(P - s, M) micro-batches (its warm-up ones and the one just forwarded): stage 0
-the most (P, about L layers' activations whatever P is: Korthikanti et al. 2022, sec. 4.2.3), the last stage one.
-
-Both have the bubble (P - 1) / (M + P - 1) with equal stage times: each stage waits P - 1 of the M + P - 1 forward slots
-and as many backward ones (Narayanan et al. 2021, sec. 2.2). 1F1B's smaller memory costs nothing; AFAB reads simpler.
+AFAB (GPipe: Huang et al. 2019; Picotron's train_step_pipeline_afab): every stage runs its M forwards, then its M
+backwards, holding M micro-batches. 1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM, Picotron): stage s
+runs min(P - s - 1, M) warm-up forwards, alternates one forward and one backward, then runs the backwards left. A
+backward starts as soon as its gradient can come back, so stage s holds at most min(P - s, M) micro-batches: stage 0
+the most (P, about L layers' activations whatever P is: Korthikanti et al. 2022, sec. 4.2.3). Both have the bubble
+(P - 1) / (M + P - 1) with equal stage times (Narayanan et al. 2021, sec. 2.2); 1F1B's smaller memory costs nothing.
 
 Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2; Megatron-LM's forward_backward_pipelining_with_interleaving): each
-rank holds V chunks of layers, chunk c of rank s being virtual stage c P + s, so a micro-batch's forward goes round the
-ranks V times. Rank s warms up with (P - s - 1) 2 + (V - 1) P forwards (M a multiple of P); forward k is micro-batch
-(k // (P V)) P + k % P of chunk (k // P) % V, backward k the same micro-batch of chunk V - 1 - (k // P) % V. A forward
-is 1/V of 1F1B's, so the bubble shrinks to (P - 1) / (V M + P - 1), for more micro-batch-chunks in flight.
+rank holds V chunks of layers, chunk c of rank s being virtual stage c P + s. Rank s warms up with (P - s - 1) 2 +
+(V - 1) P forwards (M a multiple of P); forward k is micro-batch (k // (P V)) P + k % P of chunk (k // P) % V,
+backward k the same micro-batch of chunk V - 1 - (k // P) % V. The bubble shrinks to (P - 1) / (V M + P - 1).
 
-ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3; the order of sail-sg/zero-bubble-pipeline-
-parallelism's ZeroBubbleH1Pipeline): the backward split in two, B (the input gradient, what the previous stage waits
-for) and W (the weight gradients, which nobody waits for). Rank s runs 1F1B's P - s - 1 warm-up forwards, then s pairs
-F, B whose W waits, then F, B, W while forwards remain, B, W while backwards remain, and the s waiting W's last: with
-equal F, B, W times the bubble falls from 1F1B's (P - 1)(F + B + W) to (P - 1)(F + B - W), a third of it.
+ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3; sail-sg/zero-bubble-pipeline-parallelism's
+ZeroBubbleH1Pipeline): the backward split into B (the input gradient, which the previous stage waits for) and W (the
+weight gradients, which nobody waits for). Rank s runs 1F1B's warm-up, then s pairs F, B whose W waits, then F, B, W
+while forwards remain, B, W while backwards remain, and the waiting W's last: with equal F, B, W times the bubble
+falls from 1F1B's (P - 1)(F + B + W) to (P - 1)(F + B - W), a third of it.
 """
 import functools
 from collections import namedtuple

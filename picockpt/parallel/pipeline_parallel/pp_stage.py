@@ -1,31 +1,20 @@
-"""One pipeline stage, and one micro-batch of it as the engine's loop (engine.py: Step) sees it: the loop runs unchanged
-(store per the stage's schedule, find the nearest checkpoint, recompute, use, drop); only the model's parts differ, as
-the engine's docstring says a stage's would:
-
-    embed()          first stage: the embedding; later ones: the activation received from the previous stage
-                     (from_previous_stage_forward), stored as the first layer's checkpoint
-    head_forward     last stage: final norm, LM head, loss; earlier ones: send the output on (to_next_stage)
-    head_backward    last stage: the loss's gradient; earlier ones: the gradient received from the next stage
-                     (recompute-early: the top segment is recomputed while it travels)
-    embed_backward   first stage: the embedding's gradient; later ones: send dx back to the previous stage
-    layer_forward/backward, keep_input/load_input   the inner model's (one process's, tp's, ep's, cp's: rank.py)
-    weight_backward  ZB-H1's W (split_backward): layer_backward ran B only, each matmul's dW deferred
-                     (ops/linear.py: deferred_weight_grads); what dW reads waited in `waiting`, a store of its own
-
-Data parallelism or ZeRO is the stage's `data` part (data_parallel/dp_model.py: Replicated, or zero_shards.py's
-ZeroShards): the stage starts from its weights, reads each unit's inside `weights_for(unit)` (ZeRO-3 gathers there),
-adds every gradient to it and says when a unit's are final; which one it is, the stage does not know.
+"""One pipeline stage, and one micro-batch of it as the engine's loop (engine.py: Step) sees it: the loop runs
+unchanged; only the model's parts differ. The first stage embeds, later ones receive the previous stage's
+activation (stored as the first layer's checkpoint); the last stage runs the head and loss, earlier ones send their
+output on and receive its gradient (recompute-early: the top segment recomputed while it travels); ZB-H1's W
+(split_backward) runs the weight gradients each matmul deferred (ops/linear.py: deferred_weight_grads), what they
+read waiting in a store of its own. The stage's `data` part (data_parallel/dp_model.py) gives its weights and takes
+its gradients.
 
 The mean over all tokens: the single process's loss is (sum of the counted tokens' losses) / N, N the whole batch's
-counted (not IGNORE_INDEX) targets. A micro-batch's head takes the mean over its n_m counted targets, so its loss and
-gradients are scaled by n_m / N, and the shares of the micro-batches (and data- and context-parallel ranks) sum to the
-whole batch's mean. A micro-batch with no counted target adds 0 (its 0 / 0 loss unused, its gradients already 0).
+counted targets. A micro-batch's head takes the mean over its n_m counted targets, so its loss and gradients are
+scaled by n_m / N, and the shares of the micro-batches (and data- and context-parallel ranks) sum to the whole
+batch's mean. A micro-batch with no counted target adds 0 (its 0 / 0 loss unused, its gradients already 0).
 
-Dropout draws the single process's masks (one process accumulating micro-batches would be a simpler reference, but not
-the step a user runs): each micro-batch's forward starts from the single process's generator state at the stage's first
-layer and draws the *whole batch's* masks, keeping its rows (rng.py's full-size draws along the batch dim: rank d*M + m
-of dp*M), so replaying a checkpoint's state redraws them; the price is M*dp times the random numbers. Stage s > 0 starts
-from stage s-1's state after its first micro-batch's forward, sent with it (send_rng_state, 5 KB on the CPU).
+Dropout draws the single process's masks: each micro-batch's forward starts from the single process's generator
+state at the stage's first layer and draws the *whole batch's* masks, keeping its rows (rng.py's full-size draws
+along the batch dim: block d*M + m of dp*M), so replaying a checkpoint's state redraws them, at M*dp times the random
+numbers. Stage s > 0 starts from stage s-1's state after its first micro-batch's forward, sent with it.
 """
 import contextlib
 from dataclasses import dataclass
@@ -73,16 +62,14 @@ class PipelineStage:
         """The stage's weights for every micro-batch (16-bit copies under mixed precision), once; under ZeRO the
         shards' (whole, or under stage 3 shapes only until each use gathers them). like: another chunk of the same
         rank (interleaved), whose weights and rotary tables this one shares."""
-        dtype = self.cfg.torch_dtype
         if like is not None and like is not self:
             self.weights, self.rope = like.weights, like.rope
-            self.weights_of = {k: layer_weights(self.weights, k) for k in self.layers}
-            return
-        self.weights = self.data.weights()
-        for tensor in self.weights.values():
-            if tensor.device.type != "meta":
-                tracker.mark(tensor, "weights")
-        self.rope = rope_tables(self.cfg, seq, device, dtype)  # (T, hd) x2
+        else:
+            self.weights = self.data.weights()
+            for tensor in self.weights.values():
+                if tensor.device.type != "meta":
+                    tracker.mark(tensor, "weights")
+            self.rope = rope_tables(self.cfg, seq, device, self.cfg.torch_dtype)  # (T, hd) x2
         self.weights_of = {k: layer_weights(self.weights, k) for k in self.layers}
 
     @contextlib.contextmanager

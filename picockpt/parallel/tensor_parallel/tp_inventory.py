@@ -1,19 +1,17 @@
 """Closed forms per tensor-parallel rank of t, with or without sequence parallelism (sp) and Megatron's distributed
-saved activations: its stored bytes (to the byte, as picockpt/planning/inventory.py's), communication bytes and FLOPs. A rank
-stores tp_layer.py's tensors, inventory.py's with the dim SPLIT names divided by t. In Korthikanti et al.'s terms
-(sec. 4.2), without sp the 10sbh of norm inputs, norm outputs and dropout masks stay whole on every rank
-(replicated_and_split) and the rest divides by t; with sp all of it does. The peak is inventory.py's with this rank's
-A (a layer stored whole), F (the head) and Xc for X: a stored checkpoint, X/t with distributed saved activations.
-
-Communication per rank (comm.py's count), S = B*T*h*e the bytes of one whole activation, N = B*T:
+saved activations: its stored bytes (to the byte, as picockpt/planning/inventory.py's), communication bytes and FLOPs.
+A rank stores inventory.py's tensors with the dims SPLIT names divided by t: without sp the norm inputs, norm
+outputs and dropout masks stay whole on every rank (Korthikanti et al.'s 10sbh, replicated_and_split), with sp all
+of it divides. The peak is inventory.py's with this rank's A, F and Xc for X (X/t with distributed saved
+activations). Communication per rank (comm.py's count), S = B*T*h*e the bytes of one whole activation, N = B*T:
 
     forward    embedding S; per layer 2S (two all-reduces) | 4S with sp (two all-gathers, two reduce-scatters);
                head: S with sp (all-gather), and the loss's 3 all-reduces of N statistics
     backward   per layer 2S | 6S + 2h master bytes with sp (LEAVE's all-gathers, norm outputs all-gathered again,
                ENTER's reduce-scatters, the norm weights' all-reduces); head S | 2S + h master bytes; embedding 0 | S
     recompute  the forward's collectives of every layer a sweep recomputes (a sweep that stops early skips its
-               last layer's LEAVE: S less), plus one all-gather of S per sweep with distributed saved activations.
-               Rebuilds inside a layer's backward (selective, cheap, tiled attention, chunked logits) move nothing.
+               last layer's LEAVE: S less), plus one all-gather of S per sweep with distributed saved activations;
+               rebuilds inside a layer's backward (selective, cheap, tiled attention, chunked logits) move nothing
 """
 import math
 

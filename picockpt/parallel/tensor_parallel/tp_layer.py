@@ -4,19 +4,14 @@ parallelism): picockpt/model/layer.py's one layer, its crossings (layer.py: Cros
     h   = x + dropout(LEAVE(o_proj(attention(q, k, v))))     q, k, v = projections of ENTER(rmsnorm(x))
     out = h + dropout(LEAVE(down(silu(gate) * up)))           gate, up = projections of ENTER(rmsnorm(h))
 
-Rank r holds H/t query and KV/t key/value heads (q, k, v column-parallel, o row-parallel) and f/t of the MLP (gate, up
-column-parallel, down row-parallel): tp_shard.py. The blocks (layer.py's) read their head counts from the weights, so
-they run here unchanged on the rank's share and return its *partial* output; the ranks' sum is the single process's.
-ENTER and LEAVE: tp_comm.py's copy_to_parallel and reduce_from_parallel, or gather_sequence and scatter_sequence (sp).
-
-Without sequence parallelism the norms, residual adds and dropouts run on the whole sequence, the same on every rank
-(replicated); with it on the rank's T/t tokens: x, h and out are (B, T/t, h), and only the blocks see all T tokens.
-Stored per rank (n = T/t with sp, else T): input, norm rstd/output and mlp_norm.input (B, n, h); q (B, H/t, T, hd);
-k, v (B, KV/t, T, hd); probs (B, H/t, T, T); context (B, T, h/t); gate, up, act (B, T, f/t); dropout masks
-(B, n, h). Under sp the stored norm output is the rank's shard, so the backward all-gathers it again before the
-projections' weight gradients (as Megatron does: the gathered tensor is never kept), counted as backward traffic.
-A mixture of experts runs between the same ENTER and LEAVE, each expert on its f/t slice (its output partial, as the
-MLP's), its router whole: the router's gradient, from partial outputs, is summed over the ranks (an all-reduce).
+The blocks read their head counts from the weights, so they run here unchanged on the rank's share (tp_shard.py)
+and return its *partial* output; the ranks' sum is the single process's. ENTER and LEAVE: tp_comm.py's
+copy_to_parallel and reduce_from_parallel, or gather_sequence and scatter_sequence (sp). Without sequence parallelism
+the norms, residual adds and dropouts run on the whole sequence, the same on every rank; with it on the rank's T/t
+tokens, and only the blocks see all T. Under sp the stored norm output is the rank's shard, so the backward
+all-gathers it again before the projections' weight gradients (as Megatron does: never kept gathered). A mixture of
+experts runs between the same ENTER and LEAVE, each expert on its f/t slice, its router whole: the router's
+gradient, from partial outputs, is summed over the ranks.
 """
 from ...model.layer import ONE_PROCESS
 from ..comm import all_reduce_grads

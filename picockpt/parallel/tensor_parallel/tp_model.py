@@ -1,13 +1,10 @@
-"""What tensor parallelism changes in a rank's model (picockpt/parallel/rank_model.py), as the engine's loop sees it
-(picockpt/recompute/engine.py: Step). The loop is the single process's, line for line (a recompute runs the recomputed layers'
-collectives again); only the parts differ: the embedding and head are vocab.py's, the layer's crossings tp_layer.py's,
-and a checkpoint may be kept as this rank's 1/t of it.
+"""What tensor parallelism changes in a rank's model (picockpt/parallel/rank_model.py): the embedding and head are
+vocab.py's, the layer's crossings tp_layer.py's, and a checkpoint may be kept as this rank's 1/t of it.
 
-Distributed saved activations (Megatron-LM's --distribute-saved-activations; Korthikanti et al. sec. 5): without sp each
-rank would keep the same whole layer input as its checkpoint, t copies of one tensor; with distribute_saved=True each
-keeps 1/t of it, the flat tensor in t equal parts (Megatron's split_tensor_into_1d_equal_chunks), all-gathered by a
-recompute sweep before it runs the layer again (gather_split_1d_tensor): memory for communication, counted under
-"recompute". Only checkpoint-only inputs are split: a layer stored whole keeps its whole input (its backward reads it).
+Distributed saved activations (Megatron-LM's --distribute-saved-activations; Korthikanti et al. sec. 5): without sp
+each rank would keep the same whole layer input as its checkpoint, t copies of one tensor; with distribute_saved=True
+each keeps 1/t of it, all-gathered by a recompute sweep before it runs the layer again: memory for communication,
+counted under "recompute". Only checkpoint-only inputs are split (a layer stored whole reads its input whole).
 """
 from ...model.params import EMBED
 from .tp_comm import gather_sequence_forward

@@ -9,20 +9,17 @@ Megatron-LM's split (Shoeybi et al. 2019), for t ranks, rank r:
     self_attn.o_proj.weight             (h, h)      row-parallel    columns of the same query heads
     mlp.gate_proj / up_proj.weight      (f, h)      column-parallel rows r*f/t .. (r+1)*f/t - 1
     mlp.down_proj.weight                (h, f)      row-parallel    columns r*f/t ..
-    model.embed_tokens.weight           (V, h)      vocab-parallel  rows (token ids) r*V/t .. (r+1)*V/t - 1
-    lm_head.weight                      (V, h)      vocab-parallel  rows r*V/t ..
+    model.embed_tokens.weight, lm_head  (V, h)      vocab-parallel  rows (token ids) r*V/t .. (r+1)*V/t - 1
     the three RMSNorm weights           (h,)        replicated      all of it
-  with a mixture of experts, every expert split as the MLP is (Megatron's expert tensor parallelism, whose size
-  defaults to the tensor-parallel size):
+  with a mixture of experts, every expert split as the MLP is (Megatron's expert tensor parallelism):
     mlp.experts.gate_up_proj            (E, 2f, h)  column-parallel rows r*f/t .. of its gate half and of its up half
     mlp.experts.down_proj               (E, h, f)   row-parallel    columns r*f/t ..
     mlp.shared_experts.* (fs)                       as the MLP's gate, up, down
     mlp.gate.weight (the router)        (E, h)      replicated      all of it (its gradient summed: tp_layer.py)
 
-A column-parallel linear y = x W^T splits W's rows: rank r computes its columns of y from the whole x. A row-parallel
-one splits W's columns: rank r computes the partial product of its slice of x; the ranks' partial products sum to y.
-With grouped-query attention query head j reads key/value head j // (H/KV), so rank r's query heads read just its
-key/value heads: t must divide H and KV (Megatron replicates key/value heads beyond KV ranks; picockpt refuses).
+A column-parallel linear splits W's rows: rank r computes its columns of y from the whole x. A row-parallel one
+splits W's columns: the ranks' partial products sum to y. Query head j reads key/value head j // (H/KV), so t must
+divide H and KV (Megatron replicates key/value heads beyond KV ranks; picockpt refuses).
 """
 import torch
 
@@ -54,10 +51,9 @@ def split_dim(name):
     return SPLIT_DIM[ROLES[name.split(".", 3)[3]]]  # "model.layers.{i}.<name>" -> its role's dim
 
 
-def shard_params(params, rank, tp, device=None):
+def shard_params(params, rank, tp):
     """{name: rank's slice} of every parameter (a copy of its own, so the full tensors can go)."""
-    shards = {name: slice_of(tensor, name, rank, tp) for name, tensor in params.items()}  # (.., n/t, ..)
-    return {name: shard.to(device).clone() if device is not None else shard.clone() for name, shard in shards.items()}
+    return {name: slice_of(tensor, name, rank, tp).clone() for name, tensor in params.items()}  # (.., n/t, ..)
 
 
 def gather_grads(per_rank, params):

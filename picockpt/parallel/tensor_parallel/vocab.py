@@ -1,20 +1,16 @@
 """The vocabulary split over a tensor-parallel rank's neighbours: its embedding rows and its cross-entropy columns
-(Megatron-LM's VocabParallelEmbedding and vocab_parallel_cross_entropy). picockpt/model/head.py's head runs unchanged on
-this rank's LM head rows, crossing the ranks where tp_layer.py's crossings say (ENTER before the LM head, this loss,
-ENTER's backward, the final norm's gradient). Rank r holds the rows V_r = [r*V/t, (r+1)*V/t) of the embedding and the
-LM head.
+(Megatron-LM's VocabParallelEmbedding and vocab_parallel_cross_entropy). Rank r holds the rows
+V_r = [r*V/t, (r+1)*V/t) of the embedding and the LM head; picockpt/model/head.py's head runs unchanged on them.
 
     embedding  x    = all-reduce(x_r) (sp: reduce-scatter), x_r = embed_r[ids] where the id is in V_r, else 0
     LM head    z_r  = ENTER(rmsnorm(x_L)) @ lm_head_r.T    (B, T, V/t) this rank's columns; ENTER as in tp_layer.py
     loss       lse  = m + log all-reduce(sum_v exp(z_r - m)),  m = all-reduce-max(max_v z_r)    (N,) over all V
                loss = mean over counted rows of (lse - all-reduce(z_r[target] where it is in V_r, else 0))
 
-Only one rank's x_r is not 0 at a token, so the sum is exact. No rank holds the (N, V) logits, only its (N, V/t)
-columns; three numbers per row move, each an all-reduce of N = B*T numbers in the statistics dtype (fp32 or wider), per
-chunk when chunked. Stored per rank: the final norm's input, rstd and output (its n tokens), lm_head.logits (B, T, V/t)
-unless chunked (Config.loss_chunk: rebuilt chunk by chunk in the backward), and lm_head.lse (B, T) either way: the
-softmax's denominator spans every rank's columns, so rebuilding it would cost two more all-reduces; with it the loss's
-backward moves nothing: dz_r = scale * (exp(z_r - lse) - onehot_r(target)), onehot_r 1 only at targets in V_r.
+Only one rank's x_r is not 0 at a token, so the sum is exact. No rank holds the (N, V) logits; three numbers per row
+move. lm_head.lse (B, T) is stored even when the logits are chunked: the softmax's denominator spans every rank's
+columns, so rebuilding it would cost two more all-reduces; with it the loss's backward moves nothing:
+dz_r = scale * (exp(z_r - lse) - onehot_r(target)), onehot_r 1 only at targets in V_r.
 """
 import torch
 
