@@ -41,7 +41,7 @@ from _lesson import FAST_TIMING, Spread, choose, large, lesson_args, shape_line,
 from picockpt import Config, init_params
 from picockpt.planning.inventory import step_flops
 from picockpt.teaching.plotting import PHASE_COLORS, mib, policy_color, save_figure
-from picockpt.measurement.train import MarkovTask, make_optimizer, train
+from picockpt.measurement.train import MarkovTask, Monitor, make_optimizer, train
 
 SEGMENTS = ("none", "full", "cheap")  # one run, its policy changed in this order, round after round
 
@@ -94,9 +94,9 @@ def run(cfg, batch, seq, rounds, steps, device, seed):
         order = SEGMENTS[round_ % len(SEGMENTS):] + SEGMENTS[:round_ % len(SEGMENTS)]  # each policy first in turn
         for policy in order:
             records = []
-            train(params, cfg, task, steps, batch, seq, policy, device=device, every=steps,
-                  log=lines.append if round_ == 0 else None, seed=seed + len(segments), peak_tflops=peaks[0] / 1e12,
-                  record=records, optimizer=optimizer)
+            train(params, cfg, task, steps, batch, seq, policy, device=device, seed=seed + len(segments),
+                  optimizer=optimizer, monitor=Monitor(log=lines.append if round_ == 0 else None, every=steps,
+                                                       peak_tflops=peaks[0] / 1e12, record=records))
             segments.append((policy, round_, records))
     peaks.append(matmul_peak(device))
     return segments, lines, peaks

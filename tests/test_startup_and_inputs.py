@@ -10,7 +10,7 @@ import pytest
 
 from picockpt import Config, init_params
 from picockpt.measurement.compare import compare
-from picockpt.measurement.train import MarkovTask, train
+from picockpt.measurement.train import MarkovTask, Monitor, train
 
 HF = {"model_type": "llama", "vocab_size": 100, "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 6,
       "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
@@ -31,7 +31,7 @@ def test_device_gpu_names_the_parameter_and_what_works():
     with pytest.raises(ValueError, match=message):
         compare(cfg, 2, 8, device="gpu")
     with pytest.raises(ValueError, match=message):
-        train(init_params(cfg), cfg, MarkovTask(cfg.vocab), 1, 2, 8, device="gpu", log=lambda *_: None)
+        train(init_params(cfg), cfg, MarkovTask(cfg.vocab), 1, 2, 8, device="gpu", monitor=Monitor(log=lambda *_: None))
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.0, 2.5])  # from torch's import to the step (a busy machine moves them)

@@ -5,7 +5,7 @@ from commands import picockpt
 from picockpt import Config, init_params
 from picockpt.model.params import param_shapes
 from picockpt.planning.inventory import predicted_peak_bytes, step_flops
-from picockpt.measurement.train import MarkovTask, train
+from picockpt.measurement.train import MarkovTask, Monitor, train
 
 
 @pytest.mark.slow
@@ -15,7 +15,7 @@ def test_synthetic_task_is_learned_within_100_steps():
     torch.manual_seed(0)
     # 90 steps, not 100: the mean of the last 10 is 3.1 by then (2.7 at 100, 3.7 at 80; a smaller batch or shorter
     # sequences stay above 3.5 at 100), so the same bound holds, 0.4 nats to spare
-    losses = train(init_params(cfg, seed=0), cfg, task, steps=90, batch=8, seq=64, log=None)
+    losses = train(init_params(cfg, seed=0), cfg, task, steps=90, batch=8, seq=64, monitor=Monitor(log=None))
     print(f"first {losses[0]:.3f}, last {losses[-1]:.3f}, floor {task.loss_floor:.3f}")
     assert losses[0] > 5.0                      # ~ ln(256) = 5.55 at the start
     assert sum(losses[-10:]) / 10 < 3.5         # clearly falling: 2 nats below the start (3.1 measured)
@@ -40,8 +40,8 @@ def test_train_reports_what_recomputation_costs():
     and of time (the tracker's recompute phase)."""
     cfg = Config.from_preset("tiny")
     lines = []
-    train(init_params(cfg), cfg, MarkovTask(cfg.vocab), steps=3, batch=2, seq=16, policy="full", log=lines.append,
-          watch_live=True)
+    train(init_params(cfg), cfg, MarkovTask(cfg.vocab), steps=3, batch=2, seq=16, policy="full",
+          monitor=Monitor(log=lines.append, watch_live=True))
     flops = step_flops(cfg, 2, 16, "full")
     share = f"recompute {flops['recompute'] / sum(flops.values()):5.1%} of FLOPs"
     assert len(lines) == 6 and all(share in line for line in lines[:4]), lines  # 3 steps, summary, state, phases
@@ -70,8 +70,8 @@ def test_train_records_mfu_hfu_and_per_phase_memory():
     peaks, the store's equal to the closed form."""
     cfg = Config.from_preset("tiny")
     lines, record = [], []
-    train(init_params(cfg), cfg, MarkovTask(cfg.vocab), steps=3, batch=2, seq=16, policy="full", log=lines.append,
-          peak_tflops=1.0, record=record)
+    train(init_params(cfg), cfg, MarkovTask(cfg.vocab), steps=3, batch=2, seq=16, policy="full",
+          monitor=Monitor(log=lines.append, peak_tflops=1.0, record=record))
     executed, model = sum(step_flops(cfg, 2, 16, "full").values()), sum(step_flops(cfg, 2, 16, "none").values())
     assert [row["step"] for row in record] == [0, 1, 2]
     for row in record:
@@ -89,7 +89,7 @@ def test_train_refuses_a_bad_peak_or_record():
     for kwargs, message in ((dict(peak_tflops=0), "peak_tflops=0"), (dict(peak_tflops=float("nan")), "peak_tflops"),
                             (dict(record={}), "record=dict")):
         try:
-            train(init_params(cfg), cfg, MarkovTask(cfg.vocab), 1, 2, 8, log=None, **kwargs)
+            train(init_params(cfg), cfg, MarkovTask(cfg.vocab), 1, 2, 8, monitor=Monitor(log=None, **kwargs))
         except ValueError as error:
             assert message in str(error)
         else:

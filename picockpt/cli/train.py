@@ -23,9 +23,10 @@ from ..parallel import Layout, RankError, under_torchrun
 from ..parallel.training import zero_train
 from ..parallel.data_parallel.zero_check import check_zero
 from ..parallel.launch import check_rank_count, check_timeout
-from ..recompute.policy import POLICY_HELP
-from ..measurement.train import MarkovTask, train
-from .common import add_run_args, add_shape_args, config_from_args, device_from_args, policy_from_args
+from ..device import resolve_device
+from ..recompute.policy import POLICY_HELP, parse_policy
+from ..measurement.train import MarkovTask, Monitor, train
+from .common import add_run_args, add_shape_args, config_from_args
 from .parallel_run import TIMEOUT_S, add_timeout, one_line_errors, rank_device, rank_failure
 from .parallel_zero import print_ranks
 
@@ -96,8 +97,8 @@ def train_command(args):
                          f"(989.5 for an H100/H200 SXM in bf16)")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise ValueError(f"--lr={args.lr}: AdamW's learning rate must be a positive number, e.g. 3e-3")
-    policy = policy_from_args(args, cfg)
-    device = rank_device(args) if zero else device_from_args(args)  # under torchrun, this process's own GPU
+    policy = parse_policy(args.policy, cfg)
+    device = rank_device(args) if zero else resolve_device(args.device)  # under torchrun, this process's own GPU
     peak_tflops = args.peak_tflops if args.peak_tflops is not None else \
         CUDA_PEAK_TFLOPS if device.type == "cuda" else None  # a CPU has no datasheet peak: no MFU/HFU unless given
     check_fits(cfg, device, args.batch, args.seq, policy)
@@ -113,8 +114,8 @@ def train_command(args):
         if losses is None:  # another torchrun process: rank 0 prints
             return
     else:
-        losses = train(params, cfg, task, args.steps, args.batch, args.seq, policy, args.lr, device,
-                       every=args.log_every, seed=args.seed, watch_live=args.watch_live, peak_tflops=peak_tflops)
+        losses = train(params, cfg, task, args.steps, args.batch, args.seq, policy, args.lr, device, args.seed,
+                       monitor=Monitor(every=args.log_every, watch_live=args.watch_live, peak_tflops=peak_tflops))
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")
 
 
@@ -194,7 +195,7 @@ def check_zero_flags(args, cfg):
     sizes = [flag for flag, value in (("--dp", dp), ("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp),
                                       ("--ep", args.ep)) if value > 1]
     check_rank_count(" x ".join(sizes), world_size(args), rank_device(args))  # CUDA: a GPU per rank; torchrun's
-    policy = policy_from_args(args, cfg).refuse_offload("ZeRO training")
+    policy = parse_policy(args.policy, cfg).refuse_offload("ZeRO training")
     if world_size(args) == dp and args.microbatches == 1:  # dp alone: a rank's rows; other layouts: the job plans
         policy.schedule(cfg, args.batch // dp, args.seq)  # a budget too small for a rank's rows
     return True

@@ -6,6 +6,7 @@ reaches the entropy floor ln(branching); an untrained one starts near ln(vocab).
 No downloads, the same batches for the same seed on every machine.
 """
 import contextlib
+from dataclasses import dataclass
 import math
 import statistics
 import time
@@ -66,30 +67,48 @@ def train_step(params, optimizer, cfg, input_ids, targets, policy="none", tracke
     return loss.item()
 
 
-def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="cpu", log=print, every=1, seed=None,
-          watch_live=False, peak_tflops=None, record=None, optimizer=None):
-    """Runs `steps` steps and returns their losses. Logs, per step and in a final summary, what the
-    recomputation costs and saves: loss, tokens/s, the stored peak (the activation store), the live peak
-    (CUDA: the allocator's max_memory_allocated above the step's start; CPU: only with watch_live, which
-    watches every tensor and is slow), the share of the step's FLOPs that is recomputation (the closed form
-    inventory.step_flops, what FlopCounterMode counts), the share of its time spent in the recompute phase,
-    and, given peak_tflops (the device's dense peak, TFLOP/s), MFU and HFU as PaLM defines them (Chowdhery
-    et al. 2022, appendix B): model FLOPs per second over the peak, where model FLOPs are the step's without
-    recomputation (policy none), and hardware FLOPs per second over the peak, recomputation included.
-    The summary adds the peaks per phase (forward, recompute, backward, optimizer). A list passed as
-    `record` receives one dict per step: loss, seconds, the rates and shares above, and per phase its
-    seconds and stored and live peaks (the curves lesson 22 reads).
+@dataclass
+class Monitor:
+    """What train() reports, none of which changes the losses: `log` (print, or None for silence) every `every`
+    steps and the last; `watch_live`, on the CPU, the live peak (every tensor watched, slow); `peak_tflops`, the
+    device's dense peak (TFLOP/s) for MFU and HFU; `record`, a list receiving one dict per step."""
+    log: object = print
+    every: int = 1
+    watch_live: bool = False
+    peak_tflops: float = None
+    record: list = None
+
+    def __post_init__(self):
+        every, peak_tflops = self.every, self.peak_tflops
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every={every!r}: log every N steps with N a whole number >= 1 (1 logs every step)")
+        if peak_tflops is not None and (isinstance(peak_tflops, bool) or not isinstance(peak_tflops, (int, float))
+                                        or not math.isfinite(peak_tflops) or peak_tflops <= 0):
+            raise ValueError(f"peak_tflops={peak_tflops!r}: the device's dense peak in TFLOP/s, a positive number "
+                             f"(989.5 for an H100/H200 SXM in bf16), or None for no MFU/HFU")
+        if self.record is not None and not isinstance(self.record, list):
+            raise ValueError(f"record={type(self.record).__name__}: pass a list (it receives one dict per step) "
+                             f"or None")
+
+
+def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="cpu", seed=None, optimizer=None,
+          monitor=None):
+    """Runs `steps` steps and returns their losses. Logs (monitor: a Monitor, None for Monitor()), per step and
+    in a final summary, what the recomputation costs and saves: loss, tokens/s, the stored peak (the activation
+    store), the live peak (CUDA: the allocator's max_memory_allocated above the step's start; CPU: only with
+    watch_live), the share of the step's FLOPs that is recomputation (the closed form inventory.step_flops, what
+    FlopCounterMode counts), the share of its time spent in the recompute phase, and, given peak_tflops, MFU and
+    HFU as PaLM defines them (Chowdhery et al. 2022, appendix B): model FLOPs per second over the peak, where
+    model FLOPs are the step's without recomputation (policy none), and hardware FLOPs per second over the peak,
+    recomputation included. The summary adds the peaks per phase (forward, recompute, backward, optimizer).
+    The record's dicts hold loss, seconds, the rates and shares above, and per phase its seconds and stored
+    and live peaks (the curves lesson 22 reads).
     With a seed, the dropout masks are drawn from it: the same seed gives the same losses, bitwise.
     `optimizer` (make_optimizer(params, lr), or None for a new one) carries AdamW's state from an earlier
     call on: one run whose policy changes between calls is still one run (lr is then the optimizer's)."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every={every!r}: log every N steps with N a whole number >= 1 (1 logs every step)")
-    if peak_tflops is not None and (isinstance(peak_tflops, bool) or not isinstance(peak_tflops, (int, float))
-                                    or not math.isfinite(peak_tflops) or peak_tflops <= 0):
-        raise ValueError(f"peak_tflops={peak_tflops!r}: the device's dense peak in TFLOP/s, a positive number "
-                         f"(989.5 for an H100/H200 SXM in bf16), or None for no MFU/HFU")
-    if record is not None and not isinstance(record, list):
-        raise ValueError(f"record={type(record).__name__}: pass a list (it receives one dict per step) or None")
+    monitor = Monitor() if monitor is None else monitor
+    log, every, watch_live, peak_tflops, record = (monitor.log, monitor.every, monitor.watch_live,
+                                                   monitor.peak_tflops, monitor.record)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer={type(optimizer).__name__}: pass a torch.optim.Optimizer over these params "
                          f"(make_optimizer(params)) or None for a new AdamW")
@@ -130,7 +149,8 @@ def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="
         log(f"summary over steps 1..{steps - 1} (medians; peaks: largest): " + _line(middle, flops))
         state = sum(value.nbytes for values in optimizer.state.values() for value in values.values()
                     if isinstance(value, torch.Tensor))
-        log(f"optimizer state (AdamW: two fp32 moments a parameter, a step count a tensor; made by step 0, kept): {state / 2**20:.3f} MiB")
+        log(f"optimizer state (AdamW: two fp32 moments a parameter, a step count a tensor; made by step 0, kept): "
+            f"{state / 2**20:.3f} MiB")
         log(f"per phase, largest over steps 1..{steps - 1}: " + "; ".join(
             f"{name} stored {max(p[name]['stored'] for p in phase_rows[1:]) / 2**20:.3f} MiB"
             + ("" if view is None else f", live {max(p[name]['live'] for p in phase_rows[1:]) / 2**20:.3f} MiB")
