@@ -1,8 +1,8 @@
 """What every command shares: the shape flags, the device flag, numbers with units."""
 from ..model.config import ATTENTIONS, DTYPES, PRESETS, Config
-from ..device import resolve_device
-from ..measurement.measure import max_relative_diff  # noqa: F401 (the commands import it from here)
-from ..recompute.policy import parse_policy
+
+SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype", "attention",
+               "attention_tile", "loss_chunk", "experts", "experts_per_token", "shared_expert_ffn", "router_jitter")
 
 
 def add_shape_args(parser, preset="small", batch=4, seq=128, dtype=None, batch_help="sequences per batch"):
@@ -46,17 +46,8 @@ def add_run_args(parser):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
 
 
-def policy_from_args(args, cfg):
-    """--policy parsed and checked against the model: the Policy the command passes on (never parsed again)."""
-    return parse_policy(args.policy, cfg)
-
-
 def config_from_args(args):
-    overrides = {name: getattr(args, name) for name in
-                 ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype",
-                  "attention", "attention_tile", "loss_chunk", "experts", "experts_per_token", "shared_expert_ffn",
-                  "router_jitter")
-                 if getattr(args, name, None) is not None}
+    overrides = {name: getattr(args, name) for name in SHAPE_FLAGS if getattr(args, name, None) is not None}
     cfg = Config.from_preset(args.preset, **overrides)
     if getattr(args, "attention_tile", None) is not None and cfg.attention != "tiled":
         raise ValueError(f"--attention-tile={args.attention_tile} with --attention {cfg.attention}: only tiled "
@@ -76,10 +67,6 @@ def check_repeats(args):
     """--repeats: how many timed steps a median is taken over; at least one."""
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats}: time at least one step (e.g. --repeats 3)")
-
-
-def device_from_args(args):
-    return resolve_device(args.device)
 
 
 def fmt_bytes(n):
@@ -126,3 +113,14 @@ def check_parallel_fits(args, cfg, policy, device):
     from ..planning.fit import check_fits
     check_fits(cfg, device, args.batch, args.seq, policy,
                note=" (this command also runs the whole step in one process, to check the ranks' gradients)")
+
+
+def spans(labels):
+    """{k: label} -> '0-6 input, 7 all:cheap': consecutive keys with one label grouped ('' labels: '1-3, 7')."""
+    groups = []
+    for k in sorted(labels):
+        if groups and groups[-1][2] == labels[k] and groups[-1][1] == k - 1:
+            groups[-1][1] = k
+        else:
+            groups.append([k, k, labels[k]])
+    return ", ".join((f"{a}-{b}" if b > a else f"{a}") + (f" {label}" if label else "") for a, b, label in groups)

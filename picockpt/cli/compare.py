@@ -5,8 +5,9 @@ import sys
 
 from ..measurement.compare import (AUTOCAST_FACTOR, FP32, GRAD_TOLERANCE, check_min_cut, compare, min_cut_supported,
                        reference_masks_match)
+from ..device import resolve_device
 from ..planning.fit import check_fits
-from .common import add_run_args, add_shape_args, check_repeats, config_from_args, device_from_args, fmt_bytes, table
+from .common import add_run_args, add_shape_args, check_repeats, config_from_args, fmt_bytes, table
 
 
 def add_arguments(parser):
@@ -48,7 +49,7 @@ def run(args):
         raise ValueError(f"--segment={args.segment}: use 1 <= C <= layers={cfg.layers}")
     check_repeats(args)
     budgets, note = min_cut_budgets(args, cfg)
-    device = device_from_args(args)
+    device = resolve_device(args.device)
     check_fits(cfg, device, args.batch, args.seq, "none", advice="use a smaller --batch or --seq",
                note=" (compare runs every policy, none among them, and plain autograd)")
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)  # --json: stdout is JSON alone

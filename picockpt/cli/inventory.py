@@ -1,13 +1,14 @@
 """python -m picockpt inventory: one layer's stored tensors, closed form beside measured."""
 import torch
 
+from ..device import resolve_device
 from ..planning.fit import check_fits
 from ..planning.inventory import head_inventory, layer_inventory, predicted_peak_bytes, total
 from ..measurement.measure import make_batch, measured_inventory
 from ..model.routing import step_routing
 from ..model.params import init_params
-from ..recompute.policy import Policy
-from .common import add_run_args, add_shape_args, config_from_args, device_from_args, fmt_bytes, policy_from_args
+from ..recompute.policy import Policy, parse_policy
+from .common import add_run_args, add_shape_args, config_from_args, fmt_bytes
 
 
 def add_arguments(parser):
@@ -19,11 +20,11 @@ def add_arguments(parser):
 
 def run(args):
     cfg = config_from_args(args)
-    policy = policy_from_args(args, cfg)
+    policy = parse_policy(args.policy, cfg)
     if not 0 <= args.layer < cfg.layers:
         raise ValueError(f"--layer={args.layer}: use 0 .. {cfg.layers - 1}")
     B, T = args.batch, args.seq
-    device = device_from_args(args)
+    device = resolve_device(args.device)
     check_fits(cfg, device, B, T, _op_only(policy), advice="use a smaller --batch or --seq",
                note=" (inventory runs one step that stores every layer, to measure what one layer keeps)")
     counts = _routing(cfg, B, T, device, args.seed, args.layer) if cfg.experts else None

@@ -4,9 +4,9 @@ import sys
 
 from ..planning.fit import check_fits
 from ..measurement.measure import measure_policy
-from ..recompute.policy import POLICY_HELP
-from .common import (add_run_args, add_shape_args, check_repeats, config_from_args, device_from_args, fmt_bytes,
-                     fmt_flops, policy_from_args)
+from ..device import resolve_device
+from ..recompute.policy import POLICY_HELP, parse_policy
+from .common import add_run_args, add_shape_args, check_repeats, config_from_args, fmt_bytes, fmt_flops
 
 
 def add_arguments(parser):
@@ -28,8 +28,8 @@ def add_arguments(parser):
 def run(args):
     cfg = config_from_args(args)
     check_repeats(args)
-    policy = policy_from_args(args, cfg)
-    device = device_from_args(args)
+    policy = parse_policy(args.policy, cfg)
+    device = resolve_device(args.device)
     check_fits(cfg, device, args.batch, args.seq, policy, optimizer=args.optimizer)
     check_fits(cfg, device, args.batch, args.seq, "none", advice="use a smaller --batch or --seq",
                note=" (measure also runs policy none once: its gradients are the baseline every policy is "
@@ -63,7 +63,8 @@ def run(args):
     ]
     if args.optimizer:
         lines.append(("optimizer state (AdamW)", fmt_bytes(row["optimizer_state_bytes"]),
-                      "two fp32 moments a parameter, a step count a tensor; made by the first step, in the optimizer phase"))
+                      "two fp32 moments a parameter, a step count a tensor; made by the first step, in the optimizer "
+                      "phase"))
     if "cuda_peak_bytes" in row:
         lines.append(("CUDA max_memory_allocated", fmt_bytes(row["cuda_peak_bytes"]),
                       "the step's increase, its largest phase (per phase below)"))

@@ -12,14 +12,15 @@ import sys
 import torch
 
 from ..recompute.engine import loss_and_grads as single_loss_and_grads
-from ..measurement.measure import make_batch
+from ..device import resolve_device
+from ..measurement.measure import make_batch, max_relative_diff
 from ..model.params import init_params
 from ..parallel import Layout, RankError, loss_and_grads, under_torchrun
 from ..parallel.launch import TIMEOUT_RANGE_S
 from ..parallel.watch import Terminated, sigterm_raises
-from ..recompute.policy import Policy
+from ..recompute.policy import Policy, parse_policy
 from . import RankFailed
-from .common import check_parallel_fits, config_from_args, device_from_args, max_relative_diff, policy_from_args
+from .common import SHAPE_FLAGS, check_parallel_fits, config_from_args
 from .parallel_zero import print_zero
 
 LAYOUT = tuple(field.name for field in fields(Layout))  # every dimension and option, one flag each
@@ -28,8 +29,7 @@ SWITCHES = {"sp", "distribute_saved", "recompute_early", "keep_dispatched", "cp_
 NEGATED = {"overlap": "--no-overlap", "prefetch": "--no-prefetch"}  # the flag that makes them False
 FLAGS = {name: "--" + name.replace("_", "-") for name in (
     *(name for name in LAYOUT if name not in NEGATED), "trace", "verbose", "port", "device", "policy", "batch", "seq",
-    "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype", "attention",
-    "attention_tile", "loss_chunk", "experts", "experts_per_token", "shared_expert_ffn", "router_jitter")}
+    *SHAPE_FLAGS)}
 FLAGS.update(NEGATED, keep_kv="--cp-keep-kv", layout="--cp-layout", timeout_s="--timeout")
 NAME = r"(?<![\w.-])(?:Config\.)?(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")"
 VALUE = r"('[^']*'|\"[^\"]*\"|[-+]?[\w.]*\w(?:[-+]\d+)?)"
@@ -50,7 +50,7 @@ def add_timeout(parser, default=TIMEOUT_S):
 def rank_device(args):
     """The device this process computes on: under torchrun on CUDA, its own GPU (LOCAL_RANK), set as the
     current device before anything is made on it; otherwise --device as everywhere."""
-    device = device_from_args(args)
+    device = resolve_device(args.device)
     if under_torchrun() and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -61,7 +61,7 @@ def prepared(args):
     """(cfg, policy, device) of the command's flags, once the whole step is known to fit there (the command
     also runs it in one process, with policy none, to check the ranks' gradients): a ValueError first."""
     cfg = config_from_args(args)
-    policy = policy_from_args(args, cfg)
+    policy = parse_policy(args.policy, cfg)
     device = rank_device(args)
     check_parallel_fits(args, cfg, Policy("none"), device)
     return cfg, policy, device

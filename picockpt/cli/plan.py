@@ -19,7 +19,7 @@ from ..planning.host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, c
 from ..planning.planner_offload import actions, peak_reason, plan_offload
 from ..planning.planner_uniform import binomial_forward_steps, plan_uniform
 from ..recompute.policy import OP_LEVEL, parse_policy
-from .common import add_run_args, add_shape_args, config_from_args, fmt_bytes, fmt_flops
+from .common import SHAPE_FLAGS, add_run_args, add_shape_args, config_from_args, fmt_bytes, fmt_flops, spans
 from .plan_copies import add_copies_arguments, check_copies_flags, run_copies
 from .plan_cost import add_cost_arguments, check_cost_flags, cost_lines, op_seconds, priced_plan
 from .plan_parts import budget_from_args, measure, sweeps_json
@@ -118,9 +118,7 @@ def _check_flags(args):
             "--budget": args.budget is not None, "--measure": args.measure, "--benchmark": args.benchmark,
             "--op-level": args.op_level != "none", "--offload": args.offload,
             "--host-bandwidth": args.host_bandwidth is not None, "--compute-rate": args.compute_rate is not None}
-        ignored.update({"--" + name.replace("_", "-"): getattr(args, name, None) is not None for name in (
-            "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype", "attention",
-            "attention_tile", "loss_chunk", "experts", "experts_per_token", "shared_expert_ffn", "router_jitter")})
+        ignored.update({"--" + name.replace("_", "-"): getattr(args, name, None) is not None for name in SHAPE_FLAGS})
     elif args.benchmark:
         mode, ignored = "--benchmark (its budgets are set per chain)", {
             "--budget": args.budget is not None, "--measure": args.measure, "--op-level": args.op_level != "none",
@@ -212,24 +210,13 @@ def run_offload(args):
 
 def schedule_table(plan):
     """One line per forward pass, in the order they run: which layers keep what."""
-    rows = [f"{'first forward':<32}{runs(dict(enumerate(plan.schedule.forward)))}, head {plan.schedule.head}"]
+    rows = [f"{'first forward':<32}{spans(dict(enumerate(plan.schedule.forward)))}, head {plan.schedule.head}"]
     for target, first, modes in plan.sweeps:
-        rows.append(f"{f'before the backward of {target}:':<32}{runs(modes)}")
+        rows.append(f"{f'before the backward of {target}:':<32}{spans(modes)}")
     rows.append("(all: input and activations, minus the policy's op level; all:selective / all:cheap: "
                 "minus that level's drops; input: a checkpoint; none: nothing. Each recompute sweep stops "
                 "before its last layer's down projection, whose output is not needed.)")
     return rows
-
-
-def runs(modes):
-    """{layer: mode} -> '0-6 input, 7 all:cheap' (consecutive layers with one mode grouped)."""
-    groups = []
-    for k in sorted(modes):
-        if groups and groups[-1][2] == modes[k] and groups[-1][1] == k - 1:
-            groups[-1][1] = k
-        else:
-            groups.append([k, k, modes[k]])
-    return ", ".join(f"{a}-{b} {mode}" if b > a else f"{a} {mode}" for a, b, mode in groups)
 
 
 def run_uniform(args):

@@ -1,7 +1,7 @@
 """What plan's two-action and three-action modes share: the --budget flag, the sweeps in JSON, one tracked step."""
 from ..planning.fit import check_fits
 from ..recompute.policy import parse_size
-from .common import device_from_args
+from ..device import resolve_device
 
 
 def budget_from_args(args):
@@ -26,7 +26,7 @@ def measure(cfg, args, policy, schedule=None):
     from ..measurement.measure import make_batch
     from ..model.params import init_params
     from ..measurement.tracker import Tracker
-    device = device_from_args(args)
+    device = resolve_device(args.device)
     check_fits(cfg, device, args.batch, args.seq, policy,
                advice="use a smaller --batch or --seq, or a smaller --budget")
     params = init_params(cfg, seed=args.seed, device=device)

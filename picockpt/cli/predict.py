@@ -26,6 +26,7 @@ from ..recompute.policy import SELECTIVE
 from .common import add_shape_args, config_from_args, fmt_bytes
 from .predict_layouts import layouts_for, tp_fits
 from .predict_parallel import add_parallel_arguments, add_parallel_rows, check_parallel, print_parallel
+from .predict_zero import gib
 from .predict_search import add_search_arguments, check_search_flags, run_search
 
 POLICY_OF = {"none": "none", "selective": "selective", "full": "full"}  # --recompute -> picockpt policy
@@ -97,7 +98,7 @@ def predict(cfg, batch, seq, recompute="none", tp=1, sp=False):
         "layers": L, "hidden": h, "heads": a, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab,
         "experts": cfg.experts, "experts_per_token": cfg.experts_per_token,
         "seq": s, "batch": b, "recompute": recompute, "tp": tp, "sp": sp,
-        "formula": _formula_text(recompute, tp, sp),
+        "formula": _row_formula(recompute, tp, sp and tp > 1, False, full="sbh*2"),
         "per_layer_bytes": per_layer, "per_layer_gib": per_layer / GIB,
         "embedding_dropout_bytes": activations - L * per_layer,
         "activation_bytes": activations, "activation_gib": activations / GIB,
@@ -167,21 +168,13 @@ def _own_row(cfg, batch, seq, kind, t, sp, distributed):
     return {"picockpt_bytes": whole + split, "picockpt_replicated_bytes": whole}
 
 
-def _row_formula(kind, t, sp, distributed):
+def _row_formula(kind, t, sp, distributed, full="2sbh"):
+    """Table 2's formula of a row (`full`: how the full-recomputation row writes the layer input)."""
     if kind == "full":
-        return "2sbh/t" if sp or distributed else "2sbh"
+        return f"{full}/t" if sp or distributed else full
     if t == 1 and not sp:
         return "sbh(34 + 5as/h)" if kind == "none" else "sbh(34)"
     core = " + 5as/(ht)" if kind == "none" else ""
-    return f"sbh(34/t{core})" if sp else f"sbh(10 + 24/t{core})"
-
-
-def _formula_text(recompute, tp, sp):
-    if recompute == "full":
-        return "sbh*2/t" if sp and tp > 1 else "sbh*2"
-    core = "" if recompute == "selective" else " + 5as/h" if tp == 1 else " + 5as/(ht)"
-    if tp == 1:
-        return f"sbh(34{core})"
     return f"sbh(34/t{core})" if sp else f"sbh(10 + 24/t{core})"
 
 
@@ -196,10 +189,6 @@ def _check_tp(tp, cfg, seq):
                          f"{layouts_for(cfg, seq, tp)}")
 
 
-def _gib(n):
-    return f"{n / GIB:,.2f} GiB"
-
-
 def _print_table(row):
     parallel = f"t={row['tp']}" + (", sequence parallel" if row["sp"] else "")
     print(f"{row['model']}: L={row['layers']} h={row['hidden']} a={row['heads']} (kv {row['kv_heads']}) "
@@ -210,18 +199,18 @@ def _print_table(row):
     if row.get("experts"):
         print(f"  (a dense GPT layer's formula, MLP 4h wide: it knows nothing of the {row['experts']} experts, each "
               f"token's activations stored top-k = {row['experts_per_token']} times; picockpt's rows below count them)")
-    print(f"  per_layer_bytes      {row['per_layer_bytes']:>22,.0f}  {_gib(row['per_layer_bytes']):>14}   "
+    print(f"  per_layer_bytes      {row['per_layer_bytes']:>22,.0f}  {gib(row['per_layer_bytes']):>14}   "
           f"{row['formula']}")
-    print(f"  activation_bytes     {row['activation_bytes']:>22,.0f}  {_gib(row['activation_bytes']):>14}   "
+    print(f"  activation_bytes     {row['activation_bytes']:>22,.0f}  {gib(row['activation_bytes']):>14}   "
           f"L x per layer + {row['embedding_dropout_bytes']:,.0f} (embedding dropout mask), as the "
           f"Ultra-Scale Playbook charts it")
     print(f"picockpt's exact store ({row['picockpt_dtype']}, GQA, SwiGLU, RMSNorm, dropout "
           f"{row['picockpt_dropout']}; one device, no tensor parallelism):")
     print(f"  per layer            {row['picockpt_per_layer_bytes']:>22,}  "
-          f"{_gib(row['picockpt_per_layer_bytes']):>14}   "
+          f"{gib(row['picockpt_per_layer_bytes']):>14}   "
           f"{'the layer input (checkpoint)' if row['recompute'] == 'full' else 'what one stored layer keeps'}")
-    print(f"  peak of the store    {row['picockpt_peak_bytes']:>22,}  {_gib(row['picockpt_peak_bytes']):>14}   "
-          f"with final norm and logits ({_gib(row['picockpt_head_bytes'])})"
+    print(f"  peak of the store    {row['picockpt_peak_bytes']:>22,}  {gib(row['picockpt_peak_bytes']):>14}   "
+          f"with final norm and logits ({gib(row['picockpt_head_bytes'])})"
           + (" and one recomputed layer" if row["recompute"] == "full" else ""))
     _print_table2(row)
     own, published = row["picockpt_flops"], row["published_flops"]
@@ -251,5 +240,5 @@ def _print_table2(row):
         (", distributed saved activations" if row.get("distribute_saved") else "")
     comm = row["picockpt_rank_comm_bytes"]
     print(f"picockpt per rank ({layout}, recompute {row['recompute']}): store peak "
-          f"{_gib(row['picockpt_rank_peak_bytes'])}; communication forward {fmt_bytes(comm['forward'])}, "
+          f"{gib(row['picockpt_rank_peak_bytes'])}; communication forward {fmt_bytes(comm['forward'])}, "
           f"recompute {fmt_bytes(comm['recompute'])}, backward {fmt_bytes(comm['backward'])}")

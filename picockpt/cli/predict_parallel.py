@@ -35,6 +35,7 @@ from ..parallel.context_parallel.cp_check import check_context_parallel
 from ..parallel.pipeline_parallel.pp_inventory import StageForms
 from ..parallel.tensor_parallel.tp_inventory import rank_peak_bytes
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
+from .common import spans
 from .predict_layouts import cp_fits, cp_refusal, layouts_for
 from .predict_pipeline import add_pipeline_arguments, check_schedule_flags, pipeline_row, print_pipeline
 from .predict_zero import gib, print_zero, zero_row
@@ -272,15 +273,4 @@ def print_parallel(row):
         print(f"  every:C: least at C = {best}, {gib(every[best])}; C = 1 (full) {gib(every[1])}; "
               f"C = {len(every)} {gib(every[len(every)])}")
         print(f"  activations alone in {gib(capacity)}: " + (
-            f"every:C fits for C = {_ranges(fitting)}" if fitting else "no every:C fits"))
-
-
-def _ranges(values):
-    """[1, 2, 3, 7] -> '1-3, 7'."""
-    spans = []
-    for value in values:
-        if spans and value == spans[-1][1] + 1:
-            spans[-1][1] = value
-        else:
-            spans.append([value, value])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+            f"every:C fits for C = {spans(dict.fromkeys(fitting, ''))}" if fitting else "no every:C fits"))
