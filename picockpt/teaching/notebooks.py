@@ -28,13 +28,14 @@ run_notebook() executes it as it is.
 """
 import asyncio
 import contextlib
-import os
 import pathlib
 import re
 import signal
 import subprocess
 import time
 from dataclasses import dataclass
+
+from .plotting import environ, write_whole
 
 MARKER = re.compile(r"# %%(?P<rest>.*)")
 ARGS_VARIABLE = "PICOCKPT_LESSON_ARGS"  # a notebook kernel's lesson flags (its own argv is the kernel's)
@@ -139,28 +140,7 @@ def write(book, path):
     import nbformat
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        nbformat.write(book, str(temporary))
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return path
-
-
-@contextlib.contextmanager
-def lesson_environment(lesson_args):
-    """$PICOCKPT_LESSON_ARGS = lesson_args while a kernel starts (the kernel inherits the environment)."""
-    before = os.environ.get(ARGS_VARIABLE)
-    os.environ[ARGS_VARIABLE] = lesson_args
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[ARGS_VARIABLE]
-        else:
-            os.environ[ARGS_VARIABLE] = before
+    return write_whole(path, lambda temporary: nbformat.write(book, str(temporary)))
 
 
 def execute(book, folder, lesson_args="", cell_timeout=CELL_TIMEOUT_S, then=None):
@@ -175,7 +155,7 @@ def execute(book, folder, lesson_args="", cell_timeout=CELL_TIMEOUT_S, then=None
     client = _client_class()(book, timeout=cell_timeout, kernel_name="python3", record_timing=False,
                              resources={"metadata": {"path": str(folder)}})
     try:
-        with lesson_environment(lesson_args):
+        with environ(ARGS_VARIABLE, lesson_args):  # the kernel inherits the environment
             client.execute(stderr=subprocess.DEVNULL)  # the kernel's own log lines; cell errors still raise
     except Exception as error:  # a cell's error arrives as CellExecutionError, with the kernel's ename
         if client.interrupted or getattr(error, "ename", None) == "KeyboardInterrupt":

@@ -14,6 +14,7 @@ an interrupted run leaves the previous PNG whole, never a truncated one.
 
 One colour per phase and one per policy, so that every figure reads the same way.
 """
+import contextlib
 import os
 import pathlib
 import tempfile
@@ -58,16 +59,35 @@ def save_figure(fig, name, fast=False):
     open (a notebook still shows it); `reproduce` closes every figure after each lesson.
     Written to a temporary file in the same folder, then renamed over <name>.png in one step
     (os.replace): whoever reads the PNG, even after an interrupt, finds a whole file."""
-    folder = figures_dir(fast)
-    path = folder / f"{name}.png"
-    temporary = folder / f".{name}.png.{os.getpid()}.partial"  # one per process: concurrent runs do not collide
+    return write_whole(figures_dir(fast) / f"{name}.png",
+                       lambda temporary: fig.savefig(temporary, format="png", dpi=120, bbox_inches="tight"))
+
+
+def write_whole(path, write):
+    """write(temporary) beside `path`, then the temporary renamed over it (os.replace): returns path."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")  # one per process: runs do not collide
     try:
-        fig.savefig(temporary, format="png", dpi=120, bbox_inches="tight")
+        write(temporary)
         os.replace(temporary, path)
-    except BaseException:  # an error or an interrupt: the old figure stays, the partial file goes
+    except BaseException:  # an error or an interrupt: the old file stays, the partial one goes
         temporary.unlink(missing_ok=True)
         raise
     return path
+
+
+@contextlib.contextmanager
+def environ(name, value):
+    """os.environ[name] = value inside the block (value None: left as it is), then as it was before."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def mib(n):

@@ -44,7 +44,7 @@ import torch
 
 from ..device import resolve_device
 from .notebooks import cells, is_percent, notebook_cells, run_notebook
-from .plotting import FAST_FIGURES, REPO, check_writable, figures_dir
+from .plotting import FAST_FIGURES, REPO, check_writable, environ, figures_dir
 
 LESSONS = REPO / "lessons"
 
@@ -224,7 +224,8 @@ def reproduce(device="auto", fast=False, only=None, threads=None, verbose=False,
         (["--threads", str(threads)] if threads is not None else [])
     count = threads or 1  # the lessons' default on the CPU
     where = f"cpu, {count} thread{'s' if count > 1 else ''}" if device.type == "cpu" else str(device)
-    with _fast_figures(fast):
+    # a fast run: $PICOCKPT_FIGURES = out/figures/ unless it is set, for the scripts and the notebooks' kernels
+    with environ("PICOCKPT_FIGURES", str(FAST_FIGURES) if fast and not os.environ.get("PICOCKPT_FIGURES") else None):
         folder = check_writable(figures_dir())  # once, before any lesson has run
         log(f"reproducing {len(paths)} lesson(s) on {where}{', fast shapes' if fast else ''}; figures go to {folder}"
             + (" (fast figures never replace the committed ones in figures/)" if fast else ""))
@@ -246,20 +247,6 @@ def reproduce(device="auto", fast=False, only=None, threads=None, verbose=False,
     log(f"\n{len(results) - failed} of {len(results)} lessons done in {time.perf_counter() - start:.1f} s"
         + (f"; {failed} failed" if failed else ""))
     return results
-
-
-@contextlib.contextmanager
-def _fast_figures(fast):
-    """During a fast run, $PICOCKPT_FIGURES = out/figures/ unless it is set: the scripts run here and
-    the notebooks' kernels (which inherit the environment) then all write there."""
-    if not fast or os.environ.get("PICOCKPT_FIGURES"):
-        yield
-        return
-    os.environ["PICOCKPT_FIGURES"] = str(FAST_FIGURES)
-    try:
-        yield
-    finally:
-        del os.environ["PICOCKPT_FIGURES"]
 
 
 def results_table(results):
