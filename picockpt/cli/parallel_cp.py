@@ -1,12 +1,9 @@
 """The context-parallel section of `python -m picockpt parallel` (printed when --cp N ran, beside any other).
 
-Spawns --cp ranks (times --tp, --dp and --pp beside it) on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per
-rank), or runs as one of torchrun's processes; rank r holds its chunks of every sequence (zigzag: chunks r and
-2N - 1 - r of 2N; contiguous: chunk r of N) and its share of every activation (picockpt/parallel/
-context_parallel/). Prints per rank the chunks it holds, its activation store's peak and its closed form, the
-K/V bytes its ring steps or all-gathers moved per phase (with their closed form: under full, the recompute
-phase repeats the forward's, unless --cp-keep-kv keeps the gathered K/V), its attention FLOPs (the causal
-balance) and its FLOPs by phase.
+Rank r holds its chunks of every sequence (zigzag: chunks r and 2N - 1 - r of 2N; contiguous: chunk r of N) and
+its share of every activation (picockpt/parallel/context_parallel/). Per rank: its chunks, the K/V bytes its ring
+steps or all-gathers moved per phase (under full the recompute phase repeats the forward's, unless --cp-keep-kv
+keeps the gathered K/V) and its attention FLOPs (the causal balance), beside rank_columns' stored peak and FLOPs.
 
     python -m picockpt parallel --cp 2 --attention tiled --policy full
     python -m picockpt parallel --cp 4 --cp-layout contiguous --cp-comm allgather --cp-keep-kv --json

@@ -1,11 +1,8 @@
 """The expert-parallel section of `python -m picockpt parallel` (printed when --ep N ran, beside any other).
 
-Spawns --ep ranks (times --dp and --pp, when given) on 127.0.0.1 (gloo on the CPU, NCCL with one GPU per
-rank), or runs as one of torchrun's processes; ep rank r holds experts r*E/N .. and its part of each
-micro-batch's sequences (picockpt/parallel/expert_parallel/ep_model.py, picockpt/parallel/rank.py).
-Prints per rank: the experts it holds, the rows they received, the activation store's peak and its
-closed form, the peak of live bytes, the bytes its collectives moved in each phase (with their closed
-form) and its FLOPs; then what the other recompute choice would cost on the same routing (predicted).
+Ep rank r holds experts r*E/N .. and its part of each micro-batch's sequences (picockpt/parallel/expert_parallel/
+ep_model.py). Per rank: its experts and the rows they received beside rank_columns' bytes and FLOPs; then what the
+other recompute choice would cost on the same routing (predicted).
 
     python -m picockpt parallel --ep 2 --experts 4 --policy full
     python -m picockpt parallel --ep 2 --experts 4 --policy full --keep-dispatched --json
