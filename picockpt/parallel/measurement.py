@@ -8,6 +8,7 @@ per phase), its Timeline, the stage's stores summed (timeline.py: StageMemory), 
     report = measured.report(pipe, buckets, tokens, shards, state)
 """
 import contextlib
+from dataclasses import fields
 
 import torch.distributed as dist
 
@@ -71,21 +72,19 @@ class Measurement:
         return report
 
     def place(self):
-        """Where the rank sits: its ranks in every dimension, the layout and its switches, its stage's layers."""
+        """Where the rank sits: its ranks in every dimension, the layout and its switches (ZeRO's: report), its
+        stage's layers."""
         job, groups, forms, layout = self.job, self.groups, self.forms, self.job.layout
         local = job.cfg.experts // layout.ep if layout.ep > 1 else 0
+        switches = {field.name: getattr(layout, field.name) for field in fields(layout)
+                    if field.name not in ("zero", "keep_gathered", "prefetch")}
         return {
             "rank": groups.rank, "stage": groups.stage, "dp_rank": groups.dp_rank, "ep_rank": groups.ep_rank,
-            "cp_rank": groups.cp_rank, "tp_rank": groups.tp_rank, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
-            "cp": layout.cp, "tp": layout.tp, "cp_layout": layout.cp_layout, "cp_comm": layout.cp_comm,
-            "cp_keep_kv": layout.cp_keep_kv, "sp": layout.sp and layout.tp > 1,
-            "distribute_saved": layout.distribute_saved,
-            "keep_dispatched": layout.keep_dispatched, "microbatches": layout.microbatches, "schedule": layout.schedule,
+            "cp_rank": groups.cp_rank, "tp_rank": groups.tp_rank, **switches, "sp": layout.sp and layout.tp > 1,
             "policy": forms.policy.text, "stage_schedule": forms.source, "layers": [forms.layers[0], forms.layers[-1]],
-            "virtual_stages": layout.virtual_stages,
             "chunk_layers": [[chunk.layers[0], chunk.layers[-1]] for chunk in forms.chunks],
-            "microbatches_in_flight": forms.in_flight, "recompute_early": layout.recompute_early,
-            "overlap": layout.overlap, "experts": list(range(groups.ep_rank * local, (groups.ep_rank + 1) * local))}
+            "microbatches_in_flight": forms.in_flight,
+            "experts": list(range(groups.ep_rank * local, (groups.ep_rank + 1) * local))}
 
     def measured(self, pipe, buckets):
         """What the rank stored, computed and moved, and when."""

@@ -6,9 +6,11 @@ over its own rows, and the stage's peak replays the schedule over the micro-batc
 """
 import math
 
+import torch
+
 from ..model.config import BYTES
 from ..planning.cost import bubble_idle
-from ..model.params import EMBED, HEAD, param_shapes
+from ..model.params import param_shapes
 from .comm import PHASES
 from .context_parallel.cp_inventory import (cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops,
                                             stage_comm_bytes)
@@ -20,8 +22,7 @@ from .expert_parallel.ep_shard import is_expert
 from .job import closed_forms
 from .pipeline_parallel.pp_plan import in_flight_peak
 from .pipeline_parallel.pp_schedules import actions
-from .rank import stage_param_names
-from .tensor_parallel.tp_shard import split_dim
+from .rank import rank_tensors
 
 
 def predicted(job, report, routing=None):
@@ -123,15 +124,8 @@ def expert_forms(job, stage_forms, report, routing):
 
 def rank_param_shapes(cfg, stage_forms, tp=1, ep=1):
     """{name: shape} of what a rank of the stage holds: its tensor-parallel slices, its E/ep experts."""
-    shapes, out = param_shapes(cfg), {}
-    for name in stage_param_names(cfg, stage_forms.layers, stage_forms.first, stage_forms.last):
-        shape = list(shapes[EMBED if name == HEAD and cfg.tie_embeddings else name])
-        if tp > 1 and split_dim(name) is not None:
-            shape[split_dim(name)] //= tp
-        if ep > 1 and is_expert(name):
-            shape[0] //= ep
-        out[name] = tuple(shape)
-    return out
+    meta = {name: torch.empty(shape, device="meta") for name, shape in param_shapes(cfg).items()}
+    return {name: tuple(t.shape) for name, t in rank_tensors(meta, cfg, stage_forms, tp, 0, ep, 0).items()}
 
 
 def reduced_bytes(job, stage_forms):

@@ -62,7 +62,8 @@ def rank_step(comm, job, process_groups, trace=False, index=0):
     the step's loss or None, its seconds)); returns CPU tensors and plain numbers only."""
     groups = build_groups(job.layout, comm.rank, comm.device, process_groups, comm.timeout)
     stage_forms = closed_forms(job, groups.stage)
-    params = rank_params(job, stage_forms, groups, comm.device)
+    params = {name: tensor.to(comm.device) for name, tensor in rank_tensors(
+        job.params, job.cfg, stage_forms, job.layout.tp, groups.tp_rank, job.layout.ep, groups.ep_rank).items()}
     shards = zero_shards(job, stage_forms, groups, params) if job.layout.zero else None
     generator = device_generator(comm.device)
     generator.set_state(job.rng_state)
@@ -90,17 +91,16 @@ def rank_step(comm, job, process_groups, trace=False, index=0):
             "rng_state": rng_state.cpu() if stage_forms.last and rng_state is not None else None}
 
 
-def rank_params(job, stage_forms, groups, device):
-    """{name: tensor} this rank holds of its stage: its tensor-parallel slices, of them its experts."""
-    layout = job.layout
-    cfg = job.cfg
+def rank_tensors(params, cfg, stage_forms, tp=1, tp_rank=0, ep=1, ep_rank=0):
+    """{name: tensor} a rank holds of its stage (of the full `params`): its tensor-parallel slices, of them its
+    experts (predictions.py: on meta tensors, their shapes)."""
     names = stage_param_names(cfg, stage_forms.layers, stage_forms.first, stage_forms.last)
-    params = {name: job.params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
-    if layout.tp > 1:
-        params = shard_params(params, groups.tp_rank, layout.tp)  # its slices
-    if layout.ep > 1:
-        params = shard_experts(params, groups.ep_rank, layout.ep)  # its experts (of those slices)
-    return {name: tensor.to(device) for name, tensor in params.items()}
+    held = {name: params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
+    if tp > 1:
+        held = shard_params(held, tp_rank, tp)  # its slices
+    if ep > 1:
+        held = shard_experts(held, ep_rank, ep)  # its experts (of those slices)
+    return held
 
 
 def zero_shards(job, stage_forms, groups, params):
@@ -116,9 +116,7 @@ def zero_shards(job, stage_forms, groups, params):
 
 def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, rng_start, trace=False):
     """One forward and backward of the stage's micro-batches (and under ZeRO with steps, AdamW on the shards):
-    (loss share, the generator where the step leaves it, the report). The composition, top to bottom: the rows and
-    tokens the rank computes; the layers' model with each dimension's wrap (inner_model: cp, ep, tp); data
-    parallelism or ZeRO (the stage's weights and gradients); the pipeline stage's chunks; the schedule's runner."""
+    (loss share, the generator where the step leaves it, the report): the composition, read top to bottom."""
     layout, cfg, device, T = job.layout, job.cfg, groups.device, input_ids.shape[1]
     input_ids, targets = input_ids.to(device), targets.to(device)
     counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets

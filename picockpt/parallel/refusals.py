@@ -1,7 +1,5 @@
-"""What every dimension's refusals share, said alike by each (job.py's checked_job calls each dimension's
-`refuses` in turn: pipeline_parallel/pp_check.py, context_parallel/cp_check.py, expert_parallel/ep_check.py,
-tensor_parallel/tp_check.py, data_parallel/dp_check.py). Each raises a ValueError naming the user's parameters and
-what would work, before any rank starts."""
+"""What every dimension's refusals share, said alike by each `refuses` (the *_check.py of each folder, called in
+turn by job.py's checked_job): a ValueError naming the user's parameters and what would work."""
 
 
 def given(job, *names):

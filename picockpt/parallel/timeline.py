@@ -194,12 +194,5 @@ class MicroBatchTracker:
                 entry[2] = True
         memory.tracker.on_event(event._replace(live_bytes=memory.bytes))
 
-    def mark(self, tensor, category):
-        self.memory.tracker.mark(tensor, category)
-
-    def release(self, tensor):
-        self.memory.tracker.release(tensor)
-
-    @property
-    def phase_name(self):
-        return self.memory.tracker.phase_name
+    def __getattr__(self, name):  # mark, release, phase_name: the rank's Tracker's own
+        return getattr(self.memory.tracker, name)

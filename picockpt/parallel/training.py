@@ -46,9 +46,8 @@ def zero_train(params, cfg, batches, policy="none", layout=Layout(dp=2, zero=1),
 
 
 class StepsAsTheyEnd:
-    """run_collected's progress: each rank's (job, step, loss share, seconds), put together step by step; once every
-    rank has ended a step, on_step(step, the loss summed over the ranks' shares in rank order, the slowest rank's
-    seconds), the numbers zero_train returns at the end."""
+    """run_collected's progress: each rank's (job, step, loss share, seconds), put together step by step into
+    on_step's call (module docstring): the loss summed over the ranks' shares in rank order, as zero_train's."""
 
     def __init__(self, world_size, on_step):
         self.world_size, self.on_step, self.steps = world_size, on_step, {}

@@ -55,9 +55,9 @@ def sigterm_raises():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def collect(ranks, pipes, started=None, progress=None, timeout_s=None):
+def collect(ranks, pipes, started, progress=None, timeout_s=None):
     """Each rank's result, by rank; the first failure (or death) raises at once. started[r] (a shared
-    array, or None) is set once rank r runs picockpt's code: a rank that dies before is named as such.
+    array) is set once rank r runs picockpt's code: a rank that dies before is named as such.
     progress(rank, payload) is called with each progress message as it comes; timeout_s, the collectives' limit,
     is named when a rank gave up waiting."""
     results, pending, failures, linger_until = [None] * len(ranks), set(range(len(ranks))), {}, None
@@ -85,7 +85,7 @@ def collect(ranks, pipes, started=None, progress=None, timeout_s=None):
             if message is not None and message[0] == "ok":
                 results[r] = message[1]
             else:
-                failures[r] = message if message is not None else _death(ranks[r], started is None or started[r])
+                failures[r] = message if message is not None else _death(ranks[r], started[r])
         if failures and linger_until is None:
             linger_until = time.monotonic() + LINGER_S
         if failures and time.monotonic() >= linger_until:
@@ -95,7 +95,7 @@ def collect(ranks, pipes, started=None, progress=None, timeout_s=None):
     return results
 
 
-def _death(process, started=True):
+def _death(process, started):
     process.join(1.0)  # its sentinel fired: reap it to read the exit code
     code = process.exitcode
     how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"

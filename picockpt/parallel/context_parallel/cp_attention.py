@@ -18,7 +18,7 @@ import torch
 
 from ...ops.attention_fused import fused_attention_backward, fused_attention_forward
 from ...ops.attention_tiled import tiled_attention_backward, tiled_attention_forward
-from .cp_comm import ring_backward, ring_forward, ring_forward_post, ring_forward_wait
+from .cp_comm import ring_backward, ring_forward, ring_post, ring_wait
 
 
 def blocks(chunk, held, c):
@@ -107,10 +107,10 @@ def ring_attention_forward(q, k, v, cfg, layout, comm, overlap=False):
     state = [None] * len(mine)
     kv = torch.stack((k, v))  # (2, B, KV, n, hd) one message per step
     for step in range(W):
-        posted = ring_forward_post(kv, comm) if overlap and step < W - 1 else None  # the next block, in flight
+        posted = ring_post([kv], comm, ["ring_kv"]) if overlap and step < W - 1 else None  # the next block, in flight
         attend_forward(q, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg, state)
         if step < W - 1:
-            kv = ring_forward_wait(posted, comm) if overlap else ring_forward(kv, comm)  # rank r - step - 1's
+            kv = ring_wait(posted, comm)[0] if overlap else ring_forward(kv, comm)  # rank r - step - 1's
     return _finish(state, q.dtype)
 
 
@@ -123,11 +123,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, cfg, layout, comm, recomput
     kv = torch.stack((k, v))  # (2, B, KV, n, hd)
     dkv = torch.zeros(kv.shape, dtype=stat, device=q.device)  # (2, B, KV, n, hd) the block's gradient so far
     for step in range(W):
-        posted = ring_forward_post(kv, comm) if overlap and step < W - 1 else None  # the next block, in flight
+        posted = ring_post([kv], comm, ["ring_kv"]) if overlap and step < W - 1 else None  # the next block, in flight
         attend_backward(dout, q, out, lse, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg,
                         recomputing, dq, dkv)
         if step < W - 1 and overlap:
-            kv, dkv = ring_forward_wait(posted, comm), ring_backward(None, dkv, comm)  # (2, B, KV, n, hd) each
+            kv, dkv = ring_wait(posted, comm)[0], ring_backward(None, dkv, comm)  # (2, B, KV, n, hd) each
         elif step < W - 1:
             kv, dkv = ring_backward(kv, dkv, comm)  # the next block, and its gradient from the ranks before
     dkv = ring_backward(None, dkv, comm)  # (2, B, KV, n, hd) home: this rank's own block's whole gradient

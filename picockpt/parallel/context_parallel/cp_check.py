@@ -10,9 +10,7 @@ COMMS = ("ring", "ring_overlap", "allgather")
 def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_kv=False, policy="none",
                            device="cpu"):
     """ValueError naming the parameter, the value and what would work, before any work starts."""
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"cp={cp!r}: give a whole number of ranks, 1 or more")
-    check_layout(layout, cp, seq)
+    check_layout(layout, cp, seq)  # cp a whole number >= 1 too
     if cp_comm not in COMMS:
         raise ValueError(f"cp_comm={cp_comm!r}: use 'ring' (K/V passed round, cp - 1 steps), 'ring_overlap' (the "
                          f"same ring, each step sent while a block is computed) or 'allgather' (K/V all-gathered "

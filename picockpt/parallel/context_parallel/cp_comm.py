@@ -60,34 +60,19 @@ def ring_wait(posted, comm):
     return posted.received
 
 
-def _ring_step(tensors, comm, kinds):
-    """One ring step, waited for at once."""
-    return ring_wait(ring_post(tensors, comm, kinds), comm)
-
-
 def ring_forward(kv, comm):
     # kv (2, B, KV, n, hd) the block held now -> the previous rank's block (2, B, KV, n, hd)
-    return _ring_step([kv], comm, ["ring_kv"])[0]
-
-
-def ring_forward_post(kv, comm):
-    """ring_forward, posted: returns at once; ring_forward_wait gives the previous rank's block."""
-    return ring_post([kv], comm, ["ring_kv"])
-
-
-def ring_forward_wait(posted, comm):
-    return ring_wait(posted, comm)[0]  # (2, B, KV, n, hd) the previous rank's block
+    return ring_wait(ring_post([kv], comm, ["ring_kv"]), comm)[0]
 
 
 def ring_backward(kv, dkv, comm):
     """Forward moved kv_{r-1} to rank r; the gradient of the block this rank used (dkv, its sum so far)
     rides on with it to rank r+1 (see above). Returns (the next kv, its gradient so far); kv=None: the
     gradient alone (returned alone): the last step, which brings each block's whole gradient home, or the
-    overlapped ring's gradient hop, its kv already posted ahead (ring_forward_post)."""
+    overlapped ring's gradient hop, its kv already posted ahead (ring_post)."""
     if kv is None:
-        return _ring_step([dkv], comm, ["ring_dkv"])[0]  # (2, B, KV, n, hd) this rank's own block's gradient
-    kv, dkv = _ring_step([kv, dkv], comm, ["ring_kv", "ring_dkv"])
-    return kv, dkv  # (2, B, KV, n, hd) each
+        return ring_wait(ring_post([dkv], comm, ["ring_dkv"]), comm)[0]  # (2, B, KV, n, hd) this rank's own block's
+    return tuple(ring_wait(ring_post([kv, dkv], comm, ["ring_kv", "ring_dkv"]), comm))  # (2, B, KV, n, hd) each
 
 
 def gather_kv_forward(kv, comm):

@@ -32,8 +32,9 @@ from ...recompute.policy import as_policy
 from .cp_comm import RINGS
 from .cp_layout import SequenceLayout
 
-CP_BANDWIDTH = INFINIBAND_NDR  # bytes/s between context-parallel ranks: one 400 Gb/s NIC per GPU (cp spans servers
-#                                once tp fills one; the Llama 3 paper's RoCE and InfiniBand fabrics are 400 Gb/s per GPU)
+# bytes/s between context-parallel ranks: one 400 Gb/s NIC per GPU (cp spans servers once tp fills one; the Llama 3
+# paper's RoCE and InfiniBand fabrics are 400 Gb/s per GPU)
+CP_BANDWIDTH = INFINIBAND_NDR
 
 
 def kept_kv_bytes(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_reduce
+from .zero_params import FlatUnit
 
 
 class GradientBuckets:
@@ -25,13 +26,11 @@ class GradientBuckets:
         self.comm, self.overlap, self.timeline, self.dtype = comm, overlap, timeline, dtype
         self.flat, self.views = {}, {}
         for bucket, members in names.items():
-            sizes = [torch.Size(shapes[name]).numel() for name in members]
-            flat = torch.zeros(sum(sizes), dtype=dtype, device=device)  # (n,) one bucket's gradients, side by side
+            unit = FlatUnit(bucket, members, shapes, 1)  # laid out as a ZeRO unit (zero_params.py), unsharded
+            flat = self.flat[bucket] = torch.zeros(unit.padded, dtype=dtype, device=device)  # (n,) side by side
             if tracker is not None:
                 tracker.mark(flat, "gradients")
-            self.flat[bucket] = flat
-            for name, part in zip(members, flat.split(sizes)):
-                self.views[name] = part.view(shapes[name])  # (shape) a view into the bucket
+            self.views.update(unit.views(flat))  # {name: (shape) a view into the bucket}
         self.cuda = torch.device(device).type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda and comm is not None and overlap else None  # for `done`
         self.launched = {}  # bucket -> (work, launch mark)
@@ -94,28 +93,3 @@ class GradientBuckets:
         if not self.cuda and not any(mark[0] == bucket for mark in self.marks):
             self.marks.append((bucket, self.flat[bucket].nbytes, launched, self.timeline.mark()))
 
-
-class ExpertAndDenseBuckets:
-    """Under ep: the experts' buckets over the expert-data-parallel group, the rest over the data-parallel one."""
-
-    def __init__(self, dense, experts, is_expert):
-        self.parts, self.is_expert = (dense, experts), is_expert
-
-    def add(self, name, grad):
-        self.parts[self.is_expert(name)].add(name, grad)
-
-    def ready(self, bucket):
-        for part in self.parts:
-            if bucket in part.flat:
-                part.ready(bucket)
-
-    def finish(self):
-        for part in self.parts:
-            part.finish()
-
-    def grads(self):
-        return {**self.parts[0].grads(), **self.parts[1].grads()}
-
-    @property
-    def events(self):
-        return self.parts[0].events + self.parts[1].events

@@ -11,15 +11,16 @@ part's calls, which ZeroShards makes too:
 import contextlib
 
 from ..expert_parallel.ep_shard import is_expert
-from .dp_comm import ExpertAndDenseBuckets, GradientBuckets
+from .dp_comm import GradientBuckets
 from .zero_params import unit_names
 
 
 class Replicated:
-    """Plain data parallelism: the rank holds its stage's whole weights; its gradients go to buckets (dp_comm.py)."""
+    """Plain data parallelism: the rank holds its stage's whole weights; its gradients go to buckets (dp_comm.py), one
+    GradientBuckets per group: the data-parallel one, and under ep the experts' (split(name) True) apart."""
 
-    def __init__(self, params, dtype, buckets):
-        self.params, self.dtype, self.buckets = params, dtype, buckets
+    def __init__(self, params, dtype, parts, split):
+        self.params, self.dtype, self.parts, self.split = params, dtype, parts, split
 
     def weights(self):
         return {name: tensor.to(self.dtype) for name, tensor in self.params.items()}  # 16-bit copies when mixed
@@ -29,20 +30,23 @@ class Replicated:
         yield {}  # whole already: nothing to gather
 
     def add(self, name, grad):
-        self.buckets.add(name, grad)
+        self.parts[self.split(name)].add(name, grad)
 
     def ready(self, unit):
-        self.buckets.ready(unit)
+        for part in self.parts:
+            if unit in part.flat:
+                part.ready(unit)
 
     def finish(self):
-        self.buckets.finish()
+        for part in self.parts:
+            part.finish()
 
     def grads(self):
-        return self.buckets.grads()
+        return {name: grad for part in self.parts for name, grad in part.grads().items()}
 
     @property
     def events(self):
-        return self.buckets.events
+        return [event for part in self.parts for event in part.events]
 
 
 def replicated(cfg, params, stage_forms, groups, overlap, timeline, tracker):
@@ -50,17 +54,13 @@ def replicated(cfg, params, stage_forms, groups, overlap, timeline, tracker):
     final; under ep the experts' apart, over their expert-data-parallel group (picockpt/parallel/layout.py)."""
     names = bucket_names(params, stage_forms.layers, stage_forms.first, stage_forms.last)
     shapes = {name: tensor.shape for name, tensor in params.items()}
-
-    def make(comm, keep):
-        kept = {bucket: [name for name in members if keep(name)] for bucket, members in names.items()}
-        return GradientBuckets({bucket: members for bucket, members in kept.items() if members}, shapes,
-                               cfg.param_dtype, groups.device, comm, overlap, timeline, tracker)
-    if groups.layout.ep == 1:
-        buckets = make(groups.dp_comm, lambda name: True)
-    else:
-        buckets = ExpertAndDenseBuckets(make(groups.dp_comm, lambda name: not is_expert(name)),
-                                        make(groups.expert_dp_comm, is_expert), is_expert)
-    return Replicated(params, cfg.torch_dtype, buckets)
+    split = is_expert if groups.layout.ep > 1 else (lambda name: False)
+    parts = []
+    for expert, comm in enumerate((groups.dp_comm, groups.expert_dp_comm)[:1 + (groups.layout.ep > 1)]):
+        kept = {bucket: [name for name in members if split(name) == expert] for bucket, members in names.items()}
+        parts.append(GradientBuckets({bucket: members for bucket, members in kept.items() if members}, shapes,
+                                     cfg.param_dtype, groups.device, comm, overlap, timeline, tracker))
+    return Replicated(params, cfg.torch_dtype, parts, split)
 
 
 def bucket_names(params, layers, first, last):

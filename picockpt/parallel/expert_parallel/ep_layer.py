@@ -1,5 +1,5 @@
-"""One decoder layer with a mixture of experts on one expert-parallel rank: picockpt/model/layer.py's layer on this rank's
-B/W sequences, its experts' block ep_moe.py's.
+"""One decoder layer with a mixture of experts on one expert-parallel rank: picockpt/model/layer.py's layer on this
+rank's B/W sequences, its experts' block ep_moe.py's.
 
     h   = x + dropout(o_proj(attention(q, k, v)))       every weight here whole (replicated), own sequences
     out = h + dropout(EP-MoE(rmsnorm(h)))                 tokens to their experts' ranks and back

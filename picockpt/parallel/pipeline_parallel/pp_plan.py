@@ -76,30 +76,13 @@ def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None, orde
     ((name, Schedule), ...) such as the uniform policies (a frontier plan may keep more in its first forward).
     order, left: the stage's Actions and what each layer's B leaves for its W (ZB-H1): every plan priced by
     in_flight_peak, W's bytes a fixed cost that every plan keeps around."""
-    seen = []  # every plan considered, in order
-
-    def consider(schedule, source):
-        peak, recompute = replay(chain, schedule, left)
-        held = end_of_forward_bytes(chain, schedule)
-        stage = walk_peak(order, held, peak, left) if order else (in_flight - 1) * held + peak
-        seen.append(InFlightPlan(schedule, stage, peak, held, recompute, in_flight, budget, source))
-        return seen[-1]
-
-    for name, schedule in candidates:
-        consider(schedule, name)
-    least = least_budget(chain)
-    consider(least_plan(chain).schedule, "planner")
-    room = min(budget, sum(max(a for _, a, _ in stage.variants) for stage in chain))
-    while room >= least:  # down the frontier: recompute only grows, so the first plan that fits is its cheapest
-        frontier = plan_chain(chain, room, max_slots)
-        if consider(frontier.schedule, "planner").peak_bytes <= budget:
-            break
-        room = frontier.peak_bytes - 1  # its own peak, W's bytes left out: the next room is always smaller
-    options = [plan for plan in seen if plan.peak_bytes <= budget]
-    if not options:
-        raise BudgetTooSmall(budget, min(plan.peak_bytes for plan in seen), f"this stage needs with {in_flight} "
-                             f"micro-batch{'es' if in_flight > 1 else ''} in flight", "fewer micro-batches in flight")
-    return min(options, key=lambda plan: (plan.recompute_flops, plan.peak_bytes))
+    def stage_peak(held, own):
+        return walk_peak(order, held[0], own[0][0], left) if order else (in_flight - 1) * held[0] + own[0][0]
+    peak, (schedule,), source, (held,), ((own, recompute),) = cheapest(
+        [chain], budget, stage_peak, [(name, [schedule]) for name, schedule in candidates], left, max_slots,
+        f"this stage needs with {in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight",
+        "fewer micro-batches in flight")
+    return InFlightPlan(schedule, peak, own, held, recompute, in_flight, budget, source)
 
 
 def plan_chunks(chains, budget, order, candidates):
@@ -107,29 +90,41 @@ def plan_chunks(chains, budget, order, candidates):
     order (in_flight_peak) within `budget`, the least recompute over all its chunks. Tried: every uniform policy
     all the chunks have (candidates[c]: uniform_schedules), applied to all alike, and the planner's frontier at one
     room for every chunk, walked down from the budget. Returns [(Schedule, where it came from)] per chunk."""
-    seen = []  # (rank peak, recompute FLOPs, schedules, source)
+    def rank_peak(held, own):
+        return in_flight_peak(order, lambda m, c: held[c], lambda m, c: own[c][0])
+    shared = sorted(set.intersection(*(set(dict(named)) for named in candidates)))
+    _, schedules, source, _, _ = cheapest(chains, budget, rank_peak,
+                                          [(name, [dict(named)[name] for named in candidates]) for name in shared],
+                                          None, None, f"this rank's {len(chains)} chunks need together",
+                                          "fewer micro-batches")
+    return [(schedule, source) for schedule in schedules]
+
+
+def cheapest(chains, budget, peak_of, candidates, left, max_slots, needs, fewer):
+    """(peak, schedules, source, E per chain, (own peak, recompute) per chain) of the least recompute (summed over
+    the chains) whose peak_of(E's, owns) fits `budget`: the candidates [(name, [Schedule per chain])], the
+    planner's least plans, then its frontier at one room for every chain, walked down from the budget (recompute
+    only grows, so the first plan that fits is its cheapest); BudgetTooSmall (needs, fewer) when none fits."""
+    seen = []  # (peak, recompute, schedules, source, held, own) of every plan considered, in order
 
     def consider(schedules, source):
         held = [end_of_forward_bytes(chain, schedule) for chain, schedule in zip(chains, schedules)]
-        own = [replay(chain, schedule) for chain, schedule in zip(chains, schedules)]
-        peak = in_flight_peak(order, lambda m, c: held[c], lambda m, c: own[c][0])
-        seen.append((peak, sum(recompute for _, recompute in own), schedules, source))
-        return peak, own
+        own = [replay(chain, schedule, left) for chain, schedule in zip(chains, schedules)]
+        seen.append((peak_of(held, own), sum(recompute for _, recompute in own), schedules, source, held, own))
+        return seen[-1][0]
 
-    shared = set.intersection(*(set(dict(named)) for named in candidates))
-    for name in sorted(shared):
-        consider([dict(named)[name] for named in candidates], name)
+    for name, schedules in candidates:
+        consider(schedules, name)
     consider([least_plan(chain).schedule for chain in chains], "planner")
     room = min(budget, max(sum(max(a for _, a, _ in stage.variants) for stage in chain) for chain in chains))
     least = max(least_budget(chain) for chain in chains)
     while room >= least:
-        peak, own = consider([plan_chain(chain, room).schedule for chain in chains], "planner")
-        if peak <= budget:
+        frontier = [plan_chain(chain, room, max_slots) for chain in chains]
+        if consider([plan.schedule for plan in frontier], "planner") <= budget:
             break
-        room = max(p for p, _ in own) - 1
+        room = max(plan.peak_bytes for plan in frontier) - 1  # its own peak, W's bytes left out: always smaller
     fits = [one for one in seen if one[0] <= budget]
     if not fits:
-        raise BudgetTooSmall(budget, min(one[0] for one in seen), f"this rank's {len(chains)} chunks need together",
-                             "fewer micro-batches")
-    _, _, schedules, source = min(fits, key=lambda one: (one[1], one[0]))
-    return [(schedule, source) for schedule in schedules]
+        raise BudgetTooSmall(budget, min(one[0] for one in seen), needs, fewer)
+    peak, _, schedules, source, held, own = min(fits, key=lambda one: (one[1], one[0]))
+    return peak, schedules, source, held, own

@@ -46,17 +46,16 @@ class StageShared:
 
 
 class PipelineStage:
-    """What one rank's micro-batches share: the stage's layers and weights, its neighbours (a Pipe), its data part
-    (weights and gradients: data_parallel/dp_model.py), the counted targets of the whole batch, the RNG states."""
+    """One chunk of a rank's stage (its layers; the embedding if first, the head if last) over what they share
+    (StageShared, whose fields it reads as its own), its weights and the RNG states."""
 
     def __init__(self, shared, layers, first, last):
-        self.cfg, self.params, self.layers, self.first, self.last = shared.cfg, shared.params, layers, first, last
+        self.shared, self.layers, self.first, self.last = shared, layers, first, last
         self.step_cfg = shared.cfg.replace(tie_embeddings=False)  # a tied matrix's two uses are summed by the caller
-        self.pipe, self.data, self.counted = shared.pipe, shared.data, shared.counted
-        self.M, self.dp_rank, self.dp = shared.microbatches, shared.dp_rank, shared.dp
-        self.activation_shape, self.model_for_rows = shared.activation_shape, shared.model_for_rows
-        self.recompute_early, self.split_backward = shared.recompute_early, shared.split_backward
         self.rng_start = self.rng_end = None  # the generator at the stage's first layer / after its last
+
+    def __getattr__(self, name):  # cfg, params, pipe, data, counted, microbatches, ...: StageShared's
+        return getattr(self.shared, name)
 
     def start(self, tracker, device, seq, like=None):
         """The stage's weights for every micro-batch (16-bit copies under mixed precision), once; under ZeRO the
@@ -99,13 +98,15 @@ class StageModel:
     def __init__(self, stage, m, rank_model, waiting=None):
         self.stage, self.m, self.rank_model = stage, m, rank_model
         self.waiting = waiting  # split_backward: an ActivationStore for what its W reads
-        self.cfg, self.params, self.layers = stage.step_cfg, stage.params, stage.layers
-        self.input_ids, self.targets = rank_model.input_ids, rank_model.targets
-        self.layer_names = rank_model.layer_names
+        self.cfg, self.layers = stage.step_cfg, stage.layers  # the rest (params, input_ids, ...): rank_model's
         self.mean_share = int((rank_model.targets != -100).sum()) / stage.counted  # n_m / N
         self.step = None
-        self.rows = RowBlock(stage.dp_rank * stage.M + m, stage.dp * stage.M)  # its rows of the whole batch
+        M = stage.microbatches
+        self.rows = RowBlock(stage.dp_rank * M + m, stage.dp * M)  # its rows of the whole batch
         self.generator = device_generator(rank_model.input_ids.device)
+
+    def __getattr__(self, name):  # params, input_ids, targets, layer_names, keep_input, load_input: the model's
+        return getattr(self.rank_model, name)
 
     def start(self, tracker):  # the inner model reads the stage's weights (picockpt/recompute/engine.py: Model.start)
         rank_model, stage = self.rank_model, self.stage
@@ -124,12 +125,6 @@ class StageModel:
             self.generator.set_state(stage.rng_start)
         return x
 
-    def keep_input(self, store, k, x, whole):
-        self.rank_model.keep_input(store, k, x, whole)
-
-    def load_input(self, store, k, whole):
-        return self.rank_model.load_input(store, k, whole)
-
     def layer_forward(self, k, x, store, drop, tail):
         with full_size_draws(self.rows, dim=0, dropout=1.0 if self.cfg.draws_random else 0), \
                 self.stage.weights_for(k):  # its rows of each mask; layer k's weights
@@ -146,7 +141,7 @@ class StageModel:
                 grads = grads._replace(**{role: None})
             else:
                 stage.data.add(layer_key(k, role), grad)
-        if self.m == stage.M - 1 and not stage.split_backward:  # the last backward: layer k's gradients are final
+        if self.m == stage.microbatches - 1 and not stage.split_backward:  # the last backward: k's gradients final
             stage.data.ready(k)
         return dx, grads
 
@@ -160,7 +155,7 @@ class StageModel:
                     dy, x = waiting.pop(k, f"{role}.output_grad"), waiting.pop(k, f"{role}.input")
                     stage.data.add(layer_key(k, role), weight_grad(dy, x))  # (out, in)
                     del dy, x
-                if self.m == stage.M - 1:
+                if self.m == stage.microbatches - 1:
                     stage.data.ready(k)
         assert waiting.bytes == 0, f"the W left {waiting.names(None)} stored"
 
@@ -188,7 +183,7 @@ class StageModel:
             dx, grads = self.rank_model.head_backward(store)  # (b, n, h) for this micro-batch's mean
         for name, grad in grads.items():
             stage.data.add(name, grad.mul_(self.mean_share))  # in place: grads holds the whole batch's too
-        if self.m == stage.M - 1:
+        if self.m == stage.microbatches - 1:
             stage.data.ready("head")
         return dx.mul_(self.mean_share), grads  # (b, n, h) for the whole batch's mean
 
@@ -199,7 +194,7 @@ class StageModel:
             return dx.new_zeros(())  # no embedding on this stage
         grad = self.rank_model.embed_backward(dx)  # (V, h), or (V/t, h)
         stage.data.add(EMBED, grad)
-        if self.m == stage.M - 1:
+        if self.m == stage.microbatches - 1:
             stage.data.ready("embedding")
         return grad
 
