@@ -5,7 +5,7 @@ per phase), its Timeline, the stage's stores summed (timeline.py: StageMemory), 
     measured = Measurement(job, groups, stage_forms)
     with measured.step() as (tracker, timeline, memory):   # after a barrier: the same zero on every rank
         ...                                               # the step; measured.forward_done after each forward
-    report = measured.report(pipe, buckets, tokens, shards, state)
+    report = measured.report(pipe, buckets, sequence_split, shards, state)
 """
 import contextlib
 from dataclasses import fields
@@ -55,14 +55,14 @@ class Measurement:
         for k, rows_in in getattr(model.rank_model, "received_rows", {}).items():
             self.received[k] += rows_in  # the rows this rank's experts got, over its micro-batches
 
-    def report(self, pipe, buckets, tokens, shards, state):
-        """The rank's report: its place in the layout, what it stored, computed and moved, when (tokens: its
+    def report(self, pipe, buckets, sequence_split, shards, state):
+        """The rank's report: its place in the layout, what it stored, computed and moved, when (sequence_split: its
         SequenceLayout under cp; shards and state: ZeRO's, with the model state the step ends with)."""
         groups, layout = self.groups, self.job.layout
         report = {**self.place(), **self.measured(pipe, buckets), **self.first_stored,
                   "received_rows": [self.received[k] for k in self.forms.layers] if layout.ep > 1 else None,
-                  "chunks": tokens.chunks(groups.cp_rank) if tokens else None,
-                  "chunk_tokens": tokens.chunk if tokens else None}
+                  "chunks": sequence_split.chunks(groups.cp_rank) if sequence_split else None,
+                  "chunk_tokens": sequence_split.chunk if sequence_split else None}
         if shards is not None:
             tables = (("bytes", self.reduce_log.bytes), ("calls", self.reduce_log.calls))
             report.update(state, zero=layout.zero, keep_gathered=layout.keep_gathered, prefetch=layout.prefetch,

@@ -120,9 +120,9 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
     layout, cfg, device, T = job.layout, job.cfg, groups.device, input_ids.shape[1]
     input_ids, targets = input_ids.to(device), targets.to(device)
     counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets
-    tokens = SequenceLayout(layout.cp_layout, layout.cp, T) if layout.cp > 1 else None  # its tokens of a row
+    sequence_split = SequenceLayout(layout.cp_layout, layout.cp, T) if layout.cp > 1 else None  # its tokens
     rows = microbatch_rows(job, groups, stage_forms.b, input_ids, targets)  # rows(m): micro-batch m's, this rank's
-    model_for_rows = inner_model(job, groups, params, tokens)  # its model: each dimension over the ones before
+    model_for_rows = inner_model(job, groups, params, sequence_split)  # its model: each dimension over the ones before
     say = trace_lines(f"rank {groups.rank}" + (f" stage {groups.stage}" if layout.pp > 1 else ""), trace)
     measured = Measurement(job, groups, stage_forms)  # measurement.py: what the step measures, and its report
     with measured.step() as (tracker, timeline, memory), torch.no_grad():
@@ -147,7 +147,7 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
         timeline.finish()
         rng_end = chunks[-1].rng_end  # the generator where the single process's step leaves it (last stage)
         del chunks
-    report = measured.report(pipe, data, tokens, shards, state)
+    report = measured.report(pipe, data, sequence_split, shards, state)
     if shards is None:
         report["grads"] = data.grads()
     return loss, rng_end, report
@@ -164,13 +164,13 @@ def microbatch_rows(job, groups, rows_per_microbatch, input_ids, targets):
     return rows
 
 
-def inner_model(job, groups, params, tokens):
+def inner_model(job, groups, params, sequence_split):
     """model_for_rows(ids, tgt): the layers' model, each dimension applied to what the ones before made."""
     layout = job.layout
     def model_for_rows(ids, tgt):
         model = RankModel(params, job.cfg, ids, tgt)
         if layout.cp > 1:  # its tokens of the rows, attention across the cp ranks
-            apply_context_parallel(model, groups.cp_comm, tokens, layout.cp_comm, layout.cp_keep_kv)
+            apply_context_parallel(model, groups.cp_comm, sequence_split, layout.cp_comm, layout.cp_keep_kv)
         if layout.ep > 1:  # its experts: tokens dispatched to them and combined back
             apply_expert_parallel(model, groups.ep_comm, layout.keep_dispatched)
         if layout.tp > 1:  # its slices (of every expert too): the layer's collectives, the vocab-parallel head
