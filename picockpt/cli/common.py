@@ -47,8 +47,7 @@ def add_run_args(parser):
 
 
 def add_lesson_args(parser, device, helps):
-    """--only NN[,NN], --device (default `device`) and --threads N, with `helps` in that order: the flags of the
-    commands that run lessons (reproduce, notebooks). check_threads() checks --threads."""
+    """--only, --device, --threads (check_threads checks it) with `helps`: the flags of reproduce and notebooks."""
     parser.add_argument("--only", metavar="NN[,NN]", help=helps[0])
     parser.add_argument("--device", default=device, help=helps[1])
     parser.add_argument("--threads", type=int, default=1, help=helps[2])

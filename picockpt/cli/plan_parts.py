@@ -26,8 +26,7 @@ def budget_policy(args, cfg, suffix=""):
 
 
 def plan_row(cfg, args, text, budget, drop, plan, grid, seconds, after):
-    """The JSON keys of both plans (two actions, or three with --offload); `after`, {shared key: {key: value}},
-    puts a mode's own keys after one of them."""
+    """The JSON keys both plans print; `after`, {shared key: {key: value}}, puts a mode's own keys after one."""
     row = {"policy": text, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
            "recompute_flops": plan.recompute_flops,
            "forward_flops": step_flops(cfg, args.batch, args.seq, "none")["forward"],
@@ -38,19 +37,14 @@ def plan_row(cfg, args, text, budget, drop, plan, grid, seconds, after):
 
 
 def measured_line(name, measured, planned, fmt=fmt_bytes):
-    """A table line of a measured number: equal to the planned one, or not."""
     return name, fmt(measured), "equal" if measured == planned else "DIFFERS"
 
 
 def report(args, row, header, lines, widths):
     """--json: print the row, and True; else the header and the (name, value, note) lines in columns `widths`."""
-    if args.json:
-        print(json.dumps(row, indent=1))
-        return True
-    print(header)
-    for name, value, note in lines:
-        print(f"  {name:<{widths[0]}}{value:>{widths[1]}}  {note}")
-    return False
+    print(json.dumps(row, indent=1) if args.json else "\n".join(
+        [header] + [f"  {name:<{widths[0]}}{value:>{widths[1]}}  {note}" for name, value, note in lines]))
+    return args.json
 
 
 def sweeps_json(schedule, layers):

@@ -250,20 +250,18 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
             row["times"].append(time_step(step, device))
         if log:
             log(f"  timed repeat {repeat + 1}/{repeats}")
-    by_name = {row["name"]: row for row in rows}
+    by_name, times_of = {row["name"]: row for row in rows}, {row["name"]: row.pop("times") for row in rows}
     memory = "peak_total_bytes" if cfg.dtype in SIXTEEN_BITS else "peak_live_bytes"  # autocast's copies: see the top
     for row in rows:  # medians, with the spread over repeats; a ratio is taken repeat by repeat (interleaved)
-        times = row["times"]
+        times = times_of[row["name"]]
         row["step_seconds"] = statistics.median(times)
         row["step_seconds_min_max"] = [min(times), max(times)]
         peer = by_name.get(row["equivalent"])
-        ratios = [t / u for t, u in zip(times, peer["times"])] if peer else None
+        ratios = [t / u for t, u in zip(times, times_of[peer["name"]])] if peer else None
         row["time_vs_equivalent"] = statistics.median(ratios) if peer else None
         row["time_vs_equivalent_min_max"] = [min(ratios), max(ratios)] if peer else None
         row["memory_vs_equivalent"] = row[memory] / peer[memory] if peer else None
         row["memory_compared"] = memory
-    for row in rows:
-        del row["times"]
     return rows
 
 
