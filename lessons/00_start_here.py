@@ -86,7 +86,7 @@ for path in lessons:
 # | 13 | `picockpt/measurement/reference.py`, `picockpt/measurement/peers.py`, `picockpt/measurement/peers_hf.py`, `picockpt/recompute/bridge.py` | the same model in autograd (the oracle for gradients), `torch.utils.checkpoint` and Hugging Face peers, and picockpt's segment loop driving autograd |
 # | 14 | `picockpt/planning/closed_forms.py`, `picockpt/planning/inventory.py` | the closed forms the tests hold the tracker to, to the byte: a layer's inventory, $X$, $A$, $F$, the one every:C peak formula; then the step's `predicted_peak_bytes`, `step_flops` |
 # | 15 | `picockpt/planning/formulas.py` | the published formulas (Korthikanti et al.'s Table 2, the Ultra-Scale Playbook's charts and widget, Chen's optimum) for comparison |
-# | 16 | `picockpt/planning/planner_uniform.py`, `picockpt/planning/planner.py` | binomial checkpointing (revolve) on equal steps; then rotor's dynamic programme on picockpt's own layers: the least recompute under a byte budget |
+# | 16 | `picockpt/planning/planner_uniform.py`, `picockpt/planning/planner_chain.py`, `picockpt/planning/planner.py` | binomial checkpointing (revolve) on equal steps; then picockpt's layers as a chain of stages and the exact walk of a schedule over it; then rotor's dynamic programme on that chain: the least recompute under a byte budget |
 # | 17 | `picockpt/parallel/step.py`, `rank.py`, `layout.py`, `comm.py`, `job.py`, `refusals.py`, `predictions.py`, `rank_model.py`, `training.py`, `rng.py`, `measurement.py`, `launch.py`, `watch.py`, `timeline.py` | what every parallelism shares: how dp, pp, ep and tp wrap the one engine (`step.py` on the caller's side, `rank.py` on each rank, read top to bottom), the `Layout` (the dp x pp x ep x cp x tp grid and each dimension's options: the one object a job, the ranks and the closed forms read) and its groups, the counted collectives, one job for every layout, checked by each dimension's own `refuses` (`*_check.py` in its folder; what they share in `refusals.py`), what a rank's step measures and reports (`measurement.py`), the closed forms beside each rank's report, random draws equal to the single process's, where the processes come from and how a failing one ends the run, each rank's timeline |
 # | 18 | `picockpt/parallel/tensor_parallel/` | tensor and sequence parallelism: the layer's crossings (`tp_layer.py`), the collectives as forward/backward pairs (`tp_comm.py`), each rank's slice of the weights (`tp_shard.py`), the vocabulary-parallel head (`vocab.py`), one rank's model (`tp_model.py`), per-rank closed forms split from the single process's (`tp_inventory.py`) |
 # | 19 | `picockpt/parallel/pipeline_parallel/`, `data_parallel/`, `expert_parallel/` | pipeline stages (AFAB, 1F1B, interleaved and ZB-H1 as data in `pp_schedules.py`, sends and receives paired as NCCL needs them in `pp_comm.py`, a stage's micro-batch and ZB-H1's W in `pp_stage.py`, the schedule's actions run in `pp_runner.py`, per-stage closed forms and budgets walked along the order); gradient buckets all-reduced as soon as they are final, for every layout (`dp_comm.py`), and ZeRO 1/2/3 with the gathers a recomputed layer needs (`zero_shards.py` first); experts over ranks, carved out of the data-parallel ones (the all-to-alls in `ep_moe.py`, the layer's crossings in `ep_layer.py`, per-rank closed forms) |
@@ -105,14 +105,14 @@ READING_ORDER = [
     "recompute/offload.py", "recompute/host_pool.py", "planning/host_walk.py", "planning/planner_offload.py",
     "planning/planner_copies.py", "measurement/tracker.py", "measurement/reference.py", "measurement/peers.py",
     "measurement/peers_hf.py", "recompute/bridge.py", "planning/closed_forms.py", "planning/inventory.py",
-    "planning/formulas.py", "planning/planner_uniform.py", "planning/planner.py", "parallel/step.py",
-    "parallel/rank.py", "parallel/layout.py", "parallel/comm.py", "parallel/job.py", "parallel/refusals.py",
-    "parallel/predictions.py", "parallel/rng.py", "parallel/measurement.py", "parallel/launch.py", "parallel/watch.py",
-    "parallel/rank_model.py", "parallel/training.py", "parallel/timeline.py", "parallel/tensor_parallel/",
-    "parallel/pipeline_parallel/", "parallel/data_parallel/", "parallel/expert_parallel/", "parallel/context_parallel/",
-    "measurement/measure.py", "measurement/compare.py", "measurement/train.py", "cli/", "device.py", "planning/fit.py",
-    "model/batch.py", "model/hf.py", "measurement/snapshot.py", "teaching/plotting.py", "teaching/reproduce.py",
-    "teaching/notebooks.py",
+    "planning/formulas.py", "planning/planner_uniform.py", "planning/planner_chain.py", "planning/planner.py",
+    "parallel/step.py", "parallel/rank.py", "parallel/layout.py", "parallel/comm.py", "parallel/job.py",
+    "parallel/refusals.py", "parallel/predictions.py", "parallel/rng.py", "parallel/measurement.py",
+    "parallel/launch.py", "parallel/watch.py", "parallel/rank_model.py", "parallel/training.py",
+    "parallel/timeline.py", "parallel/tensor_parallel/", "parallel/pipeline_parallel/", "parallel/data_parallel/",
+    "parallel/expert_parallel/", "parallel/context_parallel/", "measurement/measure.py", "measurement/compare.py",
+    "measurement/train.py", "cli/", "device.py", "planning/fit.py", "model/batch.py", "model/hf.py",
+    "measurement/snapshot.py", "teaching/plotting.py", "teaching/reproduce.py", "teaching/notebooks.py",
 ]
 package = LESSONS.parent / "picockpt"
 missing = [name for name in READING_ORDER if not (package / name).exists()]

@@ -46,6 +46,18 @@ def add_run_args(parser):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
 
 
+def add_lesson_args(parser, device, helps):
+    """--only, --device, --threads (check_threads checks it) with `helps`: the flags of reproduce and notebooks."""
+    parser.add_argument("--only", metavar="NN[,NN]", help=helps[0])
+    parser.add_argument("--device", default=device, help=helps[1])
+    parser.add_argument("--threads", type=int, default=1, help=helps[2])
+
+
+def check_threads(args):
+    if args.threads < 1:
+        raise ValueError(f"--threads={args.threads}: use 1 or more")
+
+
 def config_from_args(args):
     overrides = {name: getattr(args, name) for name in SHAPE_FLAGS if getattr(args, name, None) is not None}
     cfg = Config.from_preset(args.preset, **overrides)

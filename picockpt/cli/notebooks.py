@@ -14,24 +14,23 @@ A notebook whose lesson fails is left as it was.
 from ..teaching.notebooks import build, differences, is_percent
 from ..teaching.plotting import REPO
 from ..teaching.reproduce import discover, select
+from .common import add_lesson_args, check_threads
 
 
 def add_arguments(parser):
-    parser.add_argument("--only", metavar="NN[,NN]", help="only these lessons, by number (e.g. 01,03)")
+    add_lesson_args(parser, "cpu", ("only these lessons, by number (e.g. 01,03)",
+                                    "the lessons' --device (default cpu: the committed notebooks are CPU runs)",
+                                    "the lessons' --threads (default 1)"))
     parser.add_argument("--check", action="store_true",
                         help="write nothing: list the committed notebooks whose cells differ from their sources "
                              "and exit 1 if there is one")
     parser.add_argument("--no-execute", action="store_true", help="write the cells without running them")
     parser.add_argument("--fast", action="store_true",
                         help="run the fast shapes and write to out/notebooks/, never over the committed notebooks")
-    parser.add_argument("--device", default="cpu",
-                        help="the lessons' --device (default cpu: the committed notebooks are CPU runs)")
-    parser.add_argument("--threads", type=int, default=1, help="the lessons' --threads (default 1)")
 
 
 def run(args):
-    if args.threads < 1:
-        raise ValueError(f"--threads={args.threads}: use 1 or more")
+    check_threads(args)
     sources = [path for path in select(discover(kinds=(".py",)), args.only) if is_percent(path)]
     if not sources:
         raise ValueError(f"--only {args.only!r}: none of those lessons is written in the percent format yet")

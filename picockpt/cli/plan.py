@@ -13,16 +13,15 @@ import random
 import statistics
 import time
 
-from ..planning.inventory import step_flops
 from ..planning.planner import Stage, least_budget, model_chain, plan_chain, plan_model
 from ..planning.host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, check_rates
 from ..planning.planner_offload import actions, peak_reason, plan_offload
 from ..planning.planner_uniform import binomial_forward_steps, plan_uniform
-from ..recompute.policy import OP_LEVEL, parse_policy
 from .common import SHAPE_FLAGS, add_run_args, add_shape_args, config_from_args, fmt_bytes, fmt_flops, spans
 from .plan_copies import add_copies_arguments, check_copies_flags, run_copies
 from .plan_cost import add_cost_arguments, check_cost_flags, cost_lines, op_seconds, priced_plan
-from .plan_parts import budget_from_args, measure, sweeps_json
+from .plan_parts import budget_policy, measure, measured_line, plan_row, report
+
 
 def add_arguments(parser):
     parser.add_argument("--chain", choices=("model", "uniform"), default="model",
@@ -70,45 +69,31 @@ def run(args):
     if args.offload or args.host_bandwidth is not None or args.compute_rate is not None:
         return run_offload(args)
     cfg = config_from_args(args)
-    budget = budget_from_args(args)
-    text = f"budget:{args.budget}" + ("" if args.op_level == "none" else f"+{args.op_level}")
-    policy = parse_policy(text, cfg)
-    drop = OP_LEVEL.get(args.op_level, frozenset())
+    budget, drop, text, policy = budget_policy(args, cfg)
     start = time.perf_counter()
     plan, extra = (plan_model(cfg, args.batch, args.seq, budget, drop), {}) if args.cost == "flops" else \
         priced_plan(cfg, args, budget, drop)
     seconds = time.perf_counter() - start
-    forward = step_flops(cfg, args.batch, args.seq, "none")["forward"]
-    row = {"policy": text, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
-           "recompute_flops": plan.recompute_flops, "forward_flops": forward,
-           "least_budget_bytes": least_budget(model_chain(cfg, args.batch, args.seq, drop)),
-           "slot_bytes": plan.slot_bytes, "exact_grid": plan.exact_grid, "planning_seconds": seconds,
-           "forward": list(plan.schedule.forward), "sweeps": sweeps_json(plan.schedule, cfg.layers), **extra}
+    row = plan_row(cfg, args, text, budget, drop, plan, plan, seconds, after={"sweeps": extra})
     if args.measure:
         row.update(measure(cfg, args, policy))
-    if args.json:
-        print(json.dumps(row, indent=1))
-        return
-    print(f"plan for {text}: L={cfg.layers} h={cfg.hidden} H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} "
-          f"V={cfg.vocab} {cfg.dtype}, batch {args.batch} x {args.seq} tokens")
+    least, forward = row["least_budget_bytes"], row["forward_flops"]
     lines = [("budget", fmt_bytes(budget), f"{budget:,} bytes"),
              ("predicted peak of the store", fmt_bytes(plan.peak_bytes), f"{plan.peak_bytes:,} bytes"),
              ("recompute", fmt_flops(plan.recompute_flops), f"{plan.recompute_flops / forward:.1%} of the forward"),
-             ("least feasible budget", fmt_bytes(row["least_budget_bytes"]), f"{row['least_budget_bytes']:,} bytes"),
+             ("least feasible budget", fmt_bytes(least), f"{least:,} bytes"),
              ("memory grid", f"{plan.slot_bytes:,} B/slot", "exact" if plan.exact_grid else
               "sizes rounded up to whole slots: within budget, perhaps not the very cheapest"),
              ("planning time", f"{seconds * 1e3:.1f} ms", "one run, not a benchmark (plan --benchmark)")]
     lines += cost_lines(extra, fmt_flops) if extra else []
     if args.measure:
-        lines += [("measured peak of the store", fmt_bytes(row["measured_peak_bytes"]),
-                   "equal" if row["measured_peak_bytes"] == plan.peak_bytes else "DIFFERS"),
-                  ("measured recompute", fmt_flops(row["measured_recompute_flops"]),
-                   "equal" if row["measured_recompute_flops"] == plan.recompute_flops else "DIFFERS"),
-                  ("measured peak live bytes", fmt_bytes(row["measured_peak_live_bytes"]),
-                   "store + working memory")]
-    for name, value, note in lines:
-        print(f"  {name:<30}{value:>16}  {note}")
-    print("\n" + "\n".join(schedule_table(plan)))
+        lines += [measured_line("measured peak of the store", row["measured_peak_bytes"], plan.peak_bytes),
+                  measured_line("measured recompute", row["measured_recompute_flops"], plan.recompute_flops, fmt_flops),
+                  ("measured peak live bytes", fmt_bytes(row["measured_peak_live_bytes"]), "store + working memory")]
+    header = (f"plan for {text}: L={cfg.layers} h={cfg.hidden} H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} "
+              f"V={cfg.vocab} {cfg.dtype}, batch {args.batch} x {args.seq} tokens")
+    if not report(args, row, header, lines, (30, 16)):
+        print("\n" + "\n".join(schedule_table(plan)))
 
 
 def _check_flags(args):
@@ -146,44 +131,29 @@ def run_offload(args):
             raise ValueError(f"{flag}={value:g}: give a positive number (bytes/s for the link, FLOP/s for the device), "
                              f"e.g. --host-bandwidth 63e9 --compute-rate 989e12")
     check_rates(bandwidth, rate)
-    budget = budget_from_args(args)
-    drop = OP_LEVEL.get(args.op_level, frozenset())
-    text = f"budget:{args.budget}" + ("" if args.op_level == "none" else f"+{args.op_level}") + "+offload"
-    policy = parse_policy(text, cfg)
+    budget, drop, text, policy = budget_policy(args, cfg, "+offload")
     prices, priced_by, _ = op_seconds(cfg, args) if args.cost != "flops" else (None, None, None)
     start = time.perf_counter()
     plan = plan_offload(cfg, args.batch, args.seq, budget, drop, bandwidth, rate,
                         seconds=None if prices is None else tuple(sorted(prices.items())))
     seconds = time.perf_counter() - start
-    chain = model_chain(cfg, args.batch, args.seq, drop)
     rows = actions(plan)
     two, reason = plan.two_action_walk, peak_reason(plan)
-    result = {"policy": text, "budget_bytes": budget, "host_bandwidth": bandwidth,
-              "compute_rate": rate if prices is None else None, "cost": args.cost, "priced_by": priced_by,
-              "peak_bytes": plan.peak_bytes, "host_peak_bytes": plan.walk.host_peak,
-              "copy_bytes": {"to_host": plan.walk.to_host, "to_device": plan.walk.to_device},
-              "recompute_flops": plan.recompute_flops,
-              "forward_flops": step_flops(cfg, args.batch, args.seq, "none")["forward"],
-              "least_budget_bytes": least_budget(chain), "slot_bytes": plan.base.slot_bytes,
-              "exact_grid": plan.base.exact_grid, "planning_seconds": seconds, "peak_reason": reason,
-              "modelled_seconds": plan.walk.seconds,
-              "modelled_compute_seconds": plan.walk.compute_seconds,
-              "modelled_exposed_copy_seconds": plan.walk.exposed_seconds,
-              "two_action": None if two is None else {"peak_bytes": two.device_peak, "modelled_seconds": two.seconds,
-                                                      "recompute_flops": two.recompute_flops},
-              "layers": [{"layer": k, "action": action, "why": why,
-                          "host_bytes": plan.walk.layers[k]["host"]} for k, (action, why) in enumerate(rows)],
-              "forward": list(plan.schedule.forward), "sweeps": sweeps_json(plan.schedule, cfg.layers),
-              "host": [sorted(names) for names in plan.schedule.host or ()]}
+    result = plan_row(cfg, args, text, budget, drop, plan, plan.base, seconds, after={
+        "budget_bytes": {"host_bandwidth": bandwidth, "compute_rate": rate if prices is None else None,
+                         "cost": args.cost, "priced_by": priced_by},
+        "peak_bytes": {"host_peak_bytes": plan.walk.host_peak,
+                       "copy_bytes": {"to_host": plan.walk.to_host, "to_device": plan.walk.to_device}},
+        "planning_seconds": {
+            "peak_reason": reason, "modelled_seconds": plan.walk.seconds, "modelled_compute_seconds":
+            plan.walk.compute_seconds, "modelled_exposed_copy_seconds": plan.walk.exposed_seconds,
+            "two_action": None if two is None else {"peak_bytes": two.device_peak, "modelled_seconds": two.seconds,
+                                                    "recompute_flops": two.recompute_flops},
+            "layers": [{"layer": k, "action": action, "why": why,
+                        "host_bytes": plan.walk.layers[k]["host"]} for k, (action, why) in enumerate(rows)]},
+        "sweeps": {"host": [sorted(names) for names in plan.schedule.host or ()]}})
     if args.measure:
         result.update(measure(cfg, args, policy, plan.schedule))
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return
-    print(f"plan for {text}: keep, recompute or offload, at {bandwidth / 1e9:.3g} GB/s to the host and "
-          + (f"{rate / 1e12:.4g} TFLOP/s" if prices is None else f"compute priced by {priced_by}") +
-          f" (times modelled, not measured); L={cfg.layers} h={cfg.hidden} {cfg.dtype}, "
-          f"batch {args.batch} x {args.seq} tokens")
     lines = [("budget", fmt_bytes(budget), f"{budget:,} bytes"),
              ("device peak of the store", fmt_bytes(plan.peak_bytes), f"{plan.peak_bytes:,} bytes"),
              ("host peak", fmt_bytes(plan.walk.host_peak), f"{plan.walk.host_peak:,} bytes"),
@@ -195,12 +165,14 @@ def run_offload(args):
              ("two-action plan (keep/recompute)", "-" if two is None else f"{two.seconds * 1e3:.4g} ms",
               "no plan fits" if two is None else f"device peak {fmt_bytes(two.device_peak)}")]
     if args.measure:
-        lines += [("measured device peak", fmt_bytes(result["measured_peak_bytes"]),
-                   "equal" if result["measured_peak_bytes"] == plan.peak_bytes else "DIFFERS"),
-                  ("measured host peak", fmt_bytes(result["measured_host_peak_bytes"]),
-                   "equal" if result["measured_host_peak_bytes"] == plan.walk.host_peak else "DIFFERS")]
-    for name, value, note in lines:
-        print(f"  {name:<34}{value:>14}  {note}")
+        lines += [measured_line("measured device peak", result["measured_peak_bytes"], plan.peak_bytes),
+                  measured_line("measured host peak", result["measured_host_peak_bytes"], plan.walk.host_peak)]
+    header = (f"plan for {text}: keep, recompute or offload, at {bandwidth / 1e9:.3g} GB/s to the host and "
+              + (f"{rate / 1e12:.4g} TFLOP/s" if prices is None else f"compute priced by {priced_by}") +
+              f" (times modelled, not measured); L={cfg.layers} h={cfg.hidden} {cfg.dtype}, "
+              f"batch {args.batch} x {args.seq} tokens")
+    if report(args, result, header, lines, (34, 14)):
+        return
     if reason is not None:
         print(f"\nwhy offloading does not lower the peak: {reason}")
     print()

@@ -1,7 +1,13 @@
-"""What plan's two-action and three-action modes share: the --budget flag, the sweeps in JSON, one tracked step."""
+"""What plan's two-action and three-action modes share: the --budget flag and the policy, the JSON row's keys
+and the sweeps in it, the text table, one tracked step."""
+import json
+
 from ..planning.fit import check_fits
-from ..recompute.policy import parse_size
+from ..planning.inventory import step_flops
+from ..planning.planner import least_budget, model_chain
+from ..recompute.policy import OP_LEVEL, parse_policy, parse_size
 from ..device import resolve_device
+from .common import fmt_bytes
 
 
 def budget_from_args(args):
@@ -10,6 +16,35 @@ def budget_from_args(args):
         return parse_size(args.budget)
     except ValueError as error:
         raise ValueError(f"--budget={args.budget!r}: {error}") from None
+
+
+def budget_policy(args, cfg, suffix=""):
+    """(bytes, the op level's drops, the policy's text, the policy) of --budget and --op-level, and `suffix`."""
+    budget = budget_from_args(args)
+    text = f"budget:{args.budget}" + ("" if args.op_level == "none" else f"+{args.op_level}") + suffix
+    return budget, OP_LEVEL.get(args.op_level, frozenset()), text, parse_policy(text, cfg)
+
+
+def plan_row(cfg, args, text, budget, drop, plan, grid, seconds, after):
+    """The JSON keys both plans print; `after`, {shared key: {key: value}}, puts a mode's own keys after one."""
+    row = {"policy": text, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
+           "recompute_flops": plan.recompute_flops,
+           "forward_flops": step_flops(cfg, args.batch, args.seq, "none")["forward"],
+           "least_budget_bytes": least_budget(model_chain(cfg, args.batch, args.seq, drop)),
+           "slot_bytes": grid.slot_bytes, "exact_grid": grid.exact_grid, "planning_seconds": seconds,
+           "forward": list(plan.schedule.forward), "sweeps": sweeps_json(plan.schedule, cfg.layers)}
+    return {name: value for key in row for name, value in ((key, row[key]), *after.get(key, {}).items())}
+
+
+def measured_line(name, measured, planned, fmt=fmt_bytes):
+    return name, fmt(measured), "equal" if measured == planned else "DIFFERS"
+
+
+def report(args, row, header, lines, widths):
+    """--json: print the row, and True; else the header and the (name, value, note) lines in columns `widths`."""
+    print(json.dumps(row, indent=1) if args.json else "\n".join(
+        [header] + [f"  {name:<{widths[0]}}{value:>{widths[1]}}  {note}" for name, value, note in lines]))
+    return args.json
 
 
 def sweeps_json(schedule, layers):

@@ -36,7 +36,6 @@ instead, and marked so (a cross-family difference would only measure the masks).
 import contextlib
 import math
 import statistics
-import time
 
 import torch
 
@@ -44,7 +43,7 @@ from . import peers, peers_hf
 from ..recompute.bridge import segmented_backward
 from ..device import resolve_device
 from ..recompute.engine import loss_and_grads
-from .measure import sync, make_batch, max_relative_diff
+from .measure import make_batch, max_relative_diff, time_step
 from ..model.params import init_params
 from .reference import ReferenceLlama
 from .tracker import Tracker
@@ -151,42 +150,28 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
     def step_of(kind, how, tracker=None):
         if kind == "picockpt":
             return lambda: loss_and_grads(params, cfg, input_ids, targets, how, tracker=tracker)[0]
-        if kind == "hf":
-            return hf_step(how, tracker)
+        owner = hf_models[how] if kind == "hf" else model
 
         def run():
-            model.zero_grad(set_to_none=True)
+            owner.zero_grad(set_to_none=True)
             if kind == "bridge":
                 with _phase(tracker, "backward"):
                     _mark(tracker, model.cast_weights(), "weights")  # the bridge runs the model's parts itself
                     loss = segmented_backward(model.model.layers, model.embed(input_ids),
                                               lambda y: model.head_loss(y, targets), how)
-            elif kind == "min-cut":
+            else:  # the torch, min-cut and Hugging Face runs: a forward, then autograd's backward
                 with _phase(tracker, "forward"):
-                    loss = compiled[how](input_ids, targets)
-                with _phase(tracker, "backward"):
-                    loss.backward()
-            else:
-                with _phase(tracker, "forward"):
-                    loss = model(input_ids, targets, run_layers=how)
-                    _mark(tracker, model.casts.copies.values(), "weights")  # 16-bit copies, as picockpt marks its own
+                    loss = compiled[how](input_ids, targets) if kind == "min-cut" else \
+                        peers_hf.hf_loss(owner, input_ids, targets) if kind == "hf" else \
+                        model(input_ids, targets, run_layers=how)
+                    if kind == "torch":  # 16-bit copies, as picockpt marks its own
+                        _mark(tracker, model.casts.copies.values(), "weights")
                     if isinstance(how, peers.SaveOnCpu):  # its host copies: host bytes, not device bytes
                         _mark(tracker, how.host_tensors(), "host")
                 with _phase(tracker, "backward"):
                     loss.backward()
-            model.release_weights()
-            return loss.detach()
-        return run
-
-    def hf_step(how, tracker):
-        hf = hf_models[how]
-
-        def run():
-            hf.zero_grad(set_to_none=True)
-            with _phase(tracker, "forward"):
-                loss = peers_hf.hf_loss(hf, input_ids, targets)
-            with _phase(tracker, "backward"):
-                loss.backward()
+            if kind != "hf":
+                model.release_weights()
             return loss.detach()
         return run
 
@@ -262,27 +247,21 @@ def compare(cfg, batch, seq, device="cpu", segment=2, repeats=5, seed=0, log=pri
         step()
     for repeat in range(repeats):
         for row, step in zip(rows, steps):
-            sync(device)
-            start = time.perf_counter()
-            step()
-            sync(device)
-            row["times"].append(time.perf_counter() - start)
+            row["times"].append(time_step(step, device))
         if log:
             log(f"  timed repeat {repeat + 1}/{repeats}")
-    by_name = {row["name"]: row for row in rows}
+    by_name, times_of = {row["name"]: row for row in rows}, {row["name"]: row.pop("times") for row in rows}
     memory = "peak_total_bytes" if cfg.dtype in SIXTEEN_BITS else "peak_live_bytes"  # autocast's copies: see the top
     for row in rows:  # medians, with the spread over repeats; a ratio is taken repeat by repeat (interleaved)
-        times = row["times"]
+        times = times_of[row["name"]]
         row["step_seconds"] = statistics.median(times)
         row["step_seconds_min_max"] = [min(times), max(times)]
         peer = by_name.get(row["equivalent"])
-        ratios = [t / u for t, u in zip(times, peer["times"])] if peer else None
+        ratios = [t / u for t, u in zip(times, times_of[peer["name"]])] if peer else None
         row["time_vs_equivalent"] = statistics.median(ratios) if peer else None
         row["time_vs_equivalent_min_max"] = [min(ratios), max(ratios)] if peer else None
         row["memory_vs_equivalent"] = row[memory] / peer[memory] if peer else None
         row["memory_compared"] = memory
-    for row in rows:
-        del row["times"]
     return rows
 
 

@@ -37,14 +37,16 @@ def sync(device):
 def time_steps(step, device, repeats):
     """Wall seconds of `repeats` calls of step(), after one warm-up call: [seconds of each call]."""
     step()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return times
+    return [time_step(step, device) for _ in range(repeats)]
+
+
+def time_step(step, device):
+    """Wall seconds of one call of step(), the device's queue empty before and after."""
+    sync(device)
+    start = time.perf_counter()
+    step()
+    sync(device)
+    return time.perf_counter() - start
 
 
 def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, baseline=None, trace=False,
