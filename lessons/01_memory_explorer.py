@@ -31,7 +31,7 @@
 #   micro-batches at once ("in flight"; 1F1B: $w = p$, Korthikanti et al. 2022, sec. 4.2.3). As lesson 16
 #   measures, each backward runs while the $w - 1$ others hold what their forwards stored, $E$ each:
 #   stored $= (w - 1)\,E + $ one micro-batch's own peak, to the byte of
-#   `parallel/pipeline_parallel/pp_inventory.py`'s `StageForms`.
+#   `parallel/pipeline_parallel/pp_forms.py`'s `ChunkForms`.
 #
 # **Run it** in Jupyter (the controls need a live kernel), or as a script,
 # `python lessons/01_memory_explorer.py`, which draws the static figures below.

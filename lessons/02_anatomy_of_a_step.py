@@ -30,7 +30,7 @@ import torch
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import init_params
-from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes
+from picockpt.planning.step_forms import chain_sizes, predicted_peak_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.plotting import mib, phase_spans, save_figure, shade_phases
 from picockpt.measurement.tracker import PHASES, Tracker

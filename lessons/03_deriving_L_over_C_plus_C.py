@@ -25,8 +25,8 @@ from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 from _check import check
 from _lesson import lesson_args
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.formulas import chen_memory, chen_optimum, exact_segment_curve
-from picockpt.planning.inventory import chain_sizes, head_inventory, layer_inventory, step_flops
+from picockpt.planning.published import chen_memory, chen_optimum, exact_segment_curve
+from picockpt.planning.step_forms import chain_sizes, head_inventory, layer_inventory, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.plotting import save_figure
 from picockpt.recompute.policy import OP_LEVEL

@@ -34,7 +34,7 @@ from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 from _check import check
 from _lesson import choose, lesson_args, shape_line, wrote
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes
+from picockpt.planning.step_forms import chain_sizes, predicted_peak_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.plotting import mib, policy_color, save_figure
 from picockpt.measurement.tracker import Tracker

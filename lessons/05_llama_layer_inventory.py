@@ -38,9 +38,9 @@ from _check import check
 from _lesson import lesson_args
 from picockpt import Config
 from picockpt.model.config import PRESETS
-from picockpt.planning.formulas import (GIB, PLAYBOOK_PUBLISHED_GIB, PLAYBOOK_WIDGET_PRESET, korthikanti_flops,
+from picockpt.planning.published import (GIB, PLAYBOOK_PUBLISHED_GIB, PLAYBOOK_WIDGET_PRESET, korthikanti_flops,
                                korthikanti_layer_bytes, playbook_activation_bytes, playbook_widget_bytes)
-from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, step_flops, total
+from picockpt.planning.step_forms import layer_inventory, predicted_peak_bytes, step_flops, total
 from picockpt.measurement.measure import measured_inventory
 from picockpt.teaching.plotting import save_figure
 
@@ -89,7 +89,7 @@ assert paper_total * sbh == korthikanti_layer_bytes(s, b, h, a)
 # ## Every difference, checked against the code
 #
 # Each line below was checked against `picockpt/model/layer.py` (the `keep(...)` calls of `layer_forward`),
-# `picockpt/ops/` and `picockpt/planning/inventory.py`.
+# `picockpt/ops/` and `picockpt/planning/step_forms.py`.
 #
 # * **Grouped-query attention shrinks $K$ and $V$.** `attn.k` and `attn.v` are $(B, KV, T, hd)$ with
 #   $KV = 8$ of $H = 32$ heads: $2 \cdot 8/32 = 0.5\,sbh$ each instead of $2sbh$. Saves $3sbh$.

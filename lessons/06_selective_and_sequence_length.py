@@ -24,7 +24,7 @@ import numpy as np
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, step_flops, total
+from picockpt.planning.step_forms import layer_inventory, predicted_peak_bytes, step_flops, total
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.plotting import mib, policy_color, save_figure
 from picockpt.measurement.tracker import Tracker

@@ -32,7 +32,7 @@ from _check import check
 from _lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, large, lesson_args, paired_ratios,
                      shape_line, small, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, step_flops, total
+from picockpt.planning.step_forms import layer_inventory, predicted_peak_bytes, step_flops, total
 from picockpt.measurement.measure import make_batch, measured_inventory
 from picockpt.teaching.plotting import label_bars, mib, policy_color, save_figure
 from picockpt.recompute.policy import OP_LEVEL

@@ -34,7 +34,7 @@ from _check import check
 from _lesson import (FAST_TIMING, Spread, choose, device_name, interleaved_seconds, large, lesson_args,
                      paired_ratios, shape_line, small, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import layer_flops, step_flops
+from picockpt.planning.step_forms import layer_flops, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.plotting import PHASE_COLORS, mib, policy_color, save_figure
 from picockpt.measurement.tracker import Tracker

@@ -29,7 +29,7 @@ from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import init_params, loss_and_grads
 from picockpt.recompute import engine
-from picockpt.planning.inventory import layer_inventory
+from picockpt.planning.step_forms import layer_inventory
 from picockpt.measurement.measure import make_batch
 from picockpt.ops import dropout_mask
 from picockpt.teaching.plotting import policy_color, save_figure

@@ -34,7 +34,7 @@ from _lesson import (FAST_TIMING, choose, device_name, interleaved_seconds, larg
 from picockpt import init_params, loss_and_grads
 from picockpt.measurement import peers
 from picockpt.measurement.compare import compare
-from picockpt.planning.inventory import layer_flops, step_flops, tail_flops
+from picockpt.planning.step_forms import layer_flops, step_flops, tail_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.plotting import mib, save_figure
 from picockpt.measurement.reference import ReferenceLlama

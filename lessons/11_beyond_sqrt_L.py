@@ -175,7 +175,7 @@ for L in (16, 64, 100, 256, 1000):
 
 # %%
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes, step_flops
+from picockpt.planning.step_forms import chain_sizes, predicted_peak_bytes, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.planning.planner import frontier, model_chain, plan_model
 from picockpt.measurement.tracker import Tracker

@@ -33,7 +33,7 @@ from _check import check
 from _lesson import FAST_TIMING, Spread, callouts, choose, large, lesson_args, shape_line, small, wrote
 from picockpt import init_params, loss_and_grads, parse_policy
 from picockpt.cli.plan import benchmark
-from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes, step_flops
+from picockpt.planning.step_forms import chain_sizes, predicted_peak_bytes, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.measurement.peers import min_cut, per_layer, run_plain, save_matmuls, selective, sequential
 from picockpt.planning.planner import frontier, least_budget, model_chain, plan_model

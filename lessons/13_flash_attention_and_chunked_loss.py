@@ -54,9 +54,9 @@ from _check import check
 from _lesson import (FAST_TIMING, choose, device_name, dtype_for_device, interleaved_seconds, large, lesson_args,
                      paired_ratios, shape_line, small, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.formulas import chen_optimum, exact_segment_curve
+from picockpt.planning.published import chen_optimum, exact_segment_curve
 from picockpt.model.head import head_backward, head_forward
-from picockpt.planning.inventory import attention_matmul_flops, chain_sizes, head_inventory, predicted_peak_bytes, step_flops
+from picockpt.planning.step_forms import attention_matmul_flops, chain_sizes, head_inventory, predicted_peak_bytes, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.ops import (cross_entropy_backward, cross_entropy_forward, linear_forward, rmsnorm_backward,
                           rmsnorm_forward)

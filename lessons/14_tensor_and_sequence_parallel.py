@@ -46,10 +46,10 @@ from matplotlib.ticker import FuncFormatter, LogLocator
 from _check import check
 from _lesson import choose, large, lesson_args, ranks_device, shape_line, spawning_ranks, wrote
 from picockpt import Config, init_params
-from picockpt.planning.formulas import GIB, korthikanti_layer_bytes
+from picockpt.planning.published import GIB, korthikanti_layer_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
-from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, replicated_and_split
+from picockpt.parallel.tensor_parallel.tp_forms import rank_comm_bytes, rank_layer_inventory, replicated_and_split
 from picockpt.teaching.plotting import PHASE_COLORS, mib, policy_color, save_figure
 from picockpt.recompute.policy import SELECTIVE
 
@@ -71,7 +71,7 @@ PHASES = ("forward", "recompute", "backward")
 # of every full-recompute checkpoint). `measure` launches $t$ ranks once per $t$ and runs every row;
 # every rank must store and move the same bytes. `layer_line` is picockpt's closed form for one stored
 # layer on one rank, at any $t$: the part kept whole plus the part split by $t$
-# (`picockpt/parallel/tensor_parallel/tp_inventory.py`).
+# (`picockpt/parallel/tensor_parallel/tp_forms.py`).
 
 # %%
 def shape(mode):
@@ -120,7 +120,7 @@ def layer_line(cfg, batch, seq, policy, sp, distributed, t):
 
 def table2_70b(t=8, seq=8192, batch=1):
     """Table 2's rows for a Llama 3 70B shape at t: (label, published bytes, picockpt's per rank)."""
-    from picockpt.parallel.tensor_parallel.tp_inventory import rank_sizes
+    from picockpt.parallel.tensor_parallel.tp_forms import rank_sizes
     cfg = Config.from_preset("llama3-70b", dtype="bf16")
     s, b, h, a = seq, batch, cfg.hidden, cfg.heads
     rows = []
@@ -130,8 +130,8 @@ def table2_70b(t=8, seq=8192, batch=1):
             own = rank_sizes(cfg, b, s, t, sp, distributed)[1]
         else:
             published = korthikanti_layer_bytes(s, b, h, a, t, sp, policy)
-            drop = SELECTIVE if policy == "selective" else frozenset()
-            own = sum(v[2] for v in rank_layer_inventory(cfg, b, s, t, sp, drop).values())
+            unstored = SELECTIVE if policy == "selective" else frozenset()
+            own = sum(v[2] for v in rank_layer_inventory(cfg, b, s, t, sp, unstored).values())
         rows.append((label, published, own))
     return cfg, rows
 

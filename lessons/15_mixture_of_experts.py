@@ -3,7 +3,7 @@
 #
 # A Mixtral-style layer (`picockpt/model/moe.py`) sends each token to $k$ of its $E$ experts. What it stores
 # is one set of tensors per expert, sized by the tokens the router sent there: data-dependent. Three
-# questions, each answered by a measurement held to the closed form (`picockpt/planning/inventory.py`):
+# questions, each answered by a measurement held to the closed form (`picockpt/planning/step_forms.py`):
 #
 # 1. **Routing imbalance and top-k.** Routers set by the weights (`routing.route_by_token`) give balanced,
 #    skewed and all-to-one routing. The store holds every token $k$ times whichever experts it goes to:
@@ -58,7 +58,7 @@ from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.model import moe
 from picockpt.recompute import engine
-from picockpt.planning.inventory import expert_bytes, layer_flops, layer_inventory, predicted_peak_bytes, rebuild_flops, total
+from picockpt.planning.step_forms import expert_bytes, layer_flops, layer_inventory, predicted_peak_bytes, rebuild_flops, total
 from picockpt.measurement.measure import PutRecorder, make_batch
 from picockpt.model.routing import route_by_token, step_routing
 from picockpt.teaching.plotting import mib, save_figure
@@ -156,9 +156,9 @@ def predicted_choices(cfg, batch, seq):
         if choice == "full":  # keep only the input; recompute the whole layer once
             rows[choice] = (total(whole) - whole["input"][2], sum(layer_flops(cfg, batch, seq).values()))
             continue
-        drop = parse_policy(choice).drop
-        kept = total(layer_inventory(cfg, batch, seq, drop))
-        rows[choice] = (total(whole) - kept, rebuild_flops(cfg, batch, seq, drop))
+        unstored = parse_policy(choice).unstored
+        kept = total(layer_inventory(cfg, batch, seq, unstored))
+        rows[choice] = (total(whole) - kept, rebuild_flops(cfg, batch, seq, unstored))
     return rows
 
 

@@ -14,7 +14,7 @@
 # $$\text{stage peak} = (w - 1)\,E + \text{one micro-batch's own peak}$$
 #
 # with $E$ what one micro-batch's forward leaves stored. Here it is measured to the byte, for every
-# policy, against the closed forms of `picockpt/parallel/pipeline_parallel/pp_inventory.py`. What to look at:
+# policy, against the closed forms of `picockpt/parallel/pipeline_parallel/pp_forms.py`. What to look at:
 #
 # * **stage memory**: per stage, AFAB against 1F1B under each policy, the points (measured) on the lines
 #   (the closed form). Under 1F1B the first stage is the one that must fit.
@@ -48,11 +48,11 @@ from _check import check
 from _lesson import (FAST_TIMING, Claim, Spread, choose, large, lesson_args, ranks_device, shape_line, spawning_ranks,
                      timed_claim, wrote)
 from picockpt import Config, init_params
-from picockpt.planning.formulas import GIB
+from picockpt.planning.published import GIB
 from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
-from picockpt.parallel.tensor_parallel.tp_inventory import rank_layer_inventory
-from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+from picockpt.parallel.tensor_parallel.tp_forms import rank_layer_inventory
+from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms
 from picockpt.parallel.pipeline_parallel.pp_schedules import actions, bubble_fraction, in_flight, unequal_bubble
 from picockpt.teaching.plotting import PHASE_COLORS, mib, policy_color, save_figure
 from picockpt.recompute.policy import SELECTIVE
@@ -68,7 +68,7 @@ START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() 
 # Three runs: the memory run on $P$ stages, the timing run on 2 stages (one core per rank on a 2-core
 # CPU) and the data-parallel run (2 replicas of a wider model: more gradient bytes to move).
 # `uniform_peaks` is the closed form of every stage under one policy: its stored peak, and the FLOPs
-# its $M$ micro-batches recompute (`StageForms`).
+# its $M$ micro-batches recompute (`ChunkForms`).
 
 # %%
 def shapes(mode):
@@ -96,7 +96,7 @@ def rng(device):
 
 
 def uniform_peaks(cfg, batch, seq, pp, M, schedule, policy):
-    forms = [StageForms(cfg, batch, seq, policy, Layout(pp=pp, microbatches=M, schedule=schedule), s) for s in range(pp)]
+    forms = [ChunkForms(cfg, batch, seq, policy, Layout(pp=pp, microbatches=M, schedule=schedule), s) for s in range(pp)]
     return [f.peak_bytes for f in forms], [f.M * f.recompute_flops for f in forms]
 
 
@@ -649,7 +649,7 @@ wrote(paths[-1])
 # %%
 from picockpt.parallel.pipeline_parallel.pp_orders import one_f_one_b_orders, run_orders, w_pending_bytes
 from picockpt.parallel.pipeline_parallel.pp_schedules import interleaved_actions, zb_h1_actions
-from picockpt.planning.closed_forms import layer_inventory, total
+from picockpt.planning.layer_forms import layer_inventory, total
 
 P_, M_ = 4, 8
 clock = {"1F1B": run_orders(one_f_one_b_orders(P_, M_), P_, times={"F": 1, "B": 2}),
@@ -718,7 +718,7 @@ answer = 196_608  # bytes
 
 # %%
 memory_cfg, memory_batch, memory_seq, memory_P, memory_M = shapes("cpu")["memory"]
-stage0 = StageForms(memory_cfg, memory_batch, memory_seq, "full", Layout(pp=memory_P, microbatches=memory_M), 0)
+stage0 = ChunkForms(memory_cfg, memory_batch, memory_seq, "full", Layout(pp=memory_P, microbatches=memory_M), 0)
 check("bytes stage 0 stores beyond one micro-batch's peak (full, 1F1B, P = 4, M = 8)", answer,
       stage0.peak_bytes - stage0.microbatch_peak_bytes, rel=0,
       why=f"(w - 1)·E with w = {stage0.in_flight} in flight and E = its {len(stage0.layers)} layer inputs, "

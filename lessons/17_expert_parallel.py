@@ -40,7 +40,7 @@
 # the shared experts all run again, the forward's all-to-all bytes once more.
 #
 # What to look at (measured on 2 gloo ranks, every number held to the closed forms of
-# `picockpt/parallel/expert_parallel/ep_inventory.py`, to the byte):
+# `picockpt/parallel/expert_parallel/ep_forms.py`, to the byte):
 #
 # * **measured**: per rank and choice, for balanced and skewed routing (routers set by the weights, as
 #   in lesson 15): all-to-all bytes per phase (left) and the store's peak (right). The gradient
@@ -64,11 +64,11 @@ import torch
 from _check import check
 from _lesson import choose, large, lesson_args, ranks_device, shape_line, small, spawning_ranks, wrote
 from picockpt import Config, init_params
-from picockpt.planning.formulas import GIB
+from picockpt.planning.published import GIB
 from picockpt.measurement.measure import make_batch
 from picockpt.model.routing import route_by_token
 from picockpt.parallel import Layout, ParallelJob, run_jobs
-from picockpt.parallel.expert_parallel.ep_inventory import (ep_layer_comm_bytes, ep_layer_stored_bytes, ep_sent_bytes,
+from picockpt.parallel.expert_parallel.ep_forms import (ep_layer_comm_bytes, ep_layer_stored_bytes, ep_sent_bytes,
                                                            received_rows, replicated_grad_bytes)
 from picockpt.teaching.plotting import PHASE_COLORS, mib, save_figure
 
@@ -360,7 +360,7 @@ def plot_mixtral(cfg, rows):
         ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
     fig.suptitle(f"one Mixtral 8x7B layer at ep={MIXTRAL_EP} (h={cfg.hidden}, f={cfg.ffn}, E={cfg.experts}, "
                  f"k={cfg.experts_per_token}, bf16, fused attention), one {MIXTRAL_SEQ}-token sequence per rank: "
-                 f"predicted by picockpt/parallel/expert_parallel/ep_inventory.py", fontsize=10)
+                 f"predicted by picockpt/parallel/expert_parallel/ep_forms.py", fontsize=10)
     fig.tight_layout()
     return save_figure(fig, "17_mixtral_8x7b_ep8")
 

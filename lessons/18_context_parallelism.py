@@ -52,7 +52,7 @@
 # plan of least recomputation already recomputes the fewest layers and the price never changes it.
 #
 # What to look at (measured on gloo ranks; every number held to the closed forms of
-# `picockpt/parallel/context_parallel/cp_inventory.py`, to the byte):
+# `picockpt/parallel/context_parallel/cp_forms.py`, to the byte):
 #
 # * **memory**: each rank's store peak against $cp$, for `none` and `full`: the measured points on the
 #   closed form's curve ($cp = 1$ is the single process).
@@ -86,17 +86,17 @@ from _check import check
 from _lesson import (FAST_TIMING, Spread, choose, dtype_for_device, large, lesson_args, paired_ratios, ranks_device,
                      shape_line, small, spawning_ranks, timed_claim, wrote)
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.formulas import GIB
-from picockpt.planning.inventory import predicted_peak_bytes
+from picockpt.planning.published import GIB
+from picockpt.planning.step_forms import predicted_peak_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
-from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes, kept_kv_bytes
-from picockpt.parallel.context_parallel.cp_inventory import rank_attention_flops
+from picockpt.parallel.context_parallel.cp_forms import cp_comm_bytes, cp_peak_bytes, kept_kv_bytes
+from picockpt.parallel.context_parallel.cp_forms import rank_attention_flops
 from picockpt.parallel.data_parallel.zero_shards import stage_units
-from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms, stage_plan
+from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms, stage_plan
 from picockpt.parallel.pipeline_parallel.pp_schedules import in_flight, stage_layers
-from picockpt.parallel.predictions import rank_param_shapes, zero_stage_forms
-from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
+from picockpt.parallel.report_forms import rank_param_shapes, zero_stage_forms
+from picockpt.parallel.tensor_parallel.tp_forms import rank_comm_bytes, rank_peak_bytes
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from picockpt.teaching.plotting import PHASE_COLORS, mib, save_figure
 from picockpt.measurement.tracker import Tracker
@@ -360,7 +360,7 @@ def plot_balance(llama_balance):
         ax.legend(fontsize=8)
     axes[0].set_ylabel("PFLOP of one attention matmul, one layer")
     fig.suptitle(f"Llama 3 8B, one {LLAMA_SEQ}-token sequence, fused attention: each rank's attention FLOPs "
-                 f"(cp_inventory.rank_attention_flops)", fontsize=9)
+                 f"(cp_forms.rank_attention_flops)", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, "18_context_parallel_balance")
 
@@ -427,7 +427,7 @@ for cp in (1, 2, 4, 8, 16):
     ring_forward = cp_comm_bytes(llama405, 1, LLAMA_SEQ, "full", cp, t=8)["forward"]
     print(f"{cp:>4} {n:>7,} {full / GIB:>9.2f} {best / GIB:>7.2f} (C={best_C}) {tp_forward / GIB:>15.1f} "
           f"{ring_forward / GIB:>17.1f}")
-stages = [StageForms(llama405, 16, LLAMA_SEQ // 16, "full", Layout(pp=16, tp=8, microbatches=16), s).peak_bytes
+stages = [ChunkForms(llama405, 16, LLAMA_SEQ // 16, "full", Layout(pp=16, tp=8, microbatches=16), s).peak_bytes
           for s in range(16)]
 split = [len(layers) for layers in stage_layers(llama405.layers, 16)]  # picockpt's: 8 x 14, then 7, 7
 paper_split = [split[0] - 1] + [split[0]] * 14 + [split[0] - 1]  # the paper's: one layer fewer on each end
@@ -456,7 +456,7 @@ print(f"the paper's layout, cp = 16 beside tp = 8 and pp = 16 (1F1B over 16 sequ
 # Below, one rank of pipeline stage 0 (the embedding and 8 layers, its $tp = 8$ slices, its 16 micro-batches'
 # checkpoints from above), in picockpt's dtypes: fp32 master weights, fp32 gradients, AdamW's two fp32
 # moments and a 4-byte step count per unit, and under ZeRO-3 the gathered weights in bf16, the compute dtype
-# (`zero_stage_forms`, `picockpt/parallel/predictions.py`: the closed forms lesson 19 measures to the byte, in
+# (`zero_stage_forms`, `picockpt/parallel/report_forms.py`: the closed forms lesson 19 measures to the byte, in
 # fp32: picockpt runs ZeRO in fp32 and fp64 only, so these bf16 rows are closed forms, not measurements).
 # ZeRO-0, nothing sharded, is `zero_stage_forms` at `zero=1` over a group of one rank: each unit is then its
 # own single shard, unpadded, and no collective moves anything, so every byte is held whole. "gathered" is the
@@ -468,7 +468,7 @@ print(f"the paper's layout, cp = 16 beside tp = 8 and pp = 16 (1F1B over 16 sequ
 # %%
 def zero_state(zero, dp, cp, forms):
     """ZeRO's closed forms on a rank of pipeline stage `forms` beside tp = 8 and pp = 16 (1F1B, 16 micro-batches),
-    every weight sharded over dp x cp ranks (parallel/predictions.py)."""
+    every weight sharded over dp x cp ranks (parallel/report_forms.py)."""
     return zero_stage_forms(llama405, forms, Layout(dp=dp, pp=16, tp=8, cp=cp, zero=zero, microbatches=16))
 
 
@@ -480,7 +480,7 @@ def whole_stage_bytes(forms, ranks):
     return sum(unit.padded for parts in units.values() for unit in parts) * llama405.torch_dtype.itemsize
 
 
-first_stage = StageForms(llama405, 16, LLAMA_SEQ // 16, "full", Layout(pp=16, tp=8, microbatches=16), 0)
+first_stage = ChunkForms(llama405, 16, LLAMA_SEQ // 16, "full", Layout(pp=16, tp=8, microbatches=16), 0)
 assert first_stage.peak_bytes == stages[0]  # the stage above
 master = llama405.param_dtype.itemsize  # 4 bytes: fp32 master weights under bf16 compute
 stage_params = sum(math.prod(shape) for shape in rank_param_shapes(llama405, first_stage, 8).values())

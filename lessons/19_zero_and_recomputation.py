@@ -48,7 +48,7 @@
 # earlier: keep the forward's gather until the backward.
 #
 # What to look at (measured on 2 gloo ranks, and 8 in the stacked section, every number equal to the closed
-# forms of `picockpt/parallel/data_parallel/zero_inventory.py` to the byte):
+# forms of `picockpt/parallel/data_parallel/zero_forms.py` to the byte):
 #
 # * **model state**: a rank's parameter, gradient and optimizer bytes under each stage.
 # * **gathers**: stage 3's all-gather bytes per phase under `none`, `full` and `every:2`, with and without
@@ -76,9 +76,9 @@ from picockpt.measurement.measure import make_batch, max_relative_diff
 from picockpt.parallel import Layout, ParallelJob, run_jobs, run_ranks
 from picockpt.parallel.training import zero_train
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_steps
-from picockpt.parallel.data_parallel.zero_inventory import gather_uses, model_state_bytes, zero_paper_bytes
-from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
-from picockpt.parallel.predictions import zero_stage_forms
+from picockpt.parallel.data_parallel.zero_forms import gather_uses, model_state_bytes, zero_paper_bytes
+from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms
+from picockpt.parallel.report_forms import zero_stage_forms
 from picockpt.teaching.plotting import PHASE_COLORS, mib, save_figure
 from picockpt.recompute.policy import parse_policy
 from picockpt.measurement.train import MarkovTask, make_optimizer, train_step
@@ -303,8 +303,8 @@ for dtype, (loss_diff, param_diff) in trained_diff.items():
 # micro-batch's forward, recompute and backward gather its stage's units again, in the schedule's order. The
 # model is a tiny one (4 layers, $h = 32$, fp32) so that the 8 ranks fit on a few cores: 4 sequences of 16
 # tokens, one sequence per micro-batch and data-parallel rank. Beside each measured number stands its closed
-# form, `zero_stage_forms` (`picockpt/parallel/predictions.py`) on the rank's `StageForms`
-# (`picockpt/parallel/pipeline_parallel/pp_inventory.py`), computed here without any rank; the loss and
+# form, `zero_stage_forms` (`picockpt/parallel/report_forms.py`) on the rank's `ChunkForms`
+# (`picockpt/parallel/pipeline_parallel/pp_forms.py`), computed here without any rank; the loss and
 # gradients are held to the single process's within a relative $10^{-5}$ (fp32).
 
 # %%
@@ -317,7 +317,7 @@ def stacked_forms(cfg, batch, seq, stage, microbatches, dp=2, tp=2, pp=2, keep=F
     """ZeRO-3's closed forms on a rank of pipeline stage `stage` (full, 1F1B, sequence parallel, one AdamW step),
     no rank launched; keep: keep_gathered (True, "step" or False)."""
     layout = Layout(dp=dp, pp=pp, tp=tp, zero=3, keep_gathered=keep, microbatches=microbatches)
-    return zero_stage_forms(cfg, StageForms(cfg, batch, seq, "full", layout, stage), layout, steps=1)
+    return zero_stage_forms(cfg, ChunkForms(cfg, batch, seq, "full", layout, stage), layout, steps=1)
 
 
 def measure_stacked(cfg, batch, seq, device):

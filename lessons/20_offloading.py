@@ -55,7 +55,7 @@ import torch
 from _check import check
 from _lesson import FAST_TIMING, choose, device_name, lesson_args, shape_line, small, wrote
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import chain_sizes, layer_flops, layer_inventory, predicted_host_bytes, predicted_peak_bytes
+from picockpt.planning.step_forms import chain_sizes, layer_flops, layer_inventory, predicted_host_bytes, predicted_peak_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.planning.planner import frontier, least_budget, model_chain
 from picockpt.planning.hardware import H100_SXM_BF16, H200_SXM_BF16, NVLINK_C2C, PCIE_GEN5_X16
@@ -72,7 +72,7 @@ RATES = {"H100 SXM": H100_SXM_BF16, "H200 SXM": H200_SXM_BF16}  # dense BF16 FLO
 #
 # One tracked step per policy on the `small` preset. The store counts device bytes and host bytes apart
 # (every store event says where its tensor is); the closed forms (`predicted_peak_bytes`,
-# `predicted_host_bytes`, picockpt/planning/inventory.py) walk the same loop on byte counts and must agree to the
+# `predicted_host_bytes`, picockpt/planning/step_forms.py) walk the same loop on byte counts and must agree to the
 # byte. With $X$ one layer input, $A$ one stored layer (input included), $F$ the head's tensors:
 #
 # - `offload` (= `full+offload`): device peak $\max(F + X,\ A + X)$, host $L \cdot X$: a layer is
@@ -97,9 +97,9 @@ for policy in POLICIES:
     with Tracker(args.device, flops=False) as tracker:
         loss, grads = loss_and_grads(params, cfg, input_ids, targets, policy, tracker=tracker)
     bitwise = torch.equal(loss, base_loss) and all(torch.equal(grads[k], base_grads[k]) for k in base_grads)
-    closed_forms = (predicted_peak_bytes(cfg, batch, seq, policy), predicted_host_bytes(cfg, batch, seq, policy))
+    layer_forms = (predicted_peak_bytes(cfg, batch, seq, policy), predicted_host_bytes(cfg, batch, seq, policy))
     rows.append(dict(policy=policy, device=tracker.peak_logical, host=tracker.peak_host, bitwise=bitwise,
-                     exact=(tracker.peak_logical, tracker.peak_host) == closed_forms,
+                     exact=(tracker.peak_logical, tracker.peak_host) == layer_forms,
                      live=tracker.peak_physical, exposed=tracker.exposed_copy_seconds))
 print(f"measured on {shape_line(cfg, batch, seq, args.device)}")
 print(f"{'policy':<26}{'device peak':>14}{'host peak':>14}{'peak live':>14}  closed forms  bitwise = none")

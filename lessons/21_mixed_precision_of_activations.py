@@ -39,7 +39,7 @@ from _lesson import choose, large, lesson_args, shape_line, small, wrote
 from picockpt import ActivationStore, Config, init_params, loss_and_grads
 from picockpt.measurement.alloc_trace import live_peak, only, trace_of
 from picockpt.recompute.engine import Model, Step
-from picockpt.planning.inventory import layer_inventory, step_flops
+from picockpt.planning.step_forms import layer_inventory, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.model.params import copy_bytes, layer_shapes
 from picockpt.planning.planner_copies import plan_copies
@@ -85,7 +85,7 @@ def run_step(params, cfg, input_ids, targets, policy="none", store=None, look=No
     B, T = input_ids.shape
     with torch.no_grad():
         step = Step(Model(params, cfg, input_ids, targets), parse_policy(policy, cfg).schedule(cfg, B, T),
-                    parse_policy(policy, cfg).drop)
+                    parse_policy(policy, cfg).unstored)
         if store is not None:
             step.store = store
         loss = step.forward()

@@ -39,7 +39,7 @@ import torch
 from _check import check
 from _lesson import FAST_TIMING, Spread, choose, large, lesson_args, shape_line, small, timed_claim, wrote
 from picockpt import Config, init_params
-from picockpt.planning.inventory import step_flops
+from picockpt.planning.step_forms import step_flops
 from picockpt.teaching.plotting import PHASE_COLORS, mib, policy_color, save_figure
 from picockpt.measurement.train import MarkovTask, Monitor, make_optimizer, train
 

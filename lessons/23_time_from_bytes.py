@@ -47,7 +47,7 @@ from _lesson import (FAST_TIMING, Spread, choose, device_name, interleaved_secon
 from _allreduce_timing import all_reduce_seconds
 from picockpt import Config, init_params, loss_and_grads, parallel
 from picockpt.planning.hardware import H100_SXM_BF16, INFINIBAND_NDR, NVLINK_4, PCIE_GEN5_X16
-from picockpt.planning.inventory import layer_flops, step_flops
+from picockpt.planning.step_forms import layer_flops, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.plotting import PHASE_COLORS, save_figure
 from picockpt.parallel import Layout

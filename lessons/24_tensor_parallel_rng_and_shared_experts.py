@@ -51,7 +51,7 @@ from _check import check
 from _lesson import (FAST_TIMING, choose, clock_words, compute_clock, interleaved_seconds, large, lesson_args,
                      paired_ratios, shape_line, small, spawning_ranks, timed_claim, timing_verdict, wrote)
 from picockpt import Config, init_params, loss_and_grads, parallel
-from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, rebuild_flops, step_flops
+from picockpt.planning.step_forms import layer_inventory, predicted_peak_bytes, rebuild_flops, step_flops
 from picockpt.measurement.measure import PutRecorder, make_batch
 from picockpt.ops import dropout_mask
 from picockpt.teaching.plotting import mib, save_figure

@@ -61,7 +61,7 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.planning.cost import (FORWARD_EXCLUDES, HARDWARE, head_ops, layer_ops, measured_rates, plan_priced,
                            price_chain, rebuild_seconds, roofline_op_seconds)
 from picockpt.recompute.engine import Model, Step
-from picockpt.planning.inventory import step_flops
+from picockpt.planning.step_forms import step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.planning.op_times import measure_op_seconds
 from picockpt.planning.planner import least_budget, model_chain, plan_chain, replay

@@ -23,7 +23,7 @@
 #
 # Then the question recomputation asks of a schedule: **what does deferring W cost in bytes, and does
 # recomputation still save them?** Every number below is measured on the ranks and checked, to the byte,
-# against the closed form the tests hold each rank to (`pipeline_parallel/pp_inventory.py`: the micro-batches'
+# against the closed form the tests hold each rank to (`pipeline_parallel/pp_forms.py`: the micro-batches'
 # stores walked along the rank's order, `pp_plan.in_flight_peak`).
 #
 # **Run it** as a script, `python lessons/30_pipeline_schedules.py` (about a minute on 2 cores; `--fast` is
@@ -42,7 +42,7 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.planning.cost import bubble_idle
 from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
-from picockpt.parallel.job import closed_forms
+from picockpt.parallel.job import layer_forms
 from picockpt.parallel.launch import run_ranks
 from picockpt.parallel.pipeline_parallel.pipelining_peer import pipelining_rank_steps
 from picockpt.parallel.pipeline_parallel.pp_orders import run_orders
@@ -104,7 +104,7 @@ def measure(cfg, batch, seq, M, repeats):
                            Layout(pp=P, microbatches=M, schedule=schedule, virtual_stages=V), rng_state=state, **extra)
     jobs = [job(policy, s, V) for s, V in SCHEDULES for policy in POLICIES]
     for s, V in SCHEDULES:
-        size = max(closed_forms(job("every:2", s, V), stage).peak_bytes for stage in range(P))
+        size = max(layer_forms(job("every:2", s, V), stage).peak_bytes for stage in range(P))
         jobs.append(job(f"budget:{size}", s, V))
     timed = [job("full", s, V, measure=False) for _ in range(repeats) for s, V in SCHEDULES]  # interleaved
     with spawning_ranks():  # the ranks need picockpt, not this lesson's cells
@@ -153,7 +153,7 @@ def closed_forms_for(s, V, policy, stage):
     """The closed forms of one stage's rank (parallel/job.py), the shapes of this lesson's runs."""
     params = init_params(cfg, seed=0)
     input_ids, targets = make_batch(cfg, batch, seq, "cpu", seed=0)
-    return closed_forms(ParallelJob(params, cfg, input_ids, targets, policy,
+    return layer_forms(ParallelJob(params, cfg, input_ids, targets, policy,
                                     Layout(pp=P, microbatches=M, schedule=s, virtual_stages=V)), stage)
 
 
@@ -192,7 +192,7 @@ wrote(figure)
 # Each rank's timeline gives its bubble, $1 - \text{computing}/\text{step}$, over interleaved repeats of the three
 # schedules under `full`. Beside it, two models: the equal-time formula, and the clock (`run_orders`) paced by the
 # rank's own measured times, its forward seconds per action and its backward seconds (recomputation included)
-# split into B and W by their matmul FLOPs (`StageForms.action_flops`). The clock leaves out what a CPU run is
+# split into B and W by their matmul FLOPs (`ChunkForms.action_flops`). The clock leaves out what a CPU run is
 # full of: the sends, Python between actions, two ranks sharing a machine.
 
 # %%

@@ -32,7 +32,7 @@ backward runs while the w - 1 others hold E each, what one micro-batch's forward
 
     stage peak = (w - 1) * E + one micro-batch's own peak
 
-(parallel/pipeline_parallel/pp_inventory.py's StageForms, to the byte; tests/test_explorer.py checks it).
+(parallel/pipeline_parallel/pp_forms.py's ChunkForms, to the byte; tests/test_explorer.py checks it).
 """
 import dataclasses
 import math
@@ -46,10 +46,10 @@ from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 from picockpt import Config
 from picockpt.model.config import PRESETS
 from picockpt.planning.fit import WORKING_COPIES
-from picockpt.planning.inventory import chain_sizes, step_flops
-from picockpt.parallel.pipeline_parallel.pp_inventory import stage_chain
+from picockpt.planning.step_forms import chain_sizes, step_flops
+from picockpt.parallel.pipeline_parallel.pp_forms import stage_chain
 from picockpt.parallel.pipeline_parallel.pp_plan import end_of_forward_bytes, plan_in_flight
-from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_flops, rank_sizes
+from picockpt.parallel.tensor_parallel.tp_forms import rank_chain, rank_flops, rank_sizes
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from picockpt.planning.planner import least_budget, least_plan, model_chain, plan_chain
 from picockpt.recompute.policy import OP_LEVEL
@@ -156,11 +156,11 @@ def sizes(setup, cfg=None):
     """(X, A, F) of one GPU: a layer input (a stored checkpoint), a layer stored whole, the head (0 on the
     first of several pipeline stages)."""
     cfg = cfg or stage_config(setup)
-    drop = OP_LEVEL.get(setup.op_level, frozenset())
+    unstored = OP_LEVEL.get(setup.op_level, frozenset())
     if setup.tp == 1:
-        X, A, F = chain_sizes(cfg, setup.batch, setup.seq, drop)
+        X, A, F = chain_sizes(cfg, setup.batch, setup.seq, unstored)
     else:
-        X, _, A, F = rank_sizes(cfg, setup.batch, setup.seq, setup.tp, setup.sp, False, drop)
+        X, _, A, F = rank_sizes(cfg, setup.batch, setup.seq, setup.tp, setup.sp, False, unstored)
     return X, A, 0 if first_stage(setup) else F
 
 

@@ -73,7 +73,7 @@ from picockpt.planning.fit import check_fits
 from picockpt.planning.hardware import H200_SXM_BF16
 from picockpt.recompute.engine import loss_and_grads
 from picockpt.ops.attention_fused import check_fused
-from picockpt.planning.inventory import predicted_peak_bytes, step_flops
+from picockpt.planning.step_forms import predicted_peak_bytes, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.model.params import init_params
 from picockpt.measurement import peers_hf

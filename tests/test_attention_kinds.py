@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, step_flops
+from picockpt.planning.step_forms import layer_inventory, predicted_peak_bytes, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.ops import attention_backward, attention_forward
 from picockpt.ops.attention_fused import check_fused, fused_attention_backward, fused_attention_forward

@@ -8,7 +8,7 @@ import pytest
 
 from picockpt import Config
 from picockpt.cli import main
-from picockpt.planning.closed_forms import layer_flops
+from picockpt.planning.layer_forms import layer_flops
 from picockpt.planning.cost import (HARDWARE, Op, bubble_idle, layer_ops, plan_priced, price_chain, roofline_op_seconds,
                            roofline_seconds)
 from picockpt.planning.hardware import H100_SXM_BF16, H100_SXM_HBM

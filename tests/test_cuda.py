@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import predicted_peak_bytes
+from picockpt.planning.step_forms import predicted_peak_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.ops.attention_fused import fused_attention_backward, fused_attention_forward
 from picockpt.model.routing import route_by_token
@@ -214,7 +214,7 @@ OFFLOAD_POLICIES = ("offload", "none+offload", "every:2+offload", "offload:mlp.g
 def test_offload_policies_bitwise_none_on_cuda_with_exact_device_and_host_bytes(attention):
     cfg, params, ids, targets = setup(attention=attention, attention_tile=32, dtype="bf16")
     base = loss_and_grads(params, cfg, ids, targets, "none")
-    from picockpt.planning.inventory import predicted_host_bytes
+    from picockpt.planning.step_forms import predicted_host_bytes
     for policy in OFFLOAD_POLICIES:
         with Tracker("cuda", flops=False) as tracker:
             loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)

@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from picockpt.planning.fit import step_bytes
-from picockpt.planning.inventory import predicted_peak_bytes, step_flops
-from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_peak_bytes
+from picockpt.planning.step_forms import predicted_peak_bytes, step_flops
+from picockpt.parallel.tensor_parallel.tp_forms import rank_chain, rank_peak_bytes
 from picockpt.planning.planner import least_budget, model_chain, plan_chain
 from picockpt.teaching.reproduce import LESSONS, run_percent
 
@@ -16,7 +16,7 @@ from _explorer import (CAPACITIES, GIB, STORED, WORKING_T2_BYTES, Setup, cheapes
                        working_margin, zero_text)
 from picockpt import Config, init_params, loss_and_grads  # noqa: E402
 from picockpt.measurement.measure import make_batch  # noqa: E402
-from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms  # noqa: E402
+from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms  # noqa: E402
 from picockpt.measurement.tracker import Tracker  # noqa: E402
 from picockpt.parallel import Layout
 
@@ -60,7 +60,7 @@ def test_model_states_working_memory_and_the_multipliers():
 @pytest.mark.parametrize("model,parallel", [("llama3-8b", {}), ("llama3-70b", dict(tp=8, sp=True))])
 def test_a_pipeline_stage_stores_w_minus_one_E_plus_its_own_peak(policy, model, parallel):
     """Stage 0 of 1F1B as lesson 16 measures it, (w - 1)·E + one micro-batch's peak: the pipeline's own closed
-    form (StageForms), to the byte, for the fixed policies and for the planner at the explorer's room."""
+    form (ChunkForms), to the byte, for the fixed policies and for the planner at the explorer's room."""
     setup = Setup(model=model, **shape_of(model), seq=4096, stages=4, in_flight=4, capacity=80 * GIB, **parallel)
     t, sp = parallel.get("tp", 1), parallel.get("sp", False)
     if policy == "budget":
@@ -68,7 +68,7 @@ def test_a_pipeline_stage_stores_w_minus_one_E_plus_its_own_peak(policy, model, 
         policy = f"budget:{fit['room']}"
         assert fit["plan"].peak_bytes <= fit["room"]
         assert stored(memory_parts(setup, "budget")) == fit["plan"].peak_bytes
-    forms = StageForms(model_config(setup), 8, 4096, policy, Layout(pp=4, tp=t, microbatches=8, sp=sp), 0)
+    forms = ChunkForms(model_config(setup), 8, 4096, policy, Layout(pp=4, tp=t, microbatches=8, sp=sp), 0)
     assert forms.in_flight == setup.in_flight
     if not policy.startswith("budget"):
         assert stored(memory_parts(setup, policy)) == forms.peak_bytes

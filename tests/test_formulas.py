@@ -9,10 +9,10 @@ import torch
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.model.attention_flops import ATTENTION_FLOPS
 from picockpt.model.config import PRESETS
-from picockpt.planning.formulas import (GIB, PLAYBOOK_PUBLISHED_GIB, PLAYBOOK_WIDGET_PRESET, chen_memory, chen_optimum,
+from picockpt.planning.published import (GIB, PLAYBOOK_PUBLISHED_GIB, PLAYBOOK_WIDGET_PRESET, chen_memory, chen_optimum,
                                exact_segment_curve, korthikanti_flops, korthikanti_layer_bytes,
                                playbook_activation_bytes, playbook_widget_bytes)
-from picockpt.planning.inventory import chain_sizes, layer_inventory, step_flops, total
+from picockpt.planning.step_forms import chain_sizes, layer_inventory, step_flops, total
 from picockpt.measurement.measure import make_batch, measured_inventory
 from picockpt.recompute.policy import SELECTIVE
 from picockpt.measurement.tracker import Tracker

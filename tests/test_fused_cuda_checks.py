@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from picockpt import Config
 from picockpt.ops.attention_fused import check_fused, fused_attention_backward, fused_attention_forward
 from picockpt.parallel.context_parallel.cp_check import check_context_parallel
-from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, layer_comm_bytes
+from picockpt.parallel.context_parallel.cp_forms import cp_comm_bytes, layer_comm_bytes
 from picockpt.teaching.reproduce import load
 
 CUDA = torch.device("cuda")  # a device object: nothing is allocated on it

@@ -10,7 +10,7 @@ from commands import picockpt
 from lessons import gpu_benchmark  # puts lessons/ on the path: _gpu_criteria
 from picockpt import Config, init_params
 from picockpt.device import resolve_device
-from picockpt.planning.inventory import step_flops
+from picockpt.planning.step_forms import step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.measurement.reference import ReferenceLlama
 from picockpt.measurement.tracker import Tracker

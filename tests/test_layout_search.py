@@ -10,8 +10,8 @@ from picockpt.planning.cost import HARDWARE
 from picockpt.planning.layout_memory import (model_state_bytes, reserve_bytes, split_layers, stage_activation_bytes, stage_bytes,
                                     stage_params)
 from picockpt.planning.layout_search import LLAMA3_405B_TABLE_4, rank_of, search
-from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
-from picockpt.parallel.tensor_parallel.tp_inventory import rank_peak_bytes
+from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms
+from picockpt.parallel.tensor_parallel.tp_forms import rank_peak_bytes
 from picockpt.parallel import Layout
 
 CFG = Config.from_preset("tiny", attention="fused", layers=4)
@@ -38,13 +38,13 @@ def test_model_state_bytes_a_parameter():
 
 
 def test_activations_are_the_tensor_and_pipeline_closed_forms():
-    """pp = 1: one micro-batch in flight, the tensor-parallel rank's store on one sequence (tp_inventory, measured by
-    tests/test_parallel_tp.py); pp > 1: every stage's 1F1B peak (pp_inventory), w = min(p - s, M) in flight."""
+    """pp = 1: one micro-batch in flight, the tensor-parallel rank's store on one sequence (tp_forms, measured by
+    tests/test_parallel_tp.py); pp > 1: every stage's 1F1B peak (pp_forms), w = min(p - s, M) in flight."""
     assert stage_activation_bytes(CFG, 64, 2, True, 1, 4, True, 1, "full") == \
         rank_peak_bytes(CFG, 1, 64, "full", 2, True)
     for s in range(2):
         assert stage_activation_bytes(CFG, 64, 1, False, 1, 2, s == 1, min(2 - s, 4), "none") == \
-            StageForms(CFG, 4, 64, "none", Layout(pp=2, microbatches=4), s).peak_bytes
+            ChunkForms(CFG, 4, 64, "none", Layout(pp=2, microbatches=4), s).peak_bytes
 
 
 def test_every_layout_kept_fits_and_the_best_comes_first():

@@ -166,7 +166,7 @@ def test_interleaved_seconds_runs_each_setup_untimed_just_before_its_step():
 
 def test_the_two_timed_rebuilds_are_the_same_flops_and_bytes():
     lesson = load(next(LESSONS.glob("24_*.py")))
-    from picockpt.planning.inventory import predicted_peak_bytes, rebuild_flops, step_flops
+    from picockpt.planning.step_forms import predicted_peak_bytes, rebuild_flops, step_flops
     from picockpt.recompute.schedule import MOE, SHARED_EXPERTS
     cfg = lesson.small(layers=2, experts=4, attention="fused")
     timing, facts, shared = lesson.rebuild_timing(cfg, 2, 32, torch.device("cpu"), 0, 1)

@@ -18,7 +18,7 @@ import pytest
 
 from picockpt import Config
 from picockpt.planning.cost import bubble_idle
-from picockpt.parallel.context_parallel.cp_inventory import cp_peak_bytes, rank_attention_flops
+from picockpt.parallel.context_parallel.cp_forms import cp_peak_bytes, rank_attention_flops
 from picockpt.parallel.data_parallel import fsdp_peer
 from picockpt.parallel.pipeline_parallel.pp_schedules import SCHEDULES, stage_layers
 from picockpt.parallel.tensor_parallel.tp_shard import check_tensor_parallel

@@ -23,7 +23,7 @@ import torch
 
 from commands import picockpt
 from picockpt import Config, init_params
-from picockpt.planning.inventory import chain_sizes, predicted_peak_bytes, step_flops
+from picockpt.planning.step_forms import chain_sizes, predicted_peak_bytes, step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.plotting import phase_spans
 from picockpt.teaching.reproduce import LESSONS, checks, discover, kind, load, run_lesson, run_percent

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params
-from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes, rebuild_flops
+from picockpt.planning.step_forms import layer_inventory, predicted_peak_bytes, rebuild_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.reproduce import LESSONS, load
 

@@ -22,7 +22,7 @@ from picockpt import Config, init_params
 from picockpt.measurement import peers
 from picockpt.cli import main
 from picockpt.planning.fit import WORKING_COPIES, check_fits, step_bytes
-from picockpt.planning.inventory import layer_flops, predicted_peak_bytes
+from picockpt.planning.step_forms import layer_flops, predicted_peak_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.teaching.plotting import FAST_FIGURES, REPO, save_figure
 from picockpt.measurement.reference import ReferenceLlama

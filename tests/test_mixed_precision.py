@@ -8,7 +8,7 @@ import torch
 
 from picockpt import loss_and_grads, param_shapes
 from picockpt.measurement import peers
-from picockpt.planning.inventory import head_inventory, layer_inventory, predicted_peak_bytes
+from picockpt.planning.step_forms import head_inventory, layer_inventory, predicted_peak_bytes
 from picockpt.measurement.measure import measured_inventory
 from picockpt.measurement.reference import ReferenceLlama
 from picockpt.measurement.tracker import Tracker

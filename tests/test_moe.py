@@ -5,7 +5,7 @@ import torch
 from torch.testing import assert_close
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import layer_inventory, predicted_peak_bytes
+from picockpt.planning.step_forms import layer_inventory, predicted_peak_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.model.routing import step_routing
 from picockpt.model.params import param_shapes
@@ -140,7 +140,7 @@ def test_router_jitter_alone_is_replayed_under_layer_recomputation():
 def test_op_level_choices_store_and_recompute_what_they_say():
     cfg = Config.from_preset("tiny", experts=4, shared_expert_ffn=24)
     B, T = 2, 13
-    names = {policy: set(layer_inventory(cfg, B, T, parse_policy(policy).drop)) for policy in
+    names = {policy: set(layer_inventory(cfg, B, T, parse_policy(policy).unstored)) for policy in
              ("none", "moe_act", "moe", "shared_experts", "cheap", "router")}
     experts = {f"moe.{kind}[{e}]" for kind in ("gate_up", "act") for e in range(4)}
     assert experts | {"moe.router_probs", "moe.expert_index"} <= names["none"]

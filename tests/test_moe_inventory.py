@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import (balanced_counts, counts_from_puts, expert_bytes, layer_inventory, predicted_peak_bytes,
+from picockpt.planning.step_forms import (balanced_counts, counts_from_puts, expert_bytes, layer_inventory, predicted_peak_bytes,
                                 step_flops, total)
 from picockpt.measurement.measure import PutRecorder
 from picockpt.model.routing import route_by_token, step_routing, token_counts
@@ -48,7 +48,7 @@ def test_stored_bytes_equal_the_closed_form_for_each_routing(routing, fields):
     assert step_routing(params, cfg, ids) == [counts] * cfg.layers  # what the routers really do
 
     for policy in ("none", "moe_act", "cheap+moe"):
-        drop = parse_policy(policy).drop
+        unstored = parse_policy(policy).unstored
         recorder = PutRecorder()
         torch.manual_seed(0)
         loss_and_grads(params, cfg, ids, targets, policy, tracker=recorder)
@@ -56,7 +56,7 @@ def test_stored_bytes_equal_the_closed_form_for_each_routing(routing, fields):
             if policy != "cheap+moe":  # the store's own record of the routing (moe keeps no expert rows)
                 assert counts_from_puts(cfg, recorder.puts, layer) == counts
             measured = {name: nbytes for (lay, name), nbytes in recorder.puts.items() if lay == layer}
-            closed = {name: nbytes for name, (_, _, nbytes) in layer_inventory(cfg, B, T, drop, counts).items()}
+            closed = {name: nbytes for name, (_, _, nbytes) in layer_inventory(cfg, B, T, unstored, counts).items()}
             assert measured == closed, (policy, layer)
     for policy in ("none", "full", "every:2+moe", "selective+moe_act"):
         with Tracker("cpu", physical=False) as tracker:

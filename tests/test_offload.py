@@ -8,7 +8,7 @@ import torch
 from picockpt import ActivationStore, Config, init_params, loss_and_grads
 from picockpt.cli import main
 from picockpt.recompute.engine import Model, Step
-from picockpt.planning.inventory import chain_sizes, predicted_host_bytes, predicted_peak_bytes
+from picockpt.planning.step_forms import chain_sizes, predicted_host_bytes, predicted_peak_bytes
 from picockpt.measurement.measure import make_batch, measure_policy
 from picockpt.recompute.offload import HostTier
 from picockpt.planning.planner import least_budget, model_chain

@@ -3,7 +3,7 @@
 (with and without the kept K/V), tiled and fused attention, and cp = 2 beside tp = 2, dp = 2 and pp = 2; every
 policy bitwise equal to `none` within a layout and variant; every rank's stored peak, communication bytes per
 phase, gradient reduction and FLOPs equal to their closed forms (picockpt/parallel/context_parallel/
-cp_inventory.py, through picockpt/parallel/predictions.py); zigzag's attention balanced, contiguous's not.
+cp_forms.py, through picockpt/parallel/report_forms.py); zigzag's attention balanced, contiguous's not.
 
 One launch per world size (2 ranks: cp = 2, the whole matrix; 4 ranks: cp = 4 and cp = 2 with tp, dp or pp),
 every job in turn.
@@ -21,7 +21,7 @@ from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
 from picockpt.ops.attention_tiled import tiled_attention_backward, tiled_attention_forward
 from picockpt.parallel.context_parallel.cp_attention import gathered_attention_backward, gathered_attention_forward
-from picockpt.parallel.context_parallel.cp_inventory import kept_kv_bytes, rank_attention_flops
+from picockpt.parallel.context_parallel.cp_forms import kept_kv_bytes, rank_attention_flops
 from picockpt.parallel.context_parallel.cp_layout import SequenceLayout
 from picockpt.parallel.context_parallel.cp_check import check_context_parallel
 
@@ -221,23 +221,23 @@ def test_zigzag_balances_attention_and_contiguous_does_not(runs):
 
 def test_a_budget_plans_with_the_ring_a_recomputed_layer_repeats():
     """Under cp a budget plans each rank with a recomputed layer's ring bytes as FLOPs of the same time
-    (cp_inventory.recompute_comm_flops). Dense layers under tiled or fused attention rebuild nothing that costs
+    (cp_forms.recompute_comm_flops). Dense layers under tiled or fused attention rebuild nothing that costs
     FLOPs, so the plan that recomputes the fewest FLOPs already recomputes the fewest layers: the ring never
     changes it. A layer whose rebuild costs FLOPs (a mixture of experts' projections, closed forms only: experts
     are refused under cp) shows the trade: fewer layers recomputed for more FLOPs, within the same budget."""
-    from picockpt.parallel.context_parallel.cp_inventory import recompute_comm_flops
-    from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+    from picockpt.parallel.context_parallel.cp_forms import recompute_comm_flops
+    from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms
     from picockpt.planning.planner import least_budget
 
     def plans(cfg, n):
         ring = recompute_comm_flops(cfg, BATCH, 2 * n, 2)
         assert ring > 0
-        none = StageForms(cfg, BATCH, n, "none", Layout(), 0)
+        none = ChunkForms(cfg, BATCH, n, "none", Layout(), 0)
         least = least_budget(none.chain)
         for i in range(24):
             budget = f"budget:{least + (none.peak_bytes - least) * i // 24}"
-            yield (StageForms(cfg, BATCH, n, budget, Layout(), 0),
-                   StageForms(cfg, BATCH, n, budget, Layout(), 0, layer_comm_flops=ring))
+            yield (ChunkForms(cfg, BATCH, n, budget, Layout(), 0),
+                   ChunkForms(cfg, BATCH, n, budget, Layout(), 0, layer_comm_flops=ring))
 
     def layers_recomputed(forms):
         return sum(last - first + 1 for first, last in forms.local_schedule.sweeps(len(forms.layers)))

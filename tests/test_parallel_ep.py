@@ -2,7 +2,7 @@
 gradients (fp64 rel <= 1e-10, fp32 rel <= 1e-5), every policy (MoE options and both recompute choices
 included, router jitter and dropout included) bitwise equal to none, and every rank's stored peak,
 per-layer bytes, communication bytes per phase and FLOPs equal to their closed forms
-(picockpt/parallel/ep_inventory.py), for the routing of the single process on the whole batch.
+(picockpt/parallel/ep_forms.py), for the routing of the single process on the whole batch.
 
 One launch of the two ranks runs every (model, policy, keep_dispatched) job in turn (run_jobs); one launch of four
 runs ep = 2 beside dp = 2 and beside pp = 2 (expert parallelism composed through the one rank step).
@@ -17,7 +17,7 @@ from picockpt import Config, init_params, loss_and_grads
 from picockpt.measurement.measure import make_batch
 from picockpt.model.routing import route_by_token, step_routing
 from picockpt.parallel import Layout, ParallelJob, run_jobs
-from picockpt.parallel.expert_parallel.ep_inventory import ep_layer_inventory
+from picockpt.parallel.expert_parallel.ep_forms import ep_layer_inventory
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -146,7 +146,7 @@ def test_communication_per_phase_equals_its_closed_form(launch):
 
 
 def test_recomputation_repeats_the_dispatch_or_reads_the_rows_it_kept(launch):
-    """Written from the layer, not from ep_inventory.py. Per layer the forward runs four all-to-alls: the
+    """Written from the layer, not from ep_forms.py. Per layer the forward runs four all-to-alls: the
     counts (8E bytes), the tokens (P h e) and their weights (P s) out, the combine (M h e) back. A
     recomputed layer never exchanges counts again (its routing is kept); it repeats the dispatch, or with
     keep_dispatched reads the rows it kept, and repeats the combine to compute its output again."""

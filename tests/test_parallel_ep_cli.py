@@ -16,7 +16,7 @@ from picockpt.model.routing import step_routing
 from picockpt.ops.router import combine_weights
 from picockpt.model.params import layer_key, layer_weights
 from picockpt.parallel import loss_and_grads, run_ranks
-from picockpt.parallel.expert_parallel.ep_inventory import ep_comm_bytes, ep_peak_bytes
+from picockpt.parallel.expert_parallel.ep_forms import ep_comm_bytes, ep_peak_bytes
 from picockpt.parallel.expert_parallel.ep_model import apply_expert_parallel
 from picockpt.parallel.rank_model import RankModel
 from picockpt.recompute.policy import parse_policy
@@ -160,7 +160,7 @@ def test_parallel_command_prints_every_rank_and_what_the_other_choice_would_cost
         assert f"rank {rank}: recomputation moves {moved / 1024:.2f} KiB again" in out
         assert "with --keep-dispatched it would move 0 B and store " in out
     assert "stored peaks, communication bytes per phase and FLOPs equal their closed forms " \
-           "(picockpt/parallel/expert_parallel/ep_inventory.py): yes" in out
+           "(picockpt/parallel/expert_parallel/ep_forms.py): yes" in out
 
 
 def test_parallel_command_refuses_a_split_that_cannot_be(capsys):

@@ -2,7 +2,7 @@
 engine: the same loss and gradients (fp64 rel <= 1e-10, fp32 rel <= 1e-5) for P = 2 and 4, M in
 {1, P, 2P+1}, both schedules, every policy, with dropout and ignored targets, combined with dp = 2 and
 tp = 2; every stage's stored peak, stored bytes per micro-batch, FLOPs and point-to-point, tensor- and
-data-parallel bytes equal their closed forms (picockpt/parallel/pp_inventory.py); the stage-aware budget
+data-parallel bytes equal their closed forms (picockpt/parallel/pp_forms.py); the stage-aware budget
 fits every stage and recomputes no more than the best uniform policy that fits.
 
 Each world size is one launch whose ranks run every job in turn (run_jobs); each job may
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import chain_sizes
+from picockpt.planning.step_forms import chain_sizes
 from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
-from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms, stage_chain, uniform_schedules
+from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms, stage_chain, uniform_schedules
 from picockpt.parallel.pipeline_parallel.pp_schedules import bubble_fraction, stage_layers, unequal_bubble
 from picockpt.parallel.pipeline_parallel.pp_plan import end_of_forward_bytes
 from picockpt.planning.planner import replay
@@ -60,7 +60,7 @@ def budget(cfg, batch, pp, microbatches, schedule, dp=1):
     'every:2', the uniform policy a user would try first."""
     B, peaks = batch, []
     for stage in range(pp):
-        peaks.append(StageForms(cfg, B, SEQ, "every:2",
+        peaks.append(ChunkForms(cfg, B, SEQ, "every:2",
                                 Layout(dp=dp, pp=pp, microbatches=microbatches, schedule=schedule), stage).peak_bytes)
     return f"budget:{max(peaks)}"
 
@@ -181,7 +181,7 @@ def test_every_stage_stores_exactly_its_closed_form(launch):
 
 @pytest.mark.ranks
 def test_the_closed_form_is_in_flight_copies_of_the_layer_inventory(launch):
-    """Written from picockpt/planning/inventory.py, not pp_inventory.py: under 'none' a micro-batch of b sequences
+    """Written from picockpt/planning/step_forms.py, not pp_forms.py: under 'none' a micro-batch of b sequences
     stores n A (+ F on the last stage), and a stage holds w of them, w = M (AFAB) or min(P - s, M) (1F1B)."""
     _, runs, _ = launch
     for _, job, _, _, _, reports in runs:
@@ -289,14 +289,14 @@ def test_stage_aware_budget_fits_every_stage_and_recomputes_no_more_than_the_bes
 
 
 def test_uniform_schedules_are_what_the_policies_run():
-    """The budget planner's uniform rivals (pp_inventory.uniform_schedules) have the bytes and FLOPs of the
+    """The budget planner's uniform rivals (pp_forms.uniform_schedules) have the bytes and FLOPs of the
     policies of the same names on the same stage."""
     cfg = Config(**MODELS["fp64 dropout"])
     chain = stage_chain(cfg, 2, SEQ, 2, True)
     named = dict(uniform_schedules(chain))
     for policy in ("none", "selective", "cheap", "full", "every:2", "full+selective"):
-        forms = StageForms(cfg, 2, SEQ, policy, Layout(pp=2), 1)
-        rival_chain = stage_chain(cfg, 2, SEQ, 2, True, drop=forms.policy.drop)
+        forms = ChunkForms(cfg, 2, SEQ, policy, Layout(pp=2), 1)
+        rival_chain = stage_chain(cfg, 2, SEQ, 2, True, unstored=forms.policy.unstored)
         expected = (end_of_forward_bytes(rival_chain, forms.local_schedule), *replay(rival_chain, forms.local_schedule))
         mine = named[policy]
         assert (end_of_forward_bytes(chain, mine), *replay(chain, mine)) == expected, policy

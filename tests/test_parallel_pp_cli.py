@@ -107,7 +107,7 @@ def test_parallel_command_table_with_data_parallel_overlap(capsys):
                           "attention: L=2")
     assert out.splitlines()[1] == "pipeline and data parallelism, P=1 stage, M=2, dp=2, 1f1b:"
     assert "stored peaks equal their closed forms, (in flight - 1) x stored per micro-batch + one micro-batch's peak " \
-           "(picockpt/parallel/pipeline_parallel/pp_inventory.py): yes" in out
+           "(picockpt/parallel/pipeline_parallel/pp_forms.py): yes" in out
     assert "data-parallel all-reduce left exposed at the end of the step: " in out
     assert "(overlapped with the backward)" in out
     assert float(out.rsplit("max relative difference ", 1)[1]) <= 1e-5

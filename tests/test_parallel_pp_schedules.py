@@ -2,7 +2,7 @@
 ranks) and ZB-H1 (each backward's B and W as two actions) against the single-process engine: the same loss and
 gradients (fp64, rel <= 1e-10) under none, full, every:2 and a stage-aware budget, with dropout and ignored
 targets, beside dp, tp (sp) and ZeRO; every rank's stored peak, first-layer and head bytes, FLOPs and
-point-to-point bytes equal their closed forms (pp_inventory.py); the recorded sends and receives complete in
+point-to-point bytes equal their closed forms (pp_forms.py); the recorded sends and receives complete in
 NCCL's order. One launch per world size, shared by every case.
 """
 import multiprocessing
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import chain_sizes
+from picockpt.planning.step_forms import chain_sizes
 from picockpt.measurement.measure import make_batch
 from picockpt.ops.linear import WeightGrad, deferred_weight_grads, linear_backward, weight_grad
 from picockpt.parallel import Layout, ParallelJob, run_jobs
-from picockpt.parallel.job import checked_job, closed_forms
-from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+from picockpt.parallel.job import checked_job, layer_forms
+from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms
 from picockpt.parallel.pipeline_parallel.pp_orders import w_pending_bytes
 from picockpt.parallel.pipeline_parallel.pp_plan import in_flight_peak
 from picockpt.parallel.pipeline_parallel.pp_schedules import actions, in_flight
@@ -42,7 +42,7 @@ def model(layers, batch):
 
 def budget_for(job):
     """budget:SIZE every stage can meet, but not by keeping everything: the busiest stage's peak under every:2."""
-    return f"budget:{max(closed_forms(replace(job, policy='every:2'), s).peak_bytes for s in range(job.layout.pp))}"
+    return f"budget:{max(layer_forms(replace(job, policy='every:2'), s).peak_bytes for s in range(job.layout.pp))}"
 
 
 def jobs_for(world):
@@ -117,7 +117,7 @@ def test_every_rank_equals_its_closed_forms(launch):
 
 @pytest.mark.ranks
 def test_under_none_the_peak_is_the_inventory_walked_along_the_order(launch):
-    """Written from picockpt/planning/inventory.py and the order alone: a micro-batch-chunk of n layers holds n A (+ F with
+    """Written from picockpt/planning/step_forms.py and the order alone: a micro-batch-chunk of n layers holds n A (+ F with
     the head) from its F to its B; under ZB-H1 it holds n w_pending_bytes from its B to its W instead."""
     for job, _, _, _, reports in launch:
         if job.policy != "none" or job.layout.tp > 1:
@@ -154,7 +154,7 @@ def test_zb_h1_holds_more_than_1f1b_under_full_recomputation(launch):
         if job.layout.schedule == "zb-h1" and job.policy == "full" and job.layout.tp == 1 and not job.layout.zero:
             for r in reports:
                 B, T = job.input_ids.shape
-                one_f = StageForms(job.cfg, B, T, "full",
+                one_f = ChunkForms(job.cfg, B, T, "full",
                                    Layout(dp=job.layout.dp, pp=job.layout.pp, microbatches=job.layout.microbatches),
                                    r["stage"])
                 assert r["peak_activation_bytes"] > one_f.peak_bytes, where(job, r)
@@ -186,7 +186,7 @@ def test_a_zb_h1_budget_plan_fits_although_waiting_w_bytes_exceed_the_room_it_pl
     job = ParallelJob(params, cfg, input_ids, targets, "every:2", Layout(pp=2, microbatches=8, schedule="zb-h1"))
     size = int(budget_for(job).split(":")[1])
     for stage in range(2):
-        assert closed_forms(replace(job, policy=f"budget:{size}"), stage).peak_bytes <= size
+        assert layer_forms(replace(job, policy=f"budget:{size}"), stage).peak_bytes <= size
 
 
 @pytest.mark.parametrize("layout, message", [

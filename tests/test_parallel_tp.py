@@ -16,7 +16,7 @@ import torch
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, ParallelJob, run_jobs
-from picockpt.parallel.tensor_parallel.tp_inventory import rank_chain, rank_peak_bytes
+from picockpt.parallel.tensor_parallel.tp_forms import rank_chain, rank_peak_bytes
 from picockpt.planning.planner import least_budget
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
@@ -144,7 +144,7 @@ def test_communication_per_phase_equals_its_closed_form(launch):
 
 
 def test_recomputation_repeats_exactly_the_forward_collectives_of_the_recomputed_layers(launch):
-    """Written from the layer, not from inventory.py: outside the layers the forward moves the embedding's
+    """Written from the layer, not from step_forms.py: outside the layers the forward moves the embedding's
     sum (S bytes), the loss's three all-reduces of B*T statistics, and under sp the head's all-gather (S)."""
     t, _, runs = launch
     by_job = {(name, job.policy, job.layout.sp, job.layout.distribute_saved): reports[0]

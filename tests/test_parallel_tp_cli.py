@@ -15,10 +15,10 @@ import torch
 
 from picockpt import Config, init_params
 from picockpt.cli import main
-from picockpt.planning.formulas import korthikanti_layer_bytes
+from picockpt.planning.published import korthikanti_layer_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.parallel import Layout, loss_and_grads, ParallelJob, RankError, run_jobs, run_ranks
-from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_layer_inventory, rank_peak_bytes
+from picockpt.parallel.tensor_parallel.tp_forms import rank_comm_bytes, rank_layer_inventory, rank_peak_bytes
 from picockpt.parallel.job import on_cpu
 from picockpt.parallel.rank import rank_step
 
@@ -129,7 +129,7 @@ def test_parallel_command_prints_every_rank_against_its_closed_forms(capsys):
     for rank in (0, 1):  # measured and predicted, to the byte
         assert re.search(rf"^{rank} +{peak:,} B +{peak:,} B ", out, re.MULTILINE), out
     assert "stored peaks and communication bytes equal their closed forms " \
-           "(picockpt/parallel/tensor_parallel/tp_inventory.py): yes" in out
+           "(picockpt/parallel/tensor_parallel/tp_forms.py): yes" in out
     assert "recomputation moves nothing between ranks under this policy" in out
     difference = float(out.rsplit("max relative difference ", 1)[1])
     assert difference <= 1e-5

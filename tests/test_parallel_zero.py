@@ -1,7 +1,7 @@
 """ZeRO stages 1/2/3 with recomputation, on 2 and 4 gloo ranks against the single-process engine: the same
 loss and gradients (fp32 rel <= 1e-5), every policy bitwise equal to none within a stage, every rank's
 parameter, gradient, optimizer, activation and gathered bytes and its all-gathers / reduce-scatters per
-phase equal to their closed forms (picockpt/parallel/data_parallel/zero_inventory.py), keep_gathered's
+phase equal to their closed forms (picockpt/parallel/data_parallel/zero_forms.py), keep_gathered's
 one gather fewer per recomputed layer, AdamW on the shards equal to the single process's after 3 steps,
 training on a new batch each step (zero_train) equal to picockpt/measurement/train.py's, and torch's FSDP2 beside it.
 
@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from picockpt import Config, init_params, loss_and_grads
-from picockpt.planning.inventory import predicted_peak_bytes
+from picockpt.planning.step_forms import predicted_peak_bytes
 from picockpt.measurement.measure import make_batch
 from picockpt.ops.cross_entropy import IGNORE_INDEX
 from picockpt.model.params import param_shapes
 from picockpt.parallel import Layout, ParallelJob, run_ranks
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_step, fsdp2_rank_steps
 from picockpt.parallel.data_parallel.zero_check import check_zero
-from picockpt.parallel.data_parallel.zero_inventory import zero_paper_bytes
-from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
-from picockpt.parallel.predictions import zero_stage_forms
+from picockpt.parallel.data_parallel.zero_forms import zero_paper_bytes
+from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms
+from picockpt.parallel.report_forms import zero_stage_forms
 from picockpt.parallel.step import run_collected
 from picockpt.measurement.train import MarkovTask, make_optimizer, train_step
 
@@ -151,7 +151,7 @@ def launch(request, launched):
 def zero_comm_bytes(cfg, policy, keep=False):
     """ZeRO-3's collectives per phase on one of 2 ranks (predictions.zero_stage_forms on the one stage's rank)."""
     layout = Layout(dp=2, zero=3, keep_gathered=keep)
-    return zero_stage_forms(cfg, StageForms(cfg, BATCH, SEQ, policy, layout, 0), layout, steps=0)["zero_bytes_by_kind"]
+    return zero_stage_forms(cfg, ChunkForms(cfg, BATCH, SEQ, policy, layout, 0), layout, steps=0)["zero_bytes_by_kind"]
 
 
 def relative(value, reference):
@@ -202,7 +202,7 @@ def test_model_state_and_activations_per_rank_equal_their_closed_forms(launch):
                 assert r[key] == r[f"predicted_{key}"], (where, key, r[key], r[f"predicted_{key}"])
             assert r["peak_activation_bytes"] == r["predicted_activation_bytes"], where
             assert r["peak_activation_bytes"] == predicted_peak_bytes(j.cfg, BATCH // dp, SEQ, j.policy), where
-    # written from the shapes, not from zero_inventory: fp32, 4 bytes an element, units padded to dp
+    # written from the shapes, not from zero_forms: fp32, 4 bytes an element, units padded to dp
     cfg = runs[0][0].cfg
     units = [cfg.vocab * cfg.hidden] + [sum(torch.Size(s).numel() for n, s in param_shapes(cfg).items()
                                             if n.startswith(f"model.layers.{k}."))

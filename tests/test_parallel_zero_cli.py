@@ -79,7 +79,7 @@ def test_the_command_stacks_zero_on_tensor_parallelism(capsys):
     assert main(flags) == 0
     text = capsys.readouterr().out
     assert "dp=2, tp=2" in text and "ZeRO stage 2 over the data-parallel group (dp 2 = 2 ranks)" in text
-    assert "closed forms (picockpt/parallel/data_parallel/zero_inventory.py): yes" in text
+    assert "closed forms (picockpt/parallel/data_parallel/zero_forms.py): yes" in text
 
 
 def test_every_zero_layout_flag_reaches_the_job_and_zero_shards_over_dp_ep_and_cp(monkeypatch, capsys):
@@ -132,7 +132,7 @@ def test_the_train_command_on_zero_ranks_prints_the_losses_of_training_in_one_pr
 
     assert set(losses(sharded)) == set(losses(alone)) == {"0", "2"}
     assert all(abs(losses(sharded)[step] - loss) <= 1.5e-4 for step, loss in losses(alone).items())
-    assert "over 2 ZeRO-2 ranks" in sharded and "closed forms (picockpt/parallel/data_parallel/zero_inventory.py): " \
+    assert "over 2 ZeRO-2 ranks" in sharded and "closed forms (picockpt/parallel/data_parallel/zero_forms.py): " \
                                                 "yes" in sharded
     assert [line.split()[0] for line in sharded.splitlines() if line[:2] in ("0 ", "1 ")] == ["0", "1"]  # a row each
 

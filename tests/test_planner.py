@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from picockpt import loss_and_grads
-from picockpt.planning.inventory import predicted_peak_bytes, step_flops
+from picockpt.planning.step_forms import predicted_peak_bytes, step_flops
 from picockpt.planning.planner import Stage, frontier, least_budget, model_chain, plan_chain, plan_model, replay
 from picockpt.planning.planner_uniform import binomial_forward_steps, forward_steps_table, plan_uniform
 from picockpt.recompute.policy import parse_policy
@@ -165,8 +165,8 @@ def test_a_coarse_grid_never_goes_over_budget():
 
 
 # ---- picockpt's model: the plan runs in the engine, exactly as predicted ---------------------------
-def budgets(cfg, batch, seq, drop, count=6):
-    least = least_budget(model_chain(cfg, batch, seq, drop))
+def budgets(cfg, batch, seq, unstored, count=6):
+    least = least_budget(model_chain(cfg, batch, seq, unstored))
     most = predicted_peak_bytes(cfg, batch, seq, "none")
     return sorted({least, least + 1} | {least + (most - least) * k // count for k in range(1, count + 1)})
 
@@ -176,10 +176,10 @@ def test_budget_runs_as_planned(op_level, dropout):
     cfg, params, ids, targets = setup(batch=2, seq=19, layers=5, dropout=dropout)
     torch.manual_seed(0)
     loss0, grads0 = loss_and_grads(params, cfg, ids, targets, "none")
-    drop = parse_policy("none" + op_level).drop
-    for budget in budgets(cfg, 2, 19, drop):
+    unstored = parse_policy("none" + op_level).unstored
+    for budget in budgets(cfg, 2, 19, unstored):
         policy = f"budget:{budget}{op_level}"
-        plan = plan_model(cfg, 2, 19, budget, drop)
+        plan = plan_model(cfg, 2, 19, budget, unstored)
         torch.manual_seed(0)
         with Tracker() as tracker:
             loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
@@ -197,7 +197,7 @@ def test_the_planner_is_never_beaten_by_a_fixed_policy():
         for op_level in ["", "+selective", "+cheap"]:
             policy = parse_policy(layer_level + op_level, cfg)
             peak = predicted_peak_bytes(cfg, 3, 23, policy)
-            plan = plan_model(cfg, 3, 23, peak, policy.drop)
+            plan = plan_model(cfg, 3, 23, peak, policy.unstored)
             assert plan.recompute_flops <= step_flops(cfg, 3, 23, policy)["recompute"], policy.text
 
 
@@ -210,7 +210,7 @@ def test_a_coarse_grid_still_matches_every_fixed_policy(max_slots):
         for op_level in ["", "+selective", "+cheap"]:
             policy = parse_policy(layer_level + op_level, cfg)
             peak = predicted_peak_bytes(cfg, 3, 23, policy)
-            plan = plan_model(cfg, 3, 23, peak, policy.drop, max_slots=max_slots)
+            plan = plan_model(cfg, 3, 23, peak, policy.unstored, max_slots=max_slots)
             assert not plan.exact_grid and plan.peak_bytes <= peak
             assert plan.recompute_flops <= step_flops(cfg, 3, 23, policy)["recompute"], policy.text
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from picockpt import loss_and_grads, parse_policy
-from picockpt.planning.inventory import predicted_peak_bytes, step_flops
+from picockpt.planning.step_forms import predicted_peak_bytes, step_flops
 from picockpt.measurement.tracker import Tracker
 
 from conftest import setup

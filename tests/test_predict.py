@@ -6,10 +6,10 @@ import pytest
 from commands import picockpt
 from picockpt import Config
 from picockpt.cli import main
-from picockpt.planning.formulas import korthikanti_layer_bytes
-from picockpt.planning.inventory import predicted_peak_bytes
-from picockpt.parallel.context_parallel.cp_inventory import cp_comm_bytes, cp_peak_bytes
-from picockpt.parallel.data_parallel.zero_inventory import model_state_bytes, zero_paper_bytes, zero_paper_parts
+from picockpt.planning.published import korthikanti_layer_bytes
+from picockpt.planning.step_forms import predicted_peak_bytes
+from picockpt.parallel.context_parallel.cp_forms import cp_comm_bytes, cp_peak_bytes
+from picockpt.parallel.data_parallel.zero_forms import model_state_bytes, zero_paper_bytes, zero_paper_parts
 from picockpt.parallel import Layout
 
 KEYS = ("model", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "recompute", "tp", "sp", "formula",
@@ -115,17 +115,17 @@ def test_context_parallel_per_rank_is_cp_inventorys(capsys):
 
 def test_context_parallel_beside_tensor_parallel_is_a_tp_rank_on_t_over_cp_tokens(capsys):
     """--cp 16 --tp 8 --sp (Llama 3 405B at 128K tokens): a rank's store is a tensor-parallel rank's on T/cp
-    tokens, the form the composed step's tp x cp ranks are measured against (parallel/predictions.py: StageForms
+    tokens, the form the composed step's tp x cp ranks are measured against (parallel/report_forms.py: ChunkForms
     at T/cp, tests/test_parallel_cp.py), and its communication the ring's K/V of KV/t heads plus tp's."""
-    from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
-    from picockpt.parallel.tensor_parallel.tp_inventory import rank_comm_bytes, rank_peak_bytes
+    from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms
+    from picockpt.parallel.tensor_parallel.tp_forms import rank_comm_bytes, rank_peak_bytes
     row = predict_json(capsys, "--model", "llama3-405b", "--seq", "131072", "--attention", "fused", "--recompute",
                        "full", "--cp", "16", "--tp", "8", "--sp")
     cfg = Config.from_preset("llama3-405b", dtype="bf16", attention="fused")
     cp, n = row["cp"], 131072 // 16
     assert (cp["rank_tokens"], cp["tp"], cp["sp"]) == (n, 8, True)
     assert cp["peak_bytes"] == rank_peak_bytes(cfg, 1, n, "full", 8, True) == \
-        StageForms(cfg, 1, n, "full", Layout(tp=8), 0).peak_bytes
+        ChunkForms(cfg, 1, n, "full", Layout(tp=8), 0).peak_bytes
     tp_comm = rank_comm_bytes(cfg, 1, n, "full", 8, True)
     ring = cp_comm_bytes(cfg, 1, 131072, "full", 16, t=8)
     assert cp["comm_bytes"] == {phase: ring[phase] + tp_comm[phase] for phase in ring}
@@ -135,15 +135,15 @@ def test_context_parallel_beside_tensor_parallel_is_a_tp_rank_on_t_over_cp_token
 
 def test_context_parallel_beside_pipeline_stages_is_each_stages_rank(capsys):
     """--cp 16 --tp 8 --sp --pp 16 (the Llama 3 paper's 128K layout): every stage's rank on its T/cp tokens under
-    1F1B (StageForms, what tests/test_parallel_cp.py measures cp x pp ranks against); stage 0, holding the most
+    1F1B (ChunkForms, what tests/test_parallel_cp.py measures cp x pp ranks against); stage 0, holding the most
     micro-batches, is the busiest; every:C runs within the largest stage."""
-    from picockpt.parallel.pipeline_parallel.pp_inventory import StageForms
+    from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms
     row = predict_json(capsys, "--model", "llama3-405b", "--seq", "131072", "--attention", "fused", "--recompute",
                        "full", "--cp", "16", "--tp", "8", "--sp", "--pp", "16", "--batch", "16")
     cfg = Config.from_preset("llama3-405b", dtype="bf16", attention="fused")
     cp, n = row["cp"], 131072 // 16
     assert (cp["pp"], cp["microbatches"]) == (16, 16)
-    assert cp["stage_peak_bytes"] == [StageForms(cfg, 16, n, "full", Layout(pp=16, tp=8, microbatches=16), s).peak_bytes
+    assert cp["stage_peak_bytes"] == [ChunkForms(cfg, 16, n, "full", Layout(pp=16, tp=8, microbatches=16), s).peak_bytes
                                       for s in range(16)]
     assert cp["peak_bytes"] == cp["stage_peak_bytes"][0] == max(cp["stage_peak_bytes"])
     assert sorted(map(int, cp["every_peak_bytes"])) == list(range(1, 9))  # 126 layers over 16 stages: 8 at most
@@ -172,7 +172,7 @@ def test_zero_beside_tp_cp_and_pp_is_the_busiest_stages_rank(capsys):
 def test_zero_beside_ep_shards_the_experts_over_dp_and_the_rest_over_dp_x_ep(capsys):
     """Mixtral 8x7B, ZeRO-3 over dp 2 beside ep 4: a rank holds 2 of the 8 experts of every layer, sharded over its
     2 data-parallel ranks, and every other weight sharded over dp x ep = 8 (fp32 shards, written from the shapes;
-    AdamW's two moments and a step count per unit); its activations are ep_inventory.py's for balanced routing."""
+    AdamW's two moments and a step count per unit); its activations are ep_forms.py's for balanced routing."""
     row = predict_json(capsys, "--model", "mixtral-8x7b", "--seq", "1024", "--recompute", "full", "--zero", "3",
                        "--dp", "2", "--ep", "4")
     zero, cfg = row["zero"], Config.from_preset("mixtral-8x7b")

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from picockpt import ActivationStore, Config
-from picockpt.planning.inventory import head_inventory, layer_inventory
+from picockpt.planning.step_forms import head_inventory, layer_inventory
 from picockpt.measurement.measure import measured_inventory
 from picockpt.recompute.policy import CHEAP, SELECTIVE
 
@@ -50,17 +50,17 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("drop_name,drop", [("none", frozenset()), ("selective", SELECTIVE), ("cheap", CHEAP)])
+@pytest.mark.parametrize("drop_name,unstored", [("none", frozenset()), ("selective", SELECTIVE), ("cheap", CHEAP)])
 @pytest.mark.parametrize("fields,batch,seq", SHAPES)
-def test_stored_bytes_per_layer_equal_the_closed_form(fields, batch, seq, drop_name, drop):
+def test_stored_bytes_per_layer_equal_the_closed_form(fields, batch, seq, drop_name, unstored):
     cfg = Config.from_preset("tiny", layers=2, **fields)
     puts = measured_inventory(cfg, batch, seq, drop_name)
     for layer in range(cfg.layers):
         measured = {name: nbytes for (lay, name), nbytes in puts.items() if lay == layer}
-        closed = {name: nbytes for name, (_, _, nbytes) in layer_inventory(cfg, batch, seq, drop).items()}
+        closed = {name: nbytes for name, (_, _, nbytes) in layer_inventory(cfg, batch, seq, unstored).items()}
         assert measured == closed
     measured = {name: nbytes for (lay, name), nbytes in puts.items() if lay is None}
-    assert measured == {name: nbytes for name, (_, _, nbytes) in head_inventory(cfg, batch, seq, drop).items()}
+    assert measured == {name: nbytes for name, (_, _, nbytes) in head_inventory(cfg, batch, seq, unstored).items()}
 
 
 def test_inventory_formula_by_hand():

@@ -31,7 +31,7 @@ def tiled(layers=3):
 def step(cfg, params, ids, targets, policy, listener):
     policy = parse_policy(policy, cfg)
     with torch.no_grad():
-        run = Step(Model(params, cfg, ids, targets), policy.schedule(cfg, B, T), policy.drop, listener)
+        run = Step(Model(params, cfg, ids, targets), policy.schedule(cfg, B, T), policy.unstored, listener)
         run.forward()
         run.backward()
 
@@ -270,7 +270,7 @@ def test_free_cuda_memory_counts_the_blocks_the_allocator_holds_unused(monkeypat
 def test_offloaded_host_buffers_are_reused_and_the_host_bytes_stay_exact(monkeypatch):
     from picockpt import loss_and_grads
     from picockpt.recompute import host_pool
-    from picockpt.planning.inventory import predicted_host_bytes
+    from picockpt.planning.step_forms import predicted_host_bytes
     monkeypatch.setattr(host_pool, "_POOLS", {})  # a fresh pool for this test
     cfg, params, ids, targets = tiled(layers=4)
     peaks = []

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from picockpt.planning.inventory import step_flops
+from picockpt.planning.step_forms import step_flops
 from picockpt.teaching.reproduce import LESSONS, load
 
 sys.path.insert(0, str(LESSONS))  # the lessons import _lesson by its bare name

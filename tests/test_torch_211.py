@@ -17,7 +17,7 @@ import torch
 from picockpt import Config, init_params, loss_and_grads
 from picockpt.model.attention_flops import ATTENTION_FLOPS
 from picockpt.device import check_torch
-from picockpt.planning.inventory import step_flops
+from picockpt.planning.step_forms import step_flops
 from picockpt.measurement.measure import make_batch
 from picockpt.parallel.launch import run_ranks
 from picockpt.measurement.tracker import Tracker

@@ -4,7 +4,7 @@ import torch
 from commands import picockpt
 from picockpt import Config, init_params
 from picockpt.model.params import param_shapes
-from picockpt.planning.inventory import predicted_peak_bytes, step_flops
+from picockpt.planning.step_forms import predicted_peak_bytes, step_flops
 from picockpt.measurement.train import MarkovTask, Monitor, train
 
 

@@ -3,7 +3,7 @@ import torch
 
 from ..device import resolve_device
 from ..planning.fit import check_fits
-from ..planning.inventory import head_inventory, layer_inventory, predicted_peak_bytes, total
+from ..planning.step_forms import head_inventory, layer_inventory, predicted_peak_bytes, total
 from ..measurement.measure import make_batch, measured_inventory
 from ..model.routing import step_routing
 from ..model.params import init_params
@@ -28,8 +28,8 @@ def run(args):
     check_fits(cfg, device, B, T, _op_only(policy), advice="use a smaller --batch or --seq",
                note=" (inventory runs one step that stores every layer, to measure what one layer keeps)")
     counts = _routing(cfg, B, T, device, args.seed, args.layer) if cfg.experts else None
-    closed = layer_inventory(cfg, B, T, policy.drop, counts)
-    head = head_inventory(cfg, B, T, policy.drop)
+    closed = layer_inventory(cfg, B, T, policy.unstored, counts)
+    head = head_inventory(cfg, B, T, policy.unstored)
     measured = measured_inventory(cfg, B, T, _op_only(policy), device, args.seed)
     print(f"one stored layer, B={B} T={T} h={cfg.hidden} H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} "
           f"{cfg.dtype}, policy {policy.text} (op level: {policy.op_level or 'nothing dropped'})")

@@ -164,7 +164,7 @@ def print_tensor(row):
     exact = all(r["peak_activation_bytes"] == r["predicted_activation_bytes"] and
                 r["comm_bytes"] == r["predicted_comm_bytes"] for r in row["ranks"])
     print(f"stored peaks and communication bytes equal their closed forms "
-          f"(picockpt/parallel/tensor_parallel/tp_inventory.py): {'yes' if exact else 'NO'}")
+          f"(picockpt/parallel/tensor_parallel/tp_forms.py): {'yes' if exact else 'NO'}")
     first = row["ranks"][0]
     added = first["comm_bytes"]["recompute"]
     print(f"recomputation moves {fmt_bytes(added)} per rank again "
@@ -197,7 +197,7 @@ def print_pipeline(row):
                      "others' and leaves what its W reads (W frees it)",
             "interleaved": "the order walked, micro-batch-chunk by micro-batch-chunk"}.get(
         row["schedule"], "(in flight - 1) x stored per micro-batch + one micro-batch's peak")
-    print(f"stored peaks equal their closed forms, {form} (picockpt/parallel/pipeline_parallel/pp_inventory.py): "
+    print(f"stored peaks equal their closed forms, {form} (picockpt/parallel/pipeline_parallel/pp_forms.py): "
           f"{'yes' if exact else 'NO'}")
     bubbles = [r["bubble"] for r in row["ranks"]]
     print(f"bubble (1 - computing / step time) per rank: {', '.join(f'{b:.0%}' for b in bubbles)}; "

@@ -29,7 +29,7 @@ def print_context(row):
                 r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]
                 for r in row["ranks"])
     print(f"stored peaks, K/V bytes per phase and FLOPs equal their closed forms "
-          f"(picockpt/parallel/context_parallel/cp_inventory.py): {'yes' if exact else 'NO'}")
+          f"(picockpt/parallel/context_parallel/cp_forms.py): {'yes' if exact else 'NO'}")
     cp = row["cp"]  # ring or all-gather, one traffic counted one way: what reached the rank
     print(f"K/V bytes count the {cp - 1} block{'s' if cp > 2 else ''} of K/V each rank received from the others "
           f"(ring and all-gather alike; the all-gather's buffer also holds the rank's own block)")

@@ -10,7 +10,7 @@ other recompute choice would cost on the same routing (predicted).
 """
 import torch
 
-from ..parallel.predictions import predicted
+from ..parallel.report_forms import predicted
 from ..parallel.job import ParallelJob
 from ..parallel.layout import Layout
 from ..model.routing import step_routing
@@ -60,7 +60,7 @@ def print_expert(row):
                 r["comm_bytes"] == r["predicted_comm_bytes"] and r["flops"] == r["predicted_flops"]
                 for r in row["ranks"])
     print(f"stored peaks, communication bytes per phase and FLOPs equal their closed forms "
-          f"(picockpt/parallel/expert_parallel/ep_inventory.py): {'yes' if exact else 'NO'}")
+          f"(picockpt/parallel/expert_parallel/ep_forms.py): {'yes' if exact else 'NO'}")
     for r, o in zip(row["ranks"], row["other_choice"]["ranks"]):
         added, forward = r["comm_bytes"]["recompute"], r["comm_bytes"]["forward"]
         flag = "with" if row["other_choice"]["keep_dispatched"] else "without"

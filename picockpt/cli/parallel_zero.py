@@ -4,7 +4,7 @@ ZeRO runs inside the one rank step (picockpt/parallel/rank.py, data_parallel/zer
 --dp, --tp, --sp, --pp, --microbatches, --cp and --ep; its shard group is the dp x ep x cp ranks (the experts'
 over their dp x cp). Below the layout's table, per rank: the bytes it holds of parameters, gradients and AdamW
 state, its activation store's peak and the gathered parameters' peak, and the bytes ZeRO's own all-gathers and
-reductions moved per phase, each beside its closed form (picockpt/parallel/data_parallel/zero_inventory.py):
+reductions moved per phase, each beside its closed form (picockpt/parallel/data_parallel/zero_forms.py):
 under stage 3 a recomputed layer's parameters are gathered again, unless --keep-gathered keeps its recompute's
 gather for its backward. The step ends with one AdamW step on the shards.
 
@@ -63,4 +63,4 @@ def print_ranks(ranks):
         all(r[key] == r["predicted_" + key] for r in ranks for key in ("gathered_peak_bytes", "zero_bytes_by_kind",
                                                                        "dp_bytes"))
     print(f"model state, stored peaks, gathered peaks and bytes moved per phase equal their closed forms "
-          f"(picockpt/parallel/data_parallel/zero_inventory.py): {'yes' if exact else 'NO'}")
+          f"(picockpt/parallel/data_parallel/zero_forms.py): {'yes' if exact else 'NO'}")

@@ -69,12 +69,12 @@ def run(args):
     if args.offload or args.host_bandwidth is not None or args.compute_rate is not None:
         return run_offload(args)
     cfg = config_from_args(args)
-    budget, drop, text, policy = budget_policy(args, cfg)
+    budget, unstored, text, policy = budget_policy(args, cfg)
     start = time.perf_counter()
-    plan, extra = (plan_model(cfg, args.batch, args.seq, budget, drop), {}) if args.cost == "flops" else \
-        priced_plan(cfg, args, budget, drop)
+    plan, extra = (plan_model(cfg, args.batch, args.seq, budget, unstored), {}) if args.cost == "flops" else \
+        priced_plan(cfg, args, budget, unstored)
     seconds = time.perf_counter() - start
-    row = plan_row(cfg, args, text, budget, drop, plan, plan, seconds, after={"sweeps": extra})
+    row = plan_row(cfg, args, text, budget, unstored, plan, plan, seconds, after={"sweeps": extra})
     if args.measure:
         row.update(measure(cfg, args, policy))
     least, forward = row["least_budget_bytes"], row["forward_flops"]
@@ -131,15 +131,15 @@ def run_offload(args):
             raise ValueError(f"{flag}={value:g}: give a positive number (bytes/s for the link, FLOP/s for the device), "
                              f"e.g. --host-bandwidth 63e9 --compute-rate 989e12")
     check_rates(bandwidth, rate)
-    budget, drop, text, policy = budget_policy(args, cfg, "+offload")
+    budget, unstored, text, policy = budget_policy(args, cfg, "+offload")
     prices, priced_by, _ = op_seconds(cfg, args) if args.cost != "flops" else (None, None, None)
     start = time.perf_counter()
-    plan = plan_offload(cfg, args.batch, args.seq, budget, drop, bandwidth, rate,
+    plan = plan_offload(cfg, args.batch, args.seq, budget, unstored, bandwidth, rate,
                         seconds=None if prices is None else tuple(sorted(prices.items())))
     seconds = time.perf_counter() - start
     rows = actions(plan)
     two, reason = plan.two_action_walk, peak_reason(plan)
-    result = plan_row(cfg, args, text, budget, drop, plan, plan.base, seconds, after={
+    result = plan_row(cfg, args, text, budget, unstored, plan, plan.base, seconds, after={
         "budget_bytes": {"host_bandwidth": bandwidth, "compute_rate": rate if prices is None else None,
                          "cost": args.cost, "priced_by": priced_by},
         "peak_bytes": {"host_peak_bytes": plan.walk.host_peak,

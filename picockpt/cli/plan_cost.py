@@ -57,13 +57,13 @@ def op_seconds(cfg, args, progress=print):
             f"move with the machine's load, so a measured plan can change between runs)", profile.spread)
 
 
-def priced_plan(cfg, args, budget, drop):
+def priced_plan(cfg, args, budget, unstored):
     """(the plan decided on seconds, the JSON keys it adds): the FLOP plan priced by the same seconds beside it."""
     seconds, source, spread = op_seconds(cfg, args)
-    chain = model_chain(cfg, args.batch, args.seq, drop)
-    priced = price_chain(chain, cfg, args.batch, args.seq, seconds, drop)
+    chain = model_chain(cfg, args.batch, args.seq, unstored)
+    priced = price_chain(chain, cfg, args.batch, args.seq, seconds, unstored)
     plan = plan_priced(chain, priced, budget)
-    by_flops = plan_model(cfg, args.batch, args.seq, budget, drop)
+    by_flops = plan_model(cfg, args.batch, args.seq, budget, unstored)
     flops_seconds = replay(priced, by_flops.schedule)[1]
     extra = {"cost": args.cost, "priced_by": source, "op_seconds": seconds, "op_seconds_spread": spread,
              "recompute_seconds": plan.recompute_seconds,

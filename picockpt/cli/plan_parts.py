@@ -3,7 +3,7 @@ and the sweeps in it, the text table, one tracked step."""
 import json
 
 from ..planning.fit import check_fits
-from ..planning.inventory import step_flops
+from ..planning.step_forms import step_flops
 from ..planning.planner import least_budget, model_chain
 from ..recompute.policy import OP_LEVEL, parse_policy, parse_size
 from ..device import resolve_device
@@ -25,12 +25,12 @@ def budget_policy(args, cfg, suffix=""):
     return budget, OP_LEVEL.get(args.op_level, frozenset()), text, parse_policy(text, cfg)
 
 
-def plan_row(cfg, args, text, budget, drop, plan, grid, seconds, after):
+def plan_row(cfg, args, text, budget, unstored, plan, grid, seconds, after):
     """The JSON keys both plans print; `after`, {shared key: {key: value}}, puts a mode's own keys after one."""
     row = {"policy": text, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
            "recompute_flops": plan.recompute_flops,
            "forward_flops": step_flops(cfg, args.batch, args.seq, "none")["forward"],
-           "least_budget_bytes": least_budget(model_chain(cfg, args.batch, args.seq, drop)),
+           "least_budget_bytes": least_budget(model_chain(cfg, args.batch, args.seq, unstored)),
            "slot_bytes": grid.slot_bytes, "exact_grid": grid.exact_grid, "planning_seconds": seconds,
            "forward": list(plan.schedule.forward), "sweeps": sweeps_json(plan.schedule, cfg.layers)}
     return {name: value for key in row for name, value in ((key, row[key]), *after.get(key, {}).items())}
@@ -71,7 +71,7 @@ def measure(cfg, args, policy, schedule=None):
         if schedule is None:
             loss_and_grads(params, cfg, input_ids, targets, policy, tracker=tracker)
         else:
-            step = Step(Model(params, cfg, input_ids, targets), schedule, policy.drop, tracker)
+            step = Step(Model(params, cfg, input_ids, targets), schedule, policy.unstored, tracker)
             step.forward()
             step.backward()
     return {"measured_peak_bytes": tracker.peak_logical, "measured_recompute_flops": tracker.flops["recompute"],

@@ -17,9 +17,9 @@ import argparse
 import json
 
 from ..model.config import PRESETS
-from ..planning.formulas import GIB, RECOMPUTE, korthikanti_flops, korthikanti_layer_bytes, playbook_activation_bytes
-from ..planning.inventory import chain_sizes, layer_inventory, predicted_peak_bytes, step_flops, total
-from ..parallel.tensor_parallel.tp_inventory import (rank_comm_bytes, rank_flops, rank_peak_bytes, rank_sizes,
+from ..planning.published import GIB, RECOMPUTE, korthikanti_flops, korthikanti_layer_bytes, playbook_activation_bytes
+from ..planning.step_forms import chain_sizes, layer_inventory, predicted_peak_bytes, step_flops, total
+from ..parallel.tensor_parallel.tp_forms import (rank_comm_bytes, rank_flops, rank_peak_bytes, rank_sizes,
                                                     replicated_and_split)
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from ..recompute.policy import SELECTIVE
@@ -88,9 +88,9 @@ def predict(cfg, batch, seq, recompute="none", tp=1, sp=False):
     per_layer = korthikanti_layer_bytes(s, b, h, a, tp, sp, recompute)
     activations = playbook_activation_bytes(L, s, b, h, a, recompute, tp, sp)
     policy = POLICY_OF[recompute]
-    drop = SELECTIVE if recompute == "selective" else frozenset()
-    X, A, F = chain_sizes(cfg, batch, seq, drop)
-    own_layer = X if recompute == "full" else total(layer_inventory(cfg, batch, seq, drop))
+    unstored = SELECTIVE if recompute == "selective" else frozenset()
+    X, A, F = chain_sizes(cfg, batch, seq, unstored)
+    own_layer = X if recompute == "full" else total(layer_inventory(cfg, batch, seq, unstored))
     own_peak = predicted_peak_bytes(cfg, batch, seq, policy)
     published_flops = korthikanti_flops(L, s, b, h, cfg.vocab, recompute)
     own_flops = step_flops(cfg, batch, seq, policy)
@@ -152,19 +152,19 @@ def per_rank(cfg, batch, seq, recompute="none", tp=1, sp=False, distribute_saved
 
 def _own_row(cfg, batch, seq, kind, t, sp, distributed):
     """picockpt's exact bytes of one layer on one rank for a Table 2 row (None where t cannot split it)."""
-    drop = SELECTIVE if kind == "selective" else frozenset()
+    unstored = SELECTIVE if kind == "selective" else frozenset()
     try:
         check_tensor_parallel(cfg, t, sp, seq, distributed)
     except ValueError as error:
         if t == 1:  # one rank holds the whole model (a mixture of experts too): the single-process bytes
-            own = (chain_sizes(cfg, batch, seq, drop)[0] if kind == "full"
-                   else total(layer_inventory(cfg, batch, seq, drop)))
+            own = (chain_sizes(cfg, batch, seq, unstored)[0] if kind == "full"
+                   else total(layer_inventory(cfg, batch, seq, unstored)))
             return {"picockpt_bytes": own, "picockpt_replicated_bytes": own}
         return {"picockpt_bytes": None, "picockpt_note": str(error)}
     if kind == "full":
         X, Xc, _, _ = rank_sizes(cfg, batch, seq, t, sp, distributed)
         return {"picockpt_bytes": Xc, "picockpt_replicated_bytes": 0 if sp or distributed else Xc}
-    whole, split = replicated_and_split(cfg, batch, seq, t, sp, drop)
+    whole, split = replicated_and_split(cfg, batch, seq, t, sp, unstored)
     return {"picockpt_bytes": whole + split, "picockpt_replicated_bytes": whole}
 
 
@@ -224,7 +224,7 @@ def _print_table(row):
 def _print_table2(row):
     t = row["tp"]
     print(f"Table 2's rows at t={t}, bytes of one layer per device, term by term, beside picockpt's exact bytes "
-          f"on one of {t} ranks (picockpt/parallel/tensor_parallel/tp_inventory.py):")
+          f"on one of {t} ranks (picockpt/parallel/tensor_parallel/tp_forms.py):")
     print(f"  {'row':<40}{'formula':<27}{'terms: replicated + split by t (+ attention core)':<60}"
           f"{'published':>12}{'picockpt per rank':>19}")
     for entry in row["table2"]:

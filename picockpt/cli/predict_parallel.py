@@ -8,18 +8,18 @@ parallelism's activations per rank.
 
 --zero N --dp D: one GPU's parameters, gradients and AdamW state under ZeRO stage N over D data-parallel
 ranks (beside --tp, --cp and --pp: the busiest stage's rank, its tp slices sharded over D x C ranks), twice:
-as the ZeRO paper counts them (zero_inventory.zero_paper_parts: fp16 parameters and
+as the ZeRO paper counts them (zero_forms.zero_paper_parts: fp16 parameters and
 gradients, K = 12 bytes of Adam state per parameter) and as picockpt holds them (model_state_bytes: fp32
 parameters and gradients, AdamW's two fp32 moments, flat units padded to a multiple of D), beside the
 activations of one rank's micro-batch (--batch sequences per rank: data parallelism does not split them)
 and, under stage 3, the gathered parameters in flight; the total against --gpu-gib.
 
 --cp C: one rank's activation store with every activation split over C ranks along the sequence
-(cp_inventory.cp_peak_bytes: the single process's inventory at n = T/C tokens, plus the other ranks'
+(cp_forms.cp_peak_bytes: the single process's inventory at n = T/C tokens, plus the other ranks'
 K/V under --cp-comm allgather --keep-kv), for the --recompute policy and for every:C' at each C'. With
---tp t (and --sp) beside it, a rank is a tensor-parallel rank on n tokens (tp_inventory.rank_peak_bytes at
+--tp t (and --sp) beside it, a rank is a tensor-parallel rank on n tokens (tp_forms.rank_peak_bytes at
 T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its KV/t heads; with --pp P
-(and --microbatches M) every stage's rank under 1F1B (pp_inventory.StageForms), stage 0 the busiest.
+(and --microbatches M) every stage's rank under 1F1B (pp_forms.ChunkForms), stage 0 the busiest.
 
     python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --tp 8 --sp
     python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --tp 8 --sp \
@@ -28,12 +28,12 @@ T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its
 import math
 from dataclasses import replace
 
-from ..planning.formulas import GIB
+from ..planning.published import GIB
 from ..parallel.layout import Layout
-from ..parallel.context_parallel.cp_inventory import cp_peak_bytes, stage_comm_bytes
+from ..parallel.context_parallel.cp_forms import cp_peak_bytes, stage_comm_bytes
 from ..parallel.context_parallel.cp_check import check_context_parallel
-from ..parallel.pipeline_parallel.pp_inventory import StageForms
-from ..parallel.tensor_parallel.tp_inventory import rank_peak_bytes
+from ..parallel.pipeline_parallel.pp_forms import ChunkForms
+from ..parallel.tensor_parallel.tp_forms import rank_peak_bytes
 from ..parallel.tensor_parallel.tp_shard import check_tensor_parallel
 from .common import spans
 from .predict_layouts import cp_fits, cp_refusal, layouts_for
@@ -216,8 +216,8 @@ def cp_row(cfg, batch, seq, policy, layout):
     cp, tp, sp, pp, M = layout.cp, layout.tp, layout.sp, layout.pp, layout.microbatches
     cp_comm, keep_kv, n = layout.cp_comm, layout.cp_keep_kv, seq // cp
 
-    def stages(p):  # every stage's rank on its n tokens (pipeline_parallel/pp_inventory.py), 1F1B
-        return [StageForms(cfg, batch, n, p, layout, s).peak_bytes for s in range(pp)]
+    def stages(p):  # every stage's rank on its n tokens (pipeline_parallel/pp_forms.py), 1F1B
+        return [ChunkForms(cfg, batch, n, p, layout, s).peak_bytes for s in range(pp)]
 
     def peak(p):  # beside tp: the tensor-parallel rank's store on its n tokens; beside pp: the busiest stage's
         if pp > 1:
@@ -225,7 +225,7 @@ def cp_row(cfg, batch, seq, policy, layout):
         return cp_peak_bytes(cfg, batch, seq, p, cp, cp_comm, keep_kv) if tp == 1 else \
             rank_peak_bytes(cfg, batch, n, p, tp, sp, layout.distribute_saved)
     largest_C = -(-cfg.layers // pp)  # every:C within the largest stage
-    first = StageForms(cfg, batch, n, policy, layout, 0)  # stage 0's rank
+    first = ChunkForms(cfg, batch, n, policy, layout, 0)  # stage 0's rank
     comm = stage_comm_bytes(first, seq, cp, cp_comm, keep_kv)
     return {"cp": cp, "tp": tp, "sp": sp, "pp": pp, "microbatches": M, "cp_comm": cp_comm, "keep_kv": keep_kv,
             "rank_tokens": n, "policy": policy, "peak_bytes": peak(policy),
@@ -263,7 +263,7 @@ def print_parallel(row):
         beside = f", each of tp = {c['tp']}{' with sp' if c['sp'] else ''}" if c["tp"] > 1 else ""
         beside += f", pp = {c['pp']} stages of 1F1B over {c['microbatches']} micro-batches" if c["pp"] > 1 else ""
         print(f"context parallel over {c['cp']} ranks ({c['cp_comm']}{', K/V kept' if c['keep_kv'] else ''}, "
-              f"zigzag{beside}), per rank: {c['rank_tokens']:,} tokens (parallel/context_parallel/cp_inventory.py: "
+              f"zigzag{beside}), per rank: {c['rank_tokens']:,} tokens (parallel/context_parallel/cp_forms.py: "
               f"the activation store only, no weights, working memory or K/V blocks in flight):")
         print(f"  {c['policy']}: {gib(c['peak_bytes'])} stored{' on stage 0, the busiest' if c['pp'] > 1 else ''}; "
               f"communication forward {gib(comm['forward'])}, recompute {gib(comm['recompute'])}, backward "

@@ -4,7 +4,7 @@
     python -m picockpt predict --model llama3-8b --seq 4096 --pp 4 --microbatches 8 --schedule interleaved \
         --virtual-stages 2 --recompute full
 
-Each stage's rank is pipeline_parallel/pp_inventory.py's closed form, the one the tests hold every rank to: its
+Each stage's rank is pipeline_parallel/pp_forms.py's closed form, the one the tests hold every rank to: its
 micro-batches' stores walked along its order (pp_plan.in_flight_peak), ZB-H1's B leaving what its W reads
 (w_pending_bytes per layer) until the W. The bubble twice: with equal F, B, W times (cost.bubble_idle: (P-1)/(M+P-1),
 (P-1)/(VM+P-1), (P-1)/(3M+P-1)), and paced by each stage's own matmul FLOPs per action on the clock that runs the
@@ -14,7 +14,7 @@ gradients), which is where recomputation, the embedding and the head make the st
 from dataclasses import replace
 
 from ..planning.cost import bubble_idle
-from ..parallel.pipeline_parallel.pp_inventory import rank_forms
+from ..parallel.pipeline_parallel.pp_forms import rank_forms
 from ..parallel.pipeline_parallel.pp_orders import run_orders
 from ..parallel.pipeline_parallel.pp_schedules import SCHEDULES, actions, check_interleaving, check_schedule
 from .predict_zero import gib
@@ -85,7 +85,7 @@ def print_pipeline(row):
     p = row["pipeline"]
     chunks = f", V = {p['virtual_stages']} chunks a rank" if p["virtual_stages"] > 1 else ""
     print(f"pipeline of {p['pp']} stages, {p['microbatches']} micro-batches, {p['schedule']}{chunks}, policy "
-          f"{p['policy']}, per stage's rank (parallel/pipeline_parallel/pp_inventory.py: the activation store only):")
+          f"{p['policy']}, per stage's rank (parallel/pipeline_parallel/pp_forms.py: the activation store only):")
     for s, paced in zip(p["stages"], p["bubble_paced"]):
         layers = ", ".join(f"{a}..{b}" for a, b in s["chunk_layers"])
         waiting = f", of which its waiting W's up to {gib(s['w_pending_bytes'])} each" if s["w_pending_bytes"] else ""

@@ -1,14 +1,14 @@
 """predict's ZeRO row: one GPU's model state under ZeRO stage S over its data-parallel ranks, beside tp, cp, pp and
-ep (the busiest pipeline stage's rank, from parallel/predictions.py's zero_stage_forms: the forms the ranks are held
+ep (the busiest pipeline stage's rank, from parallel/report_forms.py's zero_stage_forms: the forms the ranks are held
 to), twice: as the ZeRO paper counts it and as picockpt holds it; its activations, gathers per phase and total."""
 import math
 from dataclasses import replace
 
-from ..planning.formulas import GIB
-from ..parallel.data_parallel.zero_inventory import zero_paper_parts
-from ..parallel.expert_parallel.ep_inventory import ep_peak_bytes, ep_stored_bytes
-from ..parallel.pipeline_parallel.pp_inventory import StageForms
-from ..parallel.predictions import rank_param_shapes, zero_stage_forms
+from ..planning.published import GIB
+from ..parallel.data_parallel.zero_forms import zero_paper_parts
+from ..parallel.expert_parallel.ep_forms import ep_peak_bytes, ep_stored_bytes
+from ..parallel.pipeline_parallel.pp_forms import ChunkForms
+from ..parallel.report_forms import rank_param_shapes, zero_stage_forms
 
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
@@ -21,7 +21,7 @@ def balanced_routing(cfg, batch, seq, layers):
 
 
 def expert_activation_bytes(cfg, stage_forms, ep, tp, sp):
-    """A stage's store peak on ep rank 0 for balanced routing: ep_inventory.py's forms per micro-batch of b x ep
+    """A stage's store peak on ep rank 0 for balanced routing: ep_forms.py's forms per micro-batch of b x ep
     sequences (the rank computes b of them), (in flight - 1) micro-batches stored beside one at its peak."""
     stage_cfg, b, seq = cfg.replace(layers=len(stage_forms.layers)), stage_forms.b * ep, stage_forms.seq
     routing = balanced_routing(cfg, b, seq, stage_cfg.layers)
@@ -34,13 +34,13 @@ def zero_row(cfg, batch, seq, policy, layout):
     """One GPU under ZeRO layout.zero over dp x cp ranks (beside tp, cp and pp: a rank of each stage, its tp slices
     of the stage's weights on its seq/cp tokens), `batch` sequences per rank: the paper's and picockpt's model state
     by part, picockpt's activations and (stage 3) gathered parameters and their gathers per phase (recomputation's
-    included: parallel/predictions.py's zero_stage_forms), their totals; the busiest stage's, and under pp every
+    included: parallel/report_forms.py's zero_stage_forms), their totals; the busiest stage's, and under pp every
     one's. layout: a Layout (1F1B)."""
     stage, dp, tp, sp, cp, pp, ep = layout.zero, layout.dp, layout.tp, layout.sp, layout.cp, layout.pp, layout.ep
     n = seq // cp
     rows = []
     for s in range(pp):
-        stage_forms = StageForms(cfg, batch, n, policy, replace(layout, dp=1), s)  # `batch` sequences a rank
+        stage_forms = ChunkForms(cfg, batch, n, policy, replace(layout, dp=1), s)  # `batch` sequences a rank
         own = zero_stage_forms(cfg, stage_forms, layout)
         state = {key: own[key] for key in STATE}
         psi = sum(math.prod(shape) for shape in rank_param_shapes(cfg, stage_forms, tp, ep).values())  # this rank's
@@ -81,7 +81,7 @@ def print_zero(row, capacity):
     beside = "".join(f", {name} {z[name]}" for name in ("tp", "pp") if z[name] > 1)
     busiest = f" (stage {z['pipeline_stage']} of {z['pp']}, the busiest)" if z["pp"] > 1 else ""
     print(f"ZeRO stage {stage} over {over} data-parallel ranks{beside}, model state per GPU{busiest} of "
-          f"Psi = {z['parameters']:,} parameters held (parallel/predictions.py: zero_stage_forms):")
+          f"Psi = {z['parameters']:,} parameters held (parallel/report_forms.py: zero_stage_forms):")
     print(f"  {'':<26}{'ZeRO paper: fp16 + K=12 Adam':>30}{'picockpt: fp32, AdamW':>26}")
     names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optimizer_bytes": "optimizer state"}
     for key, name in names.items():

@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..recompute.engine import loss_and_grads
-from ..planning.inventory import offload_walk, predicted_host_bytes, predicted_peak_bytes
+from ..planning.step_forms import offload_walk, predicted_host_bytes, predicted_peak_bytes
 from ..model.params import init_params
 from ..recompute.policy import as_policy
 from .tracker import Tracker

@@ -15,7 +15,7 @@ import torch
 
 from ..device import resolve_device
 from ..recompute.engine import loss_and_grads
-from ..planning.inventory import step_flops
+from ..planning.step_forms import step_flops
 from .tracker import PHASES, Tracker
 
 

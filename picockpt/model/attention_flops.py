@@ -17,7 +17,7 @@ With q (B, H, Tq, d), k (B, KV, Tk, d), v (B, KV, Tk, dv), each of the H query h
               dk = dS^T q                    2·B·H·Tq·Tk·d
 
 The whole Tq x Tk square counts, causal or not, as torch's own formulas count it (a causal kernel skips the tiles
-above the diagonal, so about half of it runs): picockpt/planning/inventory.py's closed forms count the same square.
+above the diagonal, so about half of it runs): picockpt/planning/step_forms.py's closed forms count the same square.
 """
 import torch
 from torch.utils.flop_counter import shape_wrapper

@@ -35,7 +35,7 @@ eager the probabilities, tiled and fused one log-sum-exp per row, recomputing th
 tile by tile in the backward (FlashAttention: selective recomputation inside the op).
 With Config.experts > 0 a mixture of experts (picockpt/model/moe.py) takes the MLP's place, and keeps
 moe.* tensors instead of mlp.gate, mlp.up, mlp.act (one set per expert: moe.act[3] is expert 3's).
-picockpt/planning/inventory.py computes the same table in closed form.
+picockpt/planning/step_forms.py computes the same table in closed form.
 """
 import contextlib
 
@@ -44,12 +44,12 @@ from ..ops import (cross_entropy_backward, cross_entropy_forward, dropout_backwa
                   linear_backward, linear_forward, rmsnorm_apply, rmsnorm_backward, rmsnorm_forward, rope_backward,
                   rope_forward, swiglu_backward, swiglu_forward)
 from .moe import moe_block_backward, moe_block_forward
-from .tail import RUN_TAIL
+from .block_tail import RUN_TAIL
 
 
-class Crossings:
-    """The named points where a layer split over ranks crosses them; in one process every one is the
-    identity (or the plain draw, or the plain MLP). A tensor-parallel rank's collectives go here
+class LayerHooks:
+    """The layer's hooks: the named points where a layer split over ranks talks to the other ranks; in one
+    process every one is the identity (or the plain draw, or the plain MLP). A tensor-parallel rank's collectives go here
     (picockpt/parallel/tensor_parallel/tp_layer.py), as do an expert-parallel rank's experts and its
     whole-batch draws (picockpt/parallel/expert_parallel/ep_layer.py): the layer is written once.
 
@@ -61,7 +61,7 @@ class Crossings:
                                           single process's)
         layer_draws(), attention_draws()  contexts around random draws (the whole tensor drawn, a slice kept)
         mlp_forward / mlp_backward        the MLP block, or the mixture of experts (moe.py, or over ranks),
-                                          its tail run or skipped as the layer's tail says (tail.py)
+                                          its tail run or skipped as the layer's tail says (block_tail.py)
         norm_grads(d_attn, d_mlp, cfg)    the norm weights' gradients (SP: summed over the ranks' tokens)
         attention_core / _backward        the attention core (picockpt/model/attention.py), or attention over ranks
                                           that hold the sequence's other tokens (context parallel: a ring)
@@ -127,34 +127,34 @@ class Crossings:
         return d_norm
 
 
-ONE_PROCESS = Crossings()
+ONE_PROCESS = LayerHooks()
 
 
-def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), tail=RUN_TAIL, cross=ONE_PROCESS):
+def layer_forward(x, w, cfg, rope, store=None, i=None, unstored=frozenset(), tail=RUN_TAIL, hooks=ONE_PROCESS):
     """x (B, T, h) -> out (B, T, h). Keeps its tensors in `store` under layer i, except
-    the names in `drop`; with store=None keeps nothing (it only carries x forward).
+    the names in `unstored`; with store=None keeps nothing (it only carries x forward).
     The layer input itself is stored by the engine, which decides the checkpoints, and the
-    tail (picockpt/model/tail.py): SKIP_TAIL stops once the last tensor the backward needs is kept
+    tail (picockpt/model/block_tail.py): SKIP_TAIL stops once the last tensor the backward needs is kept
     (returns None): the MLP block's down projection(s), its dropout and the residual add are
-    skipped, its mask still drawn. cross: where a rank of a parallel layout crosses to the
-    others (Crossings above; the identity in one process)."""
+    skipped, its mask still drawn. hooks: where a rank of a parallel layout crosses to the
+    others (LayerHooks above; the identity in one process)."""
     def keep(name, tensor):  # an expert's tensor, "moe.act[3]", is dropped with its kind, "moe.act"
-        if store is not None and name.partition("[")[0] not in drop:
+        if store is not None and name.partition("[")[0] not in unstored:
             store.put(i, name, tensor)
 
     p, stat = cfg.dropout, cfg.stat_dtype
-    with cross.layer_draws():
+    with hooks.layer_draws():
         # ---- attention block: h_mid = x + dropout(o_proj(attention(q, k, v))), q, k, v of rmsnorm(x) ----
         xn, rstd = rmsnorm_forward(x, w.attn_norm, cfg.norm_eps, stat)  # (B, T, h), (B, T, 1)
         keep("attn_norm.rstd", rstd)
         keep("attn_norm.output", xn)
-        xn = cross.enter(xn)  # (B, T, h) entering the heads' region (identity here)
-        with cross.attention_draws():
-            a = attention_block_forward(xn, w, cfg, rope, keep, cross)  # (B, T, h)
+        xn = hooks.enter(xn)  # (B, T, h) entering the heads' region (identity here)
+        with hooks.attention_draws():
+            a = attention_block_forward(xn, w, cfg, rope, keep, hooks)  # (B, T, h)
         del xn
-        a = cross.leave(a)  # (B, T, h) leaving it (identity here)
+        a = hooks.leave(a)  # (B, T, h) leaving it (identity here)
         if p > 0:
-            mask = cross.branch_mask(x.shape, p, x.device)  # (B, T, h) bool
+            mask = hooks.branch_mask(x.shape, p, x.device)  # (B, T, h) bool
             keep("attn.dropout_mask", mask)
             a = dropout_forward(a, mask, p)  # (B, T, h)
         h_mid = x + a  # (B, T, h) residual stream after attention
@@ -164,18 +164,18 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, drop=frozenset(), tail=RU
         xn2, rstd2 = rmsnorm_forward(h_mid, w.mlp_norm, cfg.norm_eps, stat)  # (B, T, h), (B, T, 1)
         keep("mlp_norm.rstd", rstd2)
         keep("mlp_norm.output", xn2)
-        xn2 = cross.enter(xn2)  # (B, T, h)
-        m = cross.mlp_forward(xn2, w, cfg, keep, tail)  # (B, T, h), or None: its tail skipped
+        xn2 = hooks.enter(xn2)  # (B, T, h)
+        m = hooks.mlp_forward(xn2, w, cfg, keep, tail)  # (B, T, h), or None: its tail skipped
         del xn2
-        m = tail(cross.leave, m)  # (B, T, h)
+        m = tail(hooks.leave, m)  # (B, T, h)
         if p > 0:  # drawn with the tail skipped too: the RNG and the mask are as in the first forward
-            mask = cross.branch_mask(h_mid.shape, p, x.device)  # (B, T, h) bool
+            mask = hooks.branch_mask(h_mid.shape, p, x.device)  # (B, T, h) bool
             keep("mlp.dropout_mask", mask)
             m = tail(dropout_forward, m, mask, p)  # (B, T, h)
     return tail(lambda: h_mid + m)  # (B, T, h)
 
 
-def layer_backward(dout, w, cfg, rope, store, i, cross=ONE_PROCESS):
+def layer_backward(dout, w, cfg, rope, store, i, hooks=ONE_PROCESS):
     """dout (B, T, h) -> dx (B, T, h) and the weight gradients, by role (the same namedtuple as w).
     Takes (pops) layer i's tensors out of the store as it last uses them; a dropped
     one is rebuilt by the one-line recipe beside it, from tensors it already has.
@@ -190,33 +190,33 @@ def layer_backward(dout, w, cfg, rope, store, i, cross=ONE_PROCESS):
     # the block's incoming gradient and its input come as one-line recipes, run where the block first
     # needs them, so that it holds each only from its first use to its last
     def dm():  # (B, T, h) the gradient of the block's output
-        return cross.leave_backward(dout if p == 0 else dropout_backward(dout, take("mlp.dropout_mask"), p))
+        return hooks.leave_backward(dout if p == 0 else dropout_backward(dout, take("mlp.dropout_mask"), p))
 
     h_mid, rstd2 = take("mlp_norm.input"), take("mlp_norm.rstd")  # (B, T, h), (B, T, 1)
 
     def normed():  # (B, T, h) the block's input: kept, or rebuilt from h_mid and its rstd
-        return cross.regather(take("mlp_norm.output", rebuild=lambda: rmsnorm_apply(h_mid, rstd2, w.mlp_norm)))
+        return hooks.regather(take("mlp_norm.output", rebuild=lambda: rmsnorm_apply(h_mid, rstd2, w.mlp_norm)))
 
-    dxn2, mlp_grads = cross.mlp_backward(dm, normed, w, cfg, take)  # (B, T, h), {role: gradient}
-    dxn2 = cross.enter_backward(dxn2)  # (B, T, h)
+    dxn2, mlp_grads = hooks.mlp_backward(dm, normed, w, cfg, take)  # (B, T, h), {role: gradient}
+    dxn2 = hooks.enter_backward(dxn2)  # (B, T, h)
     dh, d_mlp_norm = rmsnorm_backward(dxn2, h_mid, rstd2, w.mlp_norm)  # (B, T, h), (h,)
     del dxn2, h_mid, rstd2
     dh += dout  # (B, T, h) both paths into h_mid: the norm and the residual
     # ---- attention block: h_mid = x + dropout(o_proj(attention(q, k, v))) ----
     def da():  # (B, T, h)
-        return cross.leave_backward(dh if p == 0 else dropout_backward(dh, take("attn.dropout_mask"), p))
+        return hooks.leave_backward(dh if p == 0 else dropout_backward(dh, take("attn.dropout_mask"), p))
 
     x, rstd = take("input"), take("attn_norm.rstd")  # (B, T, h), (B, T, 1)
 
     def normed_x():  # (B, T, h)
-        return cross.regather(take("attn_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, w.attn_norm)))
+        return hooks.regather(take("attn_norm.output", rebuild=lambda: rmsnorm_apply(x, rstd, w.attn_norm)))
 
-    dxn, (d_q, d_k, d_v, d_o) = attention_block_backward(da, normed_x, w, cfg, rope, take, store.recomputing, cross)
-    dxn = cross.enter_backward(dxn)  # (B, T, h)
+    dxn, (d_q, d_k, d_v, d_o) = attention_block_backward(da, normed_x, w, cfg, rope, take, store.recomputing, hooks)
+    dxn = hooks.enter_backward(dxn)  # (B, T, h)
     dx, d_attn_norm = rmsnorm_backward(dxn, x, rstd, w.attn_norm)  # (B, T, h), (h,)
     del dxn, x, rstd
     dx += dh  # (B, T, h) the norm and the residual path into x
-    d_attn_norm, d_mlp_norm = cross.norm_grads(d_attn_norm, d_mlp_norm, cfg)
+    d_attn_norm, d_mlp_norm = hooks.norm_grads(d_attn_norm, d_mlp_norm, cfg)
     grads = w._replace(attn_norm=d_attn_norm, q=d_q, k=d_k, v=d_v, o=d_o, mlp_norm=d_mlp_norm, **mlp_grads)
     return dx, grads
 
@@ -225,7 +225,7 @@ def layer_backward(dout, w, cfg, rope, store, i, cross=ONE_PROCESS):
 # Head counts come from the weights (H = rows of q_proj / head_dim), so the same blocks run on a
 # tensor-parallel rank's share of the heads and of the MLP (picockpt/parallel/).
 
-def attention_block_forward(xn, w, cfg, rope, keep, cross=ONE_PROCESS):
+def attention_block_forward(xn, w, cfg, rope, keep, hooks=ONE_PROCESS):
     """xn (B, T, h) the normed input -> o_proj(attention(rope(q), rope(k), v)) (B, T, h)."""
     B, T, _ = xn.shape
     hd = cfg.head_dim
@@ -238,14 +238,14 @@ def attention_block_forward(xn, w, cfg, rope, keep, cross=ONE_PROCESS):
     keep("attn.q", q)
     keep("attn.k", k)
     keep("attn.v", v)
-    out = cross.attention_core(q, k, v, cfg, keep)  # (B, H, T, hd) keeps what its kind needs (attention.py)
+    out = hooks.attention_core(q, k, v, cfg, keep)  # (B, H, T, hd) keeps what its kind needs (attention.py)
     context = out.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, h) heads side by side again (fused: a view)
     del out
     keep("attn.context", context)
     return linear_forward(context, w.o)  # (B, T, h)
 
 
-def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing, cross=ONE_PROCESS):
+def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing, hooks=ONE_PROCESS):
     """grad() -> da (B, T, h), the gradient of the block's output; returns dxn (B, T, h) and (d_q, d_k,
     d_v, d_o). normed() gives xn, the block's input, when the projections need it (the layer takes it
     from the store, or rebuilds it)."""
@@ -260,7 +260,7 @@ def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing, cros
     dout_heads = dcontext.view(B, T, H, hd).transpose(1, 2).contiguous()  # (B, H, T, hd)
     del dcontext
     q, k, v = take("attn.q"), take("attn.k"), take("attn.v")  # (B, H, T, hd), (B, KV, T, hd) x2
-    dq, dk, dv = cross.attention_core_backward(dout_heads, q, k, v, out, cfg, take, recomputing)  # as q, k, v
+    dq, dk, dv = hooks.attention_core_backward(dout_heads, q, k, v, out, cfg, take, recomputing)  # as q, k, v
     del dout_heads, q, k, v, out
     dq = rope_backward(dq.transpose(1, 2), cos, sin).reshape(B, T, H * hd)  # (B, T, h)
     dk = rope_backward(dk.transpose(1, 2), cos, sin).reshape(B, T, KV * hd)  # (B, T, KV*hd)

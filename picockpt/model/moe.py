@@ -37,12 +37,12 @@ import torch
 
 from ..ops import linear_backward, linear_forward, swiglu_backward, swiglu_forward
 from ..ops.router import combine_weights, expert_groups, router_backward, router_forward
-from .tail import RUN_TAIL
+from .block_tail import RUN_TAIL
 
 
 def moe_block_forward(xn, w, cfg, keep, tail=RUN_TAIL):
     """xn (B, T, h) the normed input -> the weighted sum of its experts' outputs (B, T, h); keeps what the
-    backward needs through keep(name, tensor). Its tail (picockpt/model/tail.py) is each expert's down projection
+    backward needs through keep(name, tensor). Its tail (picockpt/model/block_tail.py) is each expert's down projection
     and weighted add, right after that expert's product; with SKIP_TAIL it stops after the last tensor
     the backward needs (every expert's SwiGLU product) and returns None.
     E and f come from the weights (router rows, down_proj columns); k from cfg."""

@@ -11,13 +11,13 @@ from ..model.batch import check_batch
 from ..model.params import check_params
 from ..recompute.policy import parse_policy
 from .context_parallel import cp_check
-from .context_parallel.cp_inventory import recompute_comm_flops
+from .context_parallel.cp_forms import recompute_comm_flops
 from .data_parallel import dp_check
 from .expert_parallel import ep_check
 from .launch import check_rank_count, ranks_generator
 from .layout import Layout, check_layout
 from .pipeline_parallel import pp_check
-from .pipeline_parallel.pp_inventory import rank_forms
+from .pipeline_parallel.pp_forms import rank_forms
 from .pipeline_parallel.pp_schedules import check_schedule, rank_layers, stage_layers
 from .tensor_parallel import tp_check
 
@@ -101,7 +101,7 @@ def check_budget(job, policy):
     failed = []
     for stage in range(layout.pp):
         try:
-            closed_forms(replace(job, policy=policy), stage)
+            layer_forms(replace(job, policy=policy), stage)
         except ValueError as error:
             if layout.pp == 1:
                 raise
@@ -117,10 +117,10 @@ def check_budget(job, policy):
         raise ValueError(f"stage {stage} (layers {layers}): {error}{also}") from None
 
 
-def closed_forms(job, stage):
-    """The closed forms of one stage's rank (pipeline_parallel/pp_inventory.py), on its T/cp tokens; under cp a
-    budget plans with the communication a recomputed layer repeats (cp_inventory.recompute_comm_flops); under
-    interleaving its chunks' (RankForms)."""
+def layer_forms(job, stage):
+    """The closed forms of one stage's rank (pipeline_parallel/pp_forms.py), on its T/cp tokens; under cp a
+    budget plans with the communication a recomputed layer repeats (cp_forms.recompute_comm_flops); under
+    interleaving its chunks' (InterleavedForms)."""
     (B, T), layout = job.input_ids.shape, job.layout
     ring = recompute_comm_flops(job.cfg, B // (layout.dp * layout.microbatches), T, layout.cp, layout.cp_comm,
                                 layout.cp_keep_kv, layout.tp)

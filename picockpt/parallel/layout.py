@@ -33,7 +33,7 @@ class Layout:
     # data parallelism (data_parallel/)
     zero: int = 0                  # ZeRO stage over the dp (x ep x cp) ranks: 1, 2 or 3 (0: plain data parallelism)
     overlap: bool = True           # all-reduce each gradient bucket as soon as it is final
-    keep_gathered: bool = False    # zero=3: a recomputed layer's gather kept for its backward ("step": zero_inventory)
+    keep_gathered: bool = False    # zero=3: a recomputed layer's gather kept for its backward ("step": zero_forms)
     prefetch: bool = True          # zero=3: the next use's parameters gathered while this one computes
     # pipeline parallelism (pipeline_parallel/)
     microbatches: int = 1

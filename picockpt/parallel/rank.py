@@ -19,12 +19,12 @@ from ..model.params import EMBED, HEAD, param_shapes
 from .context_parallel.cp_layout import SequenceLayout
 from .context_parallel.cp_model import apply_context_parallel
 from .data_parallel.dp_model import replicated
-from .data_parallel.zero_inventory import stage_uses
+from .data_parallel.zero_forms import stage_uses
 from .data_parallel.zero_params import unit_names
 from .data_parallel.zero_shards import ZeroShards
 from .expert_parallel.ep_model import apply_expert_parallel
 from .expert_parallel.ep_shard import shard_experts
-from .job import closed_forms
+from .job import layer_forms
 from .layout import build_groups
 from .measurement import Measurement
 from .pipeline_parallel.pp_comm import Pipe, neighbours
@@ -61,7 +61,7 @@ def rank_step(comm, job, process_groups, trace=False, index=0):
     each told to the launching process as it ends when it listens (comm.progress: (index, step, this rank's share of
     the step's loss or None, its seconds)); returns CPU tensors and plain numbers only."""
     groups = build_groups(job.layout, comm.rank, comm.device, process_groups, comm.timeout)
-    stage_forms = closed_forms(job, groups.stage)
+    stage_forms = layer_forms(job, groups.stage)
     params = {name: tensor.to(comm.device) for name, tensor in rank_tensors(
         job.params, job.cfg, stage_forms, job.layout.tp, groups.tp_rank, job.layout.ep, groups.ep_rank).items()}
     shards = zero_shards(job, stage_forms, groups, params) if job.layout.zero else None
@@ -93,7 +93,7 @@ def rank_step(comm, job, process_groups, trace=False, index=0):
 
 def rank_tensors(params, cfg, stage_forms, tp=1, tp_rank=0, ep=1, ep_rank=0):
     """{name: tensor} a rank holds of its stage (of the full `params`): its tensor-parallel slices, of them its
-    experts (predictions.py: on meta tensors, their shapes)."""
+    experts (report_forms.py: on meta tensors, their shapes)."""
     names = stage_param_names(cfg, stage_forms.layers, stage_forms.first, stage_forms.last)
     held = {name: params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
     if tp > 1:

@@ -2,31 +2,31 @@
 when it is applied to it (as picotron's apply_tensor_parallel and apply_context_parallel change the model they are
 given; rank.py's inner_model applies them, cp, then ep, then tp). The parts:
 
-    cross        the layer's crossings (picockpt/model/layer.py's Crossings): each parallelism's wrap the ones before
-                 and own only their points, delegating the rest (CrossingsOver below)
+    hooks        the layer's hooks (picockpt/model/layer.py's LayerHooks): each parallelism's wrap the ones before
+                 and own only their points, delegating the rest (WrappedHooks below)
     vocab        the embedding (None: the one process's; tp: vocab.py's rows)
     checkpoints  how a layer input is kept and loaded (None: whole; tp's distribute_saved: this rank's 1/t)
     positions    the global positions of the tokens it holds (None: all; cp: its chunks), for the RoPE rows
-    drop         the policy's op level here (ep also drops the dispatched rows with the experts' tensors)
+    unstored     the policy's op level here (ep also drops the dispatched rows with the experts' tensors)
 """
 from ..recompute.engine import Model
 from ..model.head import head_backward, head_forward
 from ..model.layer import ONE_PROCESS, layer_backward, layer_forward
 
 
-class CrossingsOver:
-    """A parallelism's crossings over the ones it is given (inner): it defines the points it owns (layer.py's
-    Crossings names them), every other is inner's; at(store, k) tells each one which layer runs next and the
-    step's store (before its forward and its backward), for what a crossing keeps whatever the layer's mode."""
+class WrappedHooks:
+    """A parallelism's hooks over the ones it is given (inner): it defines the points it owns (layer.py's
+    LayerHooks names them), every other is inner's; at(store, k) tells each one which layer runs next and the
+    step's store (before its forward and its backward), for what a hook keeps whatever the layer's mode."""
 
     def __init__(self, inner=ONE_PROCESS):
         self.inner = inner
 
-    def __getattr__(self, name):  # a point this parallelism does not own: the crossings below it
+    def __getattr__(self, name):  # a point this parallelism does not own: the hooks below it
         return getattr(self.inner, name)
 
     def at(self, store, k):
-        if isinstance(self.inner, CrossingsOver):
+        if isinstance(self.inner, WrappedHooks):
             self.inner.at(store, k)
 
 
@@ -36,8 +36,8 @@ class RankModel(Model):
 
     def __init__(self, params, cfg, input_ids, targets):
         super().__init__(params, cfg, input_ids, targets)
-        self.cross, self.vocab, self.checkpoints, self.positions = CrossingsOver(), None, None, None
-        self.drop = lambda drop: drop
+        self.hooks, self.vocab, self.checkpoints, self.positions = WrappedHooks(), None, None, None
+        self.unstored = lambda unstored: unstored
         self.store = None
 
     @property
@@ -54,11 +54,11 @@ class RankModel(Model):
     def embed_backward(self, dx):
         return self.vocab.embed_backward(self, dx) if self.vocab else super().embed_backward(dx)
 
-    def head_forward(self, x, store, drop):  # picockpt/model/head.py's, crossing where the crossings say
-        return head_forward(x, self.weights, self.cfg, self.targets, store, drop, self.cross)  # scalar
+    def head_forward(self, x, store, unstored):  # picockpt/model/head.py's, crossing where the hooks say
+        return head_forward(x, self.weights, self.cfg, self.targets, store, unstored, self.hooks)  # scalar
 
     def head_backward(self, store):
-        return head_backward(self.weights, self.cfg, self.targets, store, self.cross)  # dx, {name: grad}
+        return head_backward(self.weights, self.cfg, self.targets, store, self.hooks)  # dx, {name: grad}
 
     def keep_input(self, store, k, x, whole):
         if self.checkpoints:
@@ -68,10 +68,10 @@ class RankModel(Model):
     def load_input(self, store, k, whole):
         return self.checkpoints.load_input(store, k, whole) if self.checkpoints else super().load_input(store, k, whole)
 
-    def layer_forward(self, k, x, store, drop, tail):
-        self.cross.at(self.store, k)
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, self.drop(drop), tail, self.cross)
+    def layer_forward(self, k, x, store, unstored, tail):
+        self.hooks.at(self.store, k)
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, self.unstored(unstored), tail, self.hooks)
 
     def layer_backward(self, k, dx, store):
-        self.cross.at(self.store, k)
-        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, self.cross)
+        self.hooks.at(self.store, k)
+        return layer_backward(dx, self.weights_of[k], self.cfg, self.rope, store, k, self.hooks)

@@ -2,7 +2,7 @@
 the engine's own loop over its stage's micro-batches, on a model whose layers cross ranks where the layout says;
 this side checks the job, launches the ranks and puts their results together: the loss, full gradients under the
 parameters' names and one report per rank (measurement.py names every key), each measurement beside its closed
-form (predictions.py: the predicted_ twin of every count).
+form (report_forms.py: the predicted_ twin of every count).
 
     loss, grads, ranks = parallel.loss_and_grads(params, cfg, ids, targets, "full", Layout(tp=2, sp=True))
     loss, grads, ranks = parallel.loss_and_grads(..., Layout(pp=2, microbatches=4, dp=2))      # 4 ranks
@@ -14,7 +14,7 @@ import os
 from ..model.params import EMBED, HEAD
 from ..model.routing import step_routing
 from .expert_parallel.ep_shard import gather_expert_grads
-from .predictions import predicted
+from .report_forms import predicted
 from .job import ParallelJob, checked_job, on_cpu
 from .layout import Layout
 from .launch import check_timeout, ranks_generator, run_ranks, under_torchrun

@@ -18,7 +18,7 @@ SwiGLU's product) that moves bytes, and where a matmul's FLOPs are cheap next to
 """
 from dataclasses import dataclass, replace
 
-from .closed_forms import attention_matmul_flops, dropped, layer_inventory
+from .layer_forms import attention_matmul_flops, dropped, layer_inventory
 from ..model.config import BYTES
 from .planner import plan_chain, replay
 from .host_walk import model_costs
@@ -198,7 +198,7 @@ def rebuild_seconds(seconds, names):
     return sum(seconds[op] for op in sorted({REBUILT_BY[name] for name in names if name in REBUILT_BY}))
 
 
-def price_chain(chain, cfg, batch, seq, seconds, drop=frozenset()):
+def price_chain(chain, cfg, batch, seq, seconds, unstored=frozenset()):
     """The planner's chain (planner.model_chain: costs in FLOPs) with every cost in seconds instead: a layer's forward
     is its ops' seconds, a variant's rebuild the seconds of the ops its dropped names need, the tail the down
     projection, the recompute inside an op (tiled attention's q k^T, a chunked head's logits) priced at its op's
@@ -213,21 +213,21 @@ def price_chain(chain, cfg, batch, seq, seconds, drop=frozenset()):
         return seconds[name] * flops / ops[name].flops if flops else 0.0
 
     layer, head = chain[0], chain[-1]
-    variants = tuple((mode, a, rebuild_seconds(seconds, {n for n in stored if dropped(n, Mode(mode).drop(drop))}))
+    variants = tuple((mode, a, rebuild_seconds(seconds, {n for n in stored if dropped(n, Mode(mode).unstored(unstored))}))
                      for mode, a, _ in layer.variants)
     priced = replace(layer, forward_flops=forward, variants=variants, tail_flops=seconds["down"],
                      inner_flops=per_flop("attention", layer.inner_flops))
-    head_variants = tuple((mode, a, seconds["final_norm"] if "final_norm.output" in Mode(mode).drop(drop) else 0.0)
+    head_variants = tuple((mode, a, seconds["final_norm"] if "final_norm.output" in Mode(mode).unstored(unstored) else 0.0)
                           for mode, a, _ in head.variants)
     priced_head = replace(head, variants=head_variants, inner_flops=per_flop("logits", head.inner_flops))
     return (priced,) * (len(chain) - 1) + (priced_head,)
 
 
-def priced_costs(cfg, batch, seq, seconds, drop=frozenset()):
+def priced_costs(cfg, batch, seq, seconds, unstored=frozenset()):
     """host_walk's Costs in seconds (a layer's ops, the head's; backward 2x the forward), for its walk at rate 1."""
     forward = sum(seconds[op.name] for op in layer_ops(cfg, batch, seq) if op.name not in FORWARD_EXCLUDES)
     head = sum(seconds[op.name] for op in head_ops(cfg, batch, seq))
-    return replace(model_costs(cfg, batch, seq, drop), layer_forward=forward, layer_backward=2 * forward,
+    return replace(model_costs(cfg, batch, seq, unstored), layer_forward=forward, layer_backward=2 * forward,
                    head_forward=head, head_backward=2 * head)
 
 

@@ -7,7 +7,7 @@ what to change when it does not.
 import torch
 
 from ..device import available_bytes
-from .inventory import predicted_peak_bytes
+from .step_forms import predicted_peak_bytes
 from ..model.params import copy_bytes
 from ..recompute.policy import as_policy
 

@@ -27,7 +27,7 @@ PCIe Gen5 x16 link and an H200's dense BF16 Tensor Core rate, from picockpt/plan
 import functools
 from dataclasses import dataclass
 
-from .closed_forms import layer_flops, layer_inventory
+from .layer_forms import layer_flops, layer_inventory
 from .hardware import H200_SXM_BF16, PCIE_GEN5_X16
 
 DEFAULT_HOST_BANDWIDTH = PCIE_GEN5_X16  # bytes/s: PCIe Gen5 x16, per direction, theoretical
@@ -52,13 +52,13 @@ class Costs:
     host_bytes: object       # (mode, names) -> bytes of a layer's first forward that go to the host, input apart
 
 
-def model_costs(cfg, batch, seq, drop=frozenset()):
+def model_costs(cfg, batch, seq, unstored=frozenset()):
     forward = sum(layer_flops(cfg, batch, seq).values())
     head = 2 * batch * seq * cfg.hidden * cfg.vocab
 
     @functools.lru_cache(maxsize=None)
     def host_bytes(mode, names):  # the bytes of the names a layer stored as `mode` puts on the host, input apart
-        stored = layer_inventory(cfg, batch, seq, mode.drop(drop))
+        stored = layer_inventory(cfg, batch, seq, mode.unstored(unstored))
         return sum(b for name, (_, _, b) in stored.items()
                    if name != "input" and ("*" in names or name.partition("[")[0] in names))
     return Costs(forward, 2 * forward, head, 2 * head, host_bytes)

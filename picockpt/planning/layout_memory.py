@@ -17,7 +17,7 @@ its micro-batches in flight store, and a reserve for what no closed form counts.
                                       kept for the step, and under pipelining the unsharded gradients accumulated
                                       in the reduce dtype (fp32) until the last micro-batch's backward
                                       reduce-scatters them
-    activations  pipeline_parallel/pp_inventory.py's stage_plan on the stage's layers and seq/cp tokens: (w - 1) E +
+    activations  pipeline_parallel/pp_forms.py's stage_plan on the stage's layers and seq/cp tokens: (w - 1) E +
                  the micro-batch's own peak, w = min(p - s, M) in flight under 1F1B; interleaving adds (p - 1)/(p V)
                  on stage 0 (Korthikanti et al. 2022, sec. 4.2.3); ZB-H1 adds what stage s's s waiting W's read
     reserve      RESERVE_BYTES below: an assumption, stated, not a measurement
@@ -26,7 +26,7 @@ import functools
 
 from ..model.config import BYTES
 from ..parallel.layout import Layout
-from ..parallel.pipeline_parallel.pp_inventory import stage_plan
+from ..parallel.pipeline_parallel.pp_forms import stage_plan
 from ..parallel.pipeline_parallel.pp_orders import w_pending_bytes
 from ..parallel.pipeline_parallel.pp_schedules import stage_layers
 
@@ -99,7 +99,7 @@ def model_state_bytes(params, zero, shards, layers=1, frameworks=True):
 @functools.lru_cache(maxsize=None)
 def microbatch_store(cfg, seq, tp, sp, cp, layers, last, policy):
     """(E, own peak) of one micro-batch of one sequence (seq/cp tokens) on a stage of `layers` layers (the head if
-    last): what its forward leaves stored, and its peak during its own step (pp_inventory.stage_plan)."""
+    last): what its forward leaves stored, and its peak during its own step (pp_forms.stage_plan)."""
     _, _, held, peak, _, _ = stage_plan(policy, cfg, 1, seq // cp, layers, last, 1, Layout(tp=tp, sp=sp))
     return held, peak
 

@@ -38,7 +38,7 @@ Model says which of these corrections are on; each off gives back the simpler mo
 import functools
 from dataclasses import dataclass
 
-from .closed_forms import layer_inventory
+from .layer_forms import layer_inventory
 from .collectives import algorithm_seconds, collective_seconds, members_per_node, per_layer_seconds
 from ..model.config import BYTES
 from .cost import head_ops, layer_ops, rebuild_seconds

@@ -69,9 +69,9 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_model(cfg, batch, seq, budget_bytes, drop=frozenset(), max_slots=None):
+def plan_model(cfg, batch, seq, budget_bytes, unstored=frozenset(), max_slots=None):
     """The cheapest schedule for picockpt's model whose activation store stays within budget_bytes."""
-    return plan_chain(model_chain(cfg, batch, seq, drop), budget_bytes, max_slots)
+    return plan_chain(model_chain(cfg, batch, seq, unstored), budget_bytes, max_slots)
 
 
 # ---- the dynamic programme -----------------------------------------------------------------

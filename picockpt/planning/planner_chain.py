@@ -1,5 +1,5 @@
 """The planner's chain (picockpt/planning/planner.py): picockpt's model as a chain of Stages, built from
-the closed forms of closed_forms.py, and replay(), the exact walk of a schedule over the chain's byte counts:
+the closed forms of layer_forms.py, and replay(), the exact walk of a schedule over the chain's byte counts:
 a plan's peak bytes and recompute FLOPs, which the Tracker then measures.
 
 The chain. Stages 0..L-1 are the decoder layers; stage L is the model head (final norm and
@@ -15,7 +15,7 @@ or "all:cheap" without the final norm's output). Stage k has
                     there are no probabilities to drop: selective changes nothing and costs nothing);
                     with experts also "all:moe" and the like, R = the experts' gate/up projections.
                     A mixture-of-experts layer's bytes and FLOPs do not depend on its routing
-                    (picockpt/planning/inventory.py), so the chain needs no per-expert token counts.
+                    (picockpt/planning/step_forms.py), so the chain needs no per-expert token counts.
     inner_flops     what its backward recomputes inside an op whatever the schedule: tiled attention's
                     q k^T, a chunked head's logits. A constant of every plan, added by replay().
 
@@ -27,7 +27,7 @@ bytes against recomputed FLOPs) is planner_copies.py's, on top of planner.py (pl
 """
 from dataclasses import dataclass
 
-from .closed_forms import (head_inventory, inner_recompute_flops, layer_flops, layer_inventory, rebuild_flops,
+from .layer_forms import (head_inventory, inner_recompute_flops, layer_flops, layer_inventory, rebuild_flops,
                            tail_flops, total)
 from ..recompute.schedule import OP_LEVEL
 
@@ -41,12 +41,12 @@ class Stage:
     inner_flops: int = 0     # recomputed inside its backward whatever the schedule (tiled attention, chunked logits)
 
 
-def model_chain(cfg, batch, seq, drop=frozenset()):
-    """Stages 0..L-1 (the layers) and L (the head), from the closed forms of inventory.py. A layer
-    may drop more than `drop` (the policy's op level), never less."""
-    drop = frozenset(drop)
+def model_chain(cfg, batch, seq, unstored=frozenset()):
+    """Stages 0..L-1 (the layers) and L (the head), from the closed forms of step_forms.py. A layer
+    may drop more than `unstored` (the policy's op level), never less."""
+    unstored = frozenset(unstored)
     stored = layer_inventory(cfg, batch, seq)
-    levels = [("all", drop)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > drop]
+    levels = [("all", unstored)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > unstored]
     variants = {}  # (bytes, rebuild FLOPs) -> the first mode that gives them
     for mode, names in levels:  # rebuilds: the q k^T of dropped probabilities (eager), experts' projections
         rebuild = rebuild_flops(cfg, batch, seq, names)

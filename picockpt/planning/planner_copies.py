@@ -53,14 +53,14 @@ def layer_params(cfg):
     return sum(math.prod(shape) for shape in layer_shapes(cfg).values())
 
 
-def options(cfg, batch, seq, budget, drop=frozenset(), op_text="", rate=DEFAULT_COMPUTE_RATE, bandwidth=DEFAULT_BANDWIDTH):
+def options(cfg, batch, seq, budget, unstored=frozenset(), op_text="", rate=DEFAULT_COMPUTE_RATE, bandwidth=DEFAULT_BANDWIDTH):
     """Both choices within `budget` bytes for the store plus the copies, each planned and priced."""
-    least = least_budget(model_chain(cfg, batch, seq, drop))
+    least = least_budget(model_chain(cfg, batch, seq, unstored))
     out = []
     for recast in (False, True):
         copies = copy_bytes(cfg, recast)
         room = budget - copies
-        plan = plan_model(cfg, batch, seq, room, drop) if room >= least else None
+        plan = plan_model(cfg, batch, seq, room, unstored) if room >= least else None
         casts = layer_casts(plan.schedule, cfg.layers, recast) if plan is not None else 0
         moved = casts * CAST_BYTES * layer_params(cfg)
         seconds = plan.recompute_flops / rate + moved / bandwidth if plan is not None else math.inf
@@ -69,7 +69,7 @@ def options(cfg, batch, seq, budget, drop=frozenset(), op_text="", rate=DEFAULT_
     return out
 
 
-def plan_copies(cfg, batch, seq, budget, drop=frozenset(), op_text="", rate=DEFAULT_COMPUTE_RATE,
+def plan_copies(cfg, batch, seq, budget, unstored=frozenset(), op_text="", rate=DEFAULT_COMPUTE_RATE,
                 bandwidth=DEFAULT_BANDWIDTH):
     """(the cheaper option, both options): the one of least modelled seconds; keeping on a tie (no casts to
     repeat). A ValueError, with the least total that fits, when neither does."""
@@ -79,9 +79,9 @@ def plan_copies(cfg, batch, seq, budget, drop=frozenset(), op_text="", rate=DEFA
     for name, value in (("rate", rate), ("bandwidth", bandwidth)):
         if not 0 < value < math.inf:
             raise ValueError(f"{name}={value!r}: a positive, finite number (FLOP/s, bytes/s)")
-    both = options(cfg, batch, seq, budget, drop, op_text, rate, bandwidth)
+    both = options(cfg, batch, seq, budget, unstored, op_text, rate, bandwidth)
     if all(option.plan is None for option in both):
-        least = least_budget(model_chain(cfg, batch, seq, drop)) + copy_bytes(cfg, True)
+        least = least_budget(model_chain(cfg, batch, seq, unstored)) + copy_bytes(cfg, True)
         raise ValueError(f"budget={budget:,} bytes for the store and the 16-bit weight copies: even recasting "
                          f"(copies {copy_bytes(cfg, True):,} B) leaves less than the store's least, so give at least "
                          f"{least:,} bytes ({least / 2**20:.2f} MiB)")

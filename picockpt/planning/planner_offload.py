@@ -54,16 +54,16 @@ def with_host(schedule, names, n):
 
 
 @functools.lru_cache(maxsize=64)
-def plan_offload(cfg, batch, seq, budget, drop=frozenset(), bandwidth=DEFAULT_HOST_BANDWIDTH,
+def plan_offload(cfg, batch, seq, budget, unstored=frozenset(), bandwidth=DEFAULT_HOST_BANDWIDTH,
                  rate=DEFAULT_COMPUTE_RATE, names=None, seconds=None):
     """The fastest schedule (by host_walk.py's model) of the family above whose device peak fits
     `budget` bytes. names: offload only these (a policy's offload:NAMES); None or {"*"}: the planner's kinds.
     seconds: ((op name, seconds), ...) to price compute by (None: FLOPs at `rate`)."""
     check_rates(bandwidth, rate)
-    flop_chain, flop_costs = model_chain(cfg, batch, seq, drop), model_costs(cfg, batch, seq, drop)
+    flop_chain, flop_costs = model_chain(cfg, batch, seq, unstored), model_costs(cfg, batch, seq, unstored)
     chain, costs, rate = (flop_chain, flop_costs, rate) if seconds is None else (
-        price_chain(flop_chain, cfg, batch, seq, dict(seconds), drop), priced_costs(cfg, batch, seq, dict(seconds),
-                                                                                     drop), 1.0)
+        price_chain(flop_chain, cfg, batch, seq, dict(seconds), unstored), priced_costs(cfg, batch, seq, dict(seconds),
+                                                                                     unstored), 1.0)
     kinds = list(KINDS.values()) if names is None or "*" in names else [frozenset(names)]
     if cfg.experts:
         kinds = [kind for kind in kinds if not kind & {"mlp.gate", "mlp.up"}]

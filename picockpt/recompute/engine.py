@@ -24,14 +24,14 @@ import torch
 
 from ..model.batch import check_batch  # the door: ids and targets checked once (re-exported for the parallel jobs)
 from ..model.head import head_backward, head_forward
-from ..planning.inventory import layer_inventory
+from ..planning.step_forms import layer_inventory
 from ..model.layer import layer_backward, layer_forward
 from .offload import host_tier, offloading, prefetch_for
 from ..ops import embedding_backward, embedding_forward, rope_tables
 from ..model.params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_names, layer_weights, model_names
 from .policy import as_policy
 from .store import ActivationStore
-from ..model.tail import RUN_TAIL, SKIP_TAIL
+from ..model.block_tail import RUN_TAIL, SKIP_TAIL
 
 
 class _NoTracker:  # what the engine talks to when nobody is measuring
@@ -57,7 +57,7 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
     B, T = input_ids.shape
     with torch.no_grad():
         model = Model(params, cfg, input_ids, targets, recast=policy.recast)
-        step = Step(model, policy.schedule(cfg, B, T), policy.drop, tracker, trace)
+        step = Step(model, policy.schedule(cfg, B, T), policy.unstored, tracker, trace)
         loss = step.forward()
         return loss, step.backward()
 
@@ -105,14 +105,14 @@ class Model:
     def load_input(self, store, k, whole):  # the input of layer k, to recompute from
         return store.get(k, "input")  # (B, T, h)
 
-    def layer_forward(self, k, x, store, drop, tail):  # tail: RUN_TAIL, or SKIP_TAIL (None out; picockpt/model/tail.py)
-        return layer_forward(x, self.layer_weights_for(k), self.cfg, self.rope, store, k, drop, tail)  # (B, T, h)
+    def layer_forward(self, k, x, store, unstored, tail):  # tail: RUN_TAIL, or SKIP_TAIL (None out; picockpt/model/block_tail.py)
+        return layer_forward(x, self.layer_weights_for(k), self.cfg, self.rope, store, k, unstored, tail)  # (B, T, h)
 
     def layer_backward(self, k, dx, store):  # -> dx (B, T, h) and a LayerWeights of weight gradients
         return layer_backward(dx, self.layer_weights_for(k), self.cfg, self.rope, store, k)
 
-    def head_forward(self, x, store, drop):
-        return head_forward(x, self.weights, self.cfg, self.targets, store, drop)  # scalar
+    def head_forward(self, x, store, unstored):
+        return head_forward(x, self.weights, self.cfg, self.targets, store, unstored)  # scalar
 
     def head_backward(self, store):
         return head_backward(self.weights, self.cfg, self.targets, store)  # (B, T, h), {name: grad}
@@ -123,10 +123,10 @@ class Model:
 
 class Step:
     """One step through `model` under a Schedule (picockpt/recompute/schedule.py): forward() then backward().
-    drop: the names the policy's op level drops; a schedule may give a layer its own."""
+    unstored: the names the policy's op level drops; a schedule may give a layer its own."""
 
-    def __init__(self, model, schedule, drop=frozenset(), tracker=None, trace=False):
-        self.model, self.schedule, self.drop = model, schedule, drop
+    def __init__(self, model, schedule, unstored=frozenset(), tracker=None, trace=False):
+        self.model, self.schedule, self.unstored = model, schedule, unstored
         self.tracker = tracker or _NoTracker()
         self.trace, self.say = trace, trace if callable(trace) else print  # where --trace lines go
         host = host_tier(schedule, model.input_ids.device, self.tracker)  # None unless it offloads (offload.py)
@@ -149,7 +149,7 @@ class Step:
             if mode.stored:
                 self.whole.add(k)
             tail = SKIP_TAIL if stop_early and k == last else RUN_TAIL  # a sweep's last layer: no output read
-            x = model.layer_forward(k, x, store if mode.stored else None, mode.drop(self.drop), tail)
+            x = model.layer_forward(k, x, store if mode.stored else None, mode.unstored(self.unstored), tail)
             if self.trace:
                 dropped = [name for name in model.layer_names if name not in store.names(k)]
                 host = f" ({store.host_names(k)} on the host)" if store.host_names(k) else ""
@@ -165,7 +165,7 @@ class Step:
             x = model.embed()  # (B, T, h)
             with offloading(self.store, schedule):  # the puts Schedule.host names go to host memory
                 x = self.run_layers(first, last, x, lambda k: schedule.forward[k])  # (B, T, h)
-            loss = model.head_forward(x, self.store, schedule.head.drop(self.drop))  # scalar
+            loss = model.head_forward(x, self.store, schedule.head.unstored(self.unstored))  # scalar
             del x
         if self.trace:
             self.say(f"loss {loss.item():.4f}; stored {self.store.bytes:,} bytes")

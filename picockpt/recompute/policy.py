@@ -76,7 +76,7 @@ class Policy:
     recast: bool = False         # 16-bit weight copies cast at each layer's use (True) or kept for the step
 
     @property
-    def drop(self):
+    def unstored(self):
         return OP_LEVEL.get(self.op_level, frozenset())
 
     def check(self, cfg):
@@ -118,13 +118,13 @@ class Policy:
 
     def _check_offload(self, cfg):
         """offload:NAMES must name tensors this model stores, and something must be left to move."""
-        from ..planning.closed_forms import layer_inventory  # (closed_forms imports nothing of this module)
+        from ..planning.layer_forms import layer_inventory  # (layer_forms imports nothing of this module)
         stored = {name.partition("[")[0] for name in layer_inventory(cfg, 1, 1)}
         unknown = sorted(self.offload - stored - {"*"})
         if unknown:
             raise ValueError(f"policy {self.text!r}: offload names {', '.join(unknown)}, which a layer of this model "
                              f"never stores ({cfg.attention} attention); name some of: {', '.join(sorted(stored))}")
-        kept = stored - self.drop if self.segment is None else {"input"}  # what the first forward stores
+        kept = stored - self.unstored if self.segment is None else {"input"}  # what the first forward stores
         if self.budget is None and "*" not in self.offload and not self.offload & kept:
             where = (f"every:{self.segment} stores only its checkpoints (input) in the first forward"
                      if self.segment is not None else f"{self.op_level} drops them")
@@ -136,10 +136,10 @@ class Policy:
         L = cfg.layers
         if self.budget is not None and self.offload is not None:
             from ..planning.planner_offload import plan_offload  # keep, recompute or offload, per layer
-            return plan_offload(cfg, batch, seq, self.budget, self.drop, names=self.offload).schedule
+            return plan_offload(cfg, batch, seq, self.budget, self.unstored, names=self.offload).schedule
         if self.budget is not None:
             from ..planning.planner import plan_model  # the planner turns a byte budget into a schedule
-            return plan_model(cfg, batch, seq, self.budget, self.drop).schedule
+            return plan_model(cfg, batch, seq, self.budget, self.unstored).schedule
         host = None if self.offload is None else (self.offload,) * L
         if self.segment is None:
             return Schedule(forward=("all",) * L, host=host)

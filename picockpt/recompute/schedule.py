@@ -10,7 +10,7 @@ compares as written):
     mode = Mode("all:cheap")
     mode.stored       True: the layer's activations are stored (its backward finds them)
     mode.keeps_input  True: its input is a checkpoint ("all" and "input")
-    mode.drop(policy_drop)  the names it drops: its own op level's, or the policy's
+    mode.unstored(policy_unstored)  the names it drops: its own op level's, or the policy's
 """
 from dataclasses import dataclass
 
@@ -34,9 +34,9 @@ def _combinations():
     """Every op level a policy can name, e.g. "selective+moe", -> the union of the names it drops."""
     levels = {(): frozenset()}
     for group in CHOICES:
-        levels.update({key + (name,): drop | names for key, drop in list(levels.items())
+        levels.update({key + (name,): unstored | names for key, unstored in list(levels.items())
                        for name, names in group.items()})
-    return {"+".join(key): drop for key, drop in levels.items() if key}
+    return {"+".join(key): unstored for key, unstored in levels.items() if key}
 
 
 OP_LEVEL = _combinations()  # "selective", "cheap", "moe", "selective+moe_act", ... -> names dropped
@@ -56,9 +56,9 @@ class Mode(str):
         mode.level = level or None  # its own op level; None: the policy's
         return mode
 
-    def drop(self, policy_drop):
+    def unstored(self, policy_unstored):
         """The names this layer drops: its own op level's, or else the policy's."""
-        return OP_LEVEL[self.level] if self.level else policy_drop
+        return OP_LEVEL[self.level] if self.level else policy_unstored
 
 
 ALL = Mode("all")
@@ -73,7 +73,7 @@ class Schedule:
     forward: tuple
     sweep_modes: dict = None      # target -> {k: mode}; None means "all" for every layer
     head: str = "all"             # the model head's op level: "all" (the policy's) or "all:cheap"
-    stop_early: bool = False      # a recompute sweep skips its last layer's tail (picockpt/model/tail.py)
+    stop_early: bool = False      # a recompute sweep skips its last layer's tail (picockpt/model/block_tail.py)
     host: tuple = None            # per layer, a frozenset of names offloaded in the first forward
 
     def __post_init__(self):  # every mode parsed once, here

@@ -5,7 +5,7 @@
     contiguous   cp chunks (c = T/cp): rank r holds chunk r
 
 Under causal attention rank cp-1's contiguous tokens see the whole sequence and rank 0's only the first chunk; the
-zigzag pairs a cheap chunk with an expensive one, so every rank does the same work (cp_inventory.py). A rank's
+zigzag pairs a cheap chunk with an expensive one, so every rank does the same work (cp_forms.py). A rank's
 tokens are its chunks one after another; their global positions feed RoPE and decide, chunk against chunk, which
 block of attention is causal (the same chunk), whole (an earlier one) or skipped.
 """

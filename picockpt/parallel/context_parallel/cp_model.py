@@ -2,7 +2,7 @@
 
 The rank holds every weight (replicated) and its n = T/cp tokens of every sequence (cp_layout.py). All of the layer
 but attention works token by token, so picockpt/model/layer.py's layer runs here unchanged on (B, n, h); only its
-attention core crosses ranks (ContextParallelCrossings): round the ring (cp_attention.py), or after one all-gather
+attention core crosses ranks (ContextParallelHooks): round the ring (cp_attention.py), or after one all-gather
 of K/V per layer, gathered again in the backward (as Megatron-LM's docs say) unless keep_kv keeps the other ranks'
 rows: attn.kv_others, put in the step's store by the layer's first forward whatever its mode, read by every
 recompute sweep, popped by its backward. A recompute sweep runs the layer's ring or all-gather again.
@@ -13,9 +13,9 @@ gradients are summed over the dp x cp ranks by the data-parallel buckets.
 """
 import torch
 
-from ...planning.inventory import layer_inventory
+from ...planning.step_forms import layer_inventory
 from ...model.layer import ONE_PROCESS
-from ..rank_model import CrossingsOver
+from ..rank_model import WrappedHooks
 from .cp_attention import (gathered_attention_backward, gathered_attention_forward, ring_attention_backward,
                            ring_attention_forward)
 from .cp_comm import RINGS, gather_kv_backward, gather_kv_forward
@@ -30,12 +30,12 @@ def apply_context_parallel(model, comm, layout, cp_comm="ring", keep_kv=False):
     model.input_ids, model.targets = layout.rows(model.input_ids, comm.rank), layout.rows(model.targets, comm.rank)
     model.positions = layout.positions(comm.rank, model.input_ids.device)  # (n,) global positions of its rows
     model.layer_names = list(layer_inventory(model.cfg, *model.input_ids.shape))  # what a layer keeps, at n tokens
-    model.cross = ContextParallelCrossings(comm, layout, cp_comm, keep_kv, model.cross)
+    model.hooks = ContextParallelHooks(comm, layout, cp_comm, keep_kv, model.hooks)
     return model
 
 
-class ContextParallelCrossings(CrossingsOver):
-    """The one crossing of a context-parallel layer: its attention core (beside tensor parallelism, of this rank's
+class ContextParallelHooks(WrappedHooks):
+    """The one hook of a context-parallel layer: its attention core (beside tensor parallelism, of this rank's
     heads, crossing the cp ranks of the same tp rank). at() gives it the step's store and the layer before each
     layer runs (the kept K/V go to the step's store whatever the layer's mode)."""
 

@@ -1,6 +1,6 @@
 """What ZeRO's own values refuse, before any rank starts (dp_check.py calls it for a job; picockpt train too)."""
 from ..refusals import refuse_tiled_dropout
-from .zero_inventory import STAGES
+from .zero_forms import STAGES
 
 WORKS = "zero 1, 2 or 3 over 2 or more ranks (dp x ep x cp), fp32 or fp64, untied embeddings"
 

@@ -9,7 +9,7 @@ over the dp x ep x cp ranks (torchtitan's dp_shard_cp mesh under cp), an expert'
 Weights: under stages 1 and 2 every unit whole; under stage 3 the rank's shard, all-gathered before each use and
 freed after it. The head stays gathered from its forward to its backward (as torchtitan's apply_fsdp_to_decoder);
 keep_gathered=True keeps a layer a recompute sweep gathered until its backward (FSDP2 gathers a recomputed block once
-in the backward: fsdp_peer.py), "step" every unit from its first use to its last (zero_inventory.kept_after).
+in the backward: fsdp_peer.py), "step" every unit from its first use to its last (zero_forms.kept_after).
 prefetch=True starts the next use's gather before this use computes, as FSDP's does. Gradients accumulate whole over
 the stage's micro-batches and are reduced once final: stage 1 all-reduces a unit's flat gradient, stages 2 and 3
 reduce-scatter it. Optimizer (steps > 0): picockpt/measurement/train.py's AdamW on the rank's shards only
@@ -22,7 +22,7 @@ import torch
 from ...measurement.train import make_optimizer
 from ..comm import all_reduce, reduce_scatter
 from ..expert_parallel.ep_shard import is_expert
-from .zero_inventory import kept_after
+from .zero_forms import kept_after
 from .zero_params import FlatUnit, gather_flat, unit_names
 
 
@@ -55,7 +55,7 @@ class Sharded:
 class ZeroShards:
     """A rank's ZeRO state for its stage, and the stage's data part as dp_model.py's Replicated is (weights, use,
     add, ready, finish, grads). params: the rank's tensors under the full names; layout: the job's Layout (its zero
-    stage, keep_gathered, prefetch; under ep the experts apart); forms: the stage's StageForms (its layers, first,
+    stage, keep_gathered, prefetch; under ep the experts apart); forms: the stage's ChunkForms (its layers, first,
     last); comms: {False: dense group, True: experts' group} (a Comm or None); uses: [(phase, key)] of every
     gathered use (stage 3)."""
 

@@ -8,7 +8,7 @@ Stored names: layer.py's (at batch B/W), moe.py's and ep_moe.py's. Dropout masks
 process's, drawn for the whole batch, this rank's sequences kept (rng.py's full_size_draws along the batch dim).
 """
 from ...model.layer import ONE_PROCESS
-from ..rank_model import CrossingsOver
+from ..rank_model import WrappedHooks
 from ..rng import full_size_draws
 from .ep_moe import DISPATCHED, ROUTING, ep_moe_backward, ep_moe_forward
 
@@ -37,12 +37,12 @@ class KeptRouting:
         return lambda name, tensor: (self.put if name in ROUTING else keep)(name, tensor)
 
 
-def ep_drop(drop):
+def ep_drop(unstored):
     """The policy's op level here: moe ("drop all the experts keep") drops the dispatched rows too, their input."""
-    return drop | frozenset(DISPATCHED) if "moe.gate_up" in drop else drop
+    return unstored | frozenset(DISPATCHED) if "moe.gate_up" in unstored else unstored
 
 
-class ExpertParallelCrossings(CrossingsOver):
+class ExpertParallelHooks(WrappedHooks):
     """Where picockpt/model/layer.py's layer crosses the W ranks of `comm`: its experts' block (ep_moe.py) and the
     whole-batch draws. at() points it at the layer's routing in the step's store (KeptRouting)."""
 

@@ -1,10 +1,10 @@
 """What expert parallelism changes in a rank's model (picockpt/parallel/rank_model.py), as the engine's loop sees it:
-rank r of W computes its own sequences (rank.py gives it its rows) with ep_layer.py's crossings, holding ep_shard.py's
+rank r of W computes its own sequences (rank.py gives it its rows) with ep_layer.py's hooks, holding ep_shard.py's
 weights (E/W experts of each layer, every other weight whole). The loss is the stage's (pp_stage.py): each rank's
 head mean over its counted targets, scaled by its share of the whole batch's.
 """
-from .ep_inventory import ep_layer_names
-from .ep_layer import ExpertParallelCrossings, ep_drop
+from .ep_forms import ep_layer_names
+from .ep_layer import ExpertParallelHooks, ep_drop
 
 
 def apply_expert_parallel(model, comm, keep_dispatched=False):
@@ -14,6 +14,6 @@ def apply_expert_parallel(model, comm, keep_dispatched=False):
     model.layer_names = ep_layer_names(cfg, comm.world_size, comm.rank)
     model.received_rows = {}
     first_expert = comm.rank * (cfg.experts // comm.world_size)  # the global id of its first expert
-    model.cross = ExpertParallelCrossings(comm, cfg, first_expert, keep_dispatched, model.received_rows, model.cross)
-    model.drop = ep_drop
+    model.hooks = ExpertParallelHooks(comm, cfg, first_expert, keep_dispatched, model.received_rows, model.hooks)
+    model.unstored = ep_drop
     return model

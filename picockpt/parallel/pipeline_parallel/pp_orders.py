@@ -3,7 +3,7 @@
 The orders are pp_schedules.py's Actions; chunk c of rank s is virtual stage c P + s. The clock starts each action
 when its rank is free and its input (or gradient) has arrived, and times the step; the ranks run the same orders
 (pp_runner.py) and their timelines measure what this models. ZB-H1 holds 1F1B's activations and, besides, what the
-waiting W's read (w_pending_bytes), for up to s micro-batches on rank s (pp_inventory.py walks the order with them).
+waiting W's read (w_pending_bytes), for up to s micro-batches on rank s (pp_forms.py walks the order with them).
 """
 from ...model.config import BYTES
 from .pp_schedules import Action, actions

@@ -1,5 +1,5 @@
 """A pipeline stage's plan: the least-recompute schedule for one micro-batch when the stage holds w at once, its
-peak (w - 1) * E + the micro-batch's own (pp_inventory.py). A plan that fits a budget alone may not fit it w times
+peak (w - 1) * E + the micro-batch's own (pp_forms.py). A plan that fits a budget alone may not fit it w times
 over, and what a first forward keeps costs w times what a recompute sweep keeps (sweeps run one micro-batch at a
 time). The candidates: the single-process planner's Pareto front (picockpt/planning/planner.py), walked down from
 the budget."""

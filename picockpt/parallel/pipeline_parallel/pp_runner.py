@@ -9,7 +9,7 @@ from .pp_schedules import interleaved_steps
 
 
 def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_done=None):
-    """Every action of `order` on this rank's chunks (PipelineStage each; forms: their StageForms, whose schedule
+    """Every action of `order` on this rank's chunks (PipelineStage each; forms: their ChunkForms, whose schedule
     and op-level drops each Step follows). rows(m): micro-batch m's (input_ids, targets) on this rank; memory: the
     stage's stores (timeline.py: StageMemory); forward_done(m, c, step, model) after each forward. Returns this
     rank's share of the loss (the last stage's micro-batches summed), None on earlier stages."""
@@ -33,7 +33,7 @@ def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_don
         if action.kind == "F":
             w_store = ActivationStore(listener=memory.for_microbatch(m, (c, "W"))) if stage.split_backward else None
             model = stage.microbatch(m, *rows(m), w_store)
-            step = model.step = Step(model, forms[c].schedule, forms[c].policy.drop, memory.for_microbatch(m, c), say)
+            step = model.step = Step(model, forms[c].schedule, forms[c].policy.unstored, memory.for_microbatch(m, c), say)
             model.rank_model.store = step.store  # where an ep layer keeps its routing, whatever its mode
             part = step.forward()  # this micro-batch's share of the whole batch's mean (last stage)
             loss = part if loss is None else loss + part

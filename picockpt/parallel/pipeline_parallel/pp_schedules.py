@@ -177,7 +177,7 @@ def interleaved_steps(order):
 @functools.lru_cache(maxsize=256)
 def in_flight(schedule, stages, microbatches, stage, virtual=1):
     """The most micro-batches (micro-batch-chunks, interleaved) whose activations stage `stage` stores at once,
-    from a forward to its backward (read off its actions; ZB-H1's W holds what it needs apart: pp_inventory.py)."""
+    from a forward to its backward (read off its actions; ZB-H1's W holds what it needs apart: pp_forms.py)."""
     held = most = 0
     for action in actions(schedule, stages, microbatches, stage, virtual):
         held += {"F": 1, "B": -1, "W": 0}[action.kind]

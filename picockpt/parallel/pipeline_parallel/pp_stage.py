@@ -125,10 +125,10 @@ class StageModel:
             self.generator.set_state(stage.rng_start)
         return x
 
-    def layer_forward(self, k, x, store, drop, tail):
+    def layer_forward(self, k, x, store, unstored, tail):
         with full_size_draws(self.rows, dim=0, dropout=1.0 if self.cfg.draws_random else 0), \
                 self.stage.weights_for(k):  # its rows of each mask; layer k's weights
-            return self.rank_model.layer_forward(k, x, store, drop, tail)  # (b, n, h)
+            return self.rank_model.layer_forward(k, x, store, unstored, tail)  # (b, n, h)
 
     def layer_backward(self, k, dx, store):
         stage = self.stage
@@ -159,7 +159,7 @@ class StageModel:
                     stage.data.ready(k)
         assert waiting.bytes == 0, f"the W left {waiting.names(None)} stored"
 
-    def head_forward(self, x, store, drop):
+    def head_forward(self, x, store, unstored):
         stage = self.stage
         if not stage.last:
             if self.cfg.draws_random and self.m == 0:
@@ -169,7 +169,7 @@ class StageModel:
         if self.cfg.draws_random and self.m == 0:
             stage.rng_end = self.generator.get_state()  # where the single process's step leaves the generator
         with stage.weights_for("head"):
-            loss = self.rank_model.head_forward(x, store, drop)  # the mean over this micro-batch's counted targets
+            loss = self.rank_model.head_forward(x, store, unstored)  # the mean over this micro-batch's counted targets
         return loss * self.mean_share if self.mean_share else loss.new_zeros(())  # its share of the whole batch's mean
 
     def head_backward(self, store):

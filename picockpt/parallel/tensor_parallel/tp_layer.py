@@ -1,5 +1,5 @@
 """One Llama decoder layer on one tensor-parallel rank (Megatron-LM; Korthikanti et al. 2022 with sequence
-parallelism): picockpt/model/layer.py's one layer, its crossings (layer.py: Crossings) filled in with the collectives.
+parallelism): picockpt/model/layer.py's one layer, its hooks (layer.py: LayerHooks) filled in with the collectives.
 
     h   = x + dropout(LEAVE(o_proj(attention(q, k, v))))     q, k, v = projections of ENTER(rmsnorm(x))
     out = h + dropout(LEAVE(down(silu(gate) * up)))           gate, up = projections of ENTER(rmsnorm(h))
@@ -15,7 +15,7 @@ gradient, from partial outputs, is summed over the ranks.
 """
 from ...model.layer import ONE_PROCESS
 from ..comm import all_reduce_grads
-from ..rank_model import CrossingsOver
+from ..rank_model import WrappedHooks
 from ..rng import full_size_draws, sliced_mask
 from .vocab import parallel_cross_entropy_backward, parallel_cross_entropy_forward
 from .tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gather_sequence_backward,
@@ -23,9 +23,9 @@ from .tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gathe
                       scatter_sequence_backward, scatter_sequence_forward)
 
 
-class TensorParallelCrossings(CrossingsOver):
+class TensorParallelHooks(WrappedHooks):
     """Where layer.py's layer crosses the t ranks of `comm` (sequence parallel when sp); x, h, out: (B, n, h).
-    inner: the crossings it is applied over (every point it does not own is theirs)."""
+    inner: the hooks it is applied over (every point it does not own is theirs)."""
 
     def __init__(self, comm, sp, dropout, inner=ONE_PROCESS):
         super().__init__(inner)

@@ -1,5 +1,5 @@
 """What tensor parallelism changes in a rank's model (picockpt/parallel/rank_model.py): the embedding and head are
-vocab.py's, the layer's crossings tp_layer.py's, and a checkpoint may be kept as this rank's 1/t of it.
+vocab.py's, the layer's hooks tp_layer.py's, and a checkpoint may be kept as this rank's 1/t of it.
 
 Distributed saved activations (Megatron-LM's --distribute-saved-activations; Korthikanti et al. sec. 5): without sp
 each rank would keep the same whole layer input as its checkpoint, t copies of one tensor; with distribute_saved=True
@@ -8,8 +8,8 @@ counted under "recompute". Only checkpoint-only inputs are split (a layer stored
 """
 from ...model.params import EMBED
 from .tp_comm import gather_sequence_forward
-from .tp_inventory import rank_layer_inventory
-from .tp_layer import TensorParallelCrossings
+from .tp_forms import rank_layer_inventory
+from .tp_layer import TensorParallelHooks
 from .vocab import embedding_backward_parallel, embedding_forward_parallel
 
 
@@ -17,7 +17,7 @@ def apply_tensor_parallel(model, comm, sp=False, distribute_saved=False):
     """Make a RankModel (picockpt/parallel/rank_model.py) a tensor-parallel rank's: its params are this rank's slices
     (tp_shard.py); its layer crosses the t ranks of comm, its embedding and head are vocabulary-parallel."""
     model.layer_names = list(rank_layer_inventory(model.cfg, *model.input_ids.shape, comm.world_size, sp))
-    model.cross = TensorParallelCrossings(comm, sp, model.cfg.dropout, model.cross)
+    model.hooks = TensorParallelHooks(comm, sp, model.cfg.dropout, model.hooks)
     model.vocab = VocabParallel(comm, sp)
     if distribute_saved:
         model.checkpoints = DistributedSaved(comm)

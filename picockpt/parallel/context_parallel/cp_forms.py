@@ -1,7 +1,7 @@
 """Closed forms per context-parallel rank, which the tracker equals to the byte: stored bytes, bytes moved, FLOPs.
 
 Stored bytes: under tiled or fused attention every tensor a layer or the head keeps is linear in its tokens, so a
-rank's table is picockpt/planning/inventory.py's at its n = T/cp tokens, with one more entry under
+rank's table is picockpt/planning/step_forms.py's at its n = T/cp tokens, with one more entry under
 cp_comm="allgather" with keep_kv: attn.kv_others (2, B, KV, T - n, hd), kept whatever the layer's mode. With X, A, F
 a layer input, a layer stored whole and the head at n tokens, and K that entry (0 without keep_kv):
 
@@ -23,8 +23,8 @@ Zigzag gives every rank (2cp-1) c earlier tokens, the same count; contiguous giv
 diagonal block's count and e = 2 B H hd c^2 the busiest rank against the mean is
     max / mean = (d + (cp-1) e) / (d + (cp-1) e / 2)      (-> 2 as cp grows; 3/2 at cp = 2 when d = e/2)
 """
-from ...planning.closed_forms import attention_matmul_flops, chain_sizes, layer_flops
-from ...planning.closed_forms import segments_peak, tail_flops
+from ...planning.layer_forms import attention_matmul_flops, chain_sizes, layer_flops
+from ...planning.layer_forms import segments_peak, tail_flops
 from ...model.config import BYTES
 from ...planning.hardware import INFINIBAND_NDR
 from ...planning.host_walk import DEFAULT_COMPUTE_RATE
@@ -50,7 +50,7 @@ def cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
     if policy.budget is not None:
         raise ValueError(f"policy={policy.text!r}: a budget is planned per rank (parallel/job.py: stage_forms gives "
                          f"its peak); cp_peak_bytes takes none, full, every:C, selective or cheap")
-    X, A, F = chain_sizes(cfg, batch, seq // cp, policy.drop)
+    X, A, F = chain_sizes(cfg, batch, seq // cp, policy.unstored)
     K, L = kept_kv_bytes(cfg, batch, seq, cp, cp_comm, keep_kv), cfg.layers
     if policy.segment is None:
         return L * (A + K) + F
@@ -71,7 +71,7 @@ def cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, sc
 
 def stage_comm_bytes(forms, seq, cp, cp_comm="ring", keep_kv=False):
     """{"forward", "recompute", "backward"}: what one rank of a stage moves in a step: its ring or all-gather on
-    the stage's layers for each of its M micro-batches (forms: pipeline_parallel/pp_inventory.py's StageForms at
+    the stage's layers for each of its M micro-batches (forms: pipeline_parallel/pp_forms.py's ChunkForms at
     T/cp tokens, its own schedule, the K/V of its KV/t heads), plus its tensor-parallel collectives."""
     cfg = forms.cfg.replace(layers=len(forms.layers))
     ring = cp_comm_bytes(cfg, forms.b, seq, forms.policy, cp, cp_comm, keep_kv, forms.local_schedule, forms.t)
@@ -96,7 +96,7 @@ def recompute_comm_flops(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False, t=1
                          rate=DEFAULT_COMPUTE_RATE):
     """What recomputing one layer's forward costs in communication, as FLOPs of the same time: the bytes it
     moves again over `bandwidth` (bytes/s), at `rate` (FLOP/s). The budget planner adds it to a recomputed
-    layer's FLOPs under context parallelism, so a sweep pays for its ring again (pp_inventory.stage_plan)."""
+    layer's FLOPs under context parallelism, so a sweep pays for its ring again (pp_forms.stage_plan)."""
     return 0 if cp == 1 else round(layer_comm_bytes(cfg, batch, seq, cp, cp_comm, keep_kv, t)[2] * rate / bandwidth)
 
 

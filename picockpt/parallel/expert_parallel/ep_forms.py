@@ -2,13 +2,13 @@
 its all-to-alls move, its FLOPs. What a rank holds depends on the tokens its experts receive, so these take the
 step's routing: L lists of E per-expert token counts over the whole batch (picockpt.model.routing.step_routing);
 rank r receives M_l, its experts' counts in layer l summed, and sends P = (B/W) T k pairs. A stored layer is
-inventory.py's at batch B/W, its experts' rows sized by every rank's tokens, plus ep_moe.py's table, whose routing
+step_forms.py's at batch B/W, its experts' rows sized by every rank's tokens, plus ep_moe.py's table, whose routing
 every first forward keeps whatever its mode (always_kept_bytes: segments_peak's `always`). Beside tensor parallelism
-a rank stores tp_inventory.py's split of the layer, its experts' rows f/t wide; every matmul but the router's is 1/t.
+a rank stores tp_forms.py's split of the layer, its experts' rows f/t wide; every matmul but the router's is 1/t.
 """
 import math
 
-from ...planning.inventory import (head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops,
+from ...planning.step_forms import (head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops,
                                    total)
 from ...model.params import param_shapes
 from ...recompute.policy import as_policy
@@ -16,7 +16,7 @@ from .ep_layer import ep_drop
 from .ep_shard import is_expert
 from .ep_moe import DISPATCHED, ROUTING
 from ...model.config import BYTES
-from ..tensor_parallel.tp_inventory import rank_head_inventory, split_inventory
+from ..tensor_parallel.tp_forms import rank_head_inventory, split_inventory
 
 
 def ep_layer_names(cfg, ep, rank):
@@ -46,13 +46,13 @@ def _check(cfg, batch, seq, policy, ep, rank, routing):
     return policy
 
 
-def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep_dispatched=False, t=1, sp=False):
+def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, unstored=frozenset(), keep_dispatched=False, t=1, sp=False):
     """What one layer stored whole keeps on rank `rank` of ep, its input included: name -> (shape, dtype, bytes).
     batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints; t, sp: beside tp."""
     act, stat, _ = cfg.dtype_names
-    drop = ep_drop(frozenset(drop))
+    unstored = ep_drop(frozenset(unstored))
     local, f, h = cfg.experts // ep, cfg.ffn // t, cfg.hidden
-    plain = split_inventory(layer_inventory(cfg, batch // ep, seq, drop), t, sp)  # its own sequences (tp's split)
+    plain = split_inventory(layer_inventory(cfg, batch // ep, seq, unstored), t, sp)  # its own sequences (tp's split)
     rows = [(name, shape, dtype) for name, (shape, dtype, _) in plain.items()
             if not name.startswith(("moe.gate_up[", "moe.act["))]
     for e in range(rank * local, (rank + 1) * local):  # its experts, on their rows from every rank
@@ -63,7 +63,7 @@ def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, drop=frozenset(), keep
              ("moe.dispatched_weights", (M,), stat)]
     kept = {"moe.received_counts"} | (set(DISPATCHED) if keep_dispatched else set())  # whatever the op level
     return {name: (shape, dtype, math.prod(shape) * BYTES[dtype]) for name, shape, dtype in rows
-            if name in kept or name.partition("[")[0] not in drop}
+            if name in kept or name.partition("[")[0] not in unstored}
 
 
 def _input_bytes(cfg, batch, seq, ep, t, sp):
@@ -83,7 +83,7 @@ def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=Fa
     """The exact peak of rank r's activation store over one step. head=False: a pipeline stage before the last
     (cfg.layers its layers, routing theirs), which has no head."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
-    A = [total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched, t, sp))
+    A = [total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.unstored, keep_dispatched, t, sp))
          for counts in routing]
     F = ep_head_stored_bytes(cfg, batch, seq, policy, ep, t, sp) if head else 0
     if policy.segment is None:
@@ -99,7 +99,7 @@ def ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispa
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
     counts = routing[layer]
     if policy.segment is None:
-        return total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.drop, keep_dispatched, t, sp))
+        return total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.unstored, keep_dispatched, t, sp))
     X = _input_bytes(cfg, batch, seq, ep, t, sp) if layer % policy.segment == 0 else 0
     return X + always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched)
 
@@ -113,10 +113,10 @@ def ep_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=
 
 def ep_head_stored_bytes(cfg, batch, seq, policy, ep, t=1, sp=False):
     """What the head holds on a rank after the forward: picockpt's head on its batch/ep sequences (tp's, beside)."""
-    drop = as_policy(policy, cfg).drop
+    unstored = as_policy(policy, cfg).unstored
     if t > 1:
-        return total(rank_head_inventory(cfg, batch // ep, seq, t, sp, drop))
-    return total(head_inventory(cfg, batch // ep, seq, drop))
+        return total(rank_head_inventory(cfg, batch // ep, seq, t, sp, unstored))
+    return total(head_inventory(cfg, batch // ep, seq, unstored))
 
 
 def replicated_grad_bytes(cfg):
@@ -141,7 +141,7 @@ def _all_to_all_bytes(cfg, policy, P, M, E, keep_dispatched):
     recompute = 0
     if policy.segment is not None:  # the layer's forward once more (every:C), the routing and its counts kept
         recompute += (0 if keep_dispatched else dispatch) + combine
-    if "moe.gate_up" in policy.drop and not keep_dispatched:  # the backward sends the dropped rows again
+    if "moe.gate_up" in policy.unstored and not keep_dispatched:  # the backward sends the dropped rows again
         recompute += dispatch
     return {"forward": 8 * E + dispatch + combine, "recompute": recompute,
             "backward": P * h * act + M * stat + M * h * act}
@@ -179,7 +179,7 @@ def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, 
         one = ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched, head)
         policy = as_policy(policy, cfg)
         router = 2 * (batch // ep) * seq * cfg.hidden * cfg.experts * cfg.layers
-        again = (policy.segment is not None) + ("moe.router_probs" in policy.drop)
+        again = (policy.segment is not None) + ("moe.router_probs" in policy.unstored)
         whole = {"forward": router, "backward": 2 * router, "recompute": again * router}
         return {phase: (n - whole[phase]) // t + whole[phase] for phase, n in one.items()}
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
@@ -192,7 +192,7 @@ def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, 
     h, f, P = cfg.hidden, cfg.ffn, (batch // ep) * seq * cfg.experts_per_token
     extra = [received_rows(cfg, counts, ep, rank) - P for counts in routing]  # rows beyond its own pairs
     forward = sum(2 * n * h * 3 * f for n in extra)
-    rebuild = sum(2 * n * h * 2 * f for n in extra) if "moe.gate_up" in policy.drop else 0  # moe: gate_up again
+    rebuild = sum(2 * n * h * 2 * f for n in extra) if "moe.gate_up" in policy.unstored else 0  # moe: gate_up again
     flops["forward"] += forward
     flops["backward"] += 2 * forward
     flops["recompute"] += (forward if policy.segment is not None else 0) + rebuild

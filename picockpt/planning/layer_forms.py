@@ -1,11 +1,11 @@
 """Closed forms of one layer and of the head: the bytes each stored tensor takes, by name, and the
-FLOPs of each matmul, from the shape alone. picockpt/planning/inventory.py puts them together into a step's
+FLOPs of each matmul, from the shape alone. picockpt/planning/step_forms.py puts them together into a step's
 peak and FLOPs per phase (and re-exports these).
 
 These are the formulas the tests and notebooks hold the engine to, exactly, for every attention
 kind (eager / tiled / fused, picockpt/model/attention.py) and loss chunking (picockpt/model/head.py):
 
-    layer_inventory(cfg, B, T, drop)    name -> (shape, dtype, bytes) of one stored layer
+    layer_inventory(cfg, B, T, unstored)    name -> (shape, dtype, bytes) of one stored layer
     predicted_peak_bytes(cfg, B, T, p)  the activation store's peak during one step
     step_flops(cfg, B, T, p)            matmul FLOPs of forward / recompute / backward
 
@@ -24,9 +24,9 @@ import math
 from ..model.config import BYTES
 
 
-def dropped(name, drop):
-    """Is `name` dropped by `drop`? An expert's tensor, "moe.act[3]", goes with its kind, "moe.act"."""
-    return name.partition("[")[0] in drop
+def dropped(name, unstored):
+    """Is `name` dropped by `unstored`? An expert's tensor, "moe.act[3]", goes with its kind, "moe.act"."""
+    return name.partition("[")[0] in unstored
 
 
 def balanced_counts(cfg, batch, seq):
@@ -46,7 +46,7 @@ def check_counts(cfg, batch, seq, counts):
     return list(counts)
 
 
-def layer_inventory(cfg, batch, seq, drop=frozenset(), counts=None):
+def layer_inventory(cfg, batch, seq, unstored=frozenset(), counts=None):
     """What one fully stored layer keeps (including its input, the checkpoint). A mixture-of-experts
     layer keeps one row per expert that got tokens: `counts` (E ints) says how many each got; None
     assumes balanced routing (balanced_counts)."""
@@ -75,7 +75,7 @@ def layer_inventory(cfg, batch, seq, drop=frozenset(), counts=None):
     if cfg.dropout > 0:
         rows += [("mlp.dropout_mask", (B, T, h), "bool")]
     return {name: (shape, dtype, math.prod(shape) * BYTES[dtype]) for name, shape, dtype in rows
-            if not dropped(name, drop)}
+            if not dropped(name, unstored)}
 
 
 def _moe_rows(cfg, B, T, counts):
@@ -101,15 +101,15 @@ def counts_from_puts(cfg, puts, layer):
     return [puts.get((layer, f"moe.gate_up[{e}]"), 0) // row for e in range(cfg.experts)]
 
 
-def expert_bytes(cfg, batch, seq, counts=None, drop=frozenset()):
+def expert_bytes(cfg, batch, seq, counts=None, unstored=frozenset()):
     """[bytes] each expert's tensors take in one stored layer: what an expert-parallel rank holding that
     expert alone would keep of it (besides the tensors every rank has). counts None: balanced."""
-    inventory = layer_inventory(cfg, batch, seq, drop, counts)
+    inventory = layer_inventory(cfg, batch, seq, unstored, counts)
     return [sum(nbytes for name, (_, _, nbytes) in inventory.items() if name.endswith(f"[{e}]"))
             for e in range(cfg.experts)]
 
 
-def head_inventory(cfg, batch, seq, drop=frozenset()):
+def head_inventory(cfg, batch, seq, unstored=frozenset()):
     """What the model keeps around the layers: final norm, and the logits (or, chunked, their log-sum-exp)."""
     B, T, h, act = batch, seq, cfg.hidden, cfg.dtype
     stat = str(cfg.stat_dtype).replace("torch.", "")
@@ -120,17 +120,17 @@ def head_inventory(cfg, batch, seq, drop=frozenset()):
     else:  # chunked: the logits are recomputed chunk by chunk from final_norm.output and this
         rows += [("lm_head.lse", (B, T), stat)]
     return {name: (shape, dtype, math.prod(shape) * BYTES[dtype]) for name, shape, dtype in rows
-            if not dropped(name, drop)}
+            if not dropped(name, unstored)}
 
 
 def total(inventory):
     return sum(nbytes for _, _, nbytes in inventory.values())
 
 
-def chain_sizes(cfg, batch, seq, drop=frozenset()):
+def chain_sizes(cfg, batch, seq, unstored=frozenset()):
     """(X, A, F): one layer input, one fully stored layer, the model-level tensors."""
-    layer = layer_inventory(cfg, batch, seq, drop)
-    return layer["input"][2], total(layer), total(head_inventory(cfg, batch, seq, drop))
+    layer = layer_inventory(cfg, batch, seq, unstored)
+    return layer["input"][2], total(layer), total(head_inventory(cfg, batch, seq, unstored))
 
 
 def attention_matmul_flops(cfg, batch, seq):
@@ -169,18 +169,18 @@ def tail_flops(cfg, batch, seq):
     return 2 * BT * h * (cfg.experts_per_token * cfg.ffn + cfg.shared_expert_ffn)
 
 
-def rebuild_flops(cfg, batch, seq, drop):
-    """Matmul FLOPs one layer's backward spends rebuilding what `drop` dropped: the q k^T of the
+def rebuild_flops(cfg, batch, seq, unstored):
+    """Matmul FLOPs one layer's backward spends rebuilding what `unstored` dropped: the q k^T of the
     attention probabilities (eager), the experts' gate/up projections (moe: B*T*k rows of h -> 2f), the
     shared expert's (shared_experts), the router's linear (router: B*T rows of h -> E). Norm outputs
     and SwiGLU products are rebuilt elementwise: 0."""
     BT, h, parts = batch * seq, cfg.hidden, layer_flops(cfg, batch, seq)
-    flops = parts["scores"] if "attn.probs" in drop and cfg.attention == "eager" else 0
-    if cfg.experts and "moe.gate_up" in drop:
+    flops = parts["scores"] if "attn.probs" in unstored and cfg.attention == "eager" else 0
+    if cfg.experts and "moe.gate_up" in unstored:
         flops += 2 * BT * cfg.experts_per_token * h * 2 * cfg.ffn
-    if cfg.experts and "moe.shared_gate" in drop:
+    if cfg.experts and "moe.shared_gate" in unstored:
         flops += 2 * BT * h * 2 * cfg.shared_expert_ffn
-    if cfg.experts and "moe.router_probs" in drop:  # router: the router's linear again, h -> E
+    if cfg.experts and "moe.router_probs" in unstored:  # router: the router's linear again, h -> E
         flops += 2 * BT * h * cfg.experts
     return flops
 

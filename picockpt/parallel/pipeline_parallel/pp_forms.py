@@ -12,13 +12,13 @@ import functools
 import math
 from dataclasses import replace
 
-from ...planning.inventory import layer_flops
+from ...planning.step_forms import layer_flops
 from ...planning.planner import Stage, model_chain, plan_chain, replay
 from .pp_orders import w_pending_bytes
 from .pp_plan import end_of_forward_bytes, in_flight_peak, plan_chunks, plan_in_flight, walk_peak
 from ...recompute.policy import as_policy
 from ...recompute.schedule import Mode, Schedule
-from ..tensor_parallel.tp_inventory import rank_chain, rank_comm_bytes
+from ..tensor_parallel.tp_forms import rank_chain, rank_comm_bytes
 from .pp_schedules import actions, in_flight, rank_layers
 from ...model.config import BYTES
 from ..layout import Layout
@@ -26,9 +26,9 @@ from ..layout import Layout
 NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothing stored after the layers
 
 
-def stage_chain(cfg, batch, seq, layers, last, t=1, sp=False, distribute_saved=False, drop=frozenset()):
+def stage_chain(cfg, batch, seq, layers, last, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
     """The chain of one micro-batch of `batch` sequences on a stage of `layers` layers (the head if last)."""
-    whole = rank_chain(cfg, batch, seq, t, sp, distribute_saved, drop) if t != 1 else model_chain(cfg, batch, seq, drop)
+    whole = rank_chain(cfg, batch, seq, t, sp, distribute_saved, unstored) if t != 1 else model_chain(cfg, batch, seq, unstored)
     return whole[:layers] + ((whole[-1],) if last else (NO_HEAD,))
 
 
@@ -60,7 +60,7 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, layout=La
     left = (w_layer_bytes,) * layers if w_layer_bytes else None
     policy, t = as_policy(policy, cfg), layout.tp
     chain = stage_chain(cfg, batch, seq, layers, last, t, layout.sp and t > 1, layout.distribute_saved and t > 1,
-                        policy.drop)
+                        policy.unstored)
     planned = tuple(replace(stage, forward_flops=stage.forward_flops + layer_comm_flops) for stage in chain[:-1]) + \
         chain[-1:] if layer_comm_flops else chain
     if policy.budget is not None and in_flight_count == 1 and layers == cfg.layers:  # no pipeline: one step
@@ -85,9 +85,9 @@ def shifted(schedule, first, total_layers):
     return Schedule(forward, sweeps, schedule.head, schedule.stop_early)
 
 
-class StageForms:
+class ChunkForms:
     """Every closed form of one rank of a pipeline job (batch, seq: the whole step's batch); under interleaving
-    (virtual > 1) of one of its chunks, virtual stage chunk * pp + stage (RankForms puts them together)."""
+    (virtual > 1) of one of its chunks, virtual stage chunk * pp + stage (InterleavedForms puts them together)."""
 
     def __init__(self, cfg, batch, seq, policy, layout, stage, layer_comm_flops=0, chunk=0, planned=None):
         pp, microbatches, schedule, virtual = layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages
@@ -102,7 +102,7 @@ class StageForms:
         self.w_layer_bytes = w_pending_bytes(cfg, self.b, seq, self.t) if split else 0
         order = tuple(actions(schedule, pp, microbatches, stage)) if split else None
         self.chain = stage_chain(cfg, self.b, seq, len(self.layers), self.last, self.t, self.sp,
-                                 self.distribute_saved, self.policy.drop)
+                                 self.distribute_saved, self.policy.unstored)
         if planned is None:
             (self.local_schedule, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes,
              self.recompute_flops, self.source) = stage_plan(self.policy, cfg, self.b, seq, len(self.layers),
@@ -112,12 +112,12 @@ class StageForms:
             self.local_schedule, self.source = planned
             self.microbatch_peak_bytes, self.recompute_flops = replay(self.chain, self.local_schedule)
             self.microbatch_stored_bytes = end_of_forward_bytes(self.chain, self.local_schedule)
-            self.peak_bytes = None  # the rank's, walked over all its chunks (RankForms)
+            self.peak_bytes = None  # the rank's, walked over all its chunks (InterleavedForms)
         self.schedule = shifted(self.local_schedule, self.layers[0], cfg.layers)
 
     @property
     def chunks(self):
-        """The rank's chunks, as RankForms has them: this stage alone."""
+        """The rank's chunks, as InterleavedForms has them: this stage alone."""
         return [self]
 
     def activation_shape(self, rows=None):
@@ -160,7 +160,7 @@ class StageForms:
 
     def tp_comm_bytes(self, rows=None):
         """{"forward", "recompute", "backward"}: this rank's tensor-parallel collectives over its M micro-batches
-        (tp_inventory.rank_comm_bytes on its layers, the embedding on stage 0, the head on the last, its own sweeps);
+        (tp_forms.rank_comm_bytes on its layers, the embedding on stage 0, the head on the last, its own sweeps);
         rows: b / ep under expert parallelism."""
         one = rank_comm_bytes(self.cfg.replace(layers=len(self.layers)), rows or self.b, self.seq, self.policy,
                               self.t, self.sp, self.distribute_saved, self.first, self.last, self.local_schedule)
@@ -174,24 +174,24 @@ def tensor_parallel(layout):
 
 
 def rank_forms(cfg, batch, seq, policy, layout, stage, layer_comm_flops=0):
-    """Stage `stage`'s rank: its StageForms, or interleaved its V chunks' RankForms (under a budget the chunks
+    """Stage `stage`'s rank: its ChunkForms, or interleaved its V chunks' InterleavedForms (under a budget the chunks
     planned together, their walk within it: pp_plan.plan_chunks)."""
-    parsed = as_policy(policy, cfg)  # the text parsed here, once: every chunk's StageForms takes the Policy
+    parsed = as_policy(policy, cfg)  # the text parsed here, once: every chunk's ChunkForms takes the Policy
     pp, M, V, t = layout.pp, layout.microbatches, layout.virtual_stages, layout.tp
     if V == 1:
-        return StageForms(cfg, batch, seq, parsed, layout, stage, layer_comm_flops)
+        return ChunkForms(cfg, batch, seq, parsed, layout, stage, layer_comm_flops)
     order, planned = actions(layout.schedule, pp, M, stage, V), [None] * V
     if parsed.budget is not None:
         chains = [stage_chain(cfg, batch // (layout.dp * M), seq, len(layers), c == V - 1 and stage == pp - 1,
-                              t, layout.sp and t > 1, layout.distribute_saved and t > 1, parsed.drop)
+                              t, layout.sp and t > 1, layout.distribute_saved and t > 1, parsed.unstored)
                   for c, layers in enumerate(rank_layers(cfg.layers, pp, stage, V))]
         planned = plan_chunks(chains, parsed.budget, order, [uniform_schedules(chain) for chain in chains])
-    return RankForms([StageForms(cfg, batch, seq, parsed, layout, stage, layer_comm_flops, c, planned[c])
+    return InterleavedForms([ChunkForms(cfg, batch, seq, parsed, layout, stage, layer_comm_flops, c, planned[c])
                       for c in range(V)], order)
 
 
-class RankForms:
-    """Every closed form of one rank of an interleaved job: its chunks' StageForms (chunks[c]: virtual stage
+class InterleavedForms:
+    """Every closed form of one rank of an interleaved job: its chunks' ChunkForms (chunks[c]: virtual stage
     c P + s), and over them the rank's. Its store peak walks the rank's order, micro-batch-chunk by micro-batch-chunk
     (pp_plan.in_flight_peak); FLOPs and bytes moved add up over the chunks."""
 

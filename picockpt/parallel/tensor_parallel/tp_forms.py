@@ -1,8 +1,8 @@
 """Closed forms per tensor-parallel rank of t, with or without sequence parallelism (sp) and Megatron's distributed
-saved activations: its stored bytes (to the byte, as picockpt/planning/inventory.py's), communication bytes and FLOPs.
-A rank stores inventory.py's tensors with the dims SPLIT names divided by t: without sp the norm inputs, norm
+saved activations: its stored bytes (to the byte, as picockpt/planning/step_forms.py's), communication bytes and FLOPs.
+A rank stores step_forms.py's tensors with the dims SPLIT names divided by t: without sp the norm inputs, norm
 outputs and dropout masks stay whole on every rank (Korthikanti et al.'s 10sbh, replicated_and_split), with sp all
-of it divides. The peak is inventory.py's with this rank's A, F and Xc for X (X/t with distributed saved
+of it divides. The peak is step_forms.py's with this rank's A, F and Xc for X (X/t with distributed saved
 activations). Communication per rank (comm.py's count), S = B*T*h*e the bytes of one whole activation, N = B*T:
 
     forward    embedding S; per layer 2S (two all-reduces) | 4S with sp (two all-gathers, two reduce-scatters);
@@ -15,7 +15,7 @@ activations). Communication per rank (comm.py's count), S = B*T*h*e the bytes of
 """
 import math
 
-from ...planning.inventory import head_inventory, layer_flops, layer_inventory, segments_peak, step_flops
+from ...planning.step_forms import head_inventory, layer_flops, layer_inventory, segments_peak, step_flops
 from ...planning.planner import Stage, plan_chain
 from ...recompute.policy import OP_LEVEL, as_policy
 from ...model.config import BYTES
@@ -32,7 +32,7 @@ SPLIT = (dict.fromkeys(("input", "attn_norm.rstd", "attn_norm.output", "attn.dro
 
 
 def split_inventory(inventory, t, sp):
-    """picockpt/planning/inventory.py's name -> (shape, dtype, bytes), as one of t ranks holds it (SPLIT above)."""
+    """picockpt/planning/step_forms.py's name -> (shape, dtype, bytes), as one of t ranks holds it (SPLIT above)."""
     out = {}
     for name, (shape, dtype, _) in inventory.items():
         dim = {"tokens": 1 if sp else None, "heads": 1, "columns": len(shape) - 1}.get(SPLIT.get(name))
@@ -42,15 +42,15 @@ def split_inventory(inventory, t, sp):
     return out
 
 
-def rank_layer_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
+def rank_layer_inventory(cfg, batch, seq, t=1, sp=False, unstored=frozenset()):
     """What one fully stored layer keeps on one rank (its input included)."""
-    return split_inventory(layer_inventory(cfg, batch, seq, drop), t, sp)
+    return split_inventory(layer_inventory(cfg, batch, seq, unstored), t, sp)
 
 
-def rank_head_inventory(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
+def rank_head_inventory(cfg, batch, seq, t=1, sp=False, unstored=frozenset()):
     """What the head keeps on one rank: the final norm on its tokens, its logits' columns, the lse even unchunked."""
-    head = split_inventory(head_inventory(cfg, batch, seq, drop), t, sp)
-    if "lm_head.lse" not in head and "lm_head.lse" not in drop:  # vocab.py: rebuilding it would cost two all-reduces
+    head = split_inventory(head_inventory(cfg, batch, seq, unstored), t, sp)
+    if "lm_head.lse" not in head and "lm_head.lse" not in unstored:  # vocab.py: rebuilding it would cost two all-reduces
         stat = cfg.dtype_names[1]
         head["lm_head.lse"] = ((batch, seq), stat, batch * seq * BYTES[stat])
     return head
@@ -60,19 +60,19 @@ def _total(inventory):
     return sum(nbytes for _, _, nbytes in inventory.values())
 
 
-def rank_sizes(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=frozenset()):
+def rank_sizes(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
     """(X, Xc, A, F): a layer input, a stored checkpoint, a layer stored whole, the head, in bytes per rank."""
-    layer = rank_layer_inventory(cfg, batch, seq, t, sp, drop)
-    X, F = layer["input"][2], _total(rank_head_inventory(cfg, batch, seq, t, sp, drop))
+    layer = rank_layer_inventory(cfg, batch, seq, t, sp, unstored)
+    X, F = layer["input"][2], _total(rank_head_inventory(cfg, batch, seq, t, sp, unstored))
     return X, (X // t if distribute_saved else X), _total(layer), F
 
 
-def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=frozenset()):
+def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
     """The planner's chain (picockpt/planning/planner.py: Stage) of one rank: its own bytes and FLOPs."""
-    drop = frozenset(drop)
+    unstored = frozenset(unstored)
     parts = layer_flops(cfg, batch, seq)
     stored = rank_layer_inventory(cfg, batch, seq, t, sp)
-    levels = [("all", drop)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > drop]
+    levels = [("all", unstored)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > unstored]
     variants, head_variants = {}, {}
     for mode, names in levels:
         rebuild = parts["scores"] // t if "attn.probs" in names and "attn.probs" in stored else 0
@@ -90,7 +90,7 @@ def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, drop=froz
 
 def rank_plan(policy, cfg, batch, seq, t=1, sp=False, distribute_saved=False):
     """The budget planner's Plan for one rank (budget:SIZE is this rank's budget)."""
-    return plan_chain(rank_chain(cfg, batch, seq, t, sp, distribute_saved, policy.drop), policy.budget)
+    return plan_chain(rank_chain(cfg, batch, seq, t, sp, distribute_saved, policy.unstored), policy.budget)
 
 
 def rank_schedule(policy, cfg, batch, seq, t=1, sp=False, distribute_saved=False):
@@ -106,7 +106,7 @@ def rank_peak_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     policy = as_policy(policy, cfg)
     if policy.budget is not None:
         return rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).peak_bytes
-    X, Xc, A, F = rank_sizes(cfg, batch, seq, t, sp, distribute_saved, policy.drop)
+    X, Xc, A, F = rank_sizes(cfg, batch, seq, t, sp, distribute_saved, policy.unstored)
     if policy.segment is None:
         return cfg.layers * A + F
     return segments_peak([Xc] * cfg.layers, [A] * cfg.layers, F, policy.segment)
@@ -114,7 +114,7 @@ def rank_peak_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
 
 def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False, first=True, last=True,
                     schedule=None):
-    """{phase: bytes} one rank's collectives move in one step (none at t = 1). A pipeline stage (pp_inventory.py):
+    """{phase: bytes} one rank's collectives move in one step (none at t = 1). A pipeline stage (pp_forms.py):
     cfg.layers its layers, first/last whether it holds the embedding/the head, schedule its own."""
     if t == 1:
         return {"forward": 0, "recompute": 0, "backward": 0}
@@ -142,9 +142,9 @@ def rank_flops(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
     return flops
 
 
-def replicated_and_split(cfg, batch, seq, t=1, sp=False, drop=frozenset()):
+def replicated_and_split(cfg, batch, seq, t=1, sp=False, unstored=frozenset()):
     """(bytes of a stored layer each rank holds whole, bytes split by t): picockpt's 10sbh and 24sbh/t + 5as^2b/t."""
     split = {name for name, kind in SPLIT.items() if kind != "tokens"}  # by t whatever sp is: heads, columns
-    inventory = rank_layer_inventory(cfg, batch, seq, t, sp, drop)
+    inventory = rank_layer_inventory(cfg, batch, seq, t, sp, unstored)
     whole = sum(b for name, (_, _, b) in inventory.items() if name not in split and not sp)
     return whole, _total(inventory) - whole

@@ -1,7 +1,7 @@
 """The closed forms beside every rank's measurements, for any layout: predicted(job, report, routing) gives the
 predicted_ twin of each count in rank.py's report. A rank's store holds its stage's micro-batches in flight
-(pipeline_parallel/pp_inventory.py), under cp at its T/cp tokens (context_parallel/cp_inventory.py). Under ep what a
-micro-batch holds depends on the tokens routed to this rank's experts, so each micro-batch is ep_inventory.py's step
+(pipeline_parallel/pp_forms.py), under cp at its T/cp tokens (context_parallel/cp_forms.py). Under ep what a
+micro-batch holds depends on the tokens routed to this rank's experts, so each micro-batch is ep_forms.py's step
 over its own rows, and the stage's peak replays the schedule over the micro-batches' unequal sizes.
 """
 import math
@@ -12,14 +12,14 @@ from ..model.config import BYTES
 from ..planning.cost import bubble_idle
 from ..model.params import param_shapes
 from .comm import PHASES
-from .context_parallel.cp_inventory import (cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops,
+from .context_parallel.cp_forms import (cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops,
                                             stage_comm_bytes)
-from .expert_parallel.ep_inventory import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes,
+from .expert_parallel.ep_forms import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes,
                                            ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, received_rows)
-from .data_parallel.zero_inventory import gather_forms, reduce_bytes_by_kind, stage_uses, unit_state_bytes
+from .data_parallel.zero_forms import gather_forms, reduce_bytes_by_kind, stage_uses, unit_state_bytes
 from .data_parallel.zero_shards import stage_units
 from .expert_parallel.ep_shard import is_expert
-from .job import closed_forms
+from .job import layer_forms
 from .pipeline_parallel.pp_plan import in_flight_peak
 from .pipeline_parallel.pp_schedules import actions
 from .rank import rank_tensors
@@ -30,7 +30,7 @@ def predicted(job, report, routing=None):
     routing by rows under ep (None otherwise). Composed as the rank's step is: the stage's forms (pipeline and tensor
     parallelism), then each dimension that ran adds or replaces its own (FORMS, in order)."""
     layout = job.layout
-    stage_forms = closed_forms(job, report["stage"])
+    stage_forms = layer_forms(job, report["stage"])
     state_bytes = job.rng_state.numel() if job.cfg.draws_random else 0
     out = {"predicted_p2p_bytes": stage_forms.p2p_bytes(state_bytes, stage_forms.b // layout.ep),
            "predicted_dp_bytes": reduced_bytes(job, stage_forms),
@@ -42,7 +42,7 @@ def predicted(job, report, routing=None):
 
 
 def stage_forms_of(job, stage_forms, report, routing):
-    """The stage's own forms (pipeline_parallel/pp_inventory.py, tensor-parallel slices included): what a rank of
+    """The stage's own forms (pipeline_parallel/pp_forms.py, tensor-parallel slices included): what a rank of
     dense layers stores, computes and moves."""
     head = stage_forms.chunks[-1]  # interleaved: the rank's last chunk holds any head
     return {"predicted_activation_bytes": stage_forms.peak_bytes,
@@ -53,7 +53,7 @@ def stage_forms_of(job, stage_forms, report, routing):
 
 
 def context_forms(job, stage_forms, report, routing=None):
-    """cp_inventory.py's forms on the stage's layers, for its M micro-batches of b whole sequences (seq tokens);
+    """cp_forms.py's forms on the stage's layers, for its M micro-batches of b whole sequences (seq tokens);
     beside tp, its K/V and matmuls are its heads' (1/t), and the tensor-parallel collectives at T/cp tokens
     (forms.tp_comm_bytes) add to the ring's or all-gather's bytes."""
     layout, seq = job.layout, job.input_ids.shape[1]
@@ -84,7 +84,7 @@ def _variant(stage, mode):
 
 
 def expert_forms(job, stage_forms, report, routing):
-    """ep_inventory.py's forms, one per micro-batch of this rank, over its stage's layers and its rows; beside tp,
+    """ep_forms.py's forms, one per micro-batch of this rank, over its stage's layers and its rows; beside tp,
     at its slices, with tp's collectives (forms.tp_comm_bytes) and each layer's router gradient summed over tp."""
     layout = job.layout
     cfg, M, ep, e, tp = job.cfg, layout.microbatches, layout.ep, report["ep_rank"], dict(t=layout.tp, sp=layout.sp)
@@ -154,7 +154,7 @@ def zero_forms(job, stage_forms, report, routing=None):
 
 
 def zero_stage_forms(cfg, stage_forms, layout, steps=1):
-    """ZeRO's closed forms on a rank of stage `forms` (a StageForms) of any layout (data_parallel/zero_inventory.py
+    """ZeRO's closed forms on a rank of stage `forms` (a ChunkForms) of any layout (data_parallel/zero_forms.py
     on its stage's units, every weight but the experts' over dp x ep x cp ranks, the experts' over dp x cp): model
     state, the gathers of every use in the schedule's order (recomputation's included), the reductions, and the
     gathered peak per phase. layout: its ZeRO stage, sizes, schedule and ZeRO-3 options (a Layout)."""

@@ -1,6 +1,6 @@
 """The published formulas for activation memory and FLOPs, each with where it comes from.
 
-picockpt's own model has exact closed forms in inventory.py (they equal the tracker to the
+picockpt's own model has exact closed forms in step_forms.py (they equal the tracker to the
 byte). The formulas here are the general ones the literature uses: they describe a
 GPT-style layer (multi-head attention, GeLU MLP with f = 4h, LayerNorm, dropout), in the
 published convention of 16-bit activations and 1-byte dropout masks. They are what
@@ -18,7 +18,7 @@ t tensor-parallel size, V vocabulary, f (h_ff) MLP width, C layers per checkpoin
 """
 import math
 
-from .inventory import predicted_peak_bytes
+from .step_forms import predicted_peak_bytes
 
 GIB = 2**30
 RECOMPUTE = ("none", "selective", "full")

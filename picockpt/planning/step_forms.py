@@ -3,12 +3,12 @@
 These are the formulas the tests and notebooks hold the engine to, exactly, for every attention
 kind (eager / tiled / fused, picockpt/model/attention.py) and loss chunking (picockpt/model/head.py):
 
-    layer_inventory(cfg, B, T, drop)    name -> (shape, dtype, bytes) of one stored layer
+    layer_inventory(cfg, B, T, unstored)    name -> (shape, dtype, bytes) of one stored layer
     predicted_peak_bytes(cfg, B, T, p)  the activation store's peak during one step (on the device)
     predicted_host_bytes(cfg, B, T, p)  the host tier's peak under an offloading policy (0 otherwise)
     step_flops(cfg, B, T, p)            matmul FLOPs of forward / recompute / backward
 
-Mixture-of-experts layers: see picockpt/planning/closed_forms.py (the totals do not depend on the routing).
+Mixture-of-experts layers: see picockpt/planning/layer_forms.py (the totals do not depend on the routing).
 
 With X the bytes of one layer input (B*T*h*e), A the bytes of one fully stored layer
 (input included), F the model-level bytes (final norm and logits), and segments of
@@ -25,7 +25,7 @@ C layers (n = ceil(L/C) of them, the k-th holding n_k layers):
                           (layer i's backward runs while layer i-1's tensors come back: two layers
                           on the device at once; the head's while layer L-1's do)
 """
-from .closed_forms import (  # noqa: F401 (the forms of one layer and the head, re-exported)
+from .layer_forms import (  # noqa: F401 (the forms of one layer and the head, re-exported)
     dropped, balanced_counts, check_counts, layer_inventory, counts_from_puts, expert_bytes, head_inventory, total,
     chain_sizes, attention_matmul_flops, layer_flops, tail_flops, rebuild_flops, inner_recompute_flops, segments_peak)
 from .host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, model_costs, walk
@@ -45,13 +45,13 @@ def predicted_peak_bytes(cfg, batch, seq, policy, routing=None):
         raise ValueError(f"routing has {len(routing)} entries: give one list of per-expert token counts per layer "
                          f"(L={cfg.layers}), for a model with experts (Config.experts={cfg.experts})")
     if policy.budget is not None:  # the planner's chain: balanced routing, the same totals
-        return plan_model(cfg, batch, seq, policy.budget, policy.drop).peak_bytes
-    X, _, F = chain_sizes(cfg, batch, seq, policy.drop)
+        return plan_model(cfg, batch, seq, policy.budget, policy.unstored).peak_bytes
+    X, _, F = chain_sizes(cfg, batch, seq, policy.unstored)
     L = cfg.layers
     if routing is None:  # every layer alike: one inventory
-        A = [total(layer_inventory(cfg, batch, seq, policy.drop))] * L  # each fully stored layer, input included
+        A = [total(layer_inventory(cfg, batch, seq, policy.unstored))] * L  # each fully stored layer, input included
     else:
-        A = [total(layer_inventory(cfg, batch, seq, policy.drop, counts)) for counts in routing]
+        A = [total(layer_inventory(cfg, batch, seq, policy.unstored, counts)) for counts in routing]
     if policy.segment is None:
         return sum(A) + F
     return segments_peak([X] * L, A, F, policy.segment)
@@ -67,8 +67,8 @@ def offload_walk(cfg, batch, seq, policy, bandwidth=None, rate=None):
     """The engine's step under an offloading policy, walked on byte counts and a modelled clock (a Walk:
     device and host peaks, bytes copied each way, modelled seconds; picockpt/planning/host_walk.py)."""
     policy = as_policy(policy, cfg)
-    chain = model_chain(cfg, batch, seq, policy.drop)
-    return walk(chain, policy.schedule(cfg, batch, seq), model_costs(cfg, batch, seq, policy.drop),
+    chain = model_chain(cfg, batch, seq, policy.unstored)
+    return walk(chain, policy.schedule(cfg, batch, seq), model_costs(cfg, batch, seq, policy.unstored),
                 bandwidth or DEFAULT_HOST_BANDWIDTH, rate or DEFAULT_COMPUTE_RATE)
 
 
@@ -88,9 +88,9 @@ def step_flops(cfg, batch, seq, policy="none"):
     if policy.budget is not None and policy.offload is not None:  # the three-action plan's
         recompute = offload_walk(cfg, batch, seq, policy).recompute_flops
     elif policy.budget is not None:
-        recompute = plan_model(cfg, batch, seq, policy.budget, policy.drop).recompute_flops
+        recompute = plan_model(cfg, batch, seq, policy.budget, policy.unstored).recompute_flops
     else:
-        rebuild = rebuild_flops(cfg, batch, seq, policy.drop)
+        rebuild = rebuild_flops(cfg, batch, seq, policy.unstored)
         recomputed_layers = 0 if policy.segment is None else cfg.layers  # every layer once
         recompute = recomputed_layers * layer + cfg.layers * (rebuild + inner_layer) + inner_head
     return {"forward": forward, "recompute": recompute, "backward": backward}
