@@ -133,7 +133,7 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
     model = ReferenceLlama(cfg, params)  # a fresh model per schedule: gradients start at None
     names = {id(p): name for name, p in model.named_parameters()}
     b, dtype = B // M, cfg.torch_dtype
-    stages, modules = [], []
+    stages = []
     for k in stage_indices(schedule, r, P, V):
         first, last = k == 0, k == S - 1
         module = StageModule(model, k * L // S, (k + 1) * L // S, first, last)
@@ -143,7 +143,6 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
         example_out = torch.zeros(b, T, cfg.vocab if last else cfg.hidden, dtype=dtype, requires_grad=True)
         stages.append(pipelining.PipelineStage(module, k, S, comm.device, input_args=example_in,
                                                output_args=example_out))
-        modules.append(module)
     counted = (targets != -100).sum().item()  # N: the whole batch's counted targets (IGNORE_INDEX is -100)
 
     def loss_fn(logits, target):  # (b, T, V), (b, T): this micro-batch's share of the whole-batch mean
@@ -153,12 +152,10 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
     saved = SavedBytes(p.untyped_storage().data_ptr() for p in model.parameters())
     losses = []
     input_ids, targets = input_ids.contiguous(), targets.contiguous()  # a view's strides fail the stage's check
+    inputs = (input_ids,) if any(stage.is_first for stage in stages) else ()  # (B, T) split into M micro-batches
     with saved.hooks():
-        if any(stage.is_first for stage in stages):
-            runner.step(input_ids, target=targets, losses=losses)  # (B, T) split into M micro-batches
-        else:
-            runner.step(target=targets, losses=losses)
-    grads = {names[id(p)]: p.grad.detach().clone() for module in modules for p in module.parameters()}
+        runner.step(*inputs, target=targets, losses=losses)
+    grads = {names[id(p)]: p.grad.detach().clone() for stage in stages for p in stage.submod.parameters()}
     loss = float(sum(loss.item() for loss in losses)) if losses else None  # the last stage's rank only
     actions = [str(action) for action in runner.pipeline_order[r] if action is not None]  # None: an idle step
     return {"schedule": schedule, "stages": [stage.stage_index for stage in stages], "loss": loss, "grads": grads,

@@ -39,12 +39,11 @@ class Pipe:
 
     def post(self, receive=None):
         """Post the held sends and `receive` (P2POp or None), one group if same peer. Returns the receive's work."""
-        sends, self.held = self.held, []
+        sends, self.held, peer = self.held, [], None if receive is None else receive.peer
         for send in sends:
-            if receive is None or receive.peer != send.peer:
+            if send.peer != peer:
                 self.group([send])  # not a pair: the send goes on its own
-        paired = [send for send in sends if receive is not None and receive.peer == send.peer]
-        works = self.group(paired + ([receive] if receive is not None else []))
+        works = self.group([send for send in sends if send.peer == peer] + ([receive] if receive is not None else []))
         return works[-1] if receive is not None else None
 
     def exchange(self, receives):
@@ -52,11 +51,10 @@ class Pipe:
         step's actions take them from `expected` as they read them (post_receive)."""
         buffers = [(source, torch.empty(shape, dtype=dtype, device=self.device), kind)  # filled as messages land
                    for source, shape, dtype, kind in receives]
-        ops = self.held + [dist.P2POp(dist.irecv, buffer, source) for source, buffer, _ in buffers]
-        self.held = []
-        works = self.group(ops)[len(ops) - len(buffers):]
-        self.expected += [(source, kind, Receive(self, buffer, work)) for (source, buffer, kind), work
-                          in zip(buffers, works)]
+        held, self.held = self.held, []
+        works = self.group(held + [dist.P2POp(dist.irecv, buffer, source) for source, buffer, _ in buffers])
+        self.expected += [(source, kind, Receive(self, buffer, work))
+                          for (source, buffer, kind), work in zip(buffers, works[len(held):])]
 
     def group(self, ops):
         if not ops:
@@ -103,12 +101,11 @@ def post_receive(pipe, source, shape, dtype, kind="receive"):
         expected_source, expected_kind, receive = pipe.expected.pop(0)
         assert (expected_source, expected_kind, tuple(receive.buffer.shape)) == (source, kind, tuple(shape)), \
             f"the step expected a {expected_kind} from rank {expected_source}, not a {kind} from rank {source}"
-        pipe.log.record(pipe.phase, kind, receive.buffer.nbytes)
-        return receive
-    buffer = torch.empty(shape, dtype=dtype, device=pipe.device)  # (shape) filled when the message lands
-    work = pipe.post(dist.P2POp(dist.irecv, buffer, source))  # with the held send to `source`, as one group
-    pipe.log.record(pipe.phase, kind, buffer.nbytes)
-    return Receive(pipe, buffer, work)
+    else:
+        buffer = torch.empty(shape, dtype=dtype, device=pipe.device)  # (shape) filled when the message lands
+        receive = Receive(pipe, buffer, pipe.post(dist.P2POp(dist.irecv, buffer, source)))  # with a held send to it
+    pipe.log.record(pipe.phase, kind, receive.buffer.nbytes)
+    return receive
 
 
 def from_previous_stage_forward(pipe, shape, dtype):
@@ -142,9 +139,8 @@ def neighbours(groups, pp, virtual=1):
     round a ring (chunk c of the last stage sends to chunk c + 1 of the first), else None at either end."""
     if virtual == 1:
         return groups.previous, groups.next
-    def rank_of(stage):  # the same dp, tp, ep and cp rank of pipeline stage `stage` (mod pp)
-        return groups.layout.rank_of(stage % pp, groups.dp_rank, groups.tp_rank, groups.ep_rank, groups.cp_rank)
-    return rank_of(groups.stage - 1), rank_of(groups.stage + 1)
+    return tuple(groups.layout.rank_of(stage % pp, groups.dp_rank, groups.tp_rank, groups.ep_rank, groups.cp_rank)
+                 for stage in (groups.stage - 1, groups.stage + 1))  # the same dp, tp, ep and cp ranks, stage mod pp
 
 
 def receives(action, cfg, rng_like, shape):

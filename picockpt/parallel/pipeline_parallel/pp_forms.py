@@ -10,6 +10,7 @@ fits (pp_plan.py); stage 0 of 1F1B recomputes the most.
 """
 import functools
 import math
+from collections import Counter
 from dataclasses import replace
 
 from ...planning.step_forms import layer_flops
@@ -28,7 +29,8 @@ NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothi
 
 def stage_chain(cfg, batch, seq, layers, last, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
     """The chain of one micro-batch of `batch` sequences on a stage of `layers` layers (the head if last)."""
-    whole = rank_chain(cfg, batch, seq, t, sp, distribute_saved, unstored) if t != 1 else model_chain(cfg, batch, seq, unstored)
+    whole = (model_chain(cfg, batch, seq, unstored) if t == 1 else  # sp, distribute_saved: with t > 1 only
+             rank_chain(cfg, batch, seq, t, sp, distribute_saved, unstored))
     return whole[:layers] + ((whole[-1],) if last else (NO_HEAD,))
 
 
@@ -54,13 +56,11 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, layout=La
     """(Schedule of one micro-batch in the stage's layer numbers 0.., stage peak, E, own peak, recompute FLOPs, where
     the schedule came from). layout: its tensor parallelism (tp, sp, distribute_saved) alone. layer_comm_flops: the
     communication a recomputed layer forward also costs, as FLOPs of the same time (context parallelism's ring): a
-    budget plans with it; the FLOPs returned leave it out. order: the stage's Actions, w_layer_bytes what each layer's
-    B leaves for its W (ZB-H1): the stage peak walks the order (pp_plan.in_flight_peak); without them it is
-    (in_flight_count - 1) E + peak."""
+    budget plans with it; the FLOPs returned leave it out. order, w_layer_bytes: the stage's Actions and what each
+    layer's B leaves for its W (ZB-H1), for the stage peak (pp_plan.walk_peak)."""
     left = (w_layer_bytes,) * layers if w_layer_bytes else None
-    policy, t = as_policy(policy, cfg), layout.tp
-    chain = stage_chain(cfg, batch, seq, layers, last, t, layout.sp and t > 1, layout.distribute_saved and t > 1,
-                        policy.unstored)
+    policy = as_policy(policy, cfg)
+    chain = stage_chain(cfg, batch, seq, layers, last, layout.tp, layout.sp, layout.distribute_saved, policy.unstored)
     planned = tuple(replace(stage, forward_flops=stage.forward_flops + layer_comm_flops) for stage in chain[:-1]) + \
         chain[-1:] if layer_comm_flops else chain
     if policy.budget is not None and in_flight_count == 1 and layers == cfg.layers:  # no pipeline: one step
@@ -71,10 +71,8 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, layout=La
         schedule, source = plan.schedule, plan.source
     else:
         schedule, source = policy.schedule(cfg.replace(layers=layers), batch, seq), policy.text
-    peak, recompute = replay(chain, schedule, left)
-    held = end_of_forward_bytes(chain, schedule)
-    stage = walk_peak(order, held, peak, left) if order else (in_flight_count - 1) * held + peak
-    return schedule, stage, held, peak, recompute, source
+    held, (peak, recompute) = end_of_forward_bytes(chain, schedule), replay(chain, schedule, left)
+    return schedule, walk_peak(order, in_flight_count, held, peak, left), held, peak, recompute, source
 
 
 def shifted(schedule, first, total_layers):
@@ -103,10 +101,11 @@ class ChunkForms:
         order = tuple(actions(schedule, pp, microbatches, stage)) if split else None
         self.chain = stage_chain(cfg, self.b, seq, len(self.layers), self.last, self.t, self.sp,
                                  self.distribute_saved, self.policy.unstored)
-        if planned is None:
+        if planned is None:  # the key of stage_plan's cache: the layout's tensor parallelism alone
+            tp_alone = Layout(tp=layout.tp, sp=layout.sp, distribute_saved=layout.distribute_saved)
             (self.local_schedule, self.peak_bytes, self.microbatch_stored_bytes, self.microbatch_peak_bytes,
              self.recompute_flops, self.source) = stage_plan(self.policy, cfg, self.b, seq, len(self.layers),
-                                                             self.last, self.in_flight, tensor_parallel(layout),
+                                                             self.last, self.in_flight, tp_alone,
                                                              layer_comm_flops, order, self.w_layer_bytes)
         else:  # a chunk of an interleaved rank under a budget, planned with its other chunks (pp_plan.plan_chunks)
             self.local_schedule, self.source = planned
@@ -115,10 +114,7 @@ class ChunkForms:
             self.peak_bytes = None  # the rank's, walked over all its chunks (InterleavedForms)
         self.schedule = shifted(self.local_schedule, self.layers[0], cfg.layers)
 
-    @property
-    def chunks(self):
-        """The rank's chunks, as InterleavedForms has them: this stage alone."""
-        return [self]
+    chunks = property(lambda self: [self])  # the rank's chunks, as InterleavedForms has them: this stage alone
 
     def activation_shape(self, rows=None):
         """(b, n, h): what crosses from one stage to the next, per rank (n = T/t under sequence parallelism;
@@ -148,14 +144,11 @@ class ChunkForms:
         state_bytes: the generator state the first micro-batch carries (when the model draws random numbers)."""
         S = math.prod(self.activation_shape(rows)) * BYTES[self.cfg.dtype]  # one micro-batch's activation
         forward, backward = {}, {}
-        if not self.first:
-            forward["receive"], backward["send"] = self.M * S, self.M * S
-            if state_bytes:
-                forward["rng_state"] = state_bytes
-        if not self.last:
-            forward["send"], backward["receive"] = self.M * S, self.M * S
-            if state_bytes:
-                forward["rng_state"] = forward.get("rng_state", 0) + state_bytes
+        for end, there, back in ((self.first, "receive", "send"), (self.last, "send", "receive")):
+            if not end:  # a neighbour that side: the input (the output) there, its gradient back
+                forward[there], backward[back] = self.M * S, self.M * S
+                if state_bytes:
+                    forward["rng_state"] = forward.get("rng_state", 0) + state_bytes
         return {"forward": forward, "backward": backward}
 
     def tp_comm_bytes(self, rows=None):
@@ -165,12 +158,6 @@ class ChunkForms:
         one = rank_comm_bytes(self.cfg.replace(layers=len(self.layers)), rows or self.b, self.seq, self.policy,
                               self.t, self.sp, self.distribute_saved, self.first, self.last, self.local_schedule)
         return {phase: self.M * n for phase, n in one.items()}
-
-
-def tensor_parallel(layout):
-    """The layout's tensor parallelism alone (tp, sp, distribute_saved): what a stage's chain depends on, the key
-    stage_plan's cache shares between layouts that differ elsewhere."""
-    return Layout(tp=layout.tp, sp=layout.sp, distribute_saved=layout.distribute_saved)
 
 
 def rank_forms(cfg, batch, seq, policy, layout, stage, layer_comm_flops=0):
@@ -207,8 +194,7 @@ class InterleavedForms:
         self.peak_bytes = in_flight_peak(order, lambda m, c: chunks[c].microbatch_stored_bytes,
                                          lambda m, c: chunks[c].microbatch_peak_bytes)
 
-    def activation_shape(self, rows=None):
-        return self.chunks[0].activation_shape(rows)
+    activation_shape = ChunkForms.activation_shape  # alike in every chunk
 
     def flops(self):
         return _summed(chunk.flops() for chunk in self.chunks)
@@ -222,8 +208,7 @@ class InterleavedForms:
 
 
 def _summed(tables):
-    out = {}
+    out = Counter()
     for table in tables:
-        for key, value in table.items():
-            out[key] = out.get(key, 0) + value
-    return out
+        out.update(table)  # update, not +: it keeps the zeros
+    return dict(out)

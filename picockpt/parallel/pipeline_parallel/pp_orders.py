@@ -6,25 +6,23 @@ when its rank is free and its input (or gradient) has arrived, and times the ste
 waiting W's read (w_pending_bytes), for up to s micro-batches on rank s (pp_forms.py walks the order with them).
 """
 from ...model.config import BYTES
-from .pp_schedules import Action, actions
+from .pp_schedules import actions
 
 
 def one_f_one_b_orders(stages, microbatches, schedule="1f1b"):
-    """pp_schedules.actions for every stage, as this module's Actions (chunk 0)."""
-    return [[Action(a.kind, a.microbatch) for a in actions(schedule, stages, microbatches, s)] for s in range(stages)]
+    """pp_schedules.actions for every stage (chunk 0)."""
+    return [actions(schedule, stages, microbatches, s) for s in range(stages)]
 
 
 def _ready(action, s, P, V, done):
     """When `action` of stage s can start: its input's or gradient's arrival (None: not yet known)."""
-    kind, m, c = action
+    kind, m, c = action  # done: {(stage, kind, m, c): its end}
+    if kind == "W":
+        return done.get((s, "B", m, c))
     if kind == "F":
-        source = None if s == 0 and c == 0 else (("F", m, c - 1), P - 1) if s == 0 else (("F", m, c), s - 1)
-    elif kind == "B":
-        last = s == P - 1 and c == V - 1
-        source = (("F", m, c), s) if last else (("B", m, c + 1), 0) if s == P - 1 else (("B", m, c), s + 1)
-    else:
-        source = (("B", m, c), s)
-    return 0.0 if source is None else done.get((source[1],) + source[0])
+        return 0.0 if s == 0 and c == 0 else done.get((P - 1, "F", m, c - 1) if s == 0 else (s - 1, "F", m, c))
+    last = s == P - 1 and c == V - 1
+    return done.get((s, "F", m, c) if last else (0, "B", m, c + 1) if s == P - 1 else (s + 1, "B", m, c))
 
 
 def run_orders(orders, stages, virtual=1, times=None, held=(1.0, 1.0), seconds=None):
@@ -37,13 +35,13 @@ def run_orders(orders, stages, virtual=1, times=None, held=(1.0, 1.0), seconds=N
     weight = {"F": held[0], "B": held[1] - held[0], "W": -held[1]}
     if not any(a.kind == "W" for order in orders for a in order):  # a whole backward frees it all
         weight["B"] = -held[0]
-    done, free, position = {}, [0.0] * stages, [0] * stages
-    holding, most, spans = [0.0] * stages, [0.0] * stages, [[] for _ in range(stages)]
-    while any(position[s] < len(orders[s]) for s in range(stages)):
+    done, free, holding, most = {}, [0.0] * stages, [0.0] * stages, [0.0] * stages
+    spans = [[] for _ in range(stages)]  # also how far each stage has got in its order
+    while any(len(spans[s]) < len(orders[s]) for s in range(stages)):
         progressed = False
         for s in range(stages):
-            while position[s] < len(orders[s]):
-                action = orders[s][position[s]]
+            while len(spans[s]) < len(orders[s]):
+                action = orders[s][len(spans[s])]
                 arrives = _ready(action, s, stages, virtual, done)
                 if arrives is None:
                     break
@@ -53,7 +51,6 @@ def run_orders(orders, stages, virtual=1, times=None, held=(1.0, 1.0), seconds=N
                 spans[s].append((*action, start, end))
                 holding[s] += weight[action.kind]
                 most[s] = max(most[s], holding[s])
-                position[s] += 1
                 progressed = True
         if not progressed:
             raise ValueError("the orders wait on each other: no stage can run its next action (a deadlock)")

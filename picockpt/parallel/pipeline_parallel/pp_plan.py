@@ -23,13 +23,10 @@ class BudgetTooSmall(ValueError):
 
 def end_of_forward_bytes(chain, schedule):
     """E: the bytes a schedule's first forward leaves stored (checkpoints, layers kept whole, the head)."""
-    held = 0
-    for mode, stage in zip(schedule.forward, chain[:-1]):  # the layers, then the head
-        if mode == "input":
-            held += stage.input_bytes
-        elif mode.stored:
-            held += next(a for name, a, _ in stage.variants if name == mode)
-    return held + next(a for name, a, _ in chain[-1].variants if name == schedule.head)
+    def kept(stage, mode):  # what a layer (the head) run in `mode` stores
+        return next(a for name, a, _ in stage.variants if name == mode)
+    return sum(stage.input_bytes if mode == "input" else kept(stage, mode) if mode.stored else 0
+               for mode, stage in zip(schedule.forward, chain[:-1])) + kept(chain[-1], schedule.head)  # layers, head
 
 
 def in_flight_peak(order, stored, peaks, left=None):
@@ -53,8 +50,11 @@ def in_flight_peak(order, stored, peaks, left=None):
     return peak
 
 
-def walk_peak(order, held, peak, left=None):
-    """in_flight_peak with every micro-batch alike: E, its own peak and (per layer) what its B leaves."""
+def walk_peak(order, in_flight, held, peak, left=None):
+    """A stage's peak with every micro-batch alike (E held, its own peak, per layer what its B leaves): its order
+    walked (in_flight_peak), or without one (in_flight - 1) E + peak."""
+    if not order:
+        return (in_flight - 1) * held + peak
     w = sum(left or ())
     return in_flight_peak(order, lambda m, c: held, lambda m, c: peak, lambda m, c: w)
 
@@ -76,27 +76,23 @@ def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None, orde
     ((name, Schedule), ...) such as the uniform policies (a frontier plan may keep more in its first forward).
     order, left: the stage's Actions and what each layer's B leaves for its W (ZB-H1): every plan priced by
     in_flight_peak, W's bytes a fixed cost that every plan keeps around."""
-    def stage_peak(held, own):
-        return walk_peak(order, held[0], own[0][0], left) if order else (in_flight - 1) * held[0] + own[0][0]
     peak, (schedule,), source, (held,), ((own, recompute),) = cheapest(
-        [chain], budget, stage_peak, [(name, [schedule]) for name, schedule in candidates], left, max_slots,
+        [chain], budget, lambda held, own: walk_peak(order, in_flight, held[0], own[0][0], left),
+        [(name, [schedule]) for name, schedule in candidates], left, max_slots,
         f"this stage needs with {in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight",
         "fewer micro-batches in flight")
     return InFlightPlan(schedule, peak, own, held, recompute, in_flight, budget, source)
 
 
 def plan_chunks(chains, budget, order, candidates):
-    """Interleaved under budget:SIZE: one schedule per chunk of a rank (chains[c]), their walk along the rank's
-    order (in_flight_peak) within `budget`, the least recompute over all its chunks. Tried: every uniform policy
-    all the chunks have (candidates[c]: uniform_schedules), applied to all alike, and the planner's frontier at one
-    room for every chunk, walked down from the budget. Returns [(Schedule, where it came from)] per chunk."""
-    def rank_peak(held, own):
-        return in_flight_peak(order, lambda m, c: held[c], lambda m, c: own[c][0])
+    """Interleaved under budget:SIZE: one schedule per chunk of a rank (chains[c]), the least recompute over all its
+    chunks whose walk along the rank's order (in_flight_peak) fits `budget` (cheapest), every uniform policy all the
+    chunks have (candidates[c]: uniform_schedules) tried on all alike. Returns [(Schedule, source)] per chunk."""
     shared = sorted(set.intersection(*(set(dict(named)) for named in candidates)))
-    _, schedules, source, _, _ = cheapest(chains, budget, rank_peak,
-                                          [(name, [dict(named)[name] for named in candidates]) for name in shared],
-                                          None, None, f"this rank's {len(chains)} chunks need together",
-                                          "fewer micro-batches")
+    _, schedules, source, _, _ = cheapest(
+        chains, budget, lambda held, own: in_flight_peak(order, lambda m, c: held[c], lambda m, c: own[c][0]),
+        [(name, [dict(named)[name] for named in candidates]) for name in shared], None, None,
+        f"this rank's {len(chains)} chunks need together", "fewer micro-batches")
     return [(schedule, source) for schedule in schedules]
 
 
@@ -105,12 +101,12 @@ def cheapest(chains, budget, peak_of, candidates, left, max_slots, needs, fewer)
     the chains) whose peak_of(E's, owns) fits `budget`: the candidates [(name, [Schedule per chain])], the
     planner's least plans, then its frontier at one room for every chain, walked down from the budget (recompute
     only grows, so the first plan that fits is its cheapest); BudgetTooSmall (needs, fewer) when none fits."""
-    seen = []  # (peak, recompute, schedules, source, held, own) of every plan considered, in order
+    seen = []  # (peak, schedules, source, held, own, recompute) of every plan considered, in order
 
     def consider(schedules, source):
         held = [end_of_forward_bytes(chain, schedule) for chain, schedule in zip(chains, schedules)]
         own = [replay(chain, schedule, left) for chain, schedule in zip(chains, schedules)]
-        seen.append((peak_of(held, own), sum(recompute for _, recompute in own), schedules, source, held, own))
+        seen.append((peak_of(held, own), schedules, source, held, own, sum(recompute for _, recompute in own)))
         return seen[-1][0]
 
     for name, schedules in candidates:
@@ -126,5 +122,4 @@ def cheapest(chains, budget, peak_of, candidates, left, max_slots, needs, fewer)
     fits = [one for one in seen if one[0] <= budget]
     if not fits:
         raise BudgetTooSmall(budget, min(one[0] for one in seen), needs, fewer)
-    peak, _, schedules, source, held, own = min(fits, key=lambda one: (one[1], one[0]))
-    return peak, schedules, source, held, own
+    return min(fits, key=lambda one: (one[-1], one[0]))[:-1]  # the least recompute, then the least peak

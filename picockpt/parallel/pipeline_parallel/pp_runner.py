@@ -2,6 +2,8 @@
 micro-batch of one chunk of the stage (pp_stage.py): F a Step's forward, B its backward (ZB-H1: the input gradient
 only), W ZB-H1's weight gradients its B left. Sends pair with the next receive from the same peer (pp_comm.py).
 """
+from itertools import accumulate
+
 from ...recompute.engine import Step, device_generator
 from ...recompute.store import ActivationStore
 from .pp_comm import receives
@@ -17,13 +19,14 @@ def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_don
     rng_like = device_generator(pipe.device).get_state()  # what a generator state sent between stages looks like
     talking = [action for action in order if action.kind != "W"]  # the actions that send and receive
     pipe.stepwise = len(chunks) > 1  # interleaved: Megatron-LM's steps (pp_comm.py)
-    starts = step_starts(order) if pipe.stepwise else {}
+    grouped = interleaved_steps(order) if pipe.stepwise else []
+    starts = dict(zip(accumulate(map(len, grouped), initial=0), grouped))  # {a step's first index: its actions}
     for index, action in enumerate(order):
         m, c = action.microbatch, action.chunk
         stage = chunks[c]
         if index in starts:  # the previous step's sends and every receive this step reads, one group
-            pipe.exchange([(receives_from(a, chunks, pipe), shape, dtype, kind) for a in starts[index]
-                           if receives_from(a, chunks, pipe) is not None
+            pipe.exchange([(source, shape, dtype, kind) for a in starts[index]
+                           if (source := receives_from(a, chunks, pipe)) is not None
                            for kind, shape, dtype in receives(a, stage.cfg, rng_like, stage.activation_shape)])
         if action.kind == "W":  # ZB-H1: the weight gradients its B left
             waiting.pop((m, c)).weight_backward()
@@ -33,7 +36,8 @@ def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_don
         if action.kind == "F":
             w_store = ActivationStore(listener=memory.for_microbatch(m, (c, "W"))) if stage.split_backward else None
             model = stage.microbatch(m, *rows(m), w_store)
-            step = model.step = Step(model, forms[c].schedule, forms[c].policy.unstored, memory.for_microbatch(m, c), say)
+            step = model.step = Step(model, forms[c].schedule, forms[c].policy.unstored, memory.for_microbatch(m, c),
+                                     say)
             model.rank_model.store = step.store  # where an ep layer keeps its routing, whatever its mode
             part = step.forward()  # this micro-batch's share of the whole batch's mean (last stage)
             loss = part if loss is None else loss + part
@@ -55,11 +59,3 @@ def receives_from(action, chunks, pipe):
     if action.kind == "W" or (chunk.first if action.kind == "F" else chunk.last):
         return None
     return pipe.previous if action.kind == "F" else pipe.next
-
-
-def step_starts(order):
-    """{index of a step's first action: the step's actions}, Megatron-LM's interleaved steps over the order."""
-    starts, index = {}, 0
-    for step_actions in interleaved_steps(order):
-        starts[index], index = step_actions, index + len(step_actions)
-    return starts

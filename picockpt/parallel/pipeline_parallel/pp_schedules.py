@@ -26,6 +26,7 @@ falls from 1F1B's (P - 1)(F + B + W) to (P - 1)(F + B - W), a third of it.
 """
 import functools
 from collections import namedtuple
+from itertools import accumulate
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 EXPLAINED = {"afab": "all forward then all backward", "1f1b": "one forward one backward",
@@ -107,18 +108,25 @@ def actions(schedule, stages, microbatches, stage, virtual=1):
 @functools.lru_cache(maxsize=256)  # predict walks each order once per policy and schedule compared: made once
 def _actions(schedule, stages, microbatches, stage, virtual):
     check_schedule(schedule, virtual)
-    M = microbatches
+    M, warmup = microbatches, min(stages - stage - 1, microbatches)
     if schedule == "interleaved":
         return interleaved_actions(stages, M, virtual, stage)
     if schedule == "zb-h1":
         return zb_h1_actions(stages, M, stage)
     if schedule == "afab":
-        return [Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
-    warmup = min(stages - stage - 1, M)
-    order = [Action("F", m) for m in range(warmup)]
-    for m in range(M - warmup):  # steady state: the next forward, then the oldest backward
-        order += [Action("F", warmup + m), Action("B", m)]
-    return order + [Action("B", m) for m in range(M - warmup, M)]  # cool-down
+        return phase_actions(("F", M), ("B", M))
+    return phase_actions(("F", warmup), ("FB", M - warmup), ("B", warmup))  # warm-up, steady state, cool-down
+
+
+def phase_actions(*phases, action=Action):
+    """The Actions of phases (kinds, times), each running its kinds in turn `times` times, each kind on its next
+    micro-batch: action(kind, k) the kind's k-th (Action(kind, k) but under interleaving)."""
+    order, n = [], {"F": 0, "B": 0, "W": 0}
+    for kinds, times in phases:
+        for kind in kinds * times:
+            order.append(action(kind, n[kind]))
+            n[kind] += 1
+    return order
 
 
 def interleaved_actions(stages, microbatches, virtual, stage):
@@ -126,38 +134,20 @@ def interleaved_actions(stages, microbatches, virtual, stage):
     check_interleaving(stages, microbatches, virtual)
     P, total = stages, microbatches * virtual
 
-    def which(k, backward):
+    def action(kind, k):  # forward (backward) k: its micro-batch and chunk (backwards from the last chunk)
         chunk = (k // P) % virtual
-        return (k // (P * virtual)) * P + k % P, virtual - 1 - chunk if backward else chunk
+        return Action(kind, (k // (P * virtual)) * P + k % P, virtual - 1 - chunk if kind == "B" else chunk)
 
     warmup = total if microbatches == P else min(total, (P - stage - 1) * 2 + (virtual - 1) * P)
-    order = [Action("F", *which(k, False)) for k in range(warmup)]
-    for k in range(total - warmup):  # steady state: the next forward, then the oldest backward
-        order += [Action("F", *which(warmup + k, False)), Action("B", *which(k, True))]
-    return order + [Action("B", *which(k, True)) for k in range(total - warmup, total)]
+    return phase_actions(("F", warmup), ("FB", total - warmup), ("B", warmup), action=action)
 
 
 def zb_h1_actions(stages, microbatches, stage):
     """Rank `stage`'s Actions under ZB-H1: 1F1B's warm-up, then `stage` forward-backward pairs whose W waits,
     then F, B, W together while forwards remain, B and W while backwards remain, and the waiting W's last."""
-    P, M, s = stages, microbatches, stage
-    order, n = [], {"F": 0, "B": 0, "W": 0}
-
-    def run(*kinds):
-        for kind in kinds:
-            order.append(Action(kind, n[kind]))
-            n[kind] += 1
-    for _ in range(min(P - s - 1, M)):
-        run("F")
-    for _ in range(min(s, M - n["F"])):
-        run("F", "B")
-    while n["F"] < M:
-        run("F", "B", "W")
-    while n["B"] < M:
-        run("B", "W")
-    while n["W"] < M:
-        run("W")
-    return order
+    M, warmup = microbatches, min(stages - stage - 1, microbatches)
+    pairs = min(stage, M - warmup)
+    return phase_actions(("F", warmup), ("FB", pairs), ("FBW", M - warmup - pairs), ("BW", warmup), ("W", pairs))
 
 
 def interleaved_steps(order):
@@ -178,11 +168,8 @@ def interleaved_steps(order):
 def in_flight(schedule, stages, microbatches, stage, virtual=1):
     """The most micro-batches (micro-batch-chunks, interleaved) whose activations stage `stage` stores at once,
     from a forward to its backward (read off its actions; ZB-H1's W holds what it needs apart: pp_forms.py)."""
-    held = most = 0
-    for action in actions(schedule, stages, microbatches, stage, virtual):
-        held += {"F": 1, "B": -1, "W": 0}[action.kind]
-        most = max(most, held)
-    return most
+    change = {"F": 1, "B": -1, "W": 0}  # what each action does to the count held
+    return max(accumulate((change[a.kind] for a in actions(schedule, stages, microbatches, stage, virtual)), initial=0))
 
 
 def bubble_fraction(stages, microbatches):

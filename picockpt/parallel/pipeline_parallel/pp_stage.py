@@ -75,18 +75,15 @@ class PipelineStage:
     def weights_for(self, unit):
         """Unit "embed", k or "head" readable for one use: under ZeRO-3 gathered for it, its views in the weights
         the inner model reads, then its shapes again (the gathered buffer freed, or kept, as zero_shards.py says)."""
-        with self.data.use(unit) as views:
-            if not views:  # whole already
-                yield
-                return
+        def put(weights):  # in the weights the inner model reads, and in a layer's own view of them
+            self.weights.update(weights)
+            if weights and unit in self.weights_of:
+                self.weights_of[unit] = layer_weights(self.weights, unit)
+        with self.data.use(unit) as views:  # none: whole already
             before = {name: self.weights[name] for name in views}
-            self.weights.update(views)
-            if unit in self.weights_of:
-                self.weights_of[unit] = layer_weights(self.weights, unit)
+            put(views)
             yield
-            self.weights.update(before)
-            if unit in self.weights_of:
-                self.weights_of[unit] = layer_weights(self.weights, unit)
+            put(before)
 
     def microbatch(self, m, input_ids, targets, waiting=None):
         return StageModel(self, m, self.model_for_rows(input_ids, targets), waiting)
@@ -96,11 +93,10 @@ class StageModel:
     """Micro-batch m of a PipelineStage; `step` is set to the Step that runs it (recompute-early uses its loop)."""
 
     def __init__(self, stage, m, rank_model, waiting=None):
-        self.stage, self.m, self.rank_model = stage, m, rank_model
+        self.stage, self.m, self.rank_model, self.step = stage, m, rank_model, None
         self.waiting = waiting  # split_backward: an ActivationStore for what its W reads
         self.cfg, self.layers = stage.step_cfg, stage.layers  # the rest (params, input_ids, ...): rank_model's
         self.mean_share = int((rank_model.targets != -100).sum()) / stage.counted  # n_m / N
-        self.step = None
         M = stage.microbatches
         self.rows = RowBlock(stage.dp_rank * M + m, stage.dp * M)  # its rows of the whole batch
         self.generator = device_generator(rank_model.input_ids.device)
@@ -176,8 +172,8 @@ class StageModel:
         stage = self.stage
         if not stage.last:
             receive = to_next_stage_backward(stage.pipe, stage.activation_shape, self.cfg.torch_dtype)  # started
-            if stage.recompute_early:
-                self.recompute_top(store)  # while the gradient travels
+            if stage.recompute_early and self.layers[-1] not in self.step.whole:  # recompute-early, while dy travels:
+                self.step.recompute(self.layers[-1])  # the loop's first work (the top layer), then found stored
             return receive.wait(), {}  # (b, n, h)
         with stage.weights_for("head"):
             dx, grads = self.rank_model.head_backward(store)  # (b, n, h) for this micro-batch's mean
@@ -197,12 +193,3 @@ class StageModel:
         if self.m == stage.microbatches - 1:
             stage.data.ready("embedding")
         return grad
-
-    def recompute_top(self, store):
-        """Recompute-early: the loop's first work in this micro-batch's backward, done now: the top layer's activations
-        come back from the nearest checkpoint before the gradient arrives, and the loop finds them stored
-        (pp_runner.py)."""
-        step, i = self.step, self.layers[-1]
-        if i not in step.whole:  # not stored whole in the forward: recompute it now, as the loop would
-            step.recompute(i)
-
