@@ -26,37 +26,31 @@ def blocks(chunk, held, c):
     that query chunk `chunk` reads: its own chunk causally, the earlier ones whole (neighbours as one)."""
     out = []
     for slot, j in enumerate(held):
-        if j == chunk:
-            out.append((slot * c, (slot + 1) * c, True))
-        elif j < chunk:
-            if out and not out[-1][2] and out[-1][1] == slot * c:  # follows an earlier chunk: one block
-                out[-1] = (out[-1][0], (slot + 1) * c, False)
-            else:
-                out.append((slot * c, (slot + 1) * c, False))
+        if j < chunk and out and not out[-1][2] and out[-1][1] == slot * c:  # follows an earlier chunk: one block
+            out[-1] = (out[-1][0], (slot + 1) * c, False)
+        elif j <= chunk:  # a later chunk is skipped
+            out.append((slot * c, (slot + 1) * c, j == chunk))
     return out
 
 
 def block_forward(q, k, v, cfg, causal):
     """q (B, H, c, hd), k/v (B, KV, m, hd) -> O_b (B, H, c, hd), lse_b (B, H, c): one block's kernel."""
     if cfg.attention == "tiled":
-        tile = cfg.attention_tile
-        return tiled_attention_forward(q, k, v, cfg.stat_dtype, tile, tile, causal=causal)
+        return tiled_attention_forward(q, k, v, cfg.stat_dtype, cfg.attention_tile, cfg.attention_tile, causal=causal)
     return fused_attention_forward(q, k, v, causal)
 
 
 def block_backward(dout, q, k, v, out, lse, cfg, causal, recomputing):
     """The block's kernel backward, with the merged O and lse: -> dq (B, H, c, hd), dk, dv (B, KV, m, hd)."""
     if cfg.attention == "tiled":
-        tile = cfg.attention_tile
-        return tiled_attention_backward(dout, q, k, v, out, lse, cfg.stat_dtype, tile, tile,
+        return tiled_attention_backward(dout, q, k, v, out, lse, cfg.stat_dtype, cfg.attention_tile, cfg.attention_tile,
                                         recomputing=recomputing, causal=causal)
     return fused_attention_backward(dout, q, k, v, out, lse, causal)
 
 
 def merge(state, part):
     """(O_a, lse_a) and (O_b, lse_b) -> the online softmax over both blocks' keys (the formula above)."""
-    out_a, lse_a = state  # (B, H, c, hd), (B, H, c) in the statistics dtype
-    out_b, lse_b = part
+    (out_a, lse_a), (out_b, lse_b) = state, part  # (B, H, c, hd), (B, H, c) in the statistics dtype
     lse = torch.logaddexp(lse_a, lse_b)  # (B, H, c) finite: every row sees its own chunk's first key
     return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
 
@@ -81,12 +75,11 @@ def attend_backward(dout, q, out, lse, kv, held, mine, c, cfg, recomputing, dq, 
     """The backward of attend_forward: adds each block's gradients into dq (B, H, n, hd) and dkv
     (2, B, KV, m, hd), both in the statistics dtype."""
     for a, chunk in enumerate(mine):
-        rows = slice(a * c, (a + 1) * c)
         do_a, q_a, out_a, lse_a = _rows(dout, a, c), _rows(q, a, c), _rows(out, a, c), _rows(lse, a, c)
         for start, end, causal in blocks(chunk, held, c):
             dq_a, dk, dv = block_backward(do_a, q_a, kv[0, :, :, start:end], kv[1, :, :, start:end], out_a, lse_a,
                                           cfg, causal, recomputing)  # (B, H, c, hd), (B, KV, m, hd) x2
-            dq[:, :, rows] += dq_a
+            dq[:, :, a * c:(a + 1) * c] += dq_a
             dkv[0, :, :, start:end] += dk
             dkv[1, :, :, start:end] += dv
 
@@ -116,8 +109,7 @@ def ring_attention_forward(q, k, v, cfg, layout, comm, overlap=False):
 
 def ring_attention_backward(dout, q, k, v, out, lse, cfg, layout, comm, recomputing, overlap=False):
     """The ring again: each step's block gives dq here and its dk, dv, which ride on with it and reach
-    their owner after the cp-th hop (cp_comm.py). -> dq (B, H, n, hd), dk, dv (B, KV, n, hd).
-    overlap: the next kv travels during the block's attention, its gradient after it (it is summed there)."""
+    their owner after the cp-th hop (cp_comm.py). -> dq (B, H, n, hd), dk, dv (B, KV, n, hd)."""
     W, r, mine, stat = comm.world_size, comm.rank, layout.chunks(comm.rank), cfg.stat_dtype
     dq = torch.zeros(q.shape, dtype=stat, device=q.device)  # (B, H, n, hd)
     kv = torch.stack((k, v))  # (2, B, KV, n, hd)
@@ -137,17 +129,15 @@ def ring_attention_backward(dout, q, k, v, out, lse, cfg, layout, comm, recomput
 # ---- all-gather attention: every rank's K/V at once ------------------------------------------------
 def gathered_attention_forward(q, kv_all, cfg, layout, rank):
     """q (B, H, n, hd), kv_all (2, B, KV, T, hd) every rank's rows in rank order -> out, lse."""
-    mine = layout.chunks(rank)
-    state = [None] * len(mine)
-    attend_forward(q, kv_all, layout.gathered(), mine, layout.chunk, cfg, state)
+    state = [None] * len(layout.chunks(rank))
+    attend_forward(q, kv_all, layout.gathered(), layout.chunks(rank), layout.chunk, cfg, state)
     return _finish(state, q.dtype)
 
 
 def gathered_attention_backward(dout, q, out, lse, kv_all, cfg, layout, rank, recomputing):
     """-> dq (B, H, n, hd) in q's dtype, dkv_all (2, B, KV, T, hd) this rank's partial gradient, statistics dtype."""
-    stat = cfg.stat_dtype
-    dq = torch.zeros(q.shape, dtype=stat, device=q.device)  # (B, H, n, hd)
-    dkv_all = torch.zeros(kv_all.shape, dtype=stat, device=q.device)  # (2, B, KV, T, hd)
+    dq = torch.zeros(q.shape, dtype=cfg.stat_dtype, device=q.device)  # (B, H, n, hd)
+    dkv_all = torch.zeros(kv_all.shape, dtype=cfg.stat_dtype, device=q.device)  # (2, B, KV, T, hd)
     attend_backward(dout, q, out, lse, kv_all, layout.gathered(), layout.chunks(rank), layout.chunk, cfg,
                     recomputing, dq, dkv_all)
     return dq.to(q.dtype), dkv_all

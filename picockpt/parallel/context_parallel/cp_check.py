@@ -7,8 +7,7 @@ from .cp_layout import check_layout
 COMMS = ("ring", "ring_overlap", "allgather")
 
 
-def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_kv=False, policy="none",
-                           device="cpu"):
+def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_kv=False, policy="none", device="cpu"):
     """ValueError naming the parameter, the value and what would work, before any work starts."""
     check_layout(layout, cp, seq)  # cp a whole number >= 1 too
     if cp_comm not in COMMS:

@@ -19,7 +19,7 @@ early (dkv is still being summed). Bytes are booked as those that reach a rank f
 "ring_dkv" per step; the all-gather's cp - 1 other blocks, the reduce-scatter's cp - 1 partial gradients (comm.py's
 received=True). Gradients travel in the statistics dtype (summed over up to cp ranks), K and V in the activation's.
 """
-from typing import NamedTuple
+from collections import namedtuple
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,8 @@ from ..comm import all_gather, reduce_scatter
 RINGS = ("ring", "ring_overlap")  # the cp_comm values that pass K/V round the ring: one after the other, or overlapped
 
 
-class Posted(NamedTuple):
-    """A ring step in flight: its works, what it sends (booked when it is done), where it receives."""
-    works: list
-    sent: list
-    received: list
-    kinds: list
+# a ring step in flight: its works, what it sends (booked as `kinds` when it is done), where it receives
+Posted = namedtuple("Posted", "works sent received kinds")
 
 
 def ring_post(tensors, comm, kinds):
@@ -66,10 +62,8 @@ def ring_forward(kv, comm):
 
 
 def ring_backward(kv, dkv, comm):
-    """Forward moved kv_{r-1} to rank r; the gradient of the block this rank used (dkv, its sum so far)
-    rides on with it to rank r+1 (see above). Returns (the next kv, its gradient so far); kv=None: the
-    gradient alone (returned alone): the last step, which brings each block's whole gradient home, or the
-    overlapped ring's gradient hop, its kv already posted ahead (ring_post)."""
+    """dkv, the gradient so far of the block this rank used, rides on with it to rank r+1 (see above): -> (the next
+    kv, its gradient so far); kv=None: the gradient alone, the last hop home or the overlapped ring's (ring_post)."""
     if kv is None:
         return ring_wait(ring_post([dkv], comm, ["ring_dkv"]), comm)[0]  # (2, B, KV, n, hd) this rank's own block's
     return tuple(ring_wait(ring_post([kv, dkv], comm, ["ring_kv", "ring_dkv"]), comm))  # (2, B, KV, n, hd) each

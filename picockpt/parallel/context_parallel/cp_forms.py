@@ -23,8 +23,7 @@ Zigzag gives every rank (2cp-1) c earlier tokens, the same count; contiguous giv
 diagonal block's count and e = 2 B H hd c^2 the busiest rank against the mean is
     max / mean = (d + (cp-1) e) / (d + (cp-1) e / 2)      (-> 2 as cp grows; 3/2 at cp = 2 when d = e/2)
 """
-from ...planning.layer_forms import attention_matmul_flops, chain_sizes, layer_flops
-from ...planning.layer_forms import segments_peak, tail_flops
+from ...planning.layer_forms import attention_matmul_flops, chain_sizes, layer_flops, segments_peak, tail_flops
 from ...model.config import BYTES
 from ...planning.hardware import INFINIBAND_NDR
 from ...planning.host_walk import DEFAULT_COMPUTE_RATE

@@ -26,12 +26,8 @@ class SequenceLayout:
         check_layout(self.kind, self.cp, self.seq)
 
     @property
-    def count(self):  # chunks in the sequence
-        return 2 * self.cp if self.kind == "zigzag" else self.cp
-
-    @property
     def chunk(self):  # c, tokens per chunk
-        return self.seq // self.count
+        return self.seq // (2 * self.cp if self.kind == "zigzag" else self.cp)
 
     def chunks(self, rank):
         """The chunks rank holds, in its local order."""

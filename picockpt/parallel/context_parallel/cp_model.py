@@ -36,8 +36,7 @@ def apply_context_parallel(model, comm, layout, cp_comm="ring", keep_kv=False):
 
 class ContextParallelHooks(WrappedHooks):
     """The one hook of a context-parallel layer: its attention core (beside tensor parallelism, of this rank's
-    heads, crossing the cp ranks of the same tp rank). at() gives it the step's store and the layer before each
-    layer runs (the kept K/V go to the step's store whatever the layer's mode)."""
+    heads, crossing the cp ranks of the same tp rank); at(): rank_model.py's WrappedHooks, for the kept K/V."""
 
     def __init__(self, comm, layout, cp_comm="ring", keep_kv=False, inner=ONE_PROCESS):
         super().__init__(inner)
@@ -52,36 +51,29 @@ class ContextParallelHooks(WrappedHooks):
         # q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens
         if self.kind in RINGS:  # (B, H, n, hd), (B, H, n)
             out, lse = ring_attention_forward(q, k, v, cfg, self.layout, self.group, self.kind == "ring_overlap")
-        else:
-            out, lse = gathered_attention_forward(q, self.gathered(k, v), cfg, self.layout, self.group.rank)
+        else:  # a recompute sweep finds the other ranks' K/V kept (keep_kv): no all-gather
+            kept = self.store.get(self.layer, KEPT_KV) if self.keep_kv and self.store.has(self.layer, KEPT_KV) else None
+            out, lse = gathered_attention_forward(q, self.gathered(k, v, kept), cfg, self.layout, self.group.rank)
         keep("attn.lse", lse)  # (B, H, n) the merged log-sum-exp, as the single process's rows
         return out
 
-    def gathered(self, k, v):
-        """Every rank's K/V (2, B, KV, T, hd) in rank order: all-gathered, or this rank's with the kept rest."""
-        kv = torch.stack((k, v))  # (2, B, KV, n, hd)
-        store, layer = self.store, self.layer
-        if self.keep_kv and store.has(layer, KEPT_KV):  # a recompute sweep: no all-gather
-            return self.with_own(store.get(layer, KEPT_KV), kv)  # (2, B, KV, T, hd)
-        kv_all = gather_kv_forward(kv, self.group)  # (2, B, KV, T, hd) all-gather
+    def gathered(self, k, v, others=None):
+        """Every rank's K/V (2, B, KV, T, hd) in rank order: this rank's with `others` (2, B, KV, (cp-1) n, hd), the
+        kept rows of every other rank, or all-gathered (under keep_kv the others' rows then go to the step's store)."""
+        kv, n, r = torch.stack((k, v)), k.shape[2], self.group.rank  # (2, B, KV, n, hd)
+        if others is not None:
+            return torch.cat((others[:, :, :, :r * n], kv, others[:, :, :, r * n:]), dim=3)
+        kv_all = gather_kv_forward(kv, self.group)  # all-gather
         if self.keep_kv:
-            n, r = kv.shape[3], self.group.rank
-            store.put(layer, KEPT_KV, torch.cat((kv_all[:, :, :, :r * n], kv_all[:, :, :, (r + 1) * n:]), dim=3))
+            self.store.put(self.layer, KEPT_KV, torch.cat((kv_all[:, :, :, :r * n], kv_all[:, :, :, (r + 1) * n:]), 3))
         return kv_all
-
-    def with_own(self, others, kv):
-        n, r = kv.shape[3], self.group.rank  # others (2, B, KV, (cp-1) n, hd): every rank's rows but these
-        return torch.cat((others[:, :, :, :r * n], kv, others[:, :, :, r * n:]), dim=3)  # (2, B, KV, T, hd)
 
     def attention_core_backward(self, dout, q, k, v, out, cfg, take, recomputing):
         lse = take("attn.lse")  # (B, H, n)
         if self.kind in RINGS:
             return ring_attention_backward(dout, q, k, v, out, lse, cfg, self.layout, self.group, recomputing,
                                            self.kind == "ring_overlap")
-        kv = torch.stack((k, v))  # (2, B, KV, n, hd)
-        # the other ranks' K/V again: kept, or all-gathered once more
-        kv_all = self.with_own(take(KEPT_KV), kv) if self.keep_kv else gather_kv_forward(kv, self.group)
-        del kv
+        kv_all = self.gathered(k, v, take(KEPT_KV) if self.keep_kv else None)  # again: kept, or all-gathered once more
         dq, dkv_all = gathered_attention_backward(dout, q, out, lse, kv_all, cfg, self.layout, self.group.rank,
                                                   recomputing)  # (B, H, n, hd), (2, B, KV, T, hd) partial
         del kv_all

@@ -43,8 +43,7 @@ class GradientBuckets:
         """Bucket's gradients are final (its last micro-batch's backward is done with them)."""
         if self.comm is None or not self.overlap:
             return
-        if not self.cuda:
-            self._poll()
+        self._poll()
         flat = self.flat[bucket]
         launched = self.timeline.mark()  # no device synchronisation: it would wait for the work queued so far
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.comm.group, async_op=True)  # sum over replicas
@@ -68,28 +67,22 @@ class GradientBuckets:
                 return
             missing = set(self.flat) - set(self.launched)
             assert not missing, f"gradient buckets {sorted(missing, key=str)} were never final"
-            for bucket, (work, launched) in self.launched.items():
-                work.wait()  # NCCL: the compute stream waits (the "reduce" span's end event comes after)
-                self._seen(bucket, launched)
+            self._poll(wait=True)
         self.launched.clear()
 
     @property
     def events(self):
         """(bucket, bytes, launched at, done at), in seconds on the Timeline's clock (after its finish())."""
-        if not self.marks:
-            return []
-        seconds = self.timeline.seconds
-        return [(bucket, nbytes, seconds(start), seconds(end)) for bucket, nbytes, start, end in self.marks]
+        return [(bucket, nbytes, self.timeline.seconds(start), self.timeline.seconds(end))
+                for bucket, nbytes, start, end in self.marks]
 
     def grads(self):
         return dict(self.views)
 
-    def _poll(self):
+    def _poll(self, wait=False):  # CPU: done is the host's clock, the first time it is seen complete (CUDA: ready())
         for bucket, (work, launched) in self.launched.items():
-            if work.is_completed():
-                self._seen(bucket, launched)
-
-    def _seen(self, bucket, launched):  # CPU: the host's clock, the first time it is seen complete (CUDA: ready())
-        if not self.cuda and not any(mark[0] == bucket for mark in self.marks):
-            self.marks.append((bucket, self.flat[bucket].nbytes, launched, self.timeline.mark()))
+            if wait:
+                work.wait()  # NCCL: the compute stream waits (the "reduce" span's end event comes after)
+            if not self.cuda and (wait or work.is_completed()) and all(mark[0] != bucket for mark in self.marks):
+                self.marks.append((bucket, self.flat[bucket].nbytes, launched, self.timeline.mark()))
 

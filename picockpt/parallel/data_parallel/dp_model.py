@@ -52,7 +52,9 @@ class Replicated:
 def replicated(cfg, params, stage_forms, groups, overlap, timeline, tracker):
     """The stage's Replicated part: its gradient buckets all-reduced over the data-parallel group as they become
     final; under ep the experts' apart, over their expert-data-parallel group (picockpt/parallel/layout.py)."""
-    names = bucket_names(params, stage_forms.layers, stage_forms.first, stage_forms.last)
+    units = unit_names(list(params), stage_forms.layers, stage_forms.first, stage_forms.last)
+    # {bucket: [parameter names]} in the order they become final: head, layers from the top, embedding
+    names = {"embedding" if key == "embed" else key: members for key, members in reversed(units.items())}
     shapes = {name: tensor.shape for name, tensor in params.items()}
     split = is_expert if groups.layout.ep > 1 else (lambda name: False)
     parts = []
@@ -61,9 +63,3 @@ def replicated(cfg, params, stage_forms, groups, overlap, timeline, tracker):
         parts.append(GradientBuckets({bucket: members for bucket, members in kept.items() if members}, shapes,
                                      cfg.param_dtype, groups.device, comm, overlap, timeline, tracker))
     return Replicated(params, cfg.torch_dtype, parts, split)
-
-
-def bucket_names(params, layers, first, last):
-    """{bucket: [parameter names]} of a stage in the order they become final: head, layers from the top, embedding."""
-    units = unit_names(list(params), layers, first, last)
-    return {"embedding" if key == "embed" else key: names for key, names in reversed(units.items())}

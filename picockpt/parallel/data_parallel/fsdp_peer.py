@@ -29,6 +29,8 @@ gathers with (FSDP_GATHER), booking the output's bytes as comm.py counts an all-
 loss.backward() and "backward" after. FSDP2 shards each parameter along dim 0 (padded), not flat per unit: the bytes
 equal picockpt's when no dim needs padding.
 """
+from functools import partial
+
 import torch.distributed as dist
 
 from ...measurement.reference import ReferenceLlama, run_plain
@@ -45,9 +47,8 @@ def fsdp2_rank_steps(comm, params, cfg, input_ids, targets, variants):
 
 
 def fsdp2_model(comm, params, cfg, reshard_after_forward, checkpointed, nesting):
-    """(model, its decoder layers, whether the checkpoint wraps the FSDP unit): the reference model with every layer
-    an FSDP2 unit (fully_shard) over all ranks, and the model one too; checkpointed, each layer recomputed in the
-    nesting asked (torchtitan's: the checkpoint_wrapper made the unit; or the checkpoint around the unit)."""
+    """(model, its decoder layers, whether the checkpoint wraps the FSDP unit): the reference model, every layer and
+    the model an FSDP2 unit (fully_shard) over all ranks; checkpointed, each layer recomputed in `nesting` (above)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -93,12 +94,8 @@ def fsdp2_rank_step(comm, params, cfg, input_ids, targets, reshard_after_forward
         unit.register_forward_pre_hook(unit_forward, prepend=True)
         block.register_forward_pre_hook(block_forward, prepend=True)
 
-    def run_layers(layers, x):
-        if not outer:
-            return run_plain(layers, x)  # (b, T, h); under torchtitan's nesting each unit checkpoints inside
-        for layer in layers:
-            x = checkpoint(layer, x, use_reentrant=False)  # (b, T, h)
-        return x
+    def run_layers(layers, x):  # (b, T, h); under torchtitan's nesting each unit checkpoints inside
+        return run_plain([partial(checkpoint, layer, use_reentrant=False) for layer in layers] if outer else layers, x)
 
     original = getattr(dist, FSDP_GATHER)
 

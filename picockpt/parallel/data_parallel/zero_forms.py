@@ -23,12 +23,10 @@ from ..pipeline_parallel.pp_schedules import Action
 from .zero_params import flat_units
 
 STAGES = (1, 2, 3)
-PHASES = ("forward", "recompute", "backward", "optimizer")
 
 
 def zero_paper_parts(psi, stage, K=12, N_d=64):
-    """{param_bytes, grad_bytes, optimizer_bytes} per rank under `stage` (0..3), as the ZeRO paper counts them:
-    2 Psi fp16 parameters, 2 Psi fp16 gradients, K Psi optimizer state, each over N_d from its stage on."""
+    """{param_bytes, grad_bytes, optimizer_bytes} per rank under `stage` (0..3), as the ZeRO paper counts (above)."""
     return {"param_bytes": 2 * psi / (N_d if stage >= 3 else 1), "grad_bytes": 2 * psi / (N_d if stage >= 2 else 1),
             "optimizer_bytes": K * psi / (N_d if stage >= 1 else 1)}
 
@@ -61,16 +59,13 @@ def stage_uses(order, layers, first, last, schedule):
     sweep_to = {layers[0] + last_k: layers[0] + first_k for first_k, last_k in schedule.sweeps(len(layers))}
     uses = []
     for action in order:
-        if action.kind == "W":  # ZB-H1's weight gradients read no weights: dW = dy.T x
-            continue
         if action.kind == "F":
             uses += [("forward", "embed")] * first + [("forward", k) for k in layers] + [("forward", "head")] * last
-            continue
-        uses += [("backward", "head")] * last  # the embedding's backward needs its shape only
-        for i in reversed(layers):
-            if i in sweep_to:
-                uses += [("recompute", k) for k in range(sweep_to[i], i + 1)]
-            uses.append(("backward", i))
+        elif action.kind == "B":  # not "W": ZB-H1's weight gradients read no weights (dW = dy.T x)
+            uses += [("backward", "head")] * last  # the embedding's backward needs its shape only
+            for i in reversed(layers):
+                uses += [("recompute", k) for k in range(sweep_to.get(i, i + 1), i + 1)]  # none unless i ends a sweep
+                uses.append(("backward", i))
     return uses
 
 
@@ -97,8 +92,7 @@ def gather_forms(uses, sizes, keep_gathered=False, prefetch=True):
     moved = dict.fromkeys(("forward", "recompute", "backward"), 0)
     peaks, live = dict(moved), set()
     for n, (phase, unit) in enumerate(uses):
-        upcoming = [uses[n]] + ([uses[n + 1]] if prefetch and n + 1 < len(uses) else [])
-        for use_phase, key in upcoming:
+        for use_phase, key in uses[n:n + 1 + bool(prefetch)]:  # this use's unit, and with prefetch the next's
             if key not in live:
                 live.add(key)
                 moved[use_phase] += sizes[key]

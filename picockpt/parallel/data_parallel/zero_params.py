@@ -66,9 +66,8 @@ def flat_units(cfg, world_size):
 
 
 def gather_flat(shard, comm, phase, padded, async_op=False):
-    """(padded,) every rank's shard, one after another: the unit whole on every rank. Counted under
-    `phase` (the phase of the use it serves). async_op=True: returns (work, flat) at once; flat is
-    ready after work.wait()."""
+    """(padded,) every rank's shard, one after another: the unit whole on every rank, counted (see above) under
+    `phase`. async_op=True: returns (work, flat) at once; flat is ready after work.wait()."""
     flat = shard.new_empty(padded)  # (N_d * s,)
     work = all_gather_flat(flat, shard.contiguous(), group=comm.group, async_op=async_op)  # shards in rank order
     comm.log.record(phase, "all_gather", flat.nbytes)

@@ -41,7 +41,7 @@ class Sharded:
     its shard, and after the backward the gradient of its shard."""
 
     def __init__(self, unit, comm, params, stage, dtype):
-        self.unit, self.comm, self.stage = unit, comm, stage
+        self.unit, self.comm = unit, comm
         self.rank = comm.rank if comm is not None else 0
         flat = unit.flatten(params, dtype)  # (padded,)
         self.params = flat if stage < 3 or comm is None else unit.shard(flat, self.rank).clone()  # (padded,) | (s,)
@@ -60,20 +60,19 @@ class ZeroShards:
     gathered use (stage 3)."""
 
     def __init__(self, params, cfg, layout, forms, comms, uses=None, lr=3e-3, weight_decay=0.0):
-        stage, split, keep_gathered = layout.zero, is_expert if layout.ep > 1 else None, layout.keep_gathered
+        stage, split = layout.zero, is_expert if layout.ep > 1 else None
         self.cfg, self.stage, self.prefetch = cfg, stage, layout.prefetch
-        layers, first, last = forms.layers, forms.first, forms.last
         sizes = {part: comm.world_size if comm is not None else 1 for part, comm in comms.items()}
         shapes = {name: tensor.shape for name, tensor in params.items()}
+        units = stage_units(shapes, forms.layers, forms.first, forms.last, sizes, split)
         self.units = {key: [Sharded(unit, comms[bool(split and split(unit.names[0]))], params, stage, cfg.param_dtype)
-                            for unit in units]
-                      for key, units in stage_units(shapes, layers, first, last, sizes, split).items()}
+                            for unit in group] for key, group in units.items()}
         self.optimizer = make_optimizer({f"{key}.{n}": part.shard for key, parts in self.units.items()
                                          for n, part in enumerate(parts)}, lr, weight_decay)
         self.parts = [part for parts in self.units.values() for part in parts]  # every unit's, in order
         self.owner = {name: part for part in self.parts for name in part.unit.names}
         self.uses, self.next_use = uses, 0
-        self.kept = [kept_after(uses, n, keep_gathered) for n in range(len(uses or ()))]  # per use: stays gathered?
+        self.kept = [kept_after(uses, n, layout.keep_gathered) for n in range(len(uses or ()))]  # stays gathered?
         self.gathered, self.pending = {}, {}  # key -> [flat]; key -> [(work, flat)] under way
         self.gathered_peak = dict.fromkeys(("forward", "recompute", "backward"), 0)  # bytes, as measured
         self.tracker = None
@@ -101,42 +100,30 @@ class ZeroShards:
         if not parts:
             yield {}
             return
-        phase = self.tracker.phase_name
-        expected = self.uses[self.next_use]
-        if expected != (phase, key):
-            raise RuntimeError(f"ZeRO-3 use {self.next_use}: the loop asked for ({phase!r}, {key!r}), the schedule "
-                               f"for {expected}: the prefetch order no longer matches the engine's walk")
+        phase, n = self.tracker.phase_name, self.next_use
+        if self.uses[n] != (phase, key):
+            raise RuntimeError(f"ZeRO-3 use {n}: the loop asked for ({phase!r}, {key!r}), the schedule "
+                               f"for {self.uses[n]}: the prefetch order no longer matches the engine's walk")
         self.next_use += 1
-        flats = self.acquire(key, phase)
-        if self.prefetch and self.next_use < len(self.uses):
-            self.launch(*self.uses[self.next_use])
+        if key not in self.gathered:  # prefetched (under way), else gathered now
+            gathering = self.pending.pop(key, None) or self.gather(key, phase, async_op=False)
+            for work, _ in gathering:
+                if work is not None:
+                    work.wait()
+            self.gathered[key] = [flat for _, flat in gathering]
+        if self.prefetch and n + 1 < len(self.uses):  # the next use's gather, under way while this one computes
+            next_phase, upcoming = self.uses[n + 1]
+            if upcoming not in self.gathered and upcoming not in self.pending:  # the unit in use: no second copy
+                self.pending[upcoming] = self.gather(upcoming, next_phase, async_op=True)
         live = sum(f.nbytes for fs in self.gathered.values() for f in fs) + \
             sum(f.nbytes for pending in self.pending.values() for _, f in pending)
         self.gathered_peak[phase] = max(self.gathered_peak[phase], live)
-        views = {}
-        for part, flat in zip(parts, flats):
-            views.update(part.unit.views(flat))  # views into the gathered buffer
-        yield views
+        flats = self.gathered[key]
+        views = {name: view for part, flat in zip(parts, flats) for name, view in part.unit.views(flat).items()}
+        yield views  # views into the gathered buffers
         del views, flats
-        if not self.kept[self.next_use - 1]:
+        if not self.kept[n]:
             del self.gathered[key]  # freed (the views die with the caller's)
-
-    def acquire(self, key, phase):
-        if key not in self.gathered:
-            if key in self.pending:  # prefetched
-                flats = []
-                for work, flat in self.pending.pop(key):
-                    if work is not None:
-                        work.wait()
-                    flats.append(flat)
-            else:
-                flats = [flat for _, flat in self.gather(key, phase, async_op=False)]
-            self.gathered[key] = flats
-        return self.gathered[key]
-
-    def launch(self, phase, key):
-        if key not in self.gathered and key not in self.pending:  # the unit in use is gathered: no second copy
-            self.pending[key] = self.gather(key, phase, async_op=True)
 
     def gather(self, key, phase, async_op):
         out = []
@@ -157,8 +144,7 @@ class ZeroShards:
         part.unit.views(part.grad)[name].add_(grad.to(part.grad.dtype))
 
     def ready(self, bucket):
-        """The bucket's gradients are final: reduce each of its units (a pp stage's bucket "embedding" is the
-        unit "embed")."""
+        """The bucket's gradients are final: reduce each of its units (a stage's bucket "embedding": unit "embed")."""
         for part in self.units["embed" if bucket == "embedding" else bucket]:
             if part.comm is None:
                 continue
@@ -188,11 +174,10 @@ class ZeroShards:
             part.shard.grad = part.grad if part.grad.numel() == part.shard.numel() else \
                 part.unit.shard(part.grad, part.rank)  # (s,)
         self.optimizer.step()
-        for part in self.parts:
-            part.shard.grad = None  # part.grad, the step's reduced gradient, lives until the next step begins
         for value in self.optimizer_tensors():
             tracker.mark(value, "optimizer")
         for part in self.parts:
+            part.shard.grad = None  # part.grad, the step's reduced gradient, lives until the next step begins
             if self.stage < 3 and part.comm is not None:
                 part.params.copy_(gather_flat(part.shard, part.comm, "optimizer", part.unit.padded))  # (padded,)
 
