@@ -58,15 +58,12 @@ RECOMPUTE_SWITCHES = {"distribute_saved": "each tp rank keeps 1/t of a checkpoin
                       "keep_dispatched": "a recomputed layer reads the rows it dispatched instead of dispatching again"}
 
 
-LAYOUT = "a parallel layout"  # what a refused policy is told it runs in
-
-
 def checked_job(job, device, world_size):
-    """The job with its policy parsed and batch checked; a ValueError naming the value before any rank starts."""
+    """The job with its policy parsed (once) and batch checked; a ValueError naming the value before any rank starts."""
     layout = job.layout
     check_flags(job)
     check_schedule(layout.schedule, layout.virtual_stages, layout.pp)
-    policy = parse_policy(job.policy, job.cfg).refuse_offload(LAYOUT).refuse_recast(LAYOUT)  # the one parse
+    policy = parse_policy(job.policy, job.cfg).refuse_offload("a parallel layout").refuse_recast("a parallel layout")
     job = checked_batch(replace(job, policy=policy.text), device)
     check_ranks(job, device, world_size)
     if policy.segment is None and policy.budget is None and policy.op_level is None:  # none: nothing recomputed
@@ -138,8 +135,7 @@ def check_flags(job):
         if isinstance(fields[name], bool):
             raise ValueError(f"{name}={fields[name]!r}: give a whole number of ranks (micro-batches for "
                              f"microbatches), 1 or more, not True or False")
-    for name in ("sp", "distribute_saved", "recompute_early", "overlap", "keep_dispatched", "prefetch",
-                 "cp_keep_kv"):
+    for name in ("sp", "distribute_saved", "recompute_early", "overlap", "keep_dispatched", "prefetch", "cp_keep_kv"):
         if not isinstance(fields[name], bool):
             yes, no = (" (keep the dispatched rows)", " (dispatch them again when recomputing)") \
                 if name == "keep_dispatched" else ("", "")
@@ -174,7 +170,6 @@ def checked_batch(job, device):
     return replace(job, input_ids=input_ids, targets=targets, rng_state=state, batches=batches)
 
 
-# ---- what the ranks are sent ----------------------------------------------------------------------------------
 def on_cpu(job):
     """The job as the ranks receive it: parameters, batch and generator state on the CPU."""
     params = {name: tensor.detach().cpu() for name, tensor in job.params.items()}

@@ -127,9 +127,8 @@ class RankGroups:
 
 
 def build_groups(layout, rank, device, process_groups=None, timeout=None):
-    """This rank's RankGroups. Every rank must call it with the same layout at the same point. process_groups: a dict
-    kept across calls, so a grid's groups are made once per launch. timeout: the job's (a timedelta), for these groups
-    too."""
+    """This rank's RankGroups; every rank calls it with the same layout at the same point. process_groups: a dict
+    kept across calls (a grid's groups made once per launch); timeout: the job's timedelta, for these groups too."""
     process_groups = {} if process_groups is None else process_groups
     grid = layout.grid
     if grid not in process_groups:  # every rank makes every group (those it is not in too), in one order

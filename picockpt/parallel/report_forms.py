@@ -12,10 +12,9 @@ from ..model.config import BYTES
 from ..planning.cost import bubble_idle
 from ..model.params import param_shapes
 from .comm import PHASES
-from .context_parallel.cp_forms import (cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops,
-                                            stage_comm_bytes)
+from .context_parallel.cp_forms import cp_flops, cp_peak_bytes, kept_kv_bytes, rank_attention_flops, stage_comm_bytes
 from .expert_parallel.ep_forms import (ep_comm_bytes, ep_flops, ep_head_stored_bytes, ep_layer_stored_bytes,
-                                           ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, received_rows)
+                                           ep_peak_bytes, ep_sent_bytes, ep_stored_bytes, phase_sums, received_rows)
 from .data_parallel.zero_forms import gather_forms, reduce_bytes_by_kind, stage_uses, unit_state_bytes
 from .data_parallel.zero_shards import stage_units
 from .expert_parallel.ep_shard import is_expert
@@ -86,40 +85,28 @@ def _variant(stage, mode):
 def expert_forms(job, stage_forms, report, routing):
     """ep_forms.py's forms, one per micro-batch of this rank, over its stage's layers and its rows; beside tp,
     at its slices, with tp's collectives (forms.tp_comm_bytes) and each layer's router gradient summed over tp."""
-    layout = job.layout
+    layout, layers, last, kept = job.layout, stage_forms.layers, stage_forms.last, job.layout.keep_dispatched
     cfg, M, ep, e, tp = job.cfg, layout.microbatches, layout.ep, report["ep_rank"], dict(t=layout.tp, sp=layout.sp)
-    stage_cfg, policy = cfg.replace(layers=len(stage_forms.layers)), stage_forms.policy
-    stored, peaks, total = [], [], {key: dict.fromkeys(PHASES, 0) for key in ("flops", "comm", "sent")}
-    received = [0] * len(stage_forms.layers)
-    for m in range(M):
-        g = report["dp_rank"] * M + m  # its block of rows: run_jobs' routing has one slice per (block, ep rank)
-        by_rank = [routing[k][g * ep:(g + 1) * ep] for k in stage_forms.layers]
-        counts = [[sum(column) for column in zip(*layer)] for layer in by_rank]  # the block's per-expert counts
-        args = (stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, e, counts, layout.keep_dispatched)
-        stored.append(ep_stored_bytes(*args, head=stage_forms.last, **tp))
-        peaks.append(ep_peak_bytes(*args, head=stage_forms.last, **tp))
-        for key, value in (("flops", ep_flops(*args, head=stage_forms.last, t=layout.tp)),
-                           ("comm", ep_comm_bytes(*args)),
-                           ("sent", ep_sent_bytes(stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, e, by_rank,
-                                                  layout.keep_dispatched))):
-            for phase in PHASES:
-                total[key][phase] += value[phase]
-        received = [n + received_rows(cfg, layer, ep, e) for n, layer in zip(received, counts)]
-        if m == 0:
-            layer = ep_layer_stored_bytes(*args, layer=0, **tp)
-            head = ep_head_stored_bytes(stage_cfg, stage_forms.b, stage_forms.seq, policy, ep, **tp) \
-                if stage_forms.last else 0
-    order = actions(layout.schedule, layout.pp, M, report["stage"])
+    args = (cfg.replace(layers=len(layers)), stage_forms.b, stage_forms.seq, stage_forms.policy, ep)  # then rank e
+    blocks = range(report["dp_rank"] * M, (report["dp_rank"] + 1) * M)  # its rows: run_jobs' slices per (block, ep)
+    by_rank = [[routing[k][g * ep:(g + 1) * ep] for k in layers] for g in blocks]  # each micro-batch's
+    counts = [[[sum(column) for column in zip(*layer)] for layer in block] for block in by_rank]  # per expert
+    stored = [ep_stored_bytes(*args, e, c, kept, head=last, **tp) for c in counts]
+    peaks = [ep_peak_bytes(*args, e, c, kept, head=last, **tp) for c in counts]
+    comm = phase_sums(ep_comm_bytes(*args, e, c, kept) for c in counts)
     if layout.tp > 1:
-        router = M * len(stage_forms.layers) * cfg.experts * cfg.hidden * BYTES[cfg.dtype_names[2]]  # its all-reduces
+        router = M * len(layers) * cfg.experts * cfg.hidden * BYTES[cfg.dtype_names[2]]  # its all-reduces
         tp_comm = stage_forms.tp_comm_bytes(stage_forms.b // ep)
-        total["comm"] = {phase: n + tp_comm[phase] + (router if phase == "backward" else 0)
-                         for phase, n in total["comm"].items()}
+        comm = {phase: n + tp_comm[phase] + (router if phase == "backward" else 0) for phase, n in comm.items()}
+    order = actions(layout.schedule, layout.pp, M, report["stage"])
     return {"predicted_activation_bytes": in_flight_peak(order, lambda m, c: stored[m], lambda m, c: peaks[m]),
-            "predicted_microbatch_stored_bytes": stored[0], "predicted_layer_stored_bytes": layer,
-            "predicted_head_stored_bytes": head, "predicted_flops": total["flops"],
-            "predicted_comm_bytes": total["comm"], "predicted_all_to_all_sent_bytes": total["sent"],
-            "predicted_received_rows": received}
+            "predicted_microbatch_stored_bytes": stored[0],
+            "predicted_layer_stored_bytes": ep_layer_stored_bytes(*args, e, counts[0], kept, layer=0, **tp),
+            "predicted_head_stored_bytes": ep_head_stored_bytes(*args, **tp) if last else 0,
+            "predicted_flops": phase_sums(ep_flops(*args, e, c, kept, head=last, t=layout.tp) for c in counts),
+            "predicted_comm_bytes": comm,
+            "predicted_all_to_all_sent_bytes": phase_sums(ep_sent_bytes(*args, e, b, kept) for b in by_rank),
+            "predicted_received_rows": [sum(received_rows(cfg, n, ep, e) for n in layer) for layer in zip(*counts)]}
 
 
 def rank_param_shapes(cfg, stage_forms, tp=1, ep=1):
@@ -129,19 +116,15 @@ def rank_param_shapes(cfg, stage_forms, tp=1, ep=1):
 
 
 def reduced_bytes(job, stage_forms):
-    """The bytes the stage's data-parallel groups move: every gradient once, all-reduced where its group has more
-    than one rank (under ep the experts' over their dp x cp ranks, every other over dp x ep x cp: layout.py);
-    under ZeRO every one of its collectives (zero_forms)."""
+    """The bytes the stage's data-parallel groups (layout.py) move: every gradient once, all-reduced where its group
+    has more than one rank; under ZeRO every one of its collectives (zero_forms)."""
     layout = job.layout
     if layout.zero:
         return sum(n for kinds in zero_forms(job, stage_forms, None)["predicted_zero_bytes_by_kind"].values()
                    for n in kinds.values())
-    dense = experts = 0
-    for name, shape in rank_param_shapes(job.cfg, stage_forms, layout.tp, layout.ep).items():
-        if layout.ep > 1 and is_expert(name):
-            experts += math.prod(shape)
-        else:
-            dense += math.prod(shape)
+    shapes = rank_param_shapes(job.cfg, stage_forms, layout.tp, layout.ep)
+    experts = sum(math.prod(shape) for name, shape in shapes.items() if layout.ep > 1 and is_expert(name))
+    dense = sum(map(math.prod, shapes.values())) - experts
     size = BYTES[job.cfg.dtype_names[2]]  # the gradients': the master weights' dtype
     dense_group, expert_group = layout.dp * layout.ep * layout.cp, layout.dp * layout.cp
     return size * ((dense if dense_group > 1 else 0) + (experts if expert_group > 1 else 0))
@@ -154,23 +137,19 @@ def zero_forms(job, stage_forms, report, routing=None):
 
 
 def zero_stage_forms(cfg, stage_forms, layout, steps=1):
-    """ZeRO's closed forms on a rank of stage `forms` (a ChunkForms) of any layout (data_parallel/zero_forms.py
-    on its stage's units, every weight but the experts' over dp x ep x cp ranks, the experts' over dp x cp): model
-    state, the gathers of every use in the schedule's order (recomputation's included), the reductions, and the
-    gathered peak per phase. layout: its ZeRO stage, sizes, schedule and ZeRO-3 options (a Layout)."""
+    """ZeRO's closed forms on a rank of stage `forms` (a ChunkForms) of any layout (data_parallel/zero_forms.py on
+    its stage's units, over the groups of layout.py): model state, the gathers of every use in the schedule's order
+    (recomputation's included), the reductions, and the gathered peak per phase. layout: a Layout."""
     zero, tp, ep, dp, cp = layout.zero, layout.tp, layout.ep, layout.dp, layout.cp
     sizes = {False: dp * ep * cp, True: dp * cp}  # the dense and the experts' groups
     units = stage_units(rank_param_shapes(cfg, stage_forms, tp, ep), stage_forms.layers, stage_forms.first,
-                        stage_forms.last, sizes,
-                        is_expert if ep > 1 else None)
+                        stage_forms.last, sizes, is_expert if ep > 1 else None)
     every = [unit for parts in units.values() for unit in parts]
     p, c = BYTES[cfg.dtype_names[2]], BYTES[cfg.dtype]
     state = unit_state_bytes(every, zero, p)
     if not steps:  # AdamW's moments exist from its first step on
         state["optimizer_bytes"] = 0
-    by_kind = {phase: {} for phase in PHASES + ("optimizer",)}
-    for phase, kinds in reduce_bytes_by_kind(every, zero, p, optimizer=bool(steps)).items():
-        by_kind[phase].update(kinds)
+    by_kind = {phase: {} for phase in PHASES + ("optimizer",)} | reduce_bytes_by_kind(every, zero, p, bool(steps))
     peaks = dict.fromkeys(PHASES, 0)
     if zero == 3:
         order = actions(layout.schedule, layout.pp, layout.microbatches, stage_forms.stage)

@@ -14,16 +14,15 @@ from ...model.params import param_shapes
 from ...recompute.policy import as_policy
 from .ep_layer import ep_drop
 from .ep_shard import is_expert
-from .ep_moe import DISPATCHED, ROUTING
+from .ep_moe import DISPATCHED
 from ...model.config import BYTES
+from ..comm import PHASES
 from ..tensor_parallel.tp_forms import rank_head_inventory, split_inventory
 
 
 def ep_layer_names(cfg, ep, rank):
-    """What an expert-parallel layer could keep on rank r (for --trace): its experts' names, its own."""
-    plain = [name for name in layer_inventory(cfg, 1, 1) if not name.startswith(("moe.gate_up[", "moe.act["))]
-    local = range(rank * cfg.experts // ep, (rank + 1) * cfg.experts // ep)
-    return plain + [f"moe.{kind}[{e}]" for e in local for kind in ("gate_up", "act")] + [*ROUTING[1:], *DISPATCHED]
+    """What an expert-parallel layer could keep on rank r (for --trace): its inventory with rows for every expert."""
+    return list(ep_layer_inventory(cfg, ep, 1, ep, rank, [1] * cfg.experts))
 
 
 def received_rows(cfg, counts, ep, rank):
@@ -151,7 +150,7 @@ def ep_sent_bytes(cfg, batch, seq, policy, ep, rank, routing_by_rank, keep_dispa
     """The bytes rank r's all-to-alls send to other ranks: each buffer less the rows it sends itself, the same forms
     with P = M = S and E/W counts. routing_by_rank: every layer's W lists of E counts (step_routing(..., ranks=W))."""
     policy = as_policy(policy, cfg)
-    sent = {"forward": 0, "recompute": 0, "backward": 0}
+    sent = dict.fromkeys(PHASES, 0)
     for by_rank in routing_by_rank:
         counts = [sum(column) for column in zip(*by_rank)]  # the whole batch's per-expert counts
         buffer = ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched)
@@ -165,8 +164,14 @@ def ep_sent_bytes(cfg, batch, seq, policy, ep, rank, routing_by_rank, keep_dispa
 def ep_comm_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False):
     """{"forward", "recompute", "backward"}: bytes rank r's all-to-alls move in one step, every layer's."""
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
-    layers = [ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched) for counts in routing]
-    return {phase: sum(layer[phase] for layer in layers) for phase in ("forward", "recompute", "backward")}
+    return phase_sums(ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched)
+                      for counts in routing)
+
+
+def phase_sums(tables):
+    """{phase: the sum over tables} of {phase: count} tables (comm.py's PHASES): layers', micro-batches'."""
+    tables = list(tables)
+    return {phase: sum(table[phase] for table in tables) for phase in PHASES}
 
 
 def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, head=True, t=1):
@@ -175,25 +180,19 @@ def ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=False, 
     the projections). head=False: a pipeline stage before the last, without the LM head's matmuls. Beside tp every
     matmul is 1/t but the router's, whole on every rank (h -> E per token: forward, twice in the backward, again in
     a recompute or a rebuild)."""
-    if t > 1:
-        one = ep_flops(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched, head)
-        policy = as_policy(policy, cfg)
-        router = 2 * (batch // ep) * seq * cfg.hidden * cfg.experts * cfg.layers
-        again = (policy.segment is not None) + ("moe.router_probs" in policy.unstored)
-        whole = {"forward": router, "backward": 2 * router, "recompute": again * router}
-        return {phase: (n - whole[phase]) // t + whole[phase] for phase, n in one.items()}
     policy = _check(cfg, batch, seq, policy, ep, rank, routing)
-    flops = step_flops(cfg, batch // ep, seq, policy)
+    b, h, f = batch // ep, cfg.hidden, cfg.ffn
+    flops = step_flops(cfg, b, seq, policy)
     if not head:
-        logits, (_, inner_head) = 2 * (batch // ep) * seq * cfg.hidden * cfg.vocab, inner_recompute_flops(
-            cfg, batch // ep, seq)
+        logits, (_, inner_head) = 2 * b * seq * h * cfg.vocab, inner_recompute_flops(cfg, b, seq)
         flops = {"forward": flops["forward"] - logits, "recompute": flops["recompute"] - inner_head,
                  "backward": flops["backward"] - 2 * logits}
-    h, f, P = cfg.hidden, cfg.ffn, (batch // ep) * seq * cfg.experts_per_token
-    extra = [received_rows(cfg, counts, ep, rank) - P for counts in routing]  # rows beyond its own pairs
+    extra = [received_rows(cfg, counts, ep, rank) - b * seq * cfg.experts_per_token for counts in routing]  # M_l - P
     forward = sum(2 * n * h * 3 * f for n in extra)
     rebuild = sum(2 * n * h * 2 * f for n in extra) if "moe.gate_up" in policy.unstored else 0  # moe: gate_up again
-    flops["forward"] += forward
-    flops["backward"] += 2 * forward
-    flops["recompute"] += (forward if policy.segment is not None else 0) + rebuild
-    return flops
+    experts = {"forward": forward, "backward": 2 * forward,
+               "recompute": (forward if policy.segment is not None else 0) + rebuild}
+    router = 2 * b * seq * h * cfg.experts * cfg.layers
+    again = (policy.segment is not None) + ("moe.router_probs" in policy.unstored)
+    whole = {"forward": router, "backward": 2 * router, "recompute": again * router}
+    return {phase: (n + experts[phase] - whole[phase]) // t + whole[phase] for phase, n in flops.items()}

@@ -64,8 +64,8 @@ def local_groups(received):
 
 
 def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, tail=RUN_TAIL):
-    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None under SKIP_TAIL (block_tail.py).
-    keep: the layer's (the policy's); kept: its KeptRouting (ep_layer.py); w: this rank's E_l experts."""
+    """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None under SKIP_TAIL
+    (block_tail.py). keep: the layer's (the policy's); kept: its KeptRouting (ep_layer.py); w: its E_l experts."""
     B, T, h = xn.shape
     W, E, stat = comm.world_size, cfg.experts, cfg.stat_dtype
     routed = kept.has("moe.expert_index")  # a recomputation: the first forward chose the routing
@@ -111,7 +111,6 @@ def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=F
 def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
     """grad() -> dm, normed() -> xn (B_r, T, h); returns dxn and {role: gradient}: the router's and shared expert's
     from this rank's tokens (replicated: summed over ranks later), its experts' (E_l, ...) from every rank's rows."""
-    stat = cfg.stat_dtype
     index = take("moe.expert_index")  # (N_r, k) the routing decision, always kept
     received = take("moe.received_counts")  # (W, E_l)
     noise = take("moe.jitter") if cfg.router_jitter > 0 else None  # (B_r, T, h)
@@ -136,7 +135,7 @@ def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
     for e, rows_e in local_groups(received):
         d_rows[rows_e] = expert_backward(lambda: grads_rows[rows_e], row_weights, rows_e,  # noqa: B023 (n_e, h)
                                          lambda: rows[rows_e], w.experts_gate_up[e], w.experts_down[e],  # noqa: B023
-                                         stat, take, first_expert + e, dweights=d_row_weights,
+                                         cfg.stat_dtype, take, first_expert + e, dweights=d_row_weights,
                                          d_gate_up=d_gate_up[e], d_down=d_down[e])
     del grads_rows, rows, row_weights
     # the weights' dispatch backward: each row's d w back to its token's rank (M values out, P in)

@@ -15,7 +15,7 @@ activations). Communication per rank (comm.py's count), S = B*T*h*e the bytes of
 """
 import math
 
-from ...planning.step_forms import head_inventory, layer_flops, layer_inventory, segments_peak, step_flops
+from ...planning.step_forms import head_inventory, layer_flops, layer_inventory, segments_peak, step_flops, total
 from ...planning.planner import Stage, plan_chain
 from ...recompute.policy import OP_LEVEL, as_policy
 from ...model.config import BYTES
@@ -50,21 +50,17 @@ def rank_layer_inventory(cfg, batch, seq, t=1, sp=False, unstored=frozenset()):
 def rank_head_inventory(cfg, batch, seq, t=1, sp=False, unstored=frozenset()):
     """What the head keeps on one rank: the final norm on its tokens, its logits' columns, the lse even unchunked."""
     head = split_inventory(head_inventory(cfg, batch, seq, unstored), t, sp)
-    if "lm_head.lse" not in head and "lm_head.lse" not in unstored:  # vocab.py: rebuilding it would cost two all-reduces
+    if "lm_head.lse" not in head and "lm_head.lse" not in unstored:  # vocab.py: a rebuild would cost two all-reduces
         stat = cfg.dtype_names[1]
         head["lm_head.lse"] = ((batch, seq), stat, batch * seq * BYTES[stat])
     return head
 
 
-def _total(inventory):
-    return sum(nbytes for _, _, nbytes in inventory.values())
-
-
 def rank_sizes(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
     """(X, Xc, A, F): a layer input, a stored checkpoint, a layer stored whole, the head, in bytes per rank."""
     layer = rank_layer_inventory(cfg, batch, seq, t, sp, unstored)
-    X, F = layer["input"][2], _total(rank_head_inventory(cfg, batch, seq, t, sp, unstored))
-    return X, (X // t if distribute_saved else X), _total(layer), F
+    X, F = layer["input"][2], total(rank_head_inventory(cfg, batch, seq, t, sp, unstored))
+    return X, (X // t if distribute_saved else X), total(layer), F
 
 
 def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
@@ -76,8 +72,8 @@ def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=
     variants, head_variants = {}, {}
     for mode, names in levels:
         rebuild = parts["scores"] // t if "attn.probs" in names and "attn.probs" in stored else 0
-        variants.setdefault((_total(rank_layer_inventory(cfg, batch, seq, t, sp, names)), rebuild), mode)
-        head_variants.setdefault(_total(rank_head_inventory(cfg, batch, seq, t, sp, names)), mode)
+        variants.setdefault((total(rank_layer_inventory(cfg, batch, seq, t, sp, names)), rebuild), mode)
+        head_variants.setdefault(total(rank_head_inventory(cfg, batch, seq, t, sp, names)), mode)
     X, Xc, _, _ = rank_sizes(cfg, batch, seq, t, sp, distribute_saved)
     inner = parts["scores"] // t if cfg.attention == "tiled" else 0
     layer = Stage(sum(parts.values()) // t, Xc, tuple((mode, a, r) for (a, r), mode in variants.items()),
@@ -147,4 +143,4 @@ def replicated_and_split(cfg, batch, seq, t=1, sp=False, unstored=frozenset()):
     split = {name for name, kind in SPLIT.items() if kind != "tokens"}  # by t whatever sp is: heads, columns
     inventory = rank_layer_inventory(cfg, batch, seq, t, sp, unstored)
     whole = sum(b for name, (_, _, b) in inventory.items() if name not in split and not sp)
-    return whole, _total(inventory) - whole
+    return whole, total(inventory) - whole

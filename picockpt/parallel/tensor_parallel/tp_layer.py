@@ -35,19 +35,15 @@ class TensorParallelHooks(WrappedHooks):
         return full_size_draws(self.comm, dim=1, dropout=self.dropout)
 
     def enter(self, xn):
-        # ENTER: all-gather the tokens (sp) | identity (its backward all-reduces)
         return gather_sequence_forward(xn, self.comm) if self.sp else copy_to_parallel_forward(xn, self.comm)
 
     def enter_backward(self, dxn):
-        # ENTER's backward: reduce-scatter the ranks' partial gradients (sp) | all-reduce them
         return gather_sequence_backward(dxn, self.comm) if self.sp else copy_to_parallel_backward(dxn, self.comm)
 
     def leave(self, y):
-        # LEAVE: reduce-scatter, each rank keeping its tokens of the sum (sp) | all-reduce (y is partial)
         return scatter_sequence_forward(y, self.comm) if self.sp else reduce_from_parallel_forward(y, self.comm)
 
     def leave_backward(self, dy):
-        # LEAVE's backward: all-gather the tokens' gradients (sp) | identity (dy is the same on every rank)
         return scatter_sequence_backward(dy, self.comm) if self.sp else reduce_from_parallel_backward(dy, self.comm)
 
     def regather(self, xn):

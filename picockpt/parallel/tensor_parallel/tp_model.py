@@ -14,8 +14,7 @@ from .vocab import embedding_backward_parallel, embedding_forward_parallel
 
 
 def apply_tensor_parallel(model, comm, sp=False, distribute_saved=False):
-    """Make a RankModel (picockpt/parallel/rank_model.py) a tensor-parallel rank's: its params are this rank's slices
-    (tp_shard.py); its layer crosses the t ranks of comm, its embedding and head are vocabulary-parallel."""
+    """Make a RankModel (picockpt/parallel/rank_model.py) a tensor-parallel rank's, its params this rank's slices."""
     model.layer_names = list(rank_layer_inventory(model.cfg, *model.input_ids.shape, comm.world_size, sp))
     model.hooks = TensorParallelHooks(comm, sp, model.cfg.dropout, model.hooks)
     model.vocab = VocabParallel(comm, sp)
