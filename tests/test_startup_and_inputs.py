@@ -56,6 +56,31 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
     assert len(err.strip().splitlines()) == 1, err
 
 
+CTRL_C_INSIDE_EXEC = """
+import runpy, sys
+import picockpt.cli.measure as measure
+
+def run(args):  # Ctrl-C lands while Python runs code given as a string (dataclasses and namedtuple make classes so)
+    exec("import os, signal, time\\nos.kill(os.getpid(), signal.SIGINT)\\ntime.sleep(30)")
+
+measure.run = run
+sys.argv = ["picockpt", "measure", "--device", "cpu"]
+runpy.run_module("picockpt", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_that_passed_through_an_exec_still_exits_130(tmp_path):
+    """CPython (since bpo-1054041) ends a `python -m` process by SIGINT when a KeyboardInterrupt ever left an exec or
+    eval of a string, even one that was caught: the command's one line and 130 must survive that."""
+    (tmp_path / "interrupted_in_exec").mkdir()
+    (tmp_path / "interrupted_in_exec" / "__main__.py").write_text(CTRL_C_INSIDE_EXEC)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    child = subprocess.run([sys.executable, "-m", "interrupted_in_exec"], capture_output=True, text=True, env=env,
+                           timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert child.returncode == 130, child.stderr
+    assert child.stderr.strip() == "interrupted: python -m picockpt measure stopped before it finished", child.stderr
+
+
 @pytest.mark.parametrize("text", ["1.5", "1.5B", "0.25e1"])
 def test_a_size_of_a_fraction_of_a_byte_is_refused_not_rounded(text):
     from picockpt.recompute.policy import parse_size

@@ -79,7 +79,7 @@ def main(argv=None):
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     if signal.getsignal(signal.SIGINT) is exit_while_starting:  # from here on Ctrl-C is a KeyboardInterrupt
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, interrupt)
     try:
         importlib.import_module("..device", __name__).check_torch()  # torch is loaded by now
         return module.run(args) or 0
@@ -100,6 +100,30 @@ def interrupted(name):
     """Ctrl-C: stop here, and say so; 130 = 128 + SIGINT, as shells report it."""
     print(f"interrupted: python -m picockpt {name} stopped before it finished", file=sys.stderr)
     return 130
+
+
+INTERRUPTED = []  # the Ctrl-Cs that reached the running command (interrupt)
+
+
+def interrupt(signum, frame):
+    """Ctrl-C while the command runs: Python's KeyboardInterrupt, remembered for leave()."""
+    INTERRUPTED.append(signum)
+    raise KeyboardInterrupt
+
+
+def leave(code):
+    """End `python -m picockpt` with `code`. After a Ctrl-C, at once, the streams flushed: CPython (since
+    bpo-1054041) ends a `python -m` process by SIGINT, whatever code it exits with, when a KeyboardInterrupt ever left
+    an exec or eval of a string (as dataclasses and namedtuple make their classes), even one the command caught and
+    answered with its one line and 130."""
+    if INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more to say there
+                pass
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def exit_while_starting(signum, frame):

@@ -107,23 +107,27 @@ def check_layout(dp, pp, tp, world_size=None, ep=1, cp=1):
 
 @dataclass
 class RankGroups:
-    """What one rank needs of a layout: its coordinates, the Comm of each group it is in (None for a group
-    of one: tensor-, expert-, data- and expert-data-parallel), and its pipeline neighbours' global ranks."""
+    """What one rank needs of a layout: its coordinates (from its rank), the Comm of each group it is in (None for a
+    group of one: tensor-, expert-, data- and expert-data-parallel), and its pipeline neighbours' global ranks."""
     layout: Layout
     rank: int
-    stage: int
-    dp_rank: int
-    ep_rank: int
-    cp_rank: int
-    tp_rank: int
     device: object = None  # the rank's torch.device
     tp_comm: Comm = None
     cp_comm: Comm = None
     ep_comm: Comm = None
     dp_comm: Comm = None         # every weight but the experts': over dp x ep x cp ranks
     expert_dp_comm: Comm = None  # the experts': over the dp x cp ranks that hold the same ones (ep > 1 only)
-    previous: int = None  # the global rank of the previous stage (same dp, ep, cp and tp rank), or None
-    next: int = None
+
+    def __post_init__(self):
+        self.stage, self.dp_rank, self.ep_rank, self.cp_rank, self.tp_rank = self.layout.coordinates(self.rank)
+
+    def neighbour(self, step, ring=False):
+        """The global rank of the stage `step` stages on, with the same dp, ep, cp and tp ranks: None past either end,
+        or round a ring (stage mod pp: interleaving's last chunk sends to the first stage's next chunk)."""
+        stage = self.stage + step
+        if not ring and not 0 <= stage < self.layout.pp:
+            return None
+        return self.layout.rank_of(stage % self.layout.pp, self.dp_rank, self.tp_rank, self.ep_rank, self.cp_rank)
 
 
 def build_groups(layout, rank, device, process_groups=None, timeout=None):
@@ -135,10 +139,7 @@ def build_groups(layout, rank, device, process_groups=None, timeout=None):
         process_groups[grid] = {kind: {key: dist.new_group(ranks, timeout=timeout) for key, ranks in groups.items()}
                                 for kind, groups in grid.groups().items()}
     group_of = process_groups[grid]
-    stage, d, e, c, t = layout.coordinates(rank)
-    groups = RankGroups(layout, rank, stage, d, e, c, t, torch.device(device),
-                        previous=layout.rank_of(stage - 1, d, t, e, c) if stage > 0 else None,
-                        next=layout.rank_of(stage + 1, d, t, e, c) if stage < layout.pp - 1 else None)
+    groups = RankGroups(layout, rank, torch.device(device))
     for kind, key in layout.group_keys(rank).items():
         if key in group_of[kind]:
             setattr(groups, f"{kind}_comm", Comm(group_of[kind][key], device, timeout=timeout))

@@ -126,7 +126,7 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
     say = trace_lines(f"rank {groups.rank}" + (f" stage {groups.stage}" if layout.pp > 1 else ""), trace)
     measured = Measurement(job, groups, stage_forms)  # measurement.py: what the step measures, and its report
     with measured.step() as (tracker, timeline, memory), torch.no_grad():
-        pipe = Pipe(*neighbours(groups, layout.pp, layout.virtual_stages), device, timeline, tracker)
+        pipe = Pipe(*neighbours(groups, layout.virtual_stages), device, timeline, tracker)
         if shards is not None:
             shards.begin(tracker)
         data = shards or replicated(cfg, params, stage_forms, groups, layout.overlap, timeline, tracker)  # dp / ZeRO

@@ -134,13 +134,10 @@ def receive_rng_state(pipe, like):
     return post_receive(pipe, pipe.previous, like.shape, like.dtype, kind="rng_state").wait().cpu()  # (n,) uint8
 
 
-def neighbours(groups, pp, virtual=1):
+def neighbours(groups, virtual=1):
     """(previous, next): the global ranks of this rank's pipeline neighbours (layout.py's RankGroups); interleaved,
     round a ring (chunk c of the last stage sends to chunk c + 1 of the first), else None at either end."""
-    if virtual == 1:
-        return groups.previous, groups.next
-    return tuple(groups.layout.rank_of(stage % pp, groups.dp_rank, groups.tp_rank, groups.ep_rank, groups.cp_rank)
-                 for stage in (groups.stage - 1, groups.stage + 1))  # the same dp, tp, ep and cp ranks, stage mod pp
+    return groups.neighbour(-1, ring=virtual > 1), groups.neighbour(1, ring=virtual > 1)
 
 
 def receives(action, cfg, rng_like, shape):
