@@ -66,9 +66,8 @@ class Layout:
 
     def coordinates(self, rank):
         """(stage, dp rank, ep rank, cp rank, tp rank) of a global rank."""
-        tp, cp, ep, dp = self.tp, self.cp, self.ep, self.dp
-        return rank // (dp * ep * cp * tp), rank // (ep * cp * tp) % dp, rank // (cp * tp) % ep, rank // tp % cp, \
-            rank % tp
+        t, c, e, d = self.tp, self.cp, self.ep, self.dp
+        return rank // (d * e * c * t), rank // (e * c * t) % d, rank // (c * t) % e, rank // t % c, rank % t
 
     def group_keys(self, rank):
         """{kind: key} of a global rank's groups, each key the coordinates its group's ranks share; the experts' own
@@ -139,8 +138,6 @@ def build_groups(layout, rank, device, process_groups=None, timeout=None):
         process_groups[grid] = {kind: {key: dist.new_group(ranks, timeout=timeout) for key, ranks in groups.items()}
                                 for kind, groups in grid.groups().items()}
     group_of = process_groups[grid]
-    groups = RankGroups(layout, rank, torch.device(device))
-    for kind, key in layout.group_keys(rank).items():
-        if key in group_of[kind]:
-            setattr(groups, f"{kind}_comm", Comm(group_of[kind][key], device, timeout=timeout))
-    return groups
+    comms = {f"{kind}_comm": Comm(group_of[kind][key], device, timeout=timeout)
+             for kind, key in layout.group_keys(rank).items() if key in group_of[kind]}
+    return RankGroups(layout, rank, torch.device(device), **comms)

@@ -65,13 +65,11 @@ def rank_step(comm, job, process_groups, trace=False, index=0):
     params = {name: tensor.to(comm.device) for name, tensor in rank_tensors(
         job.params, job.cfg, stage_forms, job.layout.tp, groups.tp_rank, job.layout.ep, groups.ep_rank).items()}
     shards = zero_shards(job, stage_forms, groups, params) if job.layout.zero else None
-    generator = device_generator(comm.device)
-    generator.set_state(job.rng_state)
-    batches = job.batches or [(job.input_ids, job.targets)] * max(job.steps, 1)
+    device_generator(comm.device).set_state(job.rng_state)
     losses, seconds, rng_start = [], [], job.rng_state
-    for input_ids, targets in batches:
-        loss, rng_end, report = rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, rng_start,
-                                              trace)
+    for input_ids, targets in job.batches or [(job.input_ids, job.targets)] * max(job.steps, 1):
+        loss, rng_end, report, data = rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets,
+                                                    rng_start, trace)
         losses.append(loss.cpu() if stage_forms.last else None)
         seconds.append(report["timeline_seconds"]["total"])
         if comm.progress is not None:  # the step is done here: say so now, not when every step is
@@ -79,21 +77,16 @@ def rank_step(comm, job, process_groups, trace=False, index=0):
         if job.cfg.draws_random:  # the next step draws on from where this one leaves the generator (pp = 1)
             rng_start = rng_end
     first = groups.dp_rank == groups.cp_rank == 0  # the replicas all hold the same, reduced gradients
-    if shards is None:
-        grads, trained = report.pop("grads"), None
-    else:  # each rank's whole tensors from its group's shards, for the caller's check (after the measured step)
-        grads = shards.whole_tensors(grads=True)
-        trained = shards.whole_tensors() if job.steps or job.batches else None
+    grads = data.grads() if shards is None else shards.whole_tensors(grads=True)  # ZeRO's gathered, unmeasured
+    trained = shards.whole_tensors() if shards is not None and (job.steps or job.batches) else None
     report["seconds_per_step"] = seconds  # this rank's, step by step (the report is the last step's)
-    rng_state = rng_start if job.cfg.draws_random else job.rng_state
     cpu = (lambda tensors: {name: t.cpu() for name, t in tensors.items()} if first and tensors is not None else None)
     return {"loss": losses[-1], "losses": losses, "grads": cpu(grads), "params": cpu(trained), "report": report,
-            "rng_state": rng_state.cpu() if stage_forms.last and rng_state is not None else None}
+            "rng_state": rng_start.cpu() if stage_forms.last and rng_start is not None else None}
 
 
 def rank_tensors(params, cfg, stage_forms, tp=1, tp_rank=0, ep=1, ep_rank=0):
-    """{name: tensor} a rank holds of its stage (of the full `params`): its tensor-parallel slices, of them its
-    experts (report_forms.py: on meta tensors, their shapes)."""
+    """{name: tensor} of the full `params` a rank holds, as the module docstring says (report_forms.py: shapes)."""
     names = stage_param_names(cfg, stage_forms.layers, stage_forms.first, stage_forms.last)
     held = {name: params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
     if tp > 1:
@@ -104,19 +97,18 @@ def rank_tensors(params, cfg, stage_forms, tp=1, tp_rank=0, ep=1, ep_rank=0):
 
 
 def zero_shards(job, stage_forms, groups, params):
-    """ZeRO's state of this rank's stage (data_parallel/zero_shards.py): every weight but the experts' sharded over
-    the data-parallel group (dp x ep x cp), the experts' over theirs, in the order of its stage's uses."""
+    """ZeRO's state of this rank's stage (data_parallel/zero_shards.py), sharded over its data-parallel groups
+    (layout.py), in the order of its stage's uses."""
     layout = job.layout
-    order = actions(layout.schedule, layout.pp, layout.microbatches, groups.stage)
-    uses = stage_uses(order, stage_forms.layers, stage_forms.first, stage_forms.last, stage_forms.local_schedule) \
-        if layout.zero == 3 else None
+    uses = stage_uses(actions(layout.schedule, layout.pp, layout.microbatches, groups.stage), stage_forms.layers,
+                      stage_forms.first, stage_forms.last, stage_forms.local_schedule) if layout.zero == 3 else None
     return ZeroShards(params, job.cfg, layout, stage_forms, {False: groups.dp_comm, True: groups.expert_dp_comm}, uses,
                       job.lr, job.weight_decay)
 
 
 def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, rng_start, trace=False):
     """One forward and backward of the stage's micro-batches (and under ZeRO with steps, AdamW on the shards):
-    (loss share, the generator where the step leaves it, the report): the composition, read top to bottom."""
+    (loss share, where it leaves the generator, the report, the gradients' holder: dp's wrap or ZeRO's shards)."""
     layout, cfg, device, T = job.layout, job.cfg, groups.device, input_ids.shape[1]
     input_ids, targets = input_ids.to(device), targets.to(device)
     counted = int((targets != IGNORE_INDEX).sum())  # N: the whole batch's counted targets
@@ -147,16 +139,12 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
         timeline.finish()
         rng_end = chunks[-1].rng_end  # the generator where the single process's step leaves it (last stage)
         del chunks
-    report = measured.report(pipe, data, sequence_split, shards, state)
-    if shards is None:
-        report["grads"] = data.grads()
-    return loss, rng_end, report
+    return loss, rng_end, measured.report(pipe, data, sequence_split, shards, state), data
 
 
 def microbatch_rows(job, groups, rows_per_microbatch, input_ids, targets):
     """rows(m): micro-batch m of this replica, block d*M + m of B / (dp M) rows, this ep rank's part of it."""
-    layout = job.layout
-    M, b = layout.microbatches, rows_per_microbatch // layout.ep
+    M, b = job.layout.microbatches, rows_per_microbatch // job.layout.ep
 
     def rows(m):
         start = (groups.dp_rank * M + m) * rows_per_microbatch + groups.ep_rank * b

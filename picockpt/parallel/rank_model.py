@@ -15,9 +15,8 @@ from ..model.layer import ONE_PROCESS, layer_backward, layer_forward
 
 
 class WrappedHooks:
-    """A parallelism's hooks over the ones it is given (inner): it defines the points it owns (layer.py's
-    LayerHooks names them), every other is inner's; at(store, k) tells each one which layer runs next and the
-    step's store (before its forward and its backward), for what a hook keeps whatever the layer's mode."""
+    """A parallelism's hooks over inner's (module docstring); at(store, k) tells each one which layer runs next and
+    the step's store (before its forward and its backward), for what a hook keeps whatever the layer's mode."""
 
     def __init__(self, inner=ONE_PROCESS):
         self.inner = inner
@@ -36,9 +35,8 @@ class RankModel(Model):
 
     def __init__(self, params, cfg, input_ids, targets):
         super().__init__(params, cfg, input_ids, targets)
-        self.hooks, self.vocab, self.checkpoints, self.positions = WrappedHooks(), None, None, None
+        self.hooks, self.vocab, self.checkpoints, self.positions, self.store = WrappedHooks(), None, None, None, None
         self.unstored = lambda unstored: unstored
-        self.store = None
 
     @property
     def rope(self):
@@ -60,17 +58,16 @@ class RankModel(Model):
     def head_backward(self, store):
         return head_backward(self.weights, self.cfg, self.targets, store, self.hooks)  # dx, {name: grad}
 
-    def keep_input(self, store, k, x, whole):
-        if self.checkpoints:
-            return self.checkpoints.keep_input(store, k, x, whole)
-        return super().keep_input(store, k, x, whole)
+    def keep_input(self, store, k, x, whole):  # tp's distribute_saved checkpoints, else the one process's
+        return (self.checkpoints or super()).keep_input(store, k, x, whole)
 
     def load_input(self, store, k, whole):
-        return self.checkpoints.load_input(store, k, whole) if self.checkpoints else super().load_input(store, k, whole)
+        return (self.checkpoints or super()).load_input(store, k, whole)
 
     def layer_forward(self, k, x, store, unstored, tail):
         self.hooks.at(self.store, k)
-        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, self.unstored(unstored), tail, self.hooks)
+        return layer_forward(x, self.weights_of[k], self.cfg, self.rope, store, k, self.unstored(unstored), tail,
+                             self.hooks)
 
     def layer_backward(self, k, dx, store):
         self.hooks.at(self.store, k)

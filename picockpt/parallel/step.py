@@ -44,10 +44,9 @@ def run_jobs(jobs, world_size=None, device="cpu", timeout_s=120, port=None, star
 
 def run_collected(jobs, world_size=None, device="cpu", timeout_s=120, port=None, start_method="spawn", trace=False,
                   progress=None):
-    """run_jobs' launch, each job's results as {"loss", "grads", "reports", "losses" (every step's loss, a
-    float each), "params" (after a ZeRO job's optimizer steps, else None), "rng_state" (where the job leaves the
-    generator: the single process's after the same steps)}. progress(rank, (job index, step, loss share, seconds)):
-    called here as each rank ends each step (spawned ranks; rank.py's rank_step says what it sends)."""
+    """run_jobs' launch, each job's results as {"loss", "grads", "reports", "losses" (every step's loss, a float
+    each), "params" (after a ZeRO job's optimizer steps, else None), "rng_state" (where it leaves the generator: the
+    single process's after the same steps)}; progress(rank, rank_step's payload) as a spawned rank ends each step."""
     if not jobs:
         raise ValueError("jobs=[]: give at least one ParallelJob")
     check_timeout(timeout_s)
@@ -62,22 +61,18 @@ def run_collected(jobs, world_size=None, device="cpu", timeout_s=120, port=None,
     results = run_ranks(rank_steps, None if under_torchrun() else world_size, sent, trace, device=device,
                         timeout_s=timeout_s, port=port, start_method=start_method, progress=progress)
     out, state = [], jobs[-1].rng_state
-    for index, (job, routing) in enumerate(zip(jobs, routings)):
-        per_rank = [rank_results[index] for rank_results in results]
+    for job, routing, per_rank in zip(jobs, routings, zip(*results)):  # per_rank: each rank's results of the job
         last = [r for r in per_rank if r["report"]["stage"] == job.layout.pp - 1 and r["report"]["tp_rank"] == 0]
         loss = sum((r["loss"] for r in last[1:]), last[0]["loss"])  # the dp, ep and cp ranks' shares of the mean
         losses = [sum(r["losses"][step] for r in last).item() for step in range(len(last[0]["losses"]))]
-        where = job.params[EMBED].device
         reports = [dict(r["report"], **predicted(job, r["report"], routing)) for r in per_rank]
         start = min(r["timeline_start"] for r in reports)  # the step: the first rank's start to the last one's end
         step = max(r["timeline_start"] + r["timeline_seconds"]["total"] for r in reports) - start
         for r in reports:  # a rank's bubble counts the whole step: a stage done early idles until the others are
             r["step_seconds"], r["bubble"] = step, 1.0 - r["computing_seconds"] / step if step > 0 else 0.0
-        home = lambda tensors: {name: t.to(job.params[name].dtype).to(where) for name, t in tensors.items()}  # noqa
-        trained = home(_gathered(job, per_rank, "params")) if per_rank[0]["params"] is not None else None
         state = last[0]["rng_state"] if last[0]["rng_state"] is not None else job.rng_state
-        out.append({"loss": loss.to(where), "grads": home(_gathered(job, per_rank)), "reports": reports,
-                    "losses": losses, "params": trained, "rng_state": state})
+        out.append({"loss": loss.to(job.params[EMBED].device), "grads": _gathered(job, per_rank), "reports": reports,
+                    "losses": losses, "params": _gathered(job, per_rank, "params"), "rng_state": state})
     generator.set_state(state)  # where a single process's steps would leave it
     return out
 
@@ -94,10 +89,11 @@ def _routing(job, generator):
 
 
 def _gathered(job, per_rank, key="grads"):
-    """The full gradients (or key="params": parameters): each stage's from its dp and cp rank 0, tensor- or
-    expert-parallel parts put together."""
-    layout = job.layout
-    cfg, grads, head_copy = job.cfg, {}, None
+    """The full gradients (or key="params": parameters, None when the ranks sent none): each stage's from its dp and
+    cp rank 0, tensor- or expert-parallel parts put together, in the dtype and on the device of job.params."""
+    if per_rank[0][key] is None:
+        return None
+    layout, cfg, grads = job.layout, job.cfg, {}
     for stage in range(layout.pp):
         layers = [k for chunk in rank_layers(cfg.layers, layout.pp, stage, layout.virtual_stages) for k in chunk]
         names = stage_param_names(cfg, layers, stage == 0, stage == layout.pp - 1)
@@ -106,10 +102,8 @@ def _gathered(job, per_rank, key="grads"):
         by_ep = [[g for (_, e), g in ranks if e == ep_rank] for ep_rank in range(layout.ep)]  # each in tp rank order
         slices = [gather_grads(parts, dict.fromkeys(names)) if layout.tp > 1 else parts[0] for parts in by_ep]
         whole = gather_expert_grads(slices, dict.fromkeys(names)) if layout.ep > 1 else slices[0]
-        if cfg.tie_embeddings and stage == layout.pp - 1:
-            head_copy = whole.pop(HEAD)
+        if cfg.tie_embeddings and stage == layout.pp - 1:  # one matrix read twice: the sum of both uses' gradients
+            whole[EMBED] = whole[HEAD] = whole.get(EMBED, grads.get(EMBED)) + whole[HEAD]  # as the engine adds them
         grads.update(whole)
-    if cfg.tie_embeddings:  # one matrix read twice: its gradient is the sum of both uses (as the engine adds them)
-        grads[EMBED] = grads[EMBED] + head_copy
-        grads[HEAD] = grads[EMBED]
-    return {name: grads[name] for name in job.params if name in grads}
+    home = job.params[EMBED].device
+    return {name: grads[name].to(job.params[name].dtype).to(home) for name in job.params if name in grads}

@@ -39,8 +39,7 @@ class Timeline:
         self.start = self.end = None
         if self.cuda:  # once: the stream is idle, so the origin event is timed as the host's zero
             torch.cuda.current_stream(self.device).synchronize()
-            self._origin = torch.cuda.Event(enable_timing=True)
-            self._origin.record(torch.cuda.current_stream(self.device))
+            self._origin = self.mark()
         self._host_origin = time.monotonic()
 
     def mark(self, stream=None):
@@ -64,10 +63,9 @@ class Timeline:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             self.start, self.end = self.seconds(self.start), self.seconds(self.end)
-            timed = [(kind, m, self.seconds(start), self.seconds(end)) for kind, m, start, end in self.segments]
-            self.segments = [segment for segment in timed if segment[3] > segment[2]]
-            self.moved = [(kind, outer, self.seconds(start), self.seconds(end))
-                          for kind, outer, start, end in self.moved]
+            self.segments, self.moved = ([(kind, what, self.seconds(start), self.seconds(end))
+                                          for kind, what, start, end in spans] for spans in (self.segments, self.moved))
+            self.segments = [segment for segment in self.segments if segment[3] > segment[2]]  # empty ones go now
 
     @contextlib.contextmanager
     def span(self, kind, microbatch=None):
@@ -96,9 +94,8 @@ class Timeline:
             self._stack[-1][2] = now  # the outer span resumes
 
     def move(self, kind, since, segments):
-        """A phase that ran from `since` to now inside the innermost open span, without a span of its own: its seconds
-        are `kind`'s, taken from that span's (segments: len(self.segments) at `since`; a span closed in between
-        booked its own time, and nothing moves)."""
+        """A phase run from `since` to now inside the innermost span, with none of its own (module docstring);
+        segments: len(self.segments) at `since` (a span closed in between booked its own time: nothing moves)."""
         if self._stack and len(self.segments) == segments and self._stack[-1][0] != kind:
             self.moved.append((kind, self._stack[-1][0], since, self.mark()))
 

@@ -39,9 +39,8 @@ def zero_train(params, cfg, batches, policy="none", layout=Layout(dp=2, zero=1),
                          f"(batch, seq) pair per step")
     job = ParallelJob(params, cfg, *batches[0], policy, layout, batches=list(batches), lr=float(lr),
                       weight_decay=float(weight_decay), rng_state=rng_state)
-    where = resolve_device(device)
     progress = None if on_step is None else StepsAsTheyEnd(job.world_size, on_step)
-    out = run_collected([job], None, where.type, progress=progress, **launch)[0]
+    out = run_collected([job], None, resolve_device(device).type, progress=progress, **launch)[0]
     return out["losses"], out["params"], out["reports"]
 
 
