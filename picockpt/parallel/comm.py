@@ -12,6 +12,8 @@ from the others (context parallelism's K/V, counted as its ring's). Calls that m
 call is booked under the `phase_name` of `comm.tracker` (a Tracker), "outside" without one. An all-reduce is in
 place on its contiguous argument, as in torch.distributed.
 """
+import collections
+
 import torch
 import torch.distributed as dist
 
@@ -26,17 +28,14 @@ class CommLog:
     kind unless one is named."""
 
     def __init__(self):
-        self.bytes = {}   # phase -> {kind -> bytes}
-        self.calls = {}   # phase -> {kind -> number of calls}
-        self.sent = {}    # phase -> bytes an all-to-all sent to other ranks (its buffer less the rows kept here)
+        self.bytes = collections.defaultdict(collections.Counter)  # phase -> {kind -> bytes}
+        self.calls = collections.defaultdict(collections.Counter)  # phase -> {kind -> number of calls}
+        self.sent = collections.Counter()  # phase -> an all-to-all's bytes to other ranks (its buffer less rows kept)
 
-    def record(self, phase, kind, nbytes):
-        for table, amount in ((self.bytes, nbytes), (self.calls, 1)):
-            per_kind = table.setdefault(phase, {})
-            per_kind[kind] = per_kind.get(kind, 0) + amount
-
-    def record_sent(self, phase, nbytes):
-        self.sent[phase] = self.sent.get(phase, 0) + nbytes
+    def record(self, phase, kind, nbytes, sent=0):  # sent: an all-to-all's bytes to other ranks
+        self.bytes[phase][kind] += nbytes
+        self.calls[phase][kind] += 1
+        self.sent[phase] += sent
 
     def total(self, phase=None, kind=None):  # bytes
         return _sum(self.bytes, phase, kind)
@@ -60,8 +59,7 @@ def _sum(table, phase, kind):
 class Comm:
     """One process group as this rank sees it: its rank, size, the device of its tensors, the log of what its
     collectives moved, and the timeout its job runs under. group=None is every rank (torch's default group).
-    progress: on the Comm a spawned rank's fn gets, when its run_ranks was given progress= (launch.py), a function
-    that sends a small picklable payload to the launching process at once (as each training step ends); else None."""
+    progress: comm.progress(payload) of launch.py's run_ranks (given progress=), or None."""
 
     def __init__(self, group=None, device="cpu", tracker=None, timeout=None, progress=None):
         self.group = group if group is not None else dist.group.WORLD
@@ -101,8 +99,7 @@ def all_gather(x, comm, dim, received=False):
     dim = check_dim(x, dim)
     if comm.world_size == 1:  # the one shard is the whole
         return x
-    shard = x.contiguous()  # (..., n, ...) a copy only if x is a strided view: the collective sends a flat buffer
-    W = comm.world_size
+    shard, W = x.contiguous(), comm.world_size  # (..., n, ...) copied only if a strided view: sent as a flat buffer
     flat = x.new_empty((W * shard.shape[0],) + tuple(shard.shape[1:]))  # (W*d0, ...)
     all_gather_flat(flat, shard, group=comm.group)  # the shards one after another, along dim 0
     comm.log.record(comm.phase, "all_gather", flat.nbytes - shard.nbytes if received else flat.nbytes)
@@ -136,9 +133,8 @@ def all_to_all(x, comm, send_splits, receive_splits):
     received = x.new_empty((sum(receive_splits),) + tuple(x.shape[1:]))  # (N_receive, ...)
     dist.all_to_all_single(received, rows, output_split_sizes=list(receive_splits),
                            input_split_sizes=list(send_splits), group=comm.group)  # rows for rank s -> rank s
-    comm.log.record(comm.phase, "all_to_all", rows.nbytes)  # the buffer, this rank's own rows included
     own = send_splits[comm.rank] * rows[:1].nbytes if rows.shape[0] else 0  # the rows it sends itself
-    comm.log.record_sent(comm.phase, rows.nbytes - own)  # what leaves the rank
+    comm.log.record(comm.phase, "all_to_all", rows.nbytes, sent=rows.nbytes - own)  # the buffer; what leaves
     return received
 
 

@@ -13,6 +13,7 @@ rank runs one thread, sees this process's environment variables and gets its own
 progress payloads come down the same pipe as its result, as they are sent. The first rank to fail or die ends the
 run (watch.py); no process outlives run_ranks, KeyboardInterrupt and SIGTERM (watch.Terminated) included.
 """
+import contextlib
 import os
 import pickle
 import socket
@@ -38,9 +39,8 @@ JOIN_S = 60.0  # the rendezvous: ranks start seconds apart (each imports torch),
 
 def ranks_generator(device):
     """The caller's generator whose state its ranks start from: its CPU one, or its current GPU's (not GPU 0's)."""
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        return device_generator(torch.device("cuda", torch.cuda.current_device()))
-    return device_generator(torch.device("cpu"))
+    on_gpu = str(device).startswith("cuda") and torch.cuda.is_available()
+    return device_generator(torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
 
 
 def under_torchrun():
@@ -79,10 +79,6 @@ def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, p
     only: port (127.0.0.1's; None: a free one), start_method, progress (above)."""
     if not callable(fn):
         raise ValueError(f"fn={fn!r}: give a function fn(comm, *args, **kwargs)")
-    if world_size is None and not under_torchrun():
-        raise ValueError("world_size=None: give the number of ranks to spawn (None only under torchrun)")
-    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
-        raise ValueError(f"world_size={world_size!r}: use a whole number of ranks, 1 or more")
     check_timeout(timeout_s)
     try:
         device_type = torch.device(device).type
@@ -99,12 +95,17 @@ def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, p
     if backend == "nccl" and device_type != "cuda":
         raise ValueError(f"backend='nccl' with device={device!r}: NCCL moves CUDA tensors only; "
                          f"use device='cuda', or backend='gloo' for the CPU")
+    if world_size is not None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r}: use a whole number of ranks, 1 or more")
+        check_rank_count("world_size", world_size, device_type)  # torchrun's WORLD_SIZE; spawned CUDA: a GPU each
+    elif not under_torchrun():
+        raise ValueError("world_size=None: give the number of ranks to spawn (None only under torchrun)")
     if under_torchrun():
         if port is not None:
             raise ValueError(f"port={port}: under torchrun the rendezvous is MASTER_ADDR:MASTER_PORT "
                              f"({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}); leave port out")
-        return _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s)
-    check_rank_count("world_size", world_size, device_type)  # spawned CUDA ranks: one GPU each
+        return _run_here(fn, args, kwargs, backend, device_type, timeout_s)
     methods = [method for method in ("spawn", "forkserver") if method in mp.get_all_start_methods()]
     if start_method not in methods:
         raise ValueError(f"start_method={start_method!r}: use one of {methods}")
@@ -113,17 +114,14 @@ def run_ranks(fn, world_size, *args, backend=None, device="cpu", timeout_s=60, p
 
 
 # -- torchrun: this process is one rank ---------------------------------------------------------
-def _run_here(fn, world_size, args, kwargs, backend, device_type, timeout_s):
-    size = int(os.environ["WORLD_SIZE"])
-    if world_size is not None and world_size != size:
-        raise ValueError(f"world_size={world_size}: torchrun started WORLD_SIZE={size} ranks; pass {size} or None")
+def _run_here(fn, args, kwargs, backend, device_type, timeout_s):
     device, bound = _rank_device(device_type, int(os.environ["LOCAL_RANK"]))
     owns_group = not dist.is_initialized()  # a second run_ranks in the same job reuses the group
     if owns_group:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **bound)  # env:// rendezvous
     try:
         result = fn(Comm(device=device, timeout=timedelta(seconds=timeout_s)), *args, **kwargs)
-        results = [None] * size
+        results = [None] * int(os.environ["WORLD_SIZE"])
         dist.all_gather_object(results, result)  # every rank gets every rank's result
     finally:
         if owns_group:
@@ -151,12 +149,11 @@ def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, 
                          f"and pass picklable arguments") from error
     store = _serve_rendezvous(port, world_size, timeout_s)  # bound here, before any rank starts
     context = mp.get_context(start_method)
-    parent = os.getpid()
+    parent = None if start_method == "forkserver" else os.getpid()  # forkserver: the ranks' parent is its helper
     if start_method == "forkserver":
         context.set_forkserver_preload([__name__])  # torch and this module, imported once by the helper
-        parent = None  # the ranks' parent is the helper, not this process
     started = context.Array("b", world_size, lock=False)  # rank r sets started[r] once it runs picockpt's code
-    ranks, pipes, outboxes, finished = [], [], [], False
+    ranks, pipes, outboxes, results = [], [], [], None
     try:
         for rank in range(world_size):
             reader, writer = context.Pipe(duplex=False)  # the rank's progress, then its result or error
@@ -172,16 +169,13 @@ def _spawn(fn, world_size, args, kwargs, backend, device_type, timeout_s, port, 
             pipes.append(reader)
             outboxes.append(outbox)
         for outbox in outboxes:  # each rank reads its payload first thing; a rank that died never will
-            try:
+            with contextlib.suppress(OSError):  # BrokenPipeError: the rank is gone; collect() says how and why
                 outbox.send_bytes(payload)
-            except OSError:  # BrokenPipeError: the rank is gone; collect() says how and why
-                pass
             outbox.close()
         results = collect(ranks, pipes, started, progress, timeout_s)
-        finished = True
         return results
     finally:  # whatever happened (a failure, KeyboardInterrupt): no rank outlives this call
-        stop(ranks, grace_s=STOP_GRACE_S if finished else 0.0)
+        stop(ranks, grace_s=STOP_GRACE_S if results is not None else 0.0)
         for connection in pipes + outboxes:
             connection.close()
         del store  # closes the rendezvous port
@@ -191,16 +185,13 @@ def _serve_rendezvous(port, world_size, timeout_s):
     """A TCPStore served here on 127.0.0.1 only (bound by itself it would listen on every address: it gets a socket)."""
     if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
         raise ValueError(f"port={port!r}: use a TCP port number 1..65535, or leave port out for a free one")
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.bind((LOCALHOST, port or 0))  # port 0: the kernel picks a free one
-        listener.listen(max(world_size, 8))
-    except OSError as error:
-        listener.close()
-        raise ValueError(f"port={port}: cannot listen on {LOCALHOST}:{port} ({error.strerror}); another process holds "
-                         f"it. Leave port out (on the command line: no --port) and a free one is picked") from None
-    chosen = listener.getsockname()[1]
-    return dist.TCPStore(LOCALHOST, chosen, world_size, is_master=True,
+    try:  # port 0: the kernel picks a free one
+        listener = socket.create_server((LOCALHOST, port or 0), backlog=max(world_size, 8))
+    except OSError as error:  # its words name the address: the system's alone say why
+        raise ValueError(f"port={port}: cannot listen on {LOCALHOST}:{port} ({os.strerror(error.errno)}); another "
+                         f"process holds it. Leave port out (on the command line: no --port) and a free one is "
+                         f"picked") from None
+    return dist.TCPStore(LOCALHOST, listener.getsockname()[1], world_size, is_master=True,
                          timeout=timedelta(seconds=max(timeout_s, JOIN_S)),
                          wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True)
 
@@ -212,7 +203,6 @@ def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox
     started[rank] = 1  # past Python's bootstrap (which re-imports the caller's script): picockpt's code runs
     _die_with_parent(parent_pid)
     torch.set_num_threads(1)  # ranks share the machine's cores: one thread each, no oversubscription
-    joined = False
     try:
         fn, args, kwargs, environment = pickle.loads(inbox.recv_bytes())  # pickled by the parent
         inbox.close()
@@ -227,7 +217,6 @@ def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox
         store.wait([f"joined/{r}" for r in range(world_size)])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s), **bound)
-        joined = True
         dist.barrier()  # gloo's full-mesh connect can finish on one rank before another: a rank that
         #                 left (returned, failed) that early would break its peers' connect
         progress = (lambda payload: pipe.send_bytes(pickle.dumps(("progress", payload)))) if reports_progress else None
@@ -236,12 +225,10 @@ def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox
     except BaseException as error:  # noqa: BLE001 -- every failure, KeyboardInterrupt too, goes back
         message = pickle.dumps(("error", time.monotonic(), type(error).__name__, str(error),
                                 traceback.format_exc(), isinstance(error, ValueError)))
-    try:
+    with contextlib.suppress(OSError):  # the caller has stopped listening (another rank failed first): nothing to tell
         pipe.send_bytes(message)  # sent before leaving the group, so this rank's error is the first one
         pipe.close()
-    except OSError:  # the caller has stopped listening (another rank failed first): nothing to tell
-        pass
-    if joined:
+    if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -4,8 +4,7 @@ turn by job.py's checked_job): a ValueError naming the user's parameters and wha
 
 def given(job, *names):
     """'ep=2, cp=2': those of the layout's names whose value is not the default (0 or 1), as the caller gave them."""
-    layout = job.layout
-    return ", ".join(f"{name}={getattr(layout, name)}" for name in names if getattr(layout, name) not in (0, 1))
+    return ", ".join(f"{name}={getattr(job.layout, name)}" for name in names if getattr(job.layout, name) not in (0, 1))
 
 
 def not_yet(what, why, works):
@@ -14,8 +13,7 @@ def not_yet(what, why, works):
 
 
 def refuse_tiled_dropout(cfg, split, shape, relation, instead, part="rank", eager=""):
-    """Tiled attention with dropout under a split of the batch, heads or shards: each tile's mask comes from a
-    generator seeded by the tile's index at the split's shape, so no part's masks are the single process's.
+    """Refuses tiled attention with dropout under a split of the batch, heads or shards (the message says why).
     split: 'tp=2'; shape: at what shape a tile's seed is drawn; relation: what the masks fail to be."""
     if cfg.attention == "tiled" and cfg.dropout > 0:
         raise ValueError(f"attention='tiled' with dropout={cfg.dropout} and {split}: each tile's mask comes from a "

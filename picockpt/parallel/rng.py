@@ -45,8 +45,7 @@ class FullSizeDraws(TorchFunctionMode):
         self.part, self.dim = part, dim
 
     def whole_then_mine(self, shape, draw):
-        shape = list(shape)
-        size = shape[self.dim]
+        shape, size = list(shape), shape[self.dim]
         shape[self.dim] = size * self.part.world_size  # the single process's shape
         whole = draw(tuple(shape))  # the whole draw, from the shared generator state
         return whole.narrow(self.dim, self.part.rank * size, size)  # this rank's slice, a view
@@ -66,8 +65,6 @@ class FullSizeDraws(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
 def full_size_draws(part, dim, dropout=1.0):
-    """FullSizeDraws(part, dim) around the block (part: a Comm or a Part); a no-op on one rank or at dropout 0."""
-    with FullSizeDraws(part, dim) if part.world_size != 1 and dropout != 0 else contextlib.nullcontext():
-        yield
+    """FullSizeDraws(part, dim) to put around a block (part: a Comm or a Part); a no-op on one rank or at dropout 0."""
+    return FullSizeDraws(part, dim) if part.world_size != 1 and dropout != 0 else contextlib.nullcontext()

@@ -37,59 +37,52 @@ class Terminated(BaseException):
 
 @contextlib.contextmanager
 def sigterm_raises():
-    """Within: SIGTERM raises Terminated in the main thread, as SIGINT raises KeyboardInterrupt, once (a second
-    SIGTERM ends the process at once; spawned ranks die with it). Left alone where SIGTERM is already handled or
-    ignored, or off the main thread (signal handlers live there only)."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
+    """Within: SIGTERM raises Terminated in the main thread, once (a second ends the process; its ranks die with it).
+    Left alone where SIGTERM is handled or ignored already, or off the main thread (signal handlers live there only)."""
+    ours = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
     def terminated(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Terminated("SIGTERM: the caller was terminated; every rank it had started was stopped")
-    signal.signal(signal.SIGTERM, terminated)
+    if ours:
+        signal.signal(signal.SIGTERM, terminated)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def collect(ranks, pipes, started, progress=None, timeout_s=None):
-    """Each rank's result, by rank; the first failure (or death) raises at once. started[r] (a shared
-    array) is set once rank r runs picockpt's code: a rank that dies before is named as such.
-    progress(rank, payload) is called with each progress message as it comes; timeout_s, the collectives' limit,
-    is named when a rank gave up waiting."""
+    """Each rank's result, by rank (the module's docstring says how failures end the wait). started[r] (a shared
+    array) is set once rank r runs picockpt's code: a rank that dies before is named as such. progress(rank, payload)
+    gets each progress message; timeout_s, the collectives' limit, is named when a rank gave up waiting."""
     results, pending, failures, linger_until = [None] * len(ranks), set(range(len(ranks))), {}, None
-    while pending:
-        timeout = None if linger_until is None else max(0.0, linger_until - time.monotonic())
-        wait([pipes[r] for r in pending] + [ranks[r].sentinel for r in pending], timeout)
+    while pending and (linger_until is None or time.monotonic() < linger_until):
+        wait([pipes[r] for r in pending] + [ranks[r].sentinel for r in pending],
+             None if linger_until is None else max(0.0, linger_until - time.monotonic()))
         for r in sorted(pending):
-            if pipes[r].poll():  # a message, or EOF: a rank that exited sent everything it will send
-                try:
-                    message = pickle.loads(pipes[r].recv_bytes())
-                except EOFError:
-                    message = None
-                except Exception as error:  # noqa: BLE001 -- e.g. a result of a class this process cannot import
-                    message = ("error", time.monotonic(), type(error).__name__,
-                               f"its message could not be unpickled by the caller: {error}", "", False)
-            elif not ranks[r].is_alive():
-                message = None
-            else:
+            if not pipes[r].poll() and ranks[r].is_alive():
                 continue
-            if message is not None and message[0] == "progress":
+            try:  # a message, or EOF: a rank that exited sent everything it will send
+                message = pickle.loads(pipes[r].recv_bytes()) if pipes[r].poll() else None
+            except EOFError:
+                message = None
+            except Exception as error:  # noqa: BLE001 -- e.g. a result of a class this process cannot import
+                message = ("error", time.monotonic(), type(error).__name__,
+                           f"its message could not be unpickled by the caller: {error}", "", False)
+            message = message or _death(ranks[r], started[r])
+            if message[0] == "progress":
                 if progress is not None and not failures:  # after a failure only the root cause matters
                     progress(r, message[1])
                 continue
             pending.discard(r)
-            if message is not None and message[0] == "ok":
+            if message[0] == "ok":
                 results[r] = message[1]
             else:
-                failures[r] = message if message is not None else _death(ranks[r], started[r])
+                failures[r] = message
         if failures and linger_until is None:
             linger_until = time.monotonic() + LINGER_S
-        if failures and time.monotonic() >= linger_until:
-            break
     if failures:
         raise _error(failures, ranks, pending, timeout_s)
     return results
@@ -129,26 +122,23 @@ def _error(failures, ranks, pending, timeout_s=None):
         rank, failure = item
         if failure[0] == "died":
             return 1, failure[1], rank
-        if TIMED_OUT.search(failure[3]):
-            return 2, failure[1], rank
         victim = failure[2].startswith("Dist") or any(sign in failure[3] for sign in PEER_GONE)
-        return (3 if victim else 0), failure[1], rank
+        return (2 if TIMED_OUT.search(failure[3]) else 3 if victim else 0), failure[1], rank
     rank, failure = min(failures.items(), key=order)
     world = len(ranks)
+    limit = f"timeout_s={timeout_s:g} seconds" if timeout_s is not None else "the job's timeout"
     others = [f"rank {r} {f[2]}" if f[0] == "died" else f"rank {r} raised {f[2]}: {(f[3] or ' ').splitlines()[0]}"
               for r, f in sorted(failures.items()) if r != rank]
     others += [f"rank {r} was stopped" for r in sorted(pending)]
     tail = ("\nthe other ranks: " + "; ".join(others)) if others else ""
     if failure[0] == "died":
-        return _death_error(rank, world, failure, tail, timeout_s)
+        return _death_error(rank, world, failure, tail, limit)
     _, failed_at, type_name, text, remote_traceback, is_value_error = failure
     said = f"raised {type_name}: {text}"
     if TIMED_OUT.search(text) and not is_value_error:  # the backend's words (a C++ path, "1000ms") said plainly
-        operation = next((name for name in OPERATION.search(text).groups() if name), None) \
-            if OPERATION.search(text) else None
+        operation = next((gloo or nccl for gloo, nccl in OPERATION.findall(text)), None)
         called = re.findall(r'distributed_c10d\.py", line \d+, in (\w+)', remote_traceback)  # torch's call
         operation = f"{operation or 'wait'} (of {called[-1]})" if called and called[-1] != operation else operation
-        limit = f"timeout_s={timeout_s:g} seconds" if timeout_s is not None else "the job's timeout"
         larger = f", e.g. {min(max(120.0, 10 * timeout_s), 86400.0):g}" if timeout_s is not None else ""
         said = (f"waited longer than {limit} in {'a ' + operation.lower() if operation else 'a collective'}, for a "
                 f"rank that was still computing or had stalled; give a larger timeout_s{larger}")
@@ -161,12 +151,11 @@ def _error(failures, ranks, pending, timeout_s=None):
     return cause
 
 
-def _death_error(rank, world, failure, tail, timeout_s=None):
-    """A rank that died without a message: killed by a signal (no traceback: a signal leaves none), or exited; one
-    that never reached picockpt's code and exited is a script's missing main guard only where a script was re-run."""
+def _death_error(rank, world, failure, tail, limit):
+    """A rank that died without a message (limit: the timeout, in words): killed by a signal (which leaves no
+    traceback) or exited; exited before picockpt's code ran: a missing main guard, where a script was re-run."""
     _, failed_at, how, started = failure
     if "killed by" in how:
-        limit = f"timeout_s={timeout_s:g} seconds" if timeout_s is not None else "the job's timeout"
         source = {"SIGKILL": " (sent from outside the run: `kill -9`, or the kernel's out-of-memory killer)",
                   "SIGABRT": f" (NCCL's watchdog aborts a rank whose collective waited longer than {limit}, and says "
                              f"so on stderr above; a larger timeout_s if so)"}.get(how.split()[-1], "")
@@ -180,17 +169,15 @@ def _death_error(rank, world, failure, tail, timeout_s=None):
 
 
 def stop(ranks, grace_s):
-    """Reap every rank: those that reported success get grace_s to leave their group and exit;
-    then whatever still runs is terminated, and killed if it outlasts STOP_GRACE_S."""
-    deadline = time.monotonic() + grace_s
+    """Reap every rank: those that reported success get grace_s to leave their group and exit; then whatever still
+    runs is terminated (SIGTERM: Python's default is to exit at once, even inside a collective), and killed (SIGKILL)
+    if it outlasts STOP_GRACE_S."""
+    for wait_s, end in ((grace_s, "terminate"), (STOP_GRACE_S, "kill")):
+        deadline = time.monotonic() + wait_s
+        for process in ranks:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in ranks:
+            if process.is_alive():
+                getattr(process, end)()
     for process in ranks:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in ranks:
-        if process.is_alive():
-            process.terminate()  # SIGTERM: Python's default is to exit at once, even inside a collective
-    deadline = time.monotonic() + STOP_GRACE_S
-    for process in ranks:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()  # SIGKILL
-            process.join(STOP_GRACE_S)
+        process.join(STOP_GRACE_S)  # the killed ones, reaped
