@@ -300,8 +300,9 @@ for name, idle in bubbles.items():
 
 # %% [markdown]
 # 1F1B at $p = m = 16$ idles 48.4% of the step: almost half of 16,384 GPUs waiting. Interleaving with $V = 4$
-# brings it to 19.0%, at the price of $V$ times the pipeline's sends (each chunk boundary is one) and, on the
-# first stage, $1 + (p-1)/(pV)$ times 1F1B's stored activations (Korthikanti et al. 2022, sec. 4.2.3). A
+# brings it to 19.0%, at the price of $V$ times the pipeline's sends (each chunk boundary is one) and more
+# stored activations: $1 + (p-1)/(pV)$ times 1F1B's on the first stage (Korthikanti et al. 2022, sec. 4.2.3),
+# and about $p$ micro-batches' worth on every later one, where 1F1B's stage $s$ holds $p - s$ (section 6). A
 # larger $m$ would do the same without either price, but $m$ is the batch's sequences over the data-parallel
 # ranks: the batch is fixed by the optimisation, and more data parallelism leaves fewer micro-batches for each
 # pipeline. This is the tension the search resolves.
@@ -485,9 +486,12 @@ paper_way = next(r for r in no_recompute[8192] if (r["zero"], r["schedule"]) == 
 # and 1F1B the busiest rank of the 8K split holds about 71 GiB with nothing recomputed, within 80. Its
 # activations are most of it: stage 1 holds 15 micro-batches in flight, each with its 8 layers' activations
 # (Korthikanti et al.'s $34\,sbh/t$ a layer, about half a GiB at $t = 8$). The distributed optimizer (ZeRO 1)
-# keeps the fp32 gradients whole, about 12 GiB more, and does not fit; interleaving, whose stage 0 holds
-# $1 + (p-1)/(pV)$ times as much, fits at $V = 4$ under ZeRO 3, and under ZeRO 2 at 16,384 GPUs but not at 8,192,
-# where it misses by a fraction of a GiB, inside the reserve, which is an assumption. What the model does not
+# keeps the fp32 gradients whole, about 12 GiB more, and does not fit. Interleaving holds more on every stage,
+# not only the first: stage $s$ warms up with $2(p-s-1) + (V-1)p$ chunk forwards before its first backward, so
+# it holds about $p + (p-1-2s)/V$ micro-batches where 1F1B holds $p - s$, and stage 1, with its 8 layers, is the
+# busiest, at 19.25 micro-batches for $V = 4$ (the model walks each rank's order, chunk by chunk). At 8,192
+# GPUs (32 micro-batches) that does not fit under any ZeRO stage; at 16,384 GPUs (16 micro-batches, every
+# forward a warm-up one) it fits under ZeRO 2 and 3. What the model does not
 # reconcile is time: ZeRO 2 reduce-scatters the fp32 gradients every micro-batch, over 64 or 128 nodes one GPU
 # each, which it cannot hide behind one micro-batch's backward, so the search's fastest variant of this split
 # recomputes the cheap elementwise outputs under ZeRO 1 instead. The paper's own schedule, which lets it choose

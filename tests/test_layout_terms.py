@@ -125,3 +125,35 @@ def test_every_micro_batch_accumulates_its_weight_gradients_in_fp32():
         assert without == pytest.approx(3 * microbatch_seconds(BIG, 8192, tp, True, cp, 2, False, "none", H100, 1,
                                                                plain)["forward"])
         assert (with_it / without < bound) if cp == 1 else (with_it / without > bound)
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "cheap"])
+def test_interleaving_holds_about_p_micro_batches_on_every_stage_as_its_order_walks(policy):
+    """The search's interleaved activations are the rank's closed form (pp_forms.rank_forms, exact to the parallel
+    runs) on every stage, not Korthikanti's stage-0 factor with 1F1B's p - s elsewhere: a late stage's warm-up of
+    2 (p - s - 1) + (V - 1) p chunk forwards leaves it far more than 1F1B's one micro-batch."""
+    from picockpt.parallel.pipeline_parallel.pp_forms import rank_forms
+    from picockpt.planning.layout_memory import chunk_layers, interleaved_activation_bytes
+    from picockpt.recompute.policy import parse_policy
+    cfg = Config.from_preset("tiny").replace(layers=8, attention="fused")
+    for pp, V, M in ((2, 2, 4), (2, 2, 2), (4, 2, 8)):
+        layout = Layout(pp=pp, microbatches=M, schedule="interleaved", virtual_stages=V, sp=False)
+        walked = [interleaved_activation_bytes(cfg, 32, layout, chunk_layers(8, pp, V, "even", s), s,
+                                               parse_policy(policy, cfg)) for s in range(pp)]
+        assert walked == [rank_forms(cfg, M, 32, policy, layout, s).peak_bytes for s in range(pp)]
+        assert walked == [stage_bytes(cfg, 32, layout, split_layers(8, pp), s, "1", policy, split="even")
+                          ["activations"] for s in range(pp)]  # what the search prices
+        one_f_one_b = stage_bytes(cfg, 32, Layout(pp=pp, microbatches=M, sp=False), split_layers(8, pp), pp - 1, "1",
+                                  policy)["activations"]
+        assert walked[-1] > one_f_one_b
+
+
+def test_the_lighter_ends_give_the_first_and_last_chunks_the_embedding_and_the_head():
+    """Grattafiori et al. 2024, sec. 3.3.2: L + 2 places over the p V virtual stages, the embedding and the head
+    each taking one; with one place a chunk, the first chunk holds only the embedding, the last only the head."""
+    from picockpt.planning.layout_memory import chunk_layers
+    assert chunk_layers(126, 16, 8, "lighter ends", 0) == (0,) + (1,) * 7
+    assert chunk_layers(126, 16, 8, "lighter ends", 15) == (1,) * 7 + (0,)
+    assert chunk_layers(126, 16, 4, "lighter ends", 0) == (1, 2, 2, 2)
+    assert sum(chunk_layers(126, 16, 4, "lighter ends", 0)) == split_layers(126, 16, "lighter ends")[0]
+    assert chunk_layers(128, 16, 4, "even", 3) == (2, 2, 2, 2)

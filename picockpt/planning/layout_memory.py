@@ -18,8 +18,12 @@ its micro-batches in flight store, and a reserve for what no closed form counts.
                                       in the reduce dtype (fp32) until the last micro-batch's backward
                                       reduce-scatters them
     activations  pipeline_parallel/pp_forms.py's stage_plan on the stage's layers and seq/cp tokens: (w - 1) E +
-                 the micro-batch's own peak, w = min(p - s, M) in flight under 1F1B; interleaving adds (p - 1)/(p V)
-                 on stage 0 (Korthikanti et al. 2022, sec. 4.2.3); ZB-H1 adds what stage s's s waiting W's read
+                 the micro-batch's own peak, w = min(p - s, M) in flight under 1F1B; ZB-H1 adds what stage s's s
+                 waiting W's read. Interleaved, the rank's order walked chunk by chunk (pp_schedules.actions): its
+                 warm-up of 2 (p - s - 1) + (V - 1) p chunk forwards leaves every stage about p micro-batches, p + (p
+                 - 1 - 2s) / V, not 1F1B's p - s (stage 0's 1 + (p - 1)/(p V) is Korthikanti et al. 2022, sec.
+                 4.2.3, the simpler model's form); under the lighter ends the embedding and the head take a layer's
+                 place in the first and last chunk (Grattafiori et al. 2024, sec. 3.3.2)
     reserve      RESERVE_BYTES below: an assumption, stated, not a measurement
 """
 import functools
@@ -28,7 +32,7 @@ from ..model.config import BYTES
 from ..parallel.layout import Layout
 from ..parallel.pipeline_parallel.pp_forms import stage_plan
 from ..parallel.pipeline_parallel.pp_orders import w_pending_bytes
-from ..parallel.pipeline_parallel.pp_schedules import stage_layers
+from ..parallel.pipeline_parallel.pp_schedules import actions, stage_layers
 
 ZERO_STAGES = ("0", "1", "2", "3", "3+keep")
 SPLITS = ("even", "lighter ends")
@@ -61,6 +65,17 @@ def split_layers(layers, pp, split="even"):
         raise ValueError(f"split='lighter ends' with pp={pp} of {layers} layers leaves an end stage empty: use "
                          f"pp <= {(layers + 2) // 2} or split='even'")
     return tuple(counts)
+
+
+def chunk_layers(layers, pp, virtual, split, stage):
+    """The layers of each of rank `stage`'s chunks (virtual stage c p + s holds chunk c): the layers over the p V
+    virtual stages as split_layers() spreads them over p stages; the lighter ends' first and last chunks may hold
+    none (the paper's: the first chunk only the embedding, the last only the head)."""
+    if split == "even":
+        return tuple(len(r) for r in stage_layers(layers, pp * virtual))[stage::pp]
+    counts = [len(r) for r in stage_layers(layers + 2, pp * virtual)]
+    counts[0], counts[-1] = counts[0] - 1, counts[-1] - 1
+    return tuple(counts[stage::pp])
 
 
 def splits_for(layers, pp):
@@ -104,6 +119,43 @@ def microbatch_store(cfg, seq, tp, sp, cp, layers, last, policy):
     return held, peak
 
 
+def chunk_store(cfg, seq, layout, layers, last, policy):
+    """(E, own peak) of one micro-batch on a chunk of `layers` layers (none: only the embedding, which stores nothing
+    here, or only the head, what it adds to a layer)."""
+    if layers:
+        return microbatch_store(cfg, seq, layout.tp, layout.sp, layout.cp, layers, last, policy)
+    if not last:
+        return 0, 0
+    (with_head, head_peak), (layer, _) = (microbatch_store(cfg, seq, layout.tp, layout.sp, layout.cp, 1, end, policy)
+                                          for end in (True, False))
+    return with_head - layer, head_peak - layer
+
+
+@functools.lru_cache(maxsize=None)
+def chunks_in_flight(pp, microbatches, stage, virtual):
+    """Every distinct moment of rank `stage`'s interleaved order, as (micro-batches of each chunk held, the chunk
+    whose backward runs or None): pp_plan.in_flight_peak's walk, with the bytes left out (made once per order)."""
+    held, moments = [0] * virtual, set()
+    for kind, _, c in actions("interleaved", pp, microbatches, stage, virtual):
+        if kind == "F":
+            held[c] += 1
+        moments.add((tuple(held), c if kind == "B" else None))
+        if kind == "B":
+            held[c] -= 1
+            moments.add((tuple(held), None))
+    return tuple(moments)
+
+
+def interleaved_activation_bytes(cfg, seq, layout, chunks, stage, policy):
+    """The store's peak of rank `stage` under interleaved 1F1B, each chunk with its (E, own peak) (chunks:
+    chunk_layers()): the most any moment of its order holds, a backward's chunk at its own peak."""
+    last = stage == layout.pp - 1
+    stores = [chunk_store(cfg, seq, layout, n, last and c == len(chunks) - 1, policy) for c, n in enumerate(chunks)]
+    return max(sum(n * held for n, (held, _) in zip(counts, stores))
+               + (stores[b][1] - stores[b][0] if b is not None else 0)
+               for counts, b in chunks_in_flight(layout.pp, layout.microbatches, stage, layout.virtual_stages))
+
+
 def stage_activation_bytes(cfg, seq, tp, sp, cp, layers, last, in_flight, policy):
     """The store's peak of one rank of such a stage with `in_flight` micro-batches under 1F1B: (w - 1) E + own peak,
     exact to the parallel runs (tests/test_parallel_pp.py)."""
@@ -111,16 +163,21 @@ def stage_activation_bytes(cfg, seq, tp, sp, cp, layers, last, in_flight, policy
     return (in_flight - 1) * held + peak
 
 
-def stage_bytes(cfg, seq, layout, counts, stage, zero, policy, frameworks=True):
+def stage_bytes(cfg, seq, layout, counts, stage, zero, policy, frameworks=True, split=None):
     """{part: bytes} of one rank of `stage` (of the layers `counts` split over the layout's stages): model state
     under `zero` (ZERO_STAGES: the state layouts frameworks hold, sharded over the layout's dp x cp ranks),
-    activations, a K/V gather (cp) and the reserve (frameworks False: the simpler state accounting, no reserve)."""
+    activations, a K/V gather (cp) and the reserve (frameworks False: the simpler state accounting, no reserve).
+    split: the split `counts` came from, for interleaving's chunks walked in order (None: Korthikanti's factor)."""
     pp, tp, cp, M, V, schedule = len(counts), layout.tp, layout.cp, layout.microbatches, layout.virtual_stages, \
         layout.schedule
     sp, shards = layout.sp and tp > 1, layout.dp * cp
     params = stage_params(cfg, tp, counts, stage)
     act = stage_activation_bytes(cfg, seq, tp, sp, cp, counts[stage], stage == pp - 1, min(pp - stage, M), policy)
-    if schedule == "interleaved" and stage == 0:
+    if schedule == "interleaved" and split is not None:
+        sp_layout = Layout(tp=tp, sp=sp, cp=cp, pp=pp, microbatches=M, schedule=schedule, virtual_stages=V)
+        act = interleaved_activation_bytes(cfg, seq, sp_layout, chunk_layers(cfg.layers, pp, V, split, stage), stage,
+                                           policy)
+    elif schedule == "interleaved" and stage == 0:
         act = int(act * (1 + (pp - 1) / (pp * V)))
     if schedule == "zb-h1":  # stage s also holds what its s waiting W's read (pp_orders.py)
         act += stage * counts[stage] * w_pending_bytes(cfg, 1, seq // cp, tp)

@@ -125,7 +125,8 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split="
     peaks, parts, times, dps = {}, {}, [], []
     stages = range(pp) if model.stages else sorted({0, pp - 1})
     for s in extreme_stages(counts) if model.stages else stages:  # the busiest rank is one of these (linear in s)
-        parts[s] = stage_bytes(cfg, seq, layout, counts, s, zero, policy, model.sharding)
+        parts[s] = stage_bytes(cfg, seq, layout, counts, s, zero, policy, model.sharding,
+                               split if model.stages else None)  # interleaved: the chunks walked in order
         peaks[s] = sum(parts[s].values())
     for s in stages:
         t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node, model))
