@@ -52,30 +52,31 @@ def reserve_bytes(peak):
     return CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES + int(FRAGMENTATION * peak)
 
 
-def split_layers(layers, pp, split="even"):
-    """The number of layers of each of pp stages: "even" as stage_layers; "lighter ends" the first and last one fewer
-    (L + 2 spread evenly, one taken from each end), which needs at least two layers a stage at the ends."""
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r}: use one of {', '.join(SPLITS)}")
-    if split == "even" or pp == 1:
-        return tuple(len(r) for r in stage_layers(layers, pp))
-    counts = [len(r) for r in stage_layers(layers + 2, pp)]
+def places(layers, count, split="even"):
+    """The layers of each of `count` consecutive places (stages, or interleaving's virtual stages): "even" as
+    stage_layers; "lighter ends" L + 2 spread evenly, one taken back from each end for the embedding and the head
+    (an end may be left with none: the paper's first chunk holds only the embedding)."""
+    if split == "even" or count == 1:
+        return tuple(len(r) for r in stage_layers(layers, count))
+    counts = [len(r) for r in stage_layers(layers + 2, count)]
     counts[0], counts[-1] = counts[0] - 1, counts[-1] - 1
-    if min(counts) < 1:
-        raise ValueError(f"split='lighter ends' with pp={pp} of {layers} layers leaves an end stage empty: use "
-                         f"pp <= {(layers + 2) // 2} or split='even'")
     return tuple(counts)
 
 
+def split_layers(layers, pp, split="even"):
+    """The number of layers of each of pp stages (places): the lighter ends need at least one layer at each end."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: use one of {', '.join(SPLITS)}")
+    counts = places(layers, pp, split)
+    if min(counts) < 1:
+        raise ValueError(f"split='lighter ends' with pp={pp} of {layers} layers leaves an end stage empty: use "
+                         f"pp <= {(layers + 2) // 2} or split='even'")
+    return counts
+
+
 def chunk_layers(layers, pp, virtual, split, stage):
-    """The layers of each of rank `stage`'s chunks (virtual stage c p + s holds chunk c): the layers over the p V
-    virtual stages as split_layers() spreads them over p stages; the lighter ends' first and last chunks may hold
-    none (the paper's: the first chunk only the embedding, the last only the head)."""
-    if split == "even":
-        return tuple(len(r) for r in stage_layers(layers, pp * virtual))[stage::pp]
-    counts = [len(r) for r in stage_layers(layers + 2, pp * virtual)]
-    counts[0], counts[-1] = counts[0] - 1, counts[-1] - 1
-    return tuple(counts[stage::pp])
+    """The layers of each of rank `stage`'s chunks: virtual stage c p + s holds chunk c of rank s (places)."""
+    return places(layers, pp * virtual, split)[stage::pp]
 
 
 def splits_for(layers, pp):
@@ -122,11 +123,12 @@ def microbatch_store(cfg, seq, tp, sp, cp, layers, last, policy):
 def chunk_store(cfg, seq, layout, layers, last, policy):
     """(E, own peak) of one micro-batch on a chunk of `layers` layers (none: only the embedding, which stores nothing
     here, or only the head, what it adds to a layer)."""
+    tp, sp, cp = layout.tp, layout.sp and layout.tp > 1, layout.cp
     if layers:
-        return microbatch_store(cfg, seq, layout.tp, layout.sp, layout.cp, layers, last, policy)
+        return microbatch_store(cfg, seq, tp, sp, cp, layers, last, policy)
     if not last:
         return 0, 0
-    (with_head, head_peak), (layer, _) = (microbatch_store(cfg, seq, layout.tp, layout.sp, layout.cp, 1, end, policy)
+    (with_head, head_peak), (layer, _) = (microbatch_store(cfg, seq, tp, sp, cp, 1, end, policy)
                                           for end in (True, False))
     return with_head - layer, head_peak - layer
 
@@ -172,13 +174,13 @@ def stage_bytes(cfg, seq, layout, counts, stage, zero, policy, frameworks=True, 
         layout.schedule
     sp, shards = layout.sp and tp > 1, layout.dp * cp
     params = stage_params(cfg, tp, counts, stage)
-    act = stage_activation_bytes(cfg, seq, tp, sp, cp, counts[stage], stage == pp - 1, min(pp - stage, M), policy)
     if schedule == "interleaved" and split is not None:
-        sp_layout = Layout(tp=tp, sp=sp, cp=cp, pp=pp, microbatches=M, schedule=schedule, virtual_stages=V)
-        act = interleaved_activation_bytes(cfg, seq, sp_layout, chunk_layers(cfg.layers, pp, V, split, stage), stage,
+        act = interleaved_activation_bytes(cfg, seq, layout, chunk_layers(cfg.layers, pp, V, split, stage), stage,
                                            policy)
-    elif schedule == "interleaved" and stage == 0:
-        act = int(act * (1 + (pp - 1) / (pp * V)))
+    else:
+        act = stage_activation_bytes(cfg, seq, tp, sp, cp, counts[stage], stage == pp - 1, min(pp - stage, M), policy)
+        if schedule == "interleaved" and stage == 0:
+            act = int(act * (1 + (pp - 1) / (pp * V)))
     if schedule == "zb-h1":  # stage s also holds what its s waiting W's read (pp_orders.py)
         act += stage * counts[stage] * w_pending_bytes(cfg, 1, seq // cp, tp)
     kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * BYTES[cfg.dtype] if cp > 1 else 0  # one layer's gathered K/V
