@@ -3,18 +3,20 @@ rows (where each ranks among the distinct splits, its step against the fastest, 
 cases. Where the model misses a target its gap is stated here and asserted as measured, not tuned away:
 
     row (Table 4)                          rank of splits   x fastest   modelled MFU (reported)
-    8,192 GPUs, 8K, TP8 CP1 PP16 DP64       15 of 261        1.11        56.7% (43%)
-    16,384 GPUs, 8K, TP8 CP1 PP16 DP128     16 of 278        1.15        50.4% (41%)
-    16,384 GPUs, 128K, TP8 CP16 PP16 DP8     3 of 220        1.01        41.6% (38%)
-    (at the datasheet's peak, Model(kernels=False): 16 at 1.12x, 69.0%; 16 at 1.17x, 60.8%; 2 at 1.03x, 60.9%)
+    8,192 GPUs, 8K, TP8 CP1 PP16 DP64       13 of 261        1.03        61.7% (43%)
+    16,384 GPUs, 8K, TP8 CP1 PP16 DP128     14 of 278        1.09        54.8% (41%)
+    16,384 GPUs, 128K, TP8 CP16 PP16 DP8     1 of 220        1.00        43.4% (38%)
+    (at the datasheet's peak, Model(kernels=False): 9 at 1.06x, 77.7%; 16 at 1.11x, 68.3%; 1 at 1.00x, 65.4%)
 
 Kernel efficiency (kernel_rates.py: matmuls at the H100's best measured rate, 80% of the datasheet, attention at
-cuDNN's published rates) brings the modelled MFU within 4 points of the reported one at 128K, where attention is
-40% of the FLOPs, and within 10 and 14 points at 8K. At 8K the model still prefers less tensor parallelism (TP2)
-with context parallelism (CP8) over 64 pipeline stages: its kernels on a rank's 1,024 rows run as fast as on
-8,192 as long as their tiles fill the SMs. Llama 3 70B on 1,024 GPUs: the model's best is TP1 CP2 with FSDP over
-512 ranks (its gathers hidden behind the compute at datasheet link rates); the first TP4 or TP8 split with 4 to
-8 stages is 10th of 181, at 1.27x."""
+cuDNN's published rates) brings the modelled MFU within 6 points of the reported one at 128K, where attention is
+40% of the FLOPs, and within 14 and 19 points at 8K. Sequence parallelism's collectives chunked under their GEMMs
+(Megatron's --tp-comm-overlap, layout_time.Model.chunked_tp) leave TP8 little exposed communication, which brings
+every published split within 1.10x of the fastest; at 8K the fastest splits still take context parallelism (CP2
+to CP8) where the paper took none: nothing in the model says a rank's fewer rows run any slower as long as their
+tiles fill the SMs. Llama 3 70B on 1,024 GPUs: the model's best is TP1 CP2 with FSDP over 512 ranks (its gathers
+hidden behind the compute at datasheet link rates); the first TP4 or TP8 split with 4 to 8 stages is 7th of 181,
+at 1.19x."""
 import pytest
 
 from picockpt import Config
@@ -53,21 +55,21 @@ def test_the_modelled_mfu_gaps_as_measured(table_4):
     """Met at 128K (within 8 points of the reported 38%); not met at 8K, held at the gaps measured."""
     gaps = {key: row["mfu"] - reported for key, (_, _, row, reported) in table_4.items()}
     assert gaps[16384, 131072] < 0.08
-    assert 0.08 < gaps[16384, 8192] < 0.11 and 0.12 < gaps[8192, 8192] < 0.15
+    assert 0.12 < gaps[16384, 8192] < 0.15 and 0.17 < gaps[8192, 8192] < 0.20
 
 
-def test_the_128k_layout_is_among_the_fastest(table_4):
+def test_the_128k_layout_is_the_fastest(table_4):
     splits, rank, row, _ = table_4[16384, 131072]
-    assert rank <= 3 and ratio(splits, row) < 1.05
+    assert rank == 1 and ratio(splits, row) == 1.0
 
 
-def test_the_8k_layouts_gap_as_measured(table_4):
-    """Not met: the published 8K split is not among the model's fastest. Held: within 1.3x of the fastest, whose
-    split has less tensor parallelism and context parallelism in its place."""
+def test_the_8k_layouts_within_1_10x_of_the_fastest(table_4):
+    """Met: within 1.10x. Not met: among the 10 fastest splits (13th and 14th, held); the fastest takes context
+    parallelism in the place of some pipeline or data parallelism."""
     for key in ((8192, 8192), (16384, 8192)):
         splits, rank, row, _ = table_4[key]
-        assert 10 < rank <= 30 and 1.1 < ratio(splits, row) < 1.3
-        assert splits[0]["tp"] < 8 and splits[0]["cp"] > 1
+        assert ratio(splits, row) < 1.10
+        assert 10 < rank <= 16 and splits[0]["cp"] > 1
 
 
 def test_the_paper_layouts_best_variants_interleave_the_lighter_ends(table_4):
@@ -85,8 +87,8 @@ def test_llama3_8b_on_8_gpus_takes_fsdp_over_plain_data_parallelism():
 
 
 def test_llama3_70b_on_1024_gpus_gap_as_measured():
-    """Target TP8 or TP4 with 4 to 8 stages: not met. Held: such a split is in the model's top 10 of 181, within
-    1.3x of its best (TP1 CP2 FSDP over 512 ranks)."""
+    """Target TP8 or TP4 with 4 to 8 stages: not met. Held: such a split is in the model's top 10 of 181 (7th),
+    within 1.3x of its best (TP1 CP2 FSDP over 512 ranks)."""
     splits = distinct_splits(search(Config.from_preset("llama3-70b", dtype="bf16"), 8192, 1024, 2**22, 80 * GIB,
                                     H100)[0])
     rank = next(i for i, r in enumerate(splits, 1) if r["tp"] in (4, 8) and 4 <= r["pp"] <= 8)

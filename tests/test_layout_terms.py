@@ -10,11 +10,13 @@ from picockpt.planning.cost import HARDWARE, layer_ops
 from picockpt.planning.kernel_rates import op_seconds
 from picockpt.planning.layout_memory import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, reserve_bytes, split_layers, stage_bytes
 from picockpt.planning.layout_search import evaluate, runs
-from picockpt.planning.layout_time import Model, microbatch_seconds
+from picockpt.planning.layout_time import (UB_SMS, UB_SPLITS, Model, microbatch_seconds, pipelined_exposed,
+                                           ring_exchange_exposed)
 from picockpt.parallel import Layout
 
 H100 = HARDWARE["h100"]
 GIB = 2**30
+WHOLE = Model(chunked_tp=False)  # every tensor-parallel collective a GEMM does not hide exposed whole
 BIG = Config.from_preset("llama3-405b", dtype="bf16").replace(attention="fused")
 
 
@@ -37,7 +39,7 @@ def test_full_recomputation_is_the_whole_forward():
 
 
 def test_full_recomputation_reruns_the_forwards_collectives():
-    none, full = (microbatch_seconds(BIG, 8192, 8, True, 1, 8, False, p, H100, 1) for p in ("none", "full"))
+    none, full = (microbatch_seconds(BIG, 8192, 8, True, 1, 8, False, p, H100, 1, WHOLE) for p in ("none", "full"))
     block = 8192 * BIG.hidden * 2
     forward = 2 * (collective_seconds("all_gather", block, 8, H100, 8)
                    + collective_seconds("reduce_scatter", block, 8, H100, 8))
@@ -55,12 +57,47 @@ def test_megatron_hides_the_async_backward_collectives_under_their_gemms():
     reduce = collective_seconds("all_reduce", block, 8, H100, 8)
     ops = gemm_halves(BIG, 8192, 8, False)
     assert ops["qkv"] < reduce < ops["gate_up"]
-    no_sp = microbatch_seconds(BIG, 8192, 8, False, 1, 1, False, "none", H100, 1)
+    no_sp = microbatch_seconds(BIG, 8192, 8, False, 1, 1, False, "none", H100, 1, WHOLE)
     assert no_sp["tp_comm"] == pytest.approx(2 * reduce + (reduce - ops["qkv"]))
     sp_ops = gemm_halves(BIG, 8192, 8, True)
-    sp = microbatch_seconds(BIG, 8192, 8, True, 1, 1, False, "none", H100, 1)
+    sp = microbatch_seconds(BIG, 8192, 8, True, 1, 1, False, "none", H100, 1, WHOLE)
     hidden = sum(max(0, gather - sp_ops[c]) + max(0, scatter - sp_ops[c]) for c in ("qkv", "gate_up"))
     assert sp["tp_comm"] == pytest.approx(2 * (gather + scatter) + 2 * gather + hidden)
+
+
+def test_chunked_collectives_leave_what_their_gemm_chunks_do_not_cover():
+    """A ring exchange of tp chunks: tp - 1 transfers, each beside one GEMM chunk; a pipeline of 4 chunks: the last
+    chunk's reduce-scatter exposed, the GEMM on 16 fewer SMs."""
+    assert ring_exchange_exposed(7.0, 8.0, 8) == 0.0  # each transfer 1.0 beside a 1.0 chunk
+    assert ring_exchange_exposed(7.0, 4.0, 8) == pytest.approx(7.0 - 4.0 * 7 / 8)
+    assert pipelined_exposed(4.0, 8.0) == pytest.approx(4.0 / UB_SPLITS)  # no SMs given: the GEMM at its rate
+    slowed = 8.0 * 132 / (132 - UB_SMS)
+    assert pipelined_exposed(4.0, 8.0, 132) == pytest.approx(slowed - 8.0 + 1.0)
+    assert pipelined_exposed(40.0, 8.0, 132) == pytest.approx(slowed - 8.0 + 10.0 + 3 * (10.0 - slowed / 4))
+
+
+def test_sequence_parallel_collectives_chunk_under_their_gemms():
+    """Megatron's --tp-comm-overlap (TransformerEngine's userbuffers): at 405B's TP8 shapes the forward's
+    all-gathers hide under the q/k/v and gate/up GEMMs, its reduce-scatters partly under o_proj and down, and the
+    backward's output-gradient all-gathers under the row-parallel input-gradient GEMMs; what the async backward
+    hid stays hidden the same way. Less than half the collectives' seconds stay exposed."""
+    block = 8192 * BIG.hidden * 2
+    gather = collective_seconds("all_gather", block, 8, H100, 8)
+    scatter = collective_seconds("reduce_scatter", block, 8, H100, 8)
+    forward = {op.name: op_seconds(op, H100, H100.kernels) for op in layer_ops(BIG, 1, 8192, 8, True, 1, True)}
+    halves = gemm_halves(BIG, 8192, 8, True)
+    expected = sum(ring_exchange_exposed(gather, forward[column], 8)
+                   + min(scatter, pipelined_exposed(scatter, forward[row], H100.kernels.sms))
+                   + ring_exchange_exposed(gather, halves[row], 8)
+                   + max(0, gather - halves[column]) + max(0, scatter - halves[column])
+                   for column, row in (("qkv", "o_proj"), ("gate_up", "down")))
+    chunked = microbatch_seconds(BIG, 8192, 8, True, 1, 1, False, "none", H100, 1)
+    whole = microbatch_seconds(BIG, 8192, 8, True, 1, 1, False, "none", H100, 1, WHOLE)
+    assert chunked["tp_comm"] == pytest.approx(expected)
+    assert ring_exchange_exposed(gather, forward["gate_up"], 8) == 0.0
+    assert chunked["tp_comm"] < whole["tp_comm"] / 2
+    no_sp = (microbatch_seconds(BIG, 8192, 8, False, 1, 1, False, "none", H100, 1, m) for m in (Model(), WHOLE))
+    assert next(no_sp)["tp_comm"] == next(no_sp)["tp_comm"]  # needs sequence parallelism, as Megatron asserts
 
 
 def test_a_pipeline_pays_its_exchanges_every_micro_batch_and_v_times_interleaved():

@@ -5,7 +5,7 @@ import json
 
 from ..planning.host_walk import DEFAULT_COMPUTE_RATE
 from ..planning.planner_copies import DEFAULT_BANDWIDTH, plan_copies
-from ..recompute.policy import OP_LEVEL, parse_policy
+from ..recompute.policy import OP_LEVEL
 from .common import config_from_args, fmt_bytes, fmt_flops
 from .plan_parts import budget_from_args, measure
 
@@ -60,7 +60,7 @@ def run_copies(args):
     result = {"budget_bytes": budget, "compute_rate": rate, "memory_bandwidth": bandwidth, "options": rows,
               "chosen": chosen.policy}
     if args.measure:
-        result.update(measure(cfg, args, parse_policy(chosen.policy, cfg)))
+        result.update(measure(cfg, args, chosen.policy))
     if args.json:
         print(json.dumps(result, indent=1))
         return

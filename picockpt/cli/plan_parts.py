@@ -5,7 +5,7 @@ import json
 from ..planning.fit import check_fits
 from ..planning.step_forms import step_flops
 from ..planning.planner import least_budget, model_chain
-from ..recompute.policy import OP_LEVEL, parse_policy, parse_size
+from ..recompute.policy import OP_LEVEL, as_policy, parse_policy, parse_size
 from ..device import resolve_device
 from .common import fmt_bytes
 
@@ -54,13 +54,15 @@ def sweeps_json(schedule, layers):
 
 
 def measure(cfg, args, policy, schedule=None):
-    """One tracked step of the plan: the policy's, or (schedule) the one planned at the flags' rates."""
+    """One tracked step of the plan: the policy's (a Policy, or the text a plan chose), or (schedule) the one
+    planned at the flags' rates."""
     import torch
 
     from ..recompute.engine import Model, Step, loss_and_grads
     from ..measurement.measure import make_batch
     from ..model.params import init_params
     from ..measurement.tracker import Tracker
+    policy = as_policy(policy, cfg)
     device = resolve_device(args.device)
     check_fits(cfg, device, args.batch, args.seq, policy,
                advice="use a smaller --batch or --seq, or a smaller --budget")

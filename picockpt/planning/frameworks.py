@@ -14,7 +14,10 @@ with the file of the framework's repository that has it (or lacks it).
                   a flash kernel does not store: none here)      and layer mode every n-th layer: neither is "cheap"
     sp            with and without (--sequence-parallel)         with (its tensor plan puts the norms in
                                                                  SequenceParallel); async TP not priced
-    tp overlap    the async backward collectives (layout_time)   none: every tensor-parallel collective exposed
+    tp overlap    the async backward collectives, and with        none: every tensor-parallel collective exposed
+                  --sequence-parallel the chunked ones of
+                  --tp-comm-overlap (TransformerEngine's
+                  userbuffers; layout_time)
     cp            yes (--cp-comm-type allgather)                 yes (context_parallel_rotate_method allgather)
 """
 from dataclasses import dataclass, field, replace
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field, replace
 @dataclass(frozen=True)
 class Framework:
     """The search's choices a framework allows; None: every one the search has. tp_overlap False prices every
-    tensor-parallel collective exposed (layout_time.Model.overlap off, which also keeps sequence parallelism on)."""
+    tensor-parallel collective exposed (layout_time.Model.overlap and chunked_tp off; sequence parallelism stays on)."""
     name: str
     schedules: tuple = None
     zero_stages: tuple = None
@@ -43,7 +46,7 @@ class Framework:
 
     def model(self, model):
         """The layout_time.Model this framework runs under."""
-        return model if self.tp_overlap else replace(model, overlap=False)
+        return model if self.tp_overlap else replace(model, overlap=False, chunked_tp=False)
 
 
 MEGATRON_ARGS = "NVIDIA/Megatron-LM megatron/training/arguments.py"
@@ -61,7 +64,8 @@ FRAMEWORKS = {
                     "(Megatron-FSDP); --use-torch-fsdp2 (not with pipelining, its help says)",
             "policy": MEGATRON_ARGS + ": --recompute-granularity full|selective",
             "sp": MEGATRON_ARGS + ": --sequence-parallel; megatron/core/tensor_parallel/layers.py: "
-                  "LinearWithGradAccumulationAndAsyncCommunication",
+                  "LinearWithGradAccumulationAndAsyncCommunication; --tp-comm-overlap (asserts --sequence-parallel; "
+                  "TransformerEngine's userbuffers, transformer_engine/pytorch/module/base.py initialize_ub)",
             "cp": MEGATRON_ARGS + ": --context-parallel-size, --cp-comm-type p2p|a2a|allgather|a2a+p2p"}),
     "torchtitan": Framework(
         "torchtitan", schedules=("1f1b", "interleaved"), zero_stages=("3", "3+keep"),

@@ -20,6 +20,12 @@ A micro-batch on one rank of a stage:
                    launched async under the weight-gradient GEMM (each exposed only by what it outlasts them)
                    without: forward one all-reduce after (exposed); backward the column-parallel input gradient's
                    all-reduce, launched async under the weight-gradient GEMM
+                 with sequence parallelism the three exposed collectives are chunked under their GEMMs, as
+                 TransformerEngine's userbuffers run them (NVIDIA/TransformerEngine transformer_engine/pytorch/module/
+                 base.py, initialize_ub's defaults): the column-parallel forward's all-gather and the row-parallel
+                 backward's output-gradient all-gather as a "ring_exchange" of tp chunks, the row-parallel
+                 forward's reduce-scatter as a "pipeline" of 4 chunks whose collective takes 16 SMs from the GEMM
+                 (the better of that and the reduce-scatter exposed: Megatron's --disable-tp-comm-overlap-rs)
     cp           an all-gather of the layer's K/V over the cp ranks (the Llama 3 paper's choice) in the forward,
                  again in the backward and in a full recompute, and a reduce-scatter of their gradients (exposed)
     pp           per micro-batch, the two blocking exchanges of 1F1B's steady state (Megatron's p2p_communication.py:
@@ -66,7 +72,11 @@ class Model:
         accumulation  every micro-batch's weight gradients accumulated into fp32 (8 bytes a parameter read and
                    written); off: the weight-gradient GEMM writes its 16-bit output once
         kernels    each matmul and flash kernel at the rate its shape reaches (the hardware's KernelRates:
-                   kernel_rates.py); off: every kernel at the datasheet's peak (the roofline)"""
+                   kernel_rates.py); off: every kernel at the datasheet's peak (the roofline)
+        chunked_tp with sequence parallelism, the forward's all-gather and reduce-scatter and the backward's
+                   output-gradient all-gather split into chunks that run under the GEMMs beside them
+                   (TransformerEngine's userbuffers: Megatron's --tp-comm-overlap, which needs --sequence-parallel;
+                   ring_exchange_exposed, pipelined_exposed); off: those three exposed whole"""
     topology: bool = True
     sharding: bool = True
     recompute: bool = True
@@ -74,6 +84,7 @@ class Model:
     overlap: bool = True
     accumulation: bool = True
     kernels: bool = True
+    chunked_tp: bool = True
 
 
 FULL_MODEL = Model()
@@ -111,6 +122,26 @@ def group_seconds(kind, nbytes, ranks, hw, per_node, model=FULL_MODEL, layers=1)
     return algorithm_seconds(kind, nbytes, ranks, hw, 1 if per_node < ranks else ranks)["ring"]
 
 
+UB_SPLITS, UB_SMS = 4, 16  # TransformerEngine's userbuffers defaults for a "pipeline" overlap (module/base.py)
+
+
+def ring_exchange_exposed(gather, gemm, tp):
+    """What an all-gather split into tp chunks, each passed round the ring while the GEMM runs on the chunk before,
+    leaves exposed: tp GEMM chunks and tp - 1 transfers, each transfer beside one chunk (TransformerEngine's
+    "ring_exchange", num_splits = tp, on the copy engines: the GEMM keeps every SM)."""
+    return max(0.0, gather - gemm * (tp - 1) / tp)
+
+
+def pipelined_exposed(scatter, gemm, sms=None):
+    """What a GEMM split into UB_SPLITS chunks, each chunk's reduce-scatter under the next chunk's GEMM, adds to the
+    GEMM alone: the last chunk's reduce-scatter, every other one by what it outlasts its GEMM chunk, and the GEMM on
+    `sms` less the UB_SMS the collective takes (TransformerEngine's "pipeline": num_splits 4, num_sm 16,
+    set_sm_margin); sms None: the GEMM at its rate (the roofline)."""
+    slowed = gemm * sms / (sms - UB_SMS) if sms else gemm
+    chunk, piece = slowed / UB_SPLITS, scatter / UB_SPLITS
+    return slowed - gemm + piece + (UB_SPLITS - 1) * max(0.0, piece - chunk)
+
+
 @functools.lru_cache(maxsize=None)
 def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node, model=FULL_MODEL):
     """{term: seconds} of one micro-batch's forward, backward and recompute on one rank of a stage of `layers` layers
@@ -131,13 +162,20 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
     block = n * h * e  # one block's input or output, the rank's n tokens
     tp_forward = tp_backward = 0.0
     if tp > 1:
-        for column in ("qkv", "gate_up"):  # a block: its column-parallel GEMM's backward hides what it can
+        for column, row in (("qkv", "o_proj"), ("gate_up", "down")):  # a block: column- then row-parallel
             hide = back[column] / 2 if model.overlap else 0.0  # the input- or the weight-gradient GEMM
             if sp:
                 gather = group_seconds("all_gather", block, tp, hw, tp, model)
                 scatter = group_seconds("reduce_scatter", block, tp, hw, tp, model)
-                tp_forward += gather + scatter
-                tp_backward += gather + max(0.0, gather - hide) + max(0.0, scatter - hide)
+                if model.chunked_tp:
+                    sms = rates.sms if rates is not None else None
+                    tp_forward += (ring_exchange_exposed(gather, ops[column], tp)
+                                   + min(scatter, pipelined_exposed(scatter, ops[row], sms)))
+                    tp_backward += ring_exchange_exposed(gather, back[row] / 2, tp)
+                else:
+                    tp_forward += gather + scatter
+                    tp_backward += gather
+                tp_backward += max(0.0, gather - hide) + max(0.0, scatter - hide)
             else:
                 reduce = group_seconds("all_reduce", block, tp, hw, tp, model)
                 tp_forward += reduce
