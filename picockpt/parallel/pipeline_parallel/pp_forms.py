@@ -180,17 +180,15 @@ def rank_forms(cfg, batch, seq, policy, layout, stage, layer_comm_flops=0):
 class InterleavedForms:
     """Every closed form of one rank of an interleaved job: its chunks' ChunkForms (chunks[c]: virtual stage
     c P + s), and over them the rank's. Its store peak walks the rank's order, micro-batch-chunk by micro-batch-chunk
-    (pp_plan.in_flight_peak); FLOPs and bytes moved add up over the chunks."""
+    (pp_plan.in_flight_peak); FLOPs and bytes moved add up over the chunks. The rest is chunk 0's: its chain and
+    schedule the first layer's (the head's: chunks[-1]), its stored bytes micro-batch 0's after chunk 0's forward."""
 
     def __init__(self, chunks, order):
-        self.chunks, first, last = chunks, chunks[0], chunks[-1]
-        self.cfg, self.stage, self.t, self.sp, self.b, self.seq, self.M = (first.cfg, first.stage, first.t, first.sp,
-                                                                           first.b, first.seq, first.M)
+        self.chunks, self.last = chunks, chunks[-1].last
+        for name in ("cfg", "stage", "t", "sp", "b", "seq", "M", "first", "policy", "in_flight", "chain",
+                     "local_schedule", "source", "microbatch_stored_bytes"):
+            setattr(self, name, getattr(chunks[0], name))
         self.layers = [k for chunk in chunks for k in chunk.layers]  # not contiguous: V ranges
-        self.first, self.last, self.policy, self.in_flight = first.first, last.last, first.policy, first.in_flight
-        self.chain, self.local_schedule = first.chain, first.local_schedule  # the first layer's (head: chunks[-1])
-        self.source = first.source
-        self.microbatch_stored_bytes = first.microbatch_stored_bytes  # micro-batch 0's, after chunk 0's forward
         self.peak_bytes = in_flight_peak(order, lambda m, c: chunks[c].microbatch_stored_bytes,
                                          lambda m, c: chunks[c].microbatch_peak_bytes)
 

@@ -25,6 +25,7 @@ while forwards remain, B, W while backwards remain, and the waiting W's last: wi
 falls from 1F1B's (P - 1)(F + B + W) to (P - 1)(F + B - W), a third of it.
 """
 import functools
+import re
 from collections import namedtuple
 from itertools import accumulate
 
@@ -108,13 +109,11 @@ def actions(schedule, stages, microbatches, stage, virtual=1):
 @functools.lru_cache(maxsize=256)  # predict walks each order once per policy and schedule compared: made once
 def _actions(schedule, stages, microbatches, stage, virtual):
     check_schedule(schedule, virtual)
-    M, warmup = microbatches, min(stages - stage - 1, microbatches)
     if schedule == "interleaved":
-        return interleaved_actions(stages, M, virtual, stage)
+        return interleaved_actions(stages, microbatches, virtual, stage)
     if schedule == "zb-h1":
-        return zb_h1_actions(stages, M, stage)
-    if schedule == "afab":
-        return phase_actions(("F", M), ("B", M))
+        return zb_h1_actions(stages, microbatches, stage)
+    M, warmup = microbatches, microbatches if schedule == "afab" else min(stages - stage - 1, microbatches)
     return phase_actions(("F", warmup), ("FB", M - warmup), ("B", warmup))  # warm-up, steady state, cool-down
 
 
@@ -156,12 +155,8 @@ def interleaved_steps(order):
     With M = P every forward is a warm-up one (Megatron's all_warmup_microbatches): no steady state, no pair."""
     kinds = "".join(action.kind for action in order)
     steady = kinds != "F" * kinds.count("F") + "B" * kinds.count("B")
-    out, index = [], 0
-    while index < len(order):
-        pair = steady and order[index].kind == "F" and index + 1 < len(order) and order[index + 1].kind == "B"
-        out.append(order[index:index + 1 + pair])
-        index += 1 + pair
-    return out
+    sizes = [len(step) for step in re.findall("FB|." if steady else ".", kinds)]
+    return [order[start:start + n] for start, n in zip(accumulate(sizes, initial=0), sizes)]
 
 
 @functools.lru_cache(maxsize=256)
