@@ -108,8 +108,7 @@ def post_receive(pipe, source, shape, dtype, kind="receive"):
 
 
 def from_previous_stage_forward(pipe, shape, dtype, kind="receive"):
-    """x (shape): the previous stage's y, this one's input (kind "rng_state": the (n,) uint8 generator state)."""
-    return post_receive(pipe, pipe.previous, shape, dtype, kind).wait()
+    return post_receive(pipe, pipe.previous, shape, dtype, kind).wait()  # x (shape): the previous stage's y, its input
 
 
 def from_previous_stage_backward(dx, pipe):
@@ -133,9 +132,8 @@ def neighbours(groups, virtual=1):
 
 
 def receives(action, cfg, rng_like, shape):
-    """[(kind, shape, dtype)] an action receives, in order (a stepwise exchange posts them): a forward of
-    micro-batch 0 the generator state first when the model draws random numbers (pp_stage.py), then its input;
-    a backward its output's gradient."""
+    """[(kind, shape, dtype)] an action receives, in order (a stepwise exchange posts them): a forward its input,
+    micro-batch 0's after the generator state when the model draws random numbers; a backward its output's gradient."""
     state = [("rng_state", tuple(rng_like.shape), rng_like.dtype)] if action.kind == "F" and action.microbatch == 0 \
         and cfg.draws_random else []
     return state + [("receive", shape, cfg.torch_dtype)]

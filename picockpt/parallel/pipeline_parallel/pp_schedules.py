@@ -27,7 +27,7 @@ falls from 1F1B's (P - 1)(F + B + W) to (P - 1)(F + B - W), a third of it.
 import functools
 import re
 from collections import namedtuple
-from itertools import accumulate
+from itertools import accumulate, count
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 EXPLAINED = {"afab": "all forward then all backward", "1f1b": "one forward one backward",
@@ -120,12 +120,8 @@ def _actions(schedule, stages, microbatches, stage, virtual):
 def phase_actions(*phases, action=Action):
     """The Actions of phases (kinds, times), each running its kinds in turn `times` times, each kind on its next
     micro-batch: action(kind, k) the kind's k-th (Action(kind, k) but under interleaving)."""
-    order, n = [], {"F": 0, "B": 0, "W": 0}
-    for kinds, times in phases:
-        for kind in kinds * times:
-            order.append(action(kind, n[kind]))
-            n[kind] += 1
-    return order
+    n = {"F": count(), "B": count(), "W": count()}  # each kind's next number
+    return [action(kind, next(n[kind])) for kinds, times in phases for kind in kinds * times]
 
 
 def interleaved_actions(stages, microbatches, virtual, stage):
@@ -142,8 +138,7 @@ def interleaved_actions(stages, microbatches, virtual, stage):
 
 
 def zb_h1_actions(stages, microbatches, stage):
-    """Rank `stage`'s Actions under ZB-H1: 1F1B's warm-up, then `stage` forward-backward pairs whose W waits,
-    then F, B, W together while forwards remain, B and W while backwards remain, and the waiting W's last."""
+    """Rank `stage`'s Actions under ZB-H1 (phases as the module docstring says: `stage` pairs F, B whose W waits)."""
     M, warmup = microbatches, min(stages - stage - 1, microbatches)
     pairs = min(stage, M - warmup)
     return phase_actions(("F", warmup), ("FB", pairs), ("FBW", M - warmup - pairs), ("BW", warmup), ("W", pairs))

@@ -65,9 +65,8 @@ class PipelineStage:
             self.weights, self.rope = like.weights, like.rope
         else:
             self.weights = self.data.weights()
-            for tensor in self.weights.values():
-                if tensor.device.type != "meta":
-                    tracker.mark(tensor, "weights")
+            for tensor in (tensor for tensor in self.weights.values() if tensor.device.type != "meta"):
+                tracker.mark(tensor, "weights")
             self.rope = rope_tables(self.cfg, seq, device, self.cfg.torch_dtype)  # (T, hd) x2
         self.weights_of = {k: layer_weights(self.weights, k) for k in self.layers}
 
