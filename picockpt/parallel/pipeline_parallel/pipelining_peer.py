@@ -83,13 +83,12 @@ class SavedBytes:
         return _Packed(tensor.detach(), self, key)  # detached: a saved output would hold its own grad_fn
 
     def release(self, key):  # a holder was freed
-        entry = self.held.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:  # its last saved view gone
-            self.now -= entry[1]
-            del self.held[key]
+        entry = self.held.get(key)  # None: a skipped storage's
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:  # its last saved view gone
+                self.now -= entry[1]
+                del self.held[key]
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda packed: packed.tensor)

@@ -40,9 +40,8 @@ class Pipe:
     def post(self, receive=None):
         """Post the held sends and `receive` (P2POp or None), one group if same peer. Returns the receive's work."""
         sends, self.held, peer = self.held, [], None if receive is None else receive.peer
-        for send in sends:
-            if send.peer != peer:
-                self.group([send])  # not a pair: the send goes on its own
+        for send in (send for send in sends if send.peer != peer):
+            self.group([send])  # not a pair: the send goes on its own
         works = self.group([send for send in sends if send.peer == peer] + ([receive] if receive is not None else []))
         return works[-1] if receive is not None else None
 
@@ -108,8 +107,8 @@ def post_receive(pipe, source, shape, dtype, kind="receive"):
     return receive
 
 
-def from_previous_stage_forward(pipe, shape, dtype):
-    return post_receive(pipe, pipe.previous, shape, dtype).wait()  # x (shape): the previous stage's y, this one's input
+def from_previous_stage_forward(pipe, shape, dtype, kind="receive"):
+    return post_receive(pipe, pipe.previous, shape, dtype, kind).wait()  # x (shape): the previous stage's y, its input
 
 
 def from_previous_stage_backward(dx, pipe):
@@ -117,21 +116,13 @@ def from_previous_stage_backward(dx, pipe):
     _send(dx, pipe, pipe.previous)
 
 
-def to_next_stage_forward(y, pipe):
-    _send(y, pipe, pipe.next)  # y (shape): this stage's output, the next stage's input
+def to_next_stage_forward(y, pipe, kind="send"):
+    _send(y, pipe, pipe.next, kind)  # y (shape): this stage's output, the next stage's input (or its generator state)
 
 
 def to_next_stage_backward(pipe, shape, dtype):
     """Forward sent y to the next stage, which computes y's gradient (its from_previous_stage_backward): a Receive."""
     return post_receive(pipe, pipe.next, shape, dtype)
-
-
-def send_rng_state(state, pipe):
-    _send(state.to(pipe.device), pipe, pipe.next, kind="rng_state")  # (n,) uint8
-
-
-def receive_rng_state(pipe, like):
-    return post_receive(pipe, pipe.previous, like.shape, like.dtype, kind="rng_state").wait().cpu()  # (n,) uint8
 
 
 def neighbours(groups, virtual=1):
@@ -141,9 +132,8 @@ def neighbours(groups, virtual=1):
 
 
 def receives(action, cfg, rng_like, shape):
-    """[(kind, shape, dtype)] an action receives, in order (a stepwise exchange posts them): a forward of
-    micro-batch 0 the generator state first when the model draws random numbers (pp_stage.py), then its input;
-    a backward its output's gradient."""
+    """[(kind, shape, dtype)] an action receives, in order (a stepwise exchange posts them): a forward its input,
+    micro-batch 0's after the generator state when the model draws random numbers; a backward its output's gradient."""
     state = [("rng_state", tuple(rng_like.shape), rng_like.dtype)] if action.kind == "F" and action.microbatch == 0 \
         and cfg.draws_random else []
     return state + [("receive", shape, cfg.torch_dtype)]

@@ -66,9 +66,8 @@ def stage_plan(policy, cfg, batch, seq, layers, last, in_flight_count, layout=La
     if policy.budget is not None and in_flight_count == 1 and layers == cfg.layers:  # no pipeline: one step
         schedule, source = plan_chain(planned, policy.budget).schedule, "the planner (picockpt/planning/planner.py)"
     elif policy.budget is not None:
-        plan = plan_in_flight(planned, policy.budget, in_flight_count, uniform_schedules(planned), order=order,
-                              left=left)
-        schedule, source = plan.schedule, plan.source
+        schedule, *_, source = plan_in_flight(planned, policy.budget, in_flight_count, uniform_schedules(planned),
+                                              order=order, left=left)
     else:
         schedule, source = policy.schedule(cfg.replace(layers=layers), batch, seq), policy.text
     held, (peak, recompute) = end_of_forward_bytes(chain, schedule), replay(chain, schedule, left)
@@ -89,13 +88,12 @@ class ChunkForms:
 
     def __init__(self, cfg, batch, seq, policy, layout, stage, layer_comm_flops=0, chunk=0, planned=None):
         pp, microbatches, schedule, virtual = layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages
-        self.cfg, self.stage, self.t, self.layout = cfg, stage, layout.tp, layout
+        self.cfg, self.stage, self.t, self.layout, self.policy = cfg, stage, layout.tp, layout, as_policy(policy, cfg)
         self.sp, self.distribute_saved = layout.sp and layout.tp > 1, layout.distribute_saved and layout.tp > 1
         self.layers = rank_layers(cfg.layers, pp, stage, virtual)[chunk]
         self.first, self.last = chunk * pp + stage == 0, chunk * pp + stage == pp * virtual - 1
         self.b, self.seq, self.M = batch // (layout.dp * microbatches), seq, microbatches
         self.in_flight = in_flight(schedule, pp, microbatches, stage, virtual)  # micro-batch-chunks, interleaved
-        self.policy = as_policy(policy, cfg)
         split = schedule == "zb-h1"  # B and W apart: each layer's B leaves what its W reads (pp_orders.py)
         self.w_layer_bytes = w_pending_bytes(cfg, self.b, seq, self.t) if split else 0
         order = tuple(actions(schedule, pp, microbatches, stage)) if split else None
@@ -123,10 +121,9 @@ class ChunkForms:
 
     def flops(self):
         """{"forward", "recompute", "backward"}: this rank's matmul FLOPs over its M micro-batches."""
-        cfg, b, T, t = self.cfg, self.b, self.seq, self.t
-        parts = layer_flops(cfg, b, T)
-        forward = len(self.layers) * sum(parts.values()) // t + (2 * b * T * cfg.hidden * cfg.vocab // t if self.last
-                                                                   else 0)
+        cfg, b, T, t, parts = self.cfg, self.b, self.seq, self.t, layer_flops(self.cfg, self.b, self.seq)
+        head = 2 * b * T * cfg.hidden * cfg.vocab // t if self.last else 0
+        forward = len(self.layers) * sum(parts.values()) // t + head
         backward = 2 * forward + (len(self.layers) * parts["scores"] // t if cfg.attention == "fused" else 0)
         return {"forward": self.M * forward, "recompute": self.M * self.recompute_flops, "backward": self.M * backward}
 
@@ -180,17 +177,15 @@ def rank_forms(cfg, batch, seq, policy, layout, stage, layer_comm_flops=0):
 class InterleavedForms:
     """Every closed form of one rank of an interleaved job: its chunks' ChunkForms (chunks[c]: virtual stage
     c P + s), and over them the rank's. Its store peak walks the rank's order, micro-batch-chunk by micro-batch-chunk
-    (pp_plan.in_flight_peak); FLOPs and bytes moved add up over the chunks."""
+    (pp_plan.in_flight_peak); FLOPs and bytes moved add up over the chunks. The rest is chunk 0's: its chain and
+    schedule the first layer's (the head's: chunks[-1]), its stored bytes micro-batch 0's after chunk 0's forward."""
 
     def __init__(self, chunks, order):
-        self.chunks, first, last = chunks, chunks[0], chunks[-1]
-        self.cfg, self.stage, self.t, self.sp, self.b, self.seq, self.M = (first.cfg, first.stage, first.t, first.sp,
-                                                                           first.b, first.seq, first.M)
+        self.chunks, self.last = chunks, chunks[-1].last
+        for name in ("cfg", "stage", "t", "sp", "b", "seq", "M", "first", "policy", "in_flight", "chain",
+                     "local_schedule", "source", "microbatch_stored_bytes"):
+            setattr(self, name, getattr(chunks[0], name))
         self.layers = [k for chunk in chunks for k in chunk.layers]  # not contiguous: V ranges
-        self.first, self.last, self.policy, self.in_flight = first.first, last.last, first.policy, first.in_flight
-        self.chain, self.local_schedule = first.chain, first.local_schedule  # the first layer's (head: chunks[-1])
-        self.source = first.source
-        self.microbatch_stored_bytes = first.microbatch_stored_bytes  # micro-batch 0's, after chunk 0's forward
         self.peak_bytes = in_flight_peak(order, lambda m, c: chunks[c].microbatch_stored_bytes,
                                          lambda m, c: chunks[c].microbatch_peak_bytes)
 

@@ -38,7 +38,7 @@ def run_orders(orders, stages, virtual=1, times=None, held=(1.0, 1.0), seconds=N
     done, free, holding, most = {}, [0.0] * stages, [0.0] * stages, [0.0] * stages
     spans = [[] for _ in range(stages)]  # also how far each stage has got in its order
     while any(len(spans[s]) < len(orders[s]) for s in range(stages)):
-        progressed = False
+        before = sum(map(len, spans))
         for s in range(stages):
             while len(spans[s]) < len(orders[s]):
                 action = orders[s][len(spans[s])]
@@ -46,13 +46,11 @@ def run_orders(orders, stages, virtual=1, times=None, held=(1.0, 1.0), seconds=N
                 if arrives is None:
                     break
                 start = max(free[s], arrives)
-                end = start + seconds(s, action)
-                done[(s,) + tuple(action)] = free[s] = end
+                done[(s,) + tuple(action)] = free[s] = end = start + seconds(s, action)
                 spans[s].append((*action, start, end))
                 holding[s] += weight[action.kind]
                 most[s] = max(most[s], holding[s])
-                progressed = True
-        if not progressed:
+        if sum(map(len, spans)) == before:
             raise ValueError("the orders wait on each other: no stage can run its next action (a deadlock)")
     step = max(free)
     busy = [sum(end - start for *_, start, end in stage) for stage in spans]

@@ -4,10 +4,9 @@ over, and what a first forward keeps costs w times what a recompute sweep keeps 
 time). The candidates: the single-process planner's Pareto front (picockpt/planning/planner.py), walked down from
 the budget."""
 import math
-from dataclasses import dataclass
+from collections import namedtuple
 
 from ...planning.planner import least_budget, least_plan, plan_chain, replay
-from ...recompute.schedule import Schedule
 
 
 class BudgetTooSmall(ValueError):
@@ -36,16 +35,12 @@ def in_flight_peak(order, stored, peaks, left=None):
     Equal micro-batches, one chunk, no W: (in flight - 1) E + peak, the 1F1B form."""
     held, total, peak = {}, 0, 0  # total: sum(held.values()), kept as it changes (the walk linear in M)
     for kind, m, c in order:
-        if kind == "F":
-            held[m, c] = stored(m, c)
-            total += held[m, c]
-        elif kind == "B":
-            peak = max(peak, total - held[m, c] + peaks(m, c))
-            total -= held[m, c]
-            held[m, c] = left(m, c) if left else 0
-            total += held[m, c]
-        else:
-            total -= held.pop((m, c))
+        before = held.pop((m, c)) if kind != "F" else 0  # B: what its F left; W: what its B left
+        if kind == "B":
+            peak = max(peak, total - before + peaks(m, c))
+        if kind != "W":
+            held[m, c] = stored(m, c) if kind == "F" else left(m, c) if left else 0
+        total += held.get((m, c), 0) - before
         peak = max(peak, total)
     return peak
 
@@ -59,16 +54,10 @@ def walk_peak(order, in_flight, held, peak, left=None):
     return in_flight_peak(order, lambda m, c: held, lambda m, c: peak, lambda m, c: w)
 
 
-@dataclass(frozen=True)
-class InFlightPlan:
-    schedule: Schedule       # one micro-batch's schedule
-    peak_bytes: int          # the stage's peak: (in_flight - 1) * end_of_forward + microbatch_peak
-    microbatch_peak: int     # one micro-batch's own peak (replay)
-    end_of_forward: int      # E
-    recompute_flops: int     # per micro-batch
-    in_flight: int
-    budget: int
-    source: str              # "planner" (a plan of the frontier) or the name of a given schedule
+# plan_in_flight's answer: one micro-batch's schedule, the stage's peak ((in_flight - 1) E + microbatch_peak, its own
+# peak by replay), E, its recompute FLOPs, and source: "planner" (a plan of the frontier) or a given schedule's name
+InFlightPlan = namedtuple("InFlightPlan",
+                          "schedule peak_bytes microbatch_peak end_of_forward recompute_flops in_flight budget source")
 
 
 def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None, order=None, left=None):

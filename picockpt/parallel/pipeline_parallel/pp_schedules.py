@@ -25,8 +25,9 @@ while forwards remain, B, W while backwards remain, and the waiting W's last: wi
 falls from 1F1B's (P - 1)(F + B + W) to (P - 1)(F + B - W), a third of it.
 """
 import functools
+import re
 from collections import namedtuple
-from itertools import accumulate
+from itertools import accumulate, count
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 EXPLAINED = {"afab": "all forward then all backward", "1f1b": "one forward one backward",
@@ -108,25 +109,19 @@ def actions(schedule, stages, microbatches, stage, virtual=1):
 @functools.lru_cache(maxsize=256)  # predict walks each order once per policy and schedule compared: made once
 def _actions(schedule, stages, microbatches, stage, virtual):
     check_schedule(schedule, virtual)
-    M, warmup = microbatches, min(stages - stage - 1, microbatches)
     if schedule == "interleaved":
-        return interleaved_actions(stages, M, virtual, stage)
+        return interleaved_actions(stages, microbatches, virtual, stage)
     if schedule == "zb-h1":
-        return zb_h1_actions(stages, M, stage)
-    if schedule == "afab":
-        return phase_actions(("F", M), ("B", M))
+        return zb_h1_actions(stages, microbatches, stage)
+    M, warmup = microbatches, microbatches if schedule == "afab" else min(stages - stage - 1, microbatches)
     return phase_actions(("F", warmup), ("FB", M - warmup), ("B", warmup))  # warm-up, steady state, cool-down
 
 
 def phase_actions(*phases, action=Action):
     """The Actions of phases (kinds, times), each running its kinds in turn `times` times, each kind on its next
     micro-batch: action(kind, k) the kind's k-th (Action(kind, k) but under interleaving)."""
-    order, n = [], {"F": 0, "B": 0, "W": 0}
-    for kinds, times in phases:
-        for kind in kinds * times:
-            order.append(action(kind, n[kind]))
-            n[kind] += 1
-    return order
+    n = {"F": count(), "B": count(), "W": count()}  # each kind's next number
+    return [action(kind, next(n[kind])) for kinds, times in phases for kind in kinds * times]
 
 
 def interleaved_actions(stages, microbatches, virtual, stage):
@@ -143,8 +138,7 @@ def interleaved_actions(stages, microbatches, virtual, stage):
 
 
 def zb_h1_actions(stages, microbatches, stage):
-    """Rank `stage`'s Actions under ZB-H1: 1F1B's warm-up, then `stage` forward-backward pairs whose W waits,
-    then F, B, W together while forwards remain, B and W while backwards remain, and the waiting W's last."""
+    """Rank `stage`'s Actions under ZB-H1 (phases as the module docstring says: `stage` pairs F, B whose W waits)."""
     M, warmup = microbatches, min(stages - stage - 1, microbatches)
     pairs = min(stage, M - warmup)
     return phase_actions(("F", warmup), ("FB", pairs), ("FBW", M - warmup - pairs), ("BW", warmup), ("W", pairs))
@@ -156,12 +150,8 @@ def interleaved_steps(order):
     With M = P every forward is a warm-up one (Megatron's all_warmup_microbatches): no steady state, no pair."""
     kinds = "".join(action.kind for action in order)
     steady = kinds != "F" * kinds.count("F") + "B" * kinds.count("B")
-    out, index = [], 0
-    while index < len(order):
-        pair = steady and order[index].kind == "F" and index + 1 < len(order) and order[index + 1].kind == "B"
-        out.append(order[index:index + 1 + pair])
-        index += 1 + pair
-    return out
+    sizes = [len(step) for step in re.findall("FB|." if steady else ".", kinds)]
+    return [order[start:start + n] for start, n in zip(accumulate(sizes, initial=0), sizes)]
 
 
 @functools.lru_cache(maxsize=256)

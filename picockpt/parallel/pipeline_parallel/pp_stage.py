@@ -23,8 +23,8 @@ from ...recompute.engine import device_generator
 from ...model.params import EMBED, layer_key, layer_weights
 from ...ops import rope_tables
 from ...ops.linear import WeightGrad, deferred_weight_grads, weight_grad
-from .pp_comm import (from_previous_stage_backward, from_previous_stage_forward, receive_rng_state, send_rng_state,
-                  to_next_stage_backward, to_next_stage_forward)
+from .pp_comm import (from_previous_stage_backward, from_previous_stage_forward, to_next_stage_backward,
+                      to_next_stage_forward)
 from ..rng import RowBlock, full_size_draws
 
 
@@ -65,9 +65,8 @@ class PipelineStage:
             self.weights, self.rope = like.weights, like.rope
         else:
             self.weights = self.data.weights()
-            for tensor in self.weights.values():
-                if tensor.device.type != "meta":
-                    tracker.mark(tensor, "weights")
+            for tensor in (tensor for tensor in self.weights.values() if tensor.device.type != "meta"):
+                tracker.mark(tensor, "weights")
             self.rope = rope_tables(self.cfg, seq, device, self.cfg.torch_dtype)  # (T, hd) x2
         self.weights_of = {k: layer_weights(self.weights, k) for k in self.layers}
 
@@ -111,7 +110,8 @@ class StageModel:
     def embed(self):
         stage, draws = self.stage, self.cfg.draws_random
         if draws and not stage.first and self.m == 0:  # the state the single process has at this stage's first layer
-            stage.rng_start = receive_rng_state(stage.pipe, self.generator.get_state())
+            like = self.generator.get_state()  # (n,) uint8
+            stage.rng_start = from_previous_stage_forward(stage.pipe, like.shape, like.dtype, "rng_state").cpu()
         if stage.first:
             with stage.weights_for("embed"):
                 x = self.rank_model.embed()  # (b, n, h)
@@ -158,8 +158,8 @@ class StageModel:
     def head_forward(self, x, store, unstored):
         stage = self.stage
         if not stage.last:
-            if self.cfg.draws_random and self.m == 0:
-                send_rng_state(self.generator.get_state(), stage.pipe)  # the next stage's first layer starts here
+            if self.cfg.draws_random and self.m == 0:  # the next stage's first layer starts from this state
+                to_next_stage_forward(self.generator.get_state().to(stage.pipe.device), stage.pipe, "rng_state")
             to_next_stage_forward(x, stage.pipe)
             return x.new_zeros(())  # no loss on this stage
         if self.cfg.draws_random and self.m == 0:
