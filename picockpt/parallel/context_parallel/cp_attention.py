@@ -87,9 +87,8 @@ def _finish(state, dtype):
 def ring_attention_forward(q, k, v, cfg, layout, comm, overlap=False):
     """q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens -> out (B, H, n, hd), lse (B, H, n).
     At step s the block of rank r - s is here; cp - 1 ring steps move the blocks."""
-    W, r, mine = comm.world_size, comm.rank, layout.chunks(comm.rank)
+    W, r, mine, kv = comm.world_size, comm.rank, layout.chunks(comm.rank), torch.stack((k, v))  # one message a step
     state = [None] * len(mine)
-    kv = torch.stack((k, v))  # (2, B, KV, n, hd) one message per step
     for step in range(W):
         posted = ring_post([kv], comm, ["ring_kv"]) if overlap and step < W - 1 else None  # the next block, in flight
         attend_forward(q, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg, state)
@@ -101,10 +100,8 @@ def ring_attention_forward(q, k, v, cfg, layout, comm, overlap=False):
 def ring_attention_backward(dout, q, k, v, out, lse, cfg, layout, comm, recomputing, overlap=False):
     """The ring again: each step's block gives dq here and its dk, dv, which ride on with it and reach
     their owner after the cp-th hop (cp_comm.py). -> dq (B, H, n, hd), dk, dv (B, KV, n, hd)."""
-    W, r, mine, stat = comm.world_size, comm.rank, layout.chunks(comm.rank), cfg.stat_dtype
-    dq = torch.zeros(q.shape, dtype=stat, device=q.device)  # (B, H, n, hd)
-    kv = torch.stack((k, v))  # (2, B, KV, n, hd)
-    dkv = torch.zeros(kv.shape, dtype=stat, device=q.device)  # (2, B, KV, n, hd) the block's gradient so far
+    W, r, mine, kv = comm.world_size, comm.rank, layout.chunks(comm.rank), torch.stack((k, v))  # (2, B, KV, n, hd)
+    dq, dkv = (torch.zeros(x.shape, dtype=cfg.stat_dtype, device=q.device) for x in (q, kv))  # dkv: the block's so far
     for step in range(W):
         posted = ring_post([kv], comm, ["ring_kv"]) if overlap and step < W - 1 else None  # the next block, in flight
         attend_backward(dout, q, out, lse, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg,
@@ -127,8 +124,7 @@ def gathered_attention_forward(q, kv_all, cfg, layout, rank):
 
 def gathered_attention_backward(dout, q, out, lse, kv_all, cfg, layout, rank, recomputing):
     """-> dq (B, H, n, hd) in q's dtype, dkv_all (2, B, KV, T, hd) this rank's partial gradient, statistics dtype."""
-    dq = torch.zeros(q.shape, dtype=cfg.stat_dtype, device=q.device)  # (B, H, n, hd)
-    dkv_all = torch.zeros(kv_all.shape, dtype=cfg.stat_dtype, device=q.device)  # (2, B, KV, T, hd)
+    dq, dkv_all = (torch.zeros(x.shape, dtype=cfg.stat_dtype, device=q.device) for x in (q, kv_all))
     attend_backward(dout, q, out, lse, kv_all, layout.gathered(), layout.chunks(rank), layout.chunk, cfg,
                     recomputing, dq, dkv_all)
     return dq.to(q.dtype), dkv_all

@@ -78,12 +78,9 @@ class ZeroShards:
     # -- weights ---------------------------------------------------------------------------------
     def weights(self):
         """{name: weight} the stage starts from: whole units as views of their flat buffers; a gathered unit's
-        names as meta tensors of their shapes (read for the shape only, replaced by views during each use)."""
-        out = {}
-        for part in self.parts:
-            meta = {name: torch.empty(shape, device="meta") for name, shape in zip(part.unit.names, part.unit.shapes)}
-            out.update(part.unit.views(part.params) if part.whole() else meta)
-        return out
+        as views of a meta buffer (read for the shape only, replaced by gathered views during each use)."""
+        return {name: view for part in self.parts for name, view in part.unit.views(
+            part.params if part.whole() else torch.empty(part.unit.padded, device="meta")).items()}
 
     def begin(self, tracker):
         """A step starts: the first use again (stage 3), the tracker its gathers are marked in, no gradients."""
