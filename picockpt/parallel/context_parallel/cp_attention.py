@@ -14,6 +14,8 @@ needs no per-block statistic: with the merged O and lse each block's kernel back
 softmax's columns for its keys, and D = rowsum(dO * O) is the whole row's; dq sums here, dk_b and dv_b where the
 block's owner gets them (the ring carries them home, the all-gather's reduce-scatter sums them).
 """
+from functools import partial
+
 import torch
 
 from ...ops.attention_fused import fused_attention_backward, fused_attention_forward
@@ -33,21 +35,6 @@ def blocks(chunk, held, c):
     return out
 
 
-def block_forward(q, k, v, cfg, causal):
-    """q (B, H, c, hd), k/v (B, KV, m, hd) -> O_b (B, H, c, hd), lse_b (B, H, c): one block's kernel."""
-    if cfg.attention == "tiled":
-        return tiled_attention_forward(q, k, v, cfg.stat_dtype, cfg.attention_tile, cfg.attention_tile, causal=causal)
-    return fused_attention_forward(q, k, v, causal)
-
-
-def block_backward(dout, q, k, v, out, lse, cfg, causal, recomputing):
-    """The block's kernel backward, with the merged O and lse: -> dq (B, H, c, hd), dk, dv (B, KV, m, hd)."""
-    if cfg.attention == "tiled":
-        return tiled_attention_backward(dout, q, k, v, out, lse, cfg.stat_dtype, cfg.attention_tile, cfg.attention_tile,
-                                        recomputing=recomputing, causal=causal)
-    return fused_attention_backward(dout, q, k, v, out, lse, causal)
-
-
 def merge(state, part):
     """(O_a, lse_a) and (O_b, lse_b) -> the online softmax over both blocks' keys (the formula above)."""
     (out_a, lse_a), (out_b, lse_b) = state, part  # (B, H, c, hd), (B, H, c) in the statistics dtype
@@ -62,11 +49,13 @@ def _rows(x, a, c):
 def attend_forward(q, kv, held, mine, c, cfg, state):
     """Every local query chunk (`mine`) against the block kv (2, B, KV, m, hd) of chunks `held`: merged
     into state[a], (O, lse) of query chunk a so far (None before its first block)."""
-    stat = cfg.stat_dtype
+    stat, tile = cfg.stat_dtype, cfg.attention_tile
+    kernel = partial(tiled_attention_forward, stat_dtype=stat, tile_q=tile, tile_k=tile) if cfg.attention == "tiled" \
+        else fused_attention_forward  # one block's: q (B, H, c, hd), k/v (B, KV, m, hd) -> O_b, lse_b (B, H, c)
     for a, chunk in enumerate(mine):
         q_a = _rows(q, a, c)  # (B, H, c, hd)
         for start, end, causal in blocks(chunk, held, c):
-            out, lse = block_forward(q_a, kv[0, :, :, start:end], kv[1, :, :, start:end], cfg, causal)
+            out, lse = kernel(q_a, kv[0, :, :, start:end], kv[1, :, :, start:end], causal=causal)
             part = (out.to(stat), lse.to(stat))  # (B, H, c, hd), (B, H, c)
             state[a] = part if state[a] is None else merge(state[a], part)
 
@@ -74,11 +63,14 @@ def attend_forward(q, kv, held, mine, c, cfg, state):
 def attend_backward(dout, q, out, lse, kv, held, mine, c, cfg, recomputing, dq, dkv):
     """The backward of attend_forward: adds each block's gradients into dq (B, H, n, hd) and dkv
     (2, B, KV, m, hd), both in the statistics dtype."""
+    tile = cfg.attention_tile
+    kernel = partial(tiled_attention_backward, stat_dtype=cfg.stat_dtype, tile_q=tile, tile_k=tile,
+                     recomputing=recomputing) if cfg.attention == "tiled" else fused_attention_backward
     for a, chunk in enumerate(mine):
         do_a, q_a, out_a, lse_a = _rows(dout, a, c), _rows(q, a, c), _rows(out, a, c), _rows(lse, a, c)
-        for start, end, causal in blocks(chunk, held, c):
-            dq_a, dk, dv = block_backward(do_a, q_a, kv[0, :, :, start:end], kv[1, :, :, start:end], out_a, lse_a,
-                                          cfg, causal, recomputing)  # (B, H, c, hd), (B, KV, m, hd) x2
+        for start, end, causal in blocks(chunk, held, c):  # the block's kernel backward, with the merged O and lse
+            dq_a, dk, dv = kernel(do_a, q_a, kv[0, :, :, start:end], kv[1, :, :, start:end], out_a, lse_a,
+                                  causal=causal)  # (B, H, c, hd), (B, KV, m, hd) x2
             dq[:, :, a * c:(a + 1) * c] += dq_a
             dkv[0, :, :, start:end] += dk
             dkv[1, :, :, start:end] += dv
@@ -89,16 +81,14 @@ def _finish(state, dtype):
     return out, torch.cat([lse for _, lse in state], dim=2)  # (B, H, n)
 
 
-# ---- ring attention: cp steps, the K/V block moving on after each ----------------------------------
-# overlap=False (cp_comm="ring"): each hop after the block's attention, one thing at a time, to read.
-# overlap=True ("ring_overlap"): each hop of kv posted before the block's attention, waited for after it
-# (cp_comm.py: ring_post); the same hops, bytes and sums in the same order, so the same numbers, bitwise.
+# ---- ring attention: cp steps, the K/V block moving on after each. overlap=False (cp_comm="ring"): each hop after
+# the block's attention, one thing at a time, to read; overlap=True ("ring_overlap"): each hop of kv posted before it,
+# waited for after it (cp_comm.py: ring_post): the same hops, bytes and sums in the same order, the same numbers.
 def ring_attention_forward(q, k, v, cfg, layout, comm, overlap=False):
     """q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens -> out (B, H, n, hd), lse (B, H, n).
     At step s the block of rank r - s is here; cp - 1 ring steps move the blocks."""
-    W, r, mine = comm.world_size, comm.rank, layout.chunks(comm.rank)
+    W, r, mine, kv = comm.world_size, comm.rank, layout.chunks(comm.rank), torch.stack((k, v))  # one message a step
     state = [None] * len(mine)
-    kv = torch.stack((k, v))  # (2, B, KV, n, hd) one message per step
     for step in range(W):
         posted = ring_post([kv], comm, ["ring_kv"]) if overlap and step < W - 1 else None  # the next block, in flight
         attend_forward(q, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg, state)
@@ -110,10 +100,8 @@ def ring_attention_forward(q, k, v, cfg, layout, comm, overlap=False):
 def ring_attention_backward(dout, q, k, v, out, lse, cfg, layout, comm, recomputing, overlap=False):
     """The ring again: each step's block gives dq here and its dk, dv, which ride on with it and reach
     their owner after the cp-th hop (cp_comm.py). -> dq (B, H, n, hd), dk, dv (B, KV, n, hd)."""
-    W, r, mine, stat = comm.world_size, comm.rank, layout.chunks(comm.rank), cfg.stat_dtype
-    dq = torch.zeros(q.shape, dtype=stat, device=q.device)  # (B, H, n, hd)
-    kv = torch.stack((k, v))  # (2, B, KV, n, hd)
-    dkv = torch.zeros(kv.shape, dtype=stat, device=q.device)  # (2, B, KV, n, hd) the block's gradient so far
+    W, r, mine, kv = comm.world_size, comm.rank, layout.chunks(comm.rank), torch.stack((k, v))  # (2, B, KV, n, hd)
+    dq, dkv = (torch.zeros(x.shape, dtype=cfg.stat_dtype, device=q.device) for x in (q, kv))  # dkv: the block's so far
     for step in range(W):
         posted = ring_post([kv], comm, ["ring_kv"]) if overlap and step < W - 1 else None  # the next block, in flight
         attend_backward(dout, q, out, lse, kv, layout.chunks((r - step) % W), mine, layout.chunk, cfg,
@@ -136,8 +124,7 @@ def gathered_attention_forward(q, kv_all, cfg, layout, rank):
 
 def gathered_attention_backward(dout, q, out, lse, kv_all, cfg, layout, rank, recomputing):
     """-> dq (B, H, n, hd) in q's dtype, dkv_all (2, B, KV, T, hd) this rank's partial gradient, statistics dtype."""
-    dq = torch.zeros(q.shape, dtype=cfg.stat_dtype, device=q.device)  # (B, H, n, hd)
-    dkv_all = torch.zeros(kv_all.shape, dtype=cfg.stat_dtype, device=q.device)  # (2, B, KV, T, hd)
+    dq, dkv_all = (torch.zeros(x.shape, dtype=cfg.stat_dtype, device=q.device) for x in (q, kv_all))
     attend_backward(dout, q, out, lse, kv_all, layout.gathered(), layout.chunks(rank), layout.chunk, cfg,
                     recomputing, dq, dkv_all)
     return dq.to(q.dtype), dkv_all

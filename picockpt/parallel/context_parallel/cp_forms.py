@@ -38,9 +38,8 @@ CP_BANDWIDTH = INFINIBAND_NDR
 
 def kept_kv_bytes(cfg, batch, seq, cp, cp_comm="ring", keep_kv=False):
     """K: the other ranks' K/V rows one layer keeps (allgather with keep_kv; else 0)."""
-    if cp_comm != "allgather" or not keep_kv:
-        return 0
-    return 2 * batch * cfg.kv_heads * (seq - seq // cp) * cfg.head_dim * BYTES[cfg.dtype]
+    kept = cp_comm == "allgather" and keep_kv
+    return 2 * batch * cfg.kv_heads * (seq - seq // cp) * cfg.head_dim * BYTES[cfg.dtype] if kept else 0
 
 
 def cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
@@ -51,9 +50,8 @@ def cp_peak_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False):
                          f"its peak); cp_peak_bytes takes none, full, every:C, selective or cheap")
     X, A, F = chain_sizes(cfg, batch, seq // cp, policy.unstored)
     K, L = kept_kv_bytes(cfg, batch, seq, cp, cp_comm, keep_kv), cfg.layers
-    if policy.segment is None:
-        return L * (A + K) + F
-    return segments_peak([X] * L, [A + K] * L, F, policy.segment, always=[K] * L)
+    return L * (A + K) + F if policy.segment is None else segments_peak([X] * L, [A + K] * L, F, policy.segment,
+                                                                         always=[K] * L)
 
 
 def cp_comm_bytes(cfg, batch, seq, policy, cp, cp_comm="ring", keep_kv=False, schedule=None, t=1):

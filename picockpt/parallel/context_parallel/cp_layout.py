@@ -35,8 +35,7 @@ class SequenceLayout:
 
     def positions(self, rank, device="cpu"):
         """(n,) the global position of each of rank's local rows."""
-        c = self.chunk
-        return torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in self.chunks(rank)])  # (n,)
+        return torch.cat([torch.arange(j * self.chunk, (j + 1) * self.chunk, device=device) for j in self.chunks(rank)])
 
     def rows(self, x, rank, dim=1):
         """x (..., T, ...) along dim -> rank's tokens (..., n, ...), in its local order (a copy)."""

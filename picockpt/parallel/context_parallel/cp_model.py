@@ -2,14 +2,13 @@
 
 The rank holds every weight (replicated) and its n = T/cp tokens of every sequence (cp_layout.py). All of the layer
 but attention works token by token, so picockpt/model/layer.py's layer runs here unchanged on (B, n, h); only its
-attention core crosses ranks (ContextParallelHooks): round the ring (cp_attention.py), or after one all-gather
-of K/V per layer, gathered again in the backward (as Megatron-LM's docs say) unless keep_kv keeps the other ranks'
-rows: attn.kv_others, put in the step's store by the layer's first forward whatever its mode, read by every
-recompute sweep, popped by its backward. A recompute sweep runs the layer's ring or all-gather again.
-
-RoPE: the rows of the single process's rotary tables at this rank's global positions. The loss is the stage's
-(pipeline_parallel/pp_stage.py: scaled by this rank's share of the counted targets); the replicated weights' partial
-gradients are summed over the dp x cp ranks by the data-parallel buckets.
+attention core crosses ranks (ContextParallelHooks): round the ring (cp_attention.py), or after one all-gather of K/V
+per layer, gathered again in the backward (as Megatron-LM's docs say) unless keep_kv keeps the other ranks' rows:
+attn.kv_others, put in the step's store by the layer's first forward whatever its mode, read by every recompute sweep,
+popped by its backward. A recompute sweep runs the layer's ring or all-gather again. RoPE: the rows of the single
+process's rotary tables at this rank's global positions. The loss is the stage's (pipeline_parallel/pp_stage.py: scaled
+by this rank's share of the counted targets); the dp x cp ranks sum the replicated weights' partial gradients in the
+data-parallel buckets.
 """
 import torch
 

@@ -7,14 +7,13 @@ def refuses(job, policy, device):
     """The data-parallel and ZeRO fields of a picockpt.parallel job (job.py: ParallelJob), with any layout beside;
     the batch split into dp x microbatches equal micro-batches."""
     layout = job.layout
-    # ZeRO's fields: its values over the dp x ep x cp ranks it shards over, or its flags without it
-    if layout.zero:
+    ranks = layout.dp * layout.ep * layout.cp  # replicas: the group ZeRO shards every weight but the experts' over
+    if layout.zero:  # ZeRO's fields: its values over those ranks, or its flags without it
         if not layout.overlap:
             raise ValueError(f"overlap=False with zero={layout.zero}: ZeRO reduces each unit's gradients as soon as "
                              f"they are final, always (plain data parallelism's buckets are what overlap switches); "
                              f"leave overlap out")
-        shard_ranks = layout.dp * layout.ep * layout.cp  # the group every weight but the experts' is sharded over
-        check_zero(layout.zero, shard_ranks, job.cfg, None, layout.keep_gathered, layout.prefetch)  # batch: below
+        check_zero(layout.zero, ranks, job.cfg, None, layout.keep_gathered, layout.prefetch)  # batch: below
     elif job.steps or job.batches:  # batches: checked_job's non-empty list, or None
         raise ValueError(f"{'batches' if job.batches else f'steps={job.steps}'} without zero: AdamW on the shards is "
                          f"ZeRO's; add zero=1, 2 or 3 (and dp >= 2), or leave it out")
@@ -22,7 +21,7 @@ def refuses(job, policy, device):
         raise ValueError(f"{f'keep_gathered={layout.keep_gathered!r}' if layout.keep_gathered else 'prefetch=False'} "
                          f"without zero: it changes when ZeRO-3 gathers parameters, and there is none here; add zero=3 "
                          f"(and dp >= 2), or leave it out")
-    if not layout.overlap and layout.dp * layout.ep * layout.cp == 1:
+    if not layout.overlap and ranks == 1:
         raise ValueError("overlap=False with dp=1, ep=1 and cp=1: it all-reduces the gradients after the backward "
                          "instead of as each is final, and there are no replicas to reduce over; set dp >= 2, or "
                          "leave overlap out")

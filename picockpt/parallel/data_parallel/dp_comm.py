@@ -33,8 +33,7 @@ class GradientBuckets:
             self.views.update(unit.views(flat))  # {name: (shape) a view into the bucket}
         self.cuda = torch.device(device).type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda and comm is not None and overlap else None  # for `done`
-        self.launched = {}  # bucket -> (work, launch mark)
-        self.marks = []     # (bucket, bytes, launched, done): Timeline marks (docstring)
+        self.launched, self.marks = {}, []  # bucket -> (work, launch mark); (bucket, bytes, launched, done) marks
 
     def add(self, name, grad):
         self.views[name] += grad.to(self.dtype)  # (shape) accumulated over micro-batches, in the master dtype

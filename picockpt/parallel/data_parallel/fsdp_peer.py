@@ -7,9 +7,8 @@
                       "backward": {...}, "loss": ..., "grads": {...}}
                      # variant v = (reshard_after_forward, checkpointed[, nesting]): one fresh model each
 
-Each decoder layer is its own FSDP unit and the root unit holds the rest. reshard_after_forward: True, False, or
-None (torch's default: True for the layers, False for the root). nesting (checkpointed only) says which wrapper is
-outside:
+Each decoder layer is its own FSDP unit and the root unit holds the rest. reshard_after_forward: True, False, or None
+(torch's default: True for the layers, False for the root). nesting (checkpointed only) says which wrapper is outside:
 
     "fsdp(ac(layer))"  torchtitan's (torchtitan/models/llama3/parallelize.py: checkpoint_wrapper around each block,
                        then fully_shard on the wrapper): the recompute runs only the block inside the unit, so
@@ -21,13 +20,12 @@ outside:
                        hooks included, after the same pre-backward hook has gathered it; FSDPParamGroup.post_forward's
                        `if not is_bw()` (_fsdp_param_group.py) keeps such a recompute from resharding.
 
-Either way, with the layers resharded after their forward, recompute and backward share one gather of a unit:
-picockpt's keep_gathered=True. unit_forwards (the layers' FSDP units' forward calls), recomputes (the decoder
-layers' runs in the backward) and recomputes_found_gathered (those that found their weights plain tensors, not
-sharded DTensors) show which mechanism ran. Counting: the step wraps the one torch.distributed function FSDP2
-gathers with (FSDP_GATHER), booking the output's bytes as comm.py counts an all-gather, under "forward" before
-loss.backward() and "backward" after. FSDP2 shards each parameter along dim 0 (padded), not flat per unit: the bytes
-equal picockpt's when no dim needs padding.
+Either way, with the layers resharded after their forward, recompute and backward share one gather of a unit: picockpt's
+keep_gathered=True. unit_forwards (the layers' FSDP units' forward calls), recomputes (the decoder layers' runs in the
+backward) and recomputes_found_gathered (those that found their weights plain tensors, not sharded DTensors) show which
+mechanism ran. Counting: the step wraps the one torch.distributed function FSDP2 gathers with (FSDP_GATHER), booking the
+output's bytes as comm.py counts an all-gather, under "forward" before loss.backward() and "backward" after. FSDP2
+shards each parameter along dim 0 (padded), not flat per unit: the bytes equal picockpt's when no dim needs padding.
 """
 from functools import partial
 

@@ -26,10 +26,9 @@ def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
     if batch is not None and batch % dp:
         raise ValueError(f"batch={batch} is not divisible by dp={dp}: each rank computes batch/dp whole sequences; use "
                          f"a batch that is a multiple of {dp}")
-    unsupported = [(cfg.dtype not in ("float32", "float64"), f"dtype={cfg.dtype!r} (mixed precision)"),
-                   (cfg.tie_embeddings, "tie_embeddings=True (one matrix in two units)"),
-                   (cfg.router_jitter > 0, f"router_jitter={cfg.router_jitter} (jitter drawn per rank's rows)")]
-    for refused, what in unsupported:
+    for refused, what in [(cfg.dtype not in ("float32", "float64"), f"dtype={cfg.dtype!r} (mixed precision)"),
+                          (cfg.tie_embeddings, "tie_embeddings=True (one matrix in two units)"),
+                          (cfg.router_jitter > 0, f"router_jitter={cfg.router_jitter} (jitter drawn per rank's rows)")]:
         if refused:
             raise ValueError(f"zero={zero} with {what} is not supported yet; what works: {WORKS}")
     refuse_tiled_dropout(cfg, f"zero={zero}", "the shape of a rank's batch", "equal the", "leave zero out")

@@ -48,8 +48,7 @@ def unit_state_bytes(units, stage, p):
 
 def model_state_bytes(cfg, stage, world_size):
     """{param_bytes, grad_bytes, optimizer_bytes} one rank holds under `stage`, every unit over the dp ranks."""
-    p = torch.empty((), dtype=cfg.param_dtype).element_size()
-    return unit_state_bytes(flat_units(cfg, world_size), stage, p)
+    return unit_state_bytes(flat_units(cfg, world_size), stage, cfg.param_dtype.itemsize)
 
 
 def stage_uses(order, layers, first, last, schedule):

@@ -41,8 +41,7 @@ class Sharded:
     its shard, and after the backward the gradient of its shard."""
 
     def __init__(self, unit, comm, params, stage, dtype):
-        self.unit, self.comm = unit, comm
-        self.rank = comm.rank if comm is not None else 0
+        self.unit, self.comm, self.rank = unit, comm, comm.rank if comm is not None else 0
         flat = unit.flatten(params, dtype)  # (padded,)
         self.params = flat if stage < 3 or comm is None else unit.shard(flat, self.rank).clone()  # (padded,) | (s,)
         self.shard = self.params if self.params.numel() == unit.shard_numel else unit.shard(self.params, self.rank)
@@ -71,21 +70,17 @@ class ZeroShards:
                                          for n, part in enumerate(parts)}, lr, weight_decay)
         self.parts = [part for parts in self.units.values() for part in parts]  # every unit's, in order
         self.owner = {name: part for part in self.parts for name in part.unit.names}
-        self.uses, self.next_use = uses, 0
+        self.uses, self.next_use, self.tracker = uses, 0, None
         self.kept = [kept_after(uses, n, layout.keep_gathered) for n in range(len(uses or ()))]  # stays gathered?
         self.gathered, self.pending = {}, {}  # key -> [flat]; key -> [(work, flat)] under way
         self.gathered_peak = dict.fromkeys(("forward", "recompute", "backward"), 0)  # bytes, as measured
-        self.tracker = None
 
     # -- weights ---------------------------------------------------------------------------------
     def weights(self):
         """{name: weight} the stage starts from: whole units as views of their flat buffers; a gathered unit's
-        names as meta tensors of their shapes (read for the shape only, replaced by views during each use)."""
-        out = {}
-        for part in self.parts:
-            meta = {name: torch.empty(shape, device="meta") for name, shape in zip(part.unit.names, part.unit.shapes)}
-            out.update(part.unit.views(part.params) if part.whole() else meta)
-        return out
+        as views of a meta buffer (read for the shape only, replaced by gathered views during each use)."""
+        return {name: view for part in self.parts for name, view in part.unit.views(
+            part.params if part.whole() else torch.empty(part.unit.padded, device="meta")).items()}
 
     def begin(self, tracker):
         """A step starts: the first use again (stage 3), the tracker its gathers are marked in, no gradients."""
@@ -106,11 +101,10 @@ class ZeroShards:
                                f"for {self.uses[n]}: the prefetch order no longer matches the engine's walk")
         self.next_use += 1
         if key not in self.gathered:  # prefetched (under way), else gathered now
-            gathering = self.pending.pop(key, None) or self.gather(key, phase, async_op=False)
-            for work, _ in gathering:
-                if work is not None:
-                    work.wait()
-            self.gathered[key] = [flat for _, flat in gathering]
+            prefetched = self.pending.pop(key, None)
+            for work, _ in prefetched or ():
+                work.wait()
+            self.gathered[key] = [flat for _, flat in prefetched or self.gather(key, phase, async_op=False)]
         if self.prefetch and n + 1 < len(self.uses):  # the next use's gather, under way while this one computes
             next_phase, upcoming = self.uses[n + 1]
             if upcoming not in self.gathered and upcoming not in self.pending:  # the unit in use: no second copy
@@ -118,10 +112,8 @@ class ZeroShards:
         live = sum(f.nbytes for fs in self.gathered.values() for f in fs) + \
             sum(f.nbytes for pending in self.pending.values() for _, f in pending)
         self.gathered_peak[phase] = max(self.gathered_peak[phase], live)
-        flats = self.gathered[key]
-        views = {name: view for part, flat in zip(parts, flats) for name, view in part.unit.views(flat).items()}
-        yield views  # views into the gathered buffers
-        del views, flats
+        yield {name: view for part, flat in zip(parts, self.gathered[key])
+               for name, view in part.unit.views(flat).items()}  # views into the gathered buffers
         if not self.kept[n]:
             del self.gathered[key]  # freed (the views die with the caller's)
 
@@ -146,11 +138,9 @@ class ZeroShards:
     def ready(self, bucket):
         """The bucket's gradients are final: reduce each of its units (a stage's bucket "embedding": unit "embed")."""
         for part in self.units["embed" if bucket == "embedding" else bucket]:
-            if part.comm is None:
-                continue
-            if self.stage == 1:
+            if part.comm is not None and self.stage == 1:
                 part.grad = all_reduce(part.grad, part.comm)  # (padded,) every rank's sum, in place
-            else:
+            elif part.comm is not None:
                 part.grad = reduce_scatter(part.grad, part.comm, dim=0)  # (s,) its shard's sum; the whole is freed
                 self.tracker.mark(part.grad, "gradients")
 
