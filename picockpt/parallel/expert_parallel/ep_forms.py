@@ -20,11 +20,6 @@ from ..comm import PHASES
 from ..tensor_parallel.tp_forms import rank_head_inventory, split_inventory
 
 
-def ep_layer_names(cfg, ep, rank):
-    """What an expert-parallel layer could keep on rank r (for --trace): its inventory with rows for every expert."""
-    return list(ep_layer_inventory(cfg, ep, 1, ep, rank, [1] * cfg.experts))
-
-
 def received_rows(cfg, counts, ep, rank):
     """M: the rows rank r's experts receive in a layer whose per-expert counts (whole batch) are `counts`."""
     local = cfg.experts // ep
@@ -113,9 +108,8 @@ def ep_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=
 def ep_head_stored_bytes(cfg, batch, seq, policy, ep, t=1, sp=False):
     """What the head holds on a rank after the forward: picockpt's head on its batch/ep sequences (tp's, beside)."""
     unstored = as_policy(policy, cfg).unstored
-    if t > 1:
-        return total(rank_head_inventory(cfg, batch // ep, seq, t, sp, unstored))
-    return total(head_inventory(cfg, batch // ep, seq, unstored))
+    return total(rank_head_inventory(cfg, batch // ep, seq, t, sp, unstored) if t > 1
+                 else head_inventory(cfg, batch // ep, seq, unstored))
 
 
 def replicated_grad_bytes(cfg):
@@ -133,8 +127,7 @@ def ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatch
 
 def _all_to_all_bytes(cfg, policy, P, M, E, keep_dispatched):
     """The bytes of one layer's all-to-alls for P rows sent, M received and E expert counts exchanged."""
-    act, stat, _ = (BYTES[name] for name in cfg.dtype_names)
-    h = cfg.hidden
+    (act, stat, _), h = (BYTES[name] for name in cfg.dtype_names), cfg.hidden
     dispatch = P * h * act + P * stat  # the tokens and their weights, to the experts' ranks
     combine = M * h * act  # the weighted rows, back to their tokens' ranks
     recompute = 0
@@ -149,15 +142,13 @@ def _all_to_all_bytes(cfg, policy, P, M, E, keep_dispatched):
 def ep_sent_bytes(cfg, batch, seq, policy, ep, rank, routing_by_rank, keep_dispatched=False):
     """The bytes rank r's all-to-alls send to other ranks: each buffer less the rows it sends itself, the same forms
     with P = M = S and E/W counts. routing_by_rank: every layer's W lists of E counts (step_routing(..., ranks=W))."""
-    policy = as_policy(policy, cfg)
-    sent = dict.fromkeys(PHASES, 0)
+    policy, sent = as_policy(policy, cfg), dict.fromkeys(PHASES, 0)
     for by_rank in routing_by_rank:
         counts = [sum(column) for column in zip(*by_rank)]  # the whole batch's per-expert counts
         buffer = ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched)
         S = received_rows(cfg, by_rank[rank], ep, rank)  # its own tokens' pairs to its own experts: sent to itself
         own = _all_to_all_bytes(cfg, policy, S, S, cfg.experts // ep, keep_dispatched)
-        for phase in sent:
-            sent[phase] += buffer[phase] - own[phase]
+        sent = {phase: n + buffer[phase] - own[phase] for phase, n in sent.items()}
     return sent
 
 
