@@ -43,9 +43,8 @@ def _check(cfg, batch, seq, policy, ep, rank, routing):
 def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, unstored=frozenset(), keep_dispatched=False, t=1, sp=False):
     """What one layer stored whole keeps on rank `rank` of ep, its input included: name -> (shape, dtype, bytes).
     batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints; t, sp: beside tp."""
-    act, stat, _ = cfg.dtype_names
     unstored = ep_drop(frozenset(unstored))
-    local, f, h = cfg.experts // ep, cfg.ffn // t, cfg.hidden
+    (act, stat, _), local, f, h = cfg.dtype_names, cfg.experts // ep, cfg.ffn // t, cfg.hidden
     plain = split_inventory(layer_inventory(cfg, batch // ep, seq, unstored), t, sp)  # its own sequences (tp's split)
     rows = [(name, shape, dtype) for name, (shape, dtype, _) in plain.items()
             if not name.startswith(("moe.gate_up[", "moe.act["))]
@@ -67,8 +66,7 @@ def _input_bytes(cfg, batch, seq, ep, t, sp):
 
 def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
     """R: what a layer's first forward keeps whatever its mode (ep_moe.py's table: ROUTING, and DISPATCHED too)."""
-    act, stat, _ = cfg.dtype_names
-    M = received_rows(cfg, counts, ep, rank)
+    (act, stat, _), M = cfg.dtype_names, received_rows(cfg, counts, ep, rank)
     routing = 8 * (batch // ep) * seq * cfg.experts_per_token + 8 * cfg.experts
     return routing + (M * (cfg.hidden * BYTES[act] + BYTES[stat]) if keep_dispatched else 0)
 

@@ -80,10 +80,8 @@ def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=F
     plan = dispatch_plan(index, received, comm)
     if kept.has("moe.dispatched"):  # kept by the first forward (keep_dispatched): nothing moves
         rows, row_weights = kept.get("moe.dispatched"), kept.get("moe.dispatched_weights")  # (M, h), (M,)
-    else:
-        # dispatch: each pair's token row to the rank of its expert (all-to-all, P rows out, M in)
+    else:  # dispatch: each pair's token row, then its weight, to the rank of its expert (all-to-alls, P rows out, M in)
         rows = all_to_all_forward(x[plan.tokens], comm, plan.send, plan.receive)  # (M, h)
-        # and its weight with it (all-to-all, P values out, M in)
         row_weights = all_to_all_forward(weights.flatten()[plan.order], comm, plan.send, plan.receive)  # (M,)
         for name, tensor in zip(DISPATCHED, (rows, row_weights)):  # every first forward's, or the layer's own
             (kept.put if keep_dispatched else keep)(name, tensor)
@@ -113,8 +111,7 @@ def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
     noise = take("moe.jitter") if cfg.router_jitter > 0 else None  # (B_r, T, h)
     plan = dispatch_plan(index, received, comm)
     dm = grad()  # (B_r, T, h)
-    B, T, h = dm.shape
-    dm = dm.reshape(B * T, h)  # (N_r, h)
+    (B, T, h), dm = dm.shape, dm.reshape(-1, dm.shape[-1])  # (N_r, h)
     x, probs = routed_input(normed, noise, w, cfg, take)  # (N_r, h) the input the experts saw, (N_r, E)
     weights = combine_weights(probs, index).flatten()  # (N_r k,) the forward's weights, bitwise
     # the combine's backward: out[token] += back[pair], so d back[pair] = dm[token]; the inverse

@@ -65,8 +65,7 @@ def rank_sizes(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=
 
 def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
     """The planner's chain (picockpt/planning/planner.py: Stage) of one rank: its own bytes and FLOPs."""
-    unstored = frozenset(unstored)
-    parts = layer_flops(cfg, batch, seq)
+    unstored, parts = frozenset(unstored), layer_flops(cfg, batch, seq)
     stored = rank_layer_inventory(cfg, batch, seq, t, sp)
     levels = [("all", unstored)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > unstored]
     variants, head_variants = {}, {}

@@ -4,14 +4,13 @@ parallelism): picockpt/model/layer.py's one layer, its hooks (layer.py: LayerHoo
     h   = x + dropout(LEAVE(o_proj(attention(q, k, v))))     q, k, v = projections of ENTER(rmsnorm(x))
     out = h + dropout(LEAVE(down(silu(gate) * up)))           gate, up = projections of ENTER(rmsnorm(h))
 
-The blocks read their head counts from the weights, so they run here unchanged on the rank's share (tp_shard.py)
-and return its *partial* output; the ranks' sum is the single process's. ENTER and LEAVE: tp_comm.py's
-copy_to_parallel and reduce_from_parallel, or gather_sequence and scatter_sequence (sp). Without sequence parallelism
-the norms, residual adds and dropouts run on the whole sequence, the same on every rank; with it on the rank's T/t
-tokens, and only the blocks see all T. Under sp the stored norm output is the rank's shard, so the backward
-all-gathers it again before the projections' weight gradients (as Megatron does: never kept gathered). A mixture of
-experts runs between the same ENTER and LEAVE, each expert on its f/t slice, its router whole: the router's
-gradient, from partial outputs, is summed over the ranks.
+The blocks read their head counts from the weights, so they run here unchanged on the rank's share (tp_shard.py) and
+return its *partial* output; the ranks' sum is the single process's. Without sequence parallelism the norms, residual
+adds and dropouts run on the whole sequence, the same on every rank; with it on the rank's T/t tokens, and only the
+blocks see all T. Under sp the stored norm output is the rank's shard, so the backward all-gathers it again before
+the projections' weight gradients (as Megatron does: never kept gathered). A mixture of experts runs between the same
+ENTER and LEAVE, each expert on its f/t slice, its router whole: the router's gradient, from partial outputs, is
+summed over the ranks.
 """
 from ...model.layer import ONE_PROCESS
 from ..comm import all_reduce
@@ -43,8 +42,7 @@ class TensorParallelHooks(WrappedHooks):
     enter_backward = _by_sp(gather_sequence_backward, copy_to_parallel_backward)
     leave = _by_sp(scatter_sequence_forward, reduce_from_parallel_forward)
     leave_backward = _by_sp(scatter_sequence_backward, reduce_from_parallel_backward)
-    # a kept norm output is this rank's tokens under sp: all-gather it again (never kept gathered)
-    regather = _by_sp(gather_sequence_forward, lambda xn, comm: xn)
+    regather = _by_sp(gather_sequence_forward, lambda xn, comm: xn)  # a kept norm output: this rank's tokens under sp
 
     def branch_mask(self, shape, p, device):
         # the single process's (B, T, h) mask; under sp this rank's tokens of it, else all of it
