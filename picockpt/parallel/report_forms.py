@@ -26,16 +26,18 @@ from .rank import rank_tensors
 
 def predicted(job, report, routing=None):
     """The closed forms of one rank's report (its stage, dp and ep rank); routing: run_jobs' single-process
-    routing by rows under ep (None otherwise). Composed as the rank's step is: the stage's forms (pipeline and tensor
-    parallelism), then each dimension that ran adds or replaces its own (FORMS, in order)."""
+    routing by rows under ep (None otherwise). Composed as rank.py composes the step, each dimension that ran adding
+    or replacing its own: the stage's forms (pipeline and tensor parallelism), or under ep its experts' per
+    micro-batch in their place; cp's at T/cp tokens over either; ZeRO's model state."""
     layout = job.layout
     stage_forms = layer_forms(job, report["stage"])
     state_bytes = job.rng_state.numel() if job.cfg.draws_random else 0
     out = {"predicted_p2p_bytes": stage_forms.p2p_bytes(state_bytes, stage_forms.b // layout.ep),
            "predicted_dp_bytes": reduced_bytes(job, stage_forms),
            "predicted_bubble": bubble_idle(layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages)}
-    for applies, forms in FORMS:
-        if applies(layout):
+    for applies, forms in ((layout.ep == 1, stage_forms_of), (layout.ep > 1, expert_forms),
+                           (layout.cp > 1, context_forms), (layout.zero, zero_forms)):
+        if applies:
             out.update(forms(job, stage_forms, report, routing))
     return out
 
@@ -122,12 +124,11 @@ def reduced_bytes(job, stage_forms):
     if layout.zero:
         return sum(n for kinds in zero_forms(job, stage_forms, None)["predicted_zero_bytes_by_kind"].values()
                    for n in kinds.values())
+    groups = {False: layout.dp * layout.ep * layout.cp, True: layout.dp * layout.cp}  # the dense and the experts'
     shapes = rank_param_shapes(job.cfg, stage_forms, layout.tp, layout.ep)
-    experts = sum(math.prod(shape) for name, shape in shapes.items() if layout.ep > 1 and is_expert(name))
-    dense = sum(map(math.prod, shapes.values())) - experts
     size = BYTES[job.cfg.dtype_names[2]]  # the gradients': the master weights' dtype
-    dense_group, expert_group = layout.dp * layout.ep * layout.cp, layout.dp * layout.cp
-    return size * ((dense if dense_group > 1 else 0) + (experts if expert_group > 1 else 0))
+    return size * sum(math.prod(shape) for name, shape in shapes.items()
+                      if groups[layout.ep > 1 and is_expert(name)] > 1)
 
 
 def zero_forms(job, stage_forms, report, routing=None):
@@ -160,9 +161,3 @@ def zero_stage_forms(cfg, stage_forms, layout, steps=1):
             by_kind[phase]["all_gather"] = nbytes
     by_kind = {phase: {kind: n for kind, n in kinds.items() if n} for phase, kinds in by_kind.items()}
     return {**state, "zero_bytes_by_kind": by_kind, "gathered_peak_bytes": peaks}
-
-
-# Each dimension's closed forms over the ones before, in this order (as rank.py composes the step): a dense stage's
-# forms, or under ep its experts' per micro-batch in their place; cp's at T/cp tokens over either; ZeRO's model state.
-FORMS = ((lambda layout: layout.ep == 1, stage_forms_of), (lambda layout: layout.ep > 1, expert_forms),
-         (lambda layout: layout.cp > 1, context_forms), (lambda layout: layout.zero, zero_forms))

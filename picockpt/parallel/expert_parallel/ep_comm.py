@@ -11,8 +11,7 @@ def exchange_splits(send_splits, comm):
 
 
 def all_to_all_forward(x, comm, send_splits, receive_splits):
-    # x (N_send, ...) rows grouped by destination: the first send_splits[0] go to rank 0, ...
-    return all_to_all(x, comm, send_splits, receive_splits)  # (N_receive, ...) grouped by source rank
+    return all_to_all(x, comm, send_splits, receive_splits)  # (N_send, ...) by destination -> (N_recv, ...) by source
 
 
 def all_to_all_backward(dy, comm, send_splits, receive_splits):

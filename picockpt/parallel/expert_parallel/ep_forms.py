@@ -20,11 +20,6 @@ from ..comm import PHASES
 from ..tensor_parallel.tp_forms import rank_head_inventory, split_inventory
 
 
-def ep_layer_names(cfg, ep, rank):
-    """What an expert-parallel layer could keep on rank r (for --trace): its inventory with rows for every expert."""
-    return list(ep_layer_inventory(cfg, ep, 1, ep, rank, [1] * cfg.experts))
-
-
 def received_rows(cfg, counts, ep, rank):
     """M: the rows rank r's experts receive in a layer whose per-expert counts (whole batch) are `counts`."""
     local = cfg.experts // ep
@@ -48,9 +43,8 @@ def _check(cfg, batch, seq, policy, ep, rank, routing):
 def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, unstored=frozenset(), keep_dispatched=False, t=1, sp=False):
     """What one layer stored whole keeps on rank `rank` of ep, its input included: name -> (shape, dtype, bytes).
     batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints; t, sp: beside tp."""
-    act, stat, _ = cfg.dtype_names
     unstored = ep_drop(frozenset(unstored))
-    local, f, h = cfg.experts // ep, cfg.ffn // t, cfg.hidden
+    (act, stat, _), local, f, h = cfg.dtype_names, cfg.experts // ep, cfg.ffn // t, cfg.hidden
     plain = split_inventory(layer_inventory(cfg, batch // ep, seq, unstored), t, sp)  # its own sequences (tp's split)
     rows = [(name, shape, dtype) for name, (shape, dtype, _) in plain.items()
             if not name.startswith(("moe.gate_up[", "moe.act["))]
@@ -72,8 +66,7 @@ def _input_bytes(cfg, batch, seq, ep, t, sp):
 
 def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
     """R: what a layer's first forward keeps whatever its mode (ep_moe.py's table: ROUTING, and DISPATCHED too)."""
-    act, stat, _ = cfg.dtype_names
-    M = received_rows(cfg, counts, ep, rank)
+    (act, stat, _), M = cfg.dtype_names, received_rows(cfg, counts, ep, rank)
     routing = 8 * (batch // ep) * seq * cfg.experts_per_token + 8 * cfg.experts
     return routing + (M * (cfg.hidden * BYTES[act] + BYTES[stat]) if keep_dispatched else 0)
 
@@ -113,9 +106,8 @@ def ep_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=
 def ep_head_stored_bytes(cfg, batch, seq, policy, ep, t=1, sp=False):
     """What the head holds on a rank after the forward: picockpt's head on its batch/ep sequences (tp's, beside)."""
     unstored = as_policy(policy, cfg).unstored
-    if t > 1:
-        return total(rank_head_inventory(cfg, batch // ep, seq, t, sp, unstored))
-    return total(head_inventory(cfg, batch // ep, seq, unstored))
+    return total(rank_head_inventory(cfg, batch // ep, seq, t, sp, unstored) if t > 1
+                 else head_inventory(cfg, batch // ep, seq, unstored))
 
 
 def replicated_grad_bytes(cfg):
@@ -133,8 +125,7 @@ def ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatch
 
 def _all_to_all_bytes(cfg, policy, P, M, E, keep_dispatched):
     """The bytes of one layer's all-to-alls for P rows sent, M received and E expert counts exchanged."""
-    act, stat, _ = (BYTES[name] for name in cfg.dtype_names)
-    h = cfg.hidden
+    (act, stat, _), h = (BYTES[name] for name in cfg.dtype_names), cfg.hidden
     dispatch = P * h * act + P * stat  # the tokens and their weights, to the experts' ranks
     combine = M * h * act  # the weighted rows, back to their tokens' ranks
     recompute = 0
@@ -149,15 +140,13 @@ def _all_to_all_bytes(cfg, policy, P, M, E, keep_dispatched):
 def ep_sent_bytes(cfg, batch, seq, policy, ep, rank, routing_by_rank, keep_dispatched=False):
     """The bytes rank r's all-to-alls send to other ranks: each buffer less the rows it sends itself, the same forms
     with P = M = S and E/W counts. routing_by_rank: every layer's W lists of E counts (step_routing(..., ranks=W))."""
-    policy = as_policy(policy, cfg)
-    sent = dict.fromkeys(PHASES, 0)
+    policy, sent = as_policy(policy, cfg), dict.fromkeys(PHASES, 0)
     for by_rank in routing_by_rank:
         counts = [sum(column) for column in zip(*by_rank)]  # the whole batch's per-expert counts
         buffer = ep_layer_comm_bytes(cfg, batch, seq, policy, ep, rank, counts, keep_dispatched)
         S = received_rows(cfg, by_rank[rank], ep, rank)  # its own tokens' pairs to its own experts: sent to itself
         own = _all_to_all_bytes(cfg, policy, S, S, cfg.experts // ep, keep_dispatched)
-        for phase in sent:
-            sent[phase] += buffer[phase] - own[phase]
+        sent = {phase: n + buffer[phase] - own[phase] for phase, n in sent.items()}
     return sent
 
 

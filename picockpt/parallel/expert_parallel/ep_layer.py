@@ -18,8 +18,7 @@ class KeptRouting:
     under layer i (the engine hands a layer a store only when it is stored whole)."""
 
     def __init__(self, store, i, received_rows=None):
-        self.store, self.i = store, i
-        self.received_rows = received_rows  # {layer: rows its experts received}, filled in for the report
+        self.store, self.i, self.received_rows = store, i, received_rows  # received_rows: {layer: rows}, for the report
 
     def has(self, name):
         return self.store.has(self.i, name)
@@ -58,9 +57,8 @@ class ExpertParallelHooks(WrappedHooks):
     def layer_draws(self):  # dropout masks and router jitter: the whole batch's, this rank's sequences
         return full_size_draws(self.comm, dim=0, dropout=1.0 if self.cfg.draws_random else 0)
 
-    def mlp_forward(self, xn2, w, cfg, keep, tail):
-        return ep_moe_forward(xn2, w, cfg, self.comm, keep, self.kept, self.first_expert, self.keep_dispatched,
-                              tail)  # (B_r, T, h), or None: its tail skipped
+    def mlp_forward(self, xn2, w, cfg, keep, tail):  # (B_r, T, h), or None: its tail skipped
+        return ep_moe_forward(xn2, w, cfg, self.comm, keep, self.kept, self.first_expert, self.keep_dispatched, tail)
 
     def mlp_backward(self, grad, normed, w, cfg, take):
         return ep_moe_backward(grad, normed, w, cfg, self.comm, take, self.first_expert)  # (B_r, T, h), {role: grad}

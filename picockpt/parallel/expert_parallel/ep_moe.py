@@ -66,8 +66,7 @@ def local_groups(received):
 def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, tail=RUN_TAIL):
     """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None under SKIP_TAIL
     (block_tail.py). keep: the layer's (the policy's); kept: its KeptRouting (ep_layer.py); w: its E_l experts."""
-    B, T, h = xn.shape
-    W, E, stat = comm.world_size, cfg.experts, cfg.stat_dtype
+    (B, T, h), W, E, stat = xn.shape, comm.world_size, cfg.experts, cfg.stat_dtype
     routed = kept.has("moe.expert_index")  # a recomputation: the first forward chose the routing
     x, index, weights = route(xn, w, cfg, kept.keep_routing(keep),
                               kept.get("moe.expert_index") if routed else None)  # (N_r, h), (N_r, k), (N_r, k)
@@ -81,14 +80,11 @@ def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=F
     plan = dispatch_plan(index, received, comm)
     if kept.has("moe.dispatched"):  # kept by the first forward (keep_dispatched): nothing moves
         rows, row_weights = kept.get("moe.dispatched"), kept.get("moe.dispatched_weights")  # (M, h), (M,)
-    else:
-        # dispatch: each pair's token row to the rank of its expert (all-to-all, P rows out, M in)
+    else:  # dispatch: each pair's token row, then its weight, to the rank of its expert (all-to-alls, P rows out, M in)
         rows = all_to_all_forward(x[plan.tokens], comm, plan.send, plan.receive)  # (M, h)
-        # and its weight with it (all-to-all, P values out, M in)
         row_weights = all_to_all_forward(weights.flatten()[plan.order], comm, plan.send, plan.receive)  # (M,)
-        store_rows = kept.put if keep_dispatched else keep  # every first forward's, or the layer's own
-        store_rows("moe.dispatched", rows)
-        store_rows("moe.dispatched_weights", row_weights)
+        for name, tensor in zip(DISPATCHED, (rows, row_weights)):  # every first forward's, or the layer's own
+            (kept.put if keep_dispatched else keep)(name, tensor)
     del index, weights
     out_rows = tail(torch.empty_like, rows)  # (M, h) every row is one local expert's
     for e, rows_e in local_groups(received):
@@ -111,13 +107,11 @@ def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=F
 def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
     """grad() -> dm, normed() -> xn (B_r, T, h); returns dxn and {role: gradient}: the router's and shared expert's
     from this rank's tokens (replicated: summed over ranks later), its experts' (E_l, ...) from every rank's rows."""
-    index = take("moe.expert_index")  # (N_r, k) the routing decision, always kept
-    received = take("moe.received_counts")  # (W, E_l)
+    index, received = take("moe.expert_index"), take("moe.received_counts")  # (N_r, k), (W, E_l): always kept
     noise = take("moe.jitter") if cfg.router_jitter > 0 else None  # (B_r, T, h)
     plan = dispatch_plan(index, received, comm)
     dm = grad()  # (B_r, T, h)
-    B, T, h = dm.shape
-    dm = dm.reshape(B * T, h)  # (N_r, h)
+    (B, T, h), dm = dm.shape, dm.reshape(-1, dm.shape[-1])  # (N_r, h)
     x, probs = routed_input(normed, noise, w, cfg, take)  # (N_r, h) the input the experts saw, (N_r, E)
     weights = combine_weights(probs, index).flatten()  # (N_r k,) the forward's weights, bitwise
     # the combine's backward: out[token] += back[pair], so d back[pair] = dm[token]; the inverse
@@ -128,10 +122,9 @@ def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
                                                                      plan.receive))  # (M, h)
     row_weights = take("moe.dispatched_weights", rebuild=lambda: all_to_all_forward(
         weights[plan.order], comm, plan.send, plan.receive))  # (M,)
-    d_rows = torch.empty_like(rows)  # (M, h) every row is one local expert's: all written below
-    d_row_weights = torch.empty_like(row_weights)  # (M,)
-    d_gate_up = torch.zeros_like(w.experts_gate_up)  # (E_l, 2f, h) an expert without rows gets zeros
-    d_down = torch.zeros_like(w.experts_down)  # (E_l, h, f)
+    d_rows, d_row_weights = torch.empty_like(rows), torch.empty_like(row_weights)  # (M, h), (M,): all written below
+    # (E_l, 2f, h), (E_l, h, f): an expert without rows gets zeros
+    d_gate_up, d_down = torch.zeros_like(w.experts_gate_up), torch.zeros_like(w.experts_down)
     for e, rows_e in local_groups(received):
         d_rows[rows_e] = expert_backward(lambda: grads_rows[rows_e], row_weights, rows_e,  # noqa: B023 (n_e, h)
                                          lambda: rows[rows_e], w.experts_gate_up[e], w.experts_down[e],  # noqa: B023

@@ -16,8 +16,7 @@ from ..comm import all_gather, all_reduce, check_dim, check_divisible, reduce_sc
 
 
 def copy_to_parallel_forward(x, comm):
-    # x (...) replicated: every rank already holds all of it, so entering the region moves nothing
-    return x  # (...)
+    return x  # (...) replicated: every rank already holds all of it, so entering the region moves nothing
 
 
 def copy_to_parallel_backward(dy, comm):
@@ -26,8 +25,7 @@ def copy_to_parallel_backward(dy, comm):
 
 
 def reduce_from_parallel_forward(x, comm):
-    # x (...) partial: this rank's summand (a row-parallel linear's x_r @ W_r.T)
-    return all_reduce(x, comm)  # (...) y = sum_r x_r, replicated, in place
+    return all_reduce(x, comm)  # (...) partial x_r (a row-parallel linear's x_r @ W_r.T) -> y = sum_r x_r, in place
 
 
 def reduce_from_parallel_backward(dy, comm):
@@ -37,8 +35,7 @@ def reduce_from_parallel_backward(dy, comm):
 
 # -- sequence parallel: between sequence shards and the full sequence ------------------------------
 def gather_sequence_forward(x, comm, dim=1):
-    # x (B, T/W, h) this rank's shard of the sequence (along dim) -> the full, replicated sequence
-    return all_gather(x, comm, dim)  # (B, T, h)
+    return all_gather(x, comm, dim)  # (B, T/W, h) this rank's shard (along dim) -> (B, T, h) the whole, replicated
 
 
 def gather_sequence_backward(dy, comm, dim=1):
@@ -47,8 +44,7 @@ def gather_sequence_backward(dy, comm, dim=1):
 
 
 def scatter_sequence_forward(x, comm, dim=1):
-    # x (B, T, h) partial (a row-parallel linear's summand) -> this rank's shard of the sum
-    return reduce_scatter(x, comm, dim)  # (B, T/W, h)
+    return reduce_scatter(x, comm, dim)  # (B, T, h) partial (a row-parallel linear's) -> (B, T/W, h) a shard of the sum
 
 
 def scatter_sequence_backward(dy, comm, dim=1):
@@ -57,9 +53,8 @@ def scatter_sequence_backward(dy, comm, dim=1):
 
 
 def split_sequence_forward(x, comm, dim=1):
-    # x (B, T, h) replicated: rank r keeps slice r; nothing moves
     dim = check_divisible(x, comm, check_dim(x, dim))
-    return x.chunk(comm.world_size, dim)[comm.rank]  # (B, T/W, h) a view of x, no copy
+    return x.chunk(comm.world_size, dim)[comm.rank]  # (B, T/W, h) slice r of a replicated x, a view: nothing moves
 
 
 def split_sequence_backward(dy, comm, dim=1):

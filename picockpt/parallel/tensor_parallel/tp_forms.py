@@ -65,8 +65,7 @@ def rank_sizes(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=
 
 def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
     """The planner's chain (picockpt/planning/planner.py: Stage) of one rank: its own bytes and FLOPs."""
-    unstored = frozenset(unstored)
-    parts = layer_flops(cfg, batch, seq)
+    unstored, parts = frozenset(unstored), layer_flops(cfg, batch, seq)
     stored = rank_layer_inventory(cfg, batch, seq, t, sp)
     levels = [("all", unstored)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > unstored]
     variants, head_variants = {}, {}
@@ -87,14 +86,6 @@ def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=
 def rank_plan(policy, cfg, batch, seq, t=1, sp=False, distribute_saved=False):
     """The budget planner's Plan for one rank (budget:SIZE is this rank's budget)."""
     return plan_chain(rank_chain(cfg, batch, seq, t, sp, distribute_saved, policy.unstored), policy.budget)
-
-
-def rank_schedule(policy, cfg, batch, seq, t=1, sp=False, distribute_saved=False):
-    """The Schedule a rank's step runs (the same on every rank: their sizes are equal)."""
-    policy = as_policy(policy, cfg)
-    if policy.budget is not None:
-        return rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).schedule
-    return policy.schedule(cfg, batch, seq)
 
 
 def rank_peak_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
@@ -121,11 +112,14 @@ def rank_comm_bytes(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=Fal
     loss = 3 * N * stat  # the row max, the sum of exponentials, the target's logit
     forward = (S if first else 0) + L * layer_forward + ((S if sp else 0) + loss if last else 0)
     backward = ((2 * S + h * master if sp else S) if last else 0) + L * layer_backward + (S if sp and first else 0)
-    recompute = 0
-    schedule = schedule or rank_schedule(policy, cfg, batch, seq, t, sp, distribute_saved)
-    for first, last in schedule.sweeps(cfg.layers):  # the engine's walk (picockpt/recompute/schedule.py)
-        recompute += (last - first + 1) * layer_forward - (S if schedule.stop_early else 0)  # stopped: a LEAVE less
-        recompute += S if distribute_saved else 0  # the checkpoint's all-gather
+    if schedule is None:  # the step's own (the same on every rank: their sizes are equal)
+        policy = as_policy(policy, cfg)
+        schedule = (rank_plan(policy, cfg, batch, seq, t, sp, distribute_saved).schedule if policy.budget is not None
+                    else policy.schedule(cfg, batch, seq))
+    # the engine's walk (picockpt/recompute/schedule.py); a sweep stopped early runs a LEAVE less, and with
+    # distributed saved activations each sweep all-gathers its checkpoint
+    recompute = sum((j - i + 1) * layer_forward - (S if schedule.stop_early else 0) + (S if distribute_saved else 0)
+                    for i, j in schedule.sweeps(cfg.layers))
     return {"forward": forward, "recompute": recompute, "backward": backward}
 
 

@@ -4,23 +4,27 @@ parallelism): picockpt/model/layer.py's one layer, its hooks (layer.py: LayerHoo
     h   = x + dropout(LEAVE(o_proj(attention(q, k, v))))     q, k, v = projections of ENTER(rmsnorm(x))
     out = h + dropout(LEAVE(down(silu(gate) * up)))           gate, up = projections of ENTER(rmsnorm(h))
 
-The blocks read their head counts from the weights, so they run here unchanged on the rank's share (tp_shard.py)
-and return its *partial* output; the ranks' sum is the single process's. ENTER and LEAVE: tp_comm.py's
-copy_to_parallel and reduce_from_parallel, or gather_sequence and scatter_sequence (sp). Without sequence parallelism
-the norms, residual adds and dropouts run on the whole sequence, the same on every rank; with it on the rank's T/t
-tokens, and only the blocks see all T. Under sp the stored norm output is the rank's shard, so the backward
-all-gathers it again before the projections' weight gradients (as Megatron does: never kept gathered). A mixture of
-experts runs between the same ENTER and LEAVE, each expert on its f/t slice, its router whole: the router's
-gradient, from partial outputs, is summed over the ranks.
+The blocks read their head counts from the weights, so they run here unchanged on the rank's share (tp_shard.py) and
+return its *partial* output; the ranks' sum is the single process's. Without sequence parallelism the norms, residual
+adds and dropouts run on the whole sequence, the same on every rank; with it on the rank's T/t tokens, and only the
+blocks see all T. Under sp the stored norm output is the rank's shard, so the backward all-gathers it again before
+the projections' weight gradients (as Megatron does: never kept gathered). A mixture of experts runs between the same
+ENTER and LEAVE, each expert on its f/t slice, its router whole: the router's gradient, from partial outputs, is
+summed over the ranks.
 """
 from ...model.layer import ONE_PROCESS
-from ..comm import all_reduce_grads
+from ..comm import all_reduce
 from ..rank_model import WrappedHooks
 from ..rng import full_size_draws, sliced_mask
 from .vocab import parallel_cross_entropy_backward, parallel_cross_entropy_forward
 from .tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gather_sequence_backward,
                       gather_sequence_forward, reduce_from_parallel_backward, reduce_from_parallel_forward,
                       scatter_sequence_backward, scatter_sequence_forward)
+
+
+def _by_sp(sequence_parallel, plain):
+    """A hook that runs tp_comm.py's sequence-parallel collective under sp, the plain one otherwise."""
+    return lambda self, x: sequence_parallel(x, self.comm) if self.sp else plain(x, self.comm)
 
 
 class TensorParallelHooks(WrappedHooks):
@@ -34,21 +38,11 @@ class TensorParallelHooks(WrappedHooks):
     def attention_draws(self):  # eager attention's mask, (B, H/t, T, T): the single process's, sliced
         return full_size_draws(self.comm, dim=1, dropout=self.dropout)
 
-    def enter(self, xn):
-        return gather_sequence_forward(xn, self.comm) if self.sp else copy_to_parallel_forward(xn, self.comm)
-
-    def enter_backward(self, dxn):
-        return gather_sequence_backward(dxn, self.comm) if self.sp else copy_to_parallel_backward(dxn, self.comm)
-
-    def leave(self, y):
-        return scatter_sequence_forward(y, self.comm) if self.sp else reduce_from_parallel_forward(y, self.comm)
-
-    def leave_backward(self, dy):
-        return scatter_sequence_backward(dy, self.comm) if self.sp else reduce_from_parallel_backward(dy, self.comm)
-
-    def regather(self, xn):
-        # a kept norm output is this rank's tokens under sp: all-gather it again (never kept gathered)
-        return gather_sequence_forward(xn, self.comm) if self.sp else xn
+    enter = _by_sp(gather_sequence_forward, copy_to_parallel_forward)
+    enter_backward = _by_sp(gather_sequence_backward, copy_to_parallel_backward)
+    leave = _by_sp(scatter_sequence_forward, reduce_from_parallel_forward)
+    leave_backward = _by_sp(scatter_sequence_backward, reduce_from_parallel_backward)
+    regather = _by_sp(gather_sequence_forward, lambda xn, comm: xn)  # a kept norm output: this rank's tokens under sp
 
     def branch_mask(self, shape, p, device):
         # the single process's (B, T, h) mask; under sp this rank's tokens of it, else all of it
@@ -66,20 +60,19 @@ class TensorParallelHooks(WrappedHooks):
         start = self.comm.rank * logits.shape[1]
         return parallel_cross_entropy_backward(scale, logits, targets, start, lse, stat_dtype)  # (n, V/t): no comm
 
+    def _summed(self, cfg, *grads):  # partial gradients, each in the master dtype, all-reduced in place: their sums
+        return tuple(all_reduce(grad.to(cfg.param_dtype), self.comm) for grad in grads)
+
     def final_norm_grad(self, d_norm, cfg):  # sp: each rank's sums over its own tokens only: all-reduce it
-        return all_reduce_grads({"final_norm": d_norm.to(cfg.param_dtype)}, self.comm)["final_norm"] if self.sp \
-            else d_norm
+        return self._summed(cfg, d_norm)[0] if self.sp else d_norm
 
     def mlp_backward(self, grad, normed, w, cfg, take):
         dxn2, grads = self.inner.mlp_backward(grad, normed, w, cfg, take)  # the block (or the experts' ranks')
         if cfg.experts:  # the router is whole here, its gradient from this rank's slice of each expert: partial
-            grads["router"] = all_reduce_grads({"router": grads["router"].to(cfg.param_dtype)}, self.comm)["router"]
+            grads["router"], = self._summed(cfg, grads["router"])
         return dxn2, grads
 
     def norm_grads(self, d_attn_norm, d_mlp_norm, cfg):
-        if not self.sp:  # the norms ran on every token on every rank: the same gradient everywhere
-            return d_attn_norm, d_mlp_norm
-        # each rank's norm gradients sum over its own tokens only: all-reduce them (in the master dtype)
-        norms = all_reduce_grads({"attn_norm": d_attn_norm.to(cfg.param_dtype),
-                                  "mlp_norm": d_mlp_norm.to(cfg.param_dtype)}, self.comm)  # (h,) x2, summed
-        return norms["attn_norm"], norms["mlp_norm"]
+        # sp: each rank's norm gradients sum over its own tokens only; without, the norms ran on every token on every
+        # rank: the same gradient everywhere
+        return self._summed(cfg, d_attn_norm, d_mlp_norm) if self.sp else (d_attn_norm, d_mlp_norm)  # (h,) x2

@@ -34,8 +34,7 @@ class VocabParallel:
         return embedding_forward_parallel(model.input_ids, model.weights[EMBED], self.comm, self.sp)  # (B, n, h)
 
     def embed_backward(self, model, dx):
-        shape = model.weights[EMBED].shape  # (V/t, h)
-        return embedding_backward_parallel(dx, model.input_ids, shape, self.comm, self.sp)  # (V/t, h)
+        return embedding_backward_parallel(dx, model.input_ids, model.weights[EMBED].shape, self.comm, self.sp)
 
 
 class DistributedSaved:

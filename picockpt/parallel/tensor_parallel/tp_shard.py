@@ -44,10 +44,8 @@ def slice_of(tensor, name, rank, tp):
 
 def split_dim(name):
     """The dim a parameter is split along across ranks, or None for a replicated one."""
-    if name in (EMBED, HEAD):
-        return 0  # vocabulary rows
-    if name == FINAL_NORM:
-        return None
+    if name in (EMBED, HEAD, FINAL_NORM):
+        return None if name == FINAL_NORM else 0  # replicated, or the vocabulary's rows
     return SPLIT_DIM[ROLES[name.split(".", 3)[3]]]  # "model.layers.{i}.<name>" -> its role's dim
 
 
