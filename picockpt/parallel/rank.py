@@ -137,7 +137,6 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
 def microbatch_rows(job, groups, rows_per_microbatch, input_ids, targets):
     """rows(m): micro-batch m of this replica, block d*M + m of B / (dp M) rows, this ep rank's part of it."""
     M, b = job.layout.microbatches, rows_per_microbatch // job.layout.ep
-
     def rows(m):
         start = (groups.dp_rank * M + m) * rows_per_microbatch + groups.ep_rank * b
         return input_ids[start:start + b], targets[start:start + b]
