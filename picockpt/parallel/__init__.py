@@ -32,6 +32,5 @@ __all__ = ["run_ranks", "under_torchrun", "RankError", "Comm", "CommLog", "copy_
            "gather_sequence_forward", "gather_sequence_backward", "scatter_sequence_forward",
            "scatter_sequence_backward", "split_sequence_forward", "split_sequence_backward", "all_to_all_forward",
            "all_to_all_backward", "exchange_splits", "all_reduce_grads", "all_reduce_max", "loss_and_grads", "run_jobs",
-           "ParallelJob", "Layout",
-           "from_previous_stage_forward", "from_previous_stage_backward", "to_next_stage_forward",
-           "to_next_stage_backward"]
+           "ParallelJob", "Layout", "from_previous_stage_forward", "from_previous_stage_backward",
+           "to_next_stage_forward", "to_next_stage_backward"]

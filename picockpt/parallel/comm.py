@@ -57,9 +57,8 @@ def _sum(table, phase, kind):
 
 
 class Comm:
-    """One process group as this rank sees it: its rank, size, the device of its tensors, the log of what its
-    collectives moved, and the timeout its job runs under. group=None is every rank (torch's default group).
-    progress: comm.progress(payload) of launch.py's run_ranks (given progress=), or None."""
+    """One process group as this rank sees it: its rank, size, tensors' device, the log of what its collectives moved
+    and its job's timeout. group=None: every rank (torch's default group); progress: run_ranks' (progress=) or None."""
 
     def __init__(self, group=None, device="cpu", tracker=None, timeout=None, progress=None):
         self.group = group if group is not None else dist.group.WORLD

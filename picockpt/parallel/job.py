@@ -45,10 +45,9 @@ class ParallelJob:
         return self.layout.world_size
 
 
-# ---- the checks, before any rank starts ------------------------------------------------------------------
-# Each dimension says what it refuses, beside its wrap: its values, its flags without it, and what it does not stack
-# with yet (one line naming both dimensions). Every other combination of dp, pp, tp (sp), cp, ep and zero runs in
-# the one rank step.
+# The checks, before any rank starts. Each dimension says what it refuses, beside its wrap: its values, its flags
+# without it, and what it does not stack with yet (one line naming both dimensions). Every other combination of dp,
+# pp, tp (sp), cp, ep and zero runs in the one rank step.
 DIMENSIONS = (pp_check, cp_check, dp_check, ep_check, tp_check)
 
 # Switches that change only what a recomputation does: under a policy that recomputes nothing they would do nothing.
@@ -60,9 +59,8 @@ RECOMPUTE_SWITCHES = {"distribute_saved": "each tp rank keeps 1/t of a checkpoin
 
 def checked_job(job, device, world_size):
     """The job with its policy parsed (once) and batch checked; a ValueError naming the value before any rank starts."""
-    layout = job.layout
     check_flags(job)
-    check_schedule(layout.schedule, layout.virtual_stages, layout.pp)
+    check_schedule(job.layout.schedule, job.layout.virtual_stages, job.layout.pp)
     policy = parse_policy(job.policy, job.cfg).refuse_offload("a parallel layout").refuse_recast("a parallel layout")
     job = checked_batch(replace(job, policy=policy.text), device)
     check_ranks(job, device, world_size)
@@ -81,21 +79,17 @@ def checked_job(job, device, world_size):
 def check_ranks(job, device, world_size):
     """Whole numbers of micro-batches and ranks, as many ranks as the layout's product, a layer for every stage."""
     layout = job.layout
-    M = layout.microbatches
-    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-        raise ValueError(f"microbatches={M!r}: use a whole number of micro-batches per step, 1 or more")
-    check_layout(layout.dp, layout.pp, layout.tp, None, layout.ep, layout.cp)  # each a whole number >= 1
+    check_layout(layout)  # each a whole number >= 1
     split = [name for name in ("dp", "pp", "ep", "tp", "cp") if getattr(layout, name) > 1]
     check_rank_count(split[0] if len(split) == 1 else "dp x pp x ep x tp x cp", job.world_size, device)  # torchrun
-    check_layout(layout.dp, layout.pp, layout.tp, world_size, layout.ep, layout.cp)
+    check_layout(layout, world_size)
     stage_layers(job.cfg.layers, layout.pp)
 
 
 def check_budget(job, policy):
     """An impossible budget says which stage it does not fit, before any rank starts: the largest need over every
     stage at once (following it, no other stage fails next)."""
-    layout = job.layout
-    failed = []
+    layout, failed = job.layout, []
     for stage in range(layout.pp):
         try:
             layer_forms(replace(job, policy=policy), stage)
@@ -115,9 +109,8 @@ def check_budget(job, policy):
 
 
 def layer_forms(job, stage):
-    """The closed forms of one stage's rank (pipeline_parallel/pp_forms.py), on its T/cp tokens; under cp a
-    budget plans with the communication a recomputed layer repeats (cp_forms.recompute_comm_flops); under
-    interleaving its chunks' (InterleavedForms)."""
+    """The closed forms of one stage's rank (pp_forms.py) on its T/cp tokens; under cp a budget plans with the
+    communication a recomputed layer repeats (recompute_comm_flops); interleaved, its chunks' (InterleavedForms)."""
     (B, T), layout = job.input_ids.shape, job.layout
     ring = recompute_comm_flops(job.cfg, B // (layout.dp * layout.microbatches), T, layout.cp, layout.cp_comm,
                                 layout.cp_keep_kv, layout.tp)

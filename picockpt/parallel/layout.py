@@ -85,14 +85,15 @@ class Layout:
         return {kind: {key: ranks for key, ranks in by_key.items() if len(ranks) > 1} for kind, by_key in out.items()}
 
 
-def check_layout(dp, pp, tp, world_size=None, ep=1, cp=1):
-    """ValueError naming the values unless dp, pp, tp, ep and cp are whole numbers >= 1 whose product is the
-    number of processes (when one is given, as torchrun's WORLD_SIZE)."""
-    for name, value, what in (("dp", dp, "data-parallel replicas"), ("pp", pp, "pipeline stages"),
-                              ("tp", tp, "tensor-parallel ranks"), ("ep", ep, "expert-parallel ranks"),
-                              ("cp", cp, "context-parallel ranks")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def check_layout(layout, world_size=None):
+    """ValueError naming the values unless the layout's micro-batches, dp, pp, tp, ep and cp are whole numbers >= 1,
+    the last five's product the number of processes (when one is given, as torchrun's WORLD_SIZE)."""
+    for name, what in (("microbatches", "micro-batches per step"), ("dp", "data-parallel replicas"),
+                       ("pp", "pipeline stages"), ("tp", "tensor-parallel ranks"), ("ep", "expert-parallel ranks"),
+                       ("cp", "context-parallel ranks")):
+        if isinstance(value := getattr(layout, name), bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: use a whole number of {what}, 1 or more")
+    dp, pp, tp, ep, cp = layout.dp, layout.pp, layout.tp, layout.ep, layout.cp
     if world_size is not None and dp * pp * tp * ep * cp != world_size:
         extra = "".join(f" x {name}" for name, n in (("ep", ep), ("cp", cp)) if n > 1)
         values = "".join(f" x {n}" for n in (ep, cp) if n > 1)
@@ -101,7 +102,6 @@ def check_layout(dp, pp, tp, world_size=None, ep=1, cp=1):
         raise ValueError(f"{world_size} processes do not factor into dp x pp x tp{extra} = "
                          f"{dp} x {pp} x {tp}{values} = {dp * pp * tp * ep * cp}; choose dp, pp, "
                          f"tp with product {world_size}, e.g. {', '.join(f'{d}x{p}x{t}' for d, p, t in factors[:4])}")
-    return Layout(dp, pp, tp, ep, cp)
 
 
 @dataclass
@@ -132,8 +132,7 @@ class RankGroups:
 def build_groups(layout, rank, device, process_groups=None, timeout=None):
     """This rank's RankGroups; every rank calls it with the same layout at the same point. process_groups: a dict
     kept across calls (a grid's groups made once per launch); timeout: the job's timedelta, for these groups too."""
-    process_groups = {} if process_groups is None else process_groups
-    grid = layout.grid
+    process_groups, grid = {} if process_groups is None else process_groups, layout.grid
     if grid not in process_groups:  # every rank makes every group (those it is not in too), in one order
         process_groups[grid] = {kind: {key: dist.new_group(ranks, timeout=timeout) for key, ranks in groups.items()}
                                 for kind, groups in grid.groups().items()}

@@ -43,14 +43,6 @@ def stage_param_names(cfg, layers, first, last):
     return [name for names in units.values() for name in names]
 
 
-def trace_lines(rank_label, trace):
-    """The engine's `say` on a rank: each trace line prefixed with the rank, to stderr; False: no trace."""
-    def say(line):
-        sys.stderr.write(f"[{rank_label}] {line}\n")  # a whole line at once: the ranks' lines interleave, not halves
-        sys.stderr.flush()
-    return say if trace else False
-
-
 def rank_steps(comm, jobs, trace=False):
     process_groups = {}  # process groups, per layout, made once per launch
     return [rank_step(comm, job, process_groups, trace, index) for index, job in enumerate(jobs)]
@@ -90,11 +82,8 @@ def rank_tensors(params, cfg, stage_forms, tp=1, tp_rank=0, ep=1, ep_rank=0):
     """{name: tensor} of the full `params` a rank holds, as the module docstring says (report_forms.py: shapes)."""
     names = stage_param_names(cfg, stage_forms.layers, stage_forms.first, stage_forms.last)
     held = {name: params[EMBED if name == HEAD and cfg.tie_embeddings else name] for name in names}
-    if tp > 1:
-        held = shard_params(held, tp_rank, tp)  # its slices
-    if ep > 1:
-        held = shard_experts(held, ep_rank, ep)  # its experts (of those slices)
-    return held
+    held = shard_params(held, tp_rank, tp) if tp > 1 else held  # its slices
+    return shard_experts(held, ep_rank, ep) if ep > 1 else held  # its experts (of those slices)
 
 
 def zero_shards(job, stage_forms, groups, params):
@@ -116,7 +105,9 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
     sequence_split = SequenceLayout(layout.cp_layout, layout.cp, T) if layout.cp > 1 else None  # its tokens
     rows = microbatch_rows(job, groups, stage_forms.b, input_ids, targets)  # rows(m): micro-batch m's, this rank's
     model_for_rows = inner_model(job, groups, params, sequence_split)  # its model: each dimension over the ones before
-    say = trace_lines(f"rank {groups.rank}" + (f" stage {groups.stage}" if layout.pp > 1 else ""), trace)
+    # trace: the engine's lines, to stderr prefixed with the rank, each in one write (the ranks' lines interleave whole)
+    label = f"rank {groups.rank}" + (f" stage {groups.stage}" if layout.pp > 1 else "")
+    say = (lambda line: print(f"[{label}] {line}\n", end="", file=sys.stderr, flush=True)) if trace else False
     measured = Measurement(job, groups, stage_forms)  # measurement.py: what the step measures, and its report
     with measured.step() as (tracker, timeline, memory), torch.no_grad():
         pipe = Pipe(*neighbours(groups, layout.virtual_stages), device, timeline, tracker)
@@ -146,7 +137,6 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
 def microbatch_rows(job, groups, rows_per_microbatch, input_ids, targets):
     """rows(m): micro-batch m of this replica, block d*M + m of B / (dp M) rows, this ep rank's part of it."""
     M, b = job.layout.microbatches, rows_per_microbatch // job.layout.ep
-
     def rows(m):
         start = (groups.dp_rank * M + m) * rows_per_microbatch + groups.ep_rank * b
         return input_ids[start:start + b], targets[start:start + b]

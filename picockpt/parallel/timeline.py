@@ -34,7 +34,7 @@ class Timeline:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.segments = []  # (kind, micro-batch or None, start, end), leaf segments in time order
-        self._stack = []    # open spans: [kind, micro-batch, start of its current segment]
+        self.stack = []     # open spans: [kind, micro-batch, start of its current segment]
         self.moved = []     # (kind, the span's kind it ran inside, start, end): phases without a span of their own
         self.start = self.end = None
         if self.cuda:  # once: the stream is idle, so the origin event is timed as the host's zero
@@ -76,28 +76,24 @@ class Timeline:
         finally:
             self.close()
 
-    @property
-    def depth(self):  # spans open now
-        return len(self._stack)
-
     def open(self, kind, microbatch=None):
         now = self.mark()
-        if self._stack:  # the outer span pauses; its micro-batch is the default
-            self._close(self._stack[-1], now)
-            microbatch = self._stack[-1][1] if microbatch is None else microbatch
-        self._stack.append([kind, microbatch, now])
+        if self.stack:  # the outer span pauses; its micro-batch is the default
+            self._close(self.stack[-1], now)
+            microbatch = self.stack[-1][1] if microbatch is None else microbatch
+        self.stack.append([kind, microbatch, now])
 
     def close(self):
         now = self.mark()
-        self._close(self._stack.pop(), now)
-        if self._stack:
-            self._stack[-1][2] = now  # the outer span resumes
+        self._close(self.stack.pop(), now)
+        if self.stack:
+            self.stack[-1][2] = now  # the outer span resumes
 
     def move(self, kind, since, segments):
         """A phase run from `since` to now inside the innermost span, with none of its own (module docstring);
         segments: len(self.segments) at `since` (a span closed in between booked its own time: nothing moves)."""
-        if self._stack and len(self.segments) == segments and self._stack[-1][0] != kind:
-            self.moved.append((kind, self._stack[-1][0], since, self.mark()))
+        if self.stack and len(self.segments) == segments and self.stack[-1][0] != kind:
+            self.moved.append((kind, self.stack[-1][0], since, self.mark()))
 
     def _close(self, entry, now):
         kind, microbatch, since = entry
@@ -116,10 +112,9 @@ class Timeline:
         seconds["idle"], seconds["total"] = max(0.0, total - sum(seconds.values())), total
         return seconds
 
-    def relative(self, origin=None):
-        """[(kind, micro-batch, start, end)] in seconds from `origin` (default: this rank's start)."""
-        origin = self.start if origin is None else origin
-        return [(kind, m, start - origin, end - origin) for kind, m, start, end in self.segments]
+    def relative(self):
+        """[(kind, micro-batch, start, end)] in seconds from this rank's start."""
+        return [(kind, m, start - self.start, end - self.start) for kind, m, start, end in self.segments]
 
 
 class StageMemory:
@@ -168,7 +163,7 @@ class MicroBatchTracker:
                 with timeline.span(name, self.microbatch):
                     yield
             else:
-                entry = [name, timeline.depth, False]
+                entry = [name, len(timeline.stack), False]
                 self.pending.append(entry)
                 since, segments = timeline.mark(), len(timeline.segments)
                 try:
@@ -186,7 +181,7 @@ class MicroBatchTracker:
         memory.bytes = sum(memory.held.values())
         memory.samples.append((memory.timeline.mark(), memory.bytes))
         for entry in self.pending:  # the store moved: a phase entered inside another gets its span from here
-            if not entry[2] and entry[1] == memory.timeline.depth:  # (not from inside a span opened since)
+            if not entry[2] and entry[1] == len(memory.timeline.stack):  # (not from inside a span opened since)
                 memory.timeline.open(entry[0], self.microbatch)
                 entry[2] = True
         memory.tracker.on_event(event._replace(live_bytes=memory.bytes))

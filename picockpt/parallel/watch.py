@@ -2,10 +2,9 @@
 
 Each rank sends one last message down its pipe: ("ok", result) or ("error", when, type name, message, traceback,
 is_value_error), after any number of ("progress", payload), each handed on as it arrives. One that dies without it
-(os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel. The first failure ends the wait; LINGER_S
-later the root cause among all failures is raised (_error), each said plainly: a signal's death as the signal, a
-collective's timeout as the rank and operation that waited longer than timeout_s, a script's missing main guard as
-a ValueError.
+(os._exit, a signal, the OOM killer) shows as EOF and a fired sentinel. The first failure ends the wait; LINGER_S later
+the root cause among all failures is raised (_error), each said plainly: a signal's death as the signal, a collective's
+timeout as the rank and operation that waited longer than timeout_s, a script's missing main guard as a ValueError.
 """
 import contextlib
 import pickle
@@ -169,9 +168,8 @@ def _death_error(rank, world, failure, tail, limit):
 
 
 def stop(ranks, grace_s):
-    """Reap every rank: those that reported success get grace_s to leave their group and exit; then whatever still
-    runs is terminated (SIGTERM: Python's default is to exit at once, even inside a collective), and killed (SIGKILL)
-    if it outlasts STOP_GRACE_S."""
+    """Reap every rank: those that reported success get grace_s to leave their group and exit; whatever still runs is
+    then terminated (SIGTERM: Python exits at once, even inside a collective), killed (SIGKILL) past STOP_GRACE_S."""
     for wait_s, end in ((grace_s, "terminate"), (STOP_GRACE_S, "kill")):
         deadline = time.monotonic() + wait_s
         for process in ranks:
