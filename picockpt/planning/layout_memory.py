@@ -135,8 +135,10 @@ def chunk_store(cfg, seq, layout, layers, last, policy):
 
 @functools.lru_cache(maxsize=None)
 def chunks_in_flight(pp, microbatches, stage, virtual):
-    """Every distinct moment of rank `stage`'s interleaved order, as (micro-batches of each chunk held, the chunk
-    whose backward runs or None): pp_plan.in_flight_peak's walk, with the bytes left out (made once per order)."""
+    """The moments of rank `stage`'s interleaved order that can be its peak, as (micro-batches of each chunk held,
+    the chunk whose backward runs or None): pp_plan.in_flight_peak's walk, with the bytes left out (made once per
+    order). A moment that holds no more of any chunk than another with the same backward running never holds more
+    bytes (a chunk's bytes are not negative), so only the undominated ones are kept."""
     held, moments = [0] * virtual, set()
     for kind, _, c in actions("interleaved", pp, microbatches, stage, virtual):
         if kind == "F":
@@ -145,7 +147,8 @@ def chunks_in_flight(pp, microbatches, stage, virtual):
         if kind == "B":
             held[c] -= 1
             moments.add((tuple(held), None))
-    return tuple(moments)
+    return tuple((counts, b) for counts, b in moments if not any(
+        other != counts and b == c and all(x <= y for x, y in zip(counts, other)) for other, c in moments))
 
 
 def interleaved_activation_bytes(cfg, seq, layout, chunks, stage, policy):
