@@ -76,10 +76,13 @@ def test_predict_search_names_the_framework(capsys):
             "--tokens-per-batch", "1M", "--gpu-gib", "80", "--framework", "torchtitan"]
     assert main(args + ["--json", "--top", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["framework"] == "torchtitan"
+    assert out["framework"] == "torchtitan" and "every one exposed" in out["tp_overlap"]
     assert all(FRAMEWORKS["torchtitan"].allows_row(row) for row in out["layouts"])
     assert main(args + ["--top", "2"]) == 0
-    assert "only the layouts torchtitan can run" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "only the layouts torchtitan can run" in text and "every one exposed" in text
+    assert main(args[:-2] + ["--top", "2"]) == 0  # any: Megatron's overlaps, the chunked ones too
+    assert "chunked under theirs (TransformerEngine's userbuffers" in capsys.readouterr().out
 
 
 def test_unknown_framework_and_framework_without_search_are_refused(capsys):

@@ -15,6 +15,7 @@ from ..planning.cost import HARDWARE, hardware
 from ..planning.kernel_rates import ATTENTION_KERNELS, from_json, published
 from ..planning.frameworks import FRAMEWORKS
 from ..planning.layout_search import TERMS, distinct_splits, no_split_reason, published_for, rank_of, search, split_of
+from ..planning.layout_time import FULL_MODEL
 from .predict_parallel import gpu_bytes
 
 TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}  # 16M = 2048 sequences of 8,192 (powers of two)
@@ -112,6 +113,16 @@ def kernel_hardware(args):
     return replace(hw, kernels=from_json(args.kernels))
 
 
+def overlap_line(framework):
+    """What the tensor-parallel collectives hide under, as the framework's model prices them (layout_time.Model)."""
+    model = framework.model(FULL_MODEL)
+    if not model.overlap:
+        return "tensor-parallel collectives: every one exposed (no async or chunked overlap priced)"
+    return ("tensor-parallel collectives: the backward's async ones under their GEMMs" + (
+        ";\n  with sp the rest chunked under theirs (TransformerEngine's userbuffers, Megatron's --tp-comm-overlap)"
+        if model.chunked_tp else ""))
+
+
 def kernels_line(hw):
     """What the kernels run at, in one line (with its sources)."""
     if hw.kernels is None:
@@ -136,6 +147,7 @@ def run_search(args, cfg):
     if args.json:
         out = {"model": args.preset, "seq": args.seq, "gpus": args.gpus, "tokens_per_batch": tokens,
                "gpu_bytes": capacity, "hardware": hw.name, "kernels": kernels_line(hw),
+               "tp_overlap": overlap_line(framework),
                "framework": framework.name, "considered": considered,
                "fit": len(rows), "distinct_splits": len(splits), "search_seconds": seconds, "top": args.top,
                "layouts": splits[:args.top]}
@@ -151,6 +163,7 @@ def run_search(args, cfg):
     print(f"{considered:,} layouts considered in {seconds:.1f} s, {len(rows):,} fit, {len(splits):,} distinct "
           f"tp x cp x pp x dp splits;")
     print(kernels_line(hw))
+    print(overlap_line(framework))
     if not rows:
         print("no layout fits: add GPUs, raise --gpu-gib, or shorten --seq")
         return
