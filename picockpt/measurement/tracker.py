@@ -1,34 +1,34 @@
 """Memory and FLOPs of one training step, phase by phase, in two views.
 
 logical   the bytes held by the activation store (exact, the same on every device)
-physical  the bytes of every tensor storage created during the step and still alive:
-          the store's tensors plus all working memory (gradients of activations, the
-          transient products of each op, rebuilt tensors). Found by watching every op's
-          outputs through a TorchDispatchMode and a weakref.finalize on each new storage,
-          so the micro-spikes of recomputation show. Storages marked "weights",
-          "gradients" or "optimizer" are kept out of the physical activation count. Only the
-          tracked device's storages count (physical, and "total" with every category): a tensor the
-          step makes on another device (a CUDA step's host copy of a scalar) is in peak_elsewhere.
-cuda      on a CUDA device max_memory_allocated() per phase, relative to the start of the step, read and reset
-          at phase changes only: a phase inside another from its first store event; one with none (a tile
-          rebuilt in the backward, 528 a layer at T=4096) counts in the phase around it;
-          with cuda_timeline=True also torch.cuda.memory_allocated() at every store event (each
-          query costs about 0.2 ms, twice a small step's GPU time, so it is off unless a
-          timeline against the allocator is wanted: lesson 02's figure, the GPU benchmark).
+physical  the bytes of every tensor storage created during the step and still alive: the store's tensors plus all
+          working memory (gradients of activations, the transient products of each op, rebuilt tensors). Found by
+          watching every op's outputs through a TorchDispatchMode and a weakref.finalize on each new storage, so the
+          micro-spikes of recomputation show. Storages marked "weights", "gradients" or "optimizer" are kept out of
+          the physical activation count. Only the tracked device's storages count (physical, and "total" with every
+          category): a tensor the step makes on another device (a CUDA step's host copy of a scalar) is in
+          peak_elsewhere.
+cuda      on a CUDA device max_memory_allocated() per phase, relative to the start of the step, read and reset at
+          phase changes only: a phase inside another from its first store event; one with none (a tile rebuilt in
+          the backward, 528 a layer at T=4096) counts in the phase around it; with cuda_timeline=True also
+          torch.cuda.memory_allocated() at every store event (each query costs about 0.2 ms, twice a small step's
+          GPU time, so it is off unless a timeline against the allocator is wanted: lesson 02's figure, the GPU
+          benchmark).
 host      with an offloading policy (picockpt/recompute/offload.py): the host tier's bytes at every store event
-          (peak_host), the bytes copied each way in each phase (copy_bytes: "to_host", "to_device"),
-          and the host copies' storages, marked "host", kept out of the physical (device) count
-          (peak_host_live); on CUDA also exposed_copy_seconds, the time the compute stream waited
-          for copies, measured with CUDA events (None elsewhere: on a CPU it is modelled, not measured).
+          (peak_host), the bytes copied each way in each phase (copy_bytes: "to_host", "to_device"), and the host
+          copies' storages, marked "host", kept out of the physical (device) count (peak_host_live); on CUDA also
+          exposed_copy_seconds, the time the compute stream waited for copies, measured with CUDA events (None
+          elsewhere: on a CPU it is modelled, not measured).
 
 Phases: forward, recompute, backward, optimizer.
 
 FLOPs per phase: torch.utils.flop_counter's formulas (flop_registry: 2*m*n*k per matmul), and for the attention
-kernels picockpt's own (picockpt/model/attention_flops.py: at the query's heads, on every torch), applied to every op by the same dispatch mode that watches the storages, one Python hop per
-op. FlopCounterMode counts the same (tests/test_formulas.py) at twice the cost (module hooks, decompositions).
-With times=True also the seconds spent in each phase (wall seconds on the CPU; on CUDA the GPU's: a
-timing event is recorded at every phase switch, and the GPU is synchronised once, when the step ends: the
-GPU's time between two events belongs to the phase that queued that work, with no host stall at each switch).
+kernels picockpt's own (picockpt/model/attention_flops.py: at the query's heads, on every torch), applied to every
+op by the same dispatch mode that watches the storages, one Python hop per op. FlopCounterMode counts the same
+(tests/test_formulas.py) at twice the cost (module hooks, decompositions). With times=True also the seconds spent in
+each phase (wall seconds on the CPU; on CUDA the GPU's: a timing event is recorded at every phase switch, and the
+GPU is synchronised once, when the step ends: the GPU's time between two events belongs to the phase that queued
+that work, with no host stall at each switch).
 
     with Tracker(device) as tracker:
         loss, grads = loss_and_grads(params, cfg, ids, targets, policy, tracker=tracker)
@@ -114,7 +114,7 @@ class Tracker:
         self.peak_elsewhere = {}  # device type -> peak bytes of the step's storages on devices other than `device`
         self._excursions = []    # per open phase entered inside another: True while no store event came in it
         self._booked = OUTSIDE   # CUDA: the phase the allocator's peak since its last reset is booked to
-        self._released = set()   # storage ids of host buffers given back to their pool (picockpt/recompute/host_pool.py)
+        self._released = set()   # storage ids of host buffers given back to their pool (recompute/host_pool.py)
 
     # -- context -------------------------------------------------------------
     def __enter__(self):
@@ -168,8 +168,7 @@ class Tracker:
         elif event.kind in ("prefetch", "fetch"):
             self.copy_bytes[self.phase_name]["to_device"] += event.bytes
 
-    def watch_host(self, host):
-        """A step's host tier: its exposed copy time is read when the tracker exits (CUDA)."""
+    def watch_host(self, host):  # a step's host tier: its exposed copy time is read when the tracker exits (CUDA)
         self._hosts.append(host)
 
     def mark(self, tensor, category):
@@ -191,23 +190,17 @@ class Tracker:
             self.log.append(("free", sid))
 
     # -- results ---------------------------------------------------------------
-    @property
-    def peak_logical(self):
-        return max((p["logical"] for p in self.peaks.values()), default=0)
+    def _peak(self, view):
+        return max((p[view] for p in self.peaks.values()), default=0)
 
-    @property
-    def peak_physical(self):
-        return max((p["physical"] for p in self.peaks.values()), default=0)
-
-    @property
-    def peak_cuda(self):
-        return max((p["cuda"] for p in self.peaks.values()), default=0) if self.cuda else None
+    peak_logical = property(lambda self: self._peak("logical"))
+    peak_physical = property(lambda self: self._peak("physical"))
+    peak_cuda = property(lambda self: self._peak("cuda") if self.cuda else None)
 
     def retained_bytes(self):
         """Bytes created during the step and still alive now (outside the excluded categories)."""
-        alive = set(self._alive)
-        return sum(self.sizes[sid] for sid in alive if sid not in self.categories
-                   and self.devices[sid] == self.device.type)
+        return sum(self.sizes[sid] for sid in set(self._alive)
+                   if sid not in self.categories and self.devices[sid] == self.device.type)
 
     # -- internals -------------------------------------------------------------
     def _seen(self, tensor):
@@ -272,8 +265,7 @@ class Tracker:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _replay(self):
-        """Turn the raw log into the timeline and the per-phase peaks, now that every
-        storage's category is known."""
+        """Turn the raw log into the timeline and the per-phase peaks, now that every storage's category is known."""
         phase, logical, physical, total, host = OUTSIDE, 0, 0, 0, 0
         alive, elsewhere, self.peak_elsewhere = set(), {}, {}
         peaks = {name: {"logical": 0, "physical": 0, "total": 0} for name in PHASES + (OUTSIDE,)}
@@ -282,7 +274,8 @@ class Tracker:
             kind = record[0]
             if kind == "phase":
                 phase = record[1]
-            elif kind in ("alloc", "free"):
+                continue  # a phase's peak counts what happens inside it
+            if kind in ("alloc", "free"):
                 sid = record[1]
                 size = self.sizes[sid] if kind == "alloc" else -self.sizes[sid]
                 if kind == "free" and sid not in alive:
@@ -301,12 +294,10 @@ class Tracker:
                     physical += size
             else:  # a store event
                 logical = record[2]
-            if kind == "phase":
-                continue  # a phase's peak counts what happens inside it
             peaks[phase]["logical"] = max(peaks[phase]["logical"], logical)
             peaks[phase]["physical"] = max(peaks[phase]["physical"], physical)
             peaks[phase]["total"] = max(peaks[phase]["total"], total)
-            self.timeline.append({"kind": kind, "label": record[1] if kind in ("event", "phase") else kind,
+            self.timeline.append({"kind": kind, "label": record[1] if kind == "event" else kind,
                                   "phase": phase, "logical": logical, "physical": physical, "total": total,
                                   "cuda": record[3] if kind == "event" else None})
         for name in peaks:

@@ -1,11 +1,11 @@
-"""One Llama decoder layer: its forward, which keeps tensors in the store, and its
-hand-written backward, which takes them out again (or rebuilds the dropped ones).
+"""One Llama decoder layer: its forward, which keeps tensors in the store, and its hand-written backward, which
+takes them out again (or rebuilds the dropped ones).
 
     h   = x + dropout(o_proj(attention(rope(q), rope(k), v)))   q, k, v = projections of rmsnorm(x)
     out = h + dropout(down_proj(silu(gate) * up))                gate, up = projections of rmsnorm(h)
 
-What one layer stores, by name (B batch, T sequence, h hidden, H heads, KV kv heads,
-hd head_dim, f ffn, e bytes per activation element, s bytes per statistic):
+What one layer stores, by name (B batch, T sequence, h hidden, H heads, KV kv heads, hd head_dim, f ffn, e bytes
+per activation element, s bytes per statistic):
 
     name                 shape            bytes        dropped by
     input                (B, T, h)        BTh e        (the layer input: the checkpoint)
@@ -30,12 +30,11 @@ hd head_dim, f ffn, e bytes per activation element, s bytes per statistic):
     attn.dropout_mask    (B, T, h)        BTh          (bool)
     mlp.dropout_mask     (B, T, h)        BTh          (bool)
 
-The attention core (picockpt/model/attention.py) keeps what its kind (Config.attention) needs:
-eager the probabilities, tiled and fused one log-sum-exp per row, recomputing the probabilities
-tile by tile in the backward (FlashAttention: selective recomputation inside the op).
-With Config.experts > 0 a mixture of experts (picockpt/model/moe.py) takes the MLP's place, and keeps
-moe.* tensors instead of mlp.gate, mlp.up, mlp.act (one set per expert: moe.act[3] is expert 3's).
-picockpt/planning/step_forms.py computes the same table in closed form.
+The attention core (picockpt/model/attention.py) keeps what its kind (Config.attention) needs: eager the
+probabilities, tiled and fused one log-sum-exp per row, recomputing the probabilities tile by tile in the backward
+(FlashAttention: selective recomputation inside the op). With Config.experts > 0 a mixture of experts
+(picockpt/model/moe.py) takes the MLP's place, and keeps moe.* tensors instead of mlp.gate, mlp.up, mlp.act (one
+set per expert: moe.act[3] is expert 3's). picockpt/planning/step_forms.py computes the same table in closed form.
 """
 import contextlib
 
@@ -48,10 +47,10 @@ from .block_tail import RUN_TAIL
 
 
 class LayerHooks:
-    """The layer's hooks: the named points where a layer split over ranks talks to the other ranks; in one
-    process every one is the identity (or the plain draw, or the plain MLP). A tensor-parallel rank's collectives go here
-    (picockpt/parallel/tensor_parallel/tp_layer.py), as do an expert-parallel rank's experts and its
-    whole-batch draws (picockpt/parallel/expert_parallel/ep_layer.py): the layer is written once.
+    """The layer's hooks: the named points where a layer split over ranks talks to the other ranks; in one process
+    every one is the identity (or the plain draw, or the plain MLP). A tensor-parallel rank's collectives go here
+    (picockpt/parallel/tensor_parallel/tp_layer.py), as do an expert-parallel rank's experts and its whole-batch
+    draws (picockpt/parallel/expert_parallel/ep_layer.py): the layer is written once.
 
         enter(xn) / enter_backward(dxn)   into a block's projections: identity | all-reduce (TP), all-gather |
                                           reduce-scatter (SP)
@@ -79,20 +78,10 @@ class LayerHooks:
     def attention_draws(self):
         return contextlib.nullcontext()
 
-    def enter(self, xn):
-        return xn
+    def identity(self, x):  # in one process a tensor passes every named point unchanged
+        return x
 
-    def enter_backward(self, dxn):
-        return dxn
-
-    def leave(self, y):
-        return y
-
-    def leave_backward(self, dy):
-        return dy
-
-    def regather(self, xn):
-        return xn
+    enter = enter_backward = leave = leave_backward = regather = identity
 
     def branch_mask(self, shape, p, device):
         return dropout_mask(shape, p, device)  # (shape) bool
