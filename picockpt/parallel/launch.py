@@ -198,8 +198,7 @@ def _serve_rendezvous(port, world_size, timeout_s):
 
 def _spawned_rank(rank, world_size, port, backend, device_type, timeout_s, inbox, pipe, parent_pid, started,
                   reports_progress=False):
-    """The body of one spawned rank: read the payload, join the group, run fn (sending its progress, if asked), send
-    back one message, leave."""
+    """One spawned rank: read the payload, join the group, run fn (its progress sent, if asked), send one message."""
     started[rank] = 1  # past Python's bootstrap (which re-imports the caller's script): picockpt's code runs
     _die_with_parent(parent_pid)
     torch.set_num_threads(1)  # ranks share the machine's cores: one thread each, no oversubscription

@@ -9,8 +9,6 @@ form (report_forms.py: the predicted_ twin of every count).
     loss, grads, ranks = parallel.loss_and_grads(..., Layout(ep=2, tp=2, dp=2, zero=3))        # 8 ranks, stacked
     ranks[r]["peak_activation_bytes"] == ranks[r]["predicted_activation_bytes"]        # to the byte
 """
-import os
-
 from ..model.params import EMBED, HEAD
 from ..model.routing import step_routing
 from .expert_parallel.ep_shard import gather_expert_grads
@@ -50,8 +48,8 @@ def run_collected(jobs, world_size=None, device="cpu", timeout_s=120, port=None,
     if not jobs:
         raise ValueError("jobs=[]: give at least one ParallelJob")
     check_timeout(timeout_s)
-    if world_size is None:
-        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else jobs[0].world_size
+    if world_size is None and not under_torchrun():  # under torchrun check_ranks holds each job to its WORLD_SIZE
+        world_size = jobs[0].world_size
     jobs = [checked_job(job, device, world_size) for job in jobs]
     generator = ranks_generator(device)
     before = generator.get_state()

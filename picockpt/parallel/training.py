@@ -39,23 +39,21 @@ def zero_train(params, cfg, batches, policy="none", layout=Layout(dp=2, zero=1),
                          f"(batch, seq) pair per step")
     job = ParallelJob(params, cfg, *batches[0], policy, layout, batches=list(batches), lr=float(lr),
                       weight_decay=float(weight_decay), rng_state=rng_state)
-    progress = None if on_step is None else StepsAsTheyEnd(job.world_size, on_step)
+    progress = None if on_step is None else steps_as_they_end(job.world_size, on_step)
     out = run_collected([job], None, resolve_device(device).type, progress=progress, **launch)[0]
     return out["losses"], out["params"], out["reports"]
 
 
-class StepsAsTheyEnd:
+def steps_as_they_end(world_size, on_step):
     """run_collected's progress: each rank's (job, step, loss share, seconds), put together step by step into
     on_step's call (module docstring): the loss summed over the ranks' shares in rank order, as zero_train's."""
-
-    def __init__(self, world_size, on_step):
-        self.world_size, self.on_step, self.steps = world_size, on_step, {}
-
-    def __call__(self, rank, payload):
+    steps = {}  # step -> {rank: (loss share, seconds)} of the ranks that ended it so far
+    def progress(rank, payload):
         _, step, share, seconds = payload
-        ended = self.steps.setdefault(step, {})
+        ended = steps.setdefault(step, {})
         ended[rank] = share, seconds
-        if len(ended) == self.world_size:
-            del self.steps[step]
+        if len(ended) == world_size:
+            del steps[step]
             shares = [share for _, (share, _) in sorted(ended.items()) if share is not None]
-            self.on_step(step, sum(shares).item(), max(seconds for _, seconds in ended.values()))
+            on_step(step, sum(shares).item(), max(seconds for _, seconds in ended.values()))
+    return progress
