@@ -3,18 +3,17 @@
     layout = Layout(dp=2, pp=2, microbatches=4)   # 4 processes: stage 0 is ranks 0, 1 (dp 0, 1), stage 1 ranks 2, 3
     layout.coordinates(rank=3)                    # (stage 1, dp rank 1, ep rank 0, cp rank 0, tp rank 0)
 
-A Layout is the whole parallel layout of a step: the five dimensions and each one's options, grouped below by
-dimension; what a job carries, the ranks build their groups from and the closed forms read. Ranks are numbered in
-Megatron-LM's default order "tp-cp-ep-dp-pp", tensor-parallel ranks neighbours (the most traffic, the fastest links):
+A Layout is the whole parallel layout of a step: the five dimensions and each one's options, grouped below by dimension;
+what a job carries, the ranks build their groups from and the closed forms read. Ranks are numbered in Megatron-LM's
+default order "tp-cp-ep-dp-pp", tensor-parallel ranks neighbours (the most traffic, the fastest links):
 
     rank = (((stage * dp + dp_rank) * ep + ep_rank) * cp + cp_rank) * tp + tp_rank
 
 A group is the ranks whose other coordinates are equal (Layout.group_keys). Expert parallelism is carved out of the
 data-parallel ranks, as in Megatron-LM: ep ranks compute different sequences with the same weights but the experts',
 which they split; cp ranks compute different tokens of the same sequences. So every weight but the experts' is
-replicated over the dp x ep x cp ranks of the data-parallel group, over which gradients are summed, and each expert
-over the dp x cp ranks holding it (the expert-data-parallel group).
-"""
+replicated over the dp x ep x cp ranks of the data-parallel group, over which gradients are summed, and each expert over
+the dp x cp ranks holding it (the expert-data-parallel group)."""
 from dataclasses import dataclass
 
 import torch
@@ -93,14 +92,13 @@ def check_layout(layout, world_size=None):
                        ("cp", "context-parallel ranks")):
         if isinstance(value := getattr(layout, name), bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: use a whole number of {what}, 1 or more")
-    dp, pp, tp, ep, cp = layout.dp, layout.pp, layout.tp, layout.ep, layout.cp
-    if world_size is not None and dp * pp * tp * ep * cp != world_size:
-        extra = "".join(f" x {name}" for name, n in (("ep", ep), ("cp", cp)) if n > 1)
-        values = "".join(f" x {n}" for n in (ep, cp) if n > 1)
+    if world_size is not None and layout.world_size != world_size:
+        beyond = {name: getattr(layout, name) for name in ("ep", "cp") if getattr(layout, name) > 1}
+        extra, values = "".join(f" x {name}" for name in beyond), "".join(f" x {n}" for n in beyond.values())
         factors = [(d, p, world_size // (d * p)) for d in range(1, world_size + 1)  # d x p divides world_size
                    for p in range(1, world_size // d + 1) if world_size % (d * p) == 0]
         raise ValueError(f"{world_size} processes do not factor into dp x pp x tp{extra} = "
-                         f"{dp} x {pp} x {tp}{values} = {dp * pp * tp * ep * cp}; choose dp, pp, "
+                         f"{layout.dp} x {layout.pp} x {layout.tp}{values} = {layout.world_size}; choose dp, pp, "
                          f"tp with product {world_size}, e.g. {', '.join(f'{d}x{p}x{t}' for d, p, t in factors[:4])}")
 
 
@@ -136,7 +134,6 @@ def build_groups(layout, rank, device, process_groups=None, timeout=None):
     if grid not in process_groups:  # every rank makes every group (those it is not in too), in one order
         process_groups[grid] = {kind: {key: dist.new_group(ranks, timeout=timeout) for key, ranks in groups.items()}
                                 for kind, groups in grid.groups().items()}
-    group_of = process_groups[grid]
-    comms = {f"{kind}_comm": Comm(group_of[kind][key], device, timeout=timeout)
-             for kind, key in layout.group_keys(rank).items() if key in group_of[kind]}
+    comms = {f"{kind}_comm": Comm(process_groups[grid][kind][key], device, timeout=timeout)
+             for kind, key in layout.group_keys(rank).items() if key in process_groups[grid][kind]}
     return RankGroups(layout, rank, torch.device(device), **comms)

@@ -1,9 +1,8 @@
 """The closed forms beside every rank's measurements, for any layout: predicted(job, report, routing) gives the
 predicted_ twin of each count in rank.py's report. A rank's store holds its stage's micro-batches in flight
-(pipeline_parallel/pp_forms.py), under cp at its T/cp tokens (context_parallel/cp_forms.py). Under ep what a
-micro-batch holds depends on the tokens routed to this rank's experts, so each micro-batch is ep_forms.py's step
-over its own rows, and the stage's peak replays the schedule over the micro-batches' unequal sizes.
-"""
+(pipeline_parallel/pp_forms.py), under cp at its T/cp tokens (context_parallel/cp_forms.py). Under ep what a micro-batch
+holds depends on the tokens routed to this rank's experts, so each micro-batch is ep_forms.py's step over its own rows,
+and the stage's peak replays the schedule over the micro-batches' unequal sizes."""
 import math
 
 import torch
@@ -25,12 +24,10 @@ from .rank import rank_tensors
 
 
 def predicted(job, report, routing=None):
-    """The closed forms of one rank's report (its stage, dp and ep rank); routing: run_jobs' single-process
-    routing by rows under ep (None otherwise). Composed as rank.py composes the step, each dimension that ran adding
-    or replacing its own: the stage's forms (pipeline and tensor parallelism), or under ep its experts' per
-    micro-batch in their place; cp's at T/cp tokens over either; ZeRO's model state."""
-    layout = job.layout
-    stage_forms = layer_forms(job, report["stage"])
+    """The closed forms of one rank's report (its stage, dp and ep rank); routing: run_jobs' single-process routing by
+    rows under ep (None otherwise). Composed as rank.py composes the step, each dimension that ran adding or replacing
+    its own: the stage's forms (pp and tp), or under ep its experts' per micro-batch; cp's over either; ZeRO's state."""
+    layout, stage_forms = job.layout, layer_forms(job, report["stage"])
     state_bytes = job.rng_state.numel() if job.cfg.draws_random else 0
     out = {"predicted_p2p_bytes": stage_forms.p2p_bytes(state_bytes, stage_forms.b // layout.ep),
            "predicted_dp_bytes": reduced_bytes(job, stage_forms),
@@ -57,9 +54,8 @@ def context_forms(job, stage_forms, report, routing=None):
     """cp_forms.py's forms on the stage's layers, for its M micro-batches of b whole sequences (seq tokens);
     beside tp, its K/V and matmuls are its heads' (1/t), and the tensor-parallel collectives at T/cp tokens
     (forms.tp_comm_bytes) add to the ring's or all-gather's bytes."""
-    layout, seq = job.layout, job.input_ids.shape[1]
-    cfg, cp, M, rank, t = (job.cfg.replace(layers=len(stage_forms.layers)), layout.cp, stage_forms.M, report["cp_rank"],
-                           layout.tp)
+    layout, seq, rank, M = job.layout, job.input_ids.shape[1], report["cp_rank"], stage_forms.M
+    cfg, cp, t = job.cfg.replace(layers=len(stage_forms.layers)), layout.cp, layout.tp
     args, schedule = (cfg, stage_forms.b, seq, stage_forms.policy, cp), stage_forms.local_schedule
     flops = cp_flops(*args, layout.cp_layout, rank, head=stage_forms.last, schedule=schedule, t=t)
     out = {"predicted_comm_bytes": stage_comm_bytes(stage_forms, seq, cp, layout.cp_comm, layout.cp_keep_kv),
@@ -125,10 +121,9 @@ def reduced_bytes(job, stage_forms):
         return sum(n for kinds in zero_forms(job, stage_forms, None)["predicted_zero_bytes_by_kind"].values()
                    for n in kinds.values())
     groups = {False: layout.dp * layout.ep * layout.cp, True: layout.dp * layout.cp}  # the dense and the experts'
-    shapes = rank_param_shapes(job.cfg, stage_forms, layout.tp, layout.ep)
-    size = BYTES[job.cfg.dtype_names[2]]  # the gradients': the master weights' dtype
-    return size * sum(math.prod(shape) for name, shape in shapes.items()
-                      if groups[layout.ep > 1 and is_expert(name)] > 1)
+    shapes = rank_param_shapes(job.cfg, stage_forms, layout.tp, layout.ep).items()
+    return BYTES[job.cfg.dtype_names[2]] * sum(math.prod(shape) for name, shape in shapes  # in the master dtype
+                                               if groups[layout.ep > 1 and is_expert(name)] > 1)
 
 
 def zero_forms(job, stage_forms, report, routing=None):

@@ -4,13 +4,11 @@ from ..launch import check_rank_count
 from ..refusals import given, not_yet
 from .cp_layout import check_layout
 
-COMMS = ("ring", "ring_overlap", "allgather")
-
 
 def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_kv=False, policy="none", device="cpu"):
     """ValueError naming the parameter, the value and what would work, before any work starts."""
     check_layout(layout, cp, seq)  # cp a whole number >= 1 too
-    if cp_comm not in COMMS:
+    if cp_comm not in ("ring", "ring_overlap", "allgather"):
         raise ValueError(f"cp_comm={cp_comm!r}: use 'ring' (K/V passed round, cp - 1 steps), 'ring_overlap' (the "
                          f"same ring, each step sent while a block is computed) or 'allgather' (K/V all-gathered "
                          f"once per layer)")

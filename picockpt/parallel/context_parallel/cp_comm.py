@@ -28,7 +28,6 @@ from ..comm import all_gather, reduce_scatter
 
 RINGS = ("ring", "ring_overlap")  # the cp_comm values that pass K/V round the ring: one after the other, or overlapped
 
-
 # a ring step in flight: its works, what it sends (booked as `kinds` when it is done), where it receives
 Posted = namedtuple("Posted", "works sent received kinds")
 
@@ -56,8 +55,7 @@ def ring_wait(posted, comm):
     return posted.received
 
 
-def ring_forward(kv, comm):
-    # kv (2, B, KV, n, hd) the block held now -> the previous rank's block (2, B, KV, n, hd)
+def ring_forward(kv, comm):  # kv (2, B, KV, n, hd) the block held now -> the previous rank's block (2, B, KV, n, hd)
     return ring_wait(ring_post([kv], comm, ["ring_kv"]), comm)[0]
 
 
@@ -69,8 +67,7 @@ def ring_backward(kv, dkv, comm):
     return tuple(ring_wait(ring_post([kv, dkv], comm, ["ring_kv", "ring_dkv"]), comm))  # (2, B, KV, n, hd) each
 
 
-def gather_kv_forward(kv, comm):
-    # kv (2, B, KV, n, hd) this rank's rows -> every rank's, one after another (2, B, KV, cp*n, hd)
+def gather_kv_forward(kv, comm):  # kv (2, B, KV, n, hd) this rank's rows -> every rank's in order (2, B, KV, cp*n, hd)
     return all_gather(kv, comm, dim=3, received=True)  # booked: the cp - 1 blocks received
 
 

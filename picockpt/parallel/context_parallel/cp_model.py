@@ -46,8 +46,7 @@ class ContextParallelHooks(WrappedHooks):
         super().at(store, k)
         self.store, self.layer = store, k
 
-    def attention_core(self, q, k, v, cfg, keep):
-        # q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens
+    def attention_core(self, q, k, v, cfg, keep):  # q (B, H, n, hd), k/v (B, KV, n, hd) of this rank's tokens
         if self.kind in RINGS:  # (B, H, n, hd), (B, H, n)
             out, lse = ring_attention_forward(q, k, v, cfg, self.layout, self.group, self.kind == "ring_overlap")
         else:  # a recompute sweep finds the other ranks' K/V kept (keep_kv): no all-gather

@@ -75,9 +75,6 @@ class GradientBuckets:
         return [(bucket, nbytes, self.timeline.seconds(start), self.timeline.seconds(end))
                 for bucket, nbytes, start, end in self.marks]
 
-    def grads(self):
-        return dict(self.views)
-
     def _poll(self, wait=False):  # CPU: done is the host's clock, the first time it is seen complete (CUDA: ready())
         for bucket, (work, launched) in self.launched.items():
             if wait:

@@ -32,16 +32,15 @@ class Replicated:
         self.parts[self.split(name)].add(name, grad)
 
     def ready(self, unit):
-        for part in self.parts:
-            if unit in part.flat:
-                part.ready(unit)
+        for part in (part for part in self.parts if unit in part.flat):
+            part.ready(unit)
 
     def finish(self):
         for part in self.parts:
             part.finish()
 
     def grads(self):
-        return {name: grad for part in self.parts for name, grad in part.grads().items()}
+        return {name: grad for part in self.parts for name, grad in part.views.items()}
 
     @property
     def events(self):

@@ -2,8 +2,6 @@
 from ..refusals import refuse_tiled_dropout
 from .zero_forms import STAGES
 
-WORKS = "zero 1, 2 or 3 over 2 or more ranks (dp x ep x cp), fp32 or fp64, untied embeddings"
-
 
 def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
     """zero's own values; dp: the ranks the weights are sharded over (dp x ep x cp); batch: the whole batch, each
@@ -30,5 +28,6 @@ def check_zero(zero, dp, cfg, batch, keep_gathered=False, prefetch=True):
                           (cfg.tie_embeddings, "tie_embeddings=True (one matrix in two units)"),
                           (cfg.router_jitter > 0, f"router_jitter={cfg.router_jitter} (jitter drawn per rank's rows)")]:
         if refused:
-            raise ValueError(f"zero={zero} with {what} is not supported yet; what works: {WORKS}")
+            raise ValueError(f"zero={zero} with {what} is not supported yet; what works: zero 1, 2 or 3 over 2 or more "
+                             f"ranks (dp x ep x cp), fp32 or fp64, untied embeddings")
     refuse_tiled_dropout(cfg, f"zero={zero}", "the shape of a rank's batch", "equal the", "leave zero out")

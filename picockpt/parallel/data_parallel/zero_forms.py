@@ -19,8 +19,9 @@ use (stage_uses, gather_forms), so the forms hold on any layout.
 """
 import torch
 
+from ...model.params import param_shapes
 from ..pipeline_parallel.pp_schedules import Action
-from .zero_params import flat_units
+from .zero_params import FlatUnit, unit_names
 
 STAGES = (1, 2, 3)
 
@@ -48,7 +49,10 @@ def unit_state_bytes(units, stage, p):
 
 def model_state_bytes(cfg, stage, world_size):
     """{param_bytes, grad_bytes, optimizer_bytes} one rank holds under `stage`, every unit over the dp ranks."""
-    return unit_state_bytes(flat_units(cfg, world_size), stage, cfg.param_dtype.itemsize)
+    shapes = param_shapes(cfg)
+    units = unit_names(list(shapes), range(cfg.layers), True, True)  # the whole model's: embedding, layers, head
+    return unit_state_bytes([FlatUnit(key, names, shapes, world_size) for key, names in units.items()], stage,
+                            cfg.param_dtype.itemsize)
 
 
 def stage_uses(order, layers, first, last, schedule):

@@ -52,11 +52,11 @@ class Sharded:
 
 
 class ZeroShards:
-    """A rank's ZeRO state for its stage, and the stage's data part as dp_model.py's Replicated is (weights, use,
-    add, ready, finish, grads). params: the rank's tensors under the full names; layout: the job's Layout (its zero
-    stage, keep_gathered, prefetch; under ep the experts apart); forms: the stage's ChunkForms (its layers, first,
-    last); comms: {False: dense group, True: experts' group} (a Comm or None); uses: [(phase, key)] of every
-    gathered use (stage 3)."""
+    """A rank's ZeRO state for its stage, and the stage's data part as dp_model.py's Replicated is (weights, use, add,
+    ready, finish). params: the rank's tensors under the full names; layout: the job's Layout (its zero stage,
+    keep_gathered, prefetch; under ep the experts apart); forms: the stage's ChunkForms (its layers, first, last);
+    comms: {False: dense group, True: experts' group} (a Comm or None); uses: [(phase, key)] of every gathered use
+    (stage 3)."""
 
     def __init__(self, params, cfg, layout, forms, comms, uses=None, lr=3e-3, weight_decay=0.0):
         stage, split = layout.zero, is_expert if layout.ep > 1 else None
@@ -72,10 +72,9 @@ class ZeroShards:
         self.owner = {name: part for part in self.parts for name in part.unit.names}
         self.uses, self.next_use, self.tracker = uses, 0, None
         self.kept = [kept_after(uses, n, layout.keep_gathered) for n in range(len(uses or ()))]  # stays gathered?
-        self.gathered, self.pending = {}, {}  # key -> [flat]; key -> [(work, flat)] under way
+        self.gathered = {}  # key -> [(work, flat)]: in use, kept, or prefetched (maybe still under way)
         self.gathered_peak = dict.fromkeys(("forward", "recompute", "backward"), 0)  # bytes, as measured
 
-    # -- weights ---------------------------------------------------------------------------------
     def weights(self):
         """{name: weight} the stage starts from: whole units as views of their flat buffers; a gathered unit's
         as views of a meta buffer (read for the shape only, replaced by gathered views during each use)."""
@@ -100,34 +99,30 @@ class ZeroShards:
             raise RuntimeError(f"ZeRO-3 use {n}: the loop asked for ({phase!r}, {key!r}), the schedule "
                                f"for {self.uses[n]}: the prefetch order no longer matches the engine's walk")
         self.next_use += 1
-        if key not in self.gathered:  # prefetched (under way), else gathered now
-            prefetched = self.pending.pop(key, None)
-            for work, _ in prefetched or ():
-                work.wait()
-            self.gathered[key] = [flat for _, flat in prefetched or self.gather(key, phase, async_op=False)]
+        if key not in self.gathered:  # else kept, or prefetched (its gather maybe still under way)
+            self.gathered[key] = self.gather(key, phase)
+        for work, _ in self.gathered[key]:
+            work.wait()  # returns at once if done
         if self.prefetch and n + 1 < len(self.uses):  # the next use's gather, under way while this one computes
             next_phase, upcoming = self.uses[n + 1]
-            if upcoming not in self.gathered and upcoming not in self.pending:  # the unit in use: no second copy
-                self.pending[upcoming] = self.gather(upcoming, next_phase, async_op=True)
-        live = sum(f.nbytes for fs in self.gathered.values() for f in fs) + \
-            sum(f.nbytes for pending in self.pending.values() for _, f in pending)
+            if upcoming not in self.gathered:  # the unit in use: no second copy
+                self.gathered[upcoming] = self.gather(upcoming, next_phase)
+        live = sum(flat.nbytes for gathered in self.gathered.values() for _, flat in gathered)
         self.gathered_peak[phase] = max(self.gathered_peak[phase], live)
-        yield {name: view for part, flat in zip(parts, self.gathered[key])
+        yield {name: view for part, (_, flat) in zip(parts, self.gathered[key])
                for name, view in part.unit.views(flat).items()}  # views into the gathered buffers
         if not self.kept[n]:
             del self.gathered[key]  # freed (the views die with the caller's)
 
-    def gather(self, key, phase, async_op):
+    def gather(self, key, phase):
         out = []
         for part in (part for part in self.units[key] if not part.whole()):
             shard = part.params.to(self.cfg.torch_dtype)  # (s,) in the compute dtype (a no-op in fp32)
-            got = gather_flat(shard, part.comm, phase, part.unit.padded, async_op)  # booked under its use's phase
-            work, flat = got if async_op else (None, got)
+            work, flat = gather_flat(shard, part.comm, phase, part.unit.padded, async_op=True)  # under the use's phase
             self.tracker.mark(flat, "weights")
             out.append((work, flat))
         return out
 
-    # -- gradients: the stage's buckets ----------------------------------------------------------
     def add(self, name, grad):
         part = self.owner[name]
         if part.grad is None:  # the unit's first gradient this step: its flat buffer, accumulated into
@@ -149,15 +144,6 @@ class ZeroShards:
 
     events = ()  # no overlapped buckets to draw on the timeline
 
-    def grads(self):
-        """{name: gradient} as the rank holds it: whole (stage 1, or a group of one), else its pieces."""
-        out = {}
-        for part in self.parts:
-            whole = part.grad.numel() == part.unit.padded
-            out.update(part.unit.views(part.grad) if whole else part.unit.pieces(part.grad, part.rank))
-        return out
-
-    # -- the optimizer ---------------------------------------------------------------------------
     def step(self, tracker):
         """One AdamW step on the rank's shards, then (stages 1, 2) every unit whole again."""
         for part in self.parts:
@@ -181,7 +167,6 @@ class ZeroShards:
                 "grad_bytes": sum(p.grad.nbytes for p in self.parts if p.grad is not None),
                 "optimizer_bytes": sum(value.nbytes for value in self.optimizer_tensors())}
 
-    # -- the caller's check, after the measured step ---------------------------------------------
     def whole_tensors(self, grads=False):
         """{name: tensor} the rank's whole parameters (or gradients), its group's shards gathered (uncounted):
         what the caller compares with the single process, put together like plain data parallelism's."""

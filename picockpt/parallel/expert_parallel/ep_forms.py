@@ -1,15 +1,13 @@
 """Closed forms per expert-parallel rank r of W, which the tracker equals to the byte: the bytes it stores, the bytes
-its all-to-alls move, its FLOPs. What a rank holds depends on the tokens its experts receive, so these take the
-step's routing: L lists of E per-expert token counts over the whole batch (picockpt.model.routing.step_routing);
-rank r receives M_l, its experts' counts in layer l summed, and sends P = (B/W) T k pairs. A stored layer is
-step_forms.py's at batch B/W, its experts' rows sized by every rank's tokens, plus ep_moe.py's table, whose routing
-every first forward keeps whatever its mode (always_kept_bytes: segments_peak's `always`). Beside tensor parallelism
-a rank stores tp_forms.py's split of the layer, its experts' rows f/t wide; every matmul but the router's is 1/t.
-"""
+its all-to-alls move, its FLOPs. What a rank holds depends on the tokens its experts receive, so these take the step's
+routing: L lists of E per-expert token counts over the whole batch (picockpt.model.routing.step_routing); rank r
+receives M_l, its experts' counts in layer l summed, and sends P = (B/W) T k pairs. A stored layer is step_forms.py's at
+batch B/W, its experts' rows sized by every rank's tokens, plus ep_moe.py's table, whose routing every first forward
+keeps whatever its mode (always_kept_bytes: segments_peak's `always`). Beside tensor parallelism a rank stores
+tp_forms.py's split of the layer, its experts' rows f/t wide; every matmul but the router's is 1/t."""
 import math
 
-from ...planning.step_forms import (head_inventory, inner_recompute_flops, layer_inventory, segments_peak, step_flops,
-                                   total)
+from ...planning.step_forms import head_inventory, inner_recompute_flops, segments_peak, step_flops, total
 from ...model.params import param_shapes
 from ...recompute.policy import as_policy
 from .ep_layer import ep_drop
@@ -17,7 +15,7 @@ from .ep_shard import is_expert
 from .ep_moe import DISPATCHED
 from ...model.config import BYTES
 from ..comm import PHASES
-from ..tensor_parallel.tp_forms import rank_head_inventory, split_inventory
+from ..tensor_parallel.tp_forms import rank_head_inventory, rank_layer_inventory
 
 
 def received_rows(cfg, counts, ep, rank):
@@ -45,7 +43,7 @@ def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, unstored=frozenset(), 
     batch: the whole batch (rank r computes batch/ep sequences); counts: the layer's E ints; t, sp: beside tp."""
     unstored = ep_drop(frozenset(unstored))
     (act, stat, _), local, f, h = cfg.dtype_names, cfg.experts // ep, cfg.ffn // t, cfg.hidden
-    plain = split_inventory(layer_inventory(cfg, batch // ep, seq, unstored), t, sp)  # its own sequences (tp's split)
+    plain = rank_layer_inventory(cfg, batch // ep, seq, t, sp, unstored)  # its own sequences (tp's split)
     rows = [(name, shape, dtype) for name, (shape, dtype, _) in plain.items()
             if not name.startswith(("moe.gate_up[", "moe.act["))]
     for e in range(rank * local, (rank + 1) * local):  # its experts, on their rows from every rank
@@ -57,11 +55,6 @@ def ep_layer_inventory(cfg, batch, seq, ep, rank, counts, unstored=frozenset(), 
     kept = {"moe.received_counts"} | (set(DISPATCHED) if keep_dispatched else set())  # whatever the op level
     return {name: (shape, dtype, math.prod(shape) * BYTES[dtype]) for name, shape, dtype in rows
             if name in kept or name.partition("[")[0] not in unstored}
-
-
-def _input_bytes(cfg, batch, seq, ep, t, sp):
-    """X: a layer input on the rank, its batch/ep sequences (under sp its seq/t tokens of them)."""
-    return (batch // ep) * (seq // t if sp else seq) * cfg.hidden * BYTES[cfg.dtype]
 
 
 def always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched=False):
@@ -80,7 +73,7 @@ def ep_peak_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispatched=Fa
     F = ep_head_stored_bytes(cfg, batch, seq, policy, ep, t, sp) if head else 0
     if policy.segment is None:
         return sum(A) + F
-    X = _input_bytes(cfg, batch, seq, ep, t, sp)
+    X = rank_layer_inventory(cfg, batch // ep, seq, t, sp)["input"][2]  # a layer input: its batch/ep sequences
     R = [always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched) for counts in routing]
     return segments_peak([X] * cfg.layers, A, F, policy.segment, always=R)
 
@@ -92,7 +85,7 @@ def ep_layer_stored_bytes(cfg, batch, seq, policy, ep, rank, routing, keep_dispa
     counts = routing[layer]
     if policy.segment is None:
         return total(ep_layer_inventory(cfg, batch, seq, ep, rank, counts, policy.unstored, keep_dispatched, t, sp))
-    X = _input_bytes(cfg, batch, seq, ep, t, sp) if layer % policy.segment == 0 else 0
+    X = rank_layer_inventory(cfg, batch // ep, seq, t, sp)["input"][2] if layer % policy.segment == 0 else 0
     return X + always_kept_bytes(cfg, batch, seq, ep, rank, counts, keep_dispatched)
 
 

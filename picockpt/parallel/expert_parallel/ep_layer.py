@@ -5,9 +5,7 @@ rank's B/W sequences, its experts' block ep_moe.py's.
     out = h + dropout(EP-MoE(rmsnorm(h)))                 tokens to their experts' ranks and back
 
 Stored names: layer.py's (at batch B/W), moe.py's and ep_moe.py's. Dropout masks and router jitter are the single
-process's, drawn for the whole batch, this rank's sequences kept (rng.py's full_size_draws along the batch dim).
-"""
-from ...model.layer import ONE_PROCESS
+process's, drawn for the whole batch, this rank's sequences kept (rng.py's full_size_draws along the batch dim)."""
 from ..rank_model import WrappedHooks
 from ..rng import full_size_draws
 from .ep_moe import DISPATCHED, ROUTING, ep_moe_backward, ep_moe_forward
@@ -17,7 +15,7 @@ class KeptRouting:
     """What a layer keeps whatever its mode (ROUTING; DISPATCHED with keep_dispatched), in the step's own store
     under layer i (the engine hands a layer a store only when it is stored whole)."""
 
-    def __init__(self, store, i, received_rows=None):
+    def __init__(self, store, i, received_rows):
         self.store, self.i, self.received_rows = store, i, received_rows  # received_rows: {layer: rows}, for the report
 
     def has(self, name):
@@ -28,7 +26,7 @@ class KeptRouting:
 
     def put(self, name, tensor):
         self.store.put(self.i, name, tensor)
-        if name == "moe.received_counts" and self.received_rows is not None:
+        if name == "moe.received_counts":
             self.received_rows[self.i] = int(tensor.sum())
 
     def keep_routing(self, keep):
@@ -45,7 +43,7 @@ class ExpertParallelHooks(WrappedHooks):
     """Where picockpt/model/layer.py's layer crosses the W ranks of `comm`: its experts' block (ep_moe.py) and the
     whole-batch draws. at() points it at the layer's routing in the step's store (KeptRouting)."""
 
-    def __init__(self, comm, cfg, first_expert, keep_dispatched=False, received_rows=None, inner=ONE_PROCESS):
+    def __init__(self, comm, cfg, first_expert, keep_dispatched, received_rows, inner):
         super().__init__(inner)
         self.comm, self.cfg, self.kept, self.received_rows = comm, cfg, None, received_rows
         self.first_expert, self.keep_dispatched = first_expert, keep_dispatched

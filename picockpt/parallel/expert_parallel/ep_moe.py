@@ -27,8 +27,7 @@ backward finds there what expert_backward needs. Kept beyond moe.py's router row
     moe.dispatched_weights (M,)        M s      every first forward's with keep_dispatched
 
 Without the dispatched rows the dispatch runs again, two all-to-alls; keep_dispatched trades that for memory. A
-recomputed layer's combine always runs again.
-"""
+recomputed layer's combine always runs again."""
 from collections import namedtuple
 
 import torch
@@ -117,14 +116,12 @@ def ep_moe_backward(grad, normed, w, cfg, comm, take, first_expert):
     # the combine's backward: out[token] += back[pair], so d back[pair] = dm[token]; the inverse
     # all-to-all takes each pair's row to the rank whose expert made it (P rows out, M in)
     grads_rows = all_to_all_backward(dm[plan.tokens], comm, plan.receive, plan.send)  # (M, h)
-    # the experts' input: kept, or dispatched again (a rebuild: counted as recompute)
-    rows = take("moe.dispatched", rebuild=lambda: all_to_all_forward(x[plan.tokens], comm, plan.send,
-                                                                     plan.receive))  # (M, h)
-    row_weights = take("moe.dispatched_weights", rebuild=lambda: all_to_all_forward(
-        weights[plan.order], comm, plan.send, plan.receive))  # (M,)
+    # the experts' input (M, h) and weights (M,): kept, or dispatched again (a rebuild: counted as recompute)
+    rows = take("moe.dispatched", rebuild=lambda: all_to_all_forward(x[plan.tokens], comm, plan.send, plan.receive))
+    row_weights = take("moe.dispatched_weights",
+                       rebuild=lambda: all_to_all_forward(weights[plan.order], comm, plan.send, plan.receive))
     d_rows, d_row_weights = torch.empty_like(rows), torch.empty_like(row_weights)  # (M, h), (M,): all written below
-    # (E_l, 2f, h), (E_l, h, f): an expert without rows gets zeros
-    d_gate_up, d_down = torch.zeros_like(w.experts_gate_up), torch.zeros_like(w.experts_down)
+    d_gate_up, d_down = torch.zeros_like(w.experts_gate_up), torch.zeros_like(w.experts_down)  # 0 if no rows come
     for e, rows_e in local_groups(received):
         d_rows[rows_e] = expert_backward(lambda: grads_rows[rows_e], row_weights, rows_e,  # noqa: B023 (n_e, h)
                                          lambda: rows[rows_e], w.experts_gate_up[e], w.experts_down[e],  # noqa: B023

@@ -127,8 +127,7 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
     if L < S or B % M:
         raise ValueError(f"pipelining peer: layers={L} must be >= P*V={S} and batch {B} a multiple of M={M}")
     if not hasattr(pipelining, schedule):  # decided alike on every rank, before any p2p
-        return {"schedule": schedule, "error": f"torch {torch.__version__} has no torch.distributed.pipelining."
-                                               f"{schedule}"}
+        return {"schedule": schedule, "error": f"torch {torch.__version__} has no {pipelining.__name__}.{schedule}"}
     model = ReferenceLlama(cfg, params)  # a fresh model per schedule: gradients start at None
     names = {id(p): name for name, p in model.named_parameters()}
     b, dtype = B // M, cfg.torch_dtype

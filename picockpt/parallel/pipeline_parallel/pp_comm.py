@@ -65,9 +65,8 @@ class Pipe:
         return works
 
     def finish(self):
-        """Post the held send, then wait for every send still in flight (the step's last ones)."""
         self.post()
-        with self.timeline.span("send"):
+        with self.timeline.span("send"):  # the step's last sends
             for work, _ in self.in_flight:
                 work.wait()
         self.in_flight.clear()

@@ -150,8 +150,7 @@ class ChunkForms:
 
     def tp_comm_bytes(self, rows=None):
         """{"forward", "recompute", "backward"}: this rank's tensor-parallel collectives over its M micro-batches
-        (tp_forms.rank_comm_bytes on its layers, the embedding on stage 0, the head on the last, its own sweeps);
-        rows: b / ep under expert parallelism."""
+        (tp_forms.rank_comm_bytes on its layers, embedding, head, sweeps); rows: b / ep under expert parallelism."""
         one = rank_comm_bytes(self.cfg.replace(layers=len(self.layers)), rows or self.b, self.seq, self.policy,
                               self.t, self.sp, self.distribute_saved, self.first, self.last, self.local_schedule)
         return {phase: self.M * n for phase, n in one.items()}

@@ -1,8 +1,7 @@
-"""A pipeline stage's plan: the least-recompute schedule for one micro-batch when the stage holds w at once, its
-peak (w - 1) * E + the micro-batch's own (pp_forms.py). A plan that fits a budget alone may not fit it w times
-over, and what a first forward keeps costs w times what a recompute sweep keeps (sweeps run one micro-batch at a
-time). The candidates: the single-process planner's Pareto front (picockpt/planning/planner.py), walked down from
-the budget."""
+"""A pipeline stage's plan: the least-recompute schedule for one micro-batch when the stage holds w at once, its peak
+(w - 1) * E + the micro-batch's own (pp_forms.py). A plan that fits a budget alone may not fit it w times over, and what
+a first forward keeps costs w times what a recompute sweep keeps (sweeps run one micro-batch at a time). The
+candidates: the single-process planner's Pareto front (picockpt/planning/planner.py), walked down from the budget."""
 import math
 from collections import namedtuple
 
@@ -31,8 +30,7 @@ def end_of_forward_bytes(chain, schedule):
 def in_flight_peak(order, stored, peaks, left=None):
     """The most a stage's store holds over its actions in order (pp_schedules.Action: kind "F", "B" or "W",
     microbatch, chunk), each a function of (microbatch, chunk): a forward leaves stored(m, c); a backward peaks at
-    peaks(m, c) above what the others hold and leaves left(m, c) (ZB-H1: what its W reads), which the W frees.
-    Equal micro-batches, one chunk, no W: (in flight - 1) E + peak, the 1F1B form."""
+    peaks(m, c) above what the others hold and leaves left(m, c) (ZB-H1: what its W reads), which the W frees."""
     held, total, peak = {}, 0, 0  # total: sum(held.values()), kept as it changes (the walk linear in M)
     for kind, m, c in order:
         before = held.pop((m, c)) if kind != "F" else 0  # B: what its F left; W: what its B left
@@ -60,14 +58,14 @@ InFlightPlan = namedtuple("InFlightPlan",
                           "schedule peak_bytes microbatch_peak end_of_forward recompute_flops in_flight budget source")
 
 
-def plan_in_flight(chain, budget, in_flight, candidates=(), max_slots=None, order=None, left=None):
+def plan_in_flight(chain, budget, in_flight, candidates=(), order=None, left=None):
     """The least-recompute schedule whose (in_flight - 1) * E + peak fits `budget`, from the frontier and `candidates`,
     ((name, Schedule), ...) such as the uniform policies (a frontier plan may keep more in its first forward).
     order, left: the stage's Actions and what each layer's B leaves for its W (ZB-H1): every plan priced by
     in_flight_peak, W's bytes a fixed cost that every plan keeps around."""
     peak, (schedule,), source, (held,), ((own, recompute),) = cheapest(
         [chain], budget, lambda held, own: walk_peak(order, in_flight, held[0], own[0][0], left),
-        [(name, [schedule]) for name, schedule in candidates], left, max_slots,
+        [(name, [schedule]) for name, schedule in candidates], left,
         f"this stage needs with {in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight",
         "fewer micro-batches in flight")
     return InFlightPlan(schedule, peak, own, held, recompute, in_flight, budget, source)
@@ -80,12 +78,12 @@ def plan_chunks(chains, budget, order, candidates):
     shared = sorted(set.intersection(*(set(dict(named)) for named in candidates)))
     _, schedules, source, _, _ = cheapest(
         chains, budget, lambda held, own: in_flight_peak(order, lambda m, c: held[c], lambda m, c: own[c][0]),
-        [(name, [dict(named)[name] for named in candidates]) for name in shared], None, None,
+        [(name, [dict(named)[name] for named in candidates]) for name in shared], None,
         f"this rank's {len(chains)} chunks need together", "fewer micro-batches")
     return [(schedule, source) for schedule in schedules]
 
 
-def cheapest(chains, budget, peak_of, candidates, left, max_slots, needs, fewer):
+def cheapest(chains, budget, peak_of, candidates, left, needs, fewer):
     """(peak, schedules, source, E per chain, (own peak, recompute) per chain) of the least recompute (summed over
     the chains) whose peak_of(E's, owns) fits `budget`: the candidates [(name, [Schedule per chain])], the
     planner's least plans, then its frontier at one room for every chain, walked down from the budget (recompute
@@ -104,7 +102,7 @@ def cheapest(chains, budget, peak_of, candidates, left, max_slots, needs, fewer)
     room = min(budget, max(sum(max(a for _, a, _ in stage.variants) for stage in chain) for chain in chains))
     least = max(least_budget(chain) for chain in chains)
     while room >= least:
-        frontier = [plan_chain(chain, room, max_slots) for chain in chains]
+        frontier = [plan_chain(chain, room) for chain in chains]
         if consider([plan.schedule for plan in frontier], "planner") <= budget:
             break
         room = max(plan.peak_bytes for plan in frontier) - 1  # its own peak, W's bytes left out: always smaller

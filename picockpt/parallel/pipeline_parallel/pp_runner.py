@@ -15,21 +15,20 @@ def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_don
     and op-level drops each Step follows). rows(m): micro-batch m's (input_ids, targets) on this rank; memory: the
     stage's stores (timeline.py: StageMemory); forward_done(m, c, step, model) after each forward. Returns this
     rank's share of the loss (the last stage's micro-batches summed), None on earlier stages."""
-    steps, waiting, loss = {}, {}, None  # (micro-batch, chunk) -> its Step until its B / its model until its W
+    steps, loss = {}, None  # (micro-batch, chunk) -> its Step until its B (ZB-H1: until its W)
     rng_like = device_generator(pipe.device).get_state()  # what a generator state sent between stages looks like
     talking = [action for action in order if action.kind != "W"]  # the actions that send and receive
     pipe.stepwise = len(chunks) > 1  # interleaved: Megatron-LM's steps (pp_comm.py)
     grouped = interleaved_steps(order) if pipe.stepwise else []
     starts = dict(zip(accumulate(map(len, grouped), initial=0), grouped))  # {a step's first index: its actions}
     for index, action in enumerate(order):
-        m, c = action.microbatch, action.chunk
-        stage = chunks[c]
+        m, c, stage = action.microbatch, action.chunk, chunks[action.chunk]
         if index in starts:  # the previous step's sends and every receive this step reads, one group
             pipe.exchange([(source, shape, dtype, kind) for a in starts[index]
                            if (source := receives_from(a, chunks, pipe)) is not None
                            for kind, shape, dtype in receives(a, stage.cfg, rng_like, stage.activation_shape)])
         if action.kind == "W":  # ZB-H1: the weight gradients its B left
-            waiting.pop((m, c)).weight_backward()
+            steps.pop((m, c)).model.weight_backward()
             continue
         talking.pop(0)  # a send just before the next action's receive from the same peer: one group
         pipe.pair_with = receives_from(talking[0], chunks, pipe) if talking else None
@@ -44,11 +43,8 @@ def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_don
             if forward_done is not None:
                 forward_done(m, c, step, model)
             steps[m, c] = step
-        else:
-            step = steps.pop((m, c))
-            step.backward()
-            if stage.split_backward:
-                waiting[m, c] = step.model
+        else:  # ZB-H1: the Step kept for its W
+            (steps[m, c] if stage.split_backward else steps.pop((m, c))).backward()
     return loss
 
 

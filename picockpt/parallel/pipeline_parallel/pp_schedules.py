@@ -42,8 +42,7 @@ def check_schedule(schedule, virtual=1, stages=None):
     """ValueError naming the value unless the schedule is known, its virtual stages fit it, and (stages given) a
     schedule of a pipeline's stages has more than one stage to order."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: use one of "
-                         f"{', '.join(f'{s!r} ({EXPLAINED[s]})' for s in SCHEDULES)}")
+        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(f'{s!r} ({EXPLAINED[s]})' for s in SCHEDULES)}")
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual_stages={virtual!r}: give a whole number of layer chunks per rank, 1 or more")
     if (virtual > 1) != (schedule == "interleaved"):
@@ -54,7 +53,6 @@ def check_schedule(schedule, virtual=1, stages=None):
     if stages == 1 and schedule in ("interleaved", "zb-h1"):  # afab and 1f1b order one stage's micro-batches too
         raise ValueError(f"schedule={schedule!r} with pp=1: {EXPLAINED[schedule]} orders the stages of a pipeline, "
                          f"and there is one stage; use pp >= 2, or schedule='1f1b'")
-    return schedule
 
 
 def check_interleaving(stages, microbatches, virtual, layers=None):
@@ -90,9 +88,8 @@ def check_segment(segment, text, layers, stages, virtual=1):
     longest = max(len(chunk) for chunk in stage_layers(layers, stages * virtual))
     if segment is not None and stages * virtual > 1 and segment > longest:
         chunks = f"pp={stages} x virtual_stages={virtual} chunks" if virtual > 1 else f"pp={stages} stages"
-        raise ValueError(f"policy {text!r}: C={segment} is longer than the {longest} layers of the longest of "
-                         f"{chunks} (of L={layers}), so each would run every:{longest}; use every:C with "
-                         f"C <= {longest}")
+        raise ValueError(f"policy {text!r}: C={segment} is longer than the {longest} layers of the longest of {chunks} "
+                         f"(of L={layers}), so each would run every:{longest}; use every:C with C <= {longest}")
 
 
 def rank_layers(layers, stages, stage, virtual=1):

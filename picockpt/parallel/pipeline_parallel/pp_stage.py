@@ -1,10 +1,9 @@
 """One pipeline stage, and one micro-batch of it as the engine's loop (engine.py: Step) sees it: the loop runs
-unchanged; only the model's parts differ. The first stage embeds, later ones receive the previous stage's
-activation (stored as the first layer's checkpoint); the last stage runs the head and loss, earlier ones send their
-output on and receive its gradient (recompute-early: the top segment recomputed while it travels); ZB-H1's W
-(split_backward) runs the weight gradients each matmul deferred (ops/linear.py: deferred_weight_grads), what they
-read waiting in a store of its own. The stage's `data` part (data_parallel/dp_model.py) gives its weights and takes
-its gradients.
+unchanged; only the model's parts differ. The first stage embeds, later ones receive the previous stage's activation
+(stored as the first layer's checkpoint); the last stage runs the head and loss, earlier ones send their output on and
+receive its gradient (recompute-early: the top segment recomputed while it travels); ZB-H1's W (split_backward) runs the
+weight gradients each matmul deferred (ops/linear.py: deferred_weight_grads), what they read waiting in a store of its
+own. The stage's `data` part (data_parallel/dp_model.py) gives its weights and takes its gradients.
 
 The mean over all tokens: the single process's loss is (sum of the counted tokens' losses) / N, N the whole batch's
 counted targets. A micro-batch's head takes the mean over its n_m counted targets, so its loss and gradients are
@@ -96,8 +95,7 @@ class StageModel:
         self.waiting = waiting  # split_backward: an ActivationStore for what its W reads
         self.cfg, self.layers = stage.step_cfg, stage.layers  # the rest (params, input_ids, ...): rank_model's
         self.mean_share = int((rank_model.targets != -100).sum()) / stage.counted  # n_m / N
-        M = stage.microbatches
-        self.rows = RowBlock(stage.dp_rank * M + m, stage.dp * M)  # its rows of the whole batch
+        self.rows = RowBlock(stage.dp_rank * stage.microbatches + m, stage.dp * stage.microbatches)  # its batch rows
         self.generator = device_generator(rank_model.input_ids.device)
 
     def __getattr__(self, name):  # params, input_ids, targets, layer_names, keep_input, load_input: the model's

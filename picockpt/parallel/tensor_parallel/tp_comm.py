@@ -10,8 +10,7 @@ forward's adjoint (Megatron's "f" and "g", Shoeybi et al. 2019; sp's "g" and "g-
     split_sequence        take this rank's shard (no comm) all-gather
 
 "replicated": the same tensor (and gradient) on every rank; "partial": a summand of it on each rank; "sharded": one
-slice of it along dim on each rank. comm.py counts the bytes.
-"""
+slice of it along dim on each rank. comm.py counts the bytes."""
 from ..comm import all_gather, all_reduce, check_dim, check_divisible, reduce_scatter
 
 
@@ -33,7 +32,6 @@ def reduce_from_parallel_backward(dy, comm):
     return dy  # (...)
 
 
-# -- sequence parallel: between sequence shards and the full sequence ------------------------------
 def gather_sequence_forward(x, comm, dim=1):
     return all_gather(x, comm, dim)  # (B, T/W, h) this rank's shard (along dim) -> (B, T, h) the whole, replicated
 

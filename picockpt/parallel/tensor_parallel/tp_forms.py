@@ -66,11 +66,10 @@ def rank_sizes(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=
 def rank_chain(cfg, batch, seq, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
     """The planner's chain (picockpt/planning/planner.py: Stage) of one rank: its own bytes and FLOPs."""
     unstored, parts = frozenset(unstored), layer_flops(cfg, batch, seq)
-    stored = rank_layer_inventory(cfg, batch, seq, t, sp)
     levels = [("all", unstored)] + [(f"all:{name}", names) for name, names in OP_LEVEL.items() if names > unstored]
     variants, head_variants = {}, {}
     for mode, names in levels:
-        rebuild = parts["scores"] // t if "attn.probs" in names and "attn.probs" in stored else 0
+        rebuild = parts["scores"] // t if "attn.probs" in names and cfg.attention == "eager" else 0
         variants.setdefault((total(rank_layer_inventory(cfg, batch, seq, t, sp, names)), rebuild), mode)
         head_variants.setdefault(total(rank_head_inventory(cfg, batch, seq, t, sp, names)), mode)
     X, Xc, _, _ = rank_sizes(cfg, batch, seq, t, sp, distribute_saved)
@@ -134,7 +133,6 @@ def rank_flops(cfg, batch, seq, policy, t=1, sp=False, distribute_saved=False):
 
 def replicated_and_split(cfg, batch, seq, t=1, sp=False, unstored=frozenset()):
     """(bytes of a stored layer each rank holds whole, bytes split by t): picockpt's 10sbh and 24sbh/t + 5as^2b/t."""
-    split = {name for name, kind in SPLIT.items() if kind != "tokens"}  # by t whatever sp is: heads, columns
-    inventory = rank_layer_inventory(cfg, batch, seq, t, sp, unstored)
-    whole = sum(b for name, (_, _, b) in inventory.items() if name not in split and not sp)
+    inventory = rank_layer_inventory(cfg, batch, seq, t, sp, unstored)  # without sp only heads and columns divide
+    whole = 0 if sp else sum(b for name, (_, _, b) in inventory.items() if SPLIT.get(name) in (None, "tokens"))
     return whole, total(inventory) - whole

@@ -1,5 +1,5 @@
-"""One Llama decoder layer on one tensor-parallel rank (Megatron-LM; Korthikanti et al. 2022 with sequence
-parallelism): picockpt/model/layer.py's one layer, its hooks (layer.py: LayerHooks) filled in with the collectives.
+"""One Llama decoder layer on one tensor-parallel rank (Megatron-LM; Korthikanti et al. 2022 with sequence parallelism):
+picockpt/model/layer.py's one layer, its hooks (layer.py: LayerHooks) filled in with the collectives.
 
     h   = x + dropout(LEAVE(o_proj(attention(q, k, v))))     q, k, v = projections of ENTER(rmsnorm(x))
     out = h + dropout(LEAVE(down(silu(gate) * up)))           gate, up = projections of ENTER(rmsnorm(h))
@@ -7,12 +7,10 @@ parallelism): picockpt/model/layer.py's one layer, its hooks (layer.py: LayerHoo
 The blocks read their head counts from the weights, so they run here unchanged on the rank's share (tp_shard.py) and
 return its *partial* output; the ranks' sum is the single process's. Without sequence parallelism the norms, residual
 adds and dropouts run on the whole sequence, the same on every rank; with it on the rank's T/t tokens, and only the
-blocks see all T. Under sp the stored norm output is the rank's shard, so the backward all-gathers it again before
-the projections' weight gradients (as Megatron does: never kept gathered). A mixture of experts runs between the same
-ENTER and LEAVE, each expert on its f/t slice, its router whole: the router's gradient, from partial outputs, is
-summed over the ranks.
-"""
-from ...model.layer import ONE_PROCESS
+blocks see all T. Under sp the stored norm output is the rank's shard, so the backward all-gathers it again before the
+projections' weight gradients (as Megatron does: never kept gathered). A mixture of experts runs between the same ENTER
+and LEAVE, each expert on its f/t slice, its router whole: the router's gradient, from partial outputs, is summed over
+the ranks."""
 from ..comm import all_reduce
 from ..rank_model import WrappedHooks
 from ..rng import full_size_draws, sliced_mask
@@ -28,10 +26,9 @@ def _by_sp(sequence_parallel, plain):
 
 
 class TensorParallelHooks(WrappedHooks):
-    """Where layer.py's layer crosses the t ranks of `comm` (sequence parallel when sp); x, h, out: (B, n, h).
-    inner: the hooks it is applied over (every point it does not own is theirs)."""
+    """Where layer.py's layer crosses t ranks of `comm` (sp: sequence parallel), over inner's; x, h, out: (B, n, h)."""
 
-    def __init__(self, comm, sp, dropout, inner=ONE_PROCESS):
+    def __init__(self, comm, sp, dropout, inner):
         super().__init__(inner)
         self.comm, self.sp, self.dropout = comm, sp, dropout
 
@@ -44,8 +41,7 @@ class TensorParallelHooks(WrappedHooks):
     leave_backward = _by_sp(scatter_sequence_backward, reduce_from_parallel_backward)
     regather = _by_sp(gather_sequence_forward, lambda xn, comm: xn)  # a kept norm output: this rank's tokens under sp
 
-    def branch_mask(self, shape, p, device):
-        # the single process's (B, T, h) mask; under sp this rank's tokens of it, else all of it
+    def branch_mask(self, shape, p, device):  # the single process's (B, T, h) mask: under sp its tokens of it
         B, n, h = shape
         whole = (B, n * self.comm.world_size if self.sp else n, h)
         return sliced_mask(whole, p, device, self.comm, 1 if self.sp else None)  # (B, n, h) bool
@@ -53,12 +49,10 @@ class TensorParallelHooks(WrappedHooks):
     keeps_lse = True  # the head keeps each row's log-sum-exp: rebuilding it would cost two all-reduces again
 
     def cross_entropy(self, logits, targets, stat_dtype):  # this rank's V/t columns: the row statistics all-reduced
-        start = self.comm.rank * logits.shape[1]  # its first token id
-        return parallel_cross_entropy_forward(logits, targets, start, self.comm, stat_dtype)  # (sum, lse (n,))
+        return parallel_cross_entropy_forward(logits, targets, self.comm, stat_dtype)  # (sum, lse (n,))
 
-    def cross_entropy_backward(self, scale, logits, targets, stat_dtype, lse=None, inplace=False):
-        start = self.comm.rank * logits.shape[1]
-        return parallel_cross_entropy_backward(scale, logits, targets, start, lse, stat_dtype)  # (n, V/t): no comm
+    def cross_entropy_backward(self, scale, logits, targets, stat_dtype, lse=None, inplace=False):  # no comm
+        return parallel_cross_entropy_backward(scale, logits, targets, self.comm, lse, stat_dtype)  # (n, V/t)
 
     def _summed(self, cfg, *grads):  # partial gradients, each in the master dtype, all-reduced in place: their sums
         return tuple(all_reduce(grad.to(cfg.param_dtype), self.comm) for grad in grads)
@@ -72,7 +66,5 @@ class TensorParallelHooks(WrappedHooks):
             grads["router"], = self._summed(cfg, grads["router"])
         return dxn2, grads
 
-    def norm_grads(self, d_attn_norm, d_mlp_norm, cfg):
-        # sp: each rank's norm gradients sum over its own tokens only; without, the norms ran on every token on every
-        # rank: the same gradient everywhere
+    def norm_grads(self, d_attn_norm, d_mlp_norm, cfg):  # as final_norm_grad's (without sp every rank ran every token)
         return self._summed(cfg, d_attn_norm, d_mlp_norm) if self.sp else (d_attn_norm, d_mlp_norm)  # (h,) x2

@@ -1,5 +1,5 @@
-"""Which slice of each weight a tensor-parallel rank holds, the checks that make the split possible, and the
-gradients put back together under the full parameters' names.
+"""Which slice of each weight a tensor-parallel rank holds, the checks that make the split possible, and the gradients
+put back together under the full parameters' names.
 
 Megatron-LM's split (Shoeybi et al. 2019), for t ranks, rank r:
 
@@ -17,10 +17,9 @@ Megatron-LM's split (Shoeybi et al. 2019), for t ranks, rank r:
     mlp.shared_experts.* (fs)                       as the MLP's gate, up, down
     mlp.gate.weight (the router)        (E, h)      replicated      all of it (its gradient summed: tp_layer.py)
 
-A column-parallel linear splits W's rows: rank r computes its columns of y from the whole x. A row-parallel one
-splits W's columns: the ranks' partial products sum to y. Query head j reads key/value head j // (H/KV), so t must
-divide H and KV (Megatron replicates key/value heads beyond KV ranks; picockpt refuses).
-"""
+A column-parallel linear splits W's rows: rank r computes its columns of y from the whole x. A row-parallel one splits
+W's columns: the ranks' partial products sum to y. Query head j reads key/value head j // (H/KV), so t must divide H and
+KV (Megatron replicates key/value heads beyond KV ranks; picockpt refuses)."""
 import torch
 
 from ...model.params import EMBED, FINAL_NORM, HEAD, ROLE_NAMES
@@ -60,8 +59,7 @@ def gather_grads(per_rank, params):
         if name.endswith(HALVES):  # every rank's gate rows, then every rank's up rows
             return torch.cat([torch.cat([g[name].chunk(2, dim)[half] for g in per_rank], dim) for half in (0, 1)], dim)
         return torch.cat([g[name] for g in per_rank], dim)
-    return {name: per_rank[0][name] if split_dim(name) is None else whole(name, split_dim(name))  # (full shape)
-            for name in params}
+    return {name: per_rank[0][name] if split_dim(name) is None else whole(name, split_dim(name)) for name in params}
 
 
 def check_tensor_parallel(cfg, tp, sp=False, seq=None, distribute_saved=False, experts=False):

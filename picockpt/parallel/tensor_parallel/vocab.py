@@ -10,8 +10,7 @@ V_r = [r*V/t, (r+1)*V/t) of the embedding and the LM head; picockpt/model/head.p
 Only one rank's x_r is not 0 at a token, so the sum is exact. No rank holds the (N, V) logits; three numbers per row
 move. lm_head.lse (B, T) is stored even when the logits are chunked: the softmax's denominator spans every rank's
 columns, so rebuilding it would cost two more all-reduces; with it the loss's backward moves nothing:
-dz_r = scale * (exp(z_r - lse) - onehot_r(target)), onehot_r 1 only at targets in V_r.
-"""
+dz_r = scale * (exp(z_r - lse) - onehot_r(target)), onehot_r 1 only at targets in V_r."""
 import torch
 
 from ...ops import embedding_backward, embedding_forward
@@ -21,7 +20,6 @@ from .tp_comm import reduce_from_parallel_backward, reduce_from_parallel_forward
 from .tp_comm import scatter_sequence_forward
 
 
-# ---- the embedding -----------------------------------------------------------------------------
 def embedding_forward_parallel(ids, weight, comm, sp):
     """ids (B, T) -> the input of layer 0: (B, T, h), or this rank's tokens (B, T/t, h) with sp."""
     size, start = weight.shape[0], comm.rank * weight.shape[0]  # V/t, this rank's first token id
@@ -43,11 +41,10 @@ def embedding_backward_parallel(dx, ids, weight_shape, comm, sp):
     return embedding_backward(dx[mine], ids[mine] - start, weight_shape)  # (V/t, h) the same sums as one process
 
 
-# ---- the loss ----------------------------------------------------------------------------------
-def parallel_cross_entropy_forward(logits, targets, start, comm, stat_dtype):
-    """logits (n, V/t): this rank's columns start..start+V/t-1 of n rows; targets (n,).
+def parallel_cross_entropy_forward(logits, targets, comm, stat_dtype):
+    """logits (n, V/t): rank r's columns start..start+V/t-1 of n rows, start = r*V/t; targets (n,).
     -> (sum of the counted rows' losses, lse (n,)), the same on every rank."""
-    z = logits.to(stat_dtype)  # (n, V/t)
+    z, start = logits.to(stat_dtype), comm.rank * logits.shape[1]  # (n, V/t), its first column's token id
     top = all_reduce_max(z.amax(-1), comm)  # (n,) all-reduce (max): each row's largest logit over all V
     total = reduce_from_parallel_forward(torch.exp(z - top[:, None]).sum(-1), comm)  # (n,) all-reduce: sum exp
     lse = top + torch.log(total)  # (n,) logsumexp over the whole vocabulary
@@ -59,9 +56,9 @@ def parallel_cross_entropy_forward(logits, targets, start, comm, stat_dtype):
     return torch.where(counted, lse - picked, 0.0).sum(), lse  # scalar, (n,)
 
 
-def parallel_cross_entropy_backward(scale, logits, targets, start, lse, stat_dtype):
+def parallel_cross_entropy_backward(scale, logits, targets, comm, lse, stat_dtype):
     """dz (n, V/t) of loss = (1/N) sum_n [lse_n - z_n[y_n]] for this rank's columns, scale = dloss / N: no comm."""
-    z = logits.to(stat_dtype)  # (n, V/t)
+    z, start = logits.to(stat_dtype), comm.rank * logits.shape[1]  # (n, V/t), its first column's token id
     dz = torch.exp(z - lse[:, None])  # (n, V/t) softmax over the whole vocabulary, this rank's columns
     mine = (targets >= start) & (targets < start + z.shape[1])  # (n,) bool
     minus_one = torch.where(mine, -1.0, 0.0).to(dz.dtype)[:, None]  # (n, 1): the one-hot only where it is here
