@@ -24,7 +24,7 @@ from picockpt.ops.cross_entropy import IGNORE_INDEX
 from picockpt.model.params import param_shapes
 from picockpt.parallel import Layout, ParallelJob, run_ranks
 from picockpt.parallel.data_parallel.fsdp_peer import fsdp2_rank_step, fsdp2_rank_steps
-from picockpt.parallel.data_parallel.zero_check import check_zero
+from picockpt.parallel.data_parallel.dp_check import check_zero
 from picockpt.parallel.data_parallel.zero_forms import zero_paper_bytes
 from picockpt.parallel.pipeline_parallel.pp_forms import ChunkForms
 from picockpt.parallel.report_forms import zero_stage_forms

@@ -12,7 +12,7 @@ from picockpt import Config, init_params
 from picockpt.recompute.engine import Model, Step
 from picockpt.measurement.measure import make_batch
 from picockpt.parallel.data_parallel import dp_comm
-from picockpt.parallel.timeline import StageMemory, Timeline
+from picockpt.parallel.timeline import MicroBatchTracker, StageMemory, Timeline
 from picockpt.recompute.policy import parse_policy
 from picockpt.measurement.tracker import Tracker
 from picockpt.parallel import Layout
@@ -146,7 +146,7 @@ def test_a_tiled_step_has_a_span_per_phase_not_per_tile_pair():
     with Tracker("cpu", physical=False, flops=False) as tracker:
         memory = StageMemory(tracker, timeline)
         timeline.begin()
-        step(cfg, params, ids, targets, "full", memory.for_microbatch(0))
+        step(cfg, params, ids, targets, "full", MicroBatchTracker(memory, 0))
         timeline.finish()
     assert [kind for kind, *_ in timeline.segments] == ["forward", "backward"] + ["recompute", "backward"] * 3
     assert sum(record[0] == "phase" for record in tracker.log) == 4 + 2 * 3 + 2 * 36 * 3  # the tracker saw them all
@@ -162,7 +162,7 @@ def test_a_rebuild_inside_the_backward_is_timed_as_recompute(policy, attention):
     with Tracker("cpu", physical=False, flops=False) as tracker:
         memory = StageMemory(tracker, timeline)
         timeline.begin()
-        step(cfg, params, ids, targets, policy, memory.for_microbatch(0))
+        step(cfg, params, ids, targets, policy, MicroBatchTracker(memory, 0))
         timeline.finish()
     assert {kind for kind, *_ in timeline.segments} == {"forward", "backward"}  # still a span per phase
     seconds = timeline.totals()

@@ -21,7 +21,7 @@ from ..planning.hardware import H200_SXM_BF16
 from ..model.params import init_params
 from ..parallel import Layout, RankError, under_torchrun
 from ..parallel.training import zero_train
-from ..parallel.data_parallel.zero_check import check_zero
+from ..parallel.data_parallel.dp_check import check_zero
 from ..parallel.launch import check_rank_count, check_timeout
 from ..device import resolve_device
 from ..recompute.policy import POLICY_HELP, parse_policy

@@ -126,10 +126,6 @@ class StageMemory:
         self.samples = []   # (time, bytes) at every store event, the time a Timeline mark
         self.end_of_forward = {}  # (micro-batch, chunk) -> bytes its store held when its forward ended
 
-    def for_microbatch(self, microbatch, chunk=0):
-        """A tracker for one store: micro-batch m's (of an interleaved rank's chunk c; (c, "W"): its W's)."""
-        return MicroBatchTracker(self, microbatch, chunk)
-
     def mean_bytes(self):
         """The time-weighted mean of the stage's stored bytes from the timeline's start to its end."""
         start, end = self.timeline.start, self.timeline.end
@@ -145,7 +141,8 @@ class StageMemory:
 
 
 class MicroBatchTracker:
-    """What one micro-batch's Step and store talk to (as picockpt/measurement/tracker.py's Tracker)."""
+    """What one micro-batch's Step and store talk to (as picockpt/measurement/tracker.py's Tracker): micro-batch m's
+    (of an interleaved rank's chunk c; chunk (c, "W"): its W's store)."""
 
     def __init__(self, memory, microbatch, chunk=0):
         self.memory, self.microbatch, self.key = memory, microbatch, (microbatch, chunk)  # spans say m, held the key

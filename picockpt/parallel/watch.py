@@ -52,10 +52,10 @@ def sigterm_raises():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def collect(ranks, pipes, started, progress, timeout_s):
+def collect(ranks, pipes, started, progress=None, timeout_s=None):
     """Each rank's result, by rank (the module's docstring says how failures end the wait). started[r] (a shared
-    array) is set once rank r runs picockpt's code: a rank that dies before is named as such. progress(rank, payload),
-    if not None, gets each progress message; timeout_s, the collectives' limit, is named when a rank gave up waiting."""
+    array) is set once rank r runs picockpt's code: a rank that dies before is named as such. progress(rank, payload)
+    gets each progress message; timeout_s, the collectives' limit, is named when a rank gave up waiting."""
     results, pending, failures, linger_until = [None] * len(ranks), set(range(len(ranks))), {}, None
     while pending and (linger_until is None or time.monotonic() < linger_until):
         wait([pipes[r] for r in pending] + [ranks[r].sentinel for r in pending],
@@ -114,7 +114,7 @@ def _reimports_main():
     return getattr(main, "__file__", None) is not None
 
 
-def _error(failures, ranks, pending, timeout_s):
+def _error(failures, ranks, pending, timeout_s=None):
     """The root cause: a rank's own exception before a death, a death before a timeout, a timeout before a
     communication error (a rank whose peer is gone fails in its collective: a consequence, not the cause)."""
     def order(item):
@@ -125,7 +125,7 @@ def _error(failures, ranks, pending, timeout_s):
         return (2 if TIMED_OUT.search(failure[3]) else 3 if victim else 0), failure[1], rank
     rank, failure = min(failures.items(), key=order)
     world = len(ranks)
-    limit = f"timeout_s={timeout_s:g} seconds"
+    limit = f"timeout_s={timeout_s:g} seconds" if timeout_s is not None else "the job's timeout"
     others = [f"rank {r} {f[2]}" if f[0] == "died" else f"rank {r} raised {f[2]}: {(f[3] or ' ').splitlines()[0]}"
               for r, f in sorted(failures.items()) if r != rank]
     others += [f"rank {r} was stopped" for r in sorted(pending)]
@@ -138,9 +138,9 @@ def _error(failures, ranks, pending, timeout_s):
         operation = next((gloo or nccl for gloo, nccl in OPERATION.findall(text)), None)
         called = re.findall(r'distributed_c10d\.py", line \d+, in (\w+)', remote_traceback)  # torch's call
         operation = f"{operation or 'wait'} (of {called[-1]})" if called and called[-1] != operation else operation
-        where = "a " + operation.lower() if operation else "a collective"
-        said = (f"waited longer than {limit} in {where}, for a rank that was still computing or had stalled; give a "
-                f"larger timeout_s, e.g. {min(max(120.0, 10 * timeout_s), 86400.0):g}")
+        larger = f", e.g. {min(max(120.0, 10 * timeout_s), 86400.0):g}" if timeout_s is not None else ""
+        said = (f"waited longer than {limit} in {'a ' + operation.lower() if operation else 'a collective'}, for a "
+                f"rank that was still computing or had stalled; give a larger timeout_s{larger}")
     cause = RankError(f"rank {rank} of {world} {said}\n\ntraceback of rank {rank}:\n{remote_traceback}{tail}", rank,
                       type_name, remote_traceback, failed_at)
     if is_value_error:  # a user mistake: the same ValueError, with the rank named, traceback chained

@@ -6,6 +6,7 @@ from itertools import accumulate
 
 from ...recompute.engine import Step, device_generator
 from ...recompute.store import ActivationStore
+from ..timeline import MicroBatchTracker
 from .pp_comm import receives
 from .pp_schedules import interleaved_steps
 
@@ -33,10 +34,10 @@ def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_don
         talking.pop(0)  # a send just before the next action's receive from the same peer: one group
         pipe.pair_with = receives_from(talking[0], chunks, pipe) if talking else None
         if action.kind == "F":
-            w_store = ActivationStore(listener=memory.for_microbatch(m, (c, "W"))) if stage.split_backward else None
+            w_store = ActivationStore(MicroBatchTracker(memory, m, (c, "W"))) if stage.split_backward else None
             model = stage.microbatch(m, *rows(m), w_store)
-            step = model.step = Step(model, forms[c].schedule, forms[c].policy.unstored, memory.for_microbatch(m, c),
-                                     say)
+            tracker = MicroBatchTracker(memory, m, c)
+            step = model.step = Step(model, forms[c].schedule, forms[c].policy.unstored, tracker, say)
             model.rank_model.store = step.store  # where an ep layer keeps its routing, whatever its mode
             part = step.forward()  # this micro-batch's share of the whole batch's mean (last stage)
             loss = part if loss is None else loss + part
