@@ -71,7 +71,8 @@ def run_copies(args):
           f"{'cast bytes':>13}{'modelled':>12}")
     for o in both:
         fits = o.plan is not None
-        print(f"  {'recast' if o.recast else 'kept':<8}{fmt_bytes(o.copy_bytes):>13}{fmt_bytes(max(o.store_budget, 0)):>13}"
+        print(f"  {'recast' if o.recast else 'kept':<8}{fmt_bytes(o.copy_bytes):>13}"
+              f"{fmt_bytes(max(o.store_budget, 0)):>13}"
               f"{fmt_bytes(o.plan.peak_bytes) if fits else 'no fit':>13}"
               f"{fmt_flops(o.plan.recompute_flops) if fits else '-':>17}{o.casts:>7}{fmt_bytes(o.cast_bytes):>13}"
               f"{f'{o.seconds * 1e3:.4g} ms' if fits else '-':>12}")

@@ -4,8 +4,8 @@
     python -m picockpt plan --budget 20MiB --cost measured --device cpu     # times every op here first (seconds)
     python -m picockpt plan --budget 20MiB --cost measured --offload        # the three actions at those prices
 
-Under roofline or measured the plan is decided on seconds (picockpt/planning/cost.py's plan_priced); the FLOP plan is priced
-by the same seconds beside it, so the output says whether, and by how much, the two prices disagree.
+Under roofline or measured the plan is decided on seconds (picockpt/planning/cost.py's plan_priced); the FLOP plan is
+priced by the same seconds beside it, so the output says whether, and by how much, the two prices disagree.
 """
 from ..planning.cost import HARDWARE_NAMES, hardware, plan_priced, price_chain, roofline_op_seconds
 from ..device import resolve_device
@@ -18,8 +18,8 @@ def add_cost_arguments(parser):
     parser.add_argument("--cost", choices=COSTS, default="flops",
                         help="what the planner minimises: flops (recomputed matmul FLOPs, the default), roofline "
                              "(modelled seconds: each op's FLOPs over the matmul rate or its bytes over the memory "
-                             "bandwidth, whichever is longer, on --hardware), measured (each op timed on --device; times "
-                             "move with the machine's load, so a measured plan can change between runs)")
+                             "bandwidth, whichever is longer, on --hardware), measured (each op timed on --device; "
+                             "times move with the machine's load, so a measured plan can change between runs)")
     parser.add_argument("--hardware", choices=HARDWARE_NAMES, default=None,
                         help="--cost roofline: datasheet rates of h100, h200 or a100 (bf16), or cpu-measured (this "
                              "CPU's matmul rate and copy bandwidth, timed first; the default)")

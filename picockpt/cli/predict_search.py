@@ -1,9 +1,11 @@
-"""predict --search: every layout of --gpus GPUs for one model and batch, the ones that fit ranked by modelled step time.
+"""predict --search: every layout of --gpus GPUs for one model and batch, the ones that fit ranked by modelled step
+time.
 
     python -m picockpt predict --search --model llama3-405b --seq 8192 --gpus 16384 --tokens-per-batch 16M \\
         --gpu-gib 80 --hardware h100
 
-Memory from picockpt's closed forms, time from picockpt/planning/cost.py (picockpt/planning/layout_search.py says which terms).
+Memory from picockpt's closed forms, time from picockpt/planning/cost.py (picockpt/planning/layout_search.py says which
+terms).
 """
 import json
 import textwrap
@@ -64,8 +66,8 @@ def parse_tokens(text):
     except ValueError:
         value = 0
     if not value >= 1 or value != int(value) or value == float("inf"):
-        raise ValueError(f"--tokens-per-batch={text!r}: give a positive whole number of tokens, e.g. 16M (16 x 2**20) or "
-                         f"16777216")
+        raise ValueError(f"--tokens-per-batch={text!r}: give a positive whole number of tokens, e.g. 16M (16 x 2**20) "
+                         f"or 16777216")
     return int(value)
 
 

@@ -83,9 +83,11 @@ def live_peak(events):
 def check_native(device):
     """ValueError unless the allocator is the one the model follows: the native backend, no expandable
     segments, no power-of-two rounding."""
-    settings = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).strip(",")
+    settings = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + ","
+                + os.environ.get("PYTORCH_ALLOC_CONF", "")).strip(",")
     changed = [name for name in ("expandable_segments:True", "roundup_power2_divisions", "max_non_split_rounding",
-                                 "large_segment_size", "garbage_collection_threshold") if name in settings.replace(" ", "")]
+                                 "large_segment_size", "garbage_collection_threshold")
+               if name in settings.replace(" ", "")]
     if torch.cuda.get_allocator_backend() != "native" or changed:
         raise ValueError(f"the allocator model follows the native caching allocator with its default rounding "
                          f"and segments; PYTORCH_CUDA_ALLOC_CONF={settings!r} changes them ({changed or 'backend'}): "

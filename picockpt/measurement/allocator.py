@@ -211,8 +211,8 @@ class CachingAllocator:
 
     @classmethod
     def from_segments(cls, segments, max_split_size_mb=None):
-        """A pool already holding `segments`: [(address, pool, [(size, owner or None, requested), ...])], each
-        segment's blocks in address order (picockpt/measurement/alloc_trace.py reads them from torch.cuda.memory_snapshot())."""
+        """A pool already holding `segments`: [(address, pool, [(size, owner or None, requested), ...])], each segment's
+        blocks in address order (picockpt/measurement/alloc_trace.py reads them from torch.cuda.memory_snapshot())."""
         model = cls(max_split_size_mb)
         for address, pool, blocks in sorted(segments, key=lambda s: s[0]):
             segment = Segment(address, sum(size for size, _, _ in blocks), pool)

@@ -12,9 +12,10 @@ measured step (a real GEMM's efficiency, kernels' launch gaps, stragglers) is wh
 
 The ops of one layer's forward (layer_ops) mirror picockpt/model/layer.py kernel by kernel, on one rank's shapes (tensor
 parallel t, sequence parallel, context parallel cp). price_chain() turns the planner's chain from FLOPs into seconds,
-and plan_priced() runs the planner's recurrence (picockpt/planning/planner.py) on those seconds: it only adds and compares
-costs, so it minimises time as readily as FLOPs. The prices part where FLOPs call a rebuild free (a norm's output,
-SwiGLU's product) that moves bytes, and where a matmul's FLOPs are cheap next to an elementwise op's memory traffic.
+and plan_priced() runs the planner's recurrence (picockpt/planning/planner.py) on those seconds: it only adds and
+compares costs, so it minimises time as readily as FLOPs. The prices part where FLOPs call a rebuild free (a norm's
+output, SwiGLU's product) that moves bytes, and where a matmul's FLOPs are cheap next to an elementwise op's memory
+traffic.
 """
 from dataclasses import dataclass, replace
 
@@ -117,11 +118,11 @@ def roofline_seconds(op, hw):
 
 
 def layer_ops(cfg, batch, seq, t=1, sp=False, cp=1, causal_skip=False):
-    """The ops of one layer's forward on one rank, in picockpt/model/layer.py's order, with each kernel's FLOPs and bytes:
-    t tensor-parallel ranks (heads and the MLP split t ways), sp (norms and residuals on seq/(cp t) tokens), cp
+    """The ops of one layer's forward on one rank, in picockpt/model/layer.py's order, with each kernel's FLOPs and
+    bytes: t tensor-parallel ranks (heads and the MLP split t ways), sp (norms and residuals on seq/(cp t) tokens), cp
     context-parallel ranks (seq/cp queries a rank, against all seq keys). Also "probs" for eager attention: not a
-    forward op but what rebuilding the dropped probabilities runs (the scores and their softmax). causal_skip: a
-    GPU flash kernel skips the key blocks above the diagonal, about half the square (the CPU's, like FlopCounterMode,
+    forward op but what rebuilding the dropped probabilities runs (the scores and their softmax). causal_skip: a GPU
+    flash kernel skips the key blocks above the diagonal, about half the square (the CPU's, like FlopCounterMode,
     computes and counts it whole)."""
     e, s = BYTES[cfg.dtype], BYTES[cfg.dtype_names[1]]
     n = seq // cp  # this rank's queries
@@ -181,14 +182,16 @@ def head_ops(cfg, batch, seq, t=1, sp=False):
 
 def check_dense(cfg, what):
     if cfg.experts:
-        raise ValueError(f"Config.experts={cfg.experts}: {what} prices a dense layer's ops (picockpt/model/layer.py's MLP); "
+        raise ValueError(f"Config.experts={cfg.experts}: {what} prices a dense layer's ops "
+                         f"(picockpt/model/layer.py's MLP); "
                          f"a mixture of experts' ops are not in its table: use --cost flops, or experts=0")
 
 
 def roofline_op_seconds(cfg, batch, seq, hw, t=1, sp=False, cp=1):
     """{op name: seconds} for a layer's ops and the head's, by the roofline on `hw`."""
     check_dense(cfg, "the roofline")
-    return {op.name: roofline_seconds(op, hw) for op in layer_ops(cfg, batch, seq, t, sp, cp) + head_ops(cfg, batch, seq, t)}
+    return {op.name: roofline_seconds(op, hw)
+            for op in layer_ops(cfg, batch, seq, t, sp, cp) + head_ops(cfg, batch, seq, t)}
 
 
 # ---- the planner's chain in seconds ------------------------------------------------------------------------------
@@ -213,11 +216,13 @@ def price_chain(chain, cfg, batch, seq, seconds, unstored=frozenset()):
         return seconds[name] * flops / ops[name].flops if flops else 0.0
 
     layer, head = chain[0], chain[-1]
-    variants = tuple((mode, a, rebuild_seconds(seconds, {n for n in stored if dropped(n, Mode(mode).unstored(unstored))}))
+    variants = tuple((mode, a,
+                      rebuild_seconds(seconds, {n for n in stored if dropped(n, Mode(mode).unstored(unstored))}))
                      for mode, a, _ in layer.variants)
     priced = replace(layer, forward_flops=forward, variants=variants, tail_flops=seconds["down"],
                      inner_flops=per_flop("attention", layer.inner_flops))
-    head_variants = tuple((mode, a, seconds["final_norm"] if "final_norm.output" in Mode(mode).unstored(unstored) else 0.0)
+    head_variants = tuple((mode, a,
+                           seconds["final_norm"] if "final_norm.output" in Mode(mode).unstored(unstored) else 0.0)
                           for mode, a, _ in head.variants)
     priced_head = replace(head, variants=head_variants, inner_flops=per_flop("logits", head.inner_flops))
     return (priced,) * (len(chain) - 1) + (priced_head,)

@@ -42,7 +42,8 @@ def check_counts(cfg, batch, seq, counts):
                                                                          or not 0 <= n <= N for n in counts)
             or sum(counts) != N * k):
         raise ValueError(f"counts={counts!r}: give the tokens routed to each of the E={E} experts, E whole numbers "
-                         f"from 0 to B*T={N} summing to B*T*k={N * k} (e.g. picockpt.model.routing.step_routing(...)[layer])")
+                         f"from 0 to B*T={N} summing to B*T*k={N * k} "
+                         f"(e.g. picockpt.model.routing.step_routing(...)[layer])")
     return list(counts)
 
 

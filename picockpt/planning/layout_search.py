@@ -1,7 +1,7 @@
 """Which layout to train with: every split of G GPUs into tensor (tp), context (cp), pipeline (pp) and data (dp)
 parallelism, with or without sequence parallelism, a ZeRO stage, a pipeline schedule, a split of the layers over the
-stages and a recompute policy; every stage's memory from picockpt/planning/layout_memory.py, each step's time from the terms
-below; the layouts that fit ranked by modelled step time.
+stages and a recompute policy; every stage's memory from picockpt/planning/layout_memory.py, each step's time from the
+terms below; the layouts that fit ranked by modelled step time.
 
 A step (layout_time.py prices a micro-batch on one rank of a stage, term by term, each with its source: compute,
 recompute, tp, cp and pp communication, and the data-parallel traffic that does not hide):
@@ -10,8 +10,8 @@ recompute, tp, cp and pp communication, and the data-parallel traffic that does 
                  its W's fill the bubble, Qi et al. 2023); equal stages give cost.bubble_idle's share; every stage is
                  priced, and the data-parallel traffic left exposed on the worst stage adds to the step
 
-Frameworks: search(framework=...) keeps only the choices one framework has (picockpt/planning/frameworks.py, each with its
-source); the default, "any", is every choice above.
+Frameworks: search(framework=...) keeps only the choices one framework has (picockpt/planning/frameworks.py, each with
+its source); the default, "any", is every choice above.
 
 Placement: tp innermost, then cp, pp, dp outermost (the Llama 3 paper's order, [TP, CP, PP, DP]); a group's members
 in a node (collectives.members_per_node) decide its links. Kernels run at the rates of the hardware's KernelRates

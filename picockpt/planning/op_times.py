@@ -1,9 +1,10 @@
 """A measured profile: each op of one layer's forward (and the head's), timed on this device, alone.
 
-The ops are picockpt/model/layer.py's own functions on tensors of the step's shapes, named as picockpt/planning/cost.py's
-layer_ops() names them, so a profile can stand where the roofline's seconds do (cost.price_chain). On a GPU each
-call is timed by CUDA events, on the CPU by a timer. Rounds are interleaved: each round times every op once, so a machine that slows down for a while slows every op alike;
-an op's time is its median over the rounds, with the fastest and slowest beside it.
+The ops are picockpt/model/layer.py's own functions on tensors of the step's shapes, named as
+picockpt/planning/cost.py's layer_ops() names them, so a profile can stand where the roofline's seconds do
+(cost.price_chain). On a GPU each call is timed by CUDA events, on the CPU by a timer. Rounds are interleaved: each
+round times every op once, so a machine that slows down for a while slows every op alike; an op's time is its median
+over the rounds, with the fastest and slowest beside it.
 
     profile = measure_op_seconds(cfg, batch=4, seq=256, repeats=7)
     profile.seconds["swiglu"], profile.spread["swiglu"]      # median, (min, max)

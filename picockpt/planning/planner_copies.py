@@ -53,7 +53,8 @@ def layer_params(cfg):
     return sum(math.prod(shape) for shape in layer_shapes(cfg).values())
 
 
-def options(cfg, batch, seq, budget, unstored=frozenset(), op_text="", rate=DEFAULT_COMPUTE_RATE, bandwidth=DEFAULT_BANDWIDTH):
+def options(cfg, batch, seq, budget, unstored=frozenset(), op_text="", rate=DEFAULT_COMPUTE_RATE,
+            bandwidth=DEFAULT_BANDWIDTH):
     """Both choices within `budget` bytes for the store plus the copies, each planned and priced."""
     least = least_budget(model_chain(cfg, batch, seq, unstored))
     out = []

@@ -28,7 +28,8 @@ from ..planning.step_forms import layer_inventory
 from ..model.layer import layer_backward, layer_forward
 from .offload import host_tier, offloading, prefetch_for
 from ..ops import embedding_backward, embedding_forward, rope_tables
-from ..model.params import EMBED, HEAD, check_params, compute_weights, layer_key, layer_names, layer_weights, model_names
+from ..model.params import (EMBED, HEAD, check_params, compute_weights, layer_key, layer_names, layer_weights,
+                            model_names)
 from .policy import as_policy
 from .store import ActivationStore
 from ..model.block_tail import RUN_TAIL, SKIP_TAIL
@@ -105,7 +106,8 @@ class Model:
     def load_input(self, store, k, whole):  # the input of layer k, to recompute from
         return store.get(k, "input")  # (B, T, h)
 
-    def layer_forward(self, k, x, store, unstored, tail):  # tail: RUN_TAIL, or SKIP_TAIL (None out; picockpt/model/block_tail.py)
+    def layer_forward(self, k, x, store, unstored, tail):  # tail: RUN_TAIL, or SKIP_TAIL (None out;
+                                                           # picockpt/model/block_tail.py)
         return layer_forward(x, self.layer_weights_for(k), self.cfg, self.rope, store, k, unstored, tail)  # (B, T, h)
 
     def layer_backward(self, k, dx, store):  # -> dx (B, T, h) and a LayerWeights of weight gradients
