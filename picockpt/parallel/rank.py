@@ -57,7 +57,8 @@ def rank_step(comm, job, process_groups, trace=False, index=0):
     params = {name: tensor.to(comm.device) for name, tensor in rank_tensors(
         job.params, job.cfg, stage_forms, job.layout.tp, groups.tp_rank, job.layout.ep, groups.ep_rank).items()}
     shards = zero_shards(job, stage_forms, groups, params) if job.layout.zero else None
-    device_generator(comm.device).set_state(job.rng_state)  # the rank's generator, set where the caller's stood
+    generator = device_generator(comm.device)  # the rank's, set where the caller's stood
+    generator.set_state(job.rng_state)
     losses, seconds, rng_start = [], [], job.rng_state
     for input_ids, targets in job.batches or [(job.input_ids, job.targets)] * max(job.steps, 1):
         loss, rng_end, report, data = rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets,
