@@ -1,37 +1,33 @@
 """picockpt's policies beside PyTorch's and Hugging Face's recomputation on the same shape, weights and batch.
 
-Every run is one forward + backward (no optimizer). Memory and FLOPs come from one tracked
-run each; times are medians of interleaved untracked runs (each repeat runs every
-contender once, so a slow moment of a shared machine hits them all alike).
-For autograd runs recomputation happens inside backward, so their recompute FLOPs are
-measured as (their total) - (plain autograd's total).
+Every run is one forward + backward (no optimizer). Memory and FLOPs come from one tracked run each; times are medians
+of interleaved untracked runs (each repeat runs every contender once, so a slow moment of a shared machine hits them all
+alike). For autograd runs recomputation happens inside backward, so their recompute FLOPs are measured as
+(their total) - (plain autograd's total).
 
-The peers: PyTorch's checkpointing on picockpt's autograd reference model (eager attention), and
-Hugging Face's LlamaForCausalLM (peers_hf.py) with eager and sdpa attention, each without and
-with its activation checkpointing, when transformers is installed and the shape allows it. Each
-picockpt row names the peer that does the same thing: under eager attention the reference
-model's runs; under tiled or fused attention (no stored probabilities, as sdpa) Hugging Face sdpa.
-Host memory: picockpt's offload policies beside torch.autograd.graph.save_on_cpu(pin_memory=True) on
-the reference model, alone and with torch.utils.checkpoint per layer; each row has its device bytes
-(peak_live_bytes: host copies are kept out) and its host bytes (host_peak_bytes), both measured. They
-are not paired as equivalents: on a CPU save_on_cpu's unpack returns the host copy itself (.to() of a
-tensor already on the CPU copies nothing), so its backward reads host memory where a GPU would copy
-back, and its device bytes there are not what a GPU would hold; picockpt's prefetch copies for real.
-With min_cut=(budgets), the reference model also runs through torch.compile's min-cut partitioner
-at each activation_memory_budget (peers.min_cut; dense fp32/fp64 models only).
+The peers: PyTorch's checkpointing on picockpt's autograd reference model (eager attention), and Hugging Face's
+LlamaForCausalLM (peers_hf.py) with eager and sdpa attention, each without and with its activation checkpointing, when
+transformers is installed and the shape allows it. Each picockpt row names the peer that does the same thing: under
+eager attention the reference model's runs; under tiled or fused attention (no stored probabilities, as sdpa) Hugging
+Face sdpa. Host memory: picockpt's offload policies beside torch.autograd.graph.save_on_cpu(pin_memory=True) on the
+reference model, alone and with torch.utils.checkpoint per layer; each row has its device bytes (peak_live_bytes: host
+copies are kept out) and its host bytes (host_peak_bytes), both measured. They are not paired as equivalents: on a CPU
+save_on_cpu's unpack returns the host copy itself (.to() of a tensor already on the CPU copies nothing), so its backward
+reads host memory where a GPU would copy back, and its device bytes there are not what a GPU would hold; picockpt's
+prefetch copies for real. With min_cut=(budgets), the reference model also runs through torch.compile's min-cut
+partitioner at each activation_memory_budget (peers.min_cut; dense fp32/fp64 models only).
 
-The gradient check: every run's gradients against picockpt none's, within GRAD_TOLERANCE of the
-compute dtype (max |difference| / max |reference|, tensor by tensor). In bf16/fp16 the Hugging Face
-rows run under torch.autocast over fp32 master weights (picockpt's mixed precision; its recast policies
-are their peers), and autocast rounds elsewhere than picockpt does (its residual stream stays fp32, its
-norms compute in fp32): such a run is a different 16-bit rounding of the same fp32 step, not a
-re-run of picockpt's. So it is checked against picockpt none in fp32 (the truth both round), within
-AUTOCAST_FACTOR times picockpt none's own distance from it measured in the same run. Memory in 16 bits
-is compared by the tracked total (every storage of the step): autocast's weight copies are made inside
-torch, where the tracker cannot tell them from activations, as it can picockpt's. With dropout, a run can only be
-checked against one that draws the same masks: the reference model draws eager attention's masks,
-so under tiled attention (each tile's mask from a stored seed) its runs are checked against autograd
-instead, and marked so (a cross-family difference would only measure the masks).
+The gradient check: every run's gradients against picockpt none's, within GRAD_TOLERANCE of the compute dtype (max
+|difference| / max |reference|, tensor by tensor). In bf16/fp16 the Hugging Face rows run under torch.autocast over fp32
+master weights (picockpt's mixed precision; its recast policies are their peers), and autocast rounds elsewhere than
+picockpt does (its residual stream stays fp32, its norms compute in fp32): such a run is a different 16-bit rounding of
+the same fp32 step, not a re-run of picockpt's. So it is checked against picockpt none in fp32 (the truth both round),
+within AUTOCAST_FACTOR times picockpt none's own distance from it measured in the same run. Memory in 16 bits is
+compared by the tracked total (every storage of the step): autocast's weight copies are made inside torch, where the
+tracker cannot tell them from activations, as it can picockpt's. With dropout, a run can only be checked against one
+that draws the same masks: the reference model draws eager attention's masks, so under tiled attention (each tile's mask
+from a stored seed) its runs are checked against autograd instead, and marked so (a cross-family difference would only
+measure the masks).
 """
 import contextlib
 import math

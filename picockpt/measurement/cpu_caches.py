@@ -1,8 +1,7 @@
 """This machine's CPU cache sizes, read at run time: where a working set stops fitting.
 
-An elementwise op reads and writes every byte once, so its speed is the speed of the memory level
-its working set fits in. To measure that, a lesson needs the sizes of this machine's caches, not
-typical ones. Two places are read, in order:
+An elementwise op reads and writes every byte once, so its speed is the speed of the memory level its working set fits
+in. To measure that, a lesson needs the sizes of this machine's caches, not typical ones. Two places are read, in order:
 
     /sys/devices/system/cpu/cpu0/cache/index*/{level,type,size}   Linux: one directory per cache of cpu 0
     lscpu -C -B                                                   util-linux: one row per cache, in bytes
@@ -12,9 +11,8 @@ typical ones. Two places are read, in order:
     sizes.data_levels   [("L1d", 32768), ("L2", 524288), ("L3", 8388608)]: what data passes through
     sizes.source        where they came from; sizes.note is "" or says why typical sizes stand in
 
-Where neither can be read (macOS, Windows, a container without /sys), the sizes are TYPICAL (a recent
-x86 core's, labelled "assumed" in `source`) and `note` says so in one line, so nothing is presented as
-measured that was not.
+Where neither can be read (macOS, Windows, a container without /sys), the sizes are TYPICAL (a recent x86 core's,
+labelled "assumed" in `source`) and `note` says so in one line, so nothing is presented as measured that was not.
 """
 import pathlib
 import re

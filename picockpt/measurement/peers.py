@@ -35,12 +35,11 @@ One peer wraps the whole model instead of its layers:
                     With dropout it is wrong: below budget 1 the partitioner may recompute aten.rand
                     in the backward, which draws fresh numbers (pytorch/pytorch#190758, open).
 
-Which ops are the attention core is decided by where they run in reference.Attention, not by
-their sizes: a size test such as "the last two dims are (T, T)" also takes every (B, T, h)
-tensor when T = h (the norms, the residual adds) and every (B, H, T, hd) one when T = hd.
-Attention runs exactly two batched matmuls per layer, q k^T and then P v (the projections are
-2-D matmuls), and every op between them makes or reads the scores; so the core is the ops from
-the first batched matmul up to, not including, the second.
+Which ops are the attention core is decided by where they run in reference.Attention, not by their sizes: a size test
+such as "the last two dims are (T, T)" also takes every (B, T, h) tensor when T = h (the norms, the residual adds) and
+every (B, H, T, hd) one when T = hd. Attention runs exactly two batched matmuls per layer, q k^T and then P v (the
+projections are 2-D matmuls), and every op between them makes or reads the scores; so the core is the ops from the first
+batched matmul up to, not including, the second.
 """
 import weakref
 

@@ -5,12 +5,11 @@ weights: the model people actually train.
     loss = hf_loss(model, input_ids, targets); loss.backward()
 
 attention "eager" materialises the probabilities as picockpt's eager does; "sdpa" calls
-torch.nn.functional.scaled_dot_product_attention, whose fused kernels recompute them in the
-backward (as picockpt's fused does). checkpointing=True turns on Hugging Face's activation
-checkpointing (`gradient_checkpointing_enable()`, renamed `activation_checkpointing_enable()` in
-transformers 5), non-reentrant torch.utils.checkpoint around every decoder layer: the peer of
-picockpt's `full`. The loss is picockpt's: the mean cross-entropy of the logits against targets
-(no shifting inside). transformers is needed only here (a test dependency, not a package one).
+torch.nn.functional.scaled_dot_product_attention, whose fused kernels recompute them in the backward (as picockpt's
+fused does). checkpointing=True turns on Hugging Face's activation checkpointing (`gradient_checkpointing_enable()`,
+renamed `activation_checkpointing_enable()` in transformers 5), non-reentrant torch.utils.checkpoint around every
+decoder layer: the peer of picockpt's `full`. The loss is picockpt's: the mean cross-entropy of the logits against
+targets (no shifting inside). transformers is needed only here (a test dependency, not a package one).
 """
 import torch
 

@@ -1,17 +1,14 @@
-"""The same model as an ordinary autograd nn.Module: the oracle for gradients and the peer
-for torch.utils.checkpoint.
+"""The same model as an ordinary autograd nn.Module: the oracle for gradients and the peer for torch.utils.checkpoint.
 
-Written independently of picockpt/ops (plain torch ops, Hugging Face's repeat_kv for
-grouped-query attention), with the same parameter names, so
-ReferenceLlama(cfg).load_state_dict(params) runs the very same weights. Dropout masks
-come from the same helper and in the same order as in picockpt/model/layer.py, so with the
-same seed both draw the same masks; the router jitter of a mixture of experts too.
+Written independently of picockpt/ops (plain torch ops, Hugging Face's repeat_kv for grouped-query attention), with the
+same parameter names, so ReferenceLlama(cfg).load_state_dict(params) runs the very same weights. Dropout masks come from
+the same helper and in the same order as in picockpt/model/layer.py, so with the same seed both draw the same masks; the
+router jitter of a mixture of experts too.
 
-Mixed precision as torch.autocast does it: at the start of each forward every fp32 master
-weight is cast once to the activation dtype, and every use (a checkpoint's recomputation in
-the backward included) shares that copy, exactly as picockpt's params.compute_weights does.
-Cast at every use instead, autograd would save a fresh 16-bit copy of each weight per layer
-call, and a memory comparison would count those copies as activations.
+Mixed precision as torch.autocast does it: at the start of each forward every fp32 master weight is cast once to the
+activation dtype, and every use (a checkpoint's recomputation in the backward included) shares that copy, exactly as
+picockpt's params.compute_weights does. Cast at every use instead, autograd would save a fresh 16-bit copy of each
+weight per layer call, and a memory comparison would count those copies as activations.
 
     model = ReferenceLlama(cfg, params)
     loss = model(input_ids, targets)                      # plain autograd
@@ -28,10 +25,9 @@ from ..ops import dropout_mask, rope_tables
 class WeightCasts:
     """The compute copies of one model's master weights, for the step under way.
 
-    make(weights) casts each weight to the activation dtype once (a copy with an autograd
-    edge back to the fp32 weight, so its gradient arrives in fp32); casts(weight) returns
-    that copy. In fp32 the "copy" is the weight itself. A weight used outside a step is
-    cast where it is used."""
+    make(weights) casts each weight to the activation dtype once (a copy with an autograd edge back to the fp32 weight,
+    so its gradient arrives in fp32); casts(weight) returns that copy. In fp32 the "copy" is the weight itself. A weight
+    used outside a step is cast where it is used."""
 
     def __init__(self, dtype):
         self.dtype = dtype

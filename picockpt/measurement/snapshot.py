@@ -3,10 +3,9 @@
     python -m picockpt measure --policy full --device cuda --memory-snapshot full.pickle
     # then open https://pytorch.org/memory_viz and drop full.pickle on the page
 
-The file is what torch.cuda.memory._dump_snapshot writes: every allocation and free the
-CUDA caching allocator made during the step, each with the Python stack that asked for it.
-Its "Active Memory Timeline" shows the stored activations pile up during the forward and
-drain during the backward; under full or every:C the backward is a row of saw-teeth, one
+The file is what torch.cuda.memory._dump_snapshot writes: every allocation and free the CUDA caching allocator made
+during the step, each with the Python stack that asked for it. Its "Active Memory Timeline" shows the stored activations
+pile up during the forward and drain during the backward; under full or every:C the backward is a row of saw-teeth, one
 per recomputed segment; under selective the tall T x T blocks come and go one layer at a time.
 
 One unrecorded warm-up step runs first, so AdamW's moments and cuBLAS's workspace already

@@ -1,9 +1,8 @@
 """Training: a synthetic task made in code, the optimizer step, and a small loop.
 
-The task: token streams from a fixed random Markov chain in which every token has
-`branching` possible successors, all equally likely. A model that learns the table
-reaches the entropy floor ln(branching); an untrained one starts near ln(vocab).
-No downloads, the same batches for the same seed on every machine.
+The task: token streams from a fixed random Markov chain in which every token has `branching` possible successors, all
+equally likely. A model that learns the table reaches the entropy floor ln(branching); an untrained one starts near
+ln(vocab). No downloads, the same batches for the same seed on every machine.
 """
 import contextlib
 from dataclasses import dataclass
@@ -93,19 +92,18 @@ class Monitor:
 
 def train(params, cfg, task, steps, batch, seq, policy="none", lr=3e-3, device="cpu", seed=None, optimizer=None,
           monitor=None):
-    """Runs `steps` steps and returns their losses. Logs (monitor: a Monitor, None for Monitor()), per step and
-    in a final summary, what the recomputation costs and saves: loss, tokens/s, the stored peak (the activation
-    store), the live peak (CUDA: the allocator's max_memory_allocated above the step's start; CPU: only with
-    watch_live), the share of the step's FLOPs that is recomputation (the closed form inventory.step_flops, what
-    FlopCounterMode counts), the share of its time spent in the recompute phase, and, given peak_tflops, MFU and
-    HFU as PaLM defines them (Chowdhery et al. 2022, appendix B): model FLOPs per second over the peak, where
-    model FLOPs are the step's without recomputation (policy none), and hardware FLOPs per second over the peak,
-    recomputation included. The summary adds the peaks per phase (forward, recompute, backward, optimizer).
-    The record's dicts hold loss, seconds, the rates and shares above, and per phase its seconds and stored
-    and live peaks (the curves lesson 22 reads).
-    With a seed, the dropout masks are drawn from it: the same seed gives the same losses, bitwise.
-    `optimizer` (make_optimizer(params, lr), or None for a new one) carries AdamW's state from an earlier
-    call on: one run whose policy changes between calls is still one run (lr is then the optimizer's)."""
+    """Runs `steps` steps and returns their losses. Logs (monitor: a Monitor, None for Monitor()), per step and in a
+    final summary, what the recomputation costs and saves: loss, tokens/s, the stored peak (the activation store), the
+    live peak (CUDA: the allocator's max_memory_allocated above the step's start; CPU: only with watch_live), the share
+    of the step's FLOPs that is recomputation (the closed form inventory.step_flops, what FlopCounterMode counts), the
+    share of its time spent in the recompute phase, and, given peak_tflops, MFU and HFU as PaLM defines them (Chowdhery
+    et al. 2022, appendix B): model FLOPs per second over the peak, where model FLOPs are the step's without
+    recomputation (policy none), and hardware FLOPs per second over the peak, recomputation included. The summary adds
+    the peaks per phase (forward, recompute, backward, optimizer). The record's dicts hold loss, seconds, the rates and
+    shares above, and per phase its seconds and stored and live peaks (the curves lesson 22 reads). With a seed, the
+    dropout masks are drawn from it: the same seed gives the same losses, bitwise. `optimizer`
+    (make_optimizer(params, lr), or None for a new one) carries AdamW's state from an earlier call on: one run whose
+    policy changes between calls is still one run (lr is then the optimizer's)."""
     monitor = Monitor() if monitor is None else monitor
     log, every, watch_live, peak_tflops, record = (monitor.log, monitor.every, monitor.watch_live,
                                                    monitor.peak_tflops, monitor.record)

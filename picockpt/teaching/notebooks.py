@@ -13,11 +13,10 @@ a markdown cell, every line of which is a comment whose '# ' is taken off:
     # %%
     args = lesson_args()          # the lesson's flags: the command line's, or $PICOCKPT_LESSON_ARGS's
 
-The file runs as it is (`python lessons/02_anatomy_of_a_step.py --fast`), and lessons/NN_name.ipynb
-is made from it, never edited by hand: `python -m picockpt notebooks` turns each source into
-its notebook (cells(), notebook()), executes it in a Jupyter kernel (execute()) and writes it
-with its outputs, so that it reads on a code-hosting site. differences() is what the tests hold
-the committed notebooks to: the same cells, in the same order, as their sources.
+The file runs as it is (`python lessons/02_anatomy_of_a_step.py --fast`), and lessons/NN_name.ipynb is made from it,
+never edited by hand: `python -m picockpt notebooks` turns each source into its notebook (cells(), notebook()), executes
+it in a Jupyter kernel (execute()) and writes it with its outputs, so that it reads on a code-hosting site.
+differences() is what the tests hold the committed notebooks to: the same cells, in the same order, as their sources.
 
     cells("lessons/02_anatomy_of_a_step.py")          # [Cell("markdown", "# Lesson 02: ..."), Cell("code", ...)]
     book = execute(notebook(cells(path)), LESSONS, lesson_args="--fast")

@@ -1,11 +1,10 @@
 """Where figures go, and the few plotting helpers the lessons and notebooks share.
 
-Figures land in figures/ at the top of the repository, or in $PICOCKPT_FIGURES when it is
-set (the tests point it at a temporary folder so that the committed PNGs stay untouched).
-A --fast run makes small, quick figures: they go to out/figures/ (ignored by git) instead,
-so they never replace the committed full-size ones; $PICOCKPT_FIGURES still wins.
-A figure is written to a temporary file beside its final name and then renamed over it, so
-an interrupted run leaves the previous PNG whole, never a truncated one.
+Figures land in figures/ at the top of the repository, or in $PICOCKPT_FIGURES when it is set (the tests point it at a
+temporary folder so that the committed PNGs stay untouched). A --fast run makes small, quick figures: they go to
+out/figures/ (ignored by git) instead, so they never replace the committed full-size ones; $PICOCKPT_FIGURES still wins.
+A figure is written to a temporary file beside its final name and then renamed over it, so an interrupted run leaves the
+previous PNG whole, never a truncated one.
 
     path = save_figure(fig, "02_anatomy_of_a_step")    # figures/02_anatomy_of_a_step.png
     path = save_figure(fig, "02_anatomy_of_a_step", fast=True)   # out/figures/02_anatomy_of_a_step.png

@@ -15,12 +15,11 @@ new one is picked up by its file name alone. Three kinds run side by side:
   - a notebook with no source beside it is executed top to bottom (nbclient), in lessons/ as its
     working directory; its figures are the names it passes to save_figure.
 
-Each lesson's own output is captured (shown with verbose=True, or when it fails); one line of
-progress per lesson, then the table of every summary, with how many of its exercises the answers
-in the lesson get right. A --fast run writes its figures to out/figures/ (plotting.FAST_FIGURES),
-never over the committed ones, unless $PICOCKPT_FIGURES says where. Ctrl-C stops the whole run
-(KeyboardInterrupt; the command exits with 130): in a notebook it interrupts the running cell, as
-Jupyter's stop button does.
+Each lesson's own output is captured (shown with verbose=True, or when it fails); one line of progress per lesson, then
+the table of every summary, with how many of its exercises the answers in the lesson get right. A --fast run writes its
+figures to out/figures/ (plotting.FAST_FIGURES), never over the committed ones, unless $PICOCKPT_FIGURES says where.
+Ctrl-C stops the whole run (KeyboardInterrupt; the command exits with 130): in a notebook it interrupts the running
+cell, as Jupyter's stop button does.
 
 load(path) gives a lesson's functions and constants without running its experiment (the tests
 call them): a script in the older format is imported; of a percent-format lesson only the
