@@ -154,8 +154,7 @@ class CachingAllocator:
         if index + 1 < len(blocks) and blocks[index + 1].owner is None:  # try_merge_blocks with the next block
             block.size += blocks.pop(index + 1).size
         if index > 0 and blocks[index - 1].owner is None:  # ... and with the previous one
-            previous = blocks[index - 1]
-            previous.size += blocks.pop(index).size
+            blocks[index - 1].size += blocks.pop(index).size
 
     def empty_cache(self):
         """torch.cuda.empty_cache(): every segment that is one whole free block goes back (release_blocks)."""

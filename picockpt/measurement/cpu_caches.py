@@ -57,12 +57,6 @@ def parse_size(text):
     return int(float(found.group(1)) * _UNITS[found.group(2)])
 
 
-def _name(level, kind):
-    """'L1d', 'L1i' or 'L2': the level, with d or i for a split first level."""
-    suffix = {"data": "d", "instruction": "i"}.get(kind.strip().lower(), "")
-    return f"L{int(level)}{suffix}"
-
-
 def from_sysfs(folder=SYSFS):
     """{name: bytes} from /sys/devices/system/cpu/cpu0/cache/index*/ (empty if the folder is not there)."""
     levels = {}
@@ -71,7 +65,8 @@ def from_sysfs(folder=SYSFS):
             level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
         except OSError:  # an index without these files: skip it, the others may still say enough
             continue
-        levels[_name(level, kind)] = parse_size(size)
+        suffix = {"data": "d", "instruction": "i"}.get(kind.strip().lower(), "")  # d or i: a split first level
+        levels[f"L{int(level)}{suffix}"] = parse_size(size)  # 'L1d', 'L1i' or 'L2'
     return levels
 
 

@@ -34,12 +34,6 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_steps(step, device, repeats):
-    """Wall seconds of `repeats` calls of step(), after one warm-up call: [seconds of each call]."""
-    step()
-    return [time_step(step, device) for _ in range(repeats)]
-
-
 def time_step(step, device):
     """Wall seconds of one call of step(), the device's queue empty before and after."""
     sync(device)
@@ -90,7 +84,8 @@ def measure_policy(cfg, policy, batch, seq, device="cpu", seed=0, repeats=3, bas
         step = lambda: train_step(params, adamw, cfg, input_ids, targets, policy)  # noqa: E731
     else:
         step = lambda: loss_and_grads(params, cfg, input_ids, targets, policy)[0].item()  # noqa: E731
-    times = time_steps(step, device, repeats)
+    step()  # warm-up
+    times = [time_step(step, device) for _ in range(repeats)]
     row = {
         "policy": policy.text, "device": str(device), "dtype": cfg.dtype, "batch": batch, "seq": seq,
         "layers": cfg.layers, "hidden": cfg.hidden, "attention": cfg.attention, "loss_chunk": cfg.loss_chunk,

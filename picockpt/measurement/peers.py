@@ -17,12 +17,11 @@ Each peer is a run_layers(layers, x) function for ReferenceLlama.forward:
 
 Host memory instead of recomputation:
 
-    SaveOnCpu(run)  torch.autograd.graph.save_on_cpu(pin_memory=True) around another peer's layers:
-                    every tensor autograd saves there is packed into a host buffer and unpacked back
-                    to its device in the backward, with copies issued on the current stream (its pack
-                    and unpack hooks, torch/autograd/graph.py). SaveOnCpu(autograd) ~ picockpt
-                    "none+offload"; SaveOnCpu(per_layer) ~ picockpt "offload". The host buffers are
-                    remembered (weakly) so a Tracker can count them apart from device memory.
+    SaveOnCpu(run)  torch.autograd.graph.save_on_cpu(pin_memory=True) around another peer's layers: every tensor
+                    autograd saves there is packed into a host buffer and unpacked back to its device in the backward,
+                    with copies issued on the current stream (its pack and unpack hooks, torch/autograd/graph.py).
+                    SaveOnCpu(autograd) ~ picockpt "none+offload"; SaveOnCpu(per_layer) ~ picockpt "offload". The host
+                    buffers are remembered (weakly) so a Tracker can count them apart from device memory.
 
 One peer wraps the whole model instead of its layers:
 

@@ -210,9 +210,6 @@ class ReferenceLlama(nn.Module):
             self.load_state_dict({k: v for k, v in params.items() if k != "lm_head.weight"
                                   or not cfg.tie_embeddings})
 
-    def head_weight(self):
-        return self.model.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight
-
     def forward(self, input_ids, targets, run_layers=run_plain):
         """Mean cross-entropy; run_layers(layers, x) lets a peer wrap the layers in checkpoints."""
         self.cast_weights()
@@ -232,7 +229,8 @@ class ReferenceLlama(nn.Module):
         return F.embedding(input_ids, self.casts(self.model.embed_tokens.weight))  # (B, T, h)
 
     def logits(self, x):
-        return F.linear(self.model.norm(x), self.casts(self.head_weight()))  # (B, T, V)
+        weight = self.model.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        return F.linear(self.model.norm(x), self.casts(weight))  # (B, T, V)
 
     def head_loss(self, x, targets):
         logits = self.logits(x)  # (B, T, V)

@@ -49,7 +49,6 @@ from ..model.attention_flops import ATTENTION_FLOPS
 
 PHASES = ("forward", "recompute", "backward", "optimizer")
 OUTSIDE = "outside"  # before, between or after the phases above
-EXCLUDED = ("weights", "gradients", "optimizer", "host")  # not device activation memory ("host": host copies)
 
 
 class _OpWatcher(TorchDispatchMode):
@@ -70,8 +69,7 @@ class _OpWatcher(TorchDispatchMode):
             packet = func._overloadpacket
             formula = ATTENTION_FLOPS.get(packet) or flop_registry.get(packet)
             if formula is not None:
-                tracker = self.tracker
-                tracker.flops[tracker.phase_name] += formula(*args, **kwargs, out_val=out)
+                self.tracker.flops[self.tracker.phase_name] += formula(*args, **kwargs, out_val=out)
         if self.storages:
             for tensor in _tensors((out,)):
                 if id(tensor.untyped_storage()) not in inputs:

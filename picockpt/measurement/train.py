@@ -51,8 +51,7 @@ def make_optimizer(params, lr=3e-3, weight_decay=0.0):
 def train_step(params, optimizer, cfg, input_ids, targets, policy="none", tracker=None):
     """forward -> loss -> hand-written backward -> AdamW. Returns the loss (a float)."""
     loss, grads = loss_and_grads(params, cfg, input_ids, targets, policy, tracker=tracker)
-    phase = tracker.phase("optimizer") if tracker is not None else contextlib.nullcontext()
-    with phase:
+    with tracker.phase("optimizer") if tracker is not None else contextlib.nullcontext():
         for name, param in params.items():
             param.grad = grads[name]
         optimizer.step()

@@ -170,20 +170,20 @@ def execute(book, folder, lesson_args="", cell_timeout=CELL_TIMEOUT_S, then=None
     return book, printed
 
 
-def run_notebook(path, cell_timeout=CELL_TIMEOUT_S, lesson_args=""):
+def run_notebook(path):
     """Execute a notebook file as it is, in its own folder (not saved back); returns the executed notebook."""
     import nbformat
     path = pathlib.Path(path)
-    return execute(nbformat.read(str(path), as_version=4), path.parent, lesson_args, cell_timeout)[0]
+    return execute(nbformat.read(str(path), as_version=4), path.parent)[0]
 
 
-def build(source, execute_cells=True, lesson_args="", out=None, cell_timeout=CELL_TIMEOUT_S):
+def build(source, execute_cells=True, lesson_args="", out=None):
     """Make the notebook of a percent-format source, execute it (unless execute_cells is False) and write
     it beside the source (or into the folder `out`). Returns (path written, seconds)."""
     source, start = pathlib.Path(source), time.perf_counter()
     book = notebook(cells(source))
     if execute_cells:
-        book = execute(book, source.parent, lesson_args, cell_timeout)[0]
+        book = execute(book, source.parent, lesson_args)[0]
     path = write(book, pathlib.Path(out or source.parent) / f"{source.stem}.ipynb")
     return path, time.perf_counter() - start
 

@@ -99,11 +99,8 @@ def mib(n):
 def policy_color(policy):
     """A fixed colour for a policy string: the layer-level part decides ("every:4+cheap" -> every),
     a pure op-level policy gets its own ("selective", "cheap")."""
-    text = str(policy)
-    layer_level = text.split("+")[0].split(":")[0]
-    if layer_level in ("selective", "cheap") or layer_level not in _POLICY_COLORS:
-        return _POLICY_COLORS.get(layer_level, "#937860")
-    return _POLICY_COLORS[layer_level]
+    layer_level = str(policy).split("+")[0].split(":")[0]
+    return _POLICY_COLORS.get(layer_level, "#937860")
 
 
 def phase_spans(timeline):

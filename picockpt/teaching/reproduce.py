@@ -37,7 +37,6 @@ import runpy
 import sys
 import time
 import traceback
-import types
 
 import torch
 
@@ -102,19 +101,16 @@ def load(path):
     """A lesson's functions and constants, without its experiment (see the top of this file)."""
     path = pathlib.Path(path)
     name = f"lesson_{path.stem}"
-    if kind(path) == "percent":
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        tree.body = [node for node in tree.body if _is_definition(node)]
-        module = types.ModuleType(name)
-        module.__file__ = str(path)
-        sys.modules[name] = module
-        with _as_a_script(path, []):
-            exec(compile(tree, str(path), "exec"), module.__dict__)
-        return module
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    if kind(path) != "percent":
+        spec.loader.exec_module(module)
+        return module
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    tree.body = [node for node in tree.body if _is_definition(node)]
+    with _as_a_script(path, []):
+        exec(compile(tree, str(path), "exec"), module.__dict__)
     return module
 
 
