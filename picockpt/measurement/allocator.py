@@ -158,13 +158,9 @@ class CachingAllocator:
 
     def empty_cache(self):
         """torch.cuda.empty_cache(): every segment that is one whole free block goes back (release_blocks)."""
-        kept = []
-        for segment in self.segments:
-            if len(segment.blocks) == 1 and segment.blocks[0].owner is None:
-                self.reserved -= segment.size  # cudaFree: the only way reserved bytes fall
-            else:
-                kept.append(segment)
-        self.segments = kept
+        for segment in [s for s in self.segments if len(s.blocks) == 1 and s.blocks[0].owner is None]:
+            self.segments.remove(segment)
+            self.reserved -= segment.size  # cudaFree: the only way reserved bytes fall
 
     # -- what it holds -------------------------------------------------------------------------
     def free_blocks(self, pool=None):

@@ -44,8 +44,7 @@ class CacheSizes:
 
     def size(self, name):
         if name not in self.levels:
-            raise ValueError(f"cache {name!r} is not among this machine's caches: use one of "
-                             f"{', '.join(self.levels)}")
+            raise ValueError(f"cache {name!r} is not among this machine's caches: use one of {', '.join(self.levels)}")
         return self.levels[name]
 
 

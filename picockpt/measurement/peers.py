@@ -89,8 +89,7 @@ def _checkpoint_each(decide, seq):
     count of batched matmuls (context_fn runs once per checkpoint call)."""
     def context():
         inside = _attention_core(seq)
-        return create_selective_checkpoint_contexts(
-            lambda ctx, op, *args, **kwargs: decide(inside(ctx, op, args), op))
+        return create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: decide(inside(ctx, op, args), op))
 
     def run(layers, x):
         for layer in layers:

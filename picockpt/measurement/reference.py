@@ -207,8 +207,7 @@ class ReferenceLlama(nn.Module):
         if not cfg.tie_embeddings:
             self.lm_head = Linear(cfg.hidden, cfg.vocab, cfg, self.casts)
         if params is not None:
-            self.load_state_dict({k: v for k, v in params.items() if k != "lm_head.weight"
-                                  or not cfg.tie_embeddings})
+            self.load_state_dict({k: v for k, v in params.items() if k != "lm_head.weight" or not cfg.tie_embeddings})
 
     def forward(self, input_ids, targets, run_layers=run_plain):
         """Mean cross-entropy; run_layers(layers, x) lets a peer wrap the layers in checkpoints."""

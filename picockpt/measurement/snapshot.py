@@ -44,8 +44,7 @@ def record_snapshot(path, cfg, policy, batch, seq, device, seed=0, max_entries=1
     train_step(params, optimizer, cfg, input_ids, targets, policy)  # warm-up: optimizer state, cuBLAS workspace
     torch.cuda.synchronize(device)
     # python stacks only: C++ stacks would make recording many times slower
-    torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=max_entries,
-                                            device=device)
+    torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=max_entries, device=device)
     try:
         train_step(params, optimizer, cfg, input_ids, targets, policy)  # the recorded step
         torch.cuda.synchronize(device)

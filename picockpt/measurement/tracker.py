@@ -159,9 +159,8 @@ class Tracker:
         if any(self._excursions):  # the first store event of a phase entered inside another: its own peak from now
             self._cuda_phase_end()
             self._booked, self._excursions = self.phase_name, [False] * len(self._excursions)
-        host_bytes, where = getattr(event, "host_bytes", 0), getattr(event, "where", "device")
-        self.peak_host = max(self.peak_host, host_bytes)
-        if event.kind == "put" and where == "host":
+        self.peak_host = max(self.peak_host, getattr(event, "host_bytes", 0))
+        if event.kind == "put" and getattr(event, "where", "device") == "host":
             self.copy_bytes[self.phase_name]["to_host"] += event.bytes
         elif event.kind in ("prefetch", "fetch"):
             self.copy_bytes[self.phase_name]["to_device"] += event.bytes

@@ -120,8 +120,7 @@ def _is_definition(node):
     the experiment makes."""
     if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return True
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
-        else []
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
     names = [name for target in targets for name in (target.elts if isinstance(target, ast.Tuple) else [target])]
     return bool(names) and all(isinstance(name, ast.Name) and sum(map(str.isalpha, name.id)) > 1
                                and name.id.isupper() and name.id != "RESULT" for name in names)
@@ -158,8 +157,7 @@ def rank_device(device, ranks):
 
 def checks():
     """Every exercise checked in this process so far (lessons/_check.py's CHECKS; [] before any)."""
-    module = sys.modules.get("_check")
-    return list(getattr(module, "CHECKS", []))
+    return list(getattr(sys.modules.get("_check"), "CHECKS", []))
 
 
 def run_lesson(path, argv, verbose=False):
