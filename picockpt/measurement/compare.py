@@ -109,13 +109,11 @@ def contenders(cfg, seq, segment, min_cut=()):
 
 def hf_rows(cfg):
     """Can the Hugging Face peers run this shape? (installed, no dropout; 16 bits under autocast)"""
-    if not peers_hf.available():
-        return False
     try:
         peers_hf.check_supported(cfg, autocast=True)
     except ValueError:
         return False
-    return True
+    return peers_hf.available()
 
 
 BASES = ("picockpt none", "autograd")  # always run: the gradient references and the FLOP base

@@ -30,8 +30,7 @@ class WeightCasts:
     used outside a step is cast where it is used."""
 
     def __init__(self, dtype):
-        self.dtype = dtype
-        self.copies = {}  # id(master weight) -> its compute copy
+        self.dtype, self.copies = dtype, {}  # copies: id(master weight) -> its compute copy
 
     def make(self, weights):
         self.copies = {}  # the previous step's copies go first: never two sets at once
