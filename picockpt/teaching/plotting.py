@@ -54,10 +54,8 @@ def _unwritable(folder, error):
 
 
 def save_figure(fig, name, fast=False):
-    """Save a matplotlib figure as <figures>/<name>.png and return the path. The figure stays
-    open (a notebook still shows it); `reproduce` closes every figure after each lesson.
-    Written to a temporary file in the same folder, then renamed over <name>.png in one step
-    (os.replace): whoever reads the PNG, even after an interrupt, finds a whole file."""
+    """Save a matplotlib figure as <figures>/<name>.png (whole, through write_whole) and return the path. The figure
+    stays open (a notebook still shows it); `reproduce` closes every figure after each lesson."""
     return write_whole(figures_dir(fast) / f"{name}.png",
                        lambda temporary: fig.savefig(temporary, format="png", dpi=120, bbox_inches="tight"))
 
