@@ -7,7 +7,7 @@
                  interleaved over V virtual stages a rank (Narayanan et al. 2021, sec. 2.2)
 
 Hardware is named (HARDWARE: datasheet ceilings from picockpt/planning/hardware.py) or measured on this machine
-(cpu_measured()). A ceiling is never reached: the model prices a step at the datasheet's rates, and the gap to a
+(measured_rates()). A ceiling is never reached: the model prices a step at the datasheet's rates, and the gap to a
 measured step (a real GEMM's efficiency, kernels' launch gaps, stragglers) is what it leaves out, said where it matters.
 
 The ops of one layer's forward (layer_ops) mirror picockpt/model/layer.py kernel by kernel, on one rank's shapes (tensor
@@ -56,15 +56,10 @@ HARDWARE_NAMES = (*HARDWARE, "cpu-measured")
 def hardware(name, dtype="float32"):
     """A Hardware by name; "cpu-measured" times this machine's matmul rate and copy bandwidth now (a few seconds)."""
     if name == "cpu-measured":
-        return cpu_measured(dtype)
+        return measured_rates("cpu", dtype)
     if name not in HARDWARE:
         raise ValueError(f"--hardware={name!r}: use one of {', '.join(HARDWARE_NAMES)}")
     return HARDWARE[name]
-
-
-def cpu_measured(dtype="float32", repeats=5):
-    """This CPU's rates, measured (measured_rates on "cpu")."""
-    return measured_rates("cpu", dtype, repeats)
 
 
 def measured_rates(device="cpu", dtype="float32", repeats=5):
@@ -182,9 +177,8 @@ def head_ops(cfg, batch, seq, t=1, sp=False):
 
 def check_dense(cfg, what):
     if cfg.experts:
-        raise ValueError(f"Config.experts={cfg.experts}: {what} prices a dense layer's ops "
-                         f"(picockpt/model/layer.py's MLP); "
-                         f"a mixture of experts' ops are not in its table: use --cost flops, or experts=0")
+        raise ValueError(f"Config.experts={cfg.experts}: {what} prices a dense layer's ops (picockpt/model/layer.py's "
+                         f"MLP); a mixture of experts' ops are not in its table: use --cost flops, or experts=0")
 
 
 def roofline_op_seconds(cfg, batch, seq, hw, t=1, sp=False, cp=1):

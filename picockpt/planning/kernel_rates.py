@@ -29,10 +29,9 @@ TILE = (128, 256)  # rows x columns of one output tile a thread block computes (
 
 @dataclass(frozen=True)
 class KernelRates:
-    """What one GPU's kernels reach. gemm_efficiency: the best measured matmul over the datasheet's peak; sms: the
-    GPU's streaming multiprocessors; attention: ((keys, forward FLOP/s, backward FLOP/s in the model's count),
-    ...) ascending; gemms: ((m, n, k, FLOP/s), ...) measured, empty for a published table; source: where every
-    number comes from."""
+    """What one GPU's kernels reach. gemm_efficiency: the best measured matmul over the datasheet's peak; sms: the GPU's
+    streaming multiprocessors; attention: ((keys, forward FLOP/s, backward FLOP/s in the model's count), ...) ascending;
+    gemms: ((m, n, k, FLOP/s), ...) measured, empty for a published table; source: where every number comes from."""
     name: str
     gemm_efficiency: float
     sms: int

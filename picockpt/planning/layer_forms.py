@@ -9,15 +9,14 @@ kind (eager / tiled / fused, picockpt/model/attention.py) and loss chunking (pic
     predicted_peak_bytes(cfg, B, T, p)  the activation store's peak during one step
     step_flops(cfg, B, T, p)            matmul FLOPs of forward / recompute / backward
 
-Mixture-of-experts layers (Config.experts > 0, picockpt/model/moe.py) keep one set of tensors per expert
-that got tokens, so their rows depend on the step's per-expert token counts, which only the data
-decides: layer_inventory takes them (`counts`, E ints summing to B*T*k; picockpt.model.routing.step_routing
-gives every layer's), predicted_peak_bytes takes every layer's (`routing`). Without them the rows
-assume balanced routing (B*T*k/E tokens per expert, the remainder to the first experts), and say
-so: the bytes per expert are then an assumption. The totals are not: every token is kept k times,
-whichever experts it goes to, and no token is dropped (no capacity limit, as in Mixtral), so a
-layer's total, the peak and the FLOPs are the same for every routing; the counts decide only how
-a layer's bytes split among its experts (expert_bytes: what an expert-parallel rank would hold).
+Mixture-of-experts layers (Config.experts > 0, picockpt/model/moe.py) keep one set of tensors per expert that got
+tokens, so their rows depend on the step's per-expert token counts, which only the data decides: layer_inventory takes
+them (`counts`, E ints summing to B*T*k; picockpt.model.routing.step_routing gives every layer's), predicted_peak_bytes
+takes every layer's (`routing`). Without them the rows assume balanced routing (B*T*k/E tokens per expert, the remainder
+to the first experts), and say so: the bytes per expert are then an assumption. The totals are not: every token is kept
+k times, whichever experts it goes to, and no token is dropped (no capacity limit, as in Mixtral), so a layer's total,
+the peak and the FLOPs are the same for every routing; the counts decide only how a layer's bytes split among its
+experts (expert_bytes: what an expert-parallel rank would hold).
 """
 import math
 

@@ -151,11 +151,9 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
     rates = hw.kernels if model.kernels else None
     layer_kernels = layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)
     head_kernels = head_ops(cfg, 1, n, tp, sp) if last else ()
-    ops = {op.name: op_seconds(op, hw, rates) for op in layer_kernels}
-    back = {op.name: op_seconds(op, hw, rates, "backward") for op in layer_kernels}
+    ops, back = ({op.name: op_seconds(op, hw, rates, way) for op in layer_kernels} for way in ("forward", "backward"))
     layer, layer_back = (sum(v for name, v in t.items() if name != "probs") for t in (ops, back))
-    head = sum(op_seconds(op, hw, rates) for op in head_kernels)
-    head_back = sum(op_seconds(op, hw, rates, "backward") for op in head_kernels)
+    head, head_back = (sum(op_seconds(op, hw, rates, way) for op in head_kernels) for way in ("forward", "backward"))
     weights = weight_counts(cfg, tp)
     accumulate = (layers * accumulation_seconds(layer_kernels, weights, e, hw, rates)
                   + accumulation_seconds(head_kernels, weights, e, hw, rates)) if model.accumulation else 0.0
@@ -182,8 +180,7 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
                 tp_backward += max(0.0, reduce - hide)
     kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * e  # K and V of the whole sequence, this rank's heads
     cp_node = members_per_node(((cp, tp),), hw.node)
-    cp_ag = group_seconds("all_gather", kv, cp, hw, cp_node, model)
-    cp_rs = group_seconds("reduce_scatter", kv, cp, hw, cp_node, model)
+    cp_ag, cp_rs = (group_seconds(kind, kv, cp, hw, cp_node, model) for kind in ("all_gather", "reduce_scatter"))
     cheap = rebuild_seconds(ops, set(layer_inventory(cfg, 1, n)) & OP_LEVEL["cheap"])  # norms, SwiGLU again
     rebuild = {"none": 0.0, "cheap": cheap, "full": layer if model.recompute else layer - ops["down"]}[policy]
     reruns = 1 if policy == "full" else 0  # a full recompute runs the forward's collectives again

@@ -1,13 +1,12 @@
 """Three actions per layer: keep, recompute or offload, chosen at a modelled time (host_walk.py walks each
 candidate: its exact device and host bytes, its copies and compute on two streams).
 
-The planner (plan_offload) searches a family of schedules rather than solving for the optimum: every
-plan of the two-action planner's frontier (picockpt/planning/planner.py, from storing everything down to the
-least budget) and, for each, the same plan with the first n layers' (n = 1..L) first-forward tensors
-offloaded, all of them, only the checkpoints (inputs), or only the MLP's gate and up projections. It
-keeps the fastest whose device peak, walked exactly, fits the budget. The two-action plan at the
-budget is in the family (n = 0), so the three-action plan is never slower by the model; Capuchin
-(Peng et al. 2020) and POET (Patil et al. 2022) decide per tensor with a profile or an integer
+The planner (plan_offload) searches a family of schedules rather than solving for the optimum: every plan of the
+two-action planner's frontier (picockpt/planning/planner.py, from storing everything down to the least budget) and, for
+each, the same plan with the first n layers' (n = 1..L) first-forward tensors offloaded, all of them, only the
+checkpoints (inputs), or only the MLP's gate and up projections. It keeps the fastest whose device peak, walked exactly,
+fits the budget. The two-action plan at the budget is in the family (n = 0), so the three-action plan is never slower by
+the model; Capuchin (Peng et al. 2020) and POET (Patil et al. 2022) decide per tensor with a profile or an integer
 programme, which this does not attempt. With `seconds` (op name -> seconds: picockpt/planning/cost.py's roofline or a
 measured profile) the walk's clock reads the chain priced in seconds instead of FLOPs over `rate`; the plan still
 reports its exact FLOPs.

@@ -1,9 +1,8 @@
 """The published formulas for activation memory and FLOPs, each with where it comes from.
 
-picockpt's own model has exact closed forms in step_forms.py (they equal the tracker to the
-byte). The formulas here are the general ones the literature uses: they describe a
-GPT-style layer (multi-head attention, GeLU MLP with f = 4h, LayerNorm, dropout), in the
-published convention of 16-bit activations and 1-byte dropout masks. They are what
+picockpt's own model has exact closed forms in step_forms.py (they equal the tracker to the byte). The formulas here are
+the general ones the literature uses: they describe a GPT-style layer (multi-head attention, GeLU MLP with f = 4h,
+LayerNorm, dropout), in the published convention of 16-bit activations and 1-byte dropout masks. They are what
 `python -m picockpt predict` prints, and what lessons 03 and 05 compare picockpt against.
 
     korthikanti_layer_bytes(s, b, h, a, t, sp, recompute)   Korthikanti et al. 2022, Table 2
@@ -65,11 +64,10 @@ def korthikanti_layer_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
         two LayerNorms    4sbh   their inputs
         total             sbh(34 + 5as/h)
 
-    With tensor parallelism over t devices (section 4.2.1) the projections' outputs, the attention
-    core and the MLP's 4h-wide tensors are split: 24sbh/t + 5as^2b/t. The other 10sbh (LayerNorm
-    inputs 4, dropout masks 2, inputs of the attention and the MLP 4) are replicated. Sequence
-    parallelism (4.2.2) splits those along s too. Selective recomputation (5) drops the attention
-    core, 5as^2b; full recomputation keeps only the layer input. Table 2:
+    With tensor parallelism over t devices (section 4.2.1) the projections' outputs, the attention core and the MLP's
+    4h-wide tensors are split: 24sbh/t + 5as^2b/t. The other 10sbh (LayerNorm inputs 4, dropout masks 2, inputs of the
+    attention and the MLP 4) are replicated. Sequence parallelism (4.2.2) splits those along s too. Selective
+    recomputation (5) drops the attention core, 5as^2b; full recomputation keeps only the layer input. Table 2:
 
         no parallelism                      sbh(34 + 5as/h)
         tensor parallel                     sbh(10 + 24/t + 5as/(ht))
@@ -95,10 +93,9 @@ def korthikanti_layer_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
 
 
 def playbook_activation_bytes(L, s, b, h, a, recompute="none", t=1, sp=False):
-    """Activation bytes of a whole model as the Ultra-Scale Playbook charts them:
-    L layers of korthikanti_layer_bytes plus the embedding dropout mask, s*b*h bytes (sbh/t with
-    sequence parallelism; Korthikanti et al. 4.3). The output layer (final norm, logits) is left
-    out, as in the paper's totals. Llama 3.1 8B at s = 4096, b = 1: 97.02 GiB (none),
+    """Activation bytes of a whole model as the Ultra-Scale Playbook charts them: L layers of korthikanti_layer_bytes
+    plus the embedding dropout mask, s*b*h bytes (sbh/t with sequence parallelism; Korthikanti et al. 4.3). The output
+    layer (final norm, logits) is left out, as in the paper's totals. Llama 3.1 8B at s = 4096, b = 1: 97.02 GiB (none),
     17.02 GiB (selective), 1.02 GiB (full)."""
     embedding_dropout = _exact(s * b * h, t if sp else 1)
     return L * korthikanti_layer_bytes(s, b, h, a, t, sp, recompute) + embedding_dropout

@@ -10,9 +10,8 @@ kind (eager / tiled / fused, picockpt/model/attention.py) and loss chunking (pic
 
 Mixture-of-experts layers: see picockpt/planning/layer_forms.py (the totals do not depend on the routing).
 
-With X the bytes of one layer input (B*T*h*e), A the bytes of one fully stored layer
-(input included), F the model-level bytes (final norm and logits), and segments of
-C layers (n = ceil(L/C) of them, the k-th holding n_k layers):
+With X the bytes of one layer input (B*T*h*e), A the bytes of one fully stored layer (input included), F the model-level
+bytes (final norm and logits), and segments of C layers (n = ceil(L/C) of them, the k-th holding n_k layers):
 
     store everything      peak = L*A + F                         (end of the forward)
     every:C (full: C=1)   peak = max( n*X + F,                   (end of the forward: checkpoints + F)
