@@ -181,11 +181,11 @@ def check_dense(cfg, what):
                          f"MLP); a mixture of experts' ops are not in its table: use --cost flops, or experts=0")
 
 
-def roofline_op_seconds(cfg, batch, seq, hw, t=1, sp=False, cp=1):
+def roofline_op_seconds(cfg, batch, seq, hw):
     """{op name: seconds} for a layer's ops and the head's, by the roofline on `hw`."""
     check_dense(cfg, "the roofline")
     return {op.name: roofline_seconds(op, hw)
-            for op in layer_ops(cfg, batch, seq, t, sp, cp) + head_ops(cfg, batch, seq, t)}
+            for op in layer_ops(cfg, batch, seq) + head_ops(cfg, batch, seq)}
 
 
 # ---- the planner's chain in seconds ------------------------------------------------------------------------------
@@ -230,14 +230,14 @@ def priced_costs(cfg, batch, seq, seconds, unstored=frozenset()):
                    head_forward=head, head_backward=2 * head)
 
 
-def plan_priced(chain, priced, budget, max_slots=None):
+def plan_priced(chain, priced, budget):
     """The Plan of least modelled recompute time within `budget` bytes: decided on `priced` (price_chain's seconds),
     reported with `chain`'s exact FLOPs and the seconds beside them (Plan.recompute_seconds)."""
     if len(priced) != len(chain) or any(p.input_bytes != c.input_bytes or [v[:2] for v in p.variants] !=
                                         [v[:2] for v in c.variants] for p, c in zip(priced, chain)):
         raise ValueError("priced: a chain of the same stages, bytes and modes as `chain`, only its costs in seconds "
                          "(price_chain)")
-    plan = plan_chain(priced, budget, max_slots)
+    plan = plan_chain(priced, budget)
     _, flops = replay(chain, plan.schedule)
     return replace(plan, recompute_flops=flops, recompute_seconds=plan.recompute_flops)
 

@@ -207,6 +207,5 @@ def walk(chain, schedule, costs, bandwidth=DEFAULT_HOST_BANDWIDTH, rate=DEFAULT_
         device -= dev.pop(i) + (chain[i].input_bytes if inputs.pop(i, None) else 0)
         del off[i], modes[i]
     assert device == 0 and host == 0, "the schedule leaves tensors stored"
-    compute = clock - exposed
-    return Walk(device_peak, host_peak, to_host, to_device, recompute, compute, exposed, tuple(info), peak_at,
+    return Walk(device_peak, host_peak, to_host, to_device, recompute, clock - exposed, exposed, tuple(info), peak_at,
                 peak_held)

@@ -1,13 +1,8 @@
-"""Closed forms of one layer and of the head: the bytes each stored tensor takes, by name, and the
-FLOPs of each matmul, from the shape alone. picockpt/planning/step_forms.py puts them together into a step's
-peak and FLOPs per phase (and re-exports these).
-
-These are the formulas the tests and notebooks hold the engine to, exactly, for every attention
-kind (eager / tiled / fused, picockpt/model/attention.py) and loss chunking (picockpt/model/head.py):
+"""Closed forms of one layer and of the head: the bytes each stored tensor takes, by name, and the FLOPs of each matmul,
+from the shape alone. picockpt/planning/step_forms.py puts them together into a step's peak and FLOPs per phase (and
+re-exports these); its docstring lists the formulas the tests and notebooks hold the engine to, exactly.
 
     layer_inventory(cfg, B, T, unstored)    name -> (shape, dtype, bytes) of one stored layer
-    predicted_peak_bytes(cfg, B, T, p)  the activation store's peak during one step
-    step_flops(cfg, B, T, p)            matmul FLOPs of forward / recompute / backward
 
 Mixture-of-experts layers (Config.experts > 0, picockpt/model/moe.py) keep one set of tensors per expert that got
 tokens, so their rows depend on the step's per-expert token counts, which only the data decides: layer_inventory takes

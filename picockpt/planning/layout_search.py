@@ -136,9 +136,8 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split="
     slowest = max(range(len(times)), key=per_mb.__getitem__)
     paced = sum(per_mb) / len(per_mb) if model.stages else per_mb[slowest]  # the fill and drain's stage time
     fill = (pp - 1) * paced / (3 if schedule == "zb-h1" else V if schedule == "interleaved" else 1)
-    pipeline = M * per_mb[slowest] + fill
     dp_exposed = max(dps)
-    step = pipeline + dp_exposed
+    step = M * per_mb[slowest] + fill + dp_exposed  # the pipeline, then the data-parallel traffic it leaves exposed
     model_flops = 3 * model_forward_flops(cfg, seq) * (tokens // seq)
     terms = {k: M * v for k, v in times[slowest].items() if k != "forward"}
     terms.update(bubble=fill, dp_exposed=dp_exposed)

@@ -4,9 +4,8 @@ not hide; each term with its source. layout_search.py composes them into a step.
 A micro-batch on one rank of a stage:
     compute      the stage's layers (and the head on the last), forward and backward (twice the forward's FLOPs) kernel
                  by kernel at the rates kernel_rates.py gives each shape (the roofline, cost.py, with Model.kernels
-                 off), and
-                 every micro-batch each weight gradient accumulated into its fp32 buffer: the weight-gradient GEMM
-                 reads and writes 8 bytes a parameter (Megatron's gradient_accumulation_fusion,
+                 off), and every micro-batch each weight gradient accumulated into its fp32 buffer: the weight-gradient
+                 GEMM reads and writes 8 bytes a parameter (Megatron's gradient_accumulation_fusion,
                  fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 into main_grad; FSDP2 accumulates unsharded
                  gradients in its fp32 reduce dtype too), memory-bound when a micro-batch's rows are few
     recompute    none; cheap: the norms' outputs and SwiGLU's product rebuilt, by their bytes; full: the whole forward

@@ -237,20 +237,19 @@ def least_budget(chain):
     return int(_least_table(chain)[len(chain) - 1, 0])
 
 
-def least_plan(chain, budget=None):
-    """A Plan of the least peak (its recompute is not minimised), as a `budget` (default: that peak) labels it."""
+def least_plan(chain):
+    """A Plan of the least peak (its recompute is not minimised), that peak its budget."""
     least = _least_table(chain)
-    budget = int(least[len(chain) - 1, 0]) if budget is None else budget
-    return _plan(chain, functools.partial(_least_option, chain, least), None, budget, 1, True)
+    return _plan(chain, functools.partial(_least_option, chain, least), None, int(least[len(chain) - 1, 0]), 1, True)
 
 
-def frontier(chain, max_slots=None):
+def frontier(chain):
     """Every Pareto-optimal plan, from storing everything down to the least budget: a plan at budget b
     is the cheapest for every budget in [its peak, b], so the next budget to ask is its peak - 1."""
     budget, least = sum(max(a for _, a, _ in stage.variants) for stage in chain), least_budget(chain)
     plans = []
     while budget >= least:
-        plan = plan_chain(chain, budget, max_slots)
+        plan = plan_chain(chain, budget)
         if plans and plans[-1].recompute_flops == plan.recompute_flops:
             plans[-1] = plan  # as cheap, and smaller
         else:

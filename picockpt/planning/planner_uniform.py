@@ -138,12 +138,11 @@ def _check_size(length, slots):
     work = length**2 * min(slots, length)
     if work > MAX_WORK:
         steps, t = binomial_forward_steps(length, slots)
-        raise ValueError(f"length={length}, slots={slots}: the optimal schedule comes from a table of every "
-                         f"sub-chain and slot count, length^2 x slots = {work:,} operations, more than the "
-                         f"{MAX_WORK:,} planned here (about a second; this one would take {work / MAX_WORK:,.2f}x as "
-                         f"long). "
-                         f"Use a shorter chain or fewer slots; the least number of forward steps, from the closed "
-                         f"form alone, is {steps:,} (t = {t})")
+        raise ValueError(f"length={length}, slots={slots}: the optimal schedule comes from a table of every sub-chain "
+                         f"and slot count, length^2 x slots = {work:,} operations, more than the {MAX_WORK:,} planned "
+                         f"here (about a second; this one would take {work / MAX_WORK:,.2f}x as long). Use a shorter "
+                         f"chain or fewer slots; the least number of forward steps, from the closed form alone, is "
+                         f"{steps:,} (t = {t})")
 
 
 def _check(length, slots):

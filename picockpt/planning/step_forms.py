@@ -27,7 +27,7 @@ bytes (final norm and logits), and segments of C layers (n = ceil(L/C) of them, 
 from .layer_forms import (  # noqa: F401 (the forms of one layer and the head, re-exported)
     dropped, balanced_counts, check_counts, layer_inventory, counts_from_puts, expert_bytes, head_inventory, total,
     chain_sizes, attention_matmul_flops, layer_flops, tail_flops, rebuild_flops, inner_recompute_flops, segments_peak)
-from .host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, model_costs, walk
+from .host_walk import model_costs, walk
 from .planner import model_chain, plan_model
 from ..recompute.policy import as_policy
 
@@ -62,13 +62,12 @@ def predicted_host_bytes(cfg, batch, seq, policy):
     return 0 if policy.offload is None else offload_walk(cfg, batch, seq, policy).host_peak
 
 
-def offload_walk(cfg, batch, seq, policy, bandwidth=None, rate=None):
-    """The engine's step under an offloading policy, walked on byte counts and a modelled clock (a Walk:
-    device and host peaks, bytes copied each way, modelled seconds; picockpt/planning/host_walk.py)."""
+def offload_walk(cfg, batch, seq, policy):
+    """The engine's step under an offloading policy, walked on byte counts and a modelled clock at the default link and
+    rate (a Walk: device and host peaks, bytes copied each way, modelled seconds; picockpt/planning/host_walk.py)."""
     policy = as_policy(policy, cfg)
     chain = model_chain(cfg, batch, seq, policy.unstored)
-    return walk(chain, policy.schedule(cfg, batch, seq), model_costs(cfg, batch, seq, policy.unstored),
-                bandwidth or DEFAULT_HOST_BANDWIDTH, rate or DEFAULT_COMPUTE_RATE)
+    return walk(chain, policy.schedule(cfg, batch, seq), model_costs(cfg, batch, seq, policy.unstored))
 
 
 def step_flops(cfg, batch, seq, policy="none"):
