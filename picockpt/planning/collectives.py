@@ -79,8 +79,7 @@ def algorithm_seconds(kind, nbytes, ranks, hw, per_node):
     rate = bus_rate(ranks, per_node, hw)
     out = {}
     for algorithm in ALGORITHMS[kind]:
-        base = BASE_LATENCY[algorithm]
-        intra, inter = NVLINK_LATENCY[algorithm], NETWORK_LATENCY[algorithm]
+        base, intra, inter = BASE_LATENCY[algorithm], NVLINK_LATENCY[algorithm], NETWORK_LATENCY[algorithm]
         if algorithm == "ring":
             steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
             crossing = 0 if nodes == 1 else 2 * (nodes - 1) if kind == "all_reduce" else nodes - 1

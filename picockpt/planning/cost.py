@@ -184,8 +184,7 @@ def check_dense(cfg, what):
 def roofline_op_seconds(cfg, batch, seq, hw):
     """{op name: seconds} for a layer's ops and the head's, by the roofline on `hw`."""
     check_dense(cfg, "the roofline")
-    return {op.name: roofline_seconds(op, hw)
-            for op in layer_ops(cfg, batch, seq) + head_ops(cfg, batch, seq)}
+    return {op.name: roofline_seconds(op, hw) for op in layer_ops(cfg, batch, seq) + head_ops(cfg, batch, seq)}
 
 
 # ---- the planner's chain in seconds ------------------------------------------------------------------------------

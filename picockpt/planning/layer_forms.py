@@ -32,8 +32,8 @@ def balanced_counts(cfg, batch, seq):
 def check_counts(cfg, batch, seq, counts):
     """counts: E whole numbers, each at most B*T (a token goes to an expert at most once), summing to B*T*k."""
     N, E, k = batch * seq, cfg.experts, cfg.experts_per_token
-    if (not isinstance(counts, (list, tuple)) or len(counts) != E or any(isinstance(n, bool) or not isinstance(n, int)
-                                                                         or not 0 <= n <= N for n in counts)
+    if (not isinstance(counts, (list, tuple)) or len(counts) != E
+            or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= N for n in counts)
             or sum(counts) != N * k):
         raise ValueError(f"counts={counts!r}: give the tokens routed to each of the E={E} experts, E whole numbers "
                          f"from 0 to B*T={N} summing to B*T*k={N * k} "

@@ -112,10 +112,10 @@ def weight_counts(cfg, tp):
 
 def group_seconds(kind, nbytes, ranks, hw, per_node, model=FULL_MODEL, layers=1):
     """`layers` collectives of nbytes / layers over `ranks` GPUs (per_node of them in a node), by the model's rules."""
-    if ranks <= 1 and kind != "p2p":
-        return 0.0
     if kind == "p2p":
         return collective_seconds(kind, nbytes, ranks, hw, per_node)
+    if ranks <= 1:
+        return 0.0
     if model.topology:
         return per_layer_seconds(kind, nbytes, layers, ranks, hw, per_node)
     return algorithm_seconds(kind, nbytes, ranks, hw, 1 if per_node < ranks else ranks)["ring"]

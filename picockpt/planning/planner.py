@@ -177,8 +177,7 @@ def _solve(chain, slot, slots):
 def _best_option(chain, slot, cost, s, t, m):
     """The option C(s, t, m) took: ("all", mode, bytes held) or ("checkpoint", j, bytes held)."""
     x, variants = _sizes(chain[s], slot)
-    options = [(r + (0.0 if s == t else cost[t, s + 1, m - a]), ("all", mode, a))
-               for mode, a, r in variants if a <= m]
+    options = [(r + (0.0 if s == t else cost[t, s + 1, m - a]), ("all", mode, a)) for mode, a, r in variants if a <= m]
     advanced = 0.0
     for j in range(s + 1, t + 1) if x <= m else ():
         advanced += chain[j - 1].forward_flops

@@ -12,10 +12,10 @@ measured profile) the walk's clock reads the chain priced in seconds instead of 
 reports its exact FLOPs.
 """
 import functools
+import itertools
 from dataclasses import dataclass, replace
 
 from .cost import price_chain, priced_costs
-
 from .host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, Walk, check_rates, model_costs, walk
 from .planner import frontier, least_plan, model_chain, plan_chain, replay
 from ..recompute.schedule import Schedule
@@ -77,14 +77,13 @@ def plan_offload(cfg, batch, seq, budget, unstored=frozenset(), bandwidth=DEFAUL
     for plan in sorted(plans, key=lambda plan: plan.recompute_flops):
         if best is not None and (base + plan.recompute_flops) / rate >= best[0]:
             break  # its compute alone takes longer than the best so far: so do all that follow
-        for kind in kinds:
-            for n in range(1, len(chain)):
-                schedule = with_host(plan.schedule, kind, n)
-                if not any(schedule.host):
-                    continue
-                result = walk(chain, schedule, costs, bandwidth, rate)
-                if result.device_peak <= budget and (best is None or result.seconds < best[0]):
-                    best = (result.seconds, result, schedule, plan)
+        for kind, n in itertools.product(kinds, range(1, len(chain))):
+            schedule = with_host(plan.schedule, kind, n)
+            if not any(schedule.host):
+                continue
+            result = walk(chain, schedule, costs, bandwidth, rate)
+            if result.device_peak <= budget and (best is None or result.seconds < best[0]):
+                best = (result.seconds, result, schedule, plan)
     if best is None:
         least = min((walk(chain, with_host(plan.schedule, KINDS["all"], len(chain)), costs, bandwidth, rate)
                      for plan in plans), key=lambda result: result.device_peak)
