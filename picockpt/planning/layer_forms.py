@@ -106,8 +106,7 @@ def expert_bytes(cfg, batch, seq, counts=None, unstored=frozenset()):
 
 def head_inventory(cfg, batch, seq, unstored=frozenset()):
     """What the model keeps around the layers: final norm, and the logits (or, chunked, their log-sum-exp)."""
-    B, T, h, act = batch, seq, cfg.hidden, cfg.dtype
-    stat = str(cfg.stat_dtype).replace("torch.", "")
+    B, T, h, act, stat = batch, seq, cfg.hidden, cfg.dtype, str(cfg.stat_dtype).replace("torch.", "")
     rows = [("final_norm.input", (B, T, h), act), ("final_norm.rstd", (B, T, 1), stat),
             ("final_norm.output", (B, T, h), act)]
     if cfg.loss_chunk == 0:
