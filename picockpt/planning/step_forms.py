@@ -45,12 +45,9 @@ def predicted_peak_bytes(cfg, batch, seq, policy, routing=None):
                          f"(L={cfg.layers}), for a model with experts (Config.experts={cfg.experts})")
     if policy.budget is not None:  # the planner's chain: balanced routing, the same totals
         return plan_model(cfg, batch, seq, policy.budget, policy.unstored).peak_bytes
-    X, _, F = chain_sizes(cfg, batch, seq, policy.unstored)
+    X, A, F = chain_sizes(cfg, batch, seq, policy.unstored)  # A: one fully stored layer, input included (balanced)
     L = cfg.layers
-    if routing is None:  # every layer alike: one inventory
-        A = [total(layer_inventory(cfg, batch, seq, policy.unstored))] * L  # each fully stored layer, input included
-    else:
-        A = [total(layer_inventory(cfg, batch, seq, policy.unstored, counts)) for counts in routing]
+    A = [A] * L if routing is None else [total(layer_inventory(cfg, batch, seq, policy.unstored, n)) for n in routing]
     if policy.segment is None:
         return sum(A) + F
     return segments_peak([X] * L, A, F, policy.segment)
