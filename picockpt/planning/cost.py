@@ -71,8 +71,7 @@ def measured_rates(device="cpu", dtype="float32", repeats=5):
     import torch
     device = torch.device(device)
     n, floats = (1024, 2**24) if device.type == "cpu" else (4096, 2**26)
-    torch_dtype = getattr(torch, dtype)
-    a, b = (torch.randn(n, n, dtype=torch_dtype, device=device) for _ in range(2))
+    a, b = (torch.randn(n, n, dtype=getattr(torch, dtype), device=device) for _ in range(2))
     src, dst = (torch.empty(floats, dtype=torch.float32, device=device) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     matmul, copy = [], []

@@ -46,8 +46,7 @@ class OffloadPlan:
 
 def with_host(schedule, names, n):
     """`schedule` with the first n layers that store something in the first forward offloading `names`."""
-    storing = [k for k, mode in enumerate(schedule.forward) if mode.keeps_input]
-    chosen = set(storing[:n])
+    chosen = set([k for k, mode in enumerate(schedule.forward) if mode.keeps_input][:n])
     host = tuple(names if k in chosen else frozenset() for k in range(len(schedule.forward)))
     return Schedule(schedule.forward, schedule.sweep_modes, schedule.head, schedule.stop_early, host=host)
 
