@@ -62,9 +62,7 @@ def members_per_node(dims, node):
 def bus_rate(ranks, per_node, hw):
     """Bytes/s on each rank's share of the busiest link: NVLink in one node; between nodes the node's per_node NICs
     (one a GPU) carry what crosses, never faster than NVLink."""
-    if per_node >= ranks:
-        return hw.nvlink
-    return min(hw.nvlink, per_node * hw.network)
+    return hw.nvlink if per_node >= ranks else min(hw.nvlink, per_node * hw.network)
 
 
 def _log2i(n):
@@ -81,8 +79,7 @@ def algorithm_seconds(kind, nbytes, ranks, hw, per_node):
     rate = bus_rate(ranks, per_node, hw)
     out = {}
     for algorithm in ALGORITHMS[kind]:
-        base = BASE_LATENCY[algorithm]
-        intra, inter = NVLINK_LATENCY[algorithm], NETWORK_LATENCY[algorithm]
+        base, intra, inter = BASE_LATENCY[algorithm], NVLINK_LATENCY[algorithm], NETWORK_LATENCY[algorithm]
         if algorithm == "ring":
             steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
             crossing = 0 if nodes == 1 else 2 * (nodes - 1) if kind == "all_reduce" else nodes - 1
@@ -103,8 +100,7 @@ def algorithm_seconds(kind, nbytes, ranks, hw, per_node):
 
 def chosen_algorithm(kind, nbytes, ranks, hw, per_node):
     """(algorithm, seconds): the least of NCCL's modelled times, as NCCL picks."""
-    times = algorithm_seconds(kind, nbytes, ranks, hw, per_node)
-    return min(times.items(), key=lambda item: (item[1], item[0]))
+    return min(algorithm_seconds(kind, nbytes, ranks, hw, per_node).items(), key=lambda item: (item[1], item[0]))
 
 
 @functools.lru_cache(maxsize=2**16)

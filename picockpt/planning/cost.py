@@ -7,7 +7,7 @@
                  interleaved over V virtual stages a rank (Narayanan et al. 2021, sec. 2.2)
 
 Hardware is named (HARDWARE: datasheet ceilings from picockpt/planning/hardware.py) or measured on this machine
-(cpu_measured()). A ceiling is never reached: the model prices a step at the datasheet's rates, and the gap to a
+(measured_rates()). A ceiling is never reached: the model prices a step at the datasheet's rates, and the gap to a
 measured step (a real GEMM's efficiency, kernels' launch gaps, stragglers) is what it leaves out, said where it matters.
 
 The ops of one layer's forward (layer_ops) mirror picockpt/model/layer.py kernel by kernel, on one rank's shapes (tensor
@@ -56,15 +56,10 @@ HARDWARE_NAMES = (*HARDWARE, "cpu-measured")
 def hardware(name, dtype="float32"):
     """A Hardware by name; "cpu-measured" times this machine's matmul rate and copy bandwidth now (a few seconds)."""
     if name == "cpu-measured":
-        return cpu_measured(dtype)
+        return measured_rates("cpu", dtype)
     if name not in HARDWARE:
         raise ValueError(f"--hardware={name!r}: use one of {', '.join(HARDWARE_NAMES)}")
     return HARDWARE[name]
-
-
-def cpu_measured(dtype="float32", repeats=5):
-    """This CPU's rates, measured (measured_rates on "cpu")."""
-    return measured_rates("cpu", dtype, repeats)
 
 
 def measured_rates(device="cpu", dtype="float32", repeats=5):
@@ -76,8 +71,7 @@ def measured_rates(device="cpu", dtype="float32", repeats=5):
     import torch
     device = torch.device(device)
     n, floats = (1024, 2**24) if device.type == "cpu" else (4096, 2**26)
-    torch_dtype = getattr(torch, dtype)
-    a, b = (torch.randn(n, n, dtype=torch_dtype, device=device) for _ in range(2))
+    a, b = (torch.randn(n, n, dtype=getattr(torch, dtype), device=device) for _ in range(2))
     src, dst = (torch.empty(floats, dtype=torch.float32, device=device) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     matmul, copy = [], []
@@ -182,16 +176,14 @@ def head_ops(cfg, batch, seq, t=1, sp=False):
 
 def check_dense(cfg, what):
     if cfg.experts:
-        raise ValueError(f"Config.experts={cfg.experts}: {what} prices a dense layer's ops "
-                         f"(picockpt/model/layer.py's MLP); "
-                         f"a mixture of experts' ops are not in its table: use --cost flops, or experts=0")
+        raise ValueError(f"Config.experts={cfg.experts}: {what} prices a dense layer's ops (picockpt/model/layer.py's "
+                         f"MLP); a mixture of experts' ops are not in its table: use --cost flops, or experts=0")
 
 
-def roofline_op_seconds(cfg, batch, seq, hw, t=1, sp=False, cp=1):
+def roofline_op_seconds(cfg, batch, seq, hw):
     """{op name: seconds} for a layer's ops and the head's, by the roofline on `hw`."""
     check_dense(cfg, "the roofline")
-    return {op.name: roofline_seconds(op, hw)
-            for op in layer_ops(cfg, batch, seq, t, sp, cp) + head_ops(cfg, batch, seq, t)}
+    return {op.name: roofline_seconds(op, hw) for op in layer_ops(cfg, batch, seq) + head_ops(cfg, batch, seq)}
 
 
 # ---- the planner's chain in seconds ------------------------------------------------------------------------------
@@ -236,14 +228,14 @@ def priced_costs(cfg, batch, seq, seconds, unstored=frozenset()):
                    head_forward=head, head_backward=2 * head)
 
 
-def plan_priced(chain, priced, budget, max_slots=None):
+def plan_priced(chain, priced, budget):
     """The Plan of least modelled recompute time within `budget` bytes: decided on `priced` (price_chain's seconds),
     reported with `chain`'s exact FLOPs and the seconds beside them (Plan.recompute_seconds)."""
     if len(priced) != len(chain) or any(p.input_bytes != c.input_bytes or [v[:2] for v in p.variants] !=
                                         [v[:2] for v in c.variants] for p, c in zip(priced, chain)):
         raise ValueError("priced: a chain of the same stages, bytes and modes as `chain`, only its costs in seconds "
                          "(price_chain)")
-    plan = plan_chain(priced, budget, max_slots)
+    plan = plan_chain(priced, budget)
     _, flops = replay(chain, plan.schedule)
     return replace(plan, recompute_flops=flops, recompute_seconds=plan.recompute_flops)
 

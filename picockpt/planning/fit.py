@@ -39,10 +39,9 @@ def step_bytes(cfg, batch, seq, policy, optimizer=True):
 
 
 def check_fits(cfg, device, batch=None, seq=None, policy=None, note="", advice=None, optimizer=True):
-    """Refuse, with the numbers and what to change, a step that would not fit the device: with batch,
-    seq and policy, the whole step (step_bytes; optimizer=False: without AdamW's state); without them, the
-    weights and optimizer alone. `note` says why this policy was checked; `advice` replaces the default
-    advice on what to change."""
+    """Refuse, with the numbers and what to change, a step that would not fit the device: with batch, seq and policy,
+    the whole step (step_bytes; optimizer=False: without AdamW's state); without them, the weights and optimizer alone.
+    `note` says why this policy was checked; `advice` replaces the default advice on what to change."""
     device = torch.device(device)
     have, where = available_bytes(device)
     if batch is None:

@@ -6,23 +6,19 @@ planner.replay does for two actions, with a host tier beside the device:
     backward        the head's backward runs while the last layer's host tensors come back; layer i's
                     backward runs while layer i-1's come back (its own if it is stored whole, else the
                     checkpoint its recompute starts from); a prefetched tensor is device bytes again
-It gives the device's and the host's exact peaks (the store's counts) and the bytes copied each way,
-and a modelled time: compute at `rate` FLOP/s on one stream, copies at `bandwidth` bytes/s on one
-side stream, in order (first in, first out), each starting when its tensor exists and the side stream
-is free. The compute stream never waits for an offload; it waits for a prefetch only when the
-backward reaches a tensor whose copy has not finished. So a copy costs time only where it cannot
-hide behind the compute it overlaps:
+It gives the device's and the host's exact peaks (the store's counts) and the bytes copied each way, and a modelled
+time: compute at `rate` FLOP/s on one stream, copies at `bandwidth` bytes/s on one side stream, in order (first in,
+first out), each starting when its tensor exists and the side stream is free. The compute stream never waits for an
+offload; it waits for a prefetch only when the backward reaches a tensor whose copy has not finished. So a copy costs
+time only where it cannot hide behind the compute it overlaps:
 
     modelled time = (forward + recompute + backward FLOPs) / rate + the waits for copies (exposed)
 
-The store counts an offloaded tensor's device bytes as gone at its put; on a GPU its memory goes back
-to the allocator when its copy has read it (record_stream), so copies that queue behind each other
-keep device memory in flight that the plan's peak does not show (CUDA's max_memory_allocated does).
-Backward FLOPs are modelled as 2x the forward's (each matmul's two gradients). The defaults are a
-PCIe Gen5 x16 link and an H200's dense BF16 Tensor Core rate, from picockpt/planning/hardware.py (its sources there):
-
-    DEFAULT_HOST_BANDWIDTH = hardware.PCIE_GEN5_X16   bytes/s, one direction (theoretical, not measured)
-    DEFAULT_COMPUTE_RATE   = hardware.H200_SXM_BF16   FLOP/s, dense
+The store counts an offloaded tensor's device bytes as gone at its put; on a GPU its memory goes back to the allocator
+when its copy has read it (record_stream), so copies that queue behind each other keep device memory in flight that the
+plan's peak does not show (CUDA's max_memory_allocated does). Backward FLOPs are modelled as 2x the forward's (each
+matmul's two gradients). The defaults are a PCIe Gen5 x16 link and an H200's dense BF16 Tensor Core rate, from
+picockpt/planning/hardware.py (its sources there): DEFAULT_HOST_BANDWIDTH and DEFAULT_COMPUTE_RATE below.
 """
 import functools
 from dataclasses import dataclass
@@ -30,7 +26,7 @@ from dataclasses import dataclass
 from .layer_forms import layer_flops, layer_inventory
 from .hardware import H200_SXM_BF16, PCIE_GEN5_X16
 
-DEFAULT_HOST_BANDWIDTH = PCIE_GEN5_X16  # bytes/s: PCIe Gen5 x16, per direction, theoretical
+DEFAULT_HOST_BANDWIDTH = PCIE_GEN5_X16  # bytes/s: PCIe Gen5 x16, per direction, theoretical (not measured)
 DEFAULT_COMPUTE_RATE = H200_SXM_BF16    # FLOP/s: H200 SXM, dense BF16 Tensor Core
 
 
@@ -207,6 +203,5 @@ def walk(chain, schedule, costs, bandwidth=DEFAULT_HOST_BANDWIDTH, rate=DEFAULT_
         device -= dev.pop(i) + (chain[i].input_bytes if inputs.pop(i, None) else 0)
         del off[i], modes[i]
     assert device == 0 and host == 0, "the schedule leaves tensors stored"
-    compute = clock - exposed
-    return Walk(device_peak, host_peak, to_host, to_device, recompute, compute, exposed, tuple(info), peak_at,
+    return Walk(device_peak, host_peak, to_host, to_device, recompute, clock - exposed, exposed, tuple(info), peak_at,
                 peak_held)

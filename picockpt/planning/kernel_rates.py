@@ -29,10 +29,9 @@ TILE = (128, 256)  # rows x columns of one output tile a thread block computes (
 
 @dataclass(frozen=True)
 class KernelRates:
-    """What one GPU's kernels reach. gemm_efficiency: the best measured matmul over the datasheet's peak; sms: the
-    GPU's streaming multiprocessors; attention: ((keys, forward FLOP/s, backward FLOP/s in the model's count),
-    ...) ascending; gemms: ((m, n, k, FLOP/s), ...) measured, empty for a published table; source: where every
-    number comes from."""
+    """What one GPU's kernels reach. gemm_efficiency: the best measured matmul over the datasheet's peak; sms: the GPU's
+    streaming multiprocessors; attention: ((keys, forward FLOP/s, backward FLOP/s in the model's count), ...) ascending;
+    gemms: ((m, n, k, FLOP/s), ...) measured, empty for a published table; source: where every number comes from."""
     name: str
     gemm_efficiency: float
     sms: int
@@ -44,16 +43,14 @@ class KernelRates:
         """FLOP/s of an (m, n, k) matmul (m x k by k x n): the measured row nearest in log-shape, else the best
         matmul's rate times the share of the SMs its tiles fill."""
         if self.gemms:
-            near = min(self.gemms, key=lambda g: sum(math.log(a / b) ** 2 for a, b in zip(g[:3], (m, n, k))))
-            return near[3]
+            return min(self.gemms, key=lambda g: sum(math.log(a / b) ** 2 for a, b in zip(g[:3], (m, n, k))))[3]
         tiles = math.ceil(m / TILE[0]) * math.ceil(n / TILE[1])
         return peak * self.gemm_efficiency * min(1.0, tiles / self.sms)
 
     def attention_rate(self, direction, keys):
         """FLOP/s (the model's count) of a flash kernel whose query rows each run over `keys` keys: the table
         interpolated in log2(keys), its first or last rate beyond its ends."""
-        column = 1 if direction == "forward" else 2
-        points = [(math.log2(row[0]), row[column]) for row in self.attention]
+        points = [(math.log2(row[0]), row[1 if direction == "forward" else 2]) for row in self.attention]
         x = math.log2(max(1, keys))
         if x <= points[0][0]:
             return points[0][1]

@@ -1,23 +1,17 @@
-"""Closed forms of one layer and of the head: the bytes each stored tensor takes, by name, and the
-FLOPs of each matmul, from the shape alone. picockpt/planning/step_forms.py puts them together into a step's
-peak and FLOPs per phase (and re-exports these).
-
-These are the formulas the tests and notebooks hold the engine to, exactly, for every attention
-kind (eager / tiled / fused, picockpt/model/attention.py) and loss chunking (picockpt/model/head.py):
+"""Closed forms of one layer and of the head: the bytes each stored tensor takes, by name, and the FLOPs of each matmul,
+from the shape alone. picockpt/planning/step_forms.py puts them together into a step's peak and FLOPs per phase (and
+re-exports these); its docstring lists the formulas the tests and notebooks hold the engine to, exactly.
 
     layer_inventory(cfg, B, T, unstored)    name -> (shape, dtype, bytes) of one stored layer
-    predicted_peak_bytes(cfg, B, T, p)  the activation store's peak during one step
-    step_flops(cfg, B, T, p)            matmul FLOPs of forward / recompute / backward
 
-Mixture-of-experts layers (Config.experts > 0, picockpt/model/moe.py) keep one set of tensors per expert
-that got tokens, so their rows depend on the step's per-expert token counts, which only the data
-decides: layer_inventory takes them (`counts`, E ints summing to B*T*k; picockpt.model.routing.step_routing
-gives every layer's), predicted_peak_bytes takes every layer's (`routing`). Without them the rows
-assume balanced routing (B*T*k/E tokens per expert, the remainder to the first experts), and say
-so: the bytes per expert are then an assumption. The totals are not: every token is kept k times,
-whichever experts it goes to, and no token is dropped (no capacity limit, as in Mixtral), so a
-layer's total, the peak and the FLOPs are the same for every routing; the counts decide only how
-a layer's bytes split among its experts (expert_bytes: what an expert-parallel rank would hold).
+Mixture-of-experts layers (Config.experts > 0, picockpt/model/moe.py) keep one set of tensors per expert that got
+tokens, so their rows depend on the step's per-expert token counts, which only the data decides: layer_inventory takes
+them (`counts`, E ints summing to B*T*k; picockpt.model.routing.step_routing gives every layer's), predicted_peak_bytes
+takes every layer's (`routing`). Without them the rows assume balanced routing (B*T*k/E tokens per expert, the remainder
+to the first experts), and say so: the bytes per expert are then an assumption. The totals are not: every token is kept
+k times, whichever experts it goes to, and no token is dropped (no capacity limit, as in Mixtral), so a layer's total,
+the peak and the FLOPs are the same for every routing; the counts decide only how a layer's bytes split among its
+experts (expert_bytes: what an expert-parallel rank would hold).
 """
 import math
 
@@ -38,8 +32,8 @@ def balanced_counts(cfg, batch, seq):
 def check_counts(cfg, batch, seq, counts):
     """counts: E whole numbers, each at most B*T (a token goes to an expert at most once), summing to B*T*k."""
     N, E, k = batch * seq, cfg.experts, cfg.experts_per_token
-    if (not isinstance(counts, (list, tuple)) or len(counts) != E or any(isinstance(n, bool) or not isinstance(n, int)
-                                                                         or not 0 <= n <= N for n in counts)
+    if (not isinstance(counts, (list, tuple)) or len(counts) != E
+            or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= N for n in counts)
             or sum(counts) != N * k):
         raise ValueError(f"counts={counts!r}: give the tokens routed to each of the E={E} experts, E whole numbers "
                          f"from 0 to B*T={N} summing to B*T*k={N * k} "
@@ -112,8 +106,7 @@ def expert_bytes(cfg, batch, seq, counts=None, unstored=frozenset()):
 
 def head_inventory(cfg, batch, seq, unstored=frozenset()):
     """What the model keeps around the layers: final norm, and the logits (or, chunked, their log-sum-exp)."""
-    B, T, h, act = batch, seq, cfg.hidden, cfg.dtype
-    stat = str(cfg.stat_dtype).replace("torch.", "")
+    B, T, h, act, stat = batch, seq, cfg.hidden, cfg.dtype, str(cfg.stat_dtype).replace("torch.", "")
     rows = [("final_norm.input", (B, T, h), act), ("final_norm.rstd", (B, T, 1), stat),
             ("final_norm.output", (B, T, h), act)]
     if cfg.loss_chunk == 0:

@@ -81,10 +81,9 @@ def chunk_layers(layers, pp, virtual, split, stage):
 
 def splits_for(layers, pp):
     """The splits that differ and fit: "even", and "lighter ends" where it is another split."""
-    out = ["even"]
     if pp > 1 and (layers + 2) // pp >= 2 and split_layers(layers, pp, "lighter ends") != split_layers(layers, pp):
-        out.append("lighter ends")
-    return tuple(out)
+        return "even", "lighter ends"
+    return ("even",)
 
 
 def stage_params(cfg, tp, counts, stage):
@@ -173,9 +172,8 @@ def stage_bytes(cfg, seq, layout, counts, stage, zero, policy, frameworks=True, 
     under `zero` (ZERO_STAGES: the state layouts frameworks hold, sharded over the layout's dp x cp ranks),
     activations, a K/V gather (cp) and the reserve (frameworks False: the simpler state accounting, no reserve).
     split: the split `counts` came from, for interleaving's chunks walked in order (None: Korthikanti's factor)."""
-    pp, tp, cp, M, V, schedule = len(counts), layout.tp, layout.cp, layout.microbatches, layout.virtual_stages, \
-        layout.schedule
-    sp, shards = layout.sp and tp > 1, layout.dp * cp
+    pp, tp, cp, V, schedule = len(counts), layout.tp, layout.cp, layout.virtual_stages, layout.schedule
+    sp, M = layout.sp and tp > 1, layout.microbatches
     params = stage_params(cfg, tp, counts, stage)
     if schedule == "interleaved" and split is not None:
         act = interleaved_activation_bytes(cfg, seq, layout, chunk_layers(cfg.layers, pp, V, split, stage), stage,
@@ -187,7 +185,7 @@ def stage_bytes(cfg, seq, layout, counts, stage, zero, policy, frameworks=True, 
     if schedule == "zb-h1":  # stage s also holds what its s waiting W's read (pp_orders.py)
         act += stage * counts[stage] * w_pending_bytes(cfg, 1, seq // cp, tp)
     kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * BYTES[cfg.dtype] if cp > 1 else 0  # one layer's gathered K/V
-    parts = {"model_state": model_state_bytes(params, zero, shards, counts[stage], frameworks), "activations": act,
-             "kv_gather": kv}
+    parts = {"model_state": model_state_bytes(params, zero, layout.dp * cp, counts[stage], frameworks),
+             "activations": act, "kv_gather": kv}
     parts["reserve"] = reserve_bytes(sum(parts.values())) if frameworks else 0
     return parts

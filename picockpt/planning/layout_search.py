@@ -105,11 +105,9 @@ def extreme_stages(counts):
     """Stage 0, the last, and the first and last of every run of stages with as many layers: along a run the stages
     differ only by their micro-batches in flight (fewer) and ZB-H1's waiting W's (more), both linear in s."""
     out = {0, len(counts) - 1}
-    for s in range(len(counts)):
-        if s == 0 or counts[s] != counts[s - 1]:
-            out.add(s)
-        if s == len(counts) - 1 or counts[s] != counts[s + 1]:
-            out.add(s)
+    for s in range(1, len(counts)):
+        if counts[s] != counts[s - 1]:  # a run ends at s - 1, the next begins at s
+            out |= {s - 1, s}
     return sorted(out)
 
 
@@ -138,9 +136,8 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split="
     slowest = max(range(len(times)), key=per_mb.__getitem__)
     paced = sum(per_mb) / len(per_mb) if model.stages else per_mb[slowest]  # the fill and drain's stage time
     fill = (pp - 1) * paced / (3 if schedule == "zb-h1" else V if schedule == "interleaved" else 1)
-    pipeline = M * per_mb[slowest] + fill
     dp_exposed = max(dps)
-    step = pipeline + dp_exposed
+    step = M * per_mb[slowest] + fill + dp_exposed  # the pipeline, then the data-parallel traffic it leaves exposed
     model_flops = 3 * model_forward_flops(cfg, seq) * (tokens // seq)
     terms = {k: M * v for k, v in times[slowest].items() if k != "forward"}
     terms.update(bubble=fill, dp_exposed=dp_exposed)
@@ -210,12 +207,10 @@ def split_of(row):
 
 def distinct_splits(rows):
     """The best variant of each (tp, cp, pp, dp) split, in the order of `rows`."""
-    seen, out = set(), []
+    best = {}
     for row in rows:
-        if split_of(row) not in seen:
-            seen.add(split_of(row))
-            out.append(row)
-    return out
+        best.setdefault(split_of(row), row)
+    return list(best.values())
 
 
 # The Llama 3 paper (Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 4): 405B on H100 80 GB, 16M tokens

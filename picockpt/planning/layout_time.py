@@ -4,9 +4,8 @@ not hide; each term with its source. layout_search.py composes them into a step.
 A micro-batch on one rank of a stage:
     compute      the stage's layers (and the head on the last), forward and backward (twice the forward's FLOPs) kernel
                  by kernel at the rates kernel_rates.py gives each shape (the roofline, cost.py, with Model.kernels
-                 off), and
-                 every micro-batch each weight gradient accumulated into its fp32 buffer: the weight-gradient GEMM
-                 reads and writes 8 bytes a parameter (Megatron's gradient_accumulation_fusion,
+                 off), and every micro-batch each weight gradient accumulated into its fp32 buffer: the weight-gradient
+                 GEMM reads and writes 8 bytes a parameter (Megatron's gradient_accumulation_fusion,
                  fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 into main_grad; FSDP2 accumulates unsharded
                  gradients in its fp32 reduce dtype too), memory-bound when a micro-batch's rows are few
     recompute    none; cheap: the norms' outputs and SwiGLU's product rebuilt, by their bytes; full: the whole forward
@@ -113,10 +112,10 @@ def weight_counts(cfg, tp):
 
 def group_seconds(kind, nbytes, ranks, hw, per_node, model=FULL_MODEL, layers=1):
     """`layers` collectives of nbytes / layers over `ranks` GPUs (per_node of them in a node), by the model's rules."""
-    if ranks <= 1 and kind != "p2p":
-        return 0.0
     if kind == "p2p":
         return collective_seconds(kind, nbytes, ranks, hw, per_node)
+    if ranks <= 1:
+        return 0.0
     if model.topology:
         return per_layer_seconds(kind, nbytes, layers, ranks, hw, per_node)
     return algorithm_seconds(kind, nbytes, ranks, hw, 1 if per_node < ranks else ranks)["ring"]
@@ -151,11 +150,9 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
     rates = hw.kernels if model.kernels else None
     layer_kernels = layer_ops(cfg, 1, seq, tp, sp, cp, causal_skip=True)
     head_kernels = head_ops(cfg, 1, n, tp, sp) if last else ()
-    ops = {op.name: op_seconds(op, hw, rates) for op in layer_kernels}
-    back = {op.name: op_seconds(op, hw, rates, "backward") for op in layer_kernels}
+    ops, back = ({op.name: op_seconds(op, hw, rates, way) for op in layer_kernels} for way in ("forward", "backward"))
     layer, layer_back = (sum(v for name, v in t.items() if name != "probs") for t in (ops, back))
-    head = sum(op_seconds(op, hw, rates) for op in head_kernels)
-    head_back = sum(op_seconds(op, hw, rates, "backward") for op in head_kernels)
+    head, head_back = (sum(op_seconds(op, hw, rates, way) for op in head_kernels) for way in ("forward", "backward"))
     weights = weight_counts(cfg, tp)
     accumulate = (layers * accumulation_seconds(layer_kernels, weights, e, hw, rates)
                   + accumulation_seconds(head_kernels, weights, e, hw, rates)) if model.accumulation else 0.0
@@ -182,8 +179,7 @@ def microbatch_seconds(cfg, seq, tp, sp, cp, layers, last, policy, hw, send_node
                 tp_backward += max(0.0, reduce - hide)
     kv = 2 * seq * cfg.kv_heads // tp * cfg.head_dim * e  # K and V of the whole sequence, this rank's heads
     cp_node = members_per_node(((cp, tp),), hw.node)
-    cp_ag = group_seconds("all_gather", kv, cp, hw, cp_node, model)
-    cp_rs = group_seconds("reduce_scatter", kv, cp, hw, cp_node, model)
+    cp_ag, cp_rs = (group_seconds(kind, kv, cp, hw, cp_node, model) for kind in ("all_gather", "reduce_scatter"))
     cheap = rebuild_seconds(ops, set(layer_inventory(cfg, 1, n)) & OP_LEVEL["cheap"])  # norms, SwiGLU again
     rebuild = {"none": 0.0, "cheap": cheap, "full": layer if model.recompute else layer - ops["down"]}[policy]
     reruns = 1 if policy == "full" else 0  # a full recompute runs the forward's collectives again

@@ -6,10 +6,9 @@ binomial checkpointing (picockpt/planning/planner_uniform.py) is its case of equ
 The chain (Stage, model_chain) and the exact walk of a schedule over it (replay) are planner_chain.py's:
 the stages' F_k, X_k, A_k^v, R_k^v and D_k below are defined there.
 
-The recurrence. C(s, t, m) is the least recompute that runs the backward of stages t, t-1, .., s
-when x_s is stored (or is the state in hand, about to be), nothing of s+1..t is stored, and
-stages s..t may hold at most m bytes at any moment, x_s included. The engine's loop can only
-do one of two things with stage s:
+The recurrence. C(s, t, m) is the least recompute that runs the backward of stages t, t-1, .., s when x_s is stored (or
+is the state in hand, about to be), nothing of s+1..t is stored, and stages s..t may hold at most m bytes at any moment,
+x_s included. The engine's loop can only do one of two things with stage s:
 
     store it whole, variant v, and go on:      R_s^v + C(s+1, t, m - A_s^v)     (s = t: R_t^v)
         stage s holds A_s^v bytes until its own backward, the last of the sub-chain.
@@ -21,25 +20,22 @@ do one of two things with stage s:
         tail, D_{j-1} FLOPs (a layer's down projection), as PyTorch's non-reentrant checkpoint
         stops at the last tensor a backward needs (Schedule.stop_early).
 
-C(s, t, m) is the least of these options; the answer is C(0, L, budget). The second option,
-applied inside itself, recomputes a layer more than once when memory is tight (multi-level).
-Each stage is forwarded whole exactly once, just before its backward or earlier; every other
-forward of it is an advance, and the engine counts every forward after a stage's first as
-recompute: the advances plus the rebuilds R, less the tails D skipped, are exactly the
-tracker's "recompute" FLOPs.
+C(s, t, m) is the least of these options; the answer is C(0, L, budget). The second option, applied inside itself,
+recomputes a layer more than once when memory is tight (multi-level). Each stage is forwarded whole exactly once, just
+before its backward or earlier; every other forward of it is an advance, and the engine counts every forward after a
+stage's first as recompute: the advances plus the rebuilds R, less the tails D skipped, are exactly the tracker's
+"recompute" FLOPs.
 
-The memory axis is a grid of slots. Sizes are whole multiples of their greatest common divisor,
-so when the budget is at most `max_slots` of those units the grid is exact, to the byte.
-Otherwise slots are coarser and every size is rounded up to whole slots; as rounding adds less
-than a slot per stage held at once, the grid gets L+1 slots beyond the budget, and the plan kept
-is the one of the most grid room (found by bisection) whose exact bytes, replayed, fit: never
-over budget, at worst a little dearer than the true optimum.
+The memory axis is a grid of slots. Sizes are whole multiples of their greatest common divisor, so when the budget is at
+most `max_slots` of those units the grid is exact, to the byte. Otherwise slots are coarser and every size is rounded up
+to whole slots; as rounding adds less than a slot per stage held at once, the grid gets L+1 slots beyond the budget, and
+the plan kept is the one of the most grid room (found by bisection) whose exact bytes, replayed, fit: never over budget,
+at worst a little dearer than the true optimum.
 
-numpy works along the memory axis and over j at once: O(L^3) additions of arrays `slots` long;
-a sub-chain made of the same stages as one already solved (picockpt's layers are all alike)
-takes that one's answer, which makes it O(L^2) for a chain of equal layers. Whatever the grid,
-replay() walks the chosen schedule through the engine's loop with exact byte counts: that walk
-gives peak_bytes and recompute_flops, which the Tracker then measures.
+numpy works along the memory axis and over j at once: O(L^3) additions of arrays `slots` long; a sub-chain made of the
+same stages as one already solved (picockpt's layers are all alike) takes that one's answer, which makes it O(L^2) for a
+chain of equal layers. Whatever the grid, replay() walks the chosen schedule through the engine's loop with exact byte
+counts: that walk gives peak_bytes and recompute_flops, which the Tracker then measures.
 
     plan = plan_model(cfg, batch=4, seq=128, budget_bytes=24 * 2**20)
     plan.schedule, plan.peak_bytes, plan.recompute_flops        # what the engine runs and measures
@@ -181,8 +177,7 @@ def _solve(chain, slot, slots):
 def _best_option(chain, slot, cost, s, t, m):
     """The option C(s, t, m) took: ("all", mode, bytes held) or ("checkpoint", j, bytes held)."""
     x, variants = _sizes(chain[s], slot)
-    options = [(r + (0.0 if s == t else cost[t, s + 1, m - a]), ("all", mode, a))
-               for mode, a, r in variants if a <= m]
+    options = [(r + (0.0 if s == t else cost[t, s + 1, m - a]), ("all", mode, a)) for mode, a, r in variants if a <= m]
     advanced = 0.0
     for j in range(s + 1, t + 1) if x <= m else ():
         advanced += chain[j - 1].forward_flops
@@ -241,20 +236,19 @@ def least_budget(chain):
     return int(_least_table(chain)[len(chain) - 1, 0])
 
 
-def least_plan(chain, budget=None):
-    """A Plan of the least peak (its recompute is not minimised), as a `budget` (default: that peak) labels it."""
+def least_plan(chain):
+    """A Plan of the least peak (its recompute is not minimised), that peak its budget."""
     least = _least_table(chain)
-    budget = int(least[len(chain) - 1, 0]) if budget is None else budget
-    return _plan(chain, functools.partial(_least_option, chain, least), None, budget, 1, True)
+    return _plan(chain, functools.partial(_least_option, chain, least), None, int(least[len(chain) - 1, 0]), 1, True)
 
 
-def frontier(chain, max_slots=None):
+def frontier(chain):
     """Every Pareto-optimal plan, from storing everything down to the least budget: a plan at budget b
     is the cheapest for every budget in [its peak, b], so the next budget to ask is its peak - 1."""
     budget, least = sum(max(a for _, a, _ in stage.variants) for stage in chain), least_budget(chain)
     plans = []
     while budget >= least:
-        plan = plan_chain(chain, budget, max_slots)
+        plan = plan_chain(chain, budget)
         if plans and plans[-1].recompute_flops == plan.recompute_flops:
             plans[-1] = plan  # as cheap, and smaller
         else:

@@ -8,14 +8,13 @@ or "all:cheap" without the final norm's output). Stage k has
 
     forward_flops   F_k   one forward of it: what an advance through it costs
     input_bytes     X_k   its input, a checkpoint
-    variants        (mode, A_k^v, R_k^v): the ways of storing it whole, input included. "all"
-                    keeps everything (R = 0); "all:selective" / "all:cheap" drop what the backward
-                    can rebuild, and the rebuild of the attention probabilities costs one q k^T,
-                    R = 2*B*H*T^2*hd FLOPs, counted as recompute (under tiled or fused attention
-                    there are no probabilities to drop: selective changes nothing and costs nothing);
-                    with experts also "all:moe" and the like, R = the experts' gate/up projections.
-                    A mixture-of-experts layer's bytes and FLOPs do not depend on its routing
-                    (picockpt/planning/step_forms.py), so the chain needs no per-expert token counts.
+    variants        (mode, A_k^v, R_k^v): the ways of storing it whole, input included. "all" keeps everything (R = 0);
+                    "all:selective" / "all:cheap" drop what the backward can rebuild, and the rebuild of the attention
+                    probabilities costs one q k^T, R = 2*B*H*T^2*hd FLOPs, counted as recompute (under tiled or fused
+                    attention there are no probabilities to drop: selective changes nothing and costs nothing); with
+                    experts also "all:moe" and the like, R = the experts' gate/up projections. A mixture-of-experts
+                    layer's bytes and FLOPs do not depend on its routing (picockpt/planning/step_forms.py), so the chain
+                    needs no per-expert token counts.
     inner_flops     what its backward recomputes inside an op whatever the schedule: tiled attention's
                     q k^T, a chunked head's logits. A constant of every plan, added by replay().
 

@@ -1,22 +1,21 @@
 """Three actions per layer: keep, recompute or offload, chosen at a modelled time (host_walk.py walks each
 candidate: its exact device and host bytes, its copies and compute on two streams).
 
-The planner (plan_offload) searches a family of schedules rather than solving for the optimum: every
-plan of the two-action planner's frontier (picockpt/planning/planner.py, from storing everything down to the
-least budget) and, for each, the same plan with the first n layers' (n = 1..L) first-forward tensors
-offloaded, all of them, only the checkpoints (inputs), or only the MLP's gate and up projections. It
-keeps the fastest whose device peak, walked exactly, fits the budget. The two-action plan at the
-budget is in the family (n = 0), so the three-action plan is never slower by the model; Capuchin
-(Peng et al. 2020) and POET (Patil et al. 2022) decide per tensor with a profile or an integer
+The planner (plan_offload) searches a family of schedules rather than solving for the optimum: every plan of the
+two-action planner's frontier (picockpt/planning/planner.py, from storing everything down to the least budget) and, for
+each, the same plan with the first n layers' (n = 1..L) first-forward tensors offloaded, all of them, only the
+checkpoints (inputs), or only the MLP's gate and up projections. It keeps the fastest whose device peak, walked exactly,
+fits the budget. The two-action plan at the budget is in the family (n = 0), so the three-action plan is never slower by
+the model; Capuchin (Peng et al. 2020) and POET (Patil et al. 2022) decide per tensor with a profile or an integer
 programme, which this does not attempt. With `seconds` (op name -> seconds: picockpt/planning/cost.py's roofline or a
 measured profile) the walk's clock reads the chain priced in seconds instead of FLOPs over `rate`; the plan still
 reports its exact FLOPs.
 """
 import functools
+import itertools
 from dataclasses import dataclass, replace
 
 from .cost import price_chain, priced_costs
-
 from .host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, Walk, check_rates, model_costs, walk
 from .planner import frontier, least_plan, model_chain, plan_chain, replay
 from ..recompute.schedule import Schedule
@@ -47,8 +46,7 @@ class OffloadPlan:
 
 def with_host(schedule, names, n):
     """`schedule` with the first n layers that store something in the first forward offloading `names`."""
-    storing = [k for k, mode in enumerate(schedule.forward) if mode.keeps_input]
-    chosen = set(storing[:n])
+    chosen = set([k for k, mode in enumerate(schedule.forward) if mode.keeps_input][:n])
     host = tuple(names if k in chosen else frozenset() for k in range(len(schedule.forward)))
     return Schedule(schedule.forward, schedule.sweep_modes, schedule.head, schedule.stop_early, host=host)
 
@@ -78,14 +76,13 @@ def plan_offload(cfg, batch, seq, budget, unstored=frozenset(), bandwidth=DEFAUL
     for plan in sorted(plans, key=lambda plan: plan.recompute_flops):
         if best is not None and (base + plan.recompute_flops) / rate >= best[0]:
             break  # its compute alone takes longer than the best so far: so do all that follow
-        for kind in kinds:
-            for n in range(1, len(chain)):
-                schedule = with_host(plan.schedule, kind, n)
-                if not any(schedule.host):
-                    continue
-                result = walk(chain, schedule, costs, bandwidth, rate)
-                if result.device_peak <= budget and (best is None or result.seconds < best[0]):
-                    best = (result.seconds, result, schedule, plan)
+        for kind, n in itertools.product(kinds, range(1, len(chain))):
+            schedule = with_host(plan.schedule, kind, n)
+            if not any(schedule.host):
+                continue
+            result = walk(chain, schedule, costs, bandwidth, rate)
+            if result.device_peak <= budget and (best is None or result.seconds < best[0]):
+                best = (result.seconds, result, schedule, plan)
     if best is None:
         least = min((walk(chain, with_host(plan.schedule, KINDS["all"], len(chain)), costs, bandwidth, rate)
                      for plan in plans), key=lambda result: result.device_peak)

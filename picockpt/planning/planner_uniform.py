@@ -11,10 +11,9 @@ input x_0 sits in one from the start. Three things are free, as in revolve: the 
     reverse   record step i's forward from x_i (in hand) and run its backward; a slot that
               held x_i is free again: nothing below step i needs it
 
-The least number of forward steps P(n, m) to reverse n steps whose input is stored, with m
-slots in all (that input's included), follows from the first decision: advance k steps
-(1 <= k < n) from the stored input, reverse the upper n - k steps from x_k, then reverse the
-lower k steps from the input again (it is still stored, every slot free but its own):
+The least number of forward steps P(n, m) to reverse n steps whose input is stored, with m slots in all (that input's
+included), follows from the first decision: advance k steps (1 <= k < n) from the stored input, reverse the upper n - k
+steps from x_k, then reverse the lower k steps from the input again (it is still stored, every slot free but its own):
 
     P(1, m) = 0                                    (reverse the step from its stored input)
     P(n, m) = min over k of  k + Q(n - k, m - 1) + P(k, m)
@@ -27,9 +26,8 @@ beta(s, t) = C(s + t, s) steps can be reversed, and the least total is
 
     t*l - C(s + t, t - 1)     with t = min{t : C(s + t, s) >= l}
 
-which the table matches for every l and s (tests/test_planner.py checks l <= 200, s <= 10).
-The same recurrence, with the bytes of each layer in place of one slot, is picockpt's
-planner (picockpt/planning/planner.py).
+which the table matches for every l and s (tests/test_planner.py checks l <= 200, s <= 10). The same recurrence, with
+the bytes of each layer in place of one slot, is picockpt's planner (picockpt/planning/planner.py).
 
     plan = plan_uniform(10, 3)        # plan.forward_steps == 15, plan.actions: what to do, in order
 
@@ -140,12 +138,11 @@ def _check_size(length, slots):
     work = length**2 * min(slots, length)
     if work > MAX_WORK:
         steps, t = binomial_forward_steps(length, slots)
-        raise ValueError(f"length={length}, slots={slots}: the optimal schedule comes from a table of every "
-                         f"sub-chain and slot count, length^2 x slots = {work:,} operations, more than the "
-                         f"{MAX_WORK:,} planned here (about a second; this one would take {work / MAX_WORK:,.2f}x as "
-                         f"long). "
-                         f"Use a shorter chain or fewer slots; the least number of forward steps, from the closed "
-                         f"form alone, is {steps:,} (t = {t})")
+        raise ValueError(f"length={length}, slots={slots}: the optimal schedule comes from a table of every sub-chain "
+                         f"and slot count, length^2 x slots = {work:,} operations, more than the {MAX_WORK:,} planned "
+                         f"here (about a second; this one would take {work / MAX_WORK:,.2f}x as long). Use a shorter "
+                         f"chain or fewer slots; the least number of forward steps, from the closed form alone, is "
+                         f"{steps:,} (t = {t})")
 
 
 def _check(length, slots):

@@ -1,9 +1,8 @@
 """The published formulas for activation memory and FLOPs, each with where it comes from.
 
-picockpt's own model has exact closed forms in step_forms.py (they equal the tracker to the
-byte). The formulas here are the general ones the literature uses: they describe a
-GPT-style layer (multi-head attention, GeLU MLP with f = 4h, LayerNorm, dropout), in the
-published convention of 16-bit activations and 1-byte dropout masks. They are what
+picockpt's own model has exact closed forms in step_forms.py (they equal the tracker to the byte). The formulas here are
+the general ones the literature uses: they describe a GPT-style layer (multi-head attention, GeLU MLP with f = 4h,
+LayerNorm, dropout), in the published convention of 16-bit activations and 1-byte dropout masks. They are what
 `python -m picockpt predict` prints, and what lessons 03 and 05 compare picockpt against.
 
     korthikanti_layer_bytes(s, b, h, a, t, sp, recompute)   Korthikanti et al. 2022, Table 2
@@ -27,16 +26,13 @@ RECOMPUTE = ("none", "selective", "full")
 # (and "memusage_activations"): activation memory in GiB (the axis says GB; the values are bytes / 2**30)
 # of Meta-Llama-3.1 at b = 1, read from the charts' plotted data.
 PLAYBOOK_PUBLISHED_GIB = {
-    ("llama3-8b", "none"): {1024: 9.25390625, 2048: 28.5078125, 4096: 97.015625, 8192: 354.03125,
-                            16384: 1348.0625},
+    ("llama3-8b", "none"): {1024: 9.25390625, 2048: 28.5078125, 4096: 97.015625, 8192: 354.03125, 16384: 1348.0625},
     ("llama3-8b", "selective"): {1024: 4.25390625, 2048: 8.5078125, 4096: 17.015625, 8192: 34.03125},
     ("llama3-8b", "full"): {1024: 0.25390625, 2048: 0.5078125, 4096: 1.015625, 8192: 2.03125},
-    ("llama3-70b", "none"): {1024: 46.2578125, 2048: 142.515625, 4096: 485.03125, 8192: 1770.0625,
-                             16384: 6740.125},
+    ("llama3-70b", "none"): {1024: 46.2578125, 2048: 142.515625, 4096: 485.03125, 8192: 1770.0625, 16384: 6740.125},
     ("llama3-70b", "selective"): {1024: 21.2578125, 2048: 42.515625, 4096: 85.03125, 8192: 170.0625},
     ("llama3-70b", "full"): {1024: 1.2578125, 2048: 2.515625, 4096: 5.03125, 8192: 10.0625},
-    ("llama3-405b", "none"): {1024: 145.703125, 2048: 448.90625, 4096: 1527.8125, 8192: 5575.625,
-                              16384: 21231.25},
+    ("llama3-405b", "none"): {1024: 145.703125, 2048: 448.90625, 4096: 1527.8125, 8192: 5575.625, 16384: 21231.25},
     ("llama3-405b", "selective"): {1024: 66.953125, 2048: 133.90625, 4096: 267.8125, 8192: 535.625},
     ("llama3-405b", "full"): {1024: 3.953125, 2048: 7.90625, 4096: 15.8125, 8192: 31.625},
 }
@@ -65,11 +61,10 @@ def korthikanti_layer_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
         two LayerNorms    4sbh   their inputs
         total             sbh(34 + 5as/h)
 
-    With tensor parallelism over t devices (section 4.2.1) the projections' outputs, the attention
-    core and the MLP's 4h-wide tensors are split: 24sbh/t + 5as^2b/t. The other 10sbh (LayerNorm
-    inputs 4, dropout masks 2, inputs of the attention and the MLP 4) are replicated. Sequence
-    parallelism (4.2.2) splits those along s too. Selective recomputation (5) drops the attention
-    core, 5as^2b; full recomputation keeps only the layer input. Table 2:
+    With tensor parallelism over t devices (section 4.2.1) the projections' outputs, the attention core and the MLP's
+    4h-wide tensors are split: 24sbh/t + 5as^2b/t. The other 10sbh (LayerNorm inputs 4, dropout masks 2, inputs of the
+    attention and the MLP 4) are replicated. Sequence parallelism (4.2.2) splits those along s too. Selective
+    recomputation (5) drops the attention core, 5as^2b; full recomputation keeps only the layer input. Table 2:
 
         no parallelism                      sbh(34 + 5as/h)
         tensor parallel                     sbh(10 + 24/t + 5as/(ht))
@@ -95,10 +90,9 @@ def korthikanti_layer_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
 
 
 def playbook_activation_bytes(L, s, b, h, a, recompute="none", t=1, sp=False):
-    """Activation bytes of a whole model as the Ultra-Scale Playbook charts them:
-    L layers of korthikanti_layer_bytes plus the embedding dropout mask, s*b*h bytes (sbh/t with
-    sequence parallelism; Korthikanti et al. 4.3). The output layer (final norm, logits) is left
-    out, as in the paper's totals. Llama 3.1 8B at s = 4096, b = 1: 97.02 GiB (none),
+    """Activation bytes of a whole model as the Ultra-Scale Playbook charts them: L layers of korthikanti_layer_bytes
+    plus the embedding dropout mask, s*b*h bytes (sbh/t with sequence parallelism; Korthikanti et al. 4.3). The output
+    layer (final norm, logits) is left out, as in the paper's totals. Llama 3.1 8B at s = 4096, b = 1: 97.02 GiB (none),
     17.02 GiB (selective), 1.02 GiB (full)."""
     embedding_dropout = _exact(s * b * h, t if sp else 1)
     return L * korthikanti_layer_bytes(s, b, h, a, t, sp, recompute) + embedding_dropout

@@ -10,9 +10,8 @@ kind (eager / tiled / fused, picockpt/model/attention.py) and loss chunking (pic
 
 Mixture-of-experts layers: see picockpt/planning/layer_forms.py (the totals do not depend on the routing).
 
-With X the bytes of one layer input (B*T*h*e), A the bytes of one fully stored layer
-(input included), F the model-level bytes (final norm and logits), and segments of
-C layers (n = ceil(L/C) of them, the k-th holding n_k layers):
+With X the bytes of one layer input (B*T*h*e), A the bytes of one fully stored layer (input included), F the model-level
+bytes (final norm and logits), and segments of C layers (n = ceil(L/C) of them, the k-th holding n_k layers):
 
     store everything      peak = L*A + F                         (end of the forward)
     every:C (full: C=1)   peak = max( n*X + F,                   (end of the forward: checkpoints + F)
@@ -28,7 +27,7 @@ C layers (n = ceil(L/C) of them, the k-th holding n_k layers):
 from .layer_forms import (  # noqa: F401 (the forms of one layer and the head, re-exported)
     dropped, balanced_counts, check_counts, layer_inventory, counts_from_puts, expert_bytes, head_inventory, total,
     chain_sizes, attention_matmul_flops, layer_flops, tail_flops, rebuild_flops, inner_recompute_flops, segments_peak)
-from .host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, model_costs, walk
+from .host_walk import model_costs, walk
 from .planner import model_chain, plan_model
 from ..recompute.policy import as_policy
 
@@ -46,12 +45,9 @@ def predicted_peak_bytes(cfg, batch, seq, policy, routing=None):
                          f"(L={cfg.layers}), for a model with experts (Config.experts={cfg.experts})")
     if policy.budget is not None:  # the planner's chain: balanced routing, the same totals
         return plan_model(cfg, batch, seq, policy.budget, policy.unstored).peak_bytes
-    X, _, F = chain_sizes(cfg, batch, seq, policy.unstored)
+    X, A, F = chain_sizes(cfg, batch, seq, policy.unstored)  # A: one fully stored layer, input included (balanced)
     L = cfg.layers
-    if routing is None:  # every layer alike: one inventory
-        A = [total(layer_inventory(cfg, batch, seq, policy.unstored))] * L  # each fully stored layer, input included
-    else:
-        A = [total(layer_inventory(cfg, batch, seq, policy.unstored, counts)) for counts in routing]
+    A = [A] * L if routing is None else [total(layer_inventory(cfg, batch, seq, policy.unstored, n)) for n in routing]
     if policy.segment is None:
         return sum(A) + F
     return segments_peak([X] * L, A, F, policy.segment)
@@ -63,13 +59,12 @@ def predicted_host_bytes(cfg, batch, seq, policy):
     return 0 if policy.offload is None else offload_walk(cfg, batch, seq, policy).host_peak
 
 
-def offload_walk(cfg, batch, seq, policy, bandwidth=None, rate=None):
-    """The engine's step under an offloading policy, walked on byte counts and a modelled clock (a Walk:
-    device and host peaks, bytes copied each way, modelled seconds; picockpt/planning/host_walk.py)."""
+def offload_walk(cfg, batch, seq, policy):
+    """The engine's step under an offloading policy, walked on byte counts and a modelled clock at the default link and
+    rate (a Walk: device and host peaks, bytes copied each way, modelled seconds; picockpt/planning/host_walk.py)."""
     policy = as_policy(policy, cfg)
     chain = model_chain(cfg, batch, seq, policy.unstored)
-    return walk(chain, policy.schedule(cfg, batch, seq), model_costs(cfg, batch, seq, policy.unstored),
-                bandwidth or DEFAULT_HOST_BANDWIDTH, rate or DEFAULT_COMPUTE_RATE)
+    return walk(chain, policy.schedule(cfg, batch, seq), model_costs(cfg, batch, seq, policy.unstored))
 
 
 def step_flops(cfg, batch, seq, policy="none"):
