@@ -131,13 +131,8 @@ class StageMemory:
         start, end = self.timeline.start, self.timeline.end
         if not self.samples or start is None or end is None or end <= start:
             return 0.0
-        area, (last_time, last_bytes) = 0.0, (start, 0)
-        for when, nbytes in self.samples:
-            when = self.timeline.seconds(when)
-            area += last_bytes * (max(when, start) - last_time)
-            last_time, last_bytes = max(when, start), nbytes
-        area += last_bytes * (end - last_time)
-        return area / (end - start)
+        times = [max(self.timeline.seconds(when), start) for when, _ in self.samples] + [end]  # each sample's, then end
+        return sum(nbytes * (t1 - t0) for (_, nbytes), t0, t1 in zip(self.samples, times, times[1:])) / (end - start)
 
 
 class MicroBatchTracker:

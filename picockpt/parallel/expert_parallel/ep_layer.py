@@ -8,7 +8,7 @@ Stored names: layer.py's (at batch B/W), moe.py's and ep_moe.py's. Dropout masks
 process's, drawn for the whole batch, this rank's sequences kept (rng.py's full_size_draws along the batch dim)."""
 from ..rank_model import WrappedHooks
 from ..rng import full_size_draws
-from .ep_moe import DISPATCHED, ROUTING, ep_moe_backward, ep_moe_forward
+from .ep_moe import DISPATCHED, ep_moe_backward, ep_moe_forward
 
 
 class KeptRouting:
@@ -28,10 +28,6 @@ class KeptRouting:
         self.store.put(self.i, name, tensor)
         if name == "moe.received_counts":
             self.received_rows[self.i] = int(tensor.sum())
-
-    def keep_routing(self, keep):
-        """moe.route's keep: the routing decision here, everything else the layer's way."""
-        return lambda name, tensor: (self.put if name in ROUTING else keep)(name, tensor)
 
 
 def ep_drop(unstored):

@@ -67,8 +67,8 @@ def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=F
     (block_tail.py). keep: the layer's (the policy's); kept: its KeptRouting (ep_layer.py); w: its E_l experts."""
     (B, T, h), W, E, stat = xn.shape, comm.world_size, cfg.experts, cfg.stat_dtype
     routed = kept.has("moe.expert_index")  # a recomputation: the first forward chose the routing
-    x, index, weights = route(xn, w, cfg, kept.keep_routing(keep),
-                              kept.get("moe.expert_index") if routed else None)  # (N_r, h), (N_r, k), (N_r, k)
+    x, index, weights = route(xn, w, cfg, lambda name, tensor: (kept.put if name in ROUTING else keep)(name, tensor),
+                              kept.get("moe.expert_index") if routed else None)  # (N_r, h), (N_r, k) x2; ROUTING kept
     del xn
     if routed:
         received = kept.get("moe.received_counts")  # (W, E_l)

@@ -11,7 +11,7 @@ from .pp_comm import receives
 from .pp_schedules import interleaved_steps
 
 
-def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_done=None):
+def run_actions(order, chunks, forms, pipe, rows, memory, say, forward_done):
     """Every action of `order` on this rank's chunks (PipelineStage each; forms: their ChunkForms, whose schedule
     and op-level drops each Step follows). rows(m): micro-batch m's (input_ids, targets) on this rank; memory: the
     stage's stores (timeline.py: StageMemory); forward_done(m, c, step, model) after each forward. Returns this
@@ -41,8 +41,7 @@ def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_don
             model.rank_model.store = step.store  # where an ep layer keeps its routing, whatever its mode
             part = step.forward()  # this micro-batch's share of the whole batch's mean (last stage)
             loss = part if loss is None else loss + part
-            if forward_done is not None:
-                forward_done(m, c, step, model)
+            forward_done(m, c, step, model)
             steps[m, c] = step
         else:  # ZB-H1: the Step kept for its W
             (steps[m, c] if stage.split_backward else steps.pop((m, c))).backward()
