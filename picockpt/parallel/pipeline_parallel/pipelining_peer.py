@@ -64,7 +64,7 @@ class StageModule(nn.Module):
 
 
 class SavedBytes:
-    """saved_tensors_hooks that track the bytes of distinct storages autograd holds for backward, and their peak."""
+    """A saved_tensors_hooks pack: the bytes of the distinct storages autograd holds for backward, and their peak."""
 
     def __init__(self, skip_storages):
         self.skip = set(skip_storages)  # data_ptr of storages not counted (the parameters')
@@ -89,9 +89,6 @@ class SavedBytes:
             if entry[0] == 0:  # its last saved view gone
                 self.now -= entry[1]
                 del self.held[key]
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda packed: packed.tensor)
 
 
 class _Packed:
@@ -145,7 +142,7 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
     losses = []
     input_ids, targets = input_ids.contiguous(), targets.contiguous()  # a view's strides fail the stage's check
     inputs = (input_ids,) if any(stage.is_first for stage in stages) else ()  # (B, T) split into M micro-batches
-    with saved.hooks():
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda packed: packed.tensor):
         runner.step(*inputs, target=targets, losses=losses)
     grads = {names[id(p)]: p.grad.detach().clone() for stage in stages for p in stage.submod.parameters()}
     loss = float(sum(loss.item() for loss in losses)) if losses else None  # the last stage's rank only
