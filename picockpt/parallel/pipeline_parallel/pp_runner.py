@@ -9,6 +9,7 @@ from ...recompute.store import ActivationStore
 from ..timeline import MicroBatchTracker
 from .pp_comm import receives
 from .pp_schedules import interleaved_steps
+from .pp_stage import StageModel
 
 
 def run_actions(order, chunks, forms, pipe, rows, memory, say, forward_done):
@@ -35,7 +36,7 @@ def run_actions(order, chunks, forms, pipe, rows, memory, say, forward_done):
         pipe.pair_with = receives_from(talking[0], chunks, pipe) if talking else None
         if action.kind == "F":
             w_store = ActivationStore(MicroBatchTracker(memory, m, (c, "W"))) if stage.split_backward else None
-            model = stage.microbatch(m, *rows(m), w_store)
+            model = StageModel(stage, m, stage.model_for_rows(*rows(m)), w_store)  # micro-batch m of the chunk
             tracker = MicroBatchTracker(memory, m, c)
             step = model.step = Step(model, forms[c].schedule, forms[c].policy.unstored, tracker, say)
             model.rank_model.store = step.store  # where an ep layer keeps its routing, whatever its mode
