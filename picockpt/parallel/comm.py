@@ -107,7 +107,7 @@ def all_gather(x, comm, dim, received=False):
 
 
 def reduce_scatter(x, comm, dim, received=False):
-    dim = check_divisible(x, comm, check_dim(x, dim))
+    dim = check_dim(x, dim, comm)
     if comm.world_size == 1:  # the one chunk, summed over one rank
         return x
     W, n = comm.world_size, x.shape[dim] // comm.world_size
@@ -137,14 +137,11 @@ def all_to_all(x, comm, send_splits, receive_splits):
     return received
 
 
-def check_dim(x, dim):
+def check_dim(x, dim, comm=None):  # comm: its ranks must divide the dim's size
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim={dim}: a tensor of shape {tuple(x.shape)} has dims {-x.dim()}..{x.dim() - 1}")
-    return dim % x.dim()  # a negative dim counts from the end
-
-
-def check_divisible(x, comm, dim):
-    if x.shape[dim] % comm.world_size:
+    dim %= x.dim()  # a negative dim counts from the end
+    if comm is not None and x.shape[dim] % comm.world_size:
         raise ValueError(f"dim={dim}: size {x.shape[dim]} of a tensor of shape {tuple(x.shape)} is not divisible "
                          f"by the {comm.world_size} ranks; use a length that is a multiple of {comm.world_size}")
     return dim

@@ -118,13 +118,12 @@ class RankGroups:
     def __post_init__(self):
         self.stage, self.dp_rank, self.ep_rank, self.cp_rank, self.tp_rank = self.layout.coordinates(self.rank)
 
-    def neighbour(self, step, ring=False):
-        """The global rank of the stage `step` stages on, with the same dp, ep, cp and tp ranks: None past either end,
-        or round a ring (stage mod pp: interleaving's last chunk sends to the first stage's next chunk)."""
-        stage = self.stage + step
-        if not ring and not 0 <= stage < self.layout.pp:
-            return None
-        return self.layout.rank_of(stage % self.layout.pp, self.dp_rank, self.tp_rank, self.ep_rank, self.cp_rank)
+    def neighbours(self, ring=False):
+        """(previous, next): the global ranks of the stages before and after, with the same dp, ep, cp and tp ranks:
+        None past either end, or round a ring (stage mod pp: interleaved, chunk c of the last stage sends to chunk
+        c + 1 of the first)."""
+        return tuple(self.layout.rank_of(s % self.layout.pp, self.dp_rank, self.tp_rank, self.ep_rank, self.cp_rank)
+                     if ring or 0 <= s < self.layout.pp else None for s in (self.stage - 1, self.stage + 1))
 
 
 def build_groups(layout, rank, device, process_groups=None, timeout=None):

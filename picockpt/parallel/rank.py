@@ -27,7 +27,7 @@ from .expert_parallel.ep_shard import shard_experts
 from .job import layer_forms
 from .layout import build_groups
 from .measurement import Measurement
-from .pipeline_parallel.pp_comm import Pipe, neighbours
+from .pipeline_parallel.pp_comm import Pipe
 from .pipeline_parallel.pp_runner import run_actions
 from .pipeline_parallel.pp_schedules import actions
 from .pipeline_parallel.pp_stage import PipelineStage, StageShared
@@ -110,7 +110,7 @@ def rank_one_step(job, groups, stage_forms, params, shards, input_ids, targets, 
     say = (lambda line: print(f"[{label}] {line}\n", end="", file=sys.stderr, flush=True)) if trace else False
     measured = Measurement(job, groups, stage_forms)  # measurement.py: what the step measures, and its report
     with measured.step() as (tracker, timeline, memory), torch.no_grad():
-        pipe = Pipe(*neighbours(groups, layout.virtual_stages), device, timeline, tracker)
+        pipe = Pipe(*groups.neighbours(ring=layout.virtual_stages > 1), device, timeline, tracker)  # interleaved: ring
         if shards is not None:
             shards.begin(tracker)
         data = shards or replicated(cfg, params, stage_forms, groups, layout.overlap, timeline, tracker)  # dp / ZeRO

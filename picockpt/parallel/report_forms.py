@@ -18,7 +18,7 @@ from .data_parallel.zero_forms import gather_forms, reduce_bytes_by_kind, stage_
 from .data_parallel.zero_shards import stage_units
 from .expert_parallel.ep_shard import is_expert
 from .job import layer_forms
-from .pipeline_parallel.pp_plan import in_flight_peak
+from .pipeline_parallel.pp_plan import in_flight_peak, variant_bytes
 from .pipeline_parallel.pp_schedules import actions
 from .rank import rank_tensors
 
@@ -46,7 +46,7 @@ def stage_forms_of(job, stage_forms, report, routing):
     return {"predicted_activation_bytes": stage_forms.peak_bytes,
             "predicted_microbatch_stored_bytes": stage_forms.microbatch_stored_bytes,
             "predicted_layer_stored_bytes": first_layer_bytes(stage_forms),
-            "predicted_head_stored_bytes": _variant(head.chain[-1], head.local_schedule.head),
+            "predicted_head_stored_bytes": variant_bytes(head.chain[-1], head.local_schedule.head),
             "predicted_flops": stage_forms.flops(), "predicted_comm_bytes": stage_forms.tp_comm_bytes()}
 
 
@@ -73,11 +73,7 @@ def context_forms(job, stage_forms, report, routing=None):
 def first_layer_bytes(stage_forms):
     """What the stage's first layer holds after a micro-batch's forward: stored whole, its input, or nothing."""
     first, mode = stage_forms.chain[0], stage_forms.local_schedule.forward[0]
-    return _variant(first, mode) if mode.stored else (first.input_bytes if mode.keeps_input else 0)
-
-
-def _variant(stage, mode):
-    return next(nbytes for name, nbytes, _ in stage.variants if name == mode)  # a stage stored whole in `mode`
+    return variant_bytes(first, mode) if mode.stored else (first.input_bytes if mode.keeps_input else 0)
 
 
 def expert_forms(job, stage_forms, report, routing):

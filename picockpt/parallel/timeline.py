@@ -17,7 +17,7 @@ StageMemory sums the stores of a stage's micro-batches: each micro-batch's Micro
 the rank's Tracker with the bytes of all of them (the stage's peak). The Timeline gets a span per phase, not per op:
 a phase entered inside another opens its span at its first store event (the engine's recompute, which starts by
 reading its checkpoint); one with no store event (a tile rebuilt in the backward) gets no span, its seconds moved
-to its own phase (Timeline.move), so a rebuild is recompute time, as its FLOPs are recompute FLOPs.
+to its own phase (Timeline.moved), so a rebuild is recompute time, as its FLOPs are recompute FLOPs.
 """
 import contextlib
 import time
@@ -89,12 +89,6 @@ class Timeline:
         if self.stack:
             self.stack[-1][2] = now  # the outer span resumes
 
-    def move(self, kind, since, segments):
-        """A phase run from `since` to now inside the innermost span, with none of its own (module docstring);
-        segments: len(self.segments) at `since` (a span closed in between booked its own time: nothing moves)."""
-        if self.stack and len(self.segments) == segments and self.stack[-1][0] != kind:
-            self.moved.append((kind, self.stack[-1][0], since, self.mark()))
-
     def _close(self, entry, now):
         kind, microbatch, since = entry
         if self.cuda or now > since:  # CUDA: empty segments go once timed (finish)
@@ -131,13 +125,8 @@ class StageMemory:
         start, end = self.timeline.start, self.timeline.end
         if not self.samples or start is None or end is None or end <= start:
             return 0.0
-        area, (last_time, last_bytes) = 0.0, (start, 0)
-        for when, nbytes in self.samples:
-            when = self.timeline.seconds(when)
-            area += last_bytes * (max(when, start) - last_time)
-            last_time, last_bytes = max(when, start), nbytes
-        area += last_bytes * (end - last_time)
-        return area / (end - start)
+        times = [max(self.timeline.seconds(when), start) for when, _ in self.samples] + [end]  # each sample's, then end
+        return sum(nbytes * (t1 - t0) for (_, nbytes), t0, t1 in zip(self.samples, times, times[1:])) / (end - start)
 
 
 class MicroBatchTracker:
@@ -167,10 +156,12 @@ class MicroBatchTracker:
                     yield
                 finally:
                     self.pending.pop()
+                    # no store event, no span: its seconds move from the innermost span to its phase (Timeline.moved),
+                    # unless a span closed in between booked its own time (the segments grew)
                     if entry[2]:
                         timeline.close()
-                    else:  # no store event: no span, its seconds still its phase's
-                        timeline.move(name, since, segments)
+                    elif timeline.stack and len(timeline.segments) == segments and timeline.stack[-1][0] != name:
+                        timeline.moved.append((name, timeline.stack[-1][0], since, timeline.mark()))
 
     def on_event(self, event):
         memory = self.memory

@@ -13,7 +13,6 @@ data-parallel buckets.
 import torch
 
 from ...planning.step_forms import layer_inventory
-from ...model.layer import ONE_PROCESS
 from ..rank_model import WrappedHooks
 from .cp_attention import (gathered_attention_backward, gathered_attention_forward, ring_attention_backward,
                            ring_attention_forward)
@@ -37,7 +36,7 @@ class ContextParallelHooks(WrappedHooks):
     """The one hook of a context-parallel layer: its attention core (beside tensor parallelism, of this rank's
     heads, crossing the cp ranks of the same tp rank); at(): rank_model.py's WrappedHooks, for the kept K/V."""
 
-    def __init__(self, comm, layout, cp_comm="ring", keep_kv=False, inner=ONE_PROCESS):
+    def __init__(self, comm, layout, cp_comm, keep_kv, inner):
         super().__init__(inner)
         self.group, self.layout, self.kind, self.keep_kv = comm, layout, cp_comm, keep_kv  # group: the cp ranks
         self.store, self.layer = None, None

@@ -26,7 +26,7 @@ class GradientBuckets:
         self.comm, self.overlap, self.timeline, self.dtype = comm, overlap, timeline, dtype
         self.flat, self.views = {}, {}
         for bucket, members in names.items():
-            unit = FlatUnit(bucket, members, shapes, 1)  # laid out as a ZeRO unit (zero_params.py), unsharded
+            unit = FlatUnit(members, shapes, 1)  # laid out as a ZeRO unit (zero_params.py), unsharded
             flat = self.flat[bucket] = torch.zeros(unit.padded, dtype=dtype, device=device)  # (n,) side by side
             if tracker is not None:
                 tracker.mark(flat, "gradients")

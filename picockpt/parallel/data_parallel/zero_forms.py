@@ -51,7 +51,7 @@ def model_state_bytes(cfg, stage, world_size):
     """{param_bytes, grad_bytes, optimizer_bytes} one rank holds under `stage`, every unit over the dp ranks."""
     shapes = param_shapes(cfg)
     units = unit_names(list(shapes), range(cfg.layers), True, True)  # the whole model's: embedding, layers, head
-    return unit_state_bytes([FlatUnit(key, names, shapes, world_size) for key, names in units.items()], stage,
+    return unit_state_bytes([FlatUnit(names, shapes, world_size) for names in units.values()], stage,
                             cfg.param_dtype.itemsize)
 
 

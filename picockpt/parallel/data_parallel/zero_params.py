@@ -12,8 +12,8 @@ from ..comm import all_gather_flat
 
 
 class FlatUnit:
-    def __init__(self, key, names, shapes, world_size):
-        self.key, self.names, self.world_size = key, list(names), world_size
+    def __init__(self, names, shapes, world_size):
+        self.names, self.world_size = list(names), world_size
         self.shapes = [torch.Size(shapes[name]) for name in self.names]
         self.sizes = [shape.numel() for shape in self.shapes]
         self.numel = sum(self.sizes)  # the unit's parameters, unpadded

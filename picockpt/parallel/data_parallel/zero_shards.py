@@ -32,7 +32,7 @@ def stage_units(shapes, layers, first, last, sizes, split=None):
     units = {}
     for key, names in unit_names(list(shapes), layers, first, last).items():
         parts = {False: [n for n in names if not (split and split(n))], True: [n for n in names if split and split(n)]}
-        units[key] = [FlatUnit(key, members, shapes, sizes[part]) for part, members in parts.items() if members]
+        units[key] = [FlatUnit(members, shapes, sizes[part]) for part, members in parts.items() if members]
     return units
 
 

@@ -6,9 +6,11 @@ rank's B/W sequences, its experts' block ep_moe.py's.
 
 Stored names: layer.py's (at batch B/W), moe.py's and ep_moe.py's. Dropout masks and router jitter are the single
 process's, drawn for the whole batch, this rank's sequences kept (rng.py's full_size_draws along the batch dim)."""
+from functools import partial
+
 from ..rank_model import WrappedHooks
 from ..rng import full_size_draws
-from .ep_moe import DISPATCHED, ROUTING, ep_moe_backward, ep_moe_forward
+from .ep_moe import DISPATCHED, ep_moe_backward, ep_moe_forward
 
 
 class KeptRouting:
@@ -17,21 +19,12 @@ class KeptRouting:
 
     def __init__(self, store, i, received_rows):
         self.store, self.i, self.received_rows = store, i, received_rows  # received_rows: {layer: rows}, for the report
-
-    def has(self, name):
-        return self.store.has(self.i, name)
-
-    def get(self, name):
-        return self.store.get(self.i, name)
+        self.has, self.get = partial(store.has, i), partial(store.get, i)  # has(name), get(name): layer i's
 
     def put(self, name, tensor):
         self.store.put(self.i, name, tensor)
         if name == "moe.received_counts":
             self.received_rows[self.i] = int(tensor.sum())
-
-    def keep_routing(self, keep):
-        """moe.route's keep: the routing decision here, everything else the layer's way."""
-        return lambda name, tensor: (self.put if name in ROUTING else keep)(name, tensor)
 
 
 def ep_drop(unstored):

@@ -34,7 +34,6 @@ import torch
 
 from ...model.moe import block_input_backward, expert_backward, expert_forward, route
 from ...model.moe import routed_input, shared_expert_forward, weigh
-from ...model.block_tail import RUN_TAIL
 from ...ops.router import combine_weights, expert_counts, expert_groups
 from .ep_comm import all_to_all_backward, all_to_all_forward
 
@@ -62,13 +61,13 @@ def local_groups(received):
     return ((e, rows) for e, rows, _ in expert_groups(expert_of_row[:, None], E_l))
 
 
-def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched=False, tail=RUN_TAIL):
+def ep_moe_forward(xn, w, cfg, comm, keep, kept, first_expert, keep_dispatched, tail):
     """xn (B_r, T, h) this rank's normed input -> the block's output (B_r, T, h), or None under SKIP_TAIL
     (block_tail.py). keep: the layer's (the policy's); kept: its KeptRouting (ep_layer.py); w: its E_l experts."""
     (B, T, h), W, E, stat = xn.shape, comm.world_size, cfg.experts, cfg.stat_dtype
     routed = kept.has("moe.expert_index")  # a recomputation: the first forward chose the routing
-    x, index, weights = route(xn, w, cfg, kept.keep_routing(keep),
-                              kept.get("moe.expert_index") if routed else None)  # (N_r, h), (N_r, k), (N_r, k)
+    x, index, weights = route(xn, w, cfg, lambda name, tensor: (kept.put if name in ROUTING else keep)(name, tensor),
+                              kept.get("moe.expert_index") if routed else None)  # (N_r, h), (N_r, k) x2; ROUTING kept
     del xn
     if routed:
         received = kept.get("moe.received_counts")  # (W, E_l)

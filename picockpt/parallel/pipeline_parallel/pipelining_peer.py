@@ -64,7 +64,7 @@ class StageModule(nn.Module):
 
 
 class SavedBytes:
-    """saved_tensors_hooks that track the bytes of distinct storages autograd holds for backward, and their peak."""
+    """A saved_tensors_hooks pack: the bytes of the distinct storages autograd holds for backward, and their peak."""
 
     def __init__(self, skip_storages):
         self.skip = set(skip_storages)  # data_ptr of storages not counted (the parameters')
@@ -90,9 +90,6 @@ class SavedBytes:
                 self.now -= entry[1]
                 del self.held[key]
 
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda packed: packed.tensor)
-
 
 class _Packed:
     """What autograd keeps for one saved tensor; its __del__ runs when the node holding it is freed."""
@@ -102,15 +99,6 @@ class _Packed:
 
     def __del__(self):
         self.counter.release(self.key)
-
-
-def stage_indices(schedule, rank, P, V):
-    """The virtual stages rank `rank` holds under `schedule` (see the module docstring)."""
-    if schedule == "ScheduleZBVZeroBubble":
-        if V != 2:
-            raise ValueError(f"ScheduleZBVZeroBubble needs exactly 2 stages per rank, V={V}")
-        return [rank, 2 * P - 1 - rank]  # the "v" mapping
-    return [c * P + rank for c in range(V)]  # the "loop" mapping: stage k on rank k % P
 
 
 def pipelining_rank_steps(comm, params, cfg, input_ids, targets, schedules=SCHEDULES, V=2, M=4):
@@ -128,11 +116,14 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
         raise ValueError(f"pipelining peer: layers={L} must be >= P*V={S} and batch {B} a multiple of M={M}")
     if not hasattr(pipelining, schedule):  # decided alike on every rank, before any p2p
         return {"schedule": schedule, "error": f"torch {torch.__version__} has no {pipelining.__name__}.{schedule}"}
+    v_style = schedule == "ScheduleZBVZeroBubble"  # its virtual stages (module docstring): "v" style, else "loop"
+    if v_style and V != 2:
+        raise ValueError(f"ScheduleZBVZeroBubble needs exactly 2 stages per rank, V={V}")
     model = ReferenceLlama(cfg, params)  # a fresh model per schedule: gradients start at None
     names = {id(p): name for name, p in model.named_parameters()}
     b, dtype = B // M, cfg.torch_dtype
     stages = []
-    for k in stage_indices(schedule, r, P, V):
+    for k in [r, 2 * P - 1 - r] if v_style else [c * P + r for c in range(V)]:  # "loop": stage k on rank k % P
         first, last = k == 0, k == S - 1
         module = StageModule(model, k * L // S, (k + 1) * L // S, first, last)
         # static metadata keeps requires_grad too: a received activation, and every output, needs its gradient
@@ -151,7 +142,7 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
     losses = []
     input_ids, targets = input_ids.contiguous(), targets.contiguous()  # a view's strides fail the stage's check
     inputs = (input_ids,) if any(stage.is_first for stage in stages) else ()  # (B, T) split into M micro-batches
-    with saved.hooks():
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda packed: packed.tensor):
         runner.step(*inputs, target=targets, losses=losses)
     grads = {names[id(p)]: p.grad.detach().clone() for stage in stages for p in stage.submod.parameters()}
     loss = float(sum(loss.item() for loss in losses)) if losses else None  # the last stage's rank only

@@ -124,12 +124,6 @@ def to_next_stage_backward(pipe, shape, dtype):
     return post_receive(pipe, pipe.next, shape, dtype)
 
 
-def neighbours(groups, virtual=1):
-    """(previous, next): the global ranks of this rank's pipeline neighbours (layout.py's RankGroups); interleaved,
-    round a ring (chunk c of the last stage sends to chunk c + 1 of the first), else None at either end."""
-    return groups.neighbour(-1, ring=virtual > 1), groups.neighbour(1, ring=virtual > 1)
-
-
 def receives(action, cfg, rng_like, shape):
     """[(kind, shape, dtype)] an action receives, in order (a stepwise exchange posts them): a forward its input,
     micro-batch 0's after the generator state when the model draws random numbers; a backward its output's gradient."""

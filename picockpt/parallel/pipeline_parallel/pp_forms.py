@@ -10,7 +10,6 @@ fits (pp_plan.py); stage 0 of 1F1B recomputes the most.
 """
 import functools
 import math
-from collections import Counter
 from dataclasses import replace
 
 from ...planning.step_forms import layer_flops
@@ -88,7 +87,7 @@ class ChunkForms:
 
     def __init__(self, cfg, batch, seq, policy, layout, stage, layer_comm_flops=0, chunk=0, planned=None):
         pp, microbatches, schedule, virtual = layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages
-        self.cfg, self.stage, self.t, self.layout, self.policy = cfg, stage, layout.tp, layout, as_policy(policy, cfg)
+        self.cfg, self.stage, self.t, self.policy = cfg, stage, layout.tp, as_policy(policy, cfg)
         self.sp, self.distribute_saved = layout.sp and layout.tp > 1, layout.distribute_saved and layout.tp > 1
         self.layers = rank_layers(cfg.layers, pp, stage, virtual)[chunk]
         self.first, self.last = chunk * pp + stage == 0, chunk * pp + stage == pp * virtual - 1
@@ -201,8 +200,6 @@ class InterleavedForms:
         return _summed(chunk.tp_comm_bytes(rows) for chunk in self.chunks)
 
 
-def _summed(tables):
-    out = Counter()
-    for table in tables:
-        out.update(table)  # update, not +: it keeps the zeros
-    return dict(out)
+def _summed(tables):  # {key: its sum over the tables}, every key kept (a zero too)
+    tables = list(tables)
+    return {key: sum(table.get(key, 0) for table in tables) for table in tables for key in table}

@@ -19,12 +19,15 @@ class BudgetTooSmall(ValueError):
         self.least = least
 
 
+def variant_bytes(stage, mode):
+    """What a layer (the head) of a chain stores run whole in `mode`."""
+    return next(a for name, a, _ in stage.variants if name == mode)
+
+
 def end_of_forward_bytes(chain, schedule):
     """E: the bytes a schedule's first forward leaves stored (checkpoints, layers kept whole, the head)."""
-    def kept(stage, mode):  # what a layer (the head) run in `mode` stores
-        return next(a for name, a, _ in stage.variants if name == mode)
-    return sum(stage.input_bytes if mode == "input" else kept(stage, mode) if mode.stored else 0
-               for mode, stage in zip(schedule.forward, chain[:-1])) + kept(chain[-1], schedule.head)  # layers, head
+    return sum(stage.input_bytes if mode == "input" else variant_bytes(stage, mode) if mode.stored else 0
+               for mode, stage in zip(schedule.forward, chain[:-1])) + variant_bytes(chain[-1], schedule.head)
 
 
 def in_flight_peak(order, stored, peaks, left=None):

@@ -9,9 +9,10 @@ from ...recompute.store import ActivationStore
 from ..timeline import MicroBatchTracker
 from .pp_comm import receives
 from .pp_schedules import interleaved_steps
+from .pp_stage import StageModel
 
 
-def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_done=None):
+def run_actions(order, chunks, forms, pipe, rows, memory, say, forward_done):
     """Every action of `order` on this rank's chunks (PipelineStage each; forms: their ChunkForms, whose schedule
     and op-level drops each Step follows). rows(m): micro-batch m's (input_ids, targets) on this rank; memory: the
     stage's stores (timeline.py: StageMemory); forward_done(m, c, step, model) after each forward. Returns this
@@ -35,14 +36,13 @@ def run_actions(order, chunks, forms, pipe, rows, memory, say=False, forward_don
         pipe.pair_with = receives_from(talking[0], chunks, pipe) if talking else None
         if action.kind == "F":
             w_store = ActivationStore(MicroBatchTracker(memory, m, (c, "W"))) if stage.split_backward else None
-            model = stage.microbatch(m, *rows(m), w_store)
+            model = StageModel(stage, m, stage.model_for_rows(*rows(m)), w_store)  # micro-batch m of the chunk
             tracker = MicroBatchTracker(memory, m, c)
             step = model.step = Step(model, forms[c].schedule, forms[c].policy.unstored, tracker, say)
             model.rank_model.store = step.store  # where an ep layer keeps its routing, whatever its mode
             part = step.forward()  # this micro-batch's share of the whole batch's mean (last stage)
             loss = part if loss is None else loss + part
-            if forward_done is not None:
-                forward_done(m, c, step, model)
+            forward_done(m, c, step, model)
             steps[m, c] = step
         else:  # ZB-H1: the Step kept for its W
             (steps[m, c] if stage.split_backward else steps.pop((m, c))).backward()

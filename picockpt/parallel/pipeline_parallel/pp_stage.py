@@ -83,9 +83,6 @@ class PipelineStage:
             yield
             put(before)
 
-    def microbatch(self, m, input_ids, targets, waiting=None):
-        return StageModel(self, m, self.model_for_rows(input_ids, targets), waiting)
-
 
 class StageModel:
     """Micro-batch m of a PipelineStage; `step` is set to the Step that runs it (recompute-early uses its loop)."""

@@ -11,7 +11,7 @@ forward's adjoint (Megatron's "f" and "g", Shoeybi et al. 2019; sp's "g" and "g-
 
 "replicated": the same tensor (and gradient) on every rank; "partial": a summand of it on each rank; "sharded": one
 slice of it along dim on each rank. comm.py counts the bytes."""
-from ..comm import all_gather, all_reduce, check_dim, check_divisible, reduce_scatter
+from ..comm import all_gather, all_reduce, check_dim, reduce_scatter
 
 
 def copy_to_parallel_forward(x, comm):
@@ -51,7 +51,7 @@ def scatter_sequence_backward(dy, comm, dim=1):
 
 
 def split_sequence_forward(x, comm, dim=1):
-    dim = check_divisible(x, comm, check_dim(x, dim))
+    dim = check_dim(x, dim, comm)
     return x.chunk(comm.world_size, dim)[comm.rank]  # (B, T/W, h) slice r of a replicated x, a view: nothing moves
 
 

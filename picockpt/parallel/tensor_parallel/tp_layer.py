@@ -11,10 +11,12 @@ blocks see all T. Under sp the stored norm output is the rank's shard, so the ba
 projections' weight gradients (as Megatron does: never kept gathered). A mixture of experts runs between the same ENTER
 and LEAVE, each expert on its f/t slice, its router whole: the router's gradient, from partial outputs, is summed over
 the ranks."""
+from ...model.params import EMBED
 from ..comm import all_reduce
 from ..rank_model import WrappedHooks
 from ..rng import full_size_draws, sliced_mask
-from .vocab import parallel_cross_entropy_backward, parallel_cross_entropy_forward
+from .vocab import (embedding_backward_parallel, embedding_forward_parallel, parallel_cross_entropy_backward,
+                    parallel_cross_entropy_forward)
 from .tp_comm import (copy_to_parallel_backward, copy_to_parallel_forward, gather_sequence_backward,
                       gather_sequence_forward, reduce_from_parallel_backward, reduce_from_parallel_forward,
                       scatter_sequence_backward, scatter_sequence_forward)
@@ -45,6 +47,12 @@ class TensorParallelHooks(WrappedHooks):
         B, n, h = shape
         whole = (B, n * self.comm.world_size if self.sp else n, h)
         return sliced_mask(whole, p, device, self.comm, 1 if self.sp else None)  # (B, n, h) bool
+
+    def embed(self, model):  # the rank model's vocab: vocab.py's embedding on this rank's V/t rows
+        return embedding_forward_parallel(model.input_ids, model.weights[EMBED], self.comm, self.sp)  # (B, n, h)
+
+    def embed_backward(self, model, dx):
+        return embedding_backward_parallel(dx, model.input_ids, model.weights[EMBED].shape, self.comm, self.sp)
 
     keeps_lse = True  # the head keeps each row's log-sum-exp: rebuilding it would cost two all-reduces again
 

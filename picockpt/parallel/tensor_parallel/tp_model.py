@@ -1,37 +1,22 @@
-"""What tensor parallelism changes in a rank's model (picockpt/parallel/rank_model.py): the embedding and head are
-vocab.py's, the layer's hooks tp_layer.py's, and a checkpoint may be kept as this rank's 1/t of it.
+"""What tensor parallelism changes in a rank's model (picockpt/parallel/rank_model.py): the layer's hooks, embedding
+and head are tp_layer.py's (on vocab.py's rows), and a checkpoint may be kept as this rank's 1/t of it.
 
 Distributed saved activations (Megatron-LM's --distribute-saved-activations; Korthikanti et al. sec. 5): without sp each
 rank would keep the same whole layer input as its checkpoint, t copies of one tensor; with distribute_saved=True each
 keeps 1/t of it, all-gathered by a recompute sweep before it runs the layer again: memory for communication, counted
 under "recompute". Only checkpoint-only inputs are split (a layer stored whole reads its input whole)."""
-from ...model.params import EMBED
 from .tp_comm import gather_sequence_forward
 from .tp_forms import rank_layer_inventory
 from .tp_layer import TensorParallelHooks
-from .vocab import embedding_backward_parallel, embedding_forward_parallel
 
 
 def apply_tensor_parallel(model, comm, sp=False, distribute_saved=False):
     """Make a RankModel (picockpt/parallel/rank_model.py) a tensor-parallel rank's, its params this rank's slices."""
     model.layer_names = list(rank_layer_inventory(model.cfg, *model.input_ids.shape, comm.world_size, sp))
-    model.hooks, model.vocab = TensorParallelHooks(comm, sp, model.cfg.dropout, model.hooks), VocabParallel(comm, sp)
+    model.hooks = model.vocab = TensorParallelHooks(comm, sp, model.cfg.dropout, model.hooks)  # vocab: its embed
     if distribute_saved:
         model.checkpoints = DistributedSaved(comm)
     return model
-
-
-class VocabParallel:
-    """A tensor-parallel rank's embedding: vocab.py's on its V/t rows (its head: head.py's, crossing in tp_layer.py)."""
-
-    def __init__(self, comm, sp):
-        self.comm, self.sp = comm, sp
-
-    def embed(self, model):
-        return embedding_forward_parallel(model.input_ids, model.weights[EMBED], self.comm, self.sp)  # (B, n, h)
-
-    def embed_backward(self, model, dx):
-        return embedding_backward_parallel(dx, model.input_ids, model.weights[EMBED].shape, self.comm, self.sp)
 
 
 class DistributedSaved:
