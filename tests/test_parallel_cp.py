@@ -24,6 +24,7 @@ from picockpt.parallel.context_parallel.cp_attention import gathered_attention_b
 from picockpt.parallel.context_parallel.cp_forms import kept_kv_bytes, rank_attention_flops
 from picockpt.parallel.context_parallel.cp_layout import SequenceLayout
 from picockpt.parallel.context_parallel.cp_check import check_context_parallel
+from picockpt.parallel.job import checked_job
 
 from processes import no_process_left_behind  # noqa: F401 (a fixture)
 
@@ -357,3 +358,18 @@ def test_the_api_and_the_command_run_context_parallelism(capsys):
     for r in row["ranks"]:
         assert r["comm_bytes"] == r["predicted_comm_bytes"]
         assert r["comm_bytes"]["recompute"] == r["comm_bytes"]["forward"]
+
+
+def test_cp_beside_another_dimension_under_torchrun_is_checked_as_the_whole_layout(monkeypatch):
+    """Under torchrun the rank count is the layout's product: cp=2 with tp=2 is 4 processes, not cp's 2 (the check
+    of cp alone, check_context_parallel's, is for cp alone)."""
+    for name, value in dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)  # as torchrun would start 4 processes
+    cfg = Config(**{**BASE, **MODELS["gqa fp64 tiled"]})
+    params = init_params(cfg, seed=0)
+    input_ids, targets = make_batch(cfg, 2, SEQ, "cpu", seed=0)
+    job = ParallelJob(params, cfg, input_ids, targets, "full", Layout(cp=2, tp=2))
+    assert checked_job(job, "cpu", None).layout.world_size == 4
+    with pytest.raises(ValueError, match=r"^cp=2: torchrun started 4 processes, one per rank; pass cp=4"):
+        checked_job(ParallelJob(params, cfg, input_ids, targets, "full", Layout(cp=2)), "cpu", None)

@@ -6,7 +6,9 @@ from .cp_layout import check_layout
 
 
 def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_kv=False, policy="none", device="cpu"):
-    """ValueError naming the parameter, the value and what would work, before any work starts."""
+    """ValueError naming the parameter, the value and what would work, before any work starts. device: where cp ranks
+    alone would run, their count checked (torchrun's WORLD_SIZE, a GPU each); None where the caller has checked the
+    whole layout's (a job: job.py's check_ranks, cp beside tp being cp x tp ranks)."""
     check_layout(layout, cp, seq)  # cp a whole number >= 1 too
     if cp_comm not in ("ring", "ring_overlap", "allgather"):
         raise ValueError(f"cp_comm={cp_comm!r}: use 'ring' (K/V passed round, cp - 1 steps), 'ring_overlap' (the "
@@ -31,7 +33,8 @@ def check_context_parallel(cfg, cp, seq, layout="zigzag", cp_comm="ring", keep_k
     if cfg.dropout > 0:
         raise ValueError(f"Config.dropout={cfg.dropout} under context parallelism: the masks of blocks spread "
                          f"over ranks are not made equal to the single process's here; use dropout=0")
-    check_rank_count("cp", cp, device)
+    if device is not None:
+        check_rank_count("cp", cp, device)
 
 
 def refuses(job, policy, device):
@@ -58,4 +61,4 @@ def refuses(job, policy, device):
         not_yet(f"cp_keep_kv=True with policy={policy.text!r}", "the planner's chain does not hold the kept K/V",
                 "use a budget without cp_keep_kv, or keep_kv with none, full, every:C, selective or cheap")
     check_context_parallel(job.cfg, layout.cp, job.input_ids.shape[1], layout.cp_layout, layout.cp_comm,
-                           layout.cp_keep_kv, policy, device)
+                           layout.cp_keep_kv, policy, device=None)  # the ranks: check_ranks counted them all
