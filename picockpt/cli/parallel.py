@@ -119,8 +119,7 @@ def check_flags(args):
             default = ", the default beside --pp/--dp/--microbatches" if args.tp is None else ""
             raise ValueError(f"{flag} with a tensor-parallel size of 1 (--tp {args.tp if args.tp is not None else 1}"
                              f"{default}): it splits a tensor-parallel rank's tokens or checkpoints, and there is "
-                             f"none here; add --tp N "
-                             f"(N > 1), or leave {flag} out")
+                             f"none here; add --tp N (N > 1), or leave {flag} out")
     args.schedule, args.tp = args.schedule or "1f1b", tp  # what runs, in the job and in the JSON row
 
 

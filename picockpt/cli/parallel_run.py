@@ -13,6 +13,7 @@ import torch
 
 from ..recompute.engine import loss_and_grads as single_loss_and_grads
 from ..device import resolve_device
+from ..planning.fit import check_fits
 from ..measurement.measure import make_batch, max_relative_diff
 from ..model.params import init_params
 from ..parallel import Layout, RankError, loss_and_grads, under_torchrun
@@ -20,7 +21,7 @@ from ..parallel.launch import TIMEOUT_RANGE_S
 from ..parallel.watch import Terminated, sigterm_raises
 from ..recompute.policy import Policy, parse_policy
 from . import RankFailed
-from .common import SHAPE_FLAGS, check_parallel_fits, config_from_args
+from .common import SHAPE_FLAGS, config_from_args
 from .parallel_zero import print_zero
 
 LAYOUT = tuple(field.name for field in fields(Layout))  # every dimension and option, one flag each
@@ -63,7 +64,8 @@ def prepared(args):
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
     device = rank_device(args)
-    check_parallel_fits(args, cfg, Policy("none"), device)
+    check_fits(cfg, device, args.batch, args.seq, Policy("none"),
+               note=" (this command also runs the whole step in one process, to check the ranks' gradients)")
     return cfg, policy, device
 
 

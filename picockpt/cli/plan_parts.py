@@ -1,7 +1,5 @@
 """What plan's two-action and three-action modes share: the --budget flag and the policy, the JSON row's keys
 and the sweeps in it, the text table, one tracked step."""
-import json
-
 from ..planning.fit import check_fits
 from ..planning.step_forms import step_flops
 from ..planning.planner import least_budget, model_chain
@@ -38,13 +36,6 @@ def plan_row(cfg, args, text, budget, unstored, plan, grid, seconds, after):
 
 def measured_line(name, measured, planned, fmt=fmt_bytes):
     return name, fmt(measured), "equal" if measured == planned else "DIFFERS"
-
-
-def report(args, row, header, lines, widths):
-    """--json: print the row, and True; else the header and the (name, value, note) lines in columns `widths`."""
-    print(json.dumps(row, indent=1) if args.json else "\n".join(
-        [header] + [f"  {name:<{widths[0]}}{value:>{widths[1]}}  {note}" for name, value, note in lines]))
-    return args.json
 
 
 def sweeps_json(schedule, layers):

@@ -83,8 +83,7 @@ def print_zero(row, capacity):
     print(f"ZeRO stage {stage} over {over} data-parallel ranks{beside}, model state per GPU{busiest} of "
           f"Psi = {z['parameters']:,} parameters held (parallel/report_forms.py: zero_stage_forms):")
     print(f"  {'':<26}{'ZeRO paper: fp16 + K=12 Adam':>30}{'picockpt: fp32, AdamW':>26}")
-    names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optimizer_bytes": "optimizer state"}
-    for key, name in names.items():
+    for key, name in zip(STATE, ("parameters", "gradients", "optimizer state")):
         print(f"  {name:<26}{gib(z['paper'][key]):>30}{gib(z['picockpt'][key]):>26}")
     paper, own = gib(z['paper_model_state_bytes']), gib(z['picockpt_model_state_bytes'])
     print(f"  {'model state':<26}{paper:>30}{own:>26}")
