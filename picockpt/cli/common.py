@@ -1,4 +1,4 @@
-"""What every command shares: the shape flags, the device flag, numbers with units."""
+"""What every command shares: the shape flags, the device flag, numbers with units, tables and text reports."""
 import json
 
 from ..model.config import ATTENTIONS, DTYPES, PRESETS, Config
@@ -117,13 +117,15 @@ def table(rows, columns):
 PHASES = ("forward", "recompute", "backward")
 
 
-def rank_columns(*first):
-    """The per-rank table's columns for the parallel commands: `first` (name, value of a rank report),
-    then the stored peak and its closed form, the live peak, communication and FLOPs by phase."""
+def rank_columns(*first, phases=True):
+    """The per-rank table's columns for the parallel commands: `first` (name, value of a rank report), then the stored
+    peak and its closed form, the live peak and (phases) communication and FLOPs by phase."""
     columns = [("rank", lambda r: str(r["rank"])), *first,
                ("stored peak", lambda r: f"{r['peak_activation_bytes']:,} B"),
                ("predicted", lambda r: f"{r['predicted_activation_bytes']:,} B"),
                ("live peak", lambda r: fmt_bytes(r["peak_live_bytes"]))]
+    if not phases:
+        return columns
     columns += [(f"comm {phase}", lambda r, phase=phase: fmt_bytes(r["comm_bytes"][phase])) for phase in PHASES]
     return columns + [(phase, lambda r, phase=phase: fmt_flops(r["flops"][phase])) for phase in PHASES]
 

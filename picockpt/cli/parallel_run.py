@@ -101,18 +101,18 @@ def measured_step(args, cfg, policy, device):
     return loss, ranks, single_loss, worst, params, input_ids
 
 
-def printed(args, cfg, policy, device, row, measured, print_table, ranks=None):
+def printed(args, cfg, policy, device, row, measured, print_table, ranks):
     """The command's row: every layout's keys (the same in every layout, each with the value that ran) and the
     model's, then `row`'s own, completed by the step's outcome (the loss, the single process's, the gradients'
-    largest relative difference, the ranks' reports, or `ranks`): one JSON object with --json, else the table
+    largest relative difference, the ranks' reports `ranks`): one JSON object with --json, else the table
     (and under --zero ZeRO's table below it)."""
-    loss, reports, single_loss, worst, _, _ = measured
+    loss, _, single_loss, worst, _, _ = measured
     row = {**layout_of(args), "policy": policy.text, "device": str(device), "dtype": cfg.dtype,
            "attention": cfg.attention, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
            "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab, "experts": cfg.experts,
            "experts_per_token": cfg.experts_per_token, "batch": args.batch, "seq": args.seq, **row,
            "loss": loss.item(), "single_process_loss": single_loss.item(), "grad_max_rel_diff_vs_single": worst,
-           "ranks": reports if ranks is None else ranks}
+           "ranks": ranks}
     if args.json:
         print(json.dumps(row, indent=1))
     else:
