@@ -224,8 +224,7 @@ def cp_row(cfg, batch, seq, policy, layout):
         return cp_peak_bytes(cfg, batch, seq, p, cp, cp_comm, keep_kv) if tp == 1 else \
             rank_peak_bytes(cfg, batch, n, p, tp, sp, layout.distribute_saved)
     largest_C = -(-cfg.layers // pp)  # every:C within the largest stage
-    first = ChunkForms(cfg, batch, n, policy, layout, 0)  # stage 0's rank
-    comm = stage_comm_bytes(first, seq, cp, cp_comm, keep_kv)
+    comm = stage_comm_bytes(ChunkForms(cfg, batch, n, policy, layout, 0), seq, cp, cp_comm, keep_kv)  # stage 0's rank
     return {"cp": cp, "tp": tp, "sp": sp, "pp": pp, "microbatches": M, "cp_comm": cp_comm, "keep_kv": keep_kv,
             "rank_tokens": n, "policy": policy, "peak_bytes": peak(policy),
             "stage_peak_bytes": stages(policy) if pp > 1 else None,
