@@ -65,7 +65,7 @@ def parse_tokens(text):
         value = float(number) * TOKEN_UNITS[unit]
     except ValueError:
         value = 0
-    if not value >= 1 or value != int(value) or value == float("inf"):
+    if not value >= 1 or value == float("inf") or value != int(value):  # int(inf) would raise
         raise ValueError(f"--tokens-per-batch={text!r}: give a positive whole number of tokens, e.g. 16M (16 x 2**20) "
                          f"or 16777216")
     return int(value)
