@@ -1,7 +1,6 @@
 """python -m picockpt COMMAND [flags]   (python -m picockpt COMMAND --help for each)
 
-Each command lives in its own module with add_arguments(parser) and run(args); only the
-command asked for is imported.
+Each command lives in its own module with add_arguments(parser) and run(args); only the command asked for is imported.
 """
 import argparse
 import importlib
@@ -89,17 +88,12 @@ def main(argv=None):
     except RankFailed as error:  # a rank failed or died: said as plainly, its own exit code
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return interrupted(name)
+    except KeyboardInterrupt:  # Ctrl-C: stop here, and say so; 130 = 128 + SIGINT, as shells report it
+        print(f"interrupted: python -m picockpt {name} stopped before it finished", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as shell tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 141  # 128 + SIGPIPE
-
-
-def interrupted(name):
-    """Ctrl-C: stop here, and say so; 130 = 128 + SIGINT, as shells report it."""
-    print(f"interrupted: python -m picockpt {name} stopped before it finished", file=sys.stderr)
-    return 130
 
 
 INTERRUPTED = []  # the Ctrl-Cs that reached the running command (interrupt)

@@ -1,4 +1,6 @@
-"""What every command shares: the shape flags, the device flag, numbers with units."""
+"""What every command shares: the shape flags, the device flag, numbers with units, tables and text reports."""
+import json
+
 from ..model.config import ATTENTIONS, DTYPES, PRESETS, Config
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "dropout", "dtype", "attention",
@@ -95,6 +97,13 @@ def fmt_flops(n):
     return "-" if n is None else f"{n / 1e9:.3f} GFLOP"
 
 
+def report(args, row, header, lines, widths):
+    """--json: print the row, and True; else the header and the (name, value, note) lines in columns `widths`."""
+    print(json.dumps(row, indent=1) if args.json else "\n".join(
+        [header] + [f"  {name:<{widths[0]}}{value:>{widths[1]}}  {note}" for name, value, note in lines]))
+    return args.json
+
+
 def table(rows, columns):
     """rows: list of dicts; columns: list of (header, function of row -> str)."""
     cells = [[header for header, _ in columns]] + [[fn(row) for _, fn in columns] for row in rows]
@@ -108,23 +117,17 @@ def table(rows, columns):
 PHASES = ("forward", "recompute", "backward")
 
 
-def rank_columns(*first):
-    """The per-rank table's columns for the parallel commands: `first` (name, value of a rank report),
-    then the stored peak and its closed form, the live peak, communication and FLOPs by phase."""
+def rank_columns(*first, phases=True):
+    """The per-rank table's columns for the parallel commands: `first` (name, value of a rank report), then the stored
+    peak and its closed form, the live peak and (phases) communication and FLOPs by phase."""
     columns = [("rank", lambda r: str(r["rank"])), *first,
                ("stored peak", lambda r: f"{r['peak_activation_bytes']:,} B"),
                ("predicted", lambda r: f"{r['predicted_activation_bytes']:,} B"),
                ("live peak", lambda r: fmt_bytes(r["peak_live_bytes"]))]
+    if not phases:
+        return columns
     columns += [(f"comm {phase}", lambda r, phase=phase: fmt_bytes(r["comm_bytes"][phase])) for phase in PHASES]
     return columns + [(phase, lambda r, phase=phase: fmt_flops(r["flops"][phase])) for phase in PHASES]
-
-
-def check_parallel_fits(args, cfg, policy, device):
-    """The parallel commands also run the whole step in one process (the gradients' reference): refuse,
-    with the numbers, a step that cannot fit before any rank starts."""
-    from ..planning.fit import check_fits
-    check_fits(cfg, device, args.batch, args.seq, policy,
-               note=" (this command also runs the whole step in one process, to check the ranks' gradients)")
 
 
 def spans(labels):

@@ -25,12 +25,17 @@ def run(args):
         raise ValueError(f"--layer={args.layer}: use 0 .. {cfg.layers - 1}")
     B, T = args.batch, args.seq
     device = resolve_device(args.device)
-    check_fits(cfg, device, B, T, _op_only(policy), advice="use a smaller --batch or --seq",
+    op_only = Policy(text=policy.op_level or "none", op_level=policy.op_level)  # every layer stored, the same drops
+    check_fits(cfg, device, B, T, op_only, advice="use a smaller --batch or --seq",
                note=" (inventory runs one step that stores every layer, to measure what one layer keeps)")
-    counts = _routing(cfg, B, T, device, args.seed, args.layer) if cfg.experts else None
+    counts = None
+    if cfg.experts:  # tokens per expert of the layer in the step measured_inventory runs (same weights, batch, seed)
+        torch.manual_seed(args.seed)  # as measured_inventory does: router jitter draws alike
+        input_ids = make_batch(cfg, B, T, device, args.seed)[0]  # (B, T)
+        counts = step_routing(init_params(cfg, seed=args.seed, device=device), cfg, input_ids)[args.layer]
     closed = layer_inventory(cfg, B, T, policy.unstored, counts)
     head = head_inventory(cfg, B, T, policy.unstored)
-    measured = measured_inventory(cfg, B, T, _op_only(policy), device, args.seed)
+    measured = measured_inventory(cfg, B, T, op_only, device, args.seed)
     print(f"one stored layer, B={B} T={T} h={cfg.hidden} H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} "
           f"{cfg.dtype}, policy {policy.text} (op level: {policy.op_level or 'nothing dropped'})")
     if counts is not None:
@@ -45,15 +50,3 @@ def run(args):
         print(f"{'  total':<52}{total(rows):>14,}  ({fmt_bytes(total(rows))})")
     print(f"peak of the store over a step under {policy.text}: "
           f"{fmt_bytes(predicted_peak_bytes(cfg, B, T, policy))}")
-
-
-def _routing(cfg, batch, seq, device, seed, layer):
-    """Tokens per expert of one layer in the step measured_inventory runs (same weights, batch and seed)."""
-    torch.manual_seed(seed)  # as measured_inventory does: router jitter draws alike
-    input_ids = make_batch(cfg, batch, seq, device, seed)[0]  # (B, T)
-    return step_routing(init_params(cfg, seed=seed, device=device), cfg, input_ids)[layer]
-
-
-def _op_only(policy):
-    """The same op-level drops, every layer stored: what a stored layer holds."""
-    return Policy(text=policy.op_level or "none", op_level=policy.op_level)  # its text: the op level's own

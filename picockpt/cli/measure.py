@@ -1,12 +1,11 @@
 """python -m picockpt measure: one step under one policy, every number with its unit."""
-import json
 import sys
 
 from ..planning.fit import check_fits
 from ..measurement.measure import measure_policy
 from ..device import resolve_device
 from ..recompute.policy import POLICY_HELP, parse_policy
-from .common import add_run_args, add_shape_args, check_repeats, config_from_args, fmt_bytes, fmt_flops
+from .common import add_run_args, add_shape_args, check_repeats, config_from_args, fmt_bytes, fmt_flops, report
 
 
 def add_arguments(parser):
@@ -40,12 +39,9 @@ def run(args):
     row = measure_policy(cfg, policy, args.batch, args.seq, device, args.seed, args.repeats,
                          trace=(lambda line: print(line, file=sys.stderr)) if args.json and args.trace
                          else args.trace, optimizer=args.optimizer)
-    if args.json:
-        print(json.dumps(row, indent=1))
-        return
-    print(f"policy {row['policy']} on {row['device']}, {row['dtype']}: L={cfg.layers} h={cfg.hidden} "
-          f"H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} V={cfg.vocab}, batch {args.batch} x {args.seq} tokens; "
-          + ("a training step (AdamW)" if args.optimizer else "forward + backward alone (--no-optimizer)"))
+    header = (f"policy {row['policy']} on {row['device']}, {row['dtype']}: L={cfg.layers} h={cfg.hidden} "
+              f"H={cfg.heads} KV={cfg.kv_heads} f={cfg.ffn} V={cfg.vocab}, batch {args.batch} x {args.seq} tokens; "
+              + ("a training step (AdamW)" if args.optimizer else "forward + backward alone (--no-optimizer)"))
     lines = [
         ("peak stored activations (logical)", fmt_bytes(row["peak_activation_bytes"]),
          f"{row['peak_activation_bytes']:,} bytes"),
@@ -81,8 +77,8 @@ def run(args):
         lines.append(("exposed copy time (modelled)", f"{row['modelled_exposed_copy_seconds'] * 1e3:.4g} ms",
                       f"at {DEFAULT_HOST_BANDWIDTH / 1e9:.3g} GB/s and {DEFAULT_COMPUTE_RATE / 1e12:.4g} TFLOP/s; "
                       f"modelled, not measured"))
-    for name, value, note in lines:
-        print(f"  {name:<36}{value:>16}  {note}")
+    if report(args, row, header, lines, (36, 16)):
+        return
     for phase, peaks in row["phase_peaks"].items():
         if phase == "outside":
             continue

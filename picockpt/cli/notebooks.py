@@ -6,10 +6,9 @@
     python -m picockpt notebooks --no-execute     # the cells only, no outputs: seconds
     python -m picockpt notebooks --fast           # fast shapes, into out/notebooks/ (never over the committed ones)
 
-A lesson's source is its percent-format .py file (picockpt/teaching/notebooks.py); its notebook is never
-edited by hand. Executing a notebook runs its lesson at the shapes its flags choose (the CPU run
-unless --fast), so it also rewrites the lesson's figures (figures/, or $PICOCKPT_FIGURES).
-A notebook whose lesson fails is left as it was.
+A lesson's source is its percent-format .py file (picockpt/teaching/notebooks.py); its notebook is never edited by hand.
+Executing a notebook runs its lesson at the shapes its flags choose (the CPU run unless --fast), so it also rewrites the
+lesson's figures (figures/, or $PICOCKPT_FIGURES). A notebook whose lesson fails is left as it was.
 """
 from ..teaching.notebooks import build, differences, is_percent
 from ..teaching.plotting import REPO

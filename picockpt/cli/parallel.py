@@ -19,11 +19,10 @@ and one AdamW step on the shards, ZeRO's own table below the layout's (parallel_
     python -m picockpt parallel --cp 2 --attention tiled --policy full                # context parallel
 """
 from ..parallel.pipeline_parallel.pp_schedules import SCHEDULES
-from .common import add_run_args, add_shape_args, fmt_bytes, fmt_flops
-from .common import rank_columns, table
+from .common import add_run_args, add_shape_args, fmt_bytes, fmt_flops, rank_columns, table
 from ..parallel.launch import check_timeout
-from .parallel_cp import applies as applies_context, print_context
-from .parallel_ep import applies as applies_expert, check_expert_flags, expert_row, print_expert
+from .parallel_cp import print_context
+from .parallel_ep import expert_row, print_expert
 from .parallel_run import add_timeout, layout_words, measured_step, one_line_errors, prepared, printed
 
 def add_arguments(parser):
@@ -117,10 +116,13 @@ def check_flags(args):
     for flag, given in (("--sp", args.sp), ("--distribute-saved", args.distribute_saved)):
         if given and tp == 1 and args.ep == 1:
             default = ", the default beside --pp/--dp/--microbatches" if args.tp is None else ""
-            raise ValueError(f"{flag} with a tensor-parallel size of 1 (--tp {args.tp if args.tp is not None else 1}"
-                             f"{default}): it splits a tensor-parallel rank's tokens or checkpoints, and there is "
-                             f"none here; add --tp N "
-                             f"(N > 1), or leave {flag} out")
+            raise ValueError(f"{flag} with a tensor-parallel size of 1 (--tp 1{default}): it splits a tensor-parallel "
+                             f"rank's tokens or checkpoints, and there is none here; add --tp N (N > 1), or leave "
+                             f"{flag} out")
+    if args.ep > 1 and args.sp and tp == 1:  # --sp needs tensor-parallel ranks beside the experts'
+        raise ValueError(f"--sp with --ep {args.ep} and no --tp: sequence parallelism splits a tensor-parallel rank's "
+                         f"tokens, and there are none here; add --tp 2 (each expert split over tp too), or leave --sp "
+                         f"out")
     args.schedule, args.tp = args.schedule or "1f1b", tp  # what runs, in the job and in the JSON row
 
 
@@ -132,7 +134,6 @@ def run_layout(args):
     """One step of the flags' layout, and its report: a section for every dimension that ran (REPORT), then the loss
     and the gradients against the single process's; under --zero ZeRO's table below (parallel_run.printed)."""
     check_flags(args)
-    check_expert_flags(args)
     cfg, policy, device = prepared(args)  # a step that cannot fit is refused here
     measured = measured_step(args, cfg, policy, device)
     if measured is None:
@@ -142,7 +143,7 @@ def run_layout(args):
     if args.cp == 1 and not row and (args.pp, args.microbatches, args.dp) != (1, 1, 1):  # the timeline's raw marks
         ranks = [{key: value for key, value in r.items() if key not in ("timeline", "dp_buckets", "timeline_start")}
                  for r in ranks]
-    printed(args, cfg, policy, device, row, measured, print_report, ranks=ranks)
+    printed(args, cfg, policy, device, row, measured, print_report, ranks)
 
 
 def print_report(row):
@@ -181,13 +182,10 @@ def print_pipeline(row):
     closed form and where its time went; the bubble; the data-parallel reduction left exposed."""
     print(f"pipeline and data parallelism, P={row['pp']} stage{'s' if row['pp'] > 1 else ''}, "
           f"M={row['microbatches']}, dp={row['dp']}, {row['schedule']}:")
-    columns = [("rank", lambda r: str(r["rank"])), ("stage", lambda r: str(r["stage"])),
-               ("layers", lambda r: ", ".join(f"{a}..{b}" for a, b in r["chunk_layers"])),
-               ("in flight", lambda r: str(r["microbatches_in_flight"])),
-               ("stored peak", lambda r: f"{r['peak_activation_bytes']:,} B"),
-               ("predicted", lambda r: f"{r['predicted_activation_bytes']:,} B"),
-               ("live peak", lambda r: fmt_bytes(r["peak_live_bytes"])),
-               ("recompute", lambda r: fmt_flops(r["flops"]["recompute"]))]
+    columns = rank_columns(("stage", lambda r: str(r["stage"])),
+                           ("layers", lambda r: ", ".join(f"{a}..{b}" for a, b in r["chunk_layers"])),
+                           ("in flight", lambda r: str(r["microbatches_in_flight"])), phases=False)
+    columns += [("recompute", lambda r: fmt_flops(r["flops"]["recompute"]))]
     columns += [(kind, lambda r, kind=kind: f"{r['timeline_seconds'][kind] * 1e3:.1f} ms")
                 for kind in ("forward", "recompute", "backward", "wait", "idle")]
     columns += [("bubble", lambda r: f"{r['bubble']:.0%}")]
@@ -211,4 +209,5 @@ def print_pipeline(row):
 # Every dimension that ran has its section, in this order (one table each; the ranks' coordinates in each).
 REPORT = ((lambda row: row["tp"] > 1, print_tensor),
           (lambda row: (row["pp"], row["microbatches"], row["dp"]) != (1, 1, 1), print_pipeline),
-          (applies_expert, print_expert), (applies_context, print_context))
+          (lambda row: row["ep"] > 1 or row["keep_dispatched"], print_expert),
+          (lambda row: row["cp"] > 1, print_context))

@@ -12,13 +12,7 @@ keeps the gathered K/V) and its attention FLOPs (the causal balance), beside ran
 from .common import rank_columns, table
 
 
-def applies(row):
-    return row["cp"] > 1
-
-
 def print_context(row):
-    """The context-parallel section of the parallel command's report: per rank its chunks and attention FLOPs beside
-    the stored peak, communication and FLOPs, and their closed forms."""
     print(f"context parallel, K/V by {row['cp_comm']} ({row['cp_layout']}), {row['attention']} attention:")
     r0 = row["ranks"][0]
     coordinates = (("stage", "stage", "pp"), ("dp rank", "dp_rank", "dp"), ("tp rank", "tp_rank", "tp"))

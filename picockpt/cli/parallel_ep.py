@@ -18,18 +18,6 @@ from .common import fmt_bytes, rank_columns, table
 from .parallel_run import layout_of
 
 
-def applies(row):
-    return row["ep"] > 1 or row["keep_dispatched"]
-
-
-def check_expert_flags(args):
-    """--sp needs tensor-parallel ranks beside the experts' (before any rank starts)."""
-    if args.ep > 1 and args.sp and args.tp == 1:
-        raise ValueError(f"--sp with --ep {args.ep} and no --tp: sequence parallelism splits a tensor-parallel rank's "
-                         f"tokens, and there are none here; add --tp 2 (each expert split over tp too), or leave --sp "
-                         f"out")
-
-
 def expert_row(args, cfg, policy, measured):
     """The expert-parallel keys of the command's row: the single process's routing, and what the other recompute
     choice (--keep-dispatched or not) would store and move on the same routing (predicted)."""
@@ -48,8 +36,6 @@ def expert_row(args, cfg, policy, measured):
 
 
 def print_expert(row):
-    """The expert-parallel section of the parallel command's report: per rank its experts and the rows they
-    received, its bytes and FLOPs against their closed forms, and what the other recompute choice would cost."""
     again = "the dispatched rows kept" if row["keep_dispatched"] else "dispatching again to recompute"
     print(f"expert parallel, {again}: E={row['experts']} k={row['experts_per_token']}")
     where = [("stage", lambda r: str(r["stage"]))] if row["pp"] > 1 else []

@@ -13,6 +13,7 @@ import torch
 
 from ..recompute.engine import loss_and_grads as single_loss_and_grads
 from ..device import resolve_device
+from ..planning.fit import check_fits
 from ..measurement.measure import make_batch, max_relative_diff
 from ..model.params import init_params
 from ..parallel import Layout, RankError, loss_and_grads, under_torchrun
@@ -20,7 +21,7 @@ from ..parallel.launch import TIMEOUT_RANGE_S
 from ..parallel.watch import Terminated, sigterm_raises
 from ..recompute.policy import Policy, parse_policy
 from . import RankFailed
-from .common import SHAPE_FLAGS, check_parallel_fits, config_from_args
+from .common import SHAPE_FLAGS, config_from_args
 from .parallel_zero import print_zero
 
 LAYOUT = tuple(field.name for field in fields(Layout))  # every dimension and option, one flag each
@@ -63,7 +64,8 @@ def prepared(args):
     cfg = config_from_args(args)
     policy = parse_policy(args.policy, cfg)
     device = rank_device(args)
-    check_parallel_fits(args, cfg, Policy("none"), device)
+    check_fits(cfg, device, args.batch, args.seq, Policy("none"),
+               note=" (this command also runs the whole step in one process, to check the ranks' gradients)")
     return cfg, policy, device
 
 
@@ -99,18 +101,18 @@ def measured_step(args, cfg, policy, device):
     return loss, ranks, single_loss, worst, params, input_ids
 
 
-def printed(args, cfg, policy, device, row, measured, print_table, ranks=None):
+def printed(args, cfg, policy, device, row, measured, print_table, ranks):
     """The command's row: every layout's keys (the same in every layout, each with the value that ran) and the
     model's, then `row`'s own, completed by the step's outcome (the loss, the single process's, the gradients'
-    largest relative difference, the ranks' reports, or `ranks`): one JSON object with --json, else the table
+    largest relative difference, the ranks' reports `ranks`): one JSON object with --json, else the table
     (and under --zero ZeRO's table below it)."""
-    loss, reports, single_loss, worst, _, _ = measured
+    loss, _, single_loss, worst, _, _ = measured
     row = {**layout_of(args), "policy": policy.text, "device": str(device), "dtype": cfg.dtype,
            "attention": cfg.attention, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
            "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab, "experts": cfg.experts,
            "experts_per_token": cfg.experts_per_token, "batch": args.batch, "seq": args.seq, **row,
            "loss": loss.item(), "single_process_loss": single_loss.item(), "grad_max_rel_diff_vs_single": worst,
-           "ranks": reports if ranks is None else ranks}
+           "ranks": ranks}
     if args.json:
         print(json.dumps(row, indent=1))
     else:

@@ -17,10 +17,10 @@ from ..planning.planner import Stage, least_budget, model_chain, plan_chain, pla
 from ..planning.host_walk import DEFAULT_COMPUTE_RATE, DEFAULT_HOST_BANDWIDTH, check_rates
 from ..planning.planner_offload import actions, peak_reason, plan_offload
 from ..planning.planner_uniform import binomial_forward_steps, plan_uniform
-from .common import SHAPE_FLAGS, add_run_args, add_shape_args, config_from_args, fmt_bytes, fmt_flops, spans
+from .common import SHAPE_FLAGS, add_run_args, add_shape_args, config_from_args, fmt_bytes, fmt_flops, report, spans
 from .plan_copies import add_copies_arguments, check_copies_flags, run_copies
 from .plan_cost import add_cost_arguments, check_cost_flags, cost_lines, op_seconds, priced_plan
-from .plan_parts import budget_policy, measure, measured_line, plan_row, report
+from .plan_parts import budget_policy, measure, measured_line, plan_row
 
 
 def add_arguments(parser):
@@ -85,7 +85,7 @@ def run(args):
              ("memory grid", f"{plan.slot_bytes:,} B/slot", "exact" if plan.exact_grid else
               "sizes rounded up to whole slots: within budget, perhaps not the very cheapest"),
              ("planning time", f"{seconds * 1e3:.1f} ms", "one run, not a benchmark (plan --benchmark)")]
-    lines += cost_lines(extra, fmt_flops) if extra else []
+    lines += cost_lines(extra) if extra else []
     if args.measure:
         lines += [measured_line("measured peak of the store", row["measured_peak_bytes"], plan.peak_bytes),
                   measured_line("measured recompute", row["measured_recompute_flops"], plan.recompute_flops, fmt_flops),

@@ -10,6 +10,7 @@ priced by the same seconds beside it, so the output says whether, and by how muc
 from ..planning.cost import HARDWARE_NAMES, hardware, plan_priced, price_chain, roofline_op_seconds
 from ..device import resolve_device
 from ..planning.planner import model_chain, plan_model, replay
+from .common import fmt_flops
 
 COSTS = ("flops", "roofline", "measured")
 
@@ -43,7 +44,7 @@ def check_cost_flags(args):
                          f"--device; use --cost roofline --hardware {args.hardware}, or leave --hardware out")
 
 
-def op_seconds(cfg, args, progress=print):
+def op_seconds(cfg, args):
     """({op: seconds} of the chosen price, where they came from in one line, {op: (fastest, slowest)} or None)."""
     if args.cost == "roofline":
         hw = hardware(args.hardware or "cpu-measured", cfg.dtype)
@@ -51,7 +52,7 @@ def op_seconds(cfg, args, progress=print):
     from ..planning.op_times import measure_op_seconds
     device = resolve_device(args.device)
     if not args.json:
-        progress(f"timing each op of one layer and the head on {device}, 7 interleaved rounds ...", flush=True)
+        print(f"timing each op of one layer and the head on {device}, 7 interleaved rounds ...", flush=True)
     profile = measure_op_seconds(cfg, args.batch, args.seq, device)
     return (profile.seconds, f"measured on {device}: each op's median of {profile.repeats} interleaved rounds (times "
             f"move with the machine's load, so a measured plan can change between runs)", profile.spread)
@@ -72,7 +73,7 @@ def priced_plan(cfg, args, budget, unstored):
     return plan, extra
 
 
-def cost_lines(extra, fmt_flops):
+def cost_lines(extra):
     """The text lines plan prints for a priced plan."""
     other, ms = extra["flops_plan"], 1e3
     verdict = ("the same schedule" if other["same_schedule"] else

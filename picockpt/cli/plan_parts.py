@@ -1,7 +1,5 @@
 """What plan's two-action and three-action modes share: the --budget flag and the policy, the JSON row's keys
-and the sweeps in it, the text table, one tracked step."""
-import json
-
+and the sweeps in it, one tracked step."""
 from ..planning.fit import check_fits
 from ..planning.step_forms import step_flops
 from ..planning.planner import least_budget, model_chain
@@ -32,25 +30,14 @@ def plan_row(cfg, args, text, budget, unstored, plan, grid, seconds, after):
            "forward_flops": step_flops(cfg, args.batch, args.seq, "none")["forward"],
            "least_budget_bytes": least_budget(model_chain(cfg, args.batch, args.seq, unstored)),
            "slot_bytes": grid.slot_bytes, "exact_grid": grid.exact_grid, "planning_seconds": seconds,
-           "forward": list(plan.schedule.forward), "sweeps": sweeps_json(plan.schedule, cfg.layers)}
+           "forward": list(plan.schedule.forward), "sweeps": [  # every recompute sweep, in the order they run
+               {"target": last, "first": first, "modes": [plan.schedule.sweep(k, last) for k in range(first, last + 1)]}
+               for first, last in plan.schedule.sweeps(cfg.layers)]}
     return {name: value for key in row for name, value in ((key, row[key]), *after.get(key, {}).items())}
 
 
 def measured_line(name, measured, planned, fmt=fmt_bytes):
     return name, fmt(measured), "equal" if measured == planned else "DIFFERS"
-
-
-def report(args, row, header, lines, widths):
-    """--json: print the row, and True; else the header and the (name, value, note) lines in columns `widths`."""
-    print(json.dumps(row, indent=1) if args.json else "\n".join(
-        [header] + [f"  {name:<{widths[0]}}{value:>{widths[1]}}  {note}" for name, value, note in lines]))
-    return args.json
-
-
-def sweeps_json(schedule, layers):
-    """Every recompute sweep, in the order they run: its target, first layer and each layer's mode."""
-    return [{"target": last, "first": first, "modes": [schedule.sweep(k, last) for k in range(first, last + 1)]}
-            for first, last in schedule.sweeps(layers)]
 
 
 def measure(cfg, args, policy, schedule=None):

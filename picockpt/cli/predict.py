@@ -1,11 +1,10 @@
 """python -m picockpt predict: activation memory from the formulas, for shapes too big to run here.
 
-In the published convention (Korthikanti et al. 2022: 16-bit activations, 1-byte dropout masks),
-per layer sbh(34 + 5as/h) and its tensor-parallel, sequence-parallel, selective and full
-variants, and the model total L x per layer + the s*b*h-byte embedding dropout mask, as the
-Ultra-Scale Playbook charts it. Beside them, picockpt's own exact figure for the same shape
-(grouped-query attention, SwiGLU, RMSNorm, no dropout, bfloat16 unless --dtype says otherwise),
-which its tracker matches to the byte on shapes that do run.
+In the published convention (Korthikanti et al. 2022: 16-bit activations, 1-byte dropout masks), per layer
+sbh(34 + 5as/h) and its tensor-parallel, sequence-parallel, selective and full variants, and the model total L x per
+layer + the s*b*h-byte embedding dropout mask, as the Ultra-Scale Playbook charts it. Beside them, picockpt's own exact
+figure for the same shape (grouped-query attention, SwiGLU, RMSNorm, no dropout, bfloat16 unless --dtype says
+otherwise), which its tracker matches to the byte on shapes that do run.
 
     python -m picockpt predict --model llama3-8b --seq 4096 --recompute selective
     python -m picockpt predict --model llama3-70b --seq 8192 --tp 8 --sp --json
@@ -28,8 +27,6 @@ from .predict_layouts import layouts_for, tp_fits
 from .predict_parallel import add_parallel_arguments, add_parallel_rows, check_parallel, print_parallel
 from .predict_zero import gib
 from .predict_search import add_search_arguments, check_search_flags, run_search
-
-POLICY_OF = {"none": "none", "selective": "selective", "full": "full"}  # --recompute -> picockpt policy
 
 
 def add_arguments(parser):
@@ -70,30 +67,25 @@ def run(args):
     if args.distribute_saved and args.sp:
         raise ValueError("--distribute-saved with --sp: under sequence parallelism the checkpoints are already split "
                          "over the ranks; use one or the other")
-    check_parallel(args, cfg, POLICY_OF[recompute])
-    args.recompute = recompute
-    row = predict(cfg, args.batch, args.seq, args.recompute, args.tp, args.sp)
-    row.update(per_rank(cfg, args.batch, args.seq, args.recompute, args.tp, args.sp, args.distribute_saved))
+    check_parallel(args, cfg, recompute)
+    row = predict(cfg, args.batch, args.seq, recompute, args.tp, args.sp)
+    row.update(per_rank(cfg, args.batch, args.seq, recompute, args.tp, args.sp, args.distribute_saved))
     row["model"] = args.preset
-    add_parallel_rows(row, args, cfg, POLICY_OF[recompute])
+    add_parallel_rows(row, args, cfg, recompute)
     if args.json:
         print(json.dumps(row, indent=1))
         return
     _print_table(row)
 
 
-def predict(cfg, batch, seq, recompute="none", tp=1, sp=False):
-    """One dict: the published per-layer and model bytes, and picockpt's exact ones (t = 1)."""
+def predict(cfg, batch, seq, recompute, tp, sp):
+    """One dict: the published per-layer and model bytes, and picockpt's exact ones (t = 1; each --recompute word is
+    a picockpt policy too)."""
     s, b, h, a, L = seq, batch, cfg.hidden, cfg.heads, cfg.layers
     per_layer = korthikanti_layer_bytes(s, b, h, a, tp, sp, recompute)
     activations = playbook_activation_bytes(L, s, b, h, a, recompute, tp, sp)
-    policy = POLICY_OF[recompute]
-    unstored = SELECTIVE if recompute == "selective" else frozenset()
-    X, A, F = chain_sizes(cfg, batch, seq, unstored)
-    own_layer = X if recompute == "full" else total(layer_inventory(cfg, batch, seq, unstored))
-    own_peak = predicted_peak_bytes(cfg, batch, seq, policy)
-    published_flops = korthikanti_flops(L, s, b, h, cfg.vocab, recompute)
-    own_flops = step_flops(cfg, batch, seq, policy)
+    own_layer, F = _single_layer_bytes(cfg, batch, seq, recompute)
+    own_peak = predicted_peak_bytes(cfg, batch, seq, recompute)
     return {
         "layers": L, "hidden": h, "heads": a, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab,
         "experts": cfg.experts, "experts_per_token": cfg.experts_per_token,
@@ -106,7 +98,8 @@ def predict(cfg, batch, seq, recompute="none", tp=1, sp=False):
         "picockpt_per_layer_bytes": own_layer, "picockpt_per_layer_gib": own_layer / GIB,
         "picockpt_head_bytes": F,
         "picockpt_peak_bytes": own_peak, "picockpt_peak_gib": own_peak / GIB,
-        "published_flops": published_flops, "picockpt_flops": own_flops,
+        "published_flops": korthikanti_flops(L, s, b, h, cfg.vocab, recompute),
+        "picockpt_flops": step_flops(cfg, batch, seq, recompute),
     }
 
 
@@ -122,7 +115,7 @@ TABLE2 = (  # (row, recompute, tensor parallel?, sp, distributed saved): Korthik
 )
 
 
-def per_rank(cfg, batch, seq, recompute="none", tp=1, sp=False, distribute_saved=False):
+def per_rank(cfg, batch, seq, recompute, tp, sp, distribute_saved):
     """Table 2's rows at t = tp, term by term, beside picockpt's exact bytes on one rank of tp; and
     picockpt's per-rank peak, communication and FLOPs for (recompute, tp, sp, distribute_saved)."""
     s, b, h, a = seq, batch, cfg.hidden, cfg.heads
@@ -145,27 +138,32 @@ def per_rank(cfg, batch, seq, recompute="none", tp=1, sp=False, distribute_saved
     except ValueError as error:
         return {**out, "picockpt_rank_note": str(error) if tp == 1 else f"{error}; {layouts_for(cfg, seq, tp)}"}
     layout = (tp, sp, distribute_saved)
-    return {**out, "picockpt_rank_peak_bytes": rank_peak_bytes(cfg, batch, seq, POLICY_OF[recompute], *layout),
-            "picockpt_rank_comm_bytes": rank_comm_bytes(cfg, batch, seq, POLICY_OF[recompute], *layout),
-            "picockpt_rank_flops": rank_flops(cfg, batch, seq, POLICY_OF[recompute], *layout)}
+    return {**out, "picockpt_rank_peak_bytes": rank_peak_bytes(cfg, batch, seq, recompute, *layout),
+            "picockpt_rank_comm_bytes": rank_comm_bytes(cfg, batch, seq, recompute, *layout),
+            "picockpt_rank_flops": rank_flops(cfg, batch, seq, recompute, *layout)}
 
 
 def _own_row(cfg, batch, seq, kind, t, sp, distributed):
     """picockpt's exact bytes of one layer on one rank for a Table 2 row (None where t cannot split it)."""
-    unstored = SELECTIVE if kind == "selective" else frozenset()
     try:
         check_tensor_parallel(cfg, t, sp, seq, distributed)
     except ValueError as error:
         if t == 1:  # one rank holds the whole model (a mixture of experts too): the single-process bytes
-            own = (chain_sizes(cfg, batch, seq, unstored)[0] if kind == "full"
-                   else total(layer_inventory(cfg, batch, seq, unstored)))
+            own = _single_layer_bytes(cfg, batch, seq, kind)[0]
             return {"picockpt_bytes": own, "picockpt_replicated_bytes": own}
         return {"picockpt_bytes": None, "picockpt_note": str(error)}
     if kind == "full":
         X, Xc, _, _ = rank_sizes(cfg, batch, seq, t, sp, distributed)
         return {"picockpt_bytes": Xc, "picockpt_replicated_bytes": 0 if sp or distributed else Xc}
-    whole, split = replicated_and_split(cfg, batch, seq, t, sp, unstored)
+    whole, split = replicated_and_split(cfg, batch, seq, t, sp, SELECTIVE if kind == "selective" else frozenset())
     return {"picockpt_bytes": whole + split, "picockpt_replicated_bytes": whole}
+
+
+def _single_layer_bytes(cfg, batch, seq, kind):
+    """(one layer's stored bytes in one process under `kind` (full: its input), the final norm's and logits')."""
+    unstored = SELECTIVE if kind == "selective" else frozenset()
+    X, _, F = chain_sizes(cfg, batch, seq, unstored)
+    return X if kind == "full" else total(layer_inventory(cfg, batch, seq, unstored)), F
 
 
 def _row_formula(kind, t, sp, distributed, full="2sbh"):
@@ -193,8 +191,7 @@ def _print_table(row):
     parallel = f"t={row['tp']}" + (", sequence parallel" if row["sp"] else "")
     print(f"{row['model']}: L={row['layers']} h={row['hidden']} a={row['heads']} (kv {row['kv_heads']}) "
           f"f={row['ffn']} V={row['vocab']}; s={row['seq']}, batch {row['batch']} per rank (b={row['batch']}); "
-          f"recompute {row['recompute']}; "
-          f"{parallel}")
+          f"recompute {row['recompute']}; {parallel}")
     print("Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks), per device:")
     if row.get("experts"):
         print(f"  (a dense GPT layer's formula, MLP 4h wide: it knows nothing of the {row['experts']} experts, each "

@@ -6,13 +6,12 @@ parallelism's activations per rank.
     python -m picockpt predict --model mixtral-8x7b --seq 4096 --zero 3 --dp 2 --ep 8 --tp 2 --sp --recompute full
     python -m picockpt predict --model llama3-405b --seq 131072 --attention fused --cp 16 --recompute full
 
---zero N --dp D: one GPU's parameters, gradients and AdamW state under ZeRO stage N over D data-parallel
-ranks (beside --tp, --cp and --pp: the busiest stage's rank, its tp slices sharded over D x C ranks), twice:
-as the ZeRO paper counts them (zero_forms.zero_paper_parts: fp16 parameters and
-gradients, K = 12 bytes of Adam state per parameter) and as picockpt holds them (model_state_bytes: fp32
-parameters and gradients, AdamW's two fp32 moments, flat units padded to a multiple of D), beside the
-activations of one rank's micro-batch (--batch sequences per rank: data parallelism does not split them)
-and, under stage 3, the gathered parameters in flight; the total against --gpu-gib.
+--zero N --dp D: one GPU's parameters, gradients and AdamW state under ZeRO stage N over D data-parallel ranks (beside
+--tp, --cp and --pp: the busiest stage's rank, its tp slices sharded over D x C ranks), twice: as the ZeRO paper counts
+them (zero_forms.zero_paper_parts: fp16 parameters and gradients, K = 12 bytes of Adam state per parameter) and as
+picockpt holds them (model_state_bytes: fp32 parameters and gradients, AdamW's two fp32 moments, flat units padded to a
+multiple of D), beside the activations of one rank's micro-batch (--batch sequences per rank: data parallelism does not
+split them) and, under stage 3, the gathered parameters in flight; the total against --gpu-gib.
 
 --cp C: one rank's activation store with every activation split over C ranks along the sequence
 (cp_forms.cp_peak_bytes: the single process's inventory at n = T/C tokens, plus the other ranks'
@@ -225,8 +224,7 @@ def cp_row(cfg, batch, seq, policy, layout):
         return cp_peak_bytes(cfg, batch, seq, p, cp, cp_comm, keep_kv) if tp == 1 else \
             rank_peak_bytes(cfg, batch, n, p, tp, sp, layout.distribute_saved)
     largest_C = -(-cfg.layers // pp)  # every:C within the largest stage
-    first = ChunkForms(cfg, batch, n, policy, layout, 0)  # stage 0's rank
-    comm = stage_comm_bytes(first, seq, cp, cp_comm, keep_kv)
+    comm = stage_comm_bytes(ChunkForms(cfg, batch, n, policy, layout, 0), seq, cp, cp_comm, keep_kv)  # stage 0's rank
     return {"cp": cp, "tp": tp, "sp": sp, "pp": pp, "microbatches": M, "cp_comm": cp_comm, "keep_kv": keep_kv,
             "rank_tokens": n, "policy": policy, "peak_bytes": peak(policy),
             "stage_peak_bytes": stages(policy) if pp > 1 else None,

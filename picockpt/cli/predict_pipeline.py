@@ -64,13 +64,10 @@ def pipeline_row(cfg, batch, seq, policy, layout):
                "in_flight": f.in_flight, "peak_bytes": f.peak_bytes,
                "w_pending_bytes": getattr(f, "w_layer_bytes", 0) * len(f.layers)} for s, f in enumerate(forms)]
     V2 = virtual if virtual > 1 else 2
-    rivals = [("afab", 1), ("1f1b", 1), ("zb-h1", 1)]
-    if M % pp == 0 and pp * V2 <= cfg.layers:
-        rivals.insert(2, ("interleaved", V2))
+    rivals = [("afab", 1), ("1f1b", 1)] + [("interleaved", V2)] * (M % pp == 0 and pp * V2 <= cfg.layers) + \
+        [("zb-h1", 1)] * (not cfg.experts)  # a mixture of experts' W is not split from its B
     compare = []
     for name, V in rivals:
-        if name == "zb-h1" and cfg.experts:
-            continue
         rival = replace(layout, schedule=name, virtual_stages=V)
         peaks = {p: max(rank_forms(cfg, batch, seq, p, rival, s).peak_bytes for s in range(pp)) for p in POLICIES}
         paced = paced_bubble([rank_forms(cfg, batch, seq, policy, rival, s) for s in range(pp)], name, pp, M, V)

@@ -65,7 +65,7 @@ def parse_tokens(text):
         value = float(number) * TOKEN_UNITS[unit]
     except ValueError:
         value = 0
-    if not value >= 1 or value != int(value) or value == float("inf"):
+    if not value >= 1 or value == float("inf") or value != int(value):  # int(inf) would raise
         raise ValueError(f"--tokens-per-batch={text!r}: give a positive whole number of tokens, e.g. 16M (16 x 2**20) "
                          f"or 16777216")
     return int(value)
@@ -79,16 +79,15 @@ def check_search_flags(args):
             (["--framework"] if args.framework != "any" else []) + \
             (["--kernels"] if args.kernels != "published" else []) + \
             (["--attention-kernel"] if args.attention_kernel != "cudnn" else [])
+        it = "it" if len(given) == 1 else "them"
         if given:
-            raise ValueError(f"{', '.join(given)}: only --search reads {'it' if len(given) == 1 else 'them'}; add "
-                             f"--search, or leave {'it' if len(given) == 1 else 'them'} out")
+            raise ValueError(f"{', '.join(given)}: only --search reads {it}; add --search, or leave {it} out")
         return
     chosen = [flag for flag, name, default in CHOSEN if getattr(args, name) != default]
+    it = "it" if len(chosen) == 1 else "them"
     if chosen:
-        raise ValueError(f"{', '.join(chosen)} with --search: the search chooses "
-                         f"{'it' if len(chosen) == 1 else 'them'} for every layout it ranks; leave "
-                         f"{'it' if len(chosen) == 1 else 'them'} out (give --gpus, --tokens-per-batch, --seq, "
-                         f"--gpu-gib)")
+        raise ValueError(f"{', '.join(chosen)} with --search: the search chooses {it} for every layout it ranks; leave "
+                         f"{it} out (give --gpus, --tokens-per-batch, --seq, --gpu-gib)")
     for flag, name, default, priced in PRICED:  # not chosen, and not read either: the search prices one way
         value = getattr(args, name)
         if value not in (default if isinstance(default, tuple) else (default,)):
@@ -210,14 +209,10 @@ def published_line(splits, published):
     if summary["rank"] is None:
         return head + ";\n  it does not fit in this model's memory"
     row = summary["variant"]
-    return (head + f";\n  #{summary['rank']} of {len(splits):,} splits, {summary['ratio_to_fastest']:.2f}x the "
-            f"fastest's step, modelled {row['mfu']:.1%} MFU;\n  its best variant: {variant_text(row)}")
-
-
-def variant_text(row):
     schedule = row["schedule"] + (f" V={row['virtual_stages']}" if row["schedule"] == "interleaved" else "")
-    return (f"{'SP, ' if row['sp'] else ''}ZeRO {row['zero']}, {schedule}, {row['microbatches']} micro-batches, "
-            f"{row['policy']}, {row['split']} layers")
+    return (head + f";\n  #{summary['rank']} of {len(splits):,} splits, {summary['ratio_to_fastest']:.2f}x the "
+            f"fastest's step, modelled {row['mfu']:.1%} MFU;\n  its best variant: {'SP, ' if row['sp'] else ''}ZeRO "
+            f"{row['zero']}, {schedule}, {row['microbatches']} micro-batches, {row['policy']}, {row['split']} layers")
 
 
 def _row_text(row):

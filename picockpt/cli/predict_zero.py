@@ -13,18 +13,14 @@ from ..parallel.report_forms import rank_param_shapes, zero_stage_forms
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def balanced_routing(cfg, batch, seq, layers):
-    """Every layer's per-expert token counts when each expert receives an equal share of the N k pairs (the rest,
-    when E does not divide them, one more each on the first experts)."""
-    pairs, E = batch * seq * cfg.experts_per_token, cfg.experts
-    return [[pairs // E + (e < pairs % E) for e in range(E)] for _ in range(layers)]
-
-
 def expert_activation_bytes(cfg, stage_forms, ep, tp, sp):
-    """A stage's store peak on ep rank 0 for balanced routing: ep_forms.py's forms per micro-batch of b x ep
-    sequences (the rank computes b of them), (in flight - 1) micro-batches stored beside one at its peak."""
+    """A stage's store peak on ep rank 0 for balanced routing (in every layer each expert an equal share of the N k
+    pairs; the rest, when E does not divide them, one more each on the first experts): ep_forms.py's forms per
+    micro-batch of b x ep sequences (the rank computes b of them), (in flight - 1) micro-batches stored beside one at
+    its peak."""
     stage_cfg, b, seq = cfg.replace(layers=len(stage_forms.layers)), stage_forms.b * ep, stage_forms.seq
-    routing = balanced_routing(cfg, b, seq, stage_cfg.layers)
+    pairs, E = b * seq * cfg.experts_per_token, cfg.experts
+    routing = [[pairs // E + (e < pairs % E) for e in range(E)] for _ in range(stage_cfg.layers)]
     args = (stage_cfg, b, seq, stage_forms.policy, ep, 0, routing)
     stored = ep_stored_bytes(*args, head=stage_forms.last, t=tp, sp=sp)
     return (stage_forms.in_flight - 1) * stored + ep_peak_bytes(*args, head=stage_forms.last, t=tp, sp=sp)
@@ -83,8 +79,7 @@ def print_zero(row, capacity):
     print(f"ZeRO stage {stage} over {over} data-parallel ranks{beside}, model state per GPU{busiest} of "
           f"Psi = {z['parameters']:,} parameters held (parallel/report_forms.py: zero_stage_forms):")
     print(f"  {'':<26}{'ZeRO paper: fp16 + K=12 Adam':>30}{'picockpt: fp32, AdamW':>26}")
-    names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optimizer_bytes": "optimizer state"}
-    for key, name in names.items():
+    for key, name in zip(STATE, ("parameters", "gradients", "optimizer state")):
         print(f"  {name:<26}{gib(z['paper'][key]):>30}{gib(z['picockpt'][key]):>26}")
     paper, own = gib(z['paper_model_state_bytes']), gib(z['picockpt_model_state_bytes'])
     print(f"  {'model state':<26}{paper:>30}{own:>26}")
