@@ -93,6 +93,7 @@ def test_predict_search_json_and_text(capsys):
     (["--gpus", "8"], "--gpus: only --search reads it"),
     (["--search", "--gpus", "8", "--tokens-per-batch", "5000", "--seq", "4096"], "not a whole number of --seq"),
     (["--search", "--gpus", "8", "--tokens-per-batch", "1.5x"], "--tokens-per-batch='1.5x'"),
+    (["--search", "--gpus", "8", "--tokens-per-batch", "1e400"], "--tokens-per-batch='1e400': give a positive whole"),
     (["--search", "--gpus", "0", "--tokens-per-batch", "8K"], "--gpus=0"),
     (["--search", "--gpus", "10000019", "--tokens-per-batch", "128K"], "--gpus 10,000,019: no split"),
     (["--search", "--gpus", "64", "--tokens-per-batch", "1M", "--dropout", "0.1"], "--dropout 0.1 with --search"),
