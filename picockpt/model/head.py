@@ -27,8 +27,7 @@ from .params import FINAL_NORM, HEAD
 
 
 def row_chunks(n, chunk):
-    """[(start, end)] of rows 0..n-1, `chunk` at a time (0: all at once)."""
-    chunk = chunk or n
+    """[(start, end)] of rows 0..n-1, `chunk` at a time."""
     return [(start, min(start + chunk, n)) for start in range(0, n, chunk)]
 
 

@@ -80,9 +80,12 @@ class LayerHooks:
 
     layer_draws = attention_draws = plain_draws
     enter = enter_backward = leave = leave_backward = regather = identity
-
-    def branch_mask(self, shape, p, device):
-        return dropout_mask(shape, p, device)  # (shape) bool
+    # and in one process the plain functions themselves:
+    branch_mask = staticmethod(dropout_mask)  # (shape) bool
+    attention_core = staticmethod(attention_core_forward)  # (B, H, T, hd) keeps what its kind needs
+    attention_core_backward = staticmethod(attention_core_backward)  # dq, dk, dv as q, k, v
+    cross_entropy = staticmethod(cross_entropy_forward)  # (sum of the counted rows' losses, lse (n,))
+    cross_entropy_backward = staticmethod(cross_entropy_backward)  # (n, V)
 
     def mlp_forward(self, xn2, w, cfg, keep, tail):
         if cfg.experts:  # a mixture of experts in the MLP's place (picockpt/model/moe.py)
@@ -96,18 +99,6 @@ class LayerHooks:
 
     def norm_grads(self, d_attn_norm, d_mlp_norm, cfg):
         return d_attn_norm, d_mlp_norm
-
-    def attention_core(self, q, k, v, cfg, keep):
-        return attention_core_forward(q, k, v, cfg, keep)  # (B, H, T, hd) keeps what its kind needs
-
-    def attention_core_backward(self, dout, q, k, v, out, cfg, take, recomputing):
-        return attention_core_backward(dout, q, k, v, out, cfg, take, recomputing)  # dq, dk, dv as q, k, v
-
-    def cross_entropy(self, logits, targets, stat_dtype):
-        return cross_entropy_forward(logits, targets, stat_dtype)  # (sum of the counted rows' losses, lse (n,))
-
-    def cross_entropy_backward(self, scale, logits, targets, stat_dtype, lse=None, inplace=False):
-        return cross_entropy_backward(scale, logits, targets, stat_dtype, lse, inplace)  # (n, V)
 
     def final_norm_grad(self, d_norm, cfg):
         return d_norm

@@ -103,8 +103,7 @@ def route(xn, w, cfg, keep, index=None):
         del noise
     x = xn.reshape(B * T, h)  # (N, h) one row per token
     del xn
-    probs, chosen, weights = router_forward(linear_forward(x, w.router), cfg.experts_per_token,
-                                            cfg.stat_dtype)  # (N, E), (N, k), (N, k)
+    probs, chosen, weights = run_router(x, w, cfg)  # (N, E), (N, k), (N, k)
     keep("moe.router_probs", probs)
     if index is None:
         index = chosen
@@ -120,13 +119,13 @@ def routed_input(normed, noise, w, cfg, take):
     xn = normed()  # (B, T, h)
     x = (xn if noise is None else xn * noise).flatten(0, 1)  # (N, h) as route() made it
     del xn
-    return x, take("moe.router_probs", rebuild=lambda: router_probs(x, w, cfg))  # (N, h), (N, E)
+    return x, take("moe.router_probs", rebuild=lambda: run_router(x, w, cfg)[0])  # (N, h), (N, E)
 
 
-def router_probs(x, w, cfg):
-    """x (N, h), the experts' input -> probs (N, E): the router's linear and softmax again, by the
-    forward's own function (the same ops on the same input: the same numbers). The rebuild of `router`."""
-    return router_forward(linear_forward(x, w.router), cfg.experts_per_token, cfg.stat_dtype)[0]  # (N, E)
+def run_router(x, w, cfg):
+    """x (N, h), the experts' input -> probs (N, E), index (N, k), weights (N, k): the router's linear and softmax,
+    one function for the forward and the rebuild of `router` (the same ops on the same input: the same numbers)."""
+    return router_forward(linear_forward(x, w.router), cfg.experts_per_token, cfg.stat_dtype)
 
 
 def expert_forward(inputs, gate_up_weight, down_weight, keep, e, tail):

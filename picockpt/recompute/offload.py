@@ -116,15 +116,6 @@ Copy = namedtuple("Copy", "host done buffer")
 Arrival = namedtuple("Arrival", "tensor done host")
 
 
-def offload_rule(host):
-    """Schedule.host (per layer, the names whose first-forward puts go to the host; "*": all of them)
-    -> rule(layer, name). An expert's tensor, "moe.act[3]", goes with its kind, "moe.act"."""
-    def rule(layer, name):
-        names = host[layer] if layer is not None else ()
-        return "*" in names or name.partition("[")[0] in names
-    return rule
-
-
 def host_tier(schedule, device, listener):
     """The HostTier a step under `schedule` needs (None when nothing is offloaded). A Tracker listening
     is told of it (watch_host), to read the exposed copy time once the step ends."""
@@ -138,11 +129,17 @@ def host_tier(schedule, device, listener):
 
 @contextlib.contextmanager
 def offloading(store, schedule):
-    """`with offloading(store, schedule):` the first forward: the puts schedule.host names go to the host."""
+    """`with offloading(store, schedule):` the first forward: the puts schedule.host names go to the host (per layer,
+    the names whose first-forward puts go there; "*": all of them). An expert's tensor, "moe.act[3]", goes with its
+    kind, "moe.act"."""
+    def rule(layer, name):
+        names = schedule.host[layer] if layer is not None else ()
+        return "*" in names or name.partition("[")[0] in names
+
     if store.host is None:
         yield
         return
-    store.host.rule = None if schedule.host is None else offload_rule(schedule.host)
+    store.host.rule = None if schedule.host is None else rule
     try:
         yield
     finally:
