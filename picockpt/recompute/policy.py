@@ -239,9 +239,8 @@ def parse_policy(text, cfg=None):
 
 
 def as_policy(policy, cfg=None):
-    """The Policy a function was given, checked against cfg (a few comparisons, no parsing); a policy string
-    parsed and checked. For the functions that also take the text: the Policy is parsed once, where the text
-    comes in, and passed on, and a Policy parsed without a model is still refused where it does not fit one."""
+    """The Policy a function was given, checked against cfg (a few comparisons, no parsing: a Policy parsed without a
+    model is still refused where it does not fit one); a policy string parsed and checked."""
     return parse_policy(policy, cfg)
 
 
