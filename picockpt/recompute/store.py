@@ -150,11 +150,10 @@ def _label(layer, name):
     return name if layer is None else f"layer {layer} {name}"
 
 
-def format_inventory(inventory, title=""):
-    """A printable table of name -> shape -> bytes."""
-    lines = [title] if title else []
-    lines.append(f"{'name':<22}{'shape':<24}{'dtype':<10}{'bytes':>14}")
-    for name, (shape, dtype, nbytes) in inventory.items():
-        lines.append(f"{name:<22}{str(shape):<24}{dtype:<10}{nbytes:>14,}")
+def format_inventory(inventory, title):
+    """A printable table of name -> shape -> bytes, under its title."""
+    lines = [title, f"{'name':<22}{'shape':<24}{'dtype':<10}{'bytes':>14}"]
+    lines += [f"{name:<22}{str(shape):<24}{dtype:<10}{nbytes:>14,}"
+              for name, (shape, dtype, nbytes) in inventory.items()]
     lines.append(f"{'total':<56}{sum(v[2] for v in inventory.values()):>14,}")
     return "\n".join(lines)
