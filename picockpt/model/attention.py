@@ -1,8 +1,7 @@
 """The attention core of a layer, by kind (Config.attention): what each keeps, and its backward.
 
-The layer (picockpt/model/layer.py) keeps q, k, v and the output (as attn.context) for every kind;
-the core keeps what its own backward needs besides, through keep(name, tensor), and takes it
-back through take(name, rebuild):
+The layer (picockpt/model/layer.py) keeps q, k, v and the output (as attn.context) for every kind; the core keeps what
+its own backward needs besides, through keep(name, tensor), and takes it back through take(name, rebuild):
 
     kind    the core keeps                              its backward
     eager   attn.probs (B, H, T, T)                     uses them, or rebuilds them from q, k when a policy
@@ -15,16 +14,9 @@ back through take(name, rebuild):
 So under tiled and fused the T x T tensors are never stored, nor ever whole: FlashAttention is
 selective recomputation done inside the op, and the `selective` policy has nothing left to drop.
 """
-import contextlib
-
 from ..ops import attention_backward, attention_forward, attention_probs, dropout_forward, dropout_mask
 from ..ops.attention_fused import fused_attention_backward, fused_attention_forward
 from ..ops.attention_tiled import draw_seed, tiled_attention_backward, tiled_attention_forward
-
-
-def needs_output(cfg):
-    """Does the backward read the attention output O? (tiled and fused: D = rowsum(dO * O))."""
-    return cfg.attention != "eager"
 
 
 def attention_core_forward(q, k, v, cfg, keep):
@@ -51,7 +43,7 @@ def attention_core_forward(q, k, v, cfg, keep):
     return out
 
 
-def attention_core_backward(dout, q, k, v, out, cfg, take, recomputing=contextlib.nullcontext):
+def attention_core_backward(dout, q, k, v, out, cfg, take, recomputing):
     """dout (B, H, T, hd) -> dq (B, H, T, hd), dk, dv (B, KV, T, hd). `out` is the forward's output
     (None under eager, which does not need it); `recomputing()` marks the tiled kernel's rebuilds."""
     p, stat = cfg.dropout, cfg.stat_dtype

@@ -25,15 +25,17 @@ from torch.utils.flop_counter import shape_wrapper
 aten = torch.ops.aten
 
 
-def attention_forward_flops(query, key, value):
-    """FLOPs of S = q k^T and O = P v over the shapes of q (B, H, Tq, d), k (B, KV, Tk, d), v (B, KV, Tk, dv)."""
+def attention_forward_flops(query, key, value, *args, out_shape=None, **kwargs):
+    """FLOPs of S = q k^T and O = P v over the shapes of q (B, H, Tq, d), k (B, KV, Tk, d), v (B, KV, Tk, dv)
+    (q, k, v lead every forward op's arguments)."""
     (B, H, Tq, d), Tk, dv = query, key[2], value[3]
     _check(query, key, value)
     return 2 * B * H * Tq * Tk * (d + dv)
 
 
-def attention_backward_flops(grad_out, query, key, value):
-    """FLOPs of the kernel's backward: S recomputed, dV, dP, dq and dk (the table above)."""
+def attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+    """FLOPs of the kernel's backward: S recomputed, dV, dP, dq and dk (the table above) (grad_out, q, k, v lead a
+    backward's arguments)."""
     (B, H, Tq, d), Tk, dv = query, key[2], value[3]
     _check(query, key, value)
     if tuple(grad_out) != (B, H, Tq, dv):
@@ -47,14 +49,6 @@ def _check(query, key, value):
     if not (B == Bk == Bv and KV == KVv and Tk == Tv and d == dk and KV and H % KV == 0):
         raise ValueError(f"attention FLOPs: q {tuple(query)}, k {tuple(key)}, v {tuple(value)} are not (B, H, Tq, d), "
                          f"(B, KV, Tk, d), (B, KV, Tk, dv) with KV dividing H")
-
-
-def _forward(query, key, value, *args, out_shape=None, **kwargs):  # q, k, v lead every forward op's arguments
-    return attention_forward_flops(query, key, value)
-
-
-def _backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):  # grad_out, q, k, v lead a backward's
-    return attention_backward_flops(grad_out, query, key, value)
 
 
 # Every attention op picockpt calls, on the CPU or CUDA, and those sdpa dispatches to (the peers' attention):
@@ -71,6 +65,6 @@ def _on_tensors(formula):
     return wrapped
 
 
-ATTENTION_FLOPS = {getattr(aten, name + suffix): _on_tensors(formula)
-                   for name in _KERNELS for suffix, formula in (("", _forward), ("_backward", _backward))
+ATTENTION_FLOPS = {getattr(aten, name + suffix): _on_tensors(formula) for name in _KERNELS
+                   for suffix, formula in (("", attention_forward_flops), ("_backward", attention_backward_flops))
                    if hasattr(aten, name + suffix)}

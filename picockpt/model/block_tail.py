@@ -20,7 +20,6 @@ class Tail:
         self.runs = runs  # whether the layer's output is computed
 
     def __call__(self, piece, *args):
-        """piece(*args) if the tail runs, else None (piece not called)."""
         return piece(*args) if self.runs else None
 
     def __repr__(self):

@@ -1,11 +1,9 @@
 """The shape of the model: one small dataclass, a few presets, and the checks.
 
-A Config holds everything that decides how many bytes an activation takes:
-sizes (vocab, hidden, layers, heads, kv_heads, ffn), the longest sequence the
-rotary table allows, the dropout probability and the compute dtype; for a mixture
-of experts (picockpt/model/moe.py) also the number of experts, the top-k, an optional
-shared expert's width and the router jitter. Every invalid value raises ValueError
-naming the field, the value and what would work.
+A Config holds everything that decides how many bytes an activation takes: sizes (vocab, hidden, layers, heads,
+kv_heads, ffn), the longest sequence the rotary table allows, the dropout probability and the compute dtype; for a
+mixture of experts (picockpt/model/moe.py) also the number of experts, the top-k, an optional shared expert's width and
+the router jitter. Every invalid value raises ValueError naming the field, the value and what would work.
 
     cfg = Config.from_preset("small")
     cfg = Config(vocab=256, hidden=48, layers=3, heads=6, kv_heads=2, ffn=96)

@@ -9,14 +9,12 @@ final_norm.output (B,T,h, dropped by `cheap`), and then either
 
     lm_head.logits (B,T,V)         Config.loss_chunk = 0: the logits, whole
     lm_head.lse    (B,T) fp32      Config.loss_chunk = n: one log-sum-exp per token. The forward
-                                   computes the logits n tokens at a time and keeps none of them;
-                                   the backward recomputes each chunk's logits from final_norm.output
-                                   (counted as recompute), forms softmax - one-hot with the kept lse,
-                                   and drops them again, as Cut Cross-Entropy does (Liger's fused
-                                   linear cross-entropy is another trade: it computes the gradients
-                                   chunk by chunk in the forward and keeps them; lesson 13). At a
-                                   128K vocabulary the logits are the largest activation of a step,
-                                   and here they never exist whole.
+                                   computes the logits n tokens at a time and keeps none of them; the backward
+                                   recomputes each chunk's logits from final_norm.output (counted as recompute), forms
+                                   softmax - one-hot with the kept lse, and drops them again, as Cut Cross-Entropy does
+                                   (Liger's fused linear cross-entropy is another trade: it computes the gradients chunk
+                                   by chunk in the forward and keeps them; lesson 13). At a 128K vocabulary the logits
+                                   are the largest activation of a step, and here they never exist whole.
 
 The token ids and targets are the batch, owned by the caller: they are not activations.
 """
@@ -29,8 +27,7 @@ from .params import FINAL_NORM, HEAD
 
 
 def row_chunks(n, chunk):
-    """[(start, end)] of rows 0..n-1, `chunk` at a time (0: all at once)."""
-    chunk = chunk or n
+    """[(start, end)] of rows 0..n-1, `chunk` at a time."""
     return [(start, min(start + chunk, n)) for start in range(0, n, chunk)]
 
 

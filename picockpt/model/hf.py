@@ -3,12 +3,11 @@
     cfg = Config.from_hf(LlamaForCausalLM(...).config.to_dict())
     cfg = Config.from_hf(MixtralForCausalLM(...).config.to_dict())
 
-A config dict is accepted only when picockpt would compute the very same model: model_type
-"llama" (or no model_type at all, for a dict written by hand) or "mixtral", no biases, SiLU, plain
-or Llama 3.1 RoPE, head_dim = hidden / heads. Every other key is either one picockpt reads, or
-metadata and generation settings that do not change a training step; anything else is refused by
-name, since picockpt cannot tell whether it changes the computation (a Qwen2 config's q/k/v biases,
-a Mistral config's sliding window, ...). Both transformers 4.x and 5.x spellings are read.
+A config dict is accepted only when picockpt would compute the very same model: model_type "llama" (or no model_type at
+all, for a dict written by hand) or "mixtral", no biases, SiLU, plain or Llama 3.1 RoPE, head_dim = hidden / heads.
+Every other key is either one picockpt reads, or metadata and generation settings that do not change a training step;
+anything else is refused by name, since picockpt cannot tell whether it changes the computation (a Qwen2 config's q/k/v
+biases, a Mistral config's sliding window, ...). Both transformers 4.x and 5.x spellings are read.
 
 Mixtral (picockpt/model/moe.py): num_local_experts, num_experts_per_tok and router_jitter_noise become
 experts, experts_per_token and router_jitter (Hugging Face applies the jitter in training mode only;
@@ -93,22 +92,15 @@ def fields_from_hf(d):
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
-    return dict(vocab=d["vocab_size"], hidden=d["hidden_size"], layers=d["num_hidden_layers"], heads=heads,
-                kv_heads=_kv_heads(d, heads), ffn=d["intermediate_size"],
-                max_seq=d["max_position_embeddings"], rope_theta=float(theta), norm_eps=d["rms_norm_eps"],
-                tie_embeddings=d.get("tie_word_embeddings", False), dtype=str(dtype).replace("torch.", ""),
-                rope_scaling=scaling, **moe)
-
-
-def _kv_heads(d, heads):
-    """num_key_value_heads: None (or absent) means heads, as in transformers; 0 is an error, not heads."""
-    kv = d.get("num_key_value_heads")
-    if kv is None:
-        return heads
+    kv = d.get("num_key_value_heads")  # None (or absent) means heads, as in transformers; 0 is an error, not heads
     if kv == 0:
         raise ValueError(f"num_key_value_heads=0: a model needs at least one key/value head; use None for "
                          f"num_attention_heads={heads} (as transformers reads it) or a divisor of {heads}")
-    return kv
+    return dict(vocab=d["vocab_size"], hidden=d["hidden_size"], layers=d["num_hidden_layers"], heads=heads,
+                kv_heads=heads if kv is None else kv, ffn=d["intermediate_size"],
+                max_seq=d["max_position_embeddings"], rope_theta=float(theta), norm_eps=d["rms_norm_eps"],
+                tie_embeddings=d.get("tie_word_embeddings", False), dtype=str(dtype).replace("torch.", ""),
+                rope_scaling=scaling, **moe)
 
 
 def _mixtral_fields(d):

@@ -38,7 +38,7 @@ set per expert: moe.act[3] is expert 3's). picockpt/planning/step_forms.py compu
 """
 import contextlib
 
-from .attention import attention_core_backward, attention_core_forward, needs_output
+from .attention import attention_core_backward, attention_core_forward
 from ..ops import (cross_entropy_backward, cross_entropy_forward, dropout_backward, dropout_forward, dropout_mask,
                   linear_backward, linear_forward, rmsnorm_apply, rmsnorm_backward, rmsnorm_forward, rope_backward,
                   rope_forward, swiglu_backward, swiglu_forward)
@@ -72,19 +72,20 @@ class LayerHooks:
     """
     keeps_lse = False
 
-    def layer_draws(self):
-        return contextlib.nullcontext()
-
-    def attention_draws(self):
+    def plain_draws(self):  # in one process a random draw is the plain draw: nothing around it
         return contextlib.nullcontext()
 
     def identity(self, x):  # in one process a tensor passes every named point unchanged
         return x
 
+    layer_draws = attention_draws = plain_draws
     enter = enter_backward = leave = leave_backward = regather = identity
-
-    def branch_mask(self, shape, p, device):
-        return dropout_mask(shape, p, device)  # (shape) bool
+    # and in one process the plain functions themselves:
+    branch_mask = staticmethod(dropout_mask)  # (shape) bool
+    attention_core = staticmethod(attention_core_forward)  # (B, H, T, hd) keeps what its kind needs
+    attention_core_backward = staticmethod(attention_core_backward)  # dq, dk, dv as q, k, v
+    cross_entropy = staticmethod(cross_entropy_forward)  # (sum of the counted rows' losses, lse (n,))
+    cross_entropy_backward = staticmethod(cross_entropy_backward)  # (n, V)
 
     def mlp_forward(self, xn2, w, cfg, keep, tail):
         if cfg.experts:  # a mixture of experts in the MLP's place (picockpt/model/moe.py)
@@ -94,23 +95,10 @@ class LayerHooks:
     def mlp_backward(self, grad, normed, w, cfg, take):  # -> dxn2 (B, T, h), {role: gradient}
         if cfg.experts:  # the router's and experts' gradients, by role (picockpt/model/moe.py)
             return moe_block_backward(grad, normed, w, cfg, take)
-        dxn2, (d_gate, d_up, d_down) = mlp_block_backward(grad, normed, w, take)
-        return dxn2, dict(gate=d_gate, up=d_up, down=d_down)
+        return mlp_block_backward(grad, normed, w, take)
 
     def norm_grads(self, d_attn_norm, d_mlp_norm, cfg):
         return d_attn_norm, d_mlp_norm
-
-    def attention_core(self, q, k, v, cfg, keep):
-        return attention_core_forward(q, k, v, cfg, keep)  # (B, H, T, hd) keeps what its kind needs
-
-    def attention_core_backward(self, dout, q, k, v, out, cfg, take, recomputing):
-        return attention_core_backward(dout, q, k, v, out, cfg, take, recomputing)  # dq, dk, dv as q, k, v
-
-    def cross_entropy(self, logits, targets, stat_dtype):
-        return cross_entropy_forward(logits, targets, stat_dtype)  # (sum of the counted rows' losses, lse (n,))
-
-    def cross_entropy_backward(self, scale, logits, targets, stat_dtype, lse=None, inplace=False):
-        return cross_entropy_backward(scale, logits, targets, stat_dtype, lse, inplace)  # (n, V)
 
     def final_norm_grad(self, d_norm, cfg):
         return d_norm
@@ -120,13 +108,12 @@ ONE_PROCESS = LayerHooks()
 
 
 def layer_forward(x, w, cfg, rope, store=None, i=None, unstored=frozenset(), tail=RUN_TAIL, hooks=ONE_PROCESS):
-    """x (B, T, h) -> out (B, T, h). Keeps its tensors in `store` under layer i, except
-    the names in `unstored`; with store=None keeps nothing (it only carries x forward).
-    The layer input itself is stored by the engine, which decides the checkpoints, and the
-    tail (picockpt/model/block_tail.py): SKIP_TAIL stops once the last tensor the backward needs is kept
-    (returns None): the MLP block's down projection(s), its dropout and the residual add are
-    skipped, its mask still drawn. hooks: where a rank of a parallel layout crosses to the
-    others (LayerHooks above; the identity in one process)."""
+    """x (B, T, h) -> out (B, T, h). Keeps its tensors in `store` under layer i, except the names in `unstored`; with
+    store=None keeps nothing (it only carries x forward). The layer input itself is stored by the engine, which decides
+    the checkpoints, and the tail (picockpt/model/block_tail.py): SKIP_TAIL stops once the last tensor the backward
+    needs is kept (returns None): the MLP block's down projection(s), its dropout and the residual add are skipped, its
+    mask still drawn. hooks: where a rank of a parallel layout crosses to the others (LayerHooks above; the identity in
+    one process)."""
     def keep(name, tensor):  # an expert's tensor, "moe.act[3]", is dropped with its kind, "moe.act"
         if store is not None and name.partition("[")[0] not in unstored:
             store.put(i, name, tensor)
@@ -165,12 +152,11 @@ def layer_forward(x, w, cfg, rope, store=None, i=None, unstored=frozenset(), tai
 
 
 def layer_backward(dout, w, cfg, rope, store, i, hooks=ONE_PROCESS):
-    """dout (B, T, h) -> dx (B, T, h) and the weight gradients, by role (the same namedtuple as w).
-    Takes (pops) layer i's tensors out of the store as it last uses them; a dropped
-    one is rebuilt by the one-line recipe beside it, from tensors it already has.
-    `del` marks each tensor's last use: a local name would otherwise keep it alive to
-    the end of the function, after the store has let go of it. Each block is
-    leave(block(enter(norm(x)))), so its backward is enter_backward(block_backward(leave_backward(d)))."""
+    """dout (B, T, h) -> dx (B, T, h) and the weight gradients, by role (the same namedtuple as w). Takes (pops) layer
+    i's tensors out of the store as it last uses them; a dropped one is rebuilt by the one-line recipe beside it, from
+    tensors it already has. `del` marks each tensor's last use: a local name would otherwise keep it alive to the end of
+    the function, after the store has let go of it. Each block is leave(block(enter(norm(x)))), so its backward is
+    enter_backward(block_backward(leave_backward(d)))."""
     def take(name, rebuild=None):
         return store.pop(i, name, rebuild)
 
@@ -244,7 +230,8 @@ def attention_block_backward(grad, normed, w, cfg, rope, take, recomputing, hook
     context = take("attn.context")  # (B, T, h)
     B, T, _ = context.shape
     dcontext, d_o = linear_backward(grad(), context, w.o)  # (B, T, h), (h, h)
-    out = context.view(B, T, H, hd).transpose(1, 2) if needs_output(cfg) else None  # (B, H, T, hd) a view
+    # tiled and fused read the output O in the backward (D = rowsum(dO * O)); eager does not
+    out = context.view(B, T, H, hd).transpose(1, 2) if cfg.attention != "eager" else None  # (B, H, T, hd) a view
     del context
     dout_heads = dcontext.view(B, T, H, hd).transpose(1, 2).contiguous()  # (B, H, T, hd)
     del dcontext
@@ -281,7 +268,7 @@ def mlp_block_forward(xn2, w, keep, tail=RUN_TAIL):
 
 def mlp_block_backward(grad, normed, w, take):
     """grad() -> dm (B, T, h), the gradient of the block's output; returns dxn2 (B, T, h) and
-    (d_gate, d_up, d_down). normed() gives xn2 when the projections need it."""
+    {role: gradient} of gate, up and down. normed() gives xn2 when the projections need it."""
     gate, up = take("mlp.gate"), take("mlp.up")  # (B, T, f) each
     act = take("mlp.act", rebuild=lambda: swiglu_forward(gate, up))  # (B, T, f)
     dact, d_down = linear_backward(grad(), act, w.down)  # (B, T, f), (h, f)
@@ -294,4 +281,4 @@ def mlp_block_backward(grad, normed, w, take):
     dxn2_up, d_up = linear_backward(dup, xn2, w.up)  # (B, T, h), (f, h)
     del dup, xn2
     dxn2 += dxn2_up  # (B, T, h) xn2 feeds both projections: their gradients add
-    return dxn2, (d_gate, d_up, d_down)
+    return dxn2, dict(gate=d_gate, up=d_up, down=d_down)

@@ -26,21 +26,19 @@ activation element and per statistic; fs: the shared expert's width):
     moe.shared_up        (N, fs)        N fs e        shared_experts
     moe.shared_act       (N, fs)        N fs e        shared_experts, cheap
 
-An expert without tokens keeps nothing. Every token is kept k times whichever experts it goes to,
-so a layer's total does not depend on the routing, only how it splits among the experts (what an
-expert-parallel rank holding expert e would keep). The backward reuses the stored routing: a
-dropped gate_up[e] is projected again from the same tokens, never routed again. A layer that is
-recomputed whole (full, every:C) runs its router again on the same input; with jitter the same
-noise needs the generator state of the first forward, which the engine replays.
+An expert without tokens keeps nothing. Every token is kept k times whichever experts it goes to, so a layer's total
+does not depend on the routing, only how it splits among the experts (what an expert-parallel rank holding expert e
+would keep). The backward reuses the stored routing: a dropped gate_up[e] is projected again from the same tokens, never
+routed again. A layer that is recomputed whole (full, every:C) runs its router again on the same input; with jitter the
+same noise needs the generator state of the first forward, which the engine replays.
 """
 import torch
 
 from ..ops import linear_backward, linear_forward, swiglu_backward, swiglu_forward
 from ..ops.router import combine_weights, expert_groups, router_backward, router_forward
-from .block_tail import RUN_TAIL
 
 
-def moe_block_forward(xn, w, cfg, keep, tail=RUN_TAIL):
+def moe_block_forward(xn, w, cfg, keep, tail):
     """xn (B, T, h) the normed input -> the weighted sum of its experts' outputs (B, T, h); keeps what the
     backward needs through keep(name, tensor). Its tail (picockpt/model/block_tail.py) is each expert's down projection
     and weighted add, right after that expert's product; with SKIP_TAIL it stops after the last tensor
@@ -65,7 +63,7 @@ def moe_block_forward(xn, w, cfg, keep, tail=RUN_TAIL):
 def moe_block_backward(grad, normed, w, cfg, take):
     """grad() -> dm (B, T, h), the gradient of the block's output; returns dxn (B, T, h) and {role:
     gradient} of the router, the experts (and the shared expert). normed() gives xn, the block's input.
-    Each expert's part is expert_backward's; the router's and the jitter's, input_backward's."""
+    Each expert's part is expert_backward's; the router's and the jitter's, block_input_backward's."""
     E, stat = w.router.shape[0], cfg.stat_dtype
     index = take("moe.expert_index")  # (N, k) the routing decision, always kept
     noise = take("moe.jitter") if cfg.router_jitter > 0 else None  # (B, T, h)
@@ -105,8 +103,7 @@ def route(xn, w, cfg, keep, index=None):
         del noise
     x = xn.reshape(B * T, h)  # (N, h) one row per token
     del xn
-    probs, chosen, weights = router_forward(linear_forward(x, w.router), cfg.experts_per_token,
-                                            cfg.stat_dtype)  # (N, E), (N, k), (N, k)
+    probs, chosen, weights = run_router(x, w, cfg)  # (N, E), (N, k), (N, k)
     keep("moe.router_probs", probs)
     if index is None:
         index = chosen
@@ -122,16 +119,16 @@ def routed_input(normed, noise, w, cfg, take):
     xn = normed()  # (B, T, h)
     x = (xn if noise is None else xn * noise).flatten(0, 1)  # (N, h) as route() made it
     del xn
-    return x, take("moe.router_probs", rebuild=lambda: router_probs(x, w, cfg))  # (N, h), (N, E)
+    return x, take("moe.router_probs", rebuild=lambda: run_router(x, w, cfg)[0])  # (N, h), (N, E)
 
 
-def router_probs(x, w, cfg):
-    """x (N, h), the experts' input -> probs (N, E): the router's linear and softmax again, by the
-    forward's own function (the same ops on the same input: the same numbers). The rebuild of `router`."""
-    return router_forward(linear_forward(x, w.router), cfg.experts_per_token, cfg.stat_dtype)[0]  # (N, E)
+def run_router(x, w, cfg):
+    """x (N, h), the experts' input -> probs (N, E), index (N, k), weights (N, k): the router's linear and softmax,
+    one function for the forward and the rebuild of `router` (the same ops on the same input: the same numbers)."""
+    return router_forward(linear_forward(x, w.router), cfg.experts_per_token, cfg.stat_dtype)
 
 
-def expert_forward(inputs, gate_up_weight, down_weight, keep, e, tail=RUN_TAIL):
+def expert_forward(inputs, gate_up_weight, down_weight, keep, e, tail):
     """One expert's SwiGLU MLP on the n_e rows routed to it: inputs() gives them, x (n_e, h) (gathered
     where it is used, and let go at once) -> y (n_e, h), unweighted. Keeps moe.gate_up[e] and
     moe.act[e]; its tail is the down projection: with SKIP_TAIL it stops after the product, returns None."""
@@ -152,10 +149,9 @@ def weigh(y, weights, positions, stat):
 
 def expert_backward(grad, weights, positions, inputs, gate_up_weight, down_weight, stat, take, e, *, dweights,
                     d_gate_up, d_down):
-    """One expert's backward on its n_e rows: grad() gives m (n_e, h), the gradient of the block's output
-    at those rows; weights[positions] (n_e,) are theirs; inputs() gives the rows x it saw (n_e, h).
-    Writes d w into dweights[positions] and its weight gradients into d_gate_up (2f, h) and d_down
-    (h, f) (the layer's, in place); returns dx (n_e, h).
+    """One expert's backward on its n_e rows: grad() gives m (n_e, h), the gradient of the block's output at those rows;
+    weights[positions] (n_e,) are theirs; inputs() gives the rows x it saw (n_e, h). Writes d w into dweights[positions]
+    and its weight gradients into d_gate_up (2f, h) and d_down (h, f) (the layer's, in place); returns dx (n_e, h).
 
     Forward, per row n (a token and one of its slots): y_n = act_n D^T, out += w_n y_n, with
     act = silu(g) * u and [g, u] = x_n [G; U]^T. With m_n = d out at the row's token:
@@ -184,7 +180,7 @@ def expert_backward(grad, weights, positions, inputs, gate_up_weight, down_weigh
     return dx
 
 
-def shared_expert_forward(x, w, keep, tail=RUN_TAIL):
+def shared_expert_forward(x, w, keep, tail):
     """The shared expert, a SwiGLU MLP on every token: x (N, h) -> (N, h), or None (its tail, the down
     projection, skipped: SKIP_TAIL)."""
     gate = linear_forward(x, w.shared_gate)  # (N, fs)
@@ -224,16 +220,10 @@ def block_input_backward(dm, dx, dweights, probs, index, x, noise, w, take, shap
     grads = {}
     if getattr(w, "shared_gate", None) is not None:  # the shared expert, as the dense MLP's backward
         grads = shared_expert_backward(dm, x, w, take, dx)  # {role: gradient}; its share added to dx
-    dx, d_router = input_backward(dx, dweights.view(index.shape), probs, index, x, w)  # (N, h), (E, h)
-    dxn = dx.view(shape) if noise is None else dx.view(shape) * noise  # (B, T, h) x = xn * noise
-    return dxn, {"router": d_router, **grads}
-
-
-def input_backward(dx, dweights, probs, index, x, w):
-    """The router's part: dx (N, h) the experts' gradient of x, dweights (N, k) -> dx (N, h) with the
-    router's share added (x feeds the router and the experts: their gradients add), d router (E, h)."""
-    dlogits = router_backward(dweights, probs, index).to(x.dtype)  # (N, E)
+    dlogits = router_backward(dweights.view(index.shape), probs, index).to(x.dtype)  # (N, E)
     dx_router, d_router = linear_backward(dlogits, x, w.router)  # (N, h), (E, h)
     del dlogits
-    dx += dx_router  # (N, h)
-    return dx, d_router
+    dx += dx_router  # (N, h) x feeds the router and the experts: their gradients add
+    del dx_router
+    dxn = dx.view(shape) if noise is None else dx.view(shape) * noise  # (B, T, h) x = xn * noise
+    return dxn, {"router": d_router, **grads}

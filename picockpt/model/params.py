@@ -59,9 +59,7 @@ def layer_shapes(cfg):
 def param_shapes(cfg):
     """name -> shape, in state-dict order."""
     shapes = {EMBED: (cfg.vocab, cfg.hidden)}
-    for i in range(cfg.layers):
-        for role, shape in layer_shapes(cfg).items():
-            shapes[layer_key(i, role)] = shape
+    shapes.update({layer_key(i, role): shape for i in range(cfg.layers) for role, shape in layer_shapes(cfg).items()})
     shapes[FINAL_NORM] = (cfg.hidden,)
     if not cfg.tie_embeddings:
         shapes[HEAD] = (cfg.vocab, cfg.hidden)
@@ -69,9 +67,8 @@ def param_shapes(cfg):
 
 
 def init_params(cfg, seed=0, device="cpu"):
-    """Normal(0, 0.02) matrices (router and expert tensors too) and unit norm weights, as Hugging Face
-    initialises Llama and Mixtral.
-    Stored in cfg.param_dtype (fp32 master weights under 16-bit compute)."""
+    """Normal(0, 0.02) matrices (router and expert tensors too) and unit norm weights, as Hugging Face initialises Llama
+    and Mixtral. Stored in cfg.param_dtype (fp32 master weights under 16-bit compute)."""
     if not isinstance(cfg, Config):
         raise ValueError(f"init_params(cfg=...) takes a picockpt Config (e.g. Config.from_preset('tiny')), "
                          f"got {type(cfg).__name__}")

@@ -1,9 +1,8 @@
 """Every op of the model as a pair of plain functions, forward and backward, side by side.
 
-A forward returns its output and whatever its backward will need; a backward
-takes the gradient of the output and those tensors and returns the gradients
-of the inputs and weights. Nothing here touches autograd or the activation
-store: the layer (picockpt/model/layer.py) decides what is kept.
+A forward returns its output and whatever its backward will need; a backward takes the gradient of the output and those
+tensors and returns the gradients of the inputs and weights. Nothing here touches autograd or the activation store: the
+layer (picockpt/model/layer.py) decides what is kept.
 """
 from .attention import attention_backward, attention_forward, attention_probs
 from .cross_entropy import cross_entropy_backward, cross_entropy_forward

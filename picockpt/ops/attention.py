@@ -1,9 +1,8 @@
 """Causal grouped-query attention that materialises the (T, T) probabilities ("eager").
 
-Shapes: q (B, H, T, hd); k, v (B, KV, T, hd); query head j reads key/value head
-j // G where G = H / KV (Hugging Face's repeat_kv order). Instead of copying k and
-v G times, we view q as (B, KV, G*T, hd): the G query heads of one group become
-G*T rows that all attend to the same keys, and one matmul does the whole group.
+Shapes: q (B, H, T, hd); k, v (B, KV, T, hd); query head j reads key/value head j // G where G = H / KV (Hugging Face's
+repeat_kv order). Instead of copying k and v G times, we view q as (B, KV, G*T, hd): the G query heads of one group
+become G*T rows that all attend to the same keys, and one matmul does the whole group.
 
 Forward:  S = q k^T / sqrt(hd) (causal: S[i, j] = -inf for j > i)
           P = softmax(S)                      (in fp32, then rounded to the activation dtype)

@@ -1,9 +1,8 @@
 """Causal grouped-query attention by torch's own fused kernels, called as a forward/backward pair.
 
-No autograd: the forward calls the kernel's forward op and returns what its backward op needs;
-the backward calls that backward op. Like attention_tiled.py (the same algorithm, written out),
-the kernels keep the output and one log-sum-exp per row, and recompute the probabilities tile by
-tile in the backward, inside the kernel.
+No autograd: the forward calls the kernel's forward op and returns what its backward op needs; the backward calls that
+backward op. Like attention_tiled.py (the same algorithm, written out), the kernels keep the output and one log-sum-exp
+per row, and recompute the probabilities tile by tile in the backward, inside the kernel.
 
 The kernel is the one torch's scaled_dot_product_attention would run for the same q, k, v
 (fused_kernel below asks torch, and says which by name):
@@ -89,10 +88,10 @@ def fused_kernel(q, k, v, causal=True):
     return "cudnn" if HAS_CUDNN_OP and sdpa_choice(q, k, v, causal) == "cudnn" else "flash"
 
 
-def fused_kernel_for(cfg, seq, device, batch=1):
+def fused_kernel_for(cfg, seq, device):
     """fused_kernel for a Config at sequence length seq on device, to print before a run (small empty q, k, v)."""
-    q = torch.empty(batch, cfg.heads, seq, cfg.head_dim, device=device, dtype=cfg.torch_dtype)  # (B, H, T, hd)
-    k = torch.empty(batch, cfg.kv_heads, seq, cfg.head_dim, device=device, dtype=cfg.torch_dtype)  # (B, KV, T, hd)
+    q = torch.empty(1, cfg.heads, seq, cfg.head_dim, device=device, dtype=cfg.torch_dtype)  # (1, H, T, hd)
+    k = torch.empty(1, cfg.kv_heads, seq, cfg.head_dim, device=device, dtype=cfg.torch_dtype)  # (1, KV, T, hd)
     return fused_kernel(q, k, k)
 
 
@@ -109,8 +108,7 @@ def fused_attention_forward(q, k, v, causal=True):
         out, lse, *_ = aten._scaled_dot_product_cudnn_attention(  # (B, H, T, hd), (B, H, T, 1)
             q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal)
         return out, lse.squeeze(-1)  # (B, H, T, hd), (B, H, T) a view
-    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)  # (B, H, T, hd), (B, H, T)
-    return out, lse
+    return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]  # out (B, H, T, hd), lse (B, H, T)
 
 
 def fused_attention_backward(dout, q, k, v, out, lse, causal=True):

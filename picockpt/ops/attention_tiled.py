@@ -1,11 +1,10 @@
 """Causal grouped-query attention as FlashAttention-2 does it, written out in PyTorch (Dao 2023).
 
-Never materialises the (T, T) probabilities. The forward walks over tiles of query rows and, for
-each, over the tiles of key rows at or before them (tiles wholly above the diagonal are skipped:
-causal), keeping a running row max m and row sum l of exp(S - m) (the online softmax). It stores
-only what the backward needs: q, k, v, the output O and one log-sum-exp per row, lse = m + log l,
-O(B*H*T) numbers instead of B*H*T^2. The backward walks the same tiles again and *recomputes*
-each tile of probabilities from q, k and lse,
+Never materialises the (T, T) probabilities. The forward walks over tiles of query rows and, for each, over the tiles of
+key rows at or before them (tiles wholly above the diagonal are skipped: causal), keeping a running row max m and row
+sum l of exp(S - m) (the online softmax). It stores only what the backward needs: q, k, v, the output O and one
+log-sum-exp per row, lse = m + log l, O(B*H*T) numbers instead of B*H*T^2. The backward walks the same tiles again and
+*recomputes* each tile of probabilities from q, k and lse,
 
     S = q_i k_j^T / sqrt(hd),   P = exp(S - lse_i)           (exactly the softmax of the forward)
 
@@ -33,12 +32,9 @@ def tile_pairs(T, tile_q, tile_k, causal=True, keys=None):
     causal=False: every tile of `keys` key rows (default T), for keys that all come before the queries
     (context parallelism's blocks of earlier tokens, picockpt/parallel/context_parallel/cp_attention.py)."""
     keys = T if keys is None else keys
-    pairs = []
-    for i, i0 in enumerate(range(0, T, tile_q)):
-        i1 = min(i0 + tile_q, T)
-        for j, j0 in enumerate(range(0, i1 if causal else keys, tile_k)):
-            pairs.append((i, i0, i1, j, j0, min(j0 + tile_k, keys)))
-    return pairs
+    rows = [(i, i0, min(i0 + tile_q, T)) for i, i0 in enumerate(range(0, T, tile_q))]  # the query tiles
+    return [(i, i0, i1, j, j0, min(j0 + tile_k, keys)) for i, i0, i1 in rows
+            for j, j0 in enumerate(range(0, i1 if causal else keys, tile_k))]
 
 
 def _rows(x, i0, i1):

@@ -1,8 +1,7 @@
 """Inverted dropout: keep each element with probability 1-p and scale it by 1/(1-p).
 
-The mask is drawn from torch's default generator of the tensor's device, so a
-caller that restores that generator's state replays exactly the same mask:
-this is what recomputation relies on (picockpt/recompute/engine.py).
+The mask is drawn from torch's default generator of the tensor's device, so a caller that restores that generator's
+state replays exactly the same mask: this is what recomputation relies on (picockpt/recompute/engine.py).
 """
 import torch
 
@@ -13,7 +12,6 @@ def dropout_mask(shape, p, device):
 
 
 def dropout_forward(x, mask, p):
-    # y = x * mask / (1 - p)
     return x * mask / (1.0 - p)  # (same as x)
 
 

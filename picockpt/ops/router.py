@@ -49,12 +49,9 @@ def expert_groups(index, experts):
     flat = index.flatten()  # (N k,)
     order = flat.argsort(stable=True)  # (N k,) the pairs sorted by expert: the dispatch
     counts = torch.bincount(flat, minlength=experts).tolist()  # E ints, summing to N k
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            positions = order[start:start + n]  # (n_e,)
+    for e, positions in enumerate(order.split(counts)):  # (n_e,) each
+        if len(positions):
             yield e, positions, positions // k
-        start += n
 
 
 def expert_counts(index, experts):

@@ -1,8 +1,7 @@
 """The SwiGLU product of Llama's MLP: a = silu(g) * u, with g = x Wg^T and u = x Wu^T.
 
-silu(g) = g * sigmoid(g). The product a is the input of the down projection; it
-is elementwise in (g, u), so it can be dropped and rebuilt from the kept g and u
-in one line (the way llm.c rebuilds GELU in its backward).
+silu(g) = g * sigmoid(g). The product a is the input of the down projection; it is elementwise in (g, u), so it can be
+dropped and rebuilt from the kept g and u in one line (the way llm.c rebuilds GELU in its backward).
 """
 import torch
 

@@ -11,12 +11,11 @@
 
     loss, grads = loss_and_grads(params, cfg, input_ids, targets, policy="every:2")
 
-The loop (Step) talks to the model through a few parts: embed, layer forward/backward, head
-forward/backward, embedding backward, and how a layer's input is kept and fetched back. Model
-below gives it picockpt's single-process model; picockpt/parallel/tensor_parallel/tp_model.py gives it one
-tensor-parallel rank's share of the same model (its parts cross ranks inside, the loop does not
-change). A pipeline stage would be a model of layers first..last whose embed() returns the
-activation it receives and whose head returns the gradient it receives.
+The loop (Step) talks to the model through a few parts: embed, layer forward/backward, head forward/backward, embedding
+backward, and how a layer's input is kept and fetched back. Model below gives it picockpt's single-process model;
+picockpt/parallel/tensor_parallel/tp_model.py gives it one tensor-parallel rank's share of the same model (its parts
+cross ranks inside, the loop does not change). A pipeline stage would be a model of layers first..last whose embed()
+returns the activation it receives and whose head returns the gradient it receives.
 """
 import contextlib
 
@@ -47,10 +46,9 @@ class _NoTracker:  # what the engine talks to when nobody is measuring
 
 
 def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None, trace=False):
-    """Mean next-token cross-entropy and the gradient of every parameter (same keys as params).
-    targets[b, t] is the token that should follow position t: no shifting happens here; a target
-    of -100 (IGNORE_INDEX) is left out of the mean, as in torch and Hugging Face.
-    Autograd is off for the whole step (torch.no_grad): params that require grad, as
+    """Mean next-token cross-entropy and the gradient of every parameter (same keys as params). targets[b, t] is the
+    token that should follow position t: no shifting happens here; a target of -100 (IGNORE_INDEX) is left out of the
+    mean, as in torch and Hugging Face. Autograd is off for the whole step (torch.no_grad): params that require grad, as
     LlamaForCausalLM.state_dict(keep_vars=True) gives them, build no graph beside the engine."""
     policy = as_policy(policy, cfg)
     check_params(params, cfg)
@@ -64,19 +62,18 @@ def loss_and_grads(params, cfg, input_ids, targets, policy="none", tracker=None,
 
 
 class Model:
-    """picockpt's model as the loop sees it, in one process: the embedding, L layers, the head.
-    What any model gives the loop: cfg, params, input_ids, layers (a range) and layer_names;
-    start(tracker), embed(), keep_input/load_input, layer_forward/layer_backward,
-    head_forward/head_backward and embed_backward.
-    recast (the policy's +recast): a layer's 16-bit weight copies are made each time it runs and dropped
-    after, instead of every weight's at the start of the step, kept to its end."""
+    """picockpt's model as the loop sees it, in one process: the embedding, L layers, the head. What any model gives the
+    loop: cfg, params, input_ids, layers (a range) and layer_names; start(tracker), embed(), keep_input/load_input,
+    layer_forward/layer_backward, head_forward/head_backward and embed_backward. recast (the policy's +recast): a
+    layer's 16-bit weight copies are made each time it runs and dropped after, instead of every weight's at the start of
+    the step, kept to its end."""
 
-    def __init__(self, params, cfg, input_ids, targets, layer_names=None, recast=False):
+    def __init__(self, params, cfg, input_ids, targets, recast=False):
         self.params, self.cfg, self.input_ids, self.targets = params, cfg, input_ids, targets
         self.recast = recast
         self.layers = range(cfg.layers)  # the layers this model runs, in order
         # what a layer could keep (--trace): picockpt's layer's names, or those a parallel rank's model gives
-        self.layer_names = list(layer_inventory(cfg, *input_ids.shape)) if layer_names is None else layer_names
+        self.layer_names = list(layer_inventory(cfg, *input_ids.shape))
 
     def start(self, tracker):  # first thing in the forward: the weights of this step, the rotary tables
         cfg = self.cfg

@@ -15,18 +15,15 @@ by a copy in flight, so it goes back with the event its last copy recorded, and 
 their stream wait for that event (no host stall) before writing. The pool keeps the buffers of its
 MAX_SIZES most recently used sizes; a new size past those lets the oldest size's buffers go.
 """
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 
 import torch
 
 MAX_SIZES = 16  # distinct buffer sizes kept (a model's offloaded tensors come in a few shapes)
 
 
-class Buffer:
-    """One host buffer: `host`, the tensor (a view of `flat`, its bytes); `free`, what to wait for before writing."""
-
-    def __init__(self, flat, host, free):
-        self.flat, self.host, self.free = flat, host, free
+# one host buffer: `host`, the tensor (a view of `flat`, its bytes); `free`, what to wait for before writing
+Buffer = namedtuple("Buffer", "flat host free")
 
 
 class HostPool:
@@ -53,10 +50,6 @@ class HostPool:
         self.idle.move_to_end(nbytes)
         while len(self.idle) > MAX_SIZES:
             self.idle.popitem(last=False)
-
-    def clear(self):
-        """Let every idle buffer go (the host memory they hold returns to the system)."""
-        self.idle.clear()
 
 
 _POOLS = {}  # device kind -> HostPool: one per process, as the CUDA caching allocator is

@@ -29,6 +29,9 @@ device activations. On CUDA, every read of a prefetched tensor records when the 
 it; after the step, (time the copy finished - time it was asked for), where positive, is the copy time the
 compute stream waited for: the exposed copy time, measured with CUDA events.
 """
+import contextlib
+from collections import namedtuple
+
 import torch
 
 from .host_pool import host_pool
@@ -53,7 +56,8 @@ class HostTier:
         """A host copy of `tensor` (device -> host); on CUDA asynchronous, on the side stream."""
         buffer = self.pool.take(tensor.shape, tensor.dtype)  # (shape) CUDA: page-locked, DMA-able
         host = buffer.host
-        self._mark(host)
+        if self.listener is not None:
+            self.listener.mark(host, "host")
         if not self.cuda:
             return Copy(host.copy_(tensor), None, buffer)  # a real copy, ordinary memory
         made = torch.cuda.Event()
@@ -99,38 +103,17 @@ class HostTier:
         torch.cuda.synchronize(self.device)
         return sum(max(0.0, asked.elapsed_time(done)) for asked, done in self.waits) / 1e3
 
-    def _mark(self, host):
-        if self.listener is not None:
-            self.listener.mark(host, "host")
-
     def _give(self, copy, done):  # the buffer back to the pool: no longer a live host copy
         self.pool.give(copy.buffer, done)
         if hasattr(self.listener, "release"):
             self.listener.release(copy.host)
 
 
-class Copy:
-    """A tensor's host copy; `done` (CUDA) is the event its device -> host copy records; `buffer`, its pool's."""
-
-    def __init__(self, host, done, buffer):
-        self.host, self.done, self.buffer = host, done, buffer
-
-
-class Arrival:
-    """A prefetch in flight (CUDA): the device buffer, the event its copy records, and the host copy,
-    held until the compute stream has waited for that event."""
-
-    def __init__(self, tensor, done, host):
-        self.tensor, self.done, self.host = tensor, done, host
-
-
-def offload_rule(host):
-    """Schedule.host (per layer, the names whose first-forward puts go to the host; "*": all of them)
-    -> rule(layer, name). An expert's tensor, "moe.act[3]", goes with its kind, "moe.act"."""
-    def rule(layer, name):
-        names = host[layer] if layer is not None else ()
-        return "*" in names or name.partition("[")[0] in names
-    return rule
+# a tensor's host copy; `done` (CUDA) is the event its device -> host copy records; `buffer`, its pool's
+Copy = namedtuple("Copy", "host done buffer")
+# a prefetch in flight (CUDA): the device buffer, the event its copy records, and the host copy, held until the
+# compute stream has waited for that event
+Arrival = namedtuple("Arrival", "tensor done host")
 
 
 def host_tier(schedule, device, listener):
@@ -144,21 +127,23 @@ def host_tier(schedule, device, listener):
     return tier
 
 
-class offloading:
-    """`with offloading(store, schedule):` the first forward: the puts schedule.host names go to the host."""
+@contextlib.contextmanager
+def offloading(store, schedule):
+    """`with offloading(store, schedule):` the first forward: the puts schedule.host names go to the host (per layer,
+    the names whose first-forward puts go there; "*": all of them). An expert's tensor, "moe.act[3]", goes with its
+    kind, "moe.act"."""
+    def rule(layer, name):
+        names = schedule.host[layer] if layer is not None else ()
+        return "*" in names or name.partition("[")[0] in names
 
-    def __init__(self, store, schedule):
-        self.host = store.host
-        self.rule = None if schedule.host is None else offload_rule(schedule.host)
-
-    def __enter__(self):
-        if self.host is not None:
-            self.host.rule = self.rule
-
-    def __exit__(self, *exc):
-        if self.host is not None:
-            self.host.rule = None
-        return False
+    if store.host is None:
+        yield
+        return
+    store.host.rule = None if schedule.host is None else rule
+    try:
+        yield
+    finally:
+        store.host.rule = None
 
 
 def prefetch_for(store, whole, layers, i):

@@ -39,12 +39,11 @@ The 16-bit weight copies (mixed precision: Config.dtype bfloat16 or float16 over
                   Refused in float32/float64, which have no copies to drop
 Combine with '+':  every:2+selective,  full+cheap,  budget:64MiB+selective,  selective+moe,  full+recast,
                    cheap+moe+shared_experts+router.
-The routing decision (which experts each token went to) stays stored whatever the policy: an op-level
-rebuild inside the backward reuses it, never routes again. A layer recomputed whole (full, every:C)
-runs its router again in one process, with the random generator replayed (RNG replay: the same jitter,
-so the same experts); an expert-parallel layer keeps its top-k indices and never routes again
-(lessons 15 and 17; Megatron-LM's routing replay differs: its RECORD mode only records the indices, and a
-replay takes indices set from outside, while the router still computes its scores).
+The routing decision (which experts each token went to) stays stored whatever the policy: an op-level rebuild inside the
+backward reuses it, never routes again. A layer recomputed whole (full, every:C) runs its router again in one process,
+with the random generator replayed (RNG replay: the same jitter, so the same experts); an expert-parallel layer keeps
+its top-k indices and never routes again (lessons 15 and 17; Megatron-LM's routing replay differs: its RECORD mode only
+records the indices, and a replay takes indices set from outside, while the router still computes its scores).
 
 What the engine runs (layer modes, the Schedule) and the op levels' names are in picockpt/recompute/schedule.py.
 A policy is parsed once, where its text comes in (parse_policy(text, cfg): a command's --policy, a parallel job's
@@ -211,8 +210,6 @@ def parse_policy(text, cfg=None):
             raise ValueError(f"policy {text!r}: '{layer_level}' and '{part}' are both layer-level choices; "
                              f"combine one of none/full/every:C/budget:SIZE with selective or cheap")
         layer_level = part
-        if part == "none":
-            continue
         if part == "full":
             segment = 1
         elif part.startswith("every:"):
@@ -224,28 +221,26 @@ def parse_policy(text, cfg=None):
         elif part.startswith("budget:"):
             budget = parse_size(original[len("budget:"):])
             layer_level = "budget:" + original[len("budget:"):].strip()  # the size as the user wrote it
-        else:
+        elif part != "none":
             raise ValueError(f"policy {text!r}: unknown part {part!r}; use one of {EXAMPLES}")
     op_level = "+".join(p for p in op_parts if p) or None
     if offload is not None and layer_level is None and "*" in offload:
-        segment, layer_level = 1, "full"  # offload alone: full's checkpoints, on the host
+        segment = 1  # offload alone: full's checkpoints, on the host
     offload_text = None if offload is None else "offload" + ("" if "*" in offload else ":" + ",".join(sorted(offload)))
-    layer_text = _layer_text(segment, budget, layer_level)
-    if offload is not None and layer_text is None:
-        layer_text = "none"  # none+offload, offload:NAMES: said, as the layer level is not the default here
+    if segment is not None:
+        layer_level = "full" if segment == 1 else f"every:{segment}"
+    elif budget is None:  # none+offload, offload:NAMES: "none" said, as the layer level is not the default here
+        layer_level = None if offload is None else "none"
     recast_text = RECAST if recast else None  # before offload: refuse_offload reads the offload part last
-    canonical = "+".join(p for p in (layer_text, op_level, recast_text, offload_text) if p) or "none"
+    canonical = "+".join(p for p in (layer_level, op_level, recast_text, offload_text) if p) or "none"
     policy = Policy(text=canonical, segment=segment, budget=budget, op_level=op_level, offload=offload,
                     recast=recast)
     return policy.check(cfg) if cfg is not None else policy
 
 
 def as_policy(policy, cfg=None):
-    """The Policy a function was given, checked against cfg (a few comparisons, no parsing); a policy string
-    parsed and checked. For the functions that also take the text: the Policy is parsed once, where the text
-    comes in, and passed on, and a Policy parsed without a model is still refused where it does not fit one."""
-    if isinstance(policy, Policy):
-        return policy.check(cfg) if cfg is not None else policy
+    """The Policy a function was given, checked against cfg (a few comparisons, no parsing: a Policy parsed without a
+    model is still refused where it does not fit one); a policy string parsed and checked."""
     return parse_policy(policy, cfg)
 
 
@@ -258,11 +253,3 @@ def _offload_names(text, part):
         raise ValueError(f"policy {text!r}: offload:NAMES needs names separated by commas, e.g. "
                          f"offload:mlp.gate,mlp.up (or offload alone, for what the layer level stores)")
     return frozenset(names)
-
-
-def _layer_text(segment, budget, layer_level):
-    if budget is not None:
-        return layer_level  # keep the user's spelling of the size
-    if segment is None:
-        return None if layer_level in (None, "none") else layer_level
-    return "full" if segment == 1 else f"every:{segment}"

@@ -1,7 +1,6 @@
 """What the engine runs: a Schedule of layer modes, and the op levels a mode can name.
 
-A layer is forwarded in one of three modes, each parsed once into a Mode (a str, so it prints and
-compares as written):
+A layer is forwarded in one of three modes, each parsed once into a Mode (a str, so it prints and compares as written):
     "all"    store its input and its activations (minus the op-level drops); a schedule
              may also say "all:selective" or "all:cheap" to give one layer its own op level
     "input"  store only its input: a checkpoint to recompute from

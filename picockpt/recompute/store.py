@@ -1,12 +1,10 @@
 """The activation store: every tensor a backward will need, under a stable name.
 
-Keys are (layer, name): layer is the decoder layer's index, or None for the
-model-level tensors around the layers (final norm, logits). Names are stable
-and read as the model does: "input", "attn_norm.rstd", "attn.probs", "mlp.act" ...
+Keys are (layer, name): layer is the decoder layer's index, or None for the model-level tensors around the layers (final
+norm, logits). Names are stable and read as the model does: "input", "attn_norm.rstd", "attn.probs", "mlp.act" ...
 
-The store is the *logical* view of activation memory: it counts the bytes of the
-unique storages it holds (two views of one storage count once), and it records
-every put, get, pop and rebuild as an event. Listeners (the tracker) receive
+The store is the *logical* view of activation memory: it counts the bytes of the unique storages it holds (two views of
+one storage count once), and it records every put, get, pop and rebuild as an event. Listeners (the tracker) receive
 each event; the store itself holds tensors only while they are stored.
 
 With a host tier (picockpt/recompute/offload.py) a put may go to host memory instead: the store then holds the
@@ -36,7 +34,6 @@ class ActivationStore:
         self.host_tensors = {}   # (layer, name) -> Copy: the tensors held in host memory
         self.arriving = {}       # (layer, name) -> Arrival: prefetched, its copy perhaps in flight (CUDA)
         self.host_bytes = 0      # bytes of the host copies held now (each tensor's own bytes)
-        self.host_peak_bytes = 0
         self.events = []
         self.listener = listener  # object with .on_event(Event) and .phase(name), e.g. a Tracker
 
@@ -48,7 +45,6 @@ class ActivationStore:
         if self.host is not None and self.host.wants(layer, name):  # to host memory, copied now
             self.host_tensors[key] = self.host.to_host(tensor)
             self.host_bytes += tensor.nbytes
-            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
             return self._event("put", layer, name, tensor.nbytes, "host")
         self._hold(key, tensor)
         self._event("put", layer, name, tensor.nbytes)
@@ -82,11 +78,8 @@ class ActivationStore:
 
     def rebuild(self, layer, name, recipe):
         """Recompute a dropped tensor for immediate use; it is *not* stored (working memory)."""
-        if self.listener is None:
+        with self.recomputing():
             tensor = recipe()
-        else:
-            with self.listener.phase("recompute"):
-                tensor = recipe()
         self._event("rebuild", layer, name, tensor.nbytes)
         return tensor
 
@@ -113,13 +106,6 @@ class ActivationStore:
         held = {**self.tensors, **{key: copy.host for key, copy in self.host_tensors.items()}}
         return {name: (tuple(t.shape), str(t.dtype).replace("torch.", ""), t.nbytes)
                 for (lay, name), t in held.items() if lay == layer}
-
-    def clear(self):
-        self.tensors.clear()
-        self.storages.clear()
-        self.host_tensors.clear()
-        self.arriving.clear()
-        self.bytes = self.host_bytes = 0
 
     # -- internals -----------------------------------------------------------
     def _hold(self, key, tensor):  # a device tensor: its storage's bytes are counted once
@@ -164,11 +150,10 @@ def _label(layer, name):
     return name if layer is None else f"layer {layer} {name}"
 
 
-def format_inventory(inventory, title=""):
-    """A printable table of name -> shape -> bytes."""
-    lines = [title] if title else []
-    lines.append(f"{'name':<22}{'shape':<24}{'dtype':<10}{'bytes':>14}")
-    for name, (shape, dtype, nbytes) in inventory.items():
-        lines.append(f"{name:<22}{str(shape):<24}{dtype:<10}{nbytes:>14,}")
+def format_inventory(inventory, title):
+    """A printable table of name -> shape -> bytes, under its title."""
+    lines = [title, f"{'name':<22}{'shape':<24}{'dtype':<10}{'bytes':>14}"]
+    lines += [f"{name:<22}{str(shape):<24}{dtype:<10}{nbytes:>14,}"
+              for name, (shape, dtype, nbytes) in inventory.items()]
     lines.append(f"{'total':<56}{sum(v[2] for v in inventory.values()):>14,}")
     return "\n".join(lines)
