@@ -104,12 +104,12 @@ def load(path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    if kind(path) != "percent":
-        spec.loader.exec_module(module)
-        return module
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    tree.body = [node for node in tree.body if _is_definition(node)]
-    with _as_a_script(path, []):
+    with _as_a_script(path, []):  # its folder on sys.path, as run: _lesson.py imports its sibling _timing.py
+        if kind(path) != "percent":
+            spec.loader.exec_module(module)
+            return module
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        tree.body = [node for node in tree.body if _is_definition(node)]
         exec(compile(tree, str(path), "exec"), module.__dict__)
     return module
 
