@@ -28,9 +28,15 @@ NO_HEAD = Stage(0, 0, (("all", 0, 0),))  # before the last stage: no head, nothi
 
 def stage_chain(cfg, batch, seq, layers, last, t=1, sp=False, distribute_saved=False, unstored=frozenset()):
     """The chain of one micro-batch of `batch` sequences on a stage of `layers` layers (the head if last)."""
-    whole = (model_chain(cfg, batch, seq, unstored) if t == 1 else  # sp, distribute_saved: with t > 1 only
-             rank_chain(cfg, batch, seq, t, sp, distribute_saved, unstored))
+    whole = whole_chain(cfg, batch, seq, t, sp, distribute_saved, frozenset(unstored))
     return whole[:layers] + ((whole[-1],) if last else (NO_HEAD,))
+
+
+@functools.lru_cache(maxsize=None)  # the layout search asks for the same chain at every stage and variant
+def whole_chain(cfg, batch, seq, t, sp, distribute_saved, unstored):
+    """The whole model's chain on one of t tensor-parallel ranks (its Stages frozen, so one tuple serves every ask)."""
+    return (model_chain(cfg, batch, seq, unstored) if t == 1 else  # sp, distribute_saved: with t > 1 only
+            rank_chain(cfg, batch, seq, t, sp, distribute_saved, unstored))
 
 
 def uniform_schedules(chain):
