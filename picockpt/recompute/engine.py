@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from ..model.batch import check_batch  # the door: ids and targets checked once (re-exported for the parallel jobs)
+from ..model.batch import check_batch  # the door: ids and targets checked once (the parallel jobs too)
 from ..model.head import head_backward, head_forward
 from ..planning.step_forms import layer_inventory
 from ..model.layer import layer_backward, layer_forward
