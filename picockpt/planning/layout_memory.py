@@ -52,6 +52,7 @@ def reserve_bytes(peak):
     return CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES + int(FRAGMENTATION * peak)
 
 
+@functools.lru_cache(maxsize=None)
 def places(layers, count, split="even"):
     """The layers of each of `count` consecutive places (stages, or interleaving's virtual stages): "even" as
     stage_layers; "lighter ends" L + 2 spread evenly, one taken back from each end for the embedding and the head
@@ -146,8 +147,11 @@ def chunks_in_flight(pp, microbatches, stage, virtual):
         if kind == "B":
             held[c] -= 1
             moments.add((tuple(held), None))
-    return tuple((counts, b) for counts, b in moments if not any(
-        other != counts and b == c and all(x <= y for x, y in zip(counts, other)) for other, c in moments))
+    kept = {}  # the backward's chunk -> its undominated counts, largest first: a count dominated by any other is
+    for counts, b in sorted(moments, key=lambda m: -sum(m[0])):  # dominated by a kept one, whose sum is larger
+        if not any(all(x <= y for x, y in zip(counts, other)) for other in kept.setdefault(b, [])):
+            kept[b].append(counts)
+    return tuple((counts, b) for b, undominated in kept.items() for counts in undominated)
 
 
 def interleaved_activation_bytes(cfg, seq, layout, chunks, stage, policy):

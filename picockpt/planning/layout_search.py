@@ -18,6 +18,7 @@ in a node (collectives.members_per_node) decide its links. Kernels run at the ra
 (kernel_rates.py: published H100 rates, or a table measured on the GPU). What the model leaves out, each only slowing
 a real step: stragglers, the optimizer step's own time, kernel-launch gaps, overlap that slows what it hides under.
 """
+import functools
 import itertools
 
 from .collectives import members_per_node
@@ -126,12 +127,17 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split="
         parts[s] = stage_bytes(cfg, seq, layout, counts, s, zero, policy, model.sharding,
                                split if model.stages else None)  # interleaved: the chunks walked in order
         peaks[s] = sum(parts[s].values())
+    alike = {}  # stages with as many layers, neither first nor last, step alike: each kind is computed once
     for s in stages:
-        t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node, model))
-        t["pp_comm"] = t["pp_comm"] * V if pp > 1 else 0.0
-        times.append(t)
-        dps.append(dp_exposed_seconds(stage_params(cfg, tp, counts, s), zero, shards, M, t["forward"],
-                                      2 * t["forward"], hw, dp_node, counts[s], BYTES[cfg.dtype], policy, model))
+        kind = counts[s], s == 0, s == pp - 1
+        if kind not in alike:
+            t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node, model))
+            t["pp_comm"] = t["pp_comm"] * V if pp > 1 else 0.0
+            alike[kind] = t, dp_exposed_seconds(stage_params(cfg, tp, counts, s), zero, shards, M, t["forward"],
+                                                2 * t["forward"], hw, dp_node, counts[s], BYTES[cfg.dtype], policy,
+                                                model)
+        times.append(alike[kind][0])
+        dps.append(alike[kind][1])
     per_mb = [sum(v for k, v in t.items() if k != "forward") for t in times]
     slowest = max(range(len(times)), key=per_mb.__getitem__)
     paced = sum(per_mb) / len(per_mb) if model.stages else per_mb[slowest]  # the fill and drain's stage time
@@ -152,6 +158,7 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split="
             "tokens_per_second": tokens / step, "terms_seconds": terms}
 
 
+@functools.lru_cache(maxsize=None)
 def model_forward_flops(cfg, seq):
     """One sequence's forward matmul FLOPs: every layer's projections and the causal half of its attention square
     (what a flash kernel computes), and the LM head. Model FLOPs: no recompute counted (MFU's convention)."""
