@@ -14,11 +14,15 @@ import torch
 TORCH_FLOOR = (2, 11)
 
 
+def torch_version(version=None):
+    """(major, minor) of a torch.__version__ string (None: this torch's), e.g. (2, 11) for "2.11.0+cu130"."""
+    return tuple(int(part) for part in (version or torch.__version__).split("+")[0].split(".")[:2])
+
+
 def check_torch(version=None):
     """A clear error on a torch older than TORCH_FLOOR (version: a torch.__version__ string; None: this one)."""
     version = version or torch.__version__
-    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
-    if (major, minor) < TORCH_FLOOR:
+    if torch_version(version) < TORCH_FLOOR:
         floor = ".".join(map(str, TORCH_FLOOR))
         raise ValueError(f"torch {version} is older than {floor}, the oldest picockpt runs on: "
                          f"pip install 'torch>={floor}'")

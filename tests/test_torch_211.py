@@ -104,6 +104,22 @@ def test_fsdp2_peer_counts_its_gathers_without_the_names_new_in_213(monkeypatch)
 
 @pytest.mark.ranks
 @pytest.mark.usefixtures("no_process_left_behind")
+def test_zbv_peer_on_gloo_under_torch_211_says_why_it_did_not_run(monkeypatch):
+    """torch < 2.12 warms ScheduleZBVZeroBubble's neighbours up with a send to every neighbouring stage, the rank's
+    own other stage's too, which gloo refuses ("Pair is not connected"): every rank returns the reason instead."""
+    from picockpt.parallel.pipeline_parallel.pipelining_peer import pipelining_rank_steps
+
+    spawned_under_torch_211(monkeypatch)
+    cfg = Config(**dict(GQA, layers=4))
+    params, (ids, targets) = init_params(cfg, seed=1), make_batch(cfg, 4, 8, "cpu", seed=1)
+    results = run_ranks(pipelining_rank_steps, 2, params, cfg, ids, targets, ("ScheduleZBVZeroBubble",), 2, 4,
+                        start_method="spawn", timeout_s=60)
+    assert [run.get("error", "ran").split(":")[0] for (run,) in results] == [
+        "torch 2.11.0's ScheduleZBVZeroBubble cannot run on gloo"] * 2
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("no_process_left_behind")
 def test_pipelining_peer_passes_the_stage_checks_of_torch_211(monkeypatch):
     """make_batch's ids and targets are (B, T) views of a (B, T + 1) buffer: strides (T + 1, 1)."""
     from picockpt.parallel.pipeline_parallel.pipelining_peer import pipelining_rank_steps

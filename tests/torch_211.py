@@ -5,6 +5,10 @@ reproduce what differs:
   (an AssertionError under grouped-query attention);
 - torch.distributed has neither all_gather_single nor reduce_scatter_single (both new in 2.13): FSDP2 calls
   all_gather_into_tensor and reduce_scatter_tensor;
+- DTensor.full_tensor()'s functional all-gather (2.11: _functional_collectives.all_gather_tensor; 2.13 calls
+  all_gather_single) runs as a coalesced all-gather, which gloo lacks ("Backend gloo does not support
+  allgather_into_tensor_coalesced");
+- torch.__version__ reads 2.11.0 (what picockpt decides by version: pipelining's warm-up, below);
 - torch.distributed.pipelining checks every stage input's shape and strides against the stage's metadata (torch
   <= 2.11 always; later torch only under TORCH_DISTRIBUTED_DEBUG=DETAIL, which this sets).
 
@@ -16,11 +20,15 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 from torch.utils import flop_counter
 
 NEWER_DISTRIBUTED = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 _LENIENT = flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count
+_FUNCTIONAL_GATHERS = {name: getattr(funcol, name) for name in ("all_gather_tensor", "all_gather_single")
+                       if hasattr(funcol, name)}  # DTensor's gather: the older name, and 2.13's
 
 
 def _strict_forward(query_shape, key_shape, value_shape):
@@ -33,6 +41,14 @@ def _strict_backward(grad_out_shape, query_shape, key_shape, value_shape):
     if not (grad_out_shape[1] == query_shape[1] == key_shape[1] == value_shape[1]):
         raise AssertionError("sdpa_backward_flop_count: grad_out/value/key/query shapes are incompatible")
     return _LENIENT[1](grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _gloo_gather(name):
+    def gather(tensor, gather_dim, group, *args, **kwargs):
+        if dist.get_backend() == "gloo":  # every CPU test's ranks
+            raise RuntimeError("Backend gloo does not support allgather_into_tensor_coalesced")
+        return _FUNCTIONAL_GATHERS[name](tensor, gather_dim, group, *args, **kwargs)
+    return gather
 
 
 class _DistributedBefore213(types.ModuleType):
@@ -51,6 +67,8 @@ def changes():
              (flop_counter, "sdpa_backward_flop_count", _strict_backward)]
             + [(dist, name, None) for name in NEWER_DISTRIBUTED if hasattr(dist, name)]
             + [(_fsdp_collectives, "dist", _DistributedBefore213("torch.distributed"))]
+            + [(funcol, name, _gloo_gather(name)) for name in _FUNCTIONAL_GATHERS]
+            + [(torch, "__version__", "2.11.0")]
             + [(os.environ, "TORCH_DISTRIBUTED_DEBUG", "DETAIL")])
 
 

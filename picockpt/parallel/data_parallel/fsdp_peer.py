@@ -29,9 +29,11 @@ shards each parameter along dim 0 (padded), not flat per unit: the bytes equal p
 """
 from functools import partial
 
+import torch
 import torch.distributed as dist
 
 from ...measurement.reference import ReferenceLlama, run_plain
+from ..comm import all_gather
 
 # the function FSDP2 gathers with: torch 2.13's all_gather_single, all_gather_into_tensor before it (2.11's
 # _fsdp_collectives.py), looked up on the module at each call, so wrapping the module's attribute counts it
@@ -109,7 +111,17 @@ def fsdp2_rank_step(comm, params, cfg, input_ids, targets, reshard_after_forward
         loss.backward()
     finally:
         setattr(dist, FSDP_GATHER, original)
-    grads = {name.replace(WRAPPED, ""): p.grad.full_tensor() for name, p in model.named_parameters()}  # whole
+    grads = {name.replace(WRAPPED, ""): whole(p.grad, comm) for name, p in model.named_parameters()}
     if cfg.tie_embeddings:
         grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
     return {**counts, "loss": loss.detach(), "grads": grads}
+
+
+def whole(shard, comm):
+    """A gradient FSDP2 sharded along dim 0, gathered whole by picockpt's all-gather (comm.py), which every backend
+    runs: DTensor.full_tensor()'s functional all-gather is a coalesced one that gloo lacks in torch 2.11. FSDP2 shards
+    as torch.chunk does, so every shard has ceil(n / W) rows but the tail's: each padded to that, the padding cut."""
+    local, n = shard.to_local(), shard.shape[0]
+    rows = -(-n // comm.world_size)
+    padding = local.new_zeros((rows - local.shape[0],) + tuple(local.shape[1:]))  # (rows - own rows, ...)
+    return all_gather(torch.cat([local, padding]), comm, 0)[:n]  # (n, ...)

@@ -34,9 +34,11 @@ sends). The batch is made contiguous first: torch <= 2.11 checks each micro-batc
 contiguous metadata. A schedule this torch lacks is reported as {"error": ...} on every rank, before any starts it.
 """
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ...device import torch_version
 from ...measurement.reference import ReferenceLlama, run_plain
 
 SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
@@ -119,6 +121,10 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
     v_style = schedule == "ScheduleZBVZeroBubble"  # its virtual stages (module docstring): "v" style, else "loop"
     if v_style and V != 2:
         raise ValueError(f"ScheduleZBVZeroBubble needs exactly 2 stages per rank, V={V}")
+    if v_style and dist.get_backend(comm.group) == "gloo" and torch_version() < (2, 12):  # alike on every rank
+        return {"schedule": schedule, "error": f"torch {torch.__version__}'s {schedule} cannot run on gloo: its "
+                f"warm-up sends to every neighbouring stage, rank {P - 1}'s own other stage too (stages {P - 1} and "
+                f"{P}), and gloo has no pair to itself; torch 2.12 warms up without it"}
     model = ReferenceLlama(cfg, params)  # a fresh model per schedule: gradients start at None
     names = {id(p): name for name, p in model.named_parameters()}
     b, dtype = B // M, cfg.torch_dtype
