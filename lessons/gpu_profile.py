@@ -41,7 +41,8 @@ def profile_step(step, device):
     for _ in range(2):
         step()
     activity = torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity]) as prof:
+    # acc_events: one cycle either way; without it torch 2.11 and 2.12 warn that only the last cycle is kept
+    with torch.profiler.profile(activities=[activity], acc_events=True) as prof:
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -158,10 +158,18 @@ def interleaved_activation_bytes(cfg, seq, layout, chunks, stage, policy):
     """The store's peak of rank `stage` under interleaved 1F1B, each chunk with its (E, own peak) (chunks:
     chunk_layers()): the most any moment of its order holds, a backward's chunk at its own peak."""
     last = stage == layout.pp - 1
-    stores = [chunk_store(cfg, seq, layout, n, last and c == len(chunks) - 1, policy) for c, n in enumerate(chunks)]
+    stores = tuple(chunk_store(cfg, seq, layout, n, last and c == len(chunks) - 1, policy)
+                   for c, n in enumerate(chunks))
+    return most_held(stores, layout.pp, layout.microbatches, stage, layout.virtual_stages)
+
+
+@functools.lru_cache(maxsize=2**16)
+def most_held(stores, pp, microbatches, stage, virtual):
+    """The most bytes a moment of rank `stage`'s interleaved order holds, each chunk's (E, own peak) in `stores`
+    (made once for the layouts that differ only in what does not change them: dp, ZeRO)."""
     return max(sum(n * held for n, (held, _) in zip(counts, stores))
                + (stores[b][1] - stores[b][0] if b is not None else 0)
-               for counts, b in chunks_in_flight(layout.pp, layout.microbatches, stage, layout.virtual_stages))
+               for counts, b in chunks_in_flight(pp, microbatches, stage, virtual))
 
 
 def stage_activation_bytes(cfg, seq, tp, sp, cp, layers, last, in_flight, policy):

@@ -121,7 +121,7 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split="
     counts = split_layers(cfg.layers, pp, split)
     send_node = members_per_node(((2, tp * cp),), hw.node)
     dp_node = members_per_node(((cp, tp), (dp, tp * cp * pp)), hw.node)  # the dp x cp group's members in a node
-    peaks, parts, times, dps = {}, {}, [], []
+    peaks, parts = {}, {}
     stages = range(pp) if model.stages else sorted({0, pp - 1})
     for s in extreme_stages(counts) if model.stages else stages:  # the busiest rank is one of these (linear in s)
         parts[s] = stage_bytes(cfg, seq, layout, counts, s, zero, policy, model.sharding,
@@ -133,12 +133,10 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split="
         if kind not in alike:
             t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node, model))
             t["pp_comm"] = t["pp_comm"] * V if pp > 1 else 0.0
-            alike[kind] = t, dp_exposed_seconds(stage_params(cfg, tp, counts, s), zero, shards, M, t["forward"],
-                                                2 * t["forward"], hw, dp_node, counts[s], BYTES[cfg.dtype], policy,
-                                                model)
-        times.append(alike[kind][0])
-        dps.append(alike[kind][1])
-    per_mb = [sum(v for k, v in t.items() if k != "forward") for t in times]
+            alike[kind] = t, sum(v for k, v in t.items() if k != "forward"), dp_exposed_seconds(
+                stage_params(cfg, tp, counts, s), zero, shards, M, t["forward"], 2 * t["forward"], hw, dp_node,
+                counts[s], BYTES[cfg.dtype], policy, model)
+    times, per_mb, dps = zip(*(alike[counts[s], s == 0, s == pp - 1] for s in stages))  # each stage's
     slowest = max(range(len(times)), key=per_mb.__getitem__)
     paced = sum(per_mb) / len(per_mb) if model.stages else per_mb[slowest]  # the fill and drain's stage time
     fill = (pp - 1) * paced / (3 if schedule == "zb-h1" else V if schedule == "interleaved" else 1)
