@@ -122,6 +122,5 @@ def whole(shard, comm):
     runs: DTensor.full_tensor()'s functional all-gather is a coalesced one that gloo lacks in torch 2.11. FSDP2 shards
     as torch.chunk does, so every shard has ceil(n / W) rows but the tail's: each padded to that, the padding cut."""
     local, n = shard.to_local(), shard.shape[0]
-    rows = -(-n // comm.world_size)
-    padding = local.new_zeros((rows - local.shape[0],) + tuple(local.shape[1:]))  # (rows - own rows, ...)
+    padding = local.new_zeros((-(-n // comm.world_size) - local.shape[0],) + local.shape[1:])  # (ceil - own rows, ...)
     return all_gather(torch.cat([local, padding]), comm, 0)[:n]  # (n, ...)

@@ -31,7 +31,7 @@ InterleavedZeroBubble (each W right after its I); rank 1 holds 3 under 1F1B but 
 fp32 only in earnest (a 16-bit config casts each weight at each use). Dropout, router jitter and tied embeddings
 raise. A schedule that raises ends every rank (a rank going on alone would post receives against another schedule's
 sends). The batch is made contiguous first: torch <= 2.11 checks each micro-batch's strides against the stage's
-contiguous metadata. A schedule this torch lacks is reported as {"error": ...} on every rank, before any starts it.
+contiguous metadata. A schedule this torch cannot run is reported as {"error": ...} on every rank, before any starts it.
 """
 import torch
 import torch.distributed as dist
@@ -116,15 +116,12 @@ def pipelining_rank_step(comm, params, cfg, input_ids, targets, schedule, V=2, M
     S, L, (B, T) = P * V, cfg.layers, input_ids.shape
     if L < S or B % M:
         raise ValueError(f"pipelining peer: layers={L} must be >= P*V={S} and batch {B} a multiple of M={M}")
-    if not hasattr(pipelining, schedule):  # decided alike on every rank, before any p2p
-        return {"schedule": schedule, "error": f"torch {torch.__version__} has no {pipelining.__name__}.{schedule}"}
     v_style = schedule == "ScheduleZBVZeroBubble"  # its virtual stages (module docstring): "v" style, else "loop"
     if v_style and V != 2:
         raise ValueError(f"ScheduleZBVZeroBubble needs exactly 2 stages per rank, V={V}")
     if v_style and dist.get_backend(comm.group) == "gloo" and torch_version() < (2, 12):  # alike on every rank
         return {"schedule": schedule, "error": f"torch {torch.__version__}'s {schedule} cannot run on gloo: its "
-                f"warm-up sends to every neighbouring stage, rank {P - 1}'s own other stage too (stages {P - 1} and "
-                f"{P}), and gloo has no pair to itself; torch 2.12 warms up without it"}
+                f"warm-up sends to rank {P - 1}'s own other stage, and gloo has no pair to itself (2.12's does not)"}
     model = ReferenceLlama(cfg, params)  # a fresh model per schedule: gradients start at None
     names = {id(p): name for name, p in model.named_parameters()}
     b, dtype = B // M, cfg.torch_dtype
