@@ -204,7 +204,8 @@ def test_tracker_matches_the_cpu_allocator():
         for run in gpu_benchmark.plan_runs(cfg, 2, 64, segment=2):
             step = gpu_benchmark.make_step(run, cfg, params, model, ids, targets)
             step()  # warm-up
-            with profiler.profile(activities=[profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            with profiler.profile(activities=[profiler.ProfilerActivity.CPU], profile_memory=True,
+                                  acc_events=True) as prof:  # one cycle: torch 2.11 and 2.12 warn without it
                 with Tracker() as tracker:
                     step(tracker)
             tracked = max(peak["total"] for peak in tracker.peaks.values())
