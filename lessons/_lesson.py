@@ -80,11 +80,14 @@ import threading
 import matplotlib
 import torch
 
+from picockpt.device import exit_if_torch_too_old, resolve_device
+
+exit_if_torch_too_old()  # before the imports below, which a torch under the floor may lack: one line, no traceback
+
 from _timing import (FAST_TIMING, Claim, Spread, clock_words, compute_clock, interleaved_seconds,  # noqa: F401
                      paired_ratios, timed_claim, timing_verdict)  # the lessons' timing, re-exported from here
 from picockpt.cli import Parser
 from picockpt.model.config import Config
-from picockpt.device import resolve_device
 from picockpt.teaching.notebooks import ARGS_VARIABLE, cells
 from picockpt.ops.attention_fused import check_fused
 from picockpt.model.params import check_seed

@@ -65,10 +65,13 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 
+from picockpt.device import exit_if_torch_too_old, resolve_device
+
+exit_if_torch_too_old()  # before the imports below, which a torch under the floor may lack: one line, no traceback
+
 from picockpt.cli.common import fmt_bytes
 from picockpt.measurement.compare import contenders
 from picockpt.model.config import Config
-from picockpt.device import resolve_device
 from picockpt.planning.fit import check_fits
 from picockpt.planning.hardware import H200_SXM_BF16
 from picockpt.recompute.engine import loss_and_grads

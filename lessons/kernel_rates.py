@@ -19,8 +19,11 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere, no install
-from picockpt import Config  # noqa: E402  (after the path)
-from picockpt.device import resolve_device  # noqa: E402
+from picockpt.device import exit_if_torch_too_old, resolve_device  # noqa: E402  (after the path)
+
+exit_if_torch_too_old()  # before the imports below, which a torch under the floor may lack: one line, no traceback
+
+from picockpt import Config  # noqa: E402
 from picockpt.planning.cost import head_ops, layer_ops  # noqa: E402
 from picockpt.planning.kernel_bench import measure_kernel_rates  # noqa: E402
 from picockpt.planning.kernel_rates import SEQ_POINTS, gemm_passes  # noqa: E402

@@ -28,6 +28,15 @@ def check_torch(version=None):
                          f"pip install 'torch>={floor}'")
 
 
+def exit_if_torch_too_old():
+    """A script's first check, before an import that a torch under the floor lacks fails with a traceback:
+    check_torch's error as one line on stderr, exit code 1."""
+    try:
+        check_torch()
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
 def resolve_device(name="auto"):
     name = str(name).strip().lower()
     if name == "auto":

@@ -8,8 +8,10 @@
 - A tracker counts its own device's storages only: a host copy inside a CUDA step is not device memory.
 - The lessons that crashed (13, 18, 19, 30) and `compare --attention fused`, run whole under the surface.
 """
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +102,23 @@ def test_fsdp2_peer_counts_its_gathers_without_the_names_new_in_213(monkeypatch)
     assert run["forward"]["calls"] == 1 + cfg.layers  # the root, then each layer's unit
     _, grads = loss_and_grads(params, cfg, ids, targets, "none")
     assert max(relative(run["grads"][name], grads[name]) for name in grads) < 1e-5
+
+
+OLDER = "error: torch 2.4.1 is older than 2.11, the oldest picockpt runs on: pip install 'torch>=2.11'"
+
+
+@pytest.mark.parametrize("words", [["compare", "--help"], ["parallel"], ["train"], ["reproduce", "--only", "10"],
+                                   ["lessons/10_torch_checkpoint_side_by_side.py", "--fast"],
+                                   ["lessons/gpu_benchmark.py", "--help"], ["lessons/gpu_profile.py", "--help"],
+                                   ["lessons/kernel_rates.py", "--help"]])
+def test_an_older_torch_is_refused_in_one_line_before_an_import_needs_a_newer_one(words, monkeypatch):
+    """Every command and script, before the first import that a torch under the floor lacks (simulated: torch 2.4
+    without 2.5's selective-checkpoint names, tests/old_torch_site): the floor's one line, no traceback."""
+    site = str(Path(__file__).parent / "old_torch_site")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (site, os.environ.get("PYTHONPATH")))))
+    argv = [sys.executable, *words] if words[0].endswith(".py") else [sys.executable, "-m", "picockpt", *words]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert run.returncode in (1, 2) and run.stderr.strip() == OLDER and not run.stdout, run.stderr[-600:]
 
 
 @pytest.mark.ranks

@@ -74,13 +74,17 @@ def main(argv=None):
     top.parse_args(argv[:1])  # a clear error for an unknown command
     name = argv[0]
     parser = Parser(prog=f"python -m picockpt {name}", description=COMMANDS[name])
-    module = importlib.import_module(f"{__name__}.{name}")  # torch loads here, for seconds
+    try:  # torch loads here, for seconds: before the command's imports, which a torch under the floor may lack
+        importlib.import_module("..device", __name__).check_torch()
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"{__name__}.{name}")
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     if signal.getsignal(signal.SIGINT) is exit_while_starting:  # from here on Ctrl-C is a KeyboardInterrupt
         signal.signal(signal.SIGINT, interrupt)
     try:
-        importlib.import_module("..device", __name__).check_torch()  # torch is loaded by now
         return module.run(args) or 0
     except ValueError as error:  # a user mistake: say what and how to fix it, no traceback, in the user's flags
         print(f"error: {in_flags(str(error), flags_of(parser))}", file=sys.stderr)
