@@ -107,8 +107,7 @@ def test_fsdp2_peer_counts_its_gathers_without_the_names_new_in_213(monkeypatch)
 OLDER = "error: torch 2.4.1 is older than 2.11, the oldest picockpt runs on: pip install 'torch>=2.11'"
 
 
-@pytest.mark.parametrize("words", [["compare", "--help"], ["parallel"], ["train"], ["reproduce", "--only", "10"],
-                                   ["lessons/10_torch_checkpoint_side_by_side.py", "--fast"],
+@pytest.mark.parametrize("words", [["compare", "--help"], ["lessons/10_torch_checkpoint_side_by_side.py", "--fast"],
                                    ["lessons/gpu_benchmark.py", "--help"], ["lessons/gpu_profile.py", "--help"],
                                    ["lessons/kernel_rates.py", "--help"]])
 def test_an_older_torch_is_refused_in_one_line_before_an_import_needs_a_newer_one(words, monkeypatch):
