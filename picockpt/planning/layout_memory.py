@@ -138,7 +138,8 @@ def chunks_in_flight(pp, microbatches, stage, virtual):
     """The moments of rank `stage`'s interleaved order that can be its peak, as (micro-batches of each chunk held,
     the chunk whose backward runs or None): pp_plan.in_flight_peak's walk, with the bytes left out (made once per
     order). A moment that holds no more of any chunk than another with the same backward running never holds more
-    bytes (a chunk's bytes are not negative), so only the undominated ones are kept."""
+    bytes (a chunk's bytes are not negative), so only the undominated ones are kept: walked largest sum first, a
+    moment dominated by any other is dominated by one already kept (dominance is transitive and raises the sum)."""
     held, moments = [0] * virtual, set()
     for kind, _, c in actions("interleaved", pp, microbatches, stage, virtual):
         if kind == "F":
@@ -147,8 +148,8 @@ def chunks_in_flight(pp, microbatches, stage, virtual):
         if kind == "B":
             held[c] -= 1
             moments.add((tuple(held), None))
-    kept = {}  # the backward's chunk -> its undominated counts, largest first: a count dominated by any other is
-    for counts, b in sorted(moments, key=lambda m: -sum(m[0])):  # dominated by a kept one, whose sum is larger
+    kept = {}  # the backward's chunk -> its undominated counts
+    for counts, b in sorted(moments, key=lambda m: -sum(m[0])):
         if not any(all(x <= y for x, y in zip(counts, other)) for other in kept.setdefault(b, [])):
             kept[b].append(counts)
     return tuple((counts, b) for b, undominated in kept.items() for counts in undominated)

@@ -127,16 +127,16 @@ def evaluate(cfg, seq, gpus, tokens, capacity, hw, layout, zero, policy, split="
         parts[s] = stage_bytes(cfg, seq, layout, counts, s, zero, policy, model.sharding,
                                split if model.stages else None)  # interleaved: the chunks walked in order
         peaks[s] = sum(parts[s].values())
-    alike = {}  # stages with as many layers, neither first nor last, step alike: each kind is computed once
-    for s in stages:
-        kind = counts[s], s == 0, s == pp - 1
+    kinds = [(counts[s], s == 0, s == pp - 1) for s in stages]  # stages of one kind step alike: each computed once
+    alike = {}
+    for s, kind in zip(stages, kinds):
         if kind not in alike:
             t = dict(microbatch_seconds(cfg, seq, tp, sp, cp, counts[s], s == pp - 1, policy, hw, send_node, model))
             t["pp_comm"] = t["pp_comm"] * V if pp > 1 else 0.0
             alike[kind] = t, sum(v for k, v in t.items() if k != "forward"), dp_exposed_seconds(
                 stage_params(cfg, tp, counts, s), zero, shards, M, t["forward"], 2 * t["forward"], hw, dp_node,
                 counts[s], BYTES[cfg.dtype], policy, model)
-    times, per_mb, dps = zip(*(alike[counts[s], s == 0, s == pp - 1] for s in stages))  # each stage's
+    times, per_mb, dps = zip(*(alike[kind] for kind in kinds))  # each stage's
     slowest = max(range(len(times)), key=per_mb.__getitem__)
     paced = sum(per_mb) / len(per_mb) if model.stages else per_mb[slowest]  # the fill and drain's stage time
     fill = (pp - 1) * paced / (3 if schedule == "zb-h1" else V if schedule == "interleaved" else 1)
