@@ -147,3 +147,14 @@ def test_predict_gives_the_one_rank_figures_of_a_mixture_of_experts():
     rows = json.loads(out.stdout)["table2"]
     assert rows[0]["picockpt_bytes"] == 1996718080  # one rank holds the whole model: the exact store's layer
     assert all(row["picockpt_bytes"] is not None for row in rows)
+
+
+@pytest.mark.parametrize("layers, segment, peer", [(2, 2, None), (4, 2, "torch checkpoint_sequential(2)"),
+                                                   (4, 3, "torch checkpoint_sequential(2)")])
+def test_every_c_is_paired_with_checkpoint_sequential_only_when_that_checkpoints_a_segment(layers, segment, peer):
+    """checkpoint_sequential runs its last segment without checkpointing: in one segment it is plain autograd, which
+    stores everything and recomputes nothing, so no ratio is printed against every:C's recomputation."""
+    from picockpt.measurement.compare import contenders
+    rows = {name: equivalent for name, _, _, equivalent in contenders(Config.from_preset("tiny", layers=layers), 16,
+                                                                     segment)}
+    assert rows[f"picockpt every:{segment}"] == peer and rows[f"bridge every:{segment}"] == peer

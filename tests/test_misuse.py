@@ -151,6 +151,8 @@ def test_a_peer_built_for_another_length_says_so():
     (["plan", "--chain", "uniform", "--length", "10", "--slots", "3", "--budget", "1MiB"],
      "--budget: not used by --chain uniform"),
     (["plan", "--benchmark", "--budget", "1MiB"], "--budget: not used by --benchmark"),
+    (["plan", "--budget", "1KiB"], "is below the least feasible budget for this model and batch, 3,411,968 bytes "
+                                   "(3.25 MiB): give a budget of at least 3.26MiB"),
     (["plan", "--budget", "1MiB", "--length", "10", "--slots", "2"], "--length, --slots: not used by --chain model"),
     (["predict", "--sp"], "--sp with --tp 1: sequence parallelism splits the sequence over the tensor-parallel"),
 ])
@@ -444,3 +446,20 @@ def test_a_notebook_s_lesson_args_fail_as_one_value_error(monkeypatch, words, me
     with pytest.raises(ValueError) as error:  # not SystemExit: that would stop the kernel's cell oddly
         _lesson.lesson_args()
     assert str(error.value).startswith(message)
+
+
+def test_a_model_whose_weights_alone_do_not_fit_is_not_told_to_shorten_its_batch(monkeypatch, capsys):
+    """No --batch or --seq fits when the weights and gradients alone fill the device: the advice names the model's
+    size, whatever the caller would have advised; a command that runs no optimizer does not count AdamW's state."""
+    monkeypatch.setattr("picockpt.planning.fit.available_bytes", lambda device: (20 * 2**30, "available RAM"))
+    cfg, cpu = Config.from_preset("llama3-8b"), torch.device("cpu")
+    for optimizer, state in ((True, "weights, gradients and AdamW state"), (False, "weights, gradients")):
+        with pytest.raises(ValueError) as error:
+            check_fits(cfg, cpu, 1, 1, "none", advice="use a smaller --batch or --seq", optimizer=optimizer)
+        need = cfg.num_params() * (16 if optimizer else 8) / 2**30
+        assert str(error.value).endswith(f"To fit, use a smaller model (--layers, --hidden, or a smaller --preset): "
+                                         f"the {state} alone need {need:.2f} GiB, so no --batch or --seq fits")
+    for command in ("compare", "inventory"):  # neither runs an optimizer: its refusal counts none
+        assert main([command, "--preset", "llama3-8b", "--seq", "1", "--batch", "1", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert "AdamW" not in err and "no --batch or --seq fits" in err, err

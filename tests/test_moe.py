@@ -171,7 +171,7 @@ def test_bad_expert_settings_name_the_field(fields, message):
 @pytest.mark.parametrize("policy,fields,message", [
     ("moe", {}, "policy 'moe': moe recomputes parts of a mixture of experts, and this model's MLP is dense"),
     ("full+moe_act", {}, "moe_act recomputes parts of a mixture of experts"),
-    ("shared_experts", dict(experts=4), "shared_experts, and the model has no shared expert"),
+    ("shared_experts", dict(experts=4), "shared_experts recomputes the shared expert's MLP, and this model has none"),
     ("moe+moe_act", dict(experts=4), "choose one of moe_act or moe"),
 ])
 def test_bad_moe_policies(policy, fields, message):

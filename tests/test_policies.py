@@ -109,6 +109,8 @@ def test_memory_is_flat_over_repeated_steps():
     ("every:0", "C >= 1"), ("every:", "C >= 1"), ("every:x", "C >= 1"), ("every:9", "larger than the number"),
     ("sometimes", "unknown part 'sometimes'"), ("full+every:2", "both layer-level"),
     ("selective+cheap", "one of selective or cheap"), ("", "empty"), ("budget:lots", "size 'lots'"),
+    ("full+", "an empty part beside a '\\+'"), ("+full", "an empty part"), ("full++selective", "an empty part"),
+    ("budget:0", r"^policy 'budget:0': in budget:SIZE, size '0' must be positive"),
 ])
 def test_malformed_policies_are_clear_errors(text, match):
     cfg, *_ = setup(layers=8)

@@ -292,6 +292,13 @@ def test_the_translation_leaves_flags_and_unknown_names_alone():
     assert in_flags("--tp=3 and tp=4, Config.kv_heads=8 (heads=32)", flags) == "--tp=3 and --tp 4, --kv-heads 8 (heads=32)"
     assert in_flags("use virtual_stages >= 2 or tp in [1, 2]; stp=2", flags) == \
         "use --virtual-stages >= 2 or --tp in [1, 2]; stp=2"
+    flags = {"max_seq": "--max-seq", "seq": "--seq", "router_jitter": "--router-jitter", "experts": "--experts"}
+    assert in_flags("seq=300 is longer than Config.max_seq=256: use seq <= 256 or raise max_seq", flags) == \
+        "--seq 300 is longer than --max-seq 256: use --seq <= 256 or raise --max-seq"
+    assert in_flags("Config.router_jitter=0.1 with experts=0: a mixture of experts; leave router_jitter at 0.0 "
+                    "(my_router_jitter, --router-jitter)", flags) == \
+        "--router-jitter 0.1 with --experts 0: a mixture of experts; leave --router-jitter at 0.0 " \
+        "(my_router_jitter, --router-jitter)"
 
 
 def test_predict_suggests_only_tensor_parallel_sizes_it_splits():

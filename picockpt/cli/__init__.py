@@ -18,15 +18,17 @@ COMMANDS = {  # name -> one-line help; the module picockpt/cli/<name>.py does th
     "measure": "one step under a policy: peak bytes (logical, physical), FLOPs, time, exactness",
     "compare": "picockpt's policies beside torch.utils.checkpoint and Hugging Face on the same shape",
     "inventory": "what one layer stores, by name, shape and bytes: closed form and measured",
-    "predict": "activation memory from the formulas (Korthikanti et al.; picockpt's exact one)",
+    "predict": "activation memory by formula (Korthikanti et al.'s, picockpt's); --search: a cluster's layouts",
     "plan": "the optimal recomputation schedule for a memory budget (or a uniform chain)",
-    "parallel": "one step over tensor/sequence, pipeline, data or expert parallel ranks: bytes, comm, FLOPs",
+    "parallel": "one step over tp/sp, cp, pp, dp (ZeRO 1-3) or ep ranks: bytes, comm, FLOPs, each checked",
 }
 
 DESCRIPTION = """picockpt: activation recomputation (gradient checkpointing) written out by hand.
 A "checkpoint" here is a stored activation, never a saved model file.
 
-Policies (--policy): none | full | every:C | budget:SIZE, optionally +selective or +cheap.
+Policies (--policy): none | full | every:C | budget:SIZE, optionally +selective or +cheap; with experts
++moe_act or +moe, +shared_experts, +router; +recast (16-bit weight copies cast at each layer's use);
++offload or +offload:NAMES (stored tensors to host memory), e.g. every:4+selective+recast.
 Attention (--attention): eager (stores the T x T probabilities) | tiled | fused (FlashAttention: store one
 log-sum-exp per row and recompute the probabilities inside the op; `selective` has nothing left to drop).
 Loss (--loss-chunk N): the LM head and loss N tokens at a time; the logits are recomputed in the backward.

@@ -51,7 +51,7 @@ def run(args):
     budgets, note = min_cut_budgets(args, cfg)
     device = resolve_device(args.device)
     check_fits(cfg, device, args.batch, args.seq, "none", advice="use a smaller --batch or --seq",
-               note=" (compare runs every policy, none among them, and plain autograd)")
+               note=" (compare runs every policy, none among them, and plain autograd)", optimizer=False)
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)  # --json: stdout is JSON alone
     say(f"comparing on {device} ({cfg.dtype}): L={cfg.layers} h={cfg.hidden} H={cfg.heads} "
         f"KV={cfg.kv_heads} f={cfg.ffn} V={cfg.vocab}, batch {args.batch} x {args.seq} tokens")

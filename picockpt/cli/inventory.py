@@ -27,7 +27,8 @@ def run(args):
     device = resolve_device(args.device)
     op_only = Policy(text=policy.op_level or "none", op_level=policy.op_level)  # every layer stored, the same drops
     check_fits(cfg, device, B, T, op_only, advice="use a smaller --batch or --seq",
-               note=" (inventory runs one step that stores every layer, to measure what one layer keeps)")
+               note=" (inventory runs one step that stores every layer, to measure what one layer keeps)",
+               optimizer=False)
     counts = None
     if cfg.experts:  # tokens per expert of the layer in the step measured_inventory runs (same weights, batch, seed)
         torch.manual_seed(args.seed)  # as measured_inventory does: router jitter draws alike

@@ -118,7 +118,7 @@ def _check_flags(args):
     if given:
         raise ValueError(f"{', '.join(given)}: not used by {mode}; leave {'it' if len(given) == 1 else 'them'} out "
                          f"(--length/--slots belong to --chain uniform, --budget/--measure/--op-level and the "
-                         f"shape flags to --chain model, --device/--seed to --measure)")
+                         f"shape flags to --chain model, --device to --measure or --cost measured, --seed to --measure)")
 
 
 def run_offload(args):

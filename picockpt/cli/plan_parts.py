@@ -52,7 +52,7 @@ def measure(cfg, args, policy, schedule=None):
     policy = as_policy(policy, cfg)
     device = resolve_device(args.device)
     check_fits(cfg, device, args.batch, args.seq, policy,
-               advice="use a smaller --batch or --seq, or a smaller --budget")
+               advice="use a smaller --batch or --seq, or a smaller --budget", optimizer=False)
     params = init_params(cfg, seed=args.seed, device=device)
     input_ids, targets = make_batch(cfg, args.batch, args.seq, device, args.seed)
     torch.manual_seed(args.seed)

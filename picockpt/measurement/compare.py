@@ -76,6 +76,8 @@ def contenders(cfg, seq, segment, min_cut=()):
     """(name, kind, how to run, name of its equivalent) for every run of the table."""
     C, segments = segment, math.ceil(cfg.layers / segment)
     eager, hf = cfg.attention == "eager", hf_rows(cfg)
+    sequential = f"torch checkpoint_sequential({segments})" if segments > 1 else None  # one segment: it is the
+    #            last, which checkpoint_sequential runs without checkpointing (autograd), no peer of every:C
     none_peer, full_peer = ("autograd", "torch checkpoint per layer") if eager or not hf else \
         ("HF sdpa", "HF sdpa + checkpointing")
     rows = [
@@ -84,7 +86,7 @@ def contenders(cfg, seq, segment, min_cut=()):
         *([("picockpt recast", "picockpt", "recast", none_peer),  # the weight copies cast at use, as autocast
            ("picockpt full+recast", "picockpt", "full+recast", full_peer)] if cfg.dtype in SIXTEEN_BITS else []),
         (f"picockpt every:{C}", "picockpt", f"every:{C}",
-         f"torch checkpoint_sequential({segments})" if eager else None),
+         sequential if eager else None),
         ("picockpt selective", "picockpt", "selective", "torch selective checkpoint" if eager else None),
         ("picockpt cheap", "picockpt", "cheap", "torch checkpoint saving matmuls" if eager else None),
         (f"picockpt every:{C}+selective", "picockpt", f"every:{C}+selective", None),
@@ -98,7 +100,7 @@ def contenders(cfg, seq, segment, min_cut=()):
         ("autograd + save_on_cpu", "torch", peers.SaveOnCpu(peers.autograd), None),
         ("torch checkpoint per layer + save_on_cpu", "torch", peers.SaveOnCpu(peers.per_layer), None),
         ("bridge full", "bridge", 1, "torch checkpoint per layer"),
-        (f"bridge every:{C}", "bridge", C, f"torch checkpoint_sequential({segments})"),
+        (f"bridge every:{C}", "bridge", C, sequential),
     ]
     if hf:
         rows += [(f"HF {attention}" + (" + checkpointing" if checkpointing else ""), "hf", (attention, checkpointing),

@@ -56,7 +56,11 @@ def check_fits(cfg, device, batch=None, seq=None, policy=None, note="", advice=N
     need = parts["state"] + parts["stored"] + parts["working"]
     if need <= have:
         return
-    if advice is None:
+    if parts["state"] >= have:  # no batch or sequence fits: the advice is the model's size, whoever asked
+        advice = (f"use a smaller model (--layers, --hidden, or a smaller --preset): the weights, gradients"
+                  f"{' and AdamW state' if optimizer else ''} alone need {_gib(parts['state'])}, so no --batch or "
+                  f"--seq fits")
+    elif advice is None:
         advice = "use a smaller --batch or --seq"
         lighter = as_policy("full+selective" if getattr(cfg, "attention", "eager") == "eager" else "full", cfg)
         stored = step_bytes(cfg, batch, seq, lighter, optimizer)["stored"]

@@ -80,7 +80,7 @@ def plan_chain(chain, budget, max_slots=None):
     if budget < least:
         raise ValueError(f"budget={budget:,} bytes ({budget / 2**20:.2f} MiB) is below the least feasible "
                          f"budget for this model and batch, {least:,} bytes ({least / 2**20:.2f} MiB): "
-                         f"use budget:{math.ceil(least / 2**20 * 100) / 100}MiB or more")
+                         f"give a budget of at least {math.ceil(least / 2**20 * 100) / 100}MiB")
     cost = _solve(chain, slot, slots + extra)
     whole = cost[len(chain) - 1, 0]  # (m,) C(0, L, m): the whole chain in m slots
 

@@ -88,8 +88,9 @@ class Policy:
                 raise ValueError(f"policy {self.text!r}: {name} recomputes parts of a mixture of experts, and this "
                                  f"model's MLP is dense (Config.experts=0); use selective or cheap, or set experts > 0")
         if "shared_experts" in chosen and cfg.shared_expert_ffn == 0:
-            raise ValueError(f"policy {self.text!r}: shared_experts, and the model has no shared expert "
-                             f"(Config.shared_expert_ffn=0); leave it out or set shared_expert_ffn > 0")
+            raise ValueError(f"policy {self.text!r}: shared_experts recomputes the shared expert's MLP, and this "
+                             f"model has none (Config.shared_expert_ffn=0); leave out shared_experts or set "
+                             f"shared_expert_ffn > 0")
         if self.offload is not None:
             self._check_offload(cfg)
         if self.recast and cfg.torch_dtype == cfg.param_dtype:
@@ -186,6 +187,9 @@ def parse_policy(text, cfg=None):
     for original in text.strip().split("+"):
         original = original.strip()
         part = original.lower()
+        if not part:
+            raise ValueError(f"policy {text!r}: an empty part beside a '+'; join the choices with one '+' between "
+                             f"each two, e.g. full+selective")
         if part == "offload" or part.startswith("offload:"):
             if offload is not None:
                 raise ValueError(f"policy {text!r}: offload is given twice; name it once "
@@ -219,7 +223,10 @@ def parse_policy(text, cfg=None):
                                  f"(every:1 is full recomputation), got {value!r}")
             segment = int(value)
         elif part.startswith("budget:"):
-            budget = parse_size(original[len("budget:"):])
+            try:
+                budget = parse_size(original[len("budget:"):])
+            except ValueError as error:
+                raise ValueError(f"policy {text!r}: in budget:SIZE, {error}") from None
             layer_level = "budget:" + original[len("budget:"):].strip()  # the size as the user wrote it
         elif part != "none":
             raise ValueError(f"policy {text!r}: unknown part {part!r}; use one of {EXAMPLES}")
