@@ -92,6 +92,9 @@ print(f"(one forward + backward each; peak live = every tensor created during th
 #   segment is stored whole and never recomputed.
 # * **Selective checkpointing** caches the output of every op its policy marks "save", needed by the
 #   backward or not, so the literal "recompute only the T×T ops" policy holds more than plain autograd.
+# * **Hugging Face's sdpa rows** show recompute FLOPs without any checkpointing: their attention is torch's
+#   fused kernel, whose backward rebuilds the T×T scores from q and k (FlashAttention's recomputation,
+#   lesson 13), work that plain autograd over eager attention, the baseline of the count, does not do.
 # * **Time.** Two implementations can differ in time for reasons no FLOP count sees (autograd's graph and
 #   its saved-tensor hooks, Python per op), so a time ratio between them has no side of 1 fixed in
 #   advance. What must hold is inside one implementation: recomputation does more work than none, so
@@ -172,7 +175,7 @@ def pair_lines(mode, rows, trusted):
         peer = by_name[row["equivalent"]]
         more = "less" if row["memory_vs_equivalent"] < 1 else "more"
         low, high = row["time_vs_equivalent_min_max"]
-        measured = f"{row['time_vs_equivalent']:.2f}x [{low:.2f}..{high:.2f}] its time"
+        measured = f"{row['time_vs_equivalent']:.2f}x [{low:.3f}..{high:.3f}] its time"  # 3 places: 0.996 is not 1
         work = row["total_flops"] / peer["total_flops"]  # exact
         if mode == "fast":
             time_text = FAST_TIMING

@@ -118,11 +118,11 @@ assert all(r["exact"] and r["bitwise"] for r in rows)
 #   a tensor crosses the link twice, so with neither copy hidden moving costs $2 \cdot \text{bytes} / W$
 #   against recomputing's $\text{FLOPs} / R$, and beats it only below $W/(2R)$: 3.2e-5 B/FLOP for PCIe
 #   Gen5 at 989.5 TFLOP/s (H100 and H200 SXM have the same dense BF16 rate; the H200's gain is its
-#   memory), 2.3e-4 B/FLOP over NVLink-C2C. The projections' ratio is $1/h$ = 2.4e-4 whatever $T$, above
+#   memory), 2.3e-4 B/FLOP over NVLink-C2C. The projections' ratio is $1/h$ = 2.4e-4 B/FLOP whatever $T$, above
 #   both: a projection is cheaper to recompute than to move *unless the copies hide*.
 # - **hidden**: its bytes over one layer's forward FLOPs. The copy out overlaps the next layer's forward,
 #   the copy back a backward twice as long, so the copy out is the one to hide: below $W/R$ (6.4e-5
-#   B/FLOP for PCIe, 4.5e-4 over NVLink-C2C) both copies cost nothing. The layer's FLOPs grow with $T^2$
+#   B/FLOP for PCIe, 4.5e-4 B/FLOP over NVLink-C2C) both copies cost nothing. The layer's FLOPs grow with $T^2$
 #   (attention) while a projection's bytes grow with $T$, so every tensor but the $T \times T$
 #   probabilities hides better at long sequences.
 #

@@ -30,9 +30,12 @@
 
 # %%
 import math
+import weakref
 
 import matplotlib.pyplot as plt
 import torch
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _check import check
 from _lesson import choose, large, lesson_args, shape_line, small, wrote
@@ -219,7 +222,7 @@ for label, (peak, error, flops, grads) in results.items():
 print(f"{'(fp32 step, store all)':<31}{'':>24}{fp32_error:>20.3e}")
 narrowest, cheap = results["fp8 all but stream and stats"], results["recompute: cheap"]
 print(f"\ncheap saves {1 - cheap[0] / base[0]:.0%} of the peak with bitwise gradients, for {cheap[2] / 1e9:.3f} GFLOP; "
-      f"fp8 on every 16-bit tensor but the stream saves {1 - narrowest[0] / base[0]:.0%}, "
+      f"fp8 on every 16-bit tensor but the stream and the logits saves {1 - narrowest[0] / base[0]:.0%}, "
       f"at {narrowest[1] / base[1]:.2f}x the gradient error")
 recomputed_bitwise = all(torch.equal(results[label][3][k], base[3][k]) for label in ("recompute: cheap",
                                                                                       "recompute: full")
@@ -230,7 +233,7 @@ recomputed_bitwise = all(torch.equal(results[label][3][k], base[3][k]) for label
 # error against fp64 by the factor the table shows: e4m3 keeps 4 significant bits against bf16's 8, so
 # a stored value is off by up to $2^{-4}$ of itself, and the backward differentiates at those values.
 # That bound holds for normal numbers only (the section after this one counts where it does not). Going
-# further (every 16-bit tensor but the residual stream) saves more and errs more. The two
+# further (every 16-bit tensor but the residual stream and the logits) saves more and errs more. The two
 # recomputation rows save bytes for FLOPs and leave the gradients **bitwise** those of storing
 # everything: the rebuilt tensors are the first ones, bit for bit. At this model's shape `cheap` (norm
 # outputs, attention probabilities and SwiGLU products rebuilt, the q k^T its only matmul) saves about as
@@ -325,17 +328,61 @@ wrote(path)
 #
 # A bf16 step computes with 16-bit weights, and its master weights are fp32: somebody makes the 16-bit
 # copies. Unless the policy says otherwise, `Model.start` casts every weight once, at the start of the
-# step, and keeps the copies to its end: 2 bytes a parameter (16 GB for Llama 3 8B), held through the
-# whole step like a stored activation that is never dropped. The policy's `+recast` treats them as one:
+# step, and keeps the copies to its end: 2 bytes a parameter (about 15 GiB for Llama 3 8B), held through
+# the whole step like a stored activation that is never dropped. The policy's `+recast` treats them as one:
 # a layer's copies are made when the layer runs and dropped after it, made again in its recompute and in
-# its backward, as `torch.autocast` does (it caches a cast only inside one autocast region, and a
-# checkpoint's recompute is a new region). Live at once: the embedding's, final norm's and head's copies
-# and one layer's (`params.copy_bytes`). The price is a cast per layer in each recompute and backward, a
-# memory-bound pass that reads 4 and writes 2 bytes a parameter, and no FLOPs; the bits are the same, a
-# cast being deterministic.
+# its backward. Live at once: the embedding's, final norm's and head's copies and one layer's
+# (`params.copy_bytes`). The price is a cast per layer in each recompute and backward, a memory-bound pass
+# that reads 4 and writes 2 bytes a parameter, and no FLOPs; the bits are the same, a cast being
+# deterministic.
+#
+# `torch.autocast` is close, not the same. It caches a weight's cast until the outermost autocast region
+# exits (`torch.autocast.__exit__` clears the cache at nesting level 0), so in a forward run under one
+# `autocast` every layer's copy stays alive to the forward's end, checkpointed or not. A checkpoint's
+# recompute, in the backward, is a new region: it casts the layer again, and the layer's backward uses that
+# copy. The cell below counts the casts of one weight both ways, and how many of autocast's copies a chain of
+# checkpointed layers holds at its forward's end.
 #
 # The tracker marks the copies "weights", out of its physical activation count; `alloc_trace` replays its
 # log for their peak, and the tracked total is every storage of the step, copies and gradients included.
+
+# %%
+class WeightCasts(TorchDispatchMode):
+    """Every copy aten._to_copy makes of one of `weights`, by a weak reference: how many made, how many alive."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.ids, self.made = {id(w): name for name, w in weights.items()}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.ids:
+            self.made.append((self.ids[id(args[0])], weakref.ref(out)))
+        return out
+
+    def count(self, name=None):
+        return sum(1 for n, _ in self.made if name in (None, n))
+
+    def alive(self):
+        return sum(1 for _, ref in self.made if ref() is not None)
+
+
+chain = {f"{i}": torch.nn.Linear(64, 64, bias=False, device=args.device) for i in range(4)}
+x = torch.randn(8, 64, device=args.device, requires_grad=True)
+with WeightCasts({name: layer.weight for name, layer in chain.items()}) as autocast_casts:
+    with torch.autocast(args.device.type, dtype=torch.bfloat16):
+        h = x
+        for layer in chain.values():
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+        at_forward_end = autocast_casts.alive()
+    h.float().sum().backward()
+first = next(name for name in params if ".layers.0." in name and name.endswith("proj.weight"))
+with WeightCasts(params) as picockpt_casts:
+    loss_and_grads(params, cfg, input_ids, targets, "full+recast")
+print(f"torch.autocast, {len(chain)} layers each under checkpoint: {at_forward_end} copies alive at the forward's "
+      f"end; {autocast_casts.count('0')} casts of the first layer's weight (forward, recompute)")
+print(f"picockpt full+recast: {picockpt_casts.count(first)} casts of {first} (forward, recompute, backward), "
+      f"one layer's copies alive at a time (the table below)")
 
 # %%
 copy_rows = {}  # policy -> (stored peak, weight copies' peak, tracked total's peak, loss, grads)

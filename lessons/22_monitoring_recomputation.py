@@ -18,7 +18,7 @@
 # (forward, recompute, backward, optimizer), stored and live.
 #
 # On a CPU there is no datasheet peak to divide by, so the lesson measures one: the best rate of a
-# square fp32 matmul on this machine (`--peak-tflops` takes any number; on CUDA `train` uses 989.5). A
+# square fp32 matmul on this machine (`--peak-tflops` takes any number; on CUDA `train` uses 989.5 TFLOP/s). A
 # shared machine's rate drifts, so it is measured before every round of the run and after it, and the
 # best of them is the peak: a step's HFU cannot exceed it, which the lesson checks.
 #
@@ -134,7 +134,8 @@ print(f"peak for MFU/HFU from here on: {peak / 1e9:.1f} GFLOP/s, the best 512^3 
 # 3. **HFU**: if it held (or rose) while MFU fell, the machine is at least as busy as before and the
 #    step executes more FLOPs: recomputation (HFU / MFU is exactly hardware over model FLOPs). If HFU fell
 #    as much as MFU, the work did not change and the machine got slower (contention, throttling, a slow
-#    input pipeline): look elsewhere.
+#    input pipeline): look elsewhere. "Held" needs a spread narrower than the effect: HFU's rounds may
+#    straddle 1, but each must stay above every round's MFU, or the reading is inconclusive.
 # 4. **recompute share of time against of FLOPs**: equal shares mean the recomputed work runs at the
 #    speed of the rest. A time share well above the FLOP share means the recompute phase is slower per FLOP
 #    (small matmuls, elementwise rebuilds the FLOP count leaves out: `cheap` rebuilds norms and the SwiGLU
@@ -181,13 +182,18 @@ def diagnose(mode, rounds_of, flops):
     if full.conclusive:
         mfu = Spread(tuple(1 / r for r in ratio["full"].samples))  # model FLOPs fixed: MFU goes as 1 / time
         hfu = Spread(tuple(flops["full"] / r for r in ratio["full"].samples))  # hardware FLOPs x flops["full"]
+        if hfu.high < 1:
+            reading = ("HFU fell too, in every round: full's step costs more than its extra FLOPs at none's rate; its "
+                       "recomputation (or its own passes) ran slower per FLOP than none's step")
+        elif hfu.low > 1 or hfu.low > mfu.high:  # a straddle reads as "held" only above every round's MFU
+            held = "rose in every round" if hfu.low > 1 else "held (its rounds straddle 1, each above every MFU)"
+            reading = (f"HFU {held} while MFU fell: the slowdown is the extra work (recomputation), not a slower machine: each "
+                       f"round ran both policies on the machine as it was then")
+        else:
+            reading = ("HFU's rounds straddle 1 and overlap MFU's: the round-to-round spread here is wider than the "
+                       f"extra FLOPs' factor ({flops['full']:.3f}), so whether the machine slowed is inconclusive")
         print(f"full against none: MFU x{mfu.text('{:.3f}')} (below 1 in every round, as it must be), HFU "
-              f"x{hfu.text('{:.3f}')}: " + (
-                  "HFU fell too, in every round: full's step costs more than its extra FLOPs at none's rate; its "
-                  "recomputation (or its own passes) ran slower per FLOP than none's step" if hfu.high < 1 else
-                  f"HFU {'rose in every round' if hfu.low > 1 else 'held (its rounds straddle 1)'} while MFU fell: the "
-                  f"slowdown is the extra work (recomputation), not a slower machine: each round ran both policies "
-                  f"on the machine as it was then"))
+              f"x{hfu.text('{:.3f}')}: {reading}")
     elif mode != "fast":
         print(f"full against none: the timing was inconclusive on this machine; by FLOPs, at equal HFU full's MFU is "
               f"1 / {flops['full']:.3f} = {1 / flops['full']:.3f} of none's")

@@ -15,8 +15,9 @@
 # Reserved minus allocated is memory the pool holds free (*cached*), and unless a request fits one of
 # its free blocks, that memory is of no use to it: fragmentation. `empty_cache()` gives back only
 # segments that are entirely free (the CUDA semantics notes, "Memory management", and
-# `torch.cuda.empty_cache`'s documentation), and apart from it only a failing `cudaMalloc` makes the
-# allocator give cached segments back (to retry): reserved bytes otherwise never fall.
+# `torch.cuda.empty_cache`'s documentation), and under the default settings, apart from it, only a failing
+# `cudaMalloc` makes the allocator give cached segments back (to retry): reserved bytes otherwise never fall
+# (`garbage_collection_threshold`, the last section's setting, is the one that changes this).
 #
 # `picockpt/measurement/allocator.py` is a model of the allocator's rules as `c10/cuda/CUDACachingAllocator.cpp`
 # writes them (PyTorch 2.13, the native backend, one stream), each rule one commented line naming its
@@ -169,13 +170,14 @@ print(f"replay of the activations alone = tracker physical peak, every policy: {
 # %% [markdown]
 # ## The three numbers per policy
 #
-# At the moment the step's tensors ask for the most (the requested peak): how much rounding adds
-# (allocated − requested) and how much the pool holds free (reserved − allocated). Then the segments and
+# At the moment the step's tensors ask for the most (the requested peak): how much the blocks handed out
+# hold beyond what was asked (allocated − requested, the *slack*: rounding up to 512 B, and the remainder a
+# block keeps when it is too small to split) and how much the pool holds free (reserved − allocated). Then the segments and
 # where they were made, and how many of the recompute phases' requests the pool served from blocks it
 # already had.
 
 # %%
-print(f"{'policy':<10}{'requested':>10}{'allocated':>10}{'reserved':>10}{'rounding':>10}{'cached':>8}"
+print(f"{'policy':<10}{'requested':>10}{'allocated':>10}{'reserved':>10}{'slack':>10}{'cached':>8}"
       f"{'largest':>10}{'segments':>13}{'new segments':>14}{'recompute from':>16}")
 print(f"{'':<10}{'peak MiB':>10}{'peak MiB':>10}{'peak MiB':>10}{'MiB':>10}{'MiB':>8}{'free MiB':>10}"
       f"{'small/large':>13}{'fwd/rec/bwd':>14}{'the cache':>16}")
@@ -206,8 +208,8 @@ print(f"none reserves {mib(none.peak('reserved')):g} MiB, full {mib(full.peak('r
 # What the table says, at the CPU shape (the printed lines give this run's numbers):
 #
 # - **Rounding to 512 B costs next to nothing, the split rule and the segments do.** Almost every size
-#   here is a multiple of 512 B already (the scalars are the exception: the line on `none`'s peak). What
-#   `allocated` adds above `requested` is unsplit remainders: the 1.75 MiB MLP tensors, eleven to a 20
+#   here is a multiple of 512 B already (the scalars are the exception: the line on `none`'s peak). The
+#   slack column, what `allocated` adds above `requested`, is unsplit remainders: the 1.75 MiB MLP tensors, eleven to a 20
 #   MiB segment, the eleventh holding the last 2.5 MiB. The gap from allocated to reserved is larger:
 #   free pieces of partly used 20 MiB and 2 MiB segments.
 # - **Recomputation reuses the pool.** A recompute phase asks for the sizes the forward asked for, and by
@@ -383,6 +385,6 @@ RESULT = {"figures": [str(path)],
                       "activations replay = tracker physical peak": equal_physical,
                       "reserved peak none / full / every:2 MiB": " / ".join(
                           f"{mib(runs[p].peak('reserved')):g}" for p in ("none", "full", "every:2")),
-                      "rounding at the none peak MiB": f"{mib(none.at_peak('requested')['allocated'] - none.at_peak('requested')['requested']):.2f}",
+                      "slack at the none peak MiB": f"{mib(none.at_peak('requested')['allocated'] - none.at_peak('requested')['requested']):.2f}",
                       "full recompute served from the cache": f"{full.cached.get('recompute', 0)} of "
                       f"{full.cached.get('recompute', 0) + full.new_segments.get('recompute', 0)}"}}

@@ -36,9 +36,8 @@
 # shared machine's noise: a narrow residual stream and a wide SwiGLU (h = 32, f = 1024, one head of 32; Llama's
 # f is about 3.5 h) with fused attention, which never stores the probabilities (lesson 13). There the
 # elementwise rebuilds `cheap` adds (both norm outputs, SwiGLU's product over f = 1024 columns) are a large
-# part of a layer's time and 0 of its FLOPs. At the `small` preset's shape with eager attention (4 x 256) the
-# largest saving the profile models is a few percent of a step, less than the spread of paired repeats on a
-# shared machine.
+# part of a layer's time and 0 of its FLOPs. At the `small` preset's shape (h = 128, f = 448) the matmuls
+# outweigh the elementwise ops, and the two prices disagree about less (the exercises price that shape).
 # The command line does the same for one budget: `python -m picockpt plan --budget 20MiB --cost measured`,
 # or `--cost roofline --hardware h100`.
 #
@@ -396,7 +395,9 @@ if chosen is not None:
 #
 # All three on the `small` model with eager attention at batch 4 × 256 tokens, fp32, priced on
 # `HARDWARE["h100"]`: the H100 SXM's datasheet rates (989.5 TFLOP/s dense bf16, 3.35 TB/s of HBM3), a
-# fixed roofline the same on every machine.
+# fixed roofline the same on every machine. A yardstick, not an H100 running this step: the bytes are fp32
+# and the rate is bf16's. An H100 runs fp32 matmuls at 67 TFLOP/s (its datasheet's FP32; PyTorch's default
+# matmul precision, "highest", uses no TF32), where the ridge point is about 20 FLOPs a byte, not 295.
 #
 # **1.** The ridge point of a roofline is the matmul rate over the memory bandwidth: an op of fewer FLOPs
 # per byte moved waits on memory. How many FLOPs per byte does `gate_up` (both MLP input projections) do at
@@ -422,7 +423,8 @@ check("FLOPs per byte of gate_up (small, eager, 4 x 256, fp32)", answer, gate_up
 
 # %% [markdown]
 # **2.** Price the layer with `roofline_op_seconds(exercise, 4, 256, HARDWARE["h100"])` instead of this
-# machine's rates. What share of one layer's forward time is `attention` then (its FLOP share is 22.9%)? Which
+# machine's rates. What share of one layer's forward time is `attention` then (its FLOP share is 22.9%, as the
+# check prints)? Which
 # ops' shares grow from this machine's roofline to the H100's, and why?
 
 # %%
@@ -435,7 +437,9 @@ h100_share = shares(h100_seconds, exercise_names)
 here_share = shares(roofline_op_seconds(exercise, 4, 256, hw), exercise_names)  # this machine's rates
 grew = [name for name in exercise_names if h100_share[name] > here_share[name]]
 check("attention's share of a layer's roofline time on h100 (small, eager, 4 x 256)", answer, h100_share["attention"],
-      why=f"eager attention moves the T x T scores through memory several times "
+      why=f"attention's FLOP share "
+          f"{exercise_ops['attention'].flops / sum(exercise_ops[n].flops for n in exercise_names):.1%}; eager attention "
+          f"moves the T x T scores through memory several times "
           f"({exercise_ops['attention'].bytes / 1e6:.1f} MB) for "
           f"{exercise_ops['attention'].flops / exercise_ops['attention'].bytes:.1f} FLOPs a byte; the H100's "
           f"matmul rate is {h100.matmul / h100.memory:.0f} times its bandwidth against this machine's "

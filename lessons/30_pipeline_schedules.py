@@ -144,9 +144,11 @@ print("(stored peak in bytes, stage 0 / stage 1; each equal to its closed form: 
 # - **ZB-H1 under `none`**: stage 0 runs every W straight after its B and stores what 1F1B does (a W reads
 #   linear inputs the layer kept anyway, and the output gradients it adds are fewer bytes than B frees). Stage
 #   $s$ lets $s$ W's wait: stage 1's peak is 1F1B's plus one micro-batch's waiting W (printed below).
-# - **ZB-H1 under `full`** loses most of what recomputation saved: the layer is recomputed before its B, and its
-#   W reads those recomputed inputs, so they stay until W runs. Deferring W is a memory cost that checkpointing
-#   cannot remove, only a schedule that runs W sooner (or recomputes it again).
+# - **ZB-H1 under `full`** loses much of what recomputation saved on a stage whose W's wait (stage 1 here, the
+#   busiest rank): the layer is recomputed before its B, and its W reads those recomputed inputs, so they stay
+#   until W runs. Stage 0, whose W's run straight after their B's, keeps most of the saving (the rows below
+#   print both). Deferring W is a memory cost that checkpointing cannot remove, only a schedule that runs W
+#   sooner (or recomputes it again).
 
 # %%
 def closed_forms_for(s, V, policy, stage):
@@ -241,9 +243,8 @@ else:
 # backward not exactly twice a forward, so the clock can rank interleaving ahead of ZB-H1 where equal times rank
 # it behind. Neither model is the verdict: the measured line is, and it names an order only when every repeat
 # agrees; otherwise this machine cannot tell the schedules apart, and the lesson draws no conclusion from it.
-# (In one 2-core run the paced clock gave interleaved 9.2% < ZB-H1 10.7% < 1F1B 18.3%, while the measured
-# bubbles put interleaved, 21.3%, no lower than 1F1B, 21.0%: the messages interleaving doubles are what the
-# clock leaves out.)
+# Where the clock ranks interleaving first and the measured line does not, look first at the messages
+# interleaving doubles: the clock leaves them out.
 #
 # **Can recomputation fill the bubble?** Recomputation is work that can run before the gradient it serves
 # arrives: picockpt's `recompute_early` (lesson 16) recomputes a stage's top segment while it waits for its

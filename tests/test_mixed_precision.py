@@ -119,7 +119,7 @@ def test_stored_bytes_equal_the_closed_form(dtype):
 
 
 def test_reference_casts_each_weight_once_per_step():
-    """As torch.autocast does: one 16-bit copy of every weight per step, shared by every use, a
+    """As picockpt's compute_weights does: one 16-bit copy of every weight per step, shared by every use, a
     checkpoint's recomputation included. The tracker counts exactly those copies as "weights"."""
     cfg, params, ids, targets = setup(batch=2, seq=16, layers=3, dtype="bfloat16")
     model = ReferenceLlama(cfg, params)

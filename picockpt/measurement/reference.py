@@ -5,9 +5,10 @@ same parameter names, so ReferenceLlama(cfg).load_state_dict(params) runs the ve
 the same helper and in the same order as in picockpt/model/layer.py, so with the same seed both draw the same masks; the
 router jitter of a mixture of experts too.
 
-Mixed precision as torch.autocast does it: at the start of each forward every fp32 master weight is cast once to the
-activation dtype, and every use (a checkpoint's recomputation in the backward included) shares that copy, exactly as
-picockpt's params.compute_weights does. Cast at every use instead, autograd would save a fresh 16-bit copy of each
+Mixed precision as picockpt's params.compute_weights does it: at the start of each forward every fp32 master weight is
+cast once to the activation dtype, and every use (a checkpoint's recomputation in the backward included) shares that
+copy. (torch.autocast keeps its casts only until the forward's autocast region exits, so a checkpoint's recompute
+casts again: lesson 21 counts it.) Cast at every use instead, autograd would save a fresh 16-bit copy of each
 weight per layer call, and a memory comparison would count those copies as activations.
 
     model = ReferenceLlama(cfg, params)

@@ -32,8 +32,9 @@ Host memory (picockpt/recompute/offload.py: moved off the device in the forward,
                   the first forward stores whole (none, unless a layer level is given)
 The 16-bit weight copies (mixed precision: Config.dtype bfloat16 or float16 over fp32 master weights):
     recast        cast a layer's weights to 16 bits when it runs (forward, recompute, backward) and drop
-                  them after, as torch.autocast does, instead of casting every weight once at the start of
-                  the step and keeping the copies until it ends. Live copies: the embedding's, final norm's
+                  them after, instead of casting every weight once at the start of the step and keeping the
+                  copies until it ends (torch.autocast keeps its casts until the forward's autocast region
+                  exits, and casts again in a checkpoint's recompute: lesson 21 counts both). Live copies: the embedding's, final norm's
                   and head's, plus one layer's, instead of 2 bytes for every parameter; the price is a
                   cast (a pass over 4 + 2 bytes a parameter) per layer in each recompute and backward.
                   Refused in float32/float64, which have no copies to drop
