@@ -12,7 +12,6 @@ otherwise), which its tracker matches to the byte on shapes that do run.
     python -m picockpt predict --search --model llama3-405b --seq 8192 --gpus 16384 --tokens-per-batch 16M
                                                                                  (predict_search.py)
 """
-import argparse
 import json
 
 from ..model.config import PRESETS
@@ -26,15 +25,20 @@ from .common import add_shape_args, config_from_args, fmt_bytes
 from .predict_layouts import layouts_for, tp_fits
 from .predict_parallel import add_parallel_arguments, add_parallel_rows, check_parallel, print_parallel
 from .predict_zero import gib
-from .predict_search import add_search_arguments, check_search_flags, run_search
+from .predict_search import run_search
+from .predict_search_flags import add_search_arguments, check_search_flags
+
+
+DEFAULT_MODEL = "llama3-8b"
 
 
 def add_arguments(parser):
-    add_shape_args(parser, preset="llama3-8b", batch=1, seq=4096, dtype="bf16",  # the published 16-bit convention
+    add_shape_args(parser, preset=DEFAULT_MODEL, batch=1, seq=4096, dtype="bf16",  # the published 16-bit convention
                    batch_help="sequences per rank (a data-parallel rank's own; --pp's micro-batches split it)")
-    parser.add_argument("--model", dest="preset", default=argparse.SUPPRESS,
-                        help="the shape to start from: llama3-8b (default), llama3-70b, llama3-405b, "
-                             "or a picockpt preset; the shape flags override it (same as --preset)")
+    parser.set_defaults(preset=None)  # left out: DEFAULT_MODEL, once run() knows whether --model was given
+    parser.add_argument("--model", default=None,
+                        help=f"the shape to start from: {DEFAULT_MODEL} (default), llama3-70b, llama3-405b, "
+                             f"or a picockpt preset; the shape flags override it (same as --preset)")
     parser.add_argument("--recompute", default="none", help="none (default), selective or full (any case)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default 1)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism; needs --tp t > 1")
@@ -42,11 +46,12 @@ def add_arguments(parser):
                         help="picockpt's per-rank figures with distributed saved activations (without --sp: each "
                              "rank keeps 1/t of every checkpoint, as Megatron's --distribute-saved-activations)")
     add_parallel_arguments(parser)  # --zero/--dp, --cp (predict_parallel.py)
-    add_search_arguments(parser)  # --search and its flags (predict_search.py)
+    add_search_arguments(parser)  # --search and its flags (predict_search_flags.py)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args):
+    args.preset = _model(args.model, args.preset)
     if args.preset not in PRESETS:
         raise ValueError(f"--model={args.preset!r} is unknown: use one of {', '.join(PRESETS)}")
     recompute = args.recompute.strip().lower()  # any case, as --policy takes it
@@ -174,6 +179,14 @@ def _row_formula(kind, t, sp, distributed, full="2sbh"):
         return "sbh(34 + 5as/h)" if kind == "none" else "sbh(34)"
     core = " + 5as/(ht)" if kind == "none" else ""
     return f"sbh(34/t{core})" if sp else f"sbh(10 + 24/t{core})"
+
+
+def _model(model, preset):
+    """--model, or its other name --preset; DEFAULT_MODEL when both are left out, a refusal when they differ."""
+    if model is not None and preset is not None and model != preset:
+        raise ValueError(f"--model {model} with --preset {preset}: they are one flag under two names; give one of "
+                         f"them, e.g. --model {model}")
+    return model or preset or DEFAULT_MODEL
 
 
 def _check_tp(tp, cfg, seq):

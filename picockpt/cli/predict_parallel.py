@@ -27,6 +27,7 @@ T/C: the forms the tests hold tp x cp ranks to), its ring passing the K/V of its
 import math
 from dataclasses import replace
 
+from ..planning.cost import DEFAULT_HARDWARE, HARDWARE
 from ..planning.published import GIB
 from ..parallel.layout import Layout
 from ..parallel.context_parallel.cp_forms import cp_peak_bytes, stage_comm_bytes
@@ -68,13 +69,16 @@ def add_parallel_arguments(parser):
                         help="with --pp: micro-batches per step, splitting --batch (default: --pp, one sequence each "
                              "when --batch equals it)")
     add_pipeline_arguments(parser)  # --schedule, --virtual-stages (predict_pipeline.py)
-    parser.add_argument("--gpu-gib", type=float, default=80.0,
-                        help="GiB of one GPU for the totals: a positive finite number (default 80)")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="GiB (2**30 bytes) of one GPU for the totals and --search's fit: a positive finite "
+                             "number; default what the driver of the --hardware's GPU reports, all a program can "
+                             "allocate: 79.65 on an h100 (the default), 140.40 on an h200, 80.00 on an a100. --search "
+                             "accepts up to the datasheet's 80, 141 or 80 GB, which count binary gigabytes (GiB)")
 
 
 def check_parallel(args, cfg, policy):
     """One-line ValueErrors for what predict cannot compute, before any work: each names the flag that is wrong."""
-    gpu_bytes(args.gpu_gib)
+    gpu_bytes(gpu_gib(args))
     if args.zero is not None and args.dp < 2:
         raise ValueError(f"--zero {args.zero} with --dp {args.dp}: ZeRO shards over data-parallel ranks; "
                          f"give --dp D >= 2, e.g. --zero {args.zero} --dp 8")
@@ -93,6 +97,13 @@ def check_parallel(args, cfg, policy):
         check_context(args, cfg, policy)
     elif (args.zero is not None or args.pp > 1) and args.tp > 1:
         check_tensor_parallel(cfg, args.tp, args.sp, args.seq, args.distribute_saved, experts=args.ep > 1)
+
+
+def gpu_gib(args):
+    """--gpu-gib, or when left out what the driver of the --hardware's GPU reports (an h100's without --search)."""
+    if args.gpu_gib is not None:
+        return args.gpu_gib
+    return HARDWARE[args.hardware or DEFAULT_HARDWARE].reported / GIB
 
 
 def gpu_bytes(gib):
@@ -243,7 +254,7 @@ def add_parallel_rows(row, args, cfg, policy):
         row["cp"] = cp_row(cfg, args.batch, args.seq, policy, replace(one_f_one_b, dp=1))
     if args.pp > 1 and args.cp == 1 and args.zero is None:
         row["pipeline"] = pipeline_row(cfg, args.batch, args.seq, policy, replace(layout, dp=1))
-    row["gpu_bytes"] = gpu_bytes(args.gpu_gib)
+    row["gpu_bytes"] = gpu_bytes(gpu_gib(args))
 
 
 def print_parallel(row):

@@ -11,52 +11,17 @@ import json
 import textwrap
 import time
 
-from dataclasses import replace
-
-from ..planning.cost import HARDWARE, hardware
-from ..planning.kernel_rates import ATTENTION_KERNELS, from_json, published
 from ..planning.frameworks import FRAMEWORKS
 from ..planning.layout_search import TERMS, distinct_splits, no_split_reason, published_for, rank_of, search, split_of
 from ..planning.layout_time import FULL_MODEL
-from .predict_parallel import gpu_bytes
+from ..planning.published import GIB
+from .predict_parallel import gpu_bytes, gpu_gib
+from .predict_search_flags import kernel_hardware
 
 TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}  # 16M = 2048 sequences of 8,192 (powers of two)
 TERM_SHORT = {"compute": "comp", "recompute": "recmp", "tp_comm": "tp", "cp_comm": "cp", "pp_comm": "pp",
               "bubble": "bubbl", "dp_exposed": "dp"}
-CHOSEN = ("--tp", "tp", 1), ("--sp", "sp", False), ("--cp", "cp", 1), ("--pp", "pp", 1), ("--dp", "dp", 1), \
-    ("--zero", "zero", None), ("--microbatches", "microbatches", None), ("--recompute", "recompute", "none"), \
-    ("--batch", "batch", 1), ("--distribute-saved", "distribute_saved", False), ("--schedule", "schedule", "1f1b"), \
-    ("--virtual-stages", "virtual_stages", 1)
-PRICED = ("--cp-comm", "cp_comm", "ring", "each layer's K/V all-gathered over the cp ranks"), \
-    ("--keep-kv", "keep_kv", False, "the gathered K/V not kept (gathered again in the backward)"), \
-    ("--attention", "attention", (None, "fused"), "attention as a flash kernel (fused)")  # what the search prices
-
-
-def add_search_arguments(parser):
-    group = parser.add_argument_group("layout search (--search)")
-    group.add_argument("--search", action="store_true",
-                       help="rank every tp x cp x pp x dp layout of --gpus GPUs, ZeRO stage, pipeline schedule and "
-                            "recompute policy whose every rank fits --gpu-gib, by modelled step time")
-    group.add_argument("--gpus", type=int, help="--search: GPUs in the job, e.g. 16384")
-    group.add_argument("--tokens-per-batch", help="--search: tokens a step, a whole number of --seq sequences; "
-                                                  "K, M, G are powers of two (16M = 2,048 x 8,192)")
-    group.add_argument("--hardware", choices=tuple(HARDWARE), default="h100",
-                       help="--search: the GPU's datasheet rates (default h100; 8 a node, NVLink inside, one "
-                            "InfiniBand port a GPU between nodes)")
-    group.add_argument("--framework", choices=tuple(FRAMEWORKS), default="any",
-                       help="--search: only the schedules, ZeRO stages, recompute policies and tensor parallelism "
-                            "this framework has (picockpt/planning/frameworks.py names each one's source); default any")
-    group.add_argument("--kernels", default="published", metavar="published|peak|FILE",
-                       help="--search: how fast each matmul and attention kernel runs: published (the H100's "
-                            "measured matmul ceiling and attention benchmarks, picockpt/planning/kernel_rates.py "
-                            "names them; the default), peak (every kernel at the datasheet's rate: the roofline), "
-                            "or a JSON table lessons/kernel_rates.py measured")
-    group.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="cudnn",
-                       help="--search --kernels published: whose attention rates (cudnn, what sdpa picks on "
-                            "Hopper; flash2; flash3); default cudnn")
-    group.add_argument("--top", type=int, default=10,
-                       help="--search: the fastest distinct tp x cp x pp x dp splits printed, each by its best "
-                            "variant (default 10; --json too)")
+TIME_UNITS = (("s", 1), ("ms", 1e-3), ("µs", 1e-6))  # the table's times in the largest unit the step is 1 or more of
 
 
 def parse_tokens(text):
@@ -71,49 +36,6 @@ def parse_tokens(text):
     return int(value)
 
 
-def check_search_flags(args):
-    """--search chooses the layout: a layout flag beside it is refused, naming it; the search's flags need it."""
-    if not args.search:
-        given = [flag for flag, name in (("--gpus", "gpus"), ("--tokens-per-batch", "tokens_per_batch"))
-                 if getattr(args, name) is not None] + (["--top"] if args.top != 10 else []) + \
-            (["--framework"] if args.framework != "any" else []) + \
-            (["--kernels"] if args.kernels != "published" else []) + \
-            (["--attention-kernel"] if args.attention_kernel != "cudnn" else [])
-        it = "it" if len(given) == 1 else "them"
-        if given:
-            raise ValueError(f"{', '.join(given)}: only --search reads {it}; add --search, or leave {it} out")
-        return
-    chosen = [flag for flag, name, default in CHOSEN if getattr(args, name) != default]
-    it = "it" if len(chosen) == 1 else "them"
-    if chosen:
-        raise ValueError(f"{', '.join(chosen)} with --search: the search chooses {it} for every layout it ranks; leave "
-                         f"{it} out (give --gpus, --tokens-per-batch, --seq, --gpu-gib)")
-    for flag, name, default, priced in PRICED:  # not chosen, and not read either: the search prices one way
-        value = getattr(args, name)
-        if value not in (default if isinstance(default, tuple) else (default,)):
-            given = flag if value is True else f"{flag} {value}"
-            raise ValueError(f"{given} with --search: the search prices {priced} in every layout; leave {flag} "
-                             f"out")
-    for flag, name in (("--gpus", "gpus"), ("--tokens-per-batch", "tokens_per_batch")):
-        if getattr(args, name) is None:
-            raise ValueError(f"--search needs {flag}, e.g. --gpus 16384 --tokens-per-batch 16M")
-    if args.top < 1:
-        raise ValueError(f"--top={args.top}: print at least one layout, e.g. --top 10")
-    if args.attention_kernel != "cudnn" and args.kernels != "published":
-        raise ValueError(f"--attention-kernel {args.attention_kernel} with --kernels {args.kernels}: only the "
-                         f"published rates have a choice of attention kernel; leave --attention-kernel out")
-
-
-def kernel_hardware(args):
-    """The --hardware with the kernel rates --kernels names (hw.kernels None: the roofline)."""
-    hw = hardware(args.hardware)
-    if args.kernels == "peak":
-        return replace(hw, kernels=None)
-    if args.kernels == "published":
-        return replace(hw, kernels=published(hw.name, args.attention_kernel))
-    return replace(hw, kernels=from_json(args.kernels))
-
-
 def overlap_line(framework):
     """What the tensor-parallel collectives hide under, as the framework's model prices them (layout_time.Model)."""
     model = framework.model(FULL_MODEL)
@@ -124,17 +46,19 @@ def overlap_line(framework):
         if model.chunked_tp else ""))
 
 
-def kernels_line(hw):
-    """What the kernels run at, in one line (with its sources)."""
+def kernels_line(hw, left_out=False):
+    """What the kernels run at, in one line (with its sources); left_out: --kernels was not given."""
     if hw.kernels is None:
-        return "every kernel at the datasheet's rate (the roofline): a ceiling, measured MFU sits below"
+        return "every kernel at the datasheet's rate (the roofline): a ceiling, measured MFU sits below" + (
+            f";\n  no published kernel rates for the {hw.name} (--kernels FILE prices rates measured on one)"
+            if left_out else "")
     return f"kernels at {hw.kernels.name} rates by shape:\n" + textwrap.fill(
         hw.kernels.source, 100, initial_indent="  (", subsequent_indent="   ") + ")"
 
 
 def run_search(args, cfg):
     tokens, hw = parse_tokens(args.tokens_per_batch), kernel_hardware(args)
-    capacity = gpu_bytes(args.gpu_gib)
+    capacity = gpu_bytes(gpu_gib(args))
     framework = FRAMEWORKS[args.framework]
     start = time.perf_counter()
     rows, considered = search(cfg, args.seq, args.gpus, tokens, capacity, hw, framework=framework)
@@ -142,12 +66,16 @@ def run_search(args, cfg):
         raise ValueError(no_split_reason(cfg.replace(attention="fused"), args.seq, args.gpus, tokens, hw.node)
                          or f"--gpus {args.gpus:,}: every split of them leaves a stage without whole layers or "
                             f"chunks for the search's schedules; use fewer --gpus or more --tokens-per-batch")
+    if not rows:  # a step that fits no layout is the user's to change, as any other refusal
+        raise ValueError(f"no layout fits: each of the {considered:,} layouts of {args.gpus:,} GPUs needs more than "
+                         f"{capacity / GIB:.2f} GiB on its busiest rank; add GPUs, raise --gpu-gib (an {hw.name} "
+                         f"holds {hw.capacity / GIB:g}), or shorten --seq")
     seconds = time.perf_counter() - start
     splits = distinct_splits(rows)
     published = published_for(args.preset, args.seq, args.gpus, tokens)
     if args.json:
         out = {"model": args.preset, "seq": args.seq, "gpus": args.gpus, "tokens_per_batch": tokens,
-               "gpu_bytes": capacity, "hardware": hw.name, "kernels": kernels_line(hw),
+               "gpu_bytes": capacity, "hardware": hw.name, "kernels": kernels_line(hw, args.kernels is None),
                "tp_overlap": overlap_line(framework),
                "framework": framework.name, "considered": considered,
                "fit": len(rows), "distinct_splits": len(splits), "search_seconds": seconds, "top": args.top,
@@ -156,37 +84,59 @@ def run_search(args, cfg):
             out["published"] = published_summary(splits, published)
         print(json.dumps(out, indent=1))
         return
-    print(f"{args.preset} at {args.seq:,} tokens a sequence, {tokens:,} tokens a step on {args.gpus:,} {hw.name} "
-          f"GPUs of {args.gpu_gib:g} GiB")
-    if framework.name != "any":
-        print(f"only the layouts {framework.name} can run (picockpt/planning/frameworks.py says which, with sources)")
-    print(f"  ({hw.source})")
+    print_header(args, tokens, hw, capacity, framework)
     print(f"{considered:,} layouts considered in {seconds:.1f} s, {len(rows):,} fit, {len(splits):,} distinct "
           f"tp x cp x pp x dp splits;")
-    print(kernels_line(hw))
+    print(kernels_line(hw, args.kernels is None))
     print(overlap_line(framework))
-    if not rows:
-        print("no layout fits: add GPUs, raise --gpu-gib, or shorten --seq")
-        return
+    unit = time_unit(splits[0]["step_seconds"])  # the fastest step printed is 1 or more of it
     print(f"\nthe best variant of each of the {min(args.top, len(splits))} fastest splits:")
     print(HEADER)
     for i, row in enumerate(splits[:args.top], 1):
-        print(f"{i:>2} " + _row_text(row))
-    print(LEGEND)
-    print("\n" + why_best(rows))
+        print(f"{i:>2} " + _row_text(row, unit[1]))
+    print(legend(unit[0]))
+    print("\n" + why_best(rows, unit))
     if published:
         print(published_line(splits, published))
 
 
+def print_header(args, tokens, hw, capacity, framework):
+    """The case searched: model, batch, GPUs and their memory (where it comes from when --gpu-gib is left out)."""
+    memory = f"{args.gpu_gib:g}" if args.gpu_gib is not None else f"{capacity / GIB:.2f}"
+    print(f"{args.preset} at {args.seq:,} tokens a sequence, {tokens:,} tokens a step on {args.gpus:,} {hw.name} "
+          f"GPUs of {memory} GiB")
+    if args.gpu_gib is None:
+        print(f"  (--gpu-gib left out: the memory the {hw.name}'s driver reports, of the {hw.capacity / GIB:g} GiB "
+              f"its datasheet gives as GB)")
+    if framework.name != "any":
+        print(f"only the layouts {framework.name} can run (picockpt/planning/frameworks.py says which, with sources)")
+    print(f"  ({hw.source})")
+
+
 HEADER = (f" # {'tp':>2} {'cp':>3} {'pp':>3} {'dp':>4} sp {'Z':>6} {'sched':>5} {'M':>4} {'rc':>5} {'lay':>3} "
           f"{'GiB':>5} {'step':>5} {'MFU':>5}" + "".join(f"{short:>6}" for short in TERM_SHORT.values()))
-LEGEND = "\n".join((
-    "  sp: sequence parallel (y/n); Z: ZeRO stage (3+keep: FSDP keeping its gather); sched: 1f1b, i2/i4",
-    "  interleaved V=2/4, zb ZB-H1; M: micro-batches; rc: recompute (none, cheap: norms and SwiGLU rebuilt,",
-    "  full); lay: layers over stages (ev even, le lighter first and last); GiB: the busiest rank with the",
-    "  reserve; step in s; then the terms of the step, in s, from its slowest stage:",
-    "  " + ", ".join(f"{short} {term}" for term, short in TERM_SHORT.items())))
 SCHEDULE_SHORT = {"1f1b": "1f1b", "zb-h1": "zb"}
+
+
+def legend(unit):
+    """The table's abbreviations, and the unit its times are in."""
+    return "\n".join((
+        "  sp: sequence parallel (y/n); Z: ZeRO stage (3+keep: FSDP keeping its gather); sched: 1f1b, i2/i4",
+        "  interleaved V=2/4, zb ZB-H1; M: micro-batches; rc: recompute (none, cheap: norms and SwiGLU rebuilt,",
+        "  full); lay: layers over stages (ev even, le lighter first and last); GiB: the busiest rank with the",
+        f"  reserve; step in {unit}; then the terms of the step, in {unit}, from its slowest stage:",
+        "  " + ", ".join(f"{short} {term}" for term, short in TERM_SHORT.items())))
+
+
+def time_unit(seconds):
+    """(name, seconds in one) of the largest of s, ms and µs that `seconds` is 1 or more of (µs below that)."""
+    return next((unit for unit in TIME_UNITS if seconds >= unit[1]), TIME_UNITS[-1])
+
+
+def in_unit(seconds, scale):
+    """`seconds` in a unit `scale` seconds long, in at most 5 characters: 2 decimals below 100, 1 below 1,000."""
+    value = seconds / scale
+    return f"{value:.2f}" if round(value, 2) < 100 else f"{value:.1f}" if round(value, 1) < 1000 else f"{value:.0f}"
 
 
 def published_summary(splits, published):
@@ -215,25 +165,27 @@ def published_line(splits, published):
             f"{row['zero']}, {schedule}, {row['microbatches']} micro-batches, {row['policy']}, {row['split']} layers")
 
 
-def _row_text(row):
+def _row_text(row, scale):
+    """One split's best variant, its times in a unit `scale` seconds long."""
     schedule = f"i{row['virtual_stages']}" if row["schedule"] == "interleaved" else SCHEDULE_SHORT[row["schedule"]]
     return (f"{row['tp']:>2} {row['cp']:>3} {row['pp']:>3} {row['dp']:>4} {'y' if row['sp'] else 'n':>2} "
             f"{row['zero']:>6} {schedule:>5} {row['microbatches']:>4} {row['policy']:>5} "
             f"{'le' if row['split'] == 'lighter ends' else 'ev':>3} {row['peak_bytes'] / 2**30:>5.1f} "
-            f"{row['step_seconds']:>5.2f} {row['mfu']:>5.1%}"
-            + "".join(f"{row['terms_seconds'][t]:>6.2f}" for t in TERM_SHORT))
+            f"{in_unit(row['step_seconds'], scale):>5} {row['mfu']:>5.1%}"
+            + "".join(f"{in_unit(row['terms_seconds'][t], scale):>6}" for t in TERM_SHORT))
 
 
-def why_best(rows):
-    """The terms that decide: the best against the best of another tp x cp x pp split."""
-    best = rows[0]
+def why_best(rows, unit):
+    """The terms that decide: the best against the best of another tp x cp x pp split (times in `unit`, a (name,
+    seconds) of TIME_UNITS)."""
+    best, (name, scale) = rows[0], unit
     other = next((r for r in rows if split_of(r)[:3] != split_of(best)[:3]), None)
-    lines = [f"why the best wins: of its {best['step_seconds']:.2f} s, " + ", ".join(
+    lines = [f"why the best wins: of its {in_unit(best['step_seconds'], scale)} {name}, " + ", ".join(
         f"{t} {best['terms_seconds'][t] / best['step_seconds']:.0%}" for t in TERMS if best["terms_seconds"][t] > 0)]
     if other is not None:
         gaps = sorted(TERMS, key=lambda t: other["terms_seconds"][t] - best["terms_seconds"][t], reverse=True)
         lines.append(f"against the best other split (tp {other['tp']}, cp {other['cp']}, pp {other['pp']}: "
-                     f"{other['step_seconds']:.2f} s), it saves " + ", ".join(
-                         f"{(other['terms_seconds'][t] - best['terms_seconds'][t]):.2f} s of {t}" for t in gaps[:2]
-                         if other["terms_seconds"][t] > best["terms_seconds"][t]))
-    return "\n".join(lines)
+                     f"{in_unit(other['step_seconds'], scale)} {name}), it saves " + ", ".join(
+                         f"{in_unit(other['terms_seconds'][t] - best['terms_seconds'][t], scale)} {name} of {t}"
+                         for t in gaps[:2] if other["terms_seconds"][t] > best["terms_seconds"][t]))
+    return "\n".join(textwrap.fill(line, 105, subsequent_indent="  ") for line in lines)

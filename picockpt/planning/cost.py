@@ -24,7 +24,8 @@ from ..model.config import BYTES
 from .planner import plan_chain, replay
 from .host_walk import model_costs
 from .kernel_rates import KernelRates, published
-from .hardware import (A100_SXM_BF16, A100_SXM_HBM, H100_SXM_BF16, H100_SXM_HBM, H200_SXM_BF16, H200_SXM_HBM,
+from .hardware import (A100_SXM_BF16, A100_SXM_GIB, A100_SXM_HBM, A100_SXM_REPORTED, H100_SXM_BF16, H100_SXM_GIB,
+                       H100_SXM_HBM, H100_SXM_REPORTED, H200_SXM_BF16, H200_SXM_GIB, H200_SXM_HBM, H200_SXM_REPORTED,
                        INFINIBAND_HDR, INFINIBAND_NDR, NVLINK_3, NVLINK_4)
 from ..recompute.schedule import Mode
 
@@ -38,18 +39,22 @@ class Hardware:
     node: int  # GPUs a node
     source: str
     kernels: KernelRates = None  # how far below `matmul` its kernels run, by shape (kernel_rates.py); None: at it
+    capacity: int = None  # bytes of memory on the datasheet (its "GB" are GiB: hardware.py); None: not a named GPU
+    reported: int = None  # bytes of memory its driver reports, all a program can allocate (a little below capacity)
 
 
 HARDWARE = {  # 8 GPUs a node, one 400 Gb/s (H100, H200) or 200 Gb/s (A100) NIC a GPU: the DGX systems' layout
     "h100": Hardware("h100", H100_SXM_BF16, H100_SXM_HBM, NVLINK_4, INFINIBAND_NDR, 8,
                      "H100 SXM 80 GB datasheet; NVLink 4; NDR InfiniBand, one port a GPU (DGX H100)",
-                     published("h100")),
+                     published("h100"), H100_SXM_GIB * 2**30, H100_SXM_REPORTED),
     "h200": Hardware("h200", H200_SXM_BF16, H200_SXM_HBM, NVLINK_4, INFINIBAND_NDR, 8,
                      "H200 SXM 141 GB datasheet; NVLink 4; NDR InfiniBand, one port a GPU (DGX H200)",
-                     published("h200")),
+                     published("h200"), H200_SXM_GIB * 2**30, H200_SXM_REPORTED),
     "a100": Hardware("a100", A100_SXM_BF16, A100_SXM_HBM, NVLINK_3, INFINIBAND_HDR, 8,
-                     "A100 SXM 80 GB datasheet; NVLink 3; HDR InfiniBand, one port a GPU (DGX A100)"),
+                     "A100 SXM 80 GB datasheet; NVLink 3; HDR InfiniBand, one port a GPU (DGX A100)",
+                     None, A100_SXM_GIB * 2**30, A100_SXM_REPORTED),
 }
+DEFAULT_HARDWARE = "h100"  # what predict --search prices when --hardware is left out
 HARDWARE_NAMES = (*HARDWARE, "cpu-measured")
 
 

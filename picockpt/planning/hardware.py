@@ -47,3 +47,16 @@ A100_SXM_BF16 = 312e12  # FLOP/s: NVIDIA's A100 datasheet, "BFLOAT16 Tensor Core
 H100_SXM_HBM = 3.35e12  # bytes/s: NVIDIA's H100 datasheet, H100 SXM, 80 GB HBM3, "3.35 TB/s"
 H200_SXM_HBM = 4.8e12  # bytes/s: NVIDIA's H200 datasheet, H200 SXM, 141 GB HBM3e, "4.8 TB/s"
 A100_SXM_HBM = 2.039e12  # bytes/s: NVIDIA's A100 datasheet, A100 80 GB SXM, HBM2e, "2,039 GB/s"
+
+# ---- memory capacity -------------------------------------------------------------------------------------------------
+# The datasheets' "GB" of HBM counts binary gigabytes (GiB, 2**30 bytes), not 10**9 bytes: the driver of each reports
+# more than the decimal figure (nvidia-smi's memory.total, NVML's: 81,559 MiB on an H100 SXM, 143,771 MiB on an H200,
+# 81,920 MiB on an A100 80GB, as Modal tabulates them: thundergolfer.com/blog/nvidia-gpu-memory-capacity). That
+# total, on the H100 and H200 a little below the datasheet's figure, is all a program can allocate; the CUDA context
+# and NCCL's buffers come out of it too.
+H100_SXM_GIB = 80  # NVIDIA's H100 datasheet, H100 SXM: "GPU memory 80GB"
+H200_SXM_GIB = 141  # NVIDIA's H200 datasheet, H200 SXM: "GPU memory 141GB"
+A100_SXM_GIB = 80  # NVIDIA's A100 datasheet, A100 80GB SXM: "GPU memory 80GB HBM2e"
+H100_SXM_REPORTED = 81559 * 2**20  # bytes: the driver's total on an H100 SXM (79.65 GiB)
+H200_SXM_REPORTED = 143771 * 2**20  # bytes: the driver's total on an H200 SXM (140.40 GiB)
+A100_SXM_REPORTED = 81920 * 2**20  # bytes: the driver's total on an A100 80GB SXM (80.00 GiB: all of it)

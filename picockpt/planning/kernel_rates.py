@@ -65,17 +65,31 @@ class KernelRates:
                 "source": self.source}
 
 
+FIELDS = ("name", "gemm_efficiency", "sms", "attention", "source")  # what a table must hold ("gemms" may be left out)
+
+
 def from_json(path):
     """A KernelRates from a table lessons/kernel_rates.py measured (its JSON), or a clear error."""
     try:
         with open(path) as f:
             data = json.load(f)
+        missing = [key for key in FIELDS if key not in data] if isinstance(data, dict) else None
+        if missing is None:
+            raise ValueError("it is not a JSON object of named fields, {...}")
+        if missing:
+            raise ValueError(f"it has no {_listed(missing)} field{'s' if len(missing) > 1 else ''}")
         return KernelRates(data["name"], float(data["gemm_efficiency"]), int(data["sms"]),
                            tuple(tuple(row) for row in data["attention"]), data["source"],
                            tuple(tuple(g) for g in data.get("gemms", ())))
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, TypeError) as error:
         raise ValueError(f"--kernels {path}: not a kernel-rate table ({error}); give published, peak, or a JSON "
                          f"file that lessons/kernel_rates.py wrote") from None
+
+
+def _listed(keys):
+    """'a', 'a' or 'b', 'a', 'b' or 'c': the keys quoted, for a sentence."""
+    quoted = [repr(key) for key in keys]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 def _published_attention(forward, backward):
