@@ -122,7 +122,8 @@ def test_20_unhidden_break_even_counts_both_copies(l20):
     assert float(pcie) == shown(l20.break_even(W, R))
     assert float(c2c) == shown(l20.break_even(hardware.NVLINK_C2C, R))
     hidden = sentence(text, "both copies cost nothing")
-    pcie, c2c = re.search(r"below \$W/R\$ \(([\d.e-]+) B/FLOP for PCIe, ([\d.e-]+) over NVLink-C2C\)", hidden).groups()
+    pcie, c2c = re.search(r"below \$W/R\$ \(([\d.e-]+) B/FLOP for PCIe, ([\d.e-]+) B/FLOP over NVLink-C2C\)",
+                          hidden).groups()
     assert float(pcie) == shown(W / R) and float(c2c) == shown(hardware.NVLINK_C2C / R)
 
 

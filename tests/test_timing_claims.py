@@ -150,7 +150,7 @@ def test_lesson_10_ranks_the_implementations_when_its_checks_hold(capsys):
     checks = {name: Spread((1.1, 1.2, 1.3)) for name in side.SANITY}
     claims = side.sanity_claims("cpu", checks, {row["name"]: row for row in rows})
     side.pair_lines("cpu", rows, all(claim.conclusive for claim in claims.values()))
-    assert "0.77x [0.69..0.80] its time: faster in every repeat, for 1.059x its FLOPs" in capsys.readouterr().out
+    assert "0.77x [0.690..0.800] its time: faster in every repeat, for 1.059x its FLOPs" in capsys.readouterr().out
 
 
 def _rounds(full, cheap_share):
