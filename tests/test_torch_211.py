@@ -161,7 +161,10 @@ def test_compare_with_fused_attention_on_torch_211(torch_211_surface):
 
 @pytest.mark.notebooks
 def test_the_lessons_that_crashed_on_the_gpu_image_run_under_torch_211(tmp_path):
+    """Lessons 13, 18, 19 and 30 crashed on the GPU image's torch 2.11. One lesson of each class, whole: 13 (the
+    attention FLOP formula; 18 crashed on the same) and 30 (pipelining's stride checks, across ranks). 19's class,
+    the distributed names new in 2.13, is the FSDP2 peer's test above; on a GPU, .ci/gpu's lessons-fast runs all."""
     env = {**torch_211_env(), "PICOCKPT_FIGURES": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "picockpt", "reproduce", "--fast", "--only", "13,18,19,30"],
+    done = subprocess.run([sys.executable, "-m", "picockpt", "reproduce", "--fast", "--only", "13,30"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
