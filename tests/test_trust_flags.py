@@ -308,3 +308,14 @@ def test_predict_suggests_only_tensor_parallel_sizes_it_splits():
     assert "use one of 1, 2, 4, 8," in message and "16" not in message.split("use one of")[1].split(",  or")[0][:20]
     out = picockpt("predict", "--model", "llama3-8b", "--tp", "16").stdout
     assert "not at t=16" in out and "--tp 16;" not in out and "--tp 16 " not in out.split("layouts of 16 ranks")[1]
+
+
+def test_keeping_the_gathered_kv_has_one_spelling_in_predict_and_parallel():
+    """predict named it --keep-kv, parallel --cp-keep-kv: each command takes both."""
+    import argparse
+    from picockpt.cli import parallel, predict
+    for module in (predict, parallel):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        assert parser.parse_args(["--keep-kv"]).__dict__ == parser.parse_args(["--cp-keep-kv"]).__dict__
+        assert parser.parse_args(["--cp-keep-kv"]) != parser.parse_args([])

@@ -82,8 +82,9 @@ def add_arguments(parser):
     context.add_argument("--cp-comm", default="ring", choices=("ring", "ring_overlap", "allgather"), help="K/V "
                          "passed round a ring (cp - 1 steps; ring_overlap: each step sent while a block is computed), "
                          "or all-gathered once per layer (the Llama 3 paper's choice)")
-    context.add_argument("--cp-keep-kv", action="store_true", help="--cp-comm allgather: keep the gathered K/V "
-                         "for the recomputation and the backward instead of gathering them again")
+    context.add_argument("--cp-keep-kv", "--keep-kv", action="store_true",  # predict's spelling too
+                         help="--cp-comm allgather: keep the gathered K/V for the recomputation and the backward "
+                              "instead of gathering them again")
     experts.add_argument("--keep-dispatched", action="store_true", help="keep the rows each rank's experts "
                          "received: recomputing a layer reads them instead of dispatching them again")
 

@@ -59,7 +59,7 @@ def add_parallel_arguments(parser):
     parser.add_argument("--cp-comm", default="ring", choices=("ring", "ring_overlap", "allgather"),
                         help="how --cp ranks get the earlier K/V: a ring of cp - 1 steps (default; ring_overlap "
                              "moves the same bytes, each hop while the block before computes) or one all-gather")
-    parser.add_argument("--keep-kv", action="store_true",
+    parser.add_argument("--keep-kv", "--cp-keep-kv", action="store_true",  # parallel's spelling too
                         help="--cp-comm allgather: keep the gathered K/V for the recomputation and the backward")
     parser.add_argument("--pp", type=int, default=1,
                         help="pipeline stages: alone (beside --tp/--sp) every stage's store under --schedule and "
