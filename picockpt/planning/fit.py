@@ -57,8 +57,8 @@ def check_fits(cfg, device, batch=None, seq=None, policy=None, note="", advice=N
     if need <= have:
         return
     if parts["state"] >= have:  # no batch or sequence fits: the advice is the model's size, whoever asked
-        advice = (f"use a smaller model (--layers, --hidden, or a smaller --preset): the weights, gradients"
-                  f"{' and AdamW state' if optimizer else ''} alone need {_gib(parts['state'])}, so no --batch or "
+        advice = (f"use a smaller model (--layers, --hidden, or a smaller --preset): the weights"
+                  f"{', gradients and AdamW state' if optimizer else ' and gradients'} alone need {_gib(parts['state'])}, so no --batch or "
                   f"--seq fits")
     elif advice is None:
         advice = "use a smaller --batch or --seq"
