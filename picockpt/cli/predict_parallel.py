@@ -103,7 +103,12 @@ def gpu_gib(args):
     """--gpu-gib, or when left out what the driver of the --hardware's GPU reports (an h100's without --search)."""
     if args.gpu_gib is not None:
         return args.gpu_gib
-    return HARDWARE[args.hardware or DEFAULT_HARDWARE].reported / GIB
+    return HARDWARE[hardware_name(args)].reported / GIB
+
+
+def hardware_name(args):
+    """--hardware, or the default GPU when it is left out (None tells the checks it was not given)."""
+    return args.hardware or DEFAULT_HARDWARE
 
 
 def gpu_bytes(gib):

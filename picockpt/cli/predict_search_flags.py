@@ -12,7 +12,7 @@ from ..planning.cost import DEFAULT_HARDWARE, HARDWARE, hardware
 from ..planning.frameworks import FRAMEWORKS
 from ..planning.kernel_rates import ATTENTION_KERNELS, from_json, published
 from ..planning.published import GIB
-from .predict_parallel import gpu_bytes, gpu_gib
+from .predict_parallel import gpu_bytes, gpu_gib, hardware_name
 
 CHOSEN = ("--tp", "tp", 1), ("--sp", "sp", False), ("--cp", "cp", 1), ("--pp", "pp", 1), ("--dp", "dp", 1), \
     ("--zero", "zero", None), ("--microbatches", "microbatches", None), ("--recompute", "recompute", "none"), \
@@ -91,7 +91,7 @@ def check_search_flags(args):
 
 def _check_memory(args):
     """--gpu-gib: a positive finite size, and no more than the --hardware's GPU holds."""
-    hw, capacity = HARDWARE[args.hardware or DEFAULT_HARDWARE], gpu_bytes(gpu_gib(args))
+    hw, capacity = HARDWARE[hardware_name(args)], gpu_bytes(gpu_gib(args))
     if capacity > hw.capacity:
         most, reported = f"{hw.capacity / GIB:g}", f"{hw.reported / GIB:.2f}"
         raise ValueError(f"--gpu-gib {args.gpu_gib:g} with --hardware {hw.name}: an {hw.name} holds {most} GiB (its "
@@ -101,7 +101,7 @@ def _check_memory(args):
 
 def _check_kernels(args):
     """--kernels published needs the --hardware's published table; --attention-kernel chooses among its rows."""
-    name = args.hardware or DEFAULT_HARDWARE
+    name = hardware_name(args)
     table = published(name) is not None
     if args.kernels == "published" and not table:
         raise ValueError(f"--kernels published with --hardware {name}: picockpt has no published kernel rates for "
@@ -117,7 +117,7 @@ def _check_kernels(args):
 def kernel_hardware(args):
     """The --hardware with the kernel rates --kernels names (hw.kernels None: the roofline); --kernels left out, the
     published rates where the GPU has them, else the roofline (kernels_line says why)."""
-    hw = hardware(args.hardware or DEFAULT_HARDWARE)
+    hw = hardware(hardware_name(args))
     if args.kernels == "peak":
         return replace(hw, kernels=None)
     if args.kernels in (None, "published"):
